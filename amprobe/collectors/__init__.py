@@ -1,0 +1,15 @@
+"""Collectors: what runs inside the training process and records it.
+
+:data:`REGISTRY` maps the names accepted in ``Config.collectors`` to collector classes.
+"""
+
+from __future__ import annotations
+
+from amprobe.collectors.base import Collector
+from amprobe.collectors.scaler import ScalerCollector
+
+__all__ = ["REGISTRY", "Collector", "ScalerCollector"]
+
+REGISTRY: dict[str, type[Collector]] = {
+    "scaler": ScalerCollector,
+}

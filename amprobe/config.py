@@ -1,0 +1,111 @@
+"""Probe configuration: every knob in one place, validated once at attach time.
+
+A bad value raises :class:`ConfigError` when the probe is attached, never later inside the
+training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["Config", "ConfigError", "make_config"]
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, raised at attach time with a message that names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What the probe records and how often.
+
+    Attributes:
+        flush_every: write buffered step records to disk every this many steps. Each flush
+            reads the buffered device values back in one transfer (one host-device sync).
+        flush_interval_s: also flush when this many seconds have passed since the last flush,
+            checked at step boundaries, so a live dashboard sees a slow job move.
+        capture_loss: keep the loss tensor of each step (on device) and record its value and dtype.
+        collectors: names of the collectors to run; see :data:`amprobe.collectors.REGISTRY`.
+        max_buffered_rows: rows kept in memory when the run directory cannot be written
+            (disk full, removed); beyond this the oldest rows are dropped and counted as lost.
+        rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
+        world_size: number of ranks; ``None`` reads ``WORLD_SIZE``, else 1.
+        overwrite: allow recording into a run directory that already holds this rank's data.
+    """
+
+    flush_every: int = 100
+    flush_interval_s: float = 5.0
+    capture_loss: bool = True
+    collectors: tuple[str, ...] = ("scaler",)
+    max_buffered_rows: int = 200_000
+    rank: int | None = None
+    world_size: int | None = None
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.flush_every, int) or self.flush_every < 1:
+            raise ConfigError(f"flush_every must be a positive integer, got {self.flush_every!r}")
+        if not isinstance(self.flush_interval_s, (int, float)) or self.flush_interval_s <= 0:
+            raise ConfigError(
+                f"flush_interval_s must be a positive number of seconds, got {self.flush_interval_s!r}"
+            )
+        if not isinstance(self.max_buffered_rows, int) or self.max_buffered_rows < 1:
+            raise ConfigError(
+                f"max_buffered_rows must be a positive integer, got {self.max_buffered_rows!r}"
+            )
+        from amprobe.collectors import REGISTRY
+
+        collectors = tuple(self.collectors)
+        for name in collectors:
+            if name not in REGISTRY:
+                raise ConfigError(
+                    f"unknown collector {name!r}; known collectors: {', '.join(sorted(REGISTRY))}"
+                )
+        object.__setattr__(self, "collectors", collectors)
+        for key in ("rank", "world_size"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+
+    @property
+    def resolved_rank(self) -> int:
+        return self.rank if self.rank is not None else _env_int("RANK", 0)
+
+    @property
+    def resolved_world_size(self) -> int:
+        return self.world_size if self.world_size is not None else _env_int("WORLD_SIZE", 1)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def make_config(config: Config | Mapping[str, Any] | None) -> Config:
+    """Build a :class:`Config` from ``None``, a mapping of overrides, or a ``Config``.
+
+    Raises:
+        ConfigError: on an unknown key (with the closest known key suggested) or a bad value.
+    """
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config must be a dict or amprobe.Config, got {type(config).__name__}")
+    known = {f.name for f in dataclasses.fields(Config)}
+    for key in config:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+    try:
+        return Config(**dict(config))
+    except TypeError as exc:  # pragma: no cover - guarded by the key check above
+        raise ConfigError(str(exc)) from None

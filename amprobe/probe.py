@@ -1,0 +1,401 @@
+"""The attach scope: one :class:`Probe` per process owns every collector, hook and file.
+
+Step boundaries come from the training job itself (the GradScaler's ``update`` or the
+optimizer's ``step``), so the user's loop needs no extra call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amprobe.collectors import REGISTRY, Collector
+from amprobe.config import Config, ConfigError, make_config
+from amprobe.store.writer import RunWriter, write_json_atomic
+
+__all__ = ["Probe", "attach", "current_probe"]
+
+_ACTIVE: Probe | None = None
+_LOCK = threading.Lock()
+
+
+def current_probe() -> Probe | None:
+    """The probe attached in this process, if any."""
+    return _ACTIVE
+
+
+def _default_run_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("amprobe_runs") / f"{stamp}-{os.getpid()}"
+
+
+def device_facts(device: torch.device | None) -> dict[str, Any]:
+    """Describe ``device`` for the manifest. Touches CUDA only when the job already uses it."""
+    facts: dict[str, Any] = {"device": str(device) if device is not None else None}
+    try:
+        if device is not None and device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            facts.update(
+                gpu_name=props.name,
+                gpu_capability=f"{props.major}.{props.minor}",
+                gpu_memory_bytes=int(props.total_memory),
+                bf16_supported=bool(props.major >= 8),
+                cuda_version=torch.version.cuda,
+            )
+        elif device is not None and device.type == "cpu":
+            cpu = getattr(torch, "cpu", None)
+            bf16 = False
+            for probe_name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+                fn = getattr(cpu, probe_name, None)
+                if fn is not None:
+                    with contextlib.suppress(Exception):
+                        bf16 = bf16 or bool(fn())
+            facts.update(gpu_name=None, bf16_supported=bf16, cpu_count=os.cpu_count())
+    except Exception as exc:  # facts are best effort; never fail the attach on them
+        facts["device_error"] = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
+class Probe:
+    """A live recording of one training process.
+
+    Use :func:`attach` to create one. ``close()`` is idempotent and also runs at interpreter
+    exit. The probe is a context manager.
+
+    Attributes:
+        run_dir: where the run is written.
+        step: index of the iteration in progress (iterations the GradScaler skipped count).
+        recording: False while the probe is dormant (instrumented but recording nothing).
+    """
+
+    def __init__(self, run_dir: Path, config: Config, recording: bool = True) -> None:
+        self.run_dir = run_dir
+        self.config = config
+        self.rank = config.resolved_rank
+        self.world_size = config.resolved_world_size
+        self.step = 0
+        self.window = 0
+        self.recording = recording
+        self.closed = False
+        self._t0 = time.perf_counter()
+        self._t_step_start: float | None = None
+        self._probe_time = 0.0
+        self._last_flush = time.perf_counter()
+        self._pending_steps: list[dict[str, Any]] = []
+        self._pending_events: list[dict[str, Any]] = []
+        self._failed: set[str] = set()
+        self.collectors: list[Collector] = []
+        self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self.device: torch.device | None = None
+        self._rank_manifest: dict[str, Any] = {}
+        self.writer: RunWriter | None = None
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _start(self, model: Any, optimizer: Any, scaler: Any) -> None:
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ConfigError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        device = None
+        for source in (model, optimizer):
+            device = device or _first_param_device(source)
+        self.device = device
+        self._rank_manifest = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": int(os.environ.get("LOCAL_RANK", self.rank) or 0),
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "argv": list(sys.argv),
+            "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "start_unix": time.time(),
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.config).items()},
+            **device_facts(device),
+        }
+        self.writer = RunWriter(
+            self.run_dir,
+            self.rank,
+            self.world_size,
+            self._rank_manifest,
+            max_buffered_rows=self.config.max_buffered_rows,
+            overwrite=self.config.overwrite,
+        )
+        for name in self.config.collectors:
+            collector = REGISTRY[name]()
+            self.collectors.append(collector)
+            collector.on_attach(self)  # may raise ConfigError: attach-time errors are loud
+        self.event("run_start", recording=self.recording)
+        for obj in (optimizer, scaler):
+            if obj is not None:
+                self.dispatch("on_object", obj)
+        if model is not None:
+            self.add_model(model)
+
+    def add_model(self, model: torch.nn.Module) -> None:
+        """Register a root model (the attach argument, or one found by discovery)."""
+        if any(ref() is model for ref in self.models):
+            return
+        self.models.append(weakref.ref(model))
+        if self.device is None:
+            self.note_device(_first_param_device(model))
+        self.dispatch("on_model", model)
+
+    def note_device(self, device: torch.device | None) -> None:
+        """Record the training device once it is known (first optimizer or model seen)."""
+        if device is None or self.device is not None or self.writer is None:
+            return
+        self.device = device
+        self._rank_manifest.update(device_facts(device))
+        with contextlib.suppress(OSError):
+            write_json_atomic(
+                self.writer.rank_dir / "manifest.json",
+                {"format": "amprobe-run", "schema_version": 1, **self._rank_manifest},
+            )
+
+    @property
+    def rank_manifest(self) -> Mapping[str, Any]:
+        return self._rank_manifest
+
+    # -- dispatch: collectors never raise into training ---------------------------------------
+    def dispatch(self, hook: str, *args: Any) -> None:
+        for collector in self.collectors:
+            if collector.name in self._failed:
+                continue
+            fn = getattr(collector, hook, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception as exc:
+                self.collector_failed(collector.name, exc)
+
+    def collector_failed(self, name: str, exc: BaseException) -> None:
+        """Switch collector ``name`` off and record why, once."""
+        if name in self._failed:
+            return
+        self._failed.add(name)
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+        self.event("collector_error", collector=name, error=f"{type(exc).__name__}: {exc}", where=where)
+        for collector in self.collectors:
+            if collector.name == name:
+                with contextlib.suppress(Exception):
+                    collector.on_close()
+
+    def is_enabled(self, name: str) -> bool:
+        return name not in self._failed
+
+    # -- recording ----------------------------------------------------------------------------
+    def touch(self) -> None:
+        """Mark activity in the current step (used to time the very first step)."""
+        if self._t_step_start is None:
+            self._t_step_start = time.perf_counter()
+
+    def event(self, kind: str, **detail: Any) -> None:
+        """Record an event in the current step. Cheap: no I/O until the next flush."""
+        self._pending_events.append(
+            {
+                "step": self.step,
+                "t": time.perf_counter() - self._t0,
+                "kind": kind,
+                "detail": json.dumps(detail, default=str, sort_keys=True),
+            }
+        )
+
+    def end_step(self) -> None:
+        """Close the iteration in progress. Called by the collector that owns step boundaries."""
+        now = time.perf_counter()
+        start = self._t_step_start if self._t_step_start is not None else now
+        record: dict[str, Any] = {
+            "step": self.step,
+            "window": self.window,
+            "t": now - self._t0,
+            "wall_s": max(0.0, now - start - self._probe_time),
+            "probe_s": self._probe_time,
+        }
+        self._probe_time = 0.0
+        self.dispatch("on_step_end", self.step, record)
+        self._pending_steps.append(record)
+        self.step += 1
+        self._t_step_start = time.perf_counter()
+        if (
+            len(self._pending_steps) >= self.config.flush_every
+            or now - self._last_flush >= self.config.flush_interval_s
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write everything buffered. Costs one host-device sync per device holding values."""
+        if self.writer is None:
+            return
+        t = time.perf_counter()
+        try:
+            rows = self._pending_steps
+            self._pending_steps = []
+            _materialize(rows)
+            self.writer.append("steps", rows)
+            self.dispatch("on_flush", self.writer)
+            events = self._pending_events
+            self._pending_events = []
+            self.writer.append("events", events)
+            self.writer.flush()
+        except Exception as exc:  # the writer never raises; this guards the materialisation
+            with contextlib.suppress(Exception):
+                self.writer.write_errors.append(f"flush: {type(exc).__name__}: {exc}")
+        finally:
+            self._last_flush = time.perf_counter()
+            self._probe_time += self._last_flush - t
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush, remove every hook and patch, and mark the run as cleanly closed. Idempotent."""
+        global _ACTIVE
+        with _LOCK:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self.event("run_end", steps=self.step)
+            self.flush()
+        finally:
+            for collector in reversed(self.collectors):
+                with contextlib.suppress(Exception):
+                    collector.on_close()
+            if self.writer is not None:
+                with contextlib.suppress(Exception):
+                    self.writer.close({"status": "finished", "steps": self.step, "end_unix": time.time()})
+            with contextlib.suppress(Exception):
+                atexit.unregister(self.close)
+            if _ACTIVE is self:
+                _ACTIVE = None
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("recording" if self.recording else "dormant")
+        return f"<amprobe.Probe {state} step={self.step} run_dir={str(self.run_dir)!r}>"
+
+
+def _first_param_device(obj: Any) -> torch.device | None:
+    try:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                return p.device
+        elif isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                for p in group["params"]:
+                    return p.device
+    except Exception:
+        return None
+    return None
+
+
+def _materialize(rows: list[dict[str, Any]]) -> None:
+    """Replace device tensors in ``rows`` by Python numbers with one transfer per device."""
+    by_device: dict[torch.device, list[tuple[dict[str, Any], str, torch.Tensor]]] = defaultdict(list)
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, torch.Tensor):
+                by_device[value.device].append((row, key, value))
+    for device, items in by_device.items():
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        with torch.no_grad():
+            stacked = torch.stack([t.detach().reshape(-1)[0].to(dtype) for _, _, t in items])
+            values = stacked.cpu().tolist()
+        for (row, key, tensor), value in zip(items, values, strict=True):
+            if tensor.dtype == torch.bool:
+                row[key] = bool(value)
+            elif not (tensor.is_floating_point() or tensor.is_complex()):
+                row[key] = int(value)
+            else:
+                row[key] = value
+
+
+@contextlib.contextmanager
+def _swallow(probe: Probe, collector: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        probe.collector_failed(collector, exc)
+
+
+def attach(
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    config: Config | Mapping[str, Any] | None = None,
+) -> Probe:
+    """Start recording this training process.
+
+    Everything is optional: the GradScalers, optimizers and autocast regions of the process are
+    found through class-level hooks; passing them only records them from the first step.
+
+    Args:
+        model: the root module being trained (enables per-model facts and layer collectors).
+        optimizer: an optimizer to record from the start.
+        scaler: a GradScaler created before attaching.
+        run_dir: directory to write the run to; default ``amprobe_runs/<time>-<pid>``.
+        config: a :class:`Config` or a dict of its fields.
+
+    Returns:
+        The attached :class:`Probe` (also a context manager).
+
+    Raises:
+        ConfigError: an unknown config key, a bad value, an unusable run directory, or a
+            second probe attached in the same process.
+    """
+    global _ACTIVE
+    cfg = make_config(config)
+    with _LOCK:
+        existing = _ACTIVE
+        if existing is not None and not existing.closed:
+            adopt = getattr(existing, "adoptable", False)
+            if not adopt:
+                raise ConfigError(
+                    f"a probe is already attached in this process ({existing.run_dir}); "
+                    "close it first or use the existing one"
+                )
+        else:
+            existing = None
+    if existing is not None:
+        # `amprobe run` attached an automatic probe: join it instead of instrumenting twice.
+        for obj in (optimizer, scaler):
+            if obj is not None:
+                existing.dispatch("on_object", obj)
+        if model is not None:
+            existing.add_model(model)
+        return existing
+    probe = Probe(Path(run_dir) if run_dir is not None else _default_run_dir(), cfg)
+    try:
+        probe._start(model, optimizer, scaler)
+    except BaseException:
+        for collector in probe.collectors:
+            with contextlib.suppress(Exception):
+                collector.on_close()
+        raise
+    with _LOCK:
+        _ACTIVE = probe
+    atexit.register(probe.close)
+    return probe

@@ -1,0 +1,285 @@
+"""The rules engine: a table of rules, each a pure function from a loaded run to findings.
+
+A rule is registered with :func:`rule`, which records its checklist ID, severity, category,
+the data it requires (its skip condition) and its default thresholds. :func:`diagnose` runs
+every rule whose data is present and lists the others as "not checked" with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from amprobe.store.loader import Run
+
+__all__ = [
+    "SEVERITIES",
+    "Finding",
+    "NotChecked",
+    "RuleSpec",
+    "Diagnosis",
+    "REGISTRY",
+    "REQUIREMENTS",
+    "rule",
+    "requirement",
+    "diagnose",
+    "ThresholdError",
+]
+
+SEVERITIES = ("error", "warning", "info")
+_SEVERITY_RANK = {name: i for i, name in enumerate(SEVERITIES)}
+
+
+class ThresholdError(ValueError):
+    """An override names an unknown rule or threshold."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One diagnosis. Immutable; renderers only read it.
+
+    Attributes:
+        id: checklist ID, e.g. ``AMP-N02`` (a public contract).
+        name: the checklist's slug, e.g. ``skip-rate``.
+        severity: ``error`` | ``warning`` | ``info``.
+        category: ``nan`` (why is my loss NaN), ``speed`` (why is AMP not faster),
+            ``distributed``.
+        title: one line with the measured value.
+        evidence: measured values, thresholds, steps, layer names, ranks.
+        fix: what the user should do.
+        refs: checklist source sections and external documents.
+    """
+
+    id: str
+    name: str
+    severity: str
+    category: str
+    title: str
+    evidence: Mapping[str, Any]
+    fix: str
+    refs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.severity not in _SEVERITY_RANK:
+            raise ValueError(f"unknown severity {self.severity!r}")
+        object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
+        object.__setattr__(self, "refs", tuple(self.refs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "severity": self.severity,
+            "category": self.category,
+            "title": self.title,
+            "evidence": dict(self.evidence),
+            "fix": self.fix,
+            "refs": list(self.refs),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class NotChecked:
+    """A rule that could not run, and why."""
+
+    id: str
+    name: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "reason": self.reason}
+
+
+RuleFn = Callable[["RuleContext"], Iterable[Finding]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleSpec:
+    """A registered rule: its identity, requirements and thresholds as data."""
+
+    id: str
+    name: str
+    severity: str  # the default / highest severity it emits, for the catalogue
+    category: str
+    requires: tuple[str, ...]
+    thresholds: Mapping[str, float]
+    refs: tuple[str, ...]
+    fn: RuleFn
+    doc: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleContext:
+    """What a rule function receives: the run, its thresholds and a finding factory."""
+
+    run: Run
+    spec: RuleSpec
+    thresholds: Mapping[str, float]
+
+    def finding(self, title: str, evidence: Mapping[str, Any], fix: str,
+                severity: str | None = None, refs: Iterable[str] = ()) -> Finding:
+        return Finding(
+            id=self.spec.id,
+            name=self.spec.name,
+            severity=severity or self.spec.severity,
+            category=self.spec.category,
+            title=title,
+            evidence=evidence,
+            fix=fix,
+            refs=tuple(self.spec.refs) + tuple(refs),
+        )
+
+
+REGISTRY: dict[str, RuleSpec] = {}
+
+#: requirement name -> function(run) returning None when met, else the reason it is not.
+REQUIREMENTS: dict[str, Callable[[Run], str | None]] = {}
+
+
+def requirement(name: str) -> Callable[[Callable[[Run], str | None]], Callable[[Run], str | None]]:
+    """Register a named data requirement that rules can list in ``requires``."""
+
+    def register(fn: Callable[[Run], str | None]) -> Callable[[Run], str | None]:
+        REQUIREMENTS[name] = fn
+        return fn
+
+    return register
+
+
+def rule(
+    id: str,
+    name: str,
+    severity: str,
+    category: str,
+    requires: Iterable[str] = ("steps",),
+    thresholds: Mapping[str, float] | None = None,
+    refs: Iterable[str] = (),
+) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule function under its checklist ID."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        if id in REGISTRY:
+            raise ValueError(f"rule {id} registered twice")
+        if severity not in _SEVERITY_RANK:
+            raise ValueError(f"rule {id}: unknown severity {severity!r}")
+        REGISTRY[id] = RuleSpec(
+            id=id,
+            name=name,
+            severity=severity,
+            category=category,
+            requires=tuple(requires),
+            thresholds=MappingProxyType(dict(thresholds or {})),
+            refs=tuple(refs),
+            fn=fn,
+            doc=(fn.__doc__ or "").strip(),
+        )
+        return fn
+
+    return register
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """The result of :func:`diagnose`: findings (most severe first), skipped rules, health."""
+
+    run: Run
+    findings: tuple[Finding, ...]
+    not_checked: tuple[NotChecked, ...]
+    health: Mapping[str, Mapping[str, Any]]
+
+    def worst(self) -> str | None:
+        return self.findings[0].severity if self.findings else None
+
+    def ids(self) -> list[str]:
+        return [f.id for f in self.findings]
+
+    def to_dict(self) -> dict[str, Any]:
+        run = self.run
+        return {
+            "run": {
+                "path": str(run.path),
+                "status": run.status,
+                "ranks": [r.rank for r in run.ranks],
+                "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0,
+                "device": run.rank_manifest.get("device"),
+                "gpu_name": run.rank_manifest.get("gpu_name"),
+                "warnings": list(run.warnings),
+            },
+            "findings": [f.to_dict() for f in self.findings],
+            "not_checked": [n.to_dict() for n in self.not_checked],
+            "health": {k: dict(v) for k, v in self.health.items()},
+        }
+
+
+def resolve_thresholds(overrides: Mapping[str, Mapping[str, float]] | None) -> dict[str, dict[str, float]]:
+    """Merge user overrides into the registered defaults.
+
+    Raises:
+        ThresholdError: an override names an unknown rule or threshold.
+    """
+    merged = {rid: dict(spec.thresholds) for rid, spec in REGISTRY.items()}
+    for rid, values in (overrides or {}).items():
+        if rid not in merged:
+            raise ThresholdError(f"unknown rule {rid!r} in threshold overrides")
+        for key, value in values.items():
+            if key not in merged[rid]:
+                known = ", ".join(sorted(merged[rid])) or "none"
+                raise ThresholdError(f"rule {rid} has no threshold {key!r} (known: {known})")
+            merged[rid][key] = float(value)
+    return merged
+
+
+def diagnose(
+    run: Run,
+    thresholds: Mapping[str, Mapping[str, float]] | None = None,
+    only: Iterable[str] | None = None,
+) -> Diagnosis:
+    """Run the rules over a loaded run.
+
+    Args:
+        run: from :func:`amprobe.load_run`.
+        thresholds: ``{rule_id: {threshold: value}}`` overriding the defaults.
+        only: restrict to these rule IDs.
+
+    Returns:
+        A :class:`Diagnosis`; a rule that fails is reported as not checked, never raised.
+    """
+    from amprobe.rules import health as health_mod  # registers nothing; computes metrics
+
+    merged = resolve_thresholds(thresholds)
+    wanted = set(only) if only is not None else None
+    findings: list[Finding] = []
+    skipped: list[NotChecked] = []
+    cache: dict[str, str | None] = {}
+    for rid, spec in REGISTRY.items():
+        if wanted is not None and rid not in wanted:
+            continue
+        reason = None
+        for req in spec.requires:
+            if req not in cache:
+                check = REQUIREMENTS.get(req)
+                cache[req] = check(run) if check else f"unknown requirement {req!r}"
+            if cache[req]:
+                reason = cache[req]
+                break
+        if reason:
+            skipped.append(NotChecked(rid, spec.name, reason))
+            continue
+        ctx = RuleContext(run=run, spec=spec, thresholds=MappingProxyType(merged[rid]))
+        try:
+            findings.extend(spec.fn(ctx))
+        except Exception as exc:  # a rule bug must not hide the other findings
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            skipped.append(
+                NotChecked(rid, spec.name, f"rule failed: {type(exc).__name__}: {exc} (line {where.lineno})")
+            )
+    findings.sort(key=lambda f: (_SEVERITY_RANK[f.severity], f.id))
+    return Diagnosis(
+        run=run,
+        findings=tuple(findings),
+        not_checked=tuple(skipped),
+        health=health_mod.compute_health(run),
+    )

@@ -1,0 +1,51 @@
+"""Health metrics reported for every run (checklist section C)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amprobe.rules.data import scaler_steps
+from amprobe.store.loader import Run
+
+__all__ = ["compute_health", "HEALTH_METRICS"]
+
+#: metric -> (label, unit). Values not measured carry a ``note`` saying why.
+HEALTH_METRICS: dict[str, tuple[str, str]] = {
+    "speedup": ("throughput speedup vs FP32 baseline", "x"),
+    "memory_ratio": ("peak memory AMP / FP32", "x"),
+    "loss_diff": ("final-loss difference vs baseline", ""),
+    "scaler_success_rate": ("loss-scale success rate (steps applied / all steps)", "%"),
+    "mfu": ("model FLOPs utilization", "%"),
+}
+
+
+def _not_measured(why: str) -> dict[str, Any]:
+    return {"value": None, "note": f"not measured: {why}"}
+
+
+def compute_health(run: Run) -> dict[str, dict[str, Any]]:
+    """Compute the section-C metrics that the run's data supports."""
+    health: dict[str, dict[str, Any]] = {}
+    base = "no FP32 baseline recorded (see `amprobe baseline`)"
+    health["speedup"] = _not_measured(base)
+    health["memory_ratio"] = _not_measured(base)
+    health["loss_diff"] = _not_measured(base)
+    steps = scaler_steps(run)
+    if len(steps):
+        skipped = int(steps["skipped"].fillna(False).astype(bool).sum())
+        health["scaler_success_rate"] = {
+            "value": 1.0 - skipped / len(steps),
+            "steps": int(len(steps)),
+            "skipped": skipped,
+        }
+    elif len(run.steps):
+        health["scaler_success_rate"] = {
+            "value": None,
+            "note": "not applicable: no enabled GradScaler (every step applied its update)",
+        }
+    else:
+        health["scaler_success_rate"] = _not_measured("no training step was recorded")
+    health["mfu"] = _not_measured("FLOP counting is not recorded in this run")
+    for key, (label, unit) in HEALTH_METRICS.items():
+        health[key].update(label=label, unit=unit)
+    return health

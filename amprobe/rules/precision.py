@@ -1,0 +1,131 @@
+"""Rules on the precision set-up: dtypes of autocast, loss and weights (checklist section A)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
+from amprobe.rules.engine import Finding, RuleContext, rule
+
+__all__: list[str] = []
+
+
+@rule(
+    "AMP-N11", "prefer-bf16", "warning", "nan", requires=("scaler", "autocast", "device_facts"),
+    thresholds={"warn_skip_share": 0.05},
+    refs=("G§1.1", "S§4"),
+)
+def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
+    """An fp16 run with overflow cuts or NaN on hardware that supports bf16.
+
+    Info when the scale was cut at all; warning when more than ``warn_skip_share`` of the
+    steps were skipped. bf16 support comes from the rank manifest (CUDA capability >= 8.0, or
+    a CPU with AVX512-BF16/AMX).
+    """
+    run = ctx.run
+    if "float16" not in autocast_dtypes(run):
+        return
+    supported = [r.rank for r in run.ranks if r.manifest.get("bf16_supported")]
+    if not supported:
+        return
+    for rank, frame in per_rank(scaler_steps(run)):
+        skipped = frame["skipped"].fillna(False).astype(bool)
+        cuts = int((frame["scale_after"] < frame["scale_before"]).sum())
+        if cuts == 0 and not skipped.any():
+            continue
+        share = float(skipped.mean())
+        device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device")
+        yield ctx.finding(
+            title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped) on {device}, which supports bf16",
+            evidence={
+                "rank": rank,
+                "scale_cuts": cuts,
+                "skipped_share": round(share, 4),
+                "skipped_steps": steps_list(frame.loc[skipped, "step"]),
+                "device": device,
+                "warn_skip_share": ctx.thresholds["warn_skip_share"],
+            },
+            fix=(
+                "Use torch.autocast(..., dtype=torch.bfloat16): bf16 has fp32's exponent range, "
+                "so these overflows disappear and the GradScaler can be dropped."
+            ),
+            severity="warning" if share > ctx.thresholds["warn_skip_share"] else "info",
+        )
+        return
+
+
+@rule("AMP-N12", "fp16-without-scaler", "warning", "nan", requires=("steps", "autocast"), refs=("G§2.1",))
+def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
+    """fp16 autocast with no enabled GradScaler: small gradients underflow to zero."""
+    run = ctx.run
+    if "float16" not in autocast_dtypes(run) or len(scaler_steps(run)):
+        return
+    scalers = run.events_of("scaler_created")
+    disabled = [s for s in scalers if not s.get("enabled", True)]
+    yield ctx.finding(
+        title="fp16 autocast without a GradScaler" + (" (the scaler is disabled)" if disabled else ""),
+        evidence={
+            "autocast_dtypes": sorted(autocast_dtypes(run)),
+            "scalers_seen": len(scalers),
+            "disabled_scalers": len(disabled),
+            "steps": int(run.steps["step"].nunique()),
+        },
+        fix=(
+            "Use torch.amp.GradScaler: scaler.scale(loss).backward(); scaler.step(opt); "
+            "scaler.update(). Unscaled fp16 gradients below 6e-8 become zero."
+        ),
+    )
+
+
+@rule("AMP-N13", "half-loss", "warning", "nan", requires=("loss",), refs=("S§3",))
+def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
+    """The loss tensor handed to backward (or scaler.scale) is fp16/bf16."""
+    for rank, frame in per_rank(ctx.run.steps):
+        half = frame[frame["loss_dtype"].isin(HALF_DTYPES)]
+        if half.empty:
+            continue
+        dtype = str(half["loss_dtype"].mode().iloc[0])
+        yield ctx.finding(
+            title=f"the loss is computed in {dtype} in {len(half)} of {len(frame)} steps",
+            evidence={"rank": rank, "loss_dtype": dtype, "steps_affected": len(half),
+                      "steps": len(frame), "first_steps": steps_list(half["step"])},
+            fix="Compute the loss in fp32: cast the logits with .float() before the loss function.",
+        )
+        return
+
+
+@rule("AMP-N14", "half-master-weights", "error", "nan", requires=("optimizer",), refs=("S§9", "G§5.3"))
+def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
+    """Trainable parameters stored in fp16/bf16 are updated by an optimizer (no fp32 master copy)."""
+    for opt in ctx.run.events_of("optimizer_seen"):
+        half = int(opt.get("trainable_half_params") or 0)
+        if half <= 0:
+            continue
+        total = int(opt.get("trainable_params") or 0)
+        yield ctx.finding(
+            title=f"{opt.get('optimizer_class')} updates {half:,} of {total:,} parameters stored in half precision",
+            evidence={
+                "rank": opt.get("rank"),
+                "optimizer": opt.get("optimizer_class"),
+                "param_dtypes": opt.get("param_dtypes"),
+                "half_params": half,
+                "trainable_params": total,
+            },
+            fix=(
+                "Keep fp32 master weights: do not call model.half()/.bfloat16() for training; let "
+                "autocast cast per op. Small updates vanish when added to half-precision weights."
+            ),
+        )
+
+
+@rule("AMP-N15", "bf16-needless-scaler", "info", "nan", requires=("scaler", "autocast"), refs=("S§8",))
+def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:
+    """bf16 autocast combined with dynamic loss scaling."""
+    dtypes = autocast_dtypes(ctx.run)
+    if "bfloat16" not in dtypes or "float16" in dtypes:
+        return
+    yield ctx.finding(
+        title="GradScaler used with bf16 autocast",
+        evidence={"autocast_dtypes": sorted(dtypes), "scaled_steps": len(scaler_steps(ctx.run))},
+        fix="bf16 has fp32's range: drop the GradScaler (or construct it with enabled=False).",
+    )

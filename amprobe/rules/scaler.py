@@ -1,0 +1,357 @@
+"""Rules on the loss-scale trajectory and GradScaler usage (checklist section A)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import pandas as pd
+
+from amprobe.rules.data import per_rank, scaler_configs, scaler_steps, steps_list
+from amprobe.rules.engine import Finding, RuleContext, rule
+
+__all__ = ["compute_scale_events", "longest_run"]
+
+G = "guide"
+S = "survey"
+
+
+def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
+    """Add ``backoff`` and ``growth`` columns (scale cut / grown by ``update()``)."""
+    out = frame.copy()
+    out["backoff"] = out["scale_after"] < out["scale_before"]
+    out["growth"] = out["scale_after"] > out["scale_before"]
+    return out
+
+
+def longest_run(flags: pd.Series) -> tuple[int, int | None]:
+    """Length and first index label of the longest run of True values."""
+    best, best_start, cur, cur_start = 0, None, 0, None
+    for label, flag in flags.items():
+        if flag:
+            if cur == 0:
+                cur_start = label
+            cur += 1
+            if cur > best:
+                best, best_start = cur, cur_start
+        else:
+            cur = 0
+    return best, best_start
+
+
+def _growth_interval(ctx: RuleContext, rank: int) -> int:
+    intervals = [c.get("growth_interval") for c in scaler_configs(ctx.run) if c.get("rank") == rank]
+    intervals = [int(i) for i in intervals if isinstance(i, (int, float)) and i > 0]
+    return intervals[-1] if intervals else 2000
+
+
+def _init_scale(ctx: RuleContext, rank: int) -> float | None:
+    values = [c.get("init_scale") for c in scaler_configs(ctx.run) if c.get("rank") == rank]
+    values = [float(v) for v in values if isinstance(v, (int, float))]
+    return values[-1] if values else None
+
+
+def _ranks(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:
+    return per_rank(compute_scale_events(frame))
+
+
+@rule(
+    "AMP-N01", "scale-backoff", "warning", "nan", requires=("scaler",),
+    thresholds={"frequent_cuts_per_interval": 1.0},
+    refs=("G§2.2", "G§5.1"),
+)
+def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
+    """The loss scale was cut because gradients held inf/NaN.
+
+    Algorithm: a cut is a step whose ``scale_after < scale_before``. Cuts per growth interval
+    = cuts / (steps / growth_interval); above the threshold the finding is a warning (the
+    scaler cannot settle), else info.
+    """
+    for rank, frame in _ranks(scaler_steps(ctx.run)):
+        cuts = frame[frame["backoff"]]
+        if cuts.empty:
+            continue
+        interval = _growth_interval(ctx, rank)
+        per_interval = len(cuts) / max(len(frame) / interval, 1e-9)
+        frequent = per_interval > ctx.thresholds["frequent_cuts_per_interval"]
+        yield ctx.finding(
+            title=(
+                f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps"
+                + (f" on rank {rank}" if ctx.run.steps['rank'].nunique() > 1 else "")
+                + (f" ({per_interval:.1f} cuts per growth interval of {interval})" if frequent else "")
+            ),
+            evidence={
+                "rank": rank,
+                "cuts": len(cuts),
+                "steps": len(frame),
+                "cut_steps": steps_list(cuts["step"]),
+                "cuts_per_growth_interval": round(per_interval, 3),
+                "growth_interval": interval,
+                "threshold": ctx.thresholds["frequent_cuts_per_interval"],
+                "min_scale": float(frame["scale_after"].min()),
+                "max_scale": float(frame["scale_after"].max()),
+            },
+            fix=(
+                "Gradients overflowed at these steps. Look at the loss-scale history first when "
+                "the loss turns NaN; frequent cuts mean a layer overflows again and again "
+                "(see AMP-N05) or init_scale is too high."
+            ),
+            severity="warning" if frequent else "info",
+        )
+
+
+@rule(
+    "AMP-N02", "skip-rate", "error", "nan", requires=("scaler",),
+    thresholds={"warn_below": 0.95, "error_below": 0.90, "min_steps": 10},
+    refs=("S§11", "G§5.4"),
+)
+def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
+    """Scaler success rate = iterations whose optimizer update was applied / all iterations.
+
+    Every iteration counts, skipped ones included. Runs shorter than ``min_steps`` are not
+    judged. Warning below ``warn_below``, error below ``error_below``.
+    """
+    th = ctx.thresholds
+    for rank, frame in per_rank(scaler_steps(ctx.run)):
+        if len(frame) < th["min_steps"]:
+            continue
+        skipped = frame[frame["skipped"].fillna(False).astype(bool)]
+        rate = 1.0 - len(skipped) / len(frame)
+        if rate >= th["warn_below"]:
+            continue
+        severity = "error" if rate < th["error_below"] else "warning"
+        yield ctx.finding(
+            title=f"only {rate:.1%} of {len(frame)} steps applied their update ({len(skipped)} skipped)"
+            + (f" on rank {rank}" if ctx.run.steps['rank'].nunique() > 1 else ""),
+            evidence={
+                "rank": rank,
+                "success_rate": round(rate, 4),
+                "skipped": len(skipped),
+                "steps": len(frame),
+                "skipped_steps": steps_list(skipped["step"]),
+                "warn_below": th["warn_below"],
+                "error_below": th["error_below"],
+            },
+            fix=(
+                "Each skipped step silently lowers the effective learning rate. Lower init_scale "
+                "(e.g. 65536 -> 4096), fix the overflowing layer (AMP-N05), or move to bf16."
+            ),
+            severity=severity,
+        )
+
+
+@rule(
+    "AMP-N03", "scale-collapse", "error", "nan", requires=("scaler",),
+    thresholds={"min_scale": 1.0, "max_consecutive_cuts": 16},
+    refs=("G§5.1", "S§10"),
+)
+def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
+    """The scale keeps halving to a tiny value.
+
+    Triggers when the scale after any update falls below ``min_scale`` or the longest run of
+    consecutive cuts reaches ``max_consecutive_cuts``. Halving the scale cannot help then: a
+    forward op produces inf/NaN whatever the scale.
+    """
+    th = ctx.thresholds
+    for rank, frame in _ranks(scaler_steps(ctx.run)):
+        indexed = frame.reset_index(drop=True)
+        run_len, start = longest_run(indexed["backoff"])
+        min_scale = float(indexed["scale_after"].min())
+        if min_scale >= th["min_scale"] and run_len < th["max_consecutive_cuts"]:
+            continue
+        first_step = int(indexed.loc[start, "step"]) if start is not None else None
+        below = indexed[indexed["scale_after"] < th["min_scale"]]
+        evidence = {
+            "rank": rank,
+            "min_scale": min_scale,
+            "longest_cut_run": run_len,
+            "cut_run_starts_at_step": first_step,
+            "first_step_below_min": int(below["step"].iloc[0]) if len(below) else None,
+            "min_scale_threshold": th["min_scale"],
+            "max_consecutive_cuts": th["max_consecutive_cuts"],
+        }
+        yield ctx.finding(
+            title=(
+                f"loss scale collapsed to {min_scale:.3g} after {run_len} consecutive cuts"
+                + (f" starting at step {first_step}" if first_step is not None else "")
+            ),
+            evidence=evidence,
+            fix=(
+                "This is not a gradient-range problem: a forward op produces inf/NaN at any scale. "
+                "Find the first module whose output overflows (AMP-N05) or a non-finite input "
+                "batch (AMP-N04); pin that op to fp32 or fix the data."
+            ),
+        )
+
+
+@rule(
+    "AMP-N07", "scale-chronically-low", "warning", "nan", requires=("scaler",),
+    thresholds={"min_intervals": 4, "below_init_factor": 256.0},
+    refs=("G§5.4",),
+)
+def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
+    """The scale never grows over many growth intervals and sits far below its initial value.
+
+    Looks at the last ``min_intervals * growth_interval`` steps: no growth there, and the final
+    scale at most ``init_scale / below_init_factor``.
+    """
+    th = ctx.thresholds
+    for rank, frame in _ranks(scaler_steps(ctx.run)):
+        interval = _growth_interval(ctx, rank)
+        window = int(th["min_intervals"] * interval)
+        if len(frame) < window:
+            continue
+        tail = frame.iloc[-window:]
+        init = _init_scale(ctx, rank) or float(frame["scale_before"].iloc[0])
+        final = float(frame["scale_after"].iloc[-1])
+        if tail["growth"].any() or final > init / th["below_init_factor"]:
+            continue
+        yield ctx.finding(
+            title=(
+                f"loss scale stuck at {final:g}, {init / final:.0f}x below init_scale {init:g}, "
+                f"with no growth in the last {window} steps"
+            ),
+            evidence={
+                "rank": rank,
+                "final_scale": final,
+                "init_scale": init,
+                "steps_without_growth": window,
+                "growth_interval": interval,
+                "cuts_in_window": int(tail["backoff"].sum()),
+                "min_intervals": th["min_intervals"],
+                "below_init_factor": th["below_init_factor"],
+            },
+            fix=(
+                "Gradients are persistently large: check weight initialization and the learning "
+                "rate. Such a configuration is fragile under fp16 AMP; bf16 avoids the problem."
+            ),
+        )
+
+
+@rule(
+    "AMP-N08", "scaler-recreated", "error", "nan", requires=("scaler",),
+    thresholds={"max_instances_per_site": 1, "max_scale_resets": 1},
+    refs=("G§3.1",),
+)
+def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
+    """A new GradScaler is built during training.
+
+    Counts ``scaler_created`` events per rank and call site; more than
+    ``max_instances_per_site`` from one site means the scaler is built inside the loop. Also
+    counts steps where the scale jumps back to ``init_scale`` from a lower value.
+    """
+    th = ctx.thresholds
+    run = ctx.run
+    for rank, frame in per_rank(scaler_steps(run)):
+        created = [c for c in scaler_configs(run) if c.get("rank") == rank]
+        sites = Counter(c.get("site") for c in created if c.get("site") not in (None, "?"))
+        repeated = {site: n for site, n in sites.items() if n > th["max_instances_per_site"]}
+        init = _init_scale(ctx, rank)
+        resets: list[int] = []
+        if init is not None:
+            before = frame["scale_before"].to_numpy()
+            after_prev = np.roll(frame["scale_after"].to_numpy(), 1)
+            mask = (before == init) & (after_prev != init)
+            mask[0] = False
+            resets = steps_list(frame["step"].to_numpy()[mask])
+        if not repeated and len(resets) <= th["max_scale_resets"]:
+            continue
+        site, count = max(repeated.items(), key=lambda kv: kv[1]) if repeated else (None, len(created))
+        created_steps = [c.get("step") for c in created if c.get("site") == site] if site else []
+        yield ctx.finding(
+            title=(
+                f"GradScaler created {count} times"
+                + (f" at {site}" if site else "")
+                + (f"; scale reset to init_scale {len(resets)} times" if resets else "")
+            ),
+            evidence={
+                "rank": rank,
+                "instances": len(created),
+                "site": site,
+                "instances_at_site": count,
+                "created_at_steps": steps_list(created_steps),
+                "scale_reset_steps": resets,
+                "init_scale": init,
+            },
+            fix=(
+                "Create the GradScaler once, outside the training loop; a new scaler forgets the "
+                "calibrated scale and restarts at init_scale every time."
+            ),
+        )
+
+
+@rule(
+    "AMP-N09", "clip-before-unscale", "error", "nan", requires=("steps",),
+    thresholds={"max_scaled_clips": 0},
+    refs=("G§3.2",),
+)
+def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
+    """``clip_grad_norm_`` / ``clip_grad_value_`` ran on gradients still multiplied by the scale.
+
+    The collector flags a clip call when a GradScaler scaled the loss this iteration and the
+    clipped gradients do not all belong to optimizers that ``unscale_`` was called on.
+    """
+    for rank, frame in per_rank(ctx.run.steps):
+        bad = frame[frame["clip_scaled"].fillna(0) > 0]
+        if len(bad) <= ctx.thresholds["max_scaled_clips"]:
+            continue
+        functions = sorted(
+            {e.get("function") for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank}
+            - {None}
+        )
+        sites = sorted(
+            {e.get("site") for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank}
+            - {None}
+        )
+        yield ctx.finding(
+            title=f"gradients clipped while still scaled in {len(bad)} of {len(frame)} steps",
+            evidence={
+                "rank": rank,
+                "steps_affected": len(bad),
+                "steps": len(frame),
+                "first_steps": steps_list(bad["step"]),
+                "functions": functions,
+                "call_sites": sites,
+            },
+            fix=(
+                "Call scaler.unscale_(optimizer) before clipping. Order: scaler.scale(loss).backward()"
+                " -> scaler.unscale_(optimizer) -> clip_grad_norm_ -> scaler.step(optimizer) -> "
+                "scaler.update(). Clipping scaled gradients clips at max_norm*scale: no clipping at all."
+            ),
+        )
+
+
+@rule(
+    "AMP-N10", "scaler-not-restored", "warning", "nan", requires=("scaler", "optimizer"),
+    refs=("G§3.3",),
+)
+def check_scaler_not_restored(ctx: RuleContext) -> Iterator[Finding]:
+    """A resumed run (optimizer state loaded) whose GradScaler state was never loaded.
+
+    The scale then restarts at ``init_scale`` and the first steps after the resume are skipped
+    while it re-calibrates.
+    """
+    run = ctx.run
+    for rank, frame in per_rank(scaler_steps(run)):
+        opt_loads = [e for e in run.events_of("optimizer_state_loaded") if e.get("rank") == rank]
+        scaler_loads = [e for e in run.events_of("scaler_state_loaded") if e.get("rank") == rank]
+        if not opt_loads or any(not e.get("empty") for e in scaler_loads):
+            continue
+        first = frame.iloc[:20]
+        skipped = int(first["skipped"].fillna(False).astype(bool).sum())
+        yield ctx.finding(
+            title="optimizer state was restored but the GradScaler state was not",
+            evidence={
+                "rank": rank,
+                "optimizer_loads": len(opt_loads),
+                "scaler_loads": len(scaler_loads),
+                "first_scale": float(frame["scale_before"].iloc[0]),
+                "init_scale": _init_scale(ctx, rank),
+                "skipped_in_first_20_steps": skipped,
+            },
+            fix=(
+                "Save scaler.state_dict() in the checkpoint with the model and optimizer, and call "
+                "scaler.load_state_dict(...) when resuming."
+            ),
+        )

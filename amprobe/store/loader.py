@@ -1,0 +1,322 @@
+"""Load a run directory into typed pandas frames.
+
+:func:`load_run` is the public loading API: the rules, the reports, the CLI and the dashboard
+read runs only through it (and :func:`read_table` for incremental reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.json as pa_json
+
+from amprobe.store import schema
+
+__all__ = ["Run", "RankInfo", "RunLoadError", "load_run", "read_table", "empty_frame"]
+
+
+class RunLoadError(Exception):
+    """A run directory that cannot be read; the message is one line that says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """One rank's part of a run."""
+
+    rank: int
+    path: Path
+    manifest: dict[str, Any]
+    end: dict[str, Any] | None
+    status: str  # "finished" | "live" | "interrupted"
+
+
+@dataclasses.dataclass
+class Run:
+    """A loaded run: manifests, per-rank status and one frame per table (with a ``rank`` column).
+
+    Attributes:
+        path: the run directory.
+        manifest: the run-level manifest.
+        ranks: one :class:`RankInfo` per rank that could be read.
+        status: ``finished`` when every rank closed cleanly, ``live`` while a rank's process is
+            still running on this host, else ``interrupted`` (the process ended without closing).
+        warnings: problems met while loading (partial records dropped, unreadable ranks, ...).
+    """
+
+    path: Path
+    manifest: dict[str, Any]
+    ranks: list[RankInfo]
+    status: str
+    warnings: list[str]
+    _tables: dict[str, pd.DataFrame] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        return self.table("steps")
+
+    @property
+    def events(self) -> pd.DataFrame:
+        return self.table("events")
+
+    @property
+    def rank_manifest(self) -> dict[str, Any]:
+        """The manifest of the lowest rank (device, dtype facts), or an empty dict."""
+        return self.ranks[0].manifest if self.ranks else {}
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def table(self, name: str) -> pd.DataFrame:
+        """All ranks' rows of table ``name`` (empty frame with the schema's columns if absent)."""
+        if name not in self._tables:
+            frames = []
+            for info in self.ranks:
+                frame, _, dropped = read_table(info.path / f"{name}.jsonl", name)
+                if dropped:
+                    self.warnings.append(
+                        f"rank {info.rank}: {dropped} unreadable record(s) skipped in {name}.jsonl"
+                    )
+                if len(frame):
+                    frame.insert(0, "rank", info.rank)
+                    frames.append(frame)
+            if frames:
+                result = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+            else:
+                result = empty_frame(name)
+                result.insert(0, "rank", pd.Series([], dtype="int64"))
+            self._tables[name] = result
+        return self._tables[name]
+
+    def events_of(self, kind: str) -> list[dict[str, Any]]:
+        """The events of one kind as dicts (``detail`` merged in), in recording order."""
+        ev = self.events
+        if ev.empty:
+            return []
+        out = []
+        for row in ev[ev["kind"] == kind].itertuples(index=False):
+            try:
+                detail = json.loads(row.detail) if isinstance(row.detail, str) else {}
+            except ValueError:
+                detail = {}
+            out.append({"rank": row.rank, "step": row.step, "t": row.t, **detail})
+        return out
+
+    @property
+    def last_step(self) -> int | None:
+        steps = self.steps
+        return int(steps["step"].max()) if len(steps) else None
+
+
+def empty_frame(table: str) -> pd.DataFrame:
+    columns = schema.TABLES.get(table, {})
+    return pa.schema(list(columns.items())).empty_table().to_pandas() if columns else pd.DataFrame()
+
+
+def _arrow_schema(table: str) -> pa.Schema | None:
+    columns = schema.TABLES.get(table)
+    return pa.schema(list(columns.items())) if columns else None
+
+
+def read_table(path: Path, table: str, offset: int = 0) -> tuple[pd.DataFrame, int, int]:
+    """Read the complete records of a JSON Lines table from byte ``offset``.
+
+    Returns ``(frame, next_offset, dropped)``: an unterminated last line (a record still being
+    written, or cut by a crash) is left for the next read; lines that do not parse are dropped
+    and counted. A missing file reads as an empty frame.
+    """
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return empty_frame(table), offset, 0
+    except OSError as exc:
+        raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+    end = data.rfind(b"\n")
+    if end < 0:
+        return empty_frame(table), offset, 0
+    data = data[: end + 1]
+    arrow_schema = _arrow_schema(table)
+    dropped = 0
+    try:
+        options = pa_json.ParseOptions(
+            explicit_schema=arrow_schema, unexpected_field_behavior="ignore"
+        ) if arrow_schema is not None else pa_json.ParseOptions()
+        parsed = pa_json.read_json(
+            io.BytesIO(data), parse_options=options, read_options=pa_json.ReadOptions(block_size=1 << 24)
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        parsed, dropped = _read_lines_slowly(data, arrow_schema)
+    frame = parsed.to_pandas()
+    if arrow_schema is not None:
+        for name in arrow_schema.names:
+            if name not in frame.columns:
+                frame[name] = pd.Series([None] * len(frame), dtype=arrow_schema.field(name).type.to_pandas_dtype())
+    return frame, offset + end + 1, dropped
+
+
+def _read_lines_slowly(data: bytes, arrow_schema: pa.Schema | None) -> tuple[pa.Table, int]:
+    """Line-by-line fallback that keeps every parseable record of a damaged file."""
+    rows: list[dict[str, Any]] = []
+    dropped = 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            dropped += 1
+            continue
+        if not isinstance(row, dict):
+            dropped += 1
+            continue
+        if arrow_schema is not None:
+            clean: dict[str, Any] = {}
+            for field in arrow_schema:
+                value = row.get(field.name)
+                try:
+                    pa.array([value], type=field.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+                    value = None
+                clean[field.name] = value
+            row = clean
+        rows.append(row)
+    if arrow_schema is not None:
+        return pa.Table.from_pylist(rows, schema=arrow_schema), dropped
+    return pa.Table.from_pylist(rows), dropped
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RunLoadError(f"{what} is missing: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunLoadError(f"cannot read {what} {path}: {exc}") from None
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        raise RunLoadError(f"{what} is corrupt (not valid JSON): {path}") from None
+    if not isinstance(obj, dict):
+        raise RunLoadError(f"{what} is corrupt (not a JSON object): {path}")
+    return obj
+
+
+def _check_version(manifest: dict[str, Any], where: Path) -> None:
+    version = manifest.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RunLoadError(f"manifest has no valid schema_version: {where}")
+    if version > schema.SCHEMA_VERSION:
+        raise RunLoadError(
+            f"run was written with schema version {version}, newer than this amprobe reads "
+            f"({schema.SCHEMA_VERSION}); upgrade amprobe to read it: {where}"
+        )
+    if version < 1:
+        raise RunLoadError(f"manifest has an invalid schema_version {version}: {where}")
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _rank_status(manifest: dict[str, Any], end: dict[str, Any] | None) -> str:
+    if end is not None:
+        return "finished"
+    if manifest.get("hostname") == socket.gethostname() and _pid_alive(manifest.get("pid")):
+        return "live"
+    return "interrupted"
+
+
+def load_run(path: str | os.PathLike[str]) -> Run:
+    """Load a run directory.
+
+    Damaged parts are skipped with a message in ``Run.warnings`` (a partial load); a directory
+    that holds nothing readable raises.
+
+    Raises:
+        RunLoadError: the path is missing, is not a run directory, or was written by a newer
+            amprobe; the message is one line.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise RunLoadError(f"no such run directory: {root}")
+    if not root.is_dir():
+        raise RunLoadError(f"not a directory: {root}")
+    warnings: list[str] = []
+    top = root / schema.RUN_MANIFEST
+    manifest: dict[str, Any] = {}
+    if top.exists():
+        try:
+            manifest = _read_json(top, "run manifest")
+            if manifest.get("format") != schema.FORMAT:
+                raise RunLoadError(f"not an amprobe run manifest: {top}")
+            _check_version(manifest, top)
+        except RunLoadError as exc:
+            if "newer than this amprobe" in str(exc):
+                raise
+            warnings.append(f"{exc}; reading the ranks without it")
+            manifest = {}
+    rank_dirs = sorted(
+        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank") and p.name[4:].isdigit()),
+        key=lambda p: int(p.name[4:]),
+    )
+    if not rank_dirs:
+        if not top.exists():
+            raise RunLoadError(f"not an amprobe run directory (no manifest.json): {root}")
+        raise RunLoadError(f"run directory holds no rank data (no rank*/ folder): {root}")
+    ranks: list[RankInfo] = []
+    for rank_dir in rank_dirs:
+        rank = int(rank_dir.name[4:])
+        try:
+            rank_manifest = _read_json(rank_dir / schema.RANK_MANIFEST, f"rank {rank} manifest")
+            _check_version(rank_manifest, rank_dir / schema.RANK_MANIFEST)
+        except RunLoadError as exc:
+            if "newer than this amprobe" in str(exc):
+                raise
+            warnings.append(f"rank {rank} skipped: {exc}")
+            continue
+        end: dict[str, Any] | None = None
+        if (rank_dir / schema.END_MARKER).exists():
+            try:
+                end = _read_json(rank_dir / schema.END_MARKER, f"rank {rank} end marker")
+            except RunLoadError as exc:
+                warnings.append(str(exc))
+        status = _rank_status(rank_manifest, end)
+        if end and end.get("lost_rows"):
+            lost = sum(int(v) for v in end["lost_rows"].values() if isinstance(v, int))
+            span = end.get("lost_steps") or []
+            warnings.append(
+                f"rank {rank}: {lost} record(s) could not be written"
+                + (f" (steps {span[0]}..{span[1]})" if len(span) == 2 else "")
+                + (f": {'; '.join(end.get('write_errors', []))}" if end.get("write_errors") else "")
+            )
+        ranks.append(RankInfo(rank=rank, path=rank_dir, manifest=rank_manifest, end=end, status=status))
+    if not ranks:
+        raise RunLoadError(f"no readable rank in run directory: {root} ({warnings[-1]})")
+    statuses = {r.status for r in ranks}
+    status = "live" if "live" in statuses else ("interrupted" if "interrupted" in statuses else "finished")
+    run = Run(path=root, manifest=manifest, ranks=ranks, status=status, warnings=warnings)
+    if status == "interrupted":
+        last = run.last_step
+        where = f" at step {last}" if last is not None else " before its first flushed step"
+        run.warnings.append(f"run ended abruptly{where} (no clean close recorded)")
+    return run

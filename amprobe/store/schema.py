@@ -1,0 +1,75 @@
+"""The run directory's layout and every table's columns, defined once.
+
+Layout of a run directory::
+
+    RUN/
+      manifest.json            run-level manifest (schema version, versions, argv, world size)
+      rank0/
+        manifest.json          this rank's manifest (device, GPU name, pid, host, start time)
+        steps.jsonl            one line per training iteration (append-only)
+        events.jsonl           one line per event: scaler created, state loaded, collector error, ...
+        <table>.jsonl          further tables written by collectors (append-only)
+        end.json               written at a clean close: final step, rows lost; absent after a crash
+      rank1/ ...
+
+Every record file is JSON Lines, appended in whole lines with one ``write`` per flush; a reader
+ignores an unterminated last line, so a reader never sees half a record and a killed process
+loses only what it had not flushed.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "FORMAT",
+    "RUN_MANIFEST",
+    "RANK_MANIFEST",
+    "END_MARKER",
+    "TABLES",
+    "rank_dirname",
+]
+
+SCHEMA_VERSION = 1
+FORMAT = "amprobe-run"
+RUN_MANIFEST = "manifest.json"
+RANK_MANIFEST = "manifest.json"
+END_MARKER = "end.json"
+
+
+def rank_dirname(rank: int) -> str:
+    return f"rank{rank}"
+
+
+#: Table name -> column name -> arrow type. The loader reads with these types; columns a
+#: writer did not emit come back as nulls, extra fields are ignored.
+TABLES: dict[str, dict[str, pa.DataType]] = {
+    "steps": {
+        "step": pa.int64(),  # iteration index, counted from 0; skipped iterations count
+        "window": pa.int64(),  # recording window (attach/detach cycles), 0 for a plain run
+        "t": pa.float64(),  # seconds since the rank's start, at the end of the step
+        "wall_s": pa.float64(),  # user time of the step, probe's own flush time excluded
+        "probe_s": pa.float64(),  # time the probe itself spent during this step (flushes)
+        "scaler_enabled": pa.bool_(),
+        "scale_before": pa.float64(),  # loss scale used for this step's backward
+        "scale_after": pa.float64(),  # loss scale after update()
+        "growth_tracker": pa.float64(),  # consecutive unskipped steps after update()
+        "found_inf": pa.float64(),  # inf/NaN found in gradients (sum over optimizers/devices)
+        "skipped": pa.bool_(),  # the optimizer update was not applied
+        "opt_steps": pa.int64(),  # optimizer.step() calls that actually ran
+        "unscale_calls": pa.int64(),
+        "clip_calls": pa.int64(),
+        "clip_scaled": pa.int64(),  # clip calls on gradients still multiplied by the scale
+        "loss": pa.float64(),
+        "loss_dtype": pa.string(),
+        "autocast_device": pa.string(),
+        "autocast_dtype": pa.string(),
+    },
+    "events": {
+        "step": pa.int64(),  # step during which the event happened
+        "t": pa.float64(),
+        "kind": pa.string(),
+        "detail": pa.string(),  # JSON object with the event's fields
+    },
+}

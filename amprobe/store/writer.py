@@ -1,0 +1,177 @@
+"""Append-only, crash-safe writer for one rank of a run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from amprobe.store import schema
+
+__all__ = ["RunWriter", "write_json_atomic", "run_environment"]
+
+
+def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
+    """Write ``obj`` as JSON so that a reader sees either the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return value  # json writes NaN / Infinity, which the loader reads back
+    return value
+
+
+def run_environment() -> dict[str, Any]:
+    """Versions and host facts that go into every manifest. Costs no device work."""
+    import torch
+
+    from amprobe import __version__
+
+    return {
+        "amprobe_version": __version__,
+        "torch_version": str(torch.__version__),
+        "python_version": sys.version.split()[0],
+        "hostname": socket.gethostname(),
+    }
+
+
+class RunWriter:
+    """Writes one rank's part of a run directory.
+
+    Rows are appended as whole JSON lines with one ``write`` call per table and flush, so a
+    process killed at any point leaves every earlier flush readable. When the directory cannot
+    be written (removed, disk full, read-only), rows stay in a bounded in-memory buffer and are
+    retried at the next flush; rows pushed out of that buffer are counted as lost, with the
+    first and last step they covered, and the count is written to ``end.json``.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        rank_manifest: Mapping[str, Any],
+        max_buffered_rows: int,
+        overwrite: bool = False,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.rank_dir = self.run_dir / schema.rank_dirname(rank)
+        self._pending: dict[str, deque[str]] = {}
+        self._max_rows = max_buffered_rows
+        self.lost_rows: dict[str, int] = {}
+        self.lost_steps: list[int] = []
+        self.write_errors: list[str] = []
+        self._prepare(world_size, rank_manifest, overwrite)
+
+    # -- set-up (raises: called at attach time) ---------------------------------------------
+    def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
+        from amprobe.config import ConfigError
+
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ConfigError(f"run_dir {str(self.run_dir)!r} exists and is not a directory")
+        if (self.rank_dir / schema.RANK_MANIFEST).exists() and not overwrite:
+            raise ConfigError(
+                f"run_dir {str(self.run_dir)!r} already holds a recording for rank {self.rank}; "
+                "choose a new run_dir or pass config={'overwrite': True}"
+            )
+        try:
+            self.rank_dir.mkdir(parents=True, exist_ok=True)
+            if overwrite:
+                for old in self.rank_dir.iterdir():
+                    if old.is_file():
+                        old.unlink()
+            top = self.run_dir / schema.RUN_MANIFEST
+            if not top.exists():
+                manifest = {
+                    "format": schema.FORMAT,
+                    "schema_version": schema.SCHEMA_VERSION,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "created_unix": time.time(),
+                    "argv": list(sys.argv),
+                    "world_size": world_size,
+                    **run_environment(),
+                }
+                write_json_atomic(top, manifest)
+            write_json_atomic(
+                self.rank_dir / schema.RANK_MANIFEST,
+                {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot write run_dir {str(self.run_dir)!r}: {exc.strerror or exc}") from None
+
+    # -- hot-ish path (never raises) ---------------------------------------------------------
+    def append(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Queue rows for ``table``; they reach disk at the next :meth:`flush`."""
+        queue = self._pending.setdefault(table, deque())
+        for row in rows:
+            queue.append(json.dumps({k: _jsonable(v) for k, v in row.items()}, default=str))
+        overflow = len(queue) - self._max_rows
+        if overflow > 0:
+            for _ in range(overflow):
+                dropped = queue.popleft()
+                self._count_lost(table, dropped)
+
+    def _count_lost(self, table: str, line: str) -> None:
+        self.lost_rows[table] = self.lost_rows.get(table, 0) + 1
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:
+            step = None
+        if isinstance(step, int):
+            if not self.lost_steps:
+                self.lost_steps = [step, step]
+            else:
+                self.lost_steps = [min(self.lost_steps[0], step), max(self.lost_steps[1], step)]
+
+    def flush(self) -> bool:
+        """Append all queued rows to their files. Returns False if some rows stay queued."""
+        ok = True
+        for table, queue in self._pending.items():
+            if not queue:
+                continue
+            lines = list(queue)
+            data = ("\n".join(lines) + "\n").encode("utf-8")
+            try:
+                self.rank_dir.mkdir(parents=True, exist_ok=True)
+                with open(self.rank_dir / f"{table}.jsonl", "ab") as fh:
+                    fh.write(data)
+                    fh.flush()
+            except OSError as exc:
+                ok = False
+                message = f"{table}: {exc.strerror or exc}"
+                if message not in self.write_errors:
+                    self.write_errors.append(message)
+                continue
+            for _ in lines:
+                queue.popleft()
+        return ok
+
+    def close(self, end: Mapping[str, Any]) -> None:
+        """Flush what is left and write ``end.json`` (the clean-close marker)."""
+        self.flush()
+        for table, queue in self._pending.items():
+            for line in queue:
+                self._count_lost(table, line)
+            queue.clear()
+        payload = dict(end)
+        payload["lost_rows"] = dict(self.lost_rows)
+        payload["lost_steps"] = list(self.lost_steps)
+        payload["write_errors"] = list(self.write_errors)
+        try:
+            write_json_atomic(self.rank_dir / schema.END_MARKER, payload)
+        except OSError:
+            pass
