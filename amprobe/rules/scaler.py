@@ -317,7 +317,8 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
             fix=(
                 "Call scaler.unscale_(optimizer) before clipping. Order: scaler.scale(loss).backward()"
                 " -> scaler.unscale_(optimizer) -> clip_grad_norm_ -> scaler.step(optimizer) -> "
-                "scaler.update(). Clipping scaled gradients clips at max_norm*scale: no clipping at all."
+                "scaler.update(). Clipping scaled gradients compares max_norm with the norm times the loss "
+                "scale, so the clip fires almost always and the real update is shrunk by the scale."
             ),
         )
 

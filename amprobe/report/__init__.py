@@ -1,0 +1,23 @@
+"""Reports: section builders (figures and tables as data) and renderers (text, JSON, Markdown, HTML)."""
+
+from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
+from amprobe.report.render import (
+    render_html,
+    render_json,
+    render_markdown,
+    render_text,
+    write_report,
+)
+from amprobe.report.sections import SECTIONS, Section, build_sections, section
+
+__all__ = [
+    "SECTIONS",
+    "Section",
+    "build_sections",
+    "render_html",
+    "render_json",
+    "render_markdown",
+    "render_text",
+    "section",
+    "write_report",
+]

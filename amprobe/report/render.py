@@ -1,0 +1,253 @@
+"""Renderers: a :class:`~amprobe.rules.Diagnosis` as text, JSON, Markdown or self-contained HTML.
+
+Renderers only consume findings and report sections; they compute nothing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from amprobe.report.sections import Section, build_sections
+from amprobe.rules.engine import Diagnosis, Finding
+
+__all__ = ["render_text", "render_json", "render_markdown", "render_html", "write_report", "format_value"]
+
+_ICON = {"error": "E", "warning": "W", "info": "I"}
+_COLOR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
+
+
+def format_value(value: Any) -> str:
+    """Short human form of an evidence value."""
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.3g}"
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        items = [format_value(v) for v in value[:12]]
+        more = f", ... (+{len(value) - 12})" if len(value) > 12 else ""
+        return "[" + ", ".join(items) + more + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {format_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _health_line(key: str, metric: dict[str, Any]) -> str:
+    value = metric.get("value")
+    label = metric.get("label", key)
+    if value is None:
+        return f"{label}: {metric.get('note', 'not measured')}"
+    if metric.get("unit") == "%":
+        return f"{label}: {value:.1%}"
+    if metric.get("unit") == "x":
+        return f"{label}: {value:.2f}x"
+    return f"{label}: {format_value(value)}"
+
+
+def _run_summary(diagnosis: Diagnosis) -> dict[str, Any]:
+    return diagnosis.to_dict()["run"]
+
+
+def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
+    """The one-screen text form printed by ``amprobe diagnose``."""
+    run = _run_summary(diagnosis)
+    lines = [
+        f"amprobe diagnosis of {run['path']}",
+        f"  status {run['status']}, {run['steps']} steps, ranks {run['ranks']}, device {run['device']}",
+    ]
+    for warning in run["warnings"]:
+        lines.append(f"  warning: {warning}")
+    lines.append("")
+    if not diagnosis.findings:
+        lines.append("No findings.")
+    for f in diagnosis.findings:
+        lines.append(f"[{_ICON[f.severity]}] {f.id} {f.name} ({f.severity}): {f.title}")
+        lines.append(f"    fix: {f.fix}")
+        if verbose:
+            for key, value in f.evidence.items():
+                lines.append(f"    {key}: {format_value(value)}")
+            if f.refs:
+                lines.append(f"    refs: {', '.join(f.refs)}")
+    lines.append("")
+    lines.append("Health:")
+    for key, metric in diagnosis.health.items():
+        lines.append(f"  {_health_line(key, dict(metric))}")
+    if diagnosis.not_checked:
+        lines.append("")
+        lines.append(f"Not checked ({len(diagnosis.not_checked)}):")
+        for n in diagnosis.not_checked:
+            lines.append(f"  {n.id} {n.name}: {n.reason}")
+    return "\n".join(lines) + "\n"
+
+
+def render_json(diagnosis: Diagnosis) -> str:
+    """An object with ``run``, ``findings``, ``not_checked`` and ``health``."""
+    return json.dumps(_nan_to_none(diagnosis.to_dict()), indent=2, default=str, allow_nan=False) + "\n"
+
+
+def _nan_to_none(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_nan_to_none(v) for v in obj]
+    return obj
+
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None) -> str:
+    """Markdown report: findings with evidence and fixes, health, not-checked rules, tables."""
+    run = _run_summary(diagnosis)
+    out = [f"# amprobe report: {_md_escape(Path(run['path']).name)}", ""]
+    out.append(f"- status: {run['status']}; steps: {run['steps']}; ranks: {run['ranks']}; device: {run['device']}")
+    for warning in run["warnings"]:
+        out.append(f"- warning: {_md_escape(warning)}")
+    out += ["", "## Findings", ""]
+    if not diagnosis.findings:
+        out.append("No findings.")
+    for f in diagnosis.findings:
+        out.append(f"### {f.id} `{f.name}` ({f.severity})")
+        out.append("")
+        out.append(_md_escape(f.title))
+        out.append("")
+        out.append(f"**Fix:** {_md_escape(f.fix)}")
+        out.append("")
+        out.append("| evidence | value |")
+        out.append("|---|---|")
+        for key, value in f.evidence.items():
+            out.append(f"| {_md_escape(key)} | {_md_escape(format_value(value))} |")
+        if f.refs:
+            out.append("")
+            out.append(f"Refs: {', '.join(_md_escape(r) for r in f.refs)}")
+        out.append("")
+    out += ["## Health", ""]
+    for key, metric in diagnosis.health.items():
+        out.append(f"- {_md_escape(_health_line(key, dict(metric)))}")
+    if diagnosis.not_checked:
+        out += ["", "## Not checked", ""]
+        for n in diagnosis.not_checked:
+            out.append(f"- {n.id} `{n.name}`: {_md_escape(n.reason)}")
+    for sec in sections or []:
+        out += ["", f"## {_md_escape(sec.title)}", ""]
+        if sec.missing:
+            out.append(f"Not recorded: {_md_escape(sec.missing)}")
+            continue
+        out += [_md_escape(t) for t in sec.text]
+        for caption, frame in sec.tables:
+            out += ["", f"**{_md_escape(caption)}**", ""]
+            out.append(_frame_markdown(frame))
+    return "\n".join(out) + "\n"
+
+
+def _frame_markdown(frame: Any, limit: int = 50) -> str:
+    cols = [str(c) for c in frame.columns]
+    rows = ["| " + " | ".join(_md_escape(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    for record in frame.head(limit).itertuples(index=False):
+        rows.append("| " + " | ".join(_md_escape(format_value(v)) for v in record) + " |")
+    if len(frame) > limit:
+        rows.append(f"\n({len(frame) - limit} more rows)")
+    return "\n".join(rows)
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+h1{font-size:1.6em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.8em}
+.finding{border-left:6px solid #999;padding:.5em 1em;margin:1em 0;background:#fafafa}
+.badge{display:inline-block;color:#fff;border-radius:3px;padding:0 .5em;font-size:.85em;margin-right:.5em}
+table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
+.muted{color:#777} .fix{margin:.4em 0}
+"""
+
+
+def _finding_html(f: Finding) -> str:
+    e = html.escape
+    color = _COLOR[f.severity]
+    rows = "".join(f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items())
+    refs = f"<div class='muted'>refs: {e(', '.join(f.refs))}</div>" if f.refs else ""
+    return (
+        f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
+        f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"
+        f"<b>{e(f.id)}</b> <code>{e(f.name)}</code> ({e(f.category)})</div>"
+        f"<div>{e(f.title)}</div><div class='fix'><b>Fix:</b> {e(f.fix)}</div>"
+        f"<table>{rows}</table>{refs}</div>"
+    )
+
+
+def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None = None) -> str:
+    """A self-contained HTML report (plotly.js embedded once; all run text escaped)."""
+    e = html.escape
+    sections = build_sections(run, diagnosis) if sections is None else sections
+    info = _run_summary(diagnosis)
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>amprobe report: {e(Path(info['path']).name)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>amprobe report: {e(Path(info['path']).name)}</h1>",
+        f"<p class='muted'>status {e(str(info['status']))} &middot; {info['steps']} steps &middot; "
+        f"ranks {e(str(info['ranks']))} &middot; device {e(str(info['device']))}"
+        + (f" ({e(str(info['gpu_name']))})" if info.get("gpu_name") else "") + "</p>",
+    ]
+    for warning in info["warnings"]:
+        parts.append(f"<p class='muted'>warning: {e(warning)}</p>")
+    parts.append("<h2>Findings</h2>")
+    if not diagnosis.findings:
+        parts.append("<p>No findings.</p>")
+    parts += [_finding_html(f) for f in diagnosis.findings]
+    parts.append("<h2>Health</h2><ul>")
+    for key, metric in diagnosis.health.items():
+        parts.append(f"<li>{e(_health_line(key, dict(metric)))}</li>")
+    parts.append("</ul>")
+    if diagnosis.not_checked:
+        parts.append("<h2>Not checked</h2><ul>")
+        for n in diagnosis.not_checked:
+            parts.append(f"<li><b>{e(n.id)}</b> <code>{e(n.name)}</code>: {e(n.reason)}</li>")
+        parts.append("</ul>")
+    plotly_included = False
+    for sec in sections:
+        parts.append(f"<h2 id='{e(sec.key)}'>{e(sec.title)}</h2>")
+        if sec.missing:
+            parts.append(f"<p class='muted'>Not recorded: {e(sec.missing)}</p>")
+            continue
+        for text in sec.text:
+            parts.append(f"<p>{e(text)}</p>")
+        for fig in sec.figures:
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=not plotly_included))
+            plotly_included = True
+        for caption, frame in sec.tables:
+            parts.append(f"<h3>{e(caption)}</h3>")
+            parts.append(frame.head(500).to_html(index=False, escape=True, border=0))
+    parts.append("<p class='muted'>Generated by amprobe.</p></body></html>")
+    return "\n".join(parts)
+
+
+def write_report(run: Any, diagnosis: Diagnosis, path: str | os.PathLike[str]) -> Path:
+    """Write the report; the format follows the extension (``.html``/``.htm``, ``.md``, ``.json``).
+
+    Raises:
+        ValueError: unknown extension.
+        OSError: the file cannot be written.
+    """
+    target = Path(path)
+    suffix = target.suffix.lower()
+    if suffix in (".html", ".htm"):
+        text = render_html(run, diagnosis)
+    elif suffix in (".md", ".markdown"):
+        text = render_markdown(diagnosis, build_sections(run, diagnosis))
+    elif suffix == ".json":
+        text = render_json(diagnosis)
+    else:
+        raise ValueError(f"unknown report format {suffix or '(none)'!r}: use .html, .md or .json")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,109 @@
+"""Test helpers: build runs from hand-written rows, and a tiny training loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import torch
+from torch import nn
+
+from amprobe.store import schema
+from amprobe.store.loader import RankInfo, Run
+
+__all__ = ["fake_run", "TinyNet", "train_loop"]
+
+
+def _frame(table: str, rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    rows = [dict(r) for r in rows]
+    columns = schema.TABLES[table]
+    full = [{"rank": r.get("rank", 0), **{c: r.get(c) for c in columns}} for r in rows]
+    arrow = pa.schema([("rank", pa.int64()), *columns.items()])
+    return pa.Table.from_pylist(full, schema=arrow).to_pandas()
+
+
+def fake_run(
+    steps: Iterable[Mapping[str, Any]] = (),
+    events: Iterable[Mapping[str, Any]] = (),
+    manifest: Mapping[str, Any] | None = None,
+    ranks: Iterable[int] = (0,),
+    tables: Mapping[str, Iterable[Mapping[str, Any]]] | None = None,
+) -> Run:
+    """A :class:`Run` held in memory, for rule tests on hand-built frames.
+
+    ``events`` rows take ``kind`` and any detail fields (``rank``/``step`` optional).
+    """
+    event_rows = []
+    for e in events:
+        e = dict(e)
+        rank = e.pop("rank", 0)
+        step = e.pop("step", 0)
+        kind = e.pop("kind")
+        event_rows.append({"rank": rank, "step": step, "t": 0.0, "kind": kind, "detail": json.dumps(e)})
+    rank_manifest = {"device": "cpu", "bf16_supported": True, **(manifest or {})}
+    infos = [RankInfo(rank=r, path=Path(f"/nonexistent/rank{r}"), manifest=dict(rank_manifest), end={}, status="finished")
+             for r in ranks]
+    built = {"steps": _frame("steps", steps), "events": _frame("events", event_rows)}
+    for name, rows in (tables or {}).items():
+        built[name] = _frame(name, rows)
+    return Run(path=Path("/nonexistent"), manifest={}, ranks=infos, status="finished", warnings=[], _tables=built)
+
+
+class TinyNet(nn.Module):
+    def __init__(self, d: int = 16, h: int = 32, out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(h, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def train_loop(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    steps: int,
+    dtype: torch.dtype | None = torch.float16,
+    inf_at: Iterable[int] = (),
+    clip: str | None = None,
+    seed: int = 0,
+) -> list[float]:
+    """A standard AMP loop; ``inf_at`` plants an inf in the input at those iterations.
+
+    ``clip``: None, "after_unscale" (correct) or "before_unscale" (misuse).
+    Returns the loss values (read after training, no effect on numerics).
+    """
+    g = torch.Generator().manual_seed(seed)
+    inf_at = set(inf_at)
+    losses = []
+    for i in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        y = torch.randn(8, 4, generator=g)
+        if i in inf_at:
+            x[0, 0] = float("inf")
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if clip == "before_unscale":
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            elif clip == "after_unscale":
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return [float(v) for v in losses]
