@@ -14,8 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import amprobe  # noqa: E402
 from common import compare, print_table  # noqa: E402
+
+import amprobe  # noqa: E402
 
 
 def attach_with(config: dict | None = None):

@@ -14,7 +14,8 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.amp import GradScaler
@@ -31,6 +32,7 @@ __all__ = ["ScalerCollector"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _AMPROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DEMO_DIR = os.path.join(_AMPROBE_DIR, "demo")
 _MAX_EVENTS_PER_KIND = 50  # per-step facts live in the steps table; events only sample them
 _serial = itertools.count(1)
 # frames that torch's decorators (no_grad and friends) put between clip_grad_norm_ and its helper
@@ -45,7 +47,8 @@ def user_call_site(depth: int = 2) -> str | None:
         return None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_AMPROBE_DIR)):
+        own = filename.startswith(_AMPROBE_DIR) and not filename.startswith(_DEMO_DIR)
+        if not (filename.startswith(_TORCH_DIR) or own):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return None

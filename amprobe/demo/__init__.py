@@ -136,10 +136,10 @@ def train(
             model.booster.factor = 1e6 if ("overflow" in faults and i in overflow_span) else 1.0
             with torch.autocast(device.type, dtype=dtype):
                 logits = model(x)
-                if "half_loss" in faults:
-                    loss = nn.functional.cross_entropy(logits.half(), y)
-                else:
+                if "half_loss" not in faults:
                     loss = nn.functional.cross_entropy(logits.float(), y)
+            if "half_loss" in faults:  # outside autocast, so nothing promotes it to fp32
+                loss = nn.functional.cross_entropy(logits.half(), y)
             scaler.scale(loss).backward()
             if "clip_before_unscale" in faults:
                 nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)

@@ -1,0 +1,57 @@
+"""Regenerate the golden sample runs: ``python sample_runs/generate.py``.
+
+Each scenario is the embedded demo model with different planted faults, recorded on CPU.
+Tests (tests/test_sample_runs.py) diagnose these directories and check the findings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from amprobe.demo import train
+
+HERE = Path(__file__).resolve().parent
+
+#: name -> (description, train() keyword arguments)
+SCENARIOS: dict[str, tuple[str, dict]] = {
+    "healthy": (
+        "fp16 autocast + GradScaler used correctly (unscale_ before clipping), no fault",
+        {"faults": (), "steps": 150, "init_scale": 2.0**10, "growth_interval": 2000},
+    ),
+    "overflow": (
+        "fp16: a layer overflows for 40 steps; every such step is skipped and the scale collapses",
+        {"faults": ("overflow",), "steps": 200},
+    ),
+    "misuse": (
+        "fp16: clipping before unscale_, a GradScaler rebuilt in the loop, a resume that "
+        "does not restore the scaler, and the loss computed in fp16",
+        {"faults": ("clip_before_unscale", "scaler_in_loop", "resume_without_scaler", "half_loss"),
+         "steps": 120},
+    ),
+    "bf16": (
+        "bf16 autocast with a (needless) GradScaler",
+        {"faults": (), "steps": 100, "dtype": torch.bfloat16},
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("names", nargs="*", default=sorted(SCENARIOS), help="scenarios to regenerate")
+    args = parser.parse_args()
+    for name in args.names:
+        description, kwargs = SCENARIOS[name]
+        target = HERE / name
+        if target.exists():
+            shutil.rmtree(target)
+        train(target, device=torch.device("cpu"), config={"flush_every": 50}, **kwargs)
+        (target / "README.txt").write_text(f"{name}: {description}\nRegenerate: python sample_runs/generate.py {name}\n")
+        print(f"recorded {target}")
+
+
+if __name__ == "__main__":
+    main()

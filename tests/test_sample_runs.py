@@ -1,0 +1,48 @@
+"""Golden tests over the recorded runs in sample_runs/ (regenerate with sample_runs/generate.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import amprobe
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
+
+# scenario -> (IDs that must be found, IDs that must not be found)
+EXPECTED = {
+    "healthy": (set(), {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
+    "overflow": ({"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N11"}, {"AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
+    "misuse": ({"AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}, {"AMP-N03", "AMP-N15"}),
+    "bf16": ({"AMP-N15"}, {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N11", "AMP-N12"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_sample_run_findings(name):
+    run = amprobe.load_run(SAMPLES / name)
+    assert run.status == "finished" and not run.warnings
+    ids = set(amprobe.diagnose(run).ids())
+    must, must_not = EXPECTED[name]
+    assert must <= ids, f"missing {must - ids}"
+    assert not (must_not & ids), f"unexpected {must_not & ids}"
+
+
+def test_healthy_sample_has_no_warning_or_error():
+    diagnosis = amprobe.diagnose(amprobe.load_run(SAMPLES / "healthy"))
+    assert [f.id for f in diagnosis.findings if f.severity != "info"] == []
+    assert diagnosis.health["scaler_success_rate"]["value"] == 1.0
+
+
+def test_overflow_sample_numbers():
+    run = amprobe.load_run(SAMPLES / "overflow")
+    steps = run.steps
+    assert len(steps) == 200
+    skipped = steps[steps["skipped"]]
+    assert list(skipped["step"]) == list(range(80, 120)), "the planted overflow spans steps 80..119"
+    n03 = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-N03")
+    assert n03.evidence["longest_cut_run"] == 40
+    assert n03.evidence["cut_run_starts_at_step"] == 80
+    start_scale = float(steps.set_index("step").loc[80, "scale_before"])
+    assert n03.evidence["min_scale"] == pytest.approx(start_scale / 2**40)
