@@ -66,6 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300, help="training iterations (default 300)")
 
     p = sub.add_parser("rules", help="list the rules with their IDs, severities and thresholds")
+
+    p = sub.add_parser("run", help="run a training command with amprobe attached to every Python process",
+                       usage="amprobe run [--out DIR] [--set KEY=VALUE] -- COMMAND [ARGS...]")
+    p.add_argument("--out", default=None, help="run directory (default: amprobe_runs/<time>)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="a probe config field, e.g. --set flush_every=50 (repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after --")
+
+    p = sub.add_parser("baseline", help="run a command twice, FP32 then as written (AMP), and compare",
+                       usage="amprobe baseline [--steps N] [--out DIR] -- COMMAND [ARGS...]")
+    p.add_argument("--steps", type=int, default=200, help="optimizer iterations per run (default 200)")
+    p.add_argument("--out", default=None, help="folder for fp32/ and amp/ (default: amprobe_runs/<time>-baseline)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND")
+
+    p = sub.add_parser("compare", help="compare two runs (e.g. FP32 baseline vs AMP)")
+    p.add_argument("baseline", help="the reference run (FP32)")
+    p.add_argument("candidate", help="the run to compare (AMP)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
     return parser
 
 
@@ -139,17 +160,142 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(items: list[str]) -> dict[str, Any]:
+    import json as _json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise CliError(f"--set expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key] = _json.loads(value)
+        except ValueError:
+            out[key] = value
+        if isinstance(out[key], list):
+            out[key] = tuple(out[key])
+    return out
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    command = list(args.argv)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError(f"no command given: amprobe {args.command_name} [options] -- python train.py")
+    return command
+
+
+def _default_out(suffix: str = "") -> str:
+    import time as _time
+
+    return os.path.join("amprobe_runs", _time.strftime("%Y%m%d-%H%M%S") + suffix)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from amprobe.launcher import launch
+
+    args.command_name = "run"
+    command = _command(args)
+    return launch(command, Path(args.out or _default_out()), _settings(args.settings), overwrite=args.overwrite)
+
+
+def _cmd_baseline(args: argparse.Namespace) -> int:
+    import json as _json
+    from pathlib import Path
+
+    from amprobe.launcher import launch
+    from amprobe.rules.compare import compute_comparison
+
+    args.command_name = "baseline"
+    command = _command(args)
+    if args.steps < 5:
+        raise CliError("--steps must be at least 5")
+    out = Path(args.out or _default_out("-baseline"))
+    config = {**_settings(args.settings), "max_steps": args.steps}
+    codes = {}
+    for name, fp32 in (("fp32", True), ("amp", False)):
+        print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
+        codes[name] = launch(command, out / name, config, force_fp32=fp32,
+                             baseline=(out / "fp32") if not fp32 else None,
+                             overwrite=args.overwrite, quiet=True)
+        if codes[name] != 0:
+            raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
+    import amprobe
+
+    comparison = compute_comparison(amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp"))
+    (out / "comparison.json").write_text(_json.dumps(comparison, indent=2, default=str))
+    _print_comparison(comparison)
+    print(f"amprobe: runs in {out}/fp32 and {out}/amp; amprobe diagnose {out}/amp")
+    return 0
+
+
+def _print_comparison(c: dict[str, Any]) -> None:
+    def fmt(value: Any, spec: str) -> str:
+        return "not recorded" if value is None else format(value, spec)
+
+    print(f"baseline:  {c['baseline']}")
+    print(f"candidate: {c['candidate']}")
+    if c.get("speedup") is not None:
+        print(f"throughput: {c['steps_per_s_baseline']:.2f} -> {c['steps_per_s_candidate']:.2f} steps/s, "
+              f"speedup {c['speedup']:.2f}x")
+        if c.get("samples_per_s_baseline"):
+            print(f"samples/s: {c['samples_per_s_baseline']:.1f} -> {c['samples_per_s_candidate']:.1f}")
+    else:
+        print("throughput: not recorded")
+    if c.get("memory_ratio") is not None:
+        print(f"peak memory ({c['memory_kind']}): {c['peak_memory_baseline'] / 2**20:.1f} -> "
+              f"{c['peak_memory_candidate'] / 2**20:.1f} MiB, ratio {c['memory_ratio']:.2f}")
+    else:
+        print("peak memory: not recorded in both runs")
+    if c.get("loss_diff") is not None:
+        print(f"loss over {c['shared_loss_steps']} shared steps: mean |diff| {c['loss_mean_abs_diff']:.4g}, "
+              f"final {c['final_loss_baseline']:.4g} -> {c['final_loss_candidate']:.4g}")
+    print(f"scaler success rate: {fmt(c['scaler_success_rate_baseline'], '.1%')} -> "
+          f"{fmt(c['scaler_success_rate_candidate'], '.1%')}")
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import json as _json
+    from types import MappingProxyType
+
+    import amprobe
+    from amprobe.rules import REGISTRY
+    from amprobe.rules.compare import compute_comparison, no_speedup_findings
+    from amprobe.rules.engine import RuleContext, resolve_thresholds
+
+    base, cand = _load(args.baseline), _load(args.candidate)
+    comparison = compute_comparison(base, cand)
+    spec = REGISTRY["AMP-S06"]
+    ctx = RuleContext(run=cand, spec=spec, thresholds=MappingProxyType(resolve_thresholds(None)["AMP-S06"]))
+    findings = list(no_speedup_findings(ctx, comparison))
+    if args.format == "json":
+        print(_json.dumps({**comparison, "findings": [f.to_dict() for f in findings]}, indent=2, default=str))
+        return 0
+    _print_comparison(comparison)
+    for f in findings:
+        print(f"[{f.severity}] {f.id} {f.name}: {f.title}\n    fix: {f.fix}")
+    _ = amprobe
+    return 0
+
+
 COMMANDS = {
     "diagnose": _cmd_diagnose,
     "report": _cmd_report,
     "demo": _cmd_demo,
     "rules": _cmd_rules,
+    "run": _cmd_run,
+    "baseline": _cmd_baseline,
+    "compare": _cmd_compare,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``amprobe`` console script."""
     from amprobe.config import ConfigError
+    from amprobe.launcher import LaunchError
     from amprobe.rules import ThresholdError
     from amprobe.store import RunLoadError
 
@@ -157,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (CliError, RunLoadError, ConfigError, ThresholdError) as exc:
+    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError) as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValueError as exc:

@@ -35,6 +35,9 @@ class Config:
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
         world_size: number of ranks; ``None`` reads ``WORLD_SIZE``, else 1.
         overwrite: allow recording into a run directory that already holds this rank's data.
+        max_steps: stop the training process cleanly (``SystemExit(0)`` at a step boundary,
+            after the run is closed) once this many iterations are recorded; used by
+            ``amprobe baseline``. ``None`` never stops the job.
     """
 
     flush_every: int = 100
@@ -45,6 +48,7 @@ class Config:
     rank: int | None = None
     world_size: int | None = None
     overwrite: bool = False
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -66,6 +70,8 @@ class Config:
                     f"unknown collector {name!r}; known collectors: {', '.join(sorted(REGISTRY))}"
                 )
         object.__setattr__(self, "collectors", collectors)
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ConfigError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
         for key in ("rank", "world_size"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -25,7 +25,7 @@ import torch
 
 from amprobe.collectors import REGISTRY, Collector
 from amprobe.config import Config, ConfigError, make_config
-from amprobe.store.writer import RunWriter, write_json_atomic
+from amprobe.store.writer import RunWriter
 
 __all__ = ["Probe", "attach", "current_probe"]
 
@@ -83,8 +83,12 @@ class Probe:
         recording: False while the probe is dormant (instrumented but recording nothing).
     """
 
-    def __init__(self, run_dir: Path, config: Config, recording: bool = True) -> None:
+    def __init__(self, run_dir: Path, config: Config, recording: bool = True,
+                 adoptable: bool = False, lazy: bool = False) -> None:
         self.run_dir = run_dir
+        self.pid = os.getpid()
+        self.adoptable = adoptable  # an automatic probe (`amprobe run`) that attach() joins
+        self._lazy = lazy
         self.config = config
         self.rank = config.resolved_rank
         self.world_size = config.resolved_world_size
@@ -136,6 +140,7 @@ class Probe:
             self._rank_manifest,
             max_buffered_rows=self.config.max_buffered_rows,
             overwrite=self.config.overwrite,
+            lazy=self._lazy,
         )
         for name in self.config.collectors:
             collector = REGISTRY[name]()
@@ -153,6 +158,12 @@ class Probe:
         if any(ref() is model for ref in self.models):
             return
         self.models.append(weakref.ref(model))
+        self.event(
+            "model_registered",
+            model_class=type(model).__name__,
+            parameters=sum(p.numel() for p in model.parameters()),
+            trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        )
         if self.device is None:
             self.note_device(_first_param_device(model))
         self.dispatch("on_model", model)
@@ -164,10 +175,7 @@ class Probe:
         self.device = device
         self._rank_manifest.update(device_facts(device))
         with contextlib.suppress(OSError):
-            write_json_atomic(
-                self.writer.rank_dir / "manifest.json",
-                {"format": "amprobe-run", "schema_version": 1, **self._rank_manifest},
-            )
+            self.writer.update_manifest(self._rank_manifest)
 
     @property
     def rank_manifest(self) -> Mapping[str, Any]:
@@ -235,6 +243,10 @@ class Probe:
         self._pending_steps.append(record)
         self.step += 1
         self._t_step_start = time.perf_counter()
+        if self.config.max_steps is not None and self.step >= self.config.max_steps:
+            self.event("max_steps_reached", max_steps=self.config.max_steps)
+            self.close()
+            raise SystemExit(0)  # asked for: `amprobe baseline` bounds the job's length
         if (
             len(self._pending_steps) >= self.config.flush_every
             or now - self._last_flush >= self.config.flush_interval_s
@@ -243,7 +255,7 @@ class Probe:
 
     def flush(self) -> None:
         """Write everything buffered. Costs one host-device sync per device holding values."""
-        if self.writer is None:
+        if self.writer is None or os.getpid() != self.pid:
             return
         t = time.perf_counter()
         try:
@@ -271,6 +283,8 @@ class Probe:
             if self.closed:
                 return
             self.closed = True
+        if os.getpid() != self.pid:
+            return  # a forked child (DataLoader worker) never writes the parent's run
         try:
             self.event("run_end", steps=self.step)
             self.flush()
@@ -387,7 +401,14 @@ def attach(
         if model is not None:
             existing.add_model(model)
         return existing
-    probe = Probe(Path(run_dir) if run_dir is not None else _default_run_dir(), cfg)
+    return _create(Path(run_dir) if run_dir is not None else _default_run_dir(), cfg,
+                   model, optimizer, scaler)
+
+
+def _create(run_dir: Path, cfg: Config, model: Any = None, optimizer: Any = None, scaler: Any = None,
+            adoptable: bool = False, lazy: bool = False) -> Probe:
+    global _ACTIVE
+    probe = Probe(run_dir, cfg, adoptable=adoptable, lazy=lazy)
     try:
         probe._start(model, optimizer, scaler)
     except BaseException:
@@ -399,3 +420,13 @@ def attach(
         _ACTIVE = probe
     atexit.register(probe.close)
     return probe
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (DataLoader worker, user fork) inherits the probe: make it inert there."""
+    probe = _ACTIVE
+    if probe is not None:
+        probe.closed = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -25,11 +25,22 @@ def _not_measured(why: str) -> dict[str, Any]:
 
 def compute_health(run: Run) -> dict[str, dict[str, Any]]:
     """Compute the section-C metrics that the run's data supports."""
+    from amprobe.rules.compare import compute_comparison, load_baseline
+
     health: dict[str, dict[str, Any]] = {}
     base = "no FP32 baseline recorded (see `amprobe baseline`)"
     health["speedup"] = _not_measured(base)
     health["memory_ratio"] = _not_measured(base)
     health["loss_diff"] = _not_measured(base)
+    baseline = load_baseline(run) if any(r.manifest.get("baseline_run") for r in run.ranks) else None
+    if baseline is not None:
+        comparison = compute_comparison(baseline, run)
+        for key in ("speedup", "memory_ratio", "loss_diff"):
+            if comparison.get(key) is not None:
+                health[key] = {"value": comparison[key], "baseline": str(baseline.path)}
+            else:
+                note = next((n for n in comparison["notes"] if n.startswith(key.split("_")[0][:4])), "not recorded")
+                health[key] = _not_measured(note)
     steps = scaler_steps(run)
     if len(steps):
         skipped = int(steps["skipped"].fillna(False).astype(bool).sum())

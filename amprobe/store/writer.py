@@ -66,6 +66,7 @@ class RunWriter:
         rank_manifest: Mapping[str, Any],
         max_buffered_rows: int,
         overwrite: bool = False,
+        lazy: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -75,10 +76,14 @@ class RunWriter:
         self.lost_rows: dict[str, int] = {}
         self.lost_steps: list[int] = []
         self.write_errors: list[str] = []
-        self._prepare(world_size, rank_manifest, overwrite)
+        self._setup = (world_size, dict(rank_manifest), overwrite)
+        self.ready = False
+        self._check(overwrite)
+        if not lazy:
+            self._prepare(*self._setup)
 
     # -- set-up (raises: called at attach time) ---------------------------------------------
-    def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
+    def _check(self, overwrite: bool) -> None:
         from amprobe.config import ConfigError
 
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -88,6 +93,20 @@ class RunWriter:
                 f"run_dir {str(self.run_dir)!r} already holds a recording for rank {self.rank}; "
                 "choose a new run_dir or pass config={'overwrite': True}"
             )
+
+    def update_manifest(self, rank_manifest: Mapping[str, Any]) -> None:
+        """Replace this rank's manifest (atomically) once more facts are known."""
+        self._setup = (self._setup[0], dict(rank_manifest), self._setup[2])
+        if self.ready:
+            write_json_atomic(
+                self.rank_dir / schema.RANK_MANIFEST,
+                {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
+            )
+
+    def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
+        from amprobe.config import ConfigError
+
+        self._check(overwrite)
         try:
             self.rank_dir.mkdir(parents=True, exist_ok=True)
             if overwrite:
@@ -112,6 +131,7 @@ class RunWriter:
             )
         except OSError as exc:
             raise ConfigError(f"cannot write run_dir {str(self.run_dir)!r}: {exc.strerror or exc}") from None
+        self.ready = True
 
     # -- hot-ish path (never raises) ---------------------------------------------------------
     def append(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -138,7 +158,21 @@ class RunWriter:
                 self.lost_steps = [min(self.lost_steps[0], step), max(self.lost_steps[1], step)]
 
     def flush(self) -> bool:
-        """Append all queued rows to their files. Returns False if some rows stay queued."""
+        """Append all queued rows to their files. Returns False if some rows stay queued.
+
+        A lazy writer creates its files only once a training step has been queued, so a
+        process that never trains (a launcher, a helper script) leaves nothing behind.
+        """
+        if not self.ready:
+            if not self._pending.get("steps"):
+                return True
+            try:
+                self._prepare(*self._setup)
+            except Exception as exc:
+                message = f"cannot create the run directory: {exc}"
+                if message not in self.write_errors:
+                    self.write_errors.append(message)
+                return False
         ok = True
         for table, queue in self._pending.items():
             if not queue:
@@ -163,6 +197,8 @@ class RunWriter:
     def close(self, end: Mapping[str, Any]) -> None:
         """Flush what is left and write ``end.json`` (the clean-close marker)."""
         self.flush()
+        if not self.ready:
+            return  # a lazy writer of a process that never trained writes nothing
         for table, queue in self._pending.items():
             for line in queue:
                 self._count_lost(table, line)

@@ -1,0 +1,5 @@
+import sys
+
+from amprobe.cli import main
+
+sys.exit(main())

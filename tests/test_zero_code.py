@@ -1,0 +1,129 @@
+"""`amprobe run` / `baseline` / `compare` on plain scripts, in real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import amprobe
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def amprobe_cli(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "amprobe", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_script(tmp_path: Path, mode: str, steps: int = 8, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / f"run-{mode}"
+    proc = amprobe_cli("run", "--out", str(out), "--", sys.executable, str(SCRIPTS / "train_amp.py"),
+                       mode, str(steps), *extra, cwd=tmp_path)
+    return proc, out
+
+
+def test_fp16_script_recorded_like_attach(tmp_path):
+    proc, out = run_script(tmp_path, "fp16")
+    assert proc.returncode == 0, proc.stderr
+    assert "trained 8 steps" in proc.stdout, "the child's output passes through"
+    assert "amprobe: recorded 8 steps" in proc.stderr
+    run = amprobe.load_run(out)
+    assert run.status == "finished"
+    assert list(run.steps["step"]) == list(range(8))
+    assert run.steps.set_index("step").loc[3, "skipped"]
+    assert run.rank_manifest["launched_by"] == "amprobe run"
+    models = run.events_of("model_registered")
+    assert len(models) == 1 and models[0]["model_class"] == "Sequential"
+    # the same findings as attaching in code: one cut, fp16 on a bf16-capable CPU
+    assert "AMP-N01" in amprobe.diagnose(run).ids()
+
+
+@pytest.mark.parametrize("mode, dtype", [("bf16", "bfloat16"), ("fp32", None)])
+def test_scripts_without_scaler(tmp_path, mode, dtype):
+    proc, out = run_script(tmp_path, mode, 6)
+    assert proc.returncode == 0, proc.stderr
+    run = amprobe.load_run(out)
+    assert len(run.steps) == 6
+    assert not run.steps["scaler_enabled"].any()
+    seen = set(run.steps["autocast_dtype"].dropna())
+    assert seen == ({dtype} if dtype else set())
+
+
+def test_crashing_script_keeps_exit_code_and_is_recorded(tmp_path):
+    proc, out = run_script(tmp_path, "crash", 10)
+    assert proc.returncode == 1
+    assert "planted crash" in proc.stderr
+    run = amprobe.load_run(out)
+    assert list(run.steps["step"]) == [0, 1, 2, 3]
+
+
+def test_script_that_attaches_itself_is_not_instrumented_twice(tmp_path):
+    own = tmp_path / "own"
+    proc, out = run_script(tmp_path, "attach", 5, str(own))
+    assert proc.returncode == 0, proc.stderr
+    run = amprobe.load_run(out)
+    assert len(run.steps) == 5, "one probe, one record per step"
+    assert not own.exists(), "attach() joined the automatic probe instead of starting a second one"
+
+
+def test_dataloader_workers_do_not_write(tmp_path):
+    proc, out = run_script(tmp_path, "dataloader", 6)
+    assert proc.returncode == 0, proc.stderr
+    run = amprobe.load_run(out)
+    assert len(run.ranks) == 1 and len(run.steps) == 6 and not run.warnings
+
+
+def test_non_python_command_and_missing_command(tmp_path):
+    proc = amprobe_cli("run", "--out", str(tmp_path / "x"), "--", "sh", "-c", "exit 7", cwd=tmp_path)
+    assert proc.returncode == 7
+    assert "nothing to diagnose" in proc.stderr
+    proc = amprobe_cli("run", "--out", str(tmp_path / "y"), "--", "no-such-command-xyz", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "amprobe: error: command not found: no-such-command-xyz"
+    proc = amprobe_cli("run", "--out", str(tmp_path / "z"), cwd=tmp_path)
+    assert proc.returncode == 2 and "no command given" in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_gloo_ranks(tmp_path):
+    out = tmp_path / "ddp"
+    proc = amprobe_cli("run", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
+                       "--nproc_per_node", "2", "--master_port", str(_free_port()), str(SCRIPTS / "ddp_gloo.py"),
+                       cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    run = amprobe.load_run(out)
+    assert [r.rank for r in run.ranks] == [0, 1]
+    assert run.steps.groupby("rank").size().to_dict() == {0: 12, 1: 12}
+    assert {r.manifest["world_size"] for r in run.ranks} == {2}
+
+
+def test_baseline_and_compare(tmp_path):
+    out = tmp_path / "ab"
+    proc = amprobe_cli("baseline", "--steps", "12", "--out", str(out), "--", sys.executable,
+                       str(SCRIPTS / "train_amp.py"), "fp16", "40", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "speedup" in proc.stdout
+    fp32, amp = amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp")
+    assert len(fp32.steps) == 12 and len(amp.steps) == 12, "each run stops cleanly after --steps"
+    assert fp32.steps["autocast_dtype"].isna().all() and not fp32.steps["scaler_enabled"].any()
+    assert set(amp.steps["autocast_dtype"]) == {"float16"}
+    comparison = json.loads((out / "comparison.json").read_text())
+    # throughput = 1 / median step time after the 2 warm-up steps, computed here independently
+    expected = fp32.steps["wall_s"].iloc[2:].median() / amp.steps["wall_s"].iloc[2:].median()
+    assert comparison["speedup"] == pytest.approx(expected)
+    health = amprobe.diagnose(amp).health
+    assert health["speedup"]["value"] == pytest.approx(comparison["speedup"])
+    proc = amprobe_cli("compare", str(out / "fp32"), str(out / "amp"), "--format", "json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["speedup"] == pytest.approx(comparison["speedup"])
