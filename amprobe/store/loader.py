@@ -302,10 +302,10 @@ def load_run(path: str | os.PathLike[str]) -> Run:
                 warnings.append(str(exc))
         status = _rank_status(rank_manifest, end)
         if end and end.get("lost_rows"):
-            lost = sum(int(v) for v in end["lost_rows"].values() if isinstance(v, int))
+            lost = ", ".join(f"{n} {table} record(s)" for table, n in sorted(end["lost_rows"].items()))
             span = end.get("lost_steps") or []
             warnings.append(
-                f"rank {rank}: {lost} record(s) could not be written"
+                f"rank {rank}: {lost} could not be written"
                 + (f" (steps {span[0]}..{span[1]})" if len(span) == 2 else "")
                 + (f": {'; '.join(end.get('write_errors', []))}" if end.get("write_errors") else "")
             )

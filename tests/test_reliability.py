@@ -1,0 +1,161 @@
+"""The probe never hurts the job: write failures, odd models, compiled models, eval loops."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import amprobe
+import amprobe.store.writer as writer_module
+from tests.helpers import TinyNet, train_loop
+
+
+def _train(tmp_path, attach: bool, config=None, steps=12):
+    torch.manual_seed(3)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    if attach:
+        with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run", config=config):
+            train_loop(model, opt, scaler, steps, inf_at=(4,))
+    else:
+        train_loop(model, opt, scaler, steps, inf_at=(4,))
+    return copy.deepcopy(model.state_dict()), scaler.get_scale()
+
+
+class _FullDisk:
+    """Makes appends to record files fail with ENOSPC while ``full`` is set."""
+
+    def __init__(self) -> None:
+        self.full = True
+        self.failures = 0
+
+    def __call__(self, file, mode="r", *args, **kwargs):
+        if self.full and "a" in mode:
+            self.failures += 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return open(file, mode, *args, **kwargs)
+
+
+def test_disk_full_mid_run_buffers_then_recovers(tmp_path, monkeypatch):
+    plain, plain_scale = _train(tmp_path / "plain", attach=False)
+    disk = _FullDisk()
+    monkeypatch.setattr(writer_module, "open", disk, raising=False)
+    torch.manual_seed(3)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run",
+                           config={"flush_every": 2})
+    train_loop(model, opt, scaler, 6, inf_at=(4,))
+    assert disk.failures > 0, "the flushes met the full disk"
+    disk.full = False  # space freed: buffered rows are written at the next flush
+    train_loop(model, opt, scaler, 6, seed=1)
+    probe.close()
+    run = amprobe.load_run(tmp_path / "run")
+    assert list(run.steps["step"]) == list(range(12)), "nothing was lost while the disk was full"
+    assert not any("could not be written" in w for w in run.warnings)
+
+
+def test_disk_full_beyond_budget_counts_what_was_lost(tmp_path, monkeypatch):
+    disk = _FullDisk()
+    monkeypatch.setattr(writer_module, "open", disk, raising=False)
+    torch.manual_seed(3)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run",
+                           config={"flush_every": 1, "max_buffered_rows": 3})
+    train_loop(model, opt, scaler, 10)  # must not raise although nothing can be written
+    disk.full = False
+    probe.close()
+    run = amprobe.load_run(tmp_path / "run")
+    assert list(run.steps["step"]) == [7, 8, 9], "the newest rows within the budget survive"
+    end = json.loads((tmp_path / "run" / "rank0" / "end.json").read_text())
+    assert end["lost_rows"]["steps"] == 7 and end["lost_steps"] == [0, 6]
+    assert any("7 steps record(s) could not be written (steps 0..6)" in w for w in run.warnings), run.warnings
+    assert any("No space left" in e for e in end["write_errors"])
+
+
+def test_numerics_identical_with_every_collector_enabled(tmp_path):
+    from amprobe.collectors import REGISTRY
+
+    every = tuple(name for name in REGISTRY if name != "prometheus")
+    plain, plain_scale = _train(tmp_path / "a", attach=False)
+    probed, probed_scale = _train(tmp_path / "b", attach=True, config={"collectors": every, "flush_every": 3})
+    assert plain_scale == probed_scale
+    for name in plain:
+        assert torch.equal(plain[name], probed[name]), name
+
+
+class OddOutputs(nn.Module):
+    """Returns a dict holding a tuple, None and a non-tensor, with a shared layer called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.shared(torch.relu(self.shared(x))))
+        return {"pred": (self.out(h), None), "aux": None, "note": "text", "n": 3}
+
+
+def test_odd_model_outputs_and_weight_sharing(tmp_path):
+    from amprobe.collectors import REGISTRY
+
+    every = tuple(name for name in REGISTRY if name != "prometheus")
+    torch.manual_seed(0)
+    model = OddOutputs()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r",
+                        config={"collectors": every}):
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 16))["pred"][0].float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    run = amprobe.load_run(tmp_path / "r")
+    assert len(run.steps) == 4
+    assert run.events_of("collector_error") == []
+
+
+def test_eval_loop_under_no_grad_does_not_count_as_steps(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r"):
+        train_loop(model, opt, scaler, 3)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            for _ in range(5):
+                model(torch.randn(4, 16))
+        train_loop(model, opt, scaler, 3)
+    run = amprobe.load_run(tmp_path / "r")
+    assert list(run.steps["step"]) == list(range(6))
+
+
+def test_compiled_model_is_recorded_without_crash(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with amprobe.attach(model=compiled, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r"):
+        train_loop(compiled, opt, scaler, 3, dtype=torch.bfloat16)
+    run = amprobe.load_run(tmp_path / "r")
+    assert len(run.steps) == 3 and run.steps["loss"].notna().all()
+
+
+@pytest.mark.parametrize("bad", ["not a dict", 5])
+def test_bad_config_type(tmp_path, bad):
+    with pytest.raises(amprobe.ConfigError):
+        amprobe.attach(run_dir=tmp_path / "r", config=bad)
