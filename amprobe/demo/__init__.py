@@ -137,7 +137,9 @@ def train(
             with torch.autocast(device.type, dtype=dtype):
                 logits = model(x)
                 if "half_loss" in faults:
-                    loss = nn.functional.cross_entropy(logits.half(), y)
+                    # autocast runs cross_entropy in fp32 whatever its input: step out of it
+                    with torch.autocast(device.type, enabled=False):
+                        loss = nn.functional.cross_entropy(logits.half(), y)
                 else:
                     loss = nn.functional.cross_entropy(logits.float(), y)
             scaler.scale(loss).backward()
