@@ -7,7 +7,14 @@ import pytest
 from amprobe.rules import REGISTRY
 from amprobe.rules import precision as precision_rules
 from tests.helpers import fake_run
-from tests.trajectories import diag, findings_of, not_checked_ids, plain_steps, scaled_steps, scaler_event
+from tests.trajectories import (
+    diag,
+    findings_of,
+    not_checked_ids,
+    plain_steps,
+    scaled_steps,
+    scaler_event,
+)
 
 PRECISION_RULES = {"AMP-N11", "AMP-N12", "AMP-N13", "AMP-N14", "AMP-N15"}
 

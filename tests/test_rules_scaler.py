@@ -15,7 +15,14 @@ import amprobe
 from amprobe.rules import REGISTRY, ThresholdError
 from amprobe.rules import scaler as scaler_rules
 from tests.helpers import fake_run
-from tests.trajectories import diag, findings_of, not_checked_ids, plain_steps, scaled_steps, scaler_event
+from tests.trajectories import (
+    diag,
+    findings_of,
+    not_checked_ids,
+    plain_steps,
+    scaled_steps,
+    scaler_event,
+)
 
 SCALER_RULES = {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N07", "AMP-N08", "AMP-N09", "AMP-N10"}
 
