@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -434,12 +435,35 @@ def test_fuzzed_run_loads_or_raises_run_load_error(real_run: Path, mutations):
         shutil.copytree(real_run, root)
         for kind, name, arg in mutations:
             _mutate(root, kind, name, arg)
-        try:
-            run = load_run(root)
-        except RunLoadError as exc:
-            assert "\n" not in str(exc)
-            return
-        diagnosis = amprobe.diagnose(run)
-        render_text(diagnosis)
-        json.loads(render_json(diagnosis))
+        with _hang_guard(10.0):
+            try:
+                run = load_run(root)
+            except RunLoadError as exc:
+                assert "\n" not in str(exc)
+                return
+            diagnosis = amprobe.diagnose(run)
+            render_text(diagnosis)
+            json.loads(render_json(diagnosis))
         assert all(isinstance(w, str) for w in run.warnings)
+
+
+@contextlib.contextmanager
+def _hang_guard(seconds: float):
+    """Fail (instead of hanging forever) when the body runs longer than ``seconds``.
+
+    Hypothesis' deadline only judges an example after it returns; this interrupts one that never does.
+    """
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def fire(signum, frame):
+        raise TimeoutError(f"load/diagnose ran longer than {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
