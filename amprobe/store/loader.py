@@ -275,6 +275,8 @@ def load_run(path: str | os.PathLike[str]) -> Run:
                 raise
             warnings.append(f"{exc}; reading the ranks without it")
             manifest = {}
+    elif any(p.is_dir() and p.name.startswith("rank") for p in root.iterdir()):
+        warnings.append(f"run manifest is missing: {top}; reading the ranks without it")
     rank_dirs = sorted(
         (p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank") and p.name[4:].isdigit()),
         key=lambda p: int(p.name[4:]),

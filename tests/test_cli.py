@@ -1,0 +1,236 @@
+"""The command line: positive paths on demo runs, and one-line errors for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from amprobe.cli import main
+from amprobe.demo import train
+from amprobe.rules import REGISTRY
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Three short demo runs: planted errors, a warning-only run, and a clean run."""
+    root = tmp_path_factory.mktemp("cli-runs")
+    made = {}
+    for name, faults, steps in (("faulty", ("overflow", "clip_before_unscale"), 40),
+                                ("half", ("half_loss",), 20), ("clean", (), 20)):
+        made[name] = train(root / name, faults=faults, steps=steps).run_dir
+    return made
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``amprobe.cli.main`` in process; argparse's SystemExit is turned into the exit code."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, match: str) -> None:
+    assert code not in (0, None, 1, 3), code  # 1 = findings gate, 3 = internal error
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err
+    assert re.search(match, err), err
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def corrupt_run(tmp_path: Path, runs) -> Path:
+    import shutil
+
+    target = tmp_path / "corrupt"
+    shutil.copytree(runs["clean"], target)
+    (target / "rank0" / "manifest.json").write_text("{ not json")
+    return target
+
+
+@pytest.fixture
+def future_run(tmp_path: Path, runs) -> Path:
+    import shutil
+
+    target = tmp_path / "future"
+    shutil.copytree(runs["clean"], target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    return target
+
+
+def test_missing_path(capsys, tmp_path):
+    assert_one_line_error(*run_cli(capsys, "diagnose", str(tmp_path / "nope"))[::2], "no such run directory")
+
+
+def test_file_path(capsys, tmp_path):
+    (tmp_path / "f.txt").write_text("x")
+    code, _, err = run_cli(capsys, "report", str(tmp_path / "f.txt"), "-o", str(tmp_path / "r.html"))
+    assert_one_line_error(code, err, "not a directory")
+
+
+def test_empty_dir(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "diagnose", str(tmp_path))
+    assert_one_line_error(code, err, "not an amprobe run directory")
+
+
+def test_corrupt_run(capsys, corrupt_run):
+    code, out, err = run_cli(capsys, "diagnose", str(corrupt_run))
+    assert_one_line_error(code, err, "no readable rank")
+    assert out == ""
+
+
+def test_future_schema(capsys, future_run):
+    code, _, err = run_cli(capsys, "diagnose", str(future_run), "--format", "json")
+    assert_one_line_error(code, err, "upgrade amprobe")
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        pytest.param(["diagnose", "{run}", "--bogus"], "unrecognized arguments: --bogus", id="unknown-option"),
+        pytest.param(["frobnicate"], "invalid choice: 'frobnicate'", id="unknown-subcommand"),
+        pytest.param([], "required", id="no-subcommand"),
+        pytest.param(["diagnose"], "required", id="no-run"),
+        pytest.param(["diagnose", "{run}", "--format", "yaml"], "invalid choice: 'yaml'", id="bad-format"),
+        pytest.param(["diagnose", "{run}", "--fail-on", "info"], "invalid choice: 'info'", id="bad-fail-on"),
+        pytest.param(["diagnose", "{run}", "--threshold", "garbage"], "RULE.NAME=VALUE", id="threshold-syntax"),
+        pytest.param(["diagnose", "{run}", "--threshold", "AMP-N02.warn_below=abc"], "RULE.NAME=VALUE",
+                     id="threshold-value"),
+        pytest.param(["diagnose", "{run}", "--threshold", "AMP-N99.warn_below=0.5"], "unknown rule 'AMP-N99'",
+                     id="threshold-unknown-rule"),
+        pytest.param(["diagnose", "{run}", "--threshold", "AMP-N02.nope=0.5"], "has no threshold 'nope'",
+                     id="threshold-unknown-name"),
+        pytest.param(["report", "{run}"], "required: -o", id="report-without-output"),
+        pytest.param(["report", "{run}", "-o", "{tmp}/r.txt"], "unknown report format '.txt'", id="bad-extension"),
+        pytest.param(["report", "{run}", "-o", "{tmp}/r"], "unknown report format", id="no-extension"),
+        pytest.param(["report", "{run}", "-o", "{tmp}/afile/r.html"], "afile", id="unwritable-output"),
+        pytest.param(["demo", "--steps", "3", "--out", "{tmp}/d"], "at least 10", id="demo-too-few-steps"),
+    ],
+)
+def test_bad_arguments_give_one_line(capsys, tmp_path, runs, argv, match):
+    (tmp_path / "afile").write_text("a file where a folder is needed")
+    argv = [a.format(run=runs["clean"], tmp=tmp_path) for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert_one_line_error(code, err, match)
+    assert not (tmp_path / "r.txt").exists() and not (tmp_path / "d").exists()
+
+
+def test_bad_input_via_subprocess_has_no_traceback(tmp_path, runs):
+    """The real entry points, end to end: ``python -m amprobe`` and ``python -m amprobe.cli``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("AMPROBE_DEBUG", None)
+    bad = tmp_path / "nope"
+    calls = (("amprobe", ["diagnose", str(bad)]),
+             ("amprobe.cli", ["report", str(runs["clean"]), "-o", str(tmp_path / "x.pdf")]))
+    procs = [subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for module, argv in calls]
+    for proc in procs:  # started together: the torch import dominates, and it overlaps
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, err
+        assert err.count("\n") == 1 and err.startswith("amprobe: error: "), err
+        assert "Traceback" not in err and out == ""
+
+
+# -- positive paths -------------------------------------------------------------------------------
+
+def test_diagnose_json(capsys, runs):
+    code, out, err = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "json")
+    assert code == 0 and err == ""
+    payload = json.loads(out)
+    ids = [f["id"] for f in payload["findings"]]
+    assert {"AMP-N02", "AMP-N09"} <= set(ids)
+    assert all(set(f) >= {"id", "severity", "title", "evidence", "fix", "refs"} for f in payload["findings"])
+    assert payload["run"]["status"] == "finished" and payload["run"]["steps"] == 40
+    assert isinstance(payload["not_checked"], list)
+    assert payload["health"]["scaler_success_rate"]["value"] < 0.9
+
+
+def test_diagnose_text_and_markdown(capsys, runs):
+    code, text, _ = run_cli(capsys, "diagnose", str(runs["faulty"]))
+    assert code == 0 and "AMP-N09" in text and "AMP-N02" in text
+    code, md, _ = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "markdown")
+    assert code == 0 and md.lstrip().startswith("#") and "AMP-N09" in md and "AMP-N02" in md
+
+
+@pytest.mark.parametrize(
+    ("run", "fail_on", "expected"),
+    [
+        ("faulty", "error", 1),
+        ("faulty", "warning", 1),
+        ("half", "error", 0),  # only warnings and infos
+        ("half", "warning", 1),
+        ("clean", "warning", 0),
+        ("clean", "error", 0),
+        ("faulty", None, 0),  # without --fail-on findings never change the exit code
+    ],
+)
+def test_fail_on_exit_codes(capsys, runs, run, fail_on, expected):
+    argv = ["diagnose", str(runs[run]), "--format", "json"] + (["--fail-on", fail_on] if fail_on else [])
+    code, out, _ = run_cli(capsys, *argv)
+    severities = {f["severity"] for f in json.loads(out)["findings"]}
+    assert code == expected
+    if run == "half":
+        assert "warning" in severities and "error" not in severities  # the premise of the case
+
+
+def test_threshold_override_changes_findings(capsys, runs):
+    _, out, _ = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "json")
+    assert "AMP-N02" in {f["id"] for f in json.loads(out)["findings"]}
+    code, out, _ = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "json",
+                           "--threshold", "AMP-N02.warn_below=0", "--threshold", "AMP-N02.error_below=0")
+    assert code == 0 and "AMP-N02" not in {f["id"] for f in json.loads(out)["findings"]}
+
+
+def test_report_html_is_self_contained(capsys, runs, tmp_path):
+    target = tmp_path / "out" / "x.html"
+    code, out, err = run_cli(capsys, "report", str(runs["faulty"]), "-o", str(target))
+    assert code == 0 and str(target) in out and err == ""
+    html = target.read_text()
+    assert "Plotly.newPlot" in html or "plotly" in html.lower()
+    assert len(html) > 1_000_000  # plotly.js is embedded, not linked
+    assert not re.search(r"<script[^>]+src=[\"']https?://", html)
+    for fid in ("AMP-N02", "AMP-N09", "AMP-N01"):
+        assert fid in html
+
+
+def test_report_markdown(capsys, runs, tmp_path):
+    target = tmp_path / "x.md"
+    code, _, _ = run_cli(capsys, "report", str(runs["faulty"]), "-o", str(target))
+    md = target.read_text()
+    assert code == 0 and md.lstrip().startswith("#") and "AMP-N09" in md
+
+
+def test_partial_load_warns_on_stderr_and_still_reports(capsys, runs, tmp_path):
+    import shutil
+
+    target = tmp_path / "partial"
+    shutil.copytree(runs["faulty"], target)
+    (target / "rank0" / "end.json").unlink()
+    manifest_path = target / "rank0" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["pid"] = None  # recorded by this (live) test process: make the writer a dead one
+    manifest_path.write_text(json.dumps(manifest))
+    code, out, err = run_cli(capsys, "diagnose", str(target), "--format", "json")
+    assert code == 0 and "Traceback" not in err
+    assert "amprobe: warning: run ended abruptly at step 39" in err
+    assert json.loads(out)["run"]["status"] == "interrupted"
+
+
+def test_rules_lists_every_id(capsys):
+    code, out, _ = run_cli(capsys, "rules")
+    assert code == 0
+    listed = re.findall(r"^(AMP-[A-Z]\d\d)\b", out, re.M)
+    assert sorted(listed) == sorted(REGISTRY)
+    assert "warn_below=0.95" in out

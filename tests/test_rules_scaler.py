@@ -1,0 +1,417 @@
+"""Loss-scale and GradScaler-usage rules (AMP-N01, N02, N03, N07, N08, N09, N10), the scaler
+success-rate health metric, and the engine's threshold / not-checked contract.
+
+Every case is a hand-built run; expected evidence is recomputed here from the planted data,
+not read back from the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import amprobe
+from amprobe.rules import REGISTRY, ThresholdError
+from amprobe.rules import scaler as scaler_rules
+from tests.helpers import fake_run
+from tests.trajectories import (
+    diag,
+    findings_of,
+    not_checked_ids,
+    plain_steps,
+    scaled_steps,
+    scaler_event,
+)
+
+SCALER_RULES = {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N07", "AMP-N08", "AMP-N09", "AMP-N10"}
+
+
+def test_every_scaler_rule_is_covered_here():
+    registered = {rid for rid, spec in REGISTRY.items() if spec.fn.__module__ == scaler_rules.__name__}
+    assert registered == SCALER_RULES
+
+
+# -- AMP-N01 scale-backoff ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("n", "cuts", "interval", "expected"),
+    [
+        pytest.param(100, [], 10, None, id="no-cut"),
+        pytest.param(100, [40], 10, "info", id="one-cut-info"),
+        pytest.param(100, list(range(0, 100, 10)), 10, "info", id="one-per-interval-boundary-info"),
+        pytest.param(100, list(range(0, 100, 9)), 10, "warning", id="more-than-one-per-interval"),
+        pytest.param(100, list(range(0, 40, 2)), 10, "warning", id="twenty-cuts-warning"),
+    ],
+)
+def test_n01_scale_backoff(n, cuts, interval, expected):
+    run = fake_run(steps=scaled_steps(n, cuts=cuts), events=[scaler_event(growth_interval=interval)])
+    found = findings_of(diag(run), "AMP-N01")
+    if expected is None:
+        assert found == []
+        return
+    assert len(found) == 1
+    f = found[0]
+    assert f.severity == expected
+    assert f.evidence["cuts"] == len(cuts)
+    assert f.evidence["steps"] == n
+    assert f.evidence["cut_steps"] == sorted(cuts)[:20]
+    assert f.evidence["growth_interval"] == interval
+    assert f.evidence["cuts_per_growth_interval"] == pytest.approx(len(cuts) / (n / interval), abs=1e-3)
+    afters = [r["scale_after"] for r in scaled_steps(n, cuts=cuts)]
+    assert f.evidence["min_scale"] == 65536.0 / 2 ** len(cuts) == min(afters)
+    assert f.evidence["max_scale"] == max(afters)
+    assert f.name == "scale-backoff" and f.category == "nan" and f.fix
+
+
+def test_n01_threshold_override_turns_warning_into_info():
+    run = fake_run(steps=scaled_steps(100, cuts=range(0, 40, 2)), events=[scaler_event(growth_interval=10)])
+    assert findings_of(diag(run), "AMP-N01")[0].severity == "warning"
+    relaxed = diag(run, {"AMP-N01": {"frequent_cuts_per_interval": 5.0}})
+    assert findings_of(relaxed, "AMP-N01")[0].severity == "info"
+
+
+def test_n01_uses_default_growth_interval_without_scaler_event():
+    # 2 cuts in 4000 steps with torch's default growth_interval 2000 -> 1 per interval: info.
+    run = fake_run(steps=scaled_steps(4000, cuts=[5, 6]))
+    (f,) = findings_of(diag(run), "AMP-N01")
+    assert f.evidence["growth_interval"] == 2000
+    assert f.severity == "info"
+
+
+# -- AMP-N02 skip-rate ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("n", "skipped", "expected"),
+    [
+        pytest.param(100, 0, None, id="all-applied"),
+        pytest.param(100, 5, None, id="95pct-boundary-none"),
+        pytest.param(100, 6, "warning", id="94pct-warning"),
+        pytest.param(100, 10, "warning", id="90pct-boundary-warning"),
+        pytest.param(100, 11, "error", id="89pct-error"),
+        pytest.param(20, 20, "error", id="all-skipped"),
+        pytest.param(9, 9, None, id="below-min-steps"),
+    ],
+)
+def test_n02_skip_rate(n, skipped, expected):
+    cut_steps = list(range(n - skipped, n))  # skipped steps at the end; they still count as steps
+    run = fake_run(steps=scaled_steps(n, cuts=cut_steps))
+    found = findings_of(diag(run), "AMP-N02")
+    if expected is None:
+        assert found == []
+        return
+    (f,) = found
+    assert f.severity == expected
+    rate = (n - skipped) / n
+    assert f.evidence["success_rate"] == pytest.approx(rate, abs=1e-4)
+    assert f.evidence["skipped"] == skipped
+    assert f.evidence["steps"] == n
+    assert f.evidence["skipped_steps"] == cut_steps[:20]
+    assert (f.evidence["warn_below"], f.evidence["error_below"]) == (0.95, 0.90)
+
+
+def test_n02_threshold_overrides_change_outcome():
+    run = fake_run(steps=scaled_steps(100, cuts=range(3)))  # 97 % applied
+    assert findings_of(diag(run), "AMP-N02") == []
+    (f,) = findings_of(diag(run, {"AMP-N02": {"warn_below": 0.98}}), "AMP-N02")
+    assert f.severity == "warning"
+    (f,) = findings_of(diag(run, {"AMP-N02": {"warn_below": 0.99, "error_below": 0.98}}), "AMP-N02")
+    assert f.severity == "error"
+    short = fake_run(steps=scaled_steps(8, cuts=range(4)))
+    assert findings_of(diag(short), "AMP-N02") == []
+    assert findings_of(diag(short, {"AMP-N02": {"min_steps": 5}}), "AMP-N02")[0].severity == "error"
+
+
+def test_n02_per_rank_evidence():
+    rows = scaled_steps(50, rank=0) + scaled_steps(50, cuts=range(10), rank=1)
+    run = fake_run(steps=rows, ranks=(0, 1))
+    (f,) = findings_of(diag(run), "AMP-N02")
+    assert f.evidence["rank"] == 1
+    assert f.evidence["success_rate"] == pytest.approx(0.8)
+    assert "rank 1" in f.title
+
+
+def test_n02_not_checked_on_bf16_run_without_scaler():
+    run = fake_run(steps=plain_steps(50, dtype="bfloat16"))
+    d = diag(run)
+    reasons = not_checked_ids(d)
+    assert "AMP-N02" in reasons and "GradScaler" in reasons["AMP-N02"]
+    assert findings_of(d, "AMP-N02") == []
+
+
+# -- AMP-N03 scale-collapse -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("n", "cuts", "init", "expect", "run_len", "start", "below_at"),
+    [
+        pytest.param(40, [], 65536.0, False, 0, None, None, id="stable"),
+        pytest.param(40, range(5, 20), 65536.0, False, 15, 5, None, id="15-consecutive-cuts"),
+        pytest.param(40, range(5, 21), 65536.0, True, 16, 5, None, id="16-consecutive-cuts"),
+        pytest.param(40, [3, 5, 7], 4.0, True, 1, 3, 7, id="scale-below-1"),
+        pytest.param(40, [3, 4], 4.0, False, 2, 3, None, id="scale-exactly-1"),
+    ],
+)
+def test_n03_scale_collapse(n, cuts, init, expect, run_len, start, below_at):
+    run = fake_run(steps=scaled_steps(n, cuts=cuts, init=init), events=[scaler_event(init_scale=init)])
+    found = findings_of(diag(run), "AMP-N03")
+    if not expect:
+        assert found == []
+        return
+    (f,) = found
+    assert f.severity == "error"
+    assert f.evidence["min_scale"] == init / 2 ** len(list(cuts))
+    assert f.evidence["longest_cut_run"] == run_len
+    assert f.evidence["cut_run_starts_at_step"] == start
+    assert f.evidence["first_step_below_min"] == below_at
+
+
+def test_n03_threshold_override():
+    run = fake_run(steps=scaled_steps(40, cuts=range(5, 13)))  # 8 consecutive cuts, scale 256
+    assert findings_of(diag(run), "AMP-N03") == []
+    assert findings_of(diag(run, {"AMP-N03": {"max_consecutive_cuts": 8}}), "AMP-N03")
+    assert findings_of(diag(run, {"AMP-N03": {"min_scale": 512}}), "AMP-N03")
+
+
+# -- AMP-N07 scale-chronically-low ----------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("n", "cuts", "growth", "expect"),
+    [
+        pytest.param(50, range(10), [], True, id="stuck-1024x-low"),
+        pytest.param(50, range(8), [], True, id="exactly-256x-low-boundary"),
+        pytest.param(50, range(7), [], False, id="only-128x-low"),
+        pytest.param(50, range(10), [45], False, id="grows-in-window"),
+        pytest.param(39, range(10), [], False, id="shorter-than-window"),
+        pytest.param(50, [], [], False, id="healthy"),
+    ],
+)
+def test_n07_scale_chronically_low(n, cuts, growth, expect):
+    interval, init = 10, 65536.0
+    run = fake_run(steps=scaled_steps(n, cuts=cuts, growth=growth, init=init),
+                   events=[scaler_event(growth_interval=interval, init_scale=init)])
+    found = findings_of(diag(run), "AMP-N07")
+    if not expect:
+        assert found == []
+        return
+    (f,) = found
+    final = init / 2 ** len(list(cuts))
+    window = 4 * interval
+    assert f.severity == "warning"
+    assert f.evidence["final_scale"] == final
+    assert f.evidence["init_scale"] == init
+    assert f.evidence["steps_without_growth"] == window
+    assert f.evidence["cuts_in_window"] == len([c for c in cuts if c >= n - window])
+
+
+def test_n07_threshold_override():
+    run = fake_run(steps=scaled_steps(50, cuts=range(7)), events=[scaler_event(growth_interval=10)])
+    assert findings_of(diag(run), "AMP-N07") == []
+    assert findings_of(diag(run, {"AMP-N07": {"below_init_factor": 64}}), "AMP-N07")
+    assert findings_of(diag(run, {"AMP-N07": {"below_init_factor": 64, "min_intervals": 6}}), "AMP-N07") == []
+
+
+# -- AMP-N08 scaler-recreated ---------------------------------------------------------------------
+
+def _resetting_steps(n: int, resets: list[int], init: float = 65536.0) -> list[dict]:
+    """A scale cut every step, except that it restarts at ``init`` at the ``resets`` steps."""
+    rows = scaled_steps(n, cuts=range(n), init=init)
+    scale = init
+    for row in rows:
+        if row["step"] in resets:
+            scale = init
+        row["scale_before"], row["scale_after"] = scale, scale / 2
+        scale /= 2
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("sites", "resets", "expect", "instances_at_site"),
+    [
+        pytest.param(["t.py:5"], [], False, None, id="one-scaler"),
+        pytest.param(["t.py:5", "t.py:9"], [], False, None, id="two-sites-once-each"),
+        pytest.param(["t.py:5", "t.py:20", "t.py:20", "t.py:20"], [], True, 3, id="built-in-loop"),
+        pytest.param([None, None, "?", "?"], [], False, None, id="unknown-sites-ignored"),
+        pytest.param(["t.py:5"], [10], False, None, id="one-reset-allowed"),
+        pytest.param(["t.py:5"], [10, 20], True, 1, id="two-resets"),
+    ],
+)
+def test_n08_scaler_recreated(sites, resets, expect, instances_at_site):
+    events = [scaler_event(site=s, step=i) for i, s in enumerate(sites)]
+    run = fake_run(steps=_resetting_steps(30, resets), events=events)
+    found = findings_of(diag(run), "AMP-N08")
+    if not expect:
+        assert found == []
+        return
+    (f,) = found
+    assert f.severity == "error"
+    assert f.evidence["instances"] == len(sites)
+    assert f.evidence["scale_reset_steps"] == resets
+    assert f.evidence["instances_at_site"] == instances_at_site
+    if instances_at_site and instances_at_site > 1:
+        assert f.evidence["site"] == "t.py:20"
+        assert f.evidence["created_at_steps"] == [i for i, s in enumerate(sites) if s == "t.py:20"]
+
+
+def test_n08_threshold_override():
+    events = [scaler_event(site="t.py:20", step=i) for i in range(3)]
+    run = fake_run(steps=scaled_steps(30), events=events)
+    assert findings_of(diag(run), "AMP-N08")
+    assert findings_of(diag(run, {"AMP-N08": {"max_instances_per_site": 3}}), "AMP-N08") == []
+
+
+# -- AMP-N09 clip-before-unscale ------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("bad_steps", "expect"),
+    [
+        pytest.param([], False, id="clips-after-unscale"),
+        pytest.param([3], True, id="one-scaled-clip"),
+        pytest.param(list(range(30)), True, id="every-step"),
+    ],
+)
+def test_n09_clip_before_unscale(bad_steps, expect):
+    rows = scaled_steps(30, clip_calls=1, unscale_calls=1)
+    for row in rows:
+        row["clip_scaled"] = 1 if row["step"] in bad_steps else 0
+    events = [{"kind": "clip_before_unscale", "step": s, "function": "clip_grad_norm_", "site": "t.py:7"}
+              for s in bad_steps]
+    found = findings_of(diag(fake_run(steps=rows, events=events)), "AMP-N09")
+    if not expect:
+        assert found == []
+        return
+    (f,) = found
+    assert f.severity == "error"
+    assert f.evidence["steps_affected"] == len(bad_steps)
+    assert f.evidence["steps"] == 30
+    assert f.evidence["first_steps"] == bad_steps[:20]
+    assert f.evidence["functions"] == ["clip_grad_norm_"]
+    assert f.evidence["call_sites"] == ["t.py:7"]
+
+
+def test_n09_null_clip_column_and_override():
+    assert findings_of(diag(fake_run(steps=scaled_steps(30))), "AMP-N09") == []  # clip_scaled null
+    rows = scaled_steps(30)
+    for row in rows[:3]:
+        row["clip_scaled"] = 1
+    run = fake_run(steps=rows)
+    assert findings_of(diag(run), "AMP-N09")
+    assert findings_of(diag(run, {"AMP-N09": {"max_scaled_clips": 3}}), "AMP-N09") == []
+
+
+def test_n09_also_checked_without_scaler():
+    rows = plain_steps(10, clip_scaled=1)
+    assert findings_of(diag(fake_run(steps=rows)), "AMP-N09")
+
+
+# -- AMP-N10 scaler-not-restored ------------------------------------------------------------------
+
+OPT_SEEN = {"kind": "optimizer_seen", "optimizer_class": "AdamW", "trainable_params": 10,
+            "trainable_half_params": 0}
+
+
+@pytest.mark.parametrize(
+    ("events", "expect"),
+    [
+        pytest.param([], False, id="fresh-run"),
+        pytest.param([{"kind": "optimizer_state_loaded"}], True, id="resume-without-scaler"),
+        pytest.param([{"kind": "optimizer_state_loaded"}, {"kind": "scaler_state_loaded", "empty": True}],
+                     True, id="scaler-loaded-empty-state"),
+        pytest.param([{"kind": "optimizer_state_loaded"}, {"kind": "scaler_state_loaded", "empty": False}],
+                     False, id="resume-with-scaler"),
+        pytest.param([{"kind": "scaler_state_loaded", "empty": False}], False, id="scaler-only"),
+    ],
+)
+def test_n10_scaler_not_restored(events, expect):
+    cuts = [0, 1, 2, 25]
+    run = fake_run(steps=scaled_steps(30, cuts=cuts), events=[OPT_SEEN, scaler_event(), *events])
+    found = findings_of(diag(run), "AMP-N10")
+    if not expect:
+        assert found == []
+        return
+    (f,) = found
+    assert f.severity == "warning"
+    assert f.evidence["optimizer_loads"] == 1
+    assert f.evidence["skipped_in_first_20_steps"] == 3
+    assert f.evidence["first_scale"] == 65536.0
+    assert f.evidence["init_scale"] == 65536.0
+
+
+def test_n10_not_checked_without_optimizer():
+    run = fake_run(steps=scaled_steps(30), events=[{"kind": "optimizer_state_loaded"}])
+    assert "AMP-N10" in not_checked_ids(diag(run))
+
+
+# -- health: scaler success rate ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("n", "skipped"), [(10, 0), (40, 3), (7, 7)])
+def test_health_scaler_success_rate(n, skipped):
+    run = fake_run(steps=scaled_steps(n, cuts=range(skipped)))
+    metric = diag(run).health["scaler_success_rate"]
+    assert metric["value"] == pytest.approx((n - skipped) / n)
+    assert metric["steps"] == n and metric["skipped"] == skipped
+
+
+def test_health_success_rate_without_scaler_or_steps():
+    d = diag(fake_run(steps=plain_steps(10, dtype="bfloat16")))
+    assert d.health["scaler_success_rate"]["value"] is None
+    assert "not applicable" in d.health["scaler_success_rate"]["note"]
+    empty = diag(fake_run())
+    assert empty.health["scaler_success_rate"]["value"] is None
+    assert "not measured" in empty.health["scaler_success_rate"]["note"]
+    for metric in ("speedup", "memory_ratio", "loss_diff", "mfu"):
+        assert empty.health[metric]["value"] is None and empty.health[metric]["note"]
+
+
+# -- engine contract ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"AMP-X99": {"warn_below": 0.5}},
+        {"AMP-N02": {"no_such_threshold": 1.0}},
+        {"AMP-N10": {"anything": 1.0}},  # a rule without thresholds
+    ],
+)
+def test_unknown_rule_or_threshold_raises(overrides):
+    with pytest.raises(ThresholdError):
+        amprobe.diagnose(fake_run(steps=scaled_steps(20)), thresholds=overrides)
+
+
+def test_overrides_do_not_leak_into_defaults():
+    run = fake_run(steps=scaled_steps(100, cuts=range(3)))
+    assert findings_of(diag(run, {"AMP-N02": {"warn_below": 0.99}}), "AMP-N02")
+    assert findings_of(diag(run), "AMP-N02") == []
+    assert REGISTRY["AMP-N02"].thresholds["warn_below"] == 0.95
+
+
+def test_empty_run_lists_every_rule_as_not_checked():
+    d = diag(fake_run())
+    assert d.findings == ()
+    reasons = not_checked_ids(d)
+    assert set(reasons) == set(REGISTRY)
+    assert all(reason for reason in reasons.values())
+
+
+def test_a_raising_rule_becomes_not_checked(monkeypatch):
+    def broken(ctx):
+        raise KeyError("boom")
+
+    spec = REGISTRY["AMP-N02"]
+    monkeypatch.setitem(REGISTRY, "AMP-N02", dataclasses.replace(spec, fn=broken))
+    run = fake_run(steps=scaled_steps(100, cuts=range(0, 40, 2)), events=[scaler_event(growth_interval=10)])
+    d = amprobe.diagnose(run)
+    reasons = not_checked_ids(d)
+    assert "KeyError" in reasons["AMP-N02"] and "rule failed" in reasons["AMP-N02"]
+    assert "AMP-N02" not in d.ids()
+    assert "AMP-N01" in d.ids()  # the other rules still ran
+
+
+def test_findings_sorted_most_severe_first_and_serialisable():
+    rows = scaled_steps(100, cuts=range(0, 40, 2), clip_scaled=1)
+    d = diag(fake_run(steps=rows, events=[scaler_event(growth_interval=10)]))
+    order = {"error": 0, "warning": 1, "info": 2}
+    ranks = [order[f.severity] for f in d.findings]
+    assert ranks == sorted(ranks) and d.worst() == "error"
+    payload = d.to_dict()
+    assert [f["id"] for f in payload["findings"]] == d.ids()
+    assert {"AMP-N01", "AMP-N02", "AMP-N09"} <= set(d.ids())
