@@ -255,7 +255,7 @@ def test_lost_rows_reported(tmp_path: Path):
     writer.close({"status": "finished"})
     run = load_run(tmp_path / "r")
     assert list(run.steps["step"]) == [2, 3, 4]
-    assert any("2 record(s) could not be written (steps 0..1)" in w for w in run.warnings)
+    assert any("2 steps record(s) could not be written (steps 0..1)" in w for w in run.warnings)
 
 
 def test_corrupt_end_marker_warns(run_dir: Path):
