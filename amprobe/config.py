@@ -35,6 +35,11 @@ class Config:
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
         world_size: number of ranks; ``None`` reads ``WORLD_SIZE``, else 1.
         overwrite: allow recording into a run directory that already holds this rank's data.
+        numerics_every: the ``numerics`` collector measures per-layer ranges every this many
+            steps (step 0 included); other steps only run the cheap non-finite input/loss check.
+        numerics_layers: ``fnmatch`` patterns on qualified module names (``"blocks.*.linear1"``);
+            empty selects every leaf module and every module owning parameters.
+        numerics_arm_steps: steps captured in full after a non-finite input, loss or gradient.
     """
 
     flush_every: int = 100
@@ -45,6 +50,9 @@ class Config:
     rank: int | None = None
     world_size: int | None = None
     overwrite: bool = False
+    numerics_every: int = 50
+    numerics_layers: tuple[str, ...] = ()
+    numerics_arm_steps: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -66,6 +74,20 @@ class Config:
                     f"unknown collector {name!r}; known collectors: {', '.join(sorted(REGISTRY))}"
                 )
         object.__setattr__(self, "collectors", collectors)
+        if not isinstance(self.numerics_every, int) or self.numerics_every < 1:
+            raise ConfigError(f"numerics_every must be a positive integer, got {self.numerics_every!r}")
+        if not isinstance(self.numerics_arm_steps, int) or self.numerics_arm_steps < 0:
+            raise ConfigError(
+                f"numerics_arm_steps must be a non-negative integer, got {self.numerics_arm_steps!r}"
+            )
+        if isinstance(self.numerics_layers, str) or not all(
+            isinstance(p, str) and p for p in self.numerics_layers
+        ):
+            raise ConfigError(
+                "numerics_layers must be a list of module-name patterns such as ['blocks.*'], "
+                f"got {self.numerics_layers!r}"
+            )
+        object.__setattr__(self, "numerics_layers", tuple(self.numerics_layers))
         for key in ("rank", "world_size"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):
