@@ -209,3 +209,71 @@ def test_hooks_removed_on_close(tmp_path: Path) -> None:
         assert not mod._forward_hooks and not mod._forward_pre_hooks
     assert not model[0].weight._post_accumulate_grad_hooks
     assert torch.amp.GradScaler.scale.__module__ == "torch.amp.grad_scaler"
+
+
+class _CountScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten._local_scalar_dense: every tensor-to-host read (a sync on an accelerator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _scalar_reads(tmp_path: Path, probe: bool) -> int:
+    model = _model()
+    batches = _batches(4)
+    batches[1][0, 0] = float("nan")  # the non-finite check must not read its flag on the hot path
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    handle = None
+    if probe:
+        handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run",
+                                config={"collectors": ["scaler", "numerics"], "numerics_every": 1,
+                                        "flush_every": 1000, "flush_interval_s": 1e6})
+        numerics = next(c for c in handle.collectors if c.name == "numerics")
+        numerics._device = torch.device("meta")  # take the accelerator path: arm only at flush
+    counter = _CountScalarReads()
+    try:
+        with counter:
+            for x in batches:
+                with torch.autocast("cpu", dtype=FP16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        if handle is not None:
+            handle.close()
+    return counter.count
+
+
+def test_no_host_reads_on_the_hot_path(tmp_path: Path) -> None:
+    plain = _scalar_reads(tmp_path / "plain", probe=False)
+    assert plain == 4  # GradScaler's own found_inf read, once per step
+    assert _scalar_reads(tmp_path / "probe", probe=True) == plain
+
+
+def test_device_variant(tmp_path: Path, device: torch.device) -> None:
+    torch.manual_seed(0)
+    model = _model().to(device)
+    with torch.no_grad():
+        model[2].weight.fill_(30000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run",
+                        config={"collectors": ["scaler", "numerics"], "numerics_every": 1}):
+        for x in _batches(2):
+            with torch.autocast(device.type, dtype=FP16):
+                loss = model(x.to(device)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    n05 = _finding(diagnose(amprobe.load_run(tmp_path / "run")), "AMP-N05")
+    assert n05 is not None and n05.evidence["module"] == "2"
