@@ -50,7 +50,7 @@ class Config:
     rank: int | None = None
     world_size: int | None = None
     overwrite: bool = False
-    numerics_every: int = 50
+    numerics_every: int = 100
     numerics_layers: tuple[str, ...] = ()
     numerics_arm_steps: int = 3
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,6 @@ def _train(
     loss_factor: float = 1.0,
     config: dict | None = None,
     probe: bool = True,
-    on_step: Callable[[int], None] | None = None,
 ) -> amprobe.Run | None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if use_scaler else None
@@ -43,7 +41,7 @@ def _train(
         cfg = {"collectors": ["scaler", "numerics"], **(config or {})}
         handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run", config=cfg)
     try:
-        for i, x in enumerate(batches):
+        for x in batches:
             with torch.autocast("cpu", dtype=FP16):
                 loss = model(x).float().pow(2).mean() * loss_factor
             if scaler is not None:
@@ -54,8 +52,6 @@ def _train(
                 loss.backward()
                 opt.step()
             opt.zero_grad(set_to_none=True)
-            if on_step is not None:
-                on_step(i)
     finally:
         if handle is not None:
             handle.close()
@@ -165,11 +161,9 @@ def test_fp16_underflow_without_scaler(tmp_path: Path) -> None:
 def test_grad_stats_are_unscaled(tmp_path: Path) -> None:
     model = _model()
     grads: list[torch.Tensor] = []
-    scales: list[float] = []
     for p in (model[4].weight, model[4].bias):
         p.register_post_accumulate_grad_hook(lambda p: grads.append(p.grad.detach().clone()))
-    run = _train(tmp_path, model, _batches(1), config={"numerics_every": 1},
-                 on_step=lambda i: scales.append(1.0))
+    run = _train(tmp_path, model, _batches(1), config={"numerics_every": 1})
     table = run.table("numerics")
     row = table[(table["module"] == "4") & (table["kind"] == "grad_param")].iloc[0]
     amax = max(float(g.abs().max()) for g in grads) / 2.0**10
