@@ -38,6 +38,11 @@ class Config:
         max_steps: stop the training process cleanly (``SystemExit(0)`` at a step boundary,
             after the run is closed) once this many iterations are recorded; used by
             ``amprobe baseline``. ``None`` never stops the job.
+        numerics_every: the ``numerics`` collector measures per-layer ranges every this many
+            steps (step 0 included); other steps only run the cheap non-finite input/loss check.
+        numerics_layers: ``fnmatch`` patterns on qualified module names (``"blocks.*.linear1"``);
+            empty selects every leaf module and every module owning parameters.
+        numerics_arm_steps: steps captured in full after a non-finite input, loss or gradient.
     """
 
     flush_every: int = 100
@@ -49,6 +54,9 @@ class Config:
     world_size: int | None = None
     overwrite: bool = False
     max_steps: int | None = None
+    numerics_every: int = 100
+    numerics_layers: tuple[str, ...] = ()
+    numerics_arm_steps: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -72,6 +80,20 @@ class Config:
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise ConfigError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
+        if not isinstance(self.numerics_every, int) or self.numerics_every < 1:
+            raise ConfigError(f"numerics_every must be a positive integer, got {self.numerics_every!r}")
+        if not isinstance(self.numerics_arm_steps, int) or self.numerics_arm_steps < 0:
+            raise ConfigError(
+                f"numerics_arm_steps must be a non-negative integer, got {self.numerics_arm_steps!r}"
+            )
+        if isinstance(self.numerics_layers, str) or not all(
+            isinstance(p, str) and p for p in self.numerics_layers
+        ):
+            raise ConfigError(
+                "numerics_layers must be a list of module-name patterns such as ['blocks.*'], "
+                f"got {self.numerics_layers!r}"
+            )
+        object.__setattr__(self, "numerics_layers", tuple(self.numerics_layers))
         for key in ("rank", "world_size"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):

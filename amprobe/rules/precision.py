@@ -28,7 +28,10 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     supported = [r.rank for r in run.ranks if r.manifest.get("bf16_supported")]
     if not supported:
         return
+    from amprobe.rules.numerics import layer_overflow_evidence, nonfinite_input_steps
+
     for rank, frame in per_rank(scaler_steps(run)):
+        frame = frame[~frame["step"].isin(nonfinite_input_steps(run, rank))]  # bad data is AMP-N04's
         skipped = frame["skipped"].fillna(False).astype(bool)
         cuts = int((frame["scale_after"] < frame["scale_before"]).sum())
         if cuts == 0 and not skipped.any():
@@ -44,6 +47,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
                 "skipped_steps": steps_list(frame.loc[skipped, "step"]),
                 "device": device,
                 "warn_skip_share": ctx.thresholds["warn_skip_share"],
+                **layer_overflow_evidence(run, rank),
             },
             fix=(
                 "Use torch.autocast(..., dtype=torch.bfloat16): bf16 has fp32's exponent range, "

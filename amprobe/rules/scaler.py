@@ -171,6 +171,9 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
             "min_scale_threshold": th["min_scale"],
             "max_consecutive_cuts": th["max_consecutive_cuts"],
         }
+        from amprobe.rules.numerics import offender_evidence  # per-layer evidence, when recorded
+
+        evidence.update(offender_evidence(ctx.run, rank))
         yield ctx.finding(
             title=(
                 f"loss scale collapsed to {min_scale:.3g} after {run_len} consecutive cuts"

@@ -65,11 +65,44 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "loss_dtype": pa.string(),
         "autocast_device": pa.string(),
         "autocast_dtype": pa.string(),
+        "input_nonfinite": pa.int64(),  # non-finite elements in the root models' float inputs
+        "loss_nonfinite": pa.bool_(),  # the loss was inf/NaN
+        "numerics_sampled": pa.bool_(),  # per-layer numerics were captured on this step
     },
     "events": {
         "step": pa.int64(),  # step during which the event happened
         "t": pa.float64(),
         "kind": pa.string(),
         "detail": pa.string(),  # JSON object with the event's fields
+    },
+    # per module, kind and sampled step; see amprobe.collectors.numerics for units
+    "numerics": {
+        "step": pa.int64(),
+        "module": pa.string(),  # qualified name; "<input R>[i]" for root model R's i-th float input
+        "module_type": pa.string(),
+        "kind": pa.string(),  # input | output | grad_output | grad_param
+        "dtype": pa.string(),
+        "calls": pa.int64(),
+        "order": pa.int64(),  # first call's position in execution order of this kind
+        "elements": pa.int64(),
+        "zeros": pa.int64(),
+        "nan": pa.int64(),
+        "inf": pa.int64(),
+        "finite": pa.int64(),
+        "over_fp16": pa.int64(),  # finite values >= 2**16 (would overflow fp16)
+        "below_normal": pa.int64(),  # nonzero values < 2**-14 (gradients: after unscaling)
+        "below_subnormal": pa.int64(),  # nonzero values < 2**-24 (gradients: after unscaling)
+        "underflow_at_scale": pa.int64(),  # nonzero grads < 2**-24 even times the loss scale
+        "loss_scale": pa.float64(),  # scale gradients were divided by (1 without a scaler)
+        "amax": pa.float64(),  # null when NaN present
+        "in_nonfinite": pa.int64(),  # non-finite elements in the module's float inputs
+        "exp_hist": pa.string(),  # JSON {unbiased exponent: count}; -127 zeros, 128 inf/NaN
+    },
+    "offenders": {
+        "step": pa.int64(),
+        "kind": pa.string(),  # forward | backward | input
+        "module": pa.string(),
+        "module_type": pa.string(),
+        "detail": pa.string(),  # JSON object
     },
 }

@@ -1,0 +1,540 @@
+"""Per-layer numerics: overflow, underflow and non-finite counts in activations and gradients.
+
+On sampled steps (every ``numerics_every`` steps, plus the steps armed after something went
+wrong) the collector installs hooks on the selected modules of every root model:
+
+* a forward hook per module (the module's output, and whether its floating inputs were
+  finite), which also registers ``out.register_hook`` for the gradient of that output (this
+  survives a following in-place op, unlike ``register_full_backward_hook``);
+* ``register_post_accumulate_grad_hook`` per parameter (the accumulated ``param.grad``);
+* a forward pre-hook on each root model (its floating inputs).
+
+Each tensor is reduced on its device into a preallocated per-step buffer with no host-device
+sync: the fp32 bit pattern of ``|x|`` gives a 256-bin base-2 exponent histogram
+(``index_add_``, not ``bincount``, which syncs on CUDA), plus exact-zero and NaN counts and
+the maximum. Gradients are divided by the current loss scale (the GradScaler's ``_scale``
+tensor, kept on device) before they are measured. Buffers are read back at flush in one
+transfer. Hooks exist only during sampled steps, so other steps pay nothing but the
+always-on check.
+
+Always on: a forward pre-hook on the root models counts non-finite elements of their
+floating inputs into a device counter, and the loss tensor recorded by the scaler collector is
+checked for non-finite values. Both go into the step record. When they (or the scaler's
+``found_inf``) show a problem, the next ``numerics_arm_steps`` steps are captured in full: at
+once on CPU, where reading the flag costs no sync; on an accelerator when the flag is read at
+the next flush.
+
+Records:
+    ``steps`` fields: ``input_nonfinite`` (non-finite elements in the root models' floating
+    inputs, count), ``loss_nonfinite`` (the loss was inf/NaN, bool), ``numerics_sampled``.
+    ``numerics`` table, one row per module, kind and sampled step: ``kind`` (``input``,
+    ``output``, ``grad_output``, ``grad_param``), ``dtype``, ``calls``, ``order`` (position of
+    the first call in execution order of that kind in the step), ``elements``, ``zeros``,
+    ``nan``, ``inf``, ``finite``, ``over_fp16`` (finite values above 65504), ``below_normal``
+    and ``below_subnormal`` (nonzero values below 2**-14 = 6.1e-5 and 2**-24 = 5.96e-8; for
+    gradients after unscaling), ``underflow_at_scale`` (nonzero gradients that stay below
+    2**-24 even multiplied by the loss scale: what fp16 with the current scale flushes to
+    zero), ``loss_scale`` (scale the gradients were divided by; 1 without a scaler), ``amax``
+    (largest magnitude; null when NaN present), ``in_nonfinite`` (non-finite elements in the
+    module's floating inputs), ``exp_hist`` (JSON object: unbiased base-2 exponent -> count;
+    exponent -127 holds zeros and fp32 subnormals, 128 holds inf/NaN).
+    ``offenders`` table: the first module (execution order) whose forward output was
+    non-finite while its inputs were finite (``kind=forward``); the module whose backward
+    first produced non-finite output gradients, i.e. the last module in backward order whose
+    output gradient was still finite (``kind=backward``); non-finite root inputs
+    (``kind=input``).
+
+Cost: nothing on unsampled steps beyond one reduction over the root inputs. On a sampled
+step about eight elementwise passes per hooked tensor; see ``benchmarks/bench_numerics.py``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import struct
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.amp import GradScaler
+
+from amprobe.collectors.base import Collector
+
+__all__ = ["NumericsCollector", "FP16_MAX", "FP16_MIN_NORMAL", "FP16_MIN_SUBNORMAL", "summarize_hist"]
+
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 2.0**-14  # 6.1e-5
+FP16_MIN_SUBNORMAL = 2.0**-24  # 5.96e-8
+_BIAS = 127
+# biased fp32 exponent thresholds: >= 2**16 overflows fp16 (65504 < x < 65536 is not counted:
+# the histogram is exponent-only), < 2**-14 is below fp16's min normal, < 2**-24 below its
+# min subnormal
+_E_OVER = _BIAS + 16
+_E_NORMAL = _BIAS - 14
+_E_SUBNORMAL = _BIAS - 24
+_NAN_BITS = 0x7F800000  # |x| bits above this are NaN
+# buffer columns
+_C_ZEROS, _C_NAN, _C_AMAX, _C_IN_BAD = 0, 1, 2, 3
+_H0 = 4
+_K = _H0 + 256
+_MAX_INPUTS = 8  # floating inputs per root model given their own slot
+KINDS = ("input", "output", "grad_output", "grad_param")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def summarize_hist(hist: Iterable[int], zeros: int, log2_scale: float = 0.0) -> dict[str, int]:
+    """Derive the fp16 range counts from a 256-bin biased fp32 exponent histogram of ``|x|``.
+
+    Args:
+        hist: counts per biased exponent 0..255 (bin 255 holds inf and NaN).
+        zeros: exact zeros among the values (they sit in bin 0).
+        log2_scale: base-2 log of the loss scale the values were divided by (0 for none).
+
+    Returns:
+        ``over_fp16``, ``below_normal``, ``below_subnormal``, ``underflow_at_scale`` counts.
+    """
+    h = list(hist)
+    below_sub = sum(h[:_E_SUBNORMAL]) - zeros
+    cut = _E_SUBNORMAL - int(round(log2_scale))
+    return {
+        "over_fp16": sum(h[_E_OVER:255]),
+        "below_normal": sum(h[:_E_NORMAL]) - zeros,
+        "below_subnormal": below_sub,
+        "underflow_at_scale": max(0, sum(h[: max(0, min(256, cut))]) - zeros) if cut > 0 else 0,
+    }
+
+
+class _Slot:
+    __slots__ = ("index", "name", "module_type", "kind", "root")
+
+    def __init__(self, index: int, name: str, module_type: str, kind: str, root: int) -> None:
+        self.index = index
+        self.name = name
+        self.module_type = module_type
+        self.kind = kind
+        self.root = root
+
+
+class _Capture:
+    """One sampled step: its device buffer and the host-side facts (order, dtypes, counts)."""
+
+    __slots__ = ("step", "buf", "scale", "calls", "elements", "dtypes", "order", "bad_hint")
+
+    def __init__(self, step: int, buf: torch.Tensor) -> None:
+        self.step = step
+        self.buf = buf
+        self.scale: torch.Tensor | None = None
+        self.calls: dict[int, int] = {}
+        self.elements: dict[int, int] = {}
+        self.dtypes: dict[int, str] = {}
+        self.order: dict[str, list[int]] = {k: [] for k in KINDS}
+        self.bad_hint = False
+
+
+class NumericsCollector(Collector):
+    """Per-module forward/gradient range statistics, first offenders and the non-finite check.
+
+    See the module docstring for every recorded field and its units.
+    """
+
+    name = "numerics"
+
+    def on_attach(self, probe: Any) -> None:
+        super().on_attach(probe)
+        cfg = probe.config
+        self.every: int = cfg.numerics_every
+        self.patterns: tuple[str, ...] = tuple(cfg.numerics_layers)
+        self.arm_steps: int = cfg.numerics_arm_steps
+        self._slots: list[_Slot] = []
+        self._module_slots: dict[int, tuple[int, int | None, int | None]] = {}  # id -> out, gout, gparam
+        self._input_slots: dict[int, list[int]] = {}
+        self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], int]] = []
+        self._targets: list[tuple[weakref.ReferenceType[torch.nn.Module], tuple[int, int | None, int | None]]] = []
+        self._params: list[tuple[weakref.ReferenceType[torch.nn.Parameter], int]] = []
+        self._always: list[Any] = []
+        self._capture_handles: list[Any] = []
+        self._armed_until = -1
+        self._cur: _Capture | None = None
+        self._done: list[_Capture] = []
+        self._pool: list[torch.Tensor] = []
+        self._device: torch.device | None = None
+        self._ones: torch.Tensor | None = None
+        self._input_bad: torch.Tensor | None = None
+        self._watch: list[dict[str, Any]] = []
+        self._scaler: weakref.ReferenceType[GradScaler] | None = None
+        self._scale_orig: Any = None
+        self._install_scale_patch()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _install_scale_patch(self) -> None:
+        c = self
+        orig = GradScaler.__dict__["scale"] if "scale" in GradScaler.__dict__ else GradScaler.scale
+        self._scale_orig = orig
+
+        def scale(self: GradScaler, outputs: Any) -> Any:
+            result = orig(self, outputs)
+            if not c.probe.closed and c.probe.is_enabled(c.name):
+                try:
+                    if getattr(self, "_enabled", False):
+                        c._scaler = weakref.ref(self)
+                except Exception as exc:  # pragma: no cover - defensive
+                    c.probe.collector_failed(c.name, exc)
+            return result
+
+        GradScaler.scale = scale  # type: ignore[method-assign]
+
+    def on_object(self, obj: Any) -> None:
+        if isinstance(obj, GradScaler) and getattr(obj, "_enabled", False):
+            self._scaler = weakref.ref(obj)
+
+    def _selected(self, name: str) -> bool:
+        return not self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def _new_slot(self, name: str, module_type: str, kind: str, root: int) -> int:
+        slot = _Slot(len(self._slots), name, module_type, kind, root)
+        self._slots.append(slot)
+        return slot.index
+
+    def on_model(self, model: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            return
+        root = len(self._roots)
+        self._roots.append((weakref.ref(model), root))
+        if self._device is None:
+            for p in model.parameters():
+                self._device = p.device
+                break
+        self._input_slots[root] = [
+            self._new_slot(f"<input {root}>[{i}]", type(model).__name__, "input", root) for i in range(_MAX_INPUTS)
+        ]
+        for name, mod in model.named_modules():
+            if id(mod) in self._module_slots:
+                continue
+            own = list(mod.parameters(recurse=False))
+            is_leaf = next(iter(mod.children()), None) is None
+            if not (is_leaf or own) or not self._selected(name or "<root>"):
+                continue
+            label = name or "<root>"
+            mtype = type(mod).__name__
+            out = self._new_slot(label, mtype, "output", root)
+            gout = self._new_slot(label, mtype, "grad_output", root)
+            gparam = self._new_slot(label, mtype, "grad_param", root) if any(p.requires_grad for p in own) else None
+            slots = (out, gout, gparam)
+            self._module_slots[id(mod)] = slots
+            self._targets.append((weakref.ref(mod), slots))
+            if gparam is not None:
+                for p in own:
+                    if p.requires_grad:
+                        self._params.append((weakref.ref(p), gparam))
+        self._always.append(model.register_forward_pre_hook(self._guarded(self._on_root_input), with_kwargs=True))
+        if self._sampled(self.probe.step):
+            self._install_capture()
+
+    # -- sampling ------------------------------------------------------------------------------
+    def _sampled(self, step: int) -> bool:
+        return self.probe.recording and (step % self.every == 0 or step <= self._armed_until)
+
+    def _guarded(self, fn: Any) -> Any:
+        probe = self.probe
+
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            if probe.closed or not probe.is_enabled(self.name):
+                return None
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:
+                probe.collector_failed(self.name, exc)
+            return None
+
+        return hook
+
+    def _install_capture(self) -> None:
+        if self._capture_handles:
+            return
+        fwd = self._guarded(self._on_forward)
+        for ref, slots in self._targets:
+            mod = ref()
+            if mod is not None:
+                self._capture_handles.append(mod.register_forward_hook(self._bind(fwd, slots)))
+        for pref, slot in self._params:
+            p = pref()
+            if p is not None:
+                self._capture_handles.append(
+                    p.register_post_accumulate_grad_hook(self._guarded(self._bind_param(slot)))
+                )
+
+    @staticmethod
+    def _bind(fn: Any, slots: tuple[int, int | None, int | None]) -> Any:
+        def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            fn(slots, args, out)
+        return hook
+
+    def _bind_param(self, slot: int) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self._measure(slot, p.grad, grad=True)
+        return hook
+
+    def _remove_capture(self) -> None:
+        for handle in self._capture_handles:
+            handle.remove()
+        self._capture_handles.clear()
+
+    # -- measurement (hot path of sampled steps) --------------------------------------------------
+    def _capture(self, device: torch.device) -> _Capture:
+        cap = self._cur
+        if cap is None or cap.step != self.probe.step:
+            buf = self._pool.pop() if self._pool else None
+            if buf is None or buf.device != device or buf.shape[0] != len(self._slots):
+                buf = torch.zeros(len(self._slots), _K, dtype=torch.int64, device=device)
+            cap = _Capture(self.probe.step, buf)
+            self._cur = cap
+            self._ones = torch.ones(1, dtype=torch.int64, device=device)
+        return cap
+
+    def _measure(self, slot: int, x: torch.Tensor, grad: bool = False, in_bad: torch.Tensor | None = None) -> None:
+        if not x.is_floating_point() or x.numel() == 0:
+            return
+        cap = self._capture(x.device)
+        if cap.buf.device != x.device:
+            return  # one device per capture (model parallel across devices is not measured)
+        with torch.no_grad():
+            a = x.detach().to(torch.float32, copy=True).abs_()
+            if grad:
+                scale = self._scale_tensor(cap)
+                if scale is not None:
+                    a.div_(scale)
+            bits = a.view(torch.int32).reshape(-1)
+            row = cap.buf[slot]
+            row[_H0:].index_add_(0, bits >> 23, self._ones.expand(bits.numel()))  # type: ignore[union-attr]
+            row[_C_ZEROS].add_((bits == 0).sum())
+            row[_C_NAN].add_((bits > _NAN_BITS).sum())
+            row[_C_AMAX : _C_AMAX + 1].clamp_min_(bits.amax())
+            if in_bad is not None:
+                row[_C_IN_BAD].add_(in_bad)
+        if slot not in cap.calls:
+            cap.order[self._slots[slot].kind].append(slot)
+            cap.dtypes[slot] = _dtype_name(x.dtype)
+        cap.calls[slot] = cap.calls.get(slot, 0) + 1
+        cap.elements[slot] = cap.elements.get(slot, 0) + x.numel()
+
+    def _scale_tensor(self, cap: _Capture) -> torch.Tensor | None:
+        if cap.scale is None:
+            scaler = self._scaler() if self._scaler is not None else None
+            scale = getattr(scaler, "_scale", None) if scaler is not None else None
+            if isinstance(scale, torch.Tensor) and scale.device == cap.buf.device:
+                cap.scale = scale.detach().clone()
+            else:
+                cap.scale = torch.ones((), dtype=torch.float32, device=cap.buf.device)
+        return cap.scale
+
+    def _on_forward(self, slots: tuple[int, int | None, int | None], args: Any, out: Any) -> None:
+        tensor = _first_float(out)
+        if tensor is None:
+            return
+        bad: torch.Tensor | None = None
+        for arg in args if isinstance(args, tuple) else (args,):
+            if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.device == tensor.device:
+                count = (~torch.isfinite(arg.detach())).sum()
+                bad = count if bad is None else bad + count
+        if bad is None:
+            bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
+        self._measure(slots[0], tensor, in_bad=bad)
+        gout = slots[1]
+        if gout is not None and tensor.requires_grad:
+            tensor.register_hook(self._guarded(self._bind_grad(gout)))
+
+    def _bind_grad(self, slot: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self._measure(slot, grad, grad=True)
+        return hook
+
+    def _on_root_input(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        root = next((r for ref, r in self._roots if ref() is model), None)
+        if root is None or not self.probe.recording:
+            return
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        floats = [t for t in tensors if t.is_floating_point()]
+        capturing = bool(self._capture_handles)
+        for i, t in enumerate(floats):
+            count = (~torch.isfinite(t.detach())).sum()
+            self._input_bad = count if self._input_bad is None else self._input_bad + count
+            if capturing and i < _MAX_INPUTS:
+                self._measure(self._input_slots[root][i], t)
+
+    # -- step boundary ------------------------------------------------------------------------------
+    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        record["numerics_sampled"] = bool(self._capture_handles)
+        if self._input_bad is not None:
+            record["input_nonfinite"] = self._input_bad
+            self._input_bad = None
+        loss = record.get("loss")
+        if isinstance(loss, torch.Tensor):
+            record["loss_nonfinite"] = ~torch.isfinite(loss.detach()).all()
+        cap = self._cur
+        if cap is not None and cap.step == step:
+            self._done.append(cap)
+        self._cur = None
+        if self._device is not None and self._device.type == "cpu":
+            # reading a CPU tensor costs no device sync: arm at once
+            if _record_bad(record):
+                self._arm(step)
+        else:
+            self._watch.append(record)
+        if self._sampled(step + 1):
+            self._install_capture()
+        else:
+            self._remove_capture()
+
+    def _arm(self, step: int) -> None:
+        if step + self.arm_steps > self._armed_until:
+            self._armed_until = step + self.arm_steps
+            self.probe.event("numerics_armed", from_step=step + 1, until_step=self._armed_until)
+
+    # -- flush ------------------------------------------------------------------------------------
+    def on_flush(self, writer: Any) -> None:
+        watch, self._watch = self._watch, []
+        for record in watch:  # values were read back by the probe just before this hook
+            if _record_bad(record):
+                self._arm(int(record["step"]))
+        if self._sampled(self.probe.step):
+            self._install_capture()
+        done, self._done = self._done, []
+        if not done:
+            return
+        with torch.no_grad():
+            stacked = torch.stack([c.buf for c in done]).cpu().tolist()
+            with_scale = [c.scale for c in done if c.scale is not None]
+            read = iter(torch.stack(with_scale).double().cpu().tolist() if with_scale else [])
+            scales = [next(read) if c.scale is not None else 1.0 for c in done]
+        for cap in done:
+            cap.buf.zero_()
+            self._pool.append(cap.buf)
+        del self._pool[4:]
+        rows: list[dict[str, Any]] = []
+        offenders: list[dict[str, Any]] = []
+        for cap, table, scale in zip(done, stacked, scales, strict=True):
+            step_rows = self._rows(cap, table, scale)
+            rows.extend(step_rows.values())
+            offenders.extend(self._offenders(cap, step_rows))
+        writer.append("numerics", rows)
+        if offenders:
+            writer.append("offenders", offenders)
+            for o in offenders[:10]:
+                self.probe.event("numerics_offender", **{k: o[k] for k in ("kind", "module", "module_type")},
+                                 at_step=o["step"])
+
+    def _rows(self, cap: _Capture, table: list[list[int]], scale: float) -> dict[int, dict[str, Any]]:
+        rows: dict[int, dict[str, Any]] = {}
+        log2_scale = _log2(scale)
+        for kind in KINDS:
+            for position, index in enumerate(cap.order[kind]):
+                slot = self._slots[index]
+                values = table[index]
+                hist = values[_H0:]
+                zeros, nan = int(values[_C_ZEROS]), int(values[_C_NAN])
+                inf = int(hist[255]) - nan
+                grad = kind.startswith("grad")
+                counts = summarize_hist(hist, zeros, log2_scale if grad else 0.0)
+                amax_bits = int(values[_C_AMAX])
+                elements = cap.elements[index]
+                rows[index] = {
+                    "step": cap.step,
+                    "module": slot.name,
+                    "module_type": slot.module_type,
+                    "kind": kind,
+                    "dtype": cap.dtypes.get(index),
+                    "calls": cap.calls.get(index, 0),
+                    "order": position,
+                    "elements": elements,
+                    "zeros": zeros,
+                    "nan": nan,
+                    "inf": inf,
+                    "finite": elements - nan - inf,
+                    **counts,
+                    "loss_scale": scale if grad else None,
+                    "amax": None if nan else _bits_to_float(amax_bits),
+                    "in_nonfinite": int(values[_C_IN_BAD]) if kind == "output" else None,
+                    "exp_hist": json.dumps(
+                        {str(e - _BIAS): int(n) for e, n in enumerate(hist) if n}, separators=(",", ":")
+                    ),
+                }
+        return rows
+
+    def _offenders(self, cap: _Capture, rows: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+
+        def bad(index: int) -> bool:
+            r = rows.get(index)
+            return r is not None and (r["nan"] + r["inf"]) > 0
+
+        def row(kind: str, index: int, detail: dict[str, Any]) -> dict[str, Any]:
+            slot = self._slots[index]
+            return {"step": cap.step, "kind": kind, "module": slot.name, "module_type": slot.module_type,
+                    "detail": json.dumps(detail, sort_keys=True)}
+
+        for index in cap.order["input"]:
+            if bad(index):
+                r = rows[index]
+                out.append(row("input", index, {"nan": r["nan"], "inf": r["inf"], "elements": r["elements"]}))
+        forward = cap.order["output"]
+        for index in forward:
+            if bad(index) and not rows[index]["in_nonfinite"]:
+                r = rows[index]
+                out.append(row("forward", index, {"nan": r["nan"], "inf": r["inf"], "elements": r["elements"],
+                                                  "order": r["order"]}))
+                break
+        backward = cap.order["grad_output"]
+        first_bad = next((i for i, index in enumerate(backward) if bad(index)), None)
+        if first_bad is not None:
+            received = self._slots[backward[first_bad]].name
+            if first_bad > 0:
+                out.append(row("backward", backward[first_bad - 1],
+                               {"first_nonfinite_grad_output": received, "order": first_bad - 1}))
+            else:
+                out.append({"step": cap.step, "kind": "backward", "module": "<loss>", "module_type": "loss",
+                            "detail": json.dumps({"first_nonfinite_grad_output": received, "order": -1})})
+        return out
+
+    def on_close(self) -> None:
+        self._remove_capture()
+        for handle in self._always:
+            handle.remove()
+        self._always.clear()
+        if self._scale_orig is not None:
+            GradScaler.scale = self._scale_orig  # type: ignore[method-assign]
+            self._scale_orig = None
+
+
+def _first_float(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor) and item.is_floating_point():
+                return item
+    return None
+
+
+def _record_bad(record: dict[str, Any]) -> bool:
+    for key in ("input_nonfinite", "found_inf"):
+        value = record.get(key)
+        if value is not None and bool(value > 0):
+            return True
+    return bool(record.get("loss_nonfinite") or False)
+
+
+def _bits_to_float(bits: int) -> float:
+    return float(struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
+
+
+def _log2(value: float) -> float:
+    import math
+
+    return math.log2(value) if value > 0 and math.isfinite(value) else 0.0

@@ -1,0 +1,273 @@
+"""Collector tests for per-layer numerics on tiny models under CPU fp16 autocast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import amprobe
+from amprobe.rules import diagnose
+
+FP16 = torch.float16
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, 8, generator=g) for _ in range(n)]
+
+
+def _train(
+    tmp_path: Path,
+    model: nn.Module,
+    batches: list[torch.Tensor],
+    use_scaler: bool = True,
+    loss_factor: float = 1.0,
+    config: dict | None = None,
+    probe: bool = True,
+) -> amprobe.Run | None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if use_scaler else None
+    handle = None
+    if probe:
+        cfg = {"collectors": ["scaler", "numerics"], **(config or {})}
+        handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run", config=cfg)
+    try:
+        for x in batches:
+            with torch.autocast("cpu", dtype=FP16):
+                loss = model(x).float().pow(2).mean() * loss_factor
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        if handle is not None:
+            handle.close()
+    return amprobe.load_run(tmp_path / "run") if probe else None
+
+
+def _finding(diagnosis, rule_id: str):
+    found = [f for f in diagnosis.findings if f.id == rule_id]
+    return found[0] if found else None
+
+
+def test_overflowing_layer_is_first_offender(tmp_path: Path) -> None:
+    model = _model()
+    with torch.no_grad():
+        model[2].weight.fill_(30000.0)  # fp16 output ~ 30000 * sum(h) overflows 65504
+    batches = _batches(3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=FP16):
+        h = model[1](model[0](batches[0].clone()))
+        assert torch.isfinite(h).all()
+        expected_inf = int(torch.isinf(model[2](h)).sum())
+    assert expected_inf > 0
+    run = _train(tmp_path, model, batches, config={"numerics_every": 100})
+    offenders = run.table("offenders")
+    forward = offenders[offenders["kind"] == "forward"].sort_values("step")
+    assert forward["module"].iloc[0] == "2" and forward["module_type"].iloc[0] == "Linear"
+    diagnosis = diagnose(run)
+    n05 = _finding(diagnosis, "AMP-N05")
+    assert n05 is not None
+    assert n05.evidence["module"] == "2" and n05.evidence["step"] == 0
+    assert n05.evidence["inf"] == expected_inf and n05.evidence["nan"] == 0
+    assert n05.evidence["output_dtype"] == "float16"
+    assert _finding(diagnosis, "AMP-N04") is None
+    # the always-on check saw the skipped step and armed full capture of the next steps
+    assert run.steps["numerics_sampled"].tolist() == [True, True, True]
+    n03 = diagnose(run, thresholds={"AMP-N03": {"max_consecutive_cuts": 2}})
+    n03f = _finding(n03, "AMP-N03")
+    assert n03f is not None and n03f.evidence["first_forward_offender"]["module"] == "2"
+
+
+def test_output_projection_role_is_named(tmp_path: Path) -> None:
+    model = _model()
+    with torch.no_grad():
+        model[4].weight.fill_(3000.0)
+        model[2].weight.abs_()
+        model[2].bias.fill_(1.0)
+    run = _train(tmp_path, model, _batches(1), config={"numerics_every": 1})
+    n05 = _finding(diagnose(run), "AMP-N05")
+    assert n05 is not None and n05.evidence["module"] == "4"
+    assert n05.evidence["role"] == "output projection"
+    assert "output projection" in n05.title
+
+
+def test_nan_batch_is_nonfinite_input_not_overflow(tmp_path: Path) -> None:
+    batches = _batches(6)
+    batches[2][1, 3] = float("nan")
+    batches[2][0, 0] = float("inf")
+    run = _train(tmp_path, _model(), batches, config={"numerics_every": 100})
+    diagnosis = diagnose(run)
+    n04 = _finding(diagnosis, "AMP-N04")
+    assert n04 is not None
+    assert n04.evidence["steps"] == [2] and n04.evidence["nonfinite_elements"] == [2]
+    assert _finding(diagnosis, "AMP-N05") is None
+    assert _finding(diagnosis, "AMP-N11") is None  # a data problem is not blamed on fp16
+    # step 2 was not sampled; the check armed steps 3..5
+    assert run.steps["numerics_sampled"].tolist() == [True, False, False, True, True, True]
+
+
+def test_nan_batch_on_sampled_step_names_the_input(tmp_path: Path) -> None:
+    batches = _batches(2)
+    batches[1][0, 0] = float("nan")
+    run = _train(tmp_path, _model(), batches, config={"numerics_every": 1})
+    n04 = _finding(diagnose(run), "AMP-N04")
+    assert n04 is not None and n04.evidence["inputs"] == ["<input 0>[0]"]
+    offenders = run.table("offenders")
+    assert set(offenders["kind"]) <= {"input", "backward"}
+
+
+def test_fp16_underflow_without_scaler(tmp_path: Path) -> None:
+    model = _model()
+    grads: list[torch.Tensor] = []
+
+    def keep(_: nn.Module, __: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+    handle = model[4].register_forward_hook(keep)
+    run = _train(tmp_path, model, _batches(1), use_scaler=False, loss_factor=1e-3, config={"numerics_every": 1})
+    handle.remove()
+    (g,) = grads
+    assert g.dtype == FP16
+    a = g.float().abs()
+    expected = float(((a > 0) & (a < 2.0**-14)).sum() / (a > 0).sum())
+    assert expected > 0.01
+    n06 = _finding(diagnose(run), "AMP-N06")
+    assert n06 is not None
+    layers = {(x["module"], x["kind"]): x for x in n06.evidence["layers"]}
+    assert layers[("4", "grad_output")]["share"] == pytest.approx(expected, abs=1e-4)
+    assert layers[("4", "grad_output")]["measure"] == "subnormal"
+    hint = n06.evidence["scale_hint"]
+    assert hint["current_scale"] == 1.0 and hint["hint_scale"] > 1.0
+    table = run.table("numerics")
+    row = table[(table["module"] == "4") & (table["kind"] == "grad_output")].iloc[0]
+    assert row["zeros"] == int((g == 0).sum()) and row["elements"] == g.numel()
+    assert row["below_normal"] == int(((a > 0) & (a < 2.0**-14)).sum())
+    assert row["amax"] == pytest.approx(float(a.max()))
+
+
+def test_grad_stats_are_unscaled(tmp_path: Path) -> None:
+    model = _model()
+    grads: list[torch.Tensor] = []
+    for p in (model[4].weight, model[4].bias):
+        p.register_post_accumulate_grad_hook(lambda p: grads.append(p.grad.detach().clone()))
+    run = _train(tmp_path, model, _batches(1), config={"numerics_every": 1})
+    table = run.table("numerics")
+    row = table[(table["module"] == "4") & (table["kind"] == "grad_param")].iloc[0]
+    amax = max(float(g.abs().max()) for g in grads) / 2.0**10
+    assert row["loss_scale"] == 2.0**10
+    assert row["amax"] == pytest.approx(amax, rel=1e-6)
+    assert row["elements"] == sum(g.numel() for g in grads)
+    hist = {int(k): v for k, v in json.loads(row["exp_hist"]).items()}
+    assert sum(hist.values()) == row["elements"]
+
+
+def test_healthy_run_has_no_numerics_findings(tmp_path: Path) -> None:
+    run = _train(tmp_path, _model(), _batches(4), config={"numerics_every": 1})
+    ids = set(diagnose(run).ids())
+    assert not ids & {"AMP-N04", "AMP-N05", "AMP-N06", "AMP-N16"}
+    assert len(run.table("numerics")) > 0 and run.table("offenders").empty
+
+
+def test_layer_selection_and_sampling(tmp_path: Path) -> None:
+    run = _train(tmp_path, _model(), _batches(5), config={"numerics_every": 2, "numerics_layers": ["4", "0"]})
+    table = run.table("numerics")
+    assert set(table["module"]) - {"<input 0>[0]"} == {"0", "4"}
+    assert sorted(set(table["step"])) == [0, 2, 4]
+
+
+def test_probe_does_not_change_numerics(tmp_path: Path) -> None:
+    plain, probed = _model(), _model()
+    _train(tmp_path / "a", plain, _batches(3), probe=False)
+    _train(tmp_path / "b", probed, _batches(3), config={"numerics_every": 1})
+    for (name, a), (_, b) in zip(plain.named_parameters(), probed.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_hooks_removed_on_close(tmp_path: Path) -> None:
+    model = _model()
+    _train(tmp_path, model, _batches(1), config={"numerics_every": 1})
+    for mod in model.modules():
+        assert not mod._forward_hooks and not mod._forward_pre_hooks
+    assert not model[0].weight._post_accumulate_grad_hooks
+    assert torch.amp.GradScaler.scale.__module__ == "torch.amp.grad_scaler"
+
+
+class _CountScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten._local_scalar_dense: every tensor-to-host read (a sync on an accelerator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _scalar_reads(tmp_path: Path, probe: bool) -> int:
+    model = _model()
+    batches = _batches(4)
+    batches[1][0, 0] = float("nan")  # the non-finite check must not read its flag on the hot path
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    handle = None
+    if probe:
+        handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run",
+                                config={"collectors": ["scaler", "numerics"], "numerics_every": 1,
+                                        "flush_every": 1000, "flush_interval_s": 1e6})
+        numerics = next(c for c in handle.collectors if c.name == "numerics")
+        numerics._device = torch.device("meta")  # take the accelerator path: arm only at flush
+    counter = _CountScalarReads()
+    try:
+        with counter:
+            for x in batches:
+                with torch.autocast("cpu", dtype=FP16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        if handle is not None:
+            handle.close()
+    return counter.count
+
+
+def test_no_host_reads_on_the_hot_path(tmp_path: Path) -> None:
+    plain = _scalar_reads(tmp_path / "plain", probe=False)
+    assert plain == 4  # GradScaler's own found_inf read, once per step
+    assert _scalar_reads(tmp_path / "probe", probe=True) == plain
+
+
+def test_device_variant(tmp_path: Path, device: torch.device) -> None:
+    torch.manual_seed(0)
+    model = _model().to(device)
+    with torch.no_grad():
+        model[2].weight.fill_(30000.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run",
+                        config={"collectors": ["scaler", "numerics"], "numerics_every": 1}):
+        for x in _batches(2):
+            with torch.autocast(device.type, dtype=FP16):
+                loss = model(x.to(device)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    n05 = _finding(diagnose(amprobe.load_run(tmp_path / "run")), "AMP-N05")
+    assert n05 is not None and n05.evidence["module"] == "2"
