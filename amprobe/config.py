@@ -35,6 +35,11 @@ class Config:
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
         world_size: number of ranks; ``None`` reads ``WORLD_SIZE``, else 1.
         overwrite: allow recording into a run directory that already holds this rank's data.
+        shapes_every: with the ``compute`` collector, capture the matmul/conv/attention ops of
+            one step every this many steps (first capture at step 1). A captured step runs
+            under a dispatch mode and costs a few times a plain step.
+        shapes_captures: stop after this many captured steps (shapes rarely change);
+            0 captures every ``shapes_every`` steps for the whole run.
     """
 
     flush_every: int = 100
@@ -45,6 +50,8 @@ class Config:
     rank: int | None = None
     world_size: int | None = None
     overwrite: bool = False
+    shapes_every: int = 200
+    shapes_captures: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -56,6 +63,12 @@ class Config:
         if not isinstance(self.max_buffered_rows, int) or self.max_buffered_rows < 1:
             raise ConfigError(
                 f"max_buffered_rows must be a positive integer, got {self.max_buffered_rows!r}"
+            )
+        if not isinstance(self.shapes_every, int) or self.shapes_every < 1:
+            raise ConfigError(f"shapes_every must be a positive integer, got {self.shapes_every!r}")
+        if not isinstance(self.shapes_captures, int) or self.shapes_captures < 0:
+            raise ConfigError(
+                f"shapes_captures must be a non-negative integer (0 = no limit), got {self.shapes_captures!r}"
             )
         from amprobe.collectors import REGISTRY
 
