@@ -5,6 +5,7 @@ Importing this package registers every rule module in :data:`RULE_MODULES`.
 
 from __future__ import annotations
 
+from amprobe.rules import compute as _compute  # noqa: F401
 from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
 from amprobe.rules import precision as _precision  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
