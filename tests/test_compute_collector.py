@@ -102,7 +102,7 @@ def _ids(run) -> dict[str, list]:
 
 
 def test_misaligned_layers_get_s04_with_padded_sizes(tmp_path):
-    run = _run(tmp_path, Misaligned(), _tokens(1003), torch.bfloat16)
+    run = _run(tmp_path, Misaligned(), _tokens(1003), torch.bfloat16, steps=2)
     findings = _ids(run)
     s04 = [f for f in findings["AMP-S04"] if f.severity == "warning"]
     assert len(s04) == 1
@@ -168,7 +168,7 @@ def test_elementwise_model_gets_s02(tmp_path):
 
 @pytest.mark.slow
 def test_well_formed_transformer_gets_no_compute_findings(tmp_path):
-    run = _run(tmp_path, WellFormedGPT(), _tokens(1024, batch=4, seq=64), torch.bfloat16)
+    run = _run(tmp_path, WellFormedGPT(), _tokens(1024, batch=4, seq=32), torch.bfloat16, steps=2)
     diagnosis = amprobe.diagnose(run)
     assert not {"AMP-S02", "AMP-S04", "AMP-S05"} & set(diagnosis.ids())
     checked = {n.id for n in diagnosis.not_checked}

@@ -366,7 +366,7 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
                 ),
             )
         waste = part[part["tile_waste"].map(bool)]
-        if len(waste):
+        if len(waste) and float(waste["flop_share"].sum()) >= th["min_flop_share"]:
             items: dict[str, dict[int, int]] = {}
             for module, tw in zip(waste["module"], waste["tile_waste"], strict=True):
                 items.setdefault(str(module), {}).update(tw)
