@@ -43,6 +43,11 @@ class Config:
         numerics_layers: ``fnmatch`` patterns on qualified module names (``"blocks.*.linear1"``);
             empty selects every leaf module and every module owning parameters.
         numerics_arm_steps: steps captured in full after a non-finite input, loss or gradient.
+        shapes_every: with the ``compute`` collector, capture the matmul/conv/attention ops of
+            one step every this many steps (first capture at step 1). A captured step runs
+            under a dispatch mode and costs a few times a plain step.
+        shapes_captures: stop after this many captured steps (shapes rarely change);
+            0 captures every ``shapes_every`` steps for the whole run.
     """
 
     flush_every: int = 100
@@ -57,6 +62,8 @@ class Config:
     numerics_every: int = 100
     numerics_layers: tuple[str, ...] = ()
     numerics_arm_steps: int = 3
+    shapes_every: int = 200
+    shapes_captures: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -68,6 +75,12 @@ class Config:
         if not isinstance(self.max_buffered_rows, int) or self.max_buffered_rows < 1:
             raise ConfigError(
                 f"max_buffered_rows must be a positive integer, got {self.max_buffered_rows!r}"
+            )
+        if not isinstance(self.shapes_every, int) or self.shapes_every < 1:
+            raise ConfigError(f"shapes_every must be a positive integer, got {self.shapes_every!r}")
+        if not isinstance(self.shapes_captures, int) or self.shapes_captures < 0:
+            raise ConfigError(
+                f"shapes_captures must be a non-negative integer (0 = no limit), got {self.shapes_captures!r}"
             )
         from amprobe.collectors import REGISTRY
 

@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 from amprobe.collectors.base import Collector
+from amprobe.collectors.compute import ComputeCollector
 from amprobe.collectors.discovery import RootModelFinder
 from amprobe.collectors.numerics import NumericsCollector
 from amprobe.collectors.scaler import ScalerCollector
 
-__all__ = ["REGISTRY", "Collector", "NumericsCollector", "RootModelFinder", "ScalerCollector"]
+__all__ = ["REGISTRY", "Collector", "ComputeCollector", "NumericsCollector", "RootModelFinder", "ScalerCollector"]
 
 REGISTRY: dict[str, type[Collector]] = {
     "scaler": ScalerCollector,
     "numerics": NumericsCollector,
+    "compute": ComputeCollector,
     "discovery": RootModelFinder,
 }

@@ -1,5 +1,6 @@
 """Reports: section builders (figures and tables as data) and renderers (text, JSON, Markdown, HTML)."""
 
+from amprobe.report import compute as _compute  # noqa: F401  (registers the compute section)
 from amprobe.report import numerics as _numerics  # noqa: F401  (registers the numerics section)
 from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
 from amprobe.report.render import (

@@ -56,7 +56,13 @@ def compute_health(run: Run) -> dict[str, dict[str, Any]]:
         }
     else:
         health["scaler_success_rate"] = _not_measured("no training step was recorded")
-    health["mfu"] = _not_measured("FLOP counting is not recorded in this run")
+    if len(run.table("compute_steps")):
+        from amprobe.rules.compute import compute_mfu
+
+        health["mfu"] = compute_mfu(run)
+    else:
+        health["mfu"] = _not_measured("FLOP counting is not recorded in this run "
+                                      '(enable the "compute" collector)')
     for key, (label, unit) in HEALTH_METRICS.items():
         health[key].update(label=label, unit=unit)
     return health

@@ -105,4 +105,35 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "module_type": pa.string(),
         "detail": pa.string(),  # JSON object
     },
+    # compute collector: one row per distinct matmul/conv/attention op of a captured step
+    "compute_ops": {
+        "step": pa.int64(),  # the captured step
+        "module": pa.string(),  # qualified name of the innermost module (relative to the root)
+        "op": pa.string(),  # aten op, e.g. addmm, mm, convolution_backward
+        "phase": pa.string(),  # forward | backward
+        "batch": pa.int64(),  # bmm batch, conv N, attention B x heads
+        "m": pa.int64(),  # GEMM M (rows of the output); conv: N x input pixels; attention: query length
+        "n": pa.int64(),  # GEMM N; conv: Cout / groups; attention: key length
+        "k": pa.int64(),  # GEMM K (reduction); conv: Cin / groups x kernel; attention: head dim
+        "cin": pa.int64(),  # conv input channels
+        "cout": pa.int64(),  # conv output channels
+        "kernel": pa.string(),  # conv kernel size, e.g. 3x3
+        "in_dtype": pa.string(),  # dtype of the first matrix operand, after autocast
+        "out_dtype": pa.string(),
+        "autocast": pa.string(),  # enabled | disabled | outside | backward
+        "autocast_dtype": pa.string(),  # the autocast region's dtype when enabled
+        "count": pa.int64(),  # calls with these shapes in the step
+        "flops": pa.float64(),  # FLOPs of those calls (torch.utils.flop_counter; FMA = 2)
+    },
+    # compute collector: one row per captured step
+    "compute_steps": {
+        "step": pa.int64(),
+        "matmul_flops": pa.float64(),  # FLOPs of every matmul/conv/attention op, forward + backward
+        "matmul_ops": pa.int64(),
+        "other_ops": pa.int64(),  # other forward/backward ops (views excluded)
+        "other_bytes": pa.float64(),  # bytes they read and wrote (inputs + outputs)
+        "optimizer_bytes": pa.float64(),  # bytes read and written inside optimizer.step()
+        "tf32": pa.bool_(),  # fp32 CUDA matmuls may use TF32
+        "capture_s": pa.float64(),  # wall time of the captured step, capture overhead included
+    },
 }

@@ -1,0 +1,510 @@
+"""Compute profile: the matmul, convolution and attention ops a training step executes.
+
+On sampled steps a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every aten op
+below the Autocast and Autograd keys, so it records the dtypes autocast chose and the backward
+GEMMs too; :class:`torch.utils.module_tracker.ModuleTracker` names the module each op runs in,
+and the formulas registered in :mod:`torch.utils.flop_counter` give each op's FLOPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+import time
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.autocast_mode import autocast
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+from amprobe.collectors.base import Collector
+
+__all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
+
+#: aten overload packets recorded as matrix multiplies (operands a [.., M, K], b [.., K, N]).
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "_scaled_mm"})
+#: aten overload packets recorded as convolutions (forward and backward).
+CONV_OPS = frozenset({"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+                      "convolution_overrideable"})
+# ops that move no data (views, metadata, RNG state, allocation without a write)
+_FREE_OPS = frozenset({
+    "detach", "alias", "lift_fresh", "_unsafe_view", "view", "t", "transpose", "permute",
+    "expand", "as_strided", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
+    "unbind", "_reshape_alias", "empty", "empty_like", "empty_strided", "new_empty",
+    "new_empty_strided", "set_", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+    "_local_scalar_dense", "_to_copy_noop", "record_stream",
+})
+_BWD_PREFIX = "Backward"
+
+
+def is_attention_op(name: str) -> bool:
+    """True for fused scaled-dot-product attention kernels (forward or backward)."""
+    return name.startswith(("_scaled_dot_product_", "_flash_attention", "_efficient_attention"))
+
+
+def _shape(t: Any) -> list[int] | None:
+    return [int(s) for s in t.shape] if isinstance(t, torch.Tensor) else None
+
+
+def op_dims(name: str, args: tuple[Any, ...]) -> dict[str, Any]:
+    """The problem dimensions of a recorded op, from its aten arguments.
+
+    GEMMs give ``m``, ``n``, ``k`` (and ``batch`` for bmm); convolutions give the implicit-GEMM
+    ``m`` (= N x output pixels, estimated from the input size), ``n`` (= Cout / groups), ``k``
+    (= Cin / groups x kernel) plus ``cin``, ``cout``, ``kernel``; attention gives ``batch``
+    (= B x heads), ``m`` (query length), ``n`` (key length) and ``k`` (head dimension).
+    """
+    if name in ("addmm", "baddbmm", "_addmm_activation"):
+        a, b = args[1], args[2]
+    elif name in GEMM_OPS:
+        a, b = args[0], args[1]
+    else:
+        a = b = None
+    if a is not None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        out: dict[str, Any] = {"m": int(a.shape[-2]), "k": int(a.shape[-1]), "n": int(b.shape[-1])}
+        if a.dim() == 3:
+            out["batch"] = int(a.shape[0])
+        return out
+    if name in CONV_OPS:
+        x, w = (args[1], args[2]) if name == "convolution_backward" else (args[0], args[1])
+        groups = 1
+        if name == "convolution_backward" and len(args) > 9 and isinstance(args[9], int):
+            groups = args[9]
+        elif name != "convolution_backward" and len(args) > 8 and isinstance(args[8], int):
+            groups = args[8]
+        transposed = bool(args[7] if name == "convolution_backward" else args[6]) if len(args) > 7 else False
+        cin = int(x.shape[1])
+        cout = int(w.shape[1] * groups if transposed else w.shape[0])
+        kernel = [int(s) for s in w.shape[2:]]
+        return {
+            "m": int(x.shape[0]) * math.prod(int(s) for s in x.shape[2:]),
+            "n": cout // max(groups, 1),
+            "k": cin // max(groups, 1) * math.prod(kernel),
+            "batch": int(x.shape[0]),
+            "cin": cin,
+            "cout": cout,
+            "kernel": "x".join(str(s) for s in kernel),
+        }
+    if is_attention_op(name):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        q, k = (tensors[1], tensors[2]) if "backward" in name else (tensors[0], tensors[1])
+        if name.startswith(("_flash_attention", "_efficient_attention")):  # [B, S, H, D]
+            return {"batch": int(q.shape[0] * q.shape[2]), "m": int(q.shape[1]), "n": int(k.shape[1]),
+                    "k": int(q.shape[-1])}
+        return {"batch": int(math.prod(q.shape[:-2])), "m": int(q.shape[-2]), "n": int(k.shape[-2]),
+                "k": int(q.shape[-1])}
+    return {}
+
+
+def _flops(packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
+    """FLOPs of one op from torch's registered formula (SDPA CPU kernels via its SDPA helpers)."""
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is not None:
+        return float(formula(*args, **kwargs, out_val=out))
+    if is_attention_op(name):
+        shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+        if "backward" in name and len(shapes) >= 4:
+            return float(flop_counter.sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2], shapes[3]))
+        if len(shapes) >= 3:
+            return float(flop_counter.sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
+    return None
+
+
+def _dtype(t: Any) -> str | None:
+    return str(t.dtype).replace("torch.", "") if isinstance(t, torch.Tensor) else None
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(v.numel() * v.element_size() for v in value if isinstance(v, torch.Tensor))
+    return 0
+
+
+class _OrderedSet:
+    """Stands in for ``ModuleTracker.parents``, remembering when each module was entered.
+
+    ModuleTracker keeps the modules being executed in a plain set. In backward, several modules
+    are entered by hooks on the same tensor with no op in between (a module and its parent that
+    return the same output, or an identity such as ``Dropout(p=0)`` whose exit hook fired
+    before its entry hook and so stays in the set). :meth:`innermost` picks, among the modules
+    entered last (same op clock), the deepest one that owns parameters.
+    """
+
+    def __init__(self, items: Any, clock: Any, owns_params: Any) -> None:
+        self._items: dict[str, int] = dict.fromkeys(items, -1)
+        self._clock = clock
+        self._owns_params = owns_params
+
+    def add(self, item: str) -> None:
+        self._items.pop(item, None)
+        self._items[item] = self._clock()
+
+    def remove(self, item: str) -> None:
+        del self._items[item]
+
+    def discard(self, item: str) -> None:
+        self._items.pop(item, None)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __iter__(self) -> Any:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def innermost(self) -> str | None:
+        items = [(name, stamp) for name, stamp in list(self._items.items()) if name != "Global"]
+        if not items:
+            return None
+        latest = max(stamp for _, stamp in items)
+        group = [(i, name) for i, (name, stamp) in enumerate(items) if stamp == latest]
+        return max(group, key=lambda p: (self._owns_params(p[1]), p[1].count("."), p[0]))[1]
+
+
+class _CaptureMode(TorchDispatchMode):
+    """Records matmul-class ops and counts the bytes of every other op (one sampled step)."""
+
+    def __init__(self, owner: ComputeCollector) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self.owner._observe(func, args, kwargs, out)
+        except Exception as exc:  # never raise into the user's op
+            self.owner._capture_error = exc
+        return out
+
+
+class ComputeCollector(Collector):
+    """Records what the step computes: GEMM/conv/attention shapes, dtypes, modules and FLOPs.
+
+    On captured steps (step 1, then every ``Config.shapes_every`` steps, at most
+    ``Config.shapes_captures`` times) it writes:
+
+    * ``compute_ops``: one row per distinct (module, op, phase, shape, dtypes, autocast state)
+      with ``count`` (calls) and ``flops`` (FLOPs of all those calls, from
+      ``torch.utils.flop_counter``; a multiply-add counts 2). Dimensions: ``m``, ``n``, ``k``
+      (elements), ``batch``, and for convolutions ``cin``, ``cout``, ``kernel``. ``autocast`` is
+      ``enabled`` / ``disabled`` (inside an ``autocast(enabled=False)`` region) / ``outside``
+      (no autocast region for the op's device) / ``backward``, with ``autocast_dtype``.
+    * ``compute_steps``: per captured step, ``matmul_flops`` (FLOPs), ``matmul_ops`` (calls),
+      ``other_ops`` and ``other_bytes`` (bytes read + written by every other forward/backward
+      op: elementwise, normalization, reductions, copies; views excluded), ``optimizer_bytes``
+      (the same inside ``optimizer.step``), ``tf32`` (fp32 matmuls may use TF32), ``capture_s``.
+
+    Events: ``model_params`` (root class, parameters, trainable parameters, parameter dtypes),
+    ``compute_capture_error`` (a capture that could not be completed).
+
+    A capture starts at the root model's first forward of the sampled step (or, when no model
+    is known, at the end of the previous step) and ends at the step's end. Cost: nothing on
+    other steps beyond one flag check in a forward pre-hook; a captured step runs every aten op
+    through Python (several times a plain step on CPU). No host-device sync: only shapes and
+    dtypes are read.
+    """
+
+    name = "compute"
+
+    def on_attach(self, probe: Any) -> None:
+        super().on_attach(probe)
+        self._every = probe.config.shapes_every
+        self._limit = probe.config.shapes_captures
+        self._captures = 0
+        self._armed = False
+        self._capturing = False
+        self._capture_step = -1
+        self._handles: list[Any] = []
+        self._mode: _CaptureMode | None = None
+        self._tracker: ModuleTracker | None = None
+        self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
+        self._rows: list[dict[str, Any]] = []
+        self._capture_error: Exception | None = None
+        self._autocast_patch: tuple[Any, Any, Any, Any] | None = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        # permanent (a dict insert/remove from inside an optimizer hook would break its loop);
+        # each costs one attribute check per optimizer step
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        if self._due(probe.step):
+            self._arm()
+
+    # -- schedule ----------------------------------------------------------------------------
+    def _due(self, step: int) -> bool:
+        if step < 1 or (self._limit and self._captures >= self._limit):
+            return False
+        return (step - 1) % self._every == 0
+
+    def _arm(self) -> None:
+        if not self.probe.recording:
+            return
+        self._armed = True
+        if not self._roots:
+            self._start()
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def on_model(self, model: Any) -> None:
+        if not isinstance(model, torch.nn.Module):
+            return
+        params = trainable = 0
+        dtypes: dict[str, int] = defaultdict(int)
+        for p in model.parameters():
+            params += p.numel()
+            if p.requires_grad:
+                trainable += p.numel()
+            dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
+        self.probe.event("model_params", root=type(model).__name__, params=params,
+                         trainable_params=trainable, param_dtypes=dict(dtypes))
+        self._roots.append((weakref.ref(model), type(model).__name__))
+        self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
+
+    def _on_root_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._armed or self._capturing or not torch.is_grad_enabled():
+            return
+        try:
+            self._start(module, args)
+        except Exception as exc:
+            self.probe.collector_failed(self.name, exc)
+
+    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+        if self._capturing:
+            self._finish(step)
+        if self._due(step + 1):
+            self._arm()
+
+    def on_flush(self, writer: Any) -> None:
+        rows, self._rows = self._rows, []
+        tables: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for row in rows:
+            tables[row.pop("_table")].append(row)
+        for table, part in tables.items():
+            writer.append(table, part)
+
+    def on_close(self) -> None:
+        if self._capturing:
+            with contextlib.suppress(Exception):
+                self._stop()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- capture -------------------------------------------------------------------------------
+    def _start(self, root: torch.nn.Module | None = None, args: Any = None) -> None:
+        self._armed = False
+        self._capturing = True
+        self._capture_step = self.probe.step
+        self._t_start = time.perf_counter()
+        self._ops: dict[tuple[Any, ...], list[float]] = {}
+        self._other_ops = 0
+        self._other_bytes = 0
+        self._opt_bytes = 0
+        self._in_optimizer = 0
+        self._capture_error = None
+        self._in_optimizer = 0
+        self._clock = 0
+        self._param_owners: dict[str, bool] = {}
+        self._seed_autocast()
+        self._patch_autocast()
+        self._tracker = ModuleTracker()
+        self._tracker.parents = self._ordered(self._tracker.parents)  # type: ignore[assignment]
+        self._tracker.__enter__()
+        if root is not None and hasattr(self._tracker, "_fw_pre_hook"):
+            # the root's global pre-hooks already ran before this local hook: enter it by hand
+            self._tracker._fw_pre_hook(root, args)
+        self._mode = _CaptureMode(self)
+        self._mode.__enter__()
+
+    def _stop(self) -> None:
+        self._capturing = False
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+        self._unpatch_autocast()
+
+    def _finish(self, step: int) -> None:
+        self._stop()
+        self._captures += 1
+        if self._capture_error is not None:
+            exc = self._capture_error
+            self.probe.event("compute_capture_error", step=step, error=f"{type(exc).__name__}: {exc}")
+            return
+        total = 0.0
+        count = 0
+        for key, (n, flops) in self._ops.items():
+            module, op, phase, dims, in_dtype, out_dtype, state, ac_dtype = key
+            row = {"_table": "compute_ops", "step": step, "module": module, "op": op, "phase": phase,
+                   **dict(dims), "in_dtype": in_dtype, "out_dtype": out_dtype, "autocast": state,
+                   "autocast_dtype": ac_dtype, "count": int(n),
+                   "flops": float(flops) if not math.isnan(flops) else None}
+            self._rows.append(row)
+            total += 0.0 if math.isnan(flops) else flops
+            count += int(n)
+        self._rows.append({"_table": "compute_steps", "step": step, "matmul_flops": total,
+                           "matmul_ops": count, "other_ops": self._other_ops,
+                           "other_bytes": self._other_bytes, "optimizer_bytes": self._opt_bytes,
+                           "tf32": _tf32_enabled(), "capture_s": time.perf_counter() - self._t_start})
+
+    def _opt_pre(self, *args: Any) -> None:
+        if self._capturing:
+            self._in_optimizer += 1
+
+    def _opt_post(self, *args: Any) -> None:
+        if self._capturing:
+            self._in_optimizer = max(0, self._in_optimizer - 1)
+
+    # -- autocast state: not visible inside the dispatch mode (the key is excluded there) --------
+    def _seed_autocast(self) -> None:
+        state: dict[str, tuple[str, str | None]] = {}
+        for dev in ("cpu", "cuda"):
+            with contextlib.suppress(Exception):
+                if torch.is_autocast_enabled(dev):
+                    state[dev] = ("enabled", _dtype_name(torch.get_autocast_dtype(dev)))
+        self._seed = state
+        self._local.stack = [dict(state)]
+
+    def _autocast_state(self, device: str) -> tuple[str, str | None]:
+        stack = getattr(self._local, "stack", None) or [self._seed]
+        return stack[-1].get(device, ("outside", None))
+
+    def _patch_autocast(self) -> None:
+        c = self
+        orig_enter, orig_exit = autocast.__enter__, autocast.__exit__
+
+        def __enter__(self: autocast) -> Any:
+            result = orig_enter(self)
+            with contextlib.suppress(Exception):
+                stack = getattr(c._local, "stack", None) or [dict(c._seed)]
+                top = dict(stack[-1])
+                enabled = bool(getattr(self, "_enabled", True))
+                top[str(self.device)] = ("enabled", _dtype_name(self.fast_dtype)) if enabled else ("disabled", None)
+                stack.append(top)
+                c._local.stack = stack
+            return result
+
+        def __exit__(self: autocast, *exc: Any) -> Any:
+            with contextlib.suppress(Exception):
+                stack = getattr(c._local, "stack", None)
+                if stack and len(stack) > 1:
+                    stack.pop()
+            return orig_exit(self, *exc)
+
+        autocast.__enter__ = __enter__  # type: ignore[method-assign]
+        autocast.__exit__ = __exit__  # type: ignore[method-assign]
+        self._autocast_patch = (orig_enter, orig_exit, __enter__, __exit__)
+
+    def _unpatch_autocast(self) -> None:
+        if self._autocast_patch is None:
+            return
+        orig_enter, orig_exit, mine_enter, mine_exit = self._autocast_patch
+        self._autocast_patch = None
+        # restore only what is still ours: another collector may have restored beneath us
+        if autocast.__dict__.get("__enter__") is mine_enter:
+            autocast.__enter__ = orig_enter  # type: ignore[method-assign]
+        if autocast.__dict__.get("__exit__") is mine_exit:
+            autocast.__exit__ = orig_exit  # type: ignore[method-assign]
+
+    # -- per-op work (inside the dispatch mode) --------------------------------------------------
+    def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        self._clock += 1
+        packet = func._overloadpacket
+        name = packet.__name__
+        if name in GEMM_OPS or name in CONV_OPS or is_attention_op(name):
+            self._record_op(packet, name, args, kwargs, out)
+            return
+        if name in _FREE_OPS or func.is_view:
+            return
+        moved = _nbytes(out)
+        for a in args:
+            moved += _nbytes(a)
+        with self._lock:
+            if self._in_optimizer:
+                self._opt_bytes += moved
+            else:
+                self._other_ops += 1
+                self._other_bytes += moved
+
+    def _record_op(self, packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   out: Any) -> None:
+        backward = torch._C._current_graph_task_id() != -1
+        dims = op_dims(name, args)
+        operand = next((a for a in (args[1:] if name in ("addmm", "baddbmm", "_addmm_activation") else args)
+                        if isinstance(a, torch.Tensor)), None)
+        result = out[0] if isinstance(out, (tuple, list)) and out else out
+        if name == "convolution_backward":
+            result = next((o for o in out if isinstance(o, torch.Tensor)), None)
+        device = operand.device.type if operand is not None else "cpu"
+        if backward:
+            state, ac_dtype = "backward", None
+        else:
+            state, ac_dtype = self._autocast_state(device)
+        flops = _flops(packet, name, args, kwargs, out)
+        key = (self._module(), name, "backward" if backward else "forward",
+               tuple(sorted(dims.items())), _dtype(operand), _dtype(result), state, ac_dtype)
+        with self._lock:
+            entry = self._ops.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += float("nan") if flops is None else flops
+
+    def _ordered(self, items: Any) -> _OrderedSet:
+        return _OrderedSet(items, lambda: self._clock, self._owns_params)
+
+    def _owns_params(self, name: str) -> bool:
+        cache = self._param_owners
+        if name not in cache:
+            known = getattr(self._tracker, "_known_modules", None) or {}
+            for module, qual in list(known.items()):
+                if qual not in cache:
+                    cache[qual] = any(True for _ in module.parameters(recurse=False))
+        return cache.get(name, False)
+
+    def _module(self) -> str:
+        tracker = self._tracker
+        if tracker is None:
+            return "(no module)"
+        parents = tracker.parents
+        if not isinstance(parents, _OrderedSet):  # the tracker resets it after each backward
+            parents = tracker.parents = self._ordered(parents)  # type: ignore[assignment]
+        inner = parents.innermost()
+        if inner is None:
+            return self._roots[0][1] if self._roots else "(no module)"
+        for _, root_name in self._roots:
+            if inner.startswith(root_name + "."):
+                return inner[len(root_name) + 1:]
+        return inner
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+def _tf32_enabled() -> bool:
+    """Whether fp32 CUDA matmuls may run as TF32 (the setting, read without touching CUDA)."""
+    with contextlib.suppress(Exception):
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return False
+
+
+def dims_json(row: dict[str, Any]) -> str:
+    """A compact display of an op row's dimensions (used by reports)."""
+    keys = ("batch", "m", "n", "k", "cin", "cout", "kernel")
+    return json.dumps({k: row[k] for k in keys if row.get(k) is not None})
