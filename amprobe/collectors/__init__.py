@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 from amprobe.collectors.base import Collector
+from amprobe.collectors.runtime import RuntimeCollector
 from amprobe.collectors.scaler import ScalerCollector
 
-__all__ = ["REGISTRY", "Collector", "ScalerCollector"]
+__all__ = ["REGISTRY", "Collector", "RuntimeCollector", "ScalerCollector"]
 
 REGISTRY: dict[str, type[Collector]] = {
     "scaler": ScalerCollector,
+    "runtime": RuntimeCollector,
 }
