@@ -211,8 +211,7 @@ class RuntimeCollector(Collector):
         self._depth[phase] = depth + 1
         if depth:
             return
-        if phase != "fwd":
-            self.probe.touch()
+        self.probe.touch()  # the first step starts at its first forward/batch
         self._t_open[phase] = time.perf_counter()
         if self._is_cuda():
             event = torch.cuda.Event(enable_timing=True)

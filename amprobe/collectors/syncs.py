@@ -136,11 +136,13 @@ class SyncCounter(TorchDispatchMode):
             if filename == _PROBE_FILE:
                 return  # the probe's own reads (flush, step bookkeeping)
             if filename.startswith(_TORCH_DIR):
-                if filename.endswith(_GRAD_SCALER_FILES) and frame.f_code.co_name == "_maybe_opt_step":
+                if kind != "user":
+                    pass  # the innermost library frame decides
+                elif filename.endswith(_GRAD_SCALER_FILES) and frame.f_code.co_name == "_maybe_opt_step":
                     kind = "scaler"
-                elif kind == "user" and filename.startswith(_OPTIM_DIR):
+                elif filename.startswith(_OPTIM_DIR):
                     kind = "optimizer"
-                elif kind == "user" and filename.startswith(_DATA_DIR):
+                elif filename.startswith(_DATA_DIR):
                     kind = "dataloader"
             elif not filename.startswith(_AMPROBE_DIR):
                 site = f"{filename}:{frame.f_lineno}"
