@@ -53,7 +53,7 @@ class Config:
     rank: int | None = None
     world_size: int | None = None
     overwrite: bool = False
-    syncs_every: int = 10
+    syncs_every: int = 50
     gpu_sample_hz: float = 10.0
     gpu_gpm: bool = True
     reset_peak_memory: bool = True

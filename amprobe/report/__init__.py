@@ -1,7 +1,7 @@
 """Reports: section builders (figures and tables as data) and renderers (text, JSON, Markdown, HTML)."""
 
-from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
 from amprobe.report import runtime as _runtime  # noqa: F401  (registers the runtime section)
+from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
 from amprobe.report.render import (
     render_html,
     render_json,
