@@ -48,6 +48,14 @@ class Config:
             under a dispatch mode and costs a few times a plain step.
         shapes_captures: stop after this many captured steps (shapes rarely change);
             0 captures every ``shapes_every`` steps for the whole run.
+        syncs_every: runtime collector: count host-device syncs on every this-many-th step
+            (steps 1, 1 + N, ...; 1 = every step); 0 turns sync counting off.
+        gpu_sample_hz: runtime collector: NVML samples per second (0 turns the sampler off).
+        gpu_gpm: runtime collector: also read GPM metrics (Tensor Core activity, SM occupancy)
+            on GPUs that support them (Hopper or newer).
+        reset_peak_memory: runtime collector: reset CUDA's peak-memory counter at every step, so
+            ``peak_mem_bytes`` is per step (``torch.cuda.max_memory_allocated`` then reports
+            the current step's peak to user code too); False records the peak since start.
     """
 
     flush_every: int = 100
@@ -64,6 +72,10 @@ class Config:
     numerics_arm_steps: int = 3
     shapes_every: int = 200
     shapes_captures: int = 3
+    syncs_every: int = 50
+    gpu_sample_hz: float = 10.0
+    gpu_gpm: bool = True
+    reset_peak_memory: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -81,6 +93,17 @@ class Config:
         if not isinstance(self.shapes_captures, int) or self.shapes_captures < 0:
             raise ConfigError(
                 f"shapes_captures must be a non-negative integer (0 = no limit), got {self.shapes_captures!r}"
+            )
+        if isinstance(self.syncs_every, bool) or not isinstance(self.syncs_every, int) \
+                or self.syncs_every < 0:
+            raise ConfigError(
+                f"syncs_every must be a non-negative integer (0 = off), got {self.syncs_every!r}"
+            )
+        if isinstance(self.gpu_sample_hz, bool) or not isinstance(self.gpu_sample_hz, (int, float)) \
+                or not 0 <= self.gpu_sample_hz <= 1000:
+            raise ConfigError(
+                f"gpu_sample_hz must be a number of samples per second in [0, 1000] (0 = off), "
+                f"got {self.gpu_sample_hz!r}"
             )
         from amprobe.collectors import REGISTRY
 

@@ -9,13 +9,15 @@ from amprobe.collectors.base import Collector
 from amprobe.collectors.compute import ComputeCollector
 from amprobe.collectors.discovery import RootModelFinder
 from amprobe.collectors.numerics import NumericsCollector
+from amprobe.collectors.runtime import RuntimeCollector
 from amprobe.collectors.scaler import ScalerCollector
 
-__all__ = ["REGISTRY", "Collector", "ComputeCollector", "NumericsCollector", "RootModelFinder", "ScalerCollector"]
+__all__ = ["REGISTRY", "Collector", "ComputeCollector", "NumericsCollector", "RootModelFinder", "RuntimeCollector", "ScalerCollector"]
 
 REGISTRY: dict[str, type[Collector]] = {
     "scaler": ScalerCollector,
     "numerics": NumericsCollector,
     "compute": ComputeCollector,
+    "runtime": RuntimeCollector,
     "discovery": RootModelFinder,
 }

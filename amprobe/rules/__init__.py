@@ -10,6 +10,7 @@ from amprobe.rules import compute as _compute  # noqa: F401
 from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
 from amprobe.rules import numerics as _numerics  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401
+from amprobe.rules import runtime as _runtime  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
 from amprobe.rules.engine import (
     REGISTRY,

@@ -68,6 +68,50 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "input_nonfinite": pa.int64(),  # non-finite elements in the root models' float inputs
         "loss_nonfinite": pa.bool_(),  # the loss was inf/NaN
         "numerics_sampled": pa.bool_(),  # per-layer numerics were captured on this step
+        # runtime collector (host clock, probe time excluded)
+        "data_wait_s": pa.float64(),  # time inside DataLoader __next__ (waiting for batches)
+        "batches": pa.int64(),  # batches fetched during the step
+        "fwd_s": pa.float64(),  # root models' forward (host time; CUDA device time: cuda_phases)
+        "bwd_s": pa.float64(),  # torch.autograd.backward
+        "opt_s": pa.float64(),  # optimizer.step
+        "peak_mem_bytes": pa.int64(),  # CUDA peak allocated memory during the step
+        "rss_bytes": pa.int64(),  # host resident set size at the end of the step
+        "syncs_sampled": pa.bool_(),  # host-device syncs were counted on this step
+        "syncs": pa.int64(),  # synchronizing ops issued by user code (sampled steps only)
+    },
+    "syncs": {  # runtime collector: synchronizing ops per sampled step and source line
+        "step": pa.int64(),
+        "site": pa.string(),  # file:line of the user code that issued the op
+        "op": pa.string(),  # item | nonzero | equal | bool-mask-index | to-cpu | copy-to-cpu | ...
+        "kind": pa.string(),  # user | scaler (GradScaler's check) | optimizer | dataloader (internals)
+        "count": pa.int64(),
+        "device": pa.string(),  # device type; "cpu" means it would synchronize on a GPU
+    },
+    "cuda_phases": {  # runtime collector: device time per phase from CUDA events
+        "step": pa.int64(),
+        "fwd_s": pa.float64(),
+        "bwd_s": pa.float64(),
+        "opt_s": pa.float64(),
+    },
+    "gpu": {  # runtime collector: NVML samples (amprobe.collectors.nvml)
+        "t": pa.float64(),  # seconds since the rank's start (same clock as steps.t)
+        "step": pa.int64(),  # step in progress when sampled
+        "gpu": pa.int64(),  # torch CUDA device index
+        "gpu_util": pa.float64(),  # % of time a kernel ran (NVML sample period)
+        "mem_util": pa.float64(),  # % of time device memory was read or written
+        "mem_used_bytes": pa.float64(),
+        "mem_total_bytes": pa.float64(),
+        "power_w": pa.float64(),
+        "sm_clock_mhz": pa.float64(),
+        "temp_c": pa.float64(),
+        "clock_event_reasons": pa.int64(),  # NVML clocks-event (throttle) reason bit mask
+        "throttle": pa.string(),  # decoded reason names, comma-separated
+        "sm_util": pa.float64(),  # GPM, % (Hopper+)
+        "sm_occupancy": pa.float64(),  # GPM, %
+        "tensor_any": pa.float64(),  # GPM: any tensor pipe active, %
+        "tensor_hmma": pa.float64(),  # GPM: fp16/bf16 tensor pipe, %
+        "tensor_imma": pa.float64(),  # GPM: integer tensor pipe, %
+        "tensor_dfma": pa.float64(),  # GPM: fp64 tensor pipe, %
     },
     "events": {
         "step": pa.int64(),  # step during which the event happened

@@ -1,0 +1,156 @@
+"""Host-device synchronization counting with a dispatch mode, attributed to user source lines.
+
+:class:`SyncCounter` is a ``TorchDispatchMode`` that the runtime collector pushes for sampled
+steps only (it sees every aten op, which costs about 10 % of a step's CPU time while active).
+It counts the ops that make the host wait for the device:
+
+- ``aten._local_scalar_dense``: ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``if t:``;
+- ``aten.nonzero``, ``aten.equal``, ``aten.masked_select`` and the ``unique`` family, whose
+  output size (or value) lives on the device;
+- ``aten.index.Tensor`` with a boolean mask (``t[t > 0]`` runs a ``nonzero`` below the dispatch
+  mode, so the mask is the sign);
+- ``aten._to_copy`` and ``aten.copy_`` from the training device to the host (``.cpu()``,
+  ``.tolist()``, ``.numpy()``, printing a tensor), CUDA runs only.
+
+Only tensors on the training device count: on a CUDA run the host tensors that optimizers keep
+(AdamW's ``step`` counters) never sync. On a CPU run the same calls on CPU tensors are counted
+and labelled "would synchronize on a GPU" so that the check works without a GPU; copies to the
+host cannot be seen there (``.cpu()`` and ``.tolist()`` of a CPU tensor dispatch nothing).
+
+Each counted op is classified by walking the Python stack (only for the few ops that match):
+
+- ``user``: the first frame outside torch and amprobe is the site (``file:line``);
+- ``scaler``: issued inside ``GradScaler._maybe_opt_step`` (its one necessary ``.item()``);
+- ``optimizer``: issued inside ``torch.optim`` (step counters, on CPU runs);
+- ``dataloader``: issued inside ``torch.utils.data`` (the iterator's seed, on CPU runs);
+- ops issued by the probe itself (flushes, step bookkeeping) are not recorded at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["SyncCounter", "SYNC_OPS"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_AMPROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PROBE_FILE = os.path.join(_AMPROBE_DIR, "probe.py")
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
+_DATA_DIR = os.path.join(_TORCH_DIR, "utils", "data") + os.sep
+_GRAD_SCALER_FILES = ("grad_scaler.py", "sharded_grad_scaler.py")
+
+aten = torch.ops.aten
+
+#: op packet -> label for ops that synchronize whenever their input is on the device.
+SYNC_OPS: dict[Any, str] = {
+    aten._local_scalar_dense: "item",
+    aten.nonzero: "nonzero",
+    aten.equal: "equal",
+    aten.masked_select: "masked_select",
+    aten._unique2: "unique",
+    aten.unique_consecutive: "unique",
+    aten.unique_dim: "unique",
+}
+_INDEX = aten.index
+_TO_COPY = aten._to_copy
+_COPY = aten.copy_
+_CHECKED = frozenset((*SYNC_OPS, _INDEX, _TO_COPY, _COPY))
+
+
+def _first_tensor(args: Any) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts synchronizing ops per (site, op, kind) while :attr:`active`.
+
+    Args:
+        device_type: the training device type; only tensors on it count.
+
+    Attributes:
+        counts: ``Counter[(site, op, kind)]`` since the last :meth:`take`.
+        active: when False the mode only passes ops through (used when it cannot be popped).
+    """
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.counts: Counter[tuple[str, str, str]] = Counter()
+        self.active = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.active:
+            packet = func._overloadpacket
+            if packet in _CHECKED:
+                label = self._label(packet, args, kwargs)
+                if label is not None:
+                    self._count(label)
+        return func(*args, **kwargs)
+
+    def _label(self, packet: Any, args: Any, kwargs: Any) -> str | None:
+        dev = self.device_type
+        if packet in SYNC_OPS:
+            t = _first_tensor(args)
+            return SYNC_OPS[packet] if t is not None and t.device.type == dev else None
+        if packet is _INDEX:
+            t = args[0] if args else None
+            if not isinstance(t, torch.Tensor) or t.device.type != dev or len(args) < 2:
+                return None
+            for idx in args[1] or ():
+                if isinstance(idx, torch.Tensor) and idx.dtype in (torch.bool, torch.uint8):
+                    return "bool-mask-index"
+            return None
+        if dev == "cpu":
+            return None  # host copies of host tensors are not syncs, and mostly not even seen
+        if packet is _TO_COPY:
+            t = args[0] if args else None
+            target = kwargs.get("device")
+            if (isinstance(t, torch.Tensor) and t.device.type == dev and target is not None
+                    and torch.device(target).type == "cpu"):
+                return "to-cpu"
+            return None
+        if packet is _COPY and len(args) >= 2:
+            dst, src = args[0], args[1]
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            if (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
+                    and dst.device.type == "cpu" and src.device.type == dev and not non_blocking):
+                return "copy-to-cpu"
+        return None
+
+    def _count(self, op: str) -> None:
+        kind = "user"
+        frame = sys._getframe(2)
+        site = "?"
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if filename == _PROBE_FILE:
+                return  # the probe's own reads (flush, step bookkeeping)
+            if filename.startswith(_TORCH_DIR):
+                if kind != "user":
+                    pass  # the innermost library frame decides
+                elif filename.endswith(_GRAD_SCALER_FILES) and frame.f_code.co_name == "_maybe_opt_step":
+                    kind = "scaler"
+                elif filename.startswith(_OPTIM_DIR):
+                    kind = "optimizer"
+                elif filename.startswith(_DATA_DIR):
+                    kind = "dataloader"
+            elif not filename.startswith(_AMPROBE_DIR):
+                site = f"{filename}:{frame.f_lineno}"
+                break
+            frame = frame.f_back  # type: ignore[assignment]
+        self.counts[(site, op, kind)] += 1
+
+    def take(self) -> Counter[tuple[str, str, str]]:
+        """Return the counts so far and start afresh."""
+        counts, self.counts = self.counts, Counter()
+        return counts

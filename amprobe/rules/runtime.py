@@ -1,0 +1,274 @@
+"""Rules on the runtime profile: input-bound steps, host-device syncs, idle Tensor Cores (B)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank
+from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.store.loader import Run
+
+__all__ = [
+    "compute_data_wait",
+    "compute_gpu_util",
+    "compute_sync_sites",
+    "gpu_unavailable_reason",
+    "training_samples",
+]
+
+G = "guide"
+
+
+def _column(frame: pd.DataFrame, name: str) -> pd.Series:
+    return frame[name] if name in frame else pd.Series([], dtype="float64")
+
+
+def gpu_unavailable_reason(run: Run) -> str | None:
+    """Why the run has no GPU samples (from the sampler's events), or None if it has some."""
+    gpu = run.table("gpu")
+    if len(gpu) and _column(gpu, "gpu_util").notna().any():
+        return None
+    notes = run.events_of("gpu_sampler")
+    for note in notes:
+        if note.get("status") in ("not available", "not sampled", "stopped") and note.get("reason"):
+            return str(note["reason"])
+    if notes:
+        return "the GPU sampler recorded no utilization sample"
+    return "the GPU sampler did not run (runtime collector off or gpu_sample_hz=0)"
+
+
+def training_samples(gpu: pd.DataFrame, skip_steps: int) -> pd.DataFrame:
+    """GPU samples taken while training ran, after the first ``skip_steps`` steps (warm-up)."""
+    if gpu.empty:
+        return gpu
+    return gpu[gpu["step"] >= skip_steps]
+
+
+def compute_data_wait(steps: pd.DataFrame, skip_steps: int) -> dict[str, Any] | None:
+    """Data-wait share of one rank's steps: sum(data_wait_s) / sum(wall_s), warm-up skipped.
+
+    Steps whose syncs were counted are left out (the dispatch mode inflates their time) unless
+    no other step is left.
+    """
+    frame = steps[steps["data_wait_s"].notna() & steps["wall_s"].notna()]
+    frame = frame[frame["step"] >= frame["step"].min() + skip_steps] if len(frame) else frame
+    unsampled = frame[~frame["syncs_sampled"].fillna(False).astype(bool)]
+    if len(unsampled):
+        frame = unsampled
+    wall = float(frame["wall_s"].sum())
+    if not len(frame) or wall <= 0:
+        return None
+    wait = float(frame["data_wait_s"].sum())
+    return {
+        "data_wait_share": wait / wall,
+        "data_wait_s_median": float(frame["data_wait_s"].median()),
+        "wall_s_median": float(frame["wall_s"].median()),
+        "steps_measured": int(len(frame)),
+    }
+
+
+def compute_gpu_util(gpu: pd.DataFrame, skip_steps: int) -> dict[str, Any] | None:
+    """Median NVML GPU utilization of one rank's training-time samples."""
+    samples = training_samples(gpu, skip_steps)
+    util = _column(samples, "gpu_util").dropna()
+    if not len(util):
+        return None
+    return {"gpu_util_median": float(util.median()), "gpu_samples": int(len(util))}
+
+
+def compute_sync_sites(syncs: pd.DataFrame, sampled_steps: int, kind: str = "user") -> pd.DataFrame:
+    """Syncs per sampled step by source line and op, most frequent first."""
+    rows = syncs[syncs["kind"] == kind] if len(syncs) else syncs
+    if rows.empty or sampled_steps <= 0:
+        return pd.DataFrame(columns=["site", "op", "per_step", "total"])
+    grouped = rows.groupby(["site", "op"], as_index=False)["count"].sum()
+    grouped = grouped.rename(columns={"count": "total"})
+    grouped["per_step"] = grouped["total"] / sampled_steps
+    return grouped.sort_values(["total", "site"], ascending=[False, True])[
+        ["site", "op", "per_step", "total"]
+    ].reset_index(drop=True)
+
+
+@requirement("runtime")
+def _has_runtime(run: Run) -> str | None:
+    steps = run.steps
+    if len(steps) and _column(steps, "data_wait_s").notna().any():
+        return None
+    return "step timing was not recorded (runtime collector off)"
+
+
+@requirement("syncs")
+def _has_syncs(run: Run) -> str | None:
+    steps = run.steps
+    if len(steps) and _column(steps, "syncs_sampled").fillna(False).astype(bool).any():
+        return None
+    return "host-device syncs were not counted (runtime collector off, syncs_every=0, or no sampled step)"
+
+
+@requirement("gpm")
+def _has_gpm(run: Run) -> str | None:
+    gpu = run.table("gpu")
+    if len(gpu) and _column(gpu, "tensor_any").notna().any():
+        return None
+    reason = gpu_unavailable_reason(run)
+    if reason:
+        return reason
+    for note in run.events_of("gpu_sampler"):
+        if note.get("status") == "gpm not available":
+            return str(note.get("reason"))
+    return "the GPU reported no Tensor Core activity metrics (GPM needs Hopper or newer)"
+
+
+@rule(
+    "AMP-S01", "input-bound", "warning", "speed", requires=("runtime",),
+    thresholds={"data_wait_share": 0.20, "gpu_util_median": 70.0, "skip_steps": 1, "min_steps": 3},
+    refs=(f"{G} §5.2 #1",),
+)
+def input_bound(ctx: RuleContext) -> list[Finding]:
+    """Low GPU utilization and/or a large share of step time spent waiting for the next batch.
+
+    Algorithm: per rank, data-wait share = Σ data_wait_s / Σ wall_s over the steps after the
+    first ``skip_steps`` (warm-up; the first batch of a multi-worker loader is slow) and outside
+    sync-sampled steps; GPU utilization = median NVML ``gpu_util`` of the samples taken after
+    warm-up. Fires when the share exceeds ``data_wait_share`` or the median is under
+    ``gpu_util_median``. Without GPU samples the GPU part says why it was not checked.
+    Assumes host wait approximates device idle (on CUDA the host may run ahead and hide it).
+    """
+    th = ctx.thresholds
+    skip = int(th["skip_steps"])
+    gpu = ctx.run.table("gpu")
+    gpu_reason = gpu_unavailable_reason(ctx.run)
+    out = []
+    for rank, steps in per_rank(ctx.run.steps):
+        wait = compute_data_wait(steps, skip)
+        if wait is None or wait["steps_measured"] < th["min_steps"]:
+            continue
+        util = None
+        if gpu_reason is None:
+            util = compute_gpu_util(gpu[gpu["rank"] == rank], skip)
+        evidence: dict[str, Any] = {"rank": rank, **wait, "data_wait_threshold": th["data_wait_share"]}
+        if util is not None:
+            evidence.update(util, gpu_util_threshold=th["gpu_util_median"])
+        else:
+            evidence["gpu_util"] = f"not checked: {gpu_reason or 'no sample after warm-up'}"
+        waits = wait["data_wait_share"] > th["data_wait_share"]
+        idle = util is not None and util["gpu_util_median"] < th["gpu_util_median"]
+        if not (waits or idle):
+            continue
+        loaders = [e for e in ctx.run.events_of("dataloader_seen") if e.get("rank") == rank]
+        if loaders:
+            evidence["dataloader"] = {k: loaders[-1].get(k) for k in
+                                      ("num_workers", "prefetch_factor", "pin_memory", "batch_size")}
+        parts = []
+        if waits:
+            parts.append(f"{wait['data_wait_share']:.0%} of step time waits for the next batch")
+        if idle:
+            parts.append(f"median GPU utilization {util['gpu_util_median']:.0f}%")  # type: ignore[index]
+        out.append(ctx.finding(
+            title=f"Input-bound (rank {rank}): " + "; ".join(parts),
+            evidence=evidence,
+            fix=("Feed the device faster: raise DataLoader num_workers (and prefetch_factor), set "
+                 "pin_memory=True with non_blocking copies, use persistent_workers, move decoding "
+                 "and augmentation out of __getitem__ or use memory-mapped/pre-processed data."),
+        ))
+    return out
+
+
+@rule(
+    "AMP-S03", "host-sync", "warning", "speed", requires=("syncs",),
+    thresholds={"syncs_per_step": 3.0, "top_sites": 5},
+    refs=(f"{G} §5.2 #3",),
+)
+def host_sync(ctx: RuleContext) -> list[Finding]:
+    """The step forces host-device synchronizations more than a few times.
+
+    Algorithm: per rank, mean of ``syncs`` (user-issued synchronizing ops) over the sampled
+    steps; fires above ``syncs_per_step``. Evidence lists the top source lines by count per
+    sampled step. GradScaler's own check and optimizer/data-loader internals are not counted.
+    On a CPU run the ops are counted on CPU tensors: they would synchronize on a GPU.
+    """
+    th = ctx.thresholds
+    syncs = ctx.run.table("syncs")
+    out = []
+    for rank, steps in per_rank(ctx.run.steps):
+        sampled = steps[steps["syncs_sampled"].fillna(False).astype(bool)]
+        if sampled.empty:
+            continue
+        per_step = float(sampled["syncs"].fillna(0).mean())
+        if per_step <= th["syncs_per_step"]:
+            continue
+        rank_syncs = syncs[syncs["rank"] == rank] if len(syncs) else syncs
+        sites = compute_sync_sites(rank_syncs, len(sampled)).head(int(th["top_sites"]))
+        devices = set(rank_syncs["device"].dropna()) if len(rank_syncs) else set()
+        on_cpu = devices <= {"cpu"}
+        scaler_checks = 0.0
+        if len(rank_syncs):
+            scaler_checks = float(rank_syncs[rank_syncs["kind"] == "scaler"]["count"].sum()) / len(sampled)
+        top = [f"{r.site} ({r.op}, {r.per_step:g}/step)" for r in sites.itertuples()]
+        note = " (would synchronize on a GPU)" if on_cpu else ""
+        out.append(ctx.finding(
+            title=f"{per_step:.1f} host-device syncs per step{note} (rank {rank}), "
+                  f"top: {top[0] if top else '?'}",
+            evidence={
+                "rank": rank,
+                "syncs_per_step": per_step,
+                "threshold": th["syncs_per_step"],
+                "sampled_steps": steps_sample(sampled),
+                "top_sites": top,
+                "counted_on": "cpu (would synchronize on a GPU)" if on_cpu else ",".join(sorted(devices)),
+                "gradscaler_checks_per_step": scaler_checks,
+            },
+            fix=("Take metrics out of the hot loop: accumulate losses/metrics on the device "
+                 "(e.g. total += loss.detach()) and call .item()/.cpu()/print every N steps; avoid "
+                 "nonzero, boolean-mask indexing and data-dependent Python branches on device tensors."),
+        ))
+    return out
+
+
+def steps_sample(frame: pd.DataFrame, limit: int = 20) -> list[int]:
+    return [int(s) for s in frame["step"].head(limit)]
+
+
+@rule(
+    "AMP-S07", "tensor-core-idle", "warning", "speed", requires=("gpm", "autocast"),
+    thresholds={"tensor_active_pct": 1.0, "busy_gpu_util": 50.0, "skip_steps": 1},
+)
+def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
+    """Tensor Cores stay near idle while AMP is on and the GPU is busy.
+
+    Algorithm: per rank, GPM ``tensor_any`` samples taken after warm-up while NVML ``gpu_util``
+    is at least ``busy_gpu_util``; fires when their median is under ``tensor_active_pct`` and
+    autocast used a half dtype. Only GPUs with GPM (Hopper or newer) report the metric.
+    """
+    th = ctx.thresholds
+    if not set(autocast_dtypes(ctx.run)) & set(HALF_DTYPES):
+        return []
+    gpu = ctx.run.table("gpu")
+    out = []
+    for rank, samples in gpu.groupby("rank"):
+        samples = training_samples(samples, int(th["skip_steps"]))
+        busy = samples[(samples["gpu_util"] >= th["busy_gpu_util"]) & samples["tensor_any"].notna()]
+        if busy.empty:
+            continue
+        median = float(busy["tensor_any"].median())
+        if median >= th["tensor_active_pct"]:
+            continue
+        hmma = busy["tensor_hmma"].dropna()
+        out.append(ctx.finding(
+            title=f"Tensor Cores idle under AMP (rank {int(rank)}): median tensor activity "
+                  f"{median:.2f}% while the GPU is busy",
+            evidence={
+                "rank": int(rank),
+                "tensor_any_median": median,
+                "tensor_hmma_median": float(hmma.median()) if len(hmma) else None,
+                "threshold": th["tensor_active_pct"],
+                "busy_samples": int(len(busy)),
+                "gpu_util_median": float(busy["gpu_util"].median()),
+            },
+            fix=("The half-precision matmuls are not reaching Tensor Cores: check that forward runs "
+                 "under torch.autocast (AMP-S05) and that matmul dimensions are multiples of 8 "
+                 "(AMP-S04)."),
+        ))
+    return out

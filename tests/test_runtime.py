@@ -1,0 +1,236 @@
+"""Runtime collector on real tiny training loops: data-loader stalls, phases, syncs, memory."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler, TensorDataset
+from torch.utils.data import dataloader as dl
+
+import amprobe
+from amprobe.config import ConfigError
+from amprobe.report import build_sections
+from tests.helpers import TinyNet
+
+RUNTIME = {"collectors": ("scaler", "runtime"), "syncs_every": 1, "gpu_sample_hz": 0}
+SLEEP = 0.004
+
+
+class SlowDataset(Dataset):
+    """Each item takes ``SLEEP`` seconds, like a decode-heavy ``__getitem__``."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(SLEEP)
+        return torch.randn(16), torch.randn(4)
+
+
+def _line(marker: str) -> int:
+    """Line number in this file of the source line containing ``marker``."""
+    lines, start = inspect.getsourcelines(inspect.getmodule(_line))
+    return next(i for i, text in enumerate(lines, start or 1) if marker in text and "_line(" not in text)
+
+
+def _model(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyNet().to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_sleepy_dataset_is_input_bound(tmp_path):
+    model, opt = _model(torch.device("cpu"))
+    with amprobe.attach(model, opt, run_dir=tmp_path, config=RUNTIME):
+        for x, y in DataLoader(SlowDataset(), batch_size=4):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = amprobe.load_run(tmp_path)
+    steps = run.steps
+    assert len(steps) == 6 and list(steps["batches"]) == [1] * 6
+    assert (steps["data_wait_s"] >= 4 * SLEEP * 0.9).all(), "each batch sleeps 4 x SLEEP"
+    assert (steps["data_wait_s"] <= steps["wall_s"]).all()
+    finding = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-S01")
+    share = finding.evidence["data_wait_share"]
+    later = steps[steps["step"] >= 1]
+    assert share == pytest.approx(later["data_wait_s"].sum() / later["wall_s"].sum())
+    assert share > 0.2 and f"{share:.0%}" in finding.title
+    assert finding.evidence["dataloader"]["num_workers"] == 0
+    assert finding.evidence["gpu_util"].startswith("not checked: ")
+
+
+def test_item_calls_give_host_sync_naming_lines(tmp_path):
+    model, opt = _model(torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path, config=RUNTIME):
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+            log_loss = loss.item()  # SYNC-A
+            log_max = float(out.detach().max())  # SYNC-B
+            if (out.float().abs() > 1e6).any():  # SYNC-C
+                print("big")
+            positives = out[out > 0]  # SYNC-D
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    del log_loss, log_max, positives
+    run = amprobe.load_run(tmp_path)
+    assert list(run.steps["syncs"]) == [4, 4, 4, 4], "AdamW counters and GradScaler's check excluded"
+    syncs = run.table("syncs")
+    user = syncs[syncs["kind"] == "user"]
+    here = __file__
+    expected = {(f"{here}:{_line('SYNC-' + k)}", op) for k, op in
+                (("A", "item"), ("B", "item"), ("C", "item"), ("D", "bool-mask-index"))}
+    assert set(zip(user["site"], user["op"], strict=True)) == expected
+    assert set(syncs["kind"]) == {"user", "scaler", "optimizer"}
+    scaler_rows = syncs[syncs["kind"] == "scaler"]
+    assert scaler_rows["count"].sum() == 4 and set(scaler_rows["op"]) == {"item"}
+    finding = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-S03")
+    assert finding.evidence["syncs_per_step"] == 4.0
+    assert "would synchronize on a GPU" in finding.title
+    assert finding.evidence["gradscaler_checks_per_step"] == 1.0
+    assert any(f":{_line('SYNC-A')} (item, 1/step)" in s for s in finding.evidence["top_sites"])
+    section = next(s for s in build_sections(run, amprobe.diagnose(run)) if s.key == "runtime")
+    caption, table = section.tables[1]
+    assert "would synchronize on a GPU" in caption
+    assert table[table["kind"] == "user"]["per_step"].tolist() == [1.0] * 4
+
+
+def test_nonzero_and_equal_are_counted(tmp_path):
+    model, opt = _model(torch.device("cpu"))
+    with amprobe.attach(model, opt, run_dir=tmp_path, config=RUNTIME):
+        for _ in range(2):
+            out = model(torch.randn(4, 16))
+            idx = torch.nonzero(out > 0)
+            same = torch.equal(out, out)
+            out.sum().backward()
+            opt.step()
+    del idx, same
+    syncs = amprobe.load_run(tmp_path).table("syncs")
+    assert set(syncs[syncs["kind"] == "user"]["op"]) == {"nonzero", "equal"}
+
+
+def test_clean_loop_is_neither_input_bound_nor_syncing(tmp_path):
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = TensorDataset(torch.randn(1024, 128), torch.randn(1024, 8))
+    # batched fetches: one __getitem__ per batch, as a fast pipeline would do
+    loader = DataLoader(data, batch_size=None, sampler=BatchSampler(SequentialSampler(data), 256, False))
+    with amprobe.attach(model, opt, run_dir=tmp_path, config=RUNTIME):
+        for _ in range(2):
+            for x, y in loader:
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    run = amprobe.load_run(tmp_path)
+    assert run.steps["syncs"].tolist() == [0] * 8
+    ids = set(amprobe.diagnose(run).ids())
+    assert not {"AMP-S01", "AMP-S03"} & ids
+
+
+def test_phase_times_and_probe_time_excluded(tmp_path, monkeypatch):
+    class Sleepy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.01)
+            return self.fc(x)
+
+    model = Sleepy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.register_step_pre_hook(lambda *a: time.sleep(0.01))
+    probe = amprobe.attach(model, opt, run_dir=tmp_path,
+                           config={**RUNTIME, "syncs_every": 0, "flush_every": 1})
+    orig_flush = probe.writer.flush
+
+    def slow_flush():
+        time.sleep(0.03)
+        return orig_flush()
+
+    monkeypatch.setattr(probe.writer, "flush", slow_flush)
+    for _ in range(3):
+        out = model(torch.randn(2, 4))
+        out.register_hook(lambda g: time.sleep(0.01))
+        out.sum().backward()
+        opt.step()
+    probe.close()
+    steps = amprobe.load_run(tmp_path).steps
+    assert (steps["fwd_s"] >= 0.009).all() and (steps["bwd_s"] >= 0.009).all()
+    assert (steps["opt_s"] >= 0.009).all()
+    # a flush that follows step k's end is the probe's time during step k + 1
+    assert (steps["probe_s"].iloc[1:] >= 0.03).all()
+    parts = steps["fwd_s"] + steps["bwd_s"] + steps["opt_s"] + steps["data_wait_s"]
+    assert (parts <= steps["wall_s"] + 1e-3).all()
+    assert (steps["wall_s"] < 0.03 + 0.03).all(), "flush time is not step time"
+    assert steps["rss_bytes"].gt(1 << 20).all()
+    assert steps["peak_mem_bytes"].isna().all(), "no device memory on a CPU run"
+
+
+def test_patches_and_mode_removed_at_close(tmp_path):
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    nxt, backward = dl._BaseDataLoaderIter.__next__, torch.autograd.backward
+    model, opt = _model(torch.device("cpu"))
+    probe = amprobe.attach(model, opt, run_dir=tmp_path, config=RUNTIME)
+    assert dl._BaseDataLoaderIter.__next__ is not nxt and torch.autograd.backward is not backward
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()  # step 0 ends; step 1 is sampled: the counting mode is pushed
+    assert _get_current_dispatch_mode() is not None
+    probe.close()
+    assert _get_current_dispatch_mode() is None
+    assert dl._BaseDataLoaderIter.__next__ is nxt and torch.autograd.backward is backward
+
+
+def test_sampling_schedule(tmp_path):
+    model, opt = _model(torch.device("cpu"))
+    with amprobe.attach(model, opt, run_dir=tmp_path, config={**RUNTIME, "syncs_every": 3}):
+        for _ in range(7):
+            loss = model(torch.randn(2, 16)).sum()
+            loss.item()
+            loss.backward()
+            opt.step()
+    steps = amprobe.load_run(tmp_path).steps
+    assert steps[steps["syncs_sampled"].fillna(False)]["step"].tolist() == [1, 4]
+    assert steps["syncs"].isna().tolist() == [True, False, True, True, False, True, True]
+    assert steps["syncs"].dropna().tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("bad", [{"syncs_every": -1}, {"syncs_every": 1.5}, {"gpu_sample_hz": -1},
+                                 {"gpu_sample_hz": "10"}])
+def test_config_errors(tmp_path, bad):
+    with pytest.raises(ConfigError):
+        amprobe.attach(run_dir=tmp_path, config={"collectors": ("runtime",), **bad})
+
+
+def test_device_phases_and_memory(tmp_path, device):
+    model, opt = _model(device)
+    with amprobe.attach(model, opt, run_dir=tmp_path, config=RUNTIME):
+        for _ in range(3):
+            loss = model(torch.randn(8, 16, device=device)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = amprobe.load_run(tmp_path)
+    steps = run.steps
+    assert (steps["fwd_s"] > 0).all() and (steps["bwd_s"] > 0).all() and (steps["opt_s"] > 0).all()
+    if device.type == "cuda":
+        assert (steps["peak_mem_bytes"] > 0).all()
+        phases = run.table("cuda_phases")
+        assert sorted(phases["step"]) == [0, 1, 2] and (phases["fwd_s"] > 0).all()
+        assert steps["syncs"].fillna(0).sum() == 0, "no user sync in this loop"
+    else:
+        assert run.table("cuda_phases").empty and steps["peak_mem_bytes"].isna().all()
