@@ -148,13 +148,15 @@ def read_table(path: Path, table: str, offset: int = 0) -> tuple[pd.DataFrame, i
     arrow_schema = _arrow_schema(table)
     dropped = 0
     try:
+        data.decode("utf-8")  # arrow's reader lets invalid UTF-8 into strings: drop such lines
         options = pa_json.ParseOptions(
             explicit_schema=arrow_schema, unexpected_field_behavior="ignore"
         ) if arrow_schema is not None else pa_json.ParseOptions()
         parsed = pa_json.read_json(
             io.BytesIO(data), parse_options=options, read_options=pa_json.ReadOptions(block_size=1 << 24)
         )
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError,
+            UnicodeDecodeError):
         parsed, dropped = _read_lines_slowly(data, arrow_schema)
     frame = parsed.to_pandas()
     if arrow_schema is not None:
