@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pandas as pd
-from dash import dash_table, dcc, html
+from dash import dcc, html
 
 from dashboard import ids
 from dashboard.downsample import thin_figure
@@ -46,7 +46,7 @@ PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utili
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {"live": "#2e7d32", "finished": "#555", "interrupted": "#c62828", "unreadable": "#c62828"}
 _FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
-_MAX_TABLE_ROWS = 5000
+_MAX_TABLE_ROWS = 500
 _MAX_EVIDENCE_CHARS = 400
 
 
@@ -174,23 +174,26 @@ def _missing_text(missing: str) -> str:
     return missing if missing.lower().startswith(("not ", "could not")) else f"not recorded: {missing}"
 
 
-def _table(caption: str, frame: pd.DataFrame, key: str) -> html.Div:
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _table(caption: str, frame: pd.DataFrame) -> html.Div:
+    """A frame as an HTML table (cells are text, escaped); long frames show their first rows."""
     shown = frame.head(_MAX_TABLE_ROWS)
-    records = []
-    for row in shown.to_dict("records"):
-        records.append({
-            str(k): (None if v is None or (isinstance(v, float) and math.isnan(v))
-                     else v if isinstance(v, (int, float, bool)) else str(v))
-            for k, v in row.items()
-        })
     note = f" (first {_MAX_TABLE_ROWS} of {len(frame)} rows)" if len(frame) > _MAX_TABLE_ROWS else ""
+    cell = {"padding": "2px 8px", "borderBottom": "1px solid #eee", "textAlign": "left"}
+    head = html.Tr([html.Th(str(c), style=cell) for c in shown.columns])
+    body = [html.Tr([html.Td(_cell(v), style=cell) for v in row])
+            for row in shown.itertuples(index=False, name=None)]
     return html.Div([
         html.H4(caption + note),
-        dash_table.DataTable(
-            data=records, columns=[{"name": str(c), "id": str(c)} for c in shown.columns],
-            page_size=20, sort_action="native", filter_action="native",
-            style_table={"overflowX": "auto"}, style_cell={"fontFamily": _FONT, "fontSize": "0.9em"},
-        ),
+        html.Div(html.Table([html.Thead(head), html.Tbody(body)], style={"borderCollapse": "collapse"}),
+                 style={"maxHeight": "420px", "overflow": "auto"}),
     ], className="section-table")
 
 
@@ -204,8 +207,8 @@ def build_section(section: Any, key: str | None = None) -> html.Div:
     for i, fig in enumerate(section.figures):
         shown = thin_figure(copy.deepcopy(fig))
         children.append(dcc.Graph(figure=shown, id=f"{ids.SECTION_PREFIX}{key}-fig{i}"))
-    for i, (caption, frame) in enumerate(section.tables):
-        children.append(_table(caption, frame, f"{key}-{i}"))
+    for caption, frame in section.tables:
+        children.append(_table(caption, frame))
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
 
 
@@ -236,7 +239,7 @@ def build_loss_scale(steps: pd.DataFrame) -> html.Div:
         dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
         html.H4("Growth and backoff events"),
         html.P(summary),
-        html.Div(_table("scale changes", events, "scale-events") if len(events) else None,
+        html.Div(_table("scale changes", events) if len(events) else None,
                  id=ids.LOSS_SCALE_EVENTS),
     ])
 
