@@ -20,10 +20,44 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def browser_first_paint(root: Path) -> None:
+    """Seconds from navigating to a fresh server's run page until its findings and figure show."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from dashboard import ids
+    from dashboard.app import create_app
+    from dashboard.browser import ServerThread, browser_missing, chromium_driver
+
+    missing = browser_missing()
+    if missing:
+        print(f"browser first paint: skipped ({missing})")
+        return
+    driver = chromium_driver()
+    try:
+        with ServerThread(create_app(root)) as server:
+            driver.get(server.url + "/_dash-layout")  # warm the browser process, not the run
+            t0 = time.perf_counter()
+            driver.get(server.url + "/run/big")
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: d.find_elements(By.CLASS_NAME, "finding")
+                       or "finding" in d.find_element(By.ID, ids.FINDINGS).text)
+            t1 = time.perf_counter()
+            driver.find_element(By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']").click()
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"))
+            t2 = time.perf_counter()
+    finally:
+        driver.quit()
+    print(f"browser first paint (cold server, {root.name}/big): findings shown {t1 - t0:.2f} s; "
+          f"loss-scale figure drawn {t2 - t1:.2f} s after the tab click")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--browser", action="store_true",
+                        help="also time the first paint in headless Chromium (needs chromium, selenium)")
     args = parser.parse_args()
 
     import numpy as np
@@ -57,6 +91,9 @@ def main() -> None:
         t1 = time.perf_counter()
         callbacks.refresh_live(ctx, 2, "big")
         print(f"live poll: first (full read) {t1 - t0:.2f} s, next (no new lines) {time.perf_counter() - t1:.3f} s")
+
+        if args.browser:
+            browser_first_paint(Path(tmp))
 
         z = np.random.default_rng(0).poisson(0.01, size=(args.layers, args.steps)).astype("float32")
         fig = go.Figure(go.Heatmap(z=z, x=np.arange(args.steps), y=[f"layer{i}" for i in range(args.layers)]))

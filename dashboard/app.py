@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dash import Dash, Input, Output, State
+from dash import MATCH, Dash, Input, Output, State
 
 from dashboard import callbacks, ids, layout
 
@@ -54,6 +54,13 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
     )
     def _live(n, name):  # type: ignore[no-untyped-def]
         return callbacks.refresh_live(ctx, n, name)
+
+    @app.callback(Output({"type": ids.TABLE_BODY, "key": MATCH}, "children"),
+                  Input({"type": ids.TABLE_PAGE, "key": MATCH}, "value"),
+                  State({"type": ids.TABLE_PAGE, "key": MATCH}, "id"), State(ids.RUN_NAME, "data"),
+                  prevent_initial_call=True)
+    def _table_page(page, table_id, name):  # type: ignore[no-untyped-def]
+        return callbacks.page_table(ctx, name, table_id["key"], page)
 
     @app.callback(Output(ids.EXPORT_DOWNLOAD, "data"), Output(ids.EXPORT_STATUS, "children"),
                   Input(ids.EXPORT_BUTTON, "n_clicks"), State(ids.RUN_NAME, "data"),

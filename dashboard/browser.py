@@ -31,8 +31,11 @@ class ServerThread:
     """The app's Flask server on a free localhost port, in a daemon thread."""
 
     def __init__(self, app: Any) -> None:
+        import logging
+
         from werkzeug.serving import make_server
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
         self._server = make_server("127.0.0.1", 0, app.server, threaded=True)
         self.url = f"http://127.0.0.1:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)

@@ -16,7 +16,12 @@ from dash import dcc, no_update
 
 import amprobe
 from dashboard import layout
-from dashboard.figures import make_compare_figure, make_loss_scale_figure, make_step_time_figure
+from dashboard.figures import (
+    make_compare_figure,
+    make_loss_scale_figure,
+    make_step_time_figure,
+    scale_events,
+)
 from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs, resolve_run
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "refresh_run_list",
     "filter_findings",
     "refresh_live",
+    "page_table",
     "export_report",
     "compare_runs",
 ]
@@ -98,6 +104,23 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
         make_step_time_figure(steps),
         done,
     )
+
+
+def page_table(ctx: Context, name: str | None, table_key: str, page: int | None) -> Any:
+    """Page ``page`` of a run's table: the loss-scale events or a section's ``<key>/<index>``."""
+    try:
+        loaded = ctx.cache.get(name or "")
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return [layout.build_error(str(exc))]
+    if table_key == layout.LOSS_SCALE_TABLE:
+        frame = scale_events(loaded.run.steps)
+    else:
+        key, _, index = table_key.rpartition("/")
+        section = next((s for s in loaded.sections if s.key == key), None)
+        if section is None or not index.isdigit() or int(index) >= len(section.tables):
+            return [layout.build_error(f"no table {table_key!r} in this run")]
+        frame = section.tables[int(index)][1]
+    return layout.table_rows(frame, page or 1)
 
 
 def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple[Any, str]:

@@ -64,12 +64,14 @@ def _manifests(run_dir: Path, live: bool) -> None:
     (run_dir / "rank0" / "manifest.json").write_text(json.dumps(rank))
 
 
-def _step_rows(start: int, count: int, rng: np.random.Generator, init_scale: float = 65536.0,
-               overflow_every: int = 997, growth_interval: int = 2000) -> list[str]:
+def _step_rows(start: int, count: int, rng: np.random.Generator, scale: float = 65536.0,
+               growth_interval: int = 500, overflow_above: float = 2.0**17,
+               overflow_chance: float = 0.001) -> list[str]:
+    """Steps of a dynamic loss scaler: overflow once the scale passes ``overflow_above`` or at random."""
     lines = []
-    scale, tracker = init_scale, 0
+    tracker = 0
     for step in range(start, start + count):
-        overflow = step % overflow_every == overflow_every - 1
+        overflow = scale >= overflow_above or float(rng.random()) < overflow_chance
         before = scale
         if overflow:
             scale, tracker = scale / 2, 0
@@ -83,7 +85,7 @@ def _step_rows(start: int, count: int, rng: np.random.Generator, init_scale: flo
             "scaler_enabled": True, "scale_before": before, "scale_after": scale,
             "growth_tracker": tracker, "found_inf": 1.0 if overflow else 0.0, "skipped": overflow,
             "opt_steps": 0 if overflow else 1, "unscale_calls": 1, "clip_calls": 0, "clip_scaled": 0,
-            "loss": float("inf") if overflow else 4.0 * math.exp(-step / 30000) + 0.1 * float(rng.random()),
+            "loss": 0.5 + 3.5 * math.exp(-step / 5000) + 0.1 * float(rng.random()),
             "loss_dtype": "float32", "autocast_device": "cuda", "autocast_dtype": "float16",
         }))
     return lines
@@ -119,10 +121,18 @@ class SyntheticLiveRun:
         self._rng = np.random.default_rng(seed + 1)
 
     def append(self, count: int) -> None:
-        lines = _step_rows(self.steps, count, self._rng)
+        lines = _step_rows(self.steps, count, self._rng, scale=self._scale())
         with open(self.path / "rank0" / "steps.jsonl", "a", encoding="utf-8") as fh:
             fh.write("\n".join(lines) + "\n")
         self.steps += count
+
+    def _scale(self) -> float:
+        try:
+            with open(self.path / "rank0" / "steps.jsonl", "rb") as fh:
+                last = fh.read().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+            return float(json.loads(last)["scale_after"])
+        except (OSError, ValueError, KeyError, IndexError):
+            return 65536.0
 
     def close(self) -> None:
         (self.path / "rank0" / "end.json").write_text(json.dumps({"final_step": self.steps}))

@@ -32,6 +32,8 @@ __all__ = [
     "build_health",
     "build_findings",
     "build_section",
+    "build_table",
+    "table_rows",
     "build_compare_page",
     "build_error",
     "run_href",
@@ -45,8 +47,10 @@ PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utili
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {"live": "#2e7d32", "finished": "#555", "interrupted": "#c62828", "unreadable": "#c62828"}
+#: table key of the loss-scale events table (section tables use "<section key>/<index>").
+LOSS_SCALE_TABLE = "loss-scale/0"
 _FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
-_MAX_TABLE_ROWS = 500
+TABLE_PAGE_ROWS = 25
 _MAX_EVIDENCE_CHARS = 400
 
 
@@ -182,18 +186,38 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _table(caption: str, frame: pd.DataFrame) -> html.Div:
-    """A frame as an HTML table (cells are text, escaped); long frames show their first rows."""
-    shown = frame.head(_MAX_TABLE_ROWS)
-    note = f" (first {_MAX_TABLE_ROWS} of {len(frame)} rows)" if len(frame) > _MAX_TABLE_ROWS else ""
+def table_rows(frame: pd.DataFrame, page: int = 1) -> list[Any]:
+    """One page of a frame as table head and body (cells are text, escaped).
+
+    Every Dash component costs the browser time to render, so long frames are shown a page
+    of :data:`TABLE_PAGE_ROWS` at a time; the frame itself is kept whole.
+    """
+    pages = max(1, -(-len(frame) // TABLE_PAGE_ROWS))
+    page = min(max(int(page or 1), 1), pages)
+    shown = frame.iloc[(page - 1) * TABLE_PAGE_ROWS: page * TABLE_PAGE_ROWS]
     cell = {"padding": "2px 8px", "borderBottom": "1px solid #eee", "textAlign": "left"}
-    head = html.Tr([html.Th(str(c), style=cell) for c in shown.columns])
+    head = html.Tr([html.Th(str(c), style=cell) for c in frame.columns])
     body = [html.Tr([html.Td(_cell(v), style=cell) for v in row])
             for row in shown.itertuples(index=False, name=None)]
+    return [html.Thead(head), html.Tbody(body)]
+
+
+def build_table(caption: str, frame: pd.DataFrame, table_key: str) -> html.Div:
+    """A captioned table, paged when long; ``table_key`` lets the page callback find the frame."""
+    pages = max(1, -(-len(frame) // TABLE_PAGE_ROWS))
+    pager = None
+    if pages > 1:
+        pager = html.Div([
+            "page ",
+            dcc.Input(id={"type": ids.TABLE_PAGE, "key": table_key}, type="number", min=1, max=pages,
+                      step=1, value=1, debounce=True, style={"width": "70px"}),
+            f" of {pages} ({len(frame)} rows)",
+        ], style={"margin": "4px 0"})
     return html.Div([
-        html.H4(caption + note),
-        html.Div(html.Table([html.Thead(head), html.Tbody(body)], style={"borderCollapse": "collapse"}),
-                 style={"maxHeight": "420px", "overflow": "auto"}),
+        html.H4(caption),
+        pager,
+        html.Table(table_rows(frame), id={"type": ids.TABLE_BODY, "key": table_key},
+                   style={"borderCollapse": "collapse"}),
     ], className="section-table")
 
 
@@ -207,8 +231,8 @@ def build_section(section: Any, key: str | None = None) -> html.Div:
     for i, fig in enumerate(section.figures):
         shown = thin_figure(copy.deepcopy(fig))
         children.append(dcc.Graph(figure=shown, id=f"{ids.SECTION_PREFIX}{key}-fig{i}"))
-    for caption, frame in section.tables:
-        children.append(_table(caption, frame))
+    for i, (caption, frame) in enumerate(section.tables):
+        children.append(build_table(caption, frame, f"{key}/{i}"))
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
 
 
@@ -239,7 +263,7 @@ def build_loss_scale(steps: pd.DataFrame) -> html.Div:
         dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
         html.H4("Growth and backoff events"),
         html.P(summary),
-        html.Div(_table("scale changes", events) if len(events) else None,
+        html.Div(build_table("scale changes", events, LOSS_SCALE_TABLE) if len(events) else None,
                  id=ids.LOSS_SCALE_EVENTS),
     ])
 

@@ -50,7 +50,7 @@ def texts(component: Any) -> list[str]:
     return out
 
 
-def find(component: Any, component_id: str) -> Any:
+def find(component: Any, component_id: Any) -> Any:
     if isinstance(component, (list, tuple)):
         for c in component:
             hit = find(c, component_id)
@@ -67,7 +67,7 @@ def find(component: Any, component_id: str) -> Any:
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("runs")
     record_amp_run(base / "amp", steps=30)
-    write_synthetic_run(base / "group" / "synthetic", steps=3000)
+    write_synthetic_run(base / "group" / "synthetic", steps=20_000)
     (base / ".hidden").mkdir()
     write_synthetic_run(base / ".hidden" / "secret", steps=5)
     (base / "not_a_run").mkdir()
@@ -170,7 +170,7 @@ def test_long_series_are_thinned_for_display(root: Path) -> None:
     steps = amprobe.load_run(root / "group" / "synthetic").steps
     fig = make_loss_scale_figure(steps, max_points=500)
     scale = fig.data[0]
-    assert len(scale.x) <= 500 and len(steps) == 3000
+    assert len(scale.x) <= 500 and len(steps) == 20_000
     assert max(scale.y) == steps["scale_before"].max()
 
 
@@ -245,8 +245,8 @@ def test_section_panels_render_registered_sections_and_missing(monkeypatch: pyte
     page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
     graph = find(page, f"{ids.SECTION_PREFIX}numerics-fig0")
     assert len(graph.figure.data[0].y) <= 2000
-    table = next(c for c in find(page, f"{ids.SECTION_PREFIX}numerics").children if getattr(c, "className", "") == "section-table")
-    assert ["<script>alert(1)</script>", "3"] == [td.children for td in table.children[1].children.children[1].children[0].children]
+    body = find(page, {"type": ids.TABLE_BODY, "key": "numerics/0"})
+    assert [td.children for td in body.children[1].children[0].children] == ["<script>alert(1)</script>", "3"]
     assert "not recorded: no CUDA device: op shapes not traced" in texts(find(page, f"{ids.SECTION_PREFIX}compute"))
 
 
@@ -311,6 +311,23 @@ def test_live_refresh_refuses_names_outside_root(ctx: callbacks.Context) -> None
     assert "not a run" in text and disabled is True
 
 
+def test_long_tables_are_paged(ctx: callbacks.Context) -> None:
+    steps = ctx.cache.get("group/synthetic").run.steps
+    events = scale_events(steps)
+    assert len(events) > layout.TABLE_PAGE_ROWS
+    page = callbacks.render_page(ctx, "/run/group/synthetic")
+    first = find(page, {"type": ids.TABLE_BODY, "key": layout.LOSS_SCALE_TABLE})
+    assert len(first.children[1].children) == layout.TABLE_PAGE_ROWS
+    assert find(page, {"type": ids.TABLE_PAGE, "key": layout.LOSS_SCALE_TABLE}) is not None
+    second = callbacks.page_table(ctx, "group/synthetic", layout.LOSS_SCALE_TABLE, 2)
+    shown = [int(tr.children[1].children) for tr in second[1].children]
+    assert shown == events["step"].iloc[layout.TABLE_PAGE_ROWS: 2 * layout.TABLE_PAGE_ROWS].tolist()
+    last = callbacks.page_table(ctx, "group/synthetic", layout.LOSS_SCALE_TABLE, 10_000)
+    assert int(last[1].children[-1].children[1].children) == int(events["step"].iloc[-1])
+    assert "Cannot open this page" in texts(callbacks.page_table(ctx, "group/synthetic", "nope/3", 1))
+    assert "Cannot open this page" in texts(callbacks.page_table(ctx, "../x", layout.LOSS_SCALE_TABLE, 1))
+
+
 def test_export_report_downloads_html(ctx: callbacks.Context) -> None:
     data, message = callbacks.export_report(ctx, None, "amp")
     assert message == ""
@@ -351,7 +368,7 @@ def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: 
     from dashboard.app import create_app
 
     app = create_app(root)
-    assert len(app.callback_map) == 6
+    assert len(app.callback_map) == 7
     with pytest.raises(NotADirectoryError):
         create_app(tmp_path / "missing")
 
