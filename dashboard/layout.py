@@ -44,6 +44,8 @@ SEVERITIES = ("error", "warning", "info")
 CATEGORIES = (("nan", "NaN / inf"), ("speed", "speed"), ("distributed", "distributed"))
 #: Dashboard tab -> report section key, for the panels every run page shows.
 PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utilization", "runtime"))
+#: The report section whose text joins the Loss scale tab (its figure is drawn live there).
+SCALE_SECTION = "scale"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {"live": "#2e7d32", "finished": "#555", "interrupted": "#c62828", "unreadable": "#c62828"}
@@ -254,12 +256,19 @@ def build_status(status: str) -> html.Span:
     return _badge(status, _STATUS_COLORS.get(status, "#555"))
 
 
-def build_loss_scale(steps: pd.DataFrame) -> html.Div:
+def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
+    """The loss-scale tab: the live figure, the report's ``scale`` section text, the events."""
     events = scale_events(steps)
+    notes: list[Any] = []
+    if section is not None:
+        if section.missing:
+            notes.append(html.P(_missing_text(section.missing), className="missing", style={"color": "#777"}))
+        notes.extend(html.P(t) for t in section.text)
     counts = events["event"].value_counts().to_dict() if len(events) else {}
     summary = (f"{counts.get('growth', 0)} growth, {counts.get('backoff', 0)} backoff event(s)"
                if len(events) else "no change of the loss scale recorded")
     return html.Div([
+        *notes,
         dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
         html.H4("Growth and backoff events"),
         html.P(summary),
@@ -273,7 +282,7 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
     run, diagnosis = loaded.run, loaded.diagnosis
     steps = run.steps
     sections = {s.key: s for s in loaded.sections}
-    panel_keys = {key for _, key in PANEL_SECTIONS}
+    panel_keys = {key for _, key in PANEL_SECTIONS} | {SCALE_SECTION}
     tabs = [
         dcc.Tab(label="Overview", value="overview", children=html.Div([
             build_health(diagnosis.health),
@@ -291,7 +300,7 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
                 html.Ul([html.Li([html.Code(n.id), f" {n.name}: {n.reason}"]) for n in diagnosis.not_checked]),
             ], id=ids.NOT_CHECKED),
         ])),
-        dcc.Tab(label="Loss scale", value="loss-scale", children=build_loss_scale(steps)),
+        dcc.Tab(label="Loss scale", value="loss-scale", children=build_loss_scale(steps, sections.get(SCALE_SECTION))),
     ]
     for label, key in PANEL_SECTIONS:
         body = build_section(sections[key], key) if key in sections else _absent_section(key, label)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -34,6 +35,8 @@ __all__ = [
 
 #: How deep under ROOT run directories are looked for.
 MAX_DEPTH = 3
+#: A live run's load and diagnosis are reused for this long (its page follows the live tail).
+LIVE_RELOAD_S = 10.0
 _RUN_MANIFEST = "manifest.json"
 
 
@@ -185,12 +188,16 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
 
 
 class RunCache:
-    """Loaded and diagnosed runs, kept until their files change (least recently used first out)."""
+    """Loaded and diagnosed runs, kept until their files change (least recently used first out).
+
+    A live run changes at every flush; it is loaded and diagnosed again at most every
+    :data:`LIVE_RELOAD_S` seconds (its page's figures follow :class:`LiveTail` meanwhile).
+    """
 
     def __init__(self, root: Path, max_entries: int = 8) -> None:
         self.root = Path(root)
         self.max_entries = max_entries
-        self._entries: OrderedDict[Path, tuple[tuple[Any, ...], LoadedRun]] = OrderedDict()
+        self._entries: OrderedDict[Path, tuple[tuple[Any, ...], LoadedRun, float]] = OrderedDict()
         self._summaries: dict[Path, tuple[tuple[Any, ...], RunSummary]] = {}
         self._lock = threading.Lock()
 
@@ -205,13 +212,16 @@ class RunCache:
         sig = _signature(path)
         with self._lock:
             hit = self._entries.get(path)
-            if hit is not None and hit[0] == sig and hit[1].run.status != "live":
-                self._entries.move_to_end(path)
-                return hit[1]
+            if hit is not None:
+                live = hit[1].run.status == "live"
+                fresh = time.monotonic() - hit[2] < LIVE_RELOAD_S
+                if (hit[0] == sig and not live) or (live and fresh):
+                    self._entries.move_to_end(path)
+                    return hit[1]
         run = amprobe.load_run(path)
         loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
         with self._lock:
-            self._entries[path] = (sig, loaded)
+            self._entries[path] = (sig, loaded, time.monotonic())
             self._entries.move_to_end(path)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

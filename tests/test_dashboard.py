@@ -331,9 +331,7 @@ def test_long_tables_are_paged(ctx: callbacks.Context) -> None:
 def test_export_report_downloads_html(ctx: callbacks.Context) -> None:
     data, message = callbacks.export_report(ctx, None, "amp")
     assert message == ""
-    try:
-        import amprobe.report.html  # noqa: F401
-    except ImportError:
+    if callbacks._html_renderer() is None:
         _, message = callbacks.export_report(ctx, 1, "amp")
         assert "not installed" in message
         pytest.skip("amprobe.report.html.render_html is not in this branch yet")
@@ -358,6 +356,39 @@ def test_compare_callback(ctx: callbacks.Context) -> None:
     assert find(page, ids.COMPARE_A).value == "amp" and find(page, ids.COMPARE_B).value == "group/synthetic"
 
 
+def test_scale_section_text_joins_the_loss_scale_tab(monkeypatch: pytest.MonkeyPatch,
+                                                     ctx: callbacks.Context) -> None:
+    from amprobe.report import sections as sections_mod
+
+    def scale(run: Any, diagnosis: Any) -> Any:
+        return sections_mod.Section("scale", "Loss scale and loss", figures=(go.Figure(),),
+                                    text=("30 scaled steps: 2 skipped",))
+
+    monkeypatch.setitem(sections_mod.SECTIONS, "scale", (10, scale))
+    page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
+    tabs = find(page, ids.RUN_TABS).children
+    assert [t.label for t in tabs][:2] == ["Overview", "Loss scale"]
+    assert "Loss scale and loss" not in [t.label for t in tabs]
+    assert "30 scaled steps: 2 skipped" in texts(tabs[1])
+
+
+SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"
+
+
+@pytest.mark.skipif(not SAMPLE_RUNS.is_dir(), reason="no sample_runs/ in this checkout")
+def test_every_sample_run_renders() -> None:
+    ctx = callbacks.Context(root=SAMPLE_RUNS)
+    names = discover_runs(SAMPLE_RUNS)
+    assert names
+    listing = texts(callbacks.render_page(ctx, "/"))
+    for name in names:
+        assert name in listing
+        page = callbacks.render_page(ctx, "/run/" + name)
+        assert find(page, ids.RUN_TITLE).children == name
+        for finding in ctx.cache.get(name).diagnosis.findings:
+            assert finding.id in texts(page)
+
+
 def test_health_values_are_formatted_or_say_why() -> None:
     assert layout.format_health_value({"value": 0.875, "unit": "%"}) == "87.5 %"
     assert layout.format_health_value({"value": 1.234, "unit": "x"}) == "1.23x"
@@ -379,3 +410,20 @@ def test_serve_says_how_to_install_dash(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "dash", None)
     with pytest.raises(main.DashMissingError, match="pip install"):
         main.serve(os.getcwd())
+
+
+def test_live_run_is_rediagnosed_at_most_every_live_reload_s(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import dashboard.runs as runs_mod
+
+    live = SyntheticLiveRun(tmp_path / "live", steps=5)
+    cache = runs_mod.RunCache(tmp_path)
+    first = cache.get("live")
+    live.append(5)
+    assert cache.get("live") is first
+    monkeypatch.setattr(runs_mod, "LIVE_RELOAD_S", 0.0)
+    again = cache.get("live")
+    assert again is not first and len(again.run.steps) == 10
+    live.close()
+    done = cache.get("live")
+    assert done.run.status == "finished" and cache.get("live") is done
