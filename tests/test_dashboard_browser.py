@@ -16,6 +16,7 @@ from dashboard.demo import record_amp_run, write_synthetic_run  # noqa: E402
 pytestmark = pytest.mark.browser
 
 _MISSING = browser_missing()
+SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"
 
 
 def _steps(text: str) -> int:
@@ -25,6 +26,8 @@ def _steps(text: str) -> int:
 
 @pytest.mark.skipif(_MISSING is not None, reason=f"no headless browser: {_MISSING}")
 def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
+    import shutil
+
     import torch
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -33,6 +36,8 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     import amprobe
     from dashboard.app import create_app
 
+    if SAMPLE_RUNS.is_dir():  # the recorded sample runs, when this checkout has them
+        shutil.copytree(SAMPLE_RUNS, tmp_path / "samples", ignore=shutil.ignore_patterns("*.py"))
     record_amp_run(tmp_path / "amp", steps=30)
     write_synthetic_run(tmp_path / "baseline", steps=400)
     amp_ids = amprobe.diagnose(amprobe.load_run(tmp_path / "amp")).ids()
@@ -50,6 +55,8 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
             wait.until(lambda d: "amp" in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
             listing = driver.find_element(By.ID, ids.RUN_LIST_TABLE).text
             assert "baseline" in listing and "finished" in listing and amp_ids[0] in listing
+            if SAMPLE_RUNS.is_dir():
+                assert "samples/" in listing
 
             # open a run by clicking its link: findings show their IDs
             link = next(a for a in driver.find_elements(By.CSS_SELECTOR, f"[id^={ids.RUN_LINK_PREFIX}]")
