@@ -1,0 +1,107 @@
+"""Dashboard first paint on a large run: 100,000 steps, and a 200-layer x 100,000-step heatmap.
+
+Synthesizes the run directory (JSON Lines written directly), then times what the server does
+before the browser can paint a run's page: load + diagnose + report sections + layout with
+all figures thinned, serialised to the JSON Dash sends. Also times thinning a 200-layer heatmap
+(what a numerics section's layer x step figure costs to display). Prints seconds; asserts nothing.
+
+    python benchmarks/bench_dashboard.py [--steps 100000] [--layers 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def browser_first_paint(root: Path) -> None:
+    """Seconds from navigating to a fresh server's run page until its findings and figure show."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from dashboard import ids
+    from dashboard.app import create_app
+    from dashboard.browser import ServerThread, browser_missing, chromium_driver
+
+    missing = browser_missing()
+    if missing:
+        print(f"browser first paint: skipped ({missing})")
+        return
+    driver = chromium_driver()
+    try:
+        with ServerThread(create_app(root)) as server:
+            driver.get(server.url + "/_dash-layout")  # warm the browser process, not the run
+            t0 = time.perf_counter()
+            driver.get(server.url + "/run/big")
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: d.find_elements(By.CLASS_NAME, "finding")
+                       or "finding" in d.find_element(By.ID, ids.FINDINGS).text)
+            t1 = time.perf_counter()
+            driver.find_element(By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']").click()
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"))
+            t2 = time.perf_counter()
+    finally:
+        driver.quit()
+    print(f"browser first paint (cold server, {root.name}/big): findings shown {t1 - t0:.2f} s; "
+          f"loss-scale figure drawn {t2 - t1:.2f} s after the tab click")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100_000)
+    parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--browser", action="store_true",
+                        help="also time the first paint in headless Chromium (needs chromium, selenium)")
+    args = parser.parse_args()
+
+    import numpy as np
+    import plotly.graph_objects as go
+    from plotly.utils import PlotlyJSONEncoder
+
+    from dashboard import callbacks
+    from dashboard.demo import write_synthetic_run
+    from dashboard.downsample import thin_figure
+
+    with tempfile.TemporaryDirectory(prefix="amprobe-bench-dash-") as tmp:
+        t0 = time.perf_counter()
+        write_synthetic_run(Path(tmp) / "big", args.steps)
+        print(f"synthesized {args.steps} steps in {time.perf_counter() - t0:.2f} s")
+        ctx = callbacks.Context(root=Path(tmp))
+        t0 = time.perf_counter()
+        page = callbacks.render_page(ctx, "/run/big")
+        t1 = time.perf_counter()
+        payload = json.dumps(page, cls=PlotlyJSONEncoder)
+        t2 = time.perf_counter()
+        print(f"first paint (server side): build page {t1 - t0:.2f} s + serialise {t2 - t1:.2f} s "
+              f"= {t2 - t0:.2f} s, payload {len(payload) / 1e6:.2f} MB")
+        t0 = time.perf_counter()
+        callbacks.render_page(ctx, "/run/big")
+        print(f"page again (cached run): {time.perf_counter() - t0:.2f} s")
+        t0 = time.perf_counter()
+        callbacks.render_page(ctx, "/")
+        print(f"run list: {time.perf_counter() - t0:.2f} s")
+        t0 = time.perf_counter()
+        callbacks.refresh_live(ctx, 1, "big")
+        t1 = time.perf_counter()
+        callbacks.refresh_live(ctx, 2, "big")
+        print(f"live poll: first (full read) {t1 - t0:.2f} s, next (no new lines) {time.perf_counter() - t1:.3f} s")
+
+        if args.browser:
+            browser_first_paint(Path(tmp))
+
+        z = np.random.default_rng(0).poisson(0.01, size=(args.layers, args.steps)).astype("float32")
+        fig = go.Figure(go.Heatmap(z=z, x=np.arange(args.steps), y=[f"layer{i}" for i in range(args.layers)]))
+        t0 = time.perf_counter()
+        thin_figure(fig)
+        shown = fig.data[0].z
+        print(f"thin {args.layers}x{args.steps} heatmap -> {np.asarray(shown).shape}: {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Thin callbacks: each is a plain function of a :class:`Context` and the callback's inputs.
+
+:func:`dashboard.app.create_app` wires them to components; tests call them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+import plotly.graph_objects as go
+from dash import dcc, no_update
+
+import amprobe
+from dashboard import layout
+from dashboard.figures import (
+    make_compare_figure,
+    make_loss_scale_figure,
+    make_step_time_figure,
+    scale_events,
+)
+from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs, resolve_run
+
+__all__ = [
+    "Context",
+    "render_page",
+    "refresh_run_list",
+    "filter_findings",
+    "refresh_live",
+    "page_table",
+    "export_report",
+    "compare_runs",
+]
+
+
+@dataclasses.dataclass
+class Context:
+    """What the callbacks share: the root, the run cache and the live tail."""
+
+    root: Path
+    refresh_ms: int = 2000
+    cache: RunCache = dataclasses.field(init=False)
+    tail: LiveTail = dataclasses.field(default_factory=LiveTail)
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        self.cache = RunCache(self.root)
+
+
+def render_page(ctx: Context, pathname: str | None, search: str | None = None) -> Any:
+    """Route a URL to a page: ``/`` run list, ``/run/<name>`` one run, ``/compare?a=&b=``."""
+    path = pathname or "/"
+    if path in ("/", ""):
+        return layout.build_run_list(ctx.cache.summaries(), ctx.refresh_ms)
+    if path.startswith("/run/"):
+        name = unquote(path[len("/run/"):]).rstrip("/")
+        try:
+            loaded = ctx.cache.get(name)
+        except (RunAccessError, amprobe.RunLoadError) as exc:
+            return layout.build_error(str(exc))
+        return layout.build_run_page(loaded, ctx.refresh_ms)
+    if path.rstrip("/") == "/compare":
+        query = parse_qs((search or "").lstrip("?"))
+        return layout.build_compare_page(
+            discover_runs(ctx.root), (query.get("a") or [None])[0], (query.get("b") or [None])[0]
+        )
+    return layout.build_error(f"no such page: {path}")
+
+
+def refresh_run_list(ctx: Context, _n: int | None) -> Any:
+    """The run list's table, re-read (only runs whose files changed are loaded again)."""
+    return layout.build_run_table(ctx.cache.summaries())
+
+
+def filter_findings(ctx: Context, name: str | None, severities: list[str] | None,
+                    categories: list[str] | None) -> Any:
+    """The findings of run ``name`` kept by the severity and category filters."""
+    try:
+        loaded = ctx.cache.get(name or "")
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return [layout.build_error(str(exc))]
+    return layout.build_findings(loaded.diagnosis.findings, severities or [], categories or [])
+
+
+def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, ...]:
+    """New steps of a live run: read from the kept byte offsets, figures redrawn in place.
+
+    Returns ``(steps text, status badge, loss-scale figure, step-time figure, interval disabled)``.
+    """
+    try:
+        path = resolve_run(ctx.root, name or "")
+        update = ctx.tail.poll(path)
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return (str(exc), no_update, no_update, no_update, True)
+    steps = update.steps
+    done = update.status != "live"
+    return (
+        layout._steps_text(steps),
+        layout.build_status(update.status),
+        make_loss_scale_figure(steps),
+        make_step_time_figure(steps),
+        done,
+    )
+
+
+def page_table(ctx: Context, name: str | None, table_key: str, page: int | None) -> Any:
+    """Page ``page`` of a run's table: the loss-scale events or a section's ``<key>/<index>``."""
+    try:
+        loaded = ctx.cache.get(name or "")
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return [layout.build_error(str(exc))]
+    if table_key == layout.LOSS_SCALE_TABLE:
+        frame = scale_events(loaded.run.steps)
+    else:
+        key, _, index = table_key.rpartition("/")
+        section = next((s for s in loaded.sections if s.key == key), None)
+        if section is None or not index.isdigit() or int(index) >= len(section.tables):
+            return [layout.build_error(f"no table {table_key!r} in this run")]
+        frame = section.tables[int(index)][1]
+    return layout.table_rows(frame, page or 1)
+
+
+def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple[Any, str]:
+    """The run's HTML report (the one ``amprobe report`` writes) as a download."""
+    if not n_clicks:
+        return no_update, ""
+    try:
+        loaded = ctx.cache.get(name or "")
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return no_update, str(exc)
+    render_html = _html_renderer()
+    if render_html is None:
+        return no_update, "the HTML report renderer is not installed in this amprobe"
+    text = render_html(loaded.run, loaded.diagnosis)
+    filename = re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("._") or "run"
+    return dcc.send_string(text, filename=f"{filename}-report.html", type="text/html"), ""
+
+
+def _html_renderer() -> Any:
+    """amprobe's ``render_html(run, diagnosis)``, the renderer behind ``amprobe report``, or None."""
+    try:
+        from amprobe.report.html import render_html
+    except ImportError:
+        try:
+            from amprobe.report import render_html  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            return None
+    return render_html
+
+
+def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure, str]:
+    """Two runs overlaid (step time, loss, scale), or a note saying what is missing."""
+    if not a or not b:
+        return make_compare_figure(_no_steps(), _no_steps()), "choose two runs"
+    try:
+        run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return make_compare_figure(_no_steps(), _no_steps()), str(exc)
+    return make_compare_figure(run_a.steps, run_b.steps, (a, b)), ""
+
+
+def _no_steps() -> Any:
+    from amprobe.store.loader import empty_frame
+
+    return empty_frame("steps")

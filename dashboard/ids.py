@@ -1,0 +1,45 @@
+"""Component IDs, defined once: layout, callbacks and the browser test refer to these names."""
+
+from __future__ import annotations
+
+# page frame
+URL = "url"
+PAGE = "page"
+NAV = "nav"
+
+# run list
+RUN_LIST = "run-list"
+RUN_LIST_TABLE = "run-list-table"
+RUN_LIST_INTERVAL = "run-list-interval"
+RUN_LINK_PREFIX = "run-link-"  # + row index
+
+# one run
+RUN_NAME = "run-name"  # dcc.Store holding the run's name relative to ROOT
+RUN_TITLE = "run-title"
+RUN_STATUS = "run-status"
+RUN_STEPS = "run-steps"  # "N steps" text, refreshed while live
+RUN_WARNINGS = "run-warnings"
+RUN_TABS = "run-tabs"
+LIVE_INTERVAL = "live-interval"
+HEALTH = "health"
+FINDINGS = "findings"
+FINDINGS_COUNT = "findings-count"
+NOT_CHECKED = "not-checked"
+SEVERITY_FILTER = "severity-filter"
+CATEGORY_FILTER = "category-filter"
+FINDING_PREFIX = "finding-"  # + checklist ID, e.g. finding-AMP-N02
+LOSS_SCALE_GRAPH = "loss-scale-graph"
+LOSS_SCALE_EVENTS = "loss-scale-events"
+STEP_TIME_GRAPH = "step-time-graph"
+SECTION_PREFIX = "section-"  # + section key
+TABLE_PAGE = "table-page"  # pattern-matching type: {"type": TABLE_PAGE, "key": table key}
+TABLE_BODY = "table-body"
+EXPORT_BUTTON = "export-button"
+EXPORT_DOWNLOAD = "export-download"
+EXPORT_STATUS = "export-status"
+
+# compare
+COMPARE_A = "compare-a"
+COMPARE_B = "compare-b"
+COMPARE_GRAPH = "compare-graph"
+COMPARE_NOTE = "compare-note"

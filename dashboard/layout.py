@@ -1,0 +1,349 @@
+"""The dashboard's layout, built by ``build_*`` functions from loaded runs.
+
+All text that comes from a run (names, layer names, evidence, fixes, warnings) is passed as
+component children or table cells, which Dash renders as text (escaped), never as HTML.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import pandas as pd
+from dash import dcc, html
+
+from dashboard import ids
+from dashboard.downsample import thin_figure
+from dashboard.figures import make_loss_scale_figure, make_step_time_figure, scale_events
+from dashboard.runs import LoadedRun, RunSummary
+
+__all__ = [
+    "SEVERITIES",
+    "CATEGORIES",
+    "PANEL_SECTIONS",
+    "build_frame",
+    "build_run_list",
+    "build_run_table",
+    "build_run_page",
+    "build_health",
+    "build_findings",
+    "build_section",
+    "build_table",
+    "table_rows",
+    "build_compare_page",
+    "build_error",
+    "run_href",
+    "format_health_value",
+]
+
+SEVERITIES = ("error", "warning", "info")
+CATEGORIES = (("nan", "NaN / inf"), ("speed", "speed"), ("distributed", "distributed"))
+#: Dashboard tab -> report section key, for the panels every run page shows.
+PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utilization", "runtime"))
+#: The report section whose text joins the Loss scale tab (its figure is drawn live there).
+SCALE_SECTION = "scale"
+
+_SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
+_STATUS_COLORS = {"live": "#2e7d32", "finished": "#555", "interrupted": "#c62828", "unreadable": "#c62828"}
+#: table key of the loss-scale events table (section tables use "<section key>/<index>").
+LOSS_SCALE_TABLE = "loss-scale/0"
+_FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
+TABLE_PAGE_ROWS = 25
+_MAX_EVIDENCE_CHARS = 400
+
+
+def run_href(name: str) -> str:
+    return "/run/" + quote(name, safe="/")
+
+
+def _badge(text: str, color: str) -> html.Span:
+    return html.Span(text, style={
+        "background": color, "color": "white", "borderRadius": "4px", "padding": "1px 6px",
+        "fontSize": "0.85em", "marginRight": "6px", "whiteSpace": "nowrap",
+    })
+
+
+def build_frame() -> html.Div:
+    """The page frame: URL, navigation and the page container that routing fills."""
+    return html.Div([
+        dcc.Location(id=ids.URL),
+        html.Div([
+            html.Strong("amprobe", style={"marginRight": "18px", "fontSize": "1.2em"}),
+            dcc.Link("Runs", href="/", style={"marginRight": "12px"}),
+            dcc.Link("Compare", href="/compare"),
+        ], id=ids.NAV, style={"padding": "10px 18px", "borderBottom": "1px solid #ddd"}),
+        html.Div(id=ids.PAGE, style={"padding": "12px 18px"}),
+    ], style={"fontFamily": _FONT, "color": "#222"})
+
+
+def build_error(message: str) -> html.Div:
+    return html.Div([html.H3("Cannot open this page"), html.P(message, className="error")])
+
+
+def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
+    """The run list's table: one row per run with status, device, dtype, steps, worst finding."""
+    if not summaries:
+        return html.P("No amprobe run directory under this root yet.")
+    head = html.Tr([html.Th(h, style={"textAlign": "left", "padding": "4px 10px"})
+                    for h in ("run", "status", "device", "autocast dtype", "steps", "worst finding")])
+    rows = []
+    for i, s in enumerate(summaries):
+        worst: Any = s.worst
+        if s.worst not in ("", "none"):
+            severity, _, rid = s.worst.partition(" ")
+            worst = [_badge(severity, _SEVERITY_COLORS.get(severity, "#555")), rid]
+        cells = [
+            dcc.Link(s.name, href=run_href(s.name), id=f"{ids.RUN_LINK_PREFIX}{i}"),
+            _badge(s.status, _STATUS_COLORS.get(s.status, "#555")),
+            s.device, s.dtype, str(s.steps), worst if not s.error else s.error,
+        ]
+        rows.append(html.Tr([html.Td(c, style={"padding": "4px 10px"}) for c in cells],
+                            className=f"run-row status-{s.status}"))
+    return html.Table([html.Thead(head), html.Tbody(rows)], style={"borderCollapse": "collapse"})
+
+
+def build_run_list(summaries: Sequence[RunSummary], refresh_ms: int) -> html.Div:
+    """The home page: every run under ROOT, refreshed while runs are being written."""
+    return html.Div([
+        html.H2("Runs"),
+        html.Div(build_run_table(summaries), id=ids.RUN_LIST_TABLE),
+        dcc.Interval(id=ids.RUN_LIST_INTERVAL, interval=max(refresh_ms, 1000) * 2),
+    ], id=ids.RUN_LIST)
+
+
+def format_health_value(metric: Mapping[str, Any]) -> str:
+    """A health metric's value with its unit, or the note that says why it is missing."""
+    value = metric.get("value")
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return str(metric.get("note") or "not measured")
+    unit = metric.get("unit", "")
+    if unit == "%":
+        return f"{100 * float(value):.1f} %"
+    if unit == "x":
+        return f"{float(value):.2f}x"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def build_health(health: Mapping[str, Mapping[str, Any]]) -> html.Div:
+    """The health metrics (checklist section C) as a two-column table."""
+    rows = [
+        html.Tr([
+            html.Td(str(m.get("label", key)), style={"padding": "3px 12px 3px 0"}),
+            html.Td(format_health_value(m), id=f"{ids.HEALTH}-{key}",
+                    style={"color": "#777" if m.get("value") is None else "#111"}),
+        ])
+        for key, m in health.items()
+    ]
+    return html.Div([html.H3("Health"), html.Table(html.Tbody(rows))], id=ids.HEALTH)
+
+
+def _evidence_text(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= _MAX_EVIDENCE_CHARS else text[: _MAX_EVIDENCE_CHARS - 1] + "…"
+
+
+def build_finding(index: int, finding: Any) -> html.Div:
+    """One finding: ID, severity, category, title, evidence, fix and references."""
+    color = _SEVERITY_COLORS.get(finding.severity, "#555")
+    evidence = [html.Li([html.Code(str(k)), ": ", _evidence_text(v)]) for k, v in finding.evidence.items()]
+    return html.Div([
+        html.Div([
+            html.Code(finding.id, className="finding-id", style={"fontWeight": "bold", "marginRight": "8px"}),
+            _badge(finding.severity, color), _badge(finding.category, "#777"),
+            html.Span(finding.title),
+        ]),
+        html.Ul(evidence, style={"margin": "4px 0"}) if evidence else None,
+        html.P(["Fix: ", finding.fix], style={"margin": "4px 0"}),
+        html.Small("refs: " + ", ".join(finding.refs), style={"color": "#666"}) if finding.refs else None,
+    ], id=f"{ids.FINDING_PREFIX}{index}", className=f"finding severity-{finding.severity}",
+        style={"borderLeft": f"4px solid {color}", "padding": "4px 10px", "margin": "8px 0"})
+
+
+def build_findings(findings: Iterable[Any], severities: Iterable[str] | None = None,
+                   categories: Iterable[str] | None = None) -> list[Any]:
+    """Findings (already most severe first) kept by the severity and category filters."""
+    sev = set(SEVERITIES if severities is None else severities)
+    cat = None if categories is None else set(categories)
+    kept = [f for f in findings if f.severity in sev and (cat is None or f.category in cat)]
+    if not kept:
+        return [html.P("No finding matches these filters.", id=ids.FINDINGS_COUNT)]
+    return [html.P(f"{len(kept)} finding(s)", id=ids.FINDINGS_COUNT)] + [
+        build_finding(i, f) for i, f in enumerate(kept)
+    ]
+
+
+def _missing_text(missing: str) -> str:
+    return missing if missing.lower().startswith(("not ", "could not")) else f"not recorded: {missing}"
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def table_rows(frame: pd.DataFrame, page: int = 1) -> list[Any]:
+    """One page of a frame as table head and body (cells are text, escaped).
+
+    Every Dash component costs the browser time to render, so long frames are shown a page
+    of :data:`TABLE_PAGE_ROWS` at a time; the frame itself is kept whole.
+    """
+    pages = max(1, -(-len(frame) // TABLE_PAGE_ROWS))
+    page = min(max(int(page or 1), 1), pages)
+    shown = frame.iloc[(page - 1) * TABLE_PAGE_ROWS: page * TABLE_PAGE_ROWS]
+    cell = {"padding": "2px 8px", "borderBottom": "1px solid #eee", "textAlign": "left"}
+    head = html.Tr([html.Th(str(c), style=cell) for c in frame.columns])
+    body = [html.Tr([html.Td(_cell(v), style=cell) for v in row])
+            for row in shown.itertuples(index=False, name=None)]
+    return [html.Thead(head), html.Tbody(body)]
+
+
+def build_table(caption: str, frame: pd.DataFrame, table_key: str) -> html.Div:
+    """A captioned table, paged when long; ``table_key`` lets the page callback find the frame."""
+    pages = max(1, -(-len(frame) // TABLE_PAGE_ROWS))
+    pager = None
+    if pages > 1:
+        pager = html.Div([
+            "page ",
+            dcc.Input(id={"type": ids.TABLE_PAGE, "key": table_key}, type="number", min=1, max=pages,
+                      step=1, value=1, debounce=True, style={"width": "70px"}),
+            f" of {pages} ({len(frame)} rows)",
+        ], style={"margin": "4px 0"})
+    return html.Div([
+        html.H4(caption),
+        pager,
+        html.Table(table_rows(frame), id={"type": ids.TABLE_BODY, "key": table_key},
+                   style={"borderCollapse": "collapse"}),
+    ], className="section-table")
+
+
+def build_section(section: Any, key: str | None = None) -> html.Div:
+    """A report section: its text, figures (thinned for display), tables, or why it is missing."""
+    key = key or section.key
+    children: list[Any] = [html.H3(section.title)]
+    if section.missing:
+        children.append(html.P(_missing_text(section.missing), className="missing", style={"color": "#777"}))
+    children.extend(html.P(t) for t in section.text)
+    for i, fig in enumerate(section.figures):
+        shown = thin_figure(copy.deepcopy(fig))
+        children.append(dcc.Graph(figure=shown, id=f"{ids.SECTION_PREFIX}{key}-fig{i}"))
+    for i, (caption, frame) in enumerate(section.tables):
+        children.append(build_table(caption, frame, f"{key}/{i}"))
+    return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
+
+
+def _absent_section(key: str, title: str) -> html.Div:
+    return html.Div([
+        html.H3(title),
+        html.P(f"not recorded: this amprobe has no '{key}' report section installed",
+               className="missing", style={"color": "#777"}),
+    ], id=f"{ids.SECTION_PREFIX}{key}", className="section")
+
+
+def _steps_text(steps: pd.DataFrame) -> str:
+    n = int(steps["step"].nunique()) if len(steps) else 0
+    last = int(steps["step"].max()) if len(steps) else None
+    return f"{n} steps" + (f" (last step {last})" if last is not None else "")
+
+
+def build_status(status: str) -> html.Span:
+    return _badge(status, _STATUS_COLORS.get(status, "#555"))
+
+
+def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
+    """The loss-scale tab: the live figure, the report's ``scale`` section text, the events."""
+    events = scale_events(steps)
+    notes: list[Any] = []
+    if section is not None:
+        if section.missing:
+            notes.append(html.P(_missing_text(section.missing), className="missing", style={"color": "#777"}))
+        notes.extend(html.P(t) for t in section.text)
+    counts = events["event"].value_counts().to_dict() if len(events) else {}
+    summary = (f"{counts.get('growth', 0)} growth, {counts.get('backoff', 0)} backoff event(s)"
+               if len(events) else "no change of the loss scale recorded")
+    return html.Div([
+        *notes,
+        dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
+        html.H4("Growth and backoff events"),
+        html.P(summary),
+        html.Div(build_table("scale changes", events, LOSS_SCALE_TABLE) if len(events) else None,
+                 id=ids.LOSS_SCALE_EVENTS),
+    ])
+
+
+def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
+    """One run: status, health and findings, loss scale, and a tab per report section."""
+    run, diagnosis = loaded.run, loaded.diagnosis
+    steps = run.steps
+    sections = {s.key: s for s in loaded.sections}
+    panel_keys = {key for _, key in PANEL_SECTIONS} | {SCALE_SECTION}
+    tabs = [
+        dcc.Tab(label="Overview", value="overview", children=html.Div([
+            build_health(diagnosis.health),
+            html.H3("Findings"),
+            html.Div([
+                dcc.Checklist(id=ids.SEVERITY_FILTER, options=list(SEVERITIES), value=list(SEVERITIES),
+                              inline=True, inputStyle={"marginRight": "4px", "marginLeft": "10px"}),
+                dcc.Checklist(id=ids.CATEGORY_FILTER, options=[{"label": lbl, "value": v} for v, lbl in CATEGORIES],
+                              value=[v for v, _ in CATEGORIES], inline=True,
+                              inputStyle={"marginRight": "4px", "marginLeft": "10px"}),
+            ]),
+            html.Div(build_findings(diagnosis.findings), id=ids.FINDINGS),
+            html.Details([
+                html.Summary(f"{len(diagnosis.not_checked)} check(s) not run"),
+                html.Ul([html.Li([html.Code(n.id), f" {n.name}: {n.reason}"]) for n in diagnosis.not_checked]),
+            ], id=ids.NOT_CHECKED),
+        ])),
+        dcc.Tab(label="Loss scale", value="loss-scale", children=build_loss_scale(steps, sections.get(SCALE_SECTION))),
+    ]
+    for label, key in PANEL_SECTIONS:
+        body = build_section(sections[key], key) if key in sections else _absent_section(key, label)
+        extra = None
+        if key == "runtime":
+            extra = html.Div([html.H3("Step time"),
+                              dcc.Graph(figure=make_step_time_figure(steps), id=ids.STEP_TIME_GRAPH)])
+        tabs.append(dcc.Tab(label=label, value=key, children=html.Div([extra, body])))
+    for key, sec in sections.items():
+        if key not in panel_keys:
+            tabs.append(dcc.Tab(label=sec.title, value=key, children=build_section(sec, key)))
+    warnings = [html.Li(w) for w in run.warnings]
+    return html.Div([
+        dcc.Store(id=ids.RUN_NAME, data=loaded.name),
+        html.H2(loaded.name, id=ids.RUN_TITLE),
+        html.Div([
+            html.Span(build_status(run.status), id=ids.RUN_STATUS),
+            html.Span(_steps_text(steps), id=ids.RUN_STEPS, style={"marginRight": "14px"}),
+            html.Span(f"device: {run.rank_manifest.get('gpu_name') or run.rank_manifest.get('device') or 'not recorded'}",
+                      style={"marginRight": "14px"}),
+            html.Button("Download HTML report", id=ids.EXPORT_BUTTON),
+            html.Span(id=ids.EXPORT_STATUS, style={"marginLeft": "8px", "color": "#777"}),
+            dcc.Download(id=ids.EXPORT_DOWNLOAD),
+        ]),
+        html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"}) if warnings else html.Div(id=ids.RUN_WARNINGS),
+        html.P("live: findings are as of page load; reload to re-run the rules"
+               if run.status == "live" else "", style={"color": "#777"}),
+        dcc.Interval(id=ids.LIVE_INTERVAL, interval=refresh_ms, disabled=run.status != "live"),
+        dcc.Tabs(id=ids.RUN_TABS, value="overview", children=tabs),
+    ])
+
+
+def build_compare_page(names: Sequence[str], a: str | None, b: str | None) -> html.Div:
+    """Two runs overlaid; the choices are the runs under ROOT."""
+    options = [{"label": n, "value": n} for n in names]
+    return html.Div([
+        html.H2("Compare two runs"),
+        html.Div([
+            dcc.Dropdown(id=ids.COMPARE_A, options=options, value=a if a in names else None,
+                         placeholder="run A (e.g. FP32 baseline)", style={"width": "360px"}),
+            dcc.Dropdown(id=ids.COMPARE_B, options=options, value=b if b in names else None,
+                         placeholder="run B (e.g. AMP)", style={"width": "360px", "marginLeft": "12px"}),
+        ], style={"display": "flex"}),
+        html.P(id=ids.COMPARE_NOTE, style={"color": "#777"}),
+        dcc.Graph(id=ids.COMPARE_GRAPH),
+    ])

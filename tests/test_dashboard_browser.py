@@ -1,0 +1,108 @@
+"""End to end: the dashboard in a real headless Chromium over recorded runs, one of them live."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'amprobe[dashboard]')")
+
+from dashboard import ids  # noqa: E402
+from dashboard.browser import ServerThread, browser_missing, chromium_driver  # noqa: E402
+from dashboard.demo import record_amp_run, write_synthetic_run  # noqa: E402
+
+pytestmark = pytest.mark.browser
+
+_MISSING = browser_missing()
+SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"
+
+
+def _steps(text: str) -> int:
+    match = re.match(r"(\d+) steps", text)
+    return int(match.group(1)) if match else -1
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=f"no headless browser: {_MISSING}")
+def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    import amprobe
+    from dashboard.app import create_app
+
+    if SAMPLE_RUNS.is_dir():  # the recorded sample runs, when this checkout has them
+        shutil.copytree(SAMPLE_RUNS, tmp_path / "samples", ignore=shutil.ignore_patterns("*.py"))
+    record_amp_run(tmp_path / "amp", steps=30)
+    write_synthetic_run(tmp_path / "baseline", steps=400)
+    amp_ids = amprobe.diagnose(amprobe.load_run(tmp_path / "amp")).ids()
+    assert amp_ids
+
+    app = create_app(tmp_path, refresh_ms=500)
+    driver = chromium_driver()
+    wait = WebDriverWait(driver, 30)
+    probe = None
+    try:
+        with ServerThread(app) as server:
+            # run list
+            driver.get(server.url + "/")
+            wait.until(ec.presence_of_element_located((By.ID, ids.RUN_LIST_TABLE)))
+            wait.until(lambda d: "amp" in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
+            listing = driver.find_element(By.ID, ids.RUN_LIST_TABLE).text
+            assert "baseline" in listing and "finished" in listing and amp_ids[0] in listing
+            if SAMPLE_RUNS.is_dir():
+                assert "samples/" in listing
+
+            # open a run by clicking its link: findings show their IDs
+            link = next(a for a in driver.find_elements(By.CSS_SELECTOR, f"[id^={ids.RUN_LINK_PREFIX}]")
+                        if a.text == "amp")
+            link.click()
+            wait.until(ec.text_to_be_present_in_element((By.ID, ids.RUN_TITLE), "amp"))
+            findings = driver.find_element(By.ID, ids.FINDINGS).text
+            for rid in amp_ids:
+                assert rid in findings
+
+            # the loss-scale figure renders (plotly drew its traces)
+            driver.find_element(By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']").click()
+            wait.until(lambda d: len(d.find_elements(
+                By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace")) >= 3)
+            assert driver.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .main-svg")
+
+            # a live run gains steps while its page is open
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            scaler = torch.amp.GradScaler("cpu")
+            probe = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "live",
+                                   config={"flush_every": 1})
+
+            def train(n: int) -> None:
+                for _ in range(n):
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = model(torch.randn(2, 4)).float().mean()
+                    opt.zero_grad()
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+
+            train(3)
+            driver.get(server.url + "/run/live")
+            wait.until(ec.presence_of_element_located((By.ID, ids.RUN_STEPS)))
+            before = _steps(driver.find_element(By.ID, ids.RUN_STEPS).text)
+            assert before >= 1
+            assert "live" in driver.find_element(By.ID, ids.RUN_STATUS).text
+            marker = driver.find_element(By.ID, ids.RUN_TITLE)  # survives only without a reload
+            train(7)
+            wait.until(lambda d: _steps(d.find_element(By.ID, ids.RUN_STEPS).text) >= 10)
+            assert marker.text == "live"
+            probe.close()
+            probe = None
+            wait.until(lambda d: "finished" in d.find_element(By.ID, ids.RUN_STATUS).text)
+    finally:
+        if probe is not None:
+            probe.close()
+        driver.quit()
