@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND")
 
+    p = sub.add_parser("dashboard", help="serve the live dashboard over every run under ROOT")
+    p.add_argument("root", nargs="?", default=".", help="folder holding run directories (default: .)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8050)
+
     p = sub.add_parser("compare", help="compare two runs (e.g. FP32 baseline vs AMP)")
     p.add_argument("baseline", help="the reference run (FP32)")
     p.add_argument("candidate", help="the run to compare (AMP)")
@@ -281,6 +286,22 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.root):
+        raise CliError(f"not a directory: {args.root}")
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        from dashboard.main import DashMissingError, serve
+    except ImportError:
+        raise CliError("the dashboard package is not installed with this amprobe") from None
+    try:
+        serve(args.root, host=args.host, port=args.port)
+    except DashMissingError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
 COMMANDS = {
     "diagnose": _cmd_diagnose,
     "report": _cmd_report,
@@ -289,6 +310,7 @@ COMMANDS = {
     "run": _cmd_run,
     "baseline": _cmd_baseline,
     "compare": _cmd_compare,
+    "dashboard": _cmd_dashboard,
 }
 
 

@@ -61,7 +61,7 @@ class Config:
     flush_every: int = 100
     flush_interval_s: float = 5.0
     capture_loss: bool = True
-    collectors: tuple[str, ...] = ("scaler",)
+    collectors: tuple[str, ...] = ("scaler", "numerics", "compute", "runtime")
     max_buffered_rows: int = 200_000
     rank: int | None = None
     world_size: int | None = None
