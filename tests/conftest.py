@@ -9,12 +9,21 @@ import amprobe
 @pytest.fixture(autouse=True)
 def _no_probe_leaks():
     """Every test starts and ends with no probe attached and torch's classes unpatched."""
-    update = torch.amp.GradScaler.update
+    from torch.amp.autocast_mode import autocast
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    watched = [(torch.amp.GradScaler, name) for name in ("__init__", "scale", "unscale_", "step", "update",
+                                                          "load_state_dict")]
+    watched += [(torch.Tensor, "backward"), (torch.optim.Optimizer, "load_state_dict"),
+                (autocast, "__enter__"), (autocast, "__exit__"), (_BaseDataLoaderIter, "__next__")]
+    before = [getattr(owner, name) for owner, name in watched]
     yield
     probe = amprobe.current_probe()
     if probe is not None:
         probe.close()
-    assert torch.amp.GradScaler.update is update, "a probe left GradScaler patched"
+    leaked = [f"{owner.__name__}.{name}" for (owner, name), fn in zip(watched, before, strict=True)
+              if getattr(owner, name) is not fn]
+    assert not leaked, f"a probe left torch patched: {leaked}"
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

@@ -222,7 +222,9 @@ def test_findings_filter_by_severity_and_category(ctx: callbacks.Context) -> Non
     severity = findings[0].severity
     kept = texts(callbacks.filter_findings(ctx, "amp", [severity], ["nan", "speed", "distributed"]))
     assert {f.id for f in findings if f.severity == severity} <= set(kept)
-    assert not {f.id for f in findings if f.severity != severity} & set(kept)
+    # an ID can appear at two severities (AMP-S04: warning for misaligned, info for tile waste)
+    only_other = {f.id for f in findings if f.severity != severity} - {f.id for f in findings if f.severity == severity}
+    assert not only_other & set(kept)
     none = texts(callbacks.filter_findings(ctx, "amp", ["error", "warning", "info"], []))
     assert "No finding matches these filters." in none
     assert "Cannot open this page" in texts(callbacks.filter_findings(ctx, "../amp", ["error"], ["nan"]))

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
 from amprobe.collectors.base import Collector
+from amprobe.collectors.patching import patch
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
 
@@ -236,7 +237,7 @@ class ComputeCollector(Collector):
         self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
         self._rows: list[dict[str, Any]] = []
         self._capture_error: Exception | None = None
-        self._autocast_patch: tuple[Any, Any, Any, Any] | None = None
+        self._autocast_patch: tuple[Any, Any] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
         # permanent (a dict insert/remove from inside an optimizer hook would break its loop);
@@ -388,40 +389,37 @@ class ComputeCollector(Collector):
 
     def _patch_autocast(self) -> None:
         c = self
-        orig_enter, orig_exit = autocast.__enter__, autocast.__exit__
 
-        def __enter__(self: autocast) -> Any:
-            result = orig_enter(self)
-            with contextlib.suppress(Exception):
-                stack = getattr(c._local, "stack", None) or [dict(c._seed)]
-                top = dict(stack[-1])
-                enabled = bool(getattr(self, "_enabled", True))
-                top[str(self.device)] = ("enabled", _dtype_name(self.fast_dtype)) if enabled else ("disabled", None)
-                stack.append(top)
-                c._local.stack = stack
-            return result
+        def make_enter(orig_enter: Any) -> Any:
+            def __enter__(self: autocast) -> Any:
+                result = orig_enter(self)
+                with contextlib.suppress(Exception):
+                    stack = getattr(c._local, "stack", None) or [dict(c._seed)]
+                    top = dict(stack[-1])
+                    enabled = bool(getattr(self, "_enabled", True))
+                    top[str(self.device)] = ("enabled", _dtype_name(self.fast_dtype)) if enabled else ("disabled", None)
+                    stack.append(top)
+                    c._local.stack = stack
+                return result
+            return __enter__
 
-        def __exit__(self: autocast, *exc: Any) -> Any:
-            with contextlib.suppress(Exception):
-                stack = getattr(c._local, "stack", None)
-                if stack and len(stack) > 1:
-                    stack.pop()
-            return orig_exit(self, *exc)
+        def make_exit(orig_exit: Any) -> Any:
+            def __exit__(self: autocast, *exc: Any) -> Any:
+                with contextlib.suppress(Exception):
+                    stack = getattr(c._local, "stack", None)
+                    if stack and len(stack) > 1:
+                        stack.pop()
+                return orig_exit(self, *exc)
+            return __exit__
 
-        autocast.__enter__ = __enter__  # type: ignore[method-assign]
-        autocast.__exit__ = __exit__  # type: ignore[method-assign]
-        self._autocast_patch = (orig_enter, orig_exit, __enter__, __exit__)
+        self._autocast_patch = (patch(autocast, "__enter__", make_enter), patch(autocast, "__exit__", make_exit))
 
     def _unpatch_autocast(self) -> None:
         if self._autocast_patch is None:
             return
-        orig_enter, orig_exit, mine_enter, mine_exit = self._autocast_patch
+        for handle in self._autocast_patch:
+            handle.remove()
         self._autocast_patch = None
-        # restore only what is still ours: another collector may have restored beneath us
-        if autocast.__dict__.get("__enter__") is mine_enter:
-            autocast.__enter__ = orig_enter  # type: ignore[method-assign]
-        if autocast.__dict__.get("__exit__") is mine_exit:
-            autocast.__exit__ = orig_exit  # type: ignore[method-assign]
 
     # -- per-op work (inside the dispatch mode) --------------------------------------------------
     def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:

@@ -61,6 +61,7 @@ import torch
 from torch.amp import GradScaler
 
 from amprobe.collectors.base import Collector
+from amprobe.collectors.patching import patch
 
 __all__ = ["NumericsCollector", "FP16_MAX", "FP16_MIN_NORMAL", "FP16_MIN_SUBNORMAL", "summarize_hist"]
 
@@ -173,10 +174,12 @@ class NumericsCollector(Collector):
     # -- set-up ---------------------------------------------------------------------------------
     def _install_scale_patch(self) -> None:
         c = self
-        orig = GradScaler.__dict__["scale"] if "scale" in GradScaler.__dict__ else GradScaler.scale
-        self._scale_orig = orig
+        def make(orig: Any) -> Any:
+            def scale(self: GradScaler, outputs: Any) -> Any:
+                return _scale(orig, self, outputs)
+            return scale
 
-        def scale(self: GradScaler, outputs: Any) -> Any:
+        def _scale(orig: Any, self: GradScaler, outputs: Any) -> Any:
             result = orig(self, outputs)
             if not c.probe.closed and c.probe.is_enabled(c.name):
                 try:
@@ -186,7 +189,7 @@ class NumericsCollector(Collector):
                     c.probe.collector_failed(c.name, exc)
             return result
 
-        GradScaler.scale = scale  # type: ignore[method-assign]
+        self._scale_orig = patch(GradScaler, "scale", make)
 
     def on_object(self, obj: Any) -> None:
         if isinstance(obj, GradScaler) and getattr(obj, "_enabled", False):
@@ -508,7 +511,7 @@ class NumericsCollector(Collector):
             handle.remove()
         self._always.clear()
         if self._scale_orig is not None:
-            GradScaler.scale = self._scale_orig  # type: ignore[method-assign]
+            self._scale_orig.remove()
             self._scale_orig = None
 
 

@@ -23,6 +23,7 @@ from torch.utils.data import dataloader as _dataloader
 
 from amprobe.collectors.base import Collector
 from amprobe.collectors.nvml import GpuSampler
+from amprobe.collectors.patching import Patch, patch
 from amprobe.collectors.syncs import SyncCounter
 
 __all__ = ["RuntimeCollector", "PHASES", "read_rss_bytes"]
@@ -81,7 +82,7 @@ class RuntimeCollector(Collector):
         super().on_attach(probe)
         cfg = probe.config
         self._syncs_every: int = cfg.syncs_every
-        self._originals: list[tuple[Any, str, Any]] = []
+        self._originals: list[Patch] = []
         self._handles: list[Any] = []
         self._wait = 0.0
         self._batches = 0
@@ -115,9 +116,7 @@ class RuntimeCollector(Collector):
             self.probe.collector_failed(self.name, exc)
 
     def _patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
-        original = owner.__dict__[attr] if attr in owner.__dict__ else getattr(owner, attr)
-        self._originals.append((owner, attr, original))
-        setattr(owner, attr, make(original))
+        self._originals.append(patch(owner, attr, make))
 
     def _install(self) -> None:
         c = self
@@ -169,8 +168,8 @@ class RuntimeCollector(Collector):
             with contextlib.suppress(Exception):
                 handle.remove()
         self._handles.clear()
-        for owner, attr, original in reversed(self._originals):
-            setattr(owner, attr, original)
+        for handle in reversed(self._originals):
+            handle.remove()
         self._originals.clear()
 
     def _event(self, kind: str, **detail: Any) -> None:

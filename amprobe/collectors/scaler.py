@@ -27,6 +27,7 @@ from torch.optim.optimizer import (
 )
 
 from amprobe.collectors.base import Collector
+from amprobe.collectors.patching import Patch, patch
 
 __all__ = ["ScalerCollector"]
 
@@ -115,15 +116,13 @@ class ScalerCollector(Collector):
         self._bound: set[tuple[int, int]] = set()
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         self._event_counts: Counter[str] = Counter()
-        self._originals: list[tuple[Any, str, Any]] = []
+        self._originals: list[Patch] = []
         self._handles: list[Any] = []
         self._install()
 
     # -- installation -------------------------------------------------------------------------
     def _patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
-        original = owner.__dict__[attr] if attr in owner.__dict__ else getattr(owner, attr)
-        self._originals.append((owner, attr, original))
-        setattr(owner, attr, make(original))
+        self._originals.append(patch(owner, attr, make))
 
     def _install(self) -> None:
         c = self
@@ -228,8 +227,8 @@ class ScalerCollector(Collector):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for owner, attr, original in reversed(self._originals):
-            setattr(owner, attr, original)
+        for handle in reversed(self._originals):
+            handle.remove()
         self._originals.clear()
 
     def on_object(self, obj: Any) -> None:
@@ -424,7 +423,11 @@ class ScalerCollector(Collector):
             self.probe.end_step()
 
     def _maybe_clip(self, tensorlistlist: Any) -> None:
-        caller = sys._getframe(3)  # _maybe_clip <- guard <- wrapper <- caller
+        caller = sys._getframe(1)
+        while caller is not None and not caller.f_code.co_filename.endswith("clip_grad.py"):
+            caller = caller.f_back  # skip amprobe's own wrapper frames
+        if caller is None:
+            return
         name = caller.f_code.co_name
         if name == "_get_total_norm":
             outer = caller.f_back

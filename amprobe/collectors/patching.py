@@ -1,0 +1,67 @@
+"""Class- and module-level patches that several collectors can stack and remove in any order.
+
+Collectors wrap the same torch attributes (``GradScaler.scale``, ``autocast.__enter__``, ...).
+Restoring a saved original out of order would drop or resurrect another collector's wrapper, so
+every patch goes through :func:`patch`: a removed patch turns into a pass-through at once and
+leaves the attribute as soon as nothing is stacked above it, so the original is always restored
+when the last patch is gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Patch", "patch"]
+
+_STACKS: dict[tuple[int, str], list[Patch]] = {}
+_LOCK = threading.Lock()
+
+
+class Patch:
+    """One wrapper installed on ``owner.attr``; see :func:`patch`."""
+
+    def __init__(self, owner: Any, attr: str, make: Callable[[Any], Callable[..., Any]]) -> None:
+        self.owner = owner
+        self.attr = attr
+        self.own = attr in getattr(owner, "__dict__", {})
+        self.original = owner.__dict__[attr] if self.own else getattr(owner, attr)
+        self.alive = True
+        impl = make(self.original)
+        original = self.original
+
+        @functools.wraps(impl)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.alive:
+                return impl(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        self.wrapper = wrapper
+        with _LOCK:
+            _STACKS.setdefault((id(owner), attr), []).append(self)
+            setattr(owner, attr, wrapper)
+
+    def remove(self) -> None:
+        """Stop wrapping: pass-through at once, off the attribute once nothing is stacked above."""
+        self.alive = False
+        key = (id(self.owner), self.attr)
+        with _LOCK:
+            stack = _STACKS.get(key, [])
+            while stack and not stack[-1].alive:
+                top = stack.pop()
+                current = top.owner.__dict__.get(top.attr)
+                if current is not top.wrapper:
+                    continue  # someone outside amprobe replaced it: leave theirs in place
+                if top.own:
+                    setattr(top.owner, top.attr, top.original)
+                else:
+                    delattr(top.owner, top.attr)
+            if not stack:
+                _STACKS.pop(key, None)
+
+
+def patch(owner: Any, attr: str, make: Callable[[Any], Callable[..., Any]]) -> Patch:
+    """Replace ``owner.attr`` by ``make(original)``; return the handle whose ``remove()`` undoes it."""
+    return Patch(owner, attr, make)
