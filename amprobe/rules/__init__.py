@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from amprobe.rules import compare as _compare  # noqa: F401
 from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
+from amprobe.rules import distributed as _distributed  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
 from amprobe.rules.engine import (
