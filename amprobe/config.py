@@ -38,6 +38,10 @@ class Config:
         max_steps: stop the training process cleanly (``SystemExit(0)`` at a step boundary,
             after the run is closed) once this many iterations are recorded; used by
             ``amprobe baseline``. ``None`` never stops the job.
+        prometheus_port: serve live metrics in the Prometheus text format on this port plus the
+            process's local rank (``amprobe run --prometheus-port``); setting it enables the
+            ``prometheus`` collector. 0 (the default) serves nothing.
+        prometheus_host: address the Prometheus endpoint binds to; loopback unless told otherwise.
     """
 
     flush_every: int = 100
@@ -49,6 +53,8 @@ class Config:
     world_size: int | None = None
     overwrite: bool = False
     max_steps: int | None = None
+    prometheus_port: int = 0
+    prometheus_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -63,7 +69,14 @@ class Config:
             )
         from amprobe.collectors import REGISTRY
 
+        port = self.prometheus_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError(f"prometheus_port must be an integer port 1-65535, or 0 for off; got {port!r}")
+        if not isinstance(self.prometheus_host, str) or not self.prometheus_host:
+            raise ConfigError(f"prometheus_host must be a host name or address, got {self.prometheus_host!r}")
         collectors = tuple(self.collectors)
+        if port and "prometheus" not in collectors:
+            collectors = (*collectors, "prometheus")
         for name in collectors:
             if name not in REGISTRY:
                 raise ConfigError(

@@ -1,5 +1,6 @@
 """Reports: section builders (figures and tables as data) and renderers (text, JSON, Markdown, HTML)."""
 
+from amprobe.report import ranks as _ranks  # noqa: F401  (registers the ranks section)
 from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
 from amprobe.report.render import (
     render_html,

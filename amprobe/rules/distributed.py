@@ -138,8 +138,10 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
         fix = ("The ranks built their GradScaler with different init_scale values: construct it "
                "identically on every rank (and restore the same scaler state on resume). " + fix)
     yield ctx.finding(
-        title=(f"rank {named[0]} disagrees" if len(named) == 1 else f"ranks {format_ranks(named)} disagree")
-              + " with the others on " + " and on ".join(parts)
+        title=(f"ranks {format_ranks(named)} disagree on " if len(named) == len(ranks)
+               else (f"rank {named[0]} disagrees" if len(named) == 1 else f"ranks {format_ranks(named)} disagree")
+               + " with the other ranks on ")
+              + " and on ".join(parts)
               + f"; {sync_note}",
         evidence=evidence,
         fix=fix,
