@@ -30,18 +30,20 @@ def _has_multiple_ranks(run: Run) -> str | None:
     return f"single-rank run ({n} rank with recorded steps); cross-rank rules need at least 2 ranks"
 
 
-def compute_rank_grid(frame: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(steps, ranks, grid)`` with ``grid[i, j]`` = ``column`` at ``steps[i]`` on ``ranks[j]``.
+def compute_rank_grid(frame: pd.DataFrame, *columns: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """``(steps, ranks, grids)``: per column, ``grid[i, j]`` = its value at ``steps[i]`` on ``ranks[j]``.
 
     Missing values are NaN; when a rank recorded a step twice (several recording windows) the
     last row wins. Vectorized: 256 ranks x 10,000 steps take well under a second.
     """
     steps_u, step_idx = np.unique(frame["step"].to_numpy(), return_inverse=True)
     ranks_u, rank_idx = np.unique(frame["rank"].to_numpy(), return_inverse=True)
-    grid = np.full((len(steps_u), len(ranks_u)), np.nan)
-    values = frame[column].to_numpy(dtype=float, na_value=np.nan)
-    grid[step_idx, rank_idx] = values
-    return steps_u, ranks_u, grid
+    grids = []
+    for column in columns:
+        grid = np.full((len(steps_u), len(ranks_u)), np.nan)
+        grid[step_idx, rank_idx] = frame[column].to_numpy(dtype=float, na_value=np.nan)
+        grids.append(grid)
+    return steps_u, ranks_u, grids
 
 
 def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[int, Any]:
@@ -67,8 +69,7 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     found-inf by itself. A finding needs at least ``min_divergent_steps`` divergent steps.
     """
     frame = scaler_steps(ctx.run)
-    steps, ranks, scales = compute_rank_grid(frame, "scale_before")
-    _, _, skipped = compute_rank_grid(frame, "skipped")
+    steps, ranks, (scales, skipped) = compute_rank_grid(frame, "scale_before", "skipped")
     present = ~np.isnan(scales)
     shared = present.sum(axis=1) >= 2
     if not shared.any():
@@ -150,7 +151,7 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
 
 def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) -> pd.Series:
     """Median of ``column`` per rank over the steps after ``warmup_steps`` (NaN rows ignored)."""
-    body = steps[steps["step"] >= warmup_steps]
+    body = steps.loc[steps["step"].to_numpy() >= warmup_steps, ["rank", column]]
     return body.groupby("rank", sort=True)[column].median().dropna()
 
 
@@ -177,8 +178,8 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     metrics = [("wall_s", "step time")]
     if "data_wait_s" in steps.columns:
         metrics.append(("data_wait_s", "data-loader wait"))
-    body = steps[steps["step"] >= th["warmup_steps"]]
-    counts = body.groupby("rank", sort=True)["step"].size()
+    body = steps.loc[steps["step"].to_numpy() >= th["warmup_steps"], ["rank"]]
+    counts = body.groupby("rank", sort=True).size()
     eligible = set(counts[counts >= th["min_steps"]].index)
     for column, label in metrics:
         medians = compute_rank_medians(steps, column, int(th["warmup_steps"]))
