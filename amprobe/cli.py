@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                    help="a probe config field, e.g. --set flush_every=50 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    p.add_argument("--prometheus-port", type=int, default=None, metavar="PORT",
+                   help="serve live metrics for Prometheus on PORT + local rank (= --set prometheus_port=PORT)")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after --")
 
     p = sub.add_parser("baseline", help="run a command twice, FP32 then as written (AMP), and compare",
@@ -204,7 +206,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     args.command_name = "run"
     command = _command(args)
-    return launch(command, Path(args.out or _default_out()), _settings(args.settings), overwrite=args.overwrite)
+    settings = _settings(args.settings)
+    if args.prometheus_port is not None:
+        settings["prometheus_port"] = args.prometheus_port
+    return launch(command, Path(args.out or _default_out()), settings, overwrite=args.overwrite)
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:

@@ -56,6 +56,10 @@ class Config:
         reset_peak_memory: runtime collector: reset CUDA's peak-memory counter at every step, so
             ``peak_mem_bytes`` is per step (``torch.cuda.max_memory_allocated`` then reports
             the current step's peak to user code too); False records the peak since start.
+        prometheus_port: serve live metrics in the Prometheus text format on this port plus the
+            process's local rank (``amprobe run --prometheus-port``); setting it enables the
+            ``prometheus`` collector. 0 (the default) serves nothing.
+        prometheus_host: address the Prometheus endpoint binds to; loopback unless told otherwise.
     """
 
     flush_every: int = 100
@@ -76,6 +80,8 @@ class Config:
     gpu_sample_hz: float = 10.0
     gpu_gpm: bool = True
     reset_peak_memory: bool = True
+    prometheus_port: int = 0
+    prometheus_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -107,7 +113,14 @@ class Config:
             )
         from amprobe.collectors import REGISTRY
 
+        port = self.prometheus_port
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError(f"prometheus_port must be an integer port 1-65535, or 0 for off; got {port!r}")
+        if not isinstance(self.prometheus_host, str) or not self.prometheus_host:
+            raise ConfigError(f"prometheus_host must be a host name or address, got {self.prometheus_host!r}")
         collectors = tuple(self.collectors)
+        if port and "prometheus" not in collectors:
+            collectors = (*collectors, "prometheus")
         for name in collectors:
             if name not in REGISTRY:
                 raise ConfigError(

@@ -9,10 +9,11 @@ from amprobe.collectors.base import Collector
 from amprobe.collectors.compute import ComputeCollector
 from amprobe.collectors.discovery import RootModelFinder
 from amprobe.collectors.numerics import NumericsCollector
+from amprobe.collectors.prometheus import PrometheusCollector
 from amprobe.collectors.runtime import RuntimeCollector
 from amprobe.collectors.scaler import ScalerCollector
 
-__all__ = ["REGISTRY", "Collector", "ComputeCollector", "NumericsCollector", "RootModelFinder", "RuntimeCollector", "ScalerCollector"]
+__all__ = ["REGISTRY", "Collector", "ComputeCollector", "NumericsCollector", "PrometheusCollector", "RootModelFinder", "RuntimeCollector", "ScalerCollector"]
 
 REGISTRY: dict[str, type[Collector]] = {
     "scaler": ScalerCollector,
@@ -20,4 +21,5 @@ REGISTRY: dict[str, type[Collector]] = {
     "compute": ComputeCollector,
     "runtime": RuntimeCollector,
     "discovery": RootModelFinder,
+    "prometheus": PrometheusCollector,
 }

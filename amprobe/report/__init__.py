@@ -2,6 +2,7 @@
 
 from amprobe.report import compute as _compute  # noqa: F401  (registers the compute section)
 from amprobe.report import numerics as _numerics  # noqa: F401  (registers the numerics section)
+from amprobe.report import ranks as _ranks  # noqa: F401  (registers the ranks section)
 from amprobe.report import runtime as _runtime  # noqa: F401  (registers the runtime section)
 from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
 from amprobe.report.render import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.rules.engine import requirement
@@ -28,12 +29,32 @@ def steps_list(steps: pd.Series | list[int], limit: int = 20) -> list[int]:
 
 
 def per_rank(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:
-    for rank, part in frame.groupby("rank", sort=True):
-        yield int(rank), part.sort_values("step")
+    """``(rank, rows of that rank sorted by step)`` for each rank, lowest first.
+
+    The loader returns rows grouped by rank in recording order, so the common case is sliced
+    without sorting or grouping (hundreds of ranks stay cheap); other frames are sorted once.
+    """
+    if frame.empty:
+        return
+    ranks = frame["rank"].to_numpy()
+    steps = frame["step"].to_numpy()
+    new_rank = ranks[1:] != ranks[:-1]
+    ordered = bool((ranks[1:] >= ranks[:-1]).all()) and bool(((steps[1:] >= steps[:-1]) | new_rank).all())
+    if not ordered:
+        frame = frame.sort_values(["rank", "step"], kind="stable")
+        ranks = frame["rank"].to_numpy()
+        new_rank = ranks[1:] != ranks[:-1]
+    bounds = [0, *(np.flatnonzero(new_rank) + 1).tolist(), len(frame)]
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=False):
+        yield int(ranks[start]), frame.iloc[start:stop]
 
 
 def scaler_steps(run: Run) -> pd.DataFrame:
-    """Steps recorded with an enabled GradScaler and a known scale."""
+    """Steps recorded with an enabled GradScaler and a known scale (computed once per run)."""
+    return run.cached("scaler_steps", _scaler_steps)
+
+
+def _scaler_steps(run: Run) -> pd.DataFrame:
     steps = run.steps
     if steps.empty:
         return steps

@@ -8,6 +8,8 @@ every rule whose data is present and lists the others as "not checked" with the 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -27,6 +29,8 @@ __all__ = [
     "requirement",
     "diagnose",
     "ThresholdError",
+    "format_ranks",
+    "group_rank_findings",
 ]
 
 SEVERITIES = ("error", "warning", "info")
@@ -214,6 +218,64 @@ class Diagnosis:
         }
 
 
+_RANK_IN_TITLE = re.compile(r" on rank \d+")
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Ranks as compact ranges: ``0-3, 7, 9-10``."""
+    parts: list[str] = []
+    ordered = sorted(set(ranks))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def group_rank_findings(findings: list[Finding]) -> list[Finding]:
+    """Merge per-rank findings that are identical except for their rank into one.
+
+    A job of hundreds of ranks whose ranks all overflow at the same steps would otherwise list
+    the same finding hundreds of times. Findings are identical when their severity, fix and
+    evidence (``rank`` aside) agree and their titles agree once " on rank N" is removed. The
+    merged finding keeps the lowest rank in ``evidence["rank"]``, lists every rank in
+    ``evidence["ranks"]`` and says "on ranks 0-255" in its title. Findings without a ``rank``
+    in their evidence, or whose rank is unique, are returned unchanged.
+    """
+    groups: dict[tuple[Any, ...], list[Finding]] = {}
+    order: list[tuple[Any, ...] | int] = []
+    for i, f in enumerate(findings):
+        if "rank" not in f.evidence or "ranks" in f.evidence:
+            order.append(i)
+            continue
+        rest = {k: v for k, v in f.evidence.items() if k != "rank"}
+        key = (f.id, f.severity, _RANK_IN_TITLE.sub("", f.title), f.fix,
+               json.dumps(rest, sort_keys=True, default=str))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(f)
+    out: list[Finding] = []
+    for item in order:
+        if isinstance(item, int):
+            out.append(findings[item])
+            continue
+        group = groups[item]
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        ranks = sorted(int(f.evidence["rank"]) for f in group)
+        first = group[0]
+        where = f" on ranks {format_ranks(ranks)}"
+        title = _RANK_IN_TITLE.sub(where, first.title) if _RANK_IN_TITLE.search(first.title) else first.title + where
+        out.append(dataclasses.replace(first, title=title,
+                                       evidence={**first.evidence, "rank": ranks[0], "ranks": ranks}))
+    return out
+
+
 def resolve_thresholds(overrides: Mapping[str, Mapping[str, float]] | None) -> dict[str, dict[str, float]]:
     """Merge user overrides into the registered defaults.
 
@@ -270,7 +332,7 @@ def diagnose(
             continue
         ctx = RuleContext(run=run, spec=spec, thresholds=MappingProxyType(merged[rid]))
         try:
-            findings.extend(spec.fn(ctx))
+            findings.extend(group_rank_findings(list(spec.fn(ctx))))
         except Exception as exc:  # a rule bug must not hide the other findings
             where = traceback.extract_tb(exc.__traceback__)[-1]
             skipped.append(

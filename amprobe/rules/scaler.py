@@ -27,17 +27,14 @@ def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
 
 def longest_run(flags: pd.Series) -> tuple[int, int | None]:
     """Length and first index label of the longest run of True values."""
-    best, best_start, cur, cur_start = 0, None, 0, None
-    for label, flag in flags.items():
-        if flag:
-            if cur == 0:
-                cur_start = label
-            cur += 1
-            if cur > best:
-                best, best_start = cur, cur_start
-        else:
-            cur = 0
-    return best, best_start
+    values = flags.to_numpy(dtype=bool, na_value=False)
+    if not values.any():
+        return 0, None
+    edges = np.diff(np.concatenate(([0], values.astype(np.int8), [0])))
+    starts = np.flatnonzero(edges == 1)
+    lengths = np.flatnonzero(edges == -1) - starts
+    best = int(np.argmax(lengths))  # the first of the longest runs
+    return int(lengths[best]), flags.index[starts[best]]
 
 
 def _growth_interval(ctx: RuleContext, rank: int) -> int:
@@ -52,8 +49,9 @@ def _init_scale(ctx: RuleContext, rank: int) -> float | None:
     return values[-1] if values else None
 
 
-def _ranks(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:
-    return per_rank(compute_scale_events(frame))
+def _ranks(ctx: RuleContext) -> Iterator[tuple[int, pd.DataFrame]]:
+    """Per-rank scaler steps with ``backoff``/``growth`` (computed once per run)."""
+    return per_rank(ctx.run.cached("scale_events", lambda run: compute_scale_events(scaler_steps(run))))
 
 
 @rule(
@@ -68,7 +66,8 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     = cuts / (steps / growth_interval); above the threshold the finding is a warning (the
     scaler cannot settle), else info.
     """
-    for rank, frame in _ranks(scaler_steps(ctx.run)):
+    multi = ctx.run.steps["rank"].nunique() > 1
+    for rank, frame in _ranks(ctx):
         cuts = frame[frame["backoff"]]
         if cuts.empty:
             continue
@@ -78,7 +77,7 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
         yield ctx.finding(
             title=(
                 f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps"
-                + (f" on rank {rank}" if ctx.run.steps['rank'].nunique() > 1 else "")
+                + (f" on rank {rank}" if multi else "")
                 + (f" ({per_interval:.1f} cuts per growth interval of {interval})" if frequent else "")
             ),
             evidence={
@@ -113,6 +112,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     judged. Warning below ``warn_below``, error below ``error_below``.
     """
     th = ctx.thresholds
+    multi = ctx.run.steps["rank"].nunique() > 1
     for rank, frame in per_rank(scaler_steps(ctx.run)):
         if len(frame) < th["min_steps"]:
             continue
@@ -123,7 +123,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
         severity = "error" if rate < th["error_below"] else "warning"
         yield ctx.finding(
             title=f"only {rate:.1%} of {len(frame)} steps applied their update ({len(skipped)} skipped)"
-            + (f" on rank {rank}" if ctx.run.steps['rank'].nunique() > 1 else ""),
+            + (f" on rank {rank}" if multi else ""),
             evidence={
                 "rank": rank,
                 "success_rate": round(rate, 4),
@@ -154,7 +154,7 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     forward op produces inf/NaN whatever the scale.
     """
     th = ctx.thresholds
-    for rank, frame in _ranks(scaler_steps(ctx.run)):
+    for rank, frame in _ranks(ctx):
         indexed = frame.reset_index(drop=True)
         run_len, start = longest_run(indexed["backoff"])
         min_scale = float(indexed["scale_after"].min())
@@ -200,7 +200,7 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
     scale at most ``init_scale / below_init_factor``.
     """
     th = ctx.thresholds
-    for rank, frame in _ranks(scaler_steps(ctx.run)):
+    for rank, frame in _ranks(ctx):
         interval = _growth_interval(ctx, rank)
         window = int(th["min_intervals"] * interval)
         if len(frame) < window:

@@ -11,9 +11,12 @@ import io
 import json
 import os
 import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -57,6 +60,9 @@ class Run:
     status: str
     warnings: list[str]
     _tables: dict[str, pd.DataFrame] = dataclasses.field(default_factory=dict, repr=False)
+    _events_cache: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict, repr=False)
+    #: derived frames computed once per run by the rules (e.g. scaler steps); see ``cached``
+    _derived: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def steps(self) -> pd.DataFrame:
@@ -76,39 +82,59 @@ class Run:
         return self.path.name
 
     def table(self, name: str) -> pd.DataFrame:
-        """All ranks' rows of table ``name`` (empty frame with the schema's columns if absent)."""
+        """All ranks' rows of table ``name`` (empty frame with the schema's columns if absent).
+
+        The ranks' files are parsed in parallel threads (the JSON parser releases the GIL) and
+        converted to pandas once, so a run of hundreds of ranks loads in seconds.
+        """
         if name not in self._tables:
-            frames = []
-            for info in self.ranks:
-                frame, _, dropped = read_table(info.path / f"{name}.jsonl", name)
+            paths = [info.path / f"{name}.jsonl" for info in self.ranks]
+            if len(paths) > 1:
+                workers = min(len(paths), os.cpu_count() or 1, 16)
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    parts = list(pool.map(lambda p: _read_arrow(p, name), paths))
+            else:
+                parts = [_read_arrow(p, name) for p in paths]
+            tables = []
+            for info, (part, _, dropped) in zip(self.ranks, parts, strict=True):
                 if dropped:
                     self.warnings.append(
                         f"rank {info.rank}: {dropped} unreadable record(s) skipped in {name}.jsonl"
                     )
-                if len(frame):
-                    frame.insert(0, "rank", info.rank)
-                    frames.append(frame)
-            if frames:
-                result = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
-            else:
-                result = empty_frame(name)
-                result.insert(0, "rank", pd.Series([], dtype="int64"))
-            self._tables[name] = result
+                if part is not None and part.num_rows:
+                    ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
+                    tables.append(part.add_column(0, "rank", ranks))
+            self._tables[name] = _to_frame(tables, name)
         return self._tables[name]
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
-        """The events of one kind as dicts (``detail`` merged in), in recording order."""
-        ev = self.events
-        if ev.empty:
-            return []
-        out = []
-        for row in ev[ev["kind"] == kind].itertuples(index=False):
-            try:
-                detail = json.loads(row.detail) if isinstance(row.detail, str) else {}
-            except ValueError:
-                detail = {}
-            out.append({"rank": row.rank, "step": row.step, "t": row.t, **detail})
-        return out
+        """The events of one kind as dicts (``detail`` merged in), in recording order.
+
+        Parsed once per kind and cached; every call returns fresh dicts.
+        """
+        if kind not in self._events_cache:
+            ev = self.events
+            out: list[dict[str, Any]] = []
+            if not ev.empty:
+                mask = (ev["kind"] == kind).to_numpy(dtype=bool, na_value=False)
+                sel = ev[mask]
+                for rank, step, t, raw in zip(sel["rank"].tolist(), sel["step"].tolist(),
+                                              sel["t"].tolist(), sel["detail"].tolist(), strict=True):
+                    try:
+                        detail = json.loads(raw) if isinstance(raw, str) else {}
+                    except ValueError:
+                        detail = {}
+                    if not isinstance(detail, dict):
+                        detail = {}
+                    out.append({"rank": rank, "step": step, "t": t, **detail})
+            self._events_cache[kind] = out
+        return [dict(e) for e in self._events_cache[kind]]
+
+    def cached(self, key: str, compute: Callable[[Run], Any]) -> Any:
+        """``compute(self)``, computed once per run and key (for frames derived by several rules)."""
+        if key not in self._derived:
+            self._derived[key] = compute(self)
+        return self._derived[key]
 
     @property
     def last_step(self) -> int | None:
@@ -133,17 +159,25 @@ def read_table(path: Path, table: str, offset: int = 0) -> tuple[pd.DataFrame, i
     written, or cut by a crash) is left for the next read; lines that do not parse are dropped
     and counted. A missing file reads as an empty frame.
     """
+    parsed, next_offset, dropped = _read_arrow(path, table, offset)
+    if parsed is None:
+        return empty_frame(table), next_offset, dropped
+    return parsed.to_pandas(), next_offset, dropped
+
+
+def _read_arrow(path: Path, table: str, offset: int = 0) -> tuple[pa.Table | None, int, int]:
+    """:func:`read_table` as an arrow table with every schema column (None: nothing to read)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(offset)
             data = fh.read()
     except FileNotFoundError:
-        return empty_frame(table), offset, 0
+        return None, offset, 0
     except OSError as exc:
         raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
     end = data.rfind(b"\n")
     if end < 0:
-        return empty_frame(table), offset, 0
+        return None, offset, 0
     data = data[: end + 1]
     arrow_schema = _arrow_schema(table)
     dropped = 0
@@ -158,12 +192,24 @@ def read_table(path: Path, table: str, offset: int = 0) -> tuple[pd.DataFrame, i
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError,
             UnicodeDecodeError):
         parsed, dropped = _read_lines_slowly(data, arrow_schema)
-    frame = parsed.to_pandas()
     if arrow_schema is not None:
-        for name in arrow_schema.names:
-            if name not in frame.columns:
-                frame[name] = pd.Series([None] * len(frame), dtype=arrow_schema.field(name).type.to_pandas_dtype())
-    return frame, offset + end + 1, dropped
+        for field in arrow_schema:
+            if field.name not in parsed.column_names:
+                parsed = parsed.append_column(field, pa.nulls(parsed.num_rows, type=field.type))
+    return parsed, offset + end + 1, dropped
+
+
+def _to_frame(tables: list[pa.Table], name: str) -> pd.DataFrame:
+    """One pandas frame from the ranks' arrow tables (converted once, not per rank)."""
+    if not tables:
+        result = empty_frame(name)
+        result.insert(0, "rank", pd.Series([], dtype="int64"))
+        return result
+    try:
+        return pa.concat_tables(tables, promote_options="permissive").to_pandas()
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+        # tables without a schema whose inferred types differ between ranks
+        return pd.concat([t.to_pandas() for t in tables], ignore_index=True)
 
 
 def _read_lines_slowly(data: bytes, arrow_schema: pa.Schema | None) -> tuple[pa.Table, int]:

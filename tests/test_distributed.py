@@ -1,0 +1,351 @@
+"""Multi-rank runs: cross-rank rules (AMP-D01/D02), per-rank grouping, ranks report section,
+the Prometheus exporter, and 2-rank gloo jobs recorded through `amprobe run -- torchrun`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import amprobe
+from amprobe.collectors import REGISTRY, Collector
+from amprobe.report.ranks import build_ranks_section
+from amprobe.rules.data import per_rank
+from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
+from amprobe.rules.scaler import longest_run
+from tests.helpers import TinyNet, fake_run, train_loop
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def _steps(rank: int, n: int = 12, scale: float = 1024.0, skipped: tuple[int, ...] = (),
+           wall: float = 0.05, **extra: float) -> list[dict]:
+    rows, s = [], scale
+    for i in range(n):
+        skip = i in skipped
+        after = s / 2 if skip else s
+        rows.append({"rank": rank, "step": i, "wall_s": wall, "scaler_enabled": True, "scale_before": s,
+                     "scale_after": after, "skipped": skip, "found_inf": float(skip), **extra})
+        s = after
+    return rows
+
+
+def _ids(run) -> list[str]:
+    return amprobe.diagnose(run).ids()
+
+
+# -- AMP-D01 rank-scale-divergence ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("rank_rows", "named", "synchronized"),
+    [
+        # different init_scale: every step differs; both ranks named (no majority with two)
+        ([_steps(0, scale=1024), _steps(1, scale=2048)], [0, 1], None),
+        # overflow on rank 0 only (no grad all-reduce): skipped sets and then scales differ
+        ([_steps(0, skipped=(3,)), _steps(1)], [0, 1], False),
+        # three ranks, rank 2 is the odd one: only it is named
+        ([_steps(0, skipped=(3,)), _steps(1, skipped=(3,)), _steps(2)], [2], False),
+    ],
+)
+def test_d01_flags_divergent_ranks(rank_rows, named, synchronized):
+    run = fake_run(ranks=range(len(rank_rows)), steps=[r for rows in rank_rows for r in rows])
+    found = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-D01"]
+    assert len(found) == 1
+    ev = found[0].evidence
+    assert ev["ranks"] == named
+    assert ev["found_inf_synchronized"] is synchronized
+    assert ("NOT synchronized" in found[0].title) == (synchronized is False)
+    assert found[0].category == "distributed" and found[0].severity == "warning"
+
+
+def test_d01_evidence_first_steps_and_values():
+    rows = _steps(0, skipped=(5,)) + _steps(1)
+    f = next(f for f in amprobe.diagnose(fake_run(ranks=[0, 1], steps=rows)).findings if f.id == "AMP-D01")
+    assert f.evidence["first_skip_divergent_steps"] == [5]
+    assert f.evidence["first_scale_divergent_steps"][0] == 6  # scale_before differs from the next step on
+    assert f.evidence["scales_at_first_divergence"] == {0: 512.0, 1: 1024.0}
+    assert f.evidence["skipped_at_first_divergence"] == {0: True, 1: False}
+
+
+def test_d01_silent_when_ranks_agree_and_notes_synchronized_overflow():
+    rows = _steps(0, skipped=(4, 8)) + _steps(1, skipped=(4, 8))
+    run = fake_run(ranks=[0, 1], steps=rows)
+    assert "AMP-D01" not in _ids(run)
+    # synchronized overflow still gives the per-rank N01, once for both ranks
+    n01 = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-N01"]
+    assert len(n01) == 1 and n01[0].evidence["ranks"] == [0, 1]
+
+
+def test_d01_names_init_scale_difference_in_fix():
+    events = [{"kind": "scaler_created", "rank": r, "init_scale": s} for r, s in ((0, 1024.0), (1, 2048.0))]
+    run = fake_run(ranks=[0, 1], steps=_steps(0, scale=1024) + _steps(1, scale=2048), events=events)
+    f = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-D01")
+    assert f.evidence["init_scales"] == {0: 1024.0, 1: 2048.0}
+    assert "init_scale" in f.fix
+
+
+# -- AMP-D02 rank-straggler ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("walls", "waits", "expect"),
+    [
+        ((0.05, 0.05, 0.05, 0.20), None, ("wall_s", [3])),
+        ((0.05, 0.051, 0.049, 0.052), None, None),  # noise
+        ((0.001, 0.001, 0.004), None, None),  # 4x slower but only 3 ms: below min_excess_s
+        ((0.10, 0.10, 0.10), (0.0, 0.0, 0.06), ("data_wait_s", [2])),
+    ],
+)
+def test_d02_straggler(walls, waits, expect):
+    rows = []
+    for rank, wall in enumerate(walls):
+        extra = {"data_wait_s": waits[rank]} if waits else {}
+        rows += _steps(rank, wall=wall, **extra)
+    run = fake_run(ranks=range(len(walls)), steps=rows)
+    if waits:  # the data-wait column comes from the runtime collector; add it to the frame
+        run.steps["data_wait_s"] = [r["data_wait_s"] for r in rows]
+    found = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-D02"]
+    if expect is None:
+        assert found == []
+    else:
+        assert len(found) == 1
+        assert (found[0].evidence["metric"], found[0].evidence["ranks"]) == expect
+        assert found[0].severity == "info"
+
+
+def test_cross_rank_rules_not_checked_on_single_rank():
+    diagnosis = amprobe.diagnose(fake_run(steps=_steps(0)))
+    reasons = {n.id: n.reason for n in diagnosis.not_checked}
+    assert "single-rank" in reasons["AMP-D01"] and "single-rank" in reasons["AMP-D02"]
+
+
+# -- grouping of per-rank findings and shared helpers --------------------------------------------
+def _finding(rank: int, cuts: int) -> Finding:
+    return Finding("AMP-N01", "scale-backoff", "info", "nan", f"loss scale cut {cuts} time(s) on rank {rank}",
+                   {"rank": rank, "cuts": cuts}, "fix")
+
+
+def test_group_rank_findings_merges_identical_ranks_only():
+    grouped = group_rank_findings([_finding(0, 2), _finding(1, 2), _finding(2, 5), _finding(3, 2)])
+    assert [(f.title, f.evidence.get("ranks")) for f in grouped] == [
+        ("loss scale cut 2 time(s) on ranks 0-1, 3", [0, 1, 3]),
+        ("loss scale cut 5 time(s) on rank 2", None),
+    ]
+    assert grouped[0].evidence["rank"] == 0
+
+
+def test_format_ranks():
+    assert format_ranks([7, 0, 1, 2, 9, 10]) == "0-2, 7, 9-10"
+    assert format_ranks([4]) == "4"
+
+
+def test_per_rank_sorts_unsorted_frames():
+    frame = pd.DataFrame({"rank": [1, 0, 1, 0], "step": [1, 1, 0, 0], "v": [11, 1, 10, 0]})
+    assert [(r, part["v"].tolist()) for r, part in per_rank(frame)] == [(0, [0, 1]), (1, [10, 11])]
+
+
+@pytest.mark.parametrize("flags", [[], [0, 0], [1], [0, 1, 1, 0, 1, 1, 1], [1, 1, 0, 1, 1]])
+def test_longest_run_matches_definition(flags):
+    series = pd.Series([bool(f) for f in flags], index=np.arange(len(flags)) * 10, dtype=bool)
+    best, start = 0, None
+    for i in range(len(flags)):
+        for j in range(i, len(flags)):
+            if all(flags[i:j + 1]) and j - i + 1 > best:
+                best, start = j - i + 1, i * 10
+    assert longest_run(series) == (best, start)
+
+
+def test_events_of_is_cached_but_returns_fresh_dicts():
+    run = fake_run(steps=_steps(0), events=[{"kind": "scaler_created", "init_scale": 8.0}])
+    first = run.events_of("scaler_created")
+    first[0]["init_scale"] = -1
+    assert run.events_of("scaler_created")[0]["init_scale"] == 8.0
+
+
+# -- report section ------------------------------------------------------------------------------
+def test_ranks_section_series_and_spread():
+    run = fake_run(ranks=[0, 1], steps=_steps(0, scale=1024) + _steps(1, scale=2048, wall=0.2))
+    section = build_ranks_section(run, amprobe.diagnose(run))
+    assert section.missing is None
+    caption, table = section.tables[0]
+    assert table["rank"].tolist() == [0, 1]
+    assert table["median step (ms)"].tolist() == [50.0, 200.0]
+    names = {t.name for t in section.figures[0].data}
+    assert {"r0 scale_after", "r1 wall_s", "wall_s min-max across ranks"} <= names
+    assert any("differs between ranks at 12 of 12" in t for t in section.text)
+
+
+def test_ranks_section_missing_for_single_rank():
+    run = fake_run(steps=_steps(0))
+    assert "single-rank" in build_ranks_section(run, amprobe.diagnose(run)).missing
+
+
+# -- only rank-local work ------------------------------------------------------------------------
+def test_amprobe_makes_no_collective_calls():
+    """The probe never calls torch.distributed: merging ranks happens at load time."""
+    offenders = []
+    for path in (ROOT / "amprobe").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                if any(n and n.startswith("torch.distributed") for n in names) or (
+                        isinstance(node, ast.ImportFrom) and node.module == "torch"
+                        and any(a.name == "distributed" for a in node.names)):
+                    offenders.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Attribute) and node.attr == "distributed" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "torch":
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
+
+
+# -- Prometheus exporter -------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _RuntimeLike(Collector):
+    """Stands in for the runtime collector: adds data wait and sync counts as 0-d tensors."""
+
+    name = "runtime_like"
+
+    def on_step_end(self, step, record):
+        record["data_wait_s"] = torch.tensor(0.002)
+        record["syncs_sampled"] = True
+        record["syncs"] = torch.tensor(3)
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _labels(**extra: str) -> tuple:
+    return tuple(sorted({"job": "job7", "rank": "0", **extra}.items()))
+
+
+def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "runtime_like", _RuntimeLike)
+    port = _free_port()
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "job7",
+                           config={"prometheus_port": port, "flush_every": 2,
+                                   "collectors": ("scaler", "runtime_like")})
+    assert "prometheus" in probe.config.collectors  # enabled by setting the port
+    train_loop(model, opt, scaler, 6, inf_at=(2,))
+    probe.writer.append("numerics", [{"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
+                                     {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4}])
+    probe.writer.append("gpu", [{"t": 0.1, "step": 2, "gpu": 0, "gpu_util": 87.5}])
+    probe.writer.flush()
+    metrics = _scrape(f"http://127.0.0.1:{port}/metrics")
+    labels = _labels()
+    assert metrics[("amprobe_steps_total", labels)] == 6
+    assert metrics[("amprobe_skipped_steps_total", labels)] == 1
+    assert metrics[("amprobe_loss_scale", labels)] == float(scaler.get_scale())
+    assert metrics[("amprobe_last_step", labels)] == 5
+    assert 0 < metrics[("amprobe_step_seconds", labels)] < 5
+    assert metrics[("amprobe_syncs_per_step", labels)] == 3
+    assert 0 < metrics[("amprobe_data_wait_share", labels)] <= 1
+    assert metrics[("amprobe_gpu_utilization_percent", _labels(gpu="0"))] == 87.5
+    assert metrics[("amprobe_nonfinite_total", _labels(layer="fc1", kind="output"))] == 3
+    assert metrics[("amprobe_nonfinite_total", _labels(layer="fc2", kind="grad_output"))] == 4
+    probe.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    events = amprobe.load_run(tmp_path / "job7").events_of("prometheus_serving")
+    assert [(e["host"], e["port"]) for e in events] == [("127.0.0.1", port)]
+
+
+def test_prometheus_absent_metrics_are_not_invented(tmp_path):
+    port = _free_port()
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r",
+                        config={"prometheus_port": port, "flush_every": 1}):
+        train_loop(model, opt, None, 3, dtype=None)
+        names = {name for name, _ in _scrape(f"http://127.0.0.1:{port}/metrics")}
+    assert "amprobe_steps_total" in names
+    assert not names & {"amprobe_loss_scale", "amprobe_skipped_steps_total", "amprobe_data_wait_share",
+                        "amprobe_syncs_per_step", "amprobe_gpu_utilization_percent", "amprobe_nonfinite_total"}
+
+
+def test_prometheus_port_in_use_is_a_config_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(amprobe.ConfigError, match=f"127.0.0.1:{port}"):
+            amprobe.attach(run_dir=tmp_path / "r", config={"prometheus_port": port})
+    assert amprobe.current_probe() is None
+
+
+@pytest.mark.parametrize("bad", [{"prometheus_port": -1}, {"prometheus_port": 70000},
+                                 {"prometheus_port": "9400"}, {"prometheus_host": ""}])
+def test_prometheus_config_validation(bad):
+    with pytest.raises(amprobe.ConfigError, match="prometheus"):
+        amprobe.Config(**bad)
+
+
+def test_cli_prometheus_port_maps_to_config(monkeypatch):
+    from amprobe import cli, launcher
+
+    seen = {}
+
+    def fake_launch(command, run_dir, config, **kwargs):
+        seen.update(config)
+        return 0
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    assert cli.main(["run", "--prometheus-port", "9400", "--out", "x", "--", "python", "t.py"]) == 0
+    assert seen == {"prometheus_port": 9400}
+
+
+# -- 2-rank gloo jobs through `amprobe run -- torchrun` -----------------------------------------
+def _torchrun(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> amprobe.Run:
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out), *extra, "--", sys.executable, "-m",
+           "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(SCRIPTS / "ddp_gloo.py")]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = amprobe.load_run(out)
+    assert [r.rank for r in run.ranks] == [0, 1]
+    return run
+
+
+def test_torchrun_planted_init_scale_difference_gives_d01(tmp_path):
+    run = _torchrun(tmp_path, "diverged", {"INIT_SCALE_R0": "1024", "INIT_SCALE_R1": "4096"})
+    d01 = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-D01"]
+    assert len(d01) == 1
+    assert d01[0].evidence["ranks"] == [0, 1]
+    assert d01[0].evidence["init_scales"] == {0: 1024.0, 1: 4096.0}
+    assert "ranks 0-1" in d01[0].title
+
+
+def test_torchrun_healthy_two_ranks_give_no_d_finding(tmp_path):
+    port = _free_port()
+    run = _torchrun(tmp_path, "healthy", {}, "--prometheus-port", str(port))
+    diagnosis = amprobe.diagnose(run)
+    assert not [f.id for f in diagnosis.findings if f.category == "distributed"]
+    assert {"AMP-D01", "AMP-D02"}.isdisjoint(n.id for n in diagnosis.not_checked)  # both were checked
+    # each rank served its own endpoint on port + local rank; the launcher process opened none
+    served = sorted((e["rank"], e["port"]) for e in run.events_of("prometheus_serving"))
+    assert served == [(0, port), (1, port + 1)]
+    assert json.loads((run.ranks[0].path / "manifest.json").read_text())["config"]["prometheus_port"] == port
