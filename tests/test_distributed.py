@@ -277,7 +277,7 @@ def test_prometheus_absent_metrics_are_not_invented(tmp_path):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r",
-                        config={"prometheus_port": port, "flush_every": 1}):
+                        config={"prometheus_port": port, "flush_every": 1, "collectors": ("scaler",)}):
         train_loop(model, opt, None, 3, dtype=None)
         names = {name for name, _ in _scrape(f"http://127.0.0.1:{port}/metrics")}
     assert "amprobe_steps_total" in names
