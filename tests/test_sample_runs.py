@@ -13,7 +13,8 @@ SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
 # scenario -> (IDs that must be found, IDs that must not be found)
 EXPECTED = {
     "healthy": (set(), {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
-    "overflow": ({"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N11"}, {"AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
+    "overflow": ({"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N05", "AMP-N11"},
+                 {"AMP-N04", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
     "misuse": ({"AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}, {"AMP-N03", "AMP-N15"}),
     "bf16": ({"AMP-N15"}, {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N11", "AMP-N12"}),
 }
@@ -46,3 +47,11 @@ def test_overflow_sample_numbers():
     assert n03.evidence["cut_run_starts_at_step"] == 80
     start_scale = float(steps.set_index("step").loc[80, "scale_before"])
     assert n03.evidence["min_scale"] == pytest.approx(start_scale / 2**40)
+
+
+def test_overflow_sample_names_the_planted_layer():
+    findings = amprobe.diagnose(amprobe.load_run(SAMPLES / "overflow")).findings
+    n05 = next(f for f in findings if f.id == "AMP-N05")
+    assert "booster" in n05.title, "the planted Booster layer is the first module to overflow"
+    n03 = next(f for f in findings if f.id == "AMP-N03")
+    assert "booster" in str(dict(n03.evidence)), "the collapse names the offending layer"
