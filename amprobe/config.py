@@ -38,6 +38,11 @@ class Config:
         max_steps: stop the training process cleanly (``SystemExit(0)`` at a step boundary,
             after the run is closed) once this many iterations are recorded; used by
             ``amprobe baseline``. ``None`` never stops the job.
+        dormant: install the probe but record nothing until asked (``amprobe attach RUN``,
+            :meth:`amprobe.Probe.start_recording`); steps are still counted, so a later
+            recording window carries the job's true iteration numbers. A dormant probe watches
+            the run's control file from a background thread.
+        control_poll_s: how often (seconds) that background thread reads the control file.
     """
 
     flush_every: int = 100
@@ -49,6 +54,8 @@ class Config:
     world_size: int | None = None
     overwrite: bool = False
     max_steps: int | None = None
+    dormant: bool = False
+    control_poll_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -72,6 +79,13 @@ class Config:
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise ConfigError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
+        if not isinstance(self.dormant, bool):
+            raise ConfigError(f"dormant must be True or False, got {self.dormant!r}")
+        if (not isinstance(self.control_poll_s, (int, float)) or isinstance(self.control_poll_s, bool)
+                or not 0.01 <= self.control_poll_s <= 60):
+            raise ConfigError(
+                f"control_poll_s must be a number of seconds between 0.01 and 60, got {self.control_poll_s!r}"
+            )
         for key in ("rank", "world_size"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):
