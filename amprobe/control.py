@@ -219,6 +219,7 @@ def _attach_live(run_dir: Path, steps: int | None,
         probe.add_model(model)
     probe._rank_manifest["launched_by"] = "amprobe attach (live)"
     probe._rank_manifest["attached_live"] = True
+    probe._rank_manifest["steps_counted_from"] = "attach"  # the job's earlier iterations are unknown
     probe.writer.update_manifest(probe._rank_manifest)
     probe.start_recording(steps, source="attach_live")
     facts = {
