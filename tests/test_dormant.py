@@ -166,6 +166,34 @@ def test_live_attach_to_a_loop_running_in_a_thread(tmp_path):
     _assert_same_weights(saved["state"], torch.load(reference)["state"])
 
 
+def test_failed_live_attach_leaves_the_program_untouched(tmp_path):
+    status, script = tmp_path / "status.json", tmp_path / "attach.py"
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the run directory should go")
+    code = f"""
+import json, runpy, sys, torch
+update = torch.amp.GradScaler.update
+runpy.run_path({str(script)!r})  # nothing is trained yet
+first = json.load(open({str(status)!r}))
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+script = open({str(script)!r}).read().replace({str(tmp_path / "out")!r}, {str(blocked)!r})
+exec(compile(script, "attach", "exec"), {{}})  # an unusable run directory
+second = json.load(open({str(status)!r}))
+import amprobe
+assert amprobe.current_probe() is None and torch.amp.GradScaler.update is update
+print(json.dumps([first, second]))
+sys.exit(7)
+"""
+    script.write_text(build_remote_script(tmp_path / "out", None, status))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    assert proc.returncode == 7, proc.stderr
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not first["ok"] and "no torch.optim.Optimizer" in first["error"]
+    assert not second["ok"] and "not a directory" in second["error"]
+
+
 class _Recorder(Collector):
     name = "recorder"
     calls: list = []
