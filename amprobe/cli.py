@@ -68,14 +68,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rules", help="list the rules with their IDs, severities and thresholds")
 
     p = sub.add_parser("run", help="run a training command with amprobe attached to every Python process",
-                       usage="amprobe run [--out DIR] [--set KEY=VALUE] -- COMMAND [ARGS...]")
+                       usage="amprobe run [--out DIR] [--dormant] [--set KEY=VALUE] -- COMMAND [ARGS...]")
     p.add_argument("--out", default=None, help="run directory (default: amprobe_runs/<time>)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                    help="a probe config field, e.g. --set flush_every=50 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
     p.add_argument("--prometheus-port", type=int, default=None, metavar="PORT",
                    help="serve live metrics for Prometheus on PORT + local rank (= --set prometheus_port=PORT)")
+    p.add_argument("--dormant", action="store_true",
+                   help="record nothing until `amprobe attach DIR` (negligible cost until then)")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after --")
+
+    p = sub.add_parser("attach", help="start recording a live job (a --dormant run, or a PID on Python 3.14+)",
+                       usage="amprobe attach RUN_DIR [--steps N] | amprobe attach --pid PID --out DIR [--steps N]")
+    p.add_argument("run", nargs="?", default=None, help="run directory of a job started with `amprobe run --dormant`")
+    p.add_argument("--steps", type=int, default=None, help="stop recording by itself after N steps")
+    p.add_argument("--pid", type=int, default=None, help="a Python process started without amprobe (CPython 3.14+)")
+    p.add_argument("--out", default=None, help="with --pid: run directory to record into")
+    p.add_argument("--overwrite", action="store_true", help="with --pid: replace an existing run in --out")
+    p.add_argument("--wait", type=float, default=5.0, help="seconds to wait for the job to acknowledge (default 5)")
+
+    p = sub.add_parser("detach", help="stop recording a live job (the probe stays, dormant); flushes the window")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--wait", type=float, default=5.0, help="seconds to wait for the job to acknowledge (default 5)")
 
     p = sub.add_parser("baseline", help="run a command twice, FP32 then as written (AMP), and compare",
                        usage="amprobe baseline [--steps N] [--out DIR] -- COMMAND [ARGS...]")
@@ -209,7 +224,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args.settings)
     if args.prometheus_port is not None:
         settings["prometheus_port"] = args.prometheus_port
+    if args.dormant:
+        settings["dormant"] = True
     return launch(command, Path(args.out or _default_out()), settings, overwrite=args.overwrite)
+
+
+def _cmd_attach(args: argparse.Namespace) -> int:
+    from amprobe.control import attach_pid, send_control
+
+    if args.steps is not None and args.steps < 1:
+        raise CliError("--steps must be a positive number of steps")
+    if args.pid is not None:
+        if args.run is not None:
+            raise CliError("give either a run directory or --pid PID --out DIR, not both")
+        if args.out is None:
+            raise CliError("--pid needs --out DIR (where to record)")
+        lines = attach_pid(args.pid, args.out, steps=args.steps, wait_s=max(args.wait, 30.0),
+                           overwrite=args.overwrite)
+    else:
+        if args.run is None:
+            raise CliError("give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR")
+        lines = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+    for line in lines:
+        print(line)
+    return 0
+
+
+def _cmd_detach(args: argparse.Namespace) -> int:
+    from amprobe.control import send_control
+
+    for line in send_control(args.run, "detach", wait_s=args.wait):
+        print(line)
+    return 0
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
@@ -316,12 +362,15 @@ COMMANDS = {
     "baseline": _cmd_baseline,
     "compare": _cmd_compare,
     "dashboard": _cmd_dashboard,
+    "attach": _cmd_attach,
+    "detach": _cmd_detach,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``amprobe`` console script."""
     from amprobe.config import ConfigError
+    from amprobe.control import ControlError
     from amprobe.launcher import LaunchError
     from amprobe.rules import ThresholdError
     from amprobe.store import RunLoadError
@@ -330,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError) as exc:
+    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError, ControlError) as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValueError as exc:

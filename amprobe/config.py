@@ -60,6 +60,11 @@ class Config:
             process's local rank (``amprobe run --prometheus-port``); setting it enables the
             ``prometheus`` collector. 0 (the default) serves nothing.
         prometheus_host: address the Prometheus endpoint binds to; loopback unless told otherwise.
+        dormant: install the probe but record nothing until asked (``amprobe attach RUN``,
+            :meth:`amprobe.Probe.start_recording`); steps are still counted, so a later
+            recording window carries the job's true iteration numbers. A dormant probe watches
+            the run's control file from a background thread.
+        control_poll_s: how often (seconds) that background thread reads the control file.
     """
 
     flush_every: int = 100
@@ -82,6 +87,8 @@ class Config:
     reset_peak_memory: bool = True
     prometheus_port: int = 0
     prometheus_host: str = "127.0.0.1"
+    dormant: bool = False
+    control_poll_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
@@ -143,6 +150,13 @@ class Config:
                 f"got {self.numerics_layers!r}"
             )
         object.__setattr__(self, "numerics_layers", tuple(self.numerics_layers))
+        if not isinstance(self.dormant, bool):
+            raise ConfigError(f"dormant must be True or False, got {self.dormant!r}")
+        if (not isinstance(self.control_poll_s, (int, float)) or isinstance(self.control_poll_s, bool)
+                or not 0.01 <= self.control_poll_s <= 60):
+            raise ConfigError(
+                f"control_poll_s must be a number of seconds between 0.01 and 60, got {self.control_poll_s!r}"
+            )
         for key in ("rank", "world_size"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -31,6 +31,8 @@ __all__ = ["Probe", "attach", "current_probe"]
 
 _ACTIVE: Probe | None = None
 _LOCK = threading.Lock()
+_MAX_DORMANT_EVENTS = 5_000  # events kept while dormant (flushed with the next window)
+_ALWAYS_KEPT = frozenset({"window_start", "window_end", "run_end", "max_steps_reached", "terminated"})
 
 
 def current_probe() -> Probe | None:
@@ -81,12 +83,15 @@ class Probe:
         run_dir: where the run is written.
         step: index of the iteration in progress (iterations the GradScaler skipped count).
         recording: False while the probe is dormant (instrumented but recording nothing).
+        window: recording windows opened so far (0 for a probe that records from the start;
+            each :meth:`start_recording` of a dormant probe opens window ``window + 1``).
     """
 
     def __init__(self, run_dir: Path, config: Config, recording: bool = True,
                  adoptable: bool = False, lazy: bool = False) -> None:
         self.run_dir = run_dir
         self.pid = os.getpid()
+        self.created_unix = time.time()
         self.adoptable = adoptable  # an automatic probe (`amprobe run`) that attach() joins
         self._lazy = lazy
         self.config = config
@@ -108,6 +113,16 @@ class Probe:
         self.device: torch.device | None = None
         self._rank_manifest: dict[str, Any] = {}
         self.writer: RunWriter | None = None
+        # dormant mode: requests come from any thread, are applied by the training thread at
+        # the next step boundary (end_step reads one attribute while nothing is pending)
+        self._control: tuple[str, int | None, int, str, list[Any]] | None = None
+        self._control_lock = threading.Lock()
+        self.control_state: dict[str, Any] = {"seq": 0, "result": None, "step": 0, "window": 0}
+        self._window_left: int | None = None
+        self._window_first = 0
+        self._dropped_events = 0
+        self._announced = recording  # a dormant probe announces itself at its first step
+        self._watcher: Any = None
 
     # -- set-up -----------------------------------------------------------------------------
     def _start(self, model: Any, optimizer: Any, scaler: Any) -> None:
@@ -218,6 +233,10 @@ class Probe:
 
     def event(self, kind: str, **detail: Any) -> None:
         """Record an event in the current step. Cheap: no I/O until the next flush."""
+        if (not self.recording and len(self._pending_events) >= _MAX_DORMANT_EVENTS
+                and kind not in _ALWAYS_KEPT):
+            self._dropped_events += 1
+            return
         self._pending_events.append(
             {
                 "step": self.step,
@@ -228,7 +247,18 @@ class Probe:
         )
 
     def end_step(self) -> None:
-        """Close the iteration in progress. Called by the collector that owns step boundaries."""
+        """Close the iteration in progress. Called by the collector that owns step boundaries.
+
+        While dormant this only counts the step (and applies a pending start request).
+        """
+        if not self.recording:
+            self.step += 1
+            if not self._announced:
+                self._announce()
+            if self._control is not None:
+                self._apply_control()
+            self._check_max_steps()
+            return
         now = time.perf_counter()
         start = self._t_step_start if self._t_step_start is not None else now
         record: dict[str, Any] = {
@@ -243,15 +273,118 @@ class Probe:
         self._pending_steps.append(record)
         self.step += 1
         self._t_step_start = time.perf_counter()
-        if self.config.max_steps is not None and self.step >= self.config.max_steps:
-            self.event("max_steps_reached", max_steps=self.config.max_steps)
-            self.close()
-            raise SystemExit(0)  # asked for: `amprobe baseline` bounds the job's length
-        if (
+        if self._window_left is not None:
+            self._window_left -= 1
+            if self._window_left <= 0:
+                self._stop_window("steps")
+        if self._control is not None:
+            self._apply_control()
+        self._check_max_steps()
+        if self.recording and (
             len(self._pending_steps) >= self.config.flush_every
             or now - self._last_flush >= self.config.flush_interval_s
         ):
             self.flush()
+
+    def _check_max_steps(self) -> None:
+        if self.config.max_steps is not None and self.step >= self.config.max_steps:
+            self.event("max_steps_reached", max_steps=self.config.max_steps)
+            self.close()
+            raise SystemExit(0)  # asked for: `amprobe baseline` bounds the job's length
+
+    # -- dormant mode: recording windows ------------------------------------------------------
+    def start_recording(self, steps: int | None = None, source: str = "api", seq: int = 0) -> None:
+        """Ask a dormant probe to record from the next step boundary. Safe from any thread.
+
+        Never blocks the training thread: the request is applied by the training thread when the
+        iteration in progress ends. When the probe knows no root model yet, the live modules are
+        searched here (a scan of the garbage collector's objects, on the calling thread) so that
+        layer collectors can hook the model from the first recorded step.
+
+        Args:
+            steps: stop recording by itself after this many steps; ``None`` records until
+                :meth:`stop_recording` or the end of the job.
+            source: who asked (recorded in the ``window_start`` event).
+            seq: the control file's sequence number of this request (0 from the API).
+        """
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ConfigError(f"steps must be a positive integer or None, got {steps!r}")
+        models: list[Any] = []
+        if not any(ref() is not None for ref in self.models):
+            with contextlib.suppress(Exception):
+                from amprobe.collectors.discovery import find_live_training_objects
+
+                models = find_live_training_objects().models
+        with self._control_lock:
+            self._control = ("start", steps, seq, source, models)
+
+    def stop_recording(self, source: str = "api", seq: int = 0) -> None:
+        """Ask the probe to stop recording and flush at the next step boundary. Safe from any thread."""
+        with self._control_lock:
+            self._control = ("stop", None, seq, source, [])
+
+    def _apply_control(self) -> None:
+        with self._control_lock:
+            request, self._control = self._control, None
+        if request is None or self.closed:
+            return
+        action, steps, seq, source, models = request
+        if action == "start":
+            if self.recording:
+                if steps is not None:
+                    self._window_left = steps
+                result = "already recording"
+            else:
+                for model in models:
+                    self.add_model(model)
+                self._start_window(steps, source)
+                result = "recording"
+        else:
+            if self.recording:
+                self._stop_window("detach")
+                result = "stopped"
+            else:
+                result = "not recording"
+        self.control_state = {"seq": seq, "result": result, "step": self.step, "window": self.window}
+
+    def _start_window(self, steps: int | None, source: str) -> None:
+        self.window += 1
+        self.recording = True
+        self._window_left = steps
+        self._window_first = self.step
+        self._probe_time = 0.0
+        self._t_step_start = time.perf_counter()
+        self.event("window_start", window=self.window, first_step=self.step, steps=steps, source=source,
+                   dormant_events_dropped=self._dropped_events)
+        self.dispatch("on_recording", True)
+
+    def _stop_window(self, reason: str) -> None:
+        self.dispatch("on_recording", False)
+        self.recording = False
+        self._window_left = None
+        self.event("window_end", window=self.window, first_step=self._window_first, last_step=self.step - 1,
+                   steps=self.step - self._window_first, reason=reason)
+        self.flush()
+
+    def _announce(self) -> None:
+        """First step of a dormant probe: write this rank's manifest and start the control watcher.
+
+        Done here rather than at attach so that processes that never train (a launcher, a
+        torchrun agent) leave no trace. Never raises.
+        """
+        self._announced = True
+        if self.writer is None or os.getpid() != self.pid:
+            return
+        try:
+            from amprobe.control import ControlWatcher, control_manifest
+
+            self._rank_manifest["control"] = control_manifest(self.config)
+            self.writer.update_manifest(self._rank_manifest)
+            self.writer.prepare()
+            self._watcher = ControlWatcher(self)
+            self._watcher.start()
+        except Exception as exc:
+            self.event("control_unavailable", error=f"{type(exc).__name__}: {exc}")
 
     def flush(self) -> None:
         """Write everything buffered. Costs one host-device sync per device holding values."""
@@ -286,7 +419,12 @@ class Probe:
         if os.getpid() != self.pid:
             return  # a forked child (DataLoader worker) never writes the parent's run
         try:
+            if self.recording and self.window > 0:
+                self.event("window_end", window=self.window, first_step=self._window_first,
+                           last_step=self.step - 1, steps=self.step - self._window_first, reason="run_end")
             self.event("run_end", steps=self.step)
+            if self._watcher is not None:
+                self._watcher.stop()
             self.flush()
         finally:
             for collector in reversed(self.collectors):
@@ -408,7 +546,7 @@ def attach(
 def _create(run_dir: Path, cfg: Config, model: Any = None, optimizer: Any = None, scaler: Any = None,
             adoptable: bool = False, lazy: bool = False) -> Probe:
     global _ACTIVE
-    probe = Probe(run_dir, cfg, adoptable=adoptable, lazy=lazy)
+    probe = Probe(run_dir, cfg, recording=not cfg.dormant, adoptable=adoptable, lazy=lazy)
     try:
         probe._start(model, optimizer, scaler)
     except BaseException:

@@ -59,6 +59,23 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
     return str(dtype).replace("torch.", "") if dtype is not None else None
 
 
+def _inside_unwrapped_scaler_step() -> bool:
+    """True inside a ``GradScaler.step`` entered before the probe patched it (a live attach).
+
+    Checked once per process, while the step-boundary mode is still undecided: the optimizer
+    step is then the scaler's, and the following ``update()`` owns the step boundary.
+    """
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "step" and code.co_filename.endswith("grad_scaler.py"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 class _Iteration:
     """What one training iteration did, as seen by the wrappers."""
 
@@ -98,7 +115,9 @@ class ScalerCollector(Collector):
     Step boundaries: the ``update()`` of the first GradScaler used, else the ``step()`` of the
     first optimizer that steps. A skipped iteration is still an iteration.
 
-    Cost: a few Python calls and three 0-d tensor clones per iteration; no sync.
+    Cost: a few Python calls and three 0-d tensor clones per iteration; no sync. While the
+    probe is dormant, only the step-boundary bodies run (no clone, no record): a few attribute
+    reads per wrapped call.
     """
 
     name = "scaler"
@@ -129,6 +148,16 @@ class ScalerCollector(Collector):
         probe = self.probe
 
         def guard(fn: Callable[..., None], *args: Any) -> None:
+            # bodies that only record: skipped at once while the probe is dormant
+            if not probe.recording or probe.closed or not c.probe.is_enabled(c.name):
+                return
+            try:
+                fn(*args)
+            except Exception as exc:
+                probe.collector_failed(c.name, exc)
+
+        def guard_always(fn: Callable[..., None], *args: Any) -> None:
+            # bodies that find step boundaries (or rare facts): run while dormant too
             if probe.closed or not c.probe.is_enabled(c.name):
                 return
             try:
@@ -139,13 +168,13 @@ class ScalerCollector(Collector):
         def wrap_init(orig: Any) -> Any:
             def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
                 orig(self, *args, **kwargs)
-                guard(c._on_scaler_created, self, user_call_site(2))
+                guard_always(c._on_scaler_created, self, user_call_site(2))
             return __init__
 
         def wrap_scale(orig: Any) -> Any:
             def scale(self: GradScaler, outputs: Any) -> Any:
                 result = orig(self, outputs)
-                guard(c._on_scale, self, outputs)
+                guard_always(c._on_scale, self, outputs)
                 return result
             return scale
 
@@ -157,7 +186,7 @@ class ScalerCollector(Collector):
 
         def wrap_step(orig: Any) -> Any:
             def step(self: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-                guard(c._on_scaler_step, self, optimizer)
+                guard_always(c._on_scaler_step, self, optimizer)
                 depth = getattr(c._in_scaler_step, "depth", 0)
                 c._in_scaler_step.depth = depth + 1
                 try:
@@ -169,21 +198,21 @@ class ScalerCollector(Collector):
         def wrap_update(orig: Any) -> Any:
             def update(self: GradScaler, new_scale: Any = None) -> None:
                 before: dict[str, Any] = {}
-                guard(c._before_update, self, before)
+                guard_always(c._before_update, self, before)
                 orig(self, new_scale)
-                guard(c._after_update, self, before)
+                guard_always(c._after_update, self, before)
             return update
 
         def wrap_scaler_load(orig: Any) -> Any:
             def load_state_dict(self: GradScaler, state_dict: dict[str, Any]) -> None:
                 orig(self, state_dict)
-                guard(c._on_scaler_loaded, self, state_dict)
+                guard_always(c._on_scaler_loaded, self, state_dict)
             return load_state_dict
 
         def wrap_opt_load(orig: Any) -> Any:
             def load_state_dict(self: Optimizer, state_dict: dict[str, Any]) -> None:
                 orig(self, state_dict)
-                guard(c._on_optimizer_loaded, self)
+                guard_always(c._on_optimizer_loaded, self)
             return load_state_dict
 
         def wrap_autocast_enter(orig: Any) -> Any:
@@ -219,9 +248,9 @@ class ScalerCollector(Collector):
         if hasattr(clip_grad, "_group_tensors_by_device_and_dtype"):
             self._patch(clip_grad, "_group_tensors_by_device_and_dtype", wrap_group)
         self._handles.append(register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: guard(c._on_opt_pre, opt)))
+            lambda opt, args, kwargs: guard_always(c._on_opt_pre, opt)))
         self._handles.append(register_optimizer_step_post_hook(
-            lambda opt, args, kwargs: guard(c._on_opt_post, opt)))
+            lambda opt, args, kwargs: guard_always(c._on_opt_post, opt)))
 
     def on_close(self) -> None:
         for handle in self._handles:
@@ -300,6 +329,10 @@ class ScalerCollector(Collector):
         self._see_scaler(scaler, site=site or "?")
 
     def _on_scale(self, scaler: GradScaler, outputs: Any) -> None:
+        if not self.probe.recording:  # dormant: only what finding the step boundary needs
+            if self._primary_scaler is not None and self._primary_scaler() is scaler:
+                self._primary_used = True
+            return
         self.probe.touch()
         self._see_scaler(scaler, site=None)
         it = self._it
@@ -411,12 +444,14 @@ class ScalerCollector(Collector):
                         site=user_call_site(3))
 
     def _on_opt_pre(self, opt: Optimizer) -> None:
-        self.probe.touch()
+        if self.probe.recording:
+            self.probe.touch()
         self._see_optimizer(opt)
 
     def _on_opt_post(self, opt: Optimizer) -> None:
         self._it.opt_steps += 1
-        if self._mode is None and getattr(self._in_scaler_step, "depth", 0) == 0:
+        if (self._mode is None and getattr(self._in_scaler_step, "depth", 0) == 0
+                and not _inside_unwrapped_scaler_step()):
             self._mode = "optimizer"
             self._primary_opt = weakref.ref(opt)
         if self._mode == "optimizer" and self._primary_opt is not None and self._primary_opt() is opt:
@@ -458,6 +493,9 @@ class ScalerCollector(Collector):
             self._event("clip_before_unscale", function=function, site=user_call_site(3))
 
     # -- per-step record ------------------------------------------------------------------------
+    def on_recording(self, active: bool) -> None:
+        self._it = _Iteration()  # the first recorded step starts clean at this boundary
+
     def on_step_end(self, step: int, record: dict[str, Any]) -> None:
         it = self._it
         self._it = _Iteration()

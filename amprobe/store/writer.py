@@ -103,6 +103,15 @@ class RunWriter:
                 {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
             )
 
+    def prepare(self) -> None:
+        """Create this rank's directory and manifests now (a lazy writer otherwise waits for steps).
+
+        Raises:
+            ConfigError: the directory cannot be written or already holds this rank's data.
+        """
+        if not self.ready:
+            self._prepare(*self._setup)
+
     def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
         from amprobe.config import ConfigError
 
