@@ -144,8 +144,10 @@ def test_live_attach_to_a_loop_running_in_a_thread(tmp_path):
         runpy.run_path(str(script))  # what sys.remote_exec runs in the target's main thread
         outcome = json.loads(status.read_text())
         assert outcome["ok"], outcome
-        assert outcome["models"][0].startswith("Sequential") and outcome["optimizers"] == ["SGD"]
-        assert outcome["scalers"] == 1
+        # objects left alive by earlier tests in this process may be found too: the training
+        # thread's own model, optimizer and scaler must be among them
+        assert any(m.startswith("Sequential") for m in outcome["models"]) and "SGD" in outcome["optimizers"]
+        assert outcome["scalers"] >= 1
         probe = amprobe.current_probe()
         _wait_for(lambda: probe.window == 1 and not probe.recording, 20, "the 6-step window to close")
     finally:
