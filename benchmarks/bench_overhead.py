@@ -1,22 +1,36 @@
-"""Probe overhead on a small CPU transformer: plain training vs amprobe attached.
+"""Probe overhead side by side with the peers a user would otherwise reach for.
 
-Run: ``python benchmarks/bench_overhead.py``. Prints median per-step CPU time and the ratio
-probe/plain, all configurations measured side by side in one process.
+Run: ``python benchmarks/bench_overhead.py [--blocks 2] [--steps 100]``. TinyGPT (4 layers,
+d=256, batch 16x128, AdamW) trained with CPU bf16 autocast; every configuration runs in this one
+process, alternating in blocks, timed in per-thread CPU time. Prints, per configuration, the
+median step time, the mean over whole blocks (which includes amprobe's sampled steps: numerics
+every 100 steps, 3 shape captures, sync counting every 50), and both as ratios to plain training.
+
+Configurations:
+- off: plain training.
+- amprobe default: scaler, numerics, compute and runtime collectors at their default sampling.
+- amprobe full detail: numerics, shape capture and sync counting on every step.
+- detect_anomaly: ``torch.autograd.set_detect_anomaly(True)`` (PyTorch's own NaN hunter).
+- DebugUnderflowOverflow: ``transformers.debug_utils.DebugUnderflowOverflow`` (when installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import compare, print_table  # noqa: E402
+from common import compare_stats  # noqa: E402
 
 import amprobe  # noqa: E402
+
+FULL = {"numerics_every": 1, "shapes_every": 1, "shapes_captures": 0, "syncs_every": 1}
 
 
 def attach_with(config: dict | None = None):
@@ -25,23 +39,59 @@ def attach_with(config: dict | None = None):
     return start
 
 
+class _Anomaly:
+    def __init__(self, *args):
+        torch.autograd.set_detect_anomaly(True)
+
+    def close(self):
+        torch.autograd.set_detect_anomaly(False)
+
+
+class _Underflow:
+    """transformers' DebugUnderflowOverflow has no detach: remove its forward hooks by hand."""
+
+    def __init__(self, model, *args):
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        self.model = model
+        self.debug = DebugUnderflowOverflow(model)
+
+    def close(self):
+        for module in self.model.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__self__", None) is self.debug:
+                    del module._forward_hooks[key]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--blocks", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=8, help="steps per block")
-    parser.add_argument("--fp16", action="store_true",
-                        help="also measure fp16 + GradScaler (CPU fp16 matmuls are ~30x slower)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100, help="steps per block (>= 100 to include sampling)")
+    parser.add_argument("--scaler", action="store_true", help="also use a GradScaler (bf16 needs none)")
     args = parser.parse_args()
-    setups = [("bf16 autocast", torch.bfloat16, False), ("bf16 autocast + GradScaler", torch.bfloat16, True)]
-    if args.fp16:
-        setups.append(("fp16 + GradScaler", torch.float16, True))
-    for label, dtype, scaler in setups:
-        print(f"\n== {label} ==")
-        medians = compare(
-            {"off": None, "amprobe default": attach_with()},
-            dtype=dtype, use_scaler=scaler, blocks=args.blocks, steps_per_block=args.steps,
-        )
-        print_table(medians)
+    configs = {
+        "off": None,
+        "amprobe default": attach_with(),
+        "amprobe full detail": attach_with(FULL),
+        "detect_anomaly": lambda model, opt, scaler, run_dir: _Anomaly(),
+    }
+    try:
+        import transformers.debug_utils  # noqa: F401
+
+        configs["DebugUnderflowOverflow"] = lambda model, opt, scaler, run_dir: _Underflow(model)
+    except ImportError:
+        print("transformers is not installed: DebugUnderflowOverflow not measured")
+    t0 = time.time()
+    stats = compare_stats(configs, dtype=torch.bfloat16, use_scaler=args.scaler, blocks=args.blocks,
+                          steps_per_block=args.steps)
+    base_median, base_mean = stats["off"]
+    print(f"\n{time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, {args.blocks}x{args.steps} steps per configuration "
+          f"({time.time() - t0:.0f} s)")
+    print(f"| {'configuration':<24} | median step (ms CPU) | median ratio | mean ratio |")
+    print(f"|{'-' * 26}|---------------------|--------------|------------|")
+    for name, (median, mean) in stats.items():
+        print(f"| {name:<24} | {median * 1e3:>19.1f} | {median / base_median:>12.3f} | {mean / base_mean:>10.3f} |")
 
 
 if __name__ == "__main__":

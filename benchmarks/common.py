@@ -95,6 +95,35 @@ def compare(configs: Mapping[str, Callable[[nn.Module, torch.optim.Optimizer, An
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def compare_stats(configs: Mapping[str, Callable[..., Any] | None], dtype: torch.dtype = torch.bfloat16,
+                  use_scaler: bool = False, blocks: int = 2, steps_per_block: int = 100,
+                  warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """Like :func:`compare`, but returns ``(median, mean)`` per configuration.
+
+    The mean over whole blocks includes the rare sampled steps (numerics every 100 steps, shape
+    capture, sync counting) that a median hides; use blocks at least as long as the sampling
+    period.
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
+    batch = make_batch()
+    train_steps(model, opt, scaler, dtype, batch, warmup)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for block in range(blocks):
+            for i, (name, start) in enumerate(configs.items()):
+                handle = start(model, opt, scaler, f"{tmp}/{name}-{block}-{i}") if start else None
+                try:
+                    samples[name].extend(train_steps(model, opt, scaler, dtype, batch, steps_per_block))
+                finally:
+                    if handle is not None:
+                        handle.close()
+    return {name: (statistics.median(v), statistics.fmean(v)) for name, v in samples.items()}
+
+
 def print_table(medians: Mapping[str, float], baseline: str = "off") -> None:
     base = medians[baseline]
     print(f"{'configuration':<28}{'median step (ms CPU)':>22}{'ratio':>10}")
