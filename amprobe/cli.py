@@ -6,6 +6,7 @@ Every user error ends in one line on stderr and a non-zero exit code, never a tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -176,7 +177,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_rules(args: argparse.Namespace) -> int:
     from amprobe.rules import REGISTRY
 
-    for spec in REGISTRY.values():
+    for spec in sorted(REGISTRY.values(), key=lambda spec: spec.id):
         th = ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"
         print(f"{spec.id}  {spec.name:<24} {spec.severity:<8} {spec.category:<6} thresholds: {th}")
     return 0
@@ -385,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at exit
+        return 0
     except OSError as exc:
         where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"amprobe: error: {exc.strerror or exc}{where}", file=sys.stderr)
