@@ -37,6 +37,7 @@ from typing import Any
 
 from amprobe.config import Config, ConfigError, make_config
 from amprobe.store import schema
+from amprobe.store.loader import pid_alive
 from amprobe.store.writer import write_json_atomic
 
 __all__ = [
@@ -242,20 +243,6 @@ class _Rank:
     state: str  # "live" | "remote" (another host: assumed live) | "finished" | "gone"
 
 
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
 def _ranks(root: Path) -> list[_Rank]:
     ranks = []
     for path in sorted(root.glob("rank*")):
@@ -270,7 +257,7 @@ def _ranks(root: Path) -> list[_Rank]:
         elif manifest.get("hostname") != socket.gethostname():
             state = "remote"
         else:
-            state = "live" if _pid_alive(manifest.get("pid")) else "gone"
+            state = "live" if pid_alive(manifest.get("pid")) else "gone"
         ranks.append(_Rank(int(path.name[4:]), path, manifest, state))
     return sorted(ranks, key=lambda r: r.rank)
 

@@ -74,35 +74,20 @@ def compare(configs: Mapping[str, Callable[[nn.Module, torch.optim.Optimizer, An
     ``configs`` maps a name to ``None`` (plain training) or to a function
     ``(model, opt, scaler) -> closeable`` that attaches a probe and returns it.
     """
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
-    batch = make_batch()
-    train_steps(model, opt, scaler, dtype, batch, warmup)
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    with tempfile.TemporaryDirectory() as tmp:
-        for block in range(blocks):
-            for i, (name, start) in enumerate(configs.items()):
-                handle = start(model, opt, scaler, f"{tmp}/{name}-{block}-{i}") if start else None
-                try:
-                    train_steps(model, opt, scaler, dtype, batch, 1)  # first step after attach
-                    samples[name].extend(train_steps(model, opt, scaler, dtype, batch, steps_per_block))
-                finally:
-                    if handle is not None:
-                        handle.close()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    stats = compare_stats(configs, dtype=dtype, use_scaler=use_scaler, blocks=blocks,
+                          steps_per_block=steps_per_block, warmup=warmup, skip_first=True)
+    return {name: median for name, (median, _) in stats.items()}
+
 
 
 def compare_stats(configs: Mapping[str, Callable[..., Any] | None], dtype: torch.dtype = torch.bfloat16,
                   use_scaler: bool = False, blocks: int = 2, steps_per_block: int = 100,
-                  warmup: int = 3) -> dict[str, tuple[float, float]]:
+                  warmup: int = 3, skip_first: bool = False) -> dict[str, tuple[float, float]]:
     """Like :func:`compare`, but returns ``(median, mean)`` per configuration.
 
     The mean over whole blocks includes the rare sampled steps (numerics every 100 steps, shape
     capture, sync counting) that a median hides; use blocks at least as long as the sampling
-    period.
+    period. ``skip_first`` leaves the first step after each attach untimed.
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -117,6 +102,8 @@ def compare_stats(configs: Mapping[str, Callable[..., Any] | None], dtype: torch
             for i, (name, start) in enumerate(configs.items()):
                 handle = start(model, opt, scaler, f"{tmp}/{name}-{block}-{i}") if start else None
                 try:
+                    if skip_first:
+                        train_steps(model, opt, scaler, dtype, batch, 1)  # first step after attach
                     samples[name].extend(train_steps(model, opt, scaler, dtype, batch, steps_per_block))
                 finally:
                     if handle is not None:

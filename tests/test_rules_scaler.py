@@ -39,9 +39,9 @@ def test_every_scaler_rule_is_covered_here():
     [
         pytest.param(100, [], 10, None, id="no-cut"),
         pytest.param(100, [40], 10, "info", id="one-cut-info"),
-        pytest.param(100, list(range(0, 100, 10)), 10, "info", id="one-per-interval-boundary-info"),
-        pytest.param(100, list(range(0, 100, 9)), 10, "warning", id="more-than-one-per-interval"),
-        pytest.param(100, list(range(0, 40, 2)), 10, "warning", id="twenty-cuts-warning"),
+        pytest.param(100, list(range(1, 100, 10)), 10, "info", id="one-per-interval-boundary-info"),
+        pytest.param(100, list(range(1, 100, 9)), 10, "warning", id="more-than-one-per-interval"),
+        pytest.param(100, list(range(1, 40, 2)), 10, "warning", id="twenty-cuts-warning"),
     ],
 )
 def test_n01_scale_backoff(n, cuts, interval, expected):
@@ -57,6 +57,7 @@ def test_n01_scale_backoff(n, cuts, interval, expected):
     assert f.evidence["steps"] == n
     assert f.evidence["cut_steps"] == sorted(cuts)[:20]
     assert f.evidence["growth_interval"] == interval
+    assert f.evidence["calibration_cuts"] == 0
     assert f.evidence["cuts_per_growth_interval"] == pytest.approx(len(cuts) / (n / interval), abs=1e-3)
     afters = [r["scale_after"] for r in scaled_steps(n, cuts=cuts)]
     assert f.evidence["min_scale"] == 65536.0 / 2 ** len(cuts) == min(afters)
@@ -64,8 +65,35 @@ def test_n01_scale_backoff(n, cuts, interval, expected):
     assert f.name == "scale-backoff" and f.category == "nan" and f.fix
 
 
+@pytest.mark.parametrize(
+    ("cuts", "expected", "calibration"),
+    [
+        pytest.param([0, 1, 2], "info", 3, id="only-calibration"),
+        pytest.param([0, 1, 2, *range(10, 100, 5)], "warning", 3, id="calibration-then-frequent"),
+        pytest.param([0, 1, 2, 50], "info", 3, id="calibration-then-rare"),
+    ],
+)
+def test_n01_initial_calibration_is_not_judged(cuts, expected, calibration):
+    run = fake_run(steps=scaled_steps(100, cuts=cuts), events=[scaler_event(growth_interval=10)])
+    (f,) = findings_of(diag(run), "AMP-N01")
+    assert f.severity == expected
+    assert f.evidence["calibration_cuts"] == calibration
+    later = len(cuts) - calibration
+    assert f.evidence["cuts_per_growth_interval"] == pytest.approx(later / (100 / 10), abs=1e-3)
+    if later == 0:
+        assert "initial calibration" in f.title
+
+
+def test_n01_short_run_counts_at_least_one_interval():
+    # 2 cuts (not at the start) in 50 steps with interval 2000: 2 per interval, a warning
+    run = fake_run(steps=scaled_steps(50, cuts=[20, 30]), events=[scaler_event(growth_interval=2000)])
+    (f,) = findings_of(diag(run), "AMP-N01")
+    assert f.evidence["cuts_per_growth_interval"] == pytest.approx(2.0)
+    assert f.severity == "warning"
+
+
 def test_n01_threshold_override_turns_warning_into_info():
-    run = fake_run(steps=scaled_steps(100, cuts=range(0, 40, 2)), events=[scaler_event(growth_interval=10)])
+    run = fake_run(steps=scaled_steps(100, cuts=range(1, 40, 2)), events=[scaler_event(growth_interval=10)])
     assert findings_of(diag(run), "AMP-N01")[0].severity == "warning"
     relaxed = diag(run, {"AMP-N01": {"frequent_cuts_per_interval": 5.0}})
     assert findings_of(relaxed, "AMP-N01")[0].severity == "info"

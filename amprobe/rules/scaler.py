@@ -62,9 +62,11 @@ def _ranks(ctx: RuleContext) -> Iterator[tuple[int, pd.DataFrame]]:
 def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     """The loss scale was cut because gradients held inf/NaN.
 
-    Algorithm: a cut is a step whose ``scale_after < scale_before``. Cuts per growth interval
-    = cuts / (steps / growth_interval); above the threshold the finding is a warning (the
-    scaler cannot settle), else info.
+    Algorithm: a cut is a step whose ``scale_after < scale_before``. The run of cuts that
+    starts the recording is the scaler calibrating down from ``init_scale`` (PyTorch's docs call
+    a few skipped first iterations normal) and is reported but not judged. Cuts per growth
+    interval = later cuts / max(steps / growth_interval, 1); above the threshold the finding is
+    a warning (the scaler cannot settle), else info.
     """
     multi = ctx.run.steps["rank"].nunique() > 1
     for rank, frame in _ranks(ctx):
@@ -72,17 +74,22 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
         if cuts.empty:
             continue
         interval = _growth_interval(ctx, rank)
-        per_interval = len(cuts) / max(len(frame) / interval, 1e-9)
+        flags = frame["backoff"].to_numpy(dtype=bool)
+        calibration = int(np.argmin(flags)) if not flags.all() else len(flags)
+        later = len(cuts) - calibration
+        per_interval = later / max(len(frame) / interval, 1.0)
         frequent = per_interval > ctx.thresholds["frequent_cuts_per_interval"]
+        note = ""
+        if calibration and not later:
+            note = " (initial calibration down from init_scale)"
+        elif frequent:
+            note = f" ({per_interval:.1f} cuts per growth interval of {interval})"
         yield ctx.finding(
-            title=(
-                f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps"
-                + (f" on rank {rank}" if multi else "")
-                + (f" ({per_interval:.1f} cuts per growth interval of {interval})" if frequent else "")
-            ),
+            title=f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps" + (f" on rank {rank}" if multi else "") + note,
             evidence={
                 "rank": rank,
                 "cuts": len(cuts),
+                "calibration_cuts": calibration,
                 "steps": len(frame),
                 "cut_steps": steps_list(cuts["step"]),
                 "cuts_per_growth_interval": round(per_interval, 3),
@@ -95,6 +102,9 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
                 "Gradients overflowed at these steps. Look at the loss-scale history first when "
                 "the loss turns NaN; frequent cuts mean a layer overflows again and again "
                 "(see AMP-N05) or init_scale is too high."
+                if later else
+                "Only the first steps were skipped while the scaler calibrated down from init_scale: "
+                "normal. A lower init_scale (e.g. 2**12) avoids those skipped first updates."
             ),
             severity="warning" if frequent else "info",
         )

@@ -272,7 +272,8 @@ def _check_version(manifest: dict[str, Any], where: Path) -> None:
         raise RunLoadError(f"manifest has an invalid schema_version {version}: {where}")
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """Whether process ``pid`` exists on this host (signal 0; a foreign user's process counts)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -289,7 +290,7 @@ def _pid_alive(pid: Any) -> bool:
 def _rank_status(manifest: dict[str, Any], end: dict[str, Any] | None) -> str:
     if end is not None:
         return "finished"
-    if manifest.get("hostname") == socket.gethostname() and _pid_alive(manifest.get("pid")):
+    if manifest.get("hostname") == socket.gethostname() and pid_alive(manifest.get("pid")):
         return "live"
     return "interrupted"
 
