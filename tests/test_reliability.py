@@ -15,16 +15,17 @@ import amprobe.store.writer as writer_module
 from tests.helpers import TinyNet, train_loop
 
 
-def _train(tmp_path, attach: bool, config=None, steps=12):
+def _train(tmp_path, attach: bool, config=None, steps=12, dtype=torch.float16):
     torch.manual_seed(3)
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    inf_at = (4,) if dtype == torch.float16 else ()
     if attach:
         with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run", config=config):
-            train_loop(model, opt, scaler, steps, inf_at=(4,))
+            train_loop(model, opt, scaler, steps, dtype=dtype, inf_at=inf_at, clip="after_unscale")
     else:
-        train_loop(model, opt, scaler, steps, inf_at=(4,))
+        train_loop(model, opt, scaler, steps, dtype=dtype, inf_at=inf_at, clip="after_unscale")
     return copy.deepcopy(model.state_dict()), scaler.get_scale()
 
 
@@ -82,12 +83,17 @@ def test_disk_full_beyond_budget_counts_what_was_lost(tmp_path, monkeypatch):
     assert any("No space left" in e for e in end["write_errors"])
 
 
-def test_numerics_identical_with_every_collector_enabled(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_numerics_identical_with_every_collector_enabled(tmp_path, dtype):
+    """fp16 with a planted overflow, and bf16: same weights and scale with every collector at
+    full detail (per-layer statistics, shape capture and sync counting on every step)."""
     from amprobe.collectors import REGISTRY
 
     every = tuple(name for name in REGISTRY if name != "prometheus")
-    plain, plain_scale = _train(tmp_path / "a", attach=False)
-    probed, probed_scale = _train(tmp_path / "b", attach=True, config={"collectors": every, "flush_every": 3})
+    full = {"collectors": every, "flush_every": 3, "numerics_every": 1, "shapes_every": 1,
+            "shapes_captures": 0, "syncs_every": 1}
+    plain, plain_scale = _train(tmp_path / "a", attach=False, dtype=dtype)
+    probed, probed_scale = _train(tmp_path / "b", attach=True, config=full, dtype=dtype)
     assert plain_scale == probed_scale
     for name in plain:
         assert torch.equal(plain[name], probed[name]), name

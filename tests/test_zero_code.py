@@ -122,6 +122,9 @@ def test_baseline_and_compare(tmp_path):
     # throughput = 1 / median step time after the 2 warm-up steps, computed here independently
     expected = fp32.steps["wall_s"].iloc[2:].median() / amp.steps["wall_s"].iloc[2:].median()
     assert comparison["speedup"] == pytest.approx(expected)
+    # memory: host RSS on a CPU run (the runtime collector records it every step)
+    assert comparison["memory_kind"] == "host RSS"
+    assert comparison["memory_ratio"] == pytest.approx(amp.steps["rss_bytes"].max() / fp32.steps["rss_bytes"].max())
     health = amprobe.diagnose(amp).health
     assert health["speedup"]["value"] == pytest.approx(comparison["speedup"])
     proc = amprobe_cli("compare", str(out / "fp32"), str(out / "amp"), "--format", "json", cwd=tmp_path)
