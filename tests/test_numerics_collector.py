@@ -271,3 +271,39 @@ def test_device_variant(tmp_path: Path, device: torch.device) -> None:
             opt.zero_grad(set_to_none=True)
     n05 = _finding(diagnose(amprobe.load_run(tmp_path / "run")), "AMP-N05")
     assert n05 is not None and n05.evidence["module"] == "2"
+
+
+def test_cuda_arming_reads_a_pinned_flag_once_its_event_has_passed(tmp_path: Path, monkeypatch) -> None:
+    """On CUDA the non-finite flag travels by a non-blocking copy; arming waits for its event.
+
+    Faked at the narrowest seams: the pinned allocation and ``torch.cuda.Event``.
+    """
+    from amprobe.collectors import numerics as numerics_mod
+
+    class FakeEvent:
+        landed = False
+
+        def record(self) -> None:
+            return None
+
+        def query(self) -> bool:
+            return FakeEvent.landed
+
+    monkeypatch.setattr(numerics_mod, "_pinned_flag", lambda: torch.zeros((), dtype=torch.bool))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    model = _model()
+    probe = amprobe.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path / "r",
+                           config={"collectors": ["scaler", "numerics"], "numerics_every": 1000})
+    try:
+        collector = next(c for c in probe.collectors if c.name == "numerics")
+        collector._device = torch.device("cuda")  # pretend the model lives on a GPU
+        collector._watch_async(7, {"found_inf": torch.tensor(1.0), "input_nonfinite": torch.tensor(0)})
+        collector._watch_async(8, {"found_inf": torch.tensor(0.0), "loss_nonfinite": torch.tensor(False)})
+        collector._poll_in_flight()
+        assert collector._armed_until == -1, "nothing is read before the copy has landed"
+        FakeEvent.landed = True
+        collector._poll_in_flight()
+        assert collector._armed_until == 7 + collector.arm_steps
+        assert collector._in_flight == []
+    finally:
+        probe.close()

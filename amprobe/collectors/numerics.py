@@ -167,6 +167,8 @@ class NumericsCollector(Collector):
         self._ones: torch.Tensor | None = None
         self._input_bad: torch.Tensor | None = None
         self._watch: list[dict[str, Any]] = []
+        # CUDA: (step, pinned host flag, event) copies in flight; read once the event has passed
+        self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._scaler: weakref.ReferenceType[GradScaler] | None = None
         self._scale_orig: Any = None
         self._install_scale_patch()
@@ -389,11 +391,47 @@ class NumericsCollector(Collector):
             if _record_bad(record):
                 self._arm(step)
         else:
-            self._watch.append(record)
+            self._watch.append(record)  # fallback: read back at flush with everything else
+            if self._device is not None and self._device.type == "cuda":
+                self._watch_async(step, record)
+        self._poll_in_flight()
         if self._sampled(step + 1):
             self._install_capture()
         else:
             self._remove_capture()
+
+    def _watch_async(self, step: int, record: dict[str, Any]) -> None:
+        """Copy this step's "something is non-finite" flag to pinned host memory, no sync.
+
+        The copy is queued behind the step's kernels; a CUDA event tells when it has landed, so
+        a later step boundary arms the capture one or two steps after the problem instead of
+        at the next flush.
+        """
+        flags = [v > 0 for k in ("input_nonfinite", "found_inf") if isinstance(v := record.get(k), torch.Tensor)]
+        loss_bad = record.get("loss_nonfinite")
+        if isinstance(loss_bad, torch.Tensor):
+            flags.append(loss_bad)
+        if not flags:
+            return
+        bad = flags[0].to(torch.bool)
+        for flag in flags[1:]:
+            bad = bad | flag.to(device=bad.device, dtype=torch.bool)
+        host = _pinned_flag()
+        host.copy_(bad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight.append((step, host, event))
+
+    def _poll_in_flight(self) -> None:
+        """Arm for every landed flag that is set; ``Event.query`` never blocks."""
+        pending = []
+        for step, host, event in self._in_flight:
+            if event.query():
+                if bool(host):  # a pinned CPU tensor: reading it is no device sync
+                    self._arm(step)
+            else:
+                pending.append((step, host, event))
+        self._in_flight = pending[-64:]  # bounded even if the device falls far behind
 
     def _arm(self, step: int) -> None:
         if step + self.arm_steps > self._armed_until:
@@ -523,6 +561,11 @@ def _first_float(out: Any) -> torch.Tensor | None:
             if isinstance(item, torch.Tensor) and item.is_floating_point():
                 return item
     return None
+
+
+def _pinned_flag() -> torch.Tensor:
+    """A page-locked host bool, the target of a non-blocking device-to-host copy."""
+    return torch.empty((), dtype=torch.bool, pin_memory=True)
 
 
 def _record_bad(record: dict[str, Any]) -> bool:
