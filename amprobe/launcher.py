@@ -112,6 +112,10 @@ def _print_summary(run_dir: Path) -> None:
         print(f"amprobe: nothing to diagnose in {run_dir}: {exc}", file=sys.stderr)
         return
     steps = int(run.steps["step"].nunique()) if len(run.steps) else 0
+    if not steps and any((r.manifest.get("config") or {}).get("dormant") for r in run.ranks):
+        print(f"\namprobe: the job ran dormant and was never attached: nothing recorded in {run_dir}",
+              file=sys.stderr)
+        return
     print(f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({run.status})",
           file=sys.stderr)
     for f in diagnosis.findings[:12]:
