@@ -66,7 +66,7 @@ def main() -> None:
 
     from dashboard import callbacks
     from dashboard.demo import write_synthetic_run
-    from dashboard.downsample import thin_figure
+    from amprobe.report.downsample import thin_figure
 
     with tempfile.TemporaryDirectory(prefix="amprobe-bench-dash-") as tmp:
         t0 = time.perf_counter()

@@ -16,8 +16,8 @@ from urllib.parse import quote
 import pandas as pd
 from dash import dcc, html
 
+from amprobe.report.downsample import thin_figure
 from dashboard import ids
-from dashboard.downsample import thin_figure
 from dashboard.figures import make_loss_scale_figure, make_step_time_figure, scale_events
 from dashboard.runs import LoadedRun, RunSummary
 

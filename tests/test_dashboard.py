@@ -16,9 +16,9 @@ pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'ampro
 import plotly.graph_objects as go  # noqa: E402
 
 import amprobe  # noqa: E402
+from amprobe.report.downsample import minmax_indices, thin_figure  # noqa: E402
 from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.demo import SyntheticLiveRun, record_amp_run, write_synthetic_run  # noqa: E402
-from dashboard.downsample import minmax_indices, thin_figure  # noqa: E402
 from dashboard.figures import (  # noqa: E402
     make_compare_figure,
     make_loss_scale_figure,

@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from amprobe.report.scale import downsample
+from amprobe.report.downsample import downsample
 from amprobe.report.sections import Section, section
 from amprobe.rules.runtime import compute_sync_sites, gpu_unavailable_reason
 

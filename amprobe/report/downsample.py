@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
-__all__ = ["MAX_POINTS", "MAX_COLUMNS", "minmax_indices", "thin_figure"]
+__all__ = ["MAX_POINTS", "MAX_COLUMNS", "minmax_indices", "thin_figure", "downsample"]
 
 #: Points kept per displayed series.
 MAX_POINTS = 2000
@@ -99,3 +100,14 @@ def thin_figure(fig: Any, max_points: int = MAX_POINTS, max_columns: int = MAX_C
         elif kind == "heatmap":
             _thin_heatmap(trace, max_columns)
     return fig
+
+
+def downsample(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
+    """Every k-th row so that at most ``max_points`` remain (first and last rows kept)."""
+    if len(frame) <= max_points:
+        return frame
+    step = -(-len(frame) // max_points)
+    keep = frame.iloc[::step]
+    if keep.index[-1] != frame.index[-1]:
+        keep = pd.concat([keep, frame.iloc[[-1]]])
+    return keep
