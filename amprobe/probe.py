@@ -464,23 +464,36 @@ def _first_param_device(obj: Any) -> torch.device | None:
 
 
 def _materialize(rows: list[dict[str, Any]]) -> None:
-    """Replace device tensors in ``rows`` by Python numbers with one transfer per device."""
-    by_device: dict[torch.device, list[tuple[dict[str, Any], str, torch.Tensor]]] = defaultdict(list)
+    """Replace device tensors in ``rows`` by Python numbers with one transfer per device.
+
+    Values are stacked per (device, dtype) (one kernel per group, not per value), widened to
+    float64 (float32 on MPS) and concatenated, so each device costs one copy to the host.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], str, torch.Tensor]]] = defaultdict(list)
     for row in rows:
         for key, value in row.items():
             if isinstance(value, torch.Tensor):
-                by_device[value.device].append((row, key, value))
-    for device, items in by_device.items():
-        dtype = torch.float32 if device.type == "mps" else torch.float64
+                groups[(value.device, value.dtype)].append((row, key, value))
+    by_device: dict[torch.device, list[tuple[torch.dtype, list[tuple[dict[str, Any], str, torch.Tensor]]]]] = defaultdict(list)
+    for (device, dtype), items in groups.items():
+        by_device[device].append((dtype, items))
+    for device, parts in by_device.items():
+        wide = torch.float32 if device.type == "mps" else torch.float64
         with torch.no_grad():
-            stacked = torch.stack([t.detach().reshape(-1)[0].to(dtype) for _, _, t in items])
-            values = stacked.cpu().tolist()
-        for (row, key, tensor), value in zip(items, values, strict=True):
-            if tensor.dtype == torch.bool:
-                row[key] = bool(value)
-            elif not (tensor.is_floating_point() or tensor.is_complex()):
-                row[key] = int(value)
-            else:
+            stacked = [
+                torch.stack([t.detach().reshape(-1)[0] if t.dim() else t.detach() for _, _, t in items]).to(wide)
+                for _, items in parts
+            ]
+            values = torch.cat(stacked).cpu().tolist()
+        offset = 0
+        for dtype, items in parts:
+            chunk = values[offset: offset + len(items)]
+            offset += len(items)
+            if dtype == torch.bool:
+                chunk = [bool(v) for v in chunk]
+            elif not (dtype.is_floating_point or dtype.is_complex):
+                chunk = [int(v) for v in chunk]
+            for (row, key, _), value in zip(items, chunk, strict=True):
                 row[key] = value
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import sys
@@ -26,12 +25,6 @@ def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return value  # json writes NaN / Infinity, which the loader reads back
-    return value
 
 
 def run_environment() -> dict[str, Any]:
@@ -147,7 +140,8 @@ class RunWriter:
         """Queue rows for ``table``; they reach disk at the next :meth:`flush`."""
         queue = self._pending.setdefault(table, deque())
         for row in rows:
-            queue.append(json.dumps({k: _jsonable(v) for k, v in row.items()}, default=str))
+            # NaN / Infinity are written as such: pyarrow's JSON reader reads them back
+            queue.append(json.dumps(row, default=str))
         overflow = len(queue) - self._max_rows
         if overflow > 0:
             for _ in range(overflow):
