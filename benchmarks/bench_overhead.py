@@ -112,12 +112,20 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100, help="steps per block (>= 100 to include sampling)")
     parser.add_argument("--scaler", action="store_true", help="also use a GradScaler (bf16 needs none)")
+    parser.add_argument("--foundation", action="store_true",
+                        help="only off vs the scaler collector alone vs the default, with a GradScaler")
     parser.add_argument("--fixed-cost", action="store_true",
                         help="only measure the per-step CPU the scaler/runtime collectors add (tiny model)")
     args = parser.parse_args()
     if args.fixed_cost:
         for name, micros in fixed_cost().items():
             print(f"{name}: {micros:.1f} us of CPU added per step")
+        return
+    if args.foundation:
+        stats = compare_stats({"off": None, "amprobe scaler only": attach_with({"collectors": ("scaler",)}),
+                               "amprobe default": attach_with()},
+                              dtype=torch.bfloat16, use_scaler=True, blocks=args.blocks, steps_per_block=args.steps)
+        _print(stats, args)
         return
     configs = {
         "off": None,
@@ -131,13 +139,15 @@ def main() -> None:
         configs["DebugUnderflowOverflow"] = lambda model, opt, scaler, run_dir: _Underflow(model)
     except ImportError:
         print("transformers is not installed: DebugUnderflowOverflow not measured")
-    t0 = time.time()
     stats = compare_stats(configs, dtype=torch.bfloat16, use_scaler=args.scaler, blocks=args.blocks,
                           steps_per_block=args.steps)
+    _print(stats, args)
+
+
+def _print(stats: dict[str, tuple[float, float]], args: argparse.Namespace) -> None:
     base_median, base_mean = stats["off"]
     print(f"\n{time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {args.blocks}x{args.steps} steps per configuration "
-          f"({time.time() - t0:.0f} s)")
+          f"torch {torch.__version__}, {args.blocks}x{args.steps} steps per configuration")
     print(f"| {'configuration':<24} | median step (ms CPU) | median ratio | mean ratio |")
     print(f"|{'-' * 26}|---------------------|--------------|------------|")
     for name, (median, mean) in stats.items():
