@@ -16,24 +16,27 @@ __all__ = ["compute_comparison", "load_baseline", "WARMUP_SHARE", "SPEED_RULES"]
 
 WARMUP_SHARE = 0.1  # the first 10 % of steps (at least 2) are warm-up and not timed
 SPEED_RULES = ("AMP-S01", "AMP-S02", "AMP-S03", "AMP-S04", "AMP-S05", "AMP-S07")
-_BASELINES: dict[str, Run | None] = {}
 
 
 def load_baseline(run: Run) -> Run | None:
-    """The FP32 baseline run named in the run's manifest (``amprobe baseline``), if readable."""
+    """The FP32 baseline run named in the run's manifest (``amprobe baseline``), if readable.
+
+    Loaded once per loaded run (the rules, the health metrics and the report share it).
+    """
+    return run.cached("baseline", _load_baseline)
+
+
+def _load_baseline(run: Run) -> Run | None:
     path = next((r.manifest.get("baseline_run") for r in run.ranks if r.manifest.get("baseline_run")), None)
     if not path:
         return None
     target = Path(path)
     if not target.is_absolute():
         target = run.path / target
-    key = str(target)
-    if key not in _BASELINES:
-        try:
-            _BASELINES[key] = load_run(target)
-        except RunLoadError:
-            _BASELINES[key] = None
-    return _BASELINES[key]
+    try:
+        return load_run(target)
+    except RunLoadError:
+        return None
 
 
 def _timed(steps: pd.DataFrame) -> pd.DataFrame:
