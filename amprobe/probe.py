@@ -17,7 +17,7 @@ import time
 import traceback
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -495,14 +495,6 @@ def _materialize(rows: list[dict[str, Any]]) -> None:
                 chunk = [int(v) for v in chunk]
             for (row, key, _), value in zip(items, chunk, strict=True):
                 row[key] = value
-
-
-@contextlib.contextmanager
-def _swallow(probe: Probe, collector: str) -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        probe.collector_failed(collector, exc)
 
 
 def attach(

@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.store.loader import Run
 
@@ -18,7 +18,6 @@ __all__ = [
     "training_samples",
 ]
 
-G = "guide"
 
 
 def _column(frame: pd.DataFrame, name: str) -> pd.Series:
@@ -124,7 +123,7 @@ def _has_gpm(run: Run) -> str | None:
 @rule(
     "AMP-S01", "input-bound", "warning", "speed", requires=("runtime",),
     thresholds={"data_wait_share": 0.20, "gpu_util_median": 70.0, "skip_steps": 1, "min_steps": 3},
-    refs=(f"{G} §5.2 #1",),
+    refs=("G§5.2 #1",),
 )
 def input_bound(ctx: RuleContext) -> list[Finding]:
     """Low GPU utilization and/or a large share of step time spent waiting for the next batch.
@@ -179,7 +178,7 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
 @rule(
     "AMP-S03", "host-sync", "warning", "speed", requires=("syncs",),
     thresholds={"syncs_per_step": 3.0, "top_sites": 5},
-    refs=(f"{G} §5.2 #3",),
+    refs=("G§5.2 #3",),
 )
 def host_sync(ctx: RuleContext) -> list[Finding]:
     """The step forces host-device synchronizations more than a few times.
@@ -215,7 +214,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
                 "rank": rank,
                 "syncs_per_step": per_step,
                 "threshold": th["syncs_per_step"],
-                "sampled_steps": steps_sample(sampled),
+                "sampled_steps": steps_list(sampled["step"]),
                 "top_sites": top,
                 "counted_on": "cpu (would synchronize on a GPU)" if on_cpu else ",".join(sorted(devices)),
                 "gradscaler_checks_per_step": scaler_checks,
@@ -225,10 +224,6 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
                  "nonzero, boolean-mask indexing and data-dependent Python branches on device tensors."),
         ))
     return out
-
-
-def steps_sample(frame: pd.DataFrame, limit: int = 20) -> list[int]:
-    return [int(s) for s in frame["step"].head(limit)]
 
 
 @rule(

@@ -13,10 +13,6 @@ from amprobe.rules.engine import Finding, RuleContext, rule
 
 __all__ = ["compute_scale_events", "longest_run"]
 
-G = "guide"
-S = "survey"
-
-
 def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
     """Add ``backoff`` and ``growth`` columns (scale cut / grown by ``update()``)."""
     out = frame.copy()
