@@ -99,7 +99,8 @@ def activate_from_env() -> Any:
             probe._rank_manifest["forced_fp32"] = True
         if os.environ.get(ENV_BASELINE):
             probe._rank_manifest["baseline_run"] = os.environ[ENV_BASELINE]
-        probe.writer.update_manifest(probe._rank_manifest)
+        if probe.writer is not None:
+            probe.writer.update_manifest(probe._rank_manifest)
         _close_on_sigterm()
         return probe
     except Exception as exc:  # amprobe's failure must never break the user's program

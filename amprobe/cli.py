@@ -41,7 +41,9 @@ def _threshold(text: str) -> tuple[str, str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="amprobe", description="Diagnose mixed-precision (AMP) training in PyTorch.")
+    parser = _Parser(
+        prog="amprobe", description="Diagnose mixed-precision (AMP) training in PyTorch."
+    )
     from amprobe import __version__
 
     parser.add_argument("--version", action="version", version=f"amprobe {__version__}")
@@ -51,59 +53,134 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diagnose", help="print the findings of a recorded run")
     p.add_argument("run", help="run directory")
     p.add_argument("--format", choices=("text", "json", "markdown"), default="text")
-    p.add_argument("--fail-on", choices=("warning", "error"), default=None,
-                   help="exit with status 1 when a finding of this severity or worse exists")
-    p.add_argument("--threshold", action="append", type=_threshold, default=[], metavar="RULE.NAME=VALUE",
-                   help="override a rule threshold (repeatable)")
+    p.add_argument(
+        "--fail-on",
+        choices=("warning", "error"),
+        default=None,
+        help="exit with status 1 when a finding of this severity or worse exists",
+    )
+    p.add_argument(
+        "--threshold",
+        action="append",
+        type=_threshold,
+        default=[],
+        metavar="RULE.NAME=VALUE",
+        help="override a rule threshold (repeatable)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="text format: print the evidence")
 
     p = sub.add_parser("report", help="write a report (HTML, Markdown or JSON by extension)")
     p.add_argument("run", help="run directory")
     p.add_argument("-o", "--output", required=True, help="report file: .html, .md or .json")
-    p.add_argument("--threshold", action="append", type=_threshold, default=[], metavar="RULE.NAME=VALUE")
+    p.add_argument(
+        "--threshold", action="append", type=_threshold, default=[], metavar="RULE.NAME=VALUE"
+    )
 
-    p = sub.add_parser("demo", help="train a small model with planted AMP faults, diagnose it, write a report")
+    p = sub.add_parser(
+        "demo", help="train a small model with planted AMP faults, diagnose it, write a report"
+    )
     p.add_argument("--out", default="amprobe-demo", help="output folder (default: ./amprobe-demo)")
     p.add_argument("--steps", type=int, default=300, help="training iterations (default 300)")
 
     p = sub.add_parser("rules", help="list the rules with their IDs, severities and thresholds")
 
-    p = sub.add_parser("run", help="run a training command with amprobe attached to every Python process",
-                       usage="amprobe run [--out DIR] [--dormant] [--set KEY=VALUE] -- COMMAND [ARGS...]")
+    p = sub.add_parser(
+        "run",
+        help="run a training command with amprobe attached to every Python process",
+        usage="amprobe run [--out DIR] [--dormant] [--set KEY=VALUE] -- COMMAND [ARGS...]",
+    )
     p.add_argument("--out", default=None, help="run directory (default: amprobe_runs/<time>)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                   help="a probe config field, e.g. --set flush_every=50 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="a probe config field, e.g. --set flush_every=50 (repeatable)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
-    p.add_argument("--prometheus-port", type=int, default=None, metavar="PORT",
-                   help="serve live metrics for Prometheus on PORT + local rank (= --set prometheus_port=PORT)")
-    p.add_argument("--dormant", action="store_true",
-                   help="record nothing until `amprobe attach DIR` (negligible cost until then)")
-    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after --")
+    p.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve live metrics for Prometheus on PORT + local rank (= --set prometheus_port=PORT)",
+    )
+    p.add_argument(
+        "--dormant",
+        action="store_true",
+        help="record nothing until `amprobe attach DIR` (negligible cost until then)",
+    )
+    p.add_argument(
+        "argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after --"
+    )
 
-    p = sub.add_parser("attach", help="start recording a live job (a --dormant run, or a PID on Python 3.14+)",
-                       usage="amprobe attach RUN_DIR [--steps N] | amprobe attach --pid PID --out DIR [--steps N]")
-    p.add_argument("run", nargs="?", default=None, help="run directory of a job started with `amprobe run --dormant`")
+    p = sub.add_parser(
+        "attach",
+        help="start recording a live job (a --dormant run, or a PID on Python 3.14+)",
+        usage="amprobe attach RUN_DIR [--steps N] | amprobe attach --pid PID --out DIR [--steps N]",
+    )
+    p.add_argument(
+        "run",
+        nargs="?",
+        default=None,
+        help="run directory of a job started with `amprobe run --dormant`",
+    )
     p.add_argument("--steps", type=int, default=None, help="stop recording by itself after N steps")
-    p.add_argument("--pid", type=int, default=None, help="a Python process started without amprobe (CPython 3.14+)")
+    p.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="a Python process started without amprobe (CPython 3.14+)",
+    )
     p.add_argument("--out", default=None, help="with --pid: run directory to record into")
-    p.add_argument("--overwrite", action="store_true", help="with --pid: replace an existing run in --out")
-    p.add_argument("--wait", type=float, default=5.0, help="seconds to wait for the job to acknowledge (default 5)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="with --pid: replace an existing run in --out"
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=5.0,
+        help="seconds to wait for the job to acknowledge (default 5)",
+    )
 
-    p = sub.add_parser("detach", help="stop recording a live job (the probe stays, dormant); flushes the window")
+    p = sub.add_parser(
+        "detach", help="stop recording a live job (the probe stays, dormant); flushes the window"
+    )
     p.add_argument("run", help="run directory")
-    p.add_argument("--wait", type=float, default=5.0, help="seconds to wait for the job to acknowledge (default 5)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=5.0,
+        help="seconds to wait for the job to acknowledge (default 5)",
+    )
 
-    p = sub.add_parser("baseline", help="run a command twice, FP32 then as written (AMP), and compare",
-                       usage="amprobe baseline [--steps N] [--out DIR] -- COMMAND [ARGS...]")
-    p.add_argument("--steps", type=int, default=200, help="optimizer iterations per run (default 200)")
-    p.add_argument("--out", default=None, help="folder for fp32/ and amp/ (default: amprobe_runs/<time>-baseline)")
+    p = sub.add_parser(
+        "baseline",
+        help="run a command twice, FP32 then as written (AMP), and compare",
+        usage="amprobe baseline [--steps N] [--out DIR] -- COMMAND [ARGS...]",
+    )
+    p.add_argument(
+        "--steps", type=int, default=200, help="optimizer iterations per run (default 200)"
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for fp32/ and amp/ (default: amprobe_runs/<time>-baseline)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND")
 
     p = sub.add_parser("dashboard", help="serve the live dashboard over every run under ROOT")
-    p.add_argument("root", nargs="?", default=".", help="folder holding run directories (default: .)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument(
+        "root", nargs="?", default=".", help="folder holding run directories (default: .)"
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface to bind (default 127.0.0.1: this machine only)",
+    )
     p.add_argument("--port", type=int, default=8050)
 
     p = sub.add_parser("compare", help="compare two runs (e.g. FP32 baseline vs AMP)")
@@ -205,7 +282,9 @@ def _command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise CliError(f"no command given: amprobe {args.command_name} [options] -- python train.py")
+        raise CliError(
+            f"no command given: amprobe {args.command_name} [options] -- python train.py"
+        )
     return command
 
 
@@ -240,11 +319,18 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("give either a run directory or --pid PID --out DIR, not both")
         if args.out is None:
             raise CliError("--pid needs --out DIR (where to record)")
-        lines = attach_pid(args.pid, args.out, steps=args.steps, wait_s=max(args.wait, 30.0),
-                           overwrite=args.overwrite)
+        lines = attach_pid(
+            args.pid,
+            args.out,
+            steps=args.steps,
+            wait_s=max(args.wait, 30.0),
+            overwrite=args.overwrite,
+        )
     else:
         if args.run is None:
-            raise CliError("give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR")
+            raise CliError(
+                "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
+            )
         lines = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
     for line in lines:
         print(line)
@@ -275,9 +361,15 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     codes = {}
     for name, fp32 in (("fp32", True), ("amp", False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
-        codes[name] = launch(command, out / name, config, force_fp32=fp32,
-                             baseline=(out / "fp32") if not fp32 else None,
-                             overwrite=args.overwrite, quiet=True)
+        codes[name] = launch(
+            command,
+            out / name,
+            config,
+            force_fp32=fp32,
+            baseline=(out / "fp32") if not fp32 else None,
+            overwrite=args.overwrite,
+            quiet=True,
+        )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
     import amprobe
@@ -296,22 +388,32 @@ def _print_comparison(c: dict[str, Any]) -> None:
     print(f"baseline:  {c['baseline']}")
     print(f"candidate: {c['candidate']}")
     if c.get("speedup") is not None:
-        print(f"throughput: {c['steps_per_s_baseline']:.2f} -> {c['steps_per_s_candidate']:.2f} steps/s, "
-              f"speedup {c['speedup']:.2f}x")
+        print(
+            f"throughput: {c['steps_per_s_baseline']:.2f} -> {c['steps_per_s_candidate']:.2f} steps/s, "
+            f"speedup {c['speedup']:.2f}x"
+        )
         if c.get("samples_per_s_baseline"):
-            print(f"samples/s: {c['samples_per_s_baseline']:.1f} -> {c['samples_per_s_candidate']:.1f}")
+            print(
+                f"samples/s: {c['samples_per_s_baseline']:.1f} -> {c['samples_per_s_candidate']:.1f}"
+            )
     else:
         print("throughput: not recorded")
     if c.get("memory_ratio") is not None:
-        print(f"peak memory ({c['memory_kind']}): {c['peak_memory_baseline'] / 2**20:.1f} -> "
-              f"{c['peak_memory_candidate'] / 2**20:.1f} MiB, ratio {c['memory_ratio']:.2f}")
+        print(
+            f"peak memory ({c['memory_kind']}): {c['peak_memory_baseline'] / 2**20:.1f} -> "
+            f"{c['peak_memory_candidate'] / 2**20:.1f} MiB, ratio {c['memory_ratio']:.2f}"
+        )
     else:
         print("peak memory: not recorded in both runs")
     if c.get("loss_diff") is not None:
-        print(f"loss over {c['shared_loss_steps']} shared steps: mean |diff| {c['loss_mean_abs_diff']:.4g}, "
-              f"final {c['final_loss_baseline']:.4g} -> {c['final_loss_candidate']:.4g}")
-    print(f"scaler success rate: {fmt(c['scaler_success_rate_baseline'], '.1%')} -> "
-          f"{fmt(c['scaler_success_rate_candidate'], '.1%')}")
+        print(
+            f"loss over {c['shared_loss_steps']} shared steps: mean |diff| {c['loss_mean_abs_diff']:.4g}, "
+            f"final {c['final_loss_baseline']:.4g} -> {c['final_loss_candidate']:.4g}"
+        )
+    print(
+        f"scaler success rate: {fmt(c['scaler_success_rate_baseline'], '.1%')} -> "
+        f"{fmt(c['scaler_success_rate_candidate'], '.1%')}"
+    )
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -326,10 +428,16 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     base, cand = _load(args.baseline), _load(args.candidate)
     comparison = compute_comparison(base, cand)
     spec = REGISTRY["AMP-S06"]
-    ctx = RuleContext(run=cand, spec=spec, thresholds=MappingProxyType(resolve_thresholds(None)["AMP-S06"]))
+    ctx = RuleContext(
+        run=cand, spec=spec, thresholds=MappingProxyType(resolve_thresholds(None)["AMP-S06"])
+    )
     findings = list(no_speedup_findings(ctx, comparison))
     if args.format == "json":
-        print(_json.dumps({**comparison, "findings": [f.to_dict() for f in findings]}, indent=2, default=str))
+        print(
+            _json.dumps(
+                {**comparison, "findings": [f.to_dict() for f in findings]}, indent=2, default=str
+            )
+        )
         return 0
     _print_comparison(comparison)
     for f in findings:
@@ -400,8 +508,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # never a traceback for the user, unless asked for
         if os.environ.get("AMPROBE_DEBUG"):
             raise
-        print(f"amprobe: internal error: {type(exc).__name__}: {exc} (set AMPROBE_DEBUG=1 for details)",
-              file=sys.stderr)
+        print(
+            f"amprobe: internal error: {type(exc).__name__}: {exc} (set AMPROBE_DEBUG=1 for details)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

@@ -107,13 +107,19 @@ class Config:
             raise ConfigError(
                 f"shapes_captures must be a non-negative integer (0 = no limit), got {self.shapes_captures!r}"
             )
-        if isinstance(self.syncs_every, bool) or not isinstance(self.syncs_every, int) \
-                or self.syncs_every < 0:
+        if (
+            isinstance(self.syncs_every, bool)
+            or not isinstance(self.syncs_every, int)
+            or self.syncs_every < 0
+        ):
             raise ConfigError(
                 f"syncs_every must be a non-negative integer (0 = off), got {self.syncs_every!r}"
             )
-        if isinstance(self.gpu_sample_hz, bool) or not isinstance(self.gpu_sample_hz, (int, float)) \
-                or not 0 <= self.gpu_sample_hz <= 1000:
+        if (
+            isinstance(self.gpu_sample_hz, bool)
+            or not isinstance(self.gpu_sample_hz, (int, float))
+            or not 0 <= self.gpu_sample_hz <= 1000
+        ):
             raise ConfigError(
                 f"gpu_sample_hz must be a number of samples per second in [0, 1000] (0 = off), "
                 f"got {self.gpu_sample_hz!r}"
@@ -122,9 +128,13 @@ class Config:
 
         port = self.prometheus_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise ConfigError(f"prometheus_port must be an integer port 1-65535, or 0 for off; got {port!r}")
+            raise ConfigError(
+                f"prometheus_port must be an integer port 1-65535, or 0 for off; got {port!r}"
+            )
         if not isinstance(self.prometheus_host, str) or not self.prometheus_host:
-            raise ConfigError(f"prometheus_host must be a host name or address, got {self.prometheus_host!r}")
+            raise ConfigError(
+                f"prometheus_host must be a host name or address, got {self.prometheus_host!r}"
+            )
         collectors = tuple(self.collectors)
         if port and "prometheus" not in collectors:
             collectors = (*collectors, "prometheus")
@@ -134,10 +144,16 @@ class Config:
                     f"unknown collector {name!r}; known collectors: {', '.join(sorted(REGISTRY))}"
                 )
         object.__setattr__(self, "collectors", collectors)
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise ConfigError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
+        if self.max_steps is not None and (
+            not isinstance(self.max_steps, int) or self.max_steps < 1
+        ):
+            raise ConfigError(
+                f"max_steps must be a positive integer or None, got {self.max_steps!r}"
+            )
         if not isinstance(self.numerics_every, int) or self.numerics_every < 1:
-            raise ConfigError(f"numerics_every must be a positive integer, got {self.numerics_every!r}")
+            raise ConfigError(
+                f"numerics_every must be a positive integer, got {self.numerics_every!r}"
+            )
         if not isinstance(self.numerics_arm_steps, int) or self.numerics_arm_steps < 0:
             raise ConfigError(
                 f"numerics_arm_steps must be a non-negative integer, got {self.numerics_arm_steps!r}"
@@ -152,8 +168,11 @@ class Config:
         object.__setattr__(self, "numerics_layers", tuple(self.numerics_layers))
         if not isinstance(self.dormant, bool):
             raise ConfigError(f"dormant must be True or False, got {self.dormant!r}")
-        if (not isinstance(self.control_poll_s, (int, float)) or isinstance(self.control_poll_s, bool)
-                or not 0.01 <= self.control_poll_s <= 60):
+        if (
+            not isinstance(self.control_poll_s, (int, float))
+            or isinstance(self.control_poll_s, bool)
+            or not 0.01 <= self.control_poll_s <= 60
+        ):
             raise ConfigError(
                 f"control_poll_s must be a number of seconds between 0.01 and 60, got {self.control_poll_s!r}"
             )

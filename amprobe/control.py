@@ -146,7 +146,9 @@ class ControlWatcher(threading.Thread):
             action = command.get("command")
             if action == "attach":
                 steps = command.get("steps")
-                probe.start_recording(int(steps) if steps is not None else None, source="amprobe attach", seq=seq)
+                probe.start_recording(
+                    int(steps) if steps is not None else None, source="amprobe attach", seq=seq
+                )
             elif action == "detach":
                 probe.stop_recording(source="amprobe detach", seq=seq)
             else:
@@ -155,9 +157,12 @@ class ControlWatcher(threading.Thread):
             self._error = f"{type(exc).__name__}: {exc}"
 
 
-def attach_live(run_dir: str | os.PathLike[str], steps: int | None = None,
-                config: Config | Mapping[str, Any] | None = None,
-                status_file: str | os.PathLike[str] | None = None) -> Any:
+def attach_live(
+    run_dir: str | os.PathLike[str],
+    steps: int | None = None,
+    config: Config | Mapping[str, Any] | None = None,
+    status_file: str | os.PathLike[str] | None = None,
+) -> Any:
     """Start recording this (already running) training process from its next step.
 
     The live optimizers, GradScalers and root model are found through the garbage collector
@@ -184,8 +189,9 @@ def attach_live(run_dir: str | os.PathLike[str], steps: int | None = None,
     except Exception as exc:
         if status_file is not None:
             with contextlib.suppress(Exception):
-                write_json_atomic(Path(status_file), {"ok": False, "pid": os.getpid(),
-                                                      "error": f"{exc}"})
+                write_json_atomic(
+                    Path(status_file), {"ok": False, "pid": os.getpid(), "error": f"{exc}"}
+                )
         raise
     if status_file is not None:
         with contextlib.suppress(Exception):
@@ -193,15 +199,18 @@ def attach_live(run_dir: str | os.PathLike[str], steps: int | None = None,
     return probe
 
 
-def _attach_live(run_dir: Path, steps: int | None,
-                 config: Config | Mapping[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+def _attach_live(
+    run_dir: Path, steps: int | None, config: Config | Mapping[str, Any] | None
+) -> tuple[Any, dict[str, Any]]:
     from amprobe.collectors.discovery import find_live_training_objects
     from amprobe.probe import _create, current_probe
 
     existing = current_probe()
     if existing is not None and not existing.closed:
         if existing.recording and existing.window == 0:
-            raise ConfigError(f"this process is already recorded by amprobe into {existing.run_dir}")
+            raise ConfigError(
+                f"this process is already recorded by amprobe into {existing.run_dir}"
+            )
         existing.start_recording(steps, source="attach_live")
         return existing, {"run_dir": str(existing.run_dir), "joined_existing": True}
     cfg = make_config(config)
@@ -209,25 +218,38 @@ def _attach_live(run_dir: Path, steps: int | None,
     cfg = dataclasses.replace(cfg, dormant=True, collectors=collectors)
     live = find_live_training_objects()
     if not live.optimizers:
-        raise ConfigError("no torch.optim.Optimizer holding parameters was found in this process: "
-                          "nothing to record (is it training yet?)")
-    probe = _create(run_dir, cfg, model=live.models[0] if live.models else None,
-                    optimizer=live.optimizers[0], scaler=live.scalers[0] if live.scalers else None,
-                    adoptable=True, lazy=True)
+        raise ConfigError(
+            "no torch.optim.Optimizer holding parameters was found in this process: "
+            "nothing to record (is it training yet?)"
+        )
+    probe = _create(
+        run_dir,
+        cfg,
+        model=live.models[0] if live.models else None,
+        optimizer=live.optimizers[0],
+        scaler=live.scalers[0] if live.scalers else None,
+        adoptable=True,
+        lazy=True,
+    )
     for obj in (*live.optimizers[1:], *live.scalers[1:]):
         probe.dispatch("on_object", obj)
     for model in live.models[1:]:
         probe.add_model(model)
     probe._rank_manifest["launched_by"] = "amprobe attach (live)"
     probe._rank_manifest["attached_live"] = True
-    probe._rank_manifest["steps_counted_from"] = "attach"  # the job's earlier iterations are unknown
-    probe.writer.update_manifest(probe._rank_manifest)
+    probe._rank_manifest["steps_counted_from"] = (
+        "attach"  # the job's earlier iterations are unknown
+    )
+    if probe.writer is not None:
+        probe.writer.update_manifest(probe._rank_manifest)
     probe.start_recording(steps, source="attach_live")
     facts = {
         "run_dir": str(run_dir),
         "joined_existing": False,
-        "models": [f"{type(m).__name__} ({sum(p.numel() for p in m.parameters())} parameters)"
-                   for m in live.models],
+        "models": [
+            f"{type(m).__name__} ({sum(p.numel() for p in m.parameters())} parameters)"
+            for m in live.models
+        ],
         "optimizers": [type(o).__name__ for o in live.optimizers],
         "scalers": len(live.scalers),
     }
@@ -262,8 +284,9 @@ def _ranks(root: Path) -> list[_Rank]:
     return sorted(ranks, key=lambda r: r.rank)
 
 
-def send_control(run_dir: str | os.PathLike[str], command: str, steps: int | None = None,
-                 wait_s: float = 5.0) -> list[str]:
+def send_control(
+    run_dir: str | os.PathLike[str], command: str, steps: int | None = None, wait_s: float = 5.0
+) -> list[str]:
     """Ask every live rank of a dormant-capable run to start (``attach``) or stop (``detach``).
 
     Writes ``RUN/control.json`` and waits up to ``wait_s`` seconds for the ranks to acknowledge.
@@ -285,23 +308,40 @@ def send_control(run_dir: str | os.PathLike[str], command: str, steps: int | Non
         raise ControlError(f"not an amprobe run directory (no manifest.json): {root}")
     ranks = _ranks(root)
     if not ranks:
-        raise ControlError(f"{root} holds no rank yet: the job has not finished its first training step "
-                           "(try again in a moment)")
+        raise ControlError(
+            f"{root} holds no rank yet: the job has not finished its first training step "
+            "(try again in a moment)"
+        )
     capable = [r for r in ranks if isinstance(r.manifest.get("control"), dict)]
     if not capable:
-        raise ControlError(f"{root} was not started with --dormant: it records every step already "
-                           "(use `amprobe run --dormant` to attach and detach later)")
+        raise ControlError(
+            f"{root} was not started with --dormant: it records every step already "
+            "(use `amprobe run --dormant` to attach and detach later)"
+        )
     live = [r for r in capable if r.state in ("live", "remote")]
     if not live:
-        how = "finished" if all(r.state == "finished" for r in capable) else "ended without closing its run"
+        how = (
+            "finished"
+            if all(r.state == "finished" for r in capable)
+            else "ended without closing its run"
+        )
         raise ControlError(f"{root} is not live: its process {how}")
     path = root / CONTROL_FILE
     previous = 0
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         previous = int(json.loads(path.read_text(encoding="utf-8")).get("seq", 0))
     seq = previous + 1
-    write_json_atomic(path, {"seq": seq, "command": command, "steps": steps, "ranks": None,
-                             "issued_unix": time.time(), "issued_by_pid": os.getpid()})
+    write_json_atomic(
+        path,
+        {
+            "seq": seq,
+            "command": command,
+            "steps": steps,
+            "ranks": None,
+            "issued_unix": time.time(),
+            "issued_by_pid": os.getpid(),
+        },
+    )
     acks = _wait_for_acks(live, seq, wait_s)
     return [_describe(r, acks.get(r.rank), seq, command, steps, wait_s) for r in live]
 
@@ -328,13 +368,21 @@ def _wait_for_acks(ranks: list[_Rank], seq: int, wait_s: float) -> dict[int, dic
         time.sleep(0.1)
 
 
-def _describe(rank: _Rank, ack: dict[str, Any] | None, seq: int, command: str, steps: int | None,
-              wait_s: float) -> str:
+def _describe(
+    rank: _Rank,
+    ack: dict[str, Any] | None,
+    seq: int,
+    command: str,
+    steps: int | None,
+    wait_s: float,
+) -> str:
     who = f"rank {rank.rank} (pid {rank.manifest.get('pid')})"
     if ack is None or int(ack.get("seen") or 0) < seq:
         poll = (rank.manifest.get("control") or {}).get("poll_s", "?")
-        return (f"{who}: request written, not read within {wait_s:g} s (the process checks every {poll} s; "
-                "it may be busy or stopped)")
+        return (
+            f"{who}: request written, not read within {wait_s:g} s (the process checks every {poll} s; "
+            "it may be busy or stopped)"
+        )
     if int(ack.get("applied") or 0) < seq:
         return f"{who}: request received; it takes effect when the step in progress ends"
     result, step, window = ack.get("result"), ack.get("step"), ack.get("window")
@@ -344,7 +392,9 @@ def _describe(rank: _Rank, ack: dict[str, Any] | None, seq: int, command: str, s
             span = f"for {steps} steps (already done)"
         return f"{who}: recording from step {step}, window {window}, {span}"
     if result == "already recording":
-        return f"{who}: already recording (window {window})" + (f"; now stops after {steps} more steps" if steps else "")
+        return f"{who}: already recording (window {window})" + (
+            f"; now stops after {steps} more steps" if steps else ""
+        )
     if result == "stopped":
         return f"{who}: stopped recording at step {step}; window {window} flushed"
     if result == "not recording":
@@ -356,8 +406,10 @@ def remote_exec_unsupported() -> str | None:
     """Why this interpreter cannot inject code into another process, or ``None`` if it can."""
     if not hasattr(sys, "remote_exec"):
         version = ".".join(str(v) for v in sys.version_info[:3])
-        return (f"attaching to a process started without amprobe needs CPython 3.14 or newer "
-                f"(sys.remote_exec, PEP 768), on both sides; this is Python {version}: {_NEXT_TIME}")
+        return (
+            f"attaching to a process started without amprobe needs CPython 3.14 or newer "
+            f"(sys.remote_exec, PEP 768), on both sides; this is Python {version}: {_NEXT_TIME}"
+        )
     return None
 
 
@@ -373,22 +425,28 @@ def remote_exec_disabled(pid: int) -> str | None:
         for entry in (proc / "environ").read_bytes().split(b"\0"):
             name, _, value = entry.partition(b"=")
             if name == b"PYTHON_DISABLE_REMOTE_DEBUG" and value:
-                return (f"process {pid} disabled remote execution (PYTHON_DISABLE_REMOTE_DEBUG is set): "
-                        f"{_NEXT_TIME}")
+                return (
+                    f"process {pid} disabled remote execution (PYTHON_DISABLE_REMOTE_DEBUG is set): "
+                    f"{_NEXT_TIME}"
+                )
     with contextlib.suppress(OSError):
         args = [a.decode("utf-8", "replace") for a in (proc / "cmdline").read_bytes().split(b"\0")]
         for i, arg in enumerate(args):
-            option = arg[2:] if arg.startswith("-X") and len(arg) > 2 else (
-                args[i + 1] if arg == "-X" and i + 1 < len(args) else "")
+            option = (
+                arg[2:]
+                if arg.startswith("-X") and len(arg) > 2
+                else (args[i + 1] if arg == "-X" and i + 1 < len(args) else "")
+            )
             if option.replace("_", "-") == "disable-remote-debug":
                 return f"process {pid} disabled remote execution (-X disable-remote-debug): {_NEXT_TIME}"
     return None
 
 
-def build_remote_script(run_dir: Path, steps: int | None, status_file: Path,
-                        config: Mapping[str, Any] | None = None) -> str:
+def build_remote_script(
+    run_dir: Path, steps: int | None, status_file: Path, config: Mapping[str, Any] | None = None
+) -> str:
     """The Python source that ``sys.remote_exec`` runs inside the target: attach, never raise."""
-    return f'''# amprobe: live attach, run inside this process by `amprobe attach --pid`
+    return f"""# amprobe: live attach, run inside this process by `amprobe attach --pid`
 def _amprobe_attach():
     import sys
     try:
@@ -409,11 +467,17 @@ def _amprobe_attach():
 
 _amprobe_attach()
 del _amprobe_attach
-'''
+"""
 
 
-def attach_pid(pid: int, out: str | os.PathLike[str], steps: int | None = None, wait_s: float = 30.0,
-               overwrite: bool = False, config: Mapping[str, Any] | None = None) -> list[str]:
+def attach_pid(
+    pid: int,
+    out: str | os.PathLike[str],
+    steps: int | None = None,
+    wait_s: float = 30.0,
+    overwrite: bool = False,
+    config: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Attach to process ``pid`` (started without amprobe) with ``sys.remote_exec``; record into ``out``.
 
     Returns:
@@ -431,7 +495,9 @@ def attach_pid(pid: int, out: str | os.PathLike[str], steps: int | None = None, 
     except ProcessLookupError:
         raise ControlError(f"no process with pid {pid}") from None
     except PermissionError:
-        raise ControlError(f"process {pid} belongs to another user: only its owner (or root) can attach") from None
+        raise ControlError(
+            f"process {pid} belongs to another user: only its owner (or root) can attach"
+        ) from None
     reason = remote_exec_disabled(pid)
     if reason:
         raise ControlError(reason)
@@ -446,8 +512,10 @@ def attach_pid(pid: int, out: str | os.PathLike[str], steps: int | None = None, 
     try:
         sys.remote_exec(pid, str(script))  # type: ignore[attr-defined]
     except PermissionError as exc:
-        raise ControlError(f"not permitted to attach to process {pid} ({exc}): the OS allows it only to the "
-                           "process owner with debugger (ptrace) rights; see Yama ptrace_scope") from None
+        raise ControlError(
+            f"not permitted to attach to process {pid} ({exc}): the OS allows it only to the "
+            "process owner with debugger (ptrace) rights; see Yama ptrace_scope"
+        ) from None
     except Exception as exc:
         raise ControlError(f"cannot run code in process {pid}: {exc}; {_NEXT_TIME}") from None
     deadline = time.monotonic() + wait_s
@@ -456,8 +524,10 @@ def attach_pid(pid: int, out: str | os.PathLike[str], steps: int | None = None, 
             break
         time.sleep(0.1)
     else:
-        return [f"amprobe: request delivered to process {pid}; it has not run it within {wait_s:g} s "
-                f"(it runs when the process next executes Python code); outcome will be in {status}"]
+        return [
+            f"amprobe: request delivered to process {pid}; it has not run it within {wait_s:g} s "
+            f"(it runs when the process next executes Python code); outcome will be in {status}"
+        ]
     with contextlib.suppress(OSError):
         script.unlink()
     try:
@@ -465,9 +535,15 @@ def attach_pid(pid: int, out: str | os.PathLike[str], steps: int | None = None, 
     except (OSError, ValueError) as exc:
         raise ControlError(f"cannot read the attach outcome {status}: {exc}") from None
     if not result.get("ok"):
-        raise ControlError(f"attach failed inside process {pid} (it keeps running unchanged): {result.get('error')}")
+        raise ControlError(
+            f"attach failed inside process {pid} (it keeps running unchanged): {result.get('error')}"
+        )
     if result.get("joined_existing"):
-        return [f"amprobe: process {pid} already had a dormant probe; recording into {result.get('run_dir')}"]
+        return [
+            f"amprobe: process {pid} already had a dormant probe; recording into {result.get('run_dir')}"
+        ]
     models = ", ".join(result.get("models") or []) or "no model found (layer data needs one)"
-    return [f"amprobe: attached to process {pid}: {models}; optimizers: {', '.join(result.get('optimizers') or [])}; "
-            f"{result.get('scalers', 0)} GradScaler(s); recording into {out_dir} from its next step"]
+    return [
+        f"amprobe: attached to process {pid}: {models}; optimizers: {', '.join(result.get('optimizers') or [])}; "
+        f"{result.get('scalers', 0)} GradScaler(s); recording into {out_dir} from its next step"
+    ]

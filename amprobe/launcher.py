@@ -31,8 +31,13 @@ class LaunchError(Exception):
     """The command could not be started (not found, not executable)."""
 
 
-def bootstrap_env(run_dir: Path, config: Mapping[str, Any] | None = None, force_fp32: bool = False,
-                  baseline: Path | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def bootstrap_env(
+    run_dir: Path,
+    config: Mapping[str, Any] | None = None,
+    force_fp32: bool = False,
+    baseline: Path | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """The environment that activates amprobe in the child processes."""
     env = dict(os.environ if base is None else base)
     parts = [str(BOOTSTRAP_DIR)]
@@ -57,17 +62,29 @@ def _prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--out {str(run_dir)!r} exists and is not a directory")
     if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / "manifest.json").exists() and not any(run_dir.glob("rank*/manifest.json")):
-            raise ConfigError(f"--out {str(run_dir)!r} is a non-empty directory that is not an amprobe run")
+        if not (run_dir / "manifest.json").exists() and not any(
+            run_dir.glob("rank*/manifest.json")
+        ):
+            raise ConfigError(
+                f"--out {str(run_dir)!r} is a non-empty directory that is not an amprobe run"
+            )
         if not overwrite:
-            raise ConfigError(f"--out {str(run_dir)!r} already holds a run; choose another or pass --overwrite")
+            raise ConfigError(
+                f"--out {str(run_dir)!r} already holds a run; choose another or pass --overwrite"
+            )
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def launch(command: Sequence[str], run_dir: Path, config: Mapping[str, Any] | None = None,
-           force_fp32: bool = False, baseline: Path | None = None, overwrite: bool = False,
-           quiet: bool = False) -> int:
+def launch(
+    command: Sequence[str],
+    run_dir: Path,
+    config: Mapping[str, Any] | None = None,
+    force_fp32: bool = False,
+    baseline: Path | None = None,
+    overwrite: bool = False,
+    quiet: bool = False,
+) -> int:
     """Run ``command`` recorded into ``run_dir``; return the child's exit code.
 
     Raises:
@@ -113,11 +130,15 @@ def _print_summary(run_dir: Path) -> None:
         return
     steps = int(run.steps["step"].nunique()) if len(run.steps) else 0
     if not steps and any((r.manifest.get("config") or {}).get("dormant") for r in run.ranks):
-        print(f"\namprobe: the job ran dormant and was never attached: nothing recorded in {run_dir}",
-              file=sys.stderr)
+        print(
+            f"\namprobe: the job ran dormant and was never attached: nothing recorded in {run_dir}",
+            file=sys.stderr,
+        )
         return
-    print(f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({run.status})",
-          file=sys.stderr)
+    print(
+        f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({run.status})",
+        file=sys.stderr,
+    )
     for f in diagnosis.findings[:12]:
         print(f"  [{f.severity}] {f.id} {f.name}: {f.title}", file=sys.stderr)
     if len(diagnosis.findings) > 12:

@@ -32,7 +32,9 @@ __all__ = ["Probe", "attach", "current_probe"]
 _ACTIVE: Probe | None = None
 _LOCK = threading.Lock()
 _MAX_DORMANT_EVENTS = 5_000  # events kept while dormant (flushed with the next window)
-_ALWAYS_KEPT = frozenset({"window_start", "window_end", "run_end", "max_steps_reached", "terminated"})
+_ALWAYS_KEPT = frozenset(
+    {"window_start", "window_end", "run_end", "max_steps_reached", "terminated"}
+)
 
 
 def current_probe() -> Probe | None:
@@ -87,8 +89,14 @@ class Probe:
             each :meth:`start_recording` of a dormant probe opens window ``window + 1``).
     """
 
-    def __init__(self, run_dir: Path, config: Config, recording: bool = True,
-                 adoptable: bool = False, lazy: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: Config,
+        recording: bool = True,
+        adoptable: bool = False,
+        lazy: bool = False,
+    ) -> None:
         self.run_dir = run_dir
         self.pid = os.getpid()
         self.created_unix = time.time()
@@ -129,7 +137,9 @@ class Probe:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ConfigError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         device = None
@@ -145,7 +155,9 @@ class Probe:
             "argv": list(sys.argv),
             "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "start_unix": time.time(),
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.config).items()},
+            "config": {
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self.config).items()
+            },
             **device_facts(device),
         }
         self.writer = RunWriter(
@@ -216,7 +228,9 @@ class Probe:
         self._failed.add(name)
         tb = traceback.extract_tb(exc.__traceback__)
         where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
-        self.event("collector_error", collector=name, error=f"{type(exc).__name__}: {exc}", where=where)
+        self.event(
+            "collector_error", collector=name, error=f"{type(exc).__name__}: {exc}", where=where
+        )
         for collector in self.collectors:
             if collector.name == name:
                 with contextlib.suppress(Exception):
@@ -233,8 +247,11 @@ class Probe:
 
     def event(self, kind: str, **detail: Any) -> None:
         """Record an event in the current step. Cheap: no I/O until the next flush."""
-        if (not self.recording and len(self._pending_events) >= _MAX_DORMANT_EVENTS
-                and kind not in _ALWAYS_KEPT):
+        if (
+            not self.recording
+            and len(self._pending_events) >= _MAX_DORMANT_EVENTS
+            and kind not in _ALWAYS_KEPT
+        ):
             self._dropped_events += 1
             return
         self._pending_events.append(
@@ -345,7 +362,12 @@ class Probe:
                 result = "stopped"
             else:
                 result = "not recording"
-        self.control_state = {"seq": seq, "result": result, "step": self.step, "window": self.window}
+        self.control_state = {
+            "seq": seq,
+            "result": result,
+            "step": self.step,
+            "window": self.window,
+        }
 
     def _start_window(self, steps: int | None, source: str) -> None:
         self.window += 1
@@ -354,16 +376,28 @@ class Probe:
         self._window_first = self.step
         self._probe_time = 0.0
         self._t_step_start = time.perf_counter()
-        self.event("window_start", window=self.window, first_step=self.step, steps=steps, source=source,
-                   dormant_events_dropped=self._dropped_events)
+        self.event(
+            "window_start",
+            window=self.window,
+            first_step=self.step,
+            steps=steps,
+            source=source,
+            dormant_events_dropped=self._dropped_events,
+        )
         self.dispatch("on_recording", True)
 
     def _stop_window(self, reason: str) -> None:
         self.dispatch("on_recording", False)
         self.recording = False
         self._window_left = None
-        self.event("window_end", window=self.window, first_step=self._window_first, last_step=self.step - 1,
-                   steps=self.step - self._window_first, reason=reason)
+        self.event(
+            "window_end",
+            window=self.window,
+            first_step=self._window_first,
+            last_step=self.step - 1,
+            steps=self.step - self._window_first,
+            reason=reason,
+        )
         self.flush()
 
     def _announce(self) -> None:
@@ -420,8 +454,14 @@ class Probe:
             return  # a forked child (DataLoader worker) never writes the parent's run
         try:
             if self.recording and self.window > 0:
-                self.event("window_end", window=self.window, first_step=self._window_first,
-                           last_step=self.step - 1, steps=self.step - self._window_first, reason="run_end")
+                self.event(
+                    "window_end",
+                    window=self.window,
+                    first_step=self._window_first,
+                    last_step=self.step - 1,
+                    steps=self.step - self._window_first,
+                    reason="run_end",
+                )
             self.event("run_end", steps=self.step)
             if self._watcher is not None:
                 self._watcher.stop()
@@ -432,7 +472,9 @@ class Probe:
                     collector.on_close()
             if self.writer is not None:
                 with contextlib.suppress(Exception):
-                    self.writer.close({"status": "finished", "steps": self.step, "end_unix": time.time()})
+                    self.writer.close(
+                        {"status": "finished", "steps": self.step, "end_unix": time.time()}
+                    )
             with contextlib.suppress(Exception):
                 atexit.unregister(self.close)
             if _ACTIVE is self:
@@ -469,25 +511,31 @@ def _materialize(rows: list[dict[str, Any]]) -> None:
     Values are stacked per (device, dtype) (one kernel per group, not per value), widened to
     float64 (float32 on MPS) and concatenated, so each device costs one copy to the host.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], str, torch.Tensor]]] = defaultdict(list)
+    groups: dict[
+        tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], str, torch.Tensor]]
+    ] = defaultdict(list)
     for row in rows:
         for key, value in row.items():
             if isinstance(value, torch.Tensor):
                 groups[(value.device, value.dtype)].append((row, key, value))
-    by_device: dict[torch.device, list[tuple[torch.dtype, list[tuple[dict[str, Any], str, torch.Tensor]]]]] = defaultdict(list)
+    by_device: dict[
+        torch.device, list[tuple[torch.dtype, list[tuple[dict[str, Any], str, torch.Tensor]]]]
+    ] = defaultdict(list)
     for (device, dtype), items in groups.items():
         by_device[device].append((dtype, items))
     for device, parts in by_device.items():
         wide = torch.float32 if device.type == "mps" else torch.float64
         with torch.no_grad():
             stacked = [
-                torch.stack([t.detach().reshape(-1)[0] if t.dim() else t.detach() for _, _, t in items]).to(wide)
+                torch.stack(
+                    [t.detach().reshape(-1)[0] if t.dim() else t.detach() for _, _, t in items]
+                ).to(wide)
                 for _, items in parts
             ]
             values = torch.cat(stacked).cpu().tolist()
         offset = 0
         for dtype, items in parts:
-            chunk = values[offset: offset + len(items)]
+            chunk = values[offset : offset + len(items)]
             offset += len(items)
             if dtype == torch.bool:
                 chunk = [bool(v) for v in chunk]
@@ -544,12 +592,20 @@ def attach(
         if model is not None:
             existing.add_model(model)
         return existing
-    return _create(Path(run_dir) if run_dir is not None else _default_run_dir(), cfg,
-                   model, optimizer, scaler)
+    return _create(
+        Path(run_dir) if run_dir is not None else _default_run_dir(), cfg, model, optimizer, scaler
+    )
 
 
-def _create(run_dir: Path, cfg: Config, model: Any = None, optimizer: Any = None, scaler: Any = None,
-            adoptable: bool = False, lazy: bool = False) -> Probe:
+def _create(
+    run_dir: Path,
+    cfg: Config,
+    model: Any = None,
+    optimizer: Any = None,
+    scaler: Any = None,
+    adoptable: bool = False,
+    lazy: bool = False,
+) -> Probe:
     global _ACTIVE
     probe = Probe(run_dir, cfg, recording=not cfg.dormant, adoptable=adoptable, lazy=lazy)
     try:

@@ -24,7 +24,10 @@ import amprobe  # noqa: E402
 
 def attach_with(config: dict | None = None):
     def start(model, opt, scaler, run_dir):
-        return amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
+        return amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+        )
+
     return start
 
 
@@ -32,8 +35,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6, help="steps per block")
-    parser.add_argument("--run-steps", type=int, default=1000,
-                        help="run length for the amortized estimate of the default schedule")
+    parser.add_argument(
+        "--run-steps",
+        type=int,
+        default=1000,
+        help="run length for the amortized estimate of the default schedule",
+    )
     args = parser.parse_args()
     compute = ("scaler", "compute")
     medians = compare(
@@ -41,19 +48,26 @@ def main() -> None:
             "off": None,
             "amprobe default": attach_with(),
             "+ compute (default)": attach_with({"collectors": compute}),
-            "+ compute every step": attach_with({"collectors": compute, "shapes_every": 1,
-                                                 "shapes_captures": 0}),
+            "+ compute every step": attach_with(
+                {"collectors": compute, "shapes_every": 1, "shapes_captures": 0}
+            ),
         },
-        dtype=torch.bfloat16, blocks=args.blocks, steps_per_block=args.steps,
+        dtype=torch.bfloat16,
+        blocks=args.blocks,
+        steps_per_block=args.steps,
     )
     print_table(medians)
     cfg = amprobe.Config()
     capture = medians["+ compute every step"] / medians["off"]
     base = medians["+ compute (default)"] / medians["off"]
-    captures = min(cfg.shapes_captures or args.run_steps, 1 + (args.run_steps - 2) // cfg.shapes_every)
+    captures = min(
+        cfg.shapes_captures or args.run_steps, 1 + (args.run_steps - 2) // cfg.shapes_every
+    )
     amortized = base + (capture - 1.0) * captures / args.run_steps
-    print(f"\ncaptured step costs {capture:.2f}x a plain step; default schedule captures {captures} of "
-          f"{args.run_steps} steps -> amortized ratio {amortized:.3f}")
+    print(
+        f"\ncaptured step costs {capture:.2f}x a plain step; default schedule captures {captures} of "
+        f"{args.run_steps} steps -> amortized ratio {amortized:.3f}"
+    )
 
 
 if __name__ == "__main__":

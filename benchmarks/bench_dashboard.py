@@ -40,33 +40,48 @@ def browser_first_paint(root: Path) -> None:
             t0 = time.perf_counter()
             driver.get(server.url + "/run/big")
             wait = WebDriverWait(driver, 60)
-            wait.until(lambda d: d.find_elements(By.CLASS_NAME, "finding")
-                       or "finding" in d.find_element(By.ID, ids.FINDINGS).text)
+            wait.until(
+                lambda d: (
+                    d.find_elements(By.CLASS_NAME, "finding")
+                    or "finding" in d.find_element(By.ID, ids.FINDINGS).text
+                )
+            )
             t1 = time.perf_counter()
-            driver.find_element(By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']").click()
-            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"))
+            driver.find_element(
+                By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']"
+            ).click()
+            wait.until(
+                lambda d: d.find_elements(
+                    By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"
+                )
+            )
             t2 = time.perf_counter()
     finally:
         driver.quit()
-    print(f"browser first paint (cold server, {root.name}/big): findings shown {t1 - t0:.2f} s; "
-          f"loss-scale figure drawn {t2 - t1:.2f} s after the tab click")
+    print(
+        f"browser first paint (cold server, {root.name}/big): findings shown {t1 - t0:.2f} s; "
+        f"loss-scale figure drawn {t2 - t1:.2f} s after the tab click"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--layers", type=int, default=200)
-    parser.add_argument("--browser", action="store_true",
-                        help="also time the first paint in headless Chromium (needs chromium, selenium)")
+    parser.add_argument(
+        "--browser",
+        action="store_true",
+        help="also time the first paint in headless Chromium (needs chromium, selenium)",
+    )
     args = parser.parse_args()
 
     import numpy as np
     import plotly.graph_objects as go
     from plotly.utils import PlotlyJSONEncoder
 
+    from amprobe.report.downsample import thin_figure
     from dashboard import callbacks
     from dashboard.demo import write_synthetic_run
-    from amprobe.report.downsample import thin_figure
 
     with tempfile.TemporaryDirectory(prefix="amprobe-bench-dash-") as tmp:
         t0 = time.perf_counter()
@@ -78,8 +93,10 @@ def main() -> None:
         t1 = time.perf_counter()
         payload = json.dumps(page, cls=PlotlyJSONEncoder)
         t2 = time.perf_counter()
-        print(f"first paint (server side): build page {t1 - t0:.2f} s + serialise {t2 - t1:.2f} s "
-              f"= {t2 - t0:.2f} s, payload {len(payload) / 1e6:.2f} MB")
+        print(
+            f"first paint (server side): build page {t1 - t0:.2f} s + serialise {t2 - t1:.2f} s "
+            f"= {t2 - t0:.2f} s, payload {len(payload) / 1e6:.2f} MB"
+        )
         t0 = time.perf_counter()
         callbacks.render_page(ctx, "/run/big")
         print(f"page again (cached run): {time.perf_counter() - t0:.2f} s")
@@ -90,17 +107,23 @@ def main() -> None:
         callbacks.refresh_live(ctx, 1, "big")
         t1 = time.perf_counter()
         callbacks.refresh_live(ctx, 2, "big")
-        print(f"live poll: first (full read) {t1 - t0:.2f} s, next (no new lines) {time.perf_counter() - t1:.3f} s")
+        print(
+            f"live poll: first (full read) {t1 - t0:.2f} s, next (no new lines) {time.perf_counter() - t1:.3f} s"
+        )
 
         if args.browser:
             browser_first_paint(Path(tmp))
 
         z = np.random.default_rng(0).poisson(0.01, size=(args.layers, args.steps)).astype("float32")
-        fig = go.Figure(go.Heatmap(z=z, x=np.arange(args.steps), y=[f"layer{i}" for i in range(args.layers)]))
+        fig = go.Figure(
+            go.Heatmap(z=z, x=np.arange(args.steps), y=[f"layer{i}" for i in range(args.layers)])
+        )
         t0 = time.perf_counter()
         thin_figure(fig)
         shown = fig.data[0].z
-        print(f"thin {args.layers}x{args.steps} heatmap -> {np.asarray(shown).shape}: {time.perf_counter() - t0:.2f} s")
+        print(
+            f"thin {args.layers}x{args.steps} heatmap -> {np.asarray(shown).shape}: {time.perf_counter() - t0:.2f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ import amprobe  # noqa: E402
 
 def attach_with(config: dict | None = None):
     def start(model, opt, scaler, run_dir):
-        return amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
+        return amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+        )
+
     return start
 
 
@@ -63,8 +66,13 @@ def added_cost_per_step(use_scaler: bool, steps: int = 400, rounds: int = 7) -> 
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             plain = run(steps)
-            probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=f"{tmp}/{i}",
-                                   config={"dormant": True})
+            probe = amprobe.attach(
+                model=model,
+                optimizer=opt,
+                scaler=scaler,
+                run_dir=f"{tmp}/{i}",
+                config={"dormant": True},
+            )
             try:
                 run(5)  # first dormant step announces the rank (writes its manifest)
                 dormant = run(steps)
@@ -78,8 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--blocks", type=int, default=10)
     parser.add_argument("--steps", type=int, default=8, help="steps per block")
-    parser.add_argument("--scaler", action="store_true", help="also measure bf16 autocast + GradScaler")
-    parser.add_argument("--recording", action="store_true", help="also measure the default (recording) probe")
+    parser.add_argument(
+        "--scaler", action="store_true", help="also measure bf16 autocast + GradScaler"
+    )
+    parser.add_argument(
+        "--recording", action="store_true", help="also measure the default (recording) probe"
+    )
     args = parser.parse_args()
     setups = [("bf16 autocast", torch.bfloat16, False)]
     if args.scaler:
@@ -89,11 +101,15 @@ def main() -> None:
         configs["amprobe recording"] = attach_with()
     for label, dtype, scaler in setups:
         print(f"\n== {label} ==")
-        medians = compare(configs, dtype=dtype, use_scaler=scaler, blocks=args.blocks, steps_per_block=args.steps)
+        medians = compare(
+            configs, dtype=dtype, use_scaler=scaler, blocks=args.blocks, steps_per_block=args.steps
+        )
         print_table(medians)
         added = added_cost_per_step(scaler)
-        print(f"dormant probe's added CPU per step (tiny model): {added * 1e6:.1f} us "
-              f"-> implied ratio on this transformer step: {1 + added / medians['off']:.5f}")
+        print(
+            f"dormant probe's added CPU per step (tiny model): {added * 1e6:.1f} us "
+            f"-> implied ratio on this transformer step: {1 + added / medians['off']:.5f}"
+        )
 
 
 if __name__ == "__main__":

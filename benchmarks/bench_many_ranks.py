@@ -45,44 +45,89 @@ def _steps_frame(rank: int, steps: int, rng: np.random.Generator) -> pd.DataFram
                 scale, tracker = scale * 2.0, 0
         after[i] = scale
     wall = rng.normal(0.100, 0.004, steps).clip(0.05) * (3.0 if rank == SLOW_RANK else 1.0)
-    return pd.DataFrame({
-        "step": np.arange(steps), "window": 0, "t": np.cumsum(wall), "wall_s": wall, "probe_s": 0.0,
-        "scaler_enabled": True, "scale_before": before, "scale_after": after,
-        "growth_tracker": 0.0, "found_inf": overflow.astype(float), "skipped": overflow,
-        "opt_steps": (~overflow).astype(int), "unscale_calls": 0, "clip_calls": 0, "clip_scaled": 0,
-        "loss": rng.normal(2.0, 0.1, steps), "loss_dtype": "float32",
-        "autocast_device": "cuda", "autocast_dtype": "float16",
-    })
+    return pd.DataFrame(
+        {
+            "step": np.arange(steps),
+            "window": 0,
+            "t": np.cumsum(wall),
+            "wall_s": wall,
+            "probe_s": 0.0,
+            "scaler_enabled": True,
+            "scale_before": before,
+            "scale_after": after,
+            "growth_tracker": 0.0,
+            "found_inf": overflow.astype(float),
+            "skipped": overflow,
+            "opt_steps": (~overflow).astype(int),
+            "unscale_calls": 0,
+            "clip_calls": 0,
+            "clip_scaled": 0,
+            "loss": rng.normal(2.0, 0.1, steps),
+            "loss_dtype": "float32",
+            "autocast_device": "cuda",
+            "autocast_dtype": "float16",
+        }
+    )
 
 
 def _events(rank: int, steps: int) -> list[dict]:
     rows = [
         ("run_start", 0, {"recording": True}),
         ("model_registered", 0, {"model_class": "GPT", "parameters": 124_000_000}),
-        ("scaler_created", 0, {"init_scale": 2.0**17 if rank == DIVERGENT_RANK else 2.0**16,
-                               "growth_interval": 2000, "enabled": True, "site": "train.py:80"}),
-        ("optimizer_seen", 0, {"optimizer_class": "AdamW", "trainable_params": 124_000_000,
-                               "trainable_half_params": 0}),
+        (
+            "scaler_created",
+            0,
+            {
+                "init_scale": 2.0**17 if rank == DIVERGENT_RANK else 2.0**16,
+                "growth_interval": 2000,
+                "enabled": True,
+                "site": "train.py:80",
+            },
+        ),
+        (
+            "optimizer_seen",
+            0,
+            {
+                "optimizer_class": "AdamW",
+                "trainable_params": 124_000_000,
+                "trainable_half_params": 0,
+            },
+        ),
     ]
     rows += [("checkpoint_saved", s, {"path": f"ckpt/{s}.pt"}) for s in range(0, steps, 1000)]
     rows.append(("run_end", steps, {"steps": steps}))
-    return [{"step": s, "t": float(s) * 0.1, "kind": k, "detail": json.dumps(d, sort_keys=True)}
-            for k, s, d in rows]
+    return [
+        {"step": s, "t": float(s) * 0.1, "kind": k, "detail": json.dumps(d, sort_keys=True)}
+        for k, s, d in rows
+    ]
 
 
 def synthesize(root: Path, ranks: int, steps: int) -> None:
     """Write a finished run of ``ranks`` x ``steps`` into ``root``."""
     root.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, "world_size": ranks}
+    manifest = {
+        "format": schema.FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "world_size": ranks,
+    }
     (root / schema.RUN_MANIFEST).write_text(json.dumps(manifest))
     rng = np.random.default_rng(0)
     for rank in range(ranks):
         d = root / schema.rank_dirname(rank)
         d.mkdir()
-        (d / schema.RANK_MANIFEST).write_text(json.dumps({
-            **manifest, "rank": rank, "world_size": ranks, "local_rank": rank % 8,
-            "hostname": f"node{rank // 8:03d}", "pid": 1000 + rank, "device": f"cuda:{rank % 8}",
-        }))
+        (d / schema.RANK_MANIFEST).write_text(
+            json.dumps(
+                {
+                    **manifest,
+                    "rank": rank,
+                    "world_size": ranks,
+                    "local_rank": rank % 8,
+                    "hostname": f"node{rank // 8:03d}",
+                    "pid": 1000 + rank,
+                    "device": f"cuda:{rank % 8}",
+                }
+            )
+        )
         _steps_frame(rank, steps, rng).to_json(d / "steps.jsonl", orient="records", lines=True)
         with open(d / "events.jsonl", "w") as fh:
             fh.writelines(json.dumps(e) + "\n" for e in _events(rank, steps))
@@ -101,8 +146,10 @@ def main() -> None:
             t = time.perf_counter()
             synthesize(root, args.ranks, args.steps)
             size = sum(f.stat().st_size for f in root.rglob("*.jsonl"))
-            print(f"synthesized {args.ranks} ranks x {args.steps} steps ({size / 1e6:.0f} MB) "
-                  f"in {time.perf_counter() - t:.1f} s")
+            print(
+                f"synthesized {args.ranks} ranks x {args.steps} steps ({size / 1e6:.0f} MB) "
+                f"in {time.perf_counter() - t:.1f} s"
+            )
         t = time.perf_counter()
         run = amprobe.load_run(root)
         n_steps, n_events = len(run.steps), len(run.events)

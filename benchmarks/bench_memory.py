@@ -39,8 +39,13 @@ def main() -> None:
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir,
-                               config=json.loads(args.config))
+        probe = amprobe.attach(
+            model=model,
+            optimizer=opt,
+            scaler=scaler,
+            run_dir=run_dir,
+            config=json.loads(args.config),
+        )
         t0 = time.perf_counter()
         print(f"{'step':>8}{'RSS MiB':>10}")
         for i in range(args.steps):
@@ -60,7 +65,9 @@ def main() -> None:
             size = path.stat().st_size
             total += size
             print(f"{path.name:<20}{size:>12,} bytes  {size / args.steps:8.1f} bytes/step")
-        print(f"{'run directory':<20}{total:>12,} bytes  {total / args.steps * 1000 / 1024:8.1f} KiB per 1,000 steps")
+        print(
+            f"{'run directory':<20}{total:>12,} bytes  {total / args.steps * 1000 / 1024:8.1f} KiB per 1,000 steps"
+        )
 
 
 if __name__ == "__main__":

@@ -49,17 +49,29 @@ def main() -> None:
             for index, (name, cfg) in enumerate(configs.items()):
                 probe = None
                 if cfg is not None:
-                    probe = amprobe.attach(model, opt, None, run_dir=f"{tmp}/{block}-{index}", config=cfg)
-                every = (cfg or {}).get("numerics_every", default_every) if cfg and "numerics" in cfg["collectors"] else 0
+                    probe = amprobe.attach(
+                        model, opt, None, run_dir=f"{tmp}/{block}-{index}", config=cfg
+                    )
+                every = (
+                    (cfg or {}).get("numerics_every", default_every)
+                    if cfg and "numerics" in cfg["collectors"]
+                    else 0
+                )
                 try:
-                    for i, t in enumerate(train_steps(model, opt, None, torch.bfloat16, batch, args.steps)):
+                    for i, t in enumerate(
+                        train_steps(model, opt, None, torch.bfloat16, batch, args.steps)
+                    ):
                         times[name].append((t, bool(every) and i % every == 0))
                 finally:
                     if probe is not None:
                         probe.close()
     base = statistics.median(t for t, _ in times["off"])
-    print(f"TinyGPT bf16 autocast, {args.blocks} blocks x {args.steps} steps, baseline {base * 1e3:.1f} ms CPU/step")
-    print(f"{'configuration':<34}{'unsampled ms':>14}{'sampled ms':>12}{'amortised':>11}{'mean ratio':>12}")
+    print(
+        f"TinyGPT bf16 autocast, {args.blocks} blocks x {args.steps} steps, baseline {base * 1e3:.1f} ms CPU/step"
+    )
+    print(
+        f"{'configuration':<34}{'unsampled ms':>14}{'sampled ms':>12}{'amortised':>11}{'mean ratio':>12}"
+    )
     for name in configs:
         samples = times[name]
         plain = [t for t, s in samples if not s]

@@ -35,7 +35,10 @@ FULL = {"numerics_every": 1, "shapes_every": 1, "shapes_captures": 0, "syncs_eve
 
 def attach_with(config: dict | None = None):
     def start(model, opt, scaler, run_dir):
-        return amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
+        return amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+        )
+
     return start
 
 
@@ -97,8 +100,13 @@ def fixed_cost(steps: int = 2000, rounds: int = 3) -> dict[str, float]:
         for i in range(rounds):
             for name, collectors in configs.items():
                 plain = run(steps)
-                probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=f"{tmp}/{i}-{len(collectors)}",
-                                       config={"collectors": collectors})
+                probe = amprobe.attach(
+                    model=model,
+                    optimizer=opt,
+                    scaler=scaler,
+                    run_dir=f"{tmp}/{i}-{len(collectors)}",
+                    config={"collectors": collectors},
+                )
                 try:
                     probed = run(steps)
                 finally:
@@ -108,23 +116,43 @@ def fixed_cost(steps: int = 2000, rounds: int = 3) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100, help="steps per block (>= 100 to include sampling)")
-    parser.add_argument("--scaler", action="store_true", help="also use a GradScaler (bf16 needs none)")
-    parser.add_argument("--foundation", action="store_true",
-                        help="only off vs the scaler collector alone vs the default, with a GradScaler")
-    parser.add_argument("--fixed-cost", action="store_true",
-                        help="only measure the per-step CPU the scaler/runtime collectors add (tiny model)")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="steps per block (>= 100 to include sampling)"
+    )
+    parser.add_argument(
+        "--scaler", action="store_true", help="also use a GradScaler (bf16 needs none)"
+    )
+    parser.add_argument(
+        "--foundation",
+        action="store_true",
+        help="only off vs the scaler collector alone vs the default, with a GradScaler",
+    )
+    parser.add_argument(
+        "--fixed-cost",
+        action="store_true",
+        help="only measure the per-step CPU the scaler/runtime collectors add (tiny model)",
+    )
     args = parser.parse_args()
     if args.fixed_cost:
         for name, micros in fixed_cost().items():
             print(f"{name}: {micros:.1f} us of CPU added per step")
         return
     if args.foundation:
-        stats = compare_stats({"off": None, "amprobe scaler only": attach_with({"collectors": ("scaler",)}),
-                               "amprobe default": attach_with()},
-                              dtype=torch.bfloat16, use_scaler=True, blocks=args.blocks, steps_per_block=args.steps)
+        stats = compare_stats(
+            {
+                "off": None,
+                "amprobe scaler only": attach_with({"collectors": ("scaler",)}),
+                "amprobe default": attach_with(),
+            },
+            dtype=torch.bfloat16,
+            use_scaler=True,
+            blocks=args.blocks,
+            steps_per_block=args.steps,
+        )
         _print(stats, args)
         return
     configs = {
@@ -139,19 +167,28 @@ def main() -> None:
         configs["DebugUnderflowOverflow"] = lambda model, opt, scaler, run_dir: _Underflow(model)
     except ImportError:
         print("transformers is not installed: DebugUnderflowOverflow not measured")
-    stats = compare_stats(configs, dtype=torch.bfloat16, use_scaler=args.scaler, blocks=args.blocks,
-                          steps_per_block=args.steps)
+    stats = compare_stats(
+        configs,
+        dtype=torch.bfloat16,
+        use_scaler=args.scaler,
+        blocks=args.blocks,
+        steps_per_block=args.steps,
+    )
     _print(stats, args)
 
 
 def _print(stats: dict[str, tuple[float, float]], args: argparse.Namespace) -> None:
     base_median, base_mean = stats["off"]
-    print(f"\n{time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, {args.blocks}x{args.steps} steps per configuration")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, {args.blocks}x{args.steps} steps per configuration"
+    )
     print(f"| {'configuration':<24} | median step (ms CPU) | median ratio | mean ratio |")
     print(f"|{'-' * 26}|---------------------|--------------|------------|")
     for name, (median, mean) in stats.items():
-        print(f"| {name:<24} | {median * 1e3:>19.1f} | {median / base_median:>12.3f} | {mean / base_mean:>10.3f} |")
+        print(
+            f"| {name:<24} | {median * 1e3:>19.1f} | {median / base_median:>12.3f} | {mean / base_mean:>10.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ RUNTIME = {"collectors": ("scaler", "runtime")}
 
 def attach_with(config: dict | None = None):
     def start(model, opt, scaler, run_dir):
-        return amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
+        return amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+        )
+
     return start
 
 
@@ -60,11 +63,15 @@ def main() -> None:
     print("== bf16 autocast, median step (harness) ==")
     medians = compare(
         {"off": None, "amprobe default": attach_with(), "default + runtime": attach_with(RUNTIME)},
-        dtype=torch.bfloat16, blocks=args.blocks, steps_per_block=args.steps,
+        dtype=torch.bfloat16,
+        blocks=args.blocks,
+        steps_per_block=args.steps,
     )
     print_table(medians)
-    print(f"\n== bf16 autocast, mean step over {args.amortized_steps}-step stretches "
-          f"(sync counting on 1 step in {amprobe.Config().syncs_every}) ==")
+    print(
+        f"\n== bf16 autocast, mean step over {args.amortized_steps}-step stretches "
+        f"(sync counting on 1 step in {amprobe.Config().syncs_every}) =="
+    )
     means = amortized(args.amortized_steps, args.rounds, RUNTIME)
     print_table(means)
 

@@ -22,15 +22,21 @@ __all__ = ["TinyGPT", "make_batch", "train_steps", "compare", "print_table"]
 class TinyGPT(nn.Module):
     """Decoder-only transformer: 4 layers, d=256, 4 heads, vocab 1024 (as in the feasibility notes)."""
 
-    def __init__(self, vocab: int = 1024, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 128):
+    def __init__(
+        self, vocab: int = 1024, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 128
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(1, seq, d))
-        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) + self.pos[:, : idx.shape[1]]
@@ -38,14 +44,22 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_batch(batch: int = 16, seq: int = 128, vocab: int = 1024, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    batch: int = 16, seq: int = 128, vocab: int = 1024, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return idx[:, :-1], idx[:, 1:]
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-                dtype: torch.dtype | None, batch: tuple[torch.Tensor, torch.Tensor], n: int) -> list[float]:
+def train_steps(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    dtype: torch.dtype | None,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    n: int,
+) -> list[float]:
     """Run ``n`` training steps; return each step's thread CPU time in seconds."""
     x, y = batch
     times = []
@@ -66,23 +80,40 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.
     return times
 
 
-def compare(configs: Mapping[str, Callable[[nn.Module, torch.optim.Optimizer, Any], Any] | None],
-            dtype: torch.dtype = torch.bfloat16, use_scaler: bool = False, blocks: int = 6,
-            steps_per_block: int = 8, warmup: int = 3) -> dict[str, float]:
+def compare(
+    configs: Mapping[str, Callable[[nn.Module, torch.optim.Optimizer, Any], Any] | None],
+    dtype: torch.dtype = torch.bfloat16,
+    use_scaler: bool = False,
+    blocks: int = 6,
+    steps_per_block: int = 8,
+    warmup: int = 3,
+) -> dict[str, float]:
     """Median step CPU time per configuration, measured in interleaved blocks.
 
     ``configs`` maps a name to ``None`` (plain training) or to a function
     ``(model, opt, scaler) -> closeable`` that attaches a probe and returns it.
     """
-    stats = compare_stats(configs, dtype=dtype, use_scaler=use_scaler, blocks=blocks,
-                          steps_per_block=steps_per_block, warmup=warmup, skip_first=True)
+    stats = compare_stats(
+        configs,
+        dtype=dtype,
+        use_scaler=use_scaler,
+        blocks=blocks,
+        steps_per_block=steps_per_block,
+        warmup=warmup,
+        skip_first=True,
+    )
     return {name: median for name, (median, _) in stats.items()}
 
 
-
-def compare_stats(configs: Mapping[str, Callable[..., Any] | None], dtype: torch.dtype = torch.bfloat16,
-                  use_scaler: bool = False, blocks: int = 2, steps_per_block: int = 100,
-                  warmup: int = 3, skip_first: bool = False) -> dict[str, tuple[float, float]]:
+def compare_stats(
+    configs: Mapping[str, Callable[..., Any] | None],
+    dtype: torch.dtype = torch.bfloat16,
+    use_scaler: bool = False,
+    blocks: int = 2,
+    steps_per_block: int = 100,
+    warmup: int = 3,
+    skip_first: bool = False,
+) -> dict[str, tuple[float, float]]:
     """Like :func:`compare`, but returns ``(median, mean)`` per configuration.
 
     The mean over whole blocks includes the rare sampled steps (numerics every 100 steps, shape
@@ -104,7 +135,9 @@ def compare_stats(configs: Mapping[str, Callable[..., Any] | None], dtype: torch
                 try:
                     if skip_first:
                         train_steps(model, opt, scaler, dtype, batch, 1)  # first step after attach
-                    samples[name].extend(train_steps(model, opt, scaler, dtype, batch, steps_per_block))
+                    samples[name].extend(
+                        train_steps(model, opt, scaler, dtype, batch, steps_per_block)
+                    )
                 finally:
                     if handle is not None:
                         handle.close()

@@ -27,49 +27,72 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
     if not base.is_dir():
         raise NotADirectoryError(f"dashboard root is not a directory: {base}")
     ctx = callbacks.Context(root=base, refresh_ms=refresh_ms)
-    app = Dash(__name__, title="amprobe", suppress_callback_exceptions=True, update_title=None)
+    app = Dash(__name__, title="amprobe", suppress_callback_exceptions=True, update_title=None)  # type: ignore[arg-type]  # None turns the "Updating..." title off
     app.layout = layout.build_frame()
 
-    @app.callback(Output(ids.PAGE, "children"), Input(ids.URL, "pathname"), State(ids.URL, "search"))
+    @app.callback(
+        Output(ids.PAGE, "children"), Input(ids.URL, "pathname"), State(ids.URL, "search")
+    )
     def _page(pathname, search):  # type: ignore[no-untyped-def]
         return callbacks.render_page(ctx, pathname, search)
 
-    @app.callback(Output(ids.RUN_LIST_TABLE, "children"), Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
-                  prevent_initial_call=True)
+    @app.callback(
+        Output(ids.RUN_LIST_TABLE, "children"),
+        Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
+        prevent_initial_call=True,
+    )
     def _run_list(n):  # type: ignore[no-untyped-def]
         return callbacks.refresh_run_list(ctx, n)
 
-    @app.callback(Output(ids.FINDINGS, "children"), Input(ids.SEVERITY_FILTER, "value"),
-                  Input(ids.CATEGORY_FILTER, "value"), State(ids.RUN_NAME, "data"),
-                  prevent_initial_call=True)
+    @app.callback(
+        Output(ids.FINDINGS, "children"),
+        Input(ids.SEVERITY_FILTER, "value"),
+        Input(ids.CATEGORY_FILTER, "value"),
+        State(ids.RUN_NAME, "data"),
+        prevent_initial_call=True,
+    )
     def _findings(severities, categories, name):  # type: ignore[no-untyped-def]
         return callbacks.filter_findings(ctx, name, severities, categories)
 
     @app.callback(
-        Output(ids.RUN_STEPS, "children"), Output(ids.RUN_STATUS, "children"),
-        Output(ids.LOSS_SCALE_GRAPH, "figure"), Output(ids.STEP_TIME_GRAPH, "figure"),
+        Output(ids.RUN_STEPS, "children"),
+        Output(ids.RUN_STATUS, "children"),
+        Output(ids.LOSS_SCALE_GRAPH, "figure"),
+        Output(ids.STEP_TIME_GRAPH, "figure"),
         Output(ids.LIVE_INTERVAL, "disabled"),
-        Input(ids.LIVE_INTERVAL, "n_intervals"), State(ids.RUN_NAME, "data"),
+        Input(ids.LIVE_INTERVAL, "n_intervals"),
+        State(ids.RUN_NAME, "data"),
         prevent_initial_call=True,
     )
     def _live(n, name):  # type: ignore[no-untyped-def]
         return callbacks.refresh_live(ctx, n, name)
 
-    @app.callback(Output({"type": ids.TABLE_BODY, "key": MATCH}, "children"),
-                  Input({"type": ids.TABLE_PAGE, "key": MATCH}, "value"),
-                  State({"type": ids.TABLE_PAGE, "key": MATCH}, "id"), State(ids.RUN_NAME, "data"),
-                  prevent_initial_call=True)
+    @app.callback(
+        Output({"type": ids.TABLE_BODY, "key": MATCH}, "children"),
+        Input({"type": ids.TABLE_PAGE, "key": MATCH}, "value"),
+        State({"type": ids.TABLE_PAGE, "key": MATCH}, "id"),
+        State(ids.RUN_NAME, "data"),
+        prevent_initial_call=True,
+    )
     def _table_page(page, table_id, name):  # type: ignore[no-untyped-def]
         return callbacks.page_table(ctx, name, table_id["key"], page)
 
-    @app.callback(Output(ids.EXPORT_DOWNLOAD, "data"), Output(ids.EXPORT_STATUS, "children"),
-                  Input(ids.EXPORT_BUTTON, "n_clicks"), State(ids.RUN_NAME, "data"),
-                  prevent_initial_call=True)
+    @app.callback(
+        Output(ids.EXPORT_DOWNLOAD, "data"),
+        Output(ids.EXPORT_STATUS, "children"),
+        Input(ids.EXPORT_BUTTON, "n_clicks"),
+        State(ids.RUN_NAME, "data"),
+        prevent_initial_call=True,
+    )
     def _export(n_clicks, name):  # type: ignore[no-untyped-def]
         return callbacks.export_report(ctx, n_clicks, name)
 
-    @app.callback(Output(ids.COMPARE_GRAPH, "figure"), Output(ids.COMPARE_NOTE, "children"),
-                  Input(ids.COMPARE_A, "value"), Input(ids.COMPARE_B, "value"))
+    @app.callback(
+        Output(ids.COMPARE_GRAPH, "figure"),
+        Output(ids.COMPARE_NOTE, "children"),
+        Input(ids.COMPARE_A, "value"),
+        Input(ids.COMPARE_B, "value"),
+    )
     def _compare(a, b):  # type: ignore[no-untyped-def]
         return callbacks.compare_runs(ctx, a, b)
 

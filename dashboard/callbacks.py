@@ -56,7 +56,7 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     if path in ("/", ""):
         return layout.build_run_list(ctx.cache.summaries(), ctx.refresh_ms)
     if path.startswith("/run/"):
-        name = unquote(path[len("/run/"):]).rstrip("/")
+        name = unquote(path[len("/run/") :]).rstrip("/")
         try:
             loaded = ctx.cache.get(name)
         except (RunAccessError, amprobe.RunLoadError) as exc:
@@ -64,8 +64,12 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
         return layout.build_run_page(loaded, ctx.refresh_ms)
     if path.rstrip("/") == "/compare":
         query = parse_qs((search or "").lstrip("?"))
+        first_a = query.get("a", [])
+        first_b = query.get("b", [])
         return layout.build_compare_page(
-            discover_runs(ctx.root), (query.get("a") or [None])[0], (query.get("b") or [None])[0]
+            discover_runs(ctx.root),
+            first_a[0] if first_a else None,
+            first_b[0] if first_b else None,
         )
     return layout.build_error(f"no such page: {path}")
 
@@ -75,8 +79,9 @@ def refresh_run_list(ctx: Context, _n: int | None) -> Any:
     return layout.build_run_table(ctx.cache.summaries())
 
 
-def filter_findings(ctx: Context, name: str | None, severities: list[str] | None,
-                    categories: list[str] | None) -> Any:
+def filter_findings(
+    ctx: Context, name: str | None, severities: list[str] | None, categories: list[str] | None
+) -> Any:
     """The findings of run ``name`` kept by the severity and category filters."""
     try:
         loaded = ctx.cache.get(name or "")

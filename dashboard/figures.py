@@ -31,6 +31,7 @@ __all__ = [
     "scaler_rows",
 ]
 
+
 def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
     """Wall time of each step and the probe's own share of it, in milliseconds."""
     if steps.empty or "wall_s" not in steps or not steps["wall_s"].notna().any():
@@ -43,19 +44,35 @@ def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> 
         fig.add_trace(go.Scatter(x=x, y=y * 1e3, mode="lines", name=f"step time{suffix}"))
         if "probe_s" in part and part["probe_s"].fillna(0).gt(0).any():
             x, y = thin_series(part, "probe_s", max_points)
-            fig.add_trace(go.Scatter(x=x, y=y * 1e3, mode="lines", name=f"probe time{suffix}",
-                                     line={"dash": "dot"}))
-    fig.update_layout(height=300, template="plotly_white", xaxis_title="step", yaxis_title="ms",
-                      margin={"t": 30, "b": 40, "l": 60, "r": 20})
+            fig.add_trace(
+                go.Scatter(
+                    x=x, y=y * 1e3, mode="lines", name=f"probe time{suffix}", line={"dash": "dot"}
+                )
+            )
+    fig.update_layout(
+        height=300,
+        template="plotly_white",
+        xaxis_title="step",
+        yaxis_title="ms",
+        margin={"t": 30, "b": 40, "l": 60, "r": 20},
+    )
     return fig
 
 
 def make_compare_figure(
-    a: pd.DataFrame, b: pd.DataFrame, names: tuple[str, str] = ("A", "B"), max_points: int = MAX_POINTS
+    a: pd.DataFrame,
+    b: pd.DataFrame,
+    names: tuple[str, str] = ("A", "B"),
+    max_points: int = MAX_POINTS,
 ) -> go.Figure:
     """Two runs overlaid: step time, loss and loss scale (log) against step."""
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
-                        subplot_titles=("step time (ms)", "loss", "loss scale (log)"))
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        subplot_titles=("step time (ms)", "loss", "loss scale (log)"),
+    )
     colors = ("#1f77b4", "#d62728")
     for frame, name, color in zip((a, b), names, colors, strict=True):
         if frame.empty:
@@ -66,9 +83,22 @@ def make_compare_figure(
             if column not in first or not first[column].notna().any():
                 continue
             x, y = thin_series(first, column, max_points)
-            fig.add_trace(go.Scatter(x=x, y=y * scale, mode="lines", name=name, legendgroup=name,
-                                     showlegend=row == 1, line={"color": color}), row, 1)
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=y * scale,
+                    mode="lines",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=row == 1,
+                    line={"color": color},
+                ),
+                row,
+                1,
+            )
     fig.update_yaxes(type="log", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=1)
-    fig.update_layout(height=640, template="plotly_white", margin={"t": 40, "b": 40, "l": 60, "r": 20})
+    fig.update_layout(
+        height=640, template="plotly_white", margin={"t": 40, "b": 40, "l": 60, "r": 20}
+    )
     return fig

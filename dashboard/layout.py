@@ -48,7 +48,12 @@ PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utili
 SCALE_SECTION = "scale"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
-_STATUS_COLORS = {"live": "#2e7d32", "finished": "#555", "interrupted": "#c62828", "unreadable": "#c62828"}
+_STATUS_COLORS = {
+    "live": "#2e7d32",
+    "finished": "#555",
+    "interrupted": "#c62828",
+    "unreadable": "#c62828",
+}
 #: table key of the loss-scale events table (section tables use "<section key>/<index>").
 LOSS_SCALE_TABLE = "loss-scale/0"
 _FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
@@ -61,23 +66,38 @@ def run_href(name: str) -> str:
 
 
 def _badge(text: str, color: str) -> html.Span:
-    return html.Span(text, style={
-        "background": color, "color": "white", "borderRadius": "4px", "padding": "1px 6px",
-        "fontSize": "0.85em", "marginRight": "6px", "whiteSpace": "nowrap",
-    })
+    return html.Span(
+        text,
+        style={
+            "background": color,
+            "color": "white",
+            "borderRadius": "4px",
+            "padding": "1px 6px",
+            "fontSize": "0.85em",
+            "marginRight": "6px",
+            "whiteSpace": "nowrap",
+        },
+    )
 
 
 def build_frame() -> html.Div:
     """The page frame: URL, navigation and the page container that routing fills."""
-    return html.Div([
-        dcc.Location(id=ids.URL),
-        html.Div([
-            html.Strong("amprobe", style={"marginRight": "18px", "fontSize": "1.2em"}),
-            dcc.Link("Runs", href="/", style={"marginRight": "12px"}),
-            dcc.Link("Compare", href="/compare"),
-        ], id=ids.NAV, style={"padding": "10px 18px", "borderBottom": "1px solid #ddd"}),
-        html.Div(id=ids.PAGE, style={"padding": "12px 18px"}),
-    ], style={"fontFamily": _FONT, "color": "#222"})
+    return html.Div(
+        [
+            dcc.Location(id=ids.URL),
+            html.Div(
+                [
+                    html.Strong("amprobe", style={"marginRight": "18px", "fontSize": "1.2em"}),
+                    dcc.Link("Runs", href="/", style={"marginRight": "12px"}),
+                    dcc.Link("Compare", href="/compare"),
+                ],
+                id=ids.NAV,
+                style={"padding": "10px 18px", "borderBottom": "1px solid #ddd"},
+            ),
+            html.Div(id=ids.PAGE, style={"padding": "12px 18px"}),
+        ],
+        style={"fontFamily": _FONT, "color": "#222"},
+    )
 
 
 def build_error(message: str) -> html.Div:
@@ -88,8 +108,12 @@ def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
     """The run list's table: one row per run with status, device, dtype, steps, worst finding."""
     if not summaries:
         return html.P("No amprobe run directory under this root yet.")
-    head = html.Tr([html.Th(h, style={"textAlign": "left", "padding": "4px 10px"})
-                    for h in ("run", "status", "device", "autocast dtype", "steps", "worst finding")])
+    head = html.Tr(
+        [
+            html.Th(h, style={"textAlign": "left", "padding": "4px 10px"})
+            for h in ("run", "status", "device", "autocast dtype", "steps", "worst finding")
+        ]
+    )
     rows = []
     for i, s in enumerate(summaries):
         worst: Any = s.worst
@@ -99,20 +123,30 @@ def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
         cells = [
             dcc.Link(s.name, href=run_href(s.name), id=f"{ids.RUN_LINK_PREFIX}{i}"),
             _badge(s.status, _STATUS_COLORS.get(s.status, "#555")),
-            s.device, s.dtype, str(s.steps), worst if not s.error else s.error,
+            s.device,
+            s.dtype,
+            str(s.steps),
+            worst if not s.error else s.error,
         ]
-        rows.append(html.Tr([html.Td(c, style={"padding": "4px 10px"}) for c in cells],
-                            className=f"run-row status-{s.status}"))
+        rows.append(
+            html.Tr(
+                [html.Td(c, style={"padding": "4px 10px"}) for c in cells],
+                className=f"run-row status-{s.status}",
+            )
+        )
     return html.Table([html.Thead(head), html.Tbody(rows)], style={"borderCollapse": "collapse"})
 
 
 def build_run_list(summaries: Sequence[RunSummary], refresh_ms: int) -> html.Div:
     """The home page: every run under ROOT, refreshed while runs are being written."""
-    return html.Div([
-        html.H2("Runs"),
-        html.Div(build_run_table(summaries), id=ids.RUN_LIST_TABLE),
-        dcc.Interval(id=ids.RUN_LIST_INTERVAL, interval=max(refresh_ms, 1000) * 2),
-    ], id=ids.RUN_LIST)
+    return html.Div(
+        [
+            html.H2("Runs"),
+            html.Div(build_run_table(summaries), id=ids.RUN_LIST_TABLE),
+            dcc.Interval(id=ids.RUN_LIST_INTERVAL, interval=max(refresh_ms, 1000) * 2),
+        ],
+        id=ids.RUN_LIST,
+    )
 
 
 def format_health_value(metric: Mapping[str, Any]) -> str:
@@ -131,11 +165,16 @@ def format_health_value(metric: Mapping[str, Any]) -> str:
 def build_health(health: Mapping[str, Mapping[str, Any]]) -> html.Div:
     """The health metrics (checklist section C) as a two-column table."""
     rows = [
-        html.Tr([
-            html.Td(str(m.get("label", key)), style={"padding": "3px 12px 3px 0"}),
-            html.Td(format_health_value(m), id=f"{ids.HEALTH}-{key}",
-                    style={"color": "#777" if m.get("value") is None else "#111"}),
-        ])
+        html.Tr(
+            [
+                html.Td(str(m.get("label", key)), style={"padding": "3px 12px 3px 0"}),
+                html.Td(
+                    format_health_value(m),
+                    id=f"{ids.HEALTH}-{key}",
+                    style={"color": "#777" if m.get("value") is None else "#111"},
+                ),
+            ]
+        )
         for key, m in health.items()
     ]
     return html.Div([html.H3("Health"), html.Table(html.Tbody(rows))], id=ids.HEALTH)
@@ -149,22 +188,40 @@ def _evidence_text(value: Any) -> str:
 def build_finding(index: int, finding: Any) -> html.Div:
     """One finding: ID, severity, category, title, evidence, fix and references."""
     color = _SEVERITY_COLORS.get(finding.severity, "#555")
-    evidence = [html.Li([html.Code(str(k)), ": ", _evidence_text(v)]) for k, v in finding.evidence.items()]
-    return html.Div([
-        html.Div([
-            html.Code(finding.id, className="finding-id", style={"fontWeight": "bold", "marginRight": "8px"}),
-            _badge(finding.severity, color), _badge(finding.category, "#777"),
-            html.Span(finding.title),
-        ]),
-        html.Ul(evidence, style={"margin": "4px 0"}) if evidence else None,
-        html.P(["Fix: ", finding.fix], style={"margin": "4px 0"}),
-        html.Small("refs: " + ", ".join(finding.refs), style={"color": "#666"}) if finding.refs else None,
-    ], id=f"{ids.FINDING_PREFIX}{index}", className=f"finding severity-{finding.severity}",
-        style={"borderLeft": f"4px solid {color}", "padding": "4px 10px", "margin": "8px 0"})
+    evidence = [
+        html.Li([html.Code(str(k)), ": ", _evidence_text(v)]) for k, v in finding.evidence.items()
+    ]
+    return html.Div(
+        [
+            html.Div(
+                [
+                    html.Code(
+                        finding.id,
+                        className="finding-id",
+                        style={"fontWeight": "bold", "marginRight": "8px"},
+                    ),
+                    _badge(finding.severity, color),
+                    _badge(finding.category, "#777"),
+                    html.Span(finding.title),
+                ]
+            ),
+            html.Ul(evidence, style={"margin": "4px 0"}) if evidence else None,
+            html.P(["Fix: ", finding.fix], style={"margin": "4px 0"}),
+            html.Small("refs: " + ", ".join(finding.refs), style={"color": "#666"})
+            if finding.refs
+            else None,
+        ],
+        id=f"{ids.FINDING_PREFIX}{index}",
+        className=f"finding severity-{finding.severity}",
+        style={"borderLeft": f"4px solid {color}", "padding": "4px 10px", "margin": "8px 0"},
+    )
 
 
-def build_findings(findings: Iterable[Any], severities: Iterable[str] | None = None,
-                   categories: Iterable[str] | None = None) -> list[Any]:
+def build_findings(
+    findings: Iterable[Any],
+    severities: Iterable[str] | None = None,
+    categories: Iterable[str] | None = None,
+) -> list[Any]:
     """Findings (already most severe first) kept by the severity and category filters."""
     sev = set(SEVERITIES if severities is None else severities)
     cat = None if categories is None else set(categories)
@@ -177,7 +234,9 @@ def build_findings(findings: Iterable[Any], severities: Iterable[str] | None = N
 
 
 def _missing_text(missing: str) -> str:
-    return missing if missing.lower().startswith(("not ", "could not")) else f"not recorded: {missing}"
+    return (
+        missing if missing.lower().startswith(("not ", "could not")) else f"not recorded: {missing}"
+    )
 
 
 def _cell(value: Any) -> str:
@@ -196,11 +255,13 @@ def table_rows(frame: pd.DataFrame, page: int = 1) -> list[Any]:
     """
     pages = max(1, -(-len(frame) // TABLE_PAGE_ROWS))
     page = min(max(int(page or 1), 1), pages)
-    shown = frame.iloc[(page - 1) * TABLE_PAGE_ROWS: page * TABLE_PAGE_ROWS]
+    shown = frame.iloc[(page - 1) * TABLE_PAGE_ROWS : page * TABLE_PAGE_ROWS]
     cell = {"padding": "2px 8px", "borderBottom": "1px solid #eee", "textAlign": "left"}
     head = html.Tr([html.Th(str(c), style=cell) for c in frame.columns])
-    body = [html.Tr([html.Td(_cell(v), style=cell) for v in row])
-            for row in shown.itertuples(index=False, name=None)]
+    body = [
+        html.Tr([html.Td(_cell(v), style=cell) for v in row])
+        for row in shown.itertuples(index=False, name=None)
+    ]
     return [html.Thead(head), html.Tbody(body)]
 
 
@@ -209,18 +270,35 @@ def build_table(caption: str, frame: pd.DataFrame, table_key: str) -> html.Div:
     pages = max(1, -(-len(frame) // TABLE_PAGE_ROWS))
     pager = None
     if pages > 1:
-        pager = html.Div([
-            "page ",
-            dcc.Input(id={"type": ids.TABLE_PAGE, "key": table_key}, type="number", min=1, max=pages,
-                      step=1, value=1, debounce=True, style={"width": "70px"}),
-            f" of {pages} ({len(frame)} rows)",
-        ], style={"margin": "4px 0"})
-    return html.Div([
-        html.H4(caption),
-        pager,
-        html.Table(table_rows(frame), id={"type": ids.TABLE_BODY, "key": table_key},
-                   style={"borderCollapse": "collapse"}),
-    ], className="section-table")
+        pager = html.Div(
+            [
+                "page ",
+                dcc.Input(
+                    id={"type": ids.TABLE_PAGE, "key": table_key},
+                    type="number",
+                    min=1,
+                    max=pages,
+                    step=1,
+                    value=1,
+                    debounce=True,
+                    style={"width": "70px"},
+                ),
+                f" of {pages} ({len(frame)} rows)",
+            ],
+            style={"margin": "4px 0"},
+        )
+    return html.Div(
+        [
+            html.H4(caption),
+            pager,
+            html.Table(
+                table_rows(frame),
+                id={"type": ids.TABLE_BODY, "key": table_key},
+                style={"borderCollapse": "collapse"},
+            ),
+        ],
+        className="section-table",
+    )
 
 
 def build_section(section: Any, key: str | None = None) -> html.Div:
@@ -228,7 +306,9 @@ def build_section(section: Any, key: str | None = None) -> html.Div:
     key = key or section.key
     children: list[Any] = [html.H3(section.title)]
     if section.missing:
-        children.append(html.P(_missing_text(section.missing), className="missing", style={"color": "#777"}))
+        children.append(
+            html.P(_missing_text(section.missing), className="missing", style={"color": "#777"})
+        )
     children.extend(html.P(t) for t in section.text)
     for i, fig in enumerate(section.figures):
         shown = thin_figure(copy.deepcopy(fig))
@@ -239,11 +319,18 @@ def build_section(section: Any, key: str | None = None) -> html.Div:
 
 
 def _absent_section(key: str, title: str) -> html.Div:
-    return html.Div([
-        html.H3(title),
-        html.P(f"not recorded: this amprobe has no '{key}' report section installed",
-               className="missing", style={"color": "#777"}),
-    ], id=f"{ids.SECTION_PREFIX}{key}", className="section")
+    return html.Div(
+        [
+            html.H3(title),
+            html.P(
+                f"not recorded: this amprobe has no '{key}' report section installed",
+                className="missing",
+                style={"color": "#777"},
+            ),
+        ],
+        id=f"{ids.SECTION_PREFIX}{key}",
+        className="section",
+    )
 
 
 def _steps_text(steps: pd.DataFrame) -> str:
@@ -262,19 +349,28 @@ def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
     notes: list[Any] = []
     if section is not None:
         if section.missing:
-            notes.append(html.P(_missing_text(section.missing), className="missing", style={"color": "#777"}))
+            notes.append(
+                html.P(_missing_text(section.missing), className="missing", style={"color": "#777"})
+            )
         notes.extend(html.P(t) for t in section.text)
     counts = events["event"].value_counts().to_dict() if len(events) else {}
-    summary = (f"{counts.get('growth', 0)} growth, {counts.get('backoff', 0)} backoff event(s)"
-               if len(events) else "no change of the loss scale recorded")
-    return html.Div([
-        *notes,
-        dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
-        html.H4("Growth and backoff events"),
-        html.P(summary),
-        html.Div(build_table("scale changes", events, LOSS_SCALE_TABLE) if len(events) else None,
-                 id=ids.LOSS_SCALE_EVENTS),
-    ])
+    summary = (
+        f"{counts.get('growth', 0)} growth, {counts.get('backoff', 0)} backoff event(s)"
+        if len(events)
+        else "no change of the loss scale recorded"
+    )
+    return html.Div(
+        [
+            *notes,
+            dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
+            html.H4("Growth and backoff events"),
+            html.P(summary),
+            html.Div(
+                build_table("scale changes", events, LOSS_SCALE_TABLE) if len(events) else None,
+                id=ids.LOSS_SCALE_EVENTS,
+            ),
+        ]
+    )
 
 
 def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
@@ -284,66 +380,126 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
     sections = {s.key: s for s in loaded.sections}
     panel_keys = {key for _, key in PANEL_SECTIONS} | {SCALE_SECTION}
     tabs = [
-        dcc.Tab(label="Overview", value="overview", children=html.Div([
-            build_health(diagnosis.health),
-            html.H3("Findings"),
-            html.Div([
-                dcc.Checklist(id=ids.SEVERITY_FILTER, options=list(SEVERITIES), value=list(SEVERITIES),
-                              inline=True, inputStyle={"marginRight": "4px", "marginLeft": "10px"}),
-                dcc.Checklist(id=ids.CATEGORY_FILTER, options=[{"label": lbl, "value": v} for v, lbl in CATEGORIES],
-                              value=[v for v, _ in CATEGORIES], inline=True,
-                              inputStyle={"marginRight": "4px", "marginLeft": "10px"}),
-            ]),
-            html.Div(build_findings(diagnosis.findings), id=ids.FINDINGS),
-            html.Details([
-                html.Summary(f"{len(diagnosis.not_checked)} check(s) not run"),
-                html.Ul([html.Li([html.Code(n.id), f" {n.name}: {n.reason}"]) for n in diagnosis.not_checked]),
-            ], id=ids.NOT_CHECKED),
-        ])),
-        dcc.Tab(label="Loss scale", value="loss-scale", children=build_loss_scale(steps, sections.get(SCALE_SECTION))),
+        dcc.Tab(
+            label="Overview",
+            value="overview",
+            children=html.Div(
+                [
+                    build_health(diagnosis.health),
+                    html.H3("Findings"),
+                    html.Div(
+                        [
+                            dcc.Checklist(
+                                id=ids.SEVERITY_FILTER,
+                                options=list(SEVERITIES),
+                                value=list(SEVERITIES),
+                                inline=True,
+                                inputStyle={"marginRight": "4px", "marginLeft": "10px"},
+                            ),
+                            dcc.Checklist(
+                                id=ids.CATEGORY_FILTER,
+                                options=[{"label": lbl, "value": v} for v, lbl in CATEGORIES],
+                                value=[v for v, _ in CATEGORIES],
+                                inline=True,
+                                inputStyle={"marginRight": "4px", "marginLeft": "10px"},
+                            ),
+                        ]
+                    ),
+                    html.Div(build_findings(diagnosis.findings), id=ids.FINDINGS),
+                    html.Details(
+                        [
+                            html.Summary(f"{len(diagnosis.not_checked)} check(s) not run"),
+                            html.Ul(
+                                [
+                                    html.Li([html.Code(n.id), f" {n.name}: {n.reason}"])
+                                    for n in diagnosis.not_checked
+                                ]
+                            ),
+                        ],
+                        id=ids.NOT_CHECKED,
+                    ),
+                ]
+            ),
+        ),
+        dcc.Tab(
+            label="Loss scale",
+            value="loss-scale",
+            children=build_loss_scale(steps, sections.get(SCALE_SECTION)),
+        ),
     ]
     for label, key in PANEL_SECTIONS:
         body = build_section(sections[key], key) if key in sections else _absent_section(key, label)
         extra = None
         if key == "runtime":
-            extra = html.Div([html.H3("Step time"),
-                              dcc.Graph(figure=make_step_time_figure(steps), id=ids.STEP_TIME_GRAPH)])
+            extra = html.Div(
+                [
+                    html.H3("Step time"),
+                    dcc.Graph(figure=make_step_time_figure(steps), id=ids.STEP_TIME_GRAPH),
+                ]
+            )
         tabs.append(dcc.Tab(label=label, value=key, children=html.Div([extra, body])))
     for key, sec in sections.items():
         if key not in panel_keys:
             tabs.append(dcc.Tab(label=sec.title, value=key, children=build_section(sec, key)))
     warnings = [html.Li(w) for w in run.warnings]
-    return html.Div([
-        dcc.Store(id=ids.RUN_NAME, data=loaded.name),
-        html.H2(loaded.name, id=ids.RUN_TITLE),
-        html.Div([
-            html.Span(build_status(run.status), id=ids.RUN_STATUS),
-            html.Span(_steps_text(steps), id=ids.RUN_STEPS, style={"marginRight": "14px"}),
-            html.Span(f"device: {run.rank_manifest.get('gpu_name') or run.rank_manifest.get('device') or 'not recorded'}",
-                      style={"marginRight": "14px"}),
-            html.Button("Download HTML report", id=ids.EXPORT_BUTTON),
-            html.Span(id=ids.EXPORT_STATUS, style={"marginLeft": "8px", "color": "#777"}),
-            dcc.Download(id=ids.EXPORT_DOWNLOAD),
-        ]),
-        html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"}) if warnings else html.Div(id=ids.RUN_WARNINGS),
-        html.P("live: findings are as of page load; reload to re-run the rules"
-               if run.status == "live" else "", style={"color": "#777"}),
-        dcc.Interval(id=ids.LIVE_INTERVAL, interval=refresh_ms, disabled=run.status != "live"),
-        dcc.Tabs(id=ids.RUN_TABS, value="overview", children=tabs),
-    ])
+    return html.Div(
+        [
+            dcc.Store(id=ids.RUN_NAME, data=loaded.name),
+            html.H2(loaded.name, id=ids.RUN_TITLE),
+            html.Div(
+                [
+                    html.Span(build_status(run.status), id=ids.RUN_STATUS),
+                    html.Span(_steps_text(steps), id=ids.RUN_STEPS, style={"marginRight": "14px"}),
+                    html.Span(
+                        f"device: {run.rank_manifest.get('gpu_name') or run.rank_manifest.get('device') or 'not recorded'}",
+                        style={"marginRight": "14px"},
+                    ),
+                    html.Button("Download HTML report", id=ids.EXPORT_BUTTON),
+                    html.Span(id=ids.EXPORT_STATUS, style={"marginLeft": "8px", "color": "#777"}),
+                    dcc.Download(id=ids.EXPORT_DOWNLOAD),
+                ]
+            ),
+            html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"})
+            if warnings
+            else html.Div(id=ids.RUN_WARNINGS),
+            html.P(
+                "live: findings are as of page load; reload to re-run the rules"
+                if run.status == "live"
+                else "",
+                style={"color": "#777"},
+            ),
+            dcc.Interval(id=ids.LIVE_INTERVAL, interval=refresh_ms, disabled=run.status != "live"),
+            dcc.Tabs(id=ids.RUN_TABS, value="overview", children=tabs),
+        ]
+    )
 
 
 def build_compare_page(names: Sequence[str], a: str | None, b: str | None) -> html.Div:
     """Two runs overlaid; the choices are the runs under ROOT."""
     options = [{"label": n, "value": n} for n in names]
-    return html.Div([
-        html.H2("Compare two runs"),
-        html.Div([
-            dcc.Dropdown(id=ids.COMPARE_A, options=options, value=a if a in names else None,
-                         placeholder="run A (e.g. FP32 baseline)", style={"width": "360px"}),
-            dcc.Dropdown(id=ids.COMPARE_B, options=options, value=b if b in names else None,
-                         placeholder="run B (e.g. AMP)", style={"width": "360px", "marginLeft": "12px"}),
-        ], style={"display": "flex"}),
-        html.P(id=ids.COMPARE_NOTE, style={"color": "#777"}),
-        dcc.Graph(id=ids.COMPARE_GRAPH),
-    ])
+    return html.Div(
+        [
+            html.H2("Compare two runs"),
+            html.Div(
+                [
+                    dcc.Dropdown(
+                        id=ids.COMPARE_A,
+                        options=options,
+                        value=a if a in names else None,
+                        placeholder="run A (e.g. FP32 baseline)",
+                        style={"width": "360px"},
+                    ),
+                    dcc.Dropdown(
+                        id=ids.COMPARE_B,
+                        options=options,
+                        value=b if b in names else None,
+                        placeholder="run B (e.g. AMP)",
+                        style={"width": "360px", "marginLeft": "12px"},
+                    ),
+                ],
+                style={"display": "flex"},
+            ),
+            html.P(id=ids.COMPARE_NOTE, style={"color": "#777"}),
+            dcc.Graph(id=ids.COMPARE_GRAPH),
+        ]
+    )

@@ -12,8 +12,12 @@ class DashMissingError(ImportError):
     """Dash is not installed; the message is one line that says how to install it."""
 
 
-def serve(root: str | os.PathLike[str] = ".", host: str = "127.0.0.1", port: int = 8050,
-          debug: bool = False) -> None:
+def serve(
+    root: str | os.PathLike[str] = ".",
+    host: str = "127.0.0.1",
+    port: int = 8050,
+    debug: bool = False,
+) -> None:
     """Serve the dashboard over the runs under ``root`` until interrupted.
 
     Binds to 127.0.0.1 unless ``host`` says otherwise: runs may hold paths and source lines,
@@ -32,5 +36,8 @@ def serve(root: str | os.PathLike[str] = ".", host: str = "127.0.0.1", port: int
     from dashboard.app import create_app
 
     app = create_app(root)
-    print(f"amprobe dashboard: http://{host}:{port}/ (runs under {os.path.abspath(root)})", file=sys.stderr)
+    print(
+        f"amprobe dashboard: http://{host}:{port}/ (runs under {os.path.abspath(root)})",
+        file=sys.stderr,
+    )
     app.run(host=host, port=port, debug=debug)

@@ -95,7 +95,9 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
         if depth >= max_depth:
             return
         try:
-            children = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+            children = sorted(
+                p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")
+            )
         except OSError:
             return
         for child in children:

@@ -26,12 +26,12 @@ def main() -> None:
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from dashboard import ids
-    from dashboard.app import create_app
-    from dashboard.browser import ServerThread, browser_missing, chromium_driver
     import amprobe
     from amprobe.demo import train
     from amprobe.report import write_report
+    from dashboard import ids
+    from dashboard.app import create_app
+    from dashboard.browser import ServerThread, browser_missing, chromium_driver
 
     missing = browser_missing()
     if missing:
@@ -53,15 +53,23 @@ def main() -> None:
                 driver.save_screenshot(str(HERE / "dashboard.png"))
                 driver.get(server.url + "/run/demo")
                 wait.until(ec.presence_of_element_located((By.ID, ids.RUN_TABS)))
-                driver.find_element(By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']").click()
-                wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"))
+                driver.find_element(
+                    By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']"
+                ).click()
+                wait.until(
+                    lambda d: d.find_elements(
+                        By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"
+                    )
+                )
                 driver.save_screenshot(str(HERE / "dashboard-loss-scale.png"))
             driver.get(report.resolve().as_uri())
             wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".plotly .scatterlayer .trace"))
             driver.save_screenshot(str(HERE / "report.png"))
         finally:
             driver.quit()
-    print(f"wrote {HERE / 'dashboard.png'}, {HERE / 'dashboard-loss-scale.png'} and {HERE / 'report.png'}")
+    print(
+        f"wrote {HERE / 'dashboard.png'}, {HERE / 'dashboard-loss-scale.png'} and {HERE / 'report.png'}"
+    )
 
 
 if __name__ == "__main__":

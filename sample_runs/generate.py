@@ -29,8 +29,15 @@ SCENARIOS: dict[str, tuple[str, dict]] = {
     "misuse": (
         "fp16: clipping before unscale_, a GradScaler rebuilt in the loop, a resume that "
         "does not restore the scaler, and the loss computed in fp16",
-        {"faults": ("clip_before_unscale", "scaler_in_loop", "resume_without_scaler", "half_loss"),
-         "steps": 120},
+        {
+            "faults": (
+                "clip_before_unscale",
+                "scaler_in_loop",
+                "resume_without_scaler",
+                "half_loss",
+            ),
+            "steps": 120,
+        },
     ),
     "bf16": (
         "bf16 autocast with a (needless) GradScaler",
@@ -41,7 +48,9 @@ SCENARIOS: dict[str, tuple[str, dict]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("names", nargs="*", default=sorted(SCENARIOS), help="scenarios to regenerate")
+    parser.add_argument(
+        "names", nargs="*", default=sorted(SCENARIOS), help="scenarios to regenerate"
+    )
     args = parser.parse_args()
     for name in args.names:
         description, kwargs = SCENARIOS[name]
@@ -49,7 +58,9 @@ def main() -> None:
         if target.exists():
             shutil.rmtree(target)
         train(target, device=torch.device("cpu"), config={"flush_every": 50}, **kwargs)
-        (target / "README.txt").write_text(f"{name}: {description}\nRegenerate: python sample_runs/generate.py {name}\n")
+        (target / "README.txt").write_text(
+            f"{name}: {description}\nRegenerate: python sample_runs/generate.py {name}\n"
+        )
         print(f"recorded {target}")
 
 

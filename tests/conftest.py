@@ -12,17 +12,27 @@ def _no_probe_leaks():
     from torch.amp.autocast_mode import autocast
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    watched = [(torch.amp.GradScaler, name) for name in ("__init__", "scale", "unscale_", "step", "update",
-                                                          "load_state_dict")]
-    watched += [(torch.Tensor, "backward"), (torch.optim.Optimizer, "load_state_dict"),
-                (autocast, "__enter__"), (autocast, "__exit__"), (_BaseDataLoaderIter, "__next__")]
+    watched = [
+        (torch.amp.GradScaler, name)
+        for name in ("__init__", "scale", "unscale_", "step", "update", "load_state_dict")
+    ]
+    watched += [
+        (torch.Tensor, "backward"),
+        (torch.optim.Optimizer, "load_state_dict"),
+        (autocast, "__enter__"),
+        (autocast, "__exit__"),
+        (_BaseDataLoaderIter, "__next__"),
+    ]
     before = [getattr(owner, name) for owner, name in watched]
     yield
     probe = amprobe.current_probe()
     if probe is not None:
         probe.close()
-    leaked = [f"{owner.__name__}.{name}" for (owner, name), fn in zip(watched, before, strict=True)
-              if getattr(owner, name) is not fn]
+    leaked = [
+        f"{owner.__name__}.{name}"
+        for (owner, name), fn in zip(watched, before, strict=True)
+        if getattr(owner, name) is not fn
+    ]
     assert not leaked, f"a probe left torch patched: {leaked}"
 
 

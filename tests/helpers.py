@@ -43,14 +43,31 @@ def fake_run(
         rank = e.pop("rank", 0)
         step = e.pop("step", 0)
         kind = e.pop("kind")
-        event_rows.append({"rank": rank, "step": step, "t": 0.0, "kind": kind, "detail": json.dumps(e)})
+        event_rows.append(
+            {"rank": rank, "step": step, "t": 0.0, "kind": kind, "detail": json.dumps(e)}
+        )
     rank_manifest = {"device": "cpu", "bf16_supported": True, **(manifest or {})}
-    infos = [RankInfo(rank=r, path=Path(f"/nonexistent/rank{r}"), manifest=dict(rank_manifest), end={}, status="finished")
-             for r in ranks]
+    infos = [
+        RankInfo(
+            rank=r,
+            path=Path(f"/nonexistent/rank{r}"),
+            manifest=dict(rank_manifest),
+            end={},
+            status="finished",
+        )
+        for r in ranks
+    ]
     built = {"steps": _frame("steps", steps), "events": _frame("events", event_rows)}
     for name, rows in (tables or {}).items():
         built[name] = _frame(name, rows)
-    return Run(path=Path("/nonexistent"), manifest={}, ranks=infos, status="finished", warnings=[], _tables=built)
+    return Run(
+        path=Path("/nonexistent"),
+        manifest={},
+        ranks=infos,
+        status="finished",
+        warnings=[],
+        _tables=built,
+    )
 
 
 class TinyNet(nn.Module):

@@ -20,11 +20,27 @@ def _setup(seed: int = 0, fused: bool = False, lr: float = 1e-2):
     return model, opt
 
 
-def _record(tmp_path, steps, dtype=torch.float16, use_scaler=True, inf_at=(), clip=None,
-            config=None, fused=False, init_scale=1024.0, growth_interval=4):
+def _record(
+    tmp_path,
+    steps,
+    dtype=torch.float16,
+    use_scaler=True,
+    inf_at=(),
+    clip=None,
+    config=None,
+    fused=False,
+    init_scale=1024.0,
+    growth_interval=4,
+):
     model, opt = _setup(fused=fused)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval) if use_scaler else None
-    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run", config=config):
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+        if use_scaler
+        else None
+    )
+    with amprobe.attach(
+        model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run", config=config
+    ):
         losses = train_loop(model, opt, scaler, steps, dtype=dtype, inf_at=inf_at, clip=clip)
     return amprobe.load_run(tmp_path / "run"), model, losses
 
@@ -99,8 +115,13 @@ def test_weights_bit_identical_with_and_without_probe(tmp_path, dtype, inf_at):
         model, opt = _setup(seed=1)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
         if attach:
-            with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "p",
-                                config={"flush_every": 3}):
+            with amprobe.attach(
+                model=model,
+                optimizer=opt,
+                scaler=scaler,
+                run_dir=tmp_path / "p",
+                config={"flush_every": 3},
+            ):
                 train_loop(model, opt, scaler, 15, dtype=dtype, inf_at=inf_at, clip="after_unscale")
         else:
             train_loop(model, opt, scaler, 15, dtype=dtype, inf_at=inf_at, clip="after_unscale")
@@ -240,14 +261,22 @@ def test_one_probe_per_process_and_reuse_of_run_dir(tmp_path):
 
 
 def test_close_is_idempotent_and_restores_torch(tmp_path):
-    originals = (torch.amp.GradScaler.update, torch.amp.GradScaler.step, torch.Tensor.backward,
-                 torch.optim.Optimizer.load_state_dict)
+    originals = (
+        torch.amp.GradScaler.update,
+        torch.amp.GradScaler.step,
+        torch.Tensor.backward,
+        torch.optim.Optimizer.load_state_dict,
+    )
     probe = amprobe.attach(run_dir=tmp_path / "r")
     assert torch.amp.GradScaler.update is not originals[0]
     probe.close()
     probe.close()
-    assert (torch.amp.GradScaler.update, torch.amp.GradScaler.step, torch.Tensor.backward,
-            torch.optim.Optimizer.load_state_dict) == originals
+    assert (
+        torch.amp.GradScaler.update,
+        torch.amp.GradScaler.step,
+        torch.Tensor.backward,
+        torch.optim.Optimizer.load_state_dict,
+    ) == originals
     end = json.loads((tmp_path / "r" / "rank0" / "end.json").read_text())
     assert end["status"] == "finished"
 
@@ -267,8 +296,13 @@ def test_manifest_describes_the_process(tmp_path):
 def test_flush_every_bounds_what_is_buffered(tmp_path):
     model, opt = _setup()
     scaler = torch.amp.GradScaler("cpu")
-    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r",
-                           config={"flush_every": 4, "flush_interval_s": 3600})
+    probe = amprobe.attach(
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        run_dir=tmp_path / "r",
+        config={"flush_every": 4, "flush_interval_s": 3600},
+    )
     train_loop(model, opt, scaler, 10)
     # 10 steps, flush every 4: 8 steps on disk before close
     lines = (tmp_path / "r" / "rank0" / "steps.jsonl").read_text().splitlines()
@@ -290,7 +324,9 @@ def test_probe_flush_time_is_not_user_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RunWriter, "flush", slow_flush)
     model, opt = _setup()
-    with amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r", config={"flush_every": 2}):
+    with amprobe.attach(
+        model=model, optimizer=opt, run_dir=tmp_path / "r", config={"flush_every": 2}
+    ):
         train_loop(model, opt, None, 6, dtype=None)
     steps = amprobe.load_run(tmp_path / "r").steps
     assert steps["wall_s"].max() < 0.15, "the probe's own flush was counted as a training step"

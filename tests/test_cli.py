@@ -23,8 +23,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Three short demo runs: planted errors, a warning-only run, and a clean run."""
     root = tmp_path_factory.mktemp("cli-runs")
     made = {}
-    for name, faults, steps in (("faulty", ("overflow", "clip_before_unscale"), 40),
-                                ("half", ("half_loss",), 20), ("clean", (), 20)):
+    for name, faults, steps in (
+        ("faulty", ("overflow", "clip_before_unscale"), 40),
+        ("half", ("half_loss",), 20),
+        ("clean", (), 20),
+    ):
         made[name] = train(root / name, faults=faults, steps=steps).run_dir
     return made
 
@@ -47,6 +50,7 @@ def assert_one_line_error(code: int, err: str, match: str) -> None:
 
 
 # -- bad input ------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def corrupt_run(tmp_path: Path, runs) -> Path:
@@ -71,12 +75,16 @@ def future_run(tmp_path: Path, runs) -> Path:
 
 
 def test_missing_path(capsys, tmp_path):
-    assert_one_line_error(*run_cli(capsys, "diagnose", str(tmp_path / "nope"))[::2], "no such run directory")
+    assert_one_line_error(
+        *run_cli(capsys, "diagnose", str(tmp_path / "nope"))[::2], "no such run directory"
+    )
 
 
 def test_file_path(capsys, tmp_path):
     (tmp_path / "f.txt").write_text("x")
-    code, _, err = run_cli(capsys, "report", str(tmp_path / "f.txt"), "-o", str(tmp_path / "r.html"))
+    code, _, err = run_cli(
+        capsys, "report", str(tmp_path / "f.txt"), "-o", str(tmp_path / "r.html")
+    )
     assert_one_line_error(code, err, "not a directory")
 
 
@@ -99,24 +107,53 @@ def test_future_schema(capsys, future_run):
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        pytest.param(["diagnose", "{run}", "--bogus"], "unrecognized arguments: --bogus", id="unknown-option"),
+        pytest.param(
+            ["diagnose", "{run}", "--bogus"], "unrecognized arguments: --bogus", id="unknown-option"
+        ),
         pytest.param(["frobnicate"], "invalid choice: 'frobnicate'", id="unknown-subcommand"),
         pytest.param([], "required", id="no-subcommand"),
         pytest.param(["diagnose"], "required", id="no-run"),
-        pytest.param(["diagnose", "{run}", "--format", "yaml"], "invalid choice: 'yaml'", id="bad-format"),
-        pytest.param(["diagnose", "{run}", "--fail-on", "info"], "invalid choice: 'info'", id="bad-fail-on"),
-        pytest.param(["diagnose", "{run}", "--threshold", "garbage"], "RULE.NAME=VALUE", id="threshold-syntax"),
-        pytest.param(["diagnose", "{run}", "--threshold", "AMP-N02.warn_below=abc"], "RULE.NAME=VALUE",
-                     id="threshold-value"),
-        pytest.param(["diagnose", "{run}", "--threshold", "AMP-N99.warn_below=0.5"], "unknown rule 'AMP-N99'",
-                     id="threshold-unknown-rule"),
-        pytest.param(["diagnose", "{run}", "--threshold", "AMP-N02.nope=0.5"], "has no threshold 'nope'",
-                     id="threshold-unknown-name"),
+        pytest.param(
+            ["diagnose", "{run}", "--format", "yaml"], "invalid choice: 'yaml'", id="bad-format"
+        ),
+        pytest.param(
+            ["diagnose", "{run}", "--fail-on", "info"], "invalid choice: 'info'", id="bad-fail-on"
+        ),
+        pytest.param(
+            ["diagnose", "{run}", "--threshold", "garbage"],
+            "RULE.NAME=VALUE",
+            id="threshold-syntax",
+        ),
+        pytest.param(
+            ["diagnose", "{run}", "--threshold", "AMP-N02.warn_below=abc"],
+            "RULE.NAME=VALUE",
+            id="threshold-value",
+        ),
+        pytest.param(
+            ["diagnose", "{run}", "--threshold", "AMP-N99.warn_below=0.5"],
+            "unknown rule 'AMP-N99'",
+            id="threshold-unknown-rule",
+        ),
+        pytest.param(
+            ["diagnose", "{run}", "--threshold", "AMP-N02.nope=0.5"],
+            "has no threshold 'nope'",
+            id="threshold-unknown-name",
+        ),
         pytest.param(["report", "{run}"], "required: -o", id="report-without-output"),
-        pytest.param(["report", "{run}", "-o", "{tmp}/r.txt"], "unknown report format '.txt'", id="bad-extension"),
-        pytest.param(["report", "{run}", "-o", "{tmp}/r"], "unknown report format", id="no-extension"),
-        pytest.param(["report", "{run}", "-o", "{tmp}/afile/r.html"], "afile", id="unwritable-output"),
-        pytest.param(["demo", "--steps", "3", "--out", "{tmp}/d"], "at least 10", id="demo-too-few-steps"),
+        pytest.param(
+            ["report", "{run}", "-o", "{tmp}/r.txt"],
+            "unknown report format '.txt'",
+            id="bad-extension",
+        ),
+        pytest.param(
+            ["report", "{run}", "-o", "{tmp}/r"], "unknown report format", id="no-extension"
+        ),
+        pytest.param(
+            ["report", "{run}", "-o", "{tmp}/afile/r.html"], "afile", id="unwritable-output"
+        ),
+        pytest.param(
+            ["demo", "--steps", "3", "--out", "{tmp}/d"], "at least 10", id="demo-too-few-steps"
+        ),
     ],
 )
 def test_bad_arguments_give_one_line(capsys, tmp_path, runs, argv, match):
@@ -132,10 +169,21 @@ def test_bad_input_via_subprocess_has_no_traceback(tmp_path, runs):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("AMPROBE_DEBUG", None)
     bad = tmp_path / "nope"
-    calls = (("amprobe", ["diagnose", str(bad)]),
-             ("amprobe.cli", ["report", str(runs["clean"]), "-o", str(tmp_path / "x.pdf")]))
-    procs = [subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for module, argv in calls]
+    calls = (
+        ("amprobe", ["diagnose", str(bad)]),
+        ("amprobe.cli", ["report", str(runs["clean"]), "-o", str(tmp_path / "x.pdf")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, *argv],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for module, argv in calls
+    ]
     for proc in procs:  # started together: the torch import dominates, and it overlaps
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err
@@ -145,13 +193,17 @@ def test_bad_input_via_subprocess_has_no_traceback(tmp_path, runs):
 
 # -- positive paths -------------------------------------------------------------------------------
 
+
 def test_diagnose_json(capsys, runs):
     code, out, err = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "json")
     assert code == 0 and err == ""
     payload = json.loads(out)
     ids = [f["id"] for f in payload["findings"]]
     assert {"AMP-N02", "AMP-N09"} <= set(ids)
-    assert all(set(f) >= {"id", "severity", "title", "evidence", "fix", "refs"} for f in payload["findings"])
+    assert all(
+        set(f) >= {"id", "severity", "title", "evidence", "fix", "refs"}
+        for f in payload["findings"]
+    )
     assert payload["run"]["status"] == "finished" and payload["run"]["steps"] == 40
     assert isinstance(payload["not_checked"], list)
     assert payload["health"]["scaler_success_rate"]["value"] < 0.9
@@ -177,7 +229,9 @@ def test_diagnose_text_and_markdown(capsys, runs):
     ],
 )
 def test_fail_on_exit_codes(capsys, runs, run, fail_on, expected):
-    argv = ["diagnose", str(runs[run]), "--format", "json"] + (["--fail-on", fail_on] if fail_on else [])
+    argv = ["diagnose", str(runs[run]), "--format", "json"] + (
+        ["--fail-on", fail_on] if fail_on else []
+    )
     code, out, _ = run_cli(capsys, *argv)
     severities = {f["severity"] for f in json.loads(out)["findings"]}
     assert code == expected
@@ -188,8 +242,17 @@ def test_fail_on_exit_codes(capsys, runs, run, fail_on, expected):
 def test_threshold_override_changes_findings(capsys, runs):
     _, out, _ = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "json")
     assert "AMP-N02" in {f["id"] for f in json.loads(out)["findings"]}
-    code, out, _ = run_cli(capsys, "diagnose", str(runs["faulty"]), "--format", "json",
-                           "--threshold", "AMP-N02.warn_below=0", "--threshold", "AMP-N02.error_below=0")
+    code, out, _ = run_cli(
+        capsys,
+        "diagnose",
+        str(runs["faulty"]),
+        "--format",
+        "json",
+        "--threshold",
+        "AMP-N02.warn_below=0",
+        "--threshold",
+        "AMP-N02.error_below=0",
+    )
     assert code == 0 and "AMP-N02" not in {f["id"] for f in json.loads(out)["findings"]}
 
 

@@ -35,13 +35,20 @@ class WellFormedGPT(nn.Module):
     def __init__(self, vocab: int = 1024, d: int = 256, layers: int = 3) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
-        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(idx), is_causal=True,
-                                     mask=nn.Transformer.generate_square_subsequent_mask(idx.shape[1])))
+        return self.head(
+            self.blocks(
+                self.embed(idx),
+                is_causal=True,
+                mask=nn.Transformer.generate_square_subsequent_mask(idx.shape[1]),
+            )
+        )
 
 
 class Elementwise(nn.Module):
@@ -58,15 +65,26 @@ class Elementwise(nn.Module):
         return y
 
 
-def _tokens(vocab: int, batch: int = 4, seq: int = 16) -> Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+def _tokens(
+    vocab: int, batch: int = 4, seq: int = 16
+) -> Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
     def make(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         return idx[:, :-1], idx[:, 1:]
+
     return make
 
 
-def _run(tmp_path, model: nn.Module, make_batch, dtype: torch.dtype | None, scaler: bool = False,
-         steps: int = 3, lm: bool = True, config: dict | None = None):
+def _run(
+    tmp_path,
+    model: nn.Module,
+    make_batch,
+    dtype: torch.dtype | None,
+    scaler: bool = False,
+    steps: int = 3,
+    lm: bool = True,
+    config: dict | None = None,
+):
     torch.manual_seed(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
@@ -126,7 +144,9 @@ def test_scaler_without_autocast_gets_s05(tmp_path):
     assert len(findings["AMP-S05"]) == 1
     ev = findings["AMP-S05"][0].evidence
     assert ev["half_flop_share"] == 0.0
-    assert {m["reason"] for m in ev["fp32_modules"]} == {"outside autocast (no autocast region for its device)"}
+    assert {m["reason"] for m in ev["fp32_modules"]} == {
+        "outside autocast (no autocast region for its device)"
+    }
     assert {m["module"] for m in ev["fp32_modules"]} == {"0", "2"}
     assert "AMP-S04" not in findings  # fp32 on CPU: no Tensor Core alignment to check
 
@@ -223,8 +243,15 @@ def test_capture_schedule_and_limit(tmp_path):
     def batch(g):
         return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
 
-    run = _run(tmp_path, model, batch, torch.bfloat16, lm=False, steps=8,
-               config={"shapes_every": 3, "shapes_captures": 2})
+    run = _run(
+        tmp_path,
+        model,
+        batch,
+        torch.bfloat16,
+        lm=False,
+        steps=8,
+        config={"shapes_every": 3, "shapes_captures": 2},
+    )
     assert sorted(run.table("compute_steps")["step"]) == [1, 4]
     assert sorted(run.table("compute_ops")["step"].unique()) == [1, 4]
     params = run.events_of("model_params")

@@ -11,20 +11,58 @@ from amprobe.rules.peaks import PEAKS, lookup_peak, precision_of
 from tests.helpers import fake_run
 
 
-def op(module: str, m: int, n: int, k: int, dtype: str = "bfloat16", flops: float | None = None,
-       phase: str = "forward", autocast: str = "enabled", opname: str = "addmm", **extra) -> dict:
-    return {"step": 1, "module": module, "op": opname, "phase": phase, "m": m, "n": n, "k": k,
-            "in_dtype": dtype, "out_dtype": dtype, "autocast": autocast, "count": 1,
-            "flops": float(flops if flops is not None else 2 * m * n * k), **extra}
+def op(
+    module: str,
+    m: int,
+    n: int,
+    k: int,
+    dtype: str = "bfloat16",
+    flops: float | None = None,
+    phase: str = "forward",
+    autocast: str = "enabled",
+    opname: str = "addmm",
+    **extra,
+) -> dict:
+    return {
+        "step": 1,
+        "module": module,
+        "op": opname,
+        "phase": phase,
+        "m": m,
+        "n": n,
+        "k": k,
+        "in_dtype": dtype,
+        "out_dtype": dtype,
+        "autocast": autocast,
+        "count": 1,
+        "flops": float(flops if flops is not None else 2 * m * n * k),
+        **extra,
+    }
 
 
 def cstep(flops: float, other_bytes: float, tf32: bool = False) -> dict:
-    return {"step": 1, "matmul_flops": flops, "matmul_ops": 1, "other_ops": 10, "other_bytes": other_bytes,
-            "optimizer_bytes": 0.0, "tf32": tf32, "capture_s": 1.0}
+    return {
+        "step": 1,
+        "matmul_flops": flops,
+        "matmul_ops": 1,
+        "other_ops": 10,
+        "other_bytes": other_bytes,
+        "optimizer_bytes": 0.0,
+        "tf32": tf32,
+        "capture_s": 1.0,
+    }
 
 
-def run_with(ops: list[dict], flops: float | None = None, other_bytes: float = 1e6, params: int = 5_000_000,
-             events: tuple = (), steps: tuple = (), manifest: dict | None = None, tf32: bool = False):
+def run_with(
+    ops: list[dict],
+    flops: float | None = None,
+    other_bytes: float = 1e6,
+    params: int = 5_000_000,
+    events: tuple = (),
+    steps: tuple = (),
+    manifest: dict | None = None,
+    tf32: bool = False,
+):
     total = flops if flops is not None else sum(o["flops"] for o in ops)
     return fake_run(
         steps=steps or [{"step": s, "wall_s": 0.1} for s in range(4)],
@@ -38,32 +76,59 @@ def ids(run) -> list[str]:
     return amprobe.diagnose(run, only=["AMP-S02", "AMP-S04", "AMP-S05"]).ids()
 
 
-@pytest.mark.parametrize(("size", "multiple", "padded"), [(100, 8, 104), (1003, 8, 1008), (256, 8, 256),
-                                                          (250, 4, 252), (100, 16, 112), (1, 8, 8)])
+@pytest.mark.parametrize(
+    ("size", "multiple", "padded"),
+    [(100, 8, 104), (1003, 8, 1008), (256, 8, 256), (250, 4, 252), (100, 16, 112), (1, 8, 8)],
+)
 def test_pad_to(size, multiple, padded):
     assert pad_to(size, multiple) == padded
 
 
-@pytest.mark.parametrize(("dtype", "tf32", "multiple"), [
-    ("float16", False, 8), ("bfloat16", False, 8), ("float32", True, 4), ("float32", False, None),
-    ("float8_e4m3fn", False, 16), ("int8", False, 16), ("float64", False, None),
-])
+@pytest.mark.parametrize(
+    ("dtype", "tf32", "multiple"),
+    [
+        ("float16", False, 8),
+        ("bfloat16", False, 8),
+        ("float32", True, 4),
+        ("float32", False, None),
+        ("float8_e4m3fn", False, 16),
+        ("int8", False, 16),
+        ("float64", False, None),
+    ],
+)
 def test_required_multiple(dtype, tf32, multiple):
     assert required_multiple(dtype, tf32) == multiple
 
 
-@pytest.mark.parametrize(("ops", "expect"), [
-    pytest.param([op("fc", 64, 100, 64), op("head", 64, 1008, 104)], ["AMP-S04"], id="hidden-100"),
-    pytest.param([op("fc", 64, 128, 64), op("head", 64, 1024, 128)], [], id="aligned"),
-    pytest.param([op("fc", 64, 100, 64, dtype="float32")], [], id="fp32-no-tc"),
-    pytest.param([op("fc", 64, 1000, 64, dtype="float8_e4m3fn", opname="_scaled_mm")], ["AMP-S04"], id="fp8-16"),
-    pytest.param([op("fc", 64, 1000, 64)], [], id="bf16-1000-ok"),
-    pytest.param([op("big", 4096, 4096, 4096), op("tiny", 8, 8, 3, flops=1.0)], [], id="below-share"),
-    pytest.param([op("attn", 128, 128, 60, opname="_scaled_dot_product_flash_attention", batch=8)],
-                 ["AMP-S04"], id="head-dim-60"),
-    pytest.param([op("conv", 2048, 30, 27, opname="convolution", cin=3, cout=30, kernel="3x3")],
-                 ["AMP-S04"], id="conv-channels"),
-])
+@pytest.mark.parametrize(
+    ("ops", "expect"),
+    [
+        pytest.param(
+            [op("fc", 64, 100, 64), op("head", 64, 1008, 104)], ["AMP-S04"], id="hidden-100"
+        ),
+        pytest.param([op("fc", 64, 128, 64), op("head", 64, 1024, 128)], [], id="aligned"),
+        pytest.param([op("fc", 64, 100, 64, dtype="float32")], [], id="fp32-no-tc"),
+        pytest.param(
+            [op("fc", 64, 1000, 64, dtype="float8_e4m3fn", opname="_scaled_mm")],
+            ["AMP-S04"],
+            id="fp8-16",
+        ),
+        pytest.param([op("fc", 64, 1000, 64)], [], id="bf16-1000-ok"),
+        pytest.param(
+            [op("big", 4096, 4096, 4096), op("tiny", 8, 8, 3, flops=1.0)], [], id="below-share"
+        ),
+        pytest.param(
+            [op("attn", 128, 128, 60, opname="_scaled_dot_product_flash_attention", batch=8)],
+            ["AMP-S04"],
+            id="head-dim-60",
+        ),
+        pytest.param(
+            [op("conv", 2048, 30, 27, opname="convolution", cin=3, cout=30, kernel="3x3")],
+            ["AMP-S04"],
+            id="conv-channels",
+        ),
+    ],
+)
 def test_s04_cases(ops, expect):
     found = [i for i in ids(run_with(ops)) if i == "AMP-S04"]
     assert found == expect
@@ -83,37 +148,72 @@ def test_s04_tile_waste_is_info():
     assert findings[0].evidence["layers"] == [{"module": "fc", "dims": {"96": 128}}]
 
 
-@pytest.mark.parametrize(("flops", "other_bytes", "params", "expect"), [
-    (1e9, 1e10, 5_000_000, ["AMP-S02"]),  # 0.1 FLOP/byte
-    (1e11, 1e9, 5_000_000, []),  # 100 FLOP/byte, big enough
-    (1e11, 1e9, 50_000, ["AMP-S02"]),  # small model
-    (1e11, 1e9, 0, []),  # params not recorded: intensity alone decides
-])
+@pytest.mark.parametrize(
+    ("flops", "other_bytes", "params", "expect"),
+    [
+        (1e9, 1e10, 5_000_000, ["AMP-S02"]),  # 0.1 FLOP/byte
+        (1e11, 1e9, 5_000_000, []),  # 100 FLOP/byte, big enough
+        (1e11, 1e9, 50_000, ["AMP-S02"]),  # small model
+        (1e11, 1e9, 0, []),  # params not recorded: intensity alone decides
+    ],
+)
 def test_s02_cases(flops, other_bytes, params, expect):
-    assert ids(run_with([op("fc", 256, 256, 256, flops=flops)], other_bytes=other_bytes, params=params)) == expect
+    assert (
+        ids(
+            run_with([op("fc", 256, 256, 256, flops=flops)], other_bytes=other_bytes, params=params)
+        )
+        == expect
+    )
 
 
 AMP_EVENTS = ({"kind": "scaler_created", "enabled": True},)
 
 
-@pytest.mark.parametrize(("ops", "events", "expect"), [
-    pytest.param([op("fc", 64, 64, 64, dtype="float32", autocast="outside")], AMP_EVENTS, ["AMP-S05"],
-                 id="scaler-no-autocast"),
-    pytest.param([op("fc", 64, 64, 64, dtype="float32", autocast="outside")], (), [], id="plain-fp32"),
-    pytest.param([op("fc", 64, 64, 64)], AMP_EVENTS, [], id="half"),
-    pytest.param([op("fc", 64, 64, 64, flops=40.0), op("head", 64, 64, 64, dtype="float32", autocast="disabled",
-                                                       flops=60.0)],
-                 ({"kind": "autocast_seen", "enabled": True, "dtype": "bfloat16"},), ["AMP-S05"], id="mostly-fp32"),
-])
+@pytest.mark.parametrize(
+    ("ops", "events", "expect"),
+    [
+        pytest.param(
+            [op("fc", 64, 64, 64, dtype="float32", autocast="outside")],
+            AMP_EVENTS,
+            ["AMP-S05"],
+            id="scaler-no-autocast",
+        ),
+        pytest.param(
+            [op("fc", 64, 64, 64, dtype="float32", autocast="outside")], (), [], id="plain-fp32"
+        ),
+        pytest.param([op("fc", 64, 64, 64)], AMP_EVENTS, [], id="half"),
+        pytest.param(
+            [
+                op("fc", 64, 64, 64, flops=40.0),
+                op("head", 64, 64, 64, dtype="float32", autocast="disabled", flops=60.0),
+            ],
+            ({"kind": "autocast_seen", "enabled": True, "dtype": "bfloat16"},),
+            ["AMP-S05"],
+            id="mostly-fp32",
+        ),
+    ],
+)
 def test_s05_cases(ops, events, expect):
     assert [i for i in ids(run_with(ops, events=events)) if i == "AMP-S05"] == expect
 
 
 def test_s05_names_modules_and_reasons():
-    ops = [op("enc", 64, 64, 64, flops=10.0),
-           op("head", 64, 64, 64, dtype="float32", autocast="disabled", flops=60.0),
-           op("head", 64, 64, 64, dtype="float32", autocast="backward", phase="backward", opname="mm", flops=60.0),
-           op("loss", 64, 64, 64, dtype="float32", autocast="enabled", flops=30.0, opname="mm")]
+    ops = [
+        op("enc", 64, 64, 64, flops=10.0),
+        op("head", 64, 64, 64, dtype="float32", autocast="disabled", flops=60.0),
+        op(
+            "head",
+            64,
+            64,
+            64,
+            dtype="float32",
+            autocast="backward",
+            phase="backward",
+            opname="mm",
+            flops=60.0,
+        ),
+        op("loss", 64, 64, 64, dtype="float32", autocast="enabled", flops=30.0, opname="mm"),
+    ]
     f = amprobe.diagnose(run_with(ops, events=AMP_EVENTS), only=["AMP-S05"]).findings[0]
     mods = {m["module"]: m for m in f.evidence["fp32_modules"]}
     assert mods["head"]["reason"].startswith("autocast disabled")
@@ -123,7 +223,9 @@ def test_s05_names_modules_and_reasons():
 
 
 def test_not_checked_without_compute_data():
-    run = fake_run(steps=[{"step": 0, "wall_s": 0.1}], manifest={"config": {"collectors": ["scaler"]}})
+    run = fake_run(
+        steps=[{"step": 0, "wall_s": 0.1}], manifest={"config": {"collectors": ["scaler"]}}
+    )
     reasons = {n.id: n.reason for n in amprobe.diagnose(run).not_checked}
     for rid in ("AMP-S02", "AMP-S04", "AMP-S05"):
         assert "compute collector was not enabled" in reasons[rid]
@@ -148,9 +250,15 @@ def test_peak_lookup_and_sources():
 
 def test_mfu_with_known_peak_excludes_captured_and_first_step():
     ops = [op("fc", 4096, 4096, 4096, flops=312e12 * 0.05)]  # 50 ms of ideal A100 bf16 time
-    steps = [{"step": 0, "wall_s": 9.0}, {"step": 1, "wall_s": 5.0}, {"step": 2, "wall_s": 0.1},
-             {"step": 3, "wall_s": 0.1}]
-    run = run_with(ops, steps=steps, manifest={"gpu_name": "NVIDIA A100-SXM4-40GB", "device": "cuda:0"})
+    steps = [
+        {"step": 0, "wall_s": 9.0},
+        {"step": 1, "wall_s": 5.0},
+        {"step": 2, "wall_s": 0.1},
+        {"step": 3, "wall_s": 0.1},
+    ]
+    run = run_with(
+        ops, steps=steps, manifest={"gpu_name": "NVIDIA A100-SXM4-40GB", "device": "cuda:0"}
+    )
     mfu = compute_mfu(run)
     assert mfu["value"] == pytest.approx(0.5)
     assert mfu["step_s"] == pytest.approx(0.1)
@@ -168,7 +276,9 @@ def test_mfu_unknown_device_reports_achieved():
 
 
 def test_alignment_frame_shares_and_suggestions():
-    frame = alignment_frame(pd_ops([op("a", 64, 100, 64, flops=25.0), op("b", 64, 64, 64, flops=75.0)]))
+    frame = alignment_frame(
+        pd_ops([op("a", 64, 100, 64, flops=25.0), op("b", 64, 64, 64, flops=75.0)])
+    )
     row = frame.set_index("module").loc["a"]
     assert row["misaligned"] == {"N": 100} and row["suggested"] == {"N": 104}
     assert row["flop_share"] == pytest.approx(0.25)
@@ -180,7 +290,9 @@ def pd_ops(rows):
 
 
 def test_op_table_sorted_by_share():
-    table = make_op_table(pd_ops([op("a", 64, 100, 64, flops=25.0), op("b", 64, 64, 64, flops=75.0)]))
+    table = make_op_table(
+        pd_ops([op("a", 64, 100, 64, flops=25.0), op("b", 64, 64, 64, flops=75.0)])
+    )
     assert list(table["module"]) == ["b", "a"]
     assert list(table["aligned?"]) == ["yes", "no"]
     assert table["suggested size"].iloc[1] == "100 -> 104"
@@ -190,10 +302,15 @@ def test_section_missing_and_present():
     empty = fake_run(steps=[{"step": 0}], manifest={"config": {"collectors": ["scaler"]}})
     sec = build_compute_section(empty, amprobe.diagnose(empty))
     assert sec.missing and "not enabled" in sec.missing
-    run = run_with([op("fc", 64, 100, 64), op("head", 64, 64, 64, dtype="float32", autocast="outside")])
+    run = run_with(
+        [op("fc", 64, 100, 64), op("head", 64, 64, 64, dtype="float32", autocast="outside")]
+    )
     sec = build_compute_section(run, amprobe.diagnose(run))
     assert sec.missing is None
-    assert len(sec.figures) == 1 and {t.name for t in sec.figures[0].data} == {"bfloat16", "float32"}
+    assert len(sec.figures) == 1 and {t.name for t in sec.figures[0].data} == {
+        "bfloat16",
+        "float32",
+    }
     captions = [c for c, _ in sec.tables]
     assert captions[0].startswith("Executed") and "fp32" in captions[1]
     assert "MFU not available" in " ".join(sec.text)

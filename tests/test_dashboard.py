@@ -60,7 +60,11 @@ def find(component: Any, component_id: Any) -> Any:
     if getattr(component, "id", None) == component_id:
         return component
     children = getattr(component, "children", None)
-    return find(children, component_id) if children is not None and not isinstance(children, str) else None
+    return (
+        find(children, component_id)
+        if children is not None and not isinstance(children, str)
+        else None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,7 @@ def ctx(root: Path) -> callbacks.Context:
 
 
 # -- downsampling -------------------------------------------------------------------------
+
 
 def test_minmax_keeps_short_series_whole() -> None:
     assert minmax_indices(np.arange(10.0), 2000).tolist() == list(range(10))
@@ -103,19 +108,34 @@ def test_thin_figure_scatter_and_heatmap() -> None:
     z[1, 4321] = 3.0
     fig = go.Figure([go.Scatter(x=np.arange(50_000), y=y), go.Heatmap(z=z, x=np.arange(5000))])
     thin_figure(fig, max_points=1000, max_columns=500)
-    assert len(fig.data[0].y) <= 1000 and 7.0 in list(fig.data[0].y) and 12_345 in list(fig.data[0].x)
+    assert (
+        len(fig.data[0].y) <= 1000 and 7.0 in list(fig.data[0].y) and 12_345 in list(fig.data[0].x)
+    )
     pooled = np.asarray(fig.data[1].z)
     assert pooled.shape == (3, 500) and pooled.max() == 3.0 and pooled[1].argmax() == 4321 // 10
 
 
 # -- run access ---------------------------------------------------------------------------
 
+
 def test_discover_runs_lists_nested_runs_and_skips_hidden(root: Path) -> None:
     assert discover_runs(root) == ["amp", "group/synthetic"]
 
 
-@pytest.mark.parametrize("name", ["../amp", "/etc", "amp/../../x", "group/../..", "", "not_a_run",
-                                  "a\\..\\b", "missing", "amp\x00"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../amp",
+        "/etc",
+        "amp/../../x",
+        "group/../..",
+        "",
+        "not_a_run",
+        "a\\..\\b",
+        "missing",
+        "amp\x00",
+    ],
+)
 def test_resolve_run_refuses_names_outside_root_or_not_runs(root: Path, name: str) -> None:
     with pytest.raises(RunAccessError):
         resolve_run(root, name)
@@ -139,6 +159,7 @@ def test_resolve_run_accepts_nested_run(root: Path) -> None:
 
 # -- figures ------------------------------------------------------------------------------
 
+
 def test_loss_scale_figure_on_recorded_run(root: Path) -> None:
     steps = amprobe.load_run(root / "amp").steps
     fig = make_loss_scale_figure(steps)
@@ -151,11 +172,16 @@ def test_loss_scale_figure_on_recorded_run(root: Path) -> None:
 
 
 def test_scale_events_from_hand_built_frame() -> None:
-    steps = pd.DataFrame({
-        "rank": [0, 0, 0, 0], "step": [0, 1, 2, 3], "scaler_enabled": [True] * 4,
-        "scale_before": [8.0, 8.0, 4.0, 4.0], "scale_after": [8.0, 4.0, 4.0, 8.0],
-        "skipped": [False, True, False, False],
-    })
+    steps = pd.DataFrame(
+        {
+            "rank": [0, 0, 0, 0],
+            "step": [0, 1, 2, 3],
+            "scaler_enabled": [True] * 4,
+            "scale_before": [8.0, 8.0, 4.0, 4.0],
+            "scale_after": [8.0, 4.0, 4.0, 8.0],
+            "skipped": [False, True, False, False],
+        }
+    )
     events = scale_events(steps)
     assert events[["step", "event"]].values.tolist() == [[1, "backoff"], [3, "growth"]]
 
@@ -183,6 +209,7 @@ def test_compare_figure_overlays_two_runs(root: Path) -> None:
 
 
 # -- callbacks ----------------------------------------------------------------------------
+
 
 def test_run_list_shows_every_run_with_status_and_worst_finding(ctx: callbacks.Context) -> None:
     page = callbacks.render_page(ctx, "/")
@@ -223,24 +250,35 @@ def test_findings_filter_by_severity_and_category(ctx: callbacks.Context) -> Non
     kept = texts(callbacks.filter_findings(ctx, "amp", [severity], ["nan", "speed", "distributed"]))
     assert {f.id for f in findings if f.severity == severity} <= set(kept)
     # an ID can appear at two severities (AMP-S04: warning for misaligned, info for tile waste)
-    only_other = {f.id for f in findings if f.severity != severity} - {f.id for f in findings if f.severity == severity}
+    only_other = {f.id for f in findings if f.severity != severity} - {
+        f.id for f in findings if f.severity == severity
+    }
     assert not only_other & set(kept)
     none = texts(callbacks.filter_findings(ctx, "amp", ["error", "warning", "info"], []))
     assert "No finding matches these filters." in none
-    assert "Cannot open this page" in texts(callbacks.filter_findings(ctx, "../amp", ["error"], ["nan"]))
+    assert "Cannot open this page" in texts(
+        callbacks.filter_findings(ctx, "../amp", ["error"], ["nan"])
+    )
 
 
-def test_section_panels_render_registered_sections_and_missing(monkeypatch: pytest.MonkeyPatch,
-                                                                ctx: callbacks.Context) -> None:
+def test_section_panels_render_registered_sections_and_missing(
+    monkeypatch: pytest.MonkeyPatch, ctx: callbacks.Context
+) -> None:
     from amprobe.report import sections as sections_mod
 
     def numerics(run: Any, diagnosis: Any) -> Any:
         frame = pd.DataFrame({"layer": ["<script>alert(1)</script>"], "overflow": [3]})
-        return sections_mod.Section("numerics", "Numerics", figures=(go.Figure(go.Scatter(y=np.arange(5000.0))),),
-                                    tables=(("offenders", frame),))
+        return sections_mod.Section(
+            "numerics",
+            "Numerics",
+            figures=(go.Figure(go.Scatter(y=np.arange(5000.0))),),
+            tables=(("offenders", frame),),
+        )
 
     def compute(run: Any, diagnosis: Any) -> Any:
-        return sections_mod.Section("compute", "Tensor Cores", missing="no CUDA device: op shapes not traced")
+        return sections_mod.Section(
+            "compute", "Tensor Cores", missing="no CUDA device: op shapes not traced"
+        )
 
     monkeypatch.setitem(sections_mod.SECTIONS, "numerics", (50, numerics))
     monkeypatch.setitem(sections_mod.SECTIONS, "compute", (60, compute))
@@ -248,8 +286,13 @@ def test_section_panels_render_registered_sections_and_missing(monkeypatch: pyte
     graph = find(page, f"{ids.SECTION_PREFIX}numerics-fig0")
     assert len(graph.figure.data[0].y) <= 2000
     body = find(page, {"type": ids.TABLE_BODY, "key": "numerics/0"})
-    assert [td.children for td in body.children[1].children[0].children] == ["<script>alert(1)</script>", "3"]
-    assert "not recorded: no CUDA device: op shapes not traced" in texts(find(page, f"{ids.SECTION_PREFIX}compute"))
+    assert [td.children for td in body.children[1].children[0].children] == [
+        "<script>alert(1)</script>",
+        "3",
+    ]
+    assert "not recorded: no CUDA device: op shapes not traced" in texts(
+        find(page, f"{ids.SECTION_PREFIX}compute")
+    )
 
 
 def test_run_text_is_passed_as_text_never_as_html(tmp_path: Path) -> None:
@@ -282,7 +325,9 @@ def test_live_refresh_reads_only_new_lines(tmp_path: Path) -> None:
     assert update.new_rows == 0 and len(update.steps) == 15
     assert ctx.tail.offsets(path)[0] > first
     with open(tmp_path / "live" / "rank0" / "steps.jsonl", "a") as fh:
-        fh.write(', "t": 1.0, "wall_s": 0.05, "scaler_enabled": true, "scale_before": 8.0, "scale_after": 8.0}\n')
+        fh.write(
+            ', "t": 1.0, "wall_s": 0.05, "scaler_enabled": true, "scale_before": 8.0, "scale_after": 8.0}\n'
+        )
     live.close()
     text, status, fig, _, disabled = callbacks.refresh_live(ctx, 3, "live")
     assert text.startswith("16 steps") and disabled is True and "finished" in texts(status)
@@ -323,11 +368,17 @@ def test_long_tables_are_paged(ctx: callbacks.Context) -> None:
     assert find(page, {"type": ids.TABLE_PAGE, "key": layout.LOSS_SCALE_TABLE}) is not None
     second = callbacks.page_table(ctx, "group/synthetic", layout.LOSS_SCALE_TABLE, 2)
     shown = [int(tr.children[1].children) for tr in second[1].children]
-    assert shown == events["step"].iloc[layout.TABLE_PAGE_ROWS: 2 * layout.TABLE_PAGE_ROWS].tolist()
+    assert (
+        shown == events["step"].iloc[layout.TABLE_PAGE_ROWS : 2 * layout.TABLE_PAGE_ROWS].tolist()
+    )
     last = callbacks.page_table(ctx, "group/synthetic", layout.LOSS_SCALE_TABLE, 10_000)
     assert int(last[1].children[-1].children[1].children) == int(events["step"].iloc[-1])
-    assert "Cannot open this page" in texts(callbacks.page_table(ctx, "group/synthetic", "nope/3", 1))
-    assert "Cannot open this page" in texts(callbacks.page_table(ctx, "../x", layout.LOSS_SCALE_TABLE, 1))
+    assert "Cannot open this page" in texts(
+        callbacks.page_table(ctx, "group/synthetic", "nope/3", 1)
+    )
+    assert "Cannot open this page" in texts(
+        callbacks.page_table(ctx, "../x", layout.LOSS_SCALE_TABLE, 1)
+    )
 
 
 def test_export_report_downloads_html(ctx: callbacks.Context) -> None:
@@ -355,16 +406,24 @@ def test_compare_callback(ctx: callbacks.Context) -> None:
     _, note = callbacks.compare_runs(ctx, "amp", "../x")
     assert "not a run" in note
     page = callbacks.render_page(ctx, "/compare", "?a=amp&b=group/synthetic")
-    assert find(page, ids.COMPARE_A).value == "amp" and find(page, ids.COMPARE_B).value == "group/synthetic"
+    assert (
+        find(page, ids.COMPARE_A).value == "amp"
+        and find(page, ids.COMPARE_B).value == "group/synthetic"
+    )
 
 
-def test_scale_section_text_joins_the_loss_scale_tab(monkeypatch: pytest.MonkeyPatch,
-                                                     ctx: callbacks.Context) -> None:
+def test_scale_section_text_joins_the_loss_scale_tab(
+    monkeypatch: pytest.MonkeyPatch, ctx: callbacks.Context
+) -> None:
     from amprobe.report import sections as sections_mod
 
     def scale(run: Any, diagnosis: Any) -> Any:
-        return sections_mod.Section("scale", "Loss scale and loss", figures=(go.Figure(),),
-                                    text=("30 scaled steps: 2 skipped",))
+        return sections_mod.Section(
+            "scale",
+            "Loss scale and loss",
+            figures=(go.Figure(),),
+            text=("30 scaled steps: 2 skipped",),
+        )
 
     monkeypatch.setitem(sections_mod.SECTIONS, "scale", (10, scale))
     page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
@@ -394,7 +453,10 @@ def test_every_sample_run_renders() -> None:
 def test_health_values_are_formatted_or_say_why() -> None:
     assert layout.format_health_value({"value": 0.875, "unit": "%"}) == "87.5 %"
     assert layout.format_health_value({"value": 1.234, "unit": "x"}) == "1.23x"
-    assert layout.format_health_value({"value": None, "note": "not measured: no baseline"}) == "not measured: no baseline"
+    assert (
+        layout.format_health_value({"value": None, "note": "not measured: no baseline"})
+        == "not measured: no baseline"
+    )
 
 
 def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: Path) -> None:
@@ -414,8 +476,9 @@ def test_serve_says_how_to_install_dash(monkeypatch: pytest.MonkeyPatch) -> None
         main.serve(os.getcwd())
 
 
-def test_live_run_is_rediagnosed_at_most_every_live_reload_s(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_run_is_rediagnosed_at_most_every_live_reload_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dashboard.runs as runs_mod
 
     live = SyntheticLiveRun(tmp_path / "live", steps=5)

@@ -59,8 +59,11 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
                 assert "samples/" in listing
 
             # open a run by clicking its link: findings show their IDs
-            link = next(a for a in driver.find_elements(By.CSS_SELECTOR, f"[id^={ids.RUN_LINK_PREFIX}]")
-                        if a.text == "amp")
+            link = next(
+                a
+                for a in driver.find_elements(By.CSS_SELECTOR, f"[id^={ids.RUN_LINK_PREFIX}]")
+                if a.text == "amp"
+            )
             link.click()
             wait.until(ec.text_to_be_present_in_element((By.ID, ids.RUN_TITLE), "amp"))
             findings = driver.find_element(By.ID, ids.FINDINGS).text
@@ -68,17 +71,28 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
                 assert rid in findings
 
             # the loss-scale figure renders (plotly drew its traces)
-            driver.find_element(By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']").click()
-            wait.until(lambda d: len(d.find_elements(
-                By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace")) >= 3)
+            driver.find_element(
+                By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Loss scale']"
+            ).click()
+            wait.until(
+                lambda d: (
+                    len(
+                        d.find_elements(
+                            By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .scatterlayer .trace"
+                        )
+                    )
+                    >= 3
+                )
+            )
             assert driver.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .main-svg")
 
             # a live run gains steps while its page is open
             model = torch.nn.Linear(4, 1)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             scaler = torch.amp.GradScaler("cpu")
-            probe = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "live",
-                                   config={"flush_every": 1})
+            probe = amprobe.attach(
+                model, opt, scaler, run_dir=tmp_path / "live", config={"flush_every": 1}
+            )
 
             def train(n: int) -> None:
                 for _ in range(n):

@@ -30,14 +30,31 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def _steps(rank: int, n: int = 12, scale: float = 1024.0, skipped: tuple[int, ...] = (),
-           wall: float = 0.05, **extra: float) -> list[dict]:
+def _steps(
+    rank: int,
+    n: int = 12,
+    scale: float = 1024.0,
+    skipped: tuple[int, ...] = (),
+    wall: float = 0.05,
+    **extra: float,
+) -> list[dict]:
     rows, s = [], scale
     for i in range(n):
         skip = i in skipped
         after = s / 2 if skip else s
-        rows.append({"rank": rank, "step": i, "wall_s": wall, "scaler_enabled": True, "scale_before": s,
-                     "scale_after": after, "skipped": skip, "found_inf": float(skip), **extra})
+        rows.append(
+            {
+                "rank": rank,
+                "step": i,
+                "wall_s": wall,
+                "scaler_enabled": True,
+                "scale_before": s,
+                "scale_after": after,
+                "skipped": skip,
+                "found_inf": float(skip),
+                **extra,
+            }
+        )
         s = after
     return rows
 
@@ -71,9 +88,15 @@ def test_d01_flags_divergent_ranks(rank_rows, named, synchronized):
 
 def test_d01_evidence_first_steps_and_values():
     rows = _steps(0, skipped=(5,)) + _steps(1)
-    f = next(f for f in amprobe.diagnose(fake_run(ranks=[0, 1], steps=rows)).findings if f.id == "AMP-D01")
+    f = next(
+        f
+        for f in amprobe.diagnose(fake_run(ranks=[0, 1], steps=rows)).findings
+        if f.id == "AMP-D01"
+    )
     assert f.evidence["first_skip_divergent_steps"] == [5]
-    assert f.evidence["first_scale_divergent_steps"][0] == 6  # scale_before differs from the next step on
+    assert (
+        f.evidence["first_scale_divergent_steps"][0] == 6
+    )  # scale_before differs from the next step on
     assert f.evidence["scales_at_first_divergence"] == {0: 512.0, 1: 1024.0}
     assert f.evidence["skipped_at_first_divergence"] == {0: True, 1: False}
 
@@ -88,7 +111,10 @@ def test_d01_silent_when_ranks_agree_and_notes_synchronized_overflow():
 
 
 def test_d01_names_init_scale_difference_in_fix():
-    events = [{"kind": "scaler_created", "rank": r, "init_scale": s} for r, s in ((0, 1024.0), (1, 2048.0))]
+    events = [
+        {"kind": "scaler_created", "rank": r, "init_scale": s}
+        for r, s in ((0, 1024.0), (1, 2048.0))
+    ]
     run = fake_run(ranks=[0, 1], steps=_steps(0, scale=1024) + _steps(1, scale=2048), events=events)
     f = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-D01")
     assert f.evidence["init_scales"] == {0: 1024.0, 1: 2048.0}
@@ -130,8 +156,15 @@ def test_cross_rank_rules_not_checked_on_single_rank():
 
 # -- grouping of per-rank findings and shared helpers --------------------------------------------
 def _finding(rank: int, cuts: int) -> Finding:
-    return Finding("AMP-N01", "scale-backoff", "info", "nan", f"loss scale cut {cuts} time(s) on rank {rank}",
-                   {"rank": rank, "cuts": cuts}, "fix")
+    return Finding(
+        "AMP-N01",
+        "scale-backoff",
+        "info",
+        "nan",
+        f"loss scale cut {cuts} time(s) on rank {rank}",
+        {"rank": rank, "cuts": cuts},
+        "fix",
+    )
 
 
 def test_group_rank_findings_merges_identical_ranks_only():
@@ -159,7 +192,7 @@ def test_longest_run_matches_definition(flags):
     best, start = 0, None
     for i in range(len(flags)):
         for j in range(i, len(flags)):
-            if all(flags[i:j + 1]) and j - i + 1 > best:
+            if all(flags[i : j + 1]) and j - i + 1 > best:
                 best, start = j - i + 1, i * 10
     assert longest_run(series) == (best, start)
 
@@ -196,13 +229,21 @@ def test_amprobe_makes_no_collective_calls():
     for path in (ROOT / "amprobe").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                names = [a.name for a in node.names] + (
+                    [node.module] if isinstance(node, ast.ImportFrom) else []
+                )
                 if any(n and n.startswith("torch.distributed") for n in names) or (
-                        isinstance(node, ast.ImportFrom) and node.module == "torch"
-                        and any(a.name == "distributed" for a in node.names)):
+                    isinstance(node, ast.ImportFrom)
+                    and node.module == "torch"
+                    and any(a.name == "distributed" for a in node.names)
+                ):
                     offenders.append(f"{path.name}:{node.lineno}")
-            elif isinstance(node, ast.Attribute) and node.attr == "distributed" and \
-                    isinstance(node.value, ast.Name) and node.value.id == "torch":
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "distributed"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            ):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
 
@@ -220,7 +261,9 @@ class _RuntimeLike(Collector):
     name = "runtime_like"
 
     def on_step_end(self, step, record):
-        record["data_wait_s"] = torch.tensor(1e-7)  # below any real step time, so the share stays in (0, 1]
+        record["data_wait_s"] = torch.tensor(
+            1e-7
+        )  # below any real step time, so the share stays in (0, 1]
         record["syncs_sampled"] = True
         record["syncs"] = torch.tensor(3)
 
@@ -244,13 +287,26 @@ def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "job7",
-                           config={"prometheus_port": port, "flush_every": 2,
-                                   "collectors": ("scaler", "runtime_like")})
+    probe = amprobe.attach(
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        run_dir=tmp_path / "job7",
+        config={
+            "prometheus_port": port,
+            "flush_every": 2,
+            "collectors": ("scaler", "runtime_like"),
+        },
+    )
     assert "prometheus" in probe.config.collectors  # enabled by setting the port
     train_loop(model, opt, scaler, 6, inf_at=(2,))
-    probe.writer.append("numerics", [{"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
-                                     {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4}])
+    probe.writer.append(
+        "numerics",
+        [
+            {"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
+            {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4},
+        ],
+    )
     probe.writer.append("gpu", [{"t": 0.1, "step": 2, "gpu": 0, "gpu_util": 87.5}])
     probe.writer.flush()
     metrics = _scrape(f"http://127.0.0.1:{port}/metrics")
@@ -276,13 +332,23 @@ def test_prometheus_absent_metrics_are_not_invented(tmp_path):
     port = _free_port()
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r",
-                        config={"prometheus_port": port, "flush_every": 1, "collectors": ("scaler",)}):
+    with amprobe.attach(
+        model=model,
+        optimizer=opt,
+        run_dir=tmp_path / "r",
+        config={"prometheus_port": port, "flush_every": 1, "collectors": ("scaler",)},
+    ):
         train_loop(model, opt, None, 3, dtype=None)
         names = {name for name, _ in _scrape(f"http://127.0.0.1:{port}/metrics")}
     assert "amprobe_steps_total" in names
-    assert not names & {"amprobe_loss_scale", "amprobe_skipped_steps_total", "amprobe_data_wait_share",
-                        "amprobe_syncs_per_step", "amprobe_gpu_utilization_percent", "amprobe_nonfinite_total"}
+    assert not names & {
+        "amprobe_loss_scale",
+        "amprobe_skipped_steps_total",
+        "amprobe_data_wait_share",
+        "amprobe_syncs_per_step",
+        "amprobe_gpu_utilization_percent",
+        "amprobe_nonfinite_total",
+    }
 
 
 def test_prometheus_port_in_use_is_a_config_error(tmp_path):
@@ -295,8 +361,15 @@ def test_prometheus_port_in_use_is_a_config_error(tmp_path):
     assert amprobe.current_probe() is None
 
 
-@pytest.mark.parametrize("bad", [{"prometheus_port": -1}, {"prometheus_port": 70000},
-                                 {"prometheus_port": "9400"}, {"prometheus_host": ""}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"prometheus_port": -1},
+        {"prometheus_port": 70000},
+        {"prometheus_port": "9400"},
+        {"prometheus_host": ""},
+    ],
+)
 def test_prometheus_config_validation(bad):
     with pytest.raises(amprobe.ConfigError, match="prometheus"):
         amprobe.Config(**bad)
@@ -319,11 +392,28 @@ def test_cli_prometheus_port_maps_to_config(monkeypatch):
 # -- 2-rank gloo jobs through `amprobe run -- torchrun` -----------------------------------------
 def _torchrun(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> amprobe.Run:
     out = tmp_path / name
-    cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out), *extra, "--", sys.executable, "-m",
-           "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(SCRIPTS / "ddp_gloo.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "amprobe",
+        "run",
+        "--out",
+        str(out),
+        *extra,
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPTS / "ddp_gloo.py"),
+    ]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = amprobe.load_run(out)
     assert [r.rank for r in run.ranks] == [0, 1]
@@ -344,8 +434,13 @@ def test_torchrun_healthy_two_ranks_give_no_d_finding(tmp_path):
     run = _torchrun(tmp_path, "healthy", {}, "--prometheus-port", str(port))
     diagnosis = amprobe.diagnose(run)
     assert not [f.id for f in diagnosis.findings if f.category == "distributed"]
-    assert {"AMP-D01", "AMP-D02"}.isdisjoint(n.id for n in diagnosis.not_checked)  # both were checked
+    assert {"AMP-D01", "AMP-D02"}.isdisjoint(
+        n.id for n in diagnosis.not_checked
+    )  # both were checked
     # each rank served its own endpoint on port + local rank; the launcher process opened none
     served = sorted((e["rank"], e["port"]) for e in run.events_of("prometheus_serving"))
     assert served == [(0, port), (1, port + 1)]
-    assert json.loads((run.ranks[0].path / "manifest.json").read_text())["config"]["prometheus_port"] == port
+    assert (
+        json.loads((run.ranks[0].path / "manifest.json").read_text())["config"]["prometheus_port"]
+        == port
+    )

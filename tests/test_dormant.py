@@ -42,8 +42,14 @@ def _train_module():
 
 def _cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
-    return subprocess.run([sys.executable, "-m", "amprobe", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "amprobe", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -72,9 +78,26 @@ def _assert_same_weights(a: dict, b: dict) -> None:
 def test_dormant_job_attach_window_detach(tmp_path, capsys):
     run_dir, weights, stop = tmp_path / "run", tmp_path / "w.pt", tmp_path / "stop"
     job = subprocess.Popen(
-        [sys.executable, "-m", "amprobe", "run", "--dormant", "--set", "control_poll_s=0.1", "--out", str(run_dir),
-         "--", sys.executable, str(SCRIPT), str(weights), str(stop)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "amprobe",
+            "run",
+            "--dormant",
+            "--set",
+            "control_poll_s=0.1",
+            "--out",
+            str(run_dir),
+            "--",
+            sys.executable,
+            str(SCRIPT),
+            str(weights),
+            str(stop),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": PACKAGE_PARENT},
     )
     try:
@@ -84,10 +107,15 @@ def test_dormant_job_attach_window_detach(tmp_path, capsys):
         first = _cli("attach", str(run_dir), "--steps", "10", "--wait", "15", cwd=tmp_path)
         assert first.returncode == 0, first.stderr
         assert "recording from step" in first.stdout and "window 1" in first.stdout
-        _wait_for(lambda: _ack(run_dir).get("window") == 1 and not _ack(run_dir).get("recording"), 20,
-                  "the 10-step window to close")
+        _wait_for(
+            lambda: _ack(run_dir).get("window") == 1 and not _ack(run_dir).get("recording"),
+            20,
+            "the 10-step window to close",
+        )
 
-        assert cli_main(["attach", str(run_dir), "--wait", "15"]) == 0  # the same command, in-process
+        assert (
+            cli_main(["attach", str(run_dir), "--wait", "15"]) == 0
+        )  # the same command, in-process
         assert "window 2" in capsys.readouterr().out
         time.sleep(0.3)
         assert cli_main(["detach", str(run_dir), "--wait", "15"]) == 0
@@ -110,7 +138,9 @@ def test_dormant_job_attach_window_detach(tmp_path, capsys):
     assert int(w1["step"].min()) > 0 and int(w2["step"].min()) > int(w1["step"].max())
     assert list(w2["step"]) == list(range(int(w2["step"].min()), int(w2["step"].max()) + 1))
     # scaler data, and true iteration numbers: the script plants an inf when i % 7 == 3
-    assert steps["scale_before"].notna().all() and steps.loc[~steps["skipped"], "loss"].notna().all()
+    assert (
+        steps["scale_before"].notna().all() and steps.loc[~steps["skipped"], "loss"].notna().all()
+    )
     assert set(steps.loc[steps["skipped"], "step"] % 7) == {3}
     assert (steps["skipped"] == (steps["step"] % 7 == 3)).all()
     starts, ends = run.events_of("window_start"), run.events_of("window_end")
@@ -135,8 +165,13 @@ def test_live_attach_to_a_loop_running_in_a_thread(tmp_path):
     worker = threading.Thread(target=train.main, args=(str(weights), str(stop)))
     worker.start()
     try:
-        _wait_for(lambda: any(isinstance(o, torch.amp.GradScaler) for o in find_live_training_objects().scalers),
-                  20, "the training thread to build its scaler")
+        _wait_for(
+            lambda: any(
+                isinstance(o, torch.amp.GradScaler) for o in find_live_training_objects().scalers
+            ),
+            20,
+            "the training thread to build its scaler",
+        )
         time.sleep(0.2)  # a few steps in
         status = tmp_path / "status.json"
         script = tmp_path / "attach.py"
@@ -146,10 +181,15 @@ def test_live_attach_to_a_loop_running_in_a_thread(tmp_path):
         assert outcome["ok"], outcome
         # objects left alive by earlier tests in this process may be found too: the training
         # thread's own model, optimizer and scaler must be among them
-        assert any(m.startswith("Sequential") for m in outcome["models"]) and "SGD" in outcome["optimizers"]
+        assert (
+            any(m.startswith("Sequential") for m in outcome["models"])
+            and "SGD" in outcome["optimizers"]
+        )
         assert outcome["scalers"] >= 1
         probe = amprobe.current_probe()
-        _wait_for(lambda: probe.window == 1 and not probe.recording, 20, "the 6-step window to close")
+        _wait_for(
+            lambda: probe.window == 1 and not probe.recording, 20, "the 6-step window to close"
+        )
     finally:
         stop.touch()
         worker.join(timeout=60)
@@ -188,8 +228,13 @@ print(json.dumps([first, second]))
 sys.exit(7)
 """
     script.write_text(build_remote_script(tmp_path / "out", None, status))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": PACKAGE_PARENT},
+    )
     assert proc.returncode == 7, proc.stderr
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not first["ok"] and "no torch.optim.Optimizer" in first["error"]
@@ -219,8 +264,12 @@ def test_windows_through_the_api_and_collector_contract(tmp_path, monkeypatch):
     _Recorder.calls = []
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    probe = amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r",
-                           config={"dormant": True, "collectors": ("scaler", "recorder")})
+    probe = amprobe.attach(
+        model=model,
+        optimizer=opt,
+        run_dir=tmp_path / "r",
+        config={"dormant": True, "collectors": ("scaler", "recorder")},
+    )
     _loop(model, opt, 3)
     assert probe.step == 3 and not probe.recording and _Recorder.calls == []
     probe.start_recording(steps=2)
@@ -231,8 +280,16 @@ def test_windows_through_the_api_and_collector_contract(tmp_path, monkeypatch):
     probe.stop_recording()
     _loop(model, opt, 2)  # the step in progress (9) is recorded, then recording stops
     probe.close()
-    assert _Recorder.calls == [("recording", True, 4), ("step", 4), ("step", 5), ("recording", False, 6),
-                               ("recording", True, 8), ("step", 8), ("step", 9), ("recording", False, 10)]
+    assert _Recorder.calls == [
+        ("recording", True, 4),
+        ("step", 4),
+        ("step", 5),
+        ("recording", False, 6),
+        ("recording", True, 8),
+        ("step", 8),
+        ("step", 9),
+        ("recording", False, 10),
+    ]
     run = amprobe.load_run(tmp_path / "r")
     assert list(run.steps["step"]) == [4, 5, 8, 9] and list(run.steps["window"]) == [1, 1, 2, 2]
     assert run.steps["opt_steps"].eq(1).all()
@@ -304,13 +361,20 @@ def _python314() -> str | None:
     candidates = [shutil.which(f"python3.{minor}") for minor in range(14, 20)]
     root = Path("/root/.pyenv/versions")
     if root.is_dir():
-        candidates += [str(p / "bin" / "python") for p in sorted(root.iterdir())
-                       if p.name.split(".")[:2] >= ["3", "14"] and p.name.split(".")[1].isdigit()
-                       and int(p.name.split(".")[1]) >= 14]
+        candidates += [
+            str(p / "bin" / "python")
+            for p in sorted(root.iterdir())
+            if p.name.split(".")[:2] >= ["3", "14"]
+            and p.name.split(".")[1].isdigit()
+            and int(p.name.split(".")[1]) >= 14
+        ]
     for candidate in candidates:
         if candidate and Path(candidate).exists():
-            probe = subprocess.run([candidate, "-c", "import sys, torch; print(hasattr(sys, 'remote_exec'))"],
-                                   capture_output=True, text=True)
+            probe = subprocess.run(
+                [candidate, "-c", "import sys, torch; print(hasattr(sys, 'remote_exec'))"],
+                capture_output=True,
+                text=True,
+            )
             if probe.stdout.strip() == "True":
                 return candidate
     return None
@@ -319,16 +383,35 @@ def _python314() -> str | None:
 def test_remote_attach_needs_python_314(tmp_path):
     python = _python314()
     if python is None:
-        pytest.skip("no CPython >= 3.14 with torch installed on this machine: sys.remote_exec (PEP 768) "
-                    "cannot be exercised; the in-process part is tested above")
+        pytest.skip(
+            "no CPython >= 3.14 with torch installed on this machine: sys.remote_exec (PEP 768) "
+            "cannot be exercised; the in-process part is tested above"
+        )
     weights, stop, out = tmp_path / "w.pt", tmp_path / "stop", tmp_path / "rescue"
-    target = subprocess.Popen([python, str(SCRIPT), str(weights), str(stop)],
-                              env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+    target = subprocess.Popen(
+        [python, str(SCRIPT), str(weights), str(stop)],
+        env={**os.environ, "PYTHONPATH": PACKAGE_PARENT},
+    )
     try:
         time.sleep(2)
-        attached = subprocess.run([python, "-m", "amprobe", "attach", "--pid", str(target.pid), "--out", str(out),
-                                   "--steps", "5"], capture_output=True, text=True, timeout=60,
-                                  env={**os.environ, "PYTHONPATH": PACKAGE_PARENT})
+        attached = subprocess.run(
+            [
+                python,
+                "-m",
+                "amprobe",
+                "attach",
+                "--pid",
+                str(target.pid),
+                "--out",
+                str(out),
+                "--steps",
+                "5",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": PACKAGE_PARENT},
+        )
         assert attached.returncode == 0, attached.stderr
         _wait_for(lambda: (out / "rank0" / "steps.jsonl").exists(), 20, "the window to flush")
     finally:

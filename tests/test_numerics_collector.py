@@ -17,7 +17,9 @@ FP16 = torch.float16
 
 def _model(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+    )
 
 
 def _batches(n: int, seed: int = 1) -> list[torch.Tensor]:
@@ -137,7 +139,14 @@ def test_fp16_underflow_without_scaler(tmp_path: Path) -> None:
         out.register_hook(lambda g: grads.append(g.detach().clone()))
 
     handle = model[4].register_forward_hook(keep)
-    run = _train(tmp_path, model, _batches(1), use_scaler=False, loss_factor=1e-3, config={"numerics_every": 1})
+    run = _train(
+        tmp_path,
+        model,
+        _batches(1),
+        use_scaler=False,
+        loss_factor=1e-3,
+        config={"numerics_every": 1},
+    )
     handle.remove()
     (g,) = grads
     assert g.dtype == FP16
@@ -182,7 +191,9 @@ def test_healthy_run_has_no_numerics_findings(tmp_path: Path) -> None:
 
 
 def test_layer_selection_and_sampling(tmp_path: Path) -> None:
-    run = _train(tmp_path, _model(), _batches(5), config={"numerics_every": 2, "numerics_layers": ["4", "0"]})
+    run = _train(
+        tmp_path, _model(), _batches(5), config={"numerics_every": 2, "numerics_layers": ["4", "0"]}
+    )
     table = run.table("numerics")
     assert set(table["module"]) - {"<input 0>[0]"} == {"0", "4"}
     assert sorted(set(table["step"])) == [0, 2, 4]
@@ -226,9 +237,18 @@ def _scalar_reads(tmp_path: Path, probe: bool) -> int:
     scaler = torch.amp.GradScaler("cpu")
     handle = None
     if probe:
-        handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run",
-                                config={"collectors": ["scaler", "numerics"], "numerics_every": 1,
-                                        "flush_every": 1000, "flush_interval_s": 1e6})
+        handle = amprobe.attach(
+            model,
+            opt,
+            scaler,
+            run_dir=tmp_path / "run",
+            config={
+                "collectors": ["scaler", "numerics"],
+                "numerics_every": 1,
+                "flush_every": 1000,
+                "flush_interval_s": 1e6,
+            },
+        )
         numerics = next(c for c in handle.collectors if c.name == "numerics")
         numerics._device = torch.device("meta")  # take the accelerator path: arm only at flush
     counter = _CountScalarReads()
@@ -260,8 +280,13 @@ def test_device_variant(tmp_path: Path, device: torch.device) -> None:
         model[2].weight.fill_(30000.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
-    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run",
-                        config={"collectors": ["scaler", "numerics"], "numerics_every": 1}):
+    with amprobe.attach(
+        model,
+        opt,
+        scaler,
+        run_dir=tmp_path / "run",
+        config={"collectors": ["scaler", "numerics"], "numerics_every": 1},
+    ):
         for x in _batches(2):
             with torch.autocast(device.type, dtype=FP16):
                 loss = model(x.to(device)).float().pow(2).mean()
@@ -273,7 +298,9 @@ def test_device_variant(tmp_path: Path, device: torch.device) -> None:
     assert n05 is not None and n05.evidence["module"] == "2"
 
 
-def test_cuda_arming_reads_a_pinned_flag_once_its_event_has_passed(tmp_path: Path, monkeypatch) -> None:
+def test_cuda_arming_reads_a_pinned_flag_once_its_event_has_passed(
+    tmp_path: Path, monkeypatch
+) -> None:
     """On CUDA the non-finite flag travels by a non-blocking copy; arming waits for its event.
 
     Faked at the narrowest seams: the pinned allocation and ``torch.cuda.Event``.
@@ -292,13 +319,21 @@ def test_cuda_arming_reads_a_pinned_flag_once_its_event_has_passed(tmp_path: Pat
     monkeypatch.setattr(numerics_mod, "_pinned_flag", lambda: torch.zeros((), dtype=torch.bool))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     model = _model()
-    probe = amprobe.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path / "r",
-                           config={"collectors": ["scaler", "numerics"], "numerics_every": 1000})
+    probe = amprobe.attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        run_dir=tmp_path / "r",
+        config={"collectors": ["scaler", "numerics"], "numerics_every": 1000},
+    )
     try:
         collector = next(c for c in probe.collectors if c.name == "numerics")
         collector._device = torch.device("cuda")  # pretend the model lives on a GPU
-        collector._watch_async(7, {"found_inf": torch.tensor(1.0), "input_nonfinite": torch.tensor(0)})
-        collector._watch_async(8, {"found_inf": torch.tensor(0.0), "loss_nonfinite": torch.tensor(False)})
+        collector._watch_async(
+            7, {"found_inf": torch.tensor(1.0), "input_nonfinite": torch.tensor(0)}
+        )
+        collector._watch_async(
+            8, {"found_inf": torch.tensor(0.0), "loss_nonfinite": torch.tensor(False)}
+        )
         collector._poll_in_flight()
         assert collector._armed_until == -1, "nothing is read before the copy has landed"
         FakeEvent.landed = True

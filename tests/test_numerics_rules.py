@@ -19,33 +19,79 @@ FP16_AUTOCAST = {"kind": "autocast_seen", "device": "cpu", "dtype": "float16", "
 def _steps(n: int, overrides: dict[int, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     rows = []
     for i in range(n):
-        row = {"step": i, "scaler_enabled": True, "scale_before": 1024.0, "scale_after": 1024.0,
-               "skipped": False, "found_inf": 0.0, "input_nonfinite": 0, "loss_nonfinite": False,
-               "autocast_dtype": "float16", "loss_dtype": "float32"}
+        row = {
+            "step": i,
+            "scaler_enabled": True,
+            "scale_before": 1024.0,
+            "scale_after": 1024.0,
+            "skipped": False,
+            "found_inf": 0.0,
+            "input_nonfinite": 0,
+            "loss_nonfinite": False,
+            "autocast_dtype": "float16",
+            "loss_dtype": "float32",
+        }
         row.update((overrides or {}).get(i, {}))
         rows.append(row)
     return rows
 
 
-def _row(step: int, module: str, kind: str, module_type: str = "Linear", dtype: str = "float16",
-         order: int = 0, elements: int = 100, nan: int = 0, inf: int = 0, zeros: int = 0,
-         hist: dict[int, int] | None = None, loss_scale: float | None = None, underflow: int = 0,
-         amax: float | None = 1.0, in_nonfinite: int | None = 0) -> dict[str, Any]:
+def _row(
+    step: int,
+    module: str,
+    kind: str,
+    module_type: str = "Linear",
+    dtype: str = "float16",
+    order: int = 0,
+    elements: int = 100,
+    nan: int = 0,
+    inf: int = 0,
+    zeros: int = 0,
+    hist: dict[int, int] | None = None,
+    loss_scale: float | None = None,
+    underflow: int = 0,
+    amax: float | None = 1.0,
+    in_nonfinite: int | None = 0,
+) -> dict[str, Any]:
     hist = hist if hist is not None else {-1: elements - nan - inf - zeros}
     if zeros:
         hist = {**hist, -127: zeros}
     if nan + inf:
         hist = {**hist, 128: nan + inf}
-    return {"step": step, "module": module, "module_type": module_type, "kind": kind, "dtype": dtype,
-            "calls": 1, "order": order, "elements": elements, "zeros": zeros, "nan": nan, "inf": inf,
-            "finite": elements - nan - inf, "over_fp16": 0, "below_normal": 0, "below_subnormal": underflow,
-            "underflow_at_scale": underflow, "loss_scale": loss_scale, "amax": amax,
-            "in_nonfinite": in_nonfinite if kind == "output" else None,
-            "exp_hist": json.dumps({str(k): v for k, v in hist.items()})}
+    return {
+        "step": step,
+        "module": module,
+        "module_type": module_type,
+        "kind": kind,
+        "dtype": dtype,
+        "calls": 1,
+        "order": order,
+        "elements": elements,
+        "zeros": zeros,
+        "nan": nan,
+        "inf": inf,
+        "finite": elements - nan - inf,
+        "over_fp16": 0,
+        "below_normal": 0,
+        "below_subnormal": underflow,
+        "underflow_at_scale": underflow,
+        "loss_scale": loss_scale,
+        "amax": amax,
+        "in_nonfinite": in_nonfinite if kind == "output" else None,
+        "exp_hist": json.dumps({str(k): v for k, v in hist.items()}),
+    }
 
 
-def _offender(step: int, kind: str, module: str, module_type: str = "Linear", **detail: Any) -> dict[str, Any]:
-    return {"step": step, "kind": kind, "module": module, "module_type": module_type, "detail": json.dumps(detail)}
+def _offender(
+    step: int, kind: str, module: str, module_type: str = "Linear", **detail: Any
+) -> dict[str, Any]:
+    return {
+        "step": step,
+        "kind": kind,
+        "module": module,
+        "module_type": module_type,
+        "detail": json.dumps(detail),
+    }
 
 
 def _ids(run) -> set[str]:
@@ -60,7 +106,11 @@ def _get(run, rule_id: str, **kw):
 # -- AMP-N04 -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("bad_steps", "expected"),
-    [({}, None), ({3: {"input_nonfinite": 5}}, [3]), ({1: {"input_nonfinite": 1}, 4: {"input_nonfinite": 2}}, [1, 4])],
+    [
+        ({}, None),
+        ({3: {"input_nonfinite": 5}}, [3]),
+        ({1: {"input_nonfinite": 1}, 4: {"input_nonfinite": 2}}, [1, 4]),
+    ],
 )
 def test_nonfinite_input(bad_steps: dict, expected: list[int] | None) -> None:
     run = fake_run(steps=_steps(6, bad_steps), events=[FP16_AUTOCAST])
@@ -69,7 +119,9 @@ def test_nonfinite_input(bad_steps: dict, expected: list[int] | None) -> None:
         assert finding is None
     else:
         assert finding is not None and finding.evidence["steps"] == expected
-        assert finding.evidence["nonfinite_elements"] == [bad_steps[s]["input_nonfinite"] for s in expected]
+        assert finding.evidence["nonfinite_elements"] == [
+            bad_steps[s]["input_nonfinite"] for s in expected
+        ]
 
 
 def test_nonfinite_input_not_checked_without_collector() -> None:
@@ -81,17 +133,30 @@ def test_nonfinite_input_not_checked_without_collector() -> None:
 
 # -- AMP-N05 -------------------------------------------------------------------------------------
 def _overflow_tables(step: int = 1, module: str = "head", mtype: str = "Linear") -> dict[str, list]:
-    rows = [_row(step, "fc", "output", order=0), _row(step, module, "output", mtype, order=1, inf=7)]
-    return {"numerics": rows, "offenders": [_offender(step, "forward", module, mtype, nan=0, inf=7, elements=100)]}
+    rows = [
+        _row(step, "fc", "output", order=0),
+        _row(step, module, "output", mtype, order=1, inf=7),
+    ]
+    return {
+        "numerics": rows,
+        "offenders": [_offender(step, "forward", module, mtype, nan=0, inf=7, elements=100)],
+    }
 
 
 @pytest.mark.parametrize(
     ("module", "mtype", "role"),
-    [("head", "Linear", "output projection"), ("norm", "LayerNorm", "normalization"),
-     ("emb", "Embedding", "embedding"), ("sm", "Softmax", "softmax"), ("act", "GELU", None)],
+    [
+        ("head", "Linear", "output projection"),
+        ("norm", "LayerNorm", "normalization"),
+        ("emb", "Embedding", "embedding"),
+        ("sm", "Softmax", "softmax"),
+        ("act", "GELU", None),
+    ],
 )
 def test_forward_overflow_names_module_and_role(module: str, mtype: str, role: str | None) -> None:
-    run = fake_run(steps=_steps(3), events=[FP16_AUTOCAST], tables=_overflow_tables(1, module, mtype))
+    run = fake_run(
+        steps=_steps(3), events=[FP16_AUTOCAST], tables=_overflow_tables(1, module, mtype)
+    )
     finding = _get(run, "AMP-N05")
     assert finding is not None
     assert finding.evidence["module"] == module and finding.evidence["step"] == 1
@@ -99,13 +164,19 @@ def test_forward_overflow_names_module_and_role(module: str, mtype: str, role: s
 
 
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
-    run = fake_run(steps=_steps(3, {1: {"input_nonfinite": 3}}), events=[FP16_AUTOCAST], tables=_overflow_tables(1))
+    run = fake_run(
+        steps=_steps(3, {1: {"input_nonfinite": 3}}),
+        events=[FP16_AUTOCAST],
+        tables=_overflow_tables(1),
+    )
     assert _get(run, "AMP-N05") is None
     assert _get(run, "AMP-N04") is not None
 
 
 def test_forward_overflow_absent_without_offenders() -> None:
-    run = fake_run(steps=_steps(3), events=[FP16_AUTOCAST], tables={"numerics": [_row(0, "fc", "output")]})
+    run = fake_run(
+        steps=_steps(3), events=[FP16_AUTOCAST], tables={"numerics": [_row(0, "fc", "output")]}
+    )
     assert "AMP-N05" not in _ids(run)
 
 
@@ -120,10 +191,24 @@ def test_forward_overflow_absent_without_offenders() -> None:
         ("float32", {-10: 100}, 0, 0, 1.0, None),
     ],
 )
-def test_grad_underflow(dtype: str, hist: dict, zeros: int, underflow: int, scale: float, share: float | None) -> None:
+def test_grad_underflow(
+    dtype: str, hist: dict, zeros: int, underflow: int, scale: float, share: float | None
+) -> None:
     elements = sum(hist.values()) + zeros
-    rows = [_row(0, "fc", "grad_param", dtype=dtype, elements=elements, zeros=zeros, hist=hist,
-                 loss_scale=scale, underflow=underflow, amax=2.0**-4)]
+    rows = [
+        _row(
+            0,
+            "fc",
+            "grad_param",
+            dtype=dtype,
+            elements=elements,
+            zeros=zeros,
+            hist=hist,
+            loss_scale=scale,
+            underflow=underflow,
+            amax=2.0**-4,
+        )
+    ]
     run = fake_run(steps=_steps(1), events=[FP16_AUTOCAST], tables={"numerics": rows})
     finding = _get(run, "AMP-N06")
     if share is None:
@@ -137,19 +222,40 @@ def test_grad_underflow(dtype: str, hist: dict, zeros: int, underflow: int, scal
 
 
 def test_grad_underflow_only_for_fp16_runs() -> None:
-    rows = [_row(0, "fc", "grad_param", dtype="float32", hist={-30: 50, -10: 50}, underflow=50, loss_scale=1.0)]
+    rows = [
+        _row(
+            0,
+            "fc",
+            "grad_param",
+            dtype="float32",
+            hist={-30: 50, -10: 50},
+            underflow=50,
+            loss_scale=1.0,
+        )
+    ]
     bf16 = {**FP16_AUTOCAST, "dtype": "bfloat16"}
-    run = fake_run(steps=_steps(1, {0: {"autocast_dtype": "bfloat16"}}), events=[bf16], tables={"numerics": rows})
+    run = fake_run(
+        steps=_steps(1, {0: {"autocast_dtype": "bfloat16"}}),
+        events=[bf16],
+        tables={"numerics": rows},
+    )
     assert "AMP-N06" not in _ids(run)
 
 
 def test_scale_hint_values() -> None:
     import pandas as pd
 
-    frame = pd.DataFrame([
-        {"kind": "grad_param", "step": 0, "amax": 3.0, "loss_scale": 4096.0,
-         "exp_hist": json.dumps({"-40": 10, "-30": 30, "1": 60})},
-    ])
+    frame = pd.DataFrame(
+        [
+            {
+                "kind": "grad_param",
+                "step": 0,
+                "amax": 3.0,
+                "loss_scale": 4096.0,
+                "exp_hist": json.dumps({"-40": 10, "-30": 30, "1": 60}),
+            },
+        ]
+    )
     hint = compute_scale_hint(frame, margin=8.0)
     assert hint is not None
     assert hint["hint_scale"] == 2048.0  # 65504 / 8 / 3 = 2729 -> 2**11
@@ -159,9 +265,11 @@ def test_scale_hint_values() -> None:
 
 # -- AMP-N16 -------------------------------------------------------------------------------------
 def _sensitive_rows(dtype: str) -> list[dict[str, Any]]:
-    return [_row(0, "emb", "output", "Embedding", dtype="float32", order=0),
-            _row(0, "fc", "output", "Linear", dtype=dtype, order=1),
-            _row(0, "head", "output", "Linear", dtype=dtype, order=2)]
+    return [
+        _row(0, "emb", "output", "Embedding", dtype="float32", order=0),
+        _row(0, "fc", "output", "Linear", dtype=dtype, order=1),
+        _row(0, "head", "output", "Linear", dtype=dtype, order=2),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -186,17 +294,35 @@ def _collapse_steps(n: int = 20) -> list[dict[str, Any]]:
     scale = 1024.0
     rows = []
     for i in range(n):
-        rows.append({"step": i, "scaler_enabled": True, "scale_before": scale, "scale_after": scale / 2,
-                     "skipped": True, "found_inf": 1.0, "input_nonfinite": 0, "autocast_dtype": "float16"})
+        rows.append(
+            {
+                "step": i,
+                "scaler_enabled": True,
+                "scale_before": scale,
+                "scale_after": scale / 2,
+                "skipped": True,
+                "found_inf": 1.0,
+                "input_nonfinite": 0,
+                "autocast_dtype": "float16",
+            }
+        )
         scale /= 2
     return rows
 
 
 def test_scale_collapse_names_offender() -> None:
-    run = fake_run(steps=_collapse_steps(), events=[FP16_AUTOCAST], tables=_overflow_tables(2, "norm", "LayerNorm"))
+    run = fake_run(
+        steps=_collapse_steps(),
+        events=[FP16_AUTOCAST],
+        tables=_overflow_tables(2, "norm", "LayerNorm"),
+    )
     finding = _get(run, "AMP-N03")
     assert finding is not None
-    assert finding.evidence["first_forward_offender"] == {"module": "norm", "module_type": "LayerNorm", "step": 2}
+    assert finding.evidence["first_forward_offender"] == {
+        "module": "norm",
+        "module_type": "LayerNorm",
+        "step": 2,
+    }
     plain = _get(fake_run(steps=_collapse_steps(), events=[FP16_AUTOCAST]), "AMP-N03")
     assert plain is not None and "first_forward_offender" not in plain.evidence
 
@@ -214,8 +340,14 @@ def test_prefer_bf16_per_layer_evidence_and_bad_data() -> None:
 # -- roles and report ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("mtype", "last", "role"),
-    [("RMSNorm", False, "normalization"), ("BatchNorm2d", False, "normalization"), ("CrossEntropyLoss", False, "loss"),
-     ("MultiheadAttention", False, "softmax"), ("Linear", True, "output projection"), ("Linear", False, None)],
+    [
+        ("RMSNorm", False, "normalization"),
+        ("BatchNorm2d", False, "normalization"),
+        ("CrossEntropyLoss", False, "loss"),
+        ("MultiheadAttention", False, "softmax"),
+        ("Linear", True, "output projection"),
+        ("Linear", False, None),
+    ],
 )
 def test_module_role(mtype: str, last: bool, role: str | None) -> None:
     assert module_role(mtype, last) == role
@@ -223,8 +355,18 @@ def test_module_role(mtype: str, last: bool, role: str | None) -> None:
 
 def test_report_section() -> None:
     tables = _overflow_tables(1)
-    tables["numerics"].append(_row(1, "head", "grad_output", hist={-30: 10, -3: 90}, underflow=10, loss_scale=1.0,
-                                   dtype="float32", amax=0.2))
+    tables["numerics"].append(
+        _row(
+            1,
+            "head",
+            "grad_output",
+            hist={-30: 10, -3: 90},
+            underflow=10,
+            loss_scale=1.0,
+            dtype="float32",
+            amax=0.2,
+        )
+    )
     run = fake_run(steps=_steps(3), events=[FP16_AUTOCAST], tables=tables)
     sec = build_numerics_section(run, diagnose(run))
     assert sec.missing is None

@@ -29,20 +29,26 @@ class FakeNvml:
             "nvmlDeviceGetName": b"NVIDIA H100 80GB HBM3",
             "nvmlDeviceGetUUID": "GPU-1234",
             "nvmlDeviceGetUtilizationRates": pynvml.c_nvmlUtilization_t(gpu=37, memory=12),
-            "nvmlDeviceGetMemoryInfo": pynvml.c_nvmlMemory_t(total=80 << 30, free=60 << 30, used=20 << 30),
+            "nvmlDeviceGetMemoryInfo": pynvml.c_nvmlMemory_t(
+                total=80 << 30, free=60 << 30, used=20 << 30
+            ),
             "nvmlDeviceGetPowerUsage": 350_000,
             "nvmlDeviceGetClockInfo": 1980,
             "nvmlDeviceGetTemperature": 61,
-            "nvmlDeviceGetCurrentClocksEventReasons":
-                pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonHwThermalSlowdown,
-            "nvmlGpmQueryDeviceSupport": pynvml.c_nvmlGpmSupport_t(isSupportedDevice=1 if gpm else 0),
+            "nvmlDeviceGetCurrentClocksEventReasons": pynvml.nvmlClocksEventReasonSwPowerCap
+            | pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+            "nvmlGpmQueryDeviceSupport": pynvml.c_nvmlGpmSupport_t(
+                isSupportedDevice=1 if gpm else 0
+            ),
             "nvmlGpmSampleAlloc": None,
             "nvmlGpmSampleGet": None,
             "nvmlGpmSampleFree": None,
         }
         for name, value in values.items():
             monkeypatch.setattr(pynvml, name, self._make(name, value))
-        monkeypatch.setattr(pynvml, "nvmlGpmMetricsGet", self._make("nvmlGpmMetricsGet", None, self._metrics))
+        monkeypatch.setattr(
+            pynvml, "nvmlGpmMetricsGet", self._make("nvmlGpmMetricsGet", None, self._metrics)
+        )
 
     def _make(self, name, value, compute=None):
         def fn(*args):
@@ -61,12 +67,16 @@ class FakeNvml:
             if name == "nvmlGpmSampleGet":
                 return args[1]
             return value
+
         return fn
 
     @staticmethod
     def _metrics(request):
-        fake = {pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 42.5, pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL: 40.0,
-                pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 55.0}
+        fake = {
+            pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: 42.5,
+            pynvml.NVML_GPM_METRIC_HMMA_TENSOR_UTIL: 40.0,
+            pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: 55.0,
+        }
         for i in range(request.numMetrics):
             metric = request.metrics[i]
             if metric.metricId in fake:
@@ -78,7 +88,9 @@ class FakeNvml:
 
 
 def run_sampler(indices=(0,), uuids=(None,), seconds=0.08, hz=200.0, gpm=True):
-    sampler = GpuSampler(list(indices), list(uuids), hz=hz, clock=time.perf_counter, step=lambda: 3, gpm=gpm)
+    sampler = GpuSampler(
+        list(indices), list(uuids), hz=hz, clock=time.perf_counter, step=lambda: 3, gpm=gpm
+    )
     sampler.start()
     time.sleep(seconds)
     sampler.stop()
@@ -103,7 +115,9 @@ def test_sampler_records_every_metric(monkeypatch):
     assert row["tensor_any"] == 42.5 and row["tensor_hmma"] == 40.0 and row["sm_occupancy"] == 55.0
     assert row["tensor_imma"] is None, "a metric NVML did not return stays null"
     assert "tensor_any" not in rows[0], "the first GPM sample only opens the interval"
-    assert notes[0]["status"] == "sampling" and notes[0]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert (
+        notes[0]["status"] == "sampling" and notes[0]["gpus"][0]["name"] == "NVIDIA H100 80GB HBM3"
+    )
     assert fake.calls["nvmlShutdown"] == 1 and fake.calls["nvmlGpmSampleFree"] == 2
     # one batch of NVML calls per sample
     assert fake.calls["nvmlDeviceGetUtilizationRates"] == fake.calls["nvmlDeviceGetPowerUsage"]
@@ -135,12 +149,16 @@ def test_real_library_without_driver_degrades():
         pynvml.nvmlShutdown()
         pytest.skip("an NVIDIA driver is present")
     rows, notes = run_sampler(seconds=0.02)
-    assert rows == [] and notes == [{"status": "not available",
-                                     "reason": "no NVIDIA driver (NVML library not found)"}]
+    assert rows == [] and notes == [
+        {"status": "not available", "reason": "no NVIDIA driver (NVML library not found)"}
+    ]
 
 
 def test_unsupported_metric_stays_null_and_is_reported_once(monkeypatch):
-    FakeNvml(monkeypatch, fail={"nvmlDeviceGetPowerUsage": pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)})
+    FakeNvml(
+        monkeypatch,
+        fail={"nvmlDeviceGetPowerUsage": pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)},
+    )
     rows, notes = run_sampler()
     assert len(rows) >= 3 and all(r["power_w"] is None for r in rows)
     assert all(r["gpu_util"] == 37.0 for r in rows)
@@ -152,7 +170,9 @@ def test_unsupported_metric_stays_null_and_is_reported_once(monkeypatch):
 def test_gpu_lost_stops_sampling_cleanly(monkeypatch):
     lost = pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
     assert isinstance(lost, pynvml.NVMLError_GpuIsLost)
-    fake = FakeNvml(monkeypatch, fail={"nvmlDeviceGetUtilizationRates": lambda n: lost if n >= 3 else None})
+    fake = FakeNvml(
+        monkeypatch, fail={"nvmlDeviceGetUtilizationRates": lambda n: lost if n >= 3 else None}
+    )
     rows, notes = run_sampler(seconds=0.1)
     assert len(rows) == 2
     assert notes[-1]["status"] == "stopped" and "GpuIsLost" in notes[-1]["reason"]
@@ -160,8 +180,10 @@ def test_gpu_lost_stops_sampling_cleanly(monkeypatch):
 
 
 def test_transient_error_gives_null_and_one_note(monkeypatch):
-    FakeNvml(monkeypatch, fail={"nvmlDeviceGetTemperature": lambda n: pynvml.NVMLError_Unknown()
-                                                           if n == 2 else None})
+    FakeNvml(
+        monkeypatch,
+        fail={"nvmlDeviceGetTemperature": lambda n: pynvml.NVMLError_Unknown() if n == 2 else None},
+    )
     rows, notes = run_sampler()
     assert rows[1]["temp_c"] is None and rows[0]["temp_c"] == 61.0 and rows[2]["temp_c"] == 61.0
     assert [n["metric"] for n in notes if n["status"] == "metric error"] == ["temperature"]
@@ -211,7 +233,8 @@ def test_collector_records_sampler_status_in_the_run(tmp_path, monkeypatch):
     run = amprobe.load_run(tmp_path)
     notes = run.events_of("gpu_sampler")
     assert [(n["status"], n["reason"]) for n in notes] == [
-        ("not available", "no NVIDIA driver (NVML library not found)")]
+        ("not available", "no NVIDIA driver (NVML library not found)")
+    ]
     assert run.table("gpu").empty
     not_checked = {n.id: n.reason for n in amprobe.diagnose(run).not_checked}
     assert not_checked["AMP-S07"] == "no NVIDIA driver (NVML library not found)"
@@ -220,7 +243,8 @@ def test_collector_records_sampler_status_in_the_run(tmp_path, monkeypatch):
 def test_sampler_off(tmp_path):
     model = TinyNet()
     opt = __import__("torch").optim.SGD(model.parameters(), lr=0.01)
-    with amprobe.attach(model, opt, run_dir=tmp_path,
-                        config={"collectors": ("runtime",), "gpu_sample_hz": 0}):
+    with amprobe.attach(
+        model, opt, run_dir=tmp_path, config={"collectors": ("runtime",), "gpu_sample_hz": 0}
+    ):
         train_loop(model, opt, None, steps=2, dtype=None)
     assert amprobe.load_run(tmp_path).events_of("gpu_sampler") == []

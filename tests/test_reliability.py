@@ -22,7 +22,9 @@ def _train(tmp_path, attach: bool, config=None, steps=12, dtype=torch.float16):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     inf_at = (4,) if dtype == torch.float16 else ()
     if attach:
-        with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run", config=config):
+        with amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run", config=config
+        ):
             train_loop(model, opt, scaler, steps, dtype=dtype, inf_at=inf_at, clip="after_unscale")
     else:
         train_loop(model, opt, scaler, steps, dtype=dtype, inf_at=inf_at, clip="after_unscale")
@@ -51,8 +53,13 @@ def test_disk_full_mid_run_buffers_then_recovers(tmp_path, monkeypatch):
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
-    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run",
-                           config={"flush_every": 2})
+    probe = amprobe.attach(
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        run_dir=tmp_path / "run",
+        config={"flush_every": 2},
+    )
     train_loop(model, opt, scaler, 6, inf_at=(4,))
     assert disk.failures > 0, "the flushes met the full disk"
     disk.full = False  # space freed: buffered rows are written at the next flush
@@ -70,8 +77,13 @@ def test_disk_full_beyond_budget_counts_what_was_lost(tmp_path, monkeypatch):
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
-    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "run",
-                           config={"flush_every": 1, "max_buffered_rows": 3})
+    probe = amprobe.attach(
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        run_dir=tmp_path / "run",
+        config={"flush_every": 1, "max_buffered_rows": 3},
+    )
     train_loop(model, opt, scaler, 10)  # must not raise although nothing can be written
     disk.full = False
     probe.close()
@@ -79,7 +91,9 @@ def test_disk_full_beyond_budget_counts_what_was_lost(tmp_path, monkeypatch):
     assert list(run.steps["step"]) == [7, 8, 9], "the newest rows within the budget survive"
     end = json.loads((tmp_path / "run" / "rank0" / "end.json").read_text())
     assert end["lost_rows"]["steps"] == 7 and end["lost_steps"] == [0, 6]
-    assert any("7 steps record(s) could not be written (steps 0..6)" in w for w in run.warnings), run.warnings
+    assert any("7 steps record(s) could not be written (steps 0..6)" in w for w in run.warnings), (
+        run.warnings
+    )
     assert any("No space left" in e for e in end["write_errors"])
 
 
@@ -90,8 +104,14 @@ def test_numerics_identical_with_every_collector_enabled(tmp_path, dtype):
     from amprobe.collectors import REGISTRY
 
     every = tuple(name for name in REGISTRY if name != "prometheus")
-    full = {"collectors": every, "flush_every": 3, "numerics_every": 1, "shapes_every": 1,
-            "shapes_captures": 0, "syncs_every": 1}
+    full = {
+        "collectors": every,
+        "flush_every": 3,
+        "numerics_every": 1,
+        "shapes_every": 1,
+        "shapes_captures": 0,
+        "syncs_every": 1,
+    }
     plain, plain_scale = _train(tmp_path / "a", attach=False, dtype=dtype)
     probed, probed_scale = _train(tmp_path / "b", attach=True, config=full, dtype=dtype)
     assert plain_scale == probed_scale
@@ -120,8 +140,13 @@ def test_odd_model_outputs_and_weight_sharing(tmp_path):
     model = OddOutputs()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
-    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r",
-                        config={"collectors": every}):
+    with amprobe.attach(
+        model=model,
+        optimizer=opt,
+        scaler=scaler,
+        run_dir=tmp_path / "r",
+        config={"collectors": every},
+    ):
         for _ in range(4):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(4, 16))["pred"][0].float().pow(2).mean()

@@ -20,11 +20,14 @@ PRECISION_RULES = {"AMP-N11", "AMP-N12", "AMP-N13", "AMP-N14", "AMP-N15"}
 
 
 def test_every_precision_rule_is_covered_here():
-    registered = {rid for rid, spec in REGISTRY.items() if spec.fn.__module__ == precision_rules.__name__}
+    registered = {
+        rid for rid, spec in REGISTRY.items() if spec.fn.__module__ == precision_rules.__name__
+    }
     assert registered == PRECISION_RULES
 
 
 # -- AMP-N11 prefer-bf16 --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("dtype", "bf16_supported", "cuts", "expected"),
@@ -39,8 +42,11 @@ def test_every_precision_rule_is_covered_here():
 )
 def test_n11_prefer_bf16(dtype, bf16_supported, cuts, expected):
     cuts = list(cuts)
-    run = fake_run(steps=scaled_steps(100, cuts=cuts, dtype=dtype), events=[scaler_event()],
-                   manifest={"bf16_supported": bf16_supported, "device": "cpu"})
+    run = fake_run(
+        steps=scaled_steps(100, cuts=cuts, dtype=dtype),
+        events=[scaler_event()],
+        manifest={"bf16_supported": bf16_supported, "device": "cpu"},
+    )
     found = findings_of(diag(run), "AMP-N11")
     if expected is None:
         assert found == []
@@ -54,8 +60,11 @@ def test_n11_prefer_bf16(dtype, bf16_supported, cuts, expected):
 
 
 def test_n11_threshold_override_and_gpu_name():
-    run = fake_run(steps=scaled_steps(100, cuts=[1, 2]), events=[scaler_event()],
-                   manifest={"gpu_name": "NVIDIA A100", "device": "cuda:0"})
+    run = fake_run(
+        steps=scaled_steps(100, cuts=[1, 2]),
+        events=[scaler_event()],
+        manifest={"gpu_name": "NVIDIA A100", "device": "cuda:0"},
+    )
     (f,) = findings_of(diag(run), "AMP-N11")
     assert f.severity == "info" and "A100" in f.title and f.evidence["device"] == "NVIDIA A100"
     (f,) = findings_of(diag(run, {"AMP-N11": {"warn_skip_share": 0.01}}), "AMP-N11")
@@ -76,20 +85,36 @@ def test_n11_not_checked_on_bf16_without_scaler():
 
 # -- AMP-N12 fp16-without-scaler ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("steps", "events", "expect", "disabled"),
     [
         pytest.param(plain_steps(20, dtype="float16"), [], True, 0, id="fp16-no-scaler"),
-        pytest.param(plain_steps(20, dtype="float16"), [scaler_event(enabled=False)], True, 1,
-                     id="fp16-disabled-scaler"),
-        pytest.param(scaled_steps(20, dtype="float16"), [scaler_event()], False, 0, id="fp16-with-scaler"),
+        pytest.param(
+            plain_steps(20, dtype="float16"),
+            [scaler_event(enabled=False)],
+            True,
+            1,
+            id="fp16-disabled-scaler",
+        ),
+        pytest.param(
+            scaled_steps(20, dtype="float16"), [scaler_event()], False, 0, id="fp16-with-scaler"
+        ),
         pytest.param(plain_steps(20, dtype="bfloat16"), [], False, 0, id="bf16-no-scaler"),
-        pytest.param(plain_steps(20, dtype=None),
-                     [{"kind": "autocast_seen", "dtype": "float16", "enabled": True}], True, 0,
-                     id="fp16-from-autocast-event"),
-        pytest.param(plain_steps(20, dtype=None),
-                     [{"kind": "autocast_seen", "dtype": "float16", "enabled": False}], False, 0,
-                     id="disabled-autocast-ignored"),
+        pytest.param(
+            plain_steps(20, dtype=None),
+            [{"kind": "autocast_seen", "dtype": "float16", "enabled": True}],
+            True,
+            0,
+            id="fp16-from-autocast-event",
+        ),
+        pytest.param(
+            plain_steps(20, dtype=None),
+            [{"kind": "autocast_seen", "dtype": "float16", "enabled": False}],
+            False,
+            0,
+            id="disabled-autocast-ignored",
+        ),
     ],
 )
 def test_n12_fp16_without_scaler(steps, events, expect, disabled):
@@ -101,7 +126,9 @@ def test_n12_fp16_without_scaler(steps, events, expect, disabled):
     (f,) = found
     assert f.severity == "warning"
     assert f.evidence["autocast_dtypes"] == ["float16"]
-    assert f.evidence["scalers_seen"] == len(events) - sum(e["kind"] != "scaler_created" for e in events)
+    assert f.evidence["scalers_seen"] == len(events) - sum(
+        e["kind"] != "scaler_created" for e in events
+    )
     assert f.evidence["disabled_scalers"] == disabled
     assert f.evidence["steps"] == 20
     assert ("disabled" in f.title) == bool(disabled)
@@ -113,6 +140,7 @@ def test_n12_not_checked_without_autocast():
 
 
 # -- AMP-N13 half-loss ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("loss_dtypes", "expected_dtype"),
@@ -147,6 +175,7 @@ def test_n13_not_checked_without_loss():
 
 # -- AMP-N14 half-master-weights ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("half", "total", "expect"),
     [
@@ -157,8 +186,13 @@ def test_n13_not_checked_without_loss():
     ],
 )
 def test_n14_half_master_weights(half, total, expect):
-    event = {"kind": "optimizer_seen", "optimizer_class": "SGD", "trainable_params": total,
-             "trainable_half_params": half, "param_dtypes": {"float16": half or 0, "float32": total - (half or 0)}}
+    event = {
+        "kind": "optimizer_seen",
+        "optimizer_class": "SGD",
+        "trainable_params": total,
+        "trainable_half_params": half,
+        "param_dtypes": {"float16": half or 0, "float32": total - (half or 0)},
+    }
     found = findings_of(diag(fake_run(steps=plain_steps(10), events=[event])), "AMP-N14")
     if not expect:
         assert found == []
@@ -172,8 +206,15 @@ def test_n14_half_master_weights(half, total, expect):
 
 
 def test_n14_one_finding_per_optimizer():
-    events = [{"kind": "optimizer_seen", "optimizer_class": c, "trainable_params": 10,
-               "trainable_half_params": h} for c, h in (("SGD", 10), ("Adam", 0), ("AdamW", 3))]
+    events = [
+        {
+            "kind": "optimizer_seen",
+            "optimizer_class": c,
+            "trainable_params": 10,
+            "trainable_half_params": h,
+        }
+        for c, h in (("SGD", 10), ("Adam", 0), ("AdamW", 3))
+    ]
     found = findings_of(diag(fake_run(steps=plain_steps(10), events=events)), "AMP-N14")
     assert sorted(f.evidence["optimizer"] for f in found) == ["AdamW", "SGD"]
 
@@ -183,6 +224,7 @@ def test_n14_not_checked_without_optimizer():
 
 
 # -- AMP-N15 bf16-needless-scaler -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("dtypes", "expect"),

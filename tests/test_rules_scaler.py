@@ -28,11 +28,14 @@ SCALER_RULES = {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N07", "AMP-N08", "AMP-N09"
 
 
 def test_every_scaler_rule_is_covered_here():
-    registered = {rid for rid, spec in REGISTRY.items() if spec.fn.__module__ == scaler_rules.__name__}
+    registered = {
+        rid for rid, spec in REGISTRY.items() if spec.fn.__module__ == scaler_rules.__name__
+    }
     assert registered == SCALER_RULES
 
 
 # -- AMP-N01 scale-backoff ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("n", "cuts", "interval", "expected"),
@@ -45,7 +48,9 @@ def test_every_scaler_rule_is_covered_here():
     ],
 )
 def test_n01_scale_backoff(n, cuts, interval, expected):
-    run = fake_run(steps=scaled_steps(n, cuts=cuts), events=[scaler_event(growth_interval=interval)])
+    run = fake_run(
+        steps=scaled_steps(n, cuts=cuts), events=[scaler_event(growth_interval=interval)]
+    )
     found = findings_of(diag(run), "AMP-N01")
     if expected is None:
         assert found == []
@@ -58,7 +63,9 @@ def test_n01_scale_backoff(n, cuts, interval, expected):
     assert f.evidence["cut_steps"] == sorted(cuts)[:20]
     assert f.evidence["growth_interval"] == interval
     assert f.evidence["calibration_cuts"] == 0
-    assert f.evidence["cuts_per_growth_interval"] == pytest.approx(len(cuts) / (n / interval), abs=1e-3)
+    assert f.evidence["cuts_per_growth_interval"] == pytest.approx(
+        len(cuts) / (n / interval), abs=1e-3
+    )
     afters = [r["scale_after"] for r in scaled_steps(n, cuts=cuts)]
     assert f.evidence["min_scale"] == 65536.0 / 2 ** len(cuts) == min(afters)
     assert f.evidence["max_scale"] == max(afters)
@@ -86,14 +93,18 @@ def test_n01_initial_calibration_is_not_judged(cuts, expected, calibration):
 
 def test_n01_short_run_counts_at_least_one_interval():
     # 2 cuts (not at the start) in 50 steps with interval 2000: 2 per interval, a warning
-    run = fake_run(steps=scaled_steps(50, cuts=[20, 30]), events=[scaler_event(growth_interval=2000)])
+    run = fake_run(
+        steps=scaled_steps(50, cuts=[20, 30]), events=[scaler_event(growth_interval=2000)]
+    )
     (f,) = findings_of(diag(run), "AMP-N01")
     assert f.evidence["cuts_per_growth_interval"] == pytest.approx(2.0)
     assert f.severity == "warning"
 
 
 def test_n01_threshold_override_turns_warning_into_info():
-    run = fake_run(steps=scaled_steps(100, cuts=range(1, 40, 2)), events=[scaler_event(growth_interval=10)])
+    run = fake_run(
+        steps=scaled_steps(100, cuts=range(1, 40, 2)), events=[scaler_event(growth_interval=10)]
+    )
     assert findings_of(diag(run), "AMP-N01")[0].severity == "warning"
     relaxed = diag(run, {"AMP-N01": {"frequent_cuts_per_interval": 5.0}})
     assert findings_of(relaxed, "AMP-N01")[0].severity == "info"
@@ -108,6 +119,7 @@ def test_n01_uses_default_growth_interval_without_scaler_event():
 
 
 # -- AMP-N02 skip-rate ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("n", "skipped", "expected"),
@@ -169,6 +181,7 @@ def test_n02_not_checked_on_bf16_run_without_scaler():
 
 # -- AMP-N03 scale-collapse -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("n", "cuts", "init", "expect", "run_len", "start", "below_at"),
     [
@@ -180,7 +193,9 @@ def test_n02_not_checked_on_bf16_run_without_scaler():
     ],
 )
 def test_n03_scale_collapse(n, cuts, init, expect, run_len, start, below_at):
-    run = fake_run(steps=scaled_steps(n, cuts=cuts, init=init), events=[scaler_event(init_scale=init)])
+    run = fake_run(
+        steps=scaled_steps(n, cuts=cuts, init=init), events=[scaler_event(init_scale=init)]
+    )
     found = findings_of(diag(run), "AMP-N03")
     if not expect:
         assert found == []
@@ -202,6 +217,7 @@ def test_n03_threshold_override():
 
 # -- AMP-N07 scale-chronically-low ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("n", "cuts", "growth", "expect"),
     [
@@ -215,8 +231,10 @@ def test_n03_threshold_override():
 )
 def test_n07_scale_chronically_low(n, cuts, growth, expect):
     interval, init = 10, 65536.0
-    run = fake_run(steps=scaled_steps(n, cuts=cuts, growth=growth, init=init),
-                   events=[scaler_event(growth_interval=interval, init_scale=init)])
+    run = fake_run(
+        steps=scaled_steps(n, cuts=cuts, growth=growth, init=init),
+        events=[scaler_event(growth_interval=interval, init_scale=init)],
+    )
     found = findings_of(diag(run), "AMP-N07")
     if not expect:
         assert found == []
@@ -235,10 +253,16 @@ def test_n07_threshold_override():
     run = fake_run(steps=scaled_steps(50, cuts=range(7)), events=[scaler_event(growth_interval=10)])
     assert findings_of(diag(run), "AMP-N07") == []
     assert findings_of(diag(run, {"AMP-N07": {"below_init_factor": 64}}), "AMP-N07")
-    assert findings_of(diag(run, {"AMP-N07": {"below_init_factor": 64, "min_intervals": 6}}), "AMP-N07") == []
+    assert (
+        findings_of(
+            diag(run, {"AMP-N07": {"below_init_factor": 64, "min_intervals": 6}}), "AMP-N07"
+        )
+        == []
+    )
 
 
 # -- AMP-N08 scaler-recreated ---------------------------------------------------------------------
+
 
 def _resetting_steps(n: int, resets: list[int], init: float = 65536.0) -> list[dict]:
     """A scale cut every step, except that it restarts at ``init`` at the ``resets`` steps."""
@@ -289,6 +313,7 @@ def test_n08_threshold_override():
 
 # -- AMP-N09 clip-before-unscale ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("bad_steps", "expect"),
     [
@@ -301,8 +326,10 @@ def test_n09_clip_before_unscale(bad_steps, expect):
     rows = scaled_steps(30, clip_calls=1, unscale_calls=1)
     for row in rows:
         row["clip_scaled"] = 1 if row["step"] in bad_steps else 0
-    events = [{"kind": "clip_before_unscale", "step": s, "function": "clip_grad_norm_", "site": "t.py:7"}
-              for s in bad_steps]
+    events = [
+        {"kind": "clip_before_unscale", "step": s, "function": "clip_grad_norm_", "site": "t.py:7"}
+        for s in bad_steps
+    ]
     found = findings_of(diag(fake_run(steps=rows, events=events)), "AMP-N09")
     if not expect:
         assert found == []
@@ -333,8 +360,12 @@ def test_n09_also_checked_without_scaler():
 
 # -- AMP-N10 scaler-not-restored ------------------------------------------------------------------
 
-OPT_SEEN = {"kind": "optimizer_seen", "optimizer_class": "AdamW", "trainable_params": 10,
-            "trainable_half_params": 0}
+OPT_SEEN = {
+    "kind": "optimizer_seen",
+    "optimizer_class": "AdamW",
+    "trainable_params": 10,
+    "trainable_half_params": 0,
+}
 
 
 @pytest.mark.parametrize(
@@ -342,10 +373,16 @@ OPT_SEEN = {"kind": "optimizer_seen", "optimizer_class": "AdamW", "trainable_par
     [
         pytest.param([], False, id="fresh-run"),
         pytest.param([{"kind": "optimizer_state_loaded"}], True, id="resume-without-scaler"),
-        pytest.param([{"kind": "optimizer_state_loaded"}, {"kind": "scaler_state_loaded", "empty": True}],
-                     True, id="scaler-loaded-empty-state"),
-        pytest.param([{"kind": "optimizer_state_loaded"}, {"kind": "scaler_state_loaded", "empty": False}],
-                     False, id="resume-with-scaler"),
+        pytest.param(
+            [{"kind": "optimizer_state_loaded"}, {"kind": "scaler_state_loaded", "empty": True}],
+            True,
+            id="scaler-loaded-empty-state",
+        ),
+        pytest.param(
+            [{"kind": "optimizer_state_loaded"}, {"kind": "scaler_state_loaded", "empty": False}],
+            False,
+            id="resume-with-scaler",
+        ),
         pytest.param([{"kind": "scaler_state_loaded", "empty": False}], False, id="scaler-only"),
     ],
 )
@@ -371,6 +408,7 @@ def test_n10_not_checked_without_optimizer():
 
 # -- health: scaler success rate ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(("n", "skipped"), [(10, 0), (40, 3), (7, 7)])
 def test_health_scaler_success_rate(n, skipped):
     run = fake_run(steps=scaled_steps(n, cuts=range(skipped)))
@@ -391,6 +429,7 @@ def test_health_success_rate_without_scaler_or_steps():
 
 
 # -- engine contract ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "overrides",
@@ -426,7 +465,9 @@ def test_a_raising_rule_becomes_not_checked(monkeypatch):
 
     spec = REGISTRY["AMP-N02"]
     monkeypatch.setitem(REGISTRY, "AMP-N02", dataclasses.replace(spec, fn=broken))
-    run = fake_run(steps=scaled_steps(100, cuts=range(0, 40, 2)), events=[scaler_event(growth_interval=10)])
+    run = fake_run(
+        steps=scaled_steps(100, cuts=range(0, 40, 2)), events=[scaler_event(growth_interval=10)]
+    )
     d = amprobe.diagnose(run)
     reasons = not_checked_ids(d)
     assert "KeyError" in reasons["AMP-N02"] and "rule failed" in reasons["AMP-N02"]

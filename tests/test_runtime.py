@@ -34,7 +34,9 @@ class SlowDataset(Dataset):
 def _line(marker: str) -> int:
     """Line number in this file of the source line containing ``marker``."""
     lines, start = inspect.getsourcelines(inspect.getmodule(_line))
-    return next(i for i, text in enumerate(lines, start or 1) if marker in text and "_line(" not in text)
+    return next(
+        i for i, text in enumerate(lines, start or 1) if marker in text and "_line(" not in text
+    )
 
 
 def _model(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -86,12 +88,16 @@ def test_item_calls_give_host_sync_naming_lines(tmp_path):
             opt.zero_grad()
     del log_loss, log_max, positives
     run = amprobe.load_run(tmp_path)
-    assert list(run.steps["syncs"]) == [4, 4, 4, 4], "AdamW counters and GradScaler's check excluded"
+    assert list(run.steps["syncs"]) == [4, 4, 4, 4], (
+        "AdamW counters and GradScaler's check excluded"
+    )
     syncs = run.table("syncs")
     user = syncs[syncs["kind"] == "user"]
     here = __file__
-    expected = {(f"{here}:{_line('SYNC-' + k)}", op) for k, op in
-                (("A", "item"), ("B", "item"), ("C", "item"), ("D", "bool-mask-index"))}
+    expected = {
+        (f"{here}:{_line('SYNC-' + k)}", op)
+        for k, op in (("A", "item"), ("B", "item"), ("C", "item"), ("D", "bool-mask-index"))
+    }
     assert set(zip(user["site"], user["op"], strict=True)) == expected
     assert set(syncs["kind"]) == {"user", "scaler", "optimizer"}
     scaler_rows = syncs[syncs["kind"] == "scaler"]
@@ -122,11 +128,15 @@ def test_nonzero_and_equal_are_counted(tmp_path):
 
 
 def test_clean_loop_is_neither_input_bound_nor_syncing(tmp_path):
-    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
+    model = nn.Sequential(
+        nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = TensorDataset(torch.randn(1024, 128), torch.randn(1024, 8))
     # batched fetches: one __getitem__ per batch, as a fast pipeline would do
-    loader = DataLoader(data, batch_size=None, sampler=BatchSampler(SequentialSampler(data), 256, False))
+    loader = DataLoader(
+        data, batch_size=None, sampler=BatchSampler(SequentialSampler(data), 256, False)
+    )
     with amprobe.attach(model, opt, run_dir=tmp_path, config=RUNTIME):
         for _ in range(2):
             for x, y in loader:
@@ -153,8 +163,9 @@ def test_phase_times_and_probe_time_excluded(tmp_path, monkeypatch):
     model = Sleepy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.register_step_pre_hook(lambda *a: time.sleep(0.01))
-    probe = amprobe.attach(model, opt, run_dir=tmp_path,
-                           config={**RUNTIME, "syncs_every": 0, "flush_every": 1})
+    probe = amprobe.attach(
+        model, opt, run_dir=tmp_path, config={**RUNTIME, "syncs_every": 0, "flush_every": 1}
+    )
     orig_flush = probe.writer.flush
 
     def slow_flush():
@@ -209,8 +220,10 @@ def test_sampling_schedule(tmp_path):
     assert steps["syncs"].dropna().tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("bad", [{"syncs_every": -1}, {"syncs_every": 1.5}, {"gpu_sample_hz": -1},
-                                 {"gpu_sample_hz": "10"}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"syncs_every": -1}, {"syncs_every": 1.5}, {"gpu_sample_hz": -1}, {"gpu_sample_hz": "10"}],
+)
 def test_config_errors(tmp_path, bad):
     with pytest.raises(ConfigError):
         amprobe.attach(run_dir=tmp_path, config={"collectors": ("runtime",), **bad})

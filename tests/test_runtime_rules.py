@@ -19,7 +19,10 @@ def _steps(n, wait, wall=0.1, syncs=None, sampled_every=0):
 
 
 def _gpu(n, util, tensor=None):
-    return [{"t": i * 0.1, "step": i, "gpu": 0, "gpu_util": util, "tensor_any": tensor} for i in range(n)]
+    return [
+        {"t": i * 0.1, "step": i, "gpu": 0, "gpu_util": util, "tensor_any": tensor}
+        for i in range(n)
+    ]
 
 
 NO_DRIVER = [{"kind": "gpu_sampler", "status": "not available", "reason": "no NVIDIA driver"}]
@@ -74,8 +77,18 @@ def test_runtime_rules_not_checked_without_runtime_data():
 @pytest.mark.parametrize("per_step, fires", [(0, False), (3, False), (4, True), (10, True)])
 def test_host_sync_threshold(per_step, fires):
     steps = _steps(10, 0.0, syncs=per_step, sampled_every=3)
-    syncs = [{"step": s["step"], "site": "train.py:12", "op": "item", "kind": "user", "count": per_step,
-              "device": "cuda"} for s in steps if s.get("syncs_sampled")]
+    syncs = [
+        {
+            "step": s["step"],
+            "site": "train.py:12",
+            "op": "item",
+            "kind": "user",
+            "count": per_step,
+            "device": "cuda",
+        }
+        for s in steps
+        if s.get("syncs_sampled")
+    ]
     run = fake_run(steps, events=NO_DRIVER, tables={"syncs": syncs})
     assert ("AMP-S03" in ids(run)) is fires
 
@@ -84,10 +97,37 @@ def test_host_sync_top_sites_order():
     steps = _steps(4, 0.0, syncs=6, sampled_every=1)
     syncs = []
     for s in steps:
-        syncs += [{"step": s["step"], "site": "a.py:1", "op": "item", "kind": "user", "count": 1, "device": "cuda"},
-                  {"step": s["step"], "site": "b.py:9", "op": "to-cpu", "kind": "user", "count": 5, "device": "cuda"},
-                  {"step": s["step"], "site": "a.py:7", "op": "item", "kind": "scaler", "count": 1, "device": "cuda"}]
-    f = next(f for f in amprobe.diagnose(fake_run(steps, tables={"syncs": syncs})).findings if f.id == "AMP-S03")
+        syncs += [
+            {
+                "step": s["step"],
+                "site": "a.py:1",
+                "op": "item",
+                "kind": "user",
+                "count": 1,
+                "device": "cuda",
+            },
+            {
+                "step": s["step"],
+                "site": "b.py:9",
+                "op": "to-cpu",
+                "kind": "user",
+                "count": 5,
+                "device": "cuda",
+            },
+            {
+                "step": s["step"],
+                "site": "a.py:7",
+                "op": "item",
+                "kind": "scaler",
+                "count": 1,
+                "device": "cuda",
+            },
+        ]
+    f = next(
+        f
+        for f in amprobe.diagnose(fake_run(steps, tables={"syncs": syncs})).findings
+        if f.id == "AMP-S03"
+    )
     assert f.evidence["top_sites"] == ["b.py:9 (to-cpu, 5/step)", "a.py:1 (item, 1/step)"]
     assert f.evidence["counted_on"] == "cuda" and "would synchronize" not in f.title
     assert f.evidence["gradscaler_checks_per_step"] == 1.0
@@ -95,21 +135,36 @@ def test_host_sync_top_sites_order():
 
 @pytest.mark.parametrize(
     "tensor, util, dtype, fires",
-    [(0.2, 90.0, "bfloat16", True), (35.0, 90.0, "bfloat16", False), (0.2, 10.0, "bfloat16", False),
-     (0.2, 90.0, None, False)],
+    [
+        (0.2, 90.0, "bfloat16", True),
+        (35.0, 90.0, "bfloat16", False),
+        (0.2, 10.0, "bfloat16", False),
+        (0.2, 90.0, None, False),
+    ],
 )
 def test_tensor_core_idle(tensor, util, dtype, fires):
-    steps = [{**s, "autocast_dtype": dtype, "autocast_device": "cuda" if dtype else None} for s in _steps(8, 0.0)]
+    steps = [
+        {**s, "autocast_dtype": dtype, "autocast_device": "cuda" if dtype else None}
+        for s in _steps(8, 0.0)
+    ]
     run = fake_run(steps, tables={"gpu": _gpu(8, util, tensor)})
     assert ("AMP-S07" in ids(run)) is fires
 
 
 def test_tensor_core_idle_not_checked_without_gpm():
     steps = [{**s, "autocast_dtype": "float16"} for s in _steps(8, 0.0)]
-    run = fake_run(steps, events=[{"kind": "gpu_sampler", "status": "sampling"},
-                                  {"kind": "gpu_sampler", "status": "gpm not available",
-                                   "reason": "GPM is not supported on this GPU (needs Hopper or newer)"}],
-                   tables={"gpu": _gpu(8, 90.0)})
+    run = fake_run(
+        steps,
+        events=[
+            {"kind": "gpu_sampler", "status": "sampling"},
+            {
+                "kind": "gpu_sampler",
+                "status": "gpm not available",
+                "reason": "GPM is not supported on this GPU (needs Hopper or newer)",
+            },
+        ],
+        tables={"gpu": _gpu(8, 90.0)},
+    )
     reasons = {n.id: n.reason for n in amprobe.diagnose(run).not_checked}
     assert reasons["AMP-S07"] == "GPM is not supported on this GPU (needs Hopper or newer)"
 

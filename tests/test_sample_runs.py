@@ -12,9 +12,14 @@ SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
 
 # scenario -> (IDs that must be found, IDs that must not be found)
 EXPECTED = {
-    "healthy": (set(), {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
-    "overflow": ({"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N05", "AMP-N11"},
-                 {"AMP-N04", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}),
+    "healthy": (
+        set(),
+        {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"},
+    ),
+    "overflow": (
+        {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N05", "AMP-N11"},
+        {"AMP-N04", "AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"},
+    ),
     "misuse": ({"AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}, {"AMP-N03", "AMP-N15"}),
     "bf16": ({"AMP-N15"}, {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N11", "AMP-N12"}),
 }

@@ -30,20 +30,45 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _step_row(step: int, **extra) -> dict:
-    return {"step": step, "window": 0, "t": step * 0.5, "wall_s": 0.01, "scaler_enabled": True,
-            "scale_before": 1024.0, "scale_after": 1024.0, "skipped": step % 3 == 0, "opt_steps": 1,
-            "loss": 1.0 / (step + 1), "loss_dtype": "float32", "autocast_dtype": "float16", **extra}
+    return {
+        "step": step,
+        "window": 0,
+        "t": step * 0.5,
+        "wall_s": 0.01,
+        "scaler_enabled": True,
+        "scale_before": 1024.0,
+        "scale_after": 1024.0,
+        "skipped": step % 3 == 0,
+        "opt_steps": 1,
+        "loss": 1.0 / (step + 1),
+        "loss_dtype": "float32",
+        "autocast_dtype": "float16",
+        **extra,
+    }
 
 
-def write_run(root: Path, steps: int = 12, rank: int = 0, world_size: int = 1, close: bool = True,
-              manifest: dict | None = None) -> Path:
+def write_run(
+    root: Path,
+    steps: int = 12,
+    rank: int = 0,
+    world_size: int = 1,
+    close: bool = True,
+    manifest: dict | None = None,
+) -> Path:
     """A run written through the real writer. No pid in the manifest: a missing end marker reads
     as interrupted, not live."""
-    writer = RunWriter(root, rank, world_size, {"device": "cpu", "bf16_supported": True, **(manifest or {})},
-                       max_buffered_rows=10_000)
+    writer = RunWriter(
+        root,
+        rank,
+        world_size,
+        {"device": "cpu", "bf16_supported": True, **(manifest or {})},
+        max_buffered_rows=10_000,
+    )
     half = steps // 2
     writer.append("steps", [_step_row(s) for s in range(half)])
-    writer.append("events", [{"step": 0, "t": 0.0, "kind": "run_start", "detail": json.dumps({"x": 1})}])
+    writer.append(
+        "events", [{"step": 0, "t": 0.0, "kind": "run_start", "detail": json.dumps({"x": 1})}]
+    )
     writer.flush()
     writer.append("steps", [_step_row(s) for s in range(half, steps)])
     writer.flush()
@@ -58,6 +83,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 
 # -- round trip -----------------------------------------------------------------------------------
+
 
 def test_round_trip_types_and_order(run_dir: Path):
     run = load_run(run_dir)
@@ -111,7 +137,9 @@ def test_two_ranks_and_incremental_read(tmp_path: Path):
     first, offset, dropped = read_table(path, "steps")
     assert len(first) == 6 and offset == path.stat().st_size and dropped == 0
     with open(path, "a") as fh:
-        fh.write(json.dumps(_step_row(6)) + "\n" + '{"step": 7, "lo')  # a record still being written
+        fh.write(
+            json.dumps(_step_row(6)) + "\n" + '{"step": 7, "lo'
+        )  # a record still being written
     more, offset2, _ = read_table(path, "steps", offset)
     assert list(more["step"]) == [6]
     with open(path, "a") as fh:
@@ -126,6 +154,7 @@ def test_writer_refuses_to_overwrite(run_dir: Path):
 
 
 # -- damaged run directories ----------------------------------------------------------------------
+
 
 def test_missing_path(tmp_path: Path):
     with pytest.raises(RunLoadError, match="no such run directory"):
@@ -163,8 +192,16 @@ def test_top_manifest_only(run_dir: Path):
         load_run(run_dir)
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"format": "other", "schema_version": 1}',
-                                     '{"format": "amprobe-run"}', ""])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2]",
+        '{"format": "other", "schema_version": 1}',
+        '{"format": "amprobe-run"}',
+        "",
+    ],
+)
 def test_corrupt_top_manifest_partial_load(run_dir: Path, content: str):
     (run_dir / "manifest.json").write_text(content)
     run = load_run(run_dir)
@@ -211,8 +248,17 @@ def test_truncated_last_line_is_ignored(run_dir: Path):
     assert not any("unreadable" in w for w in run.warnings)
 
 
-@pytest.mark.parametrize("garbage", [b"{broken", b"\x00\x01\x02", b"[1,2,3]", b'{"step": "seven"}',
-                                     b'{"step": 1e400}', b"\xff\xfe{}"])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"{broken",
+        b"\x00\x01\x02",
+        b"[1,2,3]",
+        b'{"step": "seven"}',
+        b'{"step": 1e400}',
+        b"\xff\xfe{}",
+    ],
+)
 def test_garbage_line_in_middle_is_dropped_and_counted(run_dir: Path, garbage: bytes):
     path = run_dir / "rank0" / "steps.jsonl"
     lines = path.read_bytes().splitlines(keepends=True)
@@ -238,7 +284,9 @@ def test_missing_end_marker_is_interrupted_with_last_step(run_dir: Path):
 def test_missing_end_marker_with_live_writer_is_live(tmp_path: Path):
     import socket
 
-    root = write_run(tmp_path / "r", close=False, manifest={"pid": os.getpid(), "hostname": socket.gethostname()})
+    root = write_run(
+        tmp_path / "r", close=False, manifest={"pid": os.getpid(), "hostname": socket.gethostname()}
+    )
     assert load_run(root).status == "live"
 
 
@@ -328,11 +376,18 @@ def _assert_every_file_readable(root: Path) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_sigkill_keeps_every_flushed_step(tmp_path: Path):
-    rng = random.Random(20240607)  # reproducible "random" kill points: (flush lines seen, extra delay s)
+    rng = random.Random(
+        20240607
+    )  # reproducible "random" kill points: (flush lines seen, extra delay s)
     kill_after = [(1, 0.0)] + [(rng.randint(1, 8), rng.uniform(0.0, 0.012)) for _ in range(7)]
     roots = [tmp_path / f"run{n}" for n in range(len(kill_after))]
-    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, *map(str, roots)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", FORK_SERVER, *map(str, roots)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 90
 
     def next_line() -> str:
@@ -378,6 +433,7 @@ def test_sigkill_keeps_every_flushed_step(tmp_path: Path):
 
 # -- fuzz -----------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def real_run() -> Path:
     import torch
@@ -389,21 +445,39 @@ def real_run() -> Path:
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=root, config={"flush_every": 4}):
+    with amprobe.attach(
+        model=model, optimizer=opt, scaler=scaler, run_dir=root, config={"flush_every": 4}
+    ):
         train_loop(model, opt, scaler, steps=14, inf_at=(2, 9), clip="before_unscale")
     yield root
     shutil.rmtree(root.parent, ignore_errors=True)
 
 
-FILES = ["manifest.json", "rank0/manifest.json", "rank0/steps.jsonl", "rank0/events.jsonl", "rank0/end.json"]
+FILES = [
+    "manifest.json",
+    "rank0/manifest.json",
+    "rank0/steps.jsonl",
+    "rank0/events.jsonl",
+    "rank0/end.json",
+]
 
 mutation = st.one_of(
-    st.tuples(st.just("flip"), st.sampled_from(FILES),
-              st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8)),
+    st.tuples(
+        st.just("flip"),
+        st.sampled_from(FILES),
+        st.lists(
+            st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+            min_size=1,
+            max_size=8,
+        ),
+    ),
     st.tuples(st.just("truncate"), st.sampled_from(FILES), st.floats(0, 1)),
     st.tuples(st.just("delete"), st.sampled_from(FILES), st.none()),
-    st.tuples(st.just("insert"), st.sampled_from(FILES),
-              st.tuples(st.floats(0, 1), st.binary(min_size=1, max_size=12))),
+    st.tuples(
+        st.just("insert"),
+        st.sampled_from(FILES),
+        st.tuples(st.floats(0, 1), st.binary(min_size=1, max_size=12)),
+    ),
 )
 
 

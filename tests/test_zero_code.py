@@ -16,14 +16,31 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def amprobe_cli(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "amprobe", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "amprobe", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def run_script(tmp_path: Path, mode: str, steps: int = 8, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_script(
+    tmp_path: Path, mode: str, steps: int = 8, *extra: str
+) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / f"run-{mode}"
-    proc = amprobe_cli("run", "--out", str(out), "--", sys.executable, str(SCRIPTS / "train_amp.py"),
-                       mode, str(steps), *extra, cwd=tmp_path)
+    proc = amprobe_cli(
+        "run",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        str(SCRIPTS / "train_amp.py"),
+        mode,
+        str(steps),
+        *extra,
+        cwd=tmp_path,
+    )
     return proc, out
 
 
@@ -79,12 +96,19 @@ def test_dataloader_workers_do_not_write(tmp_path):
 
 
 def test_non_python_command_and_missing_command(tmp_path):
-    proc = amprobe_cli("run", "--out", str(tmp_path / "x"), "--", "sh", "-c", "exit 7", cwd=tmp_path)
+    proc = amprobe_cli(
+        "run", "--out", str(tmp_path / "x"), "--", "sh", "-c", "exit 7", cwd=tmp_path
+    )
     assert proc.returncode == 7
     assert "nothing to diagnose" in proc.stderr
-    proc = amprobe_cli("run", "--out", str(tmp_path / "y"), "--", "no-such-command-xyz", cwd=tmp_path)
+    proc = amprobe_cli(
+        "run", "--out", str(tmp_path / "y"), "--", "no-such-command-xyz", cwd=tmp_path
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "amprobe: error: command not found: no-such-command-xyz"
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "amprobe: error: command not found: no-such-command-xyz"
+    )
     proc = amprobe_cli("run", "--out", str(tmp_path / "z"), cwd=tmp_path)
     assert proc.returncode == 2 and "no command given" in proc.stderr
 
@@ -98,9 +122,22 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_torchrun_two_gloo_ranks(tmp_path):
     out = tmp_path / "ddp"
-    proc = amprobe_cli("run", "--out", str(out), "--", sys.executable, "-m", "torch.distributed.run",
-                       "--nproc_per_node", "2", "--master_port", str(_free_port()), str(SCRIPTS / "ddp_gloo.py"),
-                       cwd=tmp_path, timeout=240)
+    proc = amprobe_cli(
+        "run",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPTS / "ddp_gloo.py"),
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     run = amprobe.load_run(out)
     assert [r.rank for r in run.ranks] == [0, 1]
@@ -110,8 +147,20 @@ def test_torchrun_two_gloo_ranks(tmp_path):
 
 def test_baseline_and_compare(tmp_path):
     out = tmp_path / "ab"
-    proc = amprobe_cli("baseline", "--steps", "12", "--out", str(out), "--", sys.executable,
-                       str(SCRIPTS / "train_amp.py"), "fp16", "40", cwd=tmp_path, timeout=240)
+    proc = amprobe_cli(
+        "baseline",
+        "--steps",
+        "12",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        str(SCRIPTS / "train_amp.py"),
+        "fp16",
+        "40",
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "speedup" in proc.stdout
     fp32, amp = amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp")
@@ -124,9 +173,13 @@ def test_baseline_and_compare(tmp_path):
     assert comparison["speedup"] == pytest.approx(expected)
     # memory: host RSS on a CPU run (the runtime collector records it every step)
     assert comparison["memory_kind"] == "host RSS"
-    assert comparison["memory_ratio"] == pytest.approx(amp.steps["rss_bytes"].max() / fp32.steps["rss_bytes"].max())
+    assert comparison["memory_ratio"] == pytest.approx(
+        amp.steps["rss_bytes"].max() / fp32.steps["rss_bytes"].max()
+    )
     health = amprobe.diagnose(amp).health
     assert health["speedup"]["value"] == pytest.approx(comparison["speedup"])
-    proc = amprobe_cli("compare", str(out / "fp32"), str(out / "amp"), "--format", "json", cwd=tmp_path)
+    proc = amprobe_cli(
+        "compare", str(out / "fp32"), str(out / "amp"), "--format", "json", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["speedup"] == pytest.approx(comparison["speedup"])

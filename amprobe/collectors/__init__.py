@@ -13,7 +13,16 @@ from amprobe.collectors.prometheus import PrometheusCollector
 from amprobe.collectors.runtime import RuntimeCollector
 from amprobe.collectors.scaler import ScalerCollector
 
-__all__ = ["REGISTRY", "Collector", "ComputeCollector", "NumericsCollector", "PrometheusCollector", "RootModelFinder", "RuntimeCollector", "ScalerCollector"]
+__all__ = [
+    "REGISTRY",
+    "Collector",
+    "ComputeCollector",
+    "NumericsCollector",
+    "PrometheusCollector",
+    "RootModelFinder",
+    "RuntimeCollector",
+    "ScalerCollector",
+]
 
 REGISTRY: dict[str, type[Collector]] = {
     "scaler": ScalerCollector,

@@ -35,16 +35,51 @@ __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_di
 #: aten overload packets recorded as matrix multiplies (operands a [.., M, K], b [.., K, N]).
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_addmm_activation", "_scaled_mm"})
 #: aten overload packets recorded as convolutions (forward and backward).
-CONV_OPS = frozenset({"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
-                      "convolution_overrideable"})
+CONV_OPS = frozenset(
+    {
+        "convolution",
+        "_convolution",
+        "convolution_backward",
+        "cudnn_convolution",
+        "convolution_overrideable",
+    }
+)
 # ops that move no data (views, metadata, RNG state, allocation without a write)
-_FREE_OPS = frozenset({
-    "detach", "alias", "lift_fresh", "_unsafe_view", "view", "t", "transpose", "permute",
-    "expand", "as_strided", "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes",
-    "unbind", "_reshape_alias", "empty", "empty_like", "empty_strided", "new_empty",
-    "new_empty_strided", "set_", "sym_size", "sym_stride", "sym_numel", "is_same_size",
-    "_local_scalar_dense", "_to_copy_noop", "record_stream",
-})
+_FREE_OPS = frozenset(
+    {
+        "detach",
+        "alias",
+        "lift_fresh",
+        "_unsafe_view",
+        "view",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "as_strided",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "_reshape_alias",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "set_",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "is_same_size",
+        "_local_scalar_dense",
+        "_to_copy_noop",
+        "record_stream",
+    }
+)
 _BWD_PREFIX = "Backward"
 
 
@@ -83,7 +118,9 @@ def op_dims(name: str, args: tuple[Any, ...]) -> dict[str, Any]:
             groups = args[9]
         elif name != "convolution_backward" and len(args) > 8 and isinstance(args[8], int):
             groups = args[8]
-        transposed = bool(args[7] if name == "convolution_backward" else args[6]) if len(args) > 7 else False
+        transposed = (
+            bool(args[7] if name == "convolution_backward" else args[6]) if len(args) > 7 else False
+        )
         cin = int(x.shape[1])
         cout = int(w.shape[1] * groups if transposed else w.shape[0])
         kernel = [int(s) for s in w.shape[2:]]
@@ -100,14 +137,24 @@ def op_dims(name: str, args: tuple[Any, ...]) -> dict[str, Any]:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         q, k = (tensors[1], tensors[2]) if "backward" in name else (tensors[0], tensors[1])
         if name.startswith(("_flash_attention", "_efficient_attention")):  # [B, S, H, D]
-            return {"batch": int(q.shape[0] * q.shape[2]), "m": int(q.shape[1]), "n": int(k.shape[1]),
-                    "k": int(q.shape[-1])}
-        return {"batch": int(math.prod(q.shape[:-2])), "m": int(q.shape[-2]), "n": int(k.shape[-2]),
-                "k": int(q.shape[-1])}
+            return {
+                "batch": int(q.shape[0] * q.shape[2]),
+                "m": int(q.shape[1]),
+                "n": int(k.shape[1]),
+                "k": int(q.shape[-1]),
+            }
+        return {
+            "batch": int(math.prod(q.shape[:-2])),
+            "m": int(q.shape[-2]),
+            "n": int(k.shape[-2]),
+            "k": int(q.shape[-1]),
+        }
     return {}
 
 
-def _flops(packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> float | None:
+def _flops(
+    packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+) -> float | None:
     """FLOPs of one op from torch's registered formula (SDPA CPU kernels via its SDPA helpers)."""
     formula = flop_counter.flop_registry.get(packet)
     if formula is not None:
@@ -115,7 +162,9 @@ def _flops(packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     if is_attention_op(name):
         shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
         if "backward" in name and len(shapes) >= 4:
-            return float(flop_counter.sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2], shapes[3]))
+            return float(
+                flop_counter.sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2], shapes[3])
+            )
         if len(shapes) >= 3:
             return float(flop_counter.sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
     return None
@@ -183,8 +232,13 @@ class _CaptureMode(TorchDispatchMode):
         super().__init__()
         self.owner = owner
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         try:
@@ -271,8 +325,13 @@ class ComputeCollector(Collector):
             if p.requires_grad:
                 trainable += p.numel()
             dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
-        self.probe.event("model_params", root=type(model).__name__, params=params,
-                         trainable_params=trainable, param_dtypes=dict(dtypes))
+        self.probe.event(
+            "model_params",
+            root=type(model).__name__,
+            params=params,
+            trainable_params=trainable,
+            param_dtypes=dict(dtypes),
+        )
         self._roots.append((weakref.ref(model), type(model).__name__))
         self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
 
@@ -347,23 +406,44 @@ class ComputeCollector(Collector):
         self._captures += 1
         if self._capture_error is not None:
             exc = self._capture_error
-            self.probe.event("compute_capture_error", step=step, error=f"{type(exc).__name__}: {exc}")
+            self.probe.event(
+                "compute_capture_error", step=step, error=f"{type(exc).__name__}: {exc}"
+            )
             return
         total = 0.0
         count = 0
         for key, (n, flops) in self._ops.items():
             module, op, phase, dims, in_dtype, out_dtype, state, ac_dtype = key
-            row = {"_table": "compute_ops", "step": step, "module": module, "op": op, "phase": phase,
-                   **dict(dims), "in_dtype": in_dtype, "out_dtype": out_dtype, "autocast": state,
-                   "autocast_dtype": ac_dtype, "count": int(n),
-                   "flops": float(flops) if not math.isnan(flops) else None}
+            row = {
+                "_table": "compute_ops",
+                "step": step,
+                "module": module,
+                "op": op,
+                "phase": phase,
+                **dict(dims),
+                "in_dtype": in_dtype,
+                "out_dtype": out_dtype,
+                "autocast": state,
+                "autocast_dtype": ac_dtype,
+                "count": int(n),
+                "flops": float(flops) if not math.isnan(flops) else None,
+            }
             self._rows.append(row)
             total += 0.0 if math.isnan(flops) else flops
             count += int(n)
-        self._rows.append({"_table": "compute_steps", "step": step, "matmul_flops": total,
-                           "matmul_ops": count, "other_ops": self._other_ops,
-                           "other_bytes": self._other_bytes, "optimizer_bytes": self._opt_bytes,
-                           "tf32": _tf32_enabled(), "capture_s": time.perf_counter() - self._t_start})
+        self._rows.append(
+            {
+                "_table": "compute_steps",
+                "step": step,
+                "matmul_flops": total,
+                "matmul_ops": count,
+                "other_ops": self._other_ops,
+                "other_bytes": self._other_bytes,
+                "optimizer_bytes": self._opt_bytes,
+                "tf32": _tf32_enabled(),
+                "capture_s": time.perf_counter() - self._t_start,
+            }
+        )
 
     def _opt_pre(self, *args: Any) -> None:
         if self._capturing:
@@ -397,10 +477,13 @@ class ComputeCollector(Collector):
                     stack = getattr(c._local, "stack", None) or [dict(c._seed)]
                     top = dict(stack[-1])
                     enabled = bool(getattr(self, "_enabled", True))
-                    top[str(self.device)] = ("enabled", _dtype_name(self.fast_dtype)) if enabled else ("disabled", None)
+                    top[str(self.device)] = (
+                        ("enabled", _dtype_name(self.fast_dtype)) if enabled else ("disabled", None)
+                    )
                     stack.append(top)
                     c._local.stack = stack
                 return result
+
             return __enter__
 
         def make_exit(orig_exit: Any) -> Any:
@@ -410,9 +493,13 @@ class ComputeCollector(Collector):
                     if stack and len(stack) > 1:
                         stack.pop()
                 return orig_exit(self, *exc)
+
             return __exit__
 
-        self._autocast_patch = (patch(autocast, "__enter__", make_enter), patch(autocast, "__exit__", make_exit))
+        self._autocast_patch = (
+            patch(autocast, "__enter__", make_enter),
+            patch(autocast, "__exit__", make_exit),
+        )
 
     def _unpatch_autocast(self) -> None:
         if self._autocast_patch is None:
@@ -441,12 +528,19 @@ class ComputeCollector(Collector):
                 self._other_ops += 1
                 self._other_bytes += moved
 
-    def _record_op(self, packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   out: Any) -> None:
+    def _record_op(
+        self, packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
         backward = torch._C._current_graph_task_id() != -1
         dims = op_dims(name, args)
-        operand = next((a for a in (args[1:] if name in ("addmm", "baddbmm", "_addmm_activation") else args)
-                        if isinstance(a, torch.Tensor)), None)
+        operand = next(
+            (
+                a
+                for a in (args[1:] if name in ("addmm", "baddbmm", "_addmm_activation") else args)
+                if isinstance(a, torch.Tensor)
+            ),
+            None,
+        )
         result = out[0] if isinstance(out, (tuple, list)) and out else out
         if name == "convolution_backward":
             result = next((o for o in out if isinstance(o, torch.Tensor)), None)
@@ -456,8 +550,16 @@ class ComputeCollector(Collector):
         else:
             state, ac_dtype = self._autocast_state(device)
         flops = _flops(packet, name, args, kwargs, out)
-        key = (self._module(), name, "backward" if backward else "forward",
-               tuple(sorted(dims.items())), _dtype(operand), _dtype(result), state, ac_dtype)
+        key = (
+            self._module(),
+            name,
+            "backward" if backward else "forward",
+            tuple(sorted(dims.items())),
+            _dtype(operand),
+            _dtype(result),
+            state,
+            ac_dtype,
+        )
         with self._lock:
             entry = self._ops.setdefault(key, [0, 0.0])
             entry[0] += 1
@@ -482,12 +584,12 @@ class ComputeCollector(Collector):
         parents = tracker.parents
         if not isinstance(parents, _OrderedSet):  # the tracker resets it after each backward
             parents = tracker.parents = self._ordered(parents)  # type: ignore[assignment]
-        inner = parents.innermost()
+        inner = parents.innermost()  # type: ignore[attr-defined]  # replaced by _OrderedSet above
         if inner is None:
             return self._roots[0][1] if self._roots else "(no module)"
         for _, root_name in self._roots:
             if inner.startswith(root_name + "."):
-                return inner[len(root_name) + 1:]
+                return inner[len(root_name) + 1 :]
         return inner
 
 

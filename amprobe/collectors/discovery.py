@@ -62,7 +62,11 @@ class RootModelFinder(Collector):
             self._install()
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self._depth == 0 and torch.is_grad_enabled() and not any(r() is module for r in self._roots):
+        if (
+            self._depth == 0
+            and torch.is_grad_enabled()
+            and not any(r() is module for r in self._roots)
+        ):
             self._roots.append(weakref.ref(module))
         self._depth += 1
 
@@ -84,7 +88,10 @@ class RootModelFinder(Collector):
                 found = True
         if found or step + 1 - self._first_step >= _GIVE_UP_AFTER_STEPS:
             if not found:
-                self.probe.event("discovery_failed", reason="no module called at top level owns optimizer parameters")
+                self.probe.event(
+                    "discovery_failed",
+                    reason="no module called at top level owns optimizer parameters",
+                )
             self.on_close()
 
     def on_close(self) -> None:
@@ -138,9 +145,12 @@ def find_live_training_objects() -> LiveObjects:
         kind = kinds.get(cls)
         if kind is None:
             kind = (
-                1 if issubclass(cls, torch.nn.Module)
-                else 2 if issubclass(cls, torch.optim.Optimizer)
-                else 3 if issubclass(cls, torch.amp.GradScaler)
+                1
+                if issubclass(cls, torch.nn.Module)
+                else 2
+                if issubclass(cls, torch.optim.Optimizer)
+                else 3
+                if issubclass(cls, torch.amp.GradScaler)
                 else 0
             )
             kinds[cls] = kind
@@ -154,8 +164,9 @@ def find_live_training_objects() -> LiveObjects:
     return LiveObjects(find_root_modules(optimizers, modules), optimizers, scalers)
 
 
-def find_root_modules(optimizers: Iterable[torch.optim.Optimizer],
-                      modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+def find_root_modules(
+    optimizers: Iterable[torch.optim.Optimizer], modules: Iterable[torch.nn.Module]
+) -> list[torch.nn.Module]:
     """The root modules being trained: modules holding parameters that an optimizer updates,
     not contained in another such module.
 

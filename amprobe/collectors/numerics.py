@@ -63,7 +63,13 @@ from torch.amp import GradScaler
 from amprobe.collectors.base import Collector
 from amprobe.collectors.patching import patch
 
-__all__ = ["NumericsCollector", "FP16_MAX", "FP16_MIN_NORMAL", "FP16_MIN_SUBNORMAL", "summarize_hist"]
+__all__ = [
+    "NumericsCollector",
+    "FP16_MAX",
+    "FP16_MIN_NORMAL",
+    "FP16_MIN_SUBNORMAL",
+    "summarize_hist",
+]
 
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14  # 6.1e-5
@@ -152,10 +158,14 @@ class NumericsCollector(Collector):
         self.patterns: tuple[str, ...] = tuple(cfg.numerics_layers)
         self.arm_steps: int = cfg.numerics_arm_steps
         self._slots: list[_Slot] = []
-        self._module_slots: dict[int, tuple[int, int | None, int | None]] = {}  # id -> out, gout, gparam
+        self._module_slots: dict[
+            int, tuple[int, int | None, int | None]
+        ] = {}  # id -> out, gout, gparam
         self._input_slots: dict[int, list[int]] = {}
         self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], int]] = []
-        self._targets: list[tuple[weakref.ReferenceType[torch.nn.Module], tuple[int, int | None, int | None]]] = []
+        self._targets: list[
+            tuple[weakref.ReferenceType[torch.nn.Module], tuple[int, int | None, int | None]]
+        ] = []
         self._params: list[tuple[weakref.ReferenceType[torch.nn.Parameter], int]] = []
         self._always: list[Any] = []
         self._capture_handles: list[Any] = []
@@ -176,9 +186,11 @@ class NumericsCollector(Collector):
     # -- set-up ---------------------------------------------------------------------------------
     def _install_scale_patch(self) -> None:
         c = self
+
         def make(orig: Any) -> Any:
             def scale(self: GradScaler, outputs: Any) -> Any:
                 return _scale(orig, self, outputs)
+
             return scale
 
         def _scale(orig: Any, self: GradScaler, outputs: Any) -> Any:
@@ -215,7 +227,8 @@ class NumericsCollector(Collector):
                 self._device = p.device
                 break
         self._input_slots[root] = [
-            self._new_slot(f"<input {root}>[{i}]", type(model).__name__, "input", root) for i in range(_MAX_INPUTS)
+            self._new_slot(f"<input {root}>[{i}]", type(model).__name__, "input", root)
+            for i in range(_MAX_INPUTS)
         ]
         for name, mod in model.named_modules():
             if id(mod) in self._module_slots:
@@ -228,7 +241,11 @@ class NumericsCollector(Collector):
             mtype = type(mod).__name__
             out = self._new_slot(label, mtype, "output", root)
             gout = self._new_slot(label, mtype, "grad_output", root)
-            gparam = self._new_slot(label, mtype, "grad_param", root) if any(p.requires_grad for p in own) else None
+            gparam = (
+                self._new_slot(label, mtype, "grad_param", root)
+                if any(p.requires_grad for p in own)
+                else None
+            )
             slots = (out, gout, gparam)
             self._module_slots[id(mod)] = slots
             self._targets.append((weakref.ref(mod), slots))
@@ -236,7 +253,9 @@ class NumericsCollector(Collector):
                 for p in own:
                     if p.requires_grad:
                         self._params.append((weakref.ref(p), gparam))
-        self._always.append(model.register_forward_pre_hook(self._guarded(self._on_root_input), with_kwargs=True))
+        self._always.append(
+            model.register_forward_pre_hook(self._guarded(self._on_root_input), with_kwargs=True)
+        )
         if self._sampled(self.probe.step):
             self._install_capture()
 
@@ -277,12 +296,14 @@ class NumericsCollector(Collector):
     def _bind(fn: Any, slots: tuple[int, int | None, int | None]) -> Any:
         def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
             fn(slots, args, out)
+
         return hook
 
     def _bind_param(self, slot: int) -> Any:
         def hook(p: torch.Tensor) -> None:
             if p.grad is not None:
                 self._measure(slot, p.grad, grad=True)
+
         return hook
 
     def _remove_capture(self) -> None:
@@ -302,7 +323,9 @@ class NumericsCollector(Collector):
             self._ones = torch.ones(1, dtype=torch.int64, device=device)
         return cap
 
-    def _measure(self, slot: int, x: torch.Tensor, grad: bool = False, in_bad: torch.Tensor | None = None) -> None:
+    def _measure(
+        self, slot: int, x: torch.Tensor, grad: bool = False, in_bad: torch.Tensor | None = None
+    ) -> None:
         if not x.is_floating_point() or x.numel() == 0:
             return
         cap = self._capture(x.device)
@@ -344,7 +367,11 @@ class NumericsCollector(Collector):
             return
         bad: torch.Tensor | None = None
         for arg in args if isinstance(args, tuple) else (args,):
-            if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.device == tensor.device:
+            if (
+                isinstance(arg, torch.Tensor)
+                and arg.is_floating_point()
+                and arg.device == tensor.device
+            ):
                 count = (~torch.isfinite(arg.detach())).sum()
                 bad = count if bad is None else bad + count
         if bad is None:
@@ -357,6 +384,7 @@ class NumericsCollector(Collector):
     def _bind_grad(self, slot: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             self._measure(slot, grad, grad=True)
+
         return hook
 
     def _on_root_input(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -407,7 +435,11 @@ class NumericsCollector(Collector):
         a later step boundary arms the capture one or two steps after the problem instead of
         at the next flush.
         """
-        flags = [v > 0 for k in ("input_nonfinite", "found_inf") if isinstance(v := record.get(k), torch.Tensor)]
+        flags = [
+            v > 0
+            for k in ("input_nonfinite", "found_inf")
+            if isinstance(v := record.get(k), torch.Tensor)
+        ]
         loss_bad = record.get("loss_nonfinite")
         if isinstance(loss_bad, torch.Tensor):
             flags.append(loss_bad)
@@ -468,10 +500,15 @@ class NumericsCollector(Collector):
         if offenders:
             writer.append("offenders", offenders)
             for o in offenders[:10]:
-                self.probe.event("numerics_offender", **{k: o[k] for k in ("kind", "module", "module_type")},
-                                 at_step=o["step"])
+                self.probe.event(
+                    "numerics_offender",
+                    **{k: o[k] for k in ("kind", "module", "module_type")},
+                    at_step=o["step"],
+                )
 
-    def _rows(self, cap: _Capture, table: list[list[int]], scale: float) -> dict[int, dict[str, Any]]:
+    def _rows(
+        self, cap: _Capture, table: list[list[int]], scale: float
+    ) -> dict[int, dict[str, Any]]:
         rows: dict[int, dict[str, Any]] = {}
         log2_scale = _log2(scale)
         for kind in KINDS:
@@ -503,7 +540,8 @@ class NumericsCollector(Collector):
                     "amax": None if nan else _bits_to_float(amax_bits),
                     "in_nonfinite": int(values[_C_IN_BAD]) if kind == "output" else None,
                     "exp_hist": json.dumps(
-                        {str(e - _BIAS): int(n) for e, n in enumerate(hist) if n}, separators=(",", ":")
+                        {str(e - _BIAS): int(n) for e, n in enumerate(hist) if n},
+                        separators=(",", ":"),
                     ),
                 }
         return rows
@@ -517,30 +555,65 @@ class NumericsCollector(Collector):
 
         def row(kind: str, index: int, detail: dict[str, Any]) -> dict[str, Any]:
             slot = self._slots[index]
-            return {"step": cap.step, "kind": kind, "module": slot.name, "module_type": slot.module_type,
-                    "detail": json.dumps(detail, sort_keys=True)}
+            return {
+                "step": cap.step,
+                "kind": kind,
+                "module": slot.name,
+                "module_type": slot.module_type,
+                "detail": json.dumps(detail, sort_keys=True),
+            }
 
         for index in cap.order["input"]:
             if bad(index):
                 r = rows[index]
-                out.append(row("input", index, {"nan": r["nan"], "inf": r["inf"], "elements": r["elements"]}))
+                out.append(
+                    row(
+                        "input",
+                        index,
+                        {"nan": r["nan"], "inf": r["inf"], "elements": r["elements"]},
+                    )
+                )
         forward = cap.order["output"]
         for index in forward:
             if bad(index) and not rows[index]["in_nonfinite"]:
                 r = rows[index]
-                out.append(row("forward", index, {"nan": r["nan"], "inf": r["inf"], "elements": r["elements"],
-                                                  "order": r["order"]}))
+                out.append(
+                    row(
+                        "forward",
+                        index,
+                        {
+                            "nan": r["nan"],
+                            "inf": r["inf"],
+                            "elements": r["elements"],
+                            "order": r["order"],
+                        },
+                    )
+                )
                 break
         backward = cap.order["grad_output"]
         first_bad = next((i for i, index in enumerate(backward) if bad(index)), None)
         if first_bad is not None:
             received = self._slots[backward[first_bad]].name
             if first_bad > 0:
-                out.append(row("backward", backward[first_bad - 1],
-                               {"first_nonfinite_grad_output": received, "order": first_bad - 1}))
+                out.append(
+                    row(
+                        "backward",
+                        backward[first_bad - 1],
+                        {"first_nonfinite_grad_output": received, "order": first_bad - 1},
+                    )
+                )
             else:
-                out.append({"step": cap.step, "kind": "backward", "module": "<loss>", "module_type": "loss",
-                            "detail": json.dumps({"first_nonfinite_grad_output": received, "order": -1})})
+                out.append(
+                    {
+                        "step": cap.step,
+                        "kind": "backward",
+                        "module": "<loss>",
+                        "module_type": "loss",
+                        "detail": json.dumps(
+                            {"first_nonfinite_grad_output": received, "order": -1}
+                        ),
+                    }
+                )
         return out
 
     def on_close(self) -> None:

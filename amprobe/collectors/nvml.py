@@ -173,8 +173,10 @@ class GpuSampler:
             self._note(
                 status="sampling",
                 hz=1.0 / self.period,
-                gpus=[{"index": g.index, "uuid": g.uuid, "name": g.name, "mapping": g.mapping}
-                      for g in gpus],
+                gpus=[
+                    {"index": g.index, "uuid": g.uuid, "name": g.name, "mapping": g.mapping}
+                    for g in gpus
+                ],
             )
             if self.gpm:
                 for gpu in gpus:
@@ -207,7 +209,9 @@ class GpuSampler:
 
     def _resolve(self, pynvml: Any) -> list[_Gpu]:
         """Map the torch device indices to NVML handles, by UUID where possible."""
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        visible = [
+            v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()
+        ]
         gpus = []
         for pos, index in enumerate(self.device_indices):
             uuid = self.device_uuids[pos] if pos < len(self.device_uuids) else None
@@ -238,16 +242,20 @@ class GpuSampler:
                 uuid_real = _text(pynvml.nvmlDeviceGetUUID(handle))
             except pynvml.NVMLError:
                 pass
-            gpus.append(_Gpu(index=index, handle=handle, uuid=uuid_real or uuid, name=name,
-                             mapping=mapping))
+            gpus.append(
+                _Gpu(index=index, handle=handle, uuid=uuid_real or uuid, name=name, mapping=mapping)
+            )
         return gpus
 
     def _setup_gpm(self, pynvml: Any, gpu: _Gpu) -> None:
         try:
             support = pynvml.nvmlGpmQueryDeviceSupport(gpu.handle)
             if not getattr(support, "isSupportedDevice", 0):
-                self._note(status="gpm not available", gpu=gpu.index,
-                           reason="GPM is not supported on this GPU (needs Hopper or newer)")
+                self._note(
+                    status="gpm not available",
+                    gpu=gpu.index,
+                    reason="GPM is not supported on this GPU (needs Hopper or newer)",
+                )
                 return
             gpu.gpm_samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
             for column, const in GPM_METRICS.items():
@@ -263,20 +271,35 @@ class GpuSampler:
             return None
         try:
             return fn(*args)
-        except (pynvml.NVMLError_GpuIsLost, pynvml.NVMLError_Uninitialized,
-                pynvml.NVMLError_DriverNotLoaded, pynvml.NVMLError_LibraryNotFound) as exc:
+        except (
+            pynvml.NVMLError_GpuIsLost,
+            pynvml.NVMLError_Uninitialized,
+            pynvml.NVMLError_DriverNotLoaded,
+            pynvml.NVMLError_LibraryNotFound,
+        ) as exc:
             raise _Stop(f"GPU {gpu.index}: {_error_text(pynvml, exc)}") from None
-        except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_NoPermission,
-                pynvml.NVMLError_FunctionNotFound) as exc:
+        except (
+            pynvml.NVMLError_NotSupported,
+            pynvml.NVMLError_NoPermission,
+            pynvml.NVMLError_FunctionNotFound,
+        ) as exc:
             gpu.disabled[metric] = _error_text(pynvml, exc)
-            self._note(status="metric not available", gpu=gpu.index, metric=metric,
-                       reason=gpu.disabled[metric])
+            self._note(
+                status="metric not available",
+                gpu=gpu.index,
+                metric=metric,
+                reason=gpu.disabled[metric],
+            )
             return None
         except pynvml.NVMLError as exc:
             if metric not in gpu.errors:
                 gpu.errors.add(metric)
-                self._note(status="metric error", gpu=gpu.index, metric=metric,
-                           reason=_error_text(pynvml, exc))
+                self._note(
+                    status="metric error",
+                    gpu=gpu.index,
+                    metric=metric,
+                    reason=_error_text(pynvml, exc),
+                )
             return None
 
     def _sample(self, pynvml: Any, gpus: list[_Gpu]) -> None:
@@ -288,12 +311,21 @@ class GpuSampler:
             util = self._call(pynvml, gpu, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
             mem = self._call(pynvml, gpu, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
             power = self._call(pynvml, gpu, "power", pynvml.nvmlDeviceGetPowerUsage, h)
-            clock = self._call(pynvml, gpu, "sm_clock", pynvml.nvmlDeviceGetClockInfo, h,
-                               pynvml.NVML_CLOCK_SM)
-            temp = self._call(pynvml, gpu, "temperature", pynvml.nvmlDeviceGetTemperature, h,
-                              pynvml.NVML_TEMPERATURE_GPU)
-            reasons_fn = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-                pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            clock = self._call(
+                pynvml, gpu, "sm_clock", pynvml.nvmlDeviceGetClockInfo, h, pynvml.NVML_CLOCK_SM
+            )
+            temp = self._call(
+                pynvml,
+                gpu,
+                "temperature",
+                pynvml.nvmlDeviceGetTemperature,
+                h,
+                pynvml.NVML_TEMPERATURE_GPU,
+            )
+            reasons_fn = (
+                getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
+            )
             reasons = self._call(pynvml, gpu, "clock_event_reasons", reasons_fn, h)
             row: dict[str, Any] = {
                 "t": t,

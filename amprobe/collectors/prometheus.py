@@ -26,13 +26,31 @@ __all__ = ["PrometheusCollector", "METRICS"]
 METRICS: dict[str, tuple[str, str]] = {
     "amprobe_loss_scale": ("gauge", "GradScaler loss scale after the last recorded update()"),
     "amprobe_steps": ("counter", "training iterations recorded (skipped ones included)"),
-    "amprobe_skipped_steps": ("counter", "iterations whose optimizer update the GradScaler skipped (inf/NaN)"),
+    "amprobe_skipped_steps": (
+        "counter",
+        "iterations whose optimizer update the GradScaler skipped (inf/NaN)",
+    ),
     "amprobe_last_step": ("gauge", "index of the last recorded iteration"),
-    "amprobe_step_seconds": ("gauge", "mean user time per iteration over the last flush window, seconds"),
-    "amprobe_data_wait_share": ("gauge", "share of step time spent waiting for the DataLoader, last flush window (0-1)"),
-    "amprobe_syncs_per_step": ("gauge", "host-device synchronizations issued by user code per sampled step"),
-    "amprobe_gpu_utilization_percent": ("gauge", "GPU utilization of the latest NVML sample, percent"),
-    "amprobe_nonfinite": ("counter", "non-finite (inf + NaN) elements seen per layer and tensor kind (sampled steps)"),
+    "amprobe_step_seconds": (
+        "gauge",
+        "mean user time per iteration over the last flush window, seconds",
+    ),
+    "amprobe_data_wait_share": (
+        "gauge",
+        "share of step time spent waiting for the DataLoader, last flush window (0-1)",
+    ),
+    "amprobe_syncs_per_step": (
+        "gauge",
+        "host-device synchronizations issued by user code per sampled step",
+    ),
+    "amprobe_gpu_utilization_percent": (
+        "gauge",
+        "GPU utilization of the latest NVML sample, percent",
+    ),
+    "amprobe_nonfinite": (
+        "counter",
+        "non-finite (inf + NaN) elements seen per layer and tensor kind (sampled steps)",
+    ),
 }
 
 
@@ -89,7 +107,9 @@ class PrometheusCollector(Collector):
         self.host = config.prometheus_host
         self.port = config.prometheus_port + local_rank
         if not config.prometheus_port:
-            raise ConfigError("the prometheus collector needs prometheus_port, e.g. config={'prometheus_port': 9400}")
+            raise ConfigError(
+                "the prometheus collector needs prometheus_port, e.g. config={'prometheus_port': 9400}"
+            )
         if self.port > 65535:
             raise ConfigError(
                 f"prometheus_port {config.prometheus_port} + local rank {local_rank} exceeds 65535; choose a lower port"
@@ -115,7 +135,9 @@ class PrometheusCollector(Collector):
 
         self._pending_start = False
         try:
-            self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+            self._server, self._thread = start_http_server(
+                self.port, addr=self.host, registry=self.registry
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot serve Prometheus metrics on {self.host}:{self.port}: {exc.strerror or exc}; "
@@ -145,7 +167,11 @@ class PrometheusCollector(Collector):
         last_step = _number(records[-1].get("step"))
         if last_step is not None:
             snapshot["amprobe_last_step"] = last_step
-        scales = [s for s in (_number(r.get("scale_after")) for r in records if r.get("scaler_enabled")) if s is not None]
+        scales = [
+            s
+            for s in (_number(r.get("scale_after")) for r in records if r.get("scaler_enabled"))
+            if s is not None
+        ]
         if scales:
             snapshot["amprobe_loss_scale"] = scales[-1]
             snapshot["amprobe_skipped_steps"] = self._totals["skipped"]
@@ -153,10 +179,15 @@ class PrometheusCollector(Collector):
         walls_known = [w for w in walls if w is not None]
         if walls_known:
             snapshot["amprobe_step_seconds"] = sum(walls_known) / len(walls_known)
-        waits = [(w, _number(r.get("data_wait_s"))) for w, r in zip(walls, records, strict=True)]
-        waits = [(w, d) for w, d in waits if w is not None and d is not None]
+        waits: list[tuple[float, float]] = []
+        for w, r in zip(walls, records, strict=True):
+            d = _number(r.get("data_wait_s"))
+            if w is not None and d is not None:
+                waits.append((w, d))
         if waits and sum(w for w, _ in waits) > 0:
-            snapshot["amprobe_data_wait_share"] = sum(d for _, d in waits) / sum(w for w, _ in waits)
+            snapshot["amprobe_data_wait_share"] = sum(d for _, d in waits) / sum(
+                w for w, _ in waits
+            )
         syncs = [_number(r.get("syncs")) for r in records if r.get("syncs_sampled") is not False]
         syncs_known = [s for s in syncs if s is not None]
         if syncs_known:
@@ -182,7 +213,9 @@ class PrometheusCollector(Collector):
         if writer is None:
             return None
         offset = self._offsets.get(table, 0)
-        frame, self._offsets[table], _ = read_table(writer.rank_dir / f"{table}.jsonl", table, offset)
+        frame, self._offsets[table], _ = read_table(
+            writer.rank_dir / f"{table}.jsonl", table, offset
+        )
         return frame if len(frame) else None
 
     def _refresh_tables(self) -> None:
@@ -190,7 +223,9 @@ class PrometheusCollector(Collector):
             numerics = self._read_new("numerics")
             if numerics is not None and {"module", "kind", "nan", "inf"} <= set(numerics.columns):
                 counts = numerics["nan"].fillna(0) + numerics["inf"].fillna(0)
-                for (module, kind), value in counts.groupby([numerics["module"], numerics["kind"]]).sum().items():
+                for (module, kind), value in (
+                    counts.groupby([numerics["module"], numerics["kind"]]).sum().items()
+                ):
                     key = (str(module), str(kind))
                     self._nonfinite[key] = self._nonfinite.get(key, 0.0) + float(value)
             gpu = self._read_new("gpu")
@@ -216,13 +251,17 @@ class PrometheusCollector(Collector):
             yield family
         if self._gpu_util:
             kind, doc = METRICS["amprobe_gpu_utilization_percent"]
-            family = GaugeMetricFamily("amprobe_gpu_utilization_percent", doc, labels=[*names, "gpu"])
+            family = GaugeMetricFamily(
+                "amprobe_gpu_utilization_percent", doc, labels=[*names, "gpu"]
+            )
             for device, value in sorted(self._gpu_util.items()):
                 family.add_metric([*values, device], value)
             yield family
         if self._nonfinite:
             kind, doc = METRICS["amprobe_nonfinite"]
-            counter = CounterMetricFamily("amprobe_nonfinite", doc, labels=[*names, "layer", "kind"])
+            counter = CounterMetricFamily(
+                "amprobe_nonfinite", doc, labels=[*names, "layer", "kind"]
+            )
             for (layer, tensor_kind), value in sorted(self._nonfinite.items()):
                 counter.add_metric([*values, layer, tensor_kind], value)
             yield counter

@@ -134,6 +134,7 @@ class RuntimeCollector(Collector):
                 finally:
                     spent = time.perf_counter() - t0 - max(0.0, probe._probe_time - p0)
                     c._guard(c._after_batch, spent)
+
             return __next__
 
         def wrap_backward(orig: Any) -> Any:
@@ -143,22 +144,29 @@ class RuntimeCollector(Collector):
                     return orig(*args, **kwargs)
                 finally:
                     c._guard(c._end, "bwd")
+
             return backward
 
         self._patch(_dataloader._BaseDataLoaderIter, "__next__", wrap_next)
         self._patch(torch.autograd, "backward", wrap_backward)
-        self._handles.append(register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: c._guard(c._begin, "opt")))
-        self._handles.append(register_optimizer_step_post_hook(
-            lambda opt, args, kwargs: c._guard(c._end, "opt")))
+        self._handles.append(
+            register_optimizer_step_pre_hook(lambda opt, args, kwargs: c._guard(c._begin, "opt"))
+        )
+        self._handles.append(
+            register_optimizer_step_post_hook(lambda opt, args, kwargs: c._guard(c._end, "opt"))
+        )
 
     def on_model(self, model: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             return
-        self._handles.append(model.register_forward_pre_hook(
-            lambda mod, args: self._guard(self._begin, "fwd")))
-        self._handles.append(model.register_forward_hook(
-            lambda mod, args, out: self._guard(self._end, "fwd"), always_call=True))
+        self._handles.append(
+            model.register_forward_pre_hook(lambda mod, args: self._guard(self._begin, "fwd"))
+        )
+        self._handles.append(
+            model.register_forward_hook(
+                lambda mod, args, out: self._guard(self._end, "fwd"), always_call=True
+            )
+        )
 
     def on_close(self) -> None:
         if self._sampler is not None:
@@ -193,7 +201,13 @@ class RuntimeCollector(Collector):
         )
         if config not in self._loader_configs:
             self._loader_configs.add(config)
-            keys = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "batch_size")
+            keys = (
+                "num_workers",
+                "prefetch_factor",
+                "pin_memory",
+                "persistent_workers",
+                "batch_size",
+            )
             self._event("dataloader_seen", **dict(zip(keys, config, strict=True)))
 
     def _after_batch(self, spent: float) -> None:
@@ -258,8 +272,10 @@ class RuntimeCollector(Collector):
             # another mode was pushed above ours and is still active: popping would remove it
             counter.active = False
             self._sync_disabled = True
-            self._event("sync_counting_stopped",
-                        reason="another TorchDispatchMode is active above amprobe's")
+            self._event(
+                "sync_counting_stopped",
+                reason="another TorchDispatchMode is active above amprobe's",
+            )
             return None
         return counts
 
@@ -285,7 +301,14 @@ class RuntimeCollector(Collector):
                 record["syncs_sampled"] = True
                 record["syncs"] = sum(n for (_, _, kind), n in counts.items() if kind == "user")
                 self._sync_rows.extend(
-                    {"step": step, "site": site, "op": op, "kind": kind, "count": n, "device": device}
+                    {
+                        "step": step,
+                        "site": site,
+                        "op": op,
+                        "kind": kind,
+                        "count": n,
+                        "device": device,
+                    }
                     for (site, op, kind), n in counts.items()
                 )
         self._wait = 0.0
@@ -320,10 +343,13 @@ class RuntimeCollector(Collector):
             indices, uuids = [index], [uuid]
         t0 = self.probe._t0
         self._sampler = GpuSampler(
-            indices, uuids, hz=cfg.gpu_sample_hz,
+            indices,
+            uuids,
+            hz=cfg.gpu_sample_hz,
             clock=lambda: time.perf_counter() - t0,
             step=lambda: self.probe.step,
-            max_rows=cfg.max_buffered_rows, gpm=cfg.gpu_gpm,
+            max_rows=cfg.max_buffered_rows,
+            gpm=cfg.gpu_gpm,
         )
         self._sampler_started = True
         self._sampler.start()

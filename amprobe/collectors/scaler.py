@@ -80,8 +80,16 @@ class _Iteration:
     """What one training iteration did, as seen by the wrappers."""
 
     __slots__ = (
-        "opt_steps", "unscale_calls", "clip_calls", "clip_scaled", "loss", "loss_dtype",
-        "autocast", "scaled", "unscaled_opts", "scale_fields",
+        "opt_steps",
+        "unscale_calls",
+        "clip_calls",
+        "clip_scaled",
+        "loss",
+        "loss_dtype",
+        "autocast",
+        "scaled",
+        "unscaled_opts",
+        "scale_fields",
     )
 
     def __init__(self) -> None:
@@ -169,6 +177,7 @@ class ScalerCollector(Collector):
             def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
                 orig(self, *args, **kwargs)
                 guard_always(c._on_scaler_created, self, user_call_site(2))
+
             return __init__
 
         def wrap_scale(orig: Any) -> Any:
@@ -176,12 +185,14 @@ class ScalerCollector(Collector):
                 result = orig(self, outputs)
                 guard_always(c._on_scale, self, outputs)
                 return result
+
             return scale
 
         def wrap_unscale(orig: Any) -> Any:
             def unscale_(self: GradScaler, optimizer: Optimizer) -> None:
                 orig(self, optimizer)
                 guard(c._on_unscale, self, optimizer)
+
             return unscale_
 
         def wrap_step(orig: Any) -> Any:
@@ -193,6 +204,7 @@ class ScalerCollector(Collector):
                     return orig(self, optimizer, *args, **kwargs)
                 finally:
                     c._in_scaler_step.depth = depth
+
             return step
 
         def wrap_update(orig: Any) -> Any:
@@ -201,18 +213,21 @@ class ScalerCollector(Collector):
                 guard_always(c._before_update, self, before)
                 orig(self, new_scale)
                 guard_always(c._after_update, self, before)
+
             return update
 
         def wrap_scaler_load(orig: Any) -> Any:
             def load_state_dict(self: GradScaler, state_dict: dict[str, Any]) -> None:
                 orig(self, state_dict)
                 guard_always(c._on_scaler_loaded, self, state_dict)
+
             return load_state_dict
 
         def wrap_opt_load(orig: Any) -> Any:
             def load_state_dict(self: Optimizer, state_dict: dict[str, Any]) -> None:
                 orig(self, state_dict)
                 guard_always(c._on_optimizer_loaded, self)
+
             return load_state_dict
 
         def wrap_autocast_enter(orig: Any) -> Any:
@@ -220,20 +235,25 @@ class ScalerCollector(Collector):
                 result = orig(self)
                 guard(c._on_autocast, self)
                 return result
+
             return __enter__
 
         def wrap_backward(orig: Any) -> Any:
             def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 guard(c._on_backward, self)
                 return orig(self, *args, **kwargs)
+
             return backward
 
         import torch.nn.utils.clip_grad as clip_grad
 
         def wrap_group(orig: Any) -> Any:
-            def _group_tensors_by_device_and_dtype(tensorlistlist: Any, *args: Any, **kwargs: Any) -> Any:
+            def _group_tensors_by_device_and_dtype(
+                tensorlistlist: Any, *args: Any, **kwargs: Any
+            ) -> Any:
                 guard(c._maybe_clip, tensorlistlist)
                 return orig(tensorlistlist, *args, **kwargs)
+
             return _group_tensors_by_device_and_dtype
 
         self._patch(GradScaler, "__init__", wrap_init)
@@ -247,10 +267,16 @@ class ScalerCollector(Collector):
         self._patch(torch.Tensor, "backward", wrap_backward)
         if hasattr(clip_grad, "_group_tensors_by_device_and_dtype"):
             self._patch(clip_grad, "_group_tensors_by_device_and_dtype", wrap_group)
-        self._handles.append(register_optimizer_step_pre_hook(
-            lambda opt, args, kwargs: guard_always(c._on_opt_pre, opt)))
-        self._handles.append(register_optimizer_step_post_hook(
-            lambda opt, args, kwargs: guard_always(c._on_opt_post, opt)))
+        self._handles.append(
+            register_optimizer_step_pre_hook(
+                lambda opt, args, kwargs: guard_always(c._on_opt_pre, opt)
+            )
+        )
+        self._handles.append(
+            register_optimizer_step_post_hook(
+                lambda opt, args, kwargs: guard_always(c._on_opt_post, opt)
+            )
+        )
 
     def on_close(self) -> None:
         for handle in self._handles:
@@ -380,7 +406,8 @@ class ScalerCollector(Collector):
         if primary is None or (primary is not scaler and not self._primary_used):
             # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
             self._primary_scaler = weakref.ref(scaler)
-        if self._primary_scaler() is not scaler or not self.probe.recording:
+        current = self._primary_scaler
+        if current is None or current() is not scaler or not self.probe.recording:
             return
         enabled = bool(getattr(scaler, "_enabled", True))
         before["enabled"] = enabled
@@ -388,7 +415,8 @@ class ScalerCollector(Collector):
         if enabled and isinstance(scale, torch.Tensor):
             before["scale_before"] = scale.detach().clone()
             found = [
-                f for state in scaler._per_optimizer_states.values()
+                f
+                for state in scaler._per_optimizer_states.values()
                 for f in state.get("found_inf_per_device", {}).values()
             ]
             if found:
@@ -428,7 +456,9 @@ class ScalerCollector(Collector):
         )
 
     def _on_optimizer_loaded(self, opt: Optimizer) -> None:
-        self._event("optimizer_state_loaded", optimizer_id=id(opt), optimizer_class=type(opt).__name__)
+        self._event(
+            "optimizer_state_loaded", optimizer_id=id(opt), optimizer_class=type(opt).__name__
+        )
 
     def _on_autocast(self, ctx: autocast) -> None:
         self.probe.touch()
@@ -440,8 +470,9 @@ class ScalerCollector(Collector):
         key = (device, dtype, enabled)
         if key not in self._autocast_seen:
             self._autocast_seen.add(key)
-            self._event("autocast_seen", device=device, dtype=dtype, enabled=enabled,
-                        site=user_call_site(3))
+            self._event(
+                "autocast_seen", device=device, dtype=dtype, enabled=enabled, site=user_call_site(3)
+            )
 
     def _on_opt_pre(self, opt: Optimizer) -> None:
         if self.probe.recording:
@@ -450,15 +481,22 @@ class ScalerCollector(Collector):
 
     def _on_opt_post(self, opt: Optimizer) -> None:
         self._it.opt_steps += 1
-        if (self._mode is None and getattr(self._in_scaler_step, "depth", 0) == 0
-                and not _inside_unwrapped_scaler_step()):
+        if (
+            self._mode is None
+            and getattr(self._in_scaler_step, "depth", 0) == 0
+            and not _inside_unwrapped_scaler_step()
+        ):
             self._mode = "optimizer"
             self._primary_opt = weakref.ref(opt)
-        if self._mode == "optimizer" and self._primary_opt is not None and self._primary_opt() is opt:
+        if (
+            self._mode == "optimizer"
+            and self._primary_opt is not None
+            and self._primary_opt() is opt
+        ):
             self.probe.end_step()
 
     def _maybe_clip(self, tensorlistlist: Any) -> None:
-        caller = sys._getframe(1)
+        caller: Any = sys._getframe(1)
         while caller is not None and not caller.f_code.co_filename.endswith("clip_grad.py"):
             caller = caller.f_back  # skip amprobe's own wrapper frames
         if caller is None:

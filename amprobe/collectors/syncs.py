@@ -115,15 +115,24 @@ class SyncCounter(TorchDispatchMode):
         if packet is _TO_COPY:
             t = args[0] if args else None
             target = kwargs.get("device")
-            if (isinstance(t, torch.Tensor) and t.device.type == dev and target is not None
-                    and torch.device(target).type == "cpu"):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.device.type == dev
+                and target is not None
+                and torch.device(target).type == "cpu"
+            ):
                 return "to-cpu"
             return None
         if packet is _COPY and len(args) >= 2:
             dst, src = args[0], args[1]
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-            if (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)
-                    and dst.device.type == "cpu" and src.device.type == dev and not non_blocking):
+            if (
+                isinstance(dst, torch.Tensor)
+                and isinstance(src, torch.Tensor)
+                and dst.device.type == "cpu"
+                and src.device.type == dev
+                and not non_blocking
+            ):
                 return "copy-to-cpu"
         return None
 
@@ -138,7 +147,10 @@ class SyncCounter(TorchDispatchMode):
             if filename.startswith(_TORCH_DIR):
                 if kind != "user":
                     pass  # the innermost library frame decides
-                elif filename.endswith(_GRAD_SCALER_FILES) and frame.f_code.co_name == "_maybe_opt_step":
+                elif (
+                    filename.endswith(_GRAD_SCALER_FILES)
+                    and frame.f_code.co_name == "_maybe_opt_step"
+                ):
                     kind = "scaler"
                 elif filename.startswith(_OPTIM_DIR):
                     kind = "optimizer"

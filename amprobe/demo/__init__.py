@@ -68,7 +68,9 @@ class DemoResult:
     faults: tuple[str, ...]
 
 
-def _batches(steps: int, batch: int, d_in: int, classes: int, seed: int) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    steps: int, batch: int, d_in: int, classes: int, seed: int
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     teacher = torch.randn(d_in, classes, generator=g)
     for _ in range(steps):
@@ -110,8 +112,9 @@ def train(
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def new_scaler() -> torch.amp.GradScaler:
-        return torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval,
-                                    enabled=use_scaler)
+        return torch.amp.GradScaler(
+            device.type, init_scale=init_scale, growth_interval=growth_interval, enabled=use_scaler
+        )
 
     scaler = new_scaler()
     overflow_span = range(int(steps * 0.4), int(steps * 0.6))
@@ -120,7 +123,9 @@ def train(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc="demo training", unit="step")
-    probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
+    probe = amprobe.attach(
+        model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+    )
     try:
         for i, (x, y) in enumerate(_batches(steps, 64, 64, 16, seed)):
             x, y = x.to(device), y.to(device)
@@ -132,7 +137,9 @@ def train(
                 state = {"model": model.state_dict(), "opt": opt.state_dict()}
                 model.load_state_dict(state["model"])
                 opt.load_state_dict(state["opt"])
-                scaler = new_scaler()  # the restored job builds a fresh scaler and never loads its state
+                scaler = (
+                    new_scaler()
+                )  # the restored job builds a fresh scaler and never loads its state
             model.booster.factor = 1e6 if ("overflow" in faults and i in overflow_span) else 1.0
             with torch.autocast(device.type, dtype=dtype):
                 logits = model(x)
@@ -158,7 +165,9 @@ def train(
     return DemoResult(run_dir=Path(run_dir), steps=steps, faults=faults)
 
 
-def run_demo(out: str | Path = "amprobe-demo", steps: int = 300, progress: bool = True) -> tuple[Path, Path]:
+def run_demo(
+    out: str | Path = "amprobe-demo", steps: int = 300, progress: bool = True
+) -> tuple[Path, Path]:
     """Train with the default planted faults, diagnose, and write the HTML report.
 
     Returns:

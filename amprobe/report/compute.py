@@ -36,26 +36,43 @@ def make_op_table(ops: pd.DataFrame, tf32: bool = False) -> pd.DataFrame:
     rounding for small dims).
     """
     if ops.empty:
-        return pd.DataFrame(columns=["module", "op", "phase", "shapes", "dtype", "calls", "FLOP share",
-                                     "aligned?", "suggested size"])
+        return pd.DataFrame(
+            columns=[
+                "module",
+                "op",
+                "phase",
+                "shapes",
+                "dtype",
+                "calls",
+                "FLOP share",
+                "aligned?",
+                "suggested size",
+            ]
+        )
     frame = alignment_frame(ops, tf32=tf32).sort_values("flop_share", ascending=False)
     rows = []
     for row in frame.to_dict("records"):
-        suggestion = ", ".join(f"{row['misaligned'][d]} -> {v}" for d, v in row["suggested"].items())
+        suggestion = ", ".join(
+            f"{row['misaligned'][d]} -> {v}" for d, v in row["suggested"].items()
+        )
         if row["tile_waste"]:
             tiles = ", ".join(f"{v} -> {p} (tile)" for v, p in row["tile_waste"].items())
             suggestion = f"{suggestion}; {tiles}" if suggestion else tiles
-        rows.append({
-            "module": row["module"],
-            "op": row["op"],
-            "phase": row["phase"],
-            "shapes": _shape(row),
-            "dtype": f"{row['in_dtype']} -> {row['out_dtype']}",
-            "calls": int(row["count"]),
-            "FLOP share": round(float(row["flop_share"]), 4),
-            "aligned?": "n/a" if row["aligned"] is None else ("yes" if row["aligned"] else "no"),
-            "suggested size": suggestion,
-        })
+        rows.append(
+            {
+                "module": row["module"],
+                "op": row["op"],
+                "phase": row["phase"],
+                "shapes": _shape(row),
+                "dtype": f"{row['in_dtype']} -> {row['out_dtype']}",
+                "calls": int(row["count"]),
+                "FLOP share": round(float(row["flop_share"]), 4),
+                "aligned?": "n/a"
+                if row["aligned"] is None
+                else ("yes" if row["aligned"] else "no"),
+                "suggested size": suggestion,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -68,10 +85,16 @@ def make_coverage_figure(coverage: pd.DataFrame) -> go.Figure:
     """
     fig = go.Figure()
     for dtype, part in coverage.groupby("in_dtype", sort=False):
-        fig.add_trace(go.Bar(x=[f"rank {r}" for r in part["rank"]], y=part["share"] * 100, name=str(dtype)))
-    fig.update_layout(barmode="stack", height=320, yaxis_title="% of matmul FLOPs",
-                      title="autocast coverage: matmul FLOPs by operand dtype",
-                      margin={"l": 50, "r": 20, "t": 50, "b": 40})
+        fig.add_trace(
+            go.Bar(x=[f"rank {r}" for r in part["rank"]], y=part["share"] * 100, name=str(dtype))
+        )
+    fig.update_layout(
+        barmode="stack",
+        height=320,
+        yaxis_title="% of matmul FLOPs",
+        title="autocast coverage: matmul FLOPs by operand dtype",
+        margin={"l": 50, "r": 20, "t": 50, "b": 40},
+    )
     return fig
 
 
@@ -81,8 +104,11 @@ def build_compute_section(run: Run, diagnosis: Diagnosis) -> Section:
     ops, steps = latest_capture(run)
     if steps.empty:
         collectors = (run.rank_manifest.get("config") or {}).get("collectors") or []
-        why = ('the compute collector was not enabled (add "compute" to Config.collectors)'
-               if "compute" not in collectors else "no step was captured (first capture is at step 1)")
+        why = (
+            'the compute collector was not enabled (add "compute" to Config.collectors)'
+            if "compute" not in collectors
+            else "no step was captured (first capture is at step 1)"
+        )
         return Section("compute", title, missing=why)
     tf32 = bool(steps["tf32"].fillna(False).any())
     rank0 = int(steps["rank"].min())
@@ -96,14 +122,25 @@ def build_compute_section(run: Run, diagnosis: Diagnosis) -> Section:
     ]
     mfu = diagnosis.health.get("mfu", {})
     if mfu.get("value") is not None:
-        text.append(f"MFU {mfu['value']:.1%} on {mfu.get('device')} "
-                    f"({mfu['achieved_flops_per_s'] / 1e12:.3g} TFLOP/s achieved).")
+        text.append(
+            f"MFU {mfu['value']:.1%} on {mfu.get('device')} "
+            f"({mfu['achieved_flops_per_s'] / 1e12:.3g} TFLOP/s achieved)."
+        )
     elif mfu.get("note"):
         text.append(str(mfu["note"]))
     tables = [("Executed matmul/conv/attention ops, by FLOP share", table.head(MAX_ROWS))]
     stayed = fp32_modules(mine)
     if len(stayed):
-        tables.append(("Modules that ran fp32 matmuls, and why",
-                       stayed.drop(columns=["rank"]).assign(flop_share=lambda f: f["flop_share"].round(4))))
-    return Section("compute", title, figures=(make_coverage_figure(autocast_coverage(ops)),),
-                   tables=tuple(tables), text=tuple(text))
+        tables.append(
+            (
+                "Modules that ran fp32 matmuls, and why",
+                stayed.drop(columns=["rank"]).assign(flop_share=lambda f: f["flop_share"].round(4)),
+            )
+        )
+    return Section(
+        "compute",
+        title,
+        figures=(make_coverage_figure(autocast_coverage(ops)),),
+        tables=tuple(tables),
+        text=tuple(text),
+    )

@@ -26,14 +26,30 @@ __all__ = [
 #: heatmap name -> (title, function of a numerics frame giving the per-row count)
 HEATMAP_METRICS: dict[str, tuple[str, Any]] = {
     "nonfinite": ("non-finite values (NaN + inf)", lambda f: f["nan"] + f["inf"]),
-    "overflow": ("values beyond the fp16 max (finite > 65504, plus inf)", lambda f: f["over_fp16"] + f["inf"]),
-    "underflow": ("nonzero values below the fp16 min subnormal (gradients unscaled)", lambda f: f["below_subnormal"]),
+    "overflow": (
+        "values beyond the fp16 max (finite > 65504, plus inf)",
+        lambda f: f["over_fp16"] + f["inf"],
+    ),
+    "underflow": (
+        "nonzero values below the fp16 min subnormal (gradients unscaled)",
+        lambda f: f["below_subnormal"],
+    ),
 }
 #: fp16 limits drawn on the exponent histograms: label -> base-2 exponent
 FP16_LIMITS = {"fp16 min subnormal": -24, "fp16 min normal": -14, "fp16 max": 16}
 _TABLE_COLUMNS = [
-    "module", "kind", "module_type", "dtype", "steps", "elements", "nonfinite", "over_fp16",
-    "below_normal", "below_subnormal", "zero_share", "amax",
+    "module",
+    "kind",
+    "module_type",
+    "dtype",
+    "steps",
+    "elements",
+    "nonfinite",
+    "over_fp16",
+    "below_normal",
+    "below_subnormal",
+    "zero_share",
+    "amax",
 ]
 
 
@@ -45,13 +61,24 @@ def make_numerics_heatmap_figure(frame: pd.DataFrame, metric: str) -> go.Figure:
     """Layer (module · kind) x step heatmap of one :data:`HEATMAP_METRICS` count."""
     title, fn = HEATMAP_METRICS[metric]
     data = frame.assign(layer=_label(frame), value=fn(frame))
-    pivot = data.pivot_table(index="layer", columns="step", values="value", aggfunc="sum", sort=False)
-    fig = go.Figure(
-        go.Heatmap(z=pivot.to_numpy(), x=[int(s) for s in pivot.columns], y=list(pivot.index),
-                   colorscale="Reds", colorbar={"title": "count"})
+    pivot = data.pivot_table(
+        index="layer", columns="step", values="value", aggfunc="sum", sort=False
     )
-    fig.update_layout(title=f"Per-layer {title}", xaxis_title="step", yaxis_title="layer",
-                      height=max(300, 18 * len(pivot.index) + 120))
+    fig = go.Figure(
+        go.Heatmap(
+            z=pivot.to_numpy(),
+            x=[int(s) for s in pivot.columns],
+            y=list(pivot.index),
+            colorscale="Reds",
+            colorbar={"title": "count"},
+        )
+    )
+    fig.update_layout(
+        title=f"Per-layer {title}",
+        xaxis_title="step",
+        yaxis_title="layer",
+        height=max(300, 18 * len(pivot.index) + 120),
+    )
     return fig
 
 
@@ -76,12 +103,17 @@ def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, 
             for e, count in json.loads(text).items():
                 merged[int(e)] = merged.get(int(e), 0) + int(count)
         exps = sorted(e for e in merged if -127 < e < 128)
-        fig.add_trace(go.Bar(x=exps, y=[merged[e] for e in exps], name=f"{module} · {kind}", opacity=0.6))
+        fig.add_trace(
+            go.Bar(x=exps, y=[merged[e] for e in exps], name=f"{module} · {kind}", opacity=0.6)
+        )
     for label, exponent in FP16_LIMITS.items():
         fig.add_vline(x=exponent, line_dash="dash", annotation_text=label)
-    fig.update_layout(title="Exponent histogram of the worst layers (zeros and inf/NaN left out)",
-                      xaxis_title="base-2 exponent of |x| (gradients unscaled)", yaxis_title="values",
-                      barmode="overlay")
+    fig.update_layout(
+        title="Exponent histogram of the worst layers (zeros and inf/NaN left out)",
+        xaxis_title="base-2 exponent of |x| (gradients unscaled)",
+        yaxis_title="values",
+        barmode="overlay",
+    )
     return fig
 
 
@@ -91,15 +123,23 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Per-layer numerics"
     frame = run.table("numerics")
     if frame.empty:
-        return Section(key="numerics", title=title,
-                       missing="per-layer numerics were not recorded (add 'numerics' to Config.collectors)")
+        return Section(
+            key="numerics",
+            title=title,
+            missing="per-layer numerics were not recorded (add 'numerics' to Config.collectors)",
+        )
     summary = compute_layer_summary(frame)
     tables: list[tuple[str, pd.DataFrame]] = [
         ("Per-layer totals over sampled steps (gradients unscaled)", summary[_TABLE_COLUMNS])
     ]
     offenders = run.table("offenders")
     if not offenders.empty:
-        tables.append(("First offenders per step", offenders[["rank", "step", "kind", "module", "module_type"]]))
+        tables.append(
+            (
+                "First offenders per step",
+                offenders[["rank", "step", "kind", "module", "module_type"]],
+            )
+        )
     text = [
         f"{frame['step'].nunique()} sampled step(s), {summary['module'].nunique()} module(s) recorded."
     ]
@@ -115,4 +155,6 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     layers = worst_layers(frame)
     if layers:
         figures.append(make_exponent_histogram_figure(frame, layers))
-    return Section(key="numerics", title=title, figures=tuple(figures), tables=tuple(tables), text=tuple(text))
+    return Section(
+        key="numerics", title=title, figures=tuple(figures), tables=tuple(tables), text=tuple(text)
+    )

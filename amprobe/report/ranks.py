@@ -25,13 +25,15 @@ def compute_rank_summary(steps: pd.DataFrame) -> pd.DataFrame:
     skipped = steps["skipped"].fillna(False).astype(bool)
     frame = steps.assign(_skipped=skipped)
     grouped = frame.groupby("rank", sort=True)
-    out = pd.DataFrame({
-        "steps": grouped["step"].size(),
-        "skipped": grouped["_skipped"].sum().astype(int),
-        "final scale": grouped["scale_after"].last(),
-        "median step (ms)": grouped["wall_s"].median() * 1e3,
-        "p90 step (ms)": grouped["wall_s"].quantile(0.9) * 1e3,
-    })
+    out = pd.DataFrame(
+        {
+            "steps": grouped["step"].size(),
+            "skipped": grouped["_skipped"].sum().astype(int),
+            "final scale": grouped["scale_after"].last(),
+            "median step (ms)": grouped["wall_s"].median() * 1e3,
+            "p90 step (ms)": grouped["wall_s"].quantile(0.9) * 1e3,
+        }
+    )
     if "data_wait_s" in steps.columns:
         out["median data wait (ms)"] = grouped["data_wait_s"].median() * 1e3
     return out.reset_index().round(3)
@@ -40,9 +42,14 @@ def compute_rank_summary(steps: pd.DataFrame) -> pd.DataFrame:
 def compute_rank_spread(steps: pd.DataFrame, column: str) -> pd.DataFrame:
     """Per step: min, median and max of ``column`` across ranks, and how many ranks reported it."""
     grouped = steps.groupby("step", sort=True)[column]
-    return pd.DataFrame({
-        "min": grouped.min(), "median": grouped.median(), "max": grouped.max(), "ranks": grouped.count(),
-    }).reset_index()
+    return pd.DataFrame(
+        {
+            "min": grouped.min(),
+            "median": grouped.median(),
+            "max": grouped.max(),
+            "ranks": grouped.count(),
+        }
+    ).reset_index()
 
 
 def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
@@ -51,8 +58,13 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     Args:
         steps: the run's ``steps`` frame (``rank``, ``step``, ``scale_after``, ``wall_s``).
     """
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=("loss scale per rank (log)", "step time per rank (ms)"))
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        subplot_titles=("loss scale per rank (log)", "step time per rank (ms)"),
+    )
     ranks = sorted(steps["rank"].unique())
     draw_each = len(ranks) <= MAX_RANK_TRACES
     for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
@@ -60,24 +72,64 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
         if values.empty:
             continue
         spread = downsample(compute_rank_spread(values, column))
-        fig.add_trace(go.Scatter(x=spread["step"], y=spread["max"] * scale, mode="lines", line={"width": 0},
-                                 name=f"{column} max across ranks", showlegend=False), row=row, col=1)
-        fig.add_trace(go.Scatter(x=spread["step"], y=spread["min"] * scale, mode="lines", line={"width": 0},
-                                 fill="tonexty", fillcolor="rgba(100,100,100,0.2)",
-                                 name=f"{column} min-max across ranks"), row=row, col=1)
-        fig.add_trace(go.Scatter(x=spread["step"], y=spread["median"] * scale, mode="lines",
-                                 line={"dash": "dot", "color": "black"},
-                                 name=f"{column} median of ranks"), row=row, col=1)
+        fig.add_trace(
+            go.Scatter(
+                x=spread["step"],
+                y=spread["max"] * scale,
+                mode="lines",
+                line={"width": 0},
+                name=f"{column} max across ranks",
+                showlegend=False,
+            ),
+            row=row,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=spread["step"],
+                y=spread["min"] * scale,
+                mode="lines",
+                line={"width": 0},
+                fill="tonexty",
+                fillcolor="rgba(100,100,100,0.2)",
+                name=f"{column} min-max across ranks",
+            ),
+            row=row,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=spread["step"],
+                y=spread["median"] * scale,
+                mode="lines",
+                line={"dash": "dot", "color": "black"},
+                name=f"{column} median of ranks",
+            ),
+            row=row,
+            col=1,
+        )
         if draw_each:
             for rank, part in values.groupby("rank", sort=True):
                 shown = downsample(part.sort_values("step"))
-                fig.add_trace(go.Scatter(x=shown["step"], y=shown[column] * scale, mode="lines",
-                                         line={"shape": "hv"} if row == 1 else {}, name=f"r{rank} {column}",
-                                         legendgroup=f"r{rank}"), row=row, col=1)
+                fig.add_trace(
+                    go.Scatter(
+                        x=shown["step"],
+                        y=shown[column] * scale,
+                        mode="lines",
+                        line={"shape": "hv"} if row == 1 else {},
+                        name=f"r{rank} {column}",
+                        legendgroup=f"r{rank}",
+                    ),
+                    row=row,
+                    col=1,
+                )
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
-    fig.update_layout(height=520, margin={"l": 50, "r": 20, "t": 40, "b": 40},
-                      legend={"orientation": "h", "y": -0.15})
+    fig.update_layout(
+        height=520,
+        margin={"l": 50, "r": 20, "t": 40, "b": 40},
+        legend={"orientation": "h", "y": -0.15},
+    )
     return fig
 
 
@@ -87,20 +139,26 @@ def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
     steps = run.steps
     n = int(steps["rank"].nunique()) if len(steps) else 0
     if n < 2:
-        return Section("ranks", title, missing=f"single-rank run ({n} rank with recorded steps): nothing to compare")
+        return Section(
+            "ranks",
+            title,
+            missing=f"single-rank run ({n} rank with recorded steps): nothing to compare",
+        )
     summary = compute_rank_summary(steps)
     medians = summary["median step (ms)"].dropna()
     text = [
         f"{n} ranks. Median step time across ranks: {medians.median():.1f} ms "
         f"(fastest rank {medians.min():.1f} ms, slowest {medians.max():.1f} ms)."
-        if len(medians) else f"{n} ranks; no step time recorded.",
+        if len(medians)
+        else f"{n} ranks; no step time recorded.",
     ]
     scales = steps[steps["scale_after"].notna()]
     if len(scales):
         per_step = scales.groupby("step")["scale_after"].nunique()
         differ = int((per_step > 1).sum())
         text.append(
-            f"Loss scale identical on every rank at all {len(per_step)} steps." if differ == 0
+            f"Loss scale identical on every rank at all {len(per_step)} steps."
+            if differ == 0
             else f"Loss scale differs between ranks at {differ} of {len(per_step)} steps (see AMP-D01)."
         )
     if n > MAX_RANK_TRACES:
@@ -108,5 +166,10 @@ def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
     d_findings = [f for f in diagnosis.findings if f.category == "distributed"]
     for f in d_findings:
         text.append(f"{f.id} {f.name}: {f.title}")
-    return Section("ranks", title, figures=(make_ranks_figure(steps),),
-                   tables=(("per-rank summary", summary),), text=tuple(text))
+    return Section(
+        "ranks",
+        title,
+        figures=(make_ranks_figure(steps),),
+        tables=(("per-rank summary", summary),),
+        text=tuple(text),
+    )

@@ -15,7 +15,14 @@ from typing import Any
 from amprobe.report.sections import Section, build_sections
 from amprobe.rules.engine import Diagnosis, Finding
 
-__all__ = ["render_text", "render_json", "render_markdown", "render_html", "write_report", "format_value"]
+__all__ = [
+    "render_text",
+    "render_json",
+    "render_markdown",
+    "render_html",
+    "write_report",
+    "format_value",
+]
 
 _ICON = {"error": "E", "warning": "W", "info": "I"}
 _COLOR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
@@ -88,7 +95,9 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
 
 def render_json(diagnosis: Diagnosis) -> str:
     """An object with ``run``, ``findings``, ``not_checked`` and ``health``."""
-    return json.dumps(_nan_to_none(diagnosis.to_dict()), indent=2, default=str, allow_nan=False) + "\n"
+    return (
+        json.dumps(_nan_to_none(diagnosis.to_dict()), indent=2, default=str, allow_nan=False) + "\n"
+    )
 
 
 def _nan_to_none(obj: Any) -> Any:
@@ -109,7 +118,9 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
     """Markdown report: findings with evidence and fixes, health, not-checked rules, tables."""
     run = _run_summary(diagnosis)
     out = [f"# amprobe report: {_md_escape(Path(run['path']).name)}", ""]
-    out.append(f"- status: {run['status']}; steps: {run['steps']}; ranks: {run['ranks']}; device: {run['device']}")
+    out.append(
+        f"- status: {run['status']}; steps: {run['steps']}; ranks: {run['ranks']}; device: {run['device']}"
+    )
     for warning in run["warnings"]:
         out.append(f"- warning: {_md_escape(warning)}")
     out += ["", "## Findings", ""]
@@ -172,7 +183,9 @@ table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px so
 def _finding_html(f: Finding) -> str:
     e = html.escape
     color = _COLOR[f.severity]
-    rows = "".join(f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items())
+    rows = "".join(
+        f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items()
+    )
     refs = f"<div class='muted'>refs: {e(', '.join(f.refs))}</div>" if f.refs else ""
     return (
         f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
@@ -194,7 +207,8 @@ def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None =
         f"<h1>amprobe report: {e(Path(info['path']).name)}</h1>",
         f"<p class='muted'>status {e(str(info['status']))} &middot; {info['steps']} steps &middot; "
         f"ranks {e(str(info['ranks']))} &middot; device {e(str(info['device']))}"
-        + (f" ({e(str(info['gpu_name']))})" if info.get("gpu_name") else "") + "</p>",
+        + (f" ({e(str(info['gpu_name']))})" if info.get("gpu_name") else "")
+        + "</p>",
     ]
     for warning in info["warnings"]:
         parts.append(f"<p class='muted'>warning: {e(warning)}</p>")

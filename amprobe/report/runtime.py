@@ -27,34 +27,71 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
         gpu: the ``gpu`` frame (``rank``, ``step``, ``t``, ``gpu``, ``gpu_util``, ``tensor_any``);
             may be empty, then only the top panel has data.
     """
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                        subplot_titles=("step time and data wait (ms)", "GPU utilization (%)"),
-                        row_heights=[0.55, 0.45])
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.1,
+        subplot_titles=("step time and data wait (ms)", "GPU utilization (%)"),
+        row_heights=[0.55, 0.45],
+    )
     multi = steps["rank"].nunique() > 1 if len(steps) else False
     for rank, part in steps.groupby("rank", sort=True):
         part = downsample(part.sort_values("step"))
         suffix = f" r{rank}" if multi else ""
-        fig.add_trace(go.Scatter(x=part["step"], y=part["wall_s"] * 1e3, mode="lines",
-                                 name=f"step time{suffix}"), row=1, col=1)
+        fig.add_trace(
+            go.Scatter(
+                x=part["step"], y=part["wall_s"] * 1e3, mode="lines", name=f"step time{suffix}"
+            ),
+            row=1,
+            col=1,
+        )
         if part["data_wait_s"].notna().any():
-            fig.add_trace(go.Scatter(x=part["step"], y=part["data_wait_s"] * 1e3, mode="lines",
-                                     name=f"data wait{suffix}", fill="tozeroy"), row=1, col=1)
+            fig.add_trace(
+                go.Scatter(
+                    x=part["step"],
+                    y=part["data_wait_s"] * 1e3,
+                    mode="lines",
+                    name=f"data wait{suffix}",
+                    fill="tozeroy",
+                ),
+                row=1,
+                col=1,
+            )
     if len(gpu):
         for (rank, index), part in gpu.groupby(["rank", "gpu"], sort=True):
             part = part.sort_values("t")
             # samples carry the step in progress; spread them evenly within it for the x axis
-            x = part["step"] + part.groupby("step").cumcount() / part.groupby("step")["t"].transform("size")
+            x = part["step"] + part.groupby("step").cumcount() / part.groupby("step")[
+                "t"
+            ].transform("size")
             suffix = f" r{rank} gpu{index}" if multi or gpu["gpu"].nunique() > 1 else ""
             shown = downsample(part.assign(x=x))
-            fig.add_trace(go.Scatter(x=shown["x"], y=shown["gpu_util"], mode="lines",
-                                     name=f"GPU util{suffix}"), row=2, col=1)
+            fig.add_trace(
+                go.Scatter(
+                    x=shown["x"], y=shown["gpu_util"], mode="lines", name=f"GPU util{suffix}"
+                ),
+                row=2,
+                col=1,
+            )
             if shown["tensor_any"].notna().any():
-                fig.add_trace(go.Scatter(x=shown["x"], y=shown["tensor_any"], mode="lines",
-                                         name=f"Tensor Core activity{suffix}"), row=2, col=1)
+                fig.add_trace(
+                    go.Scatter(
+                        x=shown["x"],
+                        y=shown["tensor_any"],
+                        mode="lines",
+                        name=f"Tensor Core activity{suffix}",
+                    ),
+                    row=2,
+                    col=1,
+                )
     fig.update_yaxes(range=[0, 100], row=2, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
-    fig.update_layout(height=480, margin={"l": 50, "r": 20, "t": 40, "b": 40},
-                      legend={"orientation": "h", "y": -0.15})
+    fig.update_layout(
+        height=480,
+        margin={"l": 50, "r": 20, "t": 40, "b": 40},
+        legend={"orientation": "h", "y": -0.15},
+    )
     return fig
 
 
@@ -73,12 +110,20 @@ def make_sync_table(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
 
 def make_phase_table(steps: pd.DataFrame) -> pd.DataFrame:
     """Median seconds per step of each part of the step (host clock)."""
-    cols = {"wall_s": "step", "data_wait_s": "data wait", "fwd_s": "forward",
-            "bwd_s": "backward", "opt_s": "optimizer"}
+    cols = {
+        "wall_s": "step",
+        "data_wait_s": "data wait",
+        "fwd_s": "forward",
+        "bwd_s": "backward",
+        "opt_s": "optimizer",
+    }
     plain = steps[~steps["syncs_sampled"].fillna(False).astype(bool)] if len(steps) else steps
     plain = plain if len(plain) else steps
-    rows = [{"part": label, "median_ms": float(plain[col].median()) * 1e3}
-            for col, label in cols.items() if col in plain and plain[col].notna().any()]
+    rows = [
+        {"part": label, "median_ms": float(plain[col].median()) * 1e3}
+        for col, label in cols.items()
+        if col in plain and plain[col].notna().any()
+    ]
     return pd.DataFrame(rows, columns=["part", "median_ms"])
 
 
@@ -87,15 +132,20 @@ def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Runtime: step time, data loading, syncs, GPU"
     steps = run.steps
     if steps.empty or not steps["data_wait_s"].notna().any():
-        return Section("runtime", title,
-                       missing="step timing was not recorded (enable the 'runtime' collector)")
+        return Section(
+            "runtime",
+            title,
+            missing="step timing was not recorded (enable the 'runtime' collector)",
+        )
     gpu = run.table("gpu")
     syncs = run.table("syncs")
     text = []
     reason = gpu_unavailable_reason(run)
     if reason:
         text.append(f"GPU utilization not recorded: {reason}.")
-    tables: list[tuple[str, pd.DataFrame]] = [("Median time per step (host clock)", make_phase_table(steps))]
+    tables: list[tuple[str, pd.DataFrame]] = [
+        ("Median time per step (host clock)", make_phase_table(steps))
+    ]
     if steps["syncs_sampled"].fillna(False).astype(bool).any():
         sync_table = make_sync_table(steps, syncs)
         device_types = set(syncs["device"].dropna()) if len(syncs) else set()
@@ -105,5 +155,10 @@ def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
         tables.append((caption, sync_table))
     else:
         text.append("Host-device syncs were not counted (syncs_every=0 or no sampled step).")
-    return Section("runtime", title, figures=(make_runtime_figure(steps, gpu),),
-                   tables=tuple(tables), text=tuple(text))
+    return Section(
+        "runtime",
+        title,
+        figures=(make_runtime_figure(steps, gpu),),
+        tables=tuple(tables),
+        text=tuple(text),
+    )

@@ -49,7 +49,9 @@ def scaler_rows(steps: pd.DataFrame) -> pd.DataFrame:
     """The steps taken with an enabled GradScaler and a recorded scale."""
     if steps.empty or "scale_before" not in steps:
         return steps.iloc[0:0]
-    enabled = steps["scaler_enabled"].fillna(False).astype(bool) if "scaler_enabled" in steps else True
+    enabled = (
+        steps["scaler_enabled"].fillna(False).astype(bool) if "scaler_enabled" in steps else True
+    )
     return sort_steps(steps[enabled & steps["scale_before"].notna()])
 
 
@@ -86,13 +88,17 @@ def scale_events(steps: pd.DataFrame) -> pd.DataFrame:
     if rows.empty or "scale_after" not in rows:
         return pd.DataFrame(columns=columns)
     changed = rows[rows["scale_after"].notna() & (rows["scale_after"] != rows["scale_before"])]
-    out = pd.DataFrame({
-        "rank": changed["rank"] if "rank" in changed else 0,
-        "step": changed["step"],
-        "event": np.where(changed["scale_after"] > changed["scale_before"], "growth", "backoff"),
-        "scale_before": changed["scale_before"],
-        "scale_after": changed["scale_after"],
-    })
+    out = pd.DataFrame(
+        {
+            "rank": changed["rank"] if "rank" in changed else 0,
+            "step": changed["step"],
+            "event": np.where(
+                changed["scale_after"] > changed["scale_before"], "growth", "backoff"
+            ),
+            "scale_before": changed["scale_before"],
+            "scale_after": changed["scale_after"],
+        }
+    )
     return out.reset_index(drop=True)[columns]
 
 
@@ -108,46 +114,99 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     if rows.empty and not has_loss:
         return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
     fig = make_subplots(
-        rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        row_heights=[0.6, 0.4],
         subplot_titles=("loss scale (log)", "loss"),
     )
     multi = "rank" in steps and steps["rank"].nunique() > 1
     for rank, part in split_ranks(rows):
         suffix = f" (rank {rank})" if multi else ""
         x, y = thin_series(part, "scale_before", max_points)
-        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=f"scale{suffix}", line_shape="hv"), 1, 1)
-        skipped = part[part["skipped"].fillna(False).astype(bool)] if "skipped" in part else part.iloc[0:0]
+        fig.add_trace(
+            go.Scatter(x=x, y=y, mode="lines", name=f"scale{suffix}", line_shape="hv"), 1, 1
+        )
+        skipped = (
+            part[part["skipped"].fillna(False).astype(bool)]
+            if "skipped" in part
+            else part.iloc[0:0]
+        )
         if len(skipped):
             skipped = cap_rows(skipped, max_points)
-            fig.add_trace(go.Scatter(
-                x=skipped["step"], y=skipped["scale_before"], mode="markers",
-                name=f"skipped step{suffix}", marker={"symbol": "x", "color": _SKIP_COLOR, "size": 8},
-            ), 1, 1)
+            fig.add_trace(
+                go.Scatter(
+                    x=skipped["step"],
+                    y=skipped["scale_before"],
+                    mode="markers",
+                    name=f"skipped step{suffix}",
+                    marker={"symbol": "x", "color": _SKIP_COLOR, "size": 8},
+                ),
+                1,
+                1,
+            )
     events = scale_events(rows)
-    for kind, color, symbol in (("growth", _GROW_COLOR, "triangle-up"), ("backoff", _CUT_COLOR, "triangle-down")):
+    for kind, color, symbol in (
+        ("growth", _GROW_COLOR, "triangle-up"),
+        ("backoff", _CUT_COLOR, "triangle-down"),
+    ):
         part = cap_rows(events[events["event"] == kind], max_points)
         if len(part):
-            fig.add_trace(go.Scatter(
-                x=part["step"], y=part["scale_after"], mode="markers", name=kind,
-                marker={"symbol": symbol, "color": color, "size": 7},
-            ), 1, 1)
+            fig.add_trace(
+                go.Scatter(
+                    x=part["step"],
+                    y=part["scale_after"],
+                    mode="markers",
+                    name=kind,
+                    marker={"symbol": symbol, "color": color, "size": 7},
+                ),
+                1,
+                1,
+            )
     if rows.empty:
-        fig.add_annotation(text="not recorded: no enabled GradScaler", showarrow=False,
-                           xref="x domain", yref="y domain", x=0.5, y=0.5, row=1, col=1)
+        fig.add_annotation(
+            text="not recorded: no enabled GradScaler",
+            showarrow=False,
+            xref="x domain",
+            yref="y domain",
+            x=0.5,
+            y=0.5,
+            row=1,
+            col=1,
+        )
     if has_loss:
         for rank, part in split_ranks(sort_steps(steps)):
             x, y = thin_series(part, "loss", max_points)
-            fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=f"loss (rank {rank})" if multi else "loss",
-                                     line={"color": "#444"}), 2, 1)
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=y,
+                    mode="lines",
+                    name=f"loss (rank {rank})" if multi else "loss",
+                    line={"color": "#444"},
+                ),
+                2,
+                1,
+            )
     else:
-        fig.add_annotation(text="not recorded: no loss value (capture_loss off?)", showarrow=False,
-                           xref="x2 domain", yref="y2 domain", x=0.5, y=0.5)
+        fig.add_annotation(
+            text="not recorded: no loss value (capture_loss off?)",
+            showarrow=False,
+            xref="x2 domain",
+            yref="y2 domain",
+            x=0.5,
+            y=0.5,
+        )
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
-    fig.update_layout(height=520, template="plotly_white", margin={"t": 40, "b": 40, "l": 60, "r": 20},
-                      legend={"orientation": "h", "y": -0.15})
+    fig.update_layout(
+        height=520,
+        template="plotly_white",
+        margin={"t": 40, "b": 40, "l": 60, "r": 20},
+        legend={"orientation": "h", "y": -0.15},
+    )
     return fig
-
 
 
 @section("scale", order=10)

@@ -66,7 +66,9 @@ def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
         try:
             result = fn(run, diagnosis)
         except Exception as exc:
-            result = Section(key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}")
+            result = Section(
+                key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
+            )
         if result is not None:
             out.append(result)
     return out

@@ -27,7 +27,9 @@ def load_baseline(run: Run) -> Run | None:
 
 
 def _load_baseline(run: Run) -> Run | None:
-    path = next((r.manifest.get("baseline_run") for r in run.ranks if r.manifest.get("baseline_run")), None)
+    path = next(
+        (r.manifest.get("baseline_run") for r in run.ranks if r.manifest.get("baseline_run")), None
+    )
     if not path:
         return None
     target = Path(path)
@@ -67,23 +69,41 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     Throughput uses the median step wall time after warm-up (``WARMUP_SHARE``), so the first
     steps and the probe's own flushes do not count. Missing data gives ``None`` with a note.
     """
-    out: dict[str, Any] = {"baseline": str(baseline.path), "candidate": str(candidate.path), "notes": []}
+    out: dict[str, Any] = {
+        "baseline": str(baseline.path),
+        "candidate": str(candidate.path),
+        "notes": [],
+    }
     a, b = _timed(baseline.steps), _timed(candidate.steps)
     if len(a) and len(b) and a["wall_s"].median() > 0 and b["wall_s"].median() > 0:
         sps_a, sps_b = 1.0 / a["wall_s"].median(), 1.0 / b["wall_s"].median()
-        out.update(steps_per_s_baseline=sps_a, steps_per_s_candidate=sps_b, speedup=sps_b / sps_a,
-                   timed_steps=(len(a), len(b)))
-        if "batch_size" in a.columns and a["batch_size"].notna().any() and b["batch_size"].notna().any():
-            out.update(samples_per_s_baseline=sps_a * float(a["batch_size"].median()),
-                       samples_per_s_candidate=sps_b * float(b["batch_size"].median()))
+        out.update(
+            steps_per_s_baseline=sps_a,
+            steps_per_s_candidate=sps_b,
+            speedup=sps_b / sps_a,
+            timed_steps=(len(a), len(b)),
+        )
+        if (
+            "batch_size" in a.columns
+            and a["batch_size"].notna().any()
+            and b["batch_size"].notna().any()
+        ):
+            out.update(
+                samples_per_s_baseline=sps_a * float(a["batch_size"].median()),
+                samples_per_s_candidate=sps_b * float(b["batch_size"].median()),
+            )
     else:
         out["speedup"] = None
         out["notes"].append("throughput: one of the runs has no timed steps")
     mem_a, kind_a = _peak_memory(baseline)
     mem_b, kind_b = _peak_memory(candidate)
     if mem_a and mem_b and kind_a == kind_b:
-        out.update(peak_memory_baseline=mem_a, peak_memory_candidate=mem_b, memory_ratio=mem_b / mem_a,
-                   memory_kind=kind_a)
+        out.update(
+            peak_memory_baseline=mem_a,
+            peak_memory_candidate=mem_b,
+            memory_ratio=mem_b / mem_a,
+            memory_kind=kind_a,
+        )
     else:
         out["memory_ratio"] = None
         out["notes"].append("memory: peak memory was not recorded in both runs")
@@ -92,7 +112,7 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     shared = la.index.intersection(lb.index)
     if len(shared):
         diff = (lb.loc[shared] - la.loc[shared]).abs()
-        tail = shared[-min(10, len(shared)):]
+        tail = shared[-min(10, len(shared)) :]
         out.update(
             shared_loss_steps=len(shared),
             loss_mean_abs_diff=float(diff.mean()),
@@ -117,8 +137,15 @@ def _has_baseline(run: Run) -> str | None:
     return None
 
 
-@rule("AMP-S06", "no-speedup", "warning", "speed", requires=("baseline",),
-      thresholds={"min_speedup": 1.1}, refs=("G§5.2", "G§5.4", "S§11"))
+@rule(
+    "AMP-S06",
+    "no-speedup",
+    "warning",
+    "speed",
+    requires=("baseline",),
+    thresholds={"min_speedup": 1.1},
+    refs=("G§5.2", "G§5.4", "S§11"),
+)
 def check_no_speedup(ctx: RuleContext) -> Iterator[Finding]:
     """A measured FP32-vs-AMP comparison gives a speedup under ``min_speedup``.
 

@@ -59,8 +59,13 @@ FP32_REASONS: dict[str, str] = {
     "enabled": "op on autocast's fp32 list (or a custom_fwd that casts to fp32)",
 }
 
-_CONV = {"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
-         "convolution_overrideable"}
+_CONV = {
+    "convolution",
+    "_convolution",
+    "convolution_backward",
+    "cudnn_convolution",
+    "convolution_overrideable",
+}
 # tile-quantization check (MATMUL_GUIDE "Tile Quantization"; checklist G§5.2 #4: 96 -> 128)
 _TILE_OPS = {"mm", "addmm", "_addmm_activation", "convolution", "_convolution"}
 
@@ -96,7 +101,11 @@ def _checked_dims(row: Any) -> dict[str, int]:
 def _tile_dims(row: Any) -> dict[str, int]:
     if row["phase"] != "forward" or str(row["op"]) not in _TILE_OPS:
         return {}
-    dims = {"Cin": row["cin"], "Cout": row["cout"]} if str(row["op"]) in _CONV else {"N": row["n"], "K": row["k"]}
+    dims = (
+        {"Cin": row["cin"], "Cout": row["cout"]}
+        if str(row["op"]) in _CONV
+        else {"N": row["n"], "K": row["k"]}
+    )
     return {name: int(v) for name, v in dims.items() if v is not None and not pd.isna(v)}
 
 
@@ -111,8 +120,13 @@ def latest_capture(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
     return ops, steps
 
 
-def alignment_frame(ops: pd.DataFrame, tf32: bool = False, tile: int = 64,
-                    min_tile_efficiency: float = 0.8, small_dim: int = 256) -> pd.DataFrame:
+def alignment_frame(
+    ops: pd.DataFrame,
+    tf32: bool = False,
+    tile: int = 64,
+    min_tile_efficiency: float = 0.8,
+    small_dim: int = 256,
+) -> pd.DataFrame:
     """Per op row: the Tensor Core multiple, the dims that break it, padded sizes, FLOP share.
 
     Columns added to ``ops``: ``multiple`` (None when Tensor Cores do not apply, e.g. fp32
@@ -124,7 +138,11 @@ def alignment_frame(ops: pd.DataFrame, tf32: bool = False, tile: int = 64,
     out = ops.copy()
     totals = out.groupby(["rank", "step"])["flops"].transform("sum")
     out["flop_share"] = (out["flops"] / totals.where(totals > 0)).fillna(0.0)
-    multiples, bad, suggested, aligned, waste = [], [], [], [], []
+    multiples: list[int | None] = []
+    bad: list[dict[str, int]] = []
+    suggested: list[dict[str, int]] = []
+    aligned: list[bool | None] = []
+    waste: list[dict[int, int]] = []
     for row in out.to_dict("records"):
         multiple = required_multiple(row["in_dtype"], tf32)
         multiples.append(multiple)
@@ -178,8 +196,10 @@ def fp32_modules(ops: pd.DataFrame) -> pd.DataFrame:
     # the module's backward GEMMs follow its forward dtype: count them in its share
     bwd = ops[(ops["phase"] == "backward") & (ops["in_dtype"] == "float32")]
     bwd_flops = bwd.groupby(["rank", "module"])["flops"].sum()
-    mods["flops"] = [f + float(bwd_flops.get((r, m), 0.0))
-                     for r, m, f in zip(mods["rank"], mods["module"], mods["flops"], strict=True)]
+    mods["flops"] = [
+        f + float(bwd_flops.get((r, m), 0.0))
+        for r, m, f in zip(mods["rank"], mods["module"], mods["flops"], strict=True)
+    ]
     mods["flop_share"] = mods["flops"] / mods["rank"].map(total)
     return mods.sort_values("flops", ascending=False).reset_index(drop=True)[cols]
 
@@ -206,7 +226,10 @@ def compute_mfu(run: Run) -> dict[str, Any]:
     """
     ops, csteps = latest_capture(run)
     if csteps.empty:
-        return {"value": None, "note": "not measured: no step was captured by the compute collector"}
+        return {
+            "value": None,
+            "note": "not measured: no step was captured by the compute collector",
+        }
     rank = int(csteps["rank"].min())
     row = csteps[csteps["rank"] == rank].iloc[0]
     steps = run.steps
@@ -217,18 +240,28 @@ def compute_mfu(run: Run) -> dict[str, Any]:
         plain = plain[plain["step"] != 0]
     wall = plain["wall_s"].dropna() if len(plain) else pd.Series(dtype=float)
     if wall.empty or float(wall.median()) <= 0:
-        return {"value": None, "note": "not measured: no uncaptured step with a step time was recorded"}
+        return {
+            "value": None,
+            "note": "not measured: no uncaptured step with a step time was recorded",
+        }
     t_step = float(wall.median())
     flops = float(row["matmul_flops"])
-    result: dict[str, Any] = {"achieved_flops_per_s": flops / t_step, "step_flops": flops,
-                              "step_s": t_step, "rank": rank}
+    result: dict[str, Any] = {
+        "achieved_flops_per_s": flops / t_step,
+        "step_flops": flops,
+        "step_s": t_step,
+        "rank": rank,
+    }
     manifest = next((r.manifest for r in run.ranks if r.rank == rank), run.rank_manifest)
     device = manifest.get("gpu_name") or manifest.get("device")
     peak = lookup_peak(manifest.get("gpu_name"))
     if peak is None:
-        result.update(value=None, device=device,
-                      note=f"MFU not available: no peak throughput known for {device}; "
-                           f"achieved {flops / t_step / 1e12:.3g} TFLOP/s")
+        result.update(
+            value=None,
+            device=device,
+            note=f"MFU not available: no peak throughput known for {device}; "
+            f"achieved {flops / t_step / 1e12:.3g} TFLOP/s",
+        )
         return result
     tf32 = bool(row["tf32"]) if not pd.isna(row["tf32"]) else False
     mine = ops[ops["rank"] == rank]
@@ -241,8 +274,12 @@ def compute_mfu(run: Run) -> dict[str, Any]:
         by_precision[precision or str(dtype)] = by_precision.get(precision or str(dtype), 0.0) + f
         if tflops:
             ideal += f / (tflops * 1e12)
-    result.update(value=ideal / t_step, device=peak.name, peak_source=peak.source,
-                  flops_by_precision=by_precision)
+    result.update(
+        value=ideal / t_step,
+        device=peak.name,
+        peak_source=peak.source,
+        flops_by_precision=by_precision,
+    )
     return result
 
 
@@ -259,7 +296,11 @@ def _has_compute(run: Run) -> str | None:
 
 # -- rules ----------------------------------------------------------------------------------------
 @rule(
-    "AMP-S02", "thin-model", "info", "speed", requires=("compute",),
+    "AMP-S02",
+    "thin-model",
+    "info",
+    "speed",
+    requires=("compute",),
     thresholds={"min_params": 1_000_000, "min_flops_per_byte": 8.0},
     refs=("G§5.2 #2", "G§5.3 #1"),
 )
@@ -274,8 +315,11 @@ def check_thin_model(ctx: RuleContext) -> Iterator[Finding]:
     """
     run = ctx.run
     _, csteps = latest_capture(run)
-    params = sum(int(e.get("trainable_params") or 0) for e in run.events_of("model_params")
-                 if e.get("rank", 0) == int(csteps["rank"].min()))
+    params = sum(
+        int(e.get("trainable_params") or 0)
+        for e in run.events_of("model_params")
+        if e.get("rank", 0) == int(csteps["rank"].min())
+    )
     for row in csteps.sort_values("rank").to_dict("records"):
         flops, moved = float(row["matmul_flops"] or 0.0), float(row["other_bytes"] or 0.0)
         intensity = flops / moved if moved > 0 else math.inf
@@ -291,8 +335,11 @@ def check_thin_model(ctx: RuleContext) -> Iterator[Finding]:
         yield ctx.finding(
             title="thin model: " + " and ".join(why),
             evidence={
-                "rank": int(row["rank"]), "step": int(row["step"]), "matmul_flops": flops,
-                "other_bytes": moved, "flops_per_byte": round(intensity, 3) if math.isfinite(intensity) else None,
+                "rank": int(row["rank"]),
+                "step": int(row["step"]),
+                "matmul_flops": flops,
+                "other_bytes": moved,
+                "flops_per_byte": round(intensity, 3) if math.isfinite(intensity) else None,
                 "trainable_params": params or None,
                 "min_flops_per_byte": ctx.thresholds["min_flops_per_byte"],
                 "min_params": ctx.thresholds["min_params"],
@@ -307,7 +354,11 @@ def check_thin_model(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-S04", "tc-misaligned", "warning", "speed", requires=("compute",),
+    "AMP-S04",
+    "tc-misaligned",
+    "warning",
+    "speed",
+    requires=("compute",),
     thresholds={"min_flop_share": 0.01, "tile": 64, "min_tile_efficiency": 0.8, "small_dim": 256},
     refs=("G§1.2", "G§5.2 #4", MATMUL_GUIDE, FC_GUIDE),
 )
@@ -326,26 +377,33 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
         return
     th = ctx.thresholds
     tf32 = bool(csteps["tf32"].fillna(False).any())
-    frame = alignment_frame(ops, tf32=tf32, tile=int(th["tile"]),
-                            min_tile_efficiency=th["min_tile_efficiency"], small_dim=int(th["small_dim"]))
+    frame = alignment_frame(
+        ops,
+        tf32=tf32,
+        tile=int(th["tile"]),
+        min_tile_efficiency=th["min_tile_efficiency"],
+        small_dim=int(th["small_dim"]),
+    )
     for rank, part in frame.groupby("rank", sort=True):
         bad = part[part["aligned"].eq(False)]
         share = float(bad["flop_share"].sum())
         if len(bad) and share >= th["min_flop_share"]:
-            layers = []
+            layers: list[dict[str, Any]] = []
             for module, mods in bad.groupby("module", sort=False):
                 sizes: dict[int, int] = {}
                 for mis, sug in zip(mods["misaligned"], mods["suggested"], strict=True):
                     for dim, size in mis.items():
                         sizes[int(size)] = int(sug[dim])
-                layers.append({
-                    "module": str(module),
-                    "ops": sorted(set(mods["op"])),
-                    "dims": {str(k): v for k, v in sorted(sizes.items())},
-                    "dtype": str(mods["in_dtype"].mode().iloc[0]),
-                    "multiple": int(mods["multiple"].iloc[0]),
-                    "flop_share": round(float(mods["flop_share"].sum()), 4),
-                })
+                layers.append(
+                    {
+                        "module": str(module),
+                        "ops": sorted(set(mods["op"])),
+                        "dims": {str(k): v for k, v in sorted(sizes.items())},
+                        "dtype": str(mods["in_dtype"].mode().iloc[0]),
+                        "multiple": int(mods["multiple"].iloc[0]),
+                        "flop_share": round(float(mods["flop_share"].sum()), 4),
+                    }
+                )
             layers.sort(key=lambda d: -d["flop_share"])
             named = "; ".join(
                 f"{d['module']} (" + ", ".join(f"{k} -> {v}" for k, v in d["dims"].items()) + ")"
@@ -353,16 +411,22 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
             )
             yield ctx.finding(
                 title=f"{share:.1%} of matmul FLOPs run with dims that are not Tensor Core multiples: {named}",
-                evidence={"rank": int(rank), "step": int(part["step"].iloc[0]),
-                          "misaligned_flop_share": round(share, 4), "layers": layers,
-                          "min_flop_share": th["min_flop_share"]},
+                evidence={
+                    "rank": int(rank),
+                    "step": int(part["step"].iloc[0]),
+                    "misaligned_flop_share": round(share, 4),
+                    "layers": layers,
+                    "min_flop_share": th["min_flop_share"],
+                },
                 fix=(
                     "Pad these sizes to the suggested multiple (fp16/bf16: 8, TF32: 4, fp8/int8: 16): "
                     "hidden sizes and channels in the model definition, the vocabulary by adding "
                     "unused tokens, the batch x sequence product by choosing them accordingly. "
-                    + "Suggested: " + "; ".join(
+                    + "Suggested: "
+                    + "; ".join(
                         f"{d['module']}: " + ", ".join(f"{k} -> {v}" for k, v in d["dims"].items())
-                        for d in layers)
+                        for d in layers
+                    )
                 ),
             )
         waste = part[part["tile_waste"].map(bool)]
@@ -371,21 +435,34 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
             for module, tw in zip(waste["module"], waste["tile_waste"], strict=True):
                 items.setdefault(str(module), {}).update(tw)
             yield ctx.finding(
-                title="aligned but small layer sizes waste Tensor Core tiles: " + "; ".join(
+                title="aligned but small layer sizes waste Tensor Core tiles: "
+                + "; ".join(
                     f"{m} (" + ", ".join(f"{v} -> {p}" for v, p in sorted(dims.items())) + ")"
-                    for m, dims in list(items.items())[:6]),
-                evidence={"rank": int(rank), "layers": [
-                    {"module": m, "dims": {str(v): p for v, p in sorted(dims.items())}}
-                    for m, dims in items.items()],
-                    "tile": th["tile"], "min_tile_efficiency": th["min_tile_efficiency"]},
-                fix=("Small dimensions fill only part of a Tensor Core tile; rounding them up to the "
-                     "tile size (e.g. 96 -> 128 channels, G§5.2 #4) can be faster at little cost."),
+                    for m, dims in list(items.items())[:6]
+                ),
+                evidence={
+                    "rank": int(rank),
+                    "layers": [
+                        {"module": m, "dims": {str(v): p for v, p in sorted(dims.items())}}
+                        for m, dims in items.items()
+                    ],
+                    "tile": th["tile"],
+                    "min_tile_efficiency": th["min_tile_efficiency"],
+                },
+                fix=(
+                    "Small dimensions fill only part of a Tensor Core tile; rounding them up to the "
+                    "tile size (e.g. 96 -> 128 channels, G§5.2 #4) can be faster at little cost."
+                ),
                 severity="info",
             )
 
 
 @rule(
-    "AMP-S05", "autocast-ineffective", "error", "speed", requires=("compute",),
+    "AMP-S05",
+    "autocast-ineffective",
+    "error",
+    "speed",
+    requires=("compute",),
     thresholds={"min_half_share": 0.5},
     refs=("G§4.1",),
 )
@@ -414,16 +491,24 @@ def check_autocast_ineffective(ctx: RuleContext) -> Iterator[Finding]:
         mods = modules[modules["rank"] == rank].head(10)
         reasons = sorted(set(mods["reason"]))
         yield ctx.finding(
-            title=(f"AMP is configured ({', '.join(configured)}) but only {half:.0%} of matmul FLOPs "
-                   f"run in half precision"),
+            title=(
+                f"AMP is configured ({', '.join(configured)}) but only {half:.0%} of matmul FLOPs "
+                f"run in half precision"
+            ),
             evidence={
-                "rank": int(rank), "half_flop_share": round(half, 4),
-                "flops_by_dtype": {str(d): float(f) for d, f in zip(part["in_dtype"], part["flops"], strict=True)},
+                "rank": int(rank),
+                "half_flop_share": round(half, 4),
+                "flops_by_dtype": {
+                    str(d): float(f) for d, f in zip(part["in_dtype"], part["flops"], strict=True)
+                },
                 "fp32_modules": [
                     {"module": m, "reason": r, "flop_share": round(float(s), 4)}
-                    for m, r, s in zip(mods["module"], mods["reason"], mods["flop_share"], strict=True)
+                    for m, r, s in zip(
+                        mods["module"], mods["reason"], mods["flop_share"], strict=True
+                    )
                 ],
-                "reasons": reasons, "amp_seen": configured,
+                "reasons": reasons,
+                "amp_seen": configured,
                 "min_half_share": ctx.thresholds["min_half_share"],
             },
             fix=(

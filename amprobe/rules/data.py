@@ -39,7 +39,9 @@ def per_rank(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:
     ranks = frame["rank"].to_numpy()
     steps = frame["step"].to_numpy()
     new_rank = ranks[1:] != ranks[:-1]
-    ordered = bool((ranks[1:] >= ranks[:-1]).all()) and bool(((steps[1:] >= steps[:-1]) | new_rank).all())
+    ordered = bool((ranks[1:] >= ranks[:-1]).all()) and bool(
+        ((steps[1:] >= steps[:-1]) | new_rank).all()
+    )
     if not ordered:
         frame = frame.sort_values(["rank", "step"], kind="stable")
         ranks = frame["rank"].to_numpy()

@@ -30,7 +30,9 @@ def _has_multiple_ranks(run: Run) -> str | None:
     return f"single-rank run ({n} rank with recorded steps); cross-rank rules need at least 2 ranks"
 
 
-def compute_rank_grid(frame: pd.DataFrame, *columns: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+def compute_rank_grid(
+    frame: pd.DataFrame, *columns: str
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """``(steps, ranks, grids)``: per column, ``grid[i, j]`` = its value at ``steps[i]`` on ``ranks[j]``.
 
     Missing values are NaN; when a rank recorded a step twice (several recording windows) the
@@ -52,7 +54,11 @@ def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[
 
 
 @rule(
-    "AMP-D01", "rank-scale-divergence", "warning", "distributed", requires=("scaler", "multi_rank"),
+    "AMP-D01",
+    "rank-scale-divergence",
+    "warning",
+    "distributed",
+    requires=("scaler", "multi_rank"),
     thresholds={"min_divergent_steps": 1},
     refs=("G§3.3",),
 )
@@ -74,7 +80,12 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     shared = present.sum(axis=1) >= 2
     if not shared.any():
         return
-    steps, scales, skipped, present = steps[shared], scales[shared], skipped[shared], present[shared]
+    steps, scales, skipped, present = (
+        steps[shared],
+        scales[shared],
+        skipped[shared],
+        present[shared],
+    )
     reference = np.nanmedian(scales, axis=1)
     scale_dev = present & (scales != reference[:, None])
     scale_rows = np.flatnonzero(scale_dev.any(axis=1))
@@ -82,12 +93,18 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     n_skipped = np.nansum(skipped, axis=1)
     skip_rows = np.flatnonzero((n_skipped > 0) & (n_skipped < n_present))
     is_skipped = present & (skipped == 1)
-    minority = np.where((n_skipped < n_present - n_skipped)[:, None], is_skipped,
-                        np.where((n_skipped > n_present - n_skipped)[:, None], present & ~is_skipped, present))
+    minority = np.where(
+        (n_skipped < n_present - n_skipped)[:, None],
+        is_skipped,
+        np.where((n_skipped > n_present - n_skipped)[:, None], present & ~is_skipped, present),
+    )
     skip_dev = np.zeros_like(present)
     skip_dev[skip_rows] = minority[skip_rows]
     divergent = len(scale_rows) + len(skip_rows)
-    if max(len(scale_rows), len(skip_rows)) < ctx.thresholds["min_divergent_steps"] or divergent == 0:
+    if (
+        max(len(scale_rows), len(skip_rows)) < ctx.thresholds["min_divergent_steps"]
+        or divergent == 0
+    ):
         return
     named = sorted(int(r) for r in ranks[(scale_dev | skip_dev).any(axis=0)])
     any_skip = bool(is_skipped.any())
@@ -95,11 +112,15 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     if synchronized is None:
         sync_note = "no rank skipped a step, so found-inf synchronization was not observed"
     elif synchronized:
-        sync_note = (f"found-inf looks synchronized: every rank skipped the same "
-                     f"{int(is_skipped.any(axis=1).sum())} step(s)")
+        sync_note = (
+            f"found-inf looks synchronized: every rank skipped the same "
+            f"{int(is_skipped.any(axis=1).sum())} step(s)"
+        )
     else:
-        sync_note = (f"found-inf is NOT synchronized: ranks skipped different steps at "
-                     f"{len(skip_rows)} step(s)")
+        sync_note = (
+            f"found-inf is NOT synchronized: ranks skipped different steps at "
+            f"{len(skip_rows)} step(s)"
+        )
     evidence: dict[str, Any] = {
         "ranks": named,
         "ranks_compared": len(ranks),
@@ -129,21 +150,34 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
         evidence["init_scales"] = {r: inits[r] for r in sorted(inits)[:MAX_LISTED]}
     parts = []
     if len(scale_rows):
-        parts.append(f"the loss scale at {len(scale_rows)} step(s) (first: step {int(steps[scale_rows[0]])})")
+        parts.append(
+            f"the loss scale at {len(scale_rows)} step(s) (first: step {int(steps[scale_rows[0]])})"
+        )
     if len(skip_rows):
         parts.append(f"which steps were skipped at {len(skip_rows)} step(s)")
-    fix = ("Every rank must see the same data order and a synchronized overflow decision (G§3.3): "
-           "with DDP or FSDP the gradient all-reduce spreads an inf to every rank; without it, "
-           "all-reduce found-inf yourself or use ShardedGradScaler.")
+    fix = (
+        "Every rank must see the same data order and a synchronized overflow decision (G§3.3): "
+        "with DDP or FSDP the gradient all-reduce spreads an inf to every rank; without it, "
+        "all-reduce found-inf yourself or use ShardedGradScaler."
+    )
     if "init_scales" in evidence:
-        fix = ("The ranks built their GradScaler with different init_scale values: construct it "
-               "identically on every rank (and restore the same scaler state on resume). " + fix)
+        fix = (
+            "The ranks built their GradScaler with different init_scale values: construct it "
+            "identically on every rank (and restore the same scaler state on resume). " + fix
+        )
     yield ctx.finding(
-        title=(f"ranks {format_ranks(named)} disagree on " if len(named) == len(ranks)
-               else (f"rank {named[0]} disagrees" if len(named) == 1 else f"ranks {format_ranks(named)} disagree")
-               + " with the other ranks on ")
-              + " and on ".join(parts)
-              + f"; {sync_note}",
+        title=(
+            f"ranks {format_ranks(named)} disagree on "
+            if len(named) == len(ranks)
+            else (
+                f"rank {named[0]} disagrees"
+                if len(named) == 1
+                else f"ranks {format_ranks(named)} disagree"
+            )
+            + " with the other ranks on "
+        )
+        + " and on ".join(parts)
+        + f"; {sync_note}",
         evidence=evidence,
         fix=fix,
     )
@@ -156,7 +190,11 @@ def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) ->
 
 
 @rule(
-    "AMP-D02", "rank-straggler", "info", "distributed", requires=("steps", "multi_rank"),
+    "AMP-D02",
+    "rank-straggler",
+    "info",
+    "distributed",
+    requires=("steps", "multi_rank"),
     thresholds={"slow_factor": 1.5, "min_excess_s": 0.01, "warmup_steps": 2, "min_steps": 5},
     refs=("S§11",),
 )
@@ -187,7 +225,9 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
         if len(medians) < 2:
             continue
         reference = float(medians.median())
-        slow = medians[(medians > th["slow_factor"] * reference) & (medians - reference >= th["min_excess_s"])]
+        slow = medians[
+            (medians > th["slow_factor"] * reference) & (medians - reference >= th["min_excess_s"])
+        ]
         if slow.empty:
             continue
         slow = slow.sort_values(ascending=False)
@@ -195,17 +235,24 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
         ratio = worst / reference if reference > 0 else None
         yield ctx.finding(
             title=(
-                f"rank {worst_rank}" + (f" ({hosts.get(worst_rank)})" if hosts.get(worst_rank) else "")
+                f"rank {worst_rank}"
+                + (f" ({hosts.get(worst_rank)})" if hosts.get(worst_rank) else "")
                 + f" median {label} {worst * 1e3:.1f} ms vs {reference * 1e3:.1f} ms median of {len(medians)} ranks"
                 + (f" ({ratio:.1f}x)" if ratio else "")
-                + (f"; {len(slow)} straggler ranks: {format_ranks(slow.index)}" if len(slow) > 1 else "")
+                + (
+                    f"; {len(slow)} straggler ranks: {format_ranks(slow.index)}"
+                    if len(slow) > 1
+                    else ""
+                )
             ),
             evidence={
                 "metric": column,
                 "ranks": sorted(int(r) for r in slow.index),
                 "slowest_rank": worst_rank,
                 "hostname": hosts.get(worst_rank),
-                "rank_medians_s": {int(r): round(float(v), 6) for r, v in slow.iloc[:MAX_LISTED].items()},
+                "rank_medians_s": {
+                    int(r): round(float(v), 6) for r, v in slow.iloc[:MAX_LISTED].items()
+                },
                 "median_of_ranks_s": round(reference, 6),
                 "ratio": round(ratio, 3) if ratio else None,
                 "ranks_compared": len(medians),

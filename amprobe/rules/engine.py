@@ -123,8 +123,14 @@ class RuleContext:
     spec: RuleSpec
     thresholds: Mapping[str, float]
 
-    def finding(self, title: str, evidence: Mapping[str, Any], fix: str,
-                severity: str | None = None, refs: Iterable[str] = ()) -> Finding:
+    def finding(
+        self,
+        title: str,
+        evidence: Mapping[str, Any],
+        fix: str,
+        severity: str | None = None,
+        refs: Iterable[str] = (),
+    ) -> Finding:
         return Finding(
             id=self.spec.id,
             name=self.spec.name,
@@ -252,8 +258,13 @@ def group_rank_findings(findings: list[Finding]) -> list[Finding]:
             order.append(i)
             continue
         rest = {k: v for k, v in f.evidence.items() if k != "rank"}
-        key = (f.id, f.severity, _RANK_IN_TITLE.sub("", f.title), f.fix,
-               json.dumps(rest, sort_keys=True, default=str))
+        key = (
+            f.id,
+            f.severity,
+            _RANK_IN_TITLE.sub("", f.title),
+            f.fix,
+            json.dumps(rest, sort_keys=True, default=str),
+        )
         if key not in groups:
             groups[key] = []
             order.append(key)
@@ -270,13 +281,22 @@ def group_rank_findings(findings: list[Finding]) -> list[Finding]:
         ranks = sorted(int(f.evidence["rank"]) for f in group)
         first = group[0]
         where = f" on ranks {format_ranks(ranks)}"
-        title = _RANK_IN_TITLE.sub(where, first.title) if _RANK_IN_TITLE.search(first.title) else first.title + where
-        out.append(dataclasses.replace(first, title=title,
-                                       evidence={**first.evidence, "rank": ranks[0], "ranks": ranks}))
+        title = (
+            _RANK_IN_TITLE.sub(where, first.title)
+            if _RANK_IN_TITLE.search(first.title)
+            else first.title + where
+        )
+        out.append(
+            dataclasses.replace(
+                first, title=title, evidence={**first.evidence, "rank": ranks[0], "ranks": ranks}
+            )
+        )
     return out
 
 
-def resolve_thresholds(overrides: Mapping[str, Mapping[str, float]] | None) -> dict[str, dict[str, float]]:
+def resolve_thresholds(
+    overrides: Mapping[str, Mapping[str, float]] | None,
+) -> dict[str, dict[str, float]]:
     """Merge user overrides into the registered defaults.
 
     Raises:
@@ -336,7 +356,11 @@ def diagnose(
         except Exception as exc:  # a rule bug must not hide the other findings
             where = traceback.extract_tb(exc.__traceback__)[-1]
             skipped.append(
-                NotChecked(rid, spec.name, f"rule failed: {type(exc).__name__}: {exc} (line {where.lineno})")
+                NotChecked(
+                    rid,
+                    spec.name,
+                    f"rule failed: {type(exc).__name__}: {exc} (line {where.lineno})",
+                )
             )
     findings.sort(key=lambda f: (_SEVERITY_RANK[f.severity], f.id))
     return Diagnosis(

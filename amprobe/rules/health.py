@@ -32,14 +32,19 @@ def compute_health(run: Run) -> dict[str, dict[str, Any]]:
     health["speedup"] = _not_measured(base)
     health["memory_ratio"] = _not_measured(base)
     health["loss_diff"] = _not_measured(base)
-    baseline = load_baseline(run) if any(r.manifest.get("baseline_run") for r in run.ranks) else None
+    baseline = (
+        load_baseline(run) if any(r.manifest.get("baseline_run") for r in run.ranks) else None
+    )
     if baseline is not None:
         comparison = compute_comparison(baseline, run)
         for key in ("speedup", "memory_ratio", "loss_diff"):
             if comparison.get(key) is not None:
                 health[key] = {"value": comparison[key], "baseline": str(baseline.path)}
             else:
-                note = next((n for n in comparison["notes"] if n.startswith(key.split("_")[0][:4])), "not recorded")
+                note = next(
+                    (n for n in comparison["notes"] if n.startswith(key.split("_")[0][:4])),
+                    "not recorded",
+                )
                 health[key] = _not_measured(note)
     steps = scaler_steps(run)
     if len(steps):
@@ -61,8 +66,9 @@ def compute_health(run: Run) -> dict[str, dict[str, Any]]:
 
         health["mfu"] = compute_mfu(run)
     else:
-        health["mfu"] = _not_measured("FLOP counting is not recorded in this run "
-                                      '(enable the "compute" collector)')
+        health["mfu"] = _not_measured(
+            'FLOP counting is not recorded in this run (enable the "compute" collector)'
+        )
     for key, (label, unit) in HEALTH_METRICS.items():
         health[key].update(label=label, unit=unit)
     return health

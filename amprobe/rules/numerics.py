@@ -132,7 +132,9 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
     peak = float(amax.max())
     hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
     scales = grads["loss_scale"].dropna()
-    current = float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
+    current = (
+        float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
+    )
     merged: dict[int, int] = {}
     for text in grads["exp_hist"]:
         for e, n in _hist(text).items():
@@ -158,7 +160,16 @@ def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (module, kind): totals over sampled steps and shares."""
     if frame.empty:
         return pd.DataFrame()
-    sums = ["elements", "zeros", "nan", "inf", "over_fp16", "below_normal", "below_subnormal", "underflow_at_scale"]
+    sums = [
+        "elements",
+        "zeros",
+        "nan",
+        "inf",
+        "over_fp16",
+        "below_normal",
+        "below_subnormal",
+        "underflow_at_scale",
+    ]
     g = frame.groupby(["module", "kind"], sort=False)
     out = g[sums].sum()
     out["module_type"] = g["module_type"].first()
@@ -191,7 +202,9 @@ def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
         if len(rows):
             first = rows.iloc[0]
             out[f"first_{kind}_offender"] = {
-                "module": first["module"], "module_type": first["module_type"], "step": int(first["step"]),
+                "module": first["module"],
+                "module_type": first["module_type"],
+                "step": int(first["step"]),
             }
     return out
 
@@ -212,8 +225,13 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     hot = hot.sort_values(["nonfinite", "over_fp16"], ascending=False).head(limit)
     return {
         "overflowing_layers": [
-            {"module": r.module, "kind": r.kind, "dtype": r.dtype, "nonfinite": int(r.nonfinite),
-             "over_fp16": int(r.over_fp16)}
+            {
+                "module": r.module,
+                "kind": r.kind,
+                "dtype": r.dtype,
+                "nonfinite": int(r.nonfinite),
+                "over_fp16": int(r.over_fp16),
+            }
             for r in hot.itertuples()
         ],
         **offender_evidence(run, rank),
@@ -272,7 +290,11 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N05", "forward-overflow", "error", "nan", requires=("numerics",),
+    "AMP-N05",
+    "forward-overflow",
+    "error",
+    "nan",
+    requires=("numerics",),
     refs=("G§5.1",),
 )
 def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
@@ -326,7 +348,11 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N06", "grad-underflow", "warning", "nan", requires=("numerics", "autocast"),
+    "AMP-N06",
+    "grad-underflow",
+    "warning",
+    "nan",
+    requires=("numerics", "autocast"),
     thresholds={"max_lost_share": 0.01, "scale_margin": 8.0, "max_layers": 10},
     refs=("S§7", "S§10"),
 )
@@ -358,18 +384,28 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
             continue
         hint = compute_scale_hint(frame, th["scale_margin"])
         listed = [
-            {"module": m, "kind": k, "measure": meas, "dtype": row["dtype"], "share": round(float(row["share"]), 4),
-             "steps": row["steps"]}
+            {
+                "module": m,
+                "kind": k,
+                "measure": meas,
+                "dtype": row["dtype"],
+                "share": round(float(row["share"]), 4),
+                "steps": row["steps"],
+            }
             for (m, k, meas), row in bad.head(int(th["max_layers"])).iterrows()
         ]
         worst = listed[0]
         scale_text = ""
         if hint is not None:
-            scale_text = (f"; loss scale {hint['current_scale']:g} lets {hint['underflow_share_at_current']:.1%} "
-                          f"underflow, {hint['hint_scale']:g} would keep amax under 65504/{th['scale_margin']:g}")
+            scale_text = (
+                f"; loss scale {hint['current_scale']:g} lets {hint['underflow_share_at_current']:.1%} "
+                f"underflow, {hint['hint_scale']:g} would keep amax under 65504/{th['scale_margin']:g}"
+            )
         yield ctx.finding(
-            title=(f"gradients underflow in fp16 in {len(bad)} layer(s); worst {worst['module']} "
-                   f"({worst['kind']}) loses {worst['share']:.1%}{scale_text}"),
+            title=(
+                f"gradients underflow in fp16 in {len(bad)} layer(s); worst {worst['module']} "
+                f"({worst['kind']}) loses {worst['share']:.1%}{scale_text}"
+            ),
             evidence={
                 "rank": rank,
                 "layers": listed,
@@ -379,14 +415,22 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
             },
             fix=(
                 "Use dynamic loss scaling (torch.amp.GradScaler) or raise its init_scale"
-                + (f" (about {hint['hint_scale']:g} keeps the largest gradient in range)" if hint else "")
+                + (
+                    f" (about {hint['hint_scale']:g} keeps the largest gradient in range)"
+                    if hint
+                    else ""
+                )
                 + "; or train in bf16, whose range does not underflow here."
             ),
         )
 
 
 @rule(
-    "AMP-N16", "sensitive-layers-half", "info", "nan", requires=("numerics",),
+    "AMP-N16",
+    "sensitive-layers-half",
+    "info",
+    "nan",
+    requires=("numerics",),
     refs=("G§2.3",),
 )
 def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
@@ -408,8 +452,13 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
             skipped = srows["skipped"].fillna(False).astype(bool)
             if skipped.any():
                 signals["skipped_steps"] = int(skipped.sum())
-            if "loss_nonfinite" in srows and srows["loss_nonfinite"].fillna(False).astype(bool).any():
-                signals["nonfinite_loss_steps"] = int(srows["loss_nonfinite"].fillna(False).astype(bool).sum())
+            if (
+                "loss_nonfinite" in srows
+                and srows["loss_nonfinite"].fillna(False).astype(bool).any()
+            ):
+                signals["nonfinite_loss_steps"] = int(
+                    srows["loss_nonfinite"].fillna(False).astype(bool).sum()
+                )
         nonfinite = frame[(frame["nan"] + frame["inf"]) > 0]
         if len(nonfinite):
             signals["nonfinite_layers"] = sorted(set(nonfinite["module"]))[:10]
@@ -422,8 +471,14 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
             is_last = any((int(s), str(module)) in last for s in part["step"])
             role = module_role(mtype, is_last)
             if role in ("embedding", "output projection", "normalization"):
-                layers.append({"module": module, "module_type": mtype, "role": role,
-                               "dtype": str(part["dtype"].iloc[0])})
+                layers.append(
+                    {
+                        "module": module,
+                        "module_type": mtype,
+                        "role": role,
+                        "dtype": str(part["dtype"].iloc[0]),
+                    }
+                )
         if not layers:
             continue
         yield ctx.finding(

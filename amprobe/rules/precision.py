@@ -11,7 +11,11 @@ __all__: list[str] = []
 
 
 @rule(
-    "AMP-N11", "prefer-bf16", "warning", "nan", requires=("scaler", "autocast", "device_facts"),
+    "AMP-N11",
+    "prefer-bf16",
+    "warning",
+    "nan",
+    requires=("scaler", "autocast", "device_facts"),
     thresholds={"warn_skip_share": 0.05},
     refs=("G§1.1", "S§4"),
 )
@@ -31,7 +35,9 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     from amprobe.rules.numerics import layer_overflow_evidence, nonfinite_input_steps
 
     for rank, frame in per_rank(scaler_steps(run)):
-        frame = frame[~frame["step"].isin(nonfinite_input_steps(run, rank))]  # bad data is AMP-N04's
+        frame = frame[
+            ~frame["step"].isin(nonfinite_input_steps(run, rank))
+        ]  # bad data is AMP-N04's
         skipped = frame["skipped"].fillna(False).astype(bool)
         cuts = int((frame["scale_after"] < frame["scale_before"]).sum())
         if cuts == 0 and not skipped.any():
@@ -58,7 +64,14 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
         return
 
 
-@rule("AMP-N12", "fp16-without-scaler", "warning", "nan", requires=("steps", "autocast"), refs=("G§2.1",))
+@rule(
+    "AMP-N12",
+    "fp16-without-scaler",
+    "warning",
+    "nan",
+    requires=("steps", "autocast"),
+    refs=("G§2.1",),
+)
 def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
     """fp16 autocast with no enabled GradScaler: small gradients underflow to zero."""
     run = ctx.run
@@ -67,7 +80,8 @@ def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
     scalers = run.events_of("scaler_created")
     disabled = [s for s in scalers if not s.get("enabled", True)]
     yield ctx.finding(
-        title="fp16 autocast without a GradScaler" + (" (the scaler is disabled)" if disabled else ""),
+        title="fp16 autocast without a GradScaler"
+        + (" (the scaler is disabled)" if disabled else ""),
         evidence={
             "autocast_dtypes": sorted(autocast_dtypes(run)),
             "scalers_seen": len(scalers),
@@ -91,14 +105,21 @@ def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
         dtype = str(half["loss_dtype"].mode().iloc[0])
         yield ctx.finding(
             title=f"the loss is computed in {dtype} in {len(half)} of {len(frame)} steps",
-            evidence={"rank": rank, "loss_dtype": dtype, "steps_affected": len(half),
-                      "steps": len(frame), "first_steps": steps_list(half["step"])},
+            evidence={
+                "rank": rank,
+                "loss_dtype": dtype,
+                "steps_affected": len(half),
+                "steps": len(frame),
+                "first_steps": steps_list(half["step"]),
+            },
             fix="Compute the loss in fp32: cast the logits with .float() before the loss function.",
         )
         return
 
 
-@rule("AMP-N14", "half-master-weights", "error", "nan", requires=("optimizer",), refs=("S§9", "G§5.3"))
+@rule(
+    "AMP-N14", "half-master-weights", "error", "nan", requires=("optimizer",), refs=("S§9", "G§5.3")
+)
 def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
     """Trainable parameters stored in fp16/bf16 are updated by an optimizer (no fp32 master copy)."""
     for opt in ctx.run.events_of("optimizer_seen"):
@@ -122,7 +143,9 @@ def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
         )
 
 
-@rule("AMP-N15", "bf16-needless-scaler", "info", "nan", requires=("scaler", "autocast"), refs=("S§8",))
+@rule(
+    "AMP-N15", "bf16-needless-scaler", "info", "nan", requires=("scaler", "autocast"), refs=("S§8",)
+)
 def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:
     """bf16 autocast combined with dynamic loss scaling."""
     dtypes = autocast_dtypes(ctx.run)

@@ -19,7 +19,6 @@ __all__ = [
 ]
 
 
-
 def _column(frame: pd.DataFrame, name: str) -> pd.Series:
     return frame[name] if name in frame else pd.Series([], dtype="float64")
 
@@ -121,7 +120,11 @@ def _has_gpm(run: Run) -> str | None:
 
 
 @rule(
-    "AMP-S01", "input-bound", "warning", "speed", requires=("runtime",),
+    "AMP-S01",
+    "input-bound",
+    "warning",
+    "speed",
+    requires=("runtime",),
     thresholds={"data_wait_share": 0.20, "gpu_util_median": 70.0, "skip_steps": 1, "min_steps": 3},
     refs=("G§5.2 #1",),
 )
@@ -147,7 +150,11 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
         util = None
         if gpu_reason is None:
             util = compute_gpu_util(gpu[gpu["rank"] == rank], skip)
-        evidence: dict[str, Any] = {"rank": rank, **wait, "data_wait_threshold": th["data_wait_share"]}
+        evidence: dict[str, Any] = {
+            "rank": rank,
+            **wait,
+            "data_wait_threshold": th["data_wait_share"],
+        }
         if util is not None:
             evidence.update(util, gpu_util_threshold=th["gpu_util_median"])
         else:
@@ -158,25 +165,35 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
             continue
         loaders = [e for e in ctx.run.events_of("dataloader_seen") if e.get("rank") == rank]
         if loaders:
-            evidence["dataloader"] = {k: loaders[-1].get(k) for k in
-                                      ("num_workers", "prefetch_factor", "pin_memory", "batch_size")}
+            evidence["dataloader"] = {
+                k: loaders[-1].get(k)
+                for k in ("num_workers", "prefetch_factor", "pin_memory", "batch_size")
+            }
         parts = []
         if waits:
             parts.append(f"{wait['data_wait_share']:.0%} of step time waits for the next batch")
         if idle:
             parts.append(f"median GPU utilization {util['gpu_util_median']:.0f}%")  # type: ignore[index]
-        out.append(ctx.finding(
-            title=f"Input-bound (rank {rank}): " + "; ".join(parts),
-            evidence=evidence,
-            fix=("Feed the device faster: raise DataLoader num_workers (and prefetch_factor), set "
-                 "pin_memory=True with non_blocking copies, use persistent_workers, move decoding "
-                 "and augmentation out of __getitem__ or use memory-mapped/pre-processed data."),
-        ))
+        out.append(
+            ctx.finding(
+                title=f"Input-bound (rank {rank}): " + "; ".join(parts),
+                evidence=evidence,
+                fix=(
+                    "Feed the device faster: raise DataLoader num_workers (and prefetch_factor), set "
+                    "pin_memory=True with non_blocking copies, use persistent_workers, move decoding "
+                    "and augmentation out of __getitem__ or use memory-mapped/pre-processed data."
+                ),
+            )
+        )
     return out
 
 
 @rule(
-    "AMP-S03", "host-sync", "warning", "speed", requires=("syncs",),
+    "AMP-S03",
+    "host-sync",
+    "warning",
+    "speed",
+    requires=("syncs",),
     thresholds={"syncs_per_step": 3.0, "top_sites": 5},
     refs=("G§5.2 #3",),
 )
@@ -204,30 +221,42 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
         on_cpu = devices <= {"cpu"}
         scaler_checks = 0.0
         if len(rank_syncs):
-            scaler_checks = float(rank_syncs[rank_syncs["kind"] == "scaler"]["count"].sum()) / len(sampled)
+            scaler_checks = float(rank_syncs[rank_syncs["kind"] == "scaler"]["count"].sum()) / len(
+                sampled
+            )
         top = [f"{r.site} ({r.op}, {r.per_step:g}/step)" for r in sites.itertuples()]
         note = " (would synchronize on a GPU)" if on_cpu else ""
-        out.append(ctx.finding(
-            title=f"{per_step:.1f} host-device syncs per step{note} (rank {rank}), "
-                  f"top: {top[0] if top else '?'}",
-            evidence={
-                "rank": rank,
-                "syncs_per_step": per_step,
-                "threshold": th["syncs_per_step"],
-                "sampled_steps": steps_list(sampled["step"]),
-                "top_sites": top,
-                "counted_on": "cpu (would synchronize on a GPU)" if on_cpu else ",".join(sorted(devices)),
-                "gradscaler_checks_per_step": scaler_checks,
-            },
-            fix=("Take metrics out of the hot loop: accumulate losses/metrics on the device "
-                 "(e.g. total += loss.detach()) and call .item()/.cpu()/print every N steps; avoid "
-                 "nonzero, boolean-mask indexing and data-dependent Python branches on device tensors."),
-        ))
+        out.append(
+            ctx.finding(
+                title=f"{per_step:.1f} host-device syncs per step{note} (rank {rank}), "
+                f"top: {top[0] if top else '?'}",
+                evidence={
+                    "rank": rank,
+                    "syncs_per_step": per_step,
+                    "threshold": th["syncs_per_step"],
+                    "sampled_steps": steps_list(sampled["step"]),
+                    "top_sites": top,
+                    "counted_on": "cpu (would synchronize on a GPU)"
+                    if on_cpu
+                    else ",".join(sorted(devices)),
+                    "gradscaler_checks_per_step": scaler_checks,
+                },
+                fix=(
+                    "Take metrics out of the hot loop: accumulate losses/metrics on the device "
+                    "(e.g. total += loss.detach()) and call .item()/.cpu()/print every N steps; avoid "
+                    "nonzero, boolean-mask indexing and data-dependent Python branches on device tensors."
+                ),
+            )
+        )
     return out
 
 
 @rule(
-    "AMP-S07", "tensor-core-idle", "warning", "speed", requires=("gpm", "autocast"),
+    "AMP-S07",
+    "tensor-core-idle",
+    "warning",
+    "speed",
+    requires=("gpm", "autocast"),
     thresholds={"tensor_active_pct": 1.0, "busy_gpu_util": 50.0, "skip_steps": 1},
 )
 def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
@@ -251,19 +280,23 @@ def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
         if median >= th["tensor_active_pct"]:
             continue
         hmma = busy["tensor_hmma"].dropna()
-        out.append(ctx.finding(
-            title=f"Tensor Cores idle under AMP (rank {int(rank)}): median tensor activity "
-                  f"{median:.2f}% while the GPU is busy",
-            evidence={
-                "rank": int(rank),
-                "tensor_any_median": median,
-                "tensor_hmma_median": float(hmma.median()) if len(hmma) else None,
-                "threshold": th["tensor_active_pct"],
-                "busy_samples": int(len(busy)),
-                "gpu_util_median": float(busy["gpu_util"].median()),
-            },
-            fix=("The half-precision matmuls are not reaching Tensor Cores: check that forward runs "
-                 "under torch.autocast (AMP-S05) and that matmul dimensions are multiples of 8 "
-                 "(AMP-S04)."),
-        ))
+        out.append(
+            ctx.finding(
+                title=f"Tensor Cores idle under AMP (rank {int(rank)}): median tensor activity "
+                f"{median:.2f}% while the GPU is busy",
+                evidence={
+                    "rank": int(rank),
+                    "tensor_any_median": median,
+                    "tensor_hmma_median": float(hmma.median()) if len(hmma) else None,
+                    "threshold": th["tensor_active_pct"],
+                    "busy_samples": int(len(busy)),
+                    "gpu_util_median": float(busy["gpu_util"].median()),
+                },
+                fix=(
+                    "The half-precision matmuls are not reaching Tensor Cores: check that forward runs "
+                    "under torch.autocast (AMP-S05) and that matmul dimensions are multiples of 8 "
+                    "(AMP-S04)."
+                ),
+            )
+        )
     return out

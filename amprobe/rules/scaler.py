@@ -13,6 +13,7 @@ from amprobe.rules.engine import Finding, RuleContext, rule
 
 __all__ = ["compute_scale_events", "longest_run"]
 
+
 def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
     """Add ``backoff`` and ``growth`` columns (scale cut / grown by ``update()``)."""
     out = frame.copy()
@@ -34,8 +35,8 @@ def longest_run(flags: pd.Series) -> tuple[int, int | None]:
 
 
 def _growth_interval(ctx: RuleContext, rank: int) -> int:
-    intervals = [c.get("growth_interval") for c in scaler_configs(ctx.run) if c.get("rank") == rank]
-    intervals = [int(i) for i in intervals if isinstance(i, (int, float)) and i > 0]
+    seen = [c.get("growth_interval") for c in scaler_configs(ctx.run) if c.get("rank") == rank]
+    intervals = [int(i) for i in seen if isinstance(i, (int, float)) and i > 0]
     return intervals[-1] if intervals else 2000
 
 
@@ -47,11 +48,17 @@ def _init_scale(ctx: RuleContext, rank: int) -> float | None:
 
 def _ranks(ctx: RuleContext) -> Iterator[tuple[int, pd.DataFrame]]:
     """Per-rank scaler steps with ``backoff``/``growth`` (computed once per run)."""
-    return per_rank(ctx.run.cached("scale_events", lambda run: compute_scale_events(scaler_steps(run))))
+    return per_rank(
+        ctx.run.cached("scale_events", lambda run: compute_scale_events(scaler_steps(run)))
+    )
 
 
 @rule(
-    "AMP-N01", "scale-backoff", "warning", "nan", requires=("scaler",),
+    "AMP-N01",
+    "scale-backoff",
+    "warning",
+    "nan",
+    requires=("scaler",),
     thresholds={"frequent_cuts_per_interval": 1.0},
     refs=("G§2.2", "G§5.1"),
 )
@@ -81,7 +88,9 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
         elif frequent:
             note = f" ({per_interval:.1f} cuts per growth interval of {interval})"
         yield ctx.finding(
-            title=f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps" + (f" on rank {rank}" if multi else "") + note,
+            title=f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps"
+            + (f" on rank {rank}" if multi else "")
+            + note,
             evidence={
                 "rank": rank,
                 "cuts": len(cuts),
@@ -98,8 +107,8 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
                 "Gradients overflowed at these steps. Look at the loss-scale history first when "
                 "the loss turns NaN; frequent cuts mean a layer overflows again and again "
                 "(see AMP-N05) or init_scale is too high."
-                if later else
-                "Only the first steps were skipped while the scaler calibrated down from init_scale: "
+                if later
+                else "Only the first steps were skipped while the scaler calibrated down from init_scale: "
                 "normal. A lower init_scale (e.g. 2**12) avoids those skipped first updates."
             ),
             severity="warning" if frequent else "info",
@@ -107,7 +116,11 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N02", "skip-rate", "error", "nan", requires=("scaler",),
+    "AMP-N02",
+    "skip-rate",
+    "error",
+    "nan",
+    requires=("scaler",),
     thresholds={"warn_below": 0.95, "error_below": 0.90, "min_steps": 10},
     refs=("S§11", "G§5.4"),
 )
@@ -148,7 +161,11 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N03", "scale-collapse", "error", "nan", requires=("scaler",),
+    "AMP-N03",
+    "scale-collapse",
+    "error",
+    "nan",
+    requires=("scaler",),
     thresholds={"min_scale": 1.0, "max_consecutive_cuts": 16},
     refs=("G§5.1", "S§10"),
 )
@@ -195,7 +212,11 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N07", "scale-chronically-low", "warning", "nan", requires=("scaler",),
+    "AMP-N07",
+    "scale-chronically-low",
+    "warning",
+    "nan",
+    requires=("scaler",),
     thresholds={"min_intervals": 4, "below_init_factor": 256.0},
     refs=("G§5.4",),
 )
@@ -239,7 +260,11 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N08", "scaler-recreated", "error", "nan", requires=("scaler",),
+    "AMP-N08",
+    "scaler-recreated",
+    "error",
+    "nan",
+    requires=("scaler",),
     thresholds={"max_instances_per_site": 1, "max_scale_resets": 1},
     refs=("G§3.1",),
 )
@@ -266,7 +291,9 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
             resets = steps_list(frame["step"].to_numpy()[mask])
         if not repeated and len(resets) <= th["max_scale_resets"]:
             continue
-        site, count = max(repeated.items(), key=lambda kv: kv[1]) if repeated else (None, len(created))
+        site, count = (
+            max(repeated.items(), key=lambda kv: kv[1]) if repeated else (None, len(created))
+        )
         created_steps = [c.get("step") for c in created if c.get("site") == site] if site else []
         yield ctx.finding(
             title=(
@@ -291,7 +318,11 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N09", "clip-before-unscale", "error", "nan", requires=("steps",),
+    "AMP-N09",
+    "clip-before-unscale",
+    "error",
+    "nan",
+    requires=("steps",),
     thresholds={"max_scaled_clips": 0},
     refs=("G§3.2",),
 )
@@ -305,14 +336,9 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
         bad = frame[frame["clip_scaled"].fillna(0) > 0]
         if len(bad) <= ctx.thresholds["max_scaled_clips"]:
             continue
-        functions = sorted(
-            {e.get("function") for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank}
-            - {None}
-        )
-        sites = sorted(
-            {e.get("site") for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank}
-            - {None}
-        )
+        events = [e for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank]
+        functions = sorted({str(e["function"]) for e in events if e.get("function")})
+        sites = sorted({str(e["site"]) for e in events if e.get("site")})
         yield ctx.finding(
             title=f"gradients clipped while still scaled in {len(bad)} of {len(frame)} steps",
             evidence={
@@ -333,7 +359,11 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N10", "scaler-not-restored", "warning", "nan", requires=("scaler", "optimizer"),
+    "AMP-N10",
+    "scaler-not-restored",
+    "warning",
+    "nan",
+    requires=("scaler", "optimizer"),
     refs=("G§3.3",),
 )
 def check_scaler_not_restored(ctx: RuleContext) -> Iterator[Finding]:

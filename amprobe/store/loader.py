@@ -60,7 +60,9 @@ class Run:
     status: str
     warnings: list[str]
     _tables: dict[str, pd.DataFrame] = dataclasses.field(default_factory=dict, repr=False)
-    _events_cache: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict, repr=False)
+    _events_cache: dict[str, list[dict[str, Any]]] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
     #: derived frames computed once per run by the rules (e.g. scaler steps); see ``cached``
     _derived: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -118,8 +120,13 @@ class Run:
             if not ev.empty:
                 mask = (ev["kind"] == kind).to_numpy(dtype=bool, na_value=False)
                 sel = ev[mask]
-                for rank, step, t, raw in zip(sel["rank"].tolist(), sel["step"].tolist(),
-                                              sel["t"].tolist(), sel["detail"].tolist(), strict=True):
+                for rank, step, t, raw in zip(
+                    sel["rank"].tolist(),
+                    sel["step"].tolist(),
+                    sel["t"].tolist(),
+                    sel["detail"].tolist(),
+                    strict=True,
+                ):
                     try:
                         detail = json.loads(raw) if isinstance(raw, str) else {}
                     except ValueError:
@@ -183,14 +190,23 @@ def _read_arrow(path: Path, table: str, offset: int = 0) -> tuple[pa.Table | Non
     dropped = 0
     try:
         data.decode("utf-8")  # arrow's reader lets invalid UTF-8 into strings: drop such lines
-        options = pa_json.ParseOptions(
-            explicit_schema=arrow_schema, unexpected_field_behavior="ignore"
-        ) if arrow_schema is not None else pa_json.ParseOptions()
-        parsed = pa_json.read_json(
-            io.BytesIO(data), parse_options=options, read_options=pa_json.ReadOptions(block_size=1 << 24)
+        options = (
+            pa_json.ParseOptions(explicit_schema=arrow_schema, unexpected_field_behavior="ignore")
+            if arrow_schema is not None
+            else pa_json.ParseOptions()
         )
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError,
-            UnicodeDecodeError):
+        parsed = pa_json.read_json(
+            io.BytesIO(data),
+            parse_options=options,
+            read_options=pa_json.ReadOptions(block_size=1 << 24),
+        )
+    except (
+        pa.ArrowInvalid,
+        pa.ArrowTypeError,
+        pa.ArrowNotImplementedError,
+        OverflowError,
+        UnicodeDecodeError,
+    ):
         parsed, dropped = _read_lines_slowly(data, arrow_schema)
     if arrow_schema is not None:
         for field in arrow_schema:
@@ -327,7 +343,11 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     elif any(p.is_dir() and p.name.startswith("rank") for p in root.iterdir()):
         warnings.append(f"run manifest is missing: {top}; reading the ranks without it")
     rank_dirs = sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank") and p.name[4:].isdigit()),
+        (
+            p
+            for p in root.iterdir()
+            if p.is_dir() and p.name.startswith("rank") and p.name[4:].isdigit()
+        ),
         key=lambda p: int(p.name[4:]),
     )
     if not rank_dirs:
@@ -353,18 +373,26 @@ def load_run(path: str | os.PathLike[str]) -> Run:
                 warnings.append(str(exc))
         status = _rank_status(rank_manifest, end)
         if end and end.get("lost_rows"):
-            lost = ", ".join(f"{n} {table} record(s)" for table, n in sorted(end["lost_rows"].items()))
+            lost = ", ".join(
+                f"{n} {table} record(s)" for table, n in sorted(end["lost_rows"].items())
+            )
             span = end.get("lost_steps") or []
             warnings.append(
                 f"rank {rank}: {lost} could not be written"
                 + (f" (steps {span[0]}..{span[1]})" if len(span) == 2 else "")
                 + (f": {'; '.join(end.get('write_errors', []))}" if end.get("write_errors") else "")
             )
-        ranks.append(RankInfo(rank=rank, path=rank_dir, manifest=rank_manifest, end=end, status=status))
+        ranks.append(
+            RankInfo(rank=rank, path=rank_dir, manifest=rank_manifest, end=end, status=status)
+        )
     if not ranks:
         raise RunLoadError(f"no readable rank in run directory: {root} ({warnings[-1]})")
     statuses = {r.status for r in ranks}
-    status = "live" if "live" in statuses else ("interrupted" if "interrupted" in statuses else "finished")
+    status = (
+        "live"
+        if "live" in statuses
+        else ("interrupted" if "interrupted" in statuses else "finished")
+    )
     run = Run(path=root, manifest=manifest, ranks=ranks, status=status, warnings=warnings)
     if status == "interrupted":
         last = run.last_step

@@ -132,7 +132,9 @@ class RunWriter:
                 {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
             )
         except OSError as exc:
-            raise ConfigError(f"cannot write run_dir {str(self.run_dir)!r}: {exc.strerror or exc}") from None
+            raise ConfigError(
+                f"cannot write run_dir {str(self.run_dir)!r}: {exc.strerror or exc}"
+            ) from None
         self.ready = True
 
     # -- hot-ish path (never raises) ---------------------------------------------------------

@@ -9,7 +9,9 @@ from torch import nn
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 scaler = torch.amp.GradScaler("cpu", init_scale=float(os.environ.get(f"INIT_SCALE_R{rank}", 1024)))
 for _ in range(int(os.environ.get("STEPS", 12))):

@@ -23,8 +23,11 @@ def main(weights, stop_file, steps=None):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
     deadline = time.monotonic() + 60
     i = 0
-    while (i < steps) if steps is not None else (
-            not os.path.exists(stop_file) and i < 20000 and time.monotonic() < deadline):
+    while (
+        (i < steps)
+        if steps is not None
+        else (not os.path.exists(stop_file) and i < 20000 and time.monotonic() < deadline)
+    ):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         if i % 7 == 3:
