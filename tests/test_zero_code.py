@@ -71,6 +71,17 @@ def test_scripts_without_scaler(tmp_path, mode, dtype):
     assert seen == ({dtype} if dtype else set())
 
 
+def test_script_without_model_or_scaler_is_recorded(tmp_path):
+    proc, out = run_script(tmp_path, "nomodel", 5)
+    assert proc.returncode == 0, proc.stderr
+    run = amprobe.load_run(out)
+    assert list(run.steps["step"]) == list(range(5))
+    assert run.steps["loss"].notna().all()
+    assert run.events_of("discovery_failed"), "no root module: said so, not guessed"
+    diagnosis = amprobe.diagnose(run)
+    assert "AMP-N02" in {n.id for n in diagnosis.not_checked}
+
+
 def test_crashing_script_keeps_exit_code_and_is_recorded(tmp_path):
     proc, out = run_script(tmp_path, "crash", 10)
     assert proc.returncode == 1

@@ -2,7 +2,8 @@
 
 Usage: python train_amp.py MODE STEPS [extra]
 MODE: fp16 (autocast + GradScaler, inf planted at step 3), bf16, fp32, crash (raises at step 4),
-      attach (calls amprobe.attach itself), dataloader (fp16 with a 2-worker DataLoader).
+      attach (calls amprobe.attach itself), dataloader (fp16 with a 2-worker DataLoader),
+      nomodel (a bare parameter tensor and SGD: no nn.Module, no scaler, no autocast).
 """
 
 import sys
@@ -12,6 +13,16 @@ from torch import nn
 
 mode, steps = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
+if mode == "nomodel":
+    w = torch.zeros(4, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(steps):
+        loss = (w - 1).pow(2).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    print(f"trained {steps} steps", flush=True)
+    sys.exit(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 dtype = {"bf16": torch.bfloat16, "fp32": None}.get(mode, torch.float16)
