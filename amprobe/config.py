@@ -54,8 +54,9 @@ class Config:
         gpu_gpm: runtime collector: also read GPM metrics (Tensor Core activity, SM occupancy)
             on GPUs that support them (Hopper or newer).
         reset_peak_memory: runtime collector: reset CUDA's peak-memory counter at every step, so
-            ``peak_mem_bytes`` is per step (``torch.cuda.max_memory_allocated`` then reports
-            the current step's peak to user code too); False records the peak since start.
+            ``peak_mem_bytes`` is per step. Off by default because the counter is shared: the
+            job's own ``torch.cuda.max_memory_allocated()`` would then report per-step peaks
+            too. Off, ``peak_mem_bytes`` is the peak since the start (what compare needs).
         prometheus_port: serve live metrics in the Prometheus text format on this port plus the
             process's local rank (``amprobe run --prometheus-port``); setting it enables the
             ``prometheus`` collector. 0 (the default) serves nothing.
@@ -84,7 +85,7 @@ class Config:
     syncs_every: int = 50
     gpu_sample_hz: float = 10.0
     gpu_gpm: bool = True
-    reset_peak_memory: bool = True
+    reset_peak_memory: bool = False
     prometheus_port: int = 0
     prometheus_host: str = "127.0.0.1"
     dormant: bool = False

@@ -628,4 +628,5 @@ def _after_fork_in_child() -> None:
         probe.closed = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_after_fork_in_child)
