@@ -51,15 +51,28 @@ def main() -> None:
     parser.add_argument(
         "names", nargs="*", default=sorted(SCENARIOS), help="scenarios to regenerate"
     )
+    parser.add_argument("--device", default="cpu", help="cpu (the golden runs) or cuda")
+    parser.add_argument(
+        "--out", default=None, help="folder for the runs (default: next to this script)"
+    )
+    parser.add_argument(
+        "--prefix", default="", help="prefix for the run folders, e.g. h200- for a GPU recording"
+    )
     args = parser.parse_args()
+    device = torch.device(args.device)
+    root = Path(args.out) if args.out else HERE
     for name in args.names:
         description, kwargs = SCENARIOS[name]
-        target = HERE / name
+        target = root / f"{args.prefix}{name}"
         if target.exists():
             shutil.rmtree(target)
-        train(target, device=torch.device("cpu"), config={"flush_every": 50}, **kwargs)
+        train(target, device=device, config={"flush_every": 50}, **kwargs)
+        origin = f" Recorded on {device}" + (
+            f" ({torch.cuda.get_device_name(device)})." if device.type == "cuda" else "."
+        )
         (target / "README.txt").write_text(
-            f"{name}: {description}\nRegenerate: python sample_runs/generate.py {name}\n"
+            f"{name}: {description}.{origin}\n"
+            f"Regenerate: python sample_runs/generate.py {name} --device {device.type}\n"
         )
         print(f"recorded {target}")
 
