@@ -94,13 +94,12 @@ def activate_from_env() -> Any:
         if os.environ.get(ENV_FORCE_FP32) == "1":
             _force_fp32()
         probe = _create(Path(run_dir), cfg, adoptable=True, lazy=True)
-        probe._rank_manifest["launched_by"] = "amprobe run"
+        facts: dict[str, Any] = {"launched_by": "amprobe run"}
         if os.environ.get(ENV_FORCE_FP32) == "1":
-            probe._rank_manifest["forced_fp32"] = True
+            facts["forced_fp32"] = True
         if os.environ.get(ENV_BASELINE):
-            probe._rank_manifest["baseline_run"] = os.environ[ENV_BASELINE]
-        if probe.writer is not None:
-            probe.writer.update_manifest(probe._rank_manifest)
+            facts["baseline_run"] = os.environ[ENV_BASELINE]
+        probe.annotate_manifest(**facts)
         _close_on_sigterm()
         return probe
     except Exception as exc:  # amprobe's failure must never break the user's program

@@ -235,13 +235,11 @@ def _attach_live(
         probe.dispatch("on_object", obj)
     for model in live.models[1:]:
         probe.add_model(model)
-    probe._rank_manifest["launched_by"] = "amprobe attach (live)"
-    probe._rank_manifest["attached_live"] = True
-    probe._rank_manifest["steps_counted_from"] = (
-        "attach"  # the job's earlier iterations are unknown
+    probe.annotate_manifest(
+        launched_by="amprobe attach (live)",
+        attached_live=True,
+        steps_counted_from="attach",  # the job's earlier iterations are unknown
     )
-    if probe.writer is not None:
-        probe.writer.update_manifest(probe._rank_manifest)
     probe.start_recording(steps, source="attach_live")
     facts = {
         "run_dir": str(run_dir),

@@ -200,13 +200,28 @@ class Probe:
         if device is None or self.device is not None or self.writer is None:
             return
         self.device = device
-        self._rank_manifest.update(device_facts(device))
-        with contextlib.suppress(OSError):
-            self.writer.update_manifest(self._rank_manifest)
+        self.annotate_manifest(**device_facts(device))
 
     @property
     def rank_manifest(self) -> Mapping[str, Any]:
         return self._rank_manifest
+
+    def annotate_manifest(self, **facts: Any) -> None:
+        """Add facts to this rank's manifest (rewritten atomically if already on disk)."""
+        self._rank_manifest.update(facts)
+        if self.writer is not None:
+            with contextlib.suppress(OSError):
+                self.writer.update_manifest(self._rank_manifest)
+
+    @property
+    def start_time(self) -> float:
+        """``time.perf_counter()`` at attach: the origin of the run's ``t`` columns."""
+        return self._t0
+
+    @property
+    def probe_time(self) -> float:
+        """Seconds the probe itself has spent (flushes) since the last step boundary."""
+        return self._probe_time
 
     # -- dispatch: collectors never raise into training ---------------------------------------
     def dispatch(self, hook: str, *args: Any) -> None:
@@ -412,8 +427,7 @@ class Probe:
         try:
             from amprobe.control import ControlWatcher, control_manifest
 
-            self._rank_manifest["control"] = control_manifest(self.config)
-            self.writer.update_manifest(self._rank_manifest)
+            self.annotate_manifest(control=control_manifest(self.config))
             self.writer.prepare()
             self._watcher = ControlWatcher(self)
             self._watcher.start()

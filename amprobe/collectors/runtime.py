@@ -128,11 +128,11 @@ class RuntimeCollector(Collector):
                     return orig(self_it)
                 c._guard(c._before_batch, self_it)
                 t0 = time.perf_counter()
-                p0 = probe._probe_time
+                p0 = probe.probe_time
                 try:
                     return orig(self_it)
                 finally:
-                    spent = time.perf_counter() - t0 - max(0.0, probe._probe_time - p0)
+                    spent = time.perf_counter() - t0 - max(0.0, probe.probe_time - p0)
                     c._guard(c._after_batch, spent)
 
             return __next__
@@ -341,7 +341,7 @@ class RuntimeCollector(Collector):
                 raw = getattr(torch.cuda.get_device_properties(index), "uuid", None)
                 uuid = str(raw) if raw is not None else None
             indices, uuids = [index], [uuid]
-        t0 = self.probe._t0
+        t0 = self.probe.start_time
         self._sampler = GpuSampler(
             indices,
             uuids,

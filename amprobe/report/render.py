@@ -66,7 +66,8 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
     run = _run_summary(diagnosis)
     lines = [
         f"amprobe diagnosis of {run['path']}",
-        f"  status {run['status']}, {run['steps']} steps, ranks {run['ranks']}, device {run['device']}",
+        f"  status {run['status']}, {run['steps']} steps, ranks {run['ranks']}, "
+        f"device {run['device']}",
     ]
     for warning in run["warnings"]:
         lines.append(f"  warning: {warning}")

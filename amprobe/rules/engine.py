@@ -214,7 +214,7 @@ class Diagnosis:
                 "status": run.status,
                 "ranks": [r.rank for r in run.ranks],
                 "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0,
-                "device": run.rank_manifest.get("device"),
+                "device": run.rank_manifest.get("device") or "not recorded",
                 "gpu_name": run.rank_manifest.get("gpu_name"),
                 "warnings": list(run.warnings),
             },
