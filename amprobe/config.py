@@ -30,6 +30,7 @@ class Config:
             checked at step boundaries, so a live dashboard sees a slow job move.
         capture_loss: keep the loss tensor of each step (on device) and record its value and dtype.
         collectors: names of the collectors to run; see :data:`amprobe.collectors.REGISTRY`.
+            ``scaler`` is always added: it owns the step boundaries every other collector uses.
         max_buffered_rows: rows kept in memory when the run directory cannot be written
             (disk full, removed); beyond this the oldest rows are dropped and counted as lost.
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
@@ -137,6 +138,9 @@ class Config:
                 f"prometheus_host must be a host name or address, got {self.prometheus_host!r}"
             )
         collectors = tuple(self.collectors)
+        if "scaler" not in collectors:
+            # it owns step boundaries (GradScaler.update / optimizer.step): always on
+            collectors = ("scaler", *collectors)
         if port and "prometheus" not in collectors:
             collectors = (*collectors, "prometheus")
         for name in collectors:

@@ -260,7 +260,7 @@ class Probe:
         if self._t_step_start is None:
             self._t_step_start = time.perf_counter()
 
-    def event(self, kind: str, **detail: Any) -> None:
+    def event(self, kind: str, /, **detail: Any) -> None:
         """Record an event in the current step. Cheap: no I/O until the next flush."""
         if (
             not self.recording
