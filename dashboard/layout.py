@@ -433,7 +433,7 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
         if key == "runtime":
             extra = html.Div(
                 [
-                    html.H3("Step time"),
+                    html.H3("Step time and the probe's own time (live)"),
                     dcc.Graph(figure=make_step_time_figure(steps), id=ids.STEP_TIME_GRAPH),
                 ]
             )

@@ -25,15 +25,18 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
     Args:
         steps: the ``steps`` frame (``rank``, ``step``, ``wall_s``, ``data_wait_s``).
         gpu: the ``gpu`` frame (``rank``, ``step``, ``t``, ``gpu``, ``gpu_util``, ``tensor_any``);
-            may be empty, then only the top panel has data.
+            may be empty, then the GPU panel is left out (the section says why).
     """
+    has_gpu = bool(len(gpu))
     fig = make_subplots(
-        rows=2,
+        rows=2 if has_gpu else 1,
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.1,
-        subplot_titles=("step time and data wait (ms)", "GPU utilization (%)"),
-        row_heights=[0.55, 0.45],
+        subplot_titles=("step time and data wait (ms)", "GPU utilization (%)")[
+            : 2 if has_gpu else 1
+        ],
+        row_heights=[0.55, 0.45] if has_gpu else None,
     )
     multi = steps["rank"].nunique() > 1 if len(steps) else False
     for rank, part in steps.groupby("rank", sort=True):
@@ -85,10 +88,11 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
                     row=2,
                     col=1,
                 )
-    fig.update_yaxes(range=[0, 100], row=2, col=1)
-    fig.update_xaxes(title_text="step", row=2, col=1)
+    if has_gpu:
+        fig.update_yaxes(range=[0, 100], row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2 if has_gpu else 1, col=1)
     fig.update_layout(
-        height=480,
+        height=480 if has_gpu else 300,
         margin={"l": 50, "r": 20, "t": 40, "b": 40},
         legend={"orientation": "h", "y": -0.15},
     )
