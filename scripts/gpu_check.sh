@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One short device run for a session that is lent a GPU (see the `device` tool's README):
 # the CUDA-marked tests, the CPU suite's core files on the GPU machine, and a real recorded run
-# of each demo scenario on the GPU (NVML/GPM sampling included). Not yet run on a GPU.
+# of each demo scenario on the GPU (NVML/GPM sampling included), and the overhead on the GPU.
+# Not yet run on a GPU.
 #
 # From the repo root on this machine, once (the device image lacks plotly):
 #   echo /.whl/ >> .git/info/exclude
@@ -34,6 +35,7 @@ for run in /tmp/gpu_runs/*; do
     python3 -m amprobe diagnose "$run" --verbose >> "$OUT/record.txt" 2>&1
 done
 tar -czf "$OUT/gpu_runs.tgz" -C /tmp/gpu_runs . 2>> "$OUT/record.txt"
-# (benchmarks/ time CPU training only; a CUDA overhead benchmark timed with CUDA events is still
-# to be written, so none is run here.)
+# 3. overhead on the GPU, wall-clock per block between device synchronizes
+timeout 300 python3 benchmarks/bench_overhead_device.py --device cuda > "$OUT/overhead.txt" 2>&1
+timeout 300 python3 benchmarks/bench_overhead_device.py --device cuda --fp16 >> "$OUT/overhead.txt" 2>&1
 echo "done: $(ls "$OUT")"
