@@ -332,3 +332,26 @@ def test_probe_flush_time_is_not_user_time(tmp_path, monkeypatch):
     # a planted 0.5 s flush: were it counted as user time, some step would take >= 0.5 s
     assert steps["wall_s"].max() < 0.4, "the probe's own flush was counted as a training step"
     assert steps["probe_s"].max() >= 0.5
+
+
+def test_gradient_accumulation_records_the_mean_loss_and_one_step(tmp_path):
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    expected = []
+    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r"):
+        for _ in range(3):
+            micro = []
+            for _ in range(4):  # 4 micro-batches per optimizer step
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                scaler.scale(loss / 4).backward()
+                micro.append(float(loss.detach()) / 4)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            expected.append(sum(micro) / 4)
+    steps = amprobe.load_run(tmp_path / "r").steps
+    assert list(steps["step"]) == [0, 1, 2], "one step per optimizer update, not per micro-batch"
+    assert steps["loss"].tolist() == pytest.approx(expected, rel=1e-5)

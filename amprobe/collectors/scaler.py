@@ -85,6 +85,7 @@ class _Iteration:
         "clip_calls",
         "clip_scaled",
         "loss",
+        "loss_count",
         "loss_dtype",
         "autocast",
         "scaled",
@@ -98,6 +99,7 @@ class _Iteration:
         self.clip_calls = 0
         self.clip_scaled = 0
         self.loss: torch.Tensor | None = None
+        self.loss_count = 0
         self.loss_dtype: str | None = None
         self.autocast: tuple[str, str | None] | None = None
         self.scaled: list[GradScaler] = []
@@ -112,7 +114,8 @@ class ScalerCollector(Collector):
     and after ``update()``), ``growth_tracker``, ``found_inf`` (number of optimizer/device
     inf checks that found inf/NaN), ``skipped`` (the update was not applied), ``opt_steps``
     (optimizer steps that ran), ``unscale_calls``, ``clip_calls``, ``clip_scaled`` (clip calls
-    that saw still-scaled gradients), ``loss`` and ``loss_dtype``, ``autocast_device`` and
+    that saw still-scaled gradients), ``loss`` (the mean over the step's micro-batches) and
+    ``loss_dtype``, ``autocast_device`` and
     ``autocast_dtype`` (the last autocast region entered).
 
     Events: ``scaler_created`` (call site, init_scale, growth/backoff factors, interval),
@@ -366,18 +369,23 @@ class ScalerCollector(Collector):
             it.scaled.append(scaler)
         if self._primary_scaler is not None and self._primary_scaler() is scaler:
             self._primary_used = True
-        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and it.loss is None:
+        if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             self._capture_loss(outputs)
 
     def _capture_loss(self, loss: torch.Tensor) -> None:
-        self._it.loss_dtype = _dtype_name(loss.dtype)
+        """Keep the loss on its device; with gradient accumulation, the step's mean over micro-batches."""
+        it = self._it
+        if it.loss_dtype is None:
+            it.loss_dtype = _dtype_name(loss.dtype)
         if self.probe.config.capture_loss and self.probe.recording:
-            self._it.loss = loss.detach()
+            value = loss.detach().reshape(()).float()
+            it.loss = value if it.loss is None else it.loss + value.to(it.loss.device)
+            it.loss_count += 1
 
     def _on_backward(self, tensor: torch.Tensor) -> None:
         self.probe.touch()
         it = self._it
-        if it.loss_dtype is None and not it.scaled and tensor.numel() == 1:
+        if not it.scaled and tensor.numel() == 1:
             self._capture_loss(tensor)
 
     def _on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None:
@@ -545,7 +553,7 @@ class ScalerCollector(Collector):
             loss_dtype=it.loss_dtype,
         )
         if it.loss is not None:
-            record["loss"] = it.loss
+            record["loss"] = it.loss / it.loss_count if it.loss_count > 1 else it.loss
         if it.autocast is not None:
             record["autocast_device"], record["autocast_dtype"] = it.autocast
         if it.scale_fields is not None:
