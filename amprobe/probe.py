@@ -401,10 +401,7 @@ class Probe:
         )
         self.dispatch("on_recording", True)
 
-    def _stop_window(self, reason: str) -> None:
-        self.dispatch("on_recording", False)
-        self.recording = False
-        self._window_left = None
+    def _window_end_event(self, reason: str) -> None:
         self.event(
             "window_end",
             window=self.window,
@@ -413,6 +410,12 @@ class Probe:
             steps=self.step - self._window_first,
             reason=reason,
         )
+
+    def _stop_window(self, reason: str) -> None:
+        self.dispatch("on_recording", False)
+        self.recording = False
+        self._window_left = None
+        self._window_end_event(reason)
         self.flush()
 
     def _announce(self) -> None:
@@ -468,14 +471,7 @@ class Probe:
             return  # a forked child (DataLoader worker) never writes the parent's run
         try:
             if self.recording and self.window > 0:
-                self.event(
-                    "window_end",
-                    window=self.window,
-                    first_step=self._window_first,
-                    last_step=self.step - 1,
-                    steps=self.step - self._window_first,
-                    reason="run_end",
-                )
+                self._window_end_event("run_end")
             self.event("run_end", steps=self.step)
             if self._watcher is not None:
                 self._watcher.stop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,30 @@ from torch import nn
 from amprobe.store import schema
 from amprobe.store.loader import RankInfo, Run
 
-__all__ = ["fake_run", "TinyNet", "train_loop"]
+__all__ = ["fake_run", "TinyNet", "train_loop", "free_port", "torchrun_argv"]
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(script: str = "ddp_gloo.py", nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` of a script in tests/scripts/ on a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / script),
+    ]
 
 
 def _frame(table: str, rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:

@@ -8,13 +8,12 @@ loads and diagnoses.
 from __future__ import annotations
 
 import itertools
-import socket
 
 import pytest
 import torch
 
 import amprobe
-from tests.helpers import TinyNet, train_loop
+from tests.helpers import TinyNet, free_port, train_loop
 
 COLLECTORS = ("scaler", "numerics", "compute", "runtime", "discovery")
 SUBSETS = [
@@ -23,12 +22,6 @@ SUBSETS = [
     for subset in itertools.combinations(COLLECTORS, n)
 ]
 FULL_DETAIL = {"numerics_every": 1, "shapes_every": 1, "shapes_captures": 0, "syncs_every": 1}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(tmp_path, config, steps=6, dormant_window=None):
@@ -75,7 +68,7 @@ def test_modes_together(tmp_path, detail, dormant, prometheus):
     if dormant:
         config["dormant"] = True
     if prometheus:
-        config["prometheus_port"] = _free_port()
+        config["prometheus_port"] = free_port()
     run = _run(tmp_path, config, steps=8, dormant_window=(3, 4) if dormant else None)
     steps = list(run.steps["step"])
     if dormant:

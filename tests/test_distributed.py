@@ -24,7 +24,7 @@ from amprobe.report.ranks import build_ranks_section
 from amprobe.rules.data import per_rank
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
 from amprobe.rules.scaler import longest_run
-from tests.helpers import TinyNet, fake_run, train_loop
+from tests.helpers import TinyNet, fake_run, free_port, torchrun_argv, train_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -249,10 +249,6 @@ def test_amprobe_makes_no_collective_calls():
 
 
 # -- Prometheus exporter -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _RuntimeLike(Collector):
@@ -283,7 +279,7 @@ def _labels(**extra: str) -> tuple:
 
 def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
     monkeypatch.setitem(REGISTRY, "runtime_like", _RuntimeLike)
-    port = _free_port()
+    port = free_port()
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
@@ -329,7 +325,7 @@ def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
 
 
 def test_prometheus_absent_metrics_are_not_invented(tmp_path):
-    port = _free_port()
+    port = free_port()
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with amprobe.attach(
@@ -401,14 +397,7 @@ def _torchrun(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> am
         str(out),
         *extra,
         "--",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(SCRIPTS / "ddp_gloo.py"),
+        *torchrun_argv(),
     ]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     proc = subprocess.run(
@@ -430,7 +419,7 @@ def test_torchrun_planted_init_scale_difference_gives_d01(tmp_path):
 
 
 def test_torchrun_healthy_two_ranks_give_no_d_finding(tmp_path):
-    port = _free_port()
+    port = free_port()
     run = _torchrun(tmp_path, "healthy", {}, "--prometheus-port", str(port))
     diagnosis = amprobe.diagnose(run)
     assert not [f.id for f in diagnosis.findings if f.category == "distributed"]

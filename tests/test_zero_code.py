@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import amprobe
+from tests.helpers import torchrun_argv
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -124,12 +124,6 @@ def test_non_python_command_and_missing_command(tmp_path):
     assert proc.returncode == 2 and "no command given" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_torchrun_two_gloo_ranks(tmp_path):
     out = tmp_path / "ddp"
@@ -138,14 +132,7 @@ def test_torchrun_two_gloo_ranks(tmp_path):
         "--out",
         str(out),
         "--",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(SCRIPTS / "ddp_gloo.py"),
+        *torchrun_argv(),
         cwd=tmp_path,
         timeout=240,
     )
