@@ -35,7 +35,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from amprobe.collectors.discovery import find_live_training_objects
 from amprobe.config import Config, ConfigError, make_config
+from amprobe.probe import Probe, attach, current_probe
 from amprobe.store import schema
 from amprobe.store.loader import pid_alive
 from amprobe.store.writer import write_json_atomic
@@ -202,9 +204,6 @@ def attach_live(
 def _attach_live(
     run_dir: Path, steps: int | None, config: Config | Mapping[str, Any] | None
 ) -> tuple[Any, dict[str, Any]]:
-    from amprobe.collectors.discovery import find_live_training_objects
-    from amprobe.probe import _create, current_probe
-
     existing = current_probe()
     if existing is not None and not existing.closed:
         if existing.recording and existing.window == 0:
@@ -222,17 +221,18 @@ def _attach_live(
             "no torch.optim.Optimizer holding parameters was found in this process: "
             "nothing to record (is it training yet?)"
         )
-    probe = _create(
-        run_dir,
-        cfg,
-        model=live.models[0] if live.models else None,
-        optimizer=live.optimizers[0],
-        scaler=live.scalers[0] if live.scalers else None,
+    probe = attach(
+        live.models[0] if live.models else None,
+        live.optimizers[0],
+        live.scalers[0] if live.scalers else None,
+        run_dir=run_dir,
+        config=cfg,
         adoptable=True,
         lazy=True,
+        on_announce=start_control,
     )
     for obj in (*live.optimizers[1:], *live.scalers[1:]):
-        probe.dispatch("on_object", obj)
+        probe.add_object(obj)
     for model in live.models[1:]:
         probe.add_model(model)
     probe.annotate_manifest(
@@ -545,3 +545,17 @@ def attach_pid(
         f"amprobe: attached to process {pid}: {models}; optimizers: {', '.join(result.get('optimizers') or [])}; "
         f"{result.get('scalers', 0)} GradScaler(s); recording into {out_dir} from its next step"
     ]
+
+
+def start_control(probe: Probe) -> ControlWatcher:
+    """A dormant probe's first step: write the control facts and start the watcher thread.
+
+    Passed to :func:`amprobe.probe.attach` as ``on_announce`` by the layers that create dormant
+    probes (:func:`amprobe.attach`, ``amprobe run --dormant``, live attach).
+    """
+    probe.annotate_manifest(control=control_manifest(probe.config))
+    if probe.writer is not None:
+        probe.writer.prepare()
+    watcher = ControlWatcher(probe)
+    watcher.start()
+    return watcher

@@ -256,7 +256,7 @@ class _RuntimeLike(Collector):
 
     name = "runtime_like"
 
-    def on_step_end(self, step, record):
+    def on_step_end(self, step, record, facts):
         record["data_wait_s"] = torch.tensor(
             1e-7
         )  # below any real step time, so the share stays in (0, 1]

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -70,6 +71,9 @@ class RunWriter:
         self.lost_steps: list[int] = []
         self.write_errors: list[str] = []
         self._setup = (world_size, dict(rank_manifest), overwrite)
+        # the manifest may be annotated from another thread (live attach) while the training
+        # thread prepares the directory: one lock, so no fact is written over by an older copy
+        self._manifest_lock = threading.RLock()
         self.ready = False
         self._check(overwrite)
         if not lazy:
@@ -88,13 +92,18 @@ class RunWriter:
             )
 
     def update_manifest(self, rank_manifest: Mapping[str, Any]) -> None:
-        """Replace this rank's manifest (atomically) once more facts are known."""
-        self._setup = (self._setup[0], dict(rank_manifest), self._setup[2])
-        if self.ready:
-            write_json_atomic(
-                self.rank_dir / schema.RANK_MANIFEST,
-                {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
-            )
+        """Replace this rank's manifest (atomically) once more facts are known. Thread-safe."""
+        with self._manifest_lock:
+            self._setup = (self._setup[0], dict(rank_manifest), self._setup[2])
+            if self.ready:
+                write_json_atomic(
+                    self.rank_dir / schema.RANK_MANIFEST,
+                    {
+                        "format": schema.FORMAT,
+                        "schema_version": schema.SCHEMA_VERSION,
+                        **self._setup[1],
+                    },
+                )
 
     def prepare(self) -> None:
         """Create this rank's directory and manifests now (a lazy writer otherwise waits for steps).
@@ -102,8 +111,9 @@ class RunWriter:
         Raises:
             ConfigError: the directory cannot be written or already holds this rank's data.
         """
-        if not self.ready:
-            self._prepare(*self._setup)
+        with self._manifest_lock:
+            if not self.ready:
+                self._prepare(*self._setup)
 
     def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
         from amprobe.config import ConfigError
@@ -172,7 +182,7 @@ class RunWriter:
             if not self._pending.get("steps"):
                 return True
             try:
-                self._prepare(*self._setup)
+                self.prepare()
             except Exception as exc:
                 message = f"cannot create the run directory: {exc}"
                 if message not in self.write_errors:
