@@ -66,47 +66,37 @@ _OWN_PATHS = (
 _DECORATOR_FRAMES = frozenset({"_no_grad_wrapper", "decorate_context", "wrapper", "inner"})
 _DISCOVERY_STEPS = 3  # give up finding a root model after this many steps
 
-#: every event of the collector protocol, in the order of a typical iteration
-EVENTS = (
-    "on_model",
-    "on_recording",
-    "on_optimizer",
-    "on_scaler",
-    "on_scaler_state_loaded",
-    "on_optimizer_state_loaded",
-    "on_step_begin",
-    "on_batch",
-    "on_forward_begin",
-    "on_forward_end",
-    "on_autocast",
-    "on_autocast_exit",
-    "on_scale",
-    "on_backward_begin",
-    "on_backward_end",
-    "on_unscale",
-    "on_clip",
-    "on_scaler_step",
-    "on_optimizer_step_begin",
-    "on_optimizer_step_end",
-    "on_scaler_update",
-    "on_op",
-    "on_step_end",
-    "on_flush",
-    "on_close",
-)
-# delivered while the probe is dormant too (rare facts and lifecycle)
-_ALWAYS = frozenset(
-    {
-        "on_model",
-        "on_recording",
-        "on_optimizer",
-        "on_scaler",
-        "on_scaler_state_loaded",
-        "on_optimizer_state_loaded",
-        "on_flush",
-        "on_close",
-    }
-)
+#: every event of the collector protocol, in the order of a typical iteration, and whether it
+#: is delivered while the probe is dormant (rare facts and lifecycle) or only while recording
+_EVENT_TABLE: dict[str, bool] = {
+    "on_model": True,
+    "on_recording": True,
+    "on_optimizer": True,
+    "on_scaler": True,
+    "on_scaler_state_loaded": True,
+    "on_optimizer_state_loaded": True,
+    "on_step_begin": False,
+    "on_batch": False,
+    "on_forward_begin": False,
+    "on_forward_end": False,
+    "on_autocast": False,
+    "on_autocast_exit": False,
+    "on_scale": False,
+    "on_backward_begin": False,
+    "on_backward_end": False,
+    "on_unscale": False,
+    "on_clip": False,
+    "on_scaler_step": False,
+    "on_optimizer_step_begin": False,
+    "on_optimizer_step_end": False,
+    "on_scaler_update": False,
+    "on_op": False,
+    "on_step_end": False,
+    "on_flush": True,
+    "on_close": True,
+}
+EVENTS = tuple(_EVENT_TABLE)
+_ALWAYS = frozenset(name for name, dormant in _EVENT_TABLE.items() if dormant)
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -224,13 +214,13 @@ class Hub:
     def is_enabled(self, name: str) -> bool:
         return name not in self._failed
 
-    def call(self, collector: Collector, fn: Callable[..., Any], *args: Any) -> Any:
+    def call(self, collector: Collector, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run collector code under the one guard: never raises, switches it off on failure."""
         if collector.name in self._failed:
             return None
         self.busy += 1
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except Exception as exc:
             self.failed(collector, exc)
             return None
@@ -242,16 +232,8 @@ class Hub:
         probe = self.probe
 
         def hook(*args: Any, **kwargs: Any) -> None:
-            if probe.closed or collector.name in self._failed:
-                return None
-            self.busy += 1
-            try:
-                fn(*args, **kwargs)
-            except Exception as exc:
-                self.failed(collector, exc)
-            finally:
-                self.busy -= 1
-            return None
+            if not probe.closed:
+                self.call(collector, fn, *args, **kwargs)
 
         return hook
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import json
 import os
 import socket
@@ -343,26 +344,20 @@ class Probe:
             with contextlib.suppress(Exception):
                 models = find_live_training_objects().models
         with self._control_lock:
-            self._control = _Request("start", steps, seq, source, models)
+            self._control = _Request(Action.START, steps, seq, source, models)
 
     def stop_recording(self, source: str = "api", seq: int = 0) -> None:
         """Ask the probe to stop recording and flush at the next step boundary. Safe from any thread."""
         with self._control_lock:
-            self._control = _Request("stop", None, seq, source, [])
+            self._control = _Request(Action.STOP, None, seq, source, [])
 
     def _apply_control(self) -> None:
         with self._control_lock:
             request, self._control = self._control, None
         if request is None or self.closed:
             return
-        action, steps, seq, source, models = (
-            request.action,
-            request.steps,
-            request.seq,
-            request.source,
-            request.models,
-        )
-        if action == "start":
+        steps, seq, source, models = request.steps, request.seq, request.source, request.models
+        if request.action is Action.START:
             if self.recording:
                 if steps is not None:
                     self._window_left = steps
@@ -578,27 +573,15 @@ def attach(
     lazy: bool = False,
     on_announce: Announcer | None = None,
 ) -> Probe:
-    """Start recording this training process (the core of :func:`amprobe.attach`).
+    """The core of :func:`amprobe.attach` (see there for the public arguments).
 
-    Everything is optional: the GradScalers, optimizers and autocast regions of the process are
-    found through the hub's class-level hooks; passing them only records them from the first step.
-
-    Args:
-        model: the root module being trained (enables per-model facts and layer collectors).
-        optimizer: an optimizer to record from the start.
-        scaler: a GradScaler created before attaching.
-        run_dir: directory to write the run to; default ``amprobe_runs/<time>-<pid>``.
-        config: a :class:`Config` or a dict of its fields.
-        adoptable: an automatic probe (``amprobe run``) that a later ``attach()`` joins.
-        lazy: write nothing until the first training step.
-        on_announce: what a dormant probe starts at its first step (the control watcher).
-
-    Returns:
-        The attached :class:`Probe` (also a context manager).
+    Keyword-only arguments are for the layers above: ``adoptable`` makes an automatic probe
+    (``amprobe run``) that a later ``attach()`` joins, ``lazy`` writes nothing until the first
+    training step, and ``on_announce`` is what a dormant probe starts at its first step (the
+    control-file watcher).
 
     Raises:
-        ConfigError: an unknown config key, a bad value, an unusable run directory, or a
-            second probe attached in the same process.
+        ConfigError: a bad config, an unusable run directory, or a second probe in the process.
     """
     global _ACTIVE
     cfg = make_config(config)
@@ -643,13 +626,20 @@ def attach(
     return probe
 
 
+class Action(enum.Enum):
+    """What a recording request asks of the probe."""
+
+    START = "start"
+    STOP = "stop"
+
+
 class _Request:
     """A recording request from any thread, applied by the training thread at a boundary."""
 
     __slots__ = ("action", "steps", "seq", "source", "models")
 
     def __init__(
-        self, action: str, steps: int | None, seq: int, source: str, models: list[Any]
+        self, action: Action, steps: int | None, seq: int, source: str, models: list[Any]
     ) -> None:
         self.action = action
         self.steps = steps

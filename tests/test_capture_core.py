@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import amprobe
 from amprobe.collectors import REGISTRY, Collector
 from amprobe.store.fields import STEP_FIELDS, fields_of
+from tests.helpers import amprobe_cli
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PACKAGE_PARENT = str(Path(amprobe.__file__).resolve().parent.parent)
@@ -205,15 +205,7 @@ def test_comma_separated_lists_are_accepted(tmp_path):
 
 
 def _amprobe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
-    return subprocess.run(
-        [sys.executable, "-m", "amprobe", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    return amprobe_cli(*args, cwd=cwd, timeout=240)
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["torch-first", "amprobe-first"])

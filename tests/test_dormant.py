@@ -28,6 +28,7 @@ from amprobe.control import (
     remote_exec_unsupported,
     send_control,
 )
+from tests.helpers import amprobe_cli
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_dormant.py"
 PACKAGE_PARENT = str(Path(amprobe.__file__).resolve().parent.parent)
@@ -41,15 +42,7 @@ def _train_module():
 
 
 def _cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
-    return subprocess.run(
-        [sys.executable, "-m", "amprobe", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return amprobe_cli(*args, cwd=cwd, timeout=timeout)
 
 
 def _wait_for(predicate, timeout: float, what: str):
