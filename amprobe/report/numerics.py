@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from amprobe.report.sections import Section, section
-from amprobe.rules.numerics import compute_layer_summary, compute_scale_hint
+from amprobe.analysis.numerics import compute_layer_summary, compute_scale_hint
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
