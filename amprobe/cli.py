@@ -17,11 +17,12 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 import amprobe
+from amprobe import control, launcher
 from amprobe.analysis.compare import compute_comparison
 from amprobe.config import ConfigError
-from amprobe.control import ControlError, attach_pid, send_control
+from amprobe.control import ControlError
 from amprobe.demo import run_demo
-from amprobe.launcher import LaunchError, launch
+from amprobe.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
 from amprobe.rules import REGISTRY, ThresholdError, diagnose
 from amprobe.rules.compare import SPEED_RULES, no_speedup_findings
@@ -300,7 +301,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings["prometheus_port"] = args.prometheus_port
     if args.dormant:
         settings["dormant"] = True
-    return launch(command, Path(args.out or _default_out()), settings, overwrite=args.overwrite)
+    return launcher.launch(
+        command, Path(args.out or _default_out()), settings, overwrite=args.overwrite
+    )
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
@@ -311,7 +314,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("give either a run directory or --pid PID --out DIR, not both")
         if args.out is None:
             raise CliError("--pid needs --out DIR (where to record)")
-        lines = attach_pid(
+        lines = control.attach_pid(
             args.pid,
             args.out,
             steps=args.steps,
@@ -323,14 +326,14 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-        lines = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        lines = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
     for line in lines:
         print(line)
     return 0
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
-    for line in send_control(args.run, "detach", wait_s=args.wait):
+    for line in control.send_control(args.run, "detach", wait_s=args.wait):
         print(line)
     return 0
 
@@ -345,7 +348,7 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     codes = {}
     for name, fp32 in (("fp32", True), ("amp", False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
-        codes[name] = launch(
+        codes[name] = launcher.launch(
             command,
             out / name,
             config,

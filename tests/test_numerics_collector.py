@@ -114,7 +114,7 @@ def test_nan_batch_is_nonfinite_input_not_overflow(tmp_path: Path) -> None:
     diagnosis = diagnose(run)
     n04 = _finding(diagnosis, "AMP-N04")
     assert n04 is not None
-    assert n04.evidence["steps"] == [2] and n04.evidence["nonfinite_elements"] == [2]
+    assert n04.evidence["nonfinite_steps"] == [2] and n04.evidence["nonfinite_elements"] == [2]
     assert _finding(diagnosis, "AMP-N05") is None
     assert _finding(diagnosis, "AMP-N11") is None  # a data problem is not blamed on fp16
     # step 2 was not sampled; the check armed steps 3..5

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from amprobe.analysis.numerics import compute_scale_hint, module_role
 from amprobe.report.numerics import build_numerics_section
 from amprobe.rules import diagnose
-from amprobe.rules.numerics import compute_scale_hint, module_role
 from tests.helpers import fake_run
 
 FP16_AUTOCAST = {"kind": "autocast_seen", "device": "cpu", "dtype": "float16", "enabled": True}
@@ -118,7 +118,7 @@ def test_nonfinite_input(bad_steps: dict, expected: list[int] | None) -> None:
     if expected is None:
         assert finding is None
     else:
-        assert finding is not None and finding.evidence["steps"] == expected
+        assert finding is not None and finding.evidence["nonfinite_steps"] == expected
         assert finding.evidence["nonfinite_elements"] == [
             bad_steps[s]["input_nonfinite"] for s in expected
         ]
@@ -286,7 +286,7 @@ def test_sensitive_layers_half(dtype: str, unstable: bool, expected: list[str] |
         assert finding is not None
         assert [x["module"] for x in finding.evidence["layers"]] == expected
         assert finding.evidence["layers"][0]["role"] == "output projection"
-        assert finding.evidence["instability"]["scale_cuts"] == 1
+        assert finding.evidence["instability"]["scale_cut_count"] == 1
 
 
 # -- AMP-N03 / AMP-N11 evidence --------------------------------------------------------------------

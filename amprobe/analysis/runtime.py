@@ -62,7 +62,7 @@ def compute_data_wait(steps: pd.DataFrame, skip_steps: int) -> dict[str, Any] | 
         "data_wait_share": wait / wall,
         "data_wait_s_median": float(frame["data_wait_s"].median()),
         "wall_s_median": float(frame["wall_s"].median()),
-        "steps_measured": int(len(frame)),
+        "measured_step_count": int(len(frame)),
     }
 
 
@@ -72,7 +72,7 @@ def compute_gpu_util(gpu: pd.DataFrame, skip_steps: int) -> dict[str, Any] | Non
     util = column(samples, "gpu_util").dropna()
     if not len(util):
         return None
-    return {"gpu_util_median": float(util.median()), "gpu_samples": int(len(util))}
+    return {"gpu_util_median": float(util.median()), "gpu_sample_count": int(len(util))}
 
 
 def compute_sync_sites(syncs: pd.DataFrame, sampled_steps: int, kind: str = "user") -> pd.DataFrame:

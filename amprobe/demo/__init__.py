@@ -123,9 +123,7 @@ def train(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc="demo training", unit="step")
-    probe = attach(
-        model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
-    )
+    probe = attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
     try:
         for i, (x, y) in enumerate(_batches(steps, 64, 64, 16, seed)):
             x, y = x.to(device), y.to(device)

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import plotly.graph_objects as go
 
-from amprobe.report.sections import Section, section
 from amprobe.analysis.compute import (
     alignment_frame,
     autocast_coverage,
@@ -15,6 +14,7 @@ from amprobe.analysis.compute import (
     latest_alignment,
     latest_capture,
 )
+from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis

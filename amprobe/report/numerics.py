@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from amprobe.report.sections import Section, section
 from amprobe.analysis.numerics import compute_layer_summary, compute_scale_hint
+from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis

@@ -81,7 +81,7 @@ def check_thin_model(ctx: RuleContext) -> Iterator[Finding]:
                 "matmul_flops": flops,
                 "other_bytes": moved,
                 "flops_per_byte": round(intensity, 3) if math.isfinite(intensity) else None,
-                "trainable_params": params or None,
+                "trainable_param_count": params or None,
                 "min_flops_per_byte": ctx.thresholds["min_flops_per_byte"],
                 "min_params": ctx.thresholds["min_params"],
             },

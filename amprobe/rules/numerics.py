@@ -65,8 +65,8 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
             title=f"non-finite values in the model input at {len(bad)} step(s), first at step {int(bad['step'].iloc[0])}",
             evidence={
                 "rank": rank,
-                "steps": steps_list(bad["step"]),
-                "steps_affected": len(bad),
+                "nonfinite_steps": steps_list(bad["step"]),
+                "affected_step_count": len(bad),
                 "nonfinite_elements": [int(v) for v in bad["input_nonfinite"].iloc[:20]],
                 "inputs": inputs,
             },
@@ -121,7 +121,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
                 "module_type": first["module_type"],
                 "role": role,
                 "step": step,
-                "steps": steps_list(part["step"]),
+                "offender_steps": steps_list(part["step"]),
                 "offending_modules": sorted(set(part["module"])),
                 "nan": detail.get("nan"),
                 "inf": detail.get("inf"),
@@ -167,7 +167,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
         layers = g[["lost", "nonzero"]].sum()
         layers["share"] = layers["lost"] / layers["nonzero"].where(layers["nonzero"] > 0)
         layers["dtype"] = g["dtype"].first()
-        layers["steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
+        layers["sampled_steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
         bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
         if bad.empty:
             continue
@@ -179,7 +179,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
                 "measure": meas,
                 "dtype": row["dtype"],
                 "share": round(float(row["share"]), 4),
-                "steps": row["steps"],
+                "sampled_steps": row["sampled_steps"],
             }
             for (m, k, meas), row in bad.head(int(th["max_layers"])).iterrows()
         ]
@@ -198,7 +198,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 "rank": rank,
                 "layers": listed,
-                "layers_affected": len(bad),
+                "affected_layer_count": len(bad),
                 "max_lost_share": th["max_lost_share"],
                 "scale_hint": hint,
             },
@@ -237,15 +237,15 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
         if len(srows):
             cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False)
             if cuts.any():
-                signals["scale_cuts"] = int(cuts.sum())
+                signals["scale_cut_count"] = int(cuts.sum())
             skipped = srows["skipped"].fillna(False).astype(bool)
             if skipped.any():
-                signals["skipped_steps"] = int(skipped.sum())
+                signals["skipped_count"] = int(skipped.sum())
             if (
                 "loss_nonfinite" in srows
                 and srows["loss_nonfinite"].fillna(False).astype(bool).any()
             ):
-                signals["nonfinite_loss_steps"] = int(
+                signals["nonfinite_loss_count"] = int(
                     srows["loss_nonfinite"].fillna(False).astype(bool).sum()
                 )
         nonfinite = frame[(frame["nan"] + frame["inf"]) > 0]

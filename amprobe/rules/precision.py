@@ -48,7 +48,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
             title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped) on {device}, which supports bf16",
             evidence={
                 "rank": rank,
-                "scale_cuts": cuts,
+                "scale_cut_count": cuts,
                 "skipped_share": round(share, 4),
                 "skipped_steps": steps_list(frame.loc[skipped, "step"]),
                 "device": device,
@@ -84,9 +84,9 @@ def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
         + (" (the scaler is disabled)" if disabled else ""),
         evidence={
             "autocast_dtypes": sorted(autocast_dtypes(run)),
-            "scalers_seen": len(scalers),
-            "disabled_scalers": len(disabled),
-            "steps": int(run.steps["step"].nunique()),
+            "scaler_count": len(scalers),
+            "disabled_scaler_count": len(disabled),
+            "step_count": int(run.steps["step"].nunique()),
         },
         fix=(
             "Use torch.amp.GradScaler: scaler.scale(loss).backward(); scaler.step(opt); "
@@ -108,9 +108,9 @@ def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 "rank": rank,
                 "loss_dtype": dtype,
-                "steps_affected": len(half),
-                "steps": len(frame),
-                "first_steps": steps_list(half["step"]),
+                "affected_step_count": len(half),
+                "step_count": len(frame),
+                "half_loss_steps": steps_list(half["step"]),
             },
             fix="Compute the loss in fp32: cast the logits with .float() before the loss function.",
         )
@@ -131,8 +131,8 @@ def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
                 "rank": opt.get("rank"),
                 "optimizer": opt.get("optimizer_class"),
                 "param_dtypes": opt.get("param_dtypes"),
-                "half_params": half,
-                "trainable_params": total,
+                "half_param_count": half,
+                "trainable_param_count": total,
             },
             fix=(
                 "Keep fp32 master weights: do not call model.half()/.bfloat16() for training; let "
@@ -156,6 +156,9 @@ def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:
         return
     yield ctx.finding(
         title="GradScaler used with bf16 autocast",
-        evidence={"autocast_dtypes": sorted(dtypes), "scaled_steps": len(scaler_steps(ctx.run))},
+        evidence={
+            "autocast_dtypes": sorted(dtypes),
+            "scaled_step_count": len(scaler_steps(ctx.run)),
+        },
         fix="bf16 has fp32's range: drop the GradScaler (or construct it with enabled=False).",
     )

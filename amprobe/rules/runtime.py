@@ -76,7 +76,7 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
     out = []
     for rank, steps in per_rank(ctx.run.steps):
         wait = compute_data_wait(steps, skip)
-        if wait is None or wait["steps_measured"] < th["min_steps"]:
+        if wait is None or wait["measured_step_count"] < th["min_steps"]:
             continue
         util = None
         if gpu_reason is None:
@@ -220,7 +220,7 @@ def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
                     "tensor_any_median": median,
                     "tensor_hmma_median": float(hmma.median()) if len(hmma) else None,
                     "threshold": th["tensor_active_pct"],
-                    "busy_samples": int(len(busy)),
+                    "busy_sample_count": int(len(busy)),
                     "gpu_util_median": float(busy["gpu_util"].median()),
                 },
                 fix=(
