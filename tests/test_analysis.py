@@ -234,3 +234,42 @@ def test_newer_schema_is_its_own_error_type(tmp_path: Path):
 def test_run_fake_has_no_baseline():
     run = fake_run(steps=[{"step": 0, "wall_s": 0.1}])
     assert compare_mod.baseline_comparison(run) is None
+
+
+# -- evidence vocabulary (docs/evidence.md) -------------------------------------------------------
+
+
+def _check_keys(where: str, evidence: object) -> None:
+    if isinstance(evidence, dict):
+        for key, value in evidence.items():
+            key = str(key)
+            assert key != "steps", f"{where}: a bare 'steps' key (list or count?)"
+            if key.endswith("_steps"):
+                assert isinstance(value, list) and all(
+                    isinstance(s, int) and not isinstance(s, bool) for s in value
+                ), f"{where}.{key} is not a list of step numbers: {value!r}"
+                assert value == sorted(value) and len(value) <= 20, f"{where}.{key}"
+            if key.endswith("_count"):
+                assert value is None or (
+                    isinstance(value, int) and not isinstance(value, bool)
+                ), f"{where}.{key} is not a count: {value!r}"
+            _check_keys(f"{where}.{key}", value)
+    elif isinstance(evidence, list):
+        for i, item in enumerate(evidence):
+            _check_keys(f"{where}[{i}]", item)
+
+
+@pytest.mark.parametrize("name", ["healthy", "overflow", "misuse", "bf16"])
+def test_evidence_keys_follow_the_vocabulary(name: str):
+    diagnosis = amprobe.diagnose(amprobe.load_run(SAMPLES / name))
+    assert diagnosis.findings
+    for f in diagnosis.findings:
+        _check_keys(f.id, dict(f.evidence))
+    _check_keys("health", {k: dict(v) for k, v in diagnosis.health.items()})
+
+
+def test_vocabulary_check_catches_a_count_named_steps():
+    with pytest.raises(AssertionError, match="not a list of step numbers"):
+        _check_keys("X", {"skipped_steps": 3})
+    with pytest.raises(AssertionError, match="not a count"):
+        _check_keys("X", {"layers": [{"cut_count": [1, 2]}]})

@@ -83,7 +83,7 @@ def test_overflowing_layer_is_first_offender(tmp_path: Path) -> None:
     n05 = _finding(diagnosis, "AMP-N05")
     assert n05 is not None
     assert n05.evidence["module"] == "2" and n05.evidence["step"] == 0
-    assert n05.evidence["inf"] == expected_inf and n05.evidence["nan"] == 0
+    assert n05.evidence["inf_count"] == expected_inf and n05.evidence["nan_count"] == 0
     assert n05.evidence["output_dtype"] == "float16"
     assert _finding(diagnosis, "AMP-N04") is None
     # the always-on check saw the skipped step and armed full capture of the next steps

@@ -160,7 +160,7 @@ def test_forward_overflow_names_module_and_role(module: str, mtype: str, role: s
     finding = _get(run, "AMP-N05")
     assert finding is not None
     assert finding.evidence["module"] == module and finding.evidence["step"] == 1
-    assert finding.evidence["role"] == role and finding.evidence["inf"] == 7
+    assert finding.evidence["role"] == role and finding.evidence["inf_count"] == 7
 
 
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
@@ -332,7 +332,7 @@ def test_prefer_bf16_per_layer_evidence_and_bad_data() -> None:
     finding = _get(run, "AMP-N11")
     assert finding is not None
     assert finding.evidence["overflowing_layers"][0]["module"] == "head"
-    assert finding.evidence["overflowing_layers"][0]["nonfinite"] == 7
+    assert finding.evidence["overflowing_layers"][0]["nonfinite_count"] == 7
     bad_data = [{**r, "input_nonfinite": 1} for r in _collapse_steps(4)]
     assert _get(fake_run(steps=bad_data, events=[FP16_AUTOCAST]), "AMP-N11") is None
 

@@ -227,8 +227,8 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
                 "module": r.module,
                 "kind": r.kind,
                 "dtype": r.dtype,
-                "nonfinite": int(r.nonfinite),
-                "over_fp16": int(r.over_fp16),
+                "nonfinite_count": int(r.nonfinite),
+                "over_fp16_count": int(r.over_fp16),
             }
             for r in hot.itertuples()
         ],

@@ -123,9 +123,9 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
                 "step": step,
                 "offender_steps": steps_list(part["step"]),
                 "offending_modules": sorted(set(part["module"])),
-                "nan": detail.get("nan"),
-                "inf": detail.get("inf"),
-                "elements": detail.get("elements"),
+                "nan_count": detail.get("nan"),
+                "inf_count": detail.get("inf"),
+                "element_count": detail.get("elements"),
                 "output_dtype": out["dtype"].iloc[0] if len(out) else None,
             },
             fix=(
