@@ -82,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RULE.NAME=VALUE",
         help="override a rule threshold (repeatable)",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="text format: print the evidence and references")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="text format: print the evidence and references",
+    )
 
     p = sub.add_parser("report", help="write a report (HTML, Markdown or JSON by extension)")
     p.add_argument("run", help="run directory")

@@ -250,9 +250,9 @@ def _check_keys(where: str, evidence: object) -> None:
                 ), f"{where}.{key} is not a list of step numbers: {value!r}"
                 assert value == sorted(value) and len(value) <= 20, f"{where}.{key}"
             if key.endswith("_count"):
-                assert value is None or (
-                    isinstance(value, int) and not isinstance(value, bool)
-                ), f"{where}.{key} is not a count: {value!r}"
+                assert value is None or (isinstance(value, int) and not isinstance(value, bool)), (
+                    f"{where}.{key} is not a count: {value!r}"
+                )
             _check_keys(f"{where}.{key}", value)
     elif isinstance(evidence, list):
         for i, item in enumerate(evidence):
