@@ -21,6 +21,7 @@ __all__ = [
     "module_role",
     "last_linears",
     "compute_layer_summary",
+    "layer_summary",
     "compute_scale_hint",
     "compute_underflow",
     "offender_evidence",
@@ -179,6 +180,18 @@ def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
+def layer_summary(run: Run, rank: int | None = None) -> pd.DataFrame:
+    """:func:`compute_layer_summary` of the run's numerics, of one rank or all (cached per run)."""
+
+    def compute(r: Run) -> pd.DataFrame:
+        frame = r.table("numerics")
+        if rank is not None and not frame.empty:
+            frame = frame[frame["rank"] == rank]
+        return compute_layer_summary(frame)
+
+    return run.cached(f"layer_summary:{rank}", compute)
+
+
 def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
     """Steps of ``rank`` whose root-model inputs held non-finite values."""
     steps = run.steps
@@ -212,11 +225,9 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
 
     Returns an empty dict when per-layer numerics were not recorded.
     """
-    numerics = run.table("numerics")
-    if numerics.empty:
+    if run.table("numerics").empty:
         return {}
-    frame = numerics[numerics["rank"] == rank]
-    summary = compute_layer_summary(frame)
+    summary = layer_summary(run, rank)
     if summary.empty:
         return {}
     hot = summary[(summary["nonfinite"] + summary["over_fp16"]) > 0]

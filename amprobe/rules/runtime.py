@@ -14,7 +14,7 @@ from amprobe.analysis.runtime import (
 )
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
-from amprobe.rules.refs import DATA_LOADING, TUNING_GUIDE
+from amprobe.rules.refs import AUTOCAST_OPS, DATA_LOADING, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
 
 __all__: list[str] = []
@@ -189,6 +189,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
     "speed",
     requires=("gpm", "autocast"),
     thresholds={"tensor_active_pct": 1.0, "busy_gpu_util": 50.0, "skip_steps": 1},
+    refs=(AUTOCAST_OPS, MATMUL_GUIDE),
 )
 def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
     """Tensor Cores stay near idle while AMP is on and the GPU is busy.
