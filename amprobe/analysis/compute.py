@@ -99,7 +99,12 @@ def _tile_dims(row: Any) -> dict[str, int]:
 
 
 def latest_capture(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The op rows and step row of the last captured step of each rank."""
+    """The op rows and step row of the last captured step of each rank (computed once per run)."""
+    ops, steps = run.cached("latest_capture", _latest_capture)
+    return ops, steps
+
+
+def _latest_capture(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
     ops, steps = run.table("compute_ops"), run.table("compute_steps")
     if steps.empty:
         return ops.iloc[0:0], steps
