@@ -15,6 +15,8 @@ import plotly.graph_objects as go
 from dash import dcc, no_update
 
 import amprobe
+from amprobe.report import render_html
+from amprobe.store.loader import empty_frame
 from dashboard import layout
 from dashboard.figures import (
     make_compare_figure,
@@ -136,24 +138,9 @@ def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple
         loaded = ctx.cache.get(name or "")
     except (RunAccessError, amprobe.RunLoadError) as exc:
         return no_update, str(exc)
-    render_html = _html_renderer()
-    if render_html is None:
-        return no_update, "the HTML report renderer is not installed in this amprobe"
     text = render_html(loaded.run, loaded.diagnosis)
     filename = re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("._") or "run"
     return dcc.send_string(text, filename=f"{filename}-report.html", type="text/html"), ""
-
-
-def _html_renderer() -> Any:
-    """amprobe's ``render_html(run, diagnosis)``, the renderer behind ``amprobe report``, or None."""
-    try:
-        from amprobe.report.html import render_html
-    except ImportError:
-        try:
-            from amprobe.report import render_html  # type: ignore[attr-defined,no-redef]
-        except ImportError:
-            return None
-    return render_html
 
 
 def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure, str]:
@@ -168,6 +155,4 @@ def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure,
 
 
 def _no_steps() -> Any:
-    from amprobe.store.loader import empty_frame
-
     return empty_frame("steps")

@@ -17,6 +17,8 @@ import pandas as pd
 from dash import dcc, html
 
 from amprobe.report.downsample import thin_figure
+from amprobe.report.render import split_ref
+from amprobe.rules.engine import Severity
 from dashboard import ids
 from dashboard.figures import make_loss_scale_figure, make_step_time_figure, scale_events
 from dashboard.runs import LoadedRun, RunSummary
@@ -31,6 +33,7 @@ __all__ = [
     "build_run_page",
     "build_health",
     "build_findings",
+    "build_refs",
     "build_section",
     "build_table",
     "table_rows",
@@ -40,7 +43,7 @@ __all__ = [
     "format_health_value",
 ]
 
-SEVERITIES = ("error", "warning", "info")
+SEVERITIES = tuple(severity.value for severity in Severity)
 CATEGORIES = (("nan", "NaN / inf"), ("speed", "speed"), ("distributed", "distributed"))
 #: Dashboard tab -> report section key, for the panels every run page shows.
 PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utilization", "runtime"))
@@ -185,6 +188,17 @@ def _evidence_text(value: Any) -> str:
     return text if len(text) <= _MAX_EVIDENCE_CHARS else text[: _MAX_EVIDENCE_CHARS - 1] + "…"
 
 
+def build_refs(refs: Sequence[str]) -> html.Small:
+    """A finding's refs: its checklist item, then links to the documentation."""
+    parts: list[Any] = ["see: "]
+    for i, ref in enumerate(refs):
+        label, url = split_ref(ref)
+        if i:
+            parts.append(" · ")
+        parts.append(label if url is None else html.A(label, href=url, target="_blank"))
+    return html.Small(parts, style={"color": "#666"})
+
+
 def build_finding(index: int, finding: Any) -> html.Div:
     """One finding: ID, severity, category, title, evidence, fix and references."""
     color = _SEVERITY_COLORS.get(finding.severity, "#555")
@@ -207,9 +221,7 @@ def build_finding(index: int, finding: Any) -> html.Div:
             ),
             html.Ul(evidence, style={"margin": "4px 0"}) if evidence else None,
             html.P(["Fix: ", finding.fix], style={"margin": "4px 0"}),
-            html.Small("refs: " + ", ".join(finding.refs), style={"color": "#666"})
-            if finding.refs
-            else None,
+            build_refs(finding.refs) if finding.refs else None,
         ],
         id=f"{ids.FINDING_PREFIX}{index}",
         className=f"finding severity-{finding.severity}",

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 import amprobe
+from amprobe.report.sections import build_sections
 from amprobe.store import read_table
 
 __all__ = [
@@ -139,8 +140,6 @@ class LoadedRun:
     def sections(self) -> list[Any]:
         """The registered report sections, built once per load."""
         if self._sections is None:
-            from amprobe.report.sections import build_sections
-
             self._sections = build_sections(self.run, self.diagnosis)
         return self._sections
 

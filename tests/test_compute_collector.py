@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import amprobe
-from amprobe.rules.compute import fp32_modules, latest_capture
+from amprobe.analysis.compute import fp32_modules, latest_capture
 
 COLLECTORS = ("scaler", "compute")
 

@@ -384,10 +384,6 @@ def test_long_tables_are_paged(ctx: callbacks.Context) -> None:
 def test_export_report_downloads_html(ctx: callbacks.Context) -> None:
     data, message = callbacks.export_report(ctx, None, "amp")
     assert message == ""
-    if callbacks._html_renderer() is None:
-        _, message = callbacks.export_report(ctx, 1, "amp")
-        assert "not installed" in message
-        pytest.skip("amprobe.report.html.render_html is not in this branch yet")
     data, message = callbacks.export_report(ctx, 1, "amp")
     assert message == "" and data["filename"] == "amp-report.html"
     assert "<html" in data["content"].lower()
@@ -492,3 +488,17 @@ def test_live_run_is_rediagnosed_at_most_every_live_reload_s(
     live.close()
     done = cache.get("live")
     assert done.run.status == "finished" and cache.get("live") is done
+
+
+def test_finding_refs_render_as_links() -> None:
+    refs = (
+        "NaN checklist #9 (AMP-N09): unscale_ before clipping",
+        "https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping",
+        "NVIDIA guide: https://docs.nvidia.com/x.html",
+    )
+    small = layout.build_refs(refs)
+    links = [c for c in small.children if getattr(c, "href", None)]
+    assert [a.href for a in links] == [refs[1], "https://docs.nvidia.com/x.html"]
+    assert [a.children for a in links] == [refs[1], "NVIDIA guide"]
+    assert refs[0] in small.children  # the checklist item is plain text
+    assert layout.SEVERITIES == ("error", "warning", "info")

@@ -48,7 +48,7 @@ def test_overflow_sample_numbers():
     skipped = steps[steps["skipped"]]
     assert list(skipped["step"]) == list(range(80, 120)), "the planted overflow spans steps 80..119"
     n03 = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-N03")
-    assert n03.evidence["longest_cut_run"] == 40
+    assert n03.evidence["consecutive_cut_count"] == 40
     assert n03.evidence["cut_run_starts_at_step"] == 80
     start_scale = float(steps.set_index("step").loc[80, "scale_before"])
     assert n03.evidence["min_scale"] == pytest.approx(start_scale / 2**40)

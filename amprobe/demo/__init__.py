@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from amprobe.probe import attach
+
 __all__ = ["FAULTS", "DemoModel", "DemoResult", "train", "run_demo"]
 
 #: fault name -> what it plants
@@ -100,8 +102,6 @@ def train(
     Raises:
         ValueError: an unknown fault name.
     """
-    import amprobe
-
     faults = tuple(faults)
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
@@ -123,9 +123,7 @@ def train(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc="demo training", unit="step")
-    probe = amprobe.attach(
-        model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
-    )
+    probe = attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
     try:
         for i, (x, y) in enumerate(_batches(steps, 64, 64, 16, seed)):
             x, y = x.to(device), y.to(device)
@@ -165,13 +163,13 @@ def train(
     return DemoResult(run_dir=Path(run_dir), steps=steps, faults=faults)
 
 
-def run_demo(
-    out: str | Path = "amprobe-demo", steps: int = 300, progress: bool = True
-) -> tuple[Path, Path]:
-    """Train with the default planted faults, diagnose, and write the HTML report.
+def run_demo(out: str | Path = "amprobe-demo", steps: int = 300, progress: bool = True) -> Path:
+    """Train with the default planted faults into ``out/run`` (replacing a previous demo run).
+
+    ``amprobe demo`` then diagnoses the run and writes ``out/report.html``.
 
     Returns:
-        ``(run_dir, report_path)``.
+        The run directory.
     """
     out = Path(out)
     run_dir = out / "run"
@@ -180,10 +178,4 @@ def run_demo(
     with contextlib.suppress(FileExistsError):
         out.mkdir(parents=True, exist_ok=True)
     train(run_dir, steps=steps, progress=progress)
-    import amprobe
-    from amprobe.report import write_report
-
-    run = amprobe.load_run(run_dir)
-    diagnosis = amprobe.diagnose(run)
-    report = write_report(run, diagnosis, out / "report.html")
-    return run_dir, report
+    return run_dir

@@ -22,10 +22,22 @@ __all__ = [
     "render_html",
     "write_report",
     "format_value",
+    "split_ref",
 ]
 
 _ICON = {"error": "E", "warning": "W", "info": "I"}
 _COLOR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """A finding ref as ``(label, url)``: ``"NVIDIA guide: https://..."`` -> both parts; a bare
+    link is its own label; a ref without a link (the checklist item) has ``url`` None."""
+    at = ref.find("https://")
+    if at < 0:
+        return ref, None
+    url = ref[at:].split()[0]
+    label = ref[:at].rstrip().rstrip(":").strip()
+    return label or url, url
 
 
 def format_value(value: Any) -> str:
@@ -80,8 +92,8 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
         if verbose:
             for key, value in f.evidence.items():
                 lines.append(f"    {key}: {format_value(value)}")
-            if f.refs:
-                lines.append(f"    refs: {', '.join(f.refs)}")
+            for ref in f.refs:
+                lines.append(f"    see: {ref}")
     lines.append("")
     lines.append("Health:")
     for key, metric in diagnosis.health.items():
@@ -140,7 +152,16 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
             out.append(f"| {_md_escape(key)} | {_md_escape(format_value(value))} |")
         if f.refs:
             out.append("")
-            out.append(f"Refs: {', '.join(_md_escape(r) for r in f.refs)}")
+            out.append("See:")
+            out.append("")
+            for ref in f.refs:
+                label, url = split_ref(ref)
+                if url is None:
+                    out.append(f"- {_md_escape(label)}")
+                elif label == url:
+                    out.append(f"- <{url}>")
+                else:
+                    out.append(f"- {_md_escape(label)}: <{url}>")
         out.append("")
     out += ["## Health", ""]
     for key, metric in diagnosis.health.items():
@@ -187,7 +208,15 @@ def _finding_html(f: Finding) -> str:
     rows = "".join(
         f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items()
     )
-    refs = f"<div class='muted'>refs: {e(', '.join(f.refs))}</div>" if f.refs else ""
+    links = []
+    for ref in f.refs:
+        label, url = split_ref(ref)
+        links.append(
+            e(label)
+            if url is None
+            else f'<a href="{e(url)}" target="_blank" rel="noopener">{e(label)}</a>'
+        )
+    refs = f"<div class='muted'>see: {' · '.join(links)}</div>" if links else ""
     return (
         f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
         f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"

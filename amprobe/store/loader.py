@@ -23,11 +23,23 @@ import pyarrow.json as pa_json
 
 from amprobe.store import schema
 
-__all__ = ["Run", "RankInfo", "RunLoadError", "load_run", "read_table", "empty_frame"]
+__all__ = [
+    "Run",
+    "RankInfo",
+    "RunLoadError",
+    "NewerSchemaError",
+    "load_run",
+    "read_table",
+    "empty_frame",
+]
 
 
 class RunLoadError(Exception):
     """A run directory that cannot be read; the message is one line that says why."""
+
+
+class NewerSchemaError(RunLoadError):
+    """The run was written by a newer amprobe (a schema version this one cannot read)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +292,7 @@ def _check_version(manifest: dict[str, Any], where: Path) -> None:
     if not isinstance(version, int) or isinstance(version, bool):
         raise RunLoadError(f"manifest has no valid schema_version: {where}")
     if version > schema.SCHEMA_VERSION:
-        raise RunLoadError(
+        raise NewerSchemaError(
             f"run was written with schema version {version}, newer than this amprobe reads "
             f"({schema.SCHEMA_VERSION}); upgrade amprobe to read it: {where}"
         )
@@ -335,9 +347,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
             if manifest.get("format") != schema.FORMAT:
                 raise RunLoadError(f"not an amprobe run manifest: {top}")
             _check_version(manifest, top)
+        except NewerSchemaError:
+            raise
         except RunLoadError as exc:
-            if "newer than this amprobe" in str(exc):
-                raise
             warnings.append(f"{exc}; reading the ranks without it")
             manifest = {}
     elif any(p.is_dir() and p.name.startswith("rank") for p in root.iterdir()):
@@ -360,9 +372,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         try:
             rank_manifest = _read_json(rank_dir / schema.RANK_MANIFEST, f"rank {rank} manifest")
             _check_version(rank_manifest, rank_dir / schema.RANK_MANIFEST)
+        except NewerSchemaError:
+            raise
         except RunLoadError as exc:
-            if "newer than this amprobe" in str(exc):
-                raise
             warnings.append(f"rank {rank} skipped: {exc}")
             continue
         end: dict[str, Any] | None = None
