@@ -77,7 +77,7 @@ def layer_of(module: str) -> str:
         return STORE
     if sub in ("collectors", "probe", "hub", "capture"):
         return CAPTURE
-    if sub in ("control", "launcher", "autoattach", "_bootstrap"):
+    if sub in ("control", "launcher", "autoattach", "_bootstrap", "api"):
         return CONTROL
     if sub in ("analysis", "rules", "report", "demo"):
         return {"analysis": ANALYSIS, "rules": RULES, "report": REPORT, "demo": DEMO}[sub]
