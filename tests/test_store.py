@@ -267,8 +267,9 @@ def test_garbage_line_in_middle_is_dropped_and_counted(run_dir: Path, garbage: b
     kept = list(run.steps["step"].dropna().astype(int))
     assert [s for s in kept if s in range(12)] == list(range(12))  # every good record kept
     if garbage.startswith(b'{"step"'):
-        # parses as an object: kept with the bad field nulled
-        assert len(run.steps) == 13 and run.steps["step"].isna().sum() == 1
+        # parses as an object, but a steps row without a valid step cannot be placed: dropped
+        assert len(run.steps) == 12
+        assert any("1 record(s) without a valid integer step dropped" in w for w in run.warnings)
     else:
         assert len(run.steps) == 12
         assert any("1 unreadable record(s) skipped in steps.jsonl" in w for w in run.warnings)

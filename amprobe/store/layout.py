@@ -255,7 +255,7 @@ def read_json_file(
         raise ValueError(f"larger than {max_bytes} bytes")
     try:
         obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise ValueError("not valid JSON") from None
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")

@@ -30,6 +30,8 @@ __all__ = [
     "RANK_MANIFEST",
     "END_MARKER",
     "TABLES",
+    "MANIFEST_FIELDS",
+    "END_FIELDS",
     "rank_dirname",
 ]
 
@@ -173,4 +175,37 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "tf32": pa.bool_(),  # fp32 CUDA matmuls may use TF32
         "capture_s": pa.float64(),  # wall time of the captured step, capture overhead included
     },
+}
+
+
+#: Types of the manifest fields that amprobe reads back (run and rank manifests). A field of
+#: another type is reported by the loader as damaged and ignored. ``int`` never admits ``bool``.
+MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "world_size": (int,),
+    "rank": (int,),
+    "local_rank": (int,),
+    "pid": (int,),
+    "hostname": (str,),
+    "argv": (list,),
+    "device": (str,),
+    "gpu_name": (str,),
+    "gpu_capability": (str,),
+    "gpu_memory_bytes": (int,),
+    "bf16_supported": (bool,),
+    "cuda_version": (str,),
+    "config": (dict,),
+    "control": (dict,),
+    "baseline_run": (str,),
+    "start_unix": (int, float),
+    "created_unix": (int, float),
+}
+
+#: Types of the fields of ``end.json`` (the clean-close marker) that amprobe reads back.
+END_FIELDS: dict[str, tuple[type, ...]] = {
+    "status": (str,),
+    "steps": (int,),
+    "end_unix": (int, float),
+    "lost_rows": (dict,),  # table name -> rows lost
+    "lost_steps": (list,),  # [first, last] step of the rows lost
+    "write_errors": (list,),  # one line per distinct write error
 }
