@@ -17,6 +17,7 @@ __all__ = ["main", "build_parser"]
 EXIT_FINDINGS = 1  # --fail-on threshold reached
 EXIT_USAGE = 2  # bad arguments, unreadable run, bad config
 EXIT_INTERNAL = 3  # an amprobe bug
+EXIT_NOT_ACKNOWLEDGED = 4  # attach/detach: the job did not read (or refused) this request
 
 
 class CliError(Exception):
@@ -331,18 +332,30 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-        lines = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        reply = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        return _print_reply(reply.lines, reply.acknowledged)
     for line in lines:
         print(line)
+    return 0
+
+
+def _print_reply(lines: list[str], acknowledged: bool) -> int:
+    """Print a control reply; non-zero when a live rank did not acknowledge this very request."""
+    for line in lines:
+        print(line)
+    if not acknowledged:
+        print(
+            "amprobe: error: the job did not acknowledge this request (see above)", file=sys.stderr
+        )
+        return EXIT_NOT_ACKNOWLEDGED
     return 0
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
     from amprobe.control import send_control
 
-    for line in send_control(args.run, "detach", wait_s=args.wait):
-        print(line)
-    return 0
+    reply = send_control(args.run, "detach", wait_s=args.wait)
+    return _print_reply(reply.lines, reply.acknowledged)
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
