@@ -279,3 +279,162 @@ def test_fifo_and_device_in_place_of_a_manifest_are_refused(tmp_path):
     assert "a device, not a regular file" in text and "a FIFO, not a regular file" in text
     with pytest.raises(RunLoadError):
         load_run(tmp_path / "nothing")
+
+
+# -- the control file (items 1 and 4) ------------------------------------------------------------
+class _FakeProbe:
+    """What ControlWatcher uses of a probe; applies requests at once, like a step boundary."""
+
+    def __init__(self, run_dir: Path) -> None:
+        import socket
+        import time
+        import types
+
+        self.run_dir = run_dir
+        rank_dir = run_dir / "rank0"
+        _manifest(run_dir, world_size=1)
+        _manifest(
+            rank_dir,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            control={"file": "control.json", "poll_s": 0.02},
+        )
+        self.writer = types.SimpleNamespace(rank_dir=rank_dir)
+        self.config = types.SimpleNamespace(control_poll_s=0.02)
+        self.rank = 0
+        self.created_unix = time.time()
+        self.closed = False
+        self.recording = False
+        self.window = 0
+        self.control_state: dict = {"seq": 0, "result": None, "step": 0}
+        self.actions: list[str] = []
+        self.events: list[tuple[str, dict]] = []
+
+    def start_recording(self, steps=None, source="api", seq=0):
+        self.actions.append("attach")
+        result = "already recording" if self.recording else "recording"
+        if not self.recording:
+            self.window += 1
+        self.recording = True
+        self.control_state = {"seq": seq, "result": result, "step": 5}
+
+    def stop_recording(self, source="api", seq=0):
+        self.actions.append("detach")
+        result = "stopped" if self.recording else "not recording"
+        self.recording = False
+        self.control_state = {"seq": seq, "result": result, "step": 6}
+
+    def event(self, kind, /, **detail):
+        self.events.append((kind, detail))
+
+
+@pytest.fixture
+def watched(tmp_path):
+    from amprobe.control import ControlWatcher
+
+    probe = _FakeProbe(tmp_path / "run")
+    watcher = ControlWatcher(probe)
+    watcher.start()
+    yield probe
+    probe.closed = True
+    watcher.stop()
+    watcher.join(timeout=5)
+    assert not watcher.is_alive()
+
+
+def _ack(probe: _FakeProbe) -> dict:
+    try:
+        return json.loads((probe.run_dir / "rank0" / "control_ack.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait(predicate, timeout=10.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("how", ["delete", "empty"])
+def test_request_after_the_control_file_was_deleted_or_emptied_is_applied(watched, how):
+    from amprobe.control import send_control
+
+    assert send_control(watched.run_dir, "attach", wait_s=5).acknowledged
+    control = watched.run_dir / "control.json"
+    if how == "delete":
+        control.unlink()
+    else:
+        control.write_text("")
+    reply = send_control(watched.run_dir, "detach", wait_s=5)
+    assert reply.acknowledged, reply.lines
+    assert watched.actions == ["attach", "detach"]
+    assert "stopped recording" in reply.lines[0]
+
+
+def test_two_requests_at_once_are_both_applied(watched):
+    import threading
+
+    from amprobe.control import send_control
+
+    replies: list = []
+    threads = [
+        threading.Thread(
+            target=lambda c=c: replies.append(send_control(watched.run_dir, c, wait_s=10))
+        )
+        for c in ("attach", "detach")
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(replies) == 2 and all(r.acknowledged for r in replies), replies
+    assert sorted(watched.actions) == ["attach", "detach"]
+
+
+def test_cli_exits_non_zero_when_its_request_is_not_acknowledged(tmp_path, capsys):
+    from amprobe.cli import main
+
+    probe = _FakeProbe(tmp_path / "run")  # live (this pid) but nobody watches the control file
+    (probe.run_dir / "rank0" / "control_ack.json").write_text(
+        json.dumps({"seen": 3, "applied": 3, "result": "recording", "window": 1})
+    )  # a stale acknowledgement from an earlier request
+    code = main(["attach", str(probe.run_dir), "--wait", "0.3"])
+    out = capsys.readouterr()
+    assert code != 0
+    assert "NOT acknowledged" in out.out and "did not acknowledge" in out.err
+    assert json.loads((probe.run_dir / "control.json").read_text())["seq"] == 4
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo", "big", "symlink_out"])
+def test_control_file_that_is_not_a_small_regular_file_is_ignored(watched, tmp_path, kind):
+    import resource
+
+    from amprobe.control import send_control
+
+    control = watched.run_dir / "control.json"
+    assert _wait(lambda: _ack(watched).get("pid"))
+    if kind == "dev_zero":
+        control.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(control)
+    elif kind == "big":
+        control.write_bytes(b" " * (10 << 20))
+    else:
+        outside = tmp_path / "outside.json"
+        outside.write_text(json.dumps({"seq": 9, "id": "x", "command": "attach"}))
+        control.symlink_to(outside)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert _wait(lambda: "control.json ignored" in (_ack(watched).get("ignored") or ""))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 50_000  # KiB
+    assert watched.actions == []
+    ignored = [e for e in watched.events if e[0] == "control_file_ignored"]
+    assert len(ignored) == 1
+    # the watcher is not stuck: a proper request (written atomically over it) is applied
+    reply = send_control(watched.run_dir, "attach", wait_s=5)
+    assert reply.acknowledged, reply.lines
+    assert watched.actions == ["attach"]

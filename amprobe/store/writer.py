@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,12 +22,18 @@ __all__ = ["RunWriter", "write_json_atomic", "run_environment"]
 
 def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
     """Write ``obj`` as JSON so that a reader sees either the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    # unique per writer (process, thread, call): two writers never share a temporary file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def run_environment() -> dict[str, Any]:
