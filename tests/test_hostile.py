@@ -438,3 +438,131 @@ def test_control_file_that_is_not_a_small_regular_file_is_ignored(watched, tmp_p
     reply = send_control(watched.run_dir, "attach", wait_s=5)
     assert reply.acknowledged, reply.lines
     assert watched.actions == ["attach"]
+
+
+# -- disk full: appends are idempotent, the clean close survives (item 5) ------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 400 KB tmpfs (needs mount rights: root in a container, skipped elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
+        capture_output=True,
+        timeout=30,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+def _fill(path: Path) -> None:
+    """Fill the file system of ``path`` (a ballast file) until writes fail with ENOSPC."""
+    with open(path, "wb", buffering=0) as fh:
+        block = b"\0" * 4096
+        try:
+            while True:
+                fh.write(block)
+        except OSError:
+            pass
+        try:
+            while True:
+                fh.write(b"\0")
+        except OSError:
+            pass
+
+
+def _row(step: int) -> dict:
+    return {
+        "step": step,
+        "window": 0,
+        "t": step * 0.1,
+        "wall_s": 0.01,
+        "loss": 1.0,
+        "pad": "x" * 200,
+    }
+
+
+def test_disk_full_then_freed_keeps_each_step_once(small_disk):
+    from amprobe.store import RunWriter, load_run
+
+    writer = RunWriter(small_disk / "run", 0, 1, {}, max_buffered_rows=10_000)
+    ballast = small_disk / "ballast"
+    for step in range(600):
+        writer.append("steps", [_row(step)])
+        if step % 25 == 24:
+            writer.flush()
+        if step == 200:
+            _fill(ballast)  # disk full mid-run: flushes fail, partly written
+        if step == 400:
+            ballast.unlink()  # freed: the buffered rows are written again
+    writer.close({"status": "finished", "steps": 600})
+    run = load_run(small_disk / "run")
+    assert list(run.steps["step"]) == list(range(600))
+    assert not any("unreadable" in w or "repeated" in w for w in run.warnings), run.warnings
+
+
+def test_disk_full_partial_write_is_truncated_back(tmp_path, monkeypatch):
+    """The same without a mount: a write that stops part-way is undone before the retry."""
+    import errno
+    import io
+
+    import amprobe.store.writer as writer_module
+    from amprobe.store import RunWriter, load_run
+
+    state = {"full": False}
+
+    class _Half(io.FileIO):
+        def write(self, data):
+            if state["full"]:
+                if len(data) > 10:
+                    return super().write(bytes(data[: len(data) // 2]))
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if "a" in mode:
+            return _Half(file, mode.replace("b", ""))
+        return open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "open", fake_open, raising=False)
+    writer = RunWriter(tmp_path / "run", 0, 1, {}, max_buffered_rows=10_000)
+    for step in range(90):
+        writer.append("steps", [_row(step)])
+        if step % 10 == 9:
+            state["full"] = 30 <= step < 60
+            writer.flush()
+    state["full"] = False
+    writer.close({"status": "finished", "steps": 90})
+    run = load_run(tmp_path / "run")
+    assert list(run.steps["step"]) == list(range(90))
+    assert run.warnings == []
+
+
+def test_disk_that_stays_full_keeps_the_events_tail_and_the_clean_close(small_disk):
+    import amprobe
+    from amprobe.store import RunWriter, load_run
+
+    writer = RunWriter(small_disk / "run", 0, 1, {}, max_buffered_rows=500)
+    writer.append("steps", [_row(s) for s in range(10)])
+    writer.flush()
+    _fill(small_disk / "ballast")
+    for step in range(10, 1000):
+        writer.append("steps", [_row(step)])
+        writer.append("events", [{"step": step, "t": 0.0, "kind": "tick", "detail": "{}"}])
+        writer.flush()
+    writer.append("events", [{"step": 999, "t": 0.0, "kind": "run_end", "detail": "{}"}])
+    writer.close({"status": "finished", "steps": 1000})
+    run = load_run(small_disk / "run")
+    assert run.status == "finished"  # end.json reached the disk
+    assert run.events_of("run_end"), "the last event was lost"
+    text = " | ".join(run.warnings)
+    assert "could not be written" in text and "No space left on device" in text
+    lost = run.ranks[0].end["lost_rows"]
+    assert lost["steps"] > 900 and lost["steps"] + len(run.steps) == 1000
+    assert run.steps["step"].is_unique
+    shown = amprobe.diagnose(run).to_dict()["run"]["warnings"]
+    assert any(f"{lost['steps']} steps record(s) could not be written" in w for w in shown)
