@@ -200,8 +200,10 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 def _load(path: str) -> Any:
     import amprobe
+    from amprobe.launcher import collector_errors
 
     run = amprobe.load_run(path)
+    run.warnings.extend(collector_errors(run))
     for warning in run.warnings:
         print(f"amprobe: warning: {warning}", file=sys.stderr)
     return run

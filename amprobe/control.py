@@ -639,10 +639,10 @@ def attach_pid(
     reason = remote_exec_disabled(pid)
     if reason:
         raise ControlError(reason)
-    from amprobe.launcher import _prepare_run_dir
+    from amprobe.launcher import prepare_run_dir
 
     out_dir = Path(out).resolve()
-    _prepare_run_dir(out_dir, overwrite)
+    prepare_run_dir(out_dir, overwrite)
     make_config(config)
     status = out_dir / STATUS_FILE
     script = out_dir / f".amprobe_attach_{pid}.py"
