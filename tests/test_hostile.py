@@ -566,3 +566,212 @@ def test_disk_that_stays_full_keeps_the_events_tail_and_the_clean_close(small_di
     assert run.steps["step"].is_unique
     shown = amprobe.diagnose(run).to_dict()["run"]["warnings"]
     assert any(f"{lost['steps']} steps record(s) could not be written" in w for w in shown)
+
+
+# -- amprobe run: signals, exit statuses, orphans (items 2, 3) -----------------------------------
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
+
+#: A training job that saves a checkpoint on Ctrl-C: a second SIGINT during the save breaks it.
+CHECKPOINT_SCRIPT = """
+import sys, time
+try:
+    print("ready", flush=True)
+    time.sleep(30)
+except KeyboardInterrupt:
+    print("saving", flush=True)
+    time.sleep(1.0)
+    print("checkpoint saved", flush=True)
+    sys.exit(0)
+"""
+
+SLEEPER_SCRIPT = """
+import os, signal, sys, time
+if len(sys.argv) > 2 and sys.argv[2] == "hup-handler":
+    signal.signal(signal.SIGHUP, lambda *a: (print("got SIGHUP", flush=True), sys.exit(0)))
+if len(sys.argv) > 1 and sys.argv[1] != "-":
+    open(sys.argv[1], "w").write(str(os.getpid()))
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def _amprobe_run_argv(out: Path, *command: str) -> list[str]:
+    return [sys.executable, "-m", "amprobe", "run", "--out", str(out), "--", *command]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def _read_until(stream, text: str, timeout: float = 60.0) -> str:
+    import selectors
+
+    seen = ""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        while text not in seen:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise AssertionError(f"timed out waiting for {text!r}; got {seen!r}")
+            chunk = os.read(stream.fileno() if hasattr(stream, "fileno") else stream, 4096)
+            if not chunk:
+                raise AssertionError(f"stream closed before {text!r}; got {seen!r}")
+            seen += chunk.decode(errors="replace")
+    return seen
+
+
+class _Fd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def _run_in_terminal(tmp_path: Path, script: str) -> tuple[int, str]:
+    """Run ``amprobe run -- python script`` in a pseudo-terminal, press Ctrl-C once when the
+    script is ready; return (exit status, everything printed)."""
+    import pty
+
+    script_path = tmp_path / "job.py"
+    script_path.write_text(script)
+    argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script_path))
+    pid, master = pty.fork()
+    if pid == 0:  # the child: a new session whose controlling terminal is the pty
+        try:
+            os.execve(sys.executable, argv, _env())
+        finally:
+            os._exit(127)
+    out = ""
+    try:
+        out += _read_until(_Fd(master), "ready", timeout=120)
+        os.write(master, b"\x03")  # Ctrl-C: the line discipline signals the foreground group
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            try:
+                import select
+
+                if select.select([master], [], [], 0.1)[0]:
+                    out += os.read(master, 4096).decode(errors="replace")
+            except OSError:
+                pass
+            if done:
+                return os.waitstatus_to_exitcode(status), out
+        raise AssertionError(f"amprobe run did not exit; output {out!r}")
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        os.close(master)
+
+
+def test_ctrl_c_arrives_once(tmp_path):
+    code, out = _run_in_terminal(tmp_path, CHECKPOINT_SCRIPT)
+    assert "checkpoint saved" in out, out
+    assert code == 0, out
+
+
+def test_uncaught_keyboard_interrupt_exits_130(tmp_path):
+    code, out = _run_in_terminal(tmp_path, SLEEPER_SCRIPT)
+    assert code == 130, out
+
+
+@pytest.mark.parametrize(("sig", "expected"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_signals_to_amprobe_run_reach_the_child_and_its_status_passes_through(
+    tmp_path, sig, expected
+):
+    script = tmp_path / "job.py"
+    script.write_text(SLEEPER_SCRIPT)
+    proc = subprocess.Popen(
+        _amprobe_run_argv(tmp_path / "run", sys.executable, str(script)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,
+    )
+    try:
+        _read_until(proc.stdout, "ready", timeout=120)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == expected
+    finally:
+        _kill_group(proc)
+        proc.stdout.close()
+
+
+def test_sighup_is_delivered_to_a_child_that_handles_it(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SLEEPER_SCRIPT)
+    proc = subprocess.Popen(
+        _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), "-", "hup-handler"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,
+    )
+    try:
+        out = _read_until(proc.stdout, "ready", timeout=120)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=60) == 0
+        out += proc.stdout.read().decode()
+        assert out.count("got SIGHUP") == 1
+    finally:
+        _kill_group(proc)
+        proc.stdout.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux")
+def test_child_does_not_outlive_a_killed_amprobe_run(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SLEEPER_SCRIPT)
+    pid_file = tmp_path / "child.pid"
+    proc = subprocess.Popen(
+        _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), str(pid_file)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,
+    )
+    child = None
+    try:
+        _read_until(proc.stdout, "ready", timeout=120)
+        child = int(pid_file.read_text())
+        proc.kill()  # SIGKILL: amprobe run cannot forward anything
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(child), "the job kept running as an orphan"
+    finally:
+        _kill_group(proc)
+        if child is not None and not _gone(child):
+            os.kill(child, signal.SIGKILL)
+        proc.stdout.close()
