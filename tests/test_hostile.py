@@ -775,3 +775,149 @@ def test_child_does_not_outlive_a_killed_amprobe_run(tmp_path):
         if child is not None and not _gone(child):
             os.kill(child, signal.SIGKILL)
         proc.stdout.close()
+
+
+# -- --out, --overwrite, a command that cannot start, a busy port (items 7, 10, 11) --------------
+def test_overwrite_never_empties_a_folder_that_is_not_an_amprobe_run(tmp_path, capsys):
+    from amprobe.cli import main
+
+    foreign = tmp_path / "extension"
+    foreign.mkdir()
+    (foreign / "manifest.json").write_text(json.dumps({"manifest_version": 3}))
+    (foreign / "background.js").write_text("// keep me")
+    code = main(["run", "--overwrite", "--out", str(foreign), "--", sys.executable, "-c", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "not an amprobe run" in err and len(err.strip().splitlines()) == 1
+    assert (foreign / "background.js").read_text() == "// keep me"
+    assert (foreign / "manifest.json").exists()
+
+
+def test_in_process_writer_never_overwrites_a_foreign_manifest(tmp_path):
+    from amprobe.store import RunWriter
+
+    foreign = tmp_path / "app"
+    (foreign / "rank0").mkdir(parents=True)
+    (foreign / "rank0" / "manifest.json").write_text("{}")
+    (foreign / "rank0" / "data.bin").write_text("keep")
+    with pytest.raises(StoreError, match="not an amprobe run"):
+        RunWriter(foreign, 0, 1, {}, max_buffered_rows=10, overwrite=True)
+    assert (foreign / "rank0" / "data.bin").read_text() == "keep"
+
+
+def test_overwrite_replaces_an_amprobe_run(tmp_path):
+    from amprobe.launcher import prepare_run_dir
+
+    old = _write_run(tmp_path / "run")
+    prepare_run_dir(old, overwrite=True)
+    assert old.is_dir() and not any(old.iterdir())
+
+
+def test_command_that_cannot_start_leaves_no_run_directory(tmp_path, capsys):
+    from amprobe.cli import main
+
+    out = tmp_path / "runs" / "today" / "run"
+    code = main(["run", "--out", str(out), "--", str(tmp_path / "no-such-command")])
+    assert code == 2 and "command not found" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mount)],
+        capture_output=True,
+        timeout=30,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+def test_read_only_out_fails_at_start_before_the_child(read_only_dir, tmp_path, capsys):
+    from amprobe.cli import main
+
+    marker = tmp_path / "child-ran"
+    code = main(
+        [
+            "run",
+            "--out",
+            str(read_only_dir),
+            "--",
+            sys.executable,
+            "-c",
+            f"open({str(marker)!r}, 'w')",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Read-only file system" in err
+    assert not marker.exists()
+    with pytest.raises(StoreError, match="Read-only file system"):
+        check_writable(read_only_dir / "run")
+
+
+def test_unwritable_out_below_a_file_fails_at_start(tmp_path, capsys):
+    from amprobe.cli import main
+
+    (tmp_path / "file").write_text("x")
+    code = main(["run", "--out", str(tmp_path / "file" / "run"), "--", sys.executable, "-c", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--out" in err
+
+
+def test_busy_prometheus_port_is_said_at_start(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "amprobe",
+                "run",
+                "--prometheus-port",
+                str(port),
+                "--out",
+                str(tmp_path / "run"),
+                "--",
+                sys.executable,
+                "-c",
+                "print('child ran')",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_env(),
+        )
+    assert "child ran" in done.stdout
+    first = done.stderr.strip().splitlines()[0]
+    assert f"cannot serve Prometheus metrics on 127.0.0.1:{port}" in first
+
+
+def test_diagnose_shows_a_collector_that_was_switched_off(tmp_path, capsys):
+    from amprobe.cli import main
+    from amprobe.store import RunWriter
+
+    writer = RunWriter(tmp_path / "run", 0, 1, {}, max_buffered_rows=100)
+    writer.append("steps", [_row(s) for s in range(5)])
+    detail = {
+        "collector": "prometheus",
+        "error": "ConfigError: cannot serve Prometheus metrics on 127.0.0.1:9400: "
+        "Address already in use",
+        "where": "prometheus.py:140",
+    }
+    writer.append(
+        "events", [{"step": 0, "t": 0.0, "kind": "collector_error", "detail": json.dumps(detail)}]
+    )
+    writer.close({"status": "finished", "steps": 5})
+    assert main(["diagnose", str(tmp_path / "run"), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert "collector 'prometheus' was switched off" in out.err
+    warnings = json.loads(out.out)["run"]["warnings"]
+    assert any("Address already in use" in w for w in warnings)
