@@ -34,6 +34,7 @@ __all__ = ["main", "build_parser"]
 EXIT_FINDINGS = 1  # --fail-on threshold reached
 EXIT_USAGE = 2  # bad arguments, unreadable run, bad config
 EXIT_INTERNAL = 3  # an amprobe bug
+EXIT_NOT_ACKNOWLEDGED = 4  # attach/detach: the job did not read (or refused) this request
 
 
 class CliError(Exception):
@@ -218,7 +219,14 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 
 def _load(path: str) -> Any:
+<<<<<<< HEAD
+=======
+    import amprobe
+    from amprobe.launcher import collector_errors
+
+>>>>>>> reliability
     run = amprobe.load_run(path)
+    run.warnings.extend(collector_errors(run))
     for warning in run.warnings:
         print(f"amprobe: warning: {warning}", file=sys.stderr)
     return run
@@ -331,16 +339,40 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
+<<<<<<< HEAD
         lines = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+=======
+        reply = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        return _print_reply(reply.lines, reply.acknowledged)
+>>>>>>> reliability
     for line in lines:
         print(line)
     return 0
 
 
+def _print_reply(lines: list[str], acknowledged: bool) -> int:
+    """Print a control reply; non-zero when a live rank did not acknowledge this very request."""
+    for line in lines:
+        print(line)
+    if not acknowledged:
+        print(
+            "amprobe: error: the job did not acknowledge this request (see above)", file=sys.stderr
+        )
+        return EXIT_NOT_ACKNOWLEDGED
+    return 0
+
+
 def _cmd_detach(args: argparse.Namespace) -> int:
+<<<<<<< HEAD
     for line in control.send_control(args.run, "detach", wait_s=args.wait):
         print(line)
     return 0
+=======
+    from amprobe.control import send_control
+
+    reply = send_control(args.run, "detach", wait_s=args.wait)
+    return _print_reply(reply.lines, reply.acknowledged)
+>>>>>>> reliability
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from amprobe.store.fields import steps_schema
+from amprobe.store.layout import END_MARKER, FORMAT, RANK_MANIFEST, RUN_MANIFEST, rank_dirname
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -30,19 +31,12 @@ __all__ = [
     "RANK_MANIFEST",
     "END_MARKER",
     "TABLES",
+    "MANIFEST_FIELDS",
+    "END_FIELDS",
     "rank_dirname",
 ]
 
 SCHEMA_VERSION = 1
-FORMAT = "amprobe-run"
-RUN_MANIFEST = "manifest.json"
-RANK_MANIFEST = "manifest.json"
-END_MARKER = "end.json"
-
-
-def rank_dirname(rank: int) -> str:
-    return f"rank{rank}"
-
 
 #: Table name -> column name -> arrow type. The loader reads with these types; columns a
 #: writer did not emit come back as nulls, extra fields are ignored.
@@ -149,4 +143,37 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "tf32": pa.bool_(),  # fp32 CUDA matmuls may use TF32
         "capture_s": pa.float64(),  # wall time of the captured step, capture overhead included
     },
+}
+
+
+#: Types of the manifest fields that amprobe reads back (run and rank manifests). A field of
+#: another type is reported by the loader as damaged and ignored. ``int`` never admits ``bool``.
+MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "world_size": (int,),
+    "rank": (int,),
+    "local_rank": (int,),
+    "pid": (int,),
+    "hostname": (str,),
+    "argv": (list,),
+    "device": (str,),
+    "gpu_name": (str,),
+    "gpu_capability": (str,),
+    "gpu_memory_bytes": (int,),
+    "bf16_supported": (bool,),
+    "cuda_version": (str,),
+    "config": (dict,),
+    "control": (dict,),
+    "baseline_run": (str,),
+    "start_unix": (int, float),
+    "created_unix": (int, float),
+}
+
+#: Types of the fields of ``end.json`` (the clean-close marker) that amprobe reads back.
+END_FIELDS: dict[str, tuple[type, ...]] = {
+    "status": (str,),
+    "steps": (int,),
+    "end_unix": (int, float),
+    "lost_rows": (dict,),  # table name -> rows lost
+    "lost_steps": (list,),  # [first, last] step of the rows lost
+    "write_errors": (list,),  # one line per distinct write error
 }
