@@ -11,13 +11,12 @@ then diagnose the recording with ``amprobe diagnose runs/exp1`` or :func:`diagno
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from amprobe.api import attach
 from amprobe.config import Config, ConfigError
 from amprobe.probe import Probe, current_probe
 from amprobe.rules import Diagnosis, Finding, diagnose
 from amprobe.store import Run, RunLoadError, load_run
+from amprobe.version import __version__
 
 __all__ = [
     "Config",

@@ -24,6 +24,7 @@ from amprobe.control import ControlError
 from amprobe.demo import run_demo
 from amprobe.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
+from amprobe.report.summary import collector_errors, print_run_summary
 from amprobe.rules import REGISTRY, ThresholdError, diagnose
 from amprobe.rules.compare import SPEED_RULES, no_speedup_findings
 from amprobe.rules.engine import RuleContext, resolve_thresholds
@@ -219,12 +220,6 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 
 def _load(path: str) -> Any:
-<<<<<<< HEAD
-=======
-    import amprobe
-    from amprobe.launcher import collector_errors
-
->>>>>>> reliability
     run = amprobe.load_run(path)
     run.warnings.extend(collector_errors(run))
     for warning in run.warnings:
@@ -315,7 +310,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.dormant:
         settings["dormant"] = True
     return launcher.launch(
-        command, Path(args.out or _default_out()), settings, overwrite=args.overwrite
+        command,
+        Path(args.out or _default_out()),
+        settings,
+        overwrite=args.overwrite,
+        summarize=print_run_summary,
     )
 
 
@@ -339,12 +338,8 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-<<<<<<< HEAD
-        lines = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
-=======
-        reply = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
         return _print_reply(reply.lines, reply.acknowledged)
->>>>>>> reliability
     for line in lines:
         print(line)
     return 0
@@ -363,16 +358,8 @@ def _print_reply(lines: list[str], acknowledged: bool) -> int:
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
-<<<<<<< HEAD
-    for line in control.send_control(args.run, "detach", wait_s=args.wait):
-        print(line)
-    return 0
-=======
-    from amprobe.control import send_control
-
-    reply = send_control(args.run, "detach", wait_s=args.wait)
+    reply = control.send_control(args.run, "detach", wait_s=args.wait)
     return _print_reply(reply.lines, reply.acknowledged)
->>>>>>> reliability
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
@@ -392,7 +379,6 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
             force_fp32=fp32,
             baseline=(out / "fp32") if not fp32 else None,
             overwrite=args.overwrite,
-            quiet=True,
         )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")

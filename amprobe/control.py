@@ -45,8 +45,10 @@ from amprobe.store.layout import (
     CONTROL_LOCK,
     END_MARKER,
     RANK_MANIFEST,
+    StoreError,
     is_run_dir,
     list_ranks,
+    prepare_run_dir,
     rank_state,
     read_json_file,
 )
@@ -639,10 +641,11 @@ def attach_pid(
     reason = remote_exec_disabled(pid)
     if reason:
         raise ControlError(reason)
-    from amprobe.launcher import prepare_run_dir
-
     out_dir = Path(out).resolve()
-    prepare_run_dir(out_dir, overwrite)
+    try:
+        prepare_run_dir(out_dir, overwrite)
+    except StoreError as exc:
+        raise ControlError(str(exc)) from None
     make_config(config)
     status = out_dir / STATUS_FILE
     script = out_dir / f".amprobe_attach_{pid}.py"

@@ -10,26 +10,26 @@ gets SIGTERM if ``amprobe run`` itself dies (Linux), so it never trains on as an
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import amprobe
 from amprobe.autoattach import ENV_BASELINE, ENV_CONFIG, ENV_FORCE_FP32, ENV_RUN_DIR
 from amprobe.config import ConfigError, make_config
-from amprobe.store.layout import StoreError, check_writable, is_live, is_run_dir
+from amprobe.store import layout
+from amprobe.store.layout import StoreError
 
 __all__ = [
     "LaunchError",
     "bootstrap_env",
     "check_port",
-    "collector_errors",
     "exit_status",
     "launch",
     "prepare_run_dir",
@@ -71,50 +71,11 @@ def bootstrap_env(
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> list[Path]:
-    """Make ``run_dir`` ready for a new run; return the folders this call created.
-
-    Refuses (before anything starts) a path that is a file, a non-empty folder that is not an
-    amprobe run (judged by the format marker, never by a file name alone), an existing run
-    without ``overwrite``, and a place that cannot be written. ``--overwrite`` only ever
-    deletes a folder that holds an amprobe run.
-
-    Raises:
-        ConfigError: one line that says why and what to do.
-    """
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"--out {str(run_dir)!r} exists and is not a directory")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not is_run_dir(run_dir):
-            raise ConfigError(
-                f"--out {str(run_dir)!r} is a non-empty directory that is not an amprobe run "
-                "(no amprobe manifest.json); it is never overwritten: choose another"
-            )
-        if not overwrite:
-            raise ConfigError(
-                f"--out {str(run_dir)!r} already holds a run; choose another or pass --overwrite"
-            )
-        if is_live(run_dir):
-            raise ConfigError(
-                f"--out {str(run_dir)!r} holds a run that is still being written; "
-                "it is not overwritten"
-            )
-        shutil.rmtree(run_dir)
-    created = []
-    p = run_dir
-    while not p.exists() and p.parent != p:
-        created.append(p)
-        p = p.parent
+    """:func:`amprobe.store.layout.prepare_run_dir`, its refusal said as a ConfigError."""
     try:
-        check_writable(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except (StoreError, OSError) as exc:
-        message = str(exc) if isinstance(exc, StoreError) else (exc.strerror or str(exc))
-        raise ConfigError(f"--out: {message}") from None
-    return created
-
-
-#: kept for callers of the former private name
-_prepare_run_dir = prepare_run_dir
+        return layout.prepare_run_dir(run_dir, overwrite)
+    except StoreError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _remove_if_empty(created: list[Path]) -> None:
@@ -128,8 +89,6 @@ def _remove_if_empty(created: list[Path]) -> None:
 
 def check_port(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be served (busy, not permitted), or ``None`` if it can now."""
-    import socket
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, address = infos[0]
@@ -190,8 +149,6 @@ def _die_with_parent() -> Callable[[], None] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
@@ -213,9 +170,11 @@ def launch(
     force_fp32: bool = False,
     baseline: Path | None = None,
     overwrite: bool = False,
-    quiet: bool = False,
+    summarize: Callable[[Path], None] | None = None,
 ) -> int:
     """Run ``command`` recorded into ``run_dir``; return the child's exit code.
+
+    ``summarize(run_dir)`` runs after the child exits (the CLI passes the one-screen summary).
 
     Raises:
         ConfigError: bad config or run directory (before anything is started).
@@ -247,8 +206,8 @@ def launch(
         _remove_if_empty(created)
         raise LaunchError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
     code = exit_status(_supervise(child))
-    if not quiet:
-        _print_summary(run_dir)
+    if summarize is not None:
+        summarize(run_dir)
     return code
 
 
@@ -286,46 +245,3 @@ def _supervise(child: subprocess.Popen[bytes]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def collector_errors(run: Any) -> list[str]:
-    """One line per collector switched off during the run (``collector_error`` events), e.g. a
-    busy ``--prometheus-port``: the run's data is complete without it, but the user asked for it."""
-    lines = []
-    for e in run.events_of("collector_error")[:20]:
-        lines.append(
-            f"collector {e.get('collector')!r} was switched off on rank {e.get('rank')} "
-            f"at step {e.get('step')}: {e.get('error')}"
-        )
-    return lines
-
-
-def _print_summary(run_dir: Path) -> None:
-    """One screen of findings after the child exits; never raises."""
-    try:
-        run = amprobe.load_run(run_dir)
-        run.warnings.extend(collector_errors(run))
-        diagnosis = amprobe.diagnose(run)
-    except Exception as exc:
-        print(f"amprobe: nothing to diagnose in {run_dir}: {exc}", file=sys.stderr)
-        return
-    steps = int(run.steps["step"].nunique()) if len(run.steps) else 0
-    if not steps and any((r.manifest.get("config") or {}).get("dormant") for r in run.ranks):
-        print(
-            f"\namprobe: the job ran dormant and was never attached: nothing recorded in {run_dir}",
-            file=sys.stderr,
-        )
-        return
-    print(
-        f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({run.status})",
-        file=sys.stderr,
-    )
-    for line in collector_errors(run):
-        print(f"  warning: {line}", file=sys.stderr)
-    for f in diagnosis.findings[:12]:
-        print(f"  [{f.severity}] {f.id} {f.name}: {f.title}", file=sys.stderr)
-    if len(diagnosis.findings) > 12:
-        print(f"  ... {len(diagnosis.findings) - 12} more", file=sys.stderr)
-    if not diagnosis.findings:
-        print("  no findings", file=sys.stderr)
-    print(f"amprobe: details: amprobe diagnose {run_dir}", file=sys.stderr)

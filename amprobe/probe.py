@@ -30,6 +30,7 @@ from amprobe.collectors.discovery import find_live_training_objects
 from amprobe.config import Config, ConfigError, check_collectors, make_config
 from amprobe.hub import Hub
 from amprobe.store.fields import STEP_FIELDS
+from amprobe.store.layout import StoreError, check_writable
 from amprobe.store.writer import RunWriter
 
 __all__ = ["Probe", "attach", "current_probe"]
@@ -172,15 +173,20 @@ class Probe:
             },
             **device_facts(device),
         }
-        self.writer = RunWriter(
-            self.run_dir,
-            self.rank,
-            self.world_size,
-            self._rank_manifest,
-            max_buffered_rows=self.config.max_buffered_rows,
-            overwrite=self.config.overwrite,
-            lazy=self.lazy,
-        )
+        try:
+            if self.lazy:  # nothing is written before the first step: check the place now
+                check_writable(self.run_dir)
+            self.writer = RunWriter(
+                self.run_dir,
+                self.rank,
+                self.world_size,
+                self._rank_manifest,
+                max_buffered_rows=self.config.max_buffered_rows,
+                overwrite=self.config.overwrite,
+                lazy=self.lazy,
+            )
+        except StoreError as exc:
+            raise ConfigError(str(exc)) from None
         self.hub.install()
         for name in self.config.collectors:
             collector = REGISTRY[name]()

@@ -40,6 +40,9 @@ OPTIONAL_DEPENDENCIES = {
 #: our own modules that need an optional dependency (dashboard.app imports dash) or are an
 #: optional part themselves (the CLI serves the dashboard when it is installed)
 OPTIONAL_INTERNAL = {"dashboard.app", "dashboard.main"}
+#: modules whose one job is to import lazily: `amprobe run`'s sitecustomize runs in every Python
+#: process it starts and must import amprobe only once the program imports torch
+LAZY_BY_DESIGN = {"amprobe._bootstrap.sitecustomize"}
 
 CONFIG, STORE, CAPTURE, CONTROL = "config", "store", "capture", "control"
 ANALYSIS, RULES, REPORT, DEMO, TOP = "analysis", "rules", "report", "demo", "top"
@@ -56,11 +59,6 @@ ALLOWED: dict[str, set[str]] = {
     DEMO: {CONFIG, STORE, CAPTURE},
     TOP: {CONFIG, STORE, CAPTURE, CONTROL, ANALYSIS, RULES, REPORT, DEMO},
 }
-CAPTURE_SIDE = {CONFIG, STORE, CAPTURE, CONTROL, DEMO}
-
-#: capture-side modules that still fail on this branch while the capture core is redesigned on
-#: main (issue 13); the lead removes these marks.
-PENDING_REDESIGN = pytest.mark.xfail(strict=False, reason="capture core being redesigned on main")
 
 
 def layer_of(module: str) -> str:
@@ -71,7 +69,7 @@ def layer_of(module: str) -> str:
     if module in ("amprobe", "amprobe.cli", "amprobe.__main__"):
         return TOP
     sub = parts[1]
-    if sub == "config":
+    if sub in ("config", "version"):
         return CONFIG
     if sub == "store":
         return STORE
@@ -254,6 +252,8 @@ CYCLES = _cycles(_graph())
 
 
 def local_imports(module: str) -> list[str]:
+    if module in LAZY_BY_DESIGN:
+        return []
     bad = []
     for i in IMPORTS[module]:
         if not i.local or i.type_only:
@@ -269,55 +269,9 @@ def local_imports(module: str) -> list[str]:
     return bad
 
 
-def failing_capture_checks() -> set[tuple[str, str]]:
-    """(check, module) pairs of the capture side that fail now (to refresh :data:`PENDING`)."""
-    failing = set()
-    for module in MODULES:
-        if upward_imports(module):
-            failing.add(("downward", module))
-        if any(module in c for c in CYCLES):
-            failing.add(("cycle", module))
-        if local_imports(module):
-            failing.add(("local", module))
-    return failing
-
-
-#: (check, module) pairs that fail until the capture core redesign lands on main (issue 13).
-#: Only capture-side modules belong here, plus ``amprobe`` whose cycle runs through them.
-#: The lead removes entries (and this table) as the redesign fixes them.
-PENDING: set[tuple[str, str]] = {
-    ("cycle", "amprobe"),
-    ("cycle", "amprobe.autoattach"),
-    ("cycle", "amprobe.collectors"),
-    ("cycle", "amprobe.collectors.discovery"),
-    ("cycle", "amprobe.collectors.prometheus"),
-    ("cycle", "amprobe.config"),
-    ("cycle", "amprobe.control"),
-    ("cycle", "amprobe.launcher"),
-    ("cycle", "amprobe.probe"),
-    ("cycle", "amprobe.store"),
-    ("cycle", "amprobe.store.writer"),
-    ("downward", "amprobe.config"),
-    ("downward", "amprobe.launcher"),
-    ("downward", "amprobe.probe"),
-    ("downward", "amprobe.store.writer"),
-    ("local", "amprobe._bootstrap.sitecustomize"),
-    ("local", "amprobe.autoattach"),
-    ("local", "amprobe.collectors.discovery"),
-    ("local", "amprobe.collectors.numerics"),
-    ("local", "amprobe.collectors.prometheus"),
-    ("local", "amprobe.collectors.scaler"),
-    ("local", "amprobe.config"),
-    ("local", "amprobe.control"),
-    ("local", "amprobe.probe"),
-    ("local", "amprobe.store.writer"),
-}
-
-
 def _params(check: str) -> Iterator[object]:
     for module in sorted(MODULES):
-        marks = [PENDING_REDESIGN] if (check, module) in PENDING else []
-        yield pytest.param(module, id=module, marks=marks)
+        yield pytest.param(module, id=module)
 
 
 @pytest.mark.parametrize("module", list(_params("downward")))
@@ -364,18 +318,3 @@ def test_the_checker_sees_upward_local_and_cyclic_imports(monkeypatch) -> None:
     ]
     assert local_imports(name) == [f"line 7: {name} imports amprobe.cli inside a function"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
-
-
-def test_only_capture_side_checks_are_marked_pending() -> None:
-    for check, module in PENDING:
-        assert check in ("downward", "cycle", "local") and module in MODULES
-        if module == "amprobe":  # the top package: only its cycle through the capture side
-            assert check == "cycle"
-            cycle = (
-                next(c for c in CYCLES if module in c)
-                if any(module in c for c in CYCLES)
-                else set()
-            )
-            assert all(layer_of(m) in CAPTURE_SIDE for m in cycle - {module})
-            continue
-        assert layer_of(module) in CAPTURE_SIDE, f"{module} is not capture-side"

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import struct
 import weakref
 from collections.abc import Iterable
@@ -648,6 +649,4 @@ def _bits_to_float(bits: int) -> float:
 
 
 def _log2(value: float) -> float:
-    import math
-
     return math.log2(value) if value > 0 and math.isfinite(value) else 0.0

@@ -27,6 +27,7 @@ import dataclasses
 import errno
 import json
 import os
+import shutil
 import socket
 import stat
 from collections.abc import Iterator
@@ -46,6 +47,7 @@ __all__ = [
     "RankDir",
     "RankListing",
     "StoreError",
+    "prepare_run_dir",
     "check_writable",
     "has_format_marker",
     "is_live",
@@ -410,3 +412,47 @@ def check_writable(path: str | os.PathLike[str]) -> None:
                 folder.rmdir()
             except OSError:
                 pass
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> list[Path]:
+    """Make ``run_dir`` ready for a new run; return the folders this call created.
+
+    Refuses (before anything starts) a path that is a file, a non-empty folder that is not an
+    amprobe run (judged by the format marker, never by a file name alone), an existing run
+    without ``overwrite``, and a place that cannot be written. ``--overwrite`` only ever
+    deletes a folder that holds an amprobe run.
+
+    Raises:
+        StoreError: one line that says why and what to do.
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise StoreError(f"--out {str(run_dir)!r} exists and is not a directory")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not is_run_dir(run_dir):
+            raise StoreError(
+                f"--out {str(run_dir)!r} is a non-empty directory that is not an amprobe run "
+                "(no amprobe manifest.json); it is never overwritten: choose another"
+            )
+        if not overwrite:
+            raise StoreError(
+                f"--out {str(run_dir)!r} already holds a run; choose another or pass --overwrite"
+            )
+        if is_live(run_dir):
+            raise StoreError(
+                f"--out {str(run_dir)!r} holds a run that is still being written; "
+                "it is not overwritten"
+            )
+        shutil.rmtree(run_dir)
+    created = []
+    p = run_dir
+    while not p.exists() and p.parent != p:
+        created.append(p)
+        p = p.parent
+    try:
+        check_writable(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except StoreError as exc:
+        raise StoreError(f"--out: {exc}") from None
+    except OSError as exc:
+        raise StoreError(f"--out: {exc.strerror or exc}") from None
+    return created

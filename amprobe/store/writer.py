@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.metadata
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ from typing import Any
 
 from amprobe.store import schema
 from amprobe.store.layout import StoreError, has_format_marker
+from amprobe.version import __version__
 
 #: Space set aside in each rank's folder at start and released at close, so that the clean
 #: close (``end.json``) and the newest events can be written even when the disk is full.
@@ -45,13 +47,14 @@ def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
 
 def run_environment() -> dict[str, Any]:
     """Versions and host facts that go into every manifest. Costs no device work."""
-    import torch
-
-    from amprobe import __version__
-
+    torch = sys.modules.get("torch")  # the writer runs in a job that imported it
+    try:
+        torch_version = str(torch.__version__) if torch else importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
     return {
         "amprobe_version": __version__,
-        "torch_version": str(torch.__version__),
+        "torch_version": torch_version,
         "python_version": sys.version.split()[0],
         "hostname": socket.gethostname(),
     }
