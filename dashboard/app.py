@@ -38,11 +38,14 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
 
     @app.callback(
         Output(ids.RUN_LIST_TABLE, "children"),
+        Output(ids.RUN_LIST_PAGES, "children"),
+        Output(ids.RUN_LIST_PAGE, "max"),
         Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
+        Input(ids.RUN_LIST_PAGE, "value"),
         prevent_initial_call=True,
     )
-    def _run_list(n):  # type: ignore[no-untyped-def]
-        return callbacks.refresh_run_list(ctx, n)
+    def _run_list(n, page):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_run_list(ctx, n, page)
 
     @app.callback(
         Output(ids.FINDINGS, "children"),

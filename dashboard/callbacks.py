@@ -22,7 +22,7 @@ from dashboard.figures import (
     make_step_time_figure,
     scale_events,
 )
-from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs, resolve_run
+from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs
 
 __all__ = [
     "Context",
@@ -54,7 +54,7 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     """Route a URL to a page: ``/`` run list, ``/run/<name>`` one run, ``/compare?a=&b=``."""
     path = pathname or "/"
     if path in ("/", ""):
-        return layout.build_run_list(ctx.cache.summaries(), ctx.refresh_ms)
+        return layout.build_run_list(ctx.cache.page(1), ctx.refresh_ms)
     if path.startswith("/run/"):
         name = unquote(path[len("/run/") :]).rstrip("/")
         try:
@@ -74,9 +74,13 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     return layout.build_error(f"no such page: {path}")
 
 
-def refresh_run_list(ctx: Context, _n: int | None) -> Any:
-    """The run list's table, re-read (only runs whose files changed are loaded again)."""
-    return layout.build_run_table(ctx.cache.summaries())
+def refresh_run_list(ctx: Context, _n: int | None, page: int | None = 1) -> tuple[Any, str, int]:
+    """Page ``page`` of the run list, re-read (only runs whose files changed are read again).
+
+    Returns ``(table, "of N pages (M runs)" text, number of pages)``.
+    """
+    listing = ctx.cache.page(page)
+    return layout.build_run_table(listing.rows), layout.pages_text(listing), listing.pages
 
 
 def filter_findings(
@@ -96,10 +100,18 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
     Returns ``(steps text, status badge, loss-scale figure, step-time figure, interval disabled)``.
     """
     try:
-        path = resolve_run(ctx.root, name or "")
+        path, _ = ctx.cache.check(name or "")
         update = ctx.tail.poll(path)
     except (RunAccessError, amprobe.RunLoadError) as exc:
         return (str(exc), no_update, no_update, no_update, True)
+    except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
+        return (
+            f"cannot read this run: {type(exc).__name__}: {exc}",
+            no_update,
+            no_update,
+            no_update,
+            True,
+        )
     steps = update.steps
     done = update.status != "live"
     return (

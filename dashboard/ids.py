@@ -11,6 +11,8 @@ NAV = "nav"
 RUN_LIST = "run-list"
 RUN_LIST_TABLE = "run-list-table"
 RUN_LIST_INTERVAL = "run-list-interval"
+RUN_LIST_PAGE = "run-list-page"  # the page number input
+RUN_LIST_PAGES = "run-list-pages"  # "of N pages (M runs)"
 RUN_LINK_PREFIX = "run-link-"  # + row index
 
 # one run

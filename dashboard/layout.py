@@ -19,7 +19,7 @@ from dash import dcc, html
 from amprobe.report.downsample import thin_figure
 from dashboard import ids
 from dashboard.figures import make_loss_scale_figure, make_step_time_figure, scale_events
-from dashboard.runs import LoadedRun, RunSummary
+from dashboard.runs import PAGE_ROWS, PENDING, LoadedRun, RunPage, RunSummary
 
 __all__ = [
     "SEVERITIES",
@@ -28,6 +28,7 @@ __all__ = [
     "build_frame",
     "build_run_list",
     "build_run_table",
+    "pages_text",
     "build_run_page",
     "build_health",
     "build_findings",
@@ -104,8 +105,16 @@ def build_error(message: str) -> html.Div:
     return html.Div([html.H3("Cannot open this page"), html.P(message, className="error")])
 
 
+def _steps_cell(steps: int | None) -> str:
+    return PENDING if steps is None else str(steps)
+
+
 def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
-    """The run list's table: one row per run with status, device, dtype, steps, worst finding."""
+    """The run list's table: one row per run with status, device, dtype, steps, worst finding.
+
+    A run that cannot be read is a row whose last cell says ``unreadable: <why>``; a row whose
+    diagnosis is still running says :data:`~dashboard.runs.PENDING`.
+    """
     if not summaries:
         return html.P("No amprobe run directory under this root yet.")
     head = html.Tr(
@@ -117,7 +126,9 @@ def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
     rows = []
     for i, s in enumerate(summaries):
         worst: Any = s.worst
-        if s.worst not in ("", "none"):
+        if s.error:
+            worst = html.Span(f"unreadable: {s.error}", className="unreadable-reason")
+        elif s.worst not in ("", "none", PENDING):
             severity, _, rid = s.worst.partition(" ")
             worst = [_badge(severity, _SEVERITY_COLORS.get(severity, "#555")), rid]
         cells = [
@@ -125,24 +136,45 @@ def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
             _badge(s.status, _STATUS_COLORS.get(s.status, "#555")),
             s.device,
             s.dtype,
-            str(s.steps),
-            worst if not s.error else s.error,
+            "" if s.error else _steps_cell(s.steps),
+            worst,
         ]
         rows.append(
             html.Tr(
                 [html.Td(c, style={"padding": "4px 10px"}) for c in cells],
-                className=f"run-row status-{s.status}",
+                className=f"run-row status-{s.status}" + (" pending" if s.pending else ""),
             )
         )
     return html.Table([html.Thead(head), html.Tbody(rows)], style={"borderCollapse": "collapse"})
 
 
-def build_run_list(summaries: Sequence[RunSummary], refresh_ms: int) -> html.Div:
-    """The home page: every run under ROOT, refreshed while runs are being written."""
+def pages_text(listing: RunPage) -> str:
+    return f" of {listing.pages} ({listing.total} runs, {PAGE_ROWS} a page)"
+
+
+def build_run_list(listing: RunPage, refresh_ms: int) -> html.Div:
+    """The home page: one page of the runs under ROOT, refreshed while runs are being written."""
     return html.Div(
         [
             html.H2("Runs"),
-            html.Div(build_run_table(summaries), id=ids.RUN_LIST_TABLE),
+            html.Div(
+                [
+                    "page ",
+                    dcc.Input(
+                        id=ids.RUN_LIST_PAGE,
+                        type="number",
+                        min=1,
+                        max=listing.pages,
+                        step=1,
+                        value=listing.page,
+                        debounce=True,
+                        style={"width": "70px"},
+                    ),
+                    html.Span(pages_text(listing), id=ids.RUN_LIST_PAGES),
+                ],
+                style={"margin": "4px 0"},
+            ),
+            html.Div(build_run_table(listing.rows), id=ids.RUN_LIST_TABLE),
             dcc.Interval(id=ids.RUN_LIST_INTERVAL, interval=max(refresh_ms, 1000) * 2),
         ],
         id=ids.RUN_LIST,

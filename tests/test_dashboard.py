@@ -212,6 +212,8 @@ def test_compare_figure_overlays_two_runs(root: Path) -> None:
 
 
 def test_run_list_shows_every_run_with_status_and_worst_finding(ctx: callbacks.Context) -> None:
+    callbacks.render_page(ctx, "/")  # lists the runs and queues their diagnoses
+    assert ctx.cache.wait_idle(120)
     page = callbacks.render_page(ctx, "/")
     words = texts(page)
     assert "amp" in words and "group/synthetic" in words and "secret" not in " ".join(words)
@@ -441,6 +443,8 @@ def test_every_sample_run_renders() -> None:
     ctx = callbacks.Context(root=SAMPLE_RUNS)
     names = discover_runs(SAMPLE_RUNS)
     assert names
+    callbacks.render_page(ctx, "/")
+    assert ctx.cache.wait_idle(120)
     listing = texts(callbacks.render_page(ctx, "/"))
     for name in names:
         assert name in listing
