@@ -568,21 +568,22 @@ class RunCache:
                 return done[1]
             if live and now - done[2] < LIVE_RELOAD_S:
                 return done[1]
+        if peek is not None and peek[0] == sig:
+            row = peek[1]
+        else:
+            try:
+                row = peek_run(name, path)
+            except RunAccessError as exc:
+                row = _unreadable(name, str(exc))
+            except Exception as exc:
+                row = _unreadable(name, _internal_error(exc))
+            with self._lock:
+                self._peeks[name] = (sig, row)
+        if row.error:
+            return row  # refused from its manifests already: nothing to diagnose
         if queue_job:
             self._submit(name, path, sig)
-        if done is not None:
-            return done[1]  # the last diagnosis, until the new one is done
-        if peek is not None and peek[0] == sig:
-            return peek[1]
-        try:
-            row = peek_run(name, path)
-        except RunAccessError as exc:
-            row = _unreadable(name, str(exc))
-        except Exception as exc:
-            row = _unreadable(name, _internal_error(exc))
-        with self._lock:
-            self._peeks[name] = (sig, row)
-        return row
+        return done[1] if done is not None else row  # the last diagnosis until the new one
 
     def _submit(self, name: str, path: Path, sig: tuple[Any, ...]) -> None:
         with self._lock:
