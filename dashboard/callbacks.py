@@ -74,13 +74,16 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     return layout.build_error(f"no such page: {path}")
 
 
-def refresh_run_list(ctx: Context, _n: int | None, page: int | None = 1) -> tuple[Any, str, int]:
-    """Page ``page`` of the run list, re-read (only runs whose files changed are read again).
+def refresh_run_list(
+    ctx: Context, _n: int | None, page_current: int | None = 0
+) -> tuple[list[dict[str, str]], int, str]:
+    """Page ``page_current`` (0-based, the table's own) of the run list, re-read.
 
-    Returns ``(table, "of N pages (M runs)" text, number of pages)``.
+    Only runs whose files changed are read again. Returns ``(table data, page count,
+    "M runs" text)``.
     """
-    listing = ctx.cache.page(page)
-    return layout.build_run_table(listing.rows), layout.pages_text(listing), listing.pages
+    listing = ctx.cache.page((page_current or 0) + 1)
+    return layout.run_rows(listing.rows), listing.pages, layout.pages_text(listing)
 
 
 def filter_findings(

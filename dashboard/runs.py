@@ -60,9 +60,11 @@ MAX_TABLE_BYTES = 512 << 20
 #: Runs per page of the run list.
 PAGE_ROWS = 50
 #: Threads that load and diagnose the run list's rows in the background.
-DIAGNOSE_WORKERS = 2
+DIAGNOSE_WORKERS = 1
 #: How long a run list request waits for its rows' diagnoses before showing them as pending.
 FIRST_WAIT_S = 0.3
+#: ... and only when at most this many rows wait (more would not be done in time anyway).
+_FIRST_WAIT_ROWS = 8
 #: The run list's text for a row whose diagnosis has not finished yet.
 PENDING = "diagnosing\u2026"
 #: The longest reason shown in an unreadable row.
@@ -143,17 +145,21 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
             return
         try:
             children = sorted(
-                p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")
+                (Path(e.path), e.is_symlink())
+                for e in os.scandir(path)
+                if not e.name.startswith(".") and e.is_dir()
             )
         except OSError:
             return
-        for child in children:
-            try:
-                real = child.resolve()
-            except (OSError, RuntimeError):
-                continue
-            if real != base and base in real.parents:
-                walk(child, depth + 1)
+        for child, link in children:
+            if link:  # only a link can lead out of ROOT: its parent is inside
+                try:
+                    real = child.resolve()
+                except (OSError, RuntimeError):
+                    continue
+                if real == base or base not in real.parents:
+                    continue
+            walk(child, depth + 1)
 
     walk(base, 0)
     return sorted(found)
@@ -532,15 +538,17 @@ class RunCache:
     def page(self, page: int | None = 1, page_size: int = PAGE_ROWS) -> RunPage:
         """One page of the run list, from manifests; its rows' diagnoses are queued.
 
-        Waits up to ``first_wait_s`` for those diagnoses, so a small root shows finished
-        rows at once; a large one shows :data:`PENDING` rows that the next refresh fills in.
+        When only a few rows wait, waits up to ``first_wait_s`` for their diagnoses, so a small
+        root shows finished rows at once; a large one shows :data:`PENDING` rows at once, which
+        the next refresh fills in.
         """
         names = self.names()
         pages = max(1, -(-len(names) // page_size))
         number = min(max(int(page or 1), 1), pages)
         shown = names[(number - 1) * page_size : number * page_size]
         rows = [self._row(name) for name in shown]
-        if self.first_wait_s > 0 and any(r.pending for r in rows):
+        pending = sum(r.pending for r in rows)
+        if self.first_wait_s > 0 and 0 < pending <= _FIRST_WAIT_ROWS:
             self.wait_idle(self.first_wait_s)
             rows = [
                 self._row(name, queue_job=False) if r.pending else r

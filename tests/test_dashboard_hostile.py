@@ -37,7 +37,19 @@ def texts(component: Any) -> list[str]:
     for prop in ("children", "label"):
         value = getattr(component, prop, None)
         out.extend(texts(value))
+    data = getattr(component, "data", None)
+    if isinstance(data, list):  # a DataTable's rows
+        out.extend(v for row in data if isinstance(row, dict) for v in row.values())
     return out
+
+
+def _find(component: Any, component_id: str) -> Any:
+    if isinstance(component, (list, tuple)):
+        return next((h for c in component if (h := _find(c, component_id)) is not None), None)
+    if getattr(component, "id", None) == component_id:
+        return component
+    children = getattr(component, "children", None)
+    return None if children is None or isinstance(children, str) else _find(children, component_id)
 
 
 def rows_by_name(rows: list[runs_mod.RunSummary]) -> dict[str, runs_mod.RunSummary]:
@@ -237,10 +249,13 @@ def test_run_list_is_paged_and_listed_from_manifests_without_loading_runs(
     ctx.cache = cache
     page = callbacks.render_page(ctx, "/")
     assert len([w for w in texts(page) if w.startswith("run0")]) == 50
-    assert any("of 3 (120 runs" in w for w in texts(page))
-    table, pages_text, pages = callbacks.refresh_run_list(ctx, 1, 3)
-    assert pages == 3 and "120 runs" in pages_text
-    assert [w for w in texts(table) if w.startswith("run1")][0] == "run100"
+    assert "120 runs, 50 a page" in texts(page)
+    table = _find(page, ids.RUN_LIST_TABLE)
+    assert (table.page_action, table.page_current, table.page_count) == ("custom", 0, 3)
+    assert table.data[0]["run"] == "[run000](/run/run000)"
+    data, pages, text = callbacks.refresh_run_list(ctx, 1, 2)  # the table's 0-based page
+    assert pages == 3 and text.startswith("120 runs")
+    assert [row["name"] for row in data] == [f"run{i}" for i in range(100, 120)]
 
 
 def test_only_shown_rows_are_diagnosed_and_results_are_cached_by_size_and_mtime(
