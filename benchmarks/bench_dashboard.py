@@ -10,13 +10,14 @@ navigation until the table's rows are painted, then until the first page's rows 
 Prints seconds and the CPU; asserts nothing.
 
     python benchmarks/bench_dashboard.py [--steps 100000] [--layers 200] [--browser]
-    python benchmarks/bench_dashboard.py --runs 1000 [--run-steps 200] [--browser]
+    python benchmarks/bench_dashboard.py --runs 1000 [--run-steps 200] [--browser [--repeat 3]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -117,7 +118,7 @@ def browser_run_list(root: Path, runs: int) -> None:
     )
 
 
-def bench_many_runs(runs: int, run_steps: int, browser: bool) -> None:
+def bench_many_runs(runs: int, run_steps: int, browser: bool, repeat: int = 1) -> None:
     """The run list over ``runs`` finished synthetic runs of ``run_steps`` steps each."""
     from dashboard import callbacks
     from dashboard.demo import write_synthetic_run
@@ -142,7 +143,12 @@ def bench_many_runs(runs: int, run_steps: int, browser: bool) -> None:
             f"background {t2 - t0:.2f} s; first page again (cached) {t3 - t2:.3f} s"
         )
         if browser:
-            browser_run_list(root, runs)
+            for _ in range(repeat):
+                browser_run_list(root, runs)
+            if repeat > 1:
+                print(
+                    f"load average while measuring: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+                )
 
 
 def main() -> None:
@@ -158,10 +164,13 @@ def main() -> None:
         "--runs", type=int, default=0, help="time the run list over this many runs instead"
     )
     parser.add_argument("--run-steps", type=int, default=200, help="steps per run with --runs")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="browser measurements with --runs (fresh server each)"
+    )
     args = parser.parse_args()
     print(f"CPU: {_cpu()}")
     if args.runs:
-        bench_many_runs(args.runs, args.run_steps, args.browser)
+        bench_many_runs(args.runs, args.run_steps, args.browser, args.repeat)
         return
 
     import numpy as np
