@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import amprobe
 from amprobe.report import render_json, render_text
-from amprobe.store import RunLoadError, load_run, schema
+from amprobe.store import RunLoadError, StoreError, load_run, schema
 from amprobe.store.loader import read_table
 from amprobe.store.writer import RunWriter
 
@@ -149,7 +149,7 @@ def test_two_ranks_and_incremental_read(tmp_path: Path):
 
 
 def test_writer_refuses_to_overwrite(run_dir: Path):
-    with pytest.raises(amprobe.ConfigError, match="already holds"):
+    with pytest.raises(StoreError, match="already holds"):
         RunWriter(run_dir, 0, 1, {}, max_buffered_rows=10)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from amprobe.store.layout import END_MARKER, FORMAT, RANK_MANIFEST, RUN_MANIFEST, rank_dirname
+
 __all__ = [
     "SCHEMA_VERSION",
     "FORMAT",
@@ -32,15 +34,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-FORMAT = "amprobe-run"
-RUN_MANIFEST = "manifest.json"
-RANK_MANIFEST = "manifest.json"
-END_MARKER = "end.json"
-
-
-def rank_dirname(rank: int) -> str:
-    return f"rank{rank}"
-
 
 #: Table name -> column name -> arrow type. The loader reads with these types; columns a
 #: writer did not emit come back as nulls, extra fields are ignored.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from amprobe.store import schema
+from amprobe.store.layout import StoreError
 
 __all__ = ["RunWriter", "write_json_atomic", "run_environment"]
 
@@ -77,12 +78,10 @@ class RunWriter:
 
     # -- set-up (raises: called at attach time) ---------------------------------------------
     def _check(self, overwrite: bool) -> None:
-        from amprobe.config import ConfigError
-
         if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ConfigError(f"run_dir {str(self.run_dir)!r} exists and is not a directory")
+            raise StoreError(f"run_dir {str(self.run_dir)!r} exists and is not a directory")
         if (self.rank_dir / schema.RANK_MANIFEST).exists() and not overwrite:
-            raise ConfigError(
+            raise StoreError(
                 f"run_dir {str(self.run_dir)!r} already holds a recording for rank {self.rank}; "
                 "choose a new run_dir or pass config={'overwrite': True}"
             )
@@ -100,14 +99,12 @@ class RunWriter:
         """Create this rank's directory and manifests now (a lazy writer otherwise waits for steps).
 
         Raises:
-            ConfigError: the directory cannot be written or already holds this rank's data.
+            StoreError: the directory cannot be written or already holds this rank's data.
         """
         if not self.ready:
             self._prepare(*self._setup)
 
     def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
-        from amprobe.config import ConfigError
-
         self._check(overwrite)
         try:
             self.rank_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +129,7 @@ class RunWriter:
                 {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
             )
         except OSError as exc:
-            raise ConfigError(
+            raise StoreError(
                 f"cannot write run_dir {str(self.run_dir)!r}: {exc.strerror or exc}"
             ) from None
         self.ready = True
