@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import queue
-import socket
 import stat
 import threading
 import time
@@ -33,6 +32,7 @@ import pandas as pd
 
 import amprobe
 from amprobe.store import read_table
+from amprobe.store.layout import open_regular, parse_rank_dirname, rank_state, read_json_file
 
 __all__ = [
     "RunAccessError",
@@ -72,7 +72,6 @@ _MAX_REASON_CHARS = 300
 _RUN_MANIFEST = "manifest.json"
 _END_MARKER = "end.json"
 _RANK_PREFIX = "rank"
-_ASCII_DIGITS = frozenset("0123456789")
 _READ_SUFFIXES = (".json", ".jsonl")
 
 
@@ -80,16 +79,12 @@ class RunAccessError(Exception):
     """A run the dashboard will not or cannot open; the message is one line that says why."""
 
 
-def _rank_number(name: str) -> int | None:
-    """The rank of folder ``name`` (``rank`` + ASCII digits), or None (``rank\u00b2`` is not one)."""
-    digits = name[len(_RANK_PREFIX) :]
-    if not name.startswith(_RANK_PREFIX) or not digits or not set(digits) <= _ASCII_DIGITS:
-        return None
-    return int(digits)
-
-
 def _rankish(name: str) -> bool:
-    """Names the loader may take for a rank folder, ASCII or not: all of them are checked."""
+    """Names a loader may take for a rank folder (``rank²`` included): all of them are checked.
+
+    Which of them are ranks is :func:`amprobe.store.layout.parse_rank_dirname`'s answer
+    (``rank`` + ASCII digits); the wider net here only decides what :func:`inspect_run` checks.
+    """
     return name.startswith(_RANK_PREFIX) and name[len(_RANK_PREFIX) :].isdigit()
 
 
@@ -258,20 +253,17 @@ def inspect_run(root: Path, path: Path, max_table_bytes: int = MAX_TABLE_BYTES) 
 
 
 def _read_small_json(path: Path) -> dict[str, Any] | None:
-    """A small JSON object file (already checked by :func:`inspect_run`), or None if unusable."""
+    """A manifest or end marker, read non-blocking as a small regular file, or None if unusable."""
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_JSON_BYTES + 1)
-        obj = json.loads(data) if len(data) <= MAX_JSON_BYTES else None
-    except (OSError, ValueError, RecursionError):
+        return read_json_file(path, max_bytes=MAX_JSON_BYTES)
+    except (OSError, ValueError):
         return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _first_record(path: Path, limit: int = 1 << 16) -> dict[str, Any] | None:
     """The first record of a JSON Lines file, reading at most ``limit`` bytes."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             head = fh.read(limit)
         line, newline, _ = head.partition(b"\n")
         obj = json.loads(line) if newline else None
@@ -287,20 +279,6 @@ def _text_field(obj: dict[str, Any] | None, *keys: str) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OSError, OverflowError):
-        return False
-    return True
 
 
 @dataclasses.dataclass
@@ -412,7 +390,7 @@ def peek_run(name: str, path: Path) -> RunSummary:
     ranks: list[tuple[int, Path]] = []
     odd: list[str] = []
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        rank = _rank_number(entry.name)
+        rank = parse_rank_dirname(entry.name)
         if rank is not None and entry.is_dir():
             ranks.append((rank, Path(entry.path)))
         elif entry.name.startswith(_RANK_PREFIX) and entry.name[len(_RANK_PREFIX) :].isnumeric():
@@ -423,7 +401,6 @@ def peek_run(name: str, path: Path) -> RunSummary:
             why += f"; {', '.join(repr(n) for n in odd)} is not one: rank numbers use ASCII digits"
         raise RunAccessError(why)
     ranks.sort()
-    host = socket.gethostname()
     statuses = set()
     device = dtype = None
     steps: int | None = None
@@ -437,12 +414,10 @@ def peek_run(name: str, path: Path) -> RunSummary:
             value = (end or {}).get("steps")
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 steps = value
-        if ended:
-            statuses.add("finished")
-        elif (manifest or {}).get("hostname") == host and _pid_alive((manifest or {}).get("pid")):
-            statuses.add("live")
-        else:
-            statuses.add("interrupted")
+        state = rank_state(
+            manifest or {}, ended=ended
+        )  # as the loader: remote, gone -> interrupted
+        statuses.add(state if state in ("finished", "live") else "interrupted")
     status = next(s for s in ("live", "interrupted", "finished") if s in statuses)
     return RunSummary(
         name=name,
