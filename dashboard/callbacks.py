@@ -61,7 +61,12 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
             loaded = ctx.cache.get(name)
         except (RunAccessError, amprobe.RunLoadError) as exc:
             return layout.build_error(str(exc))
-        return layout.build_run_page(loaded, ctx.refresh_ms)
+        try:
+            return layout.build_run_page(loaded, ctx.refresh_ms)
+        except Exception as exc:  # one run's odd data fails its own page, nothing else
+            return layout.build_error(
+                f"amprobe failed while drawing this run ({type(exc).__name__}: {exc})"
+            )
     if path.rstrip("/") == "/compare":
         query = parse_qs((search or "").lstrip("?"))
         first_a = query.get("a", [])

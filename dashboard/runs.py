@@ -32,7 +32,13 @@ import pandas as pd
 
 import amprobe
 from amprobe.store import read_table
-from amprobe.store.layout import open_regular, parse_rank_dirname, rank_state, read_json_file
+from amprobe.store.layout import (
+    has_format_marker,
+    open_regular,
+    parse_rank_dirname,
+    rank_state,
+    read_json_file,
+)
 
 __all__ = [
     "RunAccessError",
@@ -88,15 +94,31 @@ def _rankish(name: str) -> bool:
     return name.startswith(_RANK_PREFIX) and name[len(_RANK_PREFIX) :].isdigit()
 
 
-def is_run_dir(path: Path) -> bool:
-    """True when ``path`` looks like an amprobe run directory (a manifest or a rank folder).
+def _marked(manifest: Path) -> bool:
+    """Whether ``manifest`` may be an amprobe manifest, opening only a small regular file.
 
-    Costs a few ``stat`` calls; opens no file, so a FIFO or device in a run cannot block it.
+    A regular file must carry the format marker; a link, FIFO or device in its place counts
+    (the run is then listed, and :func:`inspect_run` refuses it with the reason).
     """
     try:
-        if (path / _RUN_MANIFEST).is_file():
+        st = os.lstat(manifest)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return True
+    return has_format_marker(manifest)
+
+
+def is_run_dir(path: Path) -> bool:
+    """True when ``path`` is an amprobe run directory: its manifest, or a rank folder's, carries
+    the format marker (an unrelated folder with a ``manifest.json`` is not a run).
+
+    Reads only small regular files, non-blocking; a link or FIFO is looked at with ``lstat``.
+    """
+    try:
+        if _marked(path / _RUN_MANIFEST):
             return True
-        return any(_rankish(p.name) and (p / _RUN_MANIFEST).is_file() for p in path.iterdir())
+        return any(_rankish(p.name) and _marked(p / _RUN_MANIFEST) for p in path.iterdir())
     except OSError:
         return False
 
@@ -126,7 +148,7 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
     """Names (relative POSIX paths) of the run directories under ``root``, sorted.
 
     A run directory is not searched further; hidden folders and symlinks that leave
-    ``root`` are skipped. Costs a few ``stat`` calls per folder; no file is opened.
+    ``root`` are skipped. Costs a few ``stat`` calls per folder and one small read per run.
     """
     base = root.resolve()
     found: list[str] = []

@@ -206,6 +206,13 @@ def test_a_run_amprobe_fails_on_is_refused_with_the_reason(
     assert "Cannot open this page" in texts(callbacks.render_page(ctx, "/run/bad"))
 
 
+def test_a_folder_with_an_unrelated_manifest_is_not_a_run(tmp_path: Path) -> None:
+    write_synthetic_run(tmp_path / "run", steps=3)
+    (tmp_path / "extension").mkdir()
+    (tmp_path / "extension" / "manifest.json").write_text('{"manifest_version": 3}')
+    assert runs_mod.discover_runs(tmp_path) == ["run"]
+
+
 def test_oversized_table_is_refused_before_it_is_read(tmp_path: Path) -> None:
     write_synthetic_run(tmp_path / "big", steps=50)
     cache = RunCache(tmp_path, max_table_bytes=1000)
