@@ -457,7 +457,8 @@ class RunCache:
     Loaded runs are kept least recently used first out (``max_entries``). A live run changes at
     every flush; it is loaded and diagnosed again at most every :data:`LIVE_RELOAD_S` seconds
     (its page's figures follow :class:`LiveTail` meanwhile). Run list rows are diagnosed by
-    ``workers`` daemon threads, the rows of the page asked for last first.
+    ``workers`` daemon threads, the rows of the page asked for last first; rows of pages paged
+    away from are not diagnosed.
     """
 
     def __init__(
@@ -479,6 +480,8 @@ class RunCache:
         #: name -> (signature, row): rows read from manifests only
         self._peeks: dict[str, tuple[tuple[Any, ...], RunSummary]] = {}
         self._pending: dict[str, tuple[Any, ...]] = {}
+        #: the rows of the page asked for last: queued jobs for other rows are dropped
+        self._wanted: frozenset[str] = frozenset()
         self._jobs: queue.LifoQueue[tuple[str, Path, tuple[Any, ...]]] = queue.LifoQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -543,6 +546,7 @@ class RunCache:
         pages = max(1, -(-len(names) // page_size))
         number = min(max(int(page or 1), 1), pages)
         shown = names[(number - 1) * page_size : number * page_size]
+        self._wanted = frozenset(shown)
         rows = [self._row(name) for name in shown]
         pending = sum(r.pending for r in rows)
         if self.first_wait_s > 0 and 0 < pending <= _FIRST_WAIT_ROWS:
@@ -552,11 +556,6 @@ class RunCache:
                 for name, r in zip(shown, rows, strict=True)
             ]
         return RunPage(rows=rows, page=number, pages=pages, total=len(names))
-
-    def summaries(self) -> list[RunSummary]:
-        """Every run's row (all pages); rows still diagnosing are :data:`PENDING`."""
-        every = self.page(1, page_size=max(1, len(self.names())))
-        return every.rows
 
     def _row(self, name: str, queue_job: bool = True) -> RunSummary:
         try:
@@ -609,6 +608,10 @@ class RunCache:
             with self._lock:
                 if self._pending.get(name) != sig:
                     continue  # superseded by a newer job for the same run
+                if name not in self._wanted:  # paged away: queued again when shown again
+                    del self._pending[name]
+                    self._idle.notify_all()
+                    continue
             try:
                 inspect_run(self.root, path, self.max_table_bytes)
                 run = amprobe.load_run(path)

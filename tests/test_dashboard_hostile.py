@@ -291,6 +291,29 @@ def test_only_shown_rows_are_diagnosed_and_results_are_cached_by_size_and_mtime(
     assert rows_by_name(cache.page(2).rows)["run060"].steps == 4
 
 
+def test_rows_of_pages_paged_away_from_are_not_diagnosed(
+    many_runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[str] = []
+    real_load = amprobe.load_run
+
+    def counting_load(path: Any) -> Any:
+        loads.append(Path(path).name)
+        return real_load(path)
+
+    monkeypatch.setattr(amprobe, "load_run", counting_load)
+    cache = RunCache(many_runs, workers=0, first_wait_s=0)
+    cache.page(1)  # queued, no worker yet
+    cache.page(2)
+    cache.workers = 1
+    cache.page(3)  # the page shown now: only its rows are diagnosed
+    assert cache.wait_idle(120)
+    assert sorted(loads) == [f"run{i}" for i in range(100, 120)]
+    assert sum(r.pending for r in cache.page(1).rows) == 50  # queued again when shown again
+    assert cache.wait_idle(120)
+    assert len(loads) == 70
+
+
 # -- 14: links inside a run are not followed out of ROOT --------------------------------------
 
 
