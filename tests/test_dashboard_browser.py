@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -175,5 +176,13 @@ def test_run_list_pages_many_runs_and_shows_hostile_ones_as_text(tmp_path: Path)
             driver.find_elements(By.CSS_SELECTOR, RUN_LINKS)[-1].click()
             wait.until(lambda d: d.find_elements(By.ID, ids.RUN_TITLE))
             assert driver.find_element(By.ID, ids.RUN_TITLE).text == "run117"
+
+            # plotly draws a run named like HTML as text: no bold tspan in the legend
+            driver.get(server.url + "/compare?a=" + quote("<b>bold</b>") + "&b=run000")
+            legend = f"#{ids.COMPARE_GRAPH} .legendtext"
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, legend)) == 2)
+            shown = [e.text for e in driver.find_elements(By.CSS_SELECTOR, legend)]
+            assert "<b>bold</b>" in shown
+            assert not driver.find_elements(By.CSS_SELECTOR, f"{legend} tspan[style*=bold]")
     finally:
         driver.quit()

@@ -108,7 +108,7 @@ HOSTILE = {
 _LIST_IN_A_CHILD = textwrap.dedent(
     """
     import json, resource, sys
-    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # /dev/zero read: MemoryError
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # /dev/zero read: MemoryError
     from dashboard import callbacks
     ctx = callbacks.Context(root=sys.argv[1])
     callbacks.render_page(ctx, "/")

@@ -17,7 +17,7 @@ __all__ = ["escape_markdown", "escape_plotly_text", "escape_figure_text"]
 #: Markdown's inline syntax, escaped with a backslash (CommonMark allows it before any punctuation).
 _MARKDOWN_PUNCTUATION = "\\`*_[]!|"
 #: Trace properties whose strings plotly draws as text (legend, ticks, hover labels, labels).
-_TRACE_TEXT = ("name", "text", "hovertext", "x", "y", "labels", "ids")
+_TRACE_TEXT = ("name", "text", "hovertext", "x", "y", "labels", "customdata")
 
 
 def escape_markdown(text: Any) -> str:
