@@ -436,9 +436,8 @@ def peek_run(name: str, path: Path) -> RunSummary:
             value = (end or {}).get("steps")
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 steps = value
-        state = rank_state(
-            manifest or {}, ended=ended
-        )  # as the loader: remote, gone -> interrupted
+        # as the loader does: a rank of another host or a gone process reads as interrupted
+        state = rank_state(manifest or {}, ended=ended)
         statuses.add(state if state in ("finished", "live") else "interrupted")
     status = next(s for s in ("live", "interrupted", "finished") if s in statuses)
     return RunSummary(
