@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="interface to bind (default 127.0.0.1: this machine only)",
+        help="interface to bind (default 127.0.0.1: this machine only; the dashboard has no "
+        "authentication, so any other address lets everyone who reaches the port read every run)",
     )
     p.add_argument("--port", type=int, default=8050)
 

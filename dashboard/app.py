@@ -37,12 +37,15 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         return callbacks.render_page(ctx, pathname, search)
 
     @app.callback(
-        Output(ids.RUN_LIST_TABLE, "children"),
+        Output(ids.RUN_LIST_TABLE, "data"),
+        Output(ids.RUN_LIST_TABLE, "page_count"),
+        Output(ids.RUN_LIST_PAGES, "children"),
         Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
+        Input(ids.RUN_LIST_TABLE, "page_current"),
         prevent_initial_call=True,
     )
-    def _run_list(n):  # type: ignore[no-untyped-def]
-        return callbacks.refresh_run_list(ctx, n)
+    def _run_list(n, page_current):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_run_list(ctx, n, page_current)
 
     @app.callback(
         Output(ids.FINDINGS, "children"),

@@ -24,7 +24,7 @@ from dashboard.figures import (
     make_step_time_figure,
     scale_events,
 )
-from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs, resolve_run
+from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs
 
 __all__ = [
     "Context",
@@ -56,14 +56,19 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     """Route a URL to a page: ``/`` run list, ``/run/<name>`` one run, ``/compare?a=&b=``."""
     path = pathname or "/"
     if path in ("/", ""):
-        return layout.build_run_list(ctx.cache.summaries(), ctx.refresh_ms)
+        return layout.build_run_list(ctx.cache.page(1), ctx.refresh_ms)
     if path.startswith("/run/"):
         name = unquote(path[len("/run/") :]).rstrip("/")
         try:
             loaded = ctx.cache.get(name)
         except (RunAccessError, amprobe.RunLoadError) as exc:
             return layout.build_error(str(exc))
-        return layout.build_run_page(loaded, ctx.refresh_ms)
+        try:
+            return layout.build_run_page(loaded, ctx.refresh_ms)
+        except Exception as exc:  # one run's odd data fails its own page, nothing else
+            return layout.build_error(
+                f"amprobe failed while drawing this run ({type(exc).__name__}: {exc})"
+            )
     if path.rstrip("/") == "/compare":
         query = parse_qs((search or "").lstrip("?"))
         first_a = query.get("a", [])
@@ -76,9 +81,16 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     return layout.build_error(f"no such page: {path}")
 
 
-def refresh_run_list(ctx: Context, _n: int | None) -> Any:
-    """The run list's table, re-read (only runs whose files changed are loaded again)."""
-    return layout.build_run_table(ctx.cache.summaries())
+def refresh_run_list(
+    ctx: Context, _n: int | None, page_current: int | None = 0
+) -> tuple[list[dict[str, str]], int, str]:
+    """Page ``page_current`` (0-based, the table's own) of the run list, re-read.
+
+    Only runs whose files changed are read again. Returns ``(table data, page count,
+    "M runs" text)``.
+    """
+    listing = ctx.cache.page((page_current or 0) + 1)
+    return layout.run_rows(listing.rows), listing.pages, layout.pages_text(listing)
 
 
 def filter_findings(
@@ -98,10 +110,18 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
     Returns ``(steps text, status badge, loss-scale figure, step-time figure, interval disabled)``.
     """
     try:
-        path = resolve_run(ctx.root, name or "")
+        path, _ = ctx.cache.check(name or "")
         update = ctx.tail.poll(path)
     except (RunAccessError, amprobe.RunLoadError) as exc:
         return (str(exc), no_update, no_update, no_update, True)
+    except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
+        return (
+            f"cannot read this run: {type(exc).__name__}: {exc}",
+            no_update,
+            no_update,
+            no_update,
+            True,
+        )
     steps = update.steps
     done = update.status != "live"
     return (

@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from amprobe.report.downsample import MAX_POINTS
+from amprobe.report.escape import escape_figure_text
 from amprobe.report.scale import (
     empty_figure,
     make_loss_scale_figure,
@@ -96,6 +97,7 @@ def make_compare_figure(
                 row,
                 1,
             )
+    escape_figure_text(fig)  # run names are folder names: drawn as text, never as HTML
     fig.update_yaxes(type="log", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=1)
     fig.update_layout(

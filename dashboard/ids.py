@@ -9,9 +9,9 @@ NAV = "nav"
 
 # run list
 RUN_LIST = "run-list"
-RUN_LIST_TABLE = "run-list-table"
+RUN_LIST_TABLE = "run-list-table"  # a DataTable, paged on the server
 RUN_LIST_INTERVAL = "run-list-interval"
-RUN_LINK_PREFIX = "run-link-"  # + row index
+RUN_LIST_PAGES = "run-list-pages"  # "M runs, 50 a page"
 
 # one run
 RUN_NAME = "run-name"  # dcc.Store holding the run's name relative to ROOT

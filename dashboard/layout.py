@@ -9,19 +9,21 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
 import pandas as pd
-from dash import dcc, html
+from dash import dash_table, dcc, html
 
 from amprobe.report.downsample import thin_figure
+from amprobe.report.escape import escape_markdown
 from amprobe.report.render import split_ref
 from amprobe.rules.engine import Severity
 from dashboard import ids
 from dashboard.figures import make_loss_scale_figure, make_step_time_figure, scale_events
-from dashboard.runs import LoadedRun, RunSummary
+from dashboard.runs import PAGE_ROWS, PENDING, LoadedRun, RunPage, RunSummary
 
 __all__ = [
     "SEVERITIES",
@@ -30,6 +32,8 @@ __all__ = [
     "build_frame",
     "build_run_list",
     "build_run_table",
+    "run_rows",
+    "pages_text",
     "build_run_page",
     "build_health",
     "build_findings",
@@ -107,45 +111,128 @@ def build_error(message: str) -> html.Div:
     return html.Div([html.H3("Cannot open this page"), html.P(message, className="error")])
 
 
-def build_run_table(summaries: Sequence[RunSummary]) -> html.Table | html.P:
-    """The run list's table: one row per run with status, device, dtype, steps, worst finding."""
-    if not summaries:
-        return html.P("No amprobe run directory under this root yet.")
-    head = html.Tr(
-        [
-            html.Th(h, style={"textAlign": "left", "padding": "4px 10px"})
-            for h in ("run", "status", "device", "autocast dtype", "steps", "worst finding")
-        ]
-    )
+def _steps_cell(steps: int | None) -> str:
+    return PENDING if steps is None else str(steps)
+
+
+#: The run list's columns: (column id, heading). ``run`` is a Markdown link to the run's page.
+RUN_COLUMNS = (
+    ("run", "run"),
+    ("status", "status"),
+    ("device", "device"),
+    ("dtype", "autocast dtype"),
+    ("steps", "steps"),
+    ("worst", "worst finding"),
+)
+
+
+def run_rows(summaries: Sequence[RunSummary]) -> list[dict[str, str]]:
+    """The run list's table data: one dict of text cells per run.
+
+    ``run`` is a Markdown link whose text is escaped (:func:`escape_markdown`; the table renders
+    Markdown with HTML off) and whose target is percent-encoded; ``name`` holds the plain name.
+    An unreadable run's ``worst`` cell says ``unreadable: <why>``.
+    """
     rows = []
-    for i, s in enumerate(summaries):
-        worst: Any = s.worst
-        if s.worst not in ("", "none"):
-            severity, _, rid = s.worst.partition(" ")
-            worst = [_badge(severity, _SEVERITY_COLORS.get(severity, "#555")), rid]
-        cells = [
-            dcc.Link(s.name, href=run_href(s.name), id=f"{ids.RUN_LINK_PREFIX}{i}"),
-            _badge(s.status, _STATUS_COLORS.get(s.status, "#555")),
-            s.device,
-            s.dtype,
-            str(s.steps),
-            worst if not s.error else s.error,
-        ]
+    for s in summaries:
+        if s.error:
+            worst = f"unreadable: {s.error}"
+        else:
+            worst = s.worst
         rows.append(
-            html.Tr(
-                [html.Td(c, style={"padding": "4px 10px"}) for c in cells],
-                className=f"run-row status-{s.status}",
-            )
+            {
+                "name": s.name,
+                "run": f"[{escape_markdown(s.name)}]({run_href(s.name)})",
+                "status": s.status,
+                "device": s.device,
+                "dtype": s.dtype,
+                "steps": "" if s.error else _steps_cell(s.steps),
+                "worst": worst,
+            }
         )
-    return html.Table([html.Thead(head), html.Tbody(rows)], style={"borderCollapse": "collapse"})
+    return rows
 
 
-def build_run_list(summaries: Sequence[RunSummary], refresh_ms: int) -> html.Div:
-    """The home page: every run under ROOT, refreshed while runs are being written."""
+def _run_table_styles() -> list[dict[str, Any]]:
+    styles: list[dict[str, Any]] = [
+        {
+            "if": {"filter_query": f'{{status}} = "{status}"', "column_id": "status"},
+            "color": color,
+            "fontWeight": "bold",
+        }
+        for status, color in _STATUS_COLORS.items()
+    ]
+    styles += [
+        {
+            "if": {"filter_query": f'{{worst}} contains "{severity} "', "column_id": "worst"},
+            "color": color,
+        }
+        for severity, color in _SEVERITY_COLORS.items()
+    ]
+    styles.append(
+        {
+            "if": {"filter_query": '{worst} contains "unreadable: "', "column_id": "worst"},
+            "color": _STATUS_COLORS["unreadable"],
+        }
+    )
+    return styles
+
+
+def build_run_table(listing: RunPage) -> Any:
+    """The run list's table: one page of runs, paged on the server (``page_action="custom"``).
+
+    One DataTable, not a component per cell, so the browser paints a page of runs at once
+    (1,000 runs: 1.0-1.8 s to the first rows in headless Chromium on a loaded 2-core machine,
+    against 2.3 s for an html table of the same page).
+    """
+    with warnings.catch_warnings():
+        # Dash 4 says DataTable will leave the builtin components in a future major version
+        # (dash-ag-grid replaces it); it is the one builtin table with server-side paging.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _run_data_table(listing)
+
+
+def _run_data_table(listing: RunPage) -> Any:
+    return dash_table.DataTable(  # type: ignore[attr-defined]  # generated, untyped component
+        id=ids.RUN_LIST_TABLE,
+        columns=[
+            {"id": key, "name": name, **({"presentation": "markdown"} if key == "run" else {})}
+            for key, name in RUN_COLUMNS
+        ],
+        data=run_rows(listing.rows),
+        page_action="custom",
+        page_current=listing.page - 1,
+        page_size=PAGE_ROWS,
+        page_count=listing.pages,
+        markdown_options={"link_target": "_self", "html": False},
+        style_as_list_view=True,
+        style_cell={
+            "textAlign": "left",
+            "padding": "4px 10px",
+            "fontFamily": _FONT,
+            "whiteSpace": "normal",
+            "height": "auto",
+            "maxWidth": "520px",
+        },
+        style_header={"fontWeight": "bold", "backgroundColor": "white"},
+        style_data_conditional=_run_table_styles(),
+        css=[{"selector": "p", "rule": "margin: 0"}],
+    )
+
+
+def pages_text(listing: RunPage) -> str:
+    if not listing.total:
+        return "No amprobe run directory under this root yet."
+    return f"{listing.total} runs, {PAGE_ROWS} a page"
+
+
+def build_run_list(listing: RunPage, refresh_ms: int) -> html.Div:
+    """The home page: one page of the runs under ROOT, refreshed while runs are being written."""
     return html.Div(
         [
             html.H2("Runs"),
-            html.Div(build_run_table(summaries), id=ids.RUN_LIST_TABLE),
+            html.P(pages_text(listing), id=ids.RUN_LIST_PAGES, style={"color": "#777"}),
+            build_run_table(listing),
             dcc.Interval(id=ids.RUN_LIST_INTERVAL, interval=max(refresh_ms, 1000) * 2),
         ],
         id=ids.RUN_LIST,

@@ -45,6 +45,8 @@ def texts(component: Any) -> list[str]:
             out.append(value)
         elif value is not None and prop in ("children", "label"):
             out.extend(texts(value))
+        elif prop == "data" and isinstance(value, list):  # a DataTable's rows
+            out.extend(v for row in value if isinstance(row, dict) for v in row.values())
     for prop in ("tabs",):
         out.extend(texts(getattr(component, prop, None)))
     return out
@@ -212,12 +214,15 @@ def test_compare_figure_overlays_two_runs(root: Path) -> None:
 
 
 def test_run_list_shows_every_run_with_status_and_worst_finding(ctx: callbacks.Context) -> None:
+    callbacks.render_page(ctx, "/")  # lists the runs and queues their diagnoses
+    assert ctx.cache.wait_idle(120)
     page = callbacks.render_page(ctx, "/")
     words = texts(page)
     assert "amp" in words and "group/synthetic" in words and "secret" not in " ".join(words)
     assert "finished" in words and "float16" in words
     diagnosis = amprobe.diagnose(amprobe.load_run(ctx.root / "amp"))
-    assert diagnosis.findings and diagnosis.findings[0].id in words
+    first = diagnosis.findings[0]
+    assert f"{first.severity} {first.id}" in words
 
 
 def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> None:
@@ -437,6 +442,8 @@ def test_every_sample_run_renders() -> None:
     ctx = callbacks.Context(root=SAMPLE_RUNS)
     names = discover_runs(SAMPLE_RUNS)
     assert names
+    callbacks.render_page(ctx, "/")
+    assert ctx.cache.wait_idle(120)
     listing = texts(callbacks.render_page(ctx, "/"))
     for name in names:
         assert name in listing

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from amprobe.report.escape import escape_markdown
 from amprobe.report.sections import Section, build_sections
 from amprobe.rules.engine import Diagnosis, Finding
 
@@ -123,16 +124,22 @@ def _nan_to_none(obj: Any) -> Any:
     return obj
 
 
-def _md_escape(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+def _md_escape(text: Any) -> str:
+    return escape_markdown(text)
 
 
 def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None) -> str:
-    """Markdown report: findings with evidence and fixes, health, not-checked rules, tables."""
+    """Markdown report: findings with evidence and fixes, health, not-checked rules, tables.
+
+    Every text that can come from the run (names, warnings, evidence, table cells) is escaped
+    (:func:`~amprobe.report.escape.escape_markdown`): no raw HTML or Markdown markup from a
+    module name reaches the viewer.
+    """
     run = _run_summary(diagnosis)
     out = [f"# amprobe report: {_md_escape(Path(run['path']).name)}", ""]
     out.append(
-        f"- status: {run['status']}; steps: {run['steps']}; ranks: {run['ranks']}; device: {run['device']}"
+        f"- status: {_md_escape(run['status'])}; steps: {run['steps']}; "
+        f"ranks: {_md_escape(run['ranks'])}; device: {_md_escape(run['device'])}"
     )
     for warning in run["warnings"]:
         out.append(f"- warning: {_md_escape(warning)}")
@@ -140,7 +147,7 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
     if not diagnosis.findings:
         out.append("No findings.")
     for f in diagnosis.findings:
-        out.append(f"### {f.id} `{f.name}` ({f.severity})")
+        out.append(f"### {_md_escape(f.id)} `{f.name}` ({f.severity})")
         out.append("")
         out.append(_md_escape(f.title))
         out.append("")
