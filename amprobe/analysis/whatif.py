@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -371,31 +371,41 @@ def compute_whatif(run: Any) -> pd.DataFrame:
 
 
 def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.DataFrame:
-    """Per module (forward execution order) and base-2 exponent: the share of its values.
+    """Per module and kind (forward execution order) and base-2 exponent: the share of values.
 
     Histograms of ``kinds`` are summed over sampled steps and ranks; zeros and inf/NaN are
-    left out (exponent -127 keeps only fp32 subnormals). Returns columns ``module``,
-    ``order``, ``exponent``, ``count``, ``share`` (of the module's nonzero finite values).
+    left out (exponent -127 keeps only fp32 subnormals). Returns columns ``module``, ``kind``,
+    ``order``, ``exponent``, ``count``, ``share`` (of that module and kind's nonzero finite
+    values).
     """
     frame = numerics[numerics["kind"].isin(list(kinds))]
-    cols = ["module", "order", "exponent", "count", "share"]
+    cols = ["module", "kind", "order", "exponent", "count", "share"]
     if frame.empty:
         return pd.DataFrame(columns=cols)
     order = layer_order(numerics)
     hist = _parse_hists(frame["exp_hist"])
     hist[:, 0] = np.maximum(hist[:, 0] - frame["zeros"].fillna(0).to_numpy(dtype=np.int64), 0)
     hist[:, _FINITE] = 0
-    summed = pd.DataFrame(hist, index=frame["module"].astype(str).to_numpy()).groupby(level=0).sum()
+    index = pd.MultiIndex.from_arrays(
+        [frame["module"].astype(str).to_numpy(), frame["kind"].astype(str).to_numpy()]
+    )
+    summed = pd.DataFrame(hist, index=index).groupby(level=[0, 1], sort=False).sum()
     records = []
-    for module, counts in summed.iterrows():
-        total = int(counts.sum())
+    for (module, kind), counts in summed.iterrows():
+        values = counts.to_numpy()
+        total = int(values.sum())
         if total == 0:
             continue
-        for j in np.flatnonzero(counts.to_numpy()):
-            n = int(counts.iloc[j])
-            records.append((module, order.get(str(module), len(order)), j - _BIAS, n, n / total))
+        for j in np.flatnonzero(values):
+            n = int(values[j])
+            records.append(
+                (module, kind, order.get(str(module), len(order)), j - _BIAS, n, n / total)
+            )
     out = pd.DataFrame.from_records(records, columns=cols)
-    return out.sort_values(["order", "exponent"], kind="stable").reset_index(drop=True)
+    kind_rank = {k: i for i, k in enumerate(KINDS)}
+    out = out.assign(_k=out["kind"].map(kind_rank))
+    out = out.sort_values(["order", "_k", "exponent"], kind="stable").drop(columns="_k")
+    return out.reset_index(drop=True)
 
 
 def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
@@ -449,12 +459,3 @@ def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
             "top_exp": top,
         }
     )
-
-
-def format_window(fmt: FloatFormat) -> Mapping[str, int]:
-    """The format's exponent window: min subnormal, min normal and top binade exponents."""
-    return {
-        "min_subnormal": fmt.min_subnormal_exp,
-        "min_normal": fmt.min_normal_exp,
-        "top": fmt.top_exp,
-    }
