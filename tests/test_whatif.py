@@ -480,3 +480,81 @@ def test_recorded_bf16_run_with_fp16_overflow(tmp_path: Path) -> None:
     p03 = findings["AMP-P03"]
     assert "fc1 activations reach 2^" in p03.title
     assert p03.evidence["overflowing_layers"][0]["module"] == "fc1"
+
+
+# -- outputs: diagnose --format json, the report section, the heatmap -------------------------------
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_runs" / "fp8-whatif"
+
+
+def test_diagnose_json_carries_the_whatif_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from amprobe.cli import main
+
+    assert main(["diagnose", str(SAMPLE), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"findings", "not_checked", "whatif"} <= set(data)
+    records = data["whatif"]
+    assert set(records[0]) == set(WHATIF_COLUMNS)
+    proj = [
+        r
+        for r in records
+        if r["module"] == "proj"
+        and r["kind"] == "output"
+        and r["format"] == "e4m3"
+        and r["scaling"] == "per-tensor"
+    ]
+    assert len(proj) == 1 and proj[0]["flush_share"] > 0.01
+    assert proj[0]["max_exp"] == 12 and isinstance(proj[0]["scale_exp"], int)
+    # a user can script it: the same numbers the rules used
+    p02 = next(f for f in data["findings"] if f["id"] == "AMP-P02")
+    assert p02["evidence"]["layers"][0]["lost_share"] == pytest.approx(
+        proj[0]["lost_share"], abs=1e-6
+    )
+
+
+def test_report_section_shows_heatmaps_and_table(tmp_path: Path) -> None:
+    from amprobe.report import build_sections, render_html, render_markdown
+
+    run = amprobe.load_run(SAMPLE)
+    diagnosis = amprobe.diagnose(run)
+    sections = {s.key: s for s in build_sections(run, diagnosis)}
+    sec = sections["whatif"]
+    assert sec.missing is None and len(sec.figures) == 2
+    acts = sec.figures[0]
+    heat = next(t for t in acts.data if t.type == "heatmap")
+    assert list(heat.y) == ["embed", "act1", "booster", "proj", "norm", "act2", "head"]
+    names = " ".join(str(t.name) for t in acts.data)
+    for label in ("fp16", "bf16", "fp8-e4m3", "fp8-e5m2"):
+        assert f"{label} as-is" in names
+    assert len(acts.layout.shapes) >= 4  # the windows drawn over the heatmap
+    page = render_html(run, diagnosis, list(sections.values()))
+    assert "id='whatif'" in page and "Exponent range of activations" in page
+    assert "Per layer: share of nonzero values lost" in render_markdown(
+        diagnosis, list(sections.values())
+    )
+    empty = fake_run(steps=[{"step": 0}])
+    sec = next(s for s in build_sections(empty, diagnose(empty)) if s.key == "whatif")
+    assert sec.missing and "no per-layer exponent histogram" in sec.missing
+
+
+def test_heatmap_escapes_layer_names() -> None:
+    from amprobe.report.whatif import make_exponent_heatmap
+
+    numerics = pd.DataFrame(
+        [
+            _hist_row("<b>x</b>", "output", {0: 3, -4: 1}),
+            _hist_row("<b>x</b>", "grad_output", {-10: 4}),
+        ]
+    )
+    fig = make_exponent_heatmap(numerics, "activations")
+    heat = next(t for t in fig.data if t.type == "heatmap")
+    assert list(heat.y) == ["&lt;b&gt;x&lt;/b&gt;"]
+    assert all("<b>" not in str(t) for row in heat.text for t in row)
+    z = heat.z[0]
+    x = list(heat.x)
+    assert z[x.index(0)] == pytest.approx(math.log10(0.75))
+    grads = make_exponent_heatmap(numerics, "gradients")
+    assert list(next(t for t in grads.data if t.type == "heatmap").y) == [
+        "&lt;b&gt;x&lt;/b&gt; · output grad"
+    ]
+    none = make_exponent_heatmap(numerics.iloc[0:0], "activations")
+    assert "not recorded" in none.layout.title.text

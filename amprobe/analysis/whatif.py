@@ -63,6 +63,7 @@ __all__ = [
     "WHATIF_COLUMNS",
     "compute_whatif",
     "compute_whatif_frame",
+    "whatif_records",
     "compute_whatif_rows",
     "compute_exponent_shares",
     "compute_fp16_gradient_fit",
@@ -368,6 +369,11 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
 def compute_whatif(run: Any) -> pd.DataFrame:
     """:func:`compute_whatif_frame` of a loaded run's ``numerics`` table, computed once per run."""
     return run.cached("whatif", lambda r: compute_whatif_frame(r.table("numerics")))  # type: ignore[no-any-return]
+
+
+def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The what-if table as JSON-ready records (plain Python values, missing values as None)."""
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")  # type: ignore[no-any-return]
 
 
 def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.DataFrame:
