@@ -37,6 +37,8 @@ What the exponent-only histogram resolves, and the tolerance that follows:
   bin's width that rounds up is ``2**(m-emin)``: fp16 0.1 %, bf16 0.8 %, e4m3 12.5 %,
   e5m2 25 %.
 * Bin ``-127`` (fp32 subnormals, below ``2**-126``) is placed at exponent ``-127``.
+* Values a narrower dtype already flushed (an fp16 tensor's underflow) are zeros by now and
+  are not counted: shares are of the values that were recorded nonzero.
 
 So overflow and flush counts are exact up to the ``edge`` count, and subnormal counts are high
 by at most the count of bin ``emin-1``. ``edge`` is the number of values in the edge bins
@@ -47,7 +49,6 @@ by at most the count of bin ``emin-1``. ``edge`` is the number of values in the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -145,17 +146,27 @@ _BIAS = 127
 _FINITE = 255  # bin indices 0..254 are finite
 
 
+_STRIP = str.maketrans({"{": None, "}": None, '"': None, " ": None, ":": ","})
+#: rows per block in :func:`compute_whatif_rows` (dense (rows, 256) arrays stay ~30 MB)
+_BLOCK = 16384
+
+
 def _parse_hists(texts: Iterable[Any]) -> np.ndarray:
-    """``exp_hist`` JSON strings -> (rows, 256) int64 counts indexed by exponent + 127."""
-    texts = list(texts)
-    out = np.zeros((len(texts), _NBINS), dtype=np.int64)
-    for i, text in enumerate(texts):
-        if not isinstance(text, str) or not text:
-            continue
-        for e, n in json.loads(text).items():
-            j = int(e) + _BIAS
-            if 0 <= j < _NBINS:
-                out[i, j] += int(n)
+    """``exp_hist`` JSON strings -> (rows, 256) int64 counts indexed by exponent + 127.
+
+    The collector writes flat ``{"e": n, ...}`` objects; they are parsed as one number list
+    (string and numpy operations, no per-bin Python loop).
+    """
+    cleaned = [t.translate(_STRIP) if isinstance(t, str) else "" for t in texts]
+    out = np.zeros((len(cleaned), _NBINS), dtype=np.int64)
+    pairs = np.array([(c.count(",") + 1) // 2 if c else 0 for c in cleaned], dtype=np.int64)
+    if not pairs.any():
+        return out
+    values = np.array(",".join(c for c in cleaned if c).split(","), dtype=np.int64).reshape(-1, 2)
+    rows = np.repeat(np.arange(len(cleaned)), pairs)
+    cols = values[:, 0] + _BIAS
+    keep = (cols >= 0) & (cols < _NBINS)
+    np.add.at(out, (rows[keep], cols[keep]), values[keep, 1])
     return out
 
 
@@ -240,6 +251,11 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
             ]
         )
     frame = frame.reset_index(drop=True)
+    if len(frame) > _BLOCK:
+        return pd.concat(
+            [compute_whatif_rows(frame.iloc[i : i + _BLOCK]) for i in range(0, len(frame), _BLOCK)],
+            ignore_index=True,
+        )
     hist = _parse_hists(frame["exp_hist"])
     zeros = frame["zeros"].fillna(0).to_numpy(dtype=np.int64)
     counter = _Counter(hist, zeros)
@@ -332,21 +348,31 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return pd.DataFrame(columns=WHATIF_COLUMNS)
     order = layer_order(numerics)
-    rows = rows.assign(
-        low_exp=rows["low_exp"].where(rows["nonzero"] > 0),
-        top_exp=rows["top_exp"].where(rows["nonzero"] > 0),
-    )
-    keys = ["rank", "module", "kind", "format", "scaling"]
-    g = rows.sort_values("step", kind="stable").groupby(keys, sort=False)
+    layer = ["rank", "module", "kind"]
+    keys = [*layer, "format", "scaling"]
+    rows = rows.sort_values("step", kind="stable")
+    g = rows.groupby(keys, sort=False)
     out = g[["nonzero", "overflow", "flush", "subnormal", "edge"]].sum()
-    out["module_type"] = g["module_type"].first()
-    out["dtype"] = g["dtype"].agg(lambda s: ",".join(sorted({str(v) for v in s.dropna()})))
-    out["steps"] = g["step"].nunique()
-    out["min_exp"] = g["low_exp"].min()
-    out["max_exp"] = g["top_exp"].max()
-    out["amax"] = g["amax"].max()
     out["scale_exp"] = g["scale_exp"].last()
-    out = out.reset_index()
+    # per layer facts, from one format's rows (they repeat for every format and scaling)
+    one = rows[(rows["format"] == next(iter(FORMATS))) & (rows["scaling"] == SCALINGS[0])]
+    one = one.assign(
+        low_exp=one["low_exp"].where(one["nonzero"] > 0),
+        top_exp=one["top_exp"].where(one["nonzero"] > 0),
+    )
+    lg = one.groupby(layer, sort=False)
+    facts = pd.DataFrame(
+        {
+            "module_type": lg["module_type"].first(),
+            "steps": lg["step"].nunique(),
+            "min_exp": lg["low_exp"].min(),
+            "max_exp": lg["top_exp"].max(),
+            "amax": lg["amax"].max(),
+        }
+    )
+    dtypes = one.dropna(subset=["dtype"]).drop_duplicates([*layer, "dtype"])
+    facts["dtype"] = dtypes.sort_values("dtype").groupby(layer, sort=False)["dtype"].agg(",".join)
+    out = out.reset_index().merge(facts.reset_index(), on=layer, how="left")
     out["order"] = out["module"].map(lambda m: order.get(str(m), len(order)))
     denom = out["nonzero"].where(out["nonzero"] > 0)
     for name in ("overflow", "flush", "subnormal", "edge"):
