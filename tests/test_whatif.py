@@ -366,6 +366,20 @@ def test_p01_names_layers_and_flops_share() -> None:
     assert "not recorded" in p01.evidence["flops_source"]
 
 
+def test_p01_does_not_judge_layers_with_nonfinite_values() -> None:
+    rows = _layers({"fc1": (NARROW, NARROW), "fc2": (NARROW, NARROW)})
+    bad = rows[2]  # fc2's output: two NaN besides its finite values
+    hist = {**json.loads(bad["exp_hist"]), "128": 2}
+    rows[2] = {**bad, "nan": 2, "elements": bad["elements"] + 2, "exp_hist": json.dumps(hist)}
+    tables = {"numerics": rows, "compute_ops": _ops({"fc1": 1.0, "fc2": 1.0})}
+    run = fake_run(steps=[{"step": 0}], events=[BF16], tables=tables)
+    p01 = next(f for f in diagnose(run, only=["AMP-P01"]).findings)
+    assert [x["module"] for x in p01.evidence["layers"]] == ["fc1"]
+    assert p01.evidence["not_judged_nonfinite"] == ["fc2"]
+    whatif = compute_whatif(run)
+    assert set(whatif.loc[whatif["module"] == "fc2", "nonfinite"]) == {0, 2}
+
+
 def test_thresholds_are_overridable() -> None:
     tables = {"numerics": _layers({"fc1": (WIDE, NARROW)}), "compute_ops": _ops({"fc1": 1.0})}
     run = fake_run(steps=[{"step": 0}], events=[BF16], tables=tables)

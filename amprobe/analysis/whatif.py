@@ -125,6 +125,7 @@ WHATIF_COLUMNS = [
     "dtype",
     "steps",
     "nonzero",
+    "nonfinite",
     "min_exp",
     "max_exp",
     "amax",
@@ -222,7 +223,8 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
 
     Returns:
         The identifying columns (``rank`` when present, ``step``, ``module``, ``module_type``,
-        ``kind``, ``order``, ``dtype``), ``nonzero`` (finite nonzero values), ``amax``,
+        ``kind``, ``order``, ``dtype``), ``nonzero`` (finite nonzero values), ``nonfinite``
+        (NaN + inf, not part of the shares), ``amax``,
         ``top_exp``/``low_exp`` (range of nonzero bins), ``format``, ``scaling``,
         ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``.
     """
@@ -238,6 +240,7 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
                 "order",
                 "dtype",
                 "nonzero",
+                "nonfinite",
                 "amax",
                 "low_exp",
                 "top_exp",
@@ -275,6 +278,10 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
         "order": frame["order"].to_numpy(),
         "dtype": frame["dtype"].to_numpy(),
         "nonzero": nonzero,
+        "nonfinite": (
+            frame["nan"].fillna(0).to_numpy(dtype=np.int64)
+            + frame["inf"].fillna(0).to_numpy(dtype=np.int64)
+        ),
         "amax": amax,
         "low_exp": low,
         "top_exp": top,
@@ -337,7 +344,8 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
 
     Returns:
         One row per (rank, module, kind, format, scaling) with :data:`WHATIF_COLUMNS`:
-        ``order`` is the module's forward execution position, ``min_exp``/``max_exp`` the
+        ``order`` is the module's forward execution position, ``nonfinite`` the NaN + inf
+        values (left out of every share), ``min_exp``/``max_exp`` the
         range of nonzero finite values in powers of two (``2**min_exp`` .. ``2**(max_exp+1)``),
         ``amax`` the largest magnitude over the steps, ``scale_exp`` the per-tensor scale
         exponent of the last sampled step (0 for ``none``), counts summed over steps and shares
@@ -365,6 +373,7 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
         {
             "module_type": lg["module_type"].first(),
             "steps": lg["step"].nunique(),
+            "nonfinite": lg["nonfinite"].sum(),
             "min_exp": lg["low_exp"].min(),
             "max_exp": lg["top_exp"].max(),
             "amax": lg["amax"].max(),

@@ -73,8 +73,9 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     Matmul layers are the modules with matmul FLOPs in ``compute_ops``; without it, modules
     whose type looks like a matmul (Linear, Conv, ...). Columns: ``module``, ``module_type``,
     ``order``, ``flops_share`` (None when not recorded) and per kind of
-    :data:`FP8_FORMAT_BY_KIND`: ``<kind>_lost`` (overflow + flush share), ``<kind>_flush``,
-    ``<kind>_range``; None where the kind was not recorded.
+    :data:`FP8_FORMAT_BY_KIND`: ``<kind>_lost`` (overflow + flush share of the finite nonzero
+    values), ``<kind>_flush``, ``<kind>_range`` (None where the kind was not recorded) and
+    ``<kind>_nonfinite`` (NaN + inf values recorded).
     """
     whatif = compute_whatif(run)
     wf = whatif[(whatif["rank"] == rank) & (whatif["scaling"] == "per-tensor")]
@@ -101,14 +102,16 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
             sel = mrows[(mrows["kind"] == kind) & (mrows["format"] == fmt)]
             if sel.empty or int(sel["nonzero"].iloc[0]) == 0:
                 row[f"{kind}_lost"] = row[f"{kind}_flush"] = row[f"{kind}_range"] = None
+                row[f"{kind}_nonfinite"] = 0 if sel.empty else int(sel["nonfinite"].iloc[0])
                 continue
             r = sel.iloc[0]
+            row[f"{kind}_nonfinite"] = int(r["nonfinite"])
             row[f"{kind}_lost"] = float(r["lost_share"])
             row[f"{kind}_flush"] = float(r["flush_share"])
             row[f"{kind}_range"] = exp_range(r["min_exp"], r["max_exp"])
         rows.append(row)
     cols = ["module", "module_type", "order", "flops_share"] + [
-        f"{k}_{c}" for k in FP8_FORMAT_BY_KIND for c in ("lost", "flush", "range")
+        f"{k}_{c}" for k in FP8_FORMAT_BY_KIND for c in ("lost", "flush", "range", "nonfinite")
     ]
     table = pd.DataFrame(rows, columns=cols).sort_values("order", kind="stable")
     if flops is None:
@@ -153,8 +156,10 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
     nonzero activations representable (neither flushed nor saturated) in e4m3 and of nonzero
     output gradients in e5m2, each with the amax-based power-of-two per-tensor scale of its
     step. A layer is a candidate when both are at least ``min_representable_share``; a layer
-    without a recorded output gradient is not a candidate (not measured). FLOPs shares come
-    from ``compute_ops`` (last captured step) when recorded.
+    without a recorded output gradient is not a candidate (not measured), nor is one whose
+    recorded activations or output gradients held NaN/inf (its range cannot be judged; listed
+    in ``not_judged_nonfinite``). FLOPs shares come from ``compute_ops`` (last captured step)
+    when recorded.
     """
     th = ctx.thresholds
     run = ctx.run
@@ -163,8 +168,10 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
         if table.empty:
             continue
         limit = 1.0 - th["min_representable_share"]
+        nonfinite = (table["output_nonfinite"] + table["grad_output_nonfinite"]) > 0
         ok = (
-            table["output_lost"].notna()
+            ~nonfinite
+            & table["output_lost"].notna()
             & table["grad_output_lost"].notna()
             & (table["output_lost"].fillna(1.0) <= limit + 1e-12)
             & (table["grad_output_lost"].fillna(1.0) <= limit + 1e-12)
@@ -203,6 +210,7 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
                 ],
                 "candidate_flops_share": None if share is None else round(share, 4),
                 "matmul_layers": len(table),
+                "not_judged_nonfinite": [str(m) for m in table.loc[nonfinite, "module"]],
                 "flops_source": source,
                 "min_representable_share": th["min_representable_share"],
                 "scaling": "per-tensor power of two from each step's amax",
