@@ -8,7 +8,8 @@ float16 / bfloat16 / float8_e4m3fn / float8_e5m2 on CPU.
 Tolerance (see amprobe.analysis.whatif): every predicted count is within the row's ``edge``
 count of the real one (values in the edge binades the exponent-only histogram cannot settle);
 flush-to-zero and overflow are otherwise exact, so with per-tensor scaling the lost share
-(overflow + flush) matches within 1e-4; the subnormal count is an upper bound.
+(overflow + flush) matches within 1e-4 for fp32 values and 1e-3 for values already rounded to
+bf16 (exact ties at half the min subnormal); the subnormal count is an upper bound.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def _tensors() -> dict[str, torch.Tensor]:
         "tiny": torch.randn(n, generator=g) * 1e-7 * torch.exp(2 * torch.randn(n, generator=g)),
         "huge": torch.randn(n, generator=g) * 3e4,
         "sparse": torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.3),
+        # values already rounded to bf16 (8 significant bits): exact ties at half the min
+        # subnormal are frequent, the one case where flush-to-zero is not exact
+        "bf16": (torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g)))
+        .bfloat16()
+        .float(),
     }
 
 
@@ -123,7 +129,7 @@ def test_predictions_match_real_casts(recorded: tuple[Path, dict[str, torch.Tens
     assert set(rows["kind"]) == {"output", "grad_output", "grad_param"}
     assert len(rows) == len(tensors) * 3 * len(FORMATS) * 2
     checked = 0
-    worst_lost = 0.0
+    worst_lost = {"fp32": 0.0, "bf16": 0.0}
     for r in rows.itertuples():
         t = tensors[str(r.module).split(".")[-1]]
         assert r.nonzero == int((t != 0).sum())
@@ -140,10 +146,14 @@ def test_predictions_match_real_casts(recorded: tuple[Path, dict[str, torch.Tens
         if r.scaling == "per-tensor":
             assert r.overflow == over == 0, where
             lost_error = abs((r.overflow + r.flush) - (over + flush)) / r.nonzero
-            worst_lost = max(worst_lost, lost_error)
+            held = "bf16" if str(r.module).endswith("bf16") else "fp32"
+            worst_lost[held] = max(worst_lost[held], lost_error)
         checked += 1
     assert checked == len(rows)
-    assert worst_lost <= 1e-4
+    assert worst_lost["fp32"] <= 1e-4
+    # bf16-held values: a value exactly at half the min subnormal (after scaling) is one of the
+    # 128 bf16 values of its binade and flushes (round to even) though counted as subnormal
+    assert 0 < worst_lost["bf16"] <= 1e-3
 
 
 def test_known_shares_of_real_tensors(recorded: tuple[Path, dict[str, torch.Tensor]]) -> None:
