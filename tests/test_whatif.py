@@ -390,6 +390,25 @@ def test_p01_does_not_judge_layers_with_nonfinite_values() -> None:
     assert set(whatif.loc[whatif["module"] == "fc2", "nonfinite"]) == {0, 2}
 
 
+def test_identical_ranks_give_one_finding() -> None:
+    rows = [
+        {**r, "rank": rank}
+        for rank in (0, 1)
+        for r in _layers({"fc1": (NARROW, NARROW), "fc2": (WIDE, NARROW)})
+    ]
+    ops = [{**o, "rank": rank} for rank in (0, 1) for o in _ops({"fc1": 1.0, "fc2": 1.0})]
+    run = fake_run(
+        steps=[{"step": 0, "rank": r} for r in (0, 1)],
+        events=[BF16],
+        ranks=(0, 1),
+        tables={"numerics": rows, "compute_ops": ops},
+    )
+    findings = diagnose(run, only=["AMP-P01", "AMP-P02"]).findings
+    assert sorted(f.id for f in findings) == ["AMP-P01", "AMP-P02"]
+    assert all(f.evidence["ranks"] == [0, 1] for f in findings)
+    assert set(compute_whatif(run)["rank"]) == {0, 1}
+
+
 def test_thresholds_are_overridable() -> None:
     tables = {"numerics": _layers({"fc1": (WIDE, NARROW)}), "compute_ops": _ops({"fc1": 1.0})}
     run = fake_run(steps=[{"step": 0}], events=[BF16], tables=tables)
