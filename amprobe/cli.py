@@ -232,7 +232,9 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     if args.format == "json":
-        sys.stdout.write(render_json(diagnosis))
+        from amprobe.analysis.whatif import compute_whatif, whatif_records
+
+        sys.stdout.write(render_json(diagnosis, {"whatif": whatif_records(compute_whatif(run))}))
     elif args.format == "markdown":
         sys.stdout.write(render_markdown(diagnosis))
     else:

@@ -81,6 +81,15 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         return callbacks.page_table(ctx, name, table_id["key"], page)
 
     @app.callback(
+        Output(ids.WHATIF_HEATMAP, "figure"),
+        Input(ids.WHATIF_GROUP, "value"),
+        State(ids.RUN_NAME, "data"),
+        prevent_initial_call=True,
+    )
+    def _whatif(group, name):  # type: ignore[no-untyped-def]
+        return callbacks.whatif_heatmap(ctx, name, group)
+
+    @app.callback(
         Output(ids.EXPORT_DOWNLOAD, "data"),
         Output(ids.EXPORT_STATUS, "children"),
         Input(ids.EXPORT_BUTTON, "n_clicks"),

@@ -22,6 +22,7 @@ from dashboard.figures import (
     make_compare_figure,
     make_loss_scale_figure,
     make_step_time_figure,
+    make_whatif_figure,
     scale_events,
 )
 from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs
@@ -35,6 +36,7 @@ __all__ = [
     "page_table",
     "export_report",
     "compare_runs",
+    "whatif_heatmap",
 ]
 
 
@@ -131,6 +133,19 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
         make_step_time_figure(steps),
         done,
     )
+
+
+def whatif_heatmap(ctx: Context, name: str | None, group: str | None) -> go.Figure:
+    """The what-if tab's exponent-range heatmap for ``group`` (activations or gradients)."""
+    from amprobe.analysis.whatif import compute_whatif
+
+    try:
+        run = ctx.cache.get(name or "").run
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        fig = go.Figure()
+        fig.update_layout(title=str(exc))
+        return fig
+    return make_whatif_figure(run.table("numerics"), compute_whatif(run), group or "")
 
 
 def page_table(ctx: Context, name: str | None, table_key: str, page: int | None) -> Any:

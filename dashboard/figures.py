@@ -25,6 +25,8 @@ from amprobe.report.scale import (
 )
 
 __all__ = [
+    "make_whatif_figure",
+    "whatif_groups",
     "make_loss_scale_figure",
     "make_step_time_figure",
     "make_compare_figure",
@@ -104,3 +106,22 @@ def make_compare_figure(
         height=640, template="plotly_white", margin={"t": 40, "b": 40, "l": 60, "r": 20}
     )
     return fig
+
+
+def whatif_groups(numerics: pd.DataFrame) -> list[str]:
+    """The what-if heatmap groups (activations, gradients) that ``numerics`` has rows for."""
+    from amprobe.report.whatif import HEATMAP_GROUPS
+
+    if numerics.empty:
+        return []
+    kinds = set(numerics["kind"].dropna().unique())
+    return [g for g, (_, wanted, _) in HEATMAP_GROUPS.items() if kinds & set(wanted)]
+
+
+def make_whatif_figure(numerics: pd.DataFrame, whatif: pd.DataFrame, group: str) -> go.Figure:
+    """The report's per-layer exponent-range heatmap of ``group`` (amprobe's own figure)."""
+    from amprobe.report.whatif import HEATMAP_GROUPS, make_exponent_heatmap
+
+    if group not in HEATMAP_GROUPS:
+        group = next(iter(HEATMAP_GROUPS))
+    return make_exponent_heatmap(numerics, group, whatif)

@@ -7,6 +7,7 @@ component children or table cells, which Dash renders as text (escaped), never a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import warnings
@@ -22,7 +23,13 @@ from amprobe.report.escape import escape_markdown
 from amprobe.report.render import split_ref
 from amprobe.rules.engine import Severity
 from dashboard import ids
-from dashboard.figures import make_loss_scale_figure, make_step_time_figure, scale_events
+from dashboard.figures import (
+    make_loss_scale_figure,
+    make_step_time_figure,
+    make_whatif_figure,
+    scale_events,
+    whatif_groups,
+)
 from dashboard.runs import PAGE_ROWS, PENDING, LoadedRun, RunPage, RunSummary
 
 __all__ = [
@@ -39,6 +46,7 @@ __all__ = [
     "build_findings",
     "build_refs",
     "build_section",
+    "build_whatif",
     "build_table",
     "table_rows",
     "build_compare_page",
@@ -53,6 +61,9 @@ CATEGORIES = (("nan", "NaN / inf"), ("speed", "speed"), ("distributed", "distrib
 PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utilization", "runtime"))
 #: The report section whose text joins the Loss scale tab (its figure is drawn live there).
 SCALE_SECTION = "scale"
+#: The precision what-if tab: its heatmap is switched between activations and gradients.
+WHATIF_SECTION = "whatif"
+WHATIF_LABEL = "Precision what-if"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {
@@ -417,6 +428,49 @@ def build_section(section: Any, key: str | None = None) -> html.Div:
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
 
 
+def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -> html.Div:
+    """The precision what-if tab: a group switch, the heatmap, then the section's text and table.
+
+    Args:
+        section: the report's ``whatif`` section (its figures are replaced by ``figure``).
+        figure: the heatmap of ``group`` (from ``amprobe.report.whatif.make_exponent_heatmap``).
+        group: the heatmap group shown first.
+        groups: the groups the switch offers.
+    """
+    if section.missing:
+        return html.Div(build_section(section, WHATIF_SECTION), id=ids.WHATIF_PANEL)
+    rest = dataclasses.replace(section, figures=())
+    return html.Div(
+        [
+            dcc.RadioItems(
+                id=ids.WHATIF_GROUP,
+                options=list(groups),
+                value=group,
+                inline=True,
+                inputStyle={"marginRight": "4px", "marginLeft": "10px"},
+            ),
+            dcc.Graph(figure=figure, id=ids.WHATIF_HEATMAP),
+            build_section(rest, WHATIF_SECTION),
+        ],
+        id=ids.WHATIF_PANEL,
+    )
+
+
+def _whatif_tab(run: Any, section: Any) -> html.Div:
+    if section is None:
+        return _absent_section(WHATIF_SECTION, WHATIF_LABEL)
+    if section.missing:
+        return build_whatif(section, None, "", ())
+    from amprobe.analysis.whatif import compute_whatif
+
+    numerics = run.table("numerics")
+    groups = whatif_groups(numerics)
+    group = groups[0] if groups else "activations"
+    return build_whatif(
+        section, make_whatif_figure(numerics, compute_whatif(run), group), group, groups
+    )
+
+
 def _absent_section(key: str, title: str) -> html.Div:
     return html.Div(
         [
@@ -477,7 +531,7 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
     run, diagnosis = loaded.run, loaded.diagnosis
     steps = run.steps
     sections = {s.key: s for s in loaded.sections}
-    panel_keys = {key for _, key in PANEL_SECTIONS} | {SCALE_SECTION}
+    panel_keys = {key for _, key in PANEL_SECTIONS} | {SCALE_SECTION, WHATIF_SECTION}
     tabs = [
         dcc.Tab(
             label="Overview",
@@ -537,6 +591,13 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
                 ]
             )
         tabs.append(dcc.Tab(label=label, value=key, children=html.Div([extra, body])))
+    tabs.append(
+        dcc.Tab(
+            label=WHATIF_LABEL,
+            value=WHATIF_SECTION,
+            children=_whatif_tab(run, sections.get(WHATIF_SECTION)),
+        )
+    )
     for key, sec in sections.items():
         if key not in panel_keys:
             tabs.append(dcc.Tab(label=sec.title, value=key, children=build_section(sec, key)))

@@ -241,6 +241,32 @@ def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> No
     assert find(page, ids.LIVE_INTERVAL).disabled is True
 
 
+def test_whatif_tab_shows_the_heatmap_and_switches_groups(ctx: callbacks.Context) -> None:
+    page = callbacks.render_page(ctx, "/run/amp")
+    panel = find(page, ids.WHATIF_PANEL)
+    assert panel is not None
+    radio = find(page, ids.WHATIF_GROUP)
+    assert radio.options == ["activations", "gradients"] and radio.value == "activations"
+    graph = find(page, ids.WHATIF_HEATMAP)
+    heat = next(t for t in graph.figure.data if t.type == "heatmap")
+    numerics = ctx.cache.get("amp").run.table("numerics")
+    outputs = numerics[numerics["kind"] == "output"].sort_values("order")
+    assert list(heat.y) == list(dict.fromkeys(outputs["module"]))
+    assert "activations" in graph.figure.layout.title.text
+    assert any("per-tensor scaling" in str(t.name) for t in graph.figure.data)
+    assert any("share of nonzero values lost" in w for w in texts(panel))
+    grads = callbacks.whatif_heatmap(ctx, "amp", "gradients")
+    assert "gradients" in grads.layout.title.text
+    heat = next(t for t in grads.data if t.type == "heatmap")
+    assert any(str(y).endswith("· output grad") for y in heat.y)
+    refused = callbacks.whatif_heatmap(ctx, "../amp", "activations")
+    assert "not a run under the dashboard's root" in refused.layout.title.text
+    # a run without per-layer numerics says why
+    page = callbacks.render_page(ctx, "/run/group/synthetic")
+    words = texts(find(page, ids.WHATIF_PANEL))
+    assert any("no per-layer exponent histogram was recorded" in w for w in words)
+
+
 def test_run_page_refuses_traversal_and_unknown_pages(ctx: callbacks.Context) -> None:
     for path in ("/run/../amp", "/run/%2e%2e/amp", "/run//etc", "/run/not_a_run"):
         words = texts(callbacks.render_page(ctx, path))
@@ -466,7 +492,8 @@ def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: 
     from dashboard.app import create_app
 
     app = create_app(root)
-    assert len(app.callback_map) == 7
+    assert len(app.callback_map) == 8
+    assert any(ids.WHATIF_HEATMAP in key for key in app.callback_map)
     with pytest.raises(NotADirectoryError):
         create_app(tmp_path / "missing")
 

@@ -87,6 +87,30 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
             )
             assert driver.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .main-svg")
 
+            # the precision what-if heatmap renders, with the format windows drawn over it,
+            # and switches to the gradients
+            driver.find_element(
+                By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Precision what-if']"
+            ).click()
+            heatmap = f"#{ids.WHATIF_HEATMAP}"
+            wait.until(
+                lambda d: (
+                    d.find_elements(By.CSS_SELECTOR, f"{heatmap} .heatmaplayer image")
+                    or d.find_elements(By.CSS_SELECTOR, f"{heatmap} .heatmaplayer .hm")
+                )
+            )
+            title = driver.find_element(By.CSS_SELECTOR, f"{heatmap} .gtitle").text
+            assert "activations" in title
+            assert len(driver.find_elements(By.CSS_SELECTOR, f"{heatmap} .shapelayer path")) >= 4
+            legend = driver.find_element(By.CSS_SELECTOR, f"{heatmap} .legend").text
+            assert "fp8-e4m3 as-is" in legend and "fp16 as-is" in legend
+            driver.find_element(
+                By.XPATH, f"//*[@id='{ids.WHATIF_GROUP}']//label[normalize-space()='gradients']"
+            ).click()
+            wait.until(
+                lambda d: "gradients" in d.find_element(By.CSS_SELECTOR, f"{heatmap} .gtitle").text
+            )
+
             # a live run gains steps while its page is open
             model = torch.nn.Linear(4, 1)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -30,7 +30,11 @@ FAULTS: dict[str, str] = {
     "resume_without_scaler": "a checkpoint restores model and optimizer but not the scaler",
     "half_loss": "the loss is computed from fp16 logits",
     "nan_input": "one data batch holds a NaN",
+    "outlier_channel": "one output channel of proj is 2**12 times larger than the others (an "
+    "outlier feature): too wide a range for fp8 even with per-tensor scaling",
 }
+#: how much larger the planted outlier channel is
+OUTLIER_FACTOR = 2.0**12
 
 
 class Booster(nn.Module):
@@ -109,6 +113,10 @@ def train(
     device = device or default_device()
     torch.manual_seed(seed)
     model = DemoModel().to(device)
+    if "outlier_channel" in faults:
+        with torch.no_grad():
+            model.proj.weight[0].mul_(OUTLIER_FACTOR)
+            model.proj.bias[0].mul_(OUTLIER_FACTOR)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def new_scaler() -> torch.amp.GradScaler:

@@ -9,6 +9,7 @@ import html
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +108,15 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(diagnosis: Diagnosis) -> str:
-    """An object with ``run``, ``findings``, ``not_checked`` and ``health``."""
-    return (
-        json.dumps(_nan_to_none(diagnosis.to_dict()), indent=2, default=str, allow_nan=False) + "\n"
-    )
+def render_json(diagnosis: Diagnosis, tables: Mapping[str, Any] | None = None) -> str:
+    """An object with ``run``, ``findings``, ``not_checked`` and ``health``.
+
+    Args:
+        diagnosis: the findings to render.
+        tables: further top-level entries (e.g. ``{"whatif": records}``), already computed.
+    """
+    data = {**diagnosis.to_dict(), **dict(tables or {})}
+    return json.dumps(_nan_to_none(data), indent=2, default=str, allow_nan=False) + "\n"
 
 
 def _nan_to_none(obj: Any) -> Any:
