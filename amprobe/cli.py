@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import amprobe
 from amprobe import control, launcher
 from amprobe.analysis.compare import compute_comparison
+from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
 from amprobe.control import ControlError
 from amprobe.demo import run_demo
@@ -232,8 +233,6 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     if args.format == "json":
-        from amprobe.analysis.whatif import compute_whatif, whatif_records
-
         sys.stdout.write(render_json(diagnosis, {"whatif": whatif_records(compute_whatif(run))}))
     elif args.format == "markdown":
         sys.stdout.write(render_markdown(diagnosis))

@@ -15,6 +15,7 @@ import plotly.graph_objects as go
 from dash import dcc, no_update
 
 import amprobe
+from amprobe.analysis.whatif import compute_whatif
 from amprobe.report import render_html
 from amprobe.store.loader import empty_frame
 from dashboard import layout
@@ -137,7 +138,6 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
 
 def whatif_heatmap(ctx: Context, name: str | None, group: str | None) -> go.Figure:
     """The what-if tab's exponent-range heatmap for ``group`` (activations or gradients)."""
-    from amprobe.analysis.whatif import compute_whatif
 
     try:
         run = ctx.cache.get(name or "").run

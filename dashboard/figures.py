@@ -23,6 +23,7 @@ from amprobe.report.scale import (
     split_ranks,
     thin_series,
 )
+from amprobe.report.whatif import HEATMAP_GROUPS, make_exponent_heatmap
 
 __all__ = [
     "make_whatif_figure",
@@ -110,7 +111,6 @@ def make_compare_figure(
 
 def whatif_groups(numerics: pd.DataFrame) -> list[str]:
     """The what-if heatmap groups (activations, gradients) that ``numerics`` has rows for."""
-    from amprobe.report.whatif import HEATMAP_GROUPS
 
     if numerics.empty:
         return []
@@ -120,7 +120,6 @@ def whatif_groups(numerics: pd.DataFrame) -> list[str]:
 
 def make_whatif_figure(numerics: pd.DataFrame, whatif: pd.DataFrame, group: str) -> go.Figure:
     """The report's per-layer exponent-range heatmap of ``group`` (amprobe's own figure)."""
-    from amprobe.report.whatif import HEATMAP_GROUPS, make_exponent_heatmap
 
     if group not in HEATMAP_GROUPS:
         group = next(iter(HEATMAP_GROUPS))

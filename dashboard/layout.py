@@ -18,6 +18,7 @@ from urllib.parse import quote
 import pandas as pd
 from dash import dash_table, dcc, html
 
+from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.downsample import thin_figure
 from amprobe.report.escape import escape_markdown
 from amprobe.report.render import split_ref
@@ -461,7 +462,6 @@ def _whatif_tab(run: Any, section: Any) -> html.Div:
         return _absent_section(WHATIF_SECTION, WHATIF_LABEL)
     if section.missing:
         return build_whatif(section, None, "", ())
-    from amprobe.analysis.whatif import compute_whatif
 
     numerics = run.table("numerics")
     groups = whatif_groups(numerics)
