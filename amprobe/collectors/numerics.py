@@ -182,6 +182,7 @@ class NumericsCollector(Collector):
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._scaler: weakref.ReferenceType[GradScaler] | None = None
         self._inputs_described: set[int] = set()
+        self._nonfinite_modules: set[str] = set()
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -482,6 +483,10 @@ class NumericsCollector(Collector):
             step_rows = self._rows(cap, table, scale)
             rows.extend(step_rows.values())
             offenders.extend(self._offenders(cap, step_rows))
+        self._nonfinite_modules.update(
+            r["module"] for r in rows if r["nan"] + r["inf"] > 0 and r["kind"] != "input"
+        )
+        self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
         writer.append("numerics", rows)
         if offenders:
             writer.append("offenders", offenders)
