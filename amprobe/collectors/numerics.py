@@ -366,6 +366,8 @@ class NumericsCollector(Collector):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         floats = [t for t in tensors if t.is_floating_point()]
+        if tensors and not floats and self._input_bad is None:
+            self._input_bad = 0  # integer inputs (token ids) cannot be non-finite: checked
         if root not in self._inputs_described:
             self._inputs_described.add(root)
             self.probe.event(
