@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,6 +20,8 @@ import torch
 from amprobe.collectors.base import Collector
 
 __all__ = ["LiveObjects", "RootModelFinder", "find_live_training_objects", "find_root_modules"]
+
+_HOLD_GIL_S = 100.0  # switch interval during a GC scan: no other thread runs meanwhile
 
 
 class RootModelFinder(Collector):
@@ -81,12 +85,33 @@ def find_live_training_objects() -> LiveObjects:
     Cost: one pass over ``gc.get_objects()`` (tens of milliseconds per million objects) with a
     type check per object; no tensor is touched, so no device work. Objects waiting in
     unreachable cycles may be included; an optimizer counts only if it holds parameters.
+
+    Thread safety: the GC's list also holds objects other threads are still building (a
+    ``tuple(generator)`` in progress), and CPython's in-place resize of such a tuple fails with
+    ``SystemError`` in that thread while another reference to it exists. So no other thread may
+    run while the list exists: the interpreter's switch interval is raised for the scan (after
+    one hand-over, so threads already waiting for the GIL re-wait under the long interval) and
+    the list is dropped before it is restored.
     """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(_HOLD_GIL_S)
+    try:
+        time.sleep(0)  # hand the GIL over once; waiting threads come back under the long interval
+        modules, optimizers, scalers = _scan_gc()
+    finally:
+        sys.setswitchinterval(previous)
+    return LiveObjects(find_root_modules(optimizers, modules), optimizers, scalers)
+
+
+def _scan_gc() -> tuple[
+    list[torch.nn.Module], list[torch.optim.Optimizer], list[torch.amp.GradScaler]
+]:
     kinds: dict[type, int] = {}
     modules: list[torch.nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
     scalers: list[torch.amp.GradScaler] = []
-    for obj in gc.get_objects():
+    objects = gc.get_objects()
+    for obj in objects:
         cls = type(obj)
         kind = kinds.get(cls)
         if kind is None:
@@ -107,7 +132,8 @@ def find_live_training_objects() -> LiveObjects:
                 optimizers.append(obj)
         elif kind == 3:
             scalers.append(obj)
-    return LiveObjects(find_root_modules(optimizers, modules), optimizers, scalers)
+    del objects, obj  # no reference to a half-built object survives the scan
+    return modules, optimizers, scalers
 
 
 def find_root_modules(

@@ -176,7 +176,7 @@ class NumericsCollector(Collector):
         self._pool: list[torch.Tensor] = []
         self._device: torch.device | None = None
         self._ones: torch.Tensor | None = None
-        self._input_bad: torch.Tensor | None = None
+        self._input_bad: torch.Tensor | int | None = None
         self._watch: list[dict[str, Any]] = []
         # CUDA: (step, pinned host flag, event) copies in flight; read once the event has passed
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []

@@ -18,6 +18,7 @@ __all__ = [
     "MULTI_GPU_EXAMPLE",
     "DATA_LOADING",
     "TUNING_GUIDE",
+    "FP8_PRIMER",
     "MATMUL_GUIDE",
     "FC_GUIDE",
     "CHECKLIST_TITLES",
@@ -34,6 +35,10 @@ CHECKPOINT_EXAMPLE = AMP_EXAMPLES + "#saving-resuming"
 MULTI_GPU_EXAMPLE = AMP_EXAMPLES + "#working-with-multiple-gpus"
 DATA_LOADING = "https://pytorch.org/docs/stable/data.html#multi-process-data-loading"
 TUNING_GUIDE = "https://pytorch.org/tutorials/recipes/recipes/tuning_guide.html"
+FP8_PRIMER = (
+    "Transformer Engine, Using FP8 (formats, per-tensor scaling recipes): "
+    "https://docs.nvidia.com/deeplearning/transformer-engine/user-guide/examples/fp8_primer.html"
+)
 MATMUL_GUIDE = (
     "NVIDIA Matrix Multiplication Background User's Guide, Tensor Core Requirements: "
     "https://docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication/index.html"

@@ -24,6 +24,7 @@ from amprobe.analysis.whatif import (
 )
 from amprobe.rules.data import autocast_dtypes, per_rank
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.refs import AMP_DOCS, FP8_PRIMER, GRADIENT_SCALING
 from amprobe.store.loader import Run
 
 __all__ = ["FP8_FORMAT_BY_KIND", "matmul_flops", "fp8_layer_table", "exp_range"]
@@ -147,7 +148,7 @@ def _has_ranges(run: Run) -> str | None:
     "speed",
     requires=("numerics_ranges",),
     thresholds={"min_representable_share": 0.999, "max_layers": 12},
-    refs=("S§4", "S§10"),
+    refs=(FP8_PRIMER, AMP_DOCS),
 )
 def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
     """Matmul layers whose values fit fp8 with per-tensor scaling, with their share of FLOPs.
@@ -231,7 +232,7 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
     "speed",
     requires=("numerics_ranges",),
     thresholds={"max_lost_share": 0.001, "max_layers": 12},
-    refs=("S§4", "S§7"),
+    refs=(FP8_PRIMER,),
 )
 def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
     """Matmul layers whose value range is too wide for fp8 even with per-tensor scaling.
@@ -317,7 +318,7 @@ def _is_bf16_run(run: Run) -> bool:
     "nan",
     requires=("numerics_ranges",),
     thresholds={"max_overflow_share": 0.0, "max_underflow_share": 0.001, "max_layers": 10},
-    refs=("S§4", "S§8"),
+    refs=(AMP_DOCS, GRADIENT_SCALING),
 )
 def check_fp16_range(ctx: RuleContext) -> Iterator[Finding]:
     """A bf16 run whose recorded values would not fit fp16.
