@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import struct
+
 import torch
 
 __all__ = [
@@ -302,9 +303,7 @@ class StepStats:
             row = rows[slot] = len(rows)
             hist = self._hist.get(group)
             if hist is None or hist.shape[0] <= row:
-                grown = torch.zeros(
-                    max(8, 2 * row), _NKEYS, dtype=torch.int64, device=self.device
-                )
+                grown = torch.zeros(max(8, 2 * row), _NKEYS, dtype=torch.int64, device=self.device)
                 if hist is not None:
                     grown[: hist.shape[0]] = hist
                 self._hist[group] = hist = grown
@@ -339,7 +338,7 @@ class StepStats:
                 extra = torch.tensor(list(self._host.values()), dtype=torch.int64)
                 amax[index] = torch.maximum(amax[index], extra[:, C_AMAX])
                 extra[:, C_AMAX] = 0
-                out[:, : H0].index_add_(0, index, extra)
+                out[:, :H0].index_add_(0, index, extra)
             out[:, C_AMAX] = amax
             self._table = out[:, :K]
         return self._table
@@ -390,4 +389,3 @@ def stats_v2(
 
 def _float_bits(value: float) -> int:
     return int(struct.unpack("<I", struct.pack("<f", value))[0])
-
