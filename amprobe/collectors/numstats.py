@@ -53,7 +53,9 @@ __all__ = [
     "H0",
     "K",
     "StepStats",
+    "StepStatsV1",
     "count_nonfinite",
+    "count_nonfinite_v1",
     "stats_v1",
     "stats_v1_",
     "stats_v2",
@@ -108,6 +110,41 @@ def stats_v1(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor
     if x.numel():
         stats_v1_(row, x, scale)
     return row
+
+
+def count_nonfinite_v1(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor:
+    """v1's non-finite count of a module input (reference for :func:`count_nonfinite`)."""
+    return (~torch.isfinite(x.detach())).sum()
+
+
+class StepStatsV1:
+    """:class:`StepStats`'s interface over the v1 reduction (reference and benchmark baseline)."""
+
+    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
+        self.slots = slots
+        self.device = device
+        self.sync_free = device.type != "cpu" if sync_free is None else sync_free
+        self._buf = torch.zeros(slots, K, dtype=torch.int64, device=device)
+        self._ones = torch.ones(1, dtype=torch.int64, device=device)
+
+    def reset(self) -> StepStatsV1:
+        self._buf.zero_()
+        return self
+
+    def add(
+        self,
+        slot: int,
+        x: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        in_bad: torch.Tensor | int | None = None,
+    ) -> None:
+        if x.numel():
+            stats_v1_(self._buf[slot], x, scale, self._ones)
+        if in_bad is not None:
+            self._buf[slot, C_IN_BAD] += in_bad
+
+    def table(self) -> torch.Tensor:
+        return self._buf.clone()
 
 
 # -- v2 ----------------------------------------------------------------------------------------
@@ -255,8 +292,8 @@ class StepStats:
         if self.sync_free:
             key = torch.bitwise_right_shift(bits, 16).bitwise_and_(0x7FFF)
             hist.index_add_(0, key.view(-1), self._ones.expand(n))
-            lo, hi = torch.aminmax(y)
-            amax = torch.maximum(lo.neg(), hi).abs().view(torch.int32)
+            mn, mx = torch.aminmax(y)
+            amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
             extra = self._extra[slot]
             extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
             extra[C_ZEROS].add_(n - torch.count_nonzero(y))
@@ -275,9 +312,8 @@ class StepStats:
             hist.add_(h)
         lo, hi = (float(v) for v in torch.aminmax(y))
         acc = self._host.setdefault(slot, [0, 0, 0, 0])
-        amax = max(-lo, hi)
-        if math.isfinite(amax):
-            acc[C_AMAX] = max(acc[C_AMAX], _float_bits(amax))
+        if math.isfinite(lo) and math.isfinite(hi):
+            acc[C_AMAX] = max(acc[C_AMAX], _float_bits(max(-lo, hi)))
         else:  # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN)
             nan = int(torch.isnan(y).sum())
             acc[C_NAN] += nan
