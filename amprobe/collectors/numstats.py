@@ -290,7 +290,9 @@ class StepStats:
         hist = self._row(_F32, False, slot)  # already unscaled: fold like an unscaled bf16
         bits = y.view(torch.int32)
         if self.sync_free:
-            key = torch.bitwise_right_shift(bits, 16).bitwise_and_(0x7FFF)
+            key = torch.bitwise_right_shift(
+                bits, 16, out=self._buf(torch.int32, n, x.shape)
+            ).bitwise_and_(0x7FFF)
             hist.index_add_(0, key.view(-1), self._ones.expand(n))
             mn, mx = torch.aminmax(y)
             amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
@@ -313,7 +315,7 @@ class StepStats:
         lo, hi = (float(v) for v in torch.aminmax(y))
         acc = self._host.setdefault(slot, [0, 0, 0, 0])
         if math.isfinite(lo) and math.isfinite(hi):
-            acc[C_AMAX] = max(acc[C_AMAX], _float_bits(max(-lo, hi)))
+            acc[C_AMAX] = max(acc[C_AMAX], _float_bits(max(abs(lo), abs(hi))))
         else:  # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN)
             nan = int(torch.isnan(y).sum())
             acc[C_NAN] += nan
