@@ -177,11 +177,19 @@ def _key_format(dtype: torch.dtype) -> int:
 
 
 class _Maps:
-    """Where each of the 32768 key values lands in a row, for one format and scale."""
+    """Where each of the 32768 key values lands in a row, for one format and scale.
 
-    __slots__ = ("exp_col", "flag_col", "fbits", "aligned")
+    ``fbits`` is v1's fp32 bit pattern of each key's value (unscaled exactly as v1 unscales an
+    element), ``exp_col``/``flag_col`` the table columns it adds to. On the host the fold is
+    cheaper: keys come in blocks that share a source exponent (128 keys for bf16 layouts, 1024
+    for fp16); a block whose keys all land in one exponent bin is summed first (a reshape-sum),
+    and only the other blocks (fp16 subnormals, rounding at a non-power-of-two scale) are
+    gathered key by key. Zero keys form a prefix and NaN keys a suffix, ``fbits`` being monotone.
+    """
 
-    def __init__(self, fmt: int, scale: torch.Tensor | None, device: torch.device) -> None:
+    def __init__(
+        self, fmt: int, scale: torch.Tensor | None, device: torch.device, host: bool
+    ) -> None:
         keys = torch.arange(_NKEYS, dtype=torch.int16, device=device)
         values = keys.view(_KEY_DTYPE[fmt]).to(torch.float32)
         if scale is not None:
@@ -190,13 +198,23 @@ class _Maps:
         self.fbits = fbits
         self.exp_col = (fbits >> 23) + H0
         flag = torch.full_like(fbits, _DUMMY)
+        zero, nan = fbits == 0, fbits > _NAN_BITS
         if fmt != _F32:  # fp32 zeros and NaN are counted exactly per tensor instead
-            flag[fbits == 0] = C_ZEROS
-            flag[fbits > _NAN_BITS] = C_NAN
+            flag[zero] = C_ZEROS
+            flag[nan] = C_NAN
         self.flag_col = flag
-        # CPU shortcut: an exponent bin per block of 128 keys (bf16 layout, no scale) lets the
-        # fold be a reshape-sum instead of a 32768-wide index_add_
-        self.aligned = fmt != _F16 and scale is None
+        if not host:
+            return
+        self.block = block = 1024 if fmt == _F16 else 128
+        blocks = self.exp_col.view(_NKEYS // block, block)
+        aligned = (blocks == blocks[:, :1]).all(1)
+        self.coarse_blocks = aligned.nonzero().flatten()
+        self.coarse_col = blocks[self.coarse_blocks, 0]
+        fine = (~aligned).nonzero().flatten()
+        self.fine_keys = (fine[:, None] * block + torch.arange(block)).flatten()
+        self.fine_col = self.exp_col[self.fine_keys]
+        self.zero_end = int(zero.sum())
+        self.nan_start = _NKEYS - int(nan.sum())
 
 
 class StepStats:
@@ -279,7 +297,9 @@ class StepStats:
             key = torch.bitwise_and(v16, 0x7FFF, out=self._buf(torch.int32, n, x.shape))
             hist.index_add_(0, key.view(-1), self._ones.expand(n))
         else:
-            key = torch.bitwise_and(v16, 0x7FFF, out=self._buf(torch.int16, n, x.shape))
+            # |x| clears the sign bit: its 16-bit pattern is the key (abs runs vectorized in
+            # the float type, faster here than an integer and)
+            key = torch.abs(x, out=self._buf(x.dtype, n, x.shape)).view(torch.int16)
             hist.add_(torch.bincount(key.view(-1), minlength=_NKEYS))
 
     def _add_f32(self, slot: int, x: torch.Tensor, grad: bool) -> None:
@@ -392,27 +412,39 @@ class StepStats:
         maps = self._maps.get((fmt, grad))
         if maps is None:
             scale = self.scale if grad and fmt != _F32 else None
-            if scale is not None and not self.sync_free and self._scale_one:
-                scale = None  # dividing by one changes nothing but signaling NaN payloads
-            maps = self._maps[(fmt, grad)] = _Maps(fmt, scale, self.device)
-            if grad and fmt != _F32 and scale is None and self.scale is not None:
-                maps.aligned = False  # v1 divided by one: quiets signaling NaNs; stay exact
+            maps = self._maps[(fmt, grad)] = _Maps(fmt, scale, self.device, not self.sync_free)
         n = len(rows)
         hist = self._hist[(fmt, grad)][:n]
         slots = torch.tensor(list(rows.keys()), dtype=torch.int64, device=self.device)
         part = torch.zeros(n, K + 1, dtype=torch.int64, device=self.device)
-        if maps.aligned and not self.sync_free:
-            part[:, H0 : H0 + 256] = hist.view(n, 256, 128).sum(-1)
-        else:
+        if self.sync_free:
             part.index_add_(1, maps.exp_col, hist)
-        if fmt != _F32:
-            part.index_add_(1, maps.flag_col, hist)
-            # amax: the value of the largest occupied key (the fbits are monotone in the key for
-            # non-NaN keys; with NaN present amax is not reported)
-            present = hist > 0
-            last = (_NKEYS - 1) - present.flip(1).to(torch.int8).argmax(1)
-            top = torch.where(present.any(1), maps.fbits[last], 0)
-            amax[slots] = torch.maximum(amax[slots], top)  # slots of a group are distinct
+            if fmt != _F32:
+                part.index_add_(1, maps.flag_col, hist)
+                # amax: the value of the largest occupied key (fbits are monotone in the key)
+                present = hist > 0
+                last = (_NKEYS - 1) - present.flip(1).to(torch.int8).argmax(1)
+                top = torch.where(present.any(1), maps.fbits[last], 0)
+                amax[slots] = torch.maximum(amax[slots], top)  # slots of a group are distinct
+        else:
+            block = maps.block
+            blocks = hist.view(n, _NKEYS // block, block)
+            coarse = blocks.sum(-1)
+            part.index_add_(1, maps.coarse_col, coarse[:, maps.coarse_blocks])
+            if maps.fine_keys.numel():
+                part.index_add_(1, maps.fine_col, hist[:, maps.fine_keys])
+            if fmt != _F32:
+                part[:, C_ZEROS] = hist[:, : maps.zero_end].sum(1)
+                part[:, C_NAN] = hist[:, maps.nan_start :].sum(1)
+                # amax: the last occupied block, then the last occupied key in it
+                index = torch.arange(_NKEYS // block)
+                last_block = torch.where(coarse > 0, index, -1).amax(1)
+                found = last_block >= 0
+                last_block.clamp_(min=0)
+                sub = blocks[torch.arange(n), last_block]
+                within = torch.where(sub > 0, torch.arange(block), 0).amax(1)
+                top = torch.where(found, maps.fbits[last_block * block + within], 0)
+                amax[slots] = torch.maximum(amax[slots], top)
         out.index_add_(0, slots, part)
 
 
