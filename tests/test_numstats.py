@@ -243,3 +243,35 @@ def test_collector_records_the_same_with_v1_and_v2(
     assert a[columns].astype(str).equals(b[columns].astype(str))
     finite = a["nan"] == 0
     assert a.loc[finite, "amax"].equals(b.loc[finite, "amax"])
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, op: object) -> None:
+        super().__init__()
+        self.op = op
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is self.op:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_tensor_measured_twice_is_reused_while_unchanged(dtype: torch.dtype) -> None:
+    """Dropout(p=0) and Identity return their input object: measure it once per version."""
+    x = _values(dtype, 20000, seed=5)
+    y = x.clone()  # equal values, another object: measured afresh
+    reference = numstats.StepStatsV1(4, torch.device("cpu"))
+    stats = numstats.StepStats(4, torch.device("cpu"), sync_free=False)
+    with _CountOps(torch.ops.aten.bincount.default) as bincounts:
+        for slot, t in ((0, x), (1, x), (3, y)):
+            reference.add(slot, t)
+            stats.add(slot, t)
+        x.mul_(4.0)  # in place: a new version, so measured again
+        reference.add(2, x)
+        stats.add(2, x)
+    assert bincounts.count == 3
+    table = stats.table()
+    _assert_rows_equal(reference.table(), table)
+    assert torch.equal(table[0], table[1]) and not torch.equal(table[1], table[2])

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 import struct
+import weakref
+from typing import Any
 
 import torch
 
@@ -253,6 +255,8 @@ class StepStats:
         if self.sync_free:
             self._extra = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
         self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad]
+        # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras)
+        self._seen: dict[int, tuple[Any, int, tuple[int, bool], torch.Tensor, Any]] = {}
         self._table: torch.Tensor | None = None
         return self
 
@@ -284,66 +288,112 @@ class StepStats:
         n = x.numel()
         if n == 0:
             return
-        x = x.detach()
         fmt = _key_format(x.dtype)
-        if fmt == _F32:
-            if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, like v1
-                x = x.to(torch.float32)
-            self._add_f32(slot, x, grad)
+        group = (_F32, False) if fmt == _F32 else (fmt, grad)  # fp32 is unscaled per tensor
+        hist = self._row(group, slot)
+        if self.sync_free:
+            self._add_device(slot, hist, x.detach(), fmt, grad)
             return
-        hist = self._row(fmt, grad, slot)
-        v16 = x.view(torch.int16)
-        if self.sync_free or n < _SMALL:
-            key = torch.bitwise_and(v16, 0x7FFF, out=self._buf(torch.int32, n, x.shape))
-            hist.index_add_(0, key.view(-1), self._ones.expand(n))
-        else:
+        if n < _SMALL:
+            self._add_small(slot, hist, x.detach(), fmt, grad)
+            return
+        # the same tensor object measured again in this step, unchanged (a Dropout(p=0) or
+        # Identity returns its input; a gradient hooked twice): reuse its histogram
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == group:
+            hist.add_(seen[3])
+            self._add_host_extra(slot, seen[4])
+            return
+        h, extra = self._measure_host(x.detach(), fmt, grad)
+        hist.add_(h)
+        self._add_host_extra(slot, extra)
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra)
+
+    def _measure_host(
+        self, x: torch.Tensor, fmt: int, grad: bool
+    ) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+        """Key histogram of a large tensor (CPU) and, for fp32, its exact zeros, NaN, amax."""
+        n = x.numel()
+        if fmt != _F32:
             # |x| clears the sign bit: its 16-bit pattern is the key (abs runs vectorized in
             # the float type, faster here than an integer and)
             key = torch.abs(x, out=self._buf(x.dtype, n, x.shape)).view(torch.int16)
-            hist.add_(torch.bincount(key.view(-1), minlength=_NKEYS))
-
-    def _add_f32(self, slot: int, x: torch.Tensor, grad: bool) -> None:
-        n = x.numel()
-        y = x
-        if grad and not self._scale_one:
-            y = torch.div(x, self.scale, out=self._buf(torch.float32, n, x.shape))  # type: ignore[arg-type]
-        hist = self._row(_F32, False, slot)  # already unscaled: fold like an unscaled bf16
-        bits = y.view(torch.int32)
-        if self.sync_free:
-            key = torch.bitwise_right_shift(
-                bits, 16, out=self._buf(torch.int32, n, x.shape)
-            ).bitwise_and_(0x7FFF)
-            hist.index_add_(0, key.view(-1), self._ones.expand(n))
-            mn, mx = torch.aminmax(y)
-            amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
-            extra = self._extra[slot]
-            extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
-            extra[C_ZEROS].add_(n - torch.count_nonzero(y))
-            extra[C_NAN].add_(torch.isnan(y).sum())
-            return
-        small = n < _SMALL
+            return torch.bincount(key.view(-1), minlength=_NKEYS), None
+        y = self._unscaled_f32(x, grad)
         key = torch.bitwise_right_shift(
-            bits, 16, out=self._buf(torch.int32 if small else torch.int16, n, x.shape)
+            y.view(torch.int32), 16, out=self._buf(torch.int16, n, x.shape)
         ).bitwise_and_(0x7FFF)
-        flat = key.view(-1)
-        if small:
-            hist.index_add_(0, flat, self._ones.expand(n))
-            h = None
-        else:
-            h = torch.bincount(flat, minlength=_NKEYS)
-            hist.add_(h)
-        lo, hi = (float(v) for v in torch.aminmax(y))
-        acc = self._host.setdefault(slot, [0, 0, 0, 0])
-        if math.isfinite(lo) and math.isfinite(hi):
-            acc[C_AMAX] = max(acc[C_AMAX], _float_bits(max(abs(lo), abs(hi))))
-        else:  # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN)
-            nan = int(torch.isnan(y).sum())
-            acc[C_NAN] += nan
-            top = int(y.abs().view(torch.int32).amax())  # v1's value (inf, or a NaN pattern)
-            acc[C_AMAX] = max(acc[C_AMAX], top)
+        h = torch.bincount(key.view(-1), minlength=_NKEYS)
         # bin 0 holds zeros and fp32 values below 2**-133: count zeros only if it is occupied
-        if (int(h[0]) if h is not None else int((flat == 0).sum())) > 0:
-            acc[C_ZEROS] += n - int(torch.count_nonzero(y))
+        zeros = n - int(torch.count_nonzero(y)) if int(h[0]) else 0
+        return h, (zeros, *self._nan_amax_host(y))
+
+    def _add_small(
+        self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
+    ) -> None:
+        n = x.numel()
+        if fmt != _F32:
+            key = torch.bitwise_and(
+                x.view(torch.int16), 0x7FFF, out=self._buf(torch.int32, n, x.shape)
+            )
+            hist.index_add_(0, key.view(-1), self._ones.expand(n))
+            return
+        y = self._unscaled_f32(x, grad)
+        key = torch.bitwise_right_shift(
+            y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
+        ).bitwise_and_(0x7FFF)
+        hist.index_add_(0, key.view(-1), self._ones.expand(n))
+        zeros = n - int(torch.count_nonzero(y))
+        self._add_host_extra(slot, (zeros, *self._nan_amax_host(y)))
+
+    def _add_device(
+        self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
+    ) -> None:
+        """Sync-free: histogram by ``index_add_``, fp32 extras counted on the device."""
+        n = x.numel()
+        if fmt != _F32:
+            key = torch.bitwise_and(
+                x.view(torch.int16), 0x7FFF, out=self._buf(torch.int32, n, x.shape)
+            )
+            hist.index_add_(0, key.view(-1), self._ones.expand(n))
+            return
+        y = self._unscaled_f32(x, grad)
+        key = torch.bitwise_right_shift(
+            y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
+        ).bitwise_and_(0x7FFF)
+        hist.index_add_(0, key.view(-1), self._ones.expand(n))
+        mn, mx = torch.aminmax(y)
+        amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
+        extra = self._extra[slot]
+        extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
+        extra[C_ZEROS].add_(n - torch.count_nonzero(y))
+        extra[C_NAN].add_(torch.isnan(y).sum())
+
+    def _unscaled_f32(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
+        """``x`` as fp32, divided by the step's loss scale for gradients (as v1 does)."""
+        if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, like v1
+            x = x.to(torch.float32)
+        if grad and not self._scale_one:
+            out = self._buf(torch.float32, x.numel(), x.shape)
+            return torch.div(x, self.scale, out=out)  # type: ignore[arg-type]
+        return x
+
+    @staticmethod
+    def _nan_amax_host(y: torch.Tensor) -> tuple[int, int]:
+        lo, hi = (float(v) for v in torch.aminmax(y))
+        if math.isfinite(lo) and math.isfinite(hi):
+            return 0, _float_bits(max(abs(lo), abs(hi)))
+        # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN) and take
+        # v1's maximum (inf, or a NaN pattern, not reported then)
+        return int(torch.isnan(y).sum()), int(y.abs().view(torch.int32).amax())
+
+    def _add_host_extra(self, slot: int, extra: tuple[int, int, int] | None) -> None:
+        if extra is None:
+            return
+        acc = self._host.setdefault(slot, [0, 0, 0, 0])
+        acc[C_ZEROS] += extra[0]
+        acc[C_NAN] += extra[1]
+        acc[C_AMAX] = max(acc[C_AMAX], extra[2])
 
     def _add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
         if self.sync_free:
@@ -351,8 +401,7 @@ class StepStats:
         else:
             self._host.setdefault(slot, [0, 0, 0, 0])[C_IN_BAD] += int(in_bad)
 
-    def _row(self, fmt: int, grad: bool, slot: int) -> torch.Tensor:
-        group = (fmt, grad)
+    def _row(self, group: tuple[int, bool], slot: int) -> torch.Tensor:
         rows = self._row_of.get(group)
         if rows is None:
             rows = self._row_of[group] = {}
@@ -399,6 +448,7 @@ class StepStats:
                 out[:, :H0].index_add_(0, index, extra)
             out[:, C_AMAX] = amax
             self._table = out[:, :K]
+            self._seen.clear()
         return self._table
 
     def _fold(
