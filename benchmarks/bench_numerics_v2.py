@@ -11,6 +11,8 @@ step after each attach is left untimed; medians are quoted. Configurations:
 - off: plain training.
 - numerics v1, every step: the original reduction (``numstats.StepStatsV1``) in the collector.
 - numerics v2, every step: the collector as shipped, ``numerics_every=1``.
+- v2, Dropout not hooked: as above, but ``numerics_layers`` leaves out the ``nn.Dropout``
+  modules (p=0 here: their output is their input); a prototype of a hook-layer policy.
 - hooks only, every step: the collector's hooks and bookkeeping with a no-op reduction; what the
   hook layer costs by itself.
 - always-on only: ``numerics_every`` so large no step after the first is sampled; what every
@@ -89,15 +91,16 @@ def _kernel(stats_cls: Any, nonfinite: Callable[..., Any]) -> Iterator[None]:
 class _Probe:
     """amprobe with the numerics collector on a given reduction."""
 
-    def __init__(self, model, opt, scaler, run_dir, every, stats_cls, nonfinite) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, opt, scaler, run_dir, every, stats_cls, nonfinite, skip=()) -> None:  # type: ignore[no-untyped-def]
         self.ctx = _kernel(stats_cls, nonfinite)
         self.ctx.__enter__()
+        config: dict[str, Any] = {"collectors": ["scaler", "numerics"], "numerics_every": every}
+        if skip:  # prototype of a hook-layer policy: leave these module types unhooked
+            config["numerics_layers"] = [
+                name or "<root>" for name, m in model.named_modules() if not isinstance(m, skip)
+            ]
         self.probe = amprobe.attach(
-            model=model,
-            optimizer=opt,
-            scaler=scaler,
-            run_dir=run_dir,
-            config={"collectors": ["scaler", "numerics"], "numerics_every": every},
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
         )
 
     def close(self) -> None:
@@ -137,6 +140,9 @@ def _configs() -> dict[str, Callable[..., Any] | None]:
         "off": None,
         "numerics v1, every step": lambda m, o, s, d: _Probe(m, o, s, d, 1, *v1),
         "numerics v2, every step": lambda m, o, s, d: _Probe(m, o, s, d, 1, *v2),
+        "v2, Dropout not hooked": lambda m, o, s, d: _Probe(
+            m, o, s, d, 1, *v2, skip=(torch.nn.Dropout,)
+        ),
         "hooks only, every step": lambda m, o, s, d: _Probe(m, o, s, d, 1, *hooks),
         "always-on only": lambda m, o, s, d: _Probe(m, o, s, d, 10**9, *v2),
         "detect_anomaly": lambda m, o, s, d: _Anomaly(),

@@ -275,3 +275,35 @@ def test_a_tensor_measured_twice_is_reused_while_unchanged(dtype: torch.dtype) -
     table = stats.table()
     _assert_rows_equal(reference.table(), table)
     assert torch.equal(table[0], table[1]) and not torch.equal(table[1], table[2])
+
+
+def test_on_the_device_v2_equals_v1_without_a_sync(device: torch.device) -> None:
+    """On CUDA, ``torch.cuda.set_sync_debug_mode('error')`` turns any sync into an error."""
+    scale = torch.tensor(2.0**16, device=device)
+    calls = [
+        (0, _values(torch.bfloat16, 20000, seed=7), None),
+        (1, _values(torch.float16, 20000, seed=8), scale),
+        (2, _values(torch.float32, 20000, seed=9), scale),
+        (2, _values(torch.float32, 300, seed=10), scale),
+    ]
+    calls = [(slot, x.to(device), s) for slot, x, s in calls]
+    reference = numstats.StepStatsV1(3, device)
+    for slot, x, s in calls:
+        reference.add(slot, x, scale=s)
+    stats = numstats.StepStats(3, device)
+    assert stats.sync_free == (device.type != "cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slot, x, s in calls:
+            stats.add(slot, x, scale=s, in_bad=numstats.count_nonfinite(x))
+        table = stats.table()
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    expected = reference.table()
+    for slot, x, _ in calls:
+        expected[slot, C_IN_BAD] += numstats.count_nonfinite_v1(x)
+    assert expected[:, C_IN_BAD].tolist() == [3, 7, 6]  # fp16 overflows its large specials
+    _assert_rows_equal(expected.cpu(), table.cpu())

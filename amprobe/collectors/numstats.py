@@ -199,12 +199,12 @@ class _Maps:
         fbits = values.view(torch.int32).to(torch.int64)
         self.fbits = fbits
         self.exp_col = (fbits >> 23) + H0
-        flag = torch.full_like(fbits, _DUMMY)
         zero, nan = fbits == 0, fbits > _NAN_BITS
-        if fmt != _F32:  # fp32 zeros and NaN are counted exactly per tensor instead
-            flag[zero] = C_ZEROS
-            flag[nan] = C_NAN
-        self.flag_col = flag
+        # fp32 zeros and NaN are counted exactly per tensor instead (torch.where, not a mask
+        # assignment: that would read a count back on an accelerator)
+        self.flag_col = torch.where(
+            zero & (fmt != _F32), C_ZEROS, torch.where(nan & (fmt != _F32), C_NAN, _DUMMY)
+        )
         if not host:
             return
         self.block = block = 1024 if fmt == _F16 else 128
@@ -465,7 +465,7 @@ class StepStats:
             maps = self._maps[(fmt, grad)] = _Maps(fmt, scale, self.device, not self.sync_free)
         n = len(rows)
         hist = self._hist[(fmt, grad)][:n]
-        slots = torch.tensor(list(rows.keys()), dtype=torch.int64, device=self.device)
+        slots = _index(list(rows.keys()), self.device)
         part = torch.zeros(n, K + 1, dtype=torch.int64, device=self.device)
         if self.sync_free:
             part.index_add_(1, maps.exp_col, hist)
@@ -505,6 +505,14 @@ def stats_v2(
     stats = StepStats(1, x.device, sync_free=sync_free)
     stats.add(0, x, scale=scale)
     return stats.table()[0]
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index on ``device``; a pinned, non-blocking copy on CUDA (a plain one syncs)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _float_bits(value: float) -> int:
