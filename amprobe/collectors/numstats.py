@@ -30,12 +30,15 @@ Two implementations give the same table:
 
 Devices: on CPU the histogram is ``bincount`` and the rare extra counts are decided on the host
 (reading a CPU tensor costs no sync); scratch buffers are reused so large tensors do not fault
-in fresh pages every call. With ``sync_free=True`` (the default on accelerators) no value is
-read back: histograms go through ``index_add_`` and fp32 zeros/NaN are always counted on the
-device, so a step issues kernels only.
+in fresh pages every call, and a large tensor object measured again in the same step at the
+same version (a ``Dropout(p=0)`` or ``Identity`` returns its input; a gradient hooked twice)
+reuses its histogram. With ``sync_free=True`` (the default on accelerators) no value is read
+back: histograms go through ``index_add_``, fp32 zeros/NaN are always counted on the device,
+and the fold's indices travel by pinned non-blocking copies, so a step issues kernels only.
 
-Cost on CPU (TinyGPT, one thread): about 0.8 ns per element of a 16-bit tensor and 1.5 ns per
-element of an fp32 tensor, against about 3.5 ns for v1; see ``benchmarks/bench_numerics_v2.py``.
+Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
+tensor and 2 ns per element of an fp32 tensor (the histogram, ``bincount``'s serial loop, is
+about two thirds of it), against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``.
 """
 
 from __future__ import annotations
