@@ -11,12 +11,12 @@ then diagnose the recording with ``amprobe diagnose runs/exp1`` or :func:`diagno
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from amprobe.api import attach
 from amprobe.config import Config, ConfigError
-from amprobe.probe import Probe, attach, current_probe
+from amprobe.probe import Probe, current_probe
 from amprobe.rules import Diagnosis, Finding, diagnose
 from amprobe.store import Run, RunLoadError, load_run
+from amprobe.version import __version__
 
 __all__ = [
     "Config",
@@ -32,3 +32,9 @@ __all__ = [
     "diagnose",
     "load_run",
 ]
+
+# `amprobe run`: when this package is imported before torch, the bootstrap's torch-import hook
+# fires while amprobe is still initializing and leaves the automatic probe to this line.
+from amprobe.autoattach import activate_from_env as _activate_from_env  # noqa: E402
+
+_activate_from_env()

@@ -17,12 +17,19 @@ Environment (set by the CLI):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
+
+from torch.amp import GradScaler
+from torch.amp.autocast_mode import autocast
+
+from amprobe.config import make_config
+from amprobe.control import start_control
+from amprobe.probe import attach, current_probe
 
 __all__ = ["activate_from_env", "ENV_RUN_DIR", "ENV_CONFIG", "ENV_FORCE_FP32", "ENV_BASELINE"]
 
@@ -34,9 +41,6 @@ ENV_BASELINE = "AMPROBE_BASELINE"
 
 def _force_fp32() -> None:
     """Turn every autocast region and GradScaler of this process off (the FP32 baseline)."""
-    from torch.amp import GradScaler
-    from torch.amp.autocast_mode import autocast
-
     autocast_init = autocast.__init__
     scaler_init = GradScaler.__init__
 
@@ -60,8 +64,6 @@ def _close_on_sigterm() -> None:
         return
 
     def handler(signum: int, frame: Any) -> None:
-        from amprobe.probe import current_probe
-
         probe = current_probe()
         if probe is not None:
             with contextlib.suppress(Exception):
@@ -75,25 +77,25 @@ def _close_on_sigterm() -> None:
 
 
 def activate_from_env() -> Any:
-    """Attach the automatic probe if ``AMPROBE_RUN_DIR`` is set. Never raises into the program."""
+    """Attach the automatic probe if ``AMPROBE_RUN_DIR`` is set. Never raises into the program.
+
+    Idempotent: a process where the probe is already attached keeps it.
+    """
     run_dir = os.environ.get(ENV_RUN_DIR)
     if not run_dir:
         return None
     try:
-        from amprobe.config import make_config
-        from amprobe.probe import _create, current_probe
-
         if current_probe() is not None:
             return current_probe()
         overrides = json.loads(os.environ.get(ENV_CONFIG) or "{}")
         cfg = make_config(overrides)
         if "discovery" not in cfg.collectors:
-            import dataclasses
-
             cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, "discovery"))
         if os.environ.get(ENV_FORCE_FP32) == "1":
             _force_fp32()
-        probe = _create(Path(run_dir), cfg, adoptable=True, lazy=True)
+        probe = attach(
+            run_dir=run_dir, config=cfg, adoptable=True, lazy=True, on_announce=start_control
+        )
         facts: dict[str, Any] = {"launched_by": "amprobe run"}
         if os.environ.get(ENV_FORCE_FP32) == "1":
             facts["forced_fp32"] = True

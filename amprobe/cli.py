@@ -7,16 +7,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NoReturn
+
+import amprobe
+from amprobe import control, launcher
+from amprobe.analysis.compare import compute_comparison
+from amprobe.analysis.whatif import compute_whatif, whatif_records
+from amprobe.config import ConfigError
+from amprobe.control import ControlError
+from amprobe.demo import run_demo
+from amprobe.launcher import LaunchError
+from amprobe.report import render_json, render_markdown, render_text, write_report
+from amprobe.report.summary import collector_errors, print_run_summary
+from amprobe.rules import REGISTRY, ThresholdError, diagnose
+from amprobe.rules.compare import SPEED_RULES, no_speedup_findings
+from amprobe.rules.engine import RuleContext, resolve_thresholds
+from amprobe.store import RunLoadError
 
 __all__ = ["main", "build_parser"]
 
 EXIT_FINDINGS = 1  # --fail-on threshold reached
 EXIT_USAGE = 2  # bad arguments, unreadable run, bad config
 EXIT_INTERNAL = 3  # an amprobe bug
+EXIT_NOT_ACKNOWLEDGED = 4  # attach/detach: the job did not read (or refused) this request
 
 
 class CliError(Exception):
@@ -44,9 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="amprobe", description="Diagnose mixed-precision (AMP) training in PyTorch."
     )
-    from amprobe import __version__
-
-    parser.add_argument("--version", action="version", version=f"amprobe {__version__}")
+    parser.add_argument("--version", action="version", version=f"amprobe {amprobe.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -67,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RULE.NAME=VALUE",
         help="override a rule threshold (repeatable)",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="text format: print the evidence")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="text format: print the evidence and references",
+    )
 
     p = sub.add_parser("report", help="write a report (HTML, Markdown or JSON by extension)")
     p.add_argument("run", help="run directory")
@@ -179,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="interface to bind (default 127.0.0.1: this machine only)",
+        help="interface to bind (default 127.0.0.1: this machine only; the dashboard has no "
+        "authentication, so any other address lets everyone who reaches the port read every run)",
     )
     p.add_argument("--port", type=int, default=8050)
 
@@ -198,22 +222,18 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 
 def _load(path: str) -> Any:
-    import amprobe
-
     run = amprobe.load_run(path)
+    run.warnings.extend(collector_errors(run))
     for warning in run.warnings:
         print(f"amprobe: warning: {warning}", file=sys.stderr)
     return run
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    import amprobe
-    from amprobe.report import render_json, render_markdown, render_text
-
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     if args.format == "json":
-        sys.stdout.write(render_json(diagnosis))
+        sys.stdout.write(render_json(diagnosis, {"whatif": whatif_records(compute_whatif(run))}))
     elif args.format == "markdown":
         sys.stdout.write(render_markdown(diagnosis))
     else:
@@ -226,9 +246,6 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    import amprobe
-    from amprobe.report import write_report
-
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     path = write_report(run, diagnosis, args.output)
@@ -237,14 +254,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    import amprobe
-    from amprobe.demo import run_demo
-    from amprobe.report import render_text
-
     if args.steps < 10:
         raise CliError("--steps must be at least 10")
-    run_dir, report = run_demo(args.out, steps=args.steps, progress=True)
-    diagnosis = amprobe.diagnose(amprobe.load_run(run_dir))
+    run_dir = run_demo(args.out, steps=args.steps, progress=True)
+    run = amprobe.load_run(run_dir)
+    diagnosis = amprobe.diagnose(run)
+    report = write_report(run, diagnosis, Path(args.out) / "report.html")
     sys.stdout.write(render_text(diagnosis))
     print(f"run recorded in {run_dir}")
     print(f"report written to {report}")
@@ -252,8 +267,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_rules(args: argparse.Namespace) -> int:
-    from amprobe.rules import REGISTRY
-
     for spec in sorted(REGISTRY.values(), key=lambda spec: spec.id):
         th = ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"
         print(f"{spec.id}  {spec.name:<24} {spec.severity:<8} {spec.category:<6} thresholds: {th}")
@@ -261,15 +274,13 @@ def _cmd_rules(args: argparse.Namespace) -> int:
 
 
 def _settings(items: list[str]) -> dict[str, Any]:
-    import json as _json
-
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise CliError(f"--set expects KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         try:
-            out[key] = _json.loads(value)
+            out[key] = json.loads(value)
         except ValueError:
             out[key] = value
         if isinstance(out[key], list):
@@ -289,16 +300,10 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def _default_out(suffix: str = "") -> str:
-    import time as _time
-
-    return os.path.join("amprobe_runs", _time.strftime("%Y%m%d-%H%M%S") + suffix)
+    return os.path.join("amprobe_runs", time.strftime("%Y%m%d-%H%M%S") + suffix)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from amprobe.launcher import launch
-
     args.command_name = "run"
     command = _command(args)
     settings = _settings(args.settings)
@@ -306,12 +311,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings["prometheus_port"] = args.prometheus_port
     if args.dormant:
         settings["dormant"] = True
-    return launch(command, Path(args.out or _default_out()), settings, overwrite=args.overwrite)
+    return launcher.launch(
+        command,
+        Path(args.out or _default_out()),
+        settings,
+        overwrite=args.overwrite,
+        summarize=print_run_summary,
+    )
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
-    from amprobe.control import attach_pid, send_control
-
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be a positive number of steps")
     if args.pid is not None:
@@ -319,7 +328,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("give either a run directory or --pid PID --out DIR, not both")
         if args.out is None:
             raise CliError("--pid needs --out DIR (where to record)")
-        lines = attach_pid(
+        lines = control.attach_pid(
             args.pid,
             args.out,
             steps=args.steps,
@@ -331,27 +340,31 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-        lines = send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        return _print_reply(reply.lines, reply.acknowledged)
     for line in lines:
         print(line)
     return 0
 
 
-def _cmd_detach(args: argparse.Namespace) -> int:
-    from amprobe.control import send_control
-
-    for line in send_control(args.run, "detach", wait_s=args.wait):
+def _print_reply(lines: list[str], acknowledged: bool) -> int:
+    """Print a control reply; non-zero when a live rank did not acknowledge this very request."""
+    for line in lines:
         print(line)
+    if not acknowledged:
+        print(
+            "amprobe: error: the job did not acknowledge this request (see above)", file=sys.stderr
+        )
+        return EXIT_NOT_ACKNOWLEDGED
     return 0
 
 
+def _cmd_detach(args: argparse.Namespace) -> int:
+    reply = control.send_control(args.run, "detach", wait_s=args.wait)
+    return _print_reply(reply.lines, reply.acknowledged)
+
+
 def _cmd_baseline(args: argparse.Namespace) -> int:
-    import json as _json
-    from pathlib import Path
-
-    from amprobe.launcher import launch
-    from amprobe.rules.compare import compute_comparison
-
     args.command_name = "baseline"
     command = _command(args)
     if args.steps < 5:
@@ -361,21 +374,18 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     codes = {}
     for name, fp32 in (("fp32", True), ("amp", False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
-        codes[name] = launch(
+        codes[name] = launcher.launch(
             command,
             out / name,
             config,
             force_fp32=fp32,
             baseline=(out / "fp32") if not fp32 else None,
             overwrite=args.overwrite,
-            quiet=True,
         )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
-    import amprobe
-
     comparison = compute_comparison(amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp"))
-    (out / "comparison.json").write_text(_json.dumps(comparison, indent=2, default=str))
+    (out / "comparison.json").write_text(json.dumps(comparison, indent=2, default=str))
     _print_comparison(comparison)
     print(f"amprobe: runs in {out}/fp32 and {out}/amp; amprobe diagnose {out}/amp")
     return 0
@@ -392,10 +402,6 @@ def _print_comparison(c: dict[str, Any]) -> None:
             f"throughput: {c['steps_per_s_baseline']:.2f} -> {c['steps_per_s_candidate']:.2f} steps/s, "
             f"speedup {c['speedup']:.2f}x"
         )
-        if c.get("samples_per_s_baseline"):
-            print(
-                f"samples/s: {c['samples_per_s_baseline']:.1f} -> {c['samples_per_s_candidate']:.1f}"
-            )
     else:
         print("throughput: not recorded")
     if c.get("memory_ratio") is not None:
@@ -417,24 +423,17 @@ def _print_comparison(c: dict[str, Any]) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import json as _json
-    from types import MappingProxyType
-
-    import amprobe
-    from amprobe.rules import REGISTRY
-    from amprobe.rules.compare import compute_comparison, no_speedup_findings
-    from amprobe.rules.engine import RuleContext, resolve_thresholds
-
     base, cand = _load(args.baseline), _load(args.candidate)
     comparison = compute_comparison(base, cand)
     spec = REGISTRY["AMP-S06"]
     ctx = RuleContext(
         run=cand, spec=spec, thresholds=MappingProxyType(resolve_thresholds(None)["AMP-S06"])
     )
-    findings = list(no_speedup_findings(ctx, comparison))
+    explaining = diagnose(cand, only=SPEED_RULES).findings
+    findings = list(no_speedup_findings(ctx, comparison, explaining))
     if args.format == "json":
         print(
-            _json.dumps(
+            json.dumps(
                 {**comparison, "findings": [f.to_dict() for f in findings]}, indent=2, default=str
             )
         )
@@ -442,7 +441,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     _print_comparison(comparison)
     for f in findings:
         print(f"[{f.severity}] {f.id} {f.name}: {f.title}\n    fix: {f.fix}")
-    _ = amprobe
     return 0
 
 
@@ -478,12 +476,6 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``amprobe`` console script."""
-    from amprobe.config import ConfigError
-    from amprobe.control import ControlError
-    from amprobe.launcher import LaunchError
-    from amprobe.rules import ThresholdError
-    from amprobe.store import RunLoadError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,7 +1,8 @@
 """Probe configuration: every knob in one place, validated once at attach time.
 
 A bad value raises :class:`ConfigError` when the probe is attached, never later inside the
-training loop.
+training loop. This module is a leaf: collector names are checked against the registry the
+capture layer passes to :func:`check_collectors`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Config", "ConfigError", "make_config"]
+__all__ = ["Config", "ConfigError", "check_collectors", "make_config", "LIST_KEYS"]
+
+#: keys whose value is a list of names; a string is read as comma-separated ("a,b,c")
+LIST_KEYS = ("collectors", "numerics_layers")
+
+
+def _as_names(value: Any) -> Any:
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    return value
 
 
 class ConfigError(ValueError):
@@ -30,7 +40,8 @@ class Config:
             checked at step boundaries, so a live dashboard sees a slow job move.
         capture_loss: keep the loss tensor of each step (on device) and record its value and dtype.
         collectors: names of the collectors to run; see :data:`amprobe.collectors.REGISTRY`.
-            ``scaler`` is always added: it owns the step boundaries every other collector uses.
+            ``scaler`` is always added: the loss-scale trajectory and skipped steps are the
+            core of every run (step boundaries themselves come from the hub).
         max_buffered_rows: rows kept in memory when the run directory cannot be written
             (disk full, removed); beyond this the oldest rows are dropped and counted as lost.
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
@@ -93,6 +104,8 @@ class Config:
     control_poll_s: float = 0.5
 
     def __post_init__(self) -> None:
+        for key in LIST_KEYS:
+            object.__setattr__(self, key, _as_names(getattr(self, key)))
         if not isinstance(self.flush_every, int) or self.flush_every < 1:
             raise ConfigError(f"flush_every must be a positive integer, got {self.flush_every!r}")
         if not isinstance(self.flush_interval_s, (int, float)) or self.flush_interval_s <= 0:
@@ -126,8 +139,6 @@ class Config:
                 f"gpu_sample_hz must be a number of samples per second in [0, 1000] (0 = off), "
                 f"got {self.gpu_sample_hz!r}"
             )
-        from amprobe.collectors import REGISTRY
-
         port = self.prometheus_port
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError(
@@ -137,17 +148,15 @@ class Config:
             raise ConfigError(
                 f"prometheus_host must be a host name or address, got {self.prometheus_host!r}"
             )
-        collectors = tuple(self.collectors)
+        if not all(isinstance(name, str) and name for name in self.collectors):
+            raise ConfigError(
+                f"collectors must be a list of collector names, got {self.collectors!r}"
+            )
+        collectors = tuple(dict.fromkeys(self.collectors))
         if "scaler" not in collectors:
-            # it owns step boundaries (GradScaler.update / optimizer.step): always on
             collectors = ("scaler", *collectors)
         if port and "prometheus" not in collectors:
             collectors = (*collectors, "prometheus")
-        for name in collectors:
-            if name not in REGISTRY:
-                raise ConfigError(
-                    f"unknown collector {name!r}; known collectors: {', '.join(sorted(REGISTRY))}"
-                )
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (
             not isinstance(self.max_steps, int) or self.max_steps < 1
@@ -200,6 +209,17 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, default))
     except ValueError:
         return default
+
+
+def check_collectors(config: Config, known: Mapping[str, Any]) -> None:
+    """Raise ConfigError for a collector name that ``known`` (the registry) does not hold."""
+    for name in config.collectors:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown collector {name!r}{hint}; known collectors: {', '.join(sorted(known))}"
+            )
 
 
 def make_config(config: Config | Mapping[str, Any] | None) -> Config:

@@ -26,25 +26,41 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
+import stat
 import sys
 import threading
 import time
+import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from amprobe.collectors.discovery import find_live_training_objects
 from amprobe.config import Config, ConfigError, make_config
-from amprobe.store import schema
-from amprobe.store.loader import pid_alive
+from amprobe.probe import Probe, attach, current_probe
+from amprobe.store.layout import (
+    ACK_FILE,
+    CONTROL_FILE,
+    CONTROL_LOCK,
+    END_MARKER,
+    RANK_MANIFEST,
+    StoreError,
+    is_run_dir,
+    list_ranks,
+    prepare_run_dir,
+    rank_state,
+    read_json_file,
+)
 from amprobe.store.writer import write_json_atomic
 
 __all__ = [
     "ACK_FILE",
     "CONTROL_FILE",
     "ControlError",
+    "ControlReply",
     "ControlWatcher",
+    "MAX_CONTROL_BYTES",
     "attach_live",
     "attach_pid",
     "build_remote_script",
@@ -54,8 +70,7 @@ __all__ = [
     "send_control",
 ]
 
-CONTROL_FILE = "control.json"  # in the run directory, read by every rank
-ACK_FILE = "control_ack.json"  # in each rank's directory, written by that rank's watcher
+MAX_CONTROL_BYTES = 64 * 1024  # a control request is a few hundred bytes
 STATUS_FILE = "attach_status.json"  # written by attach_live for `amprobe attach --pid`
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 _NEXT_TIME = "start the job with `amprobe run --dormant --out DIR -- ...` next time, then `amprobe attach DIR`"
@@ -76,8 +91,15 @@ class ControlWatcher(threading.Thread):
 
     It only sets a request on the probe (the training thread applies it at the next step
     boundary) and writes this rank's acknowledgement file when the probe's state changes. Cost:
-    one ``stat`` per poll interval, off the training thread. Commands issued before this process
+    one ``lstat`` per poll interval, off the training thread. Commands issued before this process
     attached its probe are ignored (a late-starting rank does not replay old requests).
+
+    The control file is read only when it is a regular file (not a symbolic link, a FIFO or a
+    device), without blocking and at most :data:`MAX_CONTROL_BYTES`; anything else is ignored,
+    recorded once as a ``control_file_ignored`` event and reported in the acknowledgement so
+    that ``amprobe attach`` can say why. Each request carries a random ``id``: a request is
+    handled once, whatever its sequence number, so a deleted or rewritten control file cannot
+    make the job skip a request.
     """
 
     def __init__(self, probe: Any) -> None:
@@ -89,9 +111,15 @@ class ControlWatcher(threading.Thread):
         self._poll_s = float(probe.config.control_poll_s)
         self._rank = probe.rank
         self._not_before = probe.created_unix - 1.0
-        self._last_mtime: int | None = None
-        self._seen = 0
+        self._last_sig: tuple[int, ...] | None = None
+        self._seen = 0  # highest sequence number read (the CLI numbers its next request above it)
+        self._seen_id: str | None = None
+        self._tokens: dict[int, tuple[str, int]] = {}  # probe seq token -> (request id, seq)
+        self._next_token = 0
         self._error: str | None = None
+        self._error_id: str | None = None
+        self._ignored: str | None = None
+        self._reported: set[str] = set()
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -103,16 +131,21 @@ class ControlWatcher(threading.Thread):
             if probe is None or probe.closed:
                 return
             self._poll(probe)
+            applied_id, applied = self._tokens.get(probe.control_state.get("seq", 0), (None, 0))
             state = {
                 "pid": os.getpid(),
                 "rank": self._rank,
                 "seen": self._seen,
-                "applied": probe.control_state.get("seq", 0),
+                "seen_id": self._seen_id,
+                "applied": applied,
+                "applied_id": applied_id,
                 "result": probe.control_state.get("result"),
                 "step": probe.control_state.get("step"),
                 "window": probe.window,
                 "recording": probe.recording,
                 "error": self._error,
+                "error_id": self._error_id,
+                "ignored": self._ignored,
             }
             del probe
             if state != written:
@@ -124,37 +157,83 @@ class ControlWatcher(threading.Thread):
             if self._stop_event.wait(self._poll_s):
                 return
 
+    def _refuse(self, probe: Any, reason: str) -> None:
+        """Ignore the control file as it is now: one event per distinct reason, and the ack says it."""
+        self._ignored = f"{CONTROL_FILE} ignored: {reason}"
+        if reason not in self._reported and len(self._reported) < 16:
+            self._reported.add(reason)
+            with contextlib.suppress(Exception):
+                probe.event("control_file_ignored", reason=reason)
+
     def _poll(self, probe: Any) -> None:
         try:
-            mtime = os.stat(self._path).st_mtime_ns
+            st = os.lstat(self._path)
         except OSError:
             return
-        if mtime == self._last_mtime:
+        sig = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode)
+        if sig == self._last_sig:
             return
-        self._last_mtime = mtime
+        self._last_sig = sig
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            self._refuse(probe, f"it is {kind}")
+            return
+        if st.st_size > MAX_CONTROL_BYTES:
+            self._refuse(probe, f"larger than {MAX_CONTROL_BYTES} bytes ({st.st_size})")
+            return
         try:
-            command = json.loads(self._path.read_text(encoding="utf-8"))
-            seq = int(command.get("seq", 0))
+            command = read_json_file(self._path, max_bytes=MAX_CONTROL_BYTES, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._refuse(probe, reason)
+            return
+        self._ignored = None
+        self._handle(probe, command)
+
+    def _handle(self, probe: Any, command: dict[str, Any]) -> None:
+        seq = command.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            self._refuse(probe, "no valid sequence number")
+            return
+        rid = command.get("id")
+        if not isinstance(rid, str) or not 0 < len(rid) <= 64:
+            # a request without an id (an older amprobe): handled once per new sequence number
             if seq <= self._seen:
                 return
-            self._seen = seq
+            rid = f"seq-{seq}"
+        if rid == self._seen_id:
+            return
+        self._seen_id = rid
+        self._seen = max(self._seen, seq)
+        try:
+            issued = command.get("issued_unix", 0)
+            if not isinstance(issued, (int, float)) or issued < self._not_before:
+                return
             ranks = command.get("ranks")
-            if float(command.get("issued_unix", 0)) < self._not_before:
+            if isinstance(ranks, list) and self._rank not in ranks:
                 return
-            if ranks is not None and self._rank not in ranks:
-                return
+            self._next_token += 1
+            token = self._next_token
+            self._tokens[token] = (rid, seq)
+            for old in [t for t in self._tokens if t < token - 8]:
+                del self._tokens[old]
             action = command.get("command")
             if action == "attach":
                 steps = command.get("steps")
-                probe.start_recording(
-                    int(steps) if steps is not None else None, source="amprobe attach", seq=seq
-                )
+                if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)):
+                    raise ValueError(f"steps must be a positive integer, got {steps!r}")
+                probe.start_recording(steps, source="amprobe attach", seq=token)
             elif action == "detach":
-                probe.stop_recording(source="amprobe detach", seq=seq)
+                probe.stop_recording(source="amprobe detach", seq=token)
             else:
-                self._error = f"unknown command {action!r} (seq {seq})"
+                raise ValueError(f"unknown command {action!r}")
         except Exception as exc:  # a bad file must never stop the watcher
-            self._error = f"{type(exc).__name__}: {exc}"
+            self._error = (
+                f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+            )
+            self._error_id = rid
 
 
 def attach_live(
@@ -202,9 +281,6 @@ def attach_live(
 def _attach_live(
     run_dir: Path, steps: int | None, config: Config | Mapping[str, Any] | None
 ) -> tuple[Any, dict[str, Any]]:
-    from amprobe.collectors.discovery import find_live_training_objects
-    from amprobe.probe import _create, current_probe
-
     existing = current_probe()
     if existing is not None and not existing.closed:
         if existing.recording and existing.window == 0:
@@ -222,17 +298,18 @@ def _attach_live(
             "no torch.optim.Optimizer holding parameters was found in this process: "
             "nothing to record (is it training yet?)"
         )
-    probe = _create(
-        run_dir,
-        cfg,
-        model=live.models[0] if live.models else None,
-        optimizer=live.optimizers[0],
-        scaler=live.scalers[0] if live.scalers else None,
+    probe = attach(
+        live.models[0] if live.models else None,
+        live.optimizers[0],
+        live.scalers[0] if live.scalers else None,
+        run_dir=run_dir,
+        config=cfg,
         adoptable=True,
         lazy=True,
+        on_announce=start_control,
     )
     for obj in (*live.optimizers[1:], *live.scalers[1:]):
-        probe.dispatch("on_object", obj)
+        probe.add_object(obj)
     for model in live.models[1:]:
         probe.add_model(model)
     probe.annotate_manifest(
@@ -265,35 +342,93 @@ class _Rank:
 
 def _ranks(root: Path) -> list[_Rank]:
     ranks = []
-    for path in sorted(root.glob("rank*")):
-        if not (path.is_dir() and path.name[4:].isdigit()):
-            continue
+    for entry in list_ranks(root).ranks:
         try:
-            manifest = json.loads((path / schema.RANK_MANIFEST).read_text(encoding="utf-8"))
+            manifest = read_json_file(entry.path / RANK_MANIFEST)
         except (OSError, ValueError):
             continue
-        if (path / schema.END_MARKER).exists():
-            state = "finished"
-        elif manifest.get("hostname") != socket.gethostname():
-            state = "remote"
-        else:
-            state = "live" if pid_alive(manifest.get("pid")) else "gone"
-        ranks.append(_Rank(int(path.name[4:]), path, manifest, state))
-    return sorted(ranks, key=lambda r: r.rank)
+        state = rank_state(manifest, ended=(entry.path / END_MARKER).exists())
+        ranks.append(_Rank(entry.rank, entry.path, manifest, state))
+    return ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlReply:
+    """What :func:`send_control` saw: one line per rank, and whether every live rank read
+    this very request (``acknowledged``); the CLI exits non-zero when it did not."""
+
+    lines: list[str]
+    acknowledged: bool
+    request_id: str
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.lines)
+
+
+@contextlib.contextmanager
+def _control_lock(root: Path, wait_s: float) -> Iterator[None]:
+    """Hold ``RUN/.control.lock`` (one writer of the control file at a time, across processes).
+
+    The lock is held until the request is acknowledged, so that a second ``attach``/``detach``
+    cannot replace a request the job has not read yet.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock, the request id still protects
+        yield
+        return
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(root / CONTROL_LOCK, flags, 0o600)
+    except OSError as exc:
+        raise ControlError(
+            f"cannot open the control lock {root / CONTROL_LOCK}: {exc.strerror or exc}"
+        ) from None
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise ControlError(
+                        f"another `amprobe attach`/`detach` on {root} is still waiting for the "
+                        f"job after {wait_s:g} s; try again when it has finished"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_seq(path: Path) -> int:
+    """The sequence number in a control or ack file, 0 when unreadable (never blocks)."""
+    try:
+        value = read_json_file(path, max_bytes=MAX_CONTROL_BYTES, follow_symlinks=False).get(
+            "seq" if path.name == CONTROL_FILE else "seen"
+        )
+    except (OSError, ValueError):
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def send_control(
     run_dir: str | os.PathLike[str], command: str, steps: int | None = None, wait_s: float = 5.0
-) -> list[str]:
+) -> ControlReply:
     """Ask every live rank of a dormant-capable run to start (``attach``) or stop (``detach``).
 
-    Writes ``RUN/control.json`` and waits up to ``wait_s`` seconds for the ranks to acknowledge.
+    Writes ``RUN/control.json`` atomically, under ``RUN/.control.lock``, with a sequence number
+    above every one the job has seen and a random request id, then waits up to ``wait_s``
+    seconds for the ranks to acknowledge that id.
 
     Returns:
-        One line per rank saying what happened (recording from step N, stopped, pending, ...).
+        A :class:`ControlReply`: one line per rank saying what happened (recording from step N,
+        stopped, pending, not read, ...) and whether every live rank read this request.
 
     Raises:
-        ControlError: not a run, no rank started yet, not dormant-capable, or not live.
+        ControlError: not a run, no rank started yet, not dormant-capable, not live, or
+            another attach/detach holds the lock longer than ``wait_s``.
     """
     if command not in ("attach", "detach"):
         raise ValueError(f"command must be 'attach' or 'detach', got {command!r}")
@@ -302,8 +437,8 @@ def send_control(
     root = Path(run_dir)
     if not root.is_dir():
         raise ControlError(f"no such run directory: {root}")
-    if not (root / schema.RUN_MANIFEST).exists():
-        raise ControlError(f"not an amprobe run directory (no manifest.json): {root}")
+    if not is_run_dir(root):
+        raise ControlError(f"not an amprobe run directory (no amprobe manifest.json): {root}")
     ranks = _ranks(root)
     if not ranks:
         raise ControlError(
@@ -325,34 +460,39 @@ def send_control(
         )
         raise ControlError(f"{root} is not live: its process {how}")
     path = root / CONTROL_FILE
-    previous = 0
-    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-        previous = int(json.loads(path.read_text(encoding="utf-8")).get("seq", 0))
-    seq = previous + 1
-    write_json_atomic(
-        path,
-        {
-            "seq": seq,
-            "command": command,
-            "steps": steps,
-            "ranks": None,
-            "issued_unix": time.time(),
-            "issued_by_pid": os.getpid(),
-        },
+    rid = uuid.uuid4().hex
+    with _control_lock(root, wait_s):
+        seq = 1 + max([_read_seq(path), *(_read_seq(r.path / ACK_FILE) for r in live)])
+        write_json_atomic(
+            path,
+            {
+                "seq": seq,
+                "id": rid,
+                "command": command,
+                "steps": steps,
+                "ranks": None,
+                "issued_unix": time.time(),
+                "issued_by_pid": os.getpid(),
+            },
+        )
+        acks = _wait_for_acks(live, rid, wait_s)
+    lines = [_describe(r, acks.get(r.rank), rid, steps, wait_s) for r in live]
+    acknowledged = all(
+        (acks.get(r.rank) or {}).get("seen_id") == rid
+        and (acks.get(r.rank) or {}).get("error_id") != rid
+        for r in live
     )
-    acks = _wait_for_acks(live, seq, wait_s)
-    return [_describe(r, acks.get(r.rank), seq, command, steps, wait_s) for r in live]
+    return ControlReply(lines, acknowledged, rid)
 
 
 def _read_ack(rank: _Rank) -> dict[str, Any] | None:
     try:
-        ack = json.loads((rank.path / ACK_FILE).read_text(encoding="utf-8"))
+        return read_json_file(rank.path / ACK_FILE, follow_symlinks=False)
     except (OSError, ValueError):
         return None
-    return ack if isinstance(ack, dict) else None
 
 
-def _wait_for_acks(ranks: list[_Rank], seq: int, wait_s: float) -> dict[int, dict[str, Any]]:
+def _wait_for_acks(ranks: list[_Rank], rid: str, wait_s: float) -> dict[int, dict[str, Any]]:
     deadline = time.monotonic() + wait_s
     acks: dict[int, dict[str, Any]] = {}
     while True:
@@ -360,28 +500,30 @@ def _wait_for_acks(ranks: list[_Rank], seq: int, wait_s: float) -> dict[int, dic
             ack = _read_ack(rank)
             if ack is not None:
                 acks[rank.rank] = ack
-        done = all(int(acks.get(r.rank, {}).get("applied") or 0) >= seq for r in ranks)
+        done = all(
+            acks.get(r.rank, {}).get("applied_id") == rid
+            or acks.get(r.rank, {}).get("error_id") == rid
+            for r in ranks
+        )
         if done or time.monotonic() >= deadline:
             return acks
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def _describe(
-    rank: _Rank,
-    ack: dict[str, Any] | None,
-    seq: int,
-    command: str,
-    steps: int | None,
-    wait_s: float,
+    rank: _Rank, ack: dict[str, Any] | None, rid: str, steps: int | None, wait_s: float
 ) -> str:
     who = f"rank {rank.rank} (pid {rank.manifest.get('pid')})"
-    if ack is None or int(ack.get("seen") or 0) < seq:
+    if ack is None or ack.get("seen_id") != rid:
         poll = (rank.manifest.get("control") or {}).get("poll_s", "?")
+        why = f"; the job reports: {ack['ignored']}" if ack and ack.get("ignored") else ""
         return (
-            f"{who}: request written, not read within {wait_s:g} s (the process checks every {poll} s; "
-            "it may be busy or stopped)"
+            f"{who}: request NOT acknowledged: not read within {wait_s:g} s (the process checks "
+            f"every {poll} s; it may be busy or stopped){why}"
         )
-    if int(ack.get("applied") or 0) < seq:
+    if ack.get("error_id") == rid:
+        return f"{who}: request refused: {ack.get('error')}"
+    if ack.get("applied_id") != rid:
         return f"{who}: request received; it takes effect when the step in progress ends"
     result, step, window = ack.get("result"), ack.get("step"), ack.get("window")
     if result == "recording":
@@ -499,10 +641,11 @@ def attach_pid(
     reason = remote_exec_disabled(pid)
     if reason:
         raise ControlError(reason)
-    from amprobe.launcher import _prepare_run_dir
-
     out_dir = Path(out).resolve()
-    _prepare_run_dir(out_dir, overwrite)
+    try:
+        prepare_run_dir(out_dir, overwrite)
+    except StoreError as exc:
+        raise ControlError(str(exc)) from None
     make_config(config)
     status = out_dir / STATUS_FILE
     script = out_dir / f".amprobe_attach_{pid}.py"
@@ -545,3 +688,17 @@ def attach_pid(
         f"amprobe: attached to process {pid}: {models}; optimizers: {', '.join(result.get('optimizers') or [])}; "
         f"{result.get('scalers', 0)} GradScaler(s); recording into {out_dir} from its next step"
     ]
+
+
+def start_control(probe: Probe) -> ControlWatcher:
+    """A dormant probe's first step: write the control facts and start the watcher thread.
+
+    Passed to :func:`amprobe.probe.attach` as ``on_announce`` by the layers that create dormant
+    probes (:func:`amprobe.attach`, ``amprobe run --dormant``, live attach).
+    """
+    probe.annotate_manifest(control=control_manifest(probe.config))
+    if probe.writer is not None:
+        probe.writer.prepare()
+    watcher = ControlWatcher(probe)
+    watcher.start()
+    return watcher

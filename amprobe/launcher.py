@@ -1,27 +1,39 @@
 """Start a user's command with amprobe active in every Python process it spawns.
 
-Used by ``amprobe run`` and ``amprobe baseline``. The child's exit code and output pass through
-unchanged; SIGINT and SIGTERM are forwarded to it; amprobe's own failures after the child ends
-never change the exit code.
+Used by ``amprobe run`` and ``amprobe baseline``. The child's output passes through unchanged
+and its exit status too (a child killed by signal N gives ``128 + N``, as in a shell: SIGTERM
+143, an uncaught KeyboardInterrupt 130); amprobe's own failures after the child ends never
+change it. SIGTERM, SIGHUP, SIGINT and SIGQUIT reach the child exactly once: the terminal
+already sends Ctrl-C to the child (same process group), so that one is not sent again. The child
+gets SIGTERM if ``amprobe run`` itself dies (Linux), so it never trains on as an orphan.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import shutil
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import amprobe
 from amprobe.autoattach import ENV_BASELINE, ENV_CONFIG, ENV_FORCE_FP32, ENV_RUN_DIR
 from amprobe.config import ConfigError, make_config
+from amprobe.store import layout
+from amprobe.store.layout import StoreError
 
-__all__ = ["launch", "bootstrap_env", "LaunchError"]
+__all__ = [
+    "LaunchError",
+    "bootstrap_env",
+    "check_port",
+    "exit_status",
+    "launch",
+    "prepare_run_dir",
+]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
@@ -58,22 +70,97 @@ def bootstrap_env(
     return env
 
 
-def _prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"--out {str(run_dir)!r} exists and is not a directory")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not (run_dir / "manifest.json").exists() and not any(
-            run_dir.glob("rank*/manifest.json")
-        ):
-            raise ConfigError(
-                f"--out {str(run_dir)!r} is a non-empty directory that is not an amprobe run"
-            )
-        if not overwrite:
-            raise ConfigError(
-                f"--out {str(run_dir)!r} already holds a run; choose another or pass --overwrite"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> list[Path]:
+    """:func:`amprobe.store.layout.prepare_run_dir`, its refusal said as a ConfigError."""
+    try:
+        return layout.prepare_run_dir(run_dir, overwrite)
+    except StoreError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _remove_if_empty(created: list[Path]) -> None:
+    """Remove the folders :func:`prepare_run_dir` created, as long as nothing was written."""
+    for folder in created:  # innermost first
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def check_port(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served (busy, not permitted), or ``None`` if it can now."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def exit_status(returncode: int) -> int:
+    """The shell's exit status for a child's return code: ``128 + N`` when killed by signal N
+    (SIGTERM: 143, SIGINT, e.g. an uncaught KeyboardInterrupt: 130), else the code itself."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+#: Signals forwarded to the child. The terminal sends SIGINT, SIGQUIT and (on hang-up) SIGHUP
+#: to the whole foreground process group, child included: those are forwarded only when the
+#: child would not get them that way (see :func:`_child_gets_terminal_signals`).
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+_TERMINAL = ("SIGINT", "SIGQUIT", "SIGHUP")
+
+
+def _foreground_group() -> int | None:
+    """The foreground process group of this process's controlling terminal, if any."""
+    for stream in (sys.stdin, sys.stdout, sys.stderr):
+        try:
+            return os.tcgetpgrp(stream.fileno())
+        except (OSError, AttributeError, ValueError):
+            continue
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.tcgetpgrp(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _child_gets_terminal_signals(child_pid: int) -> bool:
+    """Whether a signal the terminal sends reaches the child by itself (the child is in the
+    terminal's foreground process group, as ``amprobe run`` started it)."""
+    try:
+        group = os.getpgid(child_pid)
+    except OSError:
+        return False
+    return group == os.getpgrp() and _foreground_group() == group
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when ``amprobe run`` dies
+    (``PR_SET_PDEATHSIG``, Linux), so a killed wrapper never leaves the job training as an
+    orphan. ``None`` where the OS has no such call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def setup() -> None:  # runs in the child between fork and exec: system calls only
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the wrapper died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
 
 
 def launch(
@@ -83,9 +170,11 @@ def launch(
     force_fp32: bool = False,
     baseline: Path | None = None,
     overwrite: bool = False,
-    quiet: bool = False,
+    summarize: Callable[[Path], None] | None = None,
 ) -> int:
     """Run ``command`` recorded into ``run_dir``; return the child's exit code.
+
+    ``summarize(run_dir)`` runs after the child exits (the CLI passes the one-screen summary).
 
     Raises:
         ConfigError: bad config or run directory (before anything is started).
@@ -93,56 +182,66 @@ def launch(
     """
     if not command:
         raise ConfigError("no command given: use `amprobe run --out DIR -- python train.py`")
-    make_config(config)  # validate now, loudly, before starting anything
-    _prepare_run_dir(run_dir, overwrite)
+    cfg = make_config(config)  # validate now, loudly, before starting anything
+    created = prepare_run_dir(run_dir, overwrite)
+    if cfg.prometheus_port:
+        busy = check_port(cfg.prometheus_host, cfg.prometheus_port)
+        if busy:
+            print(
+                f"amprobe: warning: cannot serve Prometheus metrics on "
+                f"{cfg.prometheus_host}:{cfg.prometheus_port} ({busy}); the job runs without "
+                "them (choose another --prometheus-port)",
+                file=sys.stderr,
+            )
     env = bootstrap_env(run_dir, config, force_fp32=force_fp32, baseline=baseline)
     try:
-        child = subprocess.Popen(list(command), env=env)
+        child = subprocess.Popen(list(command), env=env, preexec_fn=_die_with_parent())
     except FileNotFoundError:
+        _remove_if_empty(created)
         raise LaunchError(f"command not found: {command[0]}") from None
     except PermissionError:
+        _remove_if_empty(created)
         raise LaunchError(f"command is not executable: {command[0]}") from None
+    except OSError as exc:
+        _remove_if_empty(created)
+        raise LaunchError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
+    code = exit_status(_supervise(child))
+    if summarize is not None:
+        summarize(run_dir)
+    return code
+
+
+def _supervise(child: subprocess.Popen[bytes]) -> int:
+    """Wait for the child, passing on each signal it would not get otherwise; its return code.
+
+    SIGTERM always reaches the child through ``amprobe run``; SIGINT, SIGQUIT and SIGHUP only
+    when the terminal did not already deliver them to it (so Ctrl-C arrives once).
+    """
 
     def forward(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if name in _TERMINAL and _child_gets_terminal_signals(child.pid):
+            return
         try:
             child.send_signal(signum)
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {}
+    for name in _FORWARDED:
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except (ValueError, OSError):  # not the main thread, or not settable here
+            continue
     try:
-        code = child.wait()
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:  # a handler we did not replace: keep waiting
+                continue
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if not quiet:
-        _print_summary(run_dir)
-    return code
-
-
-def _print_summary(run_dir: Path) -> None:
-    """One screen of findings after the child exits; never raises."""
-    try:
-        run = amprobe.load_run(run_dir)
-        diagnosis = amprobe.diagnose(run)
-    except Exception as exc:
-        print(f"amprobe: nothing to diagnose in {run_dir}: {exc}", file=sys.stderr)
-        return
-    steps = int(run.steps["step"].nunique()) if len(run.steps) else 0
-    if not steps and any((r.manifest.get("config") or {}).get("dormant") for r in run.ranks):
-        print(
-            f"\namprobe: the job ran dormant and was never attached: nothing recorded in {run_dir}",
-            file=sys.stderr,
-        )
-        return
-    print(
-        f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({run.status})",
-        file=sys.stderr,
-    )
-    for f in diagnosis.findings[:12]:
-        print(f"  [{f.severity}] {f.id} {f.name}: {f.title}", file=sys.stderr)
-    if len(diagnosis.findings) > 12:
-        print(f"  ... {len(diagnosis.findings) - 12} more", file=sys.stderr)
-    if not diagnosis.findings:
-        print("  no findings", file=sys.stderr)
-    print(f"amprobe: details: amprobe diagnose {run_dir}", file=sys.stderr)

@@ -1,30 +1,36 @@
-"""The attach scope: one :class:`Probe` per process owns every collector, hook and file.
+"""The attach scope: one :class:`Probe` per process owns the hub, the collectors and the files.
 
 Step boundaries come from the training job itself (the GradScaler's ``update`` or the
-optimizer's ``step``), so the user's loop needs no extra call.
+optimizer's ``step``, seen by the :class:`~amprobe.hub.Hub`), so the user's loop needs no extra
+call. The probe turns each iteration into a step record, buffers records and events, and writes
+them through the store at flush.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import json
 import os
 import socket
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from amprobe.collectors import REGISTRY, Collector
-from amprobe.config import Config, ConfigError, make_config
+from amprobe.collectors import REGISTRY, Collector, StepFacts
+from amprobe.collectors.discovery import find_live_training_objects
+from amprobe.config import Config, ConfigError, check_collectors, make_config
+from amprobe.hub import Hub
+from amprobe.store.fields import STEP_FIELDS
+from amprobe.store.layout import StoreError, check_writable
 from amprobe.store.writer import RunWriter
 
 __all__ = ["Probe", "attach", "current_probe"]
@@ -35,6 +41,10 @@ _MAX_DORMANT_EVENTS = 5_000  # events kept while dormant (flushed with the next 
 _ALWAYS_KEPT = frozenset(
     {"window_start", "window_end", "run_end", "max_steps_reached", "terminated"}
 )
+_DECLARED = frozenset(f.name for f in STEP_FIELDS)
+#: what a dormant probe runs at its first step (the control-file watcher); returns a handle
+#: with ``stop()``. Supplied by the layer above (``amprobe.api``, ``amprobe.autoattach``).
+Announcer = Callable[["Probe"], Any]
 
 
 def current_probe() -> Probe | None:
@@ -96,12 +106,14 @@ class Probe:
         recording: bool = True,
         adoptable: bool = False,
         lazy: bool = False,
+        on_announce: Announcer | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.pid = os.getpid()
         self.created_unix = time.time()
         self.adoptable = adoptable  # an automatic probe (`amprobe run`) that attach() joins
-        self._lazy = lazy
+        self.lazy = lazy  # nothing written until the first step (`amprobe run`)
+        self._on_announce = on_announce
         self.config = config
         self.rank = config.resolved_rank
         self.world_size = config.resolved_world_size
@@ -115,15 +127,15 @@ class Probe:
         self._last_flush = time.perf_counter()
         self._pending_steps: list[dict[str, Any]] = []
         self._pending_events: list[dict[str, Any]] = []
-        self._failed: set[str] = set()
         self.collectors: list[Collector] = []
+        self.hub = Hub(self)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
         self.device: torch.device | None = None
         self._rank_manifest: dict[str, Any] = {}
         self.writer: RunWriter | None = None
         # dormant mode: requests come from any thread, are applied by the training thread at
         # the next step boundary (end_step reads one attribute while nothing is pending)
-        self._control: tuple[str, int | None, int, str, list[Any]] | None = None
+        self._control: _Request | None = None
         self._control_lock = threading.Lock()
         self.control_state: dict[str, Any] = {"seq": 0, "result": None, "step": 0, "window": 0}
         self._window_left: int | None = None
@@ -131,6 +143,7 @@ class Probe:
         self._dropped_events = 0
         self._announced = recording  # a dormant probe announces itself at its first step
         self._watcher: Any = None
+        self._undeclared: set[str] = set()
 
     # -- set-up -----------------------------------------------------------------------------
     def _start(self, model: Any, optimizer: Any, scaler: Any) -> None:
@@ -160,25 +173,42 @@ class Probe:
             },
             **device_facts(device),
         }
-        self.writer = RunWriter(
-            self.run_dir,
-            self.rank,
-            self.world_size,
-            self._rank_manifest,
-            max_buffered_rows=self.config.max_buffered_rows,
-            overwrite=self.config.overwrite,
-            lazy=self._lazy,
-        )
+        try:
+            if self.lazy:  # nothing is written before the first step: check the place now
+                check_writable(self.run_dir)
+            self.writer = RunWriter(
+                self.run_dir,
+                self.rank,
+                self.world_size,
+                self._rank_manifest,
+                max_buffered_rows=self.config.max_buffered_rows,
+                overwrite=self.config.overwrite,
+                lazy=self.lazy,
+            )
+        except StoreError as exc:
+            raise ConfigError(str(exc)) from None
+        self.hub.install()
         for name in self.config.collectors:
             collector = REGISTRY[name]()
             self.collectors.append(collector)
             collector.on_attach(self)  # may raise ConfigError: attach-time errors are loud
+        self.hub.subscribe(self.collectors)
         self.event("run_start", recording=self.recording)
         for obj in (optimizer, scaler):
             if obj is not None:
-                self.dispatch("on_object", obj)
+                self.add_object(obj)
         if model is not None:
             self.add_model(model)
+        if self.recording:
+            self.hub.begin_step(self.step)
+
+    def add_object(self, obj: Any) -> None:
+        """Register an optimizer or GradScaler passed to attach (or found live)."""
+        if isinstance(obj, torch.optim.Optimizer):
+            self.hub.see_optimizer(obj)
+            self.note_device(_first_param_device(obj))
+        elif isinstance(obj, torch.amp.GradScaler):
+            self.hub.see_scaler(obj, None)
 
     def add_model(self, model: torch.nn.Module) -> None:
         """Register a root model (the attach argument, or one found by discovery)."""
@@ -193,7 +223,8 @@ class Probe:
         )
         if self.device is None:
             self.note_device(_first_param_device(model))
-        self.dispatch("on_model", model)
+        self.hub.watch_model(model)
+        self.hub.emit("on_model", model)
 
     def note_device(self, device: torch.device | None) -> None:
         """Record the training device once it is known (first optimizer or model seen)."""
@@ -223,36 +254,9 @@ class Probe:
         """Seconds the probe itself has spent (flushes) since the last step boundary."""
         return self._probe_time
 
-    # -- dispatch: collectors never raise into training ---------------------------------------
-    def dispatch(self, hook: str, *args: Any) -> None:
-        for collector in self.collectors:
-            if collector.name in self._failed:
-                continue
-            fn = getattr(collector, hook, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception as exc:
-                self.collector_failed(collector.name, exc)
-
-    def collector_failed(self, name: str, exc: BaseException) -> None:
-        """Switch collector ``name`` off and record why, once."""
-        if name in self._failed:
-            return
-        self._failed.add(name)
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
-        self.event(
-            "collector_error", collector=name, error=f"{type(exc).__name__}: {exc}", where=where
-        )
-        for collector in self.collectors:
-            if collector.name == name:
-                with contextlib.suppress(Exception):
-                    collector.on_close()
-
     def is_enabled(self, name: str) -> bool:
-        return name not in self._failed
+        """False once collector ``name`` failed and was switched off."""
+        return self.hub.is_enabled(name)
 
     # -- recording ----------------------------------------------------------------------------
     def touch(self) -> None:
@@ -278,8 +282,8 @@ class Probe:
             }
         )
 
-    def end_step(self) -> None:
-        """Close the iteration in progress. Called by the collector that owns step boundaries.
+    def end_step(self, facts: StepFacts) -> None:
+        """Close the iteration in progress. Called by the hub at the step boundary.
 
         While dormant this only counts the step (and applies a pending start request).
         """
@@ -301,7 +305,7 @@ class Probe:
             "probe_s": self._probe_time,
         }
         self._probe_time = 0.0
-        self.dispatch("on_step_end", self.step, record)
+        self.hub.emit("on_step_end", self.step, record, facts)
         self._pending_steps.append(record)
         self.step += 1
         self._t_step_start = time.perf_counter()
@@ -344,24 +348,22 @@ class Probe:
         models: list[Any] = []
         if not any(ref() is not None for ref in self.models):
             with contextlib.suppress(Exception):
-                from amprobe.collectors.discovery import find_live_training_objects
-
                 models = find_live_training_objects().models
         with self._control_lock:
-            self._control = ("start", steps, seq, source, models)
+            self._control = _Request(Action.START, steps, seq, source, models)
 
     def stop_recording(self, source: str = "api", seq: int = 0) -> None:
         """Ask the probe to stop recording and flush at the next step boundary. Safe from any thread."""
         with self._control_lock:
-            self._control = ("stop", None, seq, source, [])
+            self._control = _Request(Action.STOP, None, seq, source, [])
 
     def _apply_control(self) -> None:
         with self._control_lock:
             request, self._control = self._control, None
         if request is None or self.closed:
             return
-        action, steps, seq, source, models = request
-        if action == "start":
+        steps, seq, source, models = request.steps, request.seq, request.source, request.models
+        if request.action is Action.START:
             if self.recording:
                 if steps is not None:
                     self._window_left = steps
@@ -399,7 +401,8 @@ class Probe:
             source=source,
             dormant_events_dropped=self._dropped_events,
         )
-        self.dispatch("on_recording", True)
+        self.hub.emit("on_recording", True)
+        self.hub.begin_step(self.step)
 
     def _window_end_event(self, reason: str) -> None:
         self.event(
@@ -412,7 +415,8 @@ class Probe:
         )
 
     def _stop_window(self, reason: str) -> None:
-        self.dispatch("on_recording", False)
+        self.hub.end_recording()
+        self.hub.emit("on_recording", False)
         self.recording = False
         self._window_left = None
         self._window_end_event(reason)
@@ -427,13 +431,10 @@ class Probe:
         self._announced = True
         if self.writer is None or os.getpid() != self.pid:
             return
+        if self._on_announce is None:
+            return
         try:
-            from amprobe.control import ControlWatcher, control_manifest
-
-            self.annotate_manifest(control=control_manifest(self.config))
-            self.writer.prepare()
-            self._watcher = ControlWatcher(self)
-            self._watcher.start()
+            self._watcher = self._on_announce(self)
         except Exception as exc:
             self.event("control_unavailable", error=f"{type(exc).__name__}: {exc}")
 
@@ -446,8 +447,9 @@ class Probe:
             rows = self._pending_steps
             self._pending_steps = []
             _materialize(rows)
+            self._check_declared(rows)
             self.writer.append("steps", rows)
-            self.dispatch("on_flush", self.writer)
+            self.hub.emit("on_flush", self.writer)
             events = self._pending_events
             self._pending_events = []
             self.writer.append("events", events)
@@ -458,6 +460,17 @@ class Probe:
         finally:
             self._last_flush = time.perf_counter()
             self._probe_time += self._last_flush - t
+
+    def _check_declared(self, rows: list[dict[str, Any]]) -> None:
+        """Every steps column must be declared in amprobe.store.fields; say so once if not."""
+        if not rows:
+            return
+        keys: set[str] = set()
+        for row in rows:
+            keys.update(row)
+        for name in sorted(keys - _DECLARED - self._undeclared):
+            self._undeclared.add(name)
+            self.event("undeclared_field", table="steps", field=name)
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -478,8 +491,8 @@ class Probe:
             self.flush()
         finally:
             for collector in reversed(self.collectors):
-                with contextlib.suppress(Exception):
-                    collector.on_close()
+                self.hub.call(collector, collector.on_close)
+            self.hub.close()
             if self.writer is not None:
                 with contextlib.suppress(Exception):
                     self.writer.close(
@@ -561,33 +574,28 @@ def attach(
     scaler: torch.amp.GradScaler | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     config: Config | Mapping[str, Any] | None = None,
+    *,
+    adoptable: bool = False,
+    lazy: bool = False,
+    on_announce: Announcer | None = None,
 ) -> Probe:
-    """Start recording this training process.
+    """The core of :func:`amprobe.attach` (see there for the public arguments).
 
-    Everything is optional: the GradScalers, optimizers and autocast regions of the process are
-    found through class-level hooks; passing them only records them from the first step.
-
-    Args:
-        model: the root module being trained (enables per-model facts and layer collectors).
-        optimizer: an optimizer to record from the start.
-        scaler: a GradScaler created before attaching.
-        run_dir: directory to write the run to; default ``amprobe_runs/<time>-<pid>``.
-        config: a :class:`Config` or a dict of its fields.
-
-    Returns:
-        The attached :class:`Probe` (also a context manager).
+    Keyword-only arguments are for the layers above: ``adoptable`` makes an automatic probe
+    (``amprobe run``) that a later ``attach()`` joins, ``lazy`` writes nothing until the first
+    training step, and ``on_announce`` is what a dormant probe starts at its first step (the
+    control-file watcher).
 
     Raises:
-        ConfigError: an unknown config key, a bad value, an unusable run directory, or a
-            second probe attached in the same process.
+        ConfigError: a bad config, an unusable run directory, or a second probe in the process.
     """
     global _ACTIVE
     cfg = make_config(config)
+    check_collectors(cfg, REGISTRY)
     with _LOCK:
         existing = _ACTIVE
         if existing is not None and not existing.closed:
-            adopt = getattr(existing, "adoptable", False)
-            if not adopt:
+            if not existing.adoptable:
                 raise ConfigError(
                     f"a probe is already attached in this process ({existing.run_dir}); "
                     "close it first or use the existing one"
@@ -598,37 +606,52 @@ def attach(
         # `amprobe run` attached an automatic probe: join it instead of instrumenting twice.
         for obj in (optimizer, scaler):
             if obj is not None:
-                existing.dispatch("on_object", obj)
+                existing.add_object(obj)
         if model is not None:
             existing.add_model(model)
         return existing
-    return _create(
-        Path(run_dir) if run_dir is not None else _default_run_dir(), cfg, model, optimizer, scaler
+    probe = Probe(
+        Path(run_dir) if run_dir is not None else _default_run_dir(),
+        cfg,
+        recording=not cfg.dormant,
+        adoptable=adoptable,
+        lazy=lazy,
+        on_announce=on_announce,
     )
-
-
-def _create(
-    run_dir: Path,
-    cfg: Config,
-    model: Any = None,
-    optimizer: Any = None,
-    scaler: Any = None,
-    adoptable: bool = False,
-    lazy: bool = False,
-) -> Probe:
-    global _ACTIVE
-    probe = Probe(run_dir, cfg, recording=not cfg.dormant, adoptable=adoptable, lazy=lazy)
     try:
         probe._start(model, optimizer, scaler)
     except BaseException:
-        for collector in probe.collectors:
+        for collector in reversed(probe.collectors):
             with contextlib.suppress(Exception):
                 collector.on_close()
+        probe.hub.close()
         raise
     with _LOCK:
         _ACTIVE = probe
     atexit.register(probe.close)
     return probe
+
+
+class Action(enum.Enum):
+    """What a recording request asks of the probe."""
+
+    START = "start"
+    STOP = "stop"
+
+
+class _Request:
+    """A recording request from any thread, applied by the training thread at a boundary."""
+
+    __slots__ = ("action", "steps", "seq", "source", "models")
+
+    def __init__(
+        self, action: Action, steps: int | None, seq: int, source: str, models: list[Any]
+    ) -> None:
+        self.action = action
+        self.steps = steps
+        self.seq = seq
+        self.source = source
+        self.models = models
 
 
 def _after_fork_in_child() -> None:

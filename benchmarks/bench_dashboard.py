@@ -1,17 +1,24 @@
-"""Dashboard first paint on a large run: 100,000 steps, and a 200-layer x 100,000-step heatmap.
+"""Dashboard first paint on a large run (100,000 steps, a 200-layer x 100,000-step heatmap) or
+on a large root (``--runs 1000``: the run list over a thousand run directories).
 
-Synthesizes the run directory (JSON Lines written directly), then times what the server does
+Synthesizes the run directories (JSON Lines written directly), then times what the server does
 before the browser can paint a run's page: load + diagnose + report sections + layout with
 all figures thinned, serialised to the JSON Dash sends. Also times thinning a 200-layer heatmap
-(what a numerics section's layer x step figure costs to display). Prints seconds; asserts nothing.
+(what a numerics section's layer x step figure costs to display). With ``--runs N`` it times
+the run list instead: the server's first page, and (with ``--browser``) headless Chromium from
+navigation until the table's rows are painted, then until the first page's rows are diagnosed.
+Prints seconds and the CPU; asserts nothing.
 
-    python benchmarks/bench_dashboard.py [--steps 100000] [--layers 200]
+    python benchmarks/bench_dashboard.py [--steps 100000] [--layers 200] [--browser]
+    python benchmarks/bench_dashboard.py --runs 1000 [--run-steps 200] [--browser [--repeat 3]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import tempfile
 import time
@@ -64,6 +71,86 @@ def browser_first_paint(root: Path) -> None:
     )
 
 
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def browser_run_list(root: Path, runs: int) -> None:
+    """Seconds from navigating to a fresh server's run list until its rows are painted."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from dashboard import ids
+    from dashboard.app import create_app
+    from dashboard.browser import ServerThread, browser_missing, chromium_driver
+    from dashboard.runs import PAGE_ROWS, PENDING
+
+    missing = browser_missing()
+    if missing:
+        print(f"browser run list: skipped ({missing})")
+        return
+    driver = chromium_driver()
+    try:
+        with ServerThread(create_app(root, refresh_ms=500)) as server:
+            driver.get(server.url + "/_dash-layout")  # warm the browser process, not the server
+            t0 = time.perf_counter()
+            driver.get(server.url + "/")
+            wait = WebDriverWait(driver, 300, poll_frequency=0.05)
+            shown = min(runs, PAGE_ROWS)
+            links = f'#{ids.RUN_LIST_TABLE} td[data-dash-column="run"] a'
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, links)) == shown)
+            t1 = time.perf_counter()
+            wait.until(lambda d: PENDING not in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
+            t2 = time.perf_counter()
+            pages = driver.find_element(By.ID, ids.RUN_LIST_PAGES).text
+    finally:
+        driver.quit()
+    print(
+        f"browser first paint of the run list ({runs} runs, cold server): {shown} rows shown "
+        f"{t1 - t0:.2f} s after navigation; all {shown} diagnosed {t2 - t0:.2f} s after it "
+        f"({pages})"
+    )
+
+
+def bench_many_runs(runs: int, run_steps: int, browser: bool, repeat: int = 1) -> None:
+    """The run list over ``runs`` finished synthetic runs of ``run_steps`` steps each."""
+    from dashboard import callbacks
+    from dashboard.demo import write_synthetic_run
+
+    with tempfile.TemporaryDirectory(prefix="amprobe-bench-dash-runs-") as tmp:
+        root = Path(tmp)
+        t0 = time.perf_counter()
+        for i in range(runs):
+            write_synthetic_run(root / f"run{i:04d}", run_steps, seed=i)
+        print(f"synthesized {runs} runs of {run_steps} steps in {time.perf_counter() - t0:.2f} s")
+        ctx = callbacks.Context(root=root)
+        ctx.cache.first_wait_s = 0.0
+        t0 = time.perf_counter()
+        callbacks.render_page(ctx, "/")
+        t1 = time.perf_counter()
+        ctx.cache.wait_idle(600)
+        t2 = time.perf_counter()
+        callbacks.render_page(ctx, "/")
+        t3 = time.perf_counter()
+        print(
+            f"run list (server side): first page {t1 - t0:.2f} s; its rows diagnosed in the "
+            f"background {t2 - t0:.2f} s; first page again (cached) {t3 - t2:.3f} s"
+        )
+        if browser:
+            for _ in range(repeat):
+                browser_run_list(root, runs)
+            if repeat > 1:
+                print(
+                    f"load average while measuring: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
@@ -73,7 +160,18 @@ def main() -> None:
         action="store_true",
         help="also time the first paint in headless Chromium (needs chromium, selenium)",
     )
+    parser.add_argument(
+        "--runs", type=int, default=0, help="time the run list over this many runs instead"
+    )
+    parser.add_argument("--run-steps", type=int, default=200, help="steps per run with --runs")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="browser measurements with --runs (fresh server each)"
+    )
     args = parser.parse_args()
+    print(f"CPU: {_cpu()}")
+    if args.runs:
+        bench_many_runs(args.runs, args.run_steps, args.browser, args.repeat)
+        return
 
     import numpy as np
     import plotly.graph_objects as go

@@ -8,7 +8,11 @@ every 100 steps, 3 shape captures, sync counting every 50), and both as ratios t
 
 Configurations:
 - off: plain training.
-- amprobe default: scaler, numerics, compute and runtime collectors at their default sampling.
+- amprobe default: scaler, numerics, compute and runtime collectors at their default sampling,
+  the model, optimizer and scaler passed to ``attach``.
+- amprobe zero-code: the same, with nothing passed (what ``amprobe run`` does: the root model is
+  discovered at its first forward).
+- amprobe dormant: instrumented, recording nothing (``amprobe run --dormant``).
 - amprobe full detail: numerics, shape capture and sync counting on every step.
 - detect_anomaly: ``torch.autograd.set_detect_anomaly(True)`` (PyTorch's own NaN hunter).
 - DebugUnderflowOverflow: ``transformers.debug_utils.DebugUnderflowOverflow`` (when installed).
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import compare_stats  # noqa: E402
 
 import amprobe  # noqa: E402
+import amprobe.probe  # noqa: E402
 
 FULL = {"numerics_every": 1, "shapes_every": 1, "shapes_captures": 0, "syncs_every": 1}
 
@@ -40,6 +45,12 @@ def attach_with(config: dict | None = None):
         )
 
     return start
+
+
+def zero_code(model, opt, scaler, run_dir):
+    """What `amprobe run` attaches in the job: nothing passed, root models discovered."""
+    config = {"collectors": (*amprobe.Config().collectors, "discovery")}
+    return amprobe.probe.attach(run_dir=run_dir, config=config, adoptable=True, lazy=True)
 
 
 class _Anomaly:
@@ -132,6 +143,11 @@ def main() -> None:
         help="only off vs the scaler collector alone vs the default, with a GradScaler",
     )
     parser.add_argument(
+        "--core",
+        action="store_true",
+        help="only off vs default (model passed) vs zero-code (nothing passed) vs dormant",
+    )
+    parser.add_argument(
         "--fixed-cost",
         action="store_true",
         help="only measure the per-step CPU the scaler/runtime collectors add (tiny model)",
@@ -140,6 +156,21 @@ def main() -> None:
     if args.fixed_cost:
         for name, micros in fixed_cost().items():
             print(f"{name}: {micros:.1f} us of CPU added per step")
+        return
+    if args.core:
+        stats = compare_stats(
+            {
+                "off": None,
+                "amprobe default": attach_with(),
+                "amprobe zero-code": zero_code,
+                "amprobe dormant": attach_with({"dormant": True}),
+            },
+            dtype=torch.bfloat16,
+            use_scaler=args.scaler,
+            blocks=args.blocks,
+            steps_per_block=args.steps,
+        )
+        _print(stats, args)
         return
     if args.foundation:
         stats = compare_stats(
@@ -158,6 +189,7 @@ def main() -> None:
     configs = {
         "off": None,
         "amprobe default": attach_with(),
+        "amprobe zero-code": zero_code,
         "amprobe full detail": attach_with(FULL),
         "detect_anomaly": lambda model, opt, scaler, run_dir: _Anomaly(),
     }

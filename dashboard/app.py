@@ -37,12 +37,15 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         return callbacks.render_page(ctx, pathname, search)
 
     @app.callback(
-        Output(ids.RUN_LIST_TABLE, "children"),
+        Output(ids.RUN_LIST_TABLE, "data"),
+        Output(ids.RUN_LIST_TABLE, "page_count"),
+        Output(ids.RUN_LIST_PAGES, "children"),
         Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
+        Input(ids.RUN_LIST_TABLE, "page_current"),
         prevent_initial_call=True,
     )
-    def _run_list(n):  # type: ignore[no-untyped-def]
-        return callbacks.refresh_run_list(ctx, n)
+    def _run_list(n, page_current):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_run_list(ctx, n, page_current)
 
     @app.callback(
         Output(ids.FINDINGS, "children"),
@@ -76,6 +79,15 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
     )
     def _table_page(page, table_id, name):  # type: ignore[no-untyped-def]
         return callbacks.page_table(ctx, name, table_id["key"], page)
+
+    @app.callback(
+        Output(ids.WHATIF_HEATMAP, "figure"),
+        Input(ids.WHATIF_GROUP, "value"),
+        State(ids.RUN_NAME, "data"),
+        prevent_initial_call=True,
+    )
+    def _whatif(group, name):  # type: ignore[no-untyped-def]
+        return callbacks.whatif_heatmap(ctx, name, group)
 
     @app.callback(
         Output(ids.EXPORT_DOWNLOAD, "data"),

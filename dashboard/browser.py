@@ -5,6 +5,7 @@ Uses Debian's ``chromium`` and ``chromium-driver`` packages through Selenium.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from typing import Any
@@ -31,8 +32,6 @@ class ServerThread:
     """The app's Flask server on a free localhost port, in a daemon thread."""
 
     def __init__(self, app: Any) -> None:
-        import logging
-
         from werkzeug.serving import make_server
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request

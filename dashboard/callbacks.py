@@ -15,14 +15,18 @@ import plotly.graph_objects as go
 from dash import dcc, no_update
 
 import amprobe
+from amprobe.analysis.whatif import compute_whatif
+from amprobe.report import render_html
+from amprobe.store.loader import empty_frame
 from dashboard import layout
 from dashboard.figures import (
     make_compare_figure,
     make_loss_scale_figure,
     make_step_time_figure,
+    make_whatif_figure,
     scale_events,
 )
-from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs, resolve_run
+from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs
 
 __all__ = [
     "Context",
@@ -33,6 +37,7 @@ __all__ = [
     "page_table",
     "export_report",
     "compare_runs",
+    "whatif_heatmap",
 ]
 
 
@@ -54,14 +59,19 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     """Route a URL to a page: ``/`` run list, ``/run/<name>`` one run, ``/compare?a=&b=``."""
     path = pathname or "/"
     if path in ("/", ""):
-        return layout.build_run_list(ctx.cache.summaries(), ctx.refresh_ms)
+        return layout.build_run_list(ctx.cache.page(1), ctx.refresh_ms)
     if path.startswith("/run/"):
         name = unquote(path[len("/run/") :]).rstrip("/")
         try:
             loaded = ctx.cache.get(name)
         except (RunAccessError, amprobe.RunLoadError) as exc:
             return layout.build_error(str(exc))
-        return layout.build_run_page(loaded, ctx.refresh_ms)
+        try:
+            return layout.build_run_page(loaded, ctx.refresh_ms)
+        except Exception as exc:  # one run's odd data fails its own page, nothing else
+            return layout.build_error(
+                f"amprobe failed while drawing this run ({type(exc).__name__}: {exc})"
+            )
     if path.rstrip("/") == "/compare":
         query = parse_qs((search or "").lstrip("?"))
         first_a = query.get("a", [])
@@ -74,9 +84,16 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
     return layout.build_error(f"no such page: {path}")
 
 
-def refresh_run_list(ctx: Context, _n: int | None) -> Any:
-    """The run list's table, re-read (only runs whose files changed are loaded again)."""
-    return layout.build_run_table(ctx.cache.summaries())
+def refresh_run_list(
+    ctx: Context, _n: int | None, page_current: int | None = 0
+) -> tuple[list[dict[str, str]], int, str]:
+    """Page ``page_current`` (0-based, the table's own) of the run list, re-read.
+
+    Only runs whose files changed are read again. Returns ``(table data, page count,
+    "M runs" text)``.
+    """
+    listing = ctx.cache.page((page_current or 0) + 1)
+    return layout.run_rows(listing.rows), listing.pages, layout.pages_text(listing)
 
 
 def filter_findings(
@@ -96,10 +113,18 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
     Returns ``(steps text, status badge, loss-scale figure, step-time figure, interval disabled)``.
     """
     try:
-        path = resolve_run(ctx.root, name or "")
+        path, _ = ctx.cache.check(name or "")
         update = ctx.tail.poll(path)
     except (RunAccessError, amprobe.RunLoadError) as exc:
         return (str(exc), no_update, no_update, no_update, True)
+    except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
+        return (
+            f"cannot read this run: {type(exc).__name__}: {exc}",
+            no_update,
+            no_update,
+            no_update,
+            True,
+        )
     steps = update.steps
     done = update.status != "live"
     return (
@@ -109,6 +134,18 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
         make_step_time_figure(steps),
         done,
     )
+
+
+def whatif_heatmap(ctx: Context, name: str | None, group: str | None) -> go.Figure:
+    """The what-if tab's exponent-range heatmap for ``group`` (activations or gradients)."""
+
+    try:
+        run = ctx.cache.get(name or "").run
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        fig = go.Figure()
+        fig.update_layout(title=str(exc))
+        return fig
+    return make_whatif_figure(run.table("numerics"), compute_whatif(run), group or "")
 
 
 def page_table(ctx: Context, name: str | None, table_key: str, page: int | None) -> Any:
@@ -136,24 +173,9 @@ def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple
         loaded = ctx.cache.get(name or "")
     except (RunAccessError, amprobe.RunLoadError) as exc:
         return no_update, str(exc)
-    render_html = _html_renderer()
-    if render_html is None:
-        return no_update, "the HTML report renderer is not installed in this amprobe"
     text = render_html(loaded.run, loaded.diagnosis)
     filename = re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("._") or "run"
     return dcc.send_string(text, filename=f"{filename}-report.html", type="text/html"), ""
-
-
-def _html_renderer() -> Any:
-    """amprobe's ``render_html(run, diagnosis)``, the renderer behind ``amprobe report``, or None."""
-    try:
-        from amprobe.report.html import render_html
-    except ImportError:
-        try:
-            from amprobe.report import render_html  # type: ignore[attr-defined,no-redef]
-        except ImportError:
-            return None
-    return render_html
 
 
 def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure, str]:
@@ -168,6 +190,4 @@ def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure,
 
 
 def _no_steps() -> Any:
-    from amprobe.store.loader import empty_frame
-
     return empty_frame("steps")

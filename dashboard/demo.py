@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+import amprobe
 
 __all__ = ["record_amp_run", "write_synthetic_run", "SyntheticLiveRun"]
 
@@ -31,10 +34,6 @@ def record_amp_run(
 
     The loss is multiplied by inf at ``inf_steps`` so the scaler skips those steps and backs off.
     """
-    import torch
-
-    import amprobe
-
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

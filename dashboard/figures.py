@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from amprobe.report.downsample import MAX_POINTS
+from amprobe.report.escape import escape_figure_text
 from amprobe.report.scale import (
     empty_figure,
     make_loss_scale_figure,
@@ -22,8 +23,11 @@ from amprobe.report.scale import (
     split_ranks,
     thin_series,
 )
+from amprobe.report.whatif import HEATMAP_GROUPS, make_exponent_heatmap
 
 __all__ = [
+    "make_whatif_figure",
+    "whatif_groups",
     "make_loss_scale_figure",
     "make_step_time_figure",
     "make_compare_figure",
@@ -96,9 +100,27 @@ def make_compare_figure(
                 row,
                 1,
             )
+    escape_figure_text(fig)  # run names are folder names: drawn as text, never as HTML
     fig.update_yaxes(type="log", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=1)
     fig.update_layout(
         height=640, template="plotly_white", margin={"t": 40, "b": 40, "l": 60, "r": 20}
     )
     return fig
+
+
+def whatif_groups(numerics: pd.DataFrame) -> list[str]:
+    """The what-if heatmap groups (activations, gradients) that ``numerics`` has rows for."""
+
+    if numerics.empty:
+        return []
+    kinds = set(numerics["kind"].dropna().unique())
+    return [g for g, (_, wanted, _) in HEATMAP_GROUPS.items() if kinds & set(wanted)]
+
+
+def make_whatif_figure(numerics: pd.DataFrame, whatif: pd.DataFrame, group: str) -> go.Figure:
+    """The report's per-layer exponent-range heatmap of ``group`` (amprobe's own figure)."""
+
+    if group not in HEATMAP_GROUPS:
+        group = next(iter(HEATMAP_GROUPS))
+    return make_exponent_heatmap(numerics, group, whatif)

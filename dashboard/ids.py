@@ -9,9 +9,9 @@ NAV = "nav"
 
 # run list
 RUN_LIST = "run-list"
-RUN_LIST_TABLE = "run-list-table"
+RUN_LIST_TABLE = "run-list-table"  # a DataTable, paged on the server
 RUN_LIST_INTERVAL = "run-list-interval"
-RUN_LINK_PREFIX = "run-link-"  # + row index
+RUN_LIST_PAGES = "run-list-pages"  # "M runs, 50 a page"
 
 # one run
 RUN_NAME = "run-name"  # dcc.Store holding the run's name relative to ROOT
@@ -32,6 +32,9 @@ LOSS_SCALE_GRAPH = "loss-scale-graph"
 LOSS_SCALE_EVENTS = "loss-scale-events"
 STEP_TIME_GRAPH = "step-time-graph"
 SECTION_PREFIX = "section-"  # + section key
+WHATIF_PANEL = "whatif-panel"  # the precision what-if tab's body
+WHATIF_GROUP = "whatif-group"  # radio: activations | gradients
+WHATIF_HEATMAP = "whatif-heatmap"  # the per-layer exponent-range heatmap
 TABLE_PAGE = "table-page"  # pattern-matching type: {"type": TABLE_PAGE, "key": table key}
 TABLE_BODY = "table-body"
 EXPORT_BUTTON = "export-button"

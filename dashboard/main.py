@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 
-__all__ = ["serve", "DashMissingError"]
+__all__ = ["serve", "DashMissingError", "is_loopback", "exposure_warning"]
 
 
 class DashMissingError(ImportError):
     """Dash is not installed; the message is one line that says how to install it."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
+
+
+def exposure_warning(host: str, port: int, root: str | os.PathLike[str]) -> str | None:
+    """The warning printed when ``host`` is not loopback, or None when it is."""
+    if is_loopback(host):
+        return None
+    return (
+        f"amprobe dashboard: WARNING: listening on {host}:{port}, beyond this machine. "
+        "The dashboard has no authentication: anyone who can reach this port can read every "
+        f"run under {os.path.abspath(root)} (paths, host names, command lines, layer names). "
+        "To view it from another machine, keep the default --host 127.0.0.1 and use an SSH "
+        f"tunnel instead: ssh -L {port}:127.0.0.1:{port} <this host>, then open "
+        f"http://127.0.0.1:{port}/"
+    )
 
 
 def serve(
@@ -21,7 +47,8 @@ def serve(
     """Serve the dashboard over the runs under ``root`` until interrupted.
 
     Binds to 127.0.0.1 unless ``host`` says otherwise: runs may hold paths and source lines,
-    so the dashboard is not exposed to the network by default.
+    so the dashboard is not exposed to the network by default. Any other ``host`` prints
+    :func:`exposure_warning` on stderr: the dashboard has no authentication.
 
     Raises:
         DashMissingError: dash is not installed.
@@ -36,6 +63,9 @@ def serve(
     from dashboard.app import create_app
 
     app = create_app(root)
+    warning = exposure_warning(host, port, root)
+    if warning:
+        print(warning, file=sys.stderr)
     print(
         f"amprobe dashboard: http://{host}:{port}/ (runs under {os.path.abspath(root)})",
         file=sys.stderr,

@@ -1,15 +1,27 @@
-"""Which runs the dashboard may open, and cached, incremental access to them.
+"""Which runs the dashboard may open, and cached, isolated, incremental access to them.
 
 Every run is read through amprobe's loading API: :func:`amprobe.load_run` and
 :func:`amprobe.diagnose` for a run as a whole, :func:`amprobe.store.read_table` from a kept
 byte offset for the new lines of a live run. Names given by a browser (URL paths, callback
 values) are resolved by :func:`resolve_run`, which refuses anything outside ROOT.
+
+A run directory is written by a training job, which the dashboard does not trust: before any
+of a run's files is read, :func:`inspect_run` checks every file the loader could open (regular
+files only, within size limits, no symbolic link that leaves ROOT). One bad run becomes one
+"unreadable" row that says why; it never takes the run list down.
+
+The run list is built for large roots: :meth:`RunCache.page` lists one page of runs from their
+manifests and end markers only (a few small reads per run), and the full load and diagnosis of
+the rows shown runs in background threads, cached by the files' sizes and mtimes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import queue
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -19,40 +31,95 @@ from typing import Any
 import pandas as pd
 
 import amprobe
+from amprobe.report.sections import build_sections
 from amprobe.store import read_table
+from amprobe.store.layout import (
+    has_format_marker,
+    open_regular,
+    parse_rank_dirname,
+    rank_state,
+    read_json_file,
+)
 
 __all__ = [
     "RunAccessError",
     "LoadedRun",
     "RunSummary",
+    "RunPage",
     "RunCache",
     "LiveTail",
     "TailUpdate",
     "resolve_run",
+    "inspect_run",
     "discover_runs",
     "is_run_dir",
+    "PENDING",
 ]
 
 #: How deep under ROOT run directories are looked for.
 MAX_DEPTH = 3
 #: A live run's load and diagnosis are reused for this long (its page follows the live tail).
 LIVE_RELOAD_S = 10.0
+#: Manifests and end markers are small; a larger one is not amprobe's and is not read.
+MAX_JSON_BYTES = 1 << 20
+#: The largest table file (``*.jsonl``) the dashboard loads; ``amprobe diagnose`` reads any size.
+MAX_TABLE_BYTES = 512 << 20
+#: Runs per page of the run list.
+PAGE_ROWS = 50
+#: Threads that load and diagnose the run list's rows in the background.
+DIAGNOSE_WORKERS = 1
+#: How long a run list request waits for its rows' diagnoses before showing them as pending.
+FIRST_WAIT_S = 0.3
+#: ... and only when at most this many rows wait (more would not be done in time anyway).
+_FIRST_WAIT_ROWS = 8
+#: The run list's text for a row whose diagnosis has not finished yet.
+PENDING = "diagnosing\u2026"
+#: The longest reason shown in an unreadable row.
+_MAX_REASON_CHARS = 300
 _RUN_MANIFEST = "manifest.json"
+_END_MARKER = "end.json"
+_RANK_PREFIX = "rank"
+_READ_SUFFIXES = (".json", ".jsonl")
 
 
 class RunAccessError(Exception):
-    """A run name that does not name a run directory under ROOT; the message is one line."""
+    """A run the dashboard will not or cannot open; the message is one line that says why."""
+
+
+def _rankish(name: str) -> bool:
+    """Names a loader may take for a rank folder (``rank²`` included): all of them are checked.
+
+    Which of them are ranks is :func:`amprobe.store.layout.parse_rank_dirname`'s answer
+    (``rank`` + ASCII digits); the wider net here only decides what :func:`inspect_run` checks.
+    """
+    return name.startswith(_RANK_PREFIX) and name[len(_RANK_PREFIX) :].isdigit()
+
+
+def _marked(manifest: Path) -> bool:
+    """Whether ``manifest`` may be an amprobe manifest, opening only a small regular file.
+
+    A regular file must carry the format marker; a link, FIFO or device in its place counts
+    (the run is then listed, and :func:`inspect_run` refuses it with the reason).
+    """
+    try:
+        st = os.lstat(manifest)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return True
+    return has_format_marker(manifest)
 
 
 def is_run_dir(path: Path) -> bool:
-    """True when ``path`` looks like an amprobe run directory (a manifest or a rank folder)."""
+    """True when ``path`` is an amprobe run directory: its manifest, or a rank folder's, carries
+    the format marker (an unrelated folder with a ``manifest.json`` is not a run).
+
+    Reads only small regular files, non-blocking; a link or FIFO is looked at with ``lstat``.
+    """
     try:
-        if (path / _RUN_MANIFEST).is_file():
+        if _marked(path / _RUN_MANIFEST):
             return True
-        return any(
-            p.name.startswith("rank") and p.name[4:].isdigit() and (p / _RUN_MANIFEST).is_file()
-            for p in path.iterdir()
-        )
+        return any(_rankish(p.name) and _marked(p / _RUN_MANIFEST) for p in path.iterdir())
     except OSError:
         return False
 
@@ -82,7 +149,7 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
     """Names (relative POSIX paths) of the run directories under ``root``, sorted.
 
     A run directory is not searched further; hidden folders and symlinks that leave
-    ``root`` are skipped.
+    ``root`` are skipped. Costs a few ``stat`` calls per folder and one small read per run.
     """
     base = root.resolve()
     found: list[str] = []
@@ -96,34 +163,145 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
             return
         try:
             children = sorted(
-                p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")
+                (Path(e.path), e.is_symlink())
+                for e in os.scandir(path)
+                if not e.name.startswith(".") and e.is_dir()
             )
         except OSError:
             return
-        for child in children:
-            real = child.resolve()
-            if real != base and base in real.parents:
-                walk(child, depth + 1)
+        for child, link in children:
+            if link:  # only a link can lead out of ROOT: its parent is inside
+                try:
+                    real = child.resolve()
+                except (OSError, RuntimeError):
+                    continue
+                if real == base or base not in real.parents:
+                    continue
+            walk(child, depth + 1)
 
     walk(base, 0)
     return sorted(found)
 
 
-def _signature(path: Path) -> tuple[Any, ...]:
-    """Sizes and mtimes of a run's files: changes whenever the run is written."""
-    sig: list[Any] = []
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
+
+
+def _within(base: Path, real: Path) -> bool:
+    return real == base or base in real.parents
+
+
+def _stat_inside(base: Path, path: Path, rel: str) -> os.stat_result:
+    """``stat`` of ``path``, following a symbolic link only when it stays under ``base``."""
     try:
-        for entry in sorted(os.scandir(path), key=lambda e: e.name):
-            if entry.is_dir():
-                for sub in sorted(os.scandir(entry.path), key=lambda e: e.name):
-                    st = sub.stat()
-                    sig.append((entry.name, sub.name, st.st_size, st.st_mtime_ns))
-            else:
-                st = entry.stat()
-                sig.append((entry.name, st.st_size, st.st_mtime_ns))
-    except OSError:
-        pass
+        st = os.lstat(path)
+    except OSError as exc:
+        raise RunAccessError(f"cannot read {rel}: {exc.strerror or exc}") from None
+    if not stat.S_ISLNK(st.st_mode):
+        return st
+    try:
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise RunAccessError(f"{rel} is a broken or looping symbolic link") from None
+    if not _within(base, real):
+        raise RunAccessError(
+            f"{rel} is a symbolic link that leaves the dashboard's root; not followed"
+        )
+    try:
+        return os.stat(real)
+    except OSError as exc:
+        raise RunAccessError(f"cannot read {rel}: {exc.strerror or exc}") from None
+
+
+def _check_file(st: os.stat_result, rel: str, max_table_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise RunAccessError(f"{rel} is {_kind(st.st_mode)}, not a regular file")
+    limit = MAX_JSON_BYTES if rel.endswith(".json") else max_table_bytes
+    if st.st_size > limit:
+        raise RunAccessError(
+            f"{rel} holds {st.st_size / 1e6:.0f} MB, more than the dashboard reads "
+            f"({limit / 1e6:.0f} MB); `amprobe diagnose` reads it"
+        )
+
+
+def inspect_run(root: Path, path: Path, max_table_bytes: int = MAX_TABLE_BYTES) -> tuple[Any, ...]:
+    """Check every file of run ``path`` the loader could open, before anything is read.
+
+    Looks at the run folder, its rank folders and the ``*.json``/``*.jsonl`` files in them
+    (``lstat``/``stat`` only: nothing is opened, so a FIFO cannot block and ``/dev/zero``
+    cannot be read). Returns the run's signature (names, sizes and mtimes), which changes
+    whenever the run is written.
+
+    Raises:
+        RunAccessError: a symbolic link that leaves ``root``, a file that is not a regular
+            file (FIFO, device, socket, folder), a file above the size limits, or a folder
+            that cannot be listed; the message names the file.
+    """
+    base = Path(root).resolve()
+    sig: list[Any] = []
+
+    def scan(folder: Path, prefix: str) -> list[os.DirEntry[str]]:
+        try:
+            return sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            raise RunAccessError(f"cannot list {prefix or '.'}: {exc.strerror or exc}") from None
+
+    for entry in scan(path, ""):
+        name = entry.name
+        if _rankish(name):
+            st = _stat_inside(base, Path(entry.path), name)
+            if not stat.S_ISDIR(st.st_mode):
+                continue  # the loader reads rank folders only
+            sig.append((name, "/"))
+            for sub in scan(Path(entry.path), name):
+                if not sub.name.endswith(_READ_SUFFIXES):
+                    continue
+                rel = f"{name}/{sub.name}"
+                st = _stat_inside(base, Path(sub.path), rel)
+                _check_file(st, rel, max_table_bytes)
+                sig.append((rel, st.st_size, st.st_mtime_ns))
+        elif name.endswith(_READ_SUFFIXES):
+            st = _stat_inside(base, Path(entry.path), name)
+            _check_file(st, name, max_table_bytes)
+            sig.append((name, st.st_size, st.st_mtime_ns))
     return tuple(sig)
+
+
+def _read_small_json(path: Path) -> dict[str, Any] | None:
+    """A manifest or end marker, read non-blocking as a small regular file, or None if unusable."""
+    try:
+        return read_json_file(path, max_bytes=MAX_JSON_BYTES)
+    except (OSError, ValueError):
+        return None
+
+
+def _first_record(path: Path, limit: int = 1 << 16) -> dict[str, Any] | None:
+    """The first record of a JSON Lines file, reading at most ``limit`` bytes."""
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(limit)
+        line, newline, _ = head.partition(b"\n")
+        obj = json.loads(line) if newline else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _text_field(obj: dict[str, Any] | None, *keys: str) -> str | None:
+    """The first of ``keys`` holding a non-empty string (a damaged field of another type is skipped)."""
+    for key in keys:
+        value = (obj or {}).get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 @dataclasses.dataclass
@@ -139,23 +317,53 @@ class LoadedRun:
     def sections(self) -> list[Any]:
         """The registered report sections, built once per load."""
         if self._sections is None:
-            from amprobe.report.sections import build_sections
-
             self._sections = build_sections(self.run, self.diagnosis)
         return self._sections
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSummary:
-    """One row of the run list."""
+    """One row of the run list.
+
+    ``steps`` is None and ``worst`` is :data:`PENDING` while the row's diagnosis runs;
+    ``error`` says why a run is unreadable (``status`` is then ``"unreadable"``).
+    """
 
     name: str
     status: str
     device: str
     dtype: str
-    steps: int
-    worst: str  # "error AMP-N03", "none", or "" when the run could not be read
+    steps: int | None
+    worst: str  # "error AMP-N03", "none", PENDING, or "" when the run could not be read
     error: str | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.worst == PENDING
+
+
+def _unreadable(name: str, why: str) -> RunSummary:
+    why = " ".join(str(why).split())
+    if len(why) > _MAX_REASON_CHARS:
+        why = why[: _MAX_REASON_CHARS - 1] + "\u2026"
+    return RunSummary(name, "unreadable", "", "", 0, "", error=why)
+
+
+def _internal_error(exc: BaseException) -> str:
+    return (
+        f"amprobe failed while reading this run ({type(exc).__name__}: {exc}); "
+        "`amprobe diagnose` on it says more"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPage:
+    """One page of the run list."""
+
+    rows: list[RunSummary]
+    page: int  # 1-based, clamped to 1..pages
+    pages: int
+    total: int  # runs under ROOT
 
 
 def _autocast_dtype(run: amprobe.Run) -> str:
@@ -171,9 +379,10 @@ def _autocast_dtype(run: amprobe.Run) -> str:
 
 
 def summarize(name: str, loaded: LoadedRun) -> RunSummary:
+    """The run list's row of a loaded, diagnosed run."""
     run, diagnosis = loaded.run, loaded.diagnosis
     steps = run.steps
-    device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device") or "not recorded"
+    device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
     if diagnosis.findings:
         first = diagnosis.findings[0]
         worst = f"{first.severity} {first.id}"
@@ -182,36 +391,118 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
     return RunSummary(
         name=name,
         status=run.status,
-        device=str(device),
+        device=device,
         dtype=_autocast_dtype(run),
         steps=int(steps["step"].nunique()) if len(steps) else 0,
         worst=worst,
     )
 
 
-class RunCache:
-    """Loaded and diagnosed runs, kept until their files change (least recently used first out).
+def peek_run(name: str, path: Path) -> RunSummary:
+    """A run list row from manifests, end markers and one line of steps: no full load.
 
-    A live run changes at every flush; it is loaded and diagnosed again at most every
-    :data:`LIVE_RELOAD_S` seconds (its page's figures follow :class:`LiveTail` meanwhile).
+    The run must have passed :func:`inspect_run`. Status, device and autocast dtype come from
+    small reads; the step count (when no end marker gives it) and the worst finding wait for
+    the background diagnosis (:data:`PENDING`).
+
+    Raises:
+        RunAccessError: the run has no rank folder.
+    """
+    ranks: list[tuple[int, Path]] = []
+    odd: list[str] = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        rank = parse_rank_dirname(entry.name)
+        if rank is not None and entry.is_dir():
+            ranks.append((rank, Path(entry.path)))
+        elif entry.name.startswith(_RANK_PREFIX) and entry.name[len(_RANK_PREFIX) :].isnumeric():
+            odd.append(entry.name)
+    if not ranks:
+        why = "no rank folder (rank0, rank1, ...)"
+        if odd:
+            why += f"; {', '.join(repr(n) for n in odd)} is not one: rank numbers use ASCII digits"
+        raise RunAccessError(why)
+    ranks.sort()
+    statuses = set()
+    device = dtype = None
+    steps: int | None = None
+    for i, (_, folder) in enumerate(ranks):
+        ended = (folder / _END_MARKER).exists()
+        manifest = _read_small_json(folder / _RUN_MANIFEST)
+        if i == 0:
+            device = _text_field(manifest, "gpu_name", "device")
+            dtype = _text_field(_first_record(folder / "steps.jsonl"), "autocast_dtype")
+            end = _read_small_json(folder / _END_MARKER) if ended else None
+            value = (end or {}).get("steps")
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                steps = value
+        # as the loader does: a rank of another host or a gone process reads as interrupted
+        state = rank_state(manifest or {}, ended=ended)
+        statuses.add(state if state in ("finished", "live") else "interrupted")
+    status = next(s for s in ("live", "interrupted", "finished") if s in statuses)
+    return RunSummary(
+        name=name,
+        status=status,
+        device=device or "not recorded",
+        dtype=dtype or PENDING,
+        steps=None if status == "live" else steps,
+        worst=PENDING,
+    )
+
+
+class RunCache:
+    """Runs under ROOT: the paged run list and loaded, diagnosed runs, kept until they change.
+
+    Loaded runs are kept least recently used first out (``max_entries``). A live run changes at
+    every flush; it is loaded and diagnosed again at most every :data:`LIVE_RELOAD_S` seconds
+    (its page's figures follow :class:`LiveTail` meanwhile). Run list rows are diagnosed by
+    ``workers`` daemon threads, the rows of the page asked for last first; rows of pages paged
+    away from are not diagnosed.
     """
 
-    def __init__(self, root: Path, max_entries: int = 8) -> None:
+    def __init__(
+        self,
+        root: Path,
+        max_entries: int = 8,
+        workers: int = DIAGNOSE_WORKERS,
+        max_table_bytes: int = MAX_TABLE_BYTES,
+        first_wait_s: float = FIRST_WAIT_S,
+    ) -> None:
         self.root = Path(root)
         self.max_entries = max_entries
+        self.workers = workers
+        self.max_table_bytes = max_table_bytes
+        self.first_wait_s = first_wait_s
         self._entries: OrderedDict[Path, tuple[tuple[Any, ...], LoadedRun, float]] = OrderedDict()
-        self._summaries: dict[Path, tuple[tuple[Any, ...], RunSummary]] = {}
+        #: name -> (signature, row, when): rows of diagnosed runs
+        self._rows: dict[str, tuple[tuple[Any, ...], RunSummary, float]] = {}
+        #: name -> (signature, row): rows read from manifests only
+        self._peeks: dict[str, tuple[tuple[Any, ...], RunSummary]] = {}
+        self._pending: dict[str, tuple[Any, ...]] = {}
+        #: the rows of the page asked for last: queued jobs for other rows are dropped
+        self._wanted: frozenset[str] = frozenset()
+        self._jobs: queue.LifoQueue[tuple[str, Path, tuple[Any, ...]]] = queue.LifoQueue()
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+
+    def check(self, name: str) -> tuple[Path, tuple[Any, ...]]:
+        """Run ``name``'s folder and signature, once :func:`inspect_run` has passed it.
+
+        Raises:
+            RunAccessError: the name is not a run under ROOT, or the run is refused.
+        """
+        path = resolve_run(self.root, name)
+        return path, inspect_run(self.root, path, self.max_table_bytes)
 
     def get(self, name: str) -> LoadedRun:
         """Load (or reuse) run ``name``.
 
         Raises:
-            RunAccessError: the name is not a run under ROOT.
+            RunAccessError: the name is not a run under ROOT, the run is refused, or amprobe
+                failed on it.
             amprobe.RunLoadError: the run cannot be read.
         """
-        path = resolve_run(self.root, name)
-        sig = _signature(path)
+        path, sig = self.check(name)
         with self._lock:
             hit = self._entries.get(path)
             if hit is not None:
@@ -220,36 +511,129 @@ class RunCache:
                 if (hit[0] == sig and not live) or (live and fresh):
                     self._entries.move_to_end(path)
                     return hit[1]
-        run = amprobe.load_run(path)
-        loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
+        try:
+            run = amprobe.load_run(path)
+            loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
+            row = summarize(name, loaded)
+        except (amprobe.RunLoadError, RunAccessError):
+            raise
+        except Exception as exc:
+            raise RunAccessError(_internal_error(exc)) from None
+        now = time.monotonic()
         with self._lock:
-            self._entries[path] = (sig, loaded, time.monotonic())
+            self._entries[path] = (sig, loaded, now)
             self._entries.move_to_end(path)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
+            self._rows[name] = (sig, row, now)
         return loaded
 
-    def summaries(self) -> list[RunSummary]:
-        """A summary of every run under ROOT; unreadable runs say why."""
-        out = []
-        for name in discover_runs(self.root):
+    # -- the run list ---------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Every run under ROOT (see :func:`discover_runs`)."""
+        return discover_runs(self.root)
+
+    def page(self, page: int | None = 1, page_size: int = PAGE_ROWS) -> RunPage:
+        """One page of the run list, from manifests; its rows' diagnoses are queued.
+
+        When only a few rows wait, waits up to ``first_wait_s`` for their diagnoses, so a small
+        root shows finished rows at once; a large one shows :data:`PENDING` rows at once, which
+        the next refresh fills in.
+        """
+        names = self.names()
+        pages = max(1, -(-len(names) // page_size))
+        number = min(max(int(page or 1), 1), pages)
+        shown = names[(number - 1) * page_size : number * page_size]
+        self._wanted = frozenset(shown)
+        rows = [self._row(name) for name in shown]
+        pending = sum(r.pending for r in rows)
+        if self.first_wait_s > 0 and 0 < pending <= _FIRST_WAIT_ROWS:
+            self.wait_idle(self.first_wait_s)
+            rows = [
+                self._row(name, queue_job=False) if r.pending else r
+                for name, r in zip(shown, rows, strict=True)
+            ]
+        return RunPage(rows=rows, page=number, pages=pages, total=len(names))
+
+    def _row(self, name: str, queue_job: bool = True) -> RunSummary:
+        try:
+            path, sig = self.check(name)
+        except RunAccessError as exc:
+            return _unreadable(name, str(exc))
+        now = time.monotonic()
+        with self._lock:
+            done = self._rows.get(name)
+            peek = self._peeks.get(name)
+        if done is not None:
+            live = done[1].status == "live"
+            if done[0] == sig and not live:
+                return done[1]
+            if live and now - done[2] < LIVE_RELOAD_S:
+                return done[1]
+        if peek is not None and peek[0] == sig:
+            row = peek[1]
+        else:
             try:
-                path = resolve_run(self.root, name)
+                row = peek_run(name, path)
             except RunAccessError as exc:
-                out.append(RunSummary(name, "unreadable", "", "", 0, "", error=str(exc)))
-                continue
-            sig = _signature(path)
-            hit = self._summaries.get(path)
-            if hit is not None and hit[0] == sig and hit[1].status != "live":
-                out.append(hit[1])
-                continue
+                row = _unreadable(name, str(exc))
+            except Exception as exc:
+                row = _unreadable(name, _internal_error(exc))
+            with self._lock:
+                self._peeks[name] = (sig, row)
+        if row.error:
+            return row  # refused from its manifests already: nothing to diagnose
+        if queue_job:
+            self._submit(name, path, sig)
+        return done[1] if done is not None else row  # the last diagnosis until the new one
+
+    def _submit(self, name: str, path: Path, sig: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self._pending.get(name) == sig:
+                return
+            self._pending[name] = sig
+            while len(self._threads) < self.workers:
+                thread = threading.Thread(
+                    target=self._work, name=f"amprobe-dashboard-{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+        self._jobs.put((name, path, sig))
+
+    def _work(self) -> None:
+        while True:
+            name, path, sig = self._jobs.get()
+            with self._lock:
+                if self._pending.get(name) != sig:
+                    continue  # superseded by a newer job for the same run
+                if name not in self._wanted:  # paged away: queued again when shown again
+                    del self._pending[name]
+                    self._idle.notify_all()
+                    continue
             try:
-                summary = summarize(name, self.get(name))
-            except (amprobe.RunLoadError, RunAccessError) as exc:
-                summary = RunSummary(name, "unreadable", "", "", 0, "", error=str(exc))
-            self._summaries[path] = (sig, summary)
-            out.append(summary)
-        return out
+                inspect_run(self.root, path, self.max_table_bytes)
+                run = amprobe.load_run(path)
+                row = summarize(name, LoadedRun(name, run, amprobe.diagnose(run)))
+            except (RunAccessError, amprobe.RunLoadError) as exc:
+                row = _unreadable(name, str(exc))
+            except Exception as exc:  # one run's failure must not stop the others
+                row = _unreadable(name, _internal_error(exc))
+            with self._lock:
+                self._rows[name] = (sig, row, time.monotonic())
+                if self._pending.get(name) == sig:
+                    del self._pending[name]
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no run list diagnosis is queued or running; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
 
 
 @dataclasses.dataclass(frozen=True)

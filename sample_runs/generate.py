@@ -43,6 +43,18 @@ SCENARIOS: dict[str, tuple[str, dict]] = {
         "bf16 autocast with a (needless) GradScaler",
         {"faults": (), "steps": 100, "dtype": torch.bfloat16},
     ),
+    "fp8-whatif": (
+        "bf16 autocast without a GradScaler, per-layer numerics every 10 steps; proj has an "
+        "outlier output channel 2**12 times larger than the others: embed and head fit fp8 "
+        "with per-tensor scaling (AMP-P01), proj's activations do not (AMP-P02)",
+        {
+            "faults": ("outlier_channel",),
+            "steps": 60,
+            "dtype": torch.bfloat16,
+            "use_scaler": False,
+            "config": {"numerics_every": 10},
+        },
+    ),
 }
 
 
@@ -63,10 +75,12 @@ def main() -> None:
     root = Path(args.out) if args.out else HERE
     for name in args.names:
         description, kwargs = SCENARIOS[name]
+        kwargs = dict(kwargs)
+        config = {"flush_every": 50, **kwargs.pop("config", {})}
         target = root / f"{args.prefix}{name}"
         if target.exists():
             shutil.rmtree(target)
-        train(target, device=device, config={"flush_every": 50}, **kwargs)
+        train(target, device=device, config=config, **kwargs)
         origin = f" Recorded on {device}" + (
             f" ({torch.cuda.get_device_name(device)})." if device.type == "cuda" else "."
         )

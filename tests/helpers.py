@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -17,9 +19,23 @@ from torch import nn
 from amprobe.store import schema
 from amprobe.store.loader import RankInfo, Run
 
-__all__ = ["fake_run", "TinyNet", "train_loop", "free_port", "torchrun_argv"]
+__all__ = ["amprobe_cli", "fake_run", "TinyNet", "train_loop", "free_port", "torchrun_argv"]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+def amprobe_cli(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m amprobe ARGS`` in a subprocess that imports this checkout's amprobe."""
+    env = {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
+    return subprocess.run(
+        [sys.executable, "-m", "amprobe", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def free_port() -> int:

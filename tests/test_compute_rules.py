@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import amprobe
+from amprobe.analysis.compute import alignment_frame, compute_mfu, pad_to, required_multiple
+from amprobe.analysis.peaks import PEAKS, lookup_peak, precision_of
 from amprobe.report.compute import build_compute_section, make_op_table
-from amprobe.rules.compute import alignment_frame, compute_mfu, pad_to, required_multiple
-from amprobe.rules.peaks import PEAKS, lookup_peak, precision_of
 from tests.helpers import fake_run
 
 

@@ -45,6 +45,8 @@ def texts(component: Any) -> list[str]:
             out.append(value)
         elif value is not None and prop in ("children", "label"):
             out.extend(texts(value))
+        elif prop == "data" and isinstance(value, list):  # a DataTable's rows
+            out.extend(v for row in value if isinstance(row, dict) for v in row.values())
     for prop in ("tabs",):
         out.extend(texts(getattr(component, prop, None)))
     return out
@@ -212,12 +214,15 @@ def test_compare_figure_overlays_two_runs(root: Path) -> None:
 
 
 def test_run_list_shows_every_run_with_status_and_worst_finding(ctx: callbacks.Context) -> None:
+    callbacks.render_page(ctx, "/")  # lists the runs and queues their diagnoses
+    assert ctx.cache.wait_idle(120)
     page = callbacks.render_page(ctx, "/")
     words = texts(page)
     assert "amp" in words and "group/synthetic" in words and "secret" not in " ".join(words)
     assert "finished" in words and "float16" in words
     diagnosis = amprobe.diagnose(amprobe.load_run(ctx.root / "amp"))
-    assert diagnosis.findings and diagnosis.findings[0].id in words
+    first = diagnosis.findings[0]
+    assert f"{first.severity} {first.id}" in words
 
 
 def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> None:
@@ -234,6 +239,32 @@ def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> No
         if key not in {s.key for s in ctx.cache.get("amp").sections}:
             assert any(w.startswith("not recorded") for w in texts(panel))
     assert find(page, ids.LIVE_INTERVAL).disabled is True
+
+
+def test_whatif_tab_shows_the_heatmap_and_switches_groups(ctx: callbacks.Context) -> None:
+    page = callbacks.render_page(ctx, "/run/amp")
+    panel = find(page, ids.WHATIF_PANEL)
+    assert panel is not None
+    radio = find(page, ids.WHATIF_GROUP)
+    assert radio.options == ["activations", "gradients"] and radio.value == "activations"
+    graph = find(page, ids.WHATIF_HEATMAP)
+    heat = next(t for t in graph.figure.data if t.type == "heatmap")
+    numerics = ctx.cache.get("amp").run.table("numerics")
+    outputs = numerics[numerics["kind"] == "output"].sort_values("order")
+    assert list(heat.y) == list(dict.fromkeys(outputs["module"]))
+    assert "activations" in graph.figure.layout.title.text
+    assert any("per-tensor scaling" in str(t.name) for t in graph.figure.data)
+    assert any("share of nonzero values lost" in w for w in texts(panel))
+    grads = callbacks.whatif_heatmap(ctx, "amp", "gradients")
+    assert "gradients" in grads.layout.title.text
+    heat = next(t for t in grads.data if t.type == "heatmap")
+    assert any(str(y).endswith("· output grad") for y in heat.y)
+    refused = callbacks.whatif_heatmap(ctx, "../amp", "activations")
+    assert "not a run under the dashboard's root" in refused.layout.title.text
+    # a run without per-layer numerics says why
+    page = callbacks.render_page(ctx, "/run/group/synthetic")
+    words = texts(find(page, ids.WHATIF_PANEL))
+    assert any("no per-layer exponent histogram was recorded" in w for w in words)
 
 
 def test_run_page_refuses_traversal_and_unknown_pages(ctx: callbacks.Context) -> None:
@@ -384,10 +415,6 @@ def test_long_tables_are_paged(ctx: callbacks.Context) -> None:
 def test_export_report_downloads_html(ctx: callbacks.Context) -> None:
     data, message = callbacks.export_report(ctx, None, "amp")
     assert message == ""
-    if callbacks._html_renderer() is None:
-        _, message = callbacks.export_report(ctx, 1, "amp")
-        assert "not installed" in message
-        pytest.skip("amprobe.report.html.render_html is not in this branch yet")
     data, message = callbacks.export_report(ctx, 1, "amp")
     assert message == "" and data["filename"] == "amp-report.html"
     assert "<html" in data["content"].lower()
@@ -441,6 +468,8 @@ def test_every_sample_run_renders() -> None:
     ctx = callbacks.Context(root=SAMPLE_RUNS)
     names = discover_runs(SAMPLE_RUNS)
     assert names
+    callbacks.render_page(ctx, "/")
+    assert ctx.cache.wait_idle(120)
     listing = texts(callbacks.render_page(ctx, "/"))
     for name in names:
         assert name in listing
@@ -463,7 +492,8 @@ def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: 
     from dashboard.app import create_app
 
     app = create_app(root)
-    assert len(app.callback_map) == 7
+    assert len(app.callback_map) == 8
+    assert any(ids.WHATIF_HEATMAP in key for key in app.callback_map)
     with pytest.raises(NotADirectoryError):
         create_app(tmp_path / "missing")
 
@@ -492,3 +522,17 @@ def test_live_run_is_rediagnosed_at_most_every_live_reload_s(
     live.close()
     done = cache.get("live")
     assert done.run.status == "finished" and cache.get("live") is done
+
+
+def test_finding_refs_render_as_links() -> None:
+    refs = (
+        "NaN checklist #9 (AMP-N09): unscale_ before clipping",
+        "https://pytorch.org/docs/stable/notes/amp_examples.html#gradient-clipping",
+        "NVIDIA guide: https://docs.nvidia.com/x.html",
+    )
+    small = layout.build_refs(refs)
+    links = [c for c in small.children if getattr(c, "href", None)]
+    assert [a.href for a in links] == [refs[1], "https://docs.nvidia.com/x.html"]
+    assert [a.children for a in links] == [refs[1], "NVIDIA guide"]
+    assert refs[0] in small.children  # the checklist item is plain text
+    assert layout.SEVERITIES == ("error", "warning", "info")

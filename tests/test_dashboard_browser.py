@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.browser
 
 _MISSING = browser_missing()
 SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"
+RUN_LINKS = f'#{ids.RUN_LIST_TABLE} td[data-dash-column="run"] a'
 
 
 def _steps(text: str) -> int:
@@ -52,7 +55,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
             # run list
             driver.get(server.url + "/")
             wait.until(ec.presence_of_element_located((By.ID, ids.RUN_LIST_TABLE)))
-            wait.until(lambda d: "amp" in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
+            wait.until(lambda d: amp_ids[0] in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
             listing = driver.find_element(By.ID, ids.RUN_LIST_TABLE).text
             assert "baseline" in listing and "finished" in listing and amp_ids[0] in listing
             if SAMPLE_RUNS.is_dir():
@@ -60,9 +63,7 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
 
             # open a run by clicking its link: findings show their IDs
             link = next(
-                a
-                for a in driver.find_elements(By.CSS_SELECTOR, f"[id^={ids.RUN_LINK_PREFIX}]")
-                if a.text == "amp"
+                a for a in driver.find_elements(By.CSS_SELECTOR, RUN_LINKS) if a.text == "amp"
             )
             link.click()
             wait.until(ec.text_to_be_present_in_element((By.ID, ids.RUN_TITLE), "amp"))
@@ -85,6 +86,30 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
                 )
             )
             assert driver.find_elements(By.CSS_SELECTOR, f"#{ids.LOSS_SCALE_GRAPH} .main-svg")
+
+            # the precision what-if heatmap renders, with the format windows drawn over it,
+            # and switches to the gradients
+            driver.find_element(
+                By.XPATH, "//*[contains(@class,'tab') and normalize-space()='Precision what-if']"
+            ).click()
+            heatmap = f"#{ids.WHATIF_HEATMAP}"
+            wait.until(
+                lambda d: (
+                    d.find_elements(By.CSS_SELECTOR, f"{heatmap} .heatmaplayer image")
+                    or d.find_elements(By.CSS_SELECTOR, f"{heatmap} .heatmaplayer .hm")
+                )
+            )
+            title = driver.find_element(By.CSS_SELECTOR, f"{heatmap} .gtitle").text
+            assert "activations" in title
+            assert len(driver.find_elements(By.CSS_SELECTOR, f"{heatmap} .shapelayer path")) >= 4
+            legend = driver.find_element(By.CSS_SELECTOR, f"{heatmap} .legend").text
+            assert "fp8-e4m3 as-is" in legend and "fp16 as-is" in legend
+            driver.find_element(
+                By.XPATH, f"//*[@id='{ids.WHATIF_GROUP}']//label[normalize-space()='gradients']"
+            ).click()
+            wait.until(
+                lambda d: "gradients" in d.find_element(By.CSS_SELECTOR, f"{heatmap} .gtitle").text
+            )
 
             # a live run gains steps while its page is open
             model = torch.nn.Linear(4, 1)
@@ -119,4 +144,69 @@ def test_dashboard_in_headless_chromium(tmp_path: Path) -> None:
     finally:
         if probe is not None:
             probe.close()
+        driver.quit()
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=f"no headless browser: {_MISSING}")
+def test_run_list_pages_many_runs_and_shows_hostile_ones_as_text(tmp_path: Path) -> None:
+    """120 runs, one a FIFO trap and one named like HTML: paged, filled in, nothing injected."""
+    import os
+
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from dashboard.app import create_app
+    from dashboard.runs import PENDING
+
+    for i in range(118):
+        write_synthetic_run(tmp_path / f"run{i:03d}", steps=3, seed=i)
+    write_synthetic_run(tmp_path / "<b>bold</b>", steps=3)
+    write_synthetic_run(tmp_path / "aaa_fifo", steps=3)
+    (tmp_path / "aaa_fifo" / "rank0" / "steps.jsonl").unlink()
+    os.mkfifo(tmp_path / "aaa_fifo" / "rank0" / "steps.jsonl")
+
+    app = create_app(tmp_path, refresh_ms=500)
+    driver = chromium_driver()
+    wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
+
+    def links(d: Any) -> list[str]:  # read in one script: the table re-renders as rows fill in
+        return d.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0])).map(a => a.textContent)",
+            RUN_LINKS,
+        )
+
+    try:
+        with ServerThread(app) as server:
+            driver.get(server.url + "/")
+            wait.until(lambda d: len(links(d)) == 50)
+            names = links(driver)
+            assert names[:3] == ["<b>bold</b>", "aaa_fifo", "run000"]  # the name is text
+            table = driver.find_element(By.ID, ids.RUN_LIST_TABLE)
+            assert not table.find_elements(By.TAG_NAME, "b")
+            assert "120 runs" in driver.find_element(By.ID, ids.RUN_LIST_PAGES).text
+            wait.until(lambda d: PENDING not in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
+            text = driver.find_element(By.ID, ids.RUN_LIST_TABLE).text
+            assert "unreadable: rank0/steps.jsonl is a FIFO, not a regular file" in text
+            assert "finished" in text
+
+            driver.find_element(By.CSS_SELECTOR, f"#{ids.RUN_LIST_TABLE} button.next-page").click()
+            wait.until(lambda d: links(d)[:1] == ["run048"])
+            driver.find_element(By.CSS_SELECTOR, f"#{ids.RUN_LIST_TABLE} button.last-page").click()
+            wait.until(lambda d: len(links(d)) == 20)
+            wait.until(lambda d: PENDING not in d.find_element(By.ID, ids.RUN_LIST_TABLE).text)
+
+            assert links(driver)[-1] == "run117"
+            driver.find_elements(By.CSS_SELECTOR, RUN_LINKS)[-1].click()
+            wait.until(lambda d: d.find_elements(By.ID, ids.RUN_TITLE))
+            assert driver.find_element(By.ID, ids.RUN_TITLE).text == "run117"
+
+            # plotly draws a run named like HTML as text: no bold tspan in the legend
+            driver.get(server.url + "/compare?a=" + quote("<b>bold</b>") + "&b=run000")
+            legend = f"#{ids.COMPARE_GRAPH} .legendtext"
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, legend)) == 2)
+            shown = [e.text for e in driver.find_elements(By.CSS_SELECTOR, legend)]
+            assert "<b>bold</b>" in shown
+            assert not driver.find_elements(By.CSS_SELECTOR, f"{legend} tspan[style*=bold]")
+    finally:
         driver.quit()

@@ -19,11 +19,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import amprobe
+from amprobe.analysis.frames import per_rank
+from amprobe.analysis.scaler import longest_run
 from amprobe.collectors import REGISTRY, Collector
 from amprobe.report.ranks import build_ranks_section
-from amprobe.rules.data import per_rank
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
-from amprobe.rules.scaler import longest_run
 from tests.helpers import TinyNet, fake_run, free_port, torchrun_argv, train_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,10 +93,8 @@ def test_d01_evidence_first_steps_and_values():
         for f in amprobe.diagnose(fake_run(ranks=[0, 1], steps=rows)).findings
         if f.id == "AMP-D01"
     )
-    assert f.evidence["first_skip_divergent_steps"] == [5]
-    assert (
-        f.evidence["first_scale_divergent_steps"][0] == 6
-    )  # scale_before differs from the next step on
+    assert f.evidence["skip_divergent_steps"] == [5]
+    assert f.evidence["scale_divergent_steps"][0] == 6  # scale_before differs from the next step on
     assert f.evidence["scales_at_first_divergence"] == {0: 512.0, 1: 1024.0}
     assert f.evidence["skipped_at_first_divergence"] == {0: True, 1: False}
 
@@ -256,7 +254,7 @@ class _RuntimeLike(Collector):
 
     name = "runtime_like"
 
-    def on_step_end(self, step, record):
+    def on_step_end(self, step, record, facts):
         record["data_wait_s"] = torch.tensor(
             1e-7
         )  # below any real step time, so the share stays in (0, 1]

@@ -83,7 +83,7 @@ def test_overflowing_layer_is_first_offender(tmp_path: Path) -> None:
     n05 = _finding(diagnosis, "AMP-N05")
     assert n05 is not None
     assert n05.evidence["module"] == "2" and n05.evidence["step"] == 0
-    assert n05.evidence["inf"] == expected_inf and n05.evidence["nan"] == 0
+    assert n05.evidence["inf_count"] == expected_inf and n05.evidence["nan_count"] == 0
     assert n05.evidence["output_dtype"] == "float16"
     assert _finding(diagnosis, "AMP-N04") is None
     # the always-on check saw the skipped step and armed full capture of the next steps
@@ -114,7 +114,7 @@ def test_nan_batch_is_nonfinite_input_not_overflow(tmp_path: Path) -> None:
     diagnosis = diagnose(run)
     n04 = _finding(diagnosis, "AMP-N04")
     assert n04 is not None
-    assert n04.evidence["steps"] == [2] and n04.evidence["nonfinite_elements"] == [2]
+    assert n04.evidence["nonfinite_steps"] == [2] and n04.evidence["nonfinite_elements"] == [2]
     assert _finding(diagnosis, "AMP-N05") is None
     assert _finding(diagnosis, "AMP-N11") is None  # a data problem is not blamed on fp16
     # step 2 was not sampled; the check armed steps 3..5

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from amprobe.analysis.numerics import compute_scale_hint, module_role
 from amprobe.report.numerics import build_numerics_section
 from amprobe.rules import diagnose
-from amprobe.rules.numerics import compute_scale_hint, module_role
 from tests.helpers import fake_run
 
 FP16_AUTOCAST = {"kind": "autocast_seen", "device": "cpu", "dtype": "float16", "enabled": True}
@@ -118,7 +118,7 @@ def test_nonfinite_input(bad_steps: dict, expected: list[int] | None) -> None:
     if expected is None:
         assert finding is None
     else:
-        assert finding is not None and finding.evidence["steps"] == expected
+        assert finding is not None and finding.evidence["nonfinite_steps"] == expected
         assert finding.evidence["nonfinite_elements"] == [
             bad_steps[s]["input_nonfinite"] for s in expected
         ]
@@ -160,7 +160,7 @@ def test_forward_overflow_names_module_and_role(module: str, mtype: str, role: s
     finding = _get(run, "AMP-N05")
     assert finding is not None
     assert finding.evidence["module"] == module and finding.evidence["step"] == 1
-    assert finding.evidence["role"] == role and finding.evidence["inf"] == 7
+    assert finding.evidence["role"] == role and finding.evidence["inf_count"] == 7
 
 
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
@@ -286,7 +286,7 @@ def test_sensitive_layers_half(dtype: str, unstable: bool, expected: list[str] |
         assert finding is not None
         assert [x["module"] for x in finding.evidence["layers"]] == expected
         assert finding.evidence["layers"][0]["role"] == "output projection"
-        assert finding.evidence["instability"]["scale_cuts"] == 1
+        assert finding.evidence["instability"]["scale_cut_count"] == 1
 
 
 # -- AMP-N03 / AMP-N11 evidence --------------------------------------------------------------------
@@ -332,7 +332,7 @@ def test_prefer_bf16_per_layer_evidence_and_bad_data() -> None:
     finding = _get(run, "AMP-N11")
     assert finding is not None
     assert finding.evidence["overflowing_layers"][0]["module"] == "head"
-    assert finding.evidence["overflowing_layers"][0]["nonfinite"] == 7
+    assert finding.evidence["overflowing_layers"][0]["nonfinite_count"] == 7
     bad_data = [{**r, "input_nonfinite": 1} for r in _collapse_steps(4)]
     assert _get(fake_run(steps=bad_data, events=[FP16_AUTOCAST]), "AMP-N11") is None
 

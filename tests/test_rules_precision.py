@@ -53,7 +53,7 @@ def test_n11_prefer_bf16(dtype, bf16_supported, cuts, expected):
         return
     (f,) = found
     assert f.severity == expected
-    assert f.evidence["scale_cuts"] == len(cuts)
+    assert f.evidence["scale_cut_count"] == len(cuts)
     assert f.evidence["skipped_share"] == pytest.approx(len(cuts) / 100, abs=1e-4)
     assert f.evidence["skipped_steps"] == cuts[:20]
     assert f.evidence["device"] == "cpu"
@@ -126,11 +126,11 @@ def test_n12_fp16_without_scaler(steps, events, expect, disabled):
     (f,) = found
     assert f.severity == "warning"
     assert f.evidence["autocast_dtypes"] == ["float16"]
-    assert f.evidence["scalers_seen"] == len(events) - sum(
+    assert f.evidence["scaler_count"] == len(events) - sum(
         e["kind"] != "scaler_created" for e in events
     )
-    assert f.evidence["disabled_scalers"] == disabled
-    assert f.evidence["steps"] == 20
+    assert f.evidence["disabled_scaler_count"] == disabled
+    assert f.evidence["step_count"] == 20
     assert ("disabled" in f.title) == bool(disabled)
 
 
@@ -163,9 +163,9 @@ def test_n13_half_loss(loss_dtypes, expected_dtype):
     half = [i for i, d in enumerate(loss_dtypes) if d in ("float16", "bfloat16")]
     assert f.severity == "warning"
     assert f.evidence["loss_dtype"] == expected_dtype
-    assert f.evidence["steps_affected"] == len(half)
-    assert f.evidence["steps"] == len(loss_dtypes)
-    assert f.evidence["first_steps"] == half[:20]
+    assert f.evidence["affected_step_count"] == len(half)
+    assert f.evidence["step_count"] == len(loss_dtypes)
+    assert f.evidence["half_loss_steps"] == half[:20]
 
 
 def test_n13_not_checked_without_loss():
@@ -199,8 +199,8 @@ def test_n14_half_master_weights(half, total, expect):
         return
     (f,) = found
     assert f.severity == "error"
-    assert f.evidence["half_params"] == half
-    assert f.evidence["trainable_params"] == total
+    assert f.evidence["half_param_count"] == half
+    assert f.evidence["trainable_param_count"] == total
     assert f.evidence["optimizer"] == "SGD"
     assert f.evidence["param_dtypes"] == event["param_dtypes"]
 
@@ -248,7 +248,7 @@ def test_n15_bf16_needless_scaler(dtypes, expect):
     (f,) = found
     assert f.severity == "info"
     assert f.evidence["autocast_dtypes"] == sorted(dtypes)
-    assert f.evidence["scaled_steps"] == len(rows)
+    assert f.evidence["scaled_step_count"] == len(rows)
 
 
 def test_n15_not_checked_without_scaler():

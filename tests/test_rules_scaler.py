@@ -58,11 +58,11 @@ def test_n01_scale_backoff(n, cuts, interval, expected):
     assert len(found) == 1
     f = found[0]
     assert f.severity == expected
-    assert f.evidence["cuts"] == len(cuts)
-    assert f.evidence["steps"] == n
+    assert f.evidence["cut_count"] == len(cuts)
+    assert f.evidence["step_count"] == n
     assert f.evidence["cut_steps"] == sorted(cuts)[:20]
     assert f.evidence["growth_interval"] == interval
-    assert f.evidence["calibration_cuts"] == 0
+    assert f.evidence["calibration_cut_count"] == 0
     assert f.evidence["cuts_per_growth_interval"] == pytest.approx(
         len(cuts) / (n / interval), abs=1e-3
     )
@@ -84,7 +84,7 @@ def test_n01_initial_calibration_is_not_judged(cuts, expected, calibration):
     run = fake_run(steps=scaled_steps(100, cuts=cuts), events=[scaler_event(growth_interval=10)])
     (f,) = findings_of(diag(run), "AMP-N01")
     assert f.severity == expected
-    assert f.evidence["calibration_cuts"] == calibration
+    assert f.evidence["calibration_cut_count"] == calibration
     later = len(cuts) - calibration
     assert f.evidence["cuts_per_growth_interval"] == pytest.approx(later / (100 / 10), abs=1e-3)
     if later == 0:
@@ -144,8 +144,8 @@ def test_n02_skip_rate(n, skipped, expected):
     assert f.severity == expected
     rate = (n - skipped) / n
     assert f.evidence["success_rate"] == pytest.approx(rate, abs=1e-4)
-    assert f.evidence["skipped"] == skipped
-    assert f.evidence["steps"] == n
+    assert f.evidence["skipped_count"] == skipped
+    assert f.evidence["step_count"] == n
     assert f.evidence["skipped_steps"] == cut_steps[:20]
     assert (f.evidence["warn_below"], f.evidence["error_below"]) == (0.95, 0.90)
 
@@ -203,7 +203,7 @@ def test_n03_scale_collapse(n, cuts, init, expect, run_len, start, below_at):
     (f,) = found
     assert f.severity == "error"
     assert f.evidence["min_scale"] == init / 2 ** len(list(cuts))
-    assert f.evidence["longest_cut_run"] == run_len
+    assert f.evidence["consecutive_cut_count"] == run_len
     assert f.evidence["cut_run_starts_at_step"] == start
     assert f.evidence["first_step_below_min"] == below_at
 
@@ -245,8 +245,8 @@ def test_n07_scale_chronically_low(n, cuts, growth, expect):
     assert f.severity == "warning"
     assert f.evidence["final_scale"] == final
     assert f.evidence["init_scale"] == init
-    assert f.evidence["steps_without_growth"] == window
-    assert f.evidence["cuts_in_window"] == len([c for c in cuts if c >= n - window])
+    assert f.evidence["no_growth_step_count"] == window
+    assert f.evidence["window_cut_count"] == len([c for c in cuts if c >= n - window])
 
 
 def test_n07_threshold_override():
@@ -296,9 +296,9 @@ def test_n08_scaler_recreated(sites, resets, expect, instances_at_site):
         return
     (f,) = found
     assert f.severity == "error"
-    assert f.evidence["instances"] == len(sites)
+    assert f.evidence["instance_count"] == len(sites)
     assert f.evidence["scale_reset_steps"] == resets
-    assert f.evidence["instances_at_site"] == instances_at_site
+    assert f.evidence["site_instance_count"] == instances_at_site
     if instances_at_site and instances_at_site > 1:
         assert f.evidence["site"] == "t.py:20"
         assert f.evidence["created_at_steps"] == [i for i, s in enumerate(sites) if s == "t.py:20"]
@@ -336,9 +336,9 @@ def test_n09_clip_before_unscale(bad_steps, expect):
         return
     (f,) = found
     assert f.severity == "error"
-    assert f.evidence["steps_affected"] == len(bad_steps)
-    assert f.evidence["steps"] == 30
-    assert f.evidence["first_steps"] == bad_steps[:20]
+    assert f.evidence["affected_step_count"] == len(bad_steps)
+    assert f.evidence["step_count"] == 30
+    assert f.evidence["clipped_steps"] == bad_steps[:20]
     assert f.evidence["functions"] == ["clip_grad_norm_"]
     assert f.evidence["call_sites"] == ["t.py:7"]
 
@@ -395,8 +395,8 @@ def test_n10_scaler_not_restored(events, expect):
         return
     (f,) = found
     assert f.severity == "warning"
-    assert f.evidence["optimizer_loads"] == 1
-    assert f.evidence["skipped_in_first_20_steps"] == 3
+    assert f.evidence["optimizer_load_count"] == 1
+    assert f.evidence["early_skipped_count"] == 3
     assert f.evidence["first_scale"] == 65536.0
     assert f.evidence["init_scale"] == 65536.0
 
@@ -414,7 +414,7 @@ def test_health_scaler_success_rate(n, skipped):
     run = fake_run(steps=scaled_steps(n, cuts=range(skipped)))
     metric = diag(run).health["scaler_success_rate"]
     assert metric["value"] == pytest.approx((n - skipped) / n)
-    assert metric["steps"] == n and metric["skipped"] == skipped
+    assert metric["step_count"] == n and metric["skipped_count"] == skipped
 
 
 def test_health_success_rate_without_scaler_or_steps():

@@ -53,7 +53,7 @@ def test_input_bound_evidence():
     f = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-S01")
     assert f.evidence["data_wait_share"] == pytest.approx(0.5)
     assert f.evidence["gpu_util"] == "not checked: no NVIDIA driver"
-    assert f.evidence["steps_measured"] == 5
+    assert f.evidence["measured_step_count"] == 5
     run = fake_run(_steps(6, 0.0), tables={"gpu": _gpu(6, 30.0)})
     f = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-S01")
     assert f.evidence["gpu_util_median"] == 30.0 and "median GPU utilization 30%" in f.title

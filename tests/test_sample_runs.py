@@ -22,6 +22,7 @@ EXPECTED = {
     ),
     "misuse": ({"AMP-N08", "AMP-N09", "AMP-N10", "AMP-N13"}, {"AMP-N03", "AMP-N15"}),
     "bf16": ({"AMP-N15"}, {"AMP-N01", "AMP-N02", "AMP-N03", "AMP-N11", "AMP-N12"}),
+    "fp8-whatif": ({"AMP-P01", "AMP-P02"}, {"AMP-P03", "AMP-N15", "AMP-N01", "AMP-N05"}),
 }
 
 
@@ -48,7 +49,7 @@ def test_overflow_sample_numbers():
     skipped = steps[steps["skipped"]]
     assert list(skipped["step"]) == list(range(80, 120)), "the planted overflow spans steps 80..119"
     n03 = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-N03")
-    assert n03.evidence["longest_cut_run"] == 40
+    assert n03.evidence["consecutive_cut_count"] == 40
     assert n03.evidence["cut_run_starts_at_step"] == 80
     start_scale = float(steps.set_index("step").loc[80, "scale_before"])
     assert n03.evidence["min_scale"] == pytest.approx(start_scale / 2**40)
@@ -60,3 +61,18 @@ def test_overflow_sample_names_the_planted_layer():
     assert "booster" in n05.title, "the planted Booster layer is the first module to overflow"
     n03 = next(f for f in findings if f.id == "AMP-N03")
     assert "booster" in str(dict(n03.evidence)), "the collapse names the offending layer"
+
+
+def test_fp8_whatif_sample_names_candidates_and_the_outlier_layer():
+    run = amprobe.load_run(SAMPLES / "fp8-whatif")
+    findings = {f.id: f for f in amprobe.diagnose(run).findings}
+    p01, p02 = findings["AMP-P01"], findings["AMP-P02"]
+    assert [x["module"] for x in p01.evidence["layers"]] == ["embed", "head"]
+    assert p01.evidence["flops_source"].startswith("compute_ops")
+    assert 0 < p01.evidence["candidate_flops_share"] < 1
+    # the planted outlier channel of proj (2**12 times the others) widens its range
+    assert p02.title.startswith("proj activations span 2^")
+    assert "would flush to zero in fp8-e4m3 even with per-tensor scaling" in p02.title
+    hostile = p02.evidence["layers"][0]
+    assert hostile["module"] == "proj" and hostile["lost_share"] > 0.01
+    assert int(run.steps["numerics_sampled"].sum()) == 6

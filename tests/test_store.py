@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import amprobe
 from amprobe.report import render_json, render_text
-from amprobe.store import RunLoadError, load_run, schema
+from amprobe.store import RunLoadError, StoreError, load_run, schema
 from amprobe.store.loader import read_table
 from amprobe.store.writer import RunWriter
 
@@ -149,7 +149,7 @@ def test_two_ranks_and_incremental_read(tmp_path: Path):
 
 
 def test_writer_refuses_to_overwrite(run_dir: Path):
-    with pytest.raises(amprobe.ConfigError, match="already holds"):
+    with pytest.raises(StoreError, match="already holds"):
         RunWriter(run_dir, 0, 1, {}, max_buffered_rows=10)
 
 
@@ -267,8 +267,9 @@ def test_garbage_line_in_middle_is_dropped_and_counted(run_dir: Path, garbage: b
     kept = list(run.steps["step"].dropna().astype(int))
     assert [s for s in kept if s in range(12)] == list(range(12))  # every good record kept
     if garbage.startswith(b'{"step"'):
-        # parses as an object: kept with the bad field nulled
-        assert len(run.steps) == 13 and run.steps["step"].isna().sum() == 1
+        # parses as an object, but a steps row without a valid step cannot be placed: dropped
+        assert len(run.steps) == 12
+        assert any("1 record(s) without a valid integer step dropped" in w for w in run.warnings)
     else:
         assert len(run.steps) == 12
         assert any("1 unreadable record(s) skipped in steps.jsonl" in w for w in run.warnings)

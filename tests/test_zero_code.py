@@ -10,19 +10,9 @@ from pathlib import Path
 import pytest
 
 import amprobe
-from tests.helpers import torchrun_argv
+from tests.helpers import amprobe_cli, torchrun_argv
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-
-
-def amprobe_cli(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "amprobe", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def run_script(

@@ -22,6 +22,8 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             original(module)
+            if _amprobe_initializing():
+                return  # `import amprobe` came first: its __init__ attaches once it is complete
             try:
                 from amprobe.autoattach import activate_from_env
 
@@ -31,6 +33,13 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module
         return spec
+
+
+def _amprobe_initializing():
+    """True while ``import amprobe`` is still running (it imported torch itself)."""
+    module = sys.modules.get("amprobe")
+    spec = getattr(module, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 def _chain_user_sitecustomize():

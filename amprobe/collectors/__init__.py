@@ -1,11 +1,13 @@
-"""Collectors: what runs inside the training process and records it.
+"""Collectors: subscribers to the hub's events that turn a training process into records.
 
-:data:`REGISTRY` maps the names accepted in ``Config.collectors`` to collector classes.
+:data:`REGISTRY` maps the names accepted in ``Config.collectors`` to collector classes. Adding a
+collector: subclass :class:`Collector`, override the ``on_*`` events it needs, declare its steps
+columns in :mod:`amprobe.store.fields`, and register it here. It never patches torch.
 """
 
 from __future__ import annotations
 
-from amprobe.collectors.base import Collector
+from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.compute import ComputeCollector
 from amprobe.collectors.discovery import RootModelFinder
 from amprobe.collectors.numerics import NumericsCollector
@@ -22,6 +24,8 @@ __all__ = [
     "RootModelFinder",
     "RuntimeCollector",
     "ScalerCollector",
+    "StepFacts",
+    "due",
 ]
 
 REGISTRY: dict[str, type[Collector]] = {

@@ -1,73 +1,185 @@
-"""The collector protocol: lifecycle hooks that default to no-ops."""
+"""The collector protocol: typed events from the hub, each a documented no-op by default.
+
+A collector never patches torch and never reads another collector's state: the
+:class:`~amprobe.hub.Hub` installs every interception once and calls the ``on_*`` methods a
+collector overrides, with the shared facts of the iteration (loss, found-inf, loss scale) as
+arguments, so the order collectors run in cannot change what they record.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from amprobe.probe import Probe
+    import torch
 
-__all__ = ["Collector"]
+    from amprobe.probe import Probe
+    from amprobe.store.fields import Field
+
+__all__ = ["Collector", "StepFacts", "due"]
+
+
+def due(step: int, every: int, first: int = 0) -> bool:
+    """The one sampling schedule: ``first``, ``first + every``, ``first + 2 * every``, ...
+
+    Args:
+        step: the iteration in question.
+        every: period in steps; 0 (or less) means never.
+        first: the first sampled step.
+    """
+    return every > 0 and step >= first and (step - first) % every == 0
+
+
+@dataclass
+class StepFacts:
+    """What the hub saw of one iteration, shared with every collector at its end.
+
+    Tensors stay on their device (reading them would synchronize); the probe reads back the
+    values a collector puts into the step record at flush, in one transfer per device.
+
+    Attributes:
+        loss: sum of the scalar losses passed to ``GradScaler.scale()`` (or, without a scaler,
+            to ``backward()``) during the iteration: the objective whose gradient this step
+            applies. With gradient accumulation a framework divides each micro-batch's loss by
+            the accumulation count, so this is the mean loss the framework logs.
+        loss_count: how many scalar losses were summed.
+        loss_dtype: dtype of the first loss seen.
+        scaler: the GradScaler that owns the step boundary, when one is used.
+        scaler_enabled: that scaler was enabled.
+        scale_before: its loss scale used for this iteration's backward (0-d tensor).
+        scale_after: its loss scale after ``update()``.
+        growth_tracker: consecutive unskipped steps after ``update()``.
+        found_inf: inf/NaN found in the gradients, summed over optimizers and devices.
+    """
+
+    loss: torch.Tensor | None = None
+    loss_count: int = 0
+    loss_dtype: str | None = None
+    scaler: Any = None
+    scaler_enabled: bool = False
+    scale_before: torch.Tensor | None = None
+    scale_after: torch.Tensor | None = None
+    growth_tracker: torch.Tensor | None = None
+    found_inf: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Collector:
-    """Base class of every collector.
+    """Base class of every collector: a subscriber to the hub's events.
 
-    A collector overrides only the hooks it needs. The probe calls each hook through a
-    dispatcher that catches any exception, records it once in the run (``collector_error``
-    event) and switches the collector off, so a collector bug never reaches the training loop.
+    Override only the events you need (the hub calls only overridden ones). Every call goes
+    through the hub's guard: an exception is recorded once in the run (``collector_error``
+    event) and switches that collector off; it never reaches the training loop. Only
+    :meth:`on_attach` may raise, and only :class:`amprobe.ConfigError` for a configuration
+    mistake. Per-step events are not delivered while the probe is dormant.
 
-    Hooks:
-        on_attach(probe): install hooks/patches; raise :class:`amprobe.ConfigError` here for
-            configuration mistakes (the only hook allowed to raise to the user).
-        on_model(model): a root model became known (attach argument or discovery).
-        on_object(obj): an optimizer or GradScaler was passed to attach or discovered.
-        on_step_end(step, record): the iteration ``step`` ended; add this collector's per-step
-            fields to ``record`` (device tensors are fine: the probe reads them back at flush).
-        on_flush(writer): write buffered rows of this collector's own tables.
-        on_recording(active): recording starts (``True``) or stops (``False``) at a step
-            boundary; see "Dormant probes" below.
-        on_close(): remove every hook and patch this collector installed.
+    Class attributes:
+        name: the name accepted in ``Config.collectors``.
+        fields: the ``steps`` columns this collector writes (see :mod:`amprobe.store.fields`);
+            writing a column not declared here is reported as an ``undeclared_field`` event.
 
-    Dormant probes (``Config.dormant``, ``amprobe run --dormant``, ``amprobe attach``):
-        A probe may be attached with ``probe.recording`` False. While it is dormant the probe
-        still counts steps but dispatches no ``on_step_end`` and no ``on_flush`` (except the
-        final flush at close), so a collector must keep its per-step cost near zero:
-
-        * install class-level patches and global hooks in ``on_attach`` if needed, but make
-          their bodies return at once while ``probe.recording`` is False (a single attribute
-          read), unless they are needed to find step boundaries;
-        * install per-layer hooks (forward/backward hooks on the model's modules) only while
-          recording: in ``on_model`` when ``probe.recording`` is True, and for every model in
-          ``probe.models`` on ``on_recording(True)``; remove them all on ``on_recording(False)``
-          (and in ``on_close``);
-        * drop any partial per-step state on ``on_recording(True)``: the first recorded step
-          starts at the boundary where recording began.
-
-        ``on_recording`` is dispatched from the training thread at a step boundary, after
-        ``probe.window`` has been incremented (``True``) or before the window is flushed
-        (``False``). A probe attached with recording on never receives ``on_recording(True)``.
+    Per-layer hooks a collector registers on the user's modules (never on torch itself) go
+    through :meth:`amprobe.hub.Hub.guard` and are removed by the collector in
+    :meth:`on_recording` (``False``) and :meth:`on_close`.
     """
 
-    name: str = "collector"
+    name: ClassVar[str] = "collector"
+    fields: ClassVar[tuple[Field, ...]] = ()
 
+    # -- lifecycle ---------------------------------------------------------------------------
     def on_attach(self, probe: Probe) -> None:
+        """Set up; may raise ConfigError. ``probe.hub`` is ready, no model is known yet."""
         self.probe = probe
 
-    def on_model(self, model: Any) -> None:
-        return None
-
-    def on_object(self, obj: Any) -> None:
-        return None
-
-    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
-        return None
-
-    def on_flush(self, writer: Any) -> None:
-        return None
+    def on_model(self, model: torch.nn.Module) -> None:
+        """A root model became known (attach argument, discovery, or live attach)."""
 
     def on_recording(self, active: bool) -> None:
-        return None
+        """Recording starts (True) or stops (False) at a step boundary (dormant probes)."""
+
+    def on_flush(self, writer: Any) -> None:
+        """Write this collector's own tables; the step records were read back just before."""
 
     def on_close(self) -> None:
-        return None
+        """Remove every hook this collector registered and stop its threads."""
+
+    # -- objects -----------------------------------------------------------------------------
+    def on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer was seen for the first time (delivered while dormant too)."""
+
+    def on_scaler(self, scaler: torch.amp.GradScaler, site: str | None) -> None:
+        """A GradScaler was seen for the first time; ``site`` is its creation line, or None
+        when it was created before the probe attached (delivered while dormant too)."""
+
+    def on_scaler_state_loaded(self, scaler: torch.amp.GradScaler, state: Any) -> None:
+        """``GradScaler.load_state_dict`` ran (delivered while dormant too)."""
+
+    def on_optimizer_state_loaded(self, optimizer: torch.optim.Optimizer, restored: bool) -> None:
+        """``Optimizer.load_state_dict`` ran; ``restored`` when the state had been trained
+        (per-parameter state present), not a re-placement of a fresh optimizer's state."""
+
+    # -- one iteration -----------------------------------------------------------------------
+    def on_step_begin(self, step: int) -> None:
+        """Iteration ``step`` starts (after the previous boundary, or when recording starts)."""
+
+    def wants_ops(self, step: int) -> bool:
+        """Ask for :meth:`on_op` during iteration ``step``; asked right after ``on_step_begin``."""
+        return False
+
+    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """An aten op ran (below autocast and autograd), on steps this collector asked for."""
+
+    def on_batch(self, wait_s: float, iterator: Any) -> None:
+        """A DataLoader iterator returned a batch after ``wait_s`` seconds (probe time excluded)."""
+
+    def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        """A root model's forward starts."""
+
+    def on_forward_end(self, model: torch.nn.Module) -> None:
+        """A root model's forward ended (also when it raised)."""
+
+    def on_autocast(self, device: str, dtype: str | None, enabled: bool) -> None:
+        """An autocast region was entered."""
+
+    def on_autocast_exit(self, device: str) -> None:
+        """An autocast region was left."""
+
+    def on_scale(self, scaler: torch.amp.GradScaler, loss: torch.Tensor | None) -> None:
+        """``GradScaler.scale`` ran; ``loss`` is the scalar it scaled (None for other outputs)."""
+
+    def on_backward_begin(self, loss: torch.Tensor | None) -> None:
+        """``torch.autograd.backward`` (or ``Tensor.backward``) starts; ``loss`` if scalar."""
+
+    def on_backward_end(self) -> None:
+        """Backward ended."""
+
+    def on_unscale(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.unscale_`` ran for ``optimizer``."""
+
+    def on_clip(self, function: str, grads: list[Any], site: str | None) -> None:
+        """``clip_grad_norm_`` or ``clip_grad_value_`` is about to read ``grads``."""
+
+    def on_scaler_step(
+        self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """``GradScaler.step(optimizer)`` was called."""
+
+    def on_optimizer_step_begin(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer's ``step`` starts (it was not skipped)."""
+
+    def on_optimizer_step_end(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer's ``step`` ended."""
+
+    def on_scaler_update(
+        self,
+        scaler: torch.amp.GradScaler,
+        scale_before: torch.Tensor | None,
+        scale_after: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """``GradScaler.update`` of the scaler that owns the step boundary ran (device tensors)."""
+
+    def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        """Iteration ``step`` ended: add this collector's declared fields to ``record``
+        (device tensors are fine: the probe reads them back at flush)."""

@@ -18,17 +18,11 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.amp.autocast_mode import autocast
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-from amprobe.collectors.base import Collector
-from amprobe.collectors.patching import patch
+from amprobe.collectors.base import Collector, StepFacts, due
+from amprobe.hub import dtype_name
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
 
@@ -225,29 +219,6 @@ class _OrderedSet:
         return max(group, key=lambda p: (self._owns_params(p[1]), p[1].count("."), p[0]))[1]
 
 
-class _CaptureMode(TorchDispatchMode):
-    """Records matmul-class ops and counts the bytes of every other op (one sampled step)."""
-
-    def __init__(self, owner: ComputeCollector) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        try:
-            self.owner._observe(func, args, kwargs, out)
-        except Exception as exc:  # never raise into the user's op
-            self.owner._capture_error = exc
-        return out
-
-
 class ComputeCollector(Collector):
     """Records what the step computes: GEMM/conv/attention shapes, dtypes, modules and FLOPs.
 
@@ -268,11 +239,12 @@ class ComputeCollector(Collector):
     Events: ``model_params`` (root class, parameters, trainable parameters, parameter dtypes),
     ``compute_capture_error`` (a capture that could not be completed).
 
-    A capture starts at the root model's first forward of the sampled step (or, when no model
-    is known, at the end of the previous step) and ends at the step's end. Cost: nothing on
-    other steps beyond one flag check in a forward pre-hook; a captured step runs every aten op
-    through Python (several times a plain step on CPU). No host-device sync: only shapes and
-    dtypes are read.
+    The ops come from the hub's one dispatch mode, asked for on captured steps only. A capture
+    counts from the root model's first forward of the sampled step (or, when no model is known,
+    from the step's start) to the step's end; ops of a forward or backward run inside
+    ``optimizer.step(closure)`` count as forward/backward, not optimizer, bytes. Cost: nothing
+    on other steps; a captured step runs every aten op through Python (several times a plain
+    step on CPU). No host-device sync: only shapes and dtypes are read.
     """
 
     name = "compute"
@@ -282,39 +254,37 @@ class ComputeCollector(Collector):
         self._every = probe.config.shapes_every
         self._limit = probe.config.shapes_captures
         self._captures = 0
-        self._armed = False
         self._capturing = False
+        self._started = False
         self._capture_step = -1
-        self._handles: list[Any] = []
-        self._mode: _CaptureMode | None = None
         self._tracker: ModuleTracker | None = None
         self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
         self._rows: list[dict[str, Any]] = []
         self._capture_error: Exception | None = None
-        self._autocast_patch: tuple[Any, Any] | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
-        # permanent (a dict insert/remove from inside an optimizer hook would break its loop);
-        # each costs one attribute check per optimizer step
-        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
-        if self._due(probe.step):
-            self._arm()
+        self._in_optimizer = 0
+        self._in_model = 0  # forward/backward nested inside optimizer.step(closure)
 
     # -- schedule ----------------------------------------------------------------------------
     def _due(self, step: int) -> bool:
-        if step < 1 or (self._limit and self._captures >= self._limit):
+        if self._limit and self._captures >= self._limit:
             return False
-        return (step - 1) % self._every == 0
+        return due(step, self._every, first=1)
 
-    def _arm(self) -> None:
-        if not self.probe.recording:
-            return
-        self._armed = True
-        if not self._roots:
-            self._start()
+    def on_step_begin(self, step: int) -> None:
+        if self._capturing:
+            self._stop()
+        if self._due(step):
+            self._start(step)
 
-    # -- hooks ---------------------------------------------------------------------------------
+    def wants_ops(self, step: int) -> bool:
+        return self._capturing
+
+    def on_recording(self, active: bool) -> None:
+        if not active and self._capturing:
+            self._stop()
+
     def on_model(self, model: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             return
@@ -333,21 +303,56 @@ class ComputeCollector(Collector):
             param_dtypes=dict(dtypes),
         )
         self._roots.append((weakref.ref(model), type(model).__name__))
-        self._handles.append(model.register_forward_pre_hook(self._on_root_forward))
 
-    def _on_root_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._armed or self._capturing or not torch.is_grad_enabled():
+    def on_forward_begin(self, model: Any, args: Any, kwargs: Any) -> None:
+        self._started = self._capturing  # the capture counts from the root's forward
+        if self._in_optimizer:
+            self._in_model += 1
+
+    def on_forward_end(self, model: Any) -> None:
+        if self._in_optimizer and self._in_model:
+            self._in_model -= 1
+
+    def on_backward_begin(self, loss: Any) -> None:
+        if self._in_optimizer:
+            self._in_model += 1
+
+    def on_backward_end(self) -> None:
+        if self._in_optimizer and self._in_model:
+            self._in_model -= 1
+
+    def on_optimizer_step_begin(self, optimizer: Any) -> None:
+        self._in_optimizer += 1
+
+    def on_optimizer_step_end(self, optimizer: Any) -> None:
+        self._in_optimizer = max(0, self._in_optimizer - 1)
+        if not self._in_optimizer:
+            self._in_model = 0
+
+    def on_autocast(self, device: str, dtype: str | None, enabled: bool) -> None:
+        if not self._capturing:
             return
-        try:
-            self._start(module, args)
-        except Exception as exc:
-            self.probe.collector_failed(self.name, exc)
+        stack = getattr(self._local, "stack", None) or [dict(self._seed)]
+        top = dict(stack[-1])
+        top[device] = ("enabled", dtype) if enabled else ("disabled", None)
+        stack.append(top)
+        self._local.stack = stack
 
-    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+    def on_autocast_exit(self, device: str) -> None:
+        stack = getattr(self._local, "stack", None)
+        if self._capturing and stack and len(stack) > 1:
+            stack.pop()
+
+    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self._started:
+            try:
+                self._observe(func, args, kwargs, out)
+            except Exception as exc:  # loses this capture only (recorded at its end)
+                self._capture_error = exc
+
+    def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         if self._capturing:
             self._finish(step)
-        if self._due(step + 1):
-            self._arm()
 
     def on_flush(self, writer: Any) -> None:
         rows, self._rows = self._rows, []
@@ -361,45 +366,31 @@ class ComputeCollector(Collector):
         if self._capturing:
             with contextlib.suppress(Exception):
                 self._stop()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     # -- capture -------------------------------------------------------------------------------
-    def _start(self, root: torch.nn.Module | None = None, args: Any = None) -> None:
-        self._armed = False
+    def _start(self, step: int) -> None:
         self._capturing = True
-        self._capture_step = self.probe.step
+        self._started = not self._roots  # no model known: count from the step's start
+        self._capture_step = step
         self._t_start = time.perf_counter()
         self._ops: dict[tuple[Any, ...], list[float]] = {}
         self._other_ops = 0
         self._other_bytes = 0
         self._opt_bytes = 0
-        self._in_optimizer = 0
         self._capture_error = None
-        self._in_optimizer = 0
         self._clock = 0
         self._param_owners: dict[str, bool] = {}
         self._seed_autocast()
-        self._patch_autocast()
         self._tracker = ModuleTracker()
         self._tracker.parents = self._ordered(self._tracker.parents)  # type: ignore[assignment]
         self._tracker.__enter__()
-        if root is not None and hasattr(self._tracker, "_fw_pre_hook"):
-            # the root's global pre-hooks already ran before this local hook: enter it by hand
-            self._tracker._fw_pre_hook(root, args)
-        self._mode = _CaptureMode(self)
-        self._mode.__enter__()
 
     def _stop(self) -> None:
         self._capturing = False
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
+        self._started = False
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
-        self._unpatch_autocast()
 
     def _finish(self, step: int) -> None:
         self._stop()
@@ -445,68 +436,19 @@ class ComputeCollector(Collector):
             }
         )
 
-    def _opt_pre(self, *args: Any) -> None:
-        if self._capturing:
-            self._in_optimizer += 1
-
-    def _opt_post(self, *args: Any) -> None:
-        if self._capturing:
-            self._in_optimizer = max(0, self._in_optimizer - 1)
-
     # -- autocast state: not visible inside the dispatch mode (the key is excluded there) --------
     def _seed_autocast(self) -> None:
         state: dict[str, tuple[str, str | None]] = {}
         for dev in ("cpu", "cuda"):
             with contextlib.suppress(Exception):
                 if torch.is_autocast_enabled(dev):
-                    state[dev] = ("enabled", _dtype_name(torch.get_autocast_dtype(dev)))
+                    state[dev] = ("enabled", dtype_name(torch.get_autocast_dtype(dev)))
         self._seed = state
         self._local.stack = [dict(state)]
 
     def _autocast_state(self, device: str) -> tuple[str, str | None]:
         stack = getattr(self._local, "stack", None) or [self._seed]
         return stack[-1].get(device, ("outside", None))
-
-    def _patch_autocast(self) -> None:
-        c = self
-
-        def make_enter(orig_enter: Any) -> Any:
-            def __enter__(self: autocast) -> Any:
-                result = orig_enter(self)
-                with contextlib.suppress(Exception):
-                    stack = getattr(c._local, "stack", None) or [dict(c._seed)]
-                    top = dict(stack[-1])
-                    enabled = bool(getattr(self, "_enabled", True))
-                    top[str(self.device)] = (
-                        ("enabled", _dtype_name(self.fast_dtype)) if enabled else ("disabled", None)
-                    )
-                    stack.append(top)
-                    c._local.stack = stack
-                return result
-
-            return __enter__
-
-        def make_exit(orig_exit: Any) -> Any:
-            def __exit__(self: autocast, *exc: Any) -> Any:
-                with contextlib.suppress(Exception):
-                    stack = getattr(c._local, "stack", None)
-                    if stack and len(stack) > 1:
-                        stack.pop()
-                return orig_exit(self, *exc)
-
-            return __exit__
-
-        self._autocast_patch = (
-            patch(autocast, "__enter__", make_enter),
-            patch(autocast, "__exit__", make_exit),
-        )
-
-    def _unpatch_autocast(self) -> None:
-        if self._autocast_patch is None:
-            return
-        for handle in self._autocast_patch:
-            handle.remove()
-        self._autocast_patch = None
 
     # -- per-op work (inside the dispatch mode) --------------------------------------------------
     def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -522,7 +464,7 @@ class ComputeCollector(Collector):
         for a in args:
             moved += _nbytes(a)
         with self._lock:
-            if self._in_optimizer:
+            if self._in_optimizer and not self._in_model:
                 self._opt_bytes += moved
             else:
                 self._other_ops += 1
@@ -591,10 +533,6 @@ class ComputeCollector(Collector):
             if inner.startswith(root_name + "."):
                 return inner[len(root_name) + 1 :]
         return inner
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return str(dtype).replace("torch.", "") if dtype is not None else None
 
 
 def _tf32_enabled() -> bool:

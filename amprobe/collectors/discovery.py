@@ -1,7 +1,7 @@
 """Root-model discovery for zero-code and live attach.
 
 Two ways to find the root modules being trained, with no reference to the user's objects:
-:class:`RootModelFinder` watches which modules are called at top level during the first steps;
+:class:`RootModelFinder` has the hub watch which modules are called at top level;
 :func:`find_live_training_objects` scans the garbage collector's object list once (used when
 attaching to a job that is already running, where there is no "first step" to watch).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,98 +19,45 @@ from amprobe.collectors.base import Collector
 
 __all__ = ["LiveObjects", "RootModelFinder", "find_live_training_objects", "find_root_modules"]
 
-_GIVE_UP_AFTER_STEPS = 3
-
 
 class RootModelFinder(Collector):
     """Finds the root modules being trained, with no reference to the user's objects.
 
-    A global forward pre/post hook tracks call depth; modules called at depth 0 are candidate
-    roots. At the end of each of the first steps, the candidates whose parameters an optimizer
-    updates are registered with the probe (``probe.add_model``) and the global hooks are removed,
-    so the cost is paid for the first steps only.
+    Asks the hub to watch top-level module calls (a global forward pre/post hook tracking call
+    depth): the first module called at depth 0 with gradients enabled whose parameters an
+    optimizer updates is registered at that very call (so step 0 is recorded in full); modules
+    whose optimizer appears only later are checked at each of the first step boundaries. The
+    global hooks are removed as soon as a root is found, or after three steps.
 
     A dormant probe installs nothing: when recording starts and no model is known yet
-    (:meth:`amprobe.Probe.start_recording` scans live objects first), the hooks are installed
-    for the first recorded steps; when recording stops they are removed.
+    (:meth:`amprobe.Probe.start_recording` scans live objects first), discovery runs for the
+    first recorded steps; when recording stops it is removed.
     """
 
     name = "discovery"
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
-        self._depth = 0
-        self._roots: list[weakref.ReferenceType[torch.nn.Module]] = []
-        self._handles: list[Any] = []
-        self._first_step = 0
         if probe.recording:
-            self._install()
+            probe.hub.start_discovery()
 
-    def _install(self) -> None:
-        from torch.nn.modules import module as module_mod
+    def _knows_a_model(self) -> bool:
+        return any(ref() is not None for ref in self.probe.models)
 
-        self._depth = 0
-        self._first_step = self.probe.step
-        self._handles.append(module_mod.register_module_forward_pre_hook(self._pre))
-        self._handles.append(module_mod.register_module_forward_hook(self._post, always_call=True))
+    def on_model(self, model: Any) -> None:
+        self.probe.hub.stop_discovery()
 
     def on_recording(self, active: bool) -> None:
         if not active:
-            self.on_close()
-        elif not self._handles and not any(ref() is not None for ref in self.probe.models):
-            self._install()
+            self.probe.hub.stop_discovery()
+        elif not self._knows_a_model():
+            self.probe.hub.start_discovery()
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if (
-            self._depth == 0
-            and torch.is_grad_enabled()
-            and not any(r() is module for r in self._roots)
-        ):
-            self._roots.append(weakref.ref(module))
-        self._depth += 1
-
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
-
-    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
-        if not self._handles:
-            return
-        trained: set[int] = set()
-        for opt in _live_optimizers():
-            for group in opt.param_groups:
-                trained.update(id(p) for p in group["params"])
-        found = False
-        for ref in self._roots:
-            root = ref()
-            if root is not None and any(id(p) in trained for p in root.parameters()):
-                self.probe.add_model(root)
-                found = True
-        if found or step + 1 - self._first_step >= _GIVE_UP_AFTER_STEPS:
-            if not found:
-                self.probe.event(
-                    "discovery_failed",
-                    reason="no module called at top level owns optimizer parameters",
-                )
-            self.on_close()
+    def on_step_end(self, step: int, record: dict[str, Any], facts: Any) -> None:
+        self.probe.hub.check_candidates(step)
 
     def on_close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-
-def _live_optimizers() -> list[torch.optim.Optimizer]:
-    """Optimizers seen by the scaler collector's global step hooks."""
-    from amprobe.probe import current_probe
-
-    probe = current_probe()
-    if probe is None:
-        return []
-    for collector in probe.collectors:
-        seen = getattr(collector, "_seen_opts", None)
-        if seen is not None:
-            return list(seen)
-    return []
+        self.probe.hub.stop_discovery()
 
 
 @dataclasses.dataclass

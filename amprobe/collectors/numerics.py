@@ -13,8 +13,8 @@ Each tensor is reduced on its device by :mod:`amprobe.collectors.numstats` with 
 host-device sync: one histogram of its 16-bit magnitude patterns, folded once per step into a
 256-bin base-2 exponent histogram of the fp32 ``|x|`` plus exact-zero and NaN counts and the
 maximum. Gradients are measured as divided by the current loss scale (the GradScaler's
-``_scale`` tensor, kept on device). Tables are read back at flush in one transfer. Hooks exist only during sampled steps, so other steps pay nothing but the
-always-on check.
+``_scale`` tensor, kept on device). Tables are read back at flush in one transfer. Hooks exist
+only during sampled steps, so other steps pay nothing but the always-on check.
 
 Always on: a forward pre-hook on the root models counts non-finite elements of their
 floating inputs into a device counter, and the loss tensor recorded by the scaler collector is
@@ -53,22 +53,23 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import struct
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.amp import GradScaler
 
-from amprobe.collectors.base import Collector
+from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.numstats import C_AMAX as _C_AMAX
 from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
 from amprobe.collectors.numstats import C_NAN as _C_NAN
 from amprobe.collectors.numstats import C_ZEROS as _C_ZEROS
 from amprobe.collectors.numstats import H0 as _H0
 from amprobe.collectors.numstats import StepStats, count_nonfinite
-from amprobe.collectors.patching import patch
+from amprobe.store.fields import Field, fields_of
 
 __all__ = [
     "NumericsCollector",
@@ -181,6 +182,7 @@ class NumericsCollector(Collector):
     """
 
     name = "numerics"
+    fields: ClassVar[tuple[Field, ...]] = fields_of("numerics")
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -198,7 +200,6 @@ class NumericsCollector(Collector):
             tuple[weakref.ReferenceType[torch.nn.Module], tuple[int, int | None, int | None]]
         ] = []
         self._params: list[tuple[weakref.ReferenceType[torch.nn.Parameter], int]] = []
-        self._always: list[Any] = []
         self._capture_handles: list[Any] = []
         self._armed_until = -1
         self._cur: _Capture | None = None
@@ -211,34 +212,18 @@ class NumericsCollector(Collector):
         # CUDA: (step, pinned host flag, event) copies in flight; read once the event has passed
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._scaler: weakref.ReferenceType[GradScaler] | None = None
-        self._scale_orig: Any = None
-        self._install_scale_patch()
+        self._inputs_described: set[int] = set()
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _install_scale_patch(self) -> None:
-        c = self
+    def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
+        if self._scaler is None and getattr(scaler, "_enabled", False):
+            self._scaler = weakref.ref(scaler)
 
-        def make(orig: Any) -> Any:
-            def scale(self: GradScaler, outputs: Any) -> Any:
-                return _scale(orig, self, outputs)
-
-            return scale
-
-        def _scale(orig: Any, self: GradScaler, outputs: Any) -> Any:
-            result = orig(self, outputs)
-            if not c.probe.closed and c.probe.is_enabled(c.name):
-                try:
-                    if getattr(self, "_enabled", False):
-                        c._scaler = weakref.ref(self)
-                except Exception as exc:  # pragma: no cover - defensive
-                    c.probe.collector_failed(c.name, exc)
-            return result
-
-        self._scale_orig = patch(GradScaler, "scale", make)
-
-    def on_object(self, obj: Any) -> None:
-        if isinstance(obj, GradScaler) and getattr(obj, "_enabled", False):
-            self._scaler = weakref.ref(obj)
+    def on_scale(self, scaler: GradScaler, loss: torch.Tensor | None) -> None:
+        if getattr(scaler, "_enabled", False):  # the scaler in use divides this step's grads
+            current = self._scaler() if self._scaler is not None else None
+            if current is not scaler:
+                self._scaler = weakref.ref(scaler)
 
     def _selected(self, name: str) -> bool:
         return not self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
@@ -284,29 +269,15 @@ class NumericsCollector(Collector):
                 for p in own:
                     if p.requires_grad:
                         self._params.append((weakref.ref(p), gparam))
-        self._always.append(
-            model.register_forward_pre_hook(self._guarded(self._on_root_input), with_kwargs=True)
-        )
         if self._sampled(self.probe.step):
             self._install_capture()
 
     # -- sampling ------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
-        return self.probe.recording and (step % self.every == 0 or step <= self._armed_until)
+        return self.probe.recording and (due(step, self.every) or step <= self._armed_until)
 
     def _guarded(self, fn: Any) -> Any:
-        probe = self.probe
-
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            if probe.closed or not probe.is_enabled(self.name):
-                return None
-            try:
-                fn(*args, **kwargs)
-            except Exception as exc:
-                probe.collector_failed(self.name, exc)
-            return None
-
-        return hook
+        return self.probe.hub.guard(self, fn)
 
     def _install_capture(self) -> None:
         if self._capture_handles:
@@ -428,13 +399,22 @@ class NumericsCollector(Collector):
 
         return hook
 
-    def _on_root_input(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+    def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
         root = next((r for ref, r in self._roots if ref() is model), None)
-        if root is None or not self.probe.recording:
+        if root is None:
             return
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         floats = [t for t in tensors if t.is_floating_point()]
+        if root not in self._inputs_described:
+            self._inputs_described.add(root)
+            self.probe.event(
+                "model_inputs",
+                root=type(model).__name__,
+                floating=len(floats),
+                integer=sum(1 for t in tensors if not t.is_floating_point()),
+                dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+            )
         capturing = bool(self._capture_handles)
         for i, t in enumerate(floats):
             count = (~torch.isfinite(t.detach())).sum()
@@ -443,31 +423,39 @@ class NumericsCollector(Collector):
                 self._measure(self._input_slots[root][i], t)
 
     # -- step boundary ------------------------------------------------------------------------------
-    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+    def on_step_begin(self, step: int) -> None:
+        if self._sampled(step):
+            self._install_capture()
+        else:
+            self._remove_capture()
+
+    def on_recording(self, active: bool) -> None:
+        if not active:
+            self._remove_capture()
+        self._input_bad = None
+
+    def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         record["numerics_sampled"] = bool(self._capture_handles)
+        flags: dict[str, Any] = {"found_inf": facts.found_inf}
         if self._input_bad is not None:
-            record["input_nonfinite"] = self._input_bad
+            record["input_nonfinite"] = flags["input_nonfinite"] = self._input_bad
             self._input_bad = None
-        loss = record.get("loss")
-        if isinstance(loss, torch.Tensor):
-            record["loss_nonfinite"] = ~torch.isfinite(loss.detach()).all()
+        if isinstance(facts.loss, torch.Tensor):
+            record["loss_nonfinite"] = flags["loss_nonfinite"] = ~torch.isfinite(facts.loss).all()
         cap = self._cur
         if cap is not None and cap.step == step:
             self._done.append(cap)
         self._cur = None
         if self._device is not None and self._device.type == "cpu":
             # reading a CPU tensor costs no device sync: arm at once
-            if _record_bad(record):
+            if _record_bad(flags):
                 self._arm(step)
         else:
-            self._watch.append(record)  # fallback: read back at flush with everything else
+            flags["step"] = step
+            self._watch.append(flags)  # fallback: read back at flush with the step records
             if self._device is not None and self._device.type == "cuda":
-                self._watch_async(step, record)
+                self._watch_async(step, flags)
         self._poll_in_flight()
-        if self._sampled(step + 1):
-            self._install_capture()
-        else:
-            self._remove_capture()
 
     def _watch_async(self, step: int, record: dict[str, Any]) -> None:
         """Copy this step's "something is non-finite" flag to pinned host memory, no sync.
@@ -514,11 +502,9 @@ class NumericsCollector(Collector):
     # -- flush ------------------------------------------------------------------------------------
     def on_flush(self, writer: Any) -> None:
         watch, self._watch = self._watch, []
-        for record in watch:  # values were read back by the probe just before this hook
-            if _record_bad(record):
-                self._arm(int(record["step"]))
-        if self._sampled(self.probe.step):
-            self._install_capture()
+        for flags in _to_host(watch):  # device flags: one transfer per device, at flush
+            if _record_bad(flags):
+                self._arm(int(flags["step"]))
         done, self._done = self._done, []
         if not done:
             return
@@ -657,12 +643,6 @@ class NumericsCollector(Collector):
 
     def on_close(self) -> None:
         self._remove_capture()
-        for handle in self._always:
-            handle.remove()
-        self._always.clear()
-        if self._scale_orig is not None:
-            self._scale_orig.remove()
-            self._scale_orig = None
 
 
 def _first_float(out: Any) -> torch.Tensor | None:
@@ -673,6 +653,21 @@ def _first_float(out: Any) -> torch.Tensor | None:
             if isinstance(item, torch.Tensor) and item.is_floating_point():
                 return item
     return None
+
+
+def _to_host(watch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The flag tensors of the watched steps as Python values: one stacked copy per device."""
+    out = [dict(flags) for flags in watch]
+    by_device: dict[torch.device, list[tuple[dict[str, Any], str, torch.Tensor]]] = {}
+    for flags in out:
+        for key, value in flags.items():
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append((flags, key, value))
+    for items in by_device.values():
+        values = torch.stack([v.detach().reshape(()).double() for _, _, v in items]).cpu().tolist()
+        for (flags, key, _), value in zip(items, values, strict=True):
+            flags[key] = value
+    return out
 
 
 def _pinned_flag() -> torch.Tensor:
@@ -693,6 +688,4 @@ def _bits_to_float(bits: int) -> float:
 
 
 def _log2(value: float) -> float:
-    import math
-
     return math.log2(value) if value > 0 and math.isfinite(value) else 0.0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from amprobe.collectors.base import Collector
 from amprobe.config import ConfigError
+from amprobe.store.loader import read_table
 
 if TYPE_CHECKING:
     from amprobe.probe import Probe
@@ -126,7 +127,7 @@ class PrometheusCollector(Collector):
         self._gpu_util: dict[str, float] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
-        self._pending_start = bool(getattr(probe, "_lazy", False))
+        self._pending_start = probe.lazy
         if not self._pending_start:
             self._start()
 
@@ -150,7 +151,7 @@ class PrometheusCollector(Collector):
         return f"http://{self.host}:{self.port}/metrics"
 
     # -- hot path: keep a reference, read nothing -----------------------------------------------
-    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
+    def on_step_end(self, step: int, record: dict[str, Any], facts: Any) -> None:
         if self._pending_start:
             self._start()  # raising here switches only this collector off (dispatcher)
         self._records.append(record)
@@ -207,8 +208,6 @@ class PrometheusCollector(Collector):
 
     # -- scrape time (server thread) -------------------------------------------------------------
     def _read_new(self, table: str) -> Any:
-        from amprobe.store.loader import read_table
-
         writer = self.probe.writer
         if writer is None:
             return None

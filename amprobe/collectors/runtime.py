@@ -9,22 +9,16 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch.utils.data import dataloader as _dataloader
 
-from amprobe.collectors.base import Collector
+from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.nvml import GpuSampler
-from amprobe.collectors.patching import Patch, patch
 from amprobe.collectors.syncs import SyncCounter
+from amprobe.store.fields import Field, fields_of
 
 __all__ = ["RuntimeCollector", "PHASES", "read_rss_bytes"]
 
@@ -53,7 +47,9 @@ class RuntimeCollector(Collector):
       the next batch); ``batches``: batches fetched during the step.
     - ``fwd_s``, ``bwd_s``, ``opt_s``: seconds inside the root models' forward, inside
       ``torch.autograd.backward`` and inside ``optimizer.step`` (host time: on CUDA this is the
-      time to launch the work; the device time is in the ``cuda_phases`` table).
+      time to launch the work; the device time is in the ``cuda_phases`` table). Phases nest:
+      a forward and backward run inside ``optimizer.step(closure)`` (Lightning, LBFGS) count
+      as forward and backward, not as optimizer time.
     - ``peak_mem_bytes``: CUDA only, ``torch.cuda.max_memory_allocated`` over the step (the
       allocator's host-side counter, no sync); the peak is reset at every step unless
       ``Config.reset_peak_memory`` is False (then it is the peak since the start).
@@ -73,112 +69,36 @@ class RuntimeCollector(Collector):
 
     Cost: two ``perf_counter`` calls per batch and per phase, one ``/proc`` read per step;
     on CUDA two events per phase and a host-side allocator query. The NVML sampler runs in its
-    own thread. The sync-counting dispatch mode costs about 10 % on sampled steps only.
+    own thread. Sync counting (the hub's op mode) costs about 10 % on sampled steps only.
     """
 
     name = "runtime"
+    fields: ClassVar[tuple[Field, ...]] = fields_of("runtime")
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
         cfg = probe.config
         self._syncs_every: int = cfg.syncs_every
-        self._originals: list[Patch] = []
-        self._handles: list[Any] = []
         self._wait = 0.0
         self._batches = 0
         self._acc: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._depth: dict[str, int] = dict.fromkeys(PHASES, 0)
-        self._t_open: dict[str, float] = {}
+        self._stack: list[str] = []  # open phases, innermost last: only it accumulates time
+        self._seg = 0.0  # when the innermost open phase (re)started accumulating
         self._ev_open: dict[str, Any] = {}
         self._cuda_events: list[tuple[int, str, Any, Any]] = []
         self._sync_rows: list[dict[str, Any]] = []
         self._counter: SyncCounter | None = None
-        self._sync_disabled = False
         self._sampler: GpuSampler | None = None
         self._sampler_started = False
         self._event_counts: dict[str, int] = defaultdict(int)
         self._loader_configs: set[tuple[Any, ...]] = set()
-        self._install()
+        self._iterators_seen: weakref.WeakSet[Any] = weakref.WeakSet()
         self._maybe_start_sampler()
-        self._maybe_start_syncs(probe.step)
-
-    # -- installation -------------------------------------------------------------------------
-    def _live(self) -> bool:
-        probe = self.probe
-        return not probe.closed and probe.recording and probe.is_enabled(self.name)
-
-    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
-        if not self._live():
-            return
-        try:
-            fn(*args)
-        except Exception as exc:
-            self.probe.collector_failed(self.name, exc)
-
-    def _patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
-        self._originals.append(patch(owner, attr, make))
-
-    def _install(self) -> None:
-        c = self
-        probe = self.probe
-
-        def wrap_next(orig: Any) -> Any:
-            def __next__(self_it: Any) -> Any:
-                if not c._live():
-                    return orig(self_it)
-                c._guard(c._before_batch, self_it)
-                t0 = time.perf_counter()
-                p0 = probe.probe_time
-                try:
-                    return orig(self_it)
-                finally:
-                    spent = time.perf_counter() - t0 - max(0.0, probe.probe_time - p0)
-                    c._guard(c._after_batch, spent)
-
-            return __next__
-
-        def wrap_backward(orig: Any) -> Any:
-            def backward(*args: Any, **kwargs: Any) -> Any:
-                c._guard(c._begin, "bwd")
-                try:
-                    return orig(*args, **kwargs)
-                finally:
-                    c._guard(c._end, "bwd")
-
-            return backward
-
-        self._patch(_dataloader._BaseDataLoaderIter, "__next__", wrap_next)
-        self._patch(torch.autograd, "backward", wrap_backward)
-        self._handles.append(
-            register_optimizer_step_pre_hook(lambda opt, args, kwargs: c._guard(c._begin, "opt"))
-        )
-        self._handles.append(
-            register_optimizer_step_post_hook(lambda opt, args, kwargs: c._guard(c._end, "opt"))
-        )
-
-    def on_model(self, model: Any) -> None:
-        if not isinstance(model, torch.nn.Module):
-            return
-        self._handles.append(
-            model.register_forward_pre_hook(lambda mod, args: self._guard(self._begin, "fwd"))
-        )
-        self._handles.append(
-            model.register_forward_hook(
-                lambda mod, args, out: self._guard(self._end, "fwd"), always_call=True
-            )
-        )
 
     def on_close(self) -> None:
         if self._sampler is not None:
             self._sampler.stop()
-        self._stop_syncs()
-        for handle in self._handles:
-            with contextlib.suppress(Exception):
-                handle.remove()
-        self._handles.clear()
-        for handle in reversed(self._originals):
-            handle.remove()
-        self._originals.clear()
 
     def _event(self, kind: str, **detail: Any) -> None:
         self._event_counts[kind] += 1
@@ -186,18 +106,19 @@ class RuntimeCollector(Collector):
             self.probe.event(kind, **detail)
 
     # -- data loader --------------------------------------------------------------------------
-    def _before_batch(self, it: Any) -> None:
-        self.probe.touch()
-        if getattr(it, "_amprobe_seen", False):
+    def on_batch(self, wait_s: float, iterator: Any) -> None:
+        self._wait += wait_s
+        self._batches += 1
+        if iterator in self._iterators_seen:
             return
-        with contextlib.suppress(Exception):
-            it._amprobe_seen = True
+        with contextlib.suppress(TypeError):
+            self._iterators_seen.add(iterator)
         config = (
-            getattr(it, "_num_workers", None),
-            getattr(it, "_prefetch_factor", None),
-            getattr(it, "_pin_memory", None),
-            getattr(it, "_persistent_workers", None),
-            getattr(getattr(it, "_index_sampler", None), "batch_size", None),
+            getattr(iterator, "_num_workers", None),
+            getattr(iterator, "_prefetch_factor", None),
+            getattr(iterator, "_pin_memory", None),
+            getattr(iterator, "_persistent_workers", None),
+            getattr(getattr(iterator, "_index_sampler", None), "batch_size", None),
         )
         if config not in self._loader_configs:
             self._loader_configs.add(config)
@@ -210,11 +131,25 @@ class RuntimeCollector(Collector):
             )
             self._event("dataloader_seen", **dict(zip(keys, config, strict=True)))
 
-    def _after_batch(self, spent: float) -> None:
-        self._wait += spent
-        self._batches += 1
-
     # -- phases -------------------------------------------------------------------------------
+    def on_forward_begin(self, model: Any, args: Any, kwargs: Any) -> None:
+        self._begin("fwd")
+
+    def on_forward_end(self, model: Any) -> None:
+        self._end("fwd")
+
+    def on_backward_begin(self, loss: Any) -> None:
+        self._begin("bwd")
+
+    def on_backward_end(self) -> None:
+        self._end("bwd")
+
+    def on_optimizer_step_begin(self, optimizer: Any) -> None:
+        self._begin("opt")
+
+    def on_optimizer_step_end(self, optimizer: Any) -> None:
+        self._end("opt")
+
     def _is_cuda(self) -> bool:
         device = self.probe.device
         return device is not None and device.type == "cuda"
@@ -224,8 +159,11 @@ class RuntimeCollector(Collector):
         self._depth[phase] = depth + 1
         if depth:
             return
-        self.probe.touch()  # the first step starts at its first forward/batch
-        self._t_open[phase] = time.perf_counter()
+        now = time.perf_counter()
+        if self._stack:  # pause the enclosing phase: nested time is this phase's
+            self._acc[self._stack[-1]] += now - self._seg
+        self._stack.append(phase)
+        self._seg = now
         if self._is_cuda():
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -239,83 +177,76 @@ class RuntimeCollector(Collector):
         if depth:
             return
         now = time.perf_counter() if now is None else now
-        self._acc[phase] += now - self._t_open.pop(phase, now)
+        if self._stack and self._stack[-1] == phase:
+            self._acc[phase] += now - self._seg
+            self._stack.pop()
+            self._seg = now  # the enclosing phase resumes
+        elif phase in self._stack:  # closed out of order: its time went to the inner phase
+            self._stack.remove(phase)
         start = self._ev_open.pop(phase, None)
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._cuda_events.append((self.probe.step, phase, start, end))
 
-    # -- syncs --------------------------------------------------------------------------------
-    def _sampled(self, step: int) -> bool:
-        every = self._syncs_every
-        return every > 0 and step % every == 1 % every
-
-    def _maybe_start_syncs(self, step: int) -> None:
-        if self._sync_disabled or self._counter is not None or not self._sampled(step):
-            return
-        if not self.probe.recording or self.probe.device is None:
-            return
-        counter = SyncCounter(self.probe.device.type)
-        counter.__enter__()
-        self._counter = counter
-
-    def _stop_syncs(self) -> Any:
-        counter = self._counter
-        if counter is None:
-            return None
+    # -- syncs: the hub's op mode on sampled steps ---------------------------------------------
+    def on_step_begin(self, step: int) -> None:
         self._counter = None
-        counts = counter.take()
-        if _get_current_dispatch_mode() is counter:
-            counter.__exit__(None, None, None)
-        else:
-            # another mode was pushed above ours and is still active: popping would remove it
-            counter.active = False
-            self._sync_disabled = True
-            self._event(
-                "sync_counting_stopped",
-                reason="another TorchDispatchMode is active above amprobe's",
-            )
-            return None
-        return counts
+        device = self.probe.device
+        every = self._syncs_every  # steps 1, 1 + N, ... (every step when N = 1)
+        if device is not None and due(step, every, first=1 % every if every > 0 else 0):
+            self._counter = SyncCounter(device.type)
 
-    # -- step boundary ------------------------------------------------------------------------
-    def on_step_end(self, step: int, record: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        for phase in PHASES:  # a phase still open (the optimizer step that ended the step)
-            if self._depth[phase]:
-                self._depth[phase] = 1
-                self._end(phase, now)
-        counts = self._stop_syncs()
-        if self.probe.recording:
-            record["data_wait_s"] = self._wait
-            record["batches"] = self._batches
-            record["fwd_s"] = self._acc["fwd"]
-            record["bwd_s"] = self._acc["bwd"]
-            record["opt_s"] = self._acc["opt"]
-            record["rss_bytes"] = read_rss_bytes()
-            if self._is_cuda():
-                record["peak_mem_bytes"] = self._peak_memory()
-            if counts is not None:
-                device = self.probe.device.type if self.probe.device is not None else "?"
-                record["syncs_sampled"] = True
-                record["syncs"] = sum(n for (_, _, kind), n in counts.items() if kind == "user")
-                self._sync_rows.extend(
-                    {
-                        "step": step,
-                        "site": site,
-                        "op": op,
-                        "kind": kind,
-                        "count": n,
-                        "device": device,
-                    }
-                    for (site, op, kind), n in counts.items()
-                )
+    def wants_ops(self, step: int) -> bool:
+        return self._counter is not None
+
+    def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self._counter is not None:
+            self._counter.observe(func, args, kwargs)
+
+    def on_recording(self, active: bool) -> None:
+        self._counter = None
+        self._reset()
+
+    def _reset(self) -> None:
         self._wait = 0.0
         self._batches = 0
         self._acc = dict.fromkeys(PHASES, 0.0)
+        self._depth = dict.fromkeys(PHASES, 0)
+        self._stack = []
+
+    # -- step boundary ------------------------------------------------------------------------
+    def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        now = time.perf_counter()
+        for phase in reversed(self._stack):  # still open (the optimizer step that ended the step)
+            self._depth[phase] = 1
+            self._end(phase, now)
+        counter, self._counter = self._counter, None
+        record["data_wait_s"] = self._wait
+        record["batches"] = self._batches
+        record["fwd_s"] = self._acc["fwd"]
+        record["bwd_s"] = self._acc["bwd"]
+        record["opt_s"] = self._acc["opt"]
+        record["rss_bytes"] = read_rss_bytes()
+        if self._is_cuda():
+            record["peak_mem_bytes"] = self._peak_memory()
+        if counter is not None:
+            counts = counter.take()
+            record["syncs_sampled"] = True
+            record["syncs"] = sum(n for (_, _, kind), n in counts.items() if kind == "user")
+            self._sync_rows.extend(
+                {
+                    "step": step,
+                    "site": site,
+                    "op": op,
+                    "kind": kind,
+                    "count": n,
+                    "device": counter.device_type,
+                }
+                for (site, op, kind), n in counts.items()
+            )
+        self._reset()
         self._maybe_start_sampler()
-        self._maybe_start_syncs(step + 1)
 
     def _peak_memory(self) -> int:
         device = self.probe.device

@@ -1,8 +1,9 @@
 """Host-device synchronization counting with a dispatch mode, attributed to user source lines.
 
-:class:`SyncCounter` is a ``TorchDispatchMode`` that the runtime collector pushes for sampled
-steps only (it sees every aten op, which costs about 10 % of a step's CPU time while active).
-It counts the ops that make the host wait for the device:
+:class:`SyncCounter` is an op observer: the runtime collector asks the hub for the ops of sampled
+steps only (the hub's one dispatch mode sees every aten op, which costs about 10 % of a step's
+CPU time while active) and hands each to :meth:`SyncCounter.observe`. It counts the ops that
+make the host wait for the device:
 
 - ``aten._local_scalar_dense``: ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``, ``if t:``;
 - ``aten.nonzero``, ``aten.equal``, ``aten.masked_select`` and the ``unique`` family, whose
@@ -23,7 +24,7 @@ Each counted op is classified by walking the Python stack (only for the few ops 
 - ``scaler``: issued inside ``GradScaler._maybe_opt_step`` (its one necessary ``.item()``);
 - ``optimizer``: issued inside ``torch.optim`` (step counters, on CPU runs);
 - ``dataloader``: issued inside ``torch.utils.data`` (the iterator's seed, on CPU runs);
-- ops issued by the probe itself (flushes, step bookkeeping) are not recorded at all.
+- ops issued by the probe itself (flushes, collector work) never reach the observer.
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from amprobe.hub import is_own_frame
 
 __all__ = ["SyncCounter", "SYNC_OPS"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_AMPROBE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_PROBE_FILE = os.path.join(_AMPROBE_DIR, "probe.py")
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
 _DATA_DIR = os.path.join(_TORCH_DIR, "utils", "data") + os.sep
 _GRAD_SCALER_FILES = ("grad_scaler.py", "sharded_grad_scaler.py")
@@ -70,32 +70,27 @@ def _first_tensor(args: Any) -> torch.Tensor | None:
     return None
 
 
-class SyncCounter(TorchDispatchMode):
-    """Counts synchronizing ops per (site, op, kind) while :attr:`active`.
+class SyncCounter:
+    """Counts synchronizing ops per (site, op, kind).
 
     Args:
         device_type: the training device type; only tensors on it count.
 
     Attributes:
         counts: ``Counter[(site, op, kind)]`` since the last :meth:`take`.
-        active: when False the mode only passes ops through (used when it cannot be popped).
     """
 
     def __init__(self, device_type: str) -> None:
-        super().__init__()
         self.device_type = device_type
         self.counts: Counter[tuple[str, str, str]] = Counter()
-        self.active = True
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.active:
-            packet = func._overloadpacket
-            if packet in _CHECKED:
-                label = self._label(packet, args, kwargs)
-                if label is not None:
-                    self._count(label)
-        return func(*args, **kwargs)
+    def observe(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Look at one aten op (after it ran); count it if it synchronizes."""
+        packet = func._overloadpacket
+        if packet in _CHECKED:
+            label = self._label(packet, args, kwargs)
+            if label is not None:
+                self._count(label)
 
     def _label(self, packet: Any, args: Any, kwargs: Any) -> str | None:
         dev = self.device_type
@@ -142,8 +137,6 @@ class SyncCounter(TorchDispatchMode):
         site = "?"
         while frame is not None:
             filename = frame.f_code.co_filename
-            if filename == _PROBE_FILE:
-                return  # the probe's own reads (flush, step bookkeeping)
             if filename.startswith(_TORCH_DIR):
                 if kind != "user":
                     pass  # the innermost library frame decides
@@ -156,7 +149,7 @@ class SyncCounter(TorchDispatchMode):
                     kind = "optimizer"
                 elif filename.startswith(_DATA_DIR):
                     kind = "dataloader"
-            elif not filename.startswith(_AMPROBE_DIR):
+            elif not is_own_frame(filename):
                 site = f"{filename}:{frame.f_lineno}"
                 break
             frame = frame.f_back  # type: ignore[assignment]

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from amprobe.probe import attach
+
 __all__ = ["FAULTS", "DemoModel", "DemoResult", "train", "run_demo"]
 
 #: fault name -> what it plants
@@ -28,7 +30,11 @@ FAULTS: dict[str, str] = {
     "resume_without_scaler": "a checkpoint restores model and optimizer but not the scaler",
     "half_loss": "the loss is computed from fp16 logits",
     "nan_input": "one data batch holds a NaN",
+    "outlier_channel": "one output channel of proj is 2**12 times larger than the others (an "
+    "outlier feature): too wide a range for fp8 even with per-tensor scaling",
 }
+#: how much larger the planted outlier channel is
+OUTLIER_FACTOR = 2.0**12
 
 
 class Booster(nn.Module):
@@ -100,8 +106,6 @@ def train(
     Raises:
         ValueError: an unknown fault name.
     """
-    import amprobe
-
     faults = tuple(faults)
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
@@ -109,6 +113,10 @@ def train(
     device = device or default_device()
     torch.manual_seed(seed)
     model = DemoModel().to(device)
+    if "outlier_channel" in faults:
+        with torch.no_grad():
+            model.proj.weight[0].mul_(OUTLIER_FACTOR)
+            model.proj.bias[0].mul_(OUTLIER_FACTOR)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     def new_scaler() -> torch.amp.GradScaler:
@@ -123,9 +131,7 @@ def train(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc="demo training", unit="step")
-    probe = amprobe.attach(
-        model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
-    )
+    probe = attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config)
     try:
         for i, (x, y) in enumerate(_batches(steps, 64, 64, 16, seed)):
             x, y = x.to(device), y.to(device)
@@ -165,13 +171,13 @@ def train(
     return DemoResult(run_dir=Path(run_dir), steps=steps, faults=faults)
 
 
-def run_demo(
-    out: str | Path = "amprobe-demo", steps: int = 300, progress: bool = True
-) -> tuple[Path, Path]:
-    """Train with the default planted faults, diagnose, and write the HTML report.
+def run_demo(out: str | Path = "amprobe-demo", steps: int = 300, progress: bool = True) -> Path:
+    """Train with the default planted faults into ``out/run`` (replacing a previous demo run).
+
+    ``amprobe demo`` then diagnoses the run and writes ``out/report.html``.
 
     Returns:
-        ``(run_dir, report_path)``.
+        The run directory.
     """
     out = Path(out)
     run_dir = out / "run"
@@ -180,10 +186,4 @@ def run_demo(
     with contextlib.suppress(FileExistsError):
         out.mkdir(parents=True, exist_ok=True)
     train(run_dir, steps=steps, progress=progress)
-    import amprobe
-    from amprobe.report import write_report
-
-    run = amprobe.load_run(run_dir)
-    diagnosis = amprobe.diagnose(run)
-    report = write_report(run, diagnosis, out / "report.html")
-    return run_dir, report
+    return run_dir

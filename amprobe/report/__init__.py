@@ -5,6 +5,7 @@ from amprobe.report import numerics as _numerics  # noqa: F401  (registers the n
 from amprobe.report import ranks as _ranks  # noqa: F401  (registers the ranks section)
 from amprobe.report import runtime as _runtime  # noqa: F401  (registers the runtime section)
 from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
+from amprobe.report import whatif as _whatif  # noqa: F401  (registers the what-if section)
 from amprobe.report.render import (
     render_html,
     render_json,

@@ -7,8 +7,14 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import plotly.graph_objects as go
 
+from amprobe.analysis.compute import (
+    alignment_frame,
+    autocast_coverage,
+    fp32_modules,
+    latest_alignment,
+    latest_capture,
+)
 from amprobe.report.sections import Section, section
-from amprobe.rules.compute import alignment_frame, autocast_coverage, fp32_modules, latest_capture
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
@@ -31,6 +37,9 @@ def _shape(row: dict) -> str:
 def make_op_table(ops: pd.DataFrame, tf32: bool = False) -> pd.DataFrame:
     """One row per op of a captured step, sorted by FLOP share (largest first).
 
+    ``ops`` may already carry the columns of :func:`~amprobe.analysis.compute.alignment_frame`
+    (as :func:`~amprobe.analysis.compute.latest_alignment` returns them); else they are added.
+
     Columns: module, op, phase, shapes, dtype (in -> out), calls, FLOP share, aligned?
     (yes / no / n/a when Tensor Cores do not apply), suggested size (padded dims, and tile
     rounding for small dims).
@@ -49,7 +58,8 @@ def make_op_table(ops: pd.DataFrame, tf32: bool = False) -> pd.DataFrame:
                 "suggested size",
             ]
         )
-    frame = alignment_frame(ops, tf32=tf32).sort_values("flop_share", ascending=False)
+    aligned = ops if "aligned" in ops.columns else alignment_frame(ops, tf32=tf32)
+    frame = aligned.sort_values("flop_share", ascending=False)
     rows = []
     for row in frame.to_dict("records"):
         suggestion = ", ".join(
@@ -80,7 +90,7 @@ def make_coverage_figure(coverage: pd.DataFrame) -> go.Figure:
     """Share of matmul/conv/attention FLOPs per operand dtype, one bar per rank.
 
     Args:
-        coverage: from :func:`amprobe.rules.compute.autocast_coverage` (``rank``, ``in_dtype``,
+        coverage: from :func:`amprobe.analysis.compute.autocast_coverage` (``rank``, ``in_dtype``,
             ``share``).
     """
     fig = go.Figure()
@@ -114,7 +124,8 @@ def build_compute_section(run: Run, diagnosis: Diagnosis) -> Section:
     rank0 = int(steps["rank"].min())
     mine = ops[ops["rank"] == rank0]
     row = steps[steps["rank"] == rank0].iloc[0]
-    table = make_op_table(mine, tf32=tf32)
+    alignment = latest_alignment(run, tf32=tf32)
+    table = make_op_table(alignment[alignment["rank"] == rank0], tf32=tf32)
     text = [
         f"Captured step {int(row['step'])} (rank {rank0}): {float(row['matmul_flops']):.3g} matmul/conv/attention "
         f"FLOPs in {int(row['matmul_ops'])} calls; other ops moved {float(row['other_bytes']):.3g} bytes "

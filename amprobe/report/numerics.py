@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import plotly.graph_objects as go
 
+from amprobe.analysis.numerics import compute_layer_summary, compute_scale_hint, layer_summary
 from amprobe.report.sections import Section, section
-from amprobe.rules.numerics import compute_layer_summary, compute_scale_hint
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
@@ -82,9 +82,15 @@ def make_numerics_heatmap_figure(frame: pd.DataFrame, metric: str) -> go.Figure:
     return fig
 
 
-def worst_layers(frame: pd.DataFrame, n: int = 4) -> list[tuple[str, str]]:
-    """(module, kind) pairs with the most non-finite, overflowing and underflowing values."""
-    summary = compute_layer_summary(frame)
+def worst_layers(
+    frame: pd.DataFrame, n: int = 4, summary: pd.DataFrame | None = None
+) -> list[tuple[str, str]]:
+    """(module, kind) pairs with the most non-finite, overflowing and underflowing values.
+
+    ``summary`` is the frame's :func:`~amprobe.analysis.numerics.compute_layer_summary` when the
+    caller already has it.
+    """
+    summary = compute_layer_summary(frame) if summary is None else summary
     if summary.empty:
         return []
     score = summary["nonfinite"] * 1e6 + summary["over_fp16"] * 1e3 + summary["below_subnormal"]
@@ -128,7 +134,7 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
             title=title,
             missing="per-layer numerics were not recorded (add 'numerics' to Config.collectors)",
         )
-    summary = compute_layer_summary(frame)
+    summary = layer_summary(run)
     tables: list[tuple[str, pd.DataFrame]] = [
         ("Per-layer totals over sampled steps (gradients unscaled)", summary[_TABLE_COLUMNS])
     ]
@@ -152,7 +158,7 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
             f"gradients underflow fp16 ({hint['underflow_share_at_hint']:.2%} at the hint)."
         )
     figures = [make_numerics_heatmap_figure(frame, metric) for metric in HEATMAP_METRICS]
-    layers = worst_layers(frame)
+    layers = worst_layers(frame, summary=summary)
     if layers:
         figures.append(make_exponent_histogram_figure(frame, layers))
     return Section(

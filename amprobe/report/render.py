@@ -9,9 +9,11 @@ import html
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from amprobe.report.escape import escape_markdown
 from amprobe.report.sections import Section, build_sections
 from amprobe.rules.engine import Diagnosis, Finding
 
@@ -22,10 +24,22 @@ __all__ = [
     "render_html",
     "write_report",
     "format_value",
+    "split_ref",
 ]
 
 _ICON = {"error": "E", "warning": "W", "info": "I"}
 _COLOR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """A finding ref as ``(label, url)``: ``"NVIDIA guide: https://..."`` -> both parts; a bare
+    link is its own label; a ref without a link (the checklist item) has ``url`` None."""
+    at = ref.find("https://")
+    if at < 0:
+        return ref, None
+    url = ref[at:].split()[0]
+    label = ref[:at].rstrip().rstrip(":").strip()
+    return label or url, url
 
 
 def format_value(value: Any) -> str:
@@ -80,8 +94,8 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
         if verbose:
             for key, value in f.evidence.items():
                 lines.append(f"    {key}: {format_value(value)}")
-            if f.refs:
-                lines.append(f"    refs: {', '.join(f.refs)}")
+            for ref in f.refs:
+                lines.append(f"    see: {ref}")
     lines.append("")
     lines.append("Health:")
     for key, metric in diagnosis.health.items():
@@ -94,11 +108,15 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(diagnosis: Diagnosis) -> str:
-    """An object with ``run``, ``findings``, ``not_checked`` and ``health``."""
-    return (
-        json.dumps(_nan_to_none(diagnosis.to_dict()), indent=2, default=str, allow_nan=False) + "\n"
-    )
+def render_json(diagnosis: Diagnosis, tables: Mapping[str, Any] | None = None) -> str:
+    """An object with ``run``, ``findings``, ``not_checked`` and ``health``.
+
+    Args:
+        diagnosis: the findings to render.
+        tables: further top-level entries (e.g. ``{"whatif": records}``), already computed.
+    """
+    data = {**diagnosis.to_dict(), **dict(tables or {})}
+    return json.dumps(_nan_to_none(data), indent=2, default=str, allow_nan=False) + "\n"
 
 
 def _nan_to_none(obj: Any) -> Any:
@@ -111,16 +129,22 @@ def _nan_to_none(obj: Any) -> Any:
     return obj
 
 
-def _md_escape(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+def _md_escape(text: Any) -> str:
+    return escape_markdown(text)
 
 
 def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None) -> str:
-    """Markdown report: findings with evidence and fixes, health, not-checked rules, tables."""
+    """Markdown report: findings with evidence and fixes, health, not-checked rules, tables.
+
+    Every text that can come from the run (names, warnings, evidence, table cells) is escaped
+    (:func:`~amprobe.report.escape.escape_markdown`): no raw HTML or Markdown markup from a
+    module name reaches the viewer.
+    """
     run = _run_summary(diagnosis)
     out = [f"# amprobe report: {_md_escape(Path(run['path']).name)}", ""]
     out.append(
-        f"- status: {run['status']}; steps: {run['steps']}; ranks: {run['ranks']}; device: {run['device']}"
+        f"- status: {_md_escape(run['status'])}; steps: {run['steps']}; "
+        f"ranks: {_md_escape(run['ranks'])}; device: {_md_escape(run['device'])}"
     )
     for warning in run["warnings"]:
         out.append(f"- warning: {_md_escape(warning)}")
@@ -128,7 +152,7 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
     if not diagnosis.findings:
         out.append("No findings.")
     for f in diagnosis.findings:
-        out.append(f"### {f.id} `{f.name}` ({f.severity})")
+        out.append(f"### {_md_escape(f.id)} `{f.name}` ({f.severity})")
         out.append("")
         out.append(_md_escape(f.title))
         out.append("")
@@ -140,7 +164,16 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
             out.append(f"| {_md_escape(key)} | {_md_escape(format_value(value))} |")
         if f.refs:
             out.append("")
-            out.append(f"Refs: {', '.join(_md_escape(r) for r in f.refs)}")
+            out.append("See:")
+            out.append("")
+            for ref in f.refs:
+                label, url = split_ref(ref)
+                if url is None:
+                    out.append(f"- {_md_escape(label)}")
+                elif label == url:
+                    out.append(f"- <{url}>")
+                else:
+                    out.append(f"- {_md_escape(label)}: <{url}>")
         out.append("")
     out += ["## Health", ""]
     for key, metric in diagnosis.health.items():
@@ -187,7 +220,15 @@ def _finding_html(f: Finding) -> str:
     rows = "".join(
         f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items()
     )
-    refs = f"<div class='muted'>refs: {e(', '.join(f.refs))}</div>" if f.refs else ""
+    links = []
+    for ref in f.refs:
+        label, url = split_ref(ref)
+        links.append(
+            e(label)
+            if url is None
+            else f'<a href="{e(url)}" target="_blank" rel="noopener">{e(label)}</a>'
+        )
+    refs = f"<div class='muted'>see: {' · '.join(links)}</div>" if links else ""
     return (
         f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
         f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"

@@ -8,9 +8,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from amprobe.analysis.runtime import compute_sync_sites, gpu_unavailable_reason
 from amprobe.report.downsample import downsample
 from amprobe.report.sections import Section, section
-from amprobe.rules.runtime import compute_sync_sites, gpu_unavailable_reason
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis

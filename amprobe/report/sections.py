@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from amprobe.report.escape import escape_figure_text
+
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
@@ -60,7 +62,11 @@ def section(key: str, order: int) -> Callable[[SectionBuilder], SectionBuilder]:
 
 
 def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
-    """Build every registered section; a failing builder becomes a section saying so."""
+    """Build every registered section; a failing builder becomes a section saying so.
+
+    The sections' figures draw the run's strings (layer names, dtypes) as text: see
+    :func:`~amprobe.report.escape.escape_figure_text`.
+    """
     out: list[Section] = []
     for key, (_, fn) in sorted(SECTIONS.items(), key=lambda kv: kv[1][0]):
         try:
@@ -70,5 +76,7 @@ def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
                 key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
             )
         if result is not None:
+            for fig in result.figures:
+                escape_figure_text(fig)  # layer and run names are drawn as text, not HTML
             out.append(result)
     return out

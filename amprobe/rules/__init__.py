@@ -13,12 +13,14 @@ from amprobe.rules import numerics as _numerics  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401
 from amprobe.rules import runtime as _runtime  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
+from amprobe.rules import whatif as _whatif  # noqa: F401
 from amprobe.rules.engine import (
     REGISTRY,
     Diagnosis,
     Finding,
     NotChecked,
     RuleSpec,
+    Severity,
     ThresholdError,
     diagnose,
     resolve_thresholds,
@@ -30,6 +32,7 @@ __all__ = [
     "Finding",
     "NotChecked",
     "RuleSpec",
+    "Severity",
     "ThresholdError",
     "diagnose",
     "resolve_thresholds",

@@ -10,13 +10,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
+from amprobe.analysis.ranks import compute_rank_grid, compute_rank_medians
 from amprobe.rules.data import scaler_configs, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
+from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
 from amprobe.store.loader import Run
 
-__all__ = ["compute_rank_grid", "compute_rank_medians"]
+__all__: list[str] = []
 
 MAX_LISTED = 16  # ranks whose values are spelled out in evidence
 
@@ -28,24 +29,6 @@ def _has_multiple_ranks(run: Run) -> str | None:
     if n >= 2:
         return None
     return f"single-rank run ({n} rank with recorded steps); cross-rank rules need at least 2 ranks"
-
-
-def compute_rank_grid(
-    frame: pd.DataFrame, *columns: str
-) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """``(steps, ranks, grids)``: per column, ``grid[i, j]`` = its value at ``steps[i]`` on ``ranks[j]``.
-
-    Missing values are NaN; when a rank recorded a step twice (several recording windows) the
-    last row wins. Vectorized: 256 ranks x 10,000 steps take well under a second.
-    """
-    steps_u, step_idx = np.unique(frame["step"].to_numpy(), return_inverse=True)
-    ranks_u, rank_idx = np.unique(frame["rank"].to_numpy(), return_inverse=True)
-    grids = []
-    for column in columns:
-        grid = np.full((len(steps_u), len(ranks_u)), np.nan)
-        grid[step_idx, rank_idx] = frame[column].to_numpy(dtype=float, na_value=np.nan)
-        grids.append(grid)
-    return steps_u, ranks_u, grids
 
 
 def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[int, Any]:
@@ -60,7 +43,7 @@ def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[
     "distributed",
     requires=("scaler", "multi_rank"),
     thresholds={"min_divergent_steps": 1},
-    refs=("G§3.3",),
+    refs=(MULTI_GPU_EXAMPLE,),
 )
 def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     """Ranks of one job disagree on the loss scale or on which steps were skipped.
@@ -123,12 +106,12 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
         )
     evidence: dict[str, Any] = {
         "ranks": named,
-        "ranks_compared": len(ranks),
-        "steps_compared": len(steps),
-        "scale_divergent_steps": len(scale_rows),
-        "first_scale_divergent_steps": steps_list(steps[scale_rows]),
-        "skip_divergent_steps": len(skip_rows),
-        "first_skip_divergent_steps": steps_list(steps[skip_rows]),
+        "compared_rank_count": len(ranks),
+        "compared_step_count": len(steps),
+        "scale_divergent_step_count": len(scale_rows),
+        "scale_divergent_steps": steps_list(steps[scale_rows]),
+        "skip_divergent_step_count": len(skip_rows),
+        "skip_divergent_steps": steps_list(steps[skip_rows]),
         "found_inf_synchronized": synchronized,
         "found_inf_note": sync_note,
         "min_divergent_steps": ctx.thresholds["min_divergent_steps"],
@@ -156,7 +139,7 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     if len(skip_rows):
         parts.append(f"which steps were skipped at {len(skip_rows)} step(s)")
     fix = (
-        "Every rank must see the same data order and a synchronized overflow decision (G§3.3): "
+        "Every rank must see the same data order and a synchronized overflow decision: "
         "with DDP or FSDP the gradient all-reduce spreads an inf to every rank; without it, "
         "all-reduce found-inf yourself or use ShardedGradScaler."
     )
@@ -183,12 +166,6 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) -> pd.Series:
-    """Median of ``column`` per rank over the steps after ``warmup_steps`` (NaN rows ignored)."""
-    body = steps.loc[steps["step"].to_numpy() >= warmup_steps, ["rank", column]]
-    return body.groupby("rank", sort=True)[column].median().dropna()
-
-
 @rule(
     "AMP-D02",
     "rank-straggler",
@@ -196,7 +173,7 @@ def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) ->
     "distributed",
     requires=("steps", "multi_rank"),
     thresholds={"slow_factor": 1.5, "min_excess_s": 0.01, "warmup_steps": 2, "min_steps": 5},
-    refs=("S§11",),
+    refs=(DATA_LOADING,),
 )
 def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     """One rank's step time or data wait is far above the other ranks'.
@@ -255,7 +232,7 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
                 },
                 "median_of_ranks_s": round(reference, 6),
                 "ratio": round(ratio, 3) if ratio else None,
-                "ranks_compared": len(medians),
+                "compared_rank_count": len(medians),
                 "slow_factor": th["slow_factor"],
                 "min_excess_s": th["min_excess_s"],
             },

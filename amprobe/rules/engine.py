@@ -3,11 +3,20 @@
 A rule is registered with :func:`rule`, which records its checklist ID, severity, category,
 the data it requires (its skip condition) and its default thresholds. :func:`diagnose` runs
 every rule whose data is present and lists the others as "not checked" with the reason.
+
+A rule may name other rules in ``after``: it then runs once they have, and reads their
+findings in :attr:`RuleContext.prior` (AMP-S06 lists which speed findings explain a missing
+speedup this way). No rule calls :func:`diagnose`.
+
+Evidence keys follow one vocabulary, documented in ``docs/evidence.md``: ``*_steps`` are
+lists of step numbers (at most the first 20), counts end in ``_count``, ``rank`` is the rank
+a finding is about (``ranks`` when several), and a threshold is reported under its own name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import traceback
@@ -15,9 +24,12 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from amprobe.analysis.health import compute_health
+from amprobe.rules.refs import checklist_ref
 from amprobe.store.loader import Run
 
 __all__ = [
+    "Severity",
     "SEVERITIES",
     "Finding",
     "NotChecked",
@@ -33,8 +45,28 @@ __all__ = [
     "group_rank_findings",
 ]
 
-SEVERITIES = ("error", "warning", "info")
-_SEVERITY_RANK = {name: i for i, name in enumerate(SEVERITIES)}
+
+class Severity(str, enum.Enum):
+    """How bad a finding is. A ``str``: compares equal to, and serializes as, its value."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def rank(self) -> int:
+        """Sort key: 0 for the most severe."""
+        return _SEVERITY_RANK[self]
+
+
+SEVERITIES = tuple(s.value for s in Severity)
+_SEVERITY_RANK = {severity: i for i, severity in enumerate(Severity)}
 
 
 class ThresholdError(ValueError):
@@ -48,18 +80,20 @@ class Finding:
     Attributes:
         id: checklist ID, e.g. ``AMP-N02`` (a public contract).
         name: the checklist's slug, e.g. ``skip-rate``.
-        severity: ``error`` | ``warning`` | ``info``.
+        severity: a :class:`Severity` (``error`` | ``warning`` | ``info``).
         category: ``nan`` (why is my loss NaN), ``speed`` (why is AMP not faster),
             ``distributed``.
         title: one line with the measured value.
-        evidence: measured values, thresholds, steps, layer names, ranks.
+        evidence: measured values, thresholds, steps, layer names, ranks (keys: see
+            ``docs/evidence.md``).
         fix: what the user should do.
-        refs: checklist source sections and external documents.
+        refs: the checklist item (``NaN checklist #9 (AMP-N09): unscale_ before clipping``)
+            first, then links to the PyTorch / NVIDIA documentation that explain the fix.
     """
 
     id: str
     name: str
-    severity: str
+    severity: Severity
     category: str
     title: str
     evidence: Mapping[str, Any]
@@ -67,8 +101,11 @@ class Finding:
     refs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.severity not in _SEVERITY_RANK:
-            raise ValueError(f"unknown severity {self.severity!r}")
+        try:
+            severity = Severity(self.severity)
+        except ValueError:
+            raise ValueError(f"unknown severity {self.severity!r}") from None
+        object.__setattr__(self, "severity", severity)
         object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
         object.__setattr__(self, "refs", tuple(self.refs))
 
@@ -76,7 +113,7 @@ class Finding:
         return {
             "id": self.id,
             "name": self.name,
-            "severity": self.severity,
+            "severity": self.severity.value,
             "category": self.category,
             "title": self.title,
             "evidence": dict(self.evidence),
@@ -106,35 +143,40 @@ class RuleSpec:
 
     id: str
     name: str
-    severity: str  # the default / highest severity it emits, for the catalogue
+    severity: Severity  # the default / highest severity it emits, for the catalogue
     category: str
     requires: tuple[str, ...]
     thresholds: Mapping[str, float]
-    refs: tuple[str, ...]
+    refs: tuple[str, ...]  # the checklist item first, then documentation links
     fn: RuleFn
     doc: str
+    after: tuple[str, ...] = ()  # rules whose findings this one reads (RuleContext.prior)
 
 
 @dataclasses.dataclass(frozen=True)
 class RuleContext:
-    """What a rule function receives: the run, its thresholds and a finding factory."""
+    """What a rule function receives: the run, its thresholds and a finding factory.
+
+    ``prior`` holds the findings of the rules named in the spec's ``after`` (empty otherwise).
+    """
 
     run: Run
     spec: RuleSpec
     thresholds: Mapping[str, float]
+    prior: tuple[Finding, ...] = ()
 
     def finding(
         self,
         title: str,
         evidence: Mapping[str, Any],
         fix: str,
-        severity: str | None = None,
+        severity: Severity | str | None = None,
         refs: Iterable[str] = (),
     ) -> Finding:
         return Finding(
             id=self.spec.id,
             name=self.spec.name,
-            severity=severity or self.spec.severity,
+            severity=Severity(severity) if severity else self.spec.severity,
             category=self.spec.category,
             title=title,
             evidence=evidence,
@@ -162,29 +204,39 @@ def requirement(name: str) -> Callable[[Callable[[Run], str | None]], Callable[[
 def rule(
     id: str,
     name: str,
-    severity: str,
+    severity: Severity | str,
     category: str,
     requires: Iterable[str] = ("steps",),
     thresholds: Mapping[str, float] | None = None,
     refs: Iterable[str] = (),
+    after: Iterable[str] = (),
 ) -> Callable[[RuleFn], RuleFn]:
-    """Register a rule function under its checklist ID."""
+    """Register a rule function under its checklist ID.
+
+    Args:
+        refs: documentation links for the fix; the checklist item
+            (:func:`~amprobe.rules.refs.checklist_ref`) is put first automatically.
+        after: rule IDs whose findings this rule reads from :attr:`RuleContext.prior`.
+    """
 
     def register(fn: RuleFn) -> RuleFn:
         if id in REGISTRY:
             raise ValueError(f"rule {id} registered twice")
-        if severity not in _SEVERITY_RANK:
-            raise ValueError(f"rule {id}: unknown severity {severity!r}")
+        try:
+            level = Severity(severity)
+        except ValueError:
+            raise ValueError(f"rule {id}: unknown severity {severity!r}") from None
         REGISTRY[id] = RuleSpec(
             id=id,
             name=name,
-            severity=severity,
+            severity=level,
             category=category,
             requires=tuple(requires),
             thresholds=MappingProxyType(dict(thresholds or {})),
-            refs=tuple(refs),
+            refs=(checklist_ref(id), *refs),
             fn=fn,
             doc=(fn.__doc__ or "").strip(),
+            after=tuple(after),
         )
         return fn
 
@@ -200,7 +252,7 @@ class Diagnosis:
     not_checked: tuple[NotChecked, ...]
     health: Mapping[str, Mapping[str, Any]]
 
-    def worst(self) -> str | None:
+    def worst(self) -> Severity | None:
         return self.findings[0].severity if self.findings else None
 
     def ids(self) -> list[str]:
@@ -314,6 +366,21 @@ def resolve_thresholds(
     return merged
 
 
+def _ordered(wanted: set[str] | None) -> tuple[list[str], set[str]]:
+    """Rule IDs in run order (a rule after the rules it reads) and the IDs to report.
+
+    Rules named in a wanted rule's ``after`` run too, so that it can read their findings, but
+    are reported only when wanted themselves.
+    """
+    report = set(REGISTRY) if wanted is None else set(wanted) & set(REGISTRY)
+    needed = set(report)
+    for rid in list(report):
+        needed.update(r for r in REGISTRY[rid].after if r in REGISTRY)
+    first = [rid for rid in REGISTRY if rid in needed and not REGISTRY[rid].after]
+    later = [rid for rid in REGISTRY if rid in needed and REGISTRY[rid].after]
+    return first + later, report
+
+
 def diagnose(
     run: Run,
     thresholds: Mapping[str, Mapping[str, float]] | None = None,
@@ -329,16 +396,13 @@ def diagnose(
     Returns:
         A :class:`Diagnosis`; a rule that fails is reported as not checked, never raised.
     """
-    from amprobe.rules import health as health_mod  # registers nothing; computes metrics
-
     merged = resolve_thresholds(thresholds)
-    wanted = set(only) if only is not None else None
-    findings: list[Finding] = []
+    order, report = _ordered(set(only) if only is not None else None)
+    by_rule: dict[str, list[Finding]] = {}
     skipped: list[NotChecked] = []
     cache: dict[str, str | None] = {}
-    for rid, spec in REGISTRY.items():
-        if wanted is not None and rid not in wanted:
-            continue
+    for rid in order:
+        spec = REGISTRY[rid]
         reason = None
         for req in spec.requires:
             if req not in cache:
@@ -348,24 +412,29 @@ def diagnose(
                 reason = cache[req]
                 break
         if reason:
-            skipped.append(NotChecked(rid, spec.name, reason))
+            if rid in report:
+                skipped.append(NotChecked(rid, spec.name, reason))
             continue
-        ctx = RuleContext(run=run, spec=spec, thresholds=MappingProxyType(merged[rid]))
+        prior = tuple(f for r in spec.after for f in by_rule.get(r, ()))
+        ctx = RuleContext(run=run, spec=spec, thresholds=MappingProxyType(merged[rid]), prior=prior)
         try:
-            findings.extend(group_rank_findings(list(spec.fn(ctx))))
+            by_rule[rid] = group_rank_findings(list(spec.fn(ctx)))
         except Exception as exc:  # a rule bug must not hide the other findings
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            skipped.append(
-                NotChecked(
-                    rid,
-                    spec.name,
-                    f"rule failed: {type(exc).__name__}: {exc} (line {where.lineno})",
+            if rid in report:
+                skipped.append(
+                    NotChecked(
+                        rid,
+                        spec.name,
+                        f"rule failed: {type(exc).__name__}: {exc} (line {where.lineno})",
+                    )
                 )
-            )
-    findings.sort(key=lambda f: (_SEVERITY_RANK[f.severity], f.id))
+    findings = [f for rid in REGISTRY if rid in report for f in by_rule.get(rid, ())]
+    findings.sort(key=lambda f: (f.severity.rank, f.id))
+    skipped.sort(key=lambda n: list(REGISTRY).index(n.id))
     return Diagnosis(
         run=run,
         findings=tuple(findings),
         not_checked=tuple(skipped),
-        health=health_mod.compute_health(run),
+        health=compute_health(run),
     )

@@ -1,241 +1,30 @@
 """Rules on per-layer numerics: non-finite inputs, forward overflow, gradient underflow.
 
 Data comes from the ``numerics`` collector: the ``numerics`` and ``offenders`` tables and the
-``input_nonfinite`` / ``loss_nonfinite`` step fields. Analysis helpers are pure functions of
-frames (``compute_*``) so the report can reuse them.
+``input_nonfinite`` / ``loss_nonfinite`` step fields; the analysis is in
+:mod:`amprobe.analysis.numerics`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import Any
 
-import pandas as pd
-
+from amprobe.analysis.numerics import (
+    ROLE_LABELS,
+    compute_scale_hint,
+    compute_underflow,
+    last_linears,
+    module_role,
+    nonfinite_input_steps,
+)
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
 
-__all__ = [
-    "FP16_MAX",
-    "module_role",
-    "compute_layer_summary",
-    "compute_scale_hint",
-    "compute_underflow",
-    "offender_evidence",
-    "layer_overflow_evidence",
-    "nonfinite_input_steps",
-]
-
-FP16_MAX = 65504.0
-GRAD_KINDS = ("grad_output", "grad_param")
-ROLE_LABELS = {
-    "normalization": "a normalization layer",
-    "softmax": "a softmax / attention",
-    "loss": "a loss",
-    "embedding": "an embedding",
-    "output projection": "the output projection",
-}
-
-
-# -- pure helpers ---------------------------------------------------------------------------------
-def module_role(module_type: str | None, is_last_linear: bool = False) -> str | None:
-    """Classify a module: normalization, softmax, loss, embedding, output projection or None."""
-    t = module_type or ""
-    if "Norm" in t:
-        return "normalization"
-    if t in ("Softmax", "LogSoftmax", "Softmin", "Softmax2d", "MultiheadAttention"):
-        return "softmax"
-    if t.endswith("Loss") or t == "loss":
-        return "loss"
-    if t.startswith("Embedding"):
-        return "embedding"
-    if is_last_linear and t in ("Linear", "NonDynamicallyQuantizableLinear", "LazyLinear"):
-        return "output projection"
-    return None
-
-
-def last_linears(frame: pd.DataFrame) -> set[tuple[int, str]]:
-    """(step, module) of the last Linear executed in each step's forward pass."""
-    out = frame[(frame["kind"] == "output") & frame["module_type"].str.contains("Linear", na=False)]
-    if out.empty:
-        return set()
-    last = out.sort_values("order").groupby("step").tail(1)
-    return {(int(s), str(m)) for s, m in zip(last["step"], last["module"], strict=True)}
-
-
-def _hist(text: Any) -> dict[int, int]:
-    if not isinstance(text, str) or not text:
-        return {}
-    return {int(k): int(v) for k, v in json.loads(text).items()}
-
-
-def _nonzero(frame: pd.DataFrame) -> pd.Series:
-    return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
-
-
-def compute_underflow(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per gradient row: the share of nonzero values that fp16 with the row's loss scale loses.
-
-    For gradients held wider than fp16 (fp32/bf16) the loss is exact: nonzero values whose
-    scaled magnitude stays below 2**-24 (``underflow_at_scale``). For gradients already held in
-    fp16 the lost values are zeros by now and cannot be told from true zeros, so the measure is
-    the share of surviving values in fp16's subnormal range (scaled magnitude < 2**-14), which
-    is where precision is already lost and the neighbouring values were flushed.
-
-    Returns:
-        The gradient rows with ``nonzero``, ``lost_share`` and ``measure`` (``flushed`` or
-        ``subnormal``) columns added.
-    """
-    grads = frame[frame["kind"].isin(GRAD_KINDS)].copy()
-    if grads.empty:
-        return grads.assign(nonzero=[], lost_share=[], measure=[])
-    grads["nonzero"] = _nonzero(grads)
-    lost: list[float] = []
-    measure: list[str] = []
-    for row in grads.itertuples():
-        nz = int(row.nonzero)
-        if row.dtype == "float16":
-            scale = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
-            limit = -14 - math.log2(scale)
-            sub = sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit)
-            lost.append(sub / nz if nz else 0.0)
-            measure.append("subnormal")
-        else:
-            lost.append(int(row.underflow_at_scale) / nz if nz else 0.0)
-            measure.append("flushed")
-    grads["lost_share"] = lost
-    grads["measure"] = measure
-    return grads
-
-
-def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, Any] | None:
-    """The largest power-of-two loss scale that keeps gradients under the fp16 max.
-
-    Algorithm: ``amax`` is the largest unscaled gradient magnitude over every gradient row;
-    the hint is ``2**floor(log2(65504 / margin / amax))``. Underflow shares come from the
-    exponent histograms: nonzero gradients whose magnitude times the scale stays below
-    2**-24, over all nonzero measured gradients, at the current scale (the last recorded one)
-    and at the hint. Values already flushed to zero in fp16 tensors are not counted (they
-    are indistinguishable from true zeros).
-
-    Returns:
-        ``None`` when no finite nonzero gradient was recorded.
-    """
-    grads = frame[frame["kind"].isin(GRAD_KINDS)]
-    amax = grads["amax"].dropna()
-    amax = amax[(amax > 0) & amax.map(math.isfinite)]
-    if amax.empty:
-        return None
-    peak = float(amax.max())
-    hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
-    scales = grads["loss_scale"].dropna()
-    current = (
-        float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
-    )
-    merged: dict[int, int] = {}
-    for text in grads["exp_hist"]:
-        for e, n in _hist(text).items():
-            merged[e] = merged.get(e, 0) + n
-    nonzero = sum(n for e, n in merged.items() if -127 < e < 128)
-
-    def share(scale: float) -> float:
-        limit = -24 - math.log2(scale)
-        lost = sum(n for e, n in merged.items() if -127 < e < limit)
-        return lost / nonzero if nonzero else 0.0
-
-    return {
-        "grad_amax": peak,
-        "margin": margin,
-        "hint_scale": hint,
-        "current_scale": current,
-        "underflow_share_at_current": round(share(current), 6),
-        "underflow_share_at_hint": round(share(hint), 6),
-    }
-
-
-def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (module, kind): totals over sampled steps and shares."""
-    if frame.empty:
-        return pd.DataFrame()
-    sums = [
-        "elements",
-        "zeros",
-        "nan",
-        "inf",
-        "over_fp16",
-        "below_normal",
-        "below_subnormal",
-        "underflow_at_scale",
-    ]
-    g = frame.groupby(["module", "kind"], sort=False)
-    out = g[sums].sum()
-    out["module_type"] = g["module_type"].first()
-    out["dtype"] = g["dtype"].agg(lambda s: ",".join(sorted(set(s.dropna()))))
-    out["amax"] = g["amax"].max()
-    out["steps"] = g["step"].nunique()
-    out["zero_share"] = out["zeros"] / out["elements"].where(out["elements"] > 0)
-    out["nonfinite"] = out["nan"] + out["inf"]
-    return out.reset_index()
-
-
-def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
-    """Steps of ``rank`` whose root-model inputs held non-finite values."""
-    steps = run.steps
-    if steps.empty or "input_nonfinite" not in steps:
-        return set()
-    part = steps[(steps["rank"] == rank) & (steps["input_nonfinite"].fillna(0) > 0)]
-    return {int(s) for s in part["step"]}
-
-
-def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
-    """First forward / backward offenders of ``rank`` as evidence fields (empty if not recorded)."""
-    offenders = run.table("offenders")
-    if offenders.empty:
-        return {}
-    part = offenders[offenders["rank"] == rank].sort_values("step")
-    out: dict[str, Any] = {}
-    for kind in ("forward", "backward", "input"):
-        rows = part[part["kind"] == kind]
-        if len(rows):
-            first = rows.iloc[0]
-            out[f"first_{kind}_offender"] = {
-                "module": first["module"],
-                "module_type": first["module_type"],
-                "step": int(first["step"]),
-            }
-    return out
-
-
-def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, Any]:
-    """Per-layer overflow evidence for ``rank``: layers with non-finite or >65504 values.
-
-    Returns an empty dict when per-layer numerics were not recorded.
-    """
-    numerics = run.table("numerics")
-    if numerics.empty:
-        return {}
-    frame = numerics[numerics["rank"] == rank]
-    summary = compute_layer_summary(frame)
-    if summary.empty:
-        return {}
-    hot = summary[(summary["nonfinite"] + summary["over_fp16"]) > 0]
-    hot = hot.sort_values(["nonfinite", "over_fp16"], ascending=False).head(limit)
-    return {
-        "overflowing_layers": [
-            {
-                "module": r.module,
-                "kind": r.kind,
-                "dtype": r.dtype,
-                "nonfinite": int(r.nonfinite),
-                "over_fp16": int(r.over_fp16),
-            }
-            for r in hot.itertuples()
-        ],
-        **offender_evidence(run, rank),
-    }
+__all__: list[str] = []
 
 
 # -- requirements ------------------------------------------------------------------------------
@@ -255,7 +44,7 @@ def _has_input_check(run: Run) -> str | None:
 
 
 # -- rules --------------------------------------------------------------------------------------
-@rule("AMP-N04", "nonfinite-input", "error", "nan", requires=("input_check",), refs=("G§5.1",))
+@rule("AMP-N04", "nonfinite-input", "error", "nan", requires=("input_check",))
 def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
     """A batch fed to the model already holds NaN/inf.
 
@@ -276,8 +65,8 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
             title=f"non-finite values in the model input at {len(bad)} step(s), first at step {int(bad['step'].iloc[0])}",
             evidence={
                 "rank": rank,
-                "steps": steps_list(bad["step"]),
-                "steps_affected": len(bad),
+                "nonfinite_steps": steps_list(bad["step"]),
+                "affected_step_count": len(bad),
                 "nonfinite_elements": [int(v) for v in bad["input_nonfinite"].iloc[:20]],
                 "inputs": inputs,
             },
@@ -295,7 +84,7 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
     "error",
     "nan",
     requires=("numerics",),
-    refs=("G§5.1",),
+    refs=(AUTOCAST_OPS,),
 )
 def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     """A module's forward output holds inf/NaN while its inputs were finite.
@@ -332,11 +121,11 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
                 "module_type": first["module_type"],
                 "role": role,
                 "step": step,
-                "steps": steps_list(part["step"]),
+                "offender_steps": steps_list(part["step"]),
                 "offending_modules": sorted(set(part["module"])),
-                "nan": detail.get("nan"),
-                "inf": detail.get("inf"),
-                "elements": detail.get("elements"),
+                "nan_count": detail.get("nan"),
+                "inf_count": detail.get("inf"),
+                "element_count": detail.get("elements"),
                 "output_dtype": out["dtype"].iloc[0] if len(out) else None,
             },
             fix=(
@@ -354,7 +143,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("numerics", "autocast"),
     thresholds={"max_lost_share": 0.01, "scale_margin": 8.0, "max_layers": 10},
-    refs=("S§7", "S§10"),
+    refs=(GRADIENT_SCALING,),
 )
 def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
@@ -378,7 +167,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
         layers = g[["lost", "nonzero"]].sum()
         layers["share"] = layers["lost"] / layers["nonzero"].where(layers["nonzero"] > 0)
         layers["dtype"] = g["dtype"].first()
-        layers["steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
+        layers["sampled_steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
         bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
         if bad.empty:
             continue
@@ -390,7 +179,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
                 "measure": meas,
                 "dtype": row["dtype"],
                 "share": round(float(row["share"]), 4),
-                "steps": row["steps"],
+                "sampled_steps": row["sampled_steps"],
             }
             for (m, k, meas), row in bad.head(int(th["max_layers"])).iterrows()
         ]
@@ -409,7 +198,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 "rank": rank,
                 "layers": listed,
-                "layers_affected": len(bad),
+                "affected_layer_count": len(bad),
                 "max_lost_share": th["max_lost_share"],
                 "scale_hint": hint,
             },
@@ -431,7 +220,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     "info",
     "nan",
     requires=("numerics",),
-    refs=("G§2.3",),
+    refs=(AUTOCAST_OPS,),
 )
 def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     """Embedding / output-projection / normalization layers run in half and the run is unstable.
@@ -448,15 +237,15 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
         if len(srows):
             cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False)
             if cuts.any():
-                signals["scale_cuts"] = int(cuts.sum())
+                signals["scale_cut_count"] = int(cuts.sum())
             skipped = srows["skipped"].fillna(False).astype(bool)
             if skipped.any():
-                signals["skipped_steps"] = int(skipped.sum())
+                signals["skipped_count"] = int(skipped.sum())
             if (
                 "loss_nonfinite" in srows
                 and srows["loss_nonfinite"].fillna(False).astype(bool).any()
             ):
-                signals["nonfinite_loss_steps"] = int(
+                signals["nonfinite_loss_count"] = int(
                     srows["loss_nonfinite"].fillna(False).astype(bool).sum()
                 )
         nonfinite = frame[(frame["nan"] + frame["inf"]) > 0]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
+from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, GRADIENT_SCALING, TYPICAL_EXAMPLE
 
 __all__: list[str] = []
 
@@ -17,7 +19,7 @@ __all__: list[str] = []
     "nan",
     requires=("scaler", "autocast", "device_facts"),
     thresholds={"warn_skip_share": 0.05},
-    refs=("G§1.1", "S§4"),
+    refs=(AMP_DOCS,),
 )
 def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     """An fp16 run with overflow cuts or NaN on hardware that supports bf16.
@@ -32,8 +34,6 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     supported = [r.rank for r in run.ranks if r.manifest.get("bf16_supported")]
     if not supported:
         return
-    from amprobe.rules.numerics import layer_overflow_evidence, nonfinite_input_steps
-
     for rank, frame in per_rank(scaler_steps(run)):
         frame = frame[
             ~frame["step"].isin(nonfinite_input_steps(run, rank))
@@ -48,7 +48,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
             title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped) on {device}, which supports bf16",
             evidence={
                 "rank": rank,
-                "scale_cuts": cuts,
+                "scale_cut_count": cuts,
                 "skipped_share": round(share, 4),
                 "skipped_steps": steps_list(frame.loc[skipped, "step"]),
                 "device": device,
@@ -70,7 +70,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     "warning",
     "nan",
     requires=("steps", "autocast"),
-    refs=("G§2.1",),
+    refs=(GRADIENT_SCALING, TYPICAL_EXAMPLE),
 )
 def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
     """fp16 autocast with no enabled GradScaler: small gradients underflow to zero."""
@@ -84,9 +84,9 @@ def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
         + (" (the scaler is disabled)" if disabled else ""),
         evidence={
             "autocast_dtypes": sorted(autocast_dtypes(run)),
-            "scalers_seen": len(scalers),
-            "disabled_scalers": len(disabled),
-            "steps": int(run.steps["step"].nunique()),
+            "scaler_count": len(scalers),
+            "disabled_scaler_count": len(disabled),
+            "step_count": int(run.steps["step"].nunique()),
         },
         fix=(
             "Use torch.amp.GradScaler: scaler.scale(loss).backward(); scaler.step(opt); "
@@ -95,7 +95,7 @@ def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
     )
 
 
-@rule("AMP-N13", "half-loss", "warning", "nan", requires=("loss",), refs=("S§3",))
+@rule("AMP-N13", "half-loss", "warning", "nan", requires=("loss",), refs=(AUTOCAST_OPS,))
 def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
     """The loss tensor handed to backward (or scaler.scale) is fp16/bf16."""
     for rank, frame in per_rank(ctx.run.steps):
@@ -108,18 +108,16 @@ def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 "rank": rank,
                 "loss_dtype": dtype,
-                "steps_affected": len(half),
-                "steps": len(frame),
-                "first_steps": steps_list(half["step"]),
+                "affected_step_count": len(half),
+                "step_count": len(frame),
+                "half_loss_steps": steps_list(half["step"]),
             },
             fix="Compute the loss in fp32: cast the logits with .float() before the loss function.",
         )
         return
 
 
-@rule(
-    "AMP-N14", "half-master-weights", "error", "nan", requires=("optimizer",), refs=("S§9", "G§5.3")
-)
+@rule("AMP-N14", "half-master-weights", "error", "nan", requires=("optimizer",), refs=(AMP_DOCS,))
 def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
     """Trainable parameters stored in fp16/bf16 are updated by an optimizer (no fp32 master copy)."""
     for opt in ctx.run.events_of("optimizer_seen"):
@@ -133,8 +131,8 @@ def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
                 "rank": opt.get("rank"),
                 "optimizer": opt.get("optimizer_class"),
                 "param_dtypes": opt.get("param_dtypes"),
-                "half_params": half,
-                "trainable_params": total,
+                "half_param_count": half,
+                "trainable_param_count": total,
             },
             fix=(
                 "Keep fp32 master weights: do not call model.half()/.bfloat16() for training; let "
@@ -144,7 +142,12 @@ def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
 
 
 @rule(
-    "AMP-N15", "bf16-needless-scaler", "info", "nan", requires=("scaler", "autocast"), refs=("S§8",)
+    "AMP-N15",
+    "bf16-needless-scaler",
+    "info",
+    "nan",
+    requires=("scaler", "autocast"),
+    refs=(GRADIENT_SCALING,),
 )
 def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:
     """bf16 autocast combined with dynamic loss scaling."""
@@ -153,6 +156,9 @@ def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:
         return
     yield ctx.finding(
         title="GradScaler used with bf16 autocast",
-        evidence={"autocast_dtypes": sorted(dtypes), "scaled_steps": len(scaler_steps(ctx.run))},
+        evidence={
+            "autocast_dtypes": sorted(dtypes),
+            "scaled_step_count": len(scaler_steps(ctx.run)),
+        },
         fix="bf16 has fp32's range: drop the GradScaler (or construct it with enabled=False).",
     )

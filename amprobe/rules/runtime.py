@@ -4,95 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import pandas as pd
-
+from amprobe.analysis.runtime import (
+    column,
+    compute_data_wait,
+    compute_gpu_util,
+    compute_sync_sites,
+    gpu_unavailable_reason,
+    training_samples,
+)
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.refs import AUTOCAST_OPS, DATA_LOADING, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
 
-__all__ = [
-    "compute_data_wait",
-    "compute_gpu_util",
-    "compute_sync_sites",
-    "gpu_unavailable_reason",
-    "training_samples",
-]
-
-
-def _column(frame: pd.DataFrame, name: str) -> pd.Series:
-    return frame[name] if name in frame else pd.Series([], dtype="float64")
-
-
-def gpu_unavailable_reason(run: Run) -> str | None:
-    """Why the run has no GPU samples (from the sampler's events), or None if it has some."""
-    gpu = run.table("gpu")
-    if len(gpu) and _column(gpu, "gpu_util").notna().any():
-        return None
-    notes = run.events_of("gpu_sampler")
-    for note in notes:
-        if note.get("status") in ("not available", "not sampled", "stopped") and note.get("reason"):
-            return str(note["reason"])
-    if notes:
-        return "the GPU sampler recorded no utilization sample"
-    return "the GPU sampler did not run (runtime collector off or gpu_sample_hz=0)"
-
-
-def training_samples(gpu: pd.DataFrame, skip_steps: int) -> pd.DataFrame:
-    """GPU samples taken while training ran, after the first ``skip_steps`` steps (warm-up)."""
-    if gpu.empty:
-        return gpu
-    return gpu[gpu["step"] >= skip_steps]
-
-
-def compute_data_wait(steps: pd.DataFrame, skip_steps: int) -> dict[str, Any] | None:
-    """Data-wait share of one rank's steps: sum(data_wait_s) / sum(wall_s), warm-up skipped.
-
-    Steps whose syncs were counted are left out (the dispatch mode inflates their time) unless
-    no other step is left.
-    """
-    frame = steps[steps["data_wait_s"].notna() & steps["wall_s"].notna()]
-    frame = frame[frame["step"] >= frame["step"].min() + skip_steps] if len(frame) else frame
-    unsampled = frame[~frame["syncs_sampled"].fillna(False).astype(bool)]
-    if len(unsampled):
-        frame = unsampled
-    wall = float(frame["wall_s"].sum())
-    if not len(frame) or wall <= 0:
-        return None
-    wait = float(frame["data_wait_s"].sum())
-    return {
-        "data_wait_share": wait / wall,
-        "data_wait_s_median": float(frame["data_wait_s"].median()),
-        "wall_s_median": float(frame["wall_s"].median()),
-        "steps_measured": int(len(frame)),
-    }
-
-
-def compute_gpu_util(gpu: pd.DataFrame, skip_steps: int) -> dict[str, Any] | None:
-    """Median NVML GPU utilization of one rank's training-time samples."""
-    samples = training_samples(gpu, skip_steps)
-    util = _column(samples, "gpu_util").dropna()
-    if not len(util):
-        return None
-    return {"gpu_util_median": float(util.median()), "gpu_samples": int(len(util))}
-
-
-def compute_sync_sites(syncs: pd.DataFrame, sampled_steps: int, kind: str = "user") -> pd.DataFrame:
-    """Syncs per sampled step by source line and op, most frequent first."""
-    rows = syncs[syncs["kind"] == kind] if len(syncs) else syncs
-    if rows.empty or sampled_steps <= 0:
-        return pd.DataFrame(columns=["site", "op", "per_step", "total"])
-    grouped = rows.groupby(["site", "op"], as_index=False)["count"].sum()
-    grouped = grouped.rename(columns={"count": "total"})
-    grouped["per_step"] = grouped["total"] / sampled_steps
-    return grouped.sort_values(["total", "site"], ascending=[False, True])[
-        ["site", "op", "per_step", "total"]
-    ].reset_index(drop=True)
+__all__: list[str] = []
 
 
 @requirement("runtime")
 def _has_runtime(run: Run) -> str | None:
     steps = run.steps
-    if len(steps) and _column(steps, "data_wait_s").notna().any():
+    if len(steps) and column(steps, "data_wait_s").notna().any():
         return None
     return "step timing was not recorded (runtime collector off)"
 
@@ -100,7 +31,7 @@ def _has_runtime(run: Run) -> str | None:
 @requirement("syncs")
 def _has_syncs(run: Run) -> str | None:
     steps = run.steps
-    if len(steps) and _column(steps, "syncs_sampled").fillna(False).astype(bool).any():
+    if len(steps) and column(steps, "syncs_sampled").fillna(False).astype(bool).any():
         return None
     return "host-device syncs were not counted (runtime collector off, syncs_every=0, or no sampled step)"
 
@@ -108,7 +39,7 @@ def _has_syncs(run: Run) -> str | None:
 @requirement("gpm")
 def _has_gpm(run: Run) -> str | None:
     gpu = run.table("gpu")
-    if len(gpu) and _column(gpu, "tensor_any").notna().any():
+    if len(gpu) and column(gpu, "tensor_any").notna().any():
         return None
     reason = gpu_unavailable_reason(run)
     if reason:
@@ -126,7 +57,7 @@ def _has_gpm(run: Run) -> str | None:
     "speed",
     requires=("runtime",),
     thresholds={"data_wait_share": 0.20, "gpu_util_median": 70.0, "skip_steps": 1, "min_steps": 3},
-    refs=("G§5.2 #1",),
+    refs=(DATA_LOADING, TUNING_GUIDE),
 )
 def input_bound(ctx: RuleContext) -> list[Finding]:
     """Low GPU utilization and/or a large share of step time spent waiting for the next batch.
@@ -145,7 +76,7 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
     out = []
     for rank, steps in per_rank(ctx.run.steps):
         wait = compute_data_wait(steps, skip)
-        if wait is None or wait["steps_measured"] < th["min_steps"]:
+        if wait is None or wait["measured_step_count"] < th["min_steps"]:
             continue
         util = None
         if gpu_reason is None:
@@ -195,7 +126,7 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
     "speed",
     requires=("syncs",),
     thresholds={"syncs_per_step": 3.0, "top_sites": 5},
-    refs=("G§5.2 #3",),
+    refs=(TUNING_GUIDE,),
 )
 def host_sync(ctx: RuleContext) -> list[Finding]:
     """The step forces host-device synchronizations more than a few times.
@@ -258,6 +189,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
     "speed",
     requires=("gpm", "autocast"),
     thresholds={"tensor_active_pct": 1.0, "busy_gpu_util": 50.0, "skip_steps": 1},
+    refs=(AUTOCAST_OPS, MATMUL_GUIDE),
 )
 def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
     """Tensor Cores stay near idle while AMP is on and the GPU is busy.
@@ -289,7 +221,7 @@ def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
                     "tensor_any_median": median,
                     "tensor_hmma_median": float(hmma.median()) if len(hmma) else None,
                     "threshold": th["tensor_active_pct"],
-                    "busy_samples": int(len(busy)),
+                    "busy_sample_count": int(len(busy)),
                     "gpu_util_median": float(busy["gpu_util"].median()),
                 },
                 fix=(

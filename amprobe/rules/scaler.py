@@ -6,51 +6,20 @@ from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
-import pandas as pd
 
+from amprobe.analysis.numerics import offender_evidence
+from amprobe.analysis.scaler import growth_interval, init_scale, longest_run, scale_events
 from amprobe.rules.data import per_rank, scaler_configs, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
+from amprobe.rules.refs import (
+    AUTOCAST_OPS,
+    CHECKPOINT_EXAMPLE,
+    CLIPPING_EXAMPLE,
+    GRADIENT_SCALING,
+    TYPICAL_EXAMPLE,
+)
 
-__all__ = ["compute_scale_events", "longest_run"]
-
-
-def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
-    """Add ``backoff`` and ``growth`` columns (scale cut / grown by ``update()``)."""
-    out = frame.copy()
-    out["backoff"] = out["scale_after"] < out["scale_before"]
-    out["growth"] = out["scale_after"] > out["scale_before"]
-    return out
-
-
-def longest_run(flags: pd.Series) -> tuple[int, int | None]:
-    """Length and first index label of the longest run of True values."""
-    values = flags.to_numpy(dtype=bool, na_value=False)
-    if not values.any():
-        return 0, None
-    edges = np.diff(np.concatenate(([0], values.astype(np.int8), [0])))
-    starts = np.flatnonzero(edges == 1)
-    lengths = np.flatnonzero(edges == -1) - starts
-    best = int(np.argmax(lengths))  # the first of the longest runs
-    return int(lengths[best]), flags.index[starts[best]]
-
-
-def _growth_interval(ctx: RuleContext, rank: int) -> int:
-    seen = [c.get("growth_interval") for c in scaler_configs(ctx.run) if c.get("rank") == rank]
-    intervals = [int(i) for i in seen if isinstance(i, (int, float)) and i > 0]
-    return intervals[-1] if intervals else 2000
-
-
-def _init_scale(ctx: RuleContext, rank: int) -> float | None:
-    values = [c.get("init_scale") for c in scaler_configs(ctx.run) if c.get("rank") == rank]
-    values = [float(v) for v in values if isinstance(v, (int, float))]
-    return values[-1] if values else None
-
-
-def _ranks(ctx: RuleContext) -> Iterator[tuple[int, pd.DataFrame]]:
-    """Per-rank scaler steps with ``backoff``/``growth`` (computed once per run)."""
-    return per_rank(
-        ctx.run.cached("scale_events", lambda run: compute_scale_events(scaler_steps(run)))
-    )
+__all__: list[str] = []
 
 
 @rule(
@@ -60,7 +29,7 @@ def _ranks(ctx: RuleContext) -> Iterator[tuple[int, pd.DataFrame]]:
     "nan",
     requires=("scaler",),
     thresholds={"frequent_cuts_per_interval": 1.0},
-    refs=("G§2.2", "G§5.1"),
+    refs=(GRADIENT_SCALING,),
 )
 def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     """The loss scale was cut because gradients held inf/NaN.
@@ -72,11 +41,11 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     a warning (the scaler cannot settle), else info.
     """
     multi = ctx.run.steps["rank"].nunique() > 1
-    for rank, frame in _ranks(ctx):
+    for rank, frame in per_rank(scale_events(ctx.run)):
         cuts = frame[frame["backoff"]]
         if cuts.empty:
             continue
-        interval = _growth_interval(ctx, rank)
+        interval = growth_interval(ctx.run, rank)
         flags = frame["backoff"].to_numpy(dtype=bool)
         calibration = int(np.argmin(flags)) if not flags.all() else len(flags)
         later = len(cuts) - calibration
@@ -93,9 +62,9 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
             + note,
             evidence={
                 "rank": rank,
-                "cuts": len(cuts),
-                "calibration_cuts": calibration,
-                "steps": len(frame),
+                "cut_count": len(cuts),
+                "calibration_cut_count": calibration,
+                "step_count": len(frame),
                 "cut_steps": steps_list(cuts["step"]),
                 "cuts_per_growth_interval": round(per_interval, 3),
                 "growth_interval": interval,
@@ -122,7 +91,7 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("scaler",),
     thresholds={"warn_below": 0.95, "error_below": 0.90, "min_steps": 10},
-    refs=("S§11", "G§5.4"),
+    refs=(GRADIENT_SCALING,),
 )
 def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     """Scaler success rate = iterations whose optimizer update was applied / all iterations.
@@ -146,8 +115,8 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 "rank": rank,
                 "success_rate": round(rate, 4),
-                "skipped": len(skipped),
-                "steps": len(frame),
+                "skipped_count": len(skipped),
+                "step_count": len(frame),
                 "skipped_steps": steps_list(skipped["step"]),
                 "warn_below": th["warn_below"],
                 "error_below": th["error_below"],
@@ -167,7 +136,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("scaler",),
     thresholds={"min_scale": 1.0, "max_consecutive_cuts": 16},
-    refs=("G§5.1", "S§10"),
+    refs=(AUTOCAST_OPS,),
 )
 def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     """The scale keeps halving to a tiny value.
@@ -177,7 +146,7 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     forward op produces inf/NaN whatever the scale.
     """
     th = ctx.thresholds
-    for rank, frame in _ranks(ctx):
+    for rank, frame in per_rank(scale_events(ctx.run)):
         indexed = frame.reset_index(drop=True)
         run_len, start = longest_run(indexed["backoff"])
         min_scale = float(indexed["scale_after"].min())
@@ -188,14 +157,12 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
         evidence = {
             "rank": rank,
             "min_scale": min_scale,
-            "longest_cut_run": run_len,
+            "consecutive_cut_count": run_len,
             "cut_run_starts_at_step": first_step,
             "first_step_below_min": int(below["step"].iloc[0]) if len(below) else None,
             "min_scale_threshold": th["min_scale"],
             "max_consecutive_cuts": th["max_consecutive_cuts"],
         }
-        from amprobe.rules.numerics import offender_evidence  # per-layer evidence, when recorded
-
         evidence.update(offender_evidence(ctx.run, rank))
         yield ctx.finding(
             title=(
@@ -218,7 +185,7 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("scaler",),
     thresholds={"min_intervals": 4, "below_init_factor": 256.0},
-    refs=("G§5.4",),
+    refs=(GRADIENT_SCALING,),
 )
 def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
     """The scale never grows over many growth intervals and sits far below its initial value.
@@ -227,13 +194,13 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
     scale at most ``init_scale / below_init_factor``.
     """
     th = ctx.thresholds
-    for rank, frame in _ranks(ctx):
-        interval = _growth_interval(ctx, rank)
+    for rank, frame in per_rank(scale_events(ctx.run)):
+        interval = growth_interval(ctx.run, rank)
         window = int(th["min_intervals"] * interval)
         if len(frame) < window:
             continue
         tail = frame.iloc[-window:]
-        init = _init_scale(ctx, rank) or float(frame["scale_before"].iloc[0])
+        init = init_scale(ctx.run, rank) or float(frame["scale_before"].iloc[0])
         final = float(frame["scale_after"].iloc[-1])
         if tail["growth"].any() or final > init / th["below_init_factor"]:
             continue
@@ -246,9 +213,9 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
                 "rank": rank,
                 "final_scale": final,
                 "init_scale": init,
-                "steps_without_growth": window,
+                "no_growth_step_count": window,
                 "growth_interval": interval,
-                "cuts_in_window": int(tail["backoff"].sum()),
+                "window_cut_count": int(tail["backoff"].sum()),
                 "min_intervals": th["min_intervals"],
                 "below_init_factor": th["below_init_factor"],
             },
@@ -266,7 +233,7 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("scaler",),
     thresholds={"max_instances_per_site": 1, "max_scale_resets": 1},
-    refs=("G§3.1",),
+    refs=(TYPICAL_EXAMPLE,),
 )
 def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
     """A new GradScaler is built during training.
@@ -281,7 +248,7 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
         created = [c for c in scaler_configs(run) if c.get("rank") == rank]
         sites = Counter(c.get("site") for c in created if c.get("site") not in (None, "?"))
         repeated = {site: n for site, n in sites.items() if n > th["max_instances_per_site"]}
-        init = _init_scale(ctx, rank)
+        init = init_scale(ctx.run, rank)
         resets: list[int] = []
         if init is not None:
             before = frame["scale_before"].to_numpy()
@@ -303,9 +270,9 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
             ),
             evidence={
                 "rank": rank,
-                "instances": len(created),
+                "instance_count": len(created),
                 "site": site,
-                "instances_at_site": count,
+                "site_instance_count": count,
                 "created_at_steps": steps_list(created_steps),
                 "scale_reset_steps": resets,
                 "init_scale": init,
@@ -324,7 +291,7 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("steps",),
     thresholds={"max_scaled_clips": 0},
-    refs=("G§3.2",),
+    refs=(CLIPPING_EXAMPLE,),
 )
 def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
     """``clip_grad_norm_`` / ``clip_grad_value_`` ran on gradients still multiplied by the scale.
@@ -343,9 +310,9 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
             title=f"gradients clipped while still scaled in {len(bad)} of {len(frame)} steps",
             evidence={
                 "rank": rank,
-                "steps_affected": len(bad),
-                "steps": len(frame),
-                "first_steps": steps_list(bad["step"]),
+                "affected_step_count": len(bad),
+                "step_count": len(frame),
+                "clipped_steps": steps_list(bad["step"]),
                 "functions": functions,
                 "call_sites": sites,
             },
@@ -364,7 +331,7 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
     "warning",
     "nan",
     requires=("scaler", "optimizer"),
-    refs=("G§3.3",),
+    refs=(CHECKPOINT_EXAMPLE,),
 )
 def check_scaler_not_restored(ctx: RuleContext) -> Iterator[Finding]:
     """A resumed run (optimizer state loaded) whose GradScaler state was never loaded.
@@ -384,11 +351,11 @@ def check_scaler_not_restored(ctx: RuleContext) -> Iterator[Finding]:
             title="optimizer state was restored but the GradScaler state was not",
             evidence={
                 "rank": rank,
-                "optimizer_loads": len(opt_loads),
-                "scaler_loads": len(scaler_loads),
+                "optimizer_load_count": len(opt_loads),
+                "scaler_load_count": len(scaler_loads),
                 "first_scale": float(frame["scale_before"].iloc[0]),
-                "init_scale": _init_scale(ctx, rank),
-                "skipped_in_first_20_steps": skipped,
+                "init_scale": init_scale(ctx.run, rank),
+                "early_skipped_count": skipped,  # among the first 20 steps
             },
             fix=(
                 "Save scaler.state_dict() in the checkpoint with the model and optimizer, and call "

@@ -10,8 +10,7 @@ import dataclasses
 import io
 import json
 import os
-import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,25 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 
 from amprobe.store import schema
+from amprobe.store.layout import list_ranks, open_regular, rank_state, read_json_file
 
-__all__ = ["Run", "RankInfo", "RunLoadError", "load_run", "read_table", "empty_frame"]
+__all__ = [
+    "Run",
+    "RankInfo",
+    "RunLoadError",
+    "NewerSchemaError",
+    "load_run",
+    "read_table",
+    "empty_frame",
+]
 
 
 class RunLoadError(Exception):
     """A run directory that cannot be read; the message is one line that says why."""
+
+
+class NewerSchemaError(RunLoadError):
+    """The run was written by a newer amprobe (a schema version this one cannot read)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,20 +106,44 @@ class Run:
             if len(paths) > 1:
                 workers = min(len(paths), os.cpu_count() or 1, 16)
                 with ThreadPoolExecutor(max_workers=workers) as pool:
-                    parts = list(pool.map(lambda p: _read_arrow(p, name), paths))
+                    parts = list(pool.map(lambda p: _read_rank_table(p, name), paths))
             else:
-                parts = [_read_arrow(p, name) for p in paths]
+                parts = [_read_rank_table(p, name) for p in paths]
             tables = []
-            for info, (part, _, dropped) in zip(self.ranks, parts, strict=True):
-                if dropped:
-                    self.warnings.append(
-                        f"rank {info.rank}: {dropped} unreadable record(s) skipped in {name}.jsonl"
-                    )
+            for info, read in zip(self.ranks, parts, strict=True):
+                self.warnings.extend(_read_warnings(info, f"{name}.jsonl", read))
+                part = read.table if isinstance(read, _TableRead) else None
                 if part is not None and part.num_rows:
                     ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
                     tables.append(part.add_column(0, "rank", ranks))
-            self._tables[name] = _to_frame(tables, name)
+            frame = _to_frame(tables, name)
+            if name == "steps":
+                frame = self._unique_steps(frame)
+            self._tables[name] = frame
         return self._tables[name]
+
+    def _unique_steps(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """One row per (rank, window, step): a row without a valid step, or repeated (a retried
+        write, a copied file), is dropped and counted in a warning."""
+        if frame.empty or "step" not in frame.columns:
+            return frame
+        invalid = frame["step"].isna()
+        if invalid.any():
+            self.warnings.append(
+                f"steps: {int(invalid.sum())} record(s) without a valid integer step dropped"
+            )
+            frame = frame[~invalid]
+        keys = [c for c in ("rank", "window", "step") if c in frame.columns]
+        repeated = frame.duplicated(subset=keys, keep="first")
+        if repeated.any():
+            self.warnings.append(
+                f"steps: {int(repeated.sum())} repeated record(s) of the same (rank, window, "
+                "step) dropped; the first of each was kept"
+            )
+            frame = frame[~repeated]
+        if invalid.any() or repeated.any():
+            frame = frame.reset_index(drop=True)
+        return frame
 
     def events_of(self, kind: str) -> list[dict[str, Any]]:
         """The events of one kind as dicts (``detail`` merged in), in recording order.
@@ -159,35 +195,115 @@ def _arrow_schema(table: str) -> pa.Schema | None:
     return pa.schema(list(columns.items())) if columns else None
 
 
+#: Longest record (one JSON line) the loader accepts; longer lines are skipped and counted, so
+#: a damaged or hostile file cannot make a reader hold it in memory. amprobe's own records are
+#: well under a kilobyte (a numerics row with long module names stays far below this).
+MAX_RECORD_BYTES = 4 << 20
+#: Bytes read per call: memory while reading a table stays near this plus the parsed rows.
+READ_CHUNK_BYTES = 64 << 20
+_BLOCK_BYTES = 16 << 20  # arrow parses blocks in parallel; a block holds whole lines
+
+
+@dataclasses.dataclass
+class _TableRead:
+    """What one pass over a table file found."""
+
+    table: pa.Table | None
+    next_offset: int
+    dropped: int = 0  # lines that are not a JSON object
+    oversize: int = 0  # lines longer than MAX_RECORD_BYTES (skipped unparsed)
+    nulled: int = 0  # values of the wrong type for their column, read as null
+    tail: int = 0  # bytes of an unterminated last line (left for the next read)
+
+
 def read_table(path: Path, table: str, offset: int = 0) -> tuple[pd.DataFrame, int, int]:
     """Read the complete records of a JSON Lines table from byte ``offset``.
 
     Returns ``(frame, next_offset, dropped)``: an unterminated last line (a record still being
-    written, or cut by a crash) is left for the next read; lines that do not parse are dropped
-    and counted. A missing file reads as an empty frame.
+    written, or cut by a crash) is left for the next read; lines that do not parse, or are
+    longer than :data:`MAX_RECORD_BYTES`, are dropped and counted. Memory stays bounded: the
+    file is read in chunks, an oversize line is skipped without being held, and an unterminated
+    oversize tail is not read again (``next_offset`` moves past it). A missing file reads as an
+    empty frame.
+
+    Raises:
+        RunLoadError: the path is not a regular file (a FIFO, a device) or cannot be read.
     """
-    parsed, next_offset, dropped = _read_arrow(path, table, offset)
-    if parsed is None:
-        return empty_frame(table), next_offset, dropped
-    return parsed.to_pandas(), next_offset, dropped
+    read = _read_arrow(path, table, offset)
+    dropped = read.dropped + read.oversize
+    if read.table is None:
+        return empty_frame(table), read.next_offset, dropped
+    return read.table.to_pandas(), read.next_offset, dropped
 
 
-def _read_arrow(path: Path, table: str, offset: int = 0) -> tuple[pa.Table | None, int, int]:
+def _read_arrow(path: Path, table: str, offset: int = 0) -> _TableRead:
     """:func:`read_table` as an arrow table with every schema column (None: nothing to read)."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            data = fh.read()
+        fh = open_regular(path)
     except FileNotFoundError:
-        return None, offset, 0
+        return _TableRead(None, offset)
     except OSError as exc:
         raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
-    end = data.rfind(b"\n")
-    if end < 0:
-        return None, offset, 0
-    data = data[: end + 1]
     arrow_schema = _arrow_schema(table)
-    dropped = 0
+    result = _TableRead(None, offset)
+    parts: list[pa.Table] = []
+    with fh:
+        # resuming inside a line means the line was an oversize record already counted
+        skipping = False
+        if offset > 0:
+            fh.seek(offset - 1)
+            skipping = fh.read(1) != b"\n"
+        pos = offset  # file offset of pending[0]
+        pending = b""
+        while True:
+            chunk = fh.read(READ_CHUNK_BYTES)
+            if not chunk:
+                break
+            if skipping:
+                nl = chunk.find(b"\n")
+                if nl < 0:
+                    pos += len(chunk)
+                    continue
+                pos += nl + 1
+                chunk = chunk[nl + 1 :]
+                skipping = False
+            data = pending + chunk if pending else chunk
+            last = data.rfind(b"\n")
+            if last < 0:
+                pending = data
+            else:
+                _parse_block(data[: last + 1], arrow_schema, parts, result)
+                pos += last + 1
+                pending = data[last + 1 :]
+            if len(pending) > MAX_RECORD_BYTES:
+                result.oversize += 1
+                pos += len(pending)
+                pending = b""
+                skipping = True
+        result.tail = len(pending)
+        result.next_offset = pos
+    if parts:
+        result.table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+    elif result.next_offset > offset or result.dropped or result.oversize:
+        result.table = arrow_schema.empty_table() if arrow_schema is not None else pa.table({})
+    return result
+
+
+def _parse_block(
+    data: bytes, arrow_schema: pa.Schema | None, parts: list[pa.Table], result: _TableRead
+) -> None:
+    """Parse whole lines ``data`` into ``parts``; oversize and damaged lines are counted."""
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    lengths = np.diff(ends, prepend=-1)
+    if len(lengths) and int(lengths.max()) > MAX_RECORD_BYTES + 1:
+        keep = lengths <= MAX_RECORD_BYTES + 1
+        result.oversize += int((~keep).sum())
+        starts = ends - lengths + 1
+        data = b"".join(
+            data[int(a) : int(b) + 1] for a, b, k in zip(starts, ends, keep, strict=True) if k
+        )
+        if not data:
+            return
     try:
         data.decode("utf-8")  # arrow's reader lets invalid UTF-8 into strings: drop such lines
         options = (
@@ -198,7 +314,7 @@ def _read_arrow(path: Path, table: str, offset: int = 0) -> tuple[pa.Table | Non
         parsed = pa_json.read_json(
             io.BytesIO(data),
             parse_options=options,
-            read_options=pa_json.ReadOptions(block_size=1 << 24),
+            read_options=pa_json.ReadOptions(block_size=_BLOCK_BYTES),
         )
     except (
         pa.ArrowInvalid,
@@ -207,12 +323,45 @@ def _read_arrow(path: Path, table: str, offset: int = 0) -> tuple[pa.Table | Non
         OverflowError,
         UnicodeDecodeError,
     ):
-        parsed, dropped = _read_lines_slowly(data, arrow_schema)
+        parsed = _read_lines_slowly(data, arrow_schema, result)
     if arrow_schema is not None:
         for field in arrow_schema:
             if field.name not in parsed.column_names:
                 parsed = parsed.append_column(field, pa.nulls(parsed.num_rows, type=field.type))
-    return parsed, offset + end + 1, dropped
+        parsed = parsed.select(arrow_schema.names)
+    if parsed.num_rows:
+        parts.append(parsed)
+
+
+def _read_rank_table(path: Path, table: str) -> _TableRead | RunLoadError:
+    """One rank's table; a file that cannot be read is returned as its error (not raised)."""
+    try:
+        return _read_arrow(path, table)
+    except RunLoadError as exc:
+        return exc
+
+
+def _read_warnings(info: RankInfo, filename: str, read: _TableRead | RunLoadError) -> list[str]:
+    """What a user should know about one rank's read of one table, one line each."""
+    who = f"rank {info.rank}"
+    if isinstance(read, RunLoadError):
+        return [f"{who}: {filename} not read: {read}"]
+    out = []
+    if read.dropped:
+        out.append(f"{who}: {read.dropped} unreadable record(s) skipped in {filename}")
+    if read.oversize:
+        out.append(
+            f"{who}: {read.oversize} record(s) longer than {MAX_RECORD_BYTES} bytes skipped "
+            f"in {filename}"
+        )
+    if read.nulled:
+        out.append(f"{who}: {read.nulled} value(s) of the wrong type read as missing in {filename}")
+    if read.tail and info.end is not None:
+        out.append(
+            f"{who}: {filename} ends in a cut record ({read.tail} bytes without a newline) "
+            "although the rank closed cleanly; it was ignored"
+        )
+    return out
 
 
 def _to_frame(tables: list[pa.Table], name: str) -> pd.DataFrame:
@@ -228,7 +377,21 @@ def _to_frame(tables: list[pa.Table], name: str) -> pd.DataFrame:
         return pd.concat([t.to_pandas() for t in tables], ignore_index=True)
 
 
-def _read_lines_slowly(data: bytes, arrow_schema: pa.Schema | None) -> tuple[pa.Table, int]:
+def _fits(value: Any, arrow_type: pa.DataType) -> bool:
+    """Whether a JSON value belongs in a column of ``arrow_type`` as the fast parser would read
+    it (arrow's own conversion truncates ``1.5`` to an integer ``1``, and reads ``true`` as 1.0)."""
+    if isinstance(value, bool) and not pa.types.is_boolean(arrow_type):
+        return False
+    if pa.types.is_integer(arrow_type) and not isinstance(value, int):
+        return False
+    try:
+        pa.array([value], type=arrow_type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+        return False
+    return True
+
+
+def _read_lines_slowly(data: bytes, arrow_schema: pa.Schema | None, result: _TableRead) -> pa.Table:
     """Line-by-line fallback that keeps every parseable record of a damaged file."""
     rows: list[dict[str, Any]] = []
     dropped = 0
@@ -247,32 +410,86 @@ def _read_lines_slowly(data: bytes, arrow_schema: pa.Schema | None) -> tuple[pa.
             clean: dict[str, Any] = {}
             for field in arrow_schema:
                 value = row.get(field.name)
-                try:
-                    pa.array([value], type=field.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+                if value is not None and not _fits(value, field.type):
                     value = None
+                    result.nulled += 1
                 clean[field.name] = value
             row = clean
         rows.append(row)
+    result.dropped += dropped
     if arrow_schema is not None:
-        return pa.Table.from_pylist(rows, schema=arrow_schema), dropped
-    return pa.Table.from_pylist(rows), dropped
+        return pa.Table.from_pylist(rows, schema=arrow_schema)
+    return pa.Table.from_pylist(rows)
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        return read_json_file(path)
     except FileNotFoundError:
         raise RunLoadError(f"{what} is missing: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RunLoadError(f"cannot read {what} {path}: {exc}") from None
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        raise RunLoadError(f"{what} is corrupt (not valid JSON): {path}") from None
-    if not isinstance(obj, dict):
-        raise RunLoadError(f"{what} is corrupt (not a JSON object): {path}")
-    return obj
+    except OSError as exc:
+        raise RunLoadError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise RunLoadError(f"{what} is corrupt ({exc}): {path}") from None
+
+
+def _drop_damaged_fields(
+    obj: dict[str, Any], fields: Mapping[str, Callable[[Any], bool]], what: str
+) -> list[str]:
+    """Remove fields of ``obj`` whose value has the wrong type; one warning line per field."""
+    warnings = []
+    for key, valid in fields.items():
+        if key in obj and obj[key] is not None and not valid(obj[key]):
+            warnings.append(
+                f"{what}: field {key!r} is damaged (got {type(obj[key]).__name__} "
+                f"{_short(obj[key])}); ignored"
+            )
+            del obj[key]
+    return warnings
+
+
+def _is_type(types: tuple[type, ...]) -> Callable[[Any], bool]:
+    def valid(value: Any) -> bool:
+        if isinstance(value, bool) and bool not in types:
+            return False
+        return isinstance(value, types)
+
+    return valid
+
+
+_MANIFEST_CHECKS = {key: _is_type(types) for key, types in schema.MANIFEST_FIELDS.items()}
+_END_CHECKS = {key: _is_type(types) for key, types in schema.END_FIELDS.items()}
+_END_CHECKS["lost_rows"] = lambda v: (
+    isinstance(v, dict)
+    and all(
+        isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) for k, n in v.items()
+    )
+)
+_END_CHECKS["lost_steps"] = lambda v: (
+    isinstance(v, list)
+    and len(v) in (0, 2)
+    and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+)
+_END_CHECKS["write_errors"] = lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _lost_rows_warning(rank: int, end: dict[str, Any]) -> list[str]:
+    """The writer's own account of rows it could not write (disk full, directory gone)."""
+    if not end.get("lost_rows"):
+        return []
+    lost = ", ".join(f"{n} {table} record(s)" for table, n in sorted(end["lost_rows"].items()))
+    span = end.get("lost_steps") or []
+    errors = end.get("write_errors") or []
+    return [
+        f"rank {rank}: {lost} could not be written"
+        + (f" (steps {span[0]}..{span[1]})" if len(span) == 2 else "")
+        + (f": {'; '.join(errors)}" if errors else "")
+    ]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_version(manifest: dict[str, Any], where: Path) -> None:
@@ -280,7 +497,7 @@ def _check_version(manifest: dict[str, Any], where: Path) -> None:
     if not isinstance(version, int) or isinstance(version, bool):
         raise RunLoadError(f"manifest has no valid schema_version: {where}")
     if version > schema.SCHEMA_VERSION:
-        raise RunLoadError(
+        raise NewerSchemaError(
             f"run was written with schema version {version}, newer than this amprobe reads "
             f"({schema.SCHEMA_VERSION}); upgrade amprobe to read it: {where}"
         )
@@ -288,27 +505,9 @@ def _check_version(manifest: dict[str, Any], where: Path) -> None:
         raise RunLoadError(f"manifest has an invalid schema_version {version}: {where}")
 
 
-def pid_alive(pid: Any) -> bool:
-    """Whether process ``pid`` exists on this host (signal 0; a foreign user's process counts)."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
 def _rank_status(manifest: dict[str, Any], end: dict[str, Any] | None) -> str:
-    if end is not None:
-        return "finished"
-    if manifest.get("hostname") == socket.gethostname() and pid_alive(manifest.get("pid")):
-        return "live"
-    return "interrupted"
+    state = rank_state(manifest, ended=end is not None)
+    return {"finished": "finished", "live": "live"}.get(state, "interrupted")
 
 
 def load_run(path: str | os.PathLike[str]) -> Run:
@@ -335,58 +534,64 @@ def load_run(path: str | os.PathLike[str]) -> Run:
             if manifest.get("format") != schema.FORMAT:
                 raise RunLoadError(f"not an amprobe run manifest: {top}")
             _check_version(manifest, top)
+        except NewerSchemaError:
+            raise
         except RunLoadError as exc:
-            if "newer than this amprobe" in str(exc):
-                raise
             warnings.append(f"{exc}; reading the ranks without it")
             manifest = {}
-    elif any(p.is_dir() and p.name.startswith("rank") for p in root.iterdir()):
+    listing = list_ranks(root)
+    if not top.exists() and listing.ranks:
         warnings.append(f"run manifest is missing: {top}; reading the ranks without it")
-    rank_dirs = sorted(
-        (
-            p
-            for p in root.iterdir()
-            if p.is_dir() and p.name.startswith("rank") and p.name[4:].isdigit()
-        ),
-        key=lambda p: int(p.name[4:]),
-    )
+    warnings.extend(_drop_damaged_fields(manifest, _MANIFEST_CHECKS, "run manifest"))
+    warnings.extend(listing.warnings)
+    rank_dirs = listing.ranks
     if not rank_dirs:
         if not top.exists():
             raise RunLoadError(f"not an amprobe run directory (no manifest.json): {root}")
         raise RunLoadError(f"run directory holds no rank data (no rank*/ folder): {root}")
     ranks: list[RankInfo] = []
-    for rank_dir in rank_dirs:
-        rank = int(rank_dir.name[4:])
+    for entry in rank_dirs:
+        rank, rank_dir = entry.rank, entry.path
         try:
             rank_manifest = _read_json(rank_dir / schema.RANK_MANIFEST, f"rank {rank} manifest")
             _check_version(rank_manifest, rank_dir / schema.RANK_MANIFEST)
+        except NewerSchemaError:
+            raise
         except RunLoadError as exc:
-            if "newer than this amprobe" in str(exc):
-                raise
             warnings.append(f"rank {rank} skipped: {exc}")
             continue
+        warnings.extend(
+            _drop_damaged_fields(rank_manifest, _MANIFEST_CHECKS, f"rank {rank} manifest")
+        )
         end: dict[str, Any] | None = None
         if (rank_dir / schema.END_MARKER).exists():
             try:
                 end = _read_json(rank_dir / schema.END_MARKER, f"rank {rank} end marker")
             except RunLoadError as exc:
                 warnings.append(str(exc))
+        if end is not None:
+            warnings.extend(_drop_damaged_fields(end, _END_CHECKS, f"rank {rank} end.json"))
+            warnings.extend(_lost_rows_warning(rank, end))
         status = _rank_status(rank_manifest, end)
-        if end and end.get("lost_rows"):
-            lost = ", ".join(
-                f"{n} {table} record(s)" for table, n in sorted(end["lost_rows"].items())
-            )
-            span = end.get("lost_steps") or []
-            warnings.append(
-                f"rank {rank}: {lost} could not be written"
-                + (f" (steps {span[0]}..{span[1]})" if len(span) == 2 else "")
-                + (f": {'; '.join(end.get('write_errors', []))}" if end.get("write_errors") else "")
-            )
         ranks.append(
             RankInfo(rank=rank, path=rank_dir, manifest=rank_manifest, end=end, status=status)
         )
     if not ranks:
         raise RunLoadError(f"no readable rank in run directory: {root} ({warnings[-1]})")
+    world = manifest.get("world_size")
+    if isinstance(world, int) and world > 0:
+        have = {r.rank for r in ranks}
+        missing = [r for r in range(world) if r not in have]
+        beyond = sorted(r for r in have if r >= world)
+        if missing:
+            shown = ", ".join(str(r) for r in missing[:8]) + (", ..." if len(missing) > 8 else "")
+            warnings.append(
+                f"the run has world_size {world} but no readable data for rank(s) {shown}"
+            )
+        if beyond:
+            warnings.append(
+                f"rank folder(s) {', '.join(str(r) for r in beyond)} are beyond world_size {world}"
+            )
     statuses = {r.status for r in ranks}
     status = (
         "live"

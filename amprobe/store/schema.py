@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from amprobe.store.fields import steps_schema
+from amprobe.store.layout import END_MARKER, FORMAT, RANK_MANIFEST, RUN_MANIFEST, rank_dirname
+
 __all__ = [
     "SCHEMA_VERSION",
     "FORMAT",
@@ -28,57 +31,17 @@ __all__ = [
     "RANK_MANIFEST",
     "END_MARKER",
     "TABLES",
+    "MANIFEST_FIELDS",
+    "END_FIELDS",
     "rank_dirname",
 ]
 
 SCHEMA_VERSION = 1
-FORMAT = "amprobe-run"
-RUN_MANIFEST = "manifest.json"
-RANK_MANIFEST = "manifest.json"
-END_MARKER = "end.json"
-
-
-def rank_dirname(rank: int) -> str:
-    return f"rank{rank}"
-
 
 #: Table name -> column name -> arrow type. The loader reads with these types; columns a
 #: writer did not emit come back as nulls, extra fields are ignored.
 TABLES: dict[str, dict[str, pa.DataType]] = {
-    "steps": {
-        "step": pa.int64(),  # iteration index, counted from 0; skipped iterations count
-        "window": pa.int64(),  # recording window (attach/detach cycles), 0 for a plain run
-        "t": pa.float64(),  # seconds since the rank's start, at the end of the step
-        "wall_s": pa.float64(),  # user time of the step, probe's own flush time excluded
-        "probe_s": pa.float64(),  # time the probe itself spent during this step (flushes)
-        "scaler_enabled": pa.bool_(),
-        "scale_before": pa.float64(),  # loss scale used for this step's backward
-        "scale_after": pa.float64(),  # loss scale after update()
-        "growth_tracker": pa.float64(),  # consecutive unskipped steps after update()
-        "found_inf": pa.float64(),  # inf/NaN found in gradients (sum over optimizers/devices)
-        "skipped": pa.bool_(),  # the optimizer update was not applied
-        "opt_steps": pa.int64(),  # optimizer.step() calls that actually ran
-        "unscale_calls": pa.int64(),
-        "clip_calls": pa.int64(),
-        "clip_scaled": pa.int64(),  # clip calls on gradients still multiplied by the scale
-        "loss": pa.float64(),
-        "loss_dtype": pa.string(),
-        "autocast_device": pa.string(),
-        "autocast_dtype": pa.string(),
-        "input_nonfinite": pa.int64(),  # non-finite elements in the root models' float inputs
-        "loss_nonfinite": pa.bool_(),  # the loss was inf/NaN
-        "numerics_sampled": pa.bool_(),  # per-layer numerics were captured on this step
-        # runtime collector (host clock, probe time excluded)
-        "data_wait_s": pa.float64(),  # time inside DataLoader __next__ (waiting for batches)
-        "batches": pa.int64(),  # batches fetched during the step
-        "fwd_s": pa.float64(),  # root models' forward (host time; CUDA device time: cuda_phases)
-        "bwd_s": pa.float64(),  # torch.autograd.backward
-        "opt_s": pa.float64(),  # optimizer.step
-        "peak_mem_bytes": pa.int64(),  # CUDA peak allocated memory during the step
-        "rss_bytes": pa.int64(),  # host resident set size at the end of the step
-        "syncs_sampled": pa.bool_(),  # host-device syncs were counted on this step
-        "syncs": pa.int64(),  # synchronizing ops issued by user code (sampled steps only)
-    },
+    "steps": steps_schema(),  # declared with units and meaning in amprobe.store.fields
     "syncs": {  # runtime collector: synchronizing ops per sampled step and source line
         "step": pa.int64(),
         "site": pa.string(),  # file:line of the user code that issued the op
@@ -180,4 +143,37 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "tf32": pa.bool_(),  # fp32 CUDA matmuls may use TF32
         "capture_s": pa.float64(),  # wall time of the captured step, capture overhead included
     },
+}
+
+
+#: Types of the manifest fields that amprobe reads back (run and rank manifests). A field of
+#: another type is reported by the loader as damaged and ignored. ``int`` never admits ``bool``.
+MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "world_size": (int,),
+    "rank": (int,),
+    "local_rank": (int,),
+    "pid": (int,),
+    "hostname": (str,),
+    "argv": (list,),
+    "device": (str,),
+    "gpu_name": (str,),
+    "gpu_capability": (str,),
+    "gpu_memory_bytes": (int,),
+    "bf16_supported": (bool,),
+    "cuda_version": (str,),
+    "config": (dict,),
+    "control": (dict,),
+    "baseline_run": (str,),
+    "start_unix": (int, float),
+    "created_unix": (int, float),
+}
+
+#: Types of the fields of ``end.json`` (the clean-close marker) that amprobe reads back.
+END_FIELDS: dict[str, tuple[type, ...]] = {
+    "status": (str,),
+    "steps": (int,),
+    "end_unix": (int, float),
+    "lost_rows": (dict,),  # table name -> rows lost
+    "lost_steps": (list,),  # [first, last] step of the rows lost
+    "write_errors": (list,),  # one line per distinct write error
 }

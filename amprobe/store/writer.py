@@ -2,40 +2,59 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import importlib.metadata
 import json
 import os
 import socket
 import sys
+import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from amprobe.store import schema
+from amprobe.store.layout import StoreError, has_format_marker
+from amprobe.version import __version__
+
+#: Space set aside in each rank's folder at start and released at close, so that the clean
+#: close (``end.json``) and the newest events can be written even when the disk is full.
+RESERVE_BYTES = 64 * 1024
+RESERVE_FILE = ".amprobe-reserve"
 
 __all__ = ["RunWriter", "write_json_atomic", "run_environment"]
 
 
 def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
     """Write ``obj`` as JSON so that a reader sees either the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    # unique per writer (process, thread, call): two writers never share a temporary file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def run_environment() -> dict[str, Any]:
     """Versions and host facts that go into every manifest. Costs no device work."""
-    import torch
-
-    from amprobe import __version__
-
+    torch = sys.modules.get("torch")  # the writer runs in a job that imported it
+    try:
+        torch_version = str(torch.__version__) if torch else importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
     return {
         "amprobe_version": __version__,
-        "torch_version": str(torch.__version__),
+        "torch_version": torch_version,
         "python_version": sys.version.split()[0],
         "hostname": socket.gethostname(),
     }
@@ -70,6 +89,9 @@ class RunWriter:
         self.lost_steps: list[int] = []
         self.write_errors: list[str] = []
         self._setup = (world_size, dict(rank_manifest), overwrite)
+        # the manifest may be annotated from another thread (live attach) while the training
+        # thread prepares the directory: one lock, so no fact is written over by an older copy
+        self._manifest_lock = threading.RLock()
         self.ready = False
         self._check(overwrite)
         if not lazy:
@@ -77,41 +99,56 @@ class RunWriter:
 
     # -- set-up (raises: called at attach time) ---------------------------------------------
     def _check(self, overwrite: bool) -> None:
-        from amprobe.config import ConfigError
-
         if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise ConfigError(f"run_dir {str(self.run_dir)!r} exists and is not a directory")
-        if (self.rank_dir / schema.RANK_MANIFEST).exists() and not overwrite:
-            raise ConfigError(
-                f"run_dir {str(self.run_dir)!r} already holds a recording for rank {self.rank}; "
-                "choose a new run_dir or pass config={'overwrite': True}"
+            raise StoreError(f"run_dir {str(self.run_dir)!r} exists and is not a directory")
+        top = self.run_dir / schema.RUN_MANIFEST
+        if top.exists() and not has_format_marker(top):
+            raise StoreError(
+                f"run_dir {str(self.run_dir)!r} holds a manifest.json that is not an amprobe "
+                "run's; choose another run_dir (it is never overwritten)"
             )
+        mine = self.rank_dir / schema.RANK_MANIFEST
+        if mine.exists():
+            if not has_format_marker(mine):
+                raise StoreError(
+                    f"{str(self.rank_dir)!r} holds a manifest.json that is not an amprobe "
+                    "run's; choose another run_dir (it is never overwritten)"
+                )
+            if not overwrite:
+                raise StoreError(
+                    f"run_dir {str(self.run_dir)!r} already holds a recording for rank "
+                    f"{self.rank}; choose a new run_dir or pass config={{'overwrite': True}}"
+                )
 
     def update_manifest(self, rank_manifest: Mapping[str, Any]) -> None:
-        """Replace this rank's manifest (atomically) once more facts are known."""
-        self._setup = (self._setup[0], dict(rank_manifest), self._setup[2])
-        if self.ready:
-            write_json_atomic(
-                self.rank_dir / schema.RANK_MANIFEST,
-                {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
-            )
+        """Replace this rank's manifest (atomically) once more facts are known. Thread-safe."""
+        with self._manifest_lock:
+            self._setup = (self._setup[0], dict(rank_manifest), self._setup[2])
+            if self.ready:
+                write_json_atomic(
+                    self.rank_dir / schema.RANK_MANIFEST,
+                    {
+                        "format": schema.FORMAT,
+                        "schema_version": schema.SCHEMA_VERSION,
+                        **self._setup[1],
+                    },
+                )
 
     def prepare(self) -> None:
         """Create this rank's directory and manifests now (a lazy writer otherwise waits for steps).
 
         Raises:
-            ConfigError: the directory cannot be written or already holds this rank's data.
+            StoreError: the directory cannot be written or already holds this rank's data.
         """
-        if not self.ready:
-            self._prepare(*self._setup)
+        with self._manifest_lock:
+            if not self.ready:
+                self._prepare(*self._setup)
 
     def _prepare(self, world_size: int, rank_manifest: Mapping[str, Any], overwrite: bool) -> None:
-        from amprobe.config import ConfigError
-
         self._check(overwrite)
         try:
             self.rank_dir.mkdir(parents=True, exist_ok=True)
-            if overwrite:
+            if overwrite and has_format_marker(self.rank_dir / schema.RANK_MANIFEST):
                 for old in self.rank_dir.iterdir():
                     if old.is_file():
                         old.unlink()
@@ -131,8 +168,9 @@ class RunWriter:
                 self.rank_dir / schema.RANK_MANIFEST,
                 {"format": schema.FORMAT, "schema_version": schema.SCHEMA_VERSION, **rank_manifest},
             )
+            self._reserve_space()
         except OSError as exc:
-            raise ConfigError(
+            raise StoreError(
                 f"cannot write run_dir {str(self.run_dir)!r}: {exc.strerror or exc}"
             ) from None
         self.ready = True
@@ -162,6 +200,47 @@ class RunWriter:
             else:
                 self.lost_steps = [min(self.lost_steps[0], step), max(self.lost_steps[1], step)]
 
+    # -- disk full: a reserve for the clean close -------------------------------------------
+    def _reserve_space(self) -> None:
+        """Set aside :data:`RESERVE_BYTES` on the run's file system, released at close so that
+        the end marker and the latest events can still be written when the disk is full."""
+        path = self.rank_dir / RESERVE_FILE
+        try:
+            with open(path, "wb") as fh:
+                fh.write(b"\0" * RESERVE_BYTES)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def _release_reserve(self) -> None:
+        with contextlib.suppress(OSError):
+            (self.rank_dir / RESERVE_FILE).unlink()
+
+    def _write_tail(self, table: str, budget: int) -> None:
+        """Write the newest rows of ``table`` that fit in ``budget`` bytes; the older ones are
+        counted as lost (the newest events say how the run ended)."""
+        queue = self._pending.get(table)
+        if not queue:
+            return
+        size, keep = 0, 0
+        for line in reversed(queue):
+            size += len(line.encode("utf-8")) + 1
+            if size > budget:
+                break
+            keep += 1
+        while len(queue) > keep:
+            self._count_lost(table, queue.popleft())
+        lines = list(queue)
+        if not lines:
+            return
+        try:
+            _append_lines(self.rank_dir / f"{table}.jsonl", _encode(lines))
+        except OSError:
+            return
+        queue.clear()
+
     def flush(self) -> bool:
         """Append all queued rows to their files. Returns False if some rows stay queued.
 
@@ -172,7 +251,7 @@ class RunWriter:
             if not self._pending.get("steps"):
                 return True
             try:
-                self._prepare(*self._setup)
+                self.prepare()
             except Exception as exc:
                 message = f"cannot create the run directory: {exc}"
                 if message not in self.write_errors:
@@ -183,12 +262,9 @@ class RunWriter:
             if not queue:
                 continue
             lines = list(queue)
-            data = ("\n".join(lines) + "\n").encode("utf-8")
             try:
                 self.rank_dir.mkdir(parents=True, exist_ok=True)
-                with open(self.rank_dir / f"{table}.jsonl", "ab") as fh:
-                    fh.write(data)
-                    fh.flush()
+                _append_lines(self.rank_dir / f"{table}.jsonl", _encode(lines))
             except OSError as exc:
                 ok = False
                 message = f"{table}: {exc.strerror or exc}"
@@ -200,10 +276,17 @@ class RunWriter:
         return ok
 
     def close(self, end: Mapping[str, Any]) -> None:
-        """Flush what is left and write ``end.json`` (the clean-close marker)."""
-        self.flush()
+        """Flush what is left and write ``end.json`` (the clean-close marker).
+
+        When the disk is full, the space reserved at start is released first so that the
+        newest events and ``end.json`` (with the count of rows lost and why) still reach disk.
+        """
+        ok = self.flush()
         if not self.ready:
             return  # a lazy writer of a process that never trained writes nothing
+        if not ok:
+            self._release_reserve()
+            self._write_tail("events", RESERVE_BYTES // 2)
         for table, queue in self._pending.items():
             for line in queue:
                 self._count_lost(table, line)
@@ -216,3 +299,37 @@ class RunWriter:
             write_json_atomic(self.rank_dir / schema.END_MARKER, payload)
         except OSError:
             pass
+        self._release_reserve()
+
+
+def _encode(lines: list[str]) -> bytes:
+    return ("\n".join(lines) + "\n").encode("utf-8")
+
+
+def _append_lines(path: Path, data: bytes) -> None:
+    """Append whole lines to ``path``, all or nothing.
+
+    A write cut short (disk full) is truncated back to where it started, so that retrying the
+    same rows later cannot duplicate the ones that made it. A file that does not end in a
+    newline (a writer killed mid-line) gets one first, so the cut record stays a separate,
+    damaged line instead of spoiling the first new one.
+
+    Raises:
+        OSError: the rows could not be written (the file is as it was).
+    """
+    with open(path, "ab+", buffering=0) as fh:
+        start = fh.seek(0, os.SEEK_END)
+        if start > 0 and os.pread(fh.fileno(), 1, start - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < len(data):
+                n = fh.write(view[done:])
+                if not n:
+                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+                done += n
+        except OSError:
+            with contextlib.suppress(OSError):
+                fh.truncate(start)
+            raise

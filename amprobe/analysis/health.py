@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from amprobe.rules.data import scaler_steps
+from amprobe.analysis.compare import COMPARED_METRICS, baseline_comparison, baseline_path
+from amprobe.analysis.compute import compute_mfu
+from amprobe.analysis.scaler import compute_success_rate
 from amprobe.store.loader import Run
 
 __all__ = ["compute_health", "HEALTH_METRICS"]
@@ -24,36 +26,33 @@ def _not_measured(why: str) -> dict[str, Any]:
 
 
 def compute_health(run: Run) -> dict[str, dict[str, Any]]:
-    """Compute the section-C metrics that the run's data supports."""
-    from amprobe.rules.compare import compute_comparison, load_baseline
+    """The section-C metrics that the run's data supports (computed once per run).
 
+    Each metric is ``{"value", "label", "unit", ...}``; a metric that was not measured has
+    ``value`` None and a ``note`` that says why.
+    """
+    cached: dict[str, dict[str, Any]] = run.cached("health", _compute_health)
+    return {key: dict(metric) for key, metric in cached.items()}
+
+
+def _compute_health(run: Run) -> dict[str, dict[str, Any]]:
     health: dict[str, dict[str, Any]] = {}
-    base = "no FP32 baseline recorded (see `amprobe baseline`)"
-    health["speedup"] = _not_measured(base)
-    health["memory_ratio"] = _not_measured(base)
-    health["loss_diff"] = _not_measured(base)
-    baseline = (
-        load_baseline(run) if any(r.manifest.get("baseline_run") for r in run.ranks) else None
-    )
-    if baseline is not None:
-        comparison = compute_comparison(baseline, run)
-        for key in ("speedup", "memory_ratio", "loss_diff"):
-            if comparison.get(key) is not None:
-                health[key] = {"value": comparison[key], "baseline": str(baseline.path)}
-            else:
-                note = next(
-                    (n for n in comparison["notes"] if n.startswith(key.split("_")[0][:4])),
-                    "not recorded",
-                )
-                health[key] = _not_measured(note)
-    steps = scaler_steps(run)
-    if len(steps):
-        skipped = int(steps["skipped"].fillna(False).astype(bool).sum())
-        health["scaler_success_rate"] = {
-            "value": 1.0 - skipped / len(steps),
-            "steps": int(len(steps)),
-            "skipped": skipped,
-        }
+    comparison = baseline_comparison(run)
+    for key in COMPARED_METRICS:
+        if comparison is None:
+            why = (
+                "no FP32 baseline recorded (see `amprobe baseline`)"
+                if baseline_path(run) is None
+                else f"the FP32 baseline run {baseline_path(run)} cannot be read"
+            )
+            health[key] = _not_measured(why)
+        elif comparison.get(key) is not None:
+            health[key] = {"value": comparison[key], "baseline": comparison["baseline"]}
+        else:
+            health[key] = _not_measured(comparison["notes"].get(key, "not recorded"))
+    rate = compute_success_rate(run)
+    if rate is not None:
+        health["scaler_success_rate"] = dict(rate)
     elif len(run.steps):
         health["scaler_success_rate"] = {
             "value": None,
@@ -62,8 +61,6 @@ def compute_health(run: Run) -> dict[str, dict[str, Any]]:
     else:
         health["scaler_success_rate"] = _not_measured("no training step was recorded")
     if len(run.table("compute_steps")):
-        from amprobe.rules.compute import compute_mfu
-
         health["mfu"] = compute_mfu(run)
     else:
         health["mfu"] = _not_measured(

@@ -1,0 +1,133 @@
+"""Comparing two runs: an FP32 baseline and an AMP run (checklist section C)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from amprobe.analysis.scaler import compute_success_rate
+from amprobe.store.loader import Run, RunLoadError, load_run
+
+__all__ = [
+    "WARMUP_SHARE",
+    "COMPARED_METRICS",
+    "baseline_path",
+    "load_baseline",
+    "compute_comparison",
+    "baseline_comparison",
+]
+
+WARMUP_SHARE = 0.1  # the first 10 % of steps (at least 2) are warm-up and not timed
+#: the metrics of a comparison that may be missing; each has its note in ``notes[metric]``.
+COMPARED_METRICS = ("speedup", "memory_ratio", "loss_diff")
+
+
+def baseline_path(run: Run) -> Path | None:
+    """The FP32 baseline run named in the run's rank manifests (``amprobe baseline``), if any."""
+    path = next(
+        (r.manifest.get("baseline_run") for r in run.ranks if r.manifest.get("baseline_run")), None
+    )
+    if not path:
+        return None
+    target = Path(path)
+    return target if target.is_absolute() else run.path / target
+
+
+def load_baseline(run: Run) -> Run | None:
+    """The FP32 baseline run named in the run's manifest, if readable (loaded once per run)."""
+    return run.cached("baseline", _load_baseline)
+
+
+def _load_baseline(run: Run) -> Run | None:
+    target = baseline_path(run)
+    if target is None:
+        return None
+    try:
+        return load_run(target)
+    except RunLoadError:
+        return None
+
+
+def baseline_comparison(run: Run) -> dict[str, Any] | None:
+    """:func:`compute_comparison` of the run against its own baseline (computed once per run)."""
+    return run.cached("baseline_comparison", _baseline_comparison)
+
+
+def _baseline_comparison(run: Run) -> dict[str, Any] | None:
+    baseline = load_baseline(run)
+    return None if baseline is None else compute_comparison(baseline, run)
+
+
+def _timed(steps: pd.DataFrame) -> pd.DataFrame:
+    steps = steps[steps["rank"] == steps["rank"].min()].sort_values("step") if len(steps) else steps
+    skip = max(2, int(len(steps) * WARMUP_SHARE))
+    return steps.iloc[skip:] if len(steps) > skip + 2 else steps
+
+
+def _peak_memory(run: Run) -> tuple[float | None, str | None]:
+    steps = run.steps
+    for column, label in (("peak_mem_bytes", "device"), ("rss_bytes", "host RSS")):
+        if column in steps.columns and steps[column].notna().any():
+            return float(steps[column].max()), label
+    return None, None
+
+
+def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
+    """Side-by-side metrics of two runs (checklist section C).
+
+    Throughput uses the median step wall time after warm-up (``WARMUP_SHARE``), so the first
+    steps and the probe's own flushes do not count. A metric of :data:`COMPARED_METRICS` that
+    cannot be measured is ``None`` and ``notes[metric]`` says why.
+    """
+    notes: dict[str, str] = {}
+    out: dict[str, Any] = {
+        "baseline": str(baseline.path),
+        "candidate": str(candidate.path),
+        "notes": notes,
+    }
+    a, b = _timed(baseline.steps), _timed(candidate.steps)
+    if len(a) and len(b) and a["wall_s"].median() > 0 and b["wall_s"].median() > 0:
+        sps_a, sps_b = 1.0 / a["wall_s"].median(), 1.0 / b["wall_s"].median()
+        out.update(
+            steps_per_s_baseline=sps_a,
+            steps_per_s_candidate=sps_b,
+            speedup=sps_b / sps_a,
+            timed_steps=(len(a), len(b)),
+        )
+    else:
+        out["speedup"] = None
+        notes["speedup"] = "one of the runs has no timed steps"
+    mem_a, kind_a = _peak_memory(baseline)
+    mem_b, kind_b = _peak_memory(candidate)
+    if mem_a and mem_b and kind_a == kind_b:
+        out.update(
+            peak_memory_baseline=mem_a,
+            peak_memory_candidate=mem_b,
+            memory_ratio=mem_b / mem_a,
+            memory_kind=kind_a,
+        )
+    else:
+        out["memory_ratio"] = None
+        notes["memory_ratio"] = "peak memory was not recorded in both runs"
+    la = baseline.steps[["step", "loss"]].dropna().groupby("step")["loss"].mean()
+    lb = candidate.steps[["step", "loss"]].dropna().groupby("step")["loss"].mean()
+    shared = la.index.intersection(lb.index)
+    if len(shared):
+        diff = (lb.loc[shared] - la.loc[shared]).abs()
+        tail = shared[-min(10, len(shared)) :]
+        out.update(
+            shared_loss_steps=len(shared),
+            loss_mean_abs_diff=float(diff.mean()),
+            final_loss_baseline=float(la.loc[tail].mean()),
+            final_loss_candidate=float(lb.loc[tail].mean()),
+            loss_diff=float(lb.loc[tail].mean() - la.loc[tail].mean()),
+        )
+    else:
+        out["loss_diff"] = None
+        notes["loss_diff"] = "the runs share no step with a recorded loss"
+    rate_a, rate_b = compute_success_rate(baseline), compute_success_rate(candidate)
+    out["scaler_success_rate_baseline"] = rate_a["value"] if rate_a else None
+    out["scaler_success_rate_candidate"] = rate_b["value"] if rate_b else None
+    return out

@@ -1,0 +1,83 @@
+"""Small frame helpers shared by every analysis: per-rank slicing, scaler steps, autocast dtypes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from amprobe.store.loader import Run
+
+__all__ = [
+    "HALF_DTYPES",
+    "MAX_LISTED_STEPS",
+    "per_rank",
+    "scaler_steps",
+    "scaler_configs",
+    "autocast_dtypes",
+    "steps_list",
+]
+
+HALF_DTYPES = ("float16", "bfloat16")
+MAX_LISTED_STEPS = 20  # step numbers spelled out in a ``*_steps`` evidence list
+
+
+def steps_list(steps: pd.Series | list[int] | Any, limit: int = MAX_LISTED_STEPS) -> list[int]:
+    """The first ``limit`` step numbers, for evidence."""
+    return [int(s) for s in list(steps)[:limit]]
+
+
+def per_rank(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:
+    """``(rank, rows of that rank sorted by step)`` for each rank, lowest first.
+
+    The loader returns rows grouped by rank in recording order, so the common case is sliced
+    without sorting or grouping (hundreds of ranks stay cheap); other frames are sorted once.
+    """
+    if frame.empty:
+        return
+    ranks = frame["rank"].to_numpy()
+    steps = frame["step"].to_numpy()
+    new_rank = ranks[1:] != ranks[:-1]
+    ordered = bool((ranks[1:] >= ranks[:-1]).all()) and bool(
+        ((steps[1:] >= steps[:-1]) | new_rank).all()
+    )
+    if not ordered:
+        frame = frame.sort_values(["rank", "step"], kind="stable")
+        ranks = frame["rank"].to_numpy()
+        new_rank = ranks[1:] != ranks[:-1]
+    bounds = [0, *(np.flatnonzero(new_rank) + 1).tolist(), len(frame)]
+    for start, stop in zip(bounds[:-1], bounds[1:], strict=False):
+        yield int(ranks[start]), frame.iloc[start:stop]
+
+
+def scaler_steps(run: Run) -> pd.DataFrame:
+    """Steps recorded with an enabled GradScaler and a known scale (computed once per run)."""
+    return run.cached("scaler_steps", _scaler_steps)
+
+
+def _scaler_steps(run: Run) -> pd.DataFrame:
+    steps = run.steps
+    if steps.empty:
+        return steps
+    mask = steps["scaler_enabled"].fillna(False).astype(bool) & steps["scale_before"].notna()
+    return steps[mask]
+
+
+def scaler_configs(run: Run) -> list[dict[str, Any]]:
+    """Every GradScaler seen (``scaler_created`` events)."""
+    return run.events_of("scaler_created")
+
+
+def autocast_dtypes(run: Run) -> set[str]:
+    """The dtypes of enabled autocast regions seen in the run (computed once per run)."""
+    return set(run.cached("autocast_dtypes", _autocast_dtypes))
+
+
+def _autocast_dtypes(run: Run) -> frozenset[str]:
+    dtypes = {e.get("dtype") for e in run.events_of("autocast_seen") if e.get("enabled")}
+    steps = run.steps
+    if not steps.empty:
+        dtypes |= set(steps["autocast_dtype"].dropna().unique())
+    return frozenset(str(d) for d in dtypes if d)

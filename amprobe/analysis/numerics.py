@@ -1,0 +1,247 @@
+"""Per-layer numerics: layer summaries, gradient underflow, loss-scale hints, offenders.
+
+Pure functions of the ``numerics`` and ``offenders`` tables written by the ``numerics``
+collector (and of the ``input_nonfinite`` step field).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pandas as pd
+
+from amprobe.store.loader import Run
+
+__all__ = [
+    "FP16_MAX",
+    "GRAD_KINDS",
+    "ROLE_LABELS",
+    "module_role",
+    "last_linears",
+    "compute_layer_summary",
+    "layer_summary",
+    "compute_scale_hint",
+    "compute_underflow",
+    "offender_evidence",
+    "layer_overflow_evidence",
+    "nonfinite_input_steps",
+]
+
+FP16_MAX = 65504.0
+GRAD_KINDS = ("grad_output", "grad_param")
+ROLE_LABELS = {
+    "normalization": "a normalization layer",
+    "softmax": "a softmax / attention",
+    "loss": "a loss",
+    "embedding": "an embedding",
+    "output projection": "the output projection",
+}
+
+
+def module_role(module_type: str | None, is_last_linear: bool = False) -> str | None:
+    """Classify a module: normalization, softmax, loss, embedding, output projection or None."""
+    t = module_type or ""
+    if "Norm" in t:
+        return "normalization"
+    if t in ("Softmax", "LogSoftmax", "Softmin", "Softmax2d", "MultiheadAttention"):
+        return "softmax"
+    if t.endswith("Loss") or t == "loss":
+        return "loss"
+    if t.startswith("Embedding"):
+        return "embedding"
+    if is_last_linear and t in ("Linear", "NonDynamicallyQuantizableLinear", "LazyLinear"):
+        return "output projection"
+    return None
+
+
+def last_linears(frame: pd.DataFrame) -> set[tuple[int, str]]:
+    """(step, module) of the last Linear executed in each step's forward pass."""
+    out = frame[(frame["kind"] == "output") & frame["module_type"].str.contains("Linear", na=False)]
+    if out.empty:
+        return set()
+    last = out.sort_values("order").groupby("step").tail(1)
+    return {(int(s), str(m)) for s, m in zip(last["step"], last["module"], strict=True)}
+
+
+def _hist(text: Any) -> dict[int, int]:
+    if not isinstance(text, str) or not text:
+        return {}
+    return {int(k): int(v) for k, v in json.loads(text).items()}
+
+
+def _nonzero(frame: pd.DataFrame) -> pd.Series:
+    return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
+
+
+def compute_underflow(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per gradient row: the share of nonzero values that fp16 with the row's loss scale loses.
+
+    For gradients held wider than fp16 (fp32/bf16) the loss is exact: nonzero values whose
+    scaled magnitude stays below 2**-24 (``underflow_at_scale``). For gradients already held in
+    fp16 the lost values are zeros by now and cannot be told from true zeros, so the measure is
+    the share of surviving values in fp16's subnormal range (scaled magnitude < 2**-14), which
+    is where precision is already lost and the neighbouring values were flushed.
+
+    Returns:
+        The gradient rows with ``nonzero``, ``lost_share`` and ``measure`` (``flushed`` or
+        ``subnormal``) columns added.
+    """
+    grads = frame[frame["kind"].isin(GRAD_KINDS)].copy()
+    if grads.empty:
+        return grads.assign(nonzero=[], lost_share=[], measure=[])
+    grads["nonzero"] = _nonzero(grads)
+    lost: list[float] = []
+    measure: list[str] = []
+    for row in grads.itertuples():
+        nz = int(row.nonzero)
+        if row.dtype == "float16":
+            scale = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
+            limit = -14 - math.log2(scale)
+            sub = sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit)
+            lost.append(sub / nz if nz else 0.0)
+            measure.append("subnormal")
+        else:
+            lost.append(int(row.underflow_at_scale) / nz if nz else 0.0)
+            measure.append("flushed")
+    grads["lost_share"] = lost
+    grads["measure"] = measure
+    return grads
+
+
+def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, Any] | None:
+    """The largest power-of-two loss scale that keeps gradients under the fp16 max.
+
+    Algorithm: ``amax`` is the largest unscaled gradient magnitude over every gradient row;
+    the hint is ``2**floor(log2(65504 / margin / amax))``. Underflow shares come from the
+    exponent histograms: nonzero gradients whose magnitude times the scale stays below
+    2**-24, over all nonzero measured gradients, at the current scale (the last recorded one)
+    and at the hint. Values already flushed to zero in fp16 tensors are not counted (they
+    are indistinguishable from true zeros).
+
+    Returns:
+        ``None`` when no finite nonzero gradient was recorded.
+    """
+    grads = frame[frame["kind"].isin(GRAD_KINDS)]
+    amax = grads["amax"].dropna()
+    amax = amax[(amax > 0) & amax.map(math.isfinite)]
+    if amax.empty:
+        return None
+    peak = float(amax.max())
+    hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+    scales = grads["loss_scale"].dropna()
+    current = (
+        float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
+    )
+    merged: dict[int, int] = {}
+    for text in grads["exp_hist"]:
+        for e, n in _hist(text).items():
+            merged[e] = merged.get(e, 0) + n
+    nonzero = sum(n for e, n in merged.items() if -127 < e < 128)
+
+    def share(scale: float) -> float:
+        limit = -24 - math.log2(scale)
+        lost = sum(n for e, n in merged.items() if -127 < e < limit)
+        return lost / nonzero if nonzero else 0.0
+
+    return {
+        "grad_amax": peak,
+        "margin": margin,
+        "hint_scale": hint,
+        "current_scale": current,
+        "underflow_share_at_current": round(share(current), 6),
+        "underflow_share_at_hint": round(share(hint), 6),
+    }
+
+
+def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (module, kind): totals over sampled steps and shares."""
+    if frame.empty:
+        return pd.DataFrame()
+    sums = [
+        "elements",
+        "zeros",
+        "nan",
+        "inf",
+        "over_fp16",
+        "below_normal",
+        "below_subnormal",
+        "underflow_at_scale",
+    ]
+    g = frame.groupby(["module", "kind"], sort=False)
+    out = g[sums].sum()
+    out["module_type"] = g["module_type"].first()
+    out["dtype"] = g["dtype"].agg(lambda s: ",".join(sorted(set(s.dropna()))))
+    out["amax"] = g["amax"].max()
+    out["steps"] = g["step"].nunique()
+    out["zero_share"] = out["zeros"] / out["elements"].where(out["elements"] > 0)
+    out["nonfinite"] = out["nan"] + out["inf"]
+    return out.reset_index()
+
+
+def layer_summary(run: Run, rank: int | None = None) -> pd.DataFrame:
+    """:func:`compute_layer_summary` of the run's numerics, of one rank or all (cached per run)."""
+
+    def compute(r: Run) -> pd.DataFrame:
+        frame = r.table("numerics")
+        if rank is not None and not frame.empty:
+            frame = frame[frame["rank"] == rank]
+        return compute_layer_summary(frame)
+
+    return run.cached(f"layer_summary:{rank}", compute)
+
+
+def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
+    """Steps of ``rank`` whose root-model inputs held non-finite values."""
+    steps = run.steps
+    if steps.empty or "input_nonfinite" not in steps:
+        return set()
+    part = steps[(steps["rank"] == rank) & (steps["input_nonfinite"].fillna(0) > 0)]
+    return {int(s) for s in part["step"]}
+
+
+def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
+    """First forward / backward offenders of ``rank`` as evidence fields (empty if not recorded)."""
+    offenders = run.table("offenders")
+    if offenders.empty:
+        return {}
+    part = offenders[offenders["rank"] == rank].sort_values("step")
+    out: dict[str, Any] = {}
+    for kind in ("forward", "backward", "input"):
+        rows = part[part["kind"] == kind]
+        if len(rows):
+            first = rows.iloc[0]
+            out[f"first_{kind}_offender"] = {
+                "module": first["module"],
+                "module_type": first["module_type"],
+                "step": int(first["step"]),
+            }
+    return out
+
+
+def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, Any]:
+    """Per-layer overflow evidence for ``rank``: layers with non-finite or >65504 values.
+
+    Returns an empty dict when per-layer numerics were not recorded.
+    """
+    if run.table("numerics").empty:
+        return {}
+    summary = layer_summary(run, rank)
+    if summary.empty:
+        return {}
+    hot = summary[(summary["nonfinite"] + summary["over_fp16"]) > 0]
+    hot = hot.sort_values(["nonfinite", "over_fp16"], ascending=False).head(limit)
+    return {
+        "overflowing_layers": [
+            {
+                "module": r.module,
+                "kind": r.kind,
+                "dtype": r.dtype,
+                "nonfinite_count": int(r.nonfinite),
+                "over_fp16_count": int(r.over_fp16),
+            }
+            for r in hot.itertuples()
+        ],
+        **offender_evidence(run, rank),
+    }

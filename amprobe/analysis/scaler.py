@@ -1,0 +1,85 @@
+"""The loss-scale trajectory: cuts and growth, runs of cuts, the scaler success rate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from amprobe.analysis.frames import scaler_steps
+from amprobe.store.loader import Run
+
+__all__ = [
+    "compute_scale_events",
+    "scale_events",
+    "longest_run",
+    "compute_success_rate",
+    "growth_interval",
+    "init_scale",
+]
+
+DEFAULT_GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default
+
+
+def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
+    """Add ``backoff`` and ``growth`` columns (scale cut / grown by ``update()``)."""
+    out = frame.copy()
+    out["backoff"] = out["scale_after"] < out["scale_before"]
+    out["growth"] = out["scale_after"] > out["scale_before"]
+    return out
+
+
+def scale_events(run: Run) -> pd.DataFrame:
+    """The run's scaler steps with ``backoff``/``growth`` columns (computed once per run)."""
+    return run.cached("scale_events", lambda r: compute_scale_events(scaler_steps(r)))
+
+
+def longest_run(flags: pd.Series) -> tuple[int, Any]:
+    """Length and first index label of the longest run of True values."""
+    values = flags.to_numpy(dtype=bool, na_value=False)
+    if not values.any():
+        return 0, None
+    edges = np.diff(np.concatenate(([0], values.astype(np.int8), [0])))
+    starts = np.flatnonzero(edges == 1)
+    lengths = np.flatnonzero(edges == -1) - starts
+    best = int(np.argmax(lengths))  # the first of the longest runs
+    return int(lengths[best]), flags.index[starts[best]]
+
+
+def compute_success_rate(run: Run) -> dict[str, Any] | None:
+    """Loss-scale success rate: steps whose update was applied / all scaler steps.
+
+    Every scaler step counts, skipped ones included (checklist section C, metric 4). Computed
+    once per run. Returns ``{"value", "step_count", "skipped_count"}``, or ``None`` when the
+    run has no step with an enabled GradScaler.
+    """
+    return run.cached("success_rate", _success_rate)
+
+
+def _success_rate(run: Run) -> dict[str, Any] | None:
+    steps = scaler_steps(run)
+    if not len(steps):
+        return None
+    skipped = int(steps["skipped"].fillna(False).astype(bool).sum())
+    return {
+        "value": 1.0 - skipped / len(steps),
+        "step_count": int(len(steps)),
+        "skipped_count": skipped,
+    }
+
+
+def growth_interval(run: Run, rank: int) -> int:
+    """The ``growth_interval`` of ``rank``'s last GradScaler (PyTorch's default when unknown)."""
+    seen = [
+        c.get("growth_interval") for c in run.events_of("scaler_created") if c.get("rank") == rank
+    ]
+    intervals = [int(i) for i in seen if isinstance(i, (int, float)) and i > 0]
+    return intervals[-1] if intervals else DEFAULT_GROWTH_INTERVAL
+
+
+def init_scale(run: Run, rank: int) -> float | None:
+    """The ``init_scale`` of ``rank``'s last GradScaler, if recorded."""
+    values = [c.get("init_scale") for c in run.events_of("scaler_created") if c.get("rank") == rank]
+    numbers = [float(v) for v in values if isinstance(v, (int, float))]
+    return numbers[-1] if numbers else None

@@ -1,0 +1,502 @@
+"""Precision what-if: would the recorded values survive fp16, bf16, fp8-e4m3 or fp8-e5m2?
+
+A pure analysis of a loaded run (it adds nothing to the job's cost). Input is the ``numerics``
+table: per module, tensor kind and sampled step, a base-2 exponent histogram of ``|x|``
+(``exp_hist``: unbiased exponent ``e`` -> count of values in ``[2**e, 2**(e+1))``; ``-127``
+holds exact zeros and fp32 subnormals, ``128`` inf/NaN), ``zeros``, ``nan``, ``inf``,
+``amax`` and ``elements``. Gradients were divided by the loss scale before they were measured
+(see :mod:`amprobe.collectors.numerics`), so their histograms and ``amax`` are already the true,
+unscaled gradients.
+
+For each format, a nonzero finite value ``y`` (``y = |x| * 2**k`` for a scale ``2**k``) is
+
+* **overflow** (or saturation, for fp8-e4m3 which has no inf) when ``y > max``;
+* **flush** to zero when it rounds to 0: ``y < 2**(m-1)``, half the minimum subnormal
+  ``2**m`` (a tie at exactly ``2**(m-1)`` rounds to even, i.e. to 0);
+* **subnormal** when it lands in ``[2**m, 2**emin)``: kept, with fewer significant bits.
+
+Two scalings are evaluated: ``none`` (cast as-is) and ``per-tensor``: the power of two that maps
+the tensor's ``amax`` just under the format's max, ``k = floor(log2(max / amax))``, as fp8
+delayed/current scaling recipes (Transformer Engine) compute it; per sampled step, so a layer's
+counts are summed over steps each with its own scale. With that scale nothing overflows.
+
+What the exponent-only histogram resolves, and the tolerance that follows:
+
+* Exact: every bin that lies wholly inside one class: above the top binade ``[2**T, 2**(T+1))``
+  (``T = floor(log2(max))``) is overflow, bins up to ``m-2`` flush, bins ``m`` .. ``emin-2``
+  subnormal, bins ``emin`` .. ``T-1`` normal.
+* Top binade: holds values on both sides of the max (fp16: 32768 .. 65504 fit, 65504 .. 65536
+  do not). ``amax`` settles it when the (scaled) ``amax`` is at most the max (then the whole bin
+  fits; always the case with per-tensor scaling); otherwise ``amax`` itself is counted as
+  overflowing and the rest of the bin is reported as unresolved (``edge``).
+* Bin ``m-1``, ``[2**(m-1), 2**m)``: rounds up to the min subnormal, except a value of exactly
+  ``2**(m-1)`` (a tie) which flushes; counted as subnormal. Ties are rare: at most ``2**-p`` of
+  the bin for data held with ``p`` mantissa bits (bf16 1/128, fp16 1/1024, fp32 ~1e-7).
+* Bin ``emin-1``: values within half a subnormal step of ``2**emin`` round up to the min
+  normal; counted as subnormal, so the subnormal share is an upper bound. The part of the
+  bin's width that rounds up is ``2**(m-emin)``: fp16 0.1 %, bf16 0.8 %, e4m3 12.5 %,
+  e5m2 25 %.
+* Bin ``-127`` (fp32 subnormals, below ``2**-126``) is placed at exponent ``-127``.
+* Values a narrower dtype already flushed (an fp16 tensor's underflow) are zeros by now and
+  are not counted: shares are of the values that were recorded nonzero.
+
+So overflow and flush counts are exact up to the ``edge`` count, and subnormal counts are high
+by at most the count of bin ``emin-1``. ``edge`` is the number of values in the edge bins
+(``m-1``, ``emin-1`` and the unresolved top binade) and bounds every class's error;
+``tests/test_whatif.py`` casts real tensors to check the predicted counts against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "FloatFormat",
+    "FORMATS",
+    "KINDS",
+    "SCALINGS",
+    "WHATIF_COLUMNS",
+    "compute_whatif",
+    "compute_whatif_frame",
+    "whatif_records",
+    "compute_whatif_rows",
+    "compute_exponent_shares",
+    "compute_fp16_gradient_fit",
+    "per_tensor_scale_exp",
+    "layer_order",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatFormat:
+    """A floating-point format's range, as the what-if needs it.
+
+    Attributes:
+        name: short name (``fp16``, ``bf16``, ``e4m3``, ``e5m2``).
+        dtype: the torch dtype's name (``torch.<dtype>``).
+        max: largest finite value.
+        min_normal_exp: ``emin``, the min normal is ``2**emin``.
+        min_subnormal_exp: ``m``, the min subnormal is ``2**m``.
+    """
+
+    name: str
+    dtype: str
+    max: float
+    min_normal_exp: int
+    min_subnormal_exp: int
+
+    @property
+    def top_exp(self) -> int:
+        """``T``: the exponent of the binade holding the max."""
+        return math.floor(math.log2(self.max))
+
+    @property
+    def label(self) -> str:
+        return {"e4m3": "fp8-e4m3", "e5m2": "fp8-e5m2"}.get(self.name, self.name)
+
+
+#: The formats evaluated, as data.
+FORMATS: dict[str, FloatFormat] = {
+    "fp16": FloatFormat("fp16", "float16", 65504.0, -14, -24),
+    "bf16": FloatFormat("bf16", "bfloat16", float.fromhex("0x1.fep127"), -126, -133),
+    "e4m3": FloatFormat("e4m3", "float8_e4m3fn", 448.0, -6, -9),
+    "e5m2": FloatFormat("e5m2", "float8_e5m2", 57344.0, -14, -16),
+}
+#: numerics kind -> what the what-if calls it
+KINDS: dict[str, str] = {
+    "output": "activation",
+    "grad_output": "output gradient",
+    "grad_param": "parameter gradient",
+}
+SCALINGS = ("none", "per-tensor")
+#: columns of :func:`compute_whatif_frame`, in order
+WHATIF_COLUMNS = [
+    "rank",
+    "module",
+    "module_type",
+    "kind",
+    "order",
+    "dtype",
+    "steps",
+    "nonzero",
+    "nonfinite",
+    "min_exp",
+    "max_exp",
+    "amax",
+    "format",
+    "scaling",
+    "scale_exp",
+    "overflow",
+    "flush",
+    "subnormal",
+    "edge",
+    "overflow_share",
+    "flush_share",
+    "subnormal_share",
+    "lost_share",
+    "edge_share",
+]
+_NBINS = 256  # exponent -127 .. 128
+_BIAS = 127
+_FINITE = 255  # bin indices 0..254 are finite
+
+
+_STRIP = str.maketrans({"{": None, "}": None, '"': None, " ": None, ":": ","})
+#: rows per block in :func:`compute_whatif_rows` (dense (rows, 256) arrays stay ~30 MB)
+_BLOCK = 16384
+
+
+def _parse_hists(texts: Iterable[Any]) -> np.ndarray:
+    """``exp_hist`` JSON strings -> (rows, 256) int64 counts indexed by exponent + 127.
+
+    The collector writes flat ``{"e": n, ...}`` objects; they are parsed as one number list
+    (string and numpy operations, no per-bin Python loop).
+    """
+    cleaned = [t.translate(_STRIP) if isinstance(t, str) else "" for t in texts]
+    out = np.zeros((len(cleaned), _NBINS), dtype=np.int64)
+    pairs = np.array([(c.count(",") + 1) // 2 if c else 0 for c in cleaned], dtype=np.int64)
+    if not pairs.any():
+        return out
+    values = np.array(",".join(c for c in cleaned if c).split(","), dtype=np.int64).reshape(-1, 2)
+    rows = np.repeat(np.arange(len(cleaned)), pairs)
+    cols = values[:, 0] + _BIAS
+    keep = (cols >= 0) & (cols < _NBINS)
+    np.add.at(out, (rows[keep], cols[keep]), values[keep, 1])
+    return out
+
+
+def _top_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """Per row, the exponent of the highest nonzero finite bin (-128 when there is none)."""
+    finite = hist[:, :_FINITE].copy()
+    finite[:, 0] -= zeros
+    has = finite > 0
+    idx = np.where(has.any(axis=1), _FINITE - 1 - np.argmax(has[:, ::-1], axis=1), -1)
+    return idx - _BIAS
+
+
+def per_tensor_scale_exp(amax: float, fmt: FloatFormat) -> int:
+    """``k`` of the amax-based power-of-two scale: ``amax * 2**k <= max < amax * 2**(k+1)``."""
+    return math.floor(math.log2(fmt.max / amax))
+
+
+def _scale_exps(amax: np.ndarray, top: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Per-tensor scale exponents; rows without a usable amax use the histogram's bound."""
+    ok = np.isfinite(amax) & (amax > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exact = np.floor(np.log2(fmt.max / np.where(ok, amax, 1.0)))
+    # amax unknown (NaN present) or inf: the largest finite value is below 2**(top+1)
+    bound = fmt.top_exp - (top + 1)
+    k = np.where(ok, exact, np.where(top > -128, bound, 0))
+    return k.astype(np.int64)
+
+
+class _Counter:
+    """Counts of nonzero finite values over scaled-exponent ranges, per row."""
+
+    def __init__(self, hist: np.ndarray, zeros: np.ndarray) -> None:
+        finite = hist[:, :_FINITE].copy()
+        finite[:, 0] = np.maximum(finite[:, 0] - zeros, 0)
+        self.prefix = np.concatenate(
+            [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(finite, axis=1)], axis=1
+        )
+        self.rows = np.arange(len(hist))
+
+    def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
+        """Values whose scaled exponent ``e + k`` lies in ``[lo, hi]`` (inclusive)."""
+        a = np.clip(np.asarray(lo) - k + _BIAS, 0, _FINITE)
+        b = np.clip(np.asarray(hi) - k + _BIAS + 1, 0, _FINITE)
+        b = np.maximum(a, b)
+        return self.prefix[self.rows, b] - self.prefix[self.rows, a]
+
+
+def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
+    """Per numerics row (module, kind, step), format and scaling: overflow/flush/subnormal counts.
+
+    Rows of kind ``input`` are left out. See the module docstring for the classification and
+    its tolerance.
+
+    Returns:
+        The identifying columns (``rank`` when present, ``step``, ``module``, ``module_type``,
+        ``kind``, ``order``, ``dtype``), ``nonzero`` (finite nonzero values), ``nonfinite``
+        (NaN + inf, not part of the shares), ``amax``,
+        ``top_exp``/``low_exp`` (range of nonzero bins), ``format``, ``scaling``,
+        ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``.
+    """
+    frame = numerics[numerics["kind"].isin(list(KINDS))]
+    if frame.empty:
+        return pd.DataFrame(
+            columns=[
+                "rank",
+                "step",
+                "module",
+                "module_type",
+                "kind",
+                "order",
+                "dtype",
+                "nonzero",
+                "nonfinite",
+                "amax",
+                "low_exp",
+                "top_exp",
+                "format",
+                "scaling",
+                "scale_exp",
+                "overflow",
+                "flush",
+                "subnormal",
+                "edge",
+            ]
+        )
+    frame = frame.reset_index(drop=True)
+    if len(frame) > _BLOCK:
+        return pd.concat(
+            [compute_whatif_rows(frame.iloc[i : i + _BLOCK]) for i in range(0, len(frame), _BLOCK)],
+            ignore_index=True,
+        )
+    hist = _parse_hists(frame["exp_hist"])
+    zeros = frame["zeros"].fillna(0).to_numpy(dtype=np.int64)
+    counter = _Counter(hist, zeros)
+    nonzero = counter.prefix[:, -1]
+    amax = pd.to_numeric(frame["amax"], errors="coerce").to_numpy(dtype=float)
+    top = _top_finite_exp(hist, zeros)
+    nz = hist[:, :_FINITE].copy()
+    nz[:, 0] -= zeros
+    has = nz > 0
+    low = np.where(has.any(axis=1), np.argmax(has, axis=1), _NBINS) - _BIAS
+    base = {
+        "rank": frame["rank"].to_numpy() if "rank" in frame else np.zeros(len(frame), np.int64),
+        "step": frame["step"].to_numpy(),
+        "module": frame["module"].to_numpy(),
+        "module_type": frame["module_type"].to_numpy(),
+        "kind": frame["kind"].to_numpy(),
+        "order": frame["order"].to_numpy(),
+        "dtype": frame["dtype"].to_numpy(),
+        "nonzero": nonzero,
+        "nonfinite": (
+            frame["nan"].fillna(0).to_numpy(dtype=np.int64)
+            + frame["inf"].fillna(0).to_numpy(dtype=np.int64)
+        ),
+        "amax": amax,
+        "low_exp": low,
+        "top_exp": top,
+    }
+    parts = []
+    for fmt in FORMATS.values():
+        t, emin, m = fmt.top_exp, fmt.min_normal_exp, fmt.min_subnormal_exp
+        for scaling in SCALINGS:
+            if scaling == "none":
+                k = np.zeros(len(frame), dtype=np.int64)
+            else:
+                k = _scale_exps(amax, top, fmt)
+            scaled_amax = amax * np.exp2(k.astype(float))
+            above = counter.between(t + 1, 10**6, k)
+            top_bin = counter.between(t, t, k)
+            # amax settles the top binade when it fits; else amax overflows and the rest is open
+            known_fit = np.isfinite(scaled_amax) & (scaled_amax <= fmt.max)
+            amax_over = (
+                np.isfinite(scaled_amax) & (scaled_amax > fmt.max) & (top + k == t) & (top_bin > 0)
+            )
+            overflow = above + amax_over.astype(np.int64)
+            top_open = np.where(known_fit, 0, top_bin - amax_over.astype(np.int64))
+            flush = counter.between(-(10**6), m - 2, k)
+            subnormal = counter.between(m - 1, emin - 1, k)
+            edge = counter.between(m - 1, m - 1, k) + counter.between(emin - 1, emin - 1, k)
+            parts.append(
+                pd.DataFrame(
+                    {
+                        **base,
+                        "format": fmt.name,
+                        "scaling": scaling,
+                        "scale_exp": k,
+                        "overflow": overflow,
+                        "flush": flush,
+                        "subnormal": subnormal,
+                        "edge": edge + np.maximum(top_open, 0),
+                    }
+                )
+            )
+    return pd.concat(parts, ignore_index=True)
+
+
+def layer_order(numerics: pd.DataFrame) -> dict[str, int]:
+    """Module -> position in forward execution order (modules without outputs come last)."""
+    if numerics.empty:
+        return {}
+    outputs = numerics[numerics["kind"] == "output"]
+    first = outputs.groupby("module", sort=False)["order"].min().sort_values(kind="stable")
+    order = {str(m): i for i, m in enumerate(first.index)}
+    for module in numerics.loc[numerics["kind"] != "input", "module"].unique():
+        order.setdefault(str(module), len(order))
+    return order
+
+
+def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
+    """The what-if table: per rank, layer, tensor kind, format and scaling, summed over steps.
+
+    Args:
+        numerics: a ``numerics`` table (from :meth:`Run.table`), any number of ranks/steps.
+
+    Returns:
+        One row per (rank, module, kind, format, scaling) with :data:`WHATIF_COLUMNS`:
+        ``order`` is the module's forward execution position, ``nonfinite`` the NaN + inf
+        values (left out of every share), ``min_exp``/``max_exp`` the
+        range of nonzero finite values in powers of two (``2**min_exp`` .. ``2**(max_exp+1)``),
+        ``amax`` the largest magnitude over the steps, ``scale_exp`` the per-tensor scale
+        exponent of the last sampled step (0 for ``none``), counts summed over steps and shares
+        of ``nonzero``; ``lost_share`` = overflow + flush, ``edge_share`` = values the
+        histogram cannot classify exactly (the tolerance, see the module docstring).
+    """
+    rows = compute_whatif_rows(numerics)
+    if rows.empty:
+        return pd.DataFrame(columns=WHATIF_COLUMNS)
+    order = layer_order(numerics)
+    layer = ["rank", "module", "kind"]
+    keys = [*layer, "format", "scaling"]
+    rows = rows.sort_values("step", kind="stable")
+    g = rows.groupby(keys, sort=False)
+    out = g[["nonzero", "overflow", "flush", "subnormal", "edge"]].sum()
+    out["scale_exp"] = g["scale_exp"].last()
+    # per layer facts, from one format's rows (they repeat for every format and scaling)
+    one = rows[(rows["format"] == next(iter(FORMATS))) & (rows["scaling"] == SCALINGS[0])]
+    one = one.assign(
+        low_exp=one["low_exp"].where(one["nonzero"] > 0),
+        top_exp=one["top_exp"].where(one["nonzero"] > 0),
+    )
+    lg = one.groupby(layer, sort=False)
+    facts = pd.DataFrame(
+        {
+            "module_type": lg["module_type"].first(),
+            "steps": lg["step"].nunique(),
+            "nonfinite": lg["nonfinite"].sum(),
+            "min_exp": lg["low_exp"].min(),
+            "max_exp": lg["top_exp"].max(),
+            "amax": lg["amax"].max(),
+        }
+    )
+    dtypes = one.dropna(subset=["dtype"]).drop_duplicates([*layer, "dtype"])
+    facts["dtype"] = dtypes.sort_values("dtype").groupby(layer, sort=False)["dtype"].agg(",".join)
+    out = out.reset_index().merge(facts.reset_index(), on=layer, how="left")
+    out["order"] = out["module"].map(lambda m: order.get(str(m), len(order)))
+    denom = out["nonzero"].where(out["nonzero"] > 0)
+    for name in ("overflow", "flush", "subnormal", "edge"):
+        out[f"{name}_share"] = (out[name] / denom).fillna(0.0)
+    out["lost_share"] = ((out["overflow"] + out["flush"]) / denom).fillna(0.0)
+    kind_rank = {k: i for i, k in enumerate(KINDS)}
+    fmt_rank = {k: i for i, k in enumerate(FORMATS)}
+    out = out.sort_values(
+        ["rank", "order", "kind", "format", "scaling"],
+        key=lambda s: (
+            s.map(kind_rank) if s.name == "kind" else s.map(fmt_rank) if s.name == "format" else s
+        ),
+        kind="stable",
+    )
+    for col in ("min_exp", "max_exp"):
+        out[col] = out[col].astype("Int64")
+    return out[WHATIF_COLUMNS].reset_index(drop=True)
+
+
+def compute_whatif(run: Any) -> pd.DataFrame:
+    """:func:`compute_whatif_frame` of a loaded run's ``numerics`` table, computed once per run."""
+    return run.cached("whatif", lambda r: compute_whatif_frame(r.table("numerics")))  # type: ignore[no-any-return]
+
+
+def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The what-if table as JSON-ready records (plain Python values, missing values as None)."""
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")  # type: ignore[no-any-return]
+
+
+def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.DataFrame:
+    """Per module and kind (forward execution order) and base-2 exponent: the share of values.
+
+    Histograms of ``kinds`` are summed over sampled steps and ranks; zeros and inf/NaN are
+    left out (exponent -127 keeps only fp32 subnormals). Returns columns ``module``, ``kind``,
+    ``order``, ``exponent``, ``count``, ``share`` (of that module and kind's nonzero finite
+    values).
+    """
+    frame = numerics[numerics["kind"].isin(list(kinds))]
+    cols = ["module", "kind", "order", "exponent", "count", "share"]
+    if frame.empty:
+        return pd.DataFrame(columns=cols)
+    order = layer_order(numerics)
+    hist = _parse_hists(frame["exp_hist"])
+    hist[:, 0] = np.maximum(hist[:, 0] - frame["zeros"].fillna(0).to_numpy(dtype=np.int64), 0)
+    hist[:, _FINITE] = 0
+    index = pd.MultiIndex.from_arrays(
+        [frame["module"].astype(str).to_numpy(), frame["kind"].astype(str).to_numpy()]
+    )
+    summed = pd.DataFrame(hist, index=index).groupby(level=[0, 1], sort=False).sum()
+    records = []
+    for (module, kind), counts in summed.iterrows():
+        values = counts.to_numpy()
+        total = int(values.sum())
+        if total == 0:
+            continue
+        for j in np.flatnonzero(values):
+            n = int(values[j])
+            records.append(
+                (module, kind, order.get(str(module), len(order)), j - _BIAS, n, n / total)
+            )
+    out = pd.DataFrame.from_records(records, columns=cols)
+    kind_rank = {k: i for i, k in enumerate(KINDS)}
+    out = out.assign(_k=out["kind"].map(kind_rank))
+    out = out.sort_values(["order", "_k", "exponent"], kind="stable").drop(columns="_k")
+    return out.reset_index(drop=True)
+
+
+def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
+    """Gradients under fp16 with one loss scale per step: the best scale and what it loses.
+
+    fp16 training multiplies every gradient by one loss scale. Per rank and sampled step, the
+    best power of two is the largest that keeps the step's largest gradient (unscaled ``amax``
+    over every gradient row) under 65504: ``2**floor(log2(65504 / amax))``; a larger scale
+    overflows, a smaller one flushes more. Counted as in :func:`compute_whatif_rows` (flush =
+    scaled value below 2**-25).
+
+    Returns:
+        One row per (rank, step, module, kind) of gradients: ``loss_scale_exp``, ``nonzero``,
+        ``flush``, ``edge``, plus ``low_exp``/``top_exp``.
+    """
+    fmt = FORMATS["fp16"]
+    grads = numerics[numerics["kind"].isin(["grad_output", "grad_param"])].reset_index(drop=True)
+    cols = ["rank", "step", "module", "kind", "loss_scale_exp", "nonzero", "flush", "edge"]
+    if grads.empty:
+        return pd.DataFrame(columns=[*cols, "low_exp", "top_exp"])
+    if "rank" not in grads:
+        grads = grads.assign(rank=0)
+    hist = _parse_hists(grads["exp_hist"])
+    zeros = grads["zeros"].fillna(0).to_numpy(dtype=np.int64)
+    top = _top_finite_exp(hist, zeros)
+    amax = pd.to_numeric(grads["amax"], errors="coerce").to_numpy(dtype=float)
+    # where amax is unknown, the histogram bounds it
+    amax = np.where(
+        np.isfinite(amax) & (amax > 0), amax, np.where(top > -128, np.exp2(top + 1.0), 0)
+    )
+    peak = pd.Series(amax).groupby([grads["rank"], grads["step"]]).transform("max").to_numpy()
+    with np.errstate(divide="ignore"):
+        k = np.where(peak > 0, np.floor(np.log2(fmt.max / np.where(peak > 0, peak, 1.0))), 0)
+    k = k.astype(np.int64)
+    counter = _Counter(hist, zeros)
+    m = fmt.min_subnormal_exp
+    nz = hist[:, :_FINITE].copy()
+    nz[:, 0] -= zeros
+    has = nz > 0
+    return pd.DataFrame(
+        {
+            "rank": grads["rank"].to_numpy(),
+            "step": grads["step"].to_numpy(),
+            "module": grads["module"].to_numpy(),
+            "kind": grads["kind"].to_numpy(),
+            "loss_scale_exp": k,
+            "nonzero": counter.prefix[:, -1],
+            "flush": counter.between(-(10**6), m - 2, k),
+            "edge": counter.between(m - 1, m - 1, k),
+            "low_exp": np.where(has.any(axis=1), np.argmax(has, axis=1), _NBINS) - _BIAS,
+            "top_exp": top,
+        }
+    )

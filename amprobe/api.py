@@ -1,0 +1,46 @@
+"""The public attach call: the capture core plus the control channel a dormant probe needs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from amprobe.config import Config
+from amprobe.control import start_control
+from amprobe.probe import Probe
+from amprobe.probe import attach as _attach
+
+__all__ = ["attach"]
+
+
+def attach(
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    config: Config | Mapping[str, Any] | None = None,
+) -> Probe:
+    """Start recording this training process.
+
+    Everything is optional: the GradScalers, optimizers and autocast regions of the process are
+    found through class-level hooks; passing them only records them from the first step. Under
+    ``amprobe run`` this joins the automatic probe instead of attaching a second one.
+
+    Args:
+        model: the root module being trained (enables per-model facts and layer collectors).
+        optimizer: an optimizer to record from the start.
+        scaler: a GradScaler created before attaching.
+        run_dir: directory to write the run to; default ``amprobe_runs/<time>-<pid>``.
+        config: a :class:`Config` or a dict of its fields.
+
+    Returns:
+        The attached :class:`Probe` (also a context manager).
+
+    Raises:
+        ConfigError: an unknown config key, a bad value, an unusable run directory, or a
+            second probe attached in the same process.
+    """
+    return _attach(model, optimizer, scaler, run_dir, config, on_announce=start_control)

@@ -1,0 +1,741 @@
+"""The hub: every interception of torch, installed once, fanned out to the collectors.
+
+One :class:`Hub` per probe wraps, at class level and exactly once:
+
+* ``GradScaler.__init__``/``scale``/``unscale_``/``step``/``update``/``load_state_dict``;
+* ``Optimizer.__init__``/``load_state_dict`` and torch's global optimizer step pre/post hooks;
+* ``autocast.__enter__``/``__exit__``; ``torch.autograd.backward`` (``Tensor.backward`` calls it);
+* ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
+* the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``);
+* per root model, one forward pre-hook and one forward hook;
+* while root models are being discovered, a global module forward pre/post hook;
+* on the steps a collector asks for, one probe-owned ``TorchDispatchMode`` that hands every op
+  to each collector that asked (sync counting, shape capture, FLOP counting), so no two of
+  amprobe's modes can ever shadow each other.
+
+Each wrapper turns the call into a typed event (:class:`amprobe.collectors.base.Collector`) and
+delivers it through one guard: a collector that raises is switched off and recorded once, and
+nothing reaches the training loop. While the probe is dormant, the wrappers only count step
+boundaries (a few attribute reads). The hub also owns the step boundary: the ``update()`` of the
+first GradScaler used, else the ``step()`` of the first optimizer that steps. Everything it
+installs is removed by :meth:`Hub.close`, in the reverse order of installation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.utils.clip_grad as _clip_grad
+from torch.amp import GradScaler
+from torch.amp.autocast_mode import autocast
+from torch.nn.modules import module as _module_mod
+from torch.optim import Optimizer
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils.data import dataloader as _dataloader
+
+from amprobe.collectors.base import Collector, StepFacts
+from amprobe.collectors.patching import Patch, patch
+
+if TYPE_CHECKING:
+    from amprobe.probe import Probe
+
+__all__ = ["EVENTS", "Hub", "dtype_name", "user_call_site"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: amprobe's capture code: frames from these files are the probe's, never the user's
+_OWN_PATHS = (
+    os.path.join(_PKG_DIR, "hub.py"),
+    os.path.join(_PKG_DIR, "probe.py"),
+    os.path.join(_PKG_DIR, "collectors") + os.sep,
+)
+# frames that torch's decorators (no_grad and friends) put between clip_grad_norm_ and its helper
+_DECORATOR_FRAMES = frozenset({"_no_grad_wrapper", "decorate_context", "wrapper", "inner"})
+_DISCOVERY_STEPS = 3  # give up finding a root model after this many steps
+
+#: every event of the collector protocol, in the order of a typical iteration, and whether it
+#: is delivered while the probe is dormant (rare facts and lifecycle) or only while recording
+_EVENT_TABLE: dict[str, bool] = {
+    "on_model": True,
+    "on_recording": True,
+    "on_optimizer": True,
+    "on_scaler": True,
+    "on_scaler_state_loaded": True,
+    "on_optimizer_state_loaded": True,
+    "on_step_begin": False,
+    "on_batch": False,
+    "on_forward_begin": False,
+    "on_forward_end": False,
+    "on_autocast": False,
+    "on_autocast_exit": False,
+    "on_scale": False,
+    "on_backward_begin": False,
+    "on_backward_end": False,
+    "on_unscale": False,
+    "on_clip": False,
+    "on_scaler_step": False,
+    "on_optimizer_step_begin": False,
+    "on_optimizer_step_end": False,
+    "on_scaler_update": False,
+    "on_op": False,
+    "on_step_end": False,
+    "on_flush": True,
+    "on_close": True,
+}
+EVENTS = tuple(_EVENT_TABLE)
+_ALWAYS = frozenset(name for name, dormant in _EVENT_TABLE.items() if dormant)
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "") if dtype is not None else None
+
+
+def user_call_site(depth: int = 2) -> str | None:
+    """``file:line`` of the first caller outside torch and amprobe's capture code (no tensor work)."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_PATHS)):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def is_own_frame(filename: str) -> bool:
+    """True for a frame of amprobe's capture code."""
+    return filename.startswith(_OWN_PATHS)
+
+
+def _inside_unwrapped_scaler_step() -> bool:
+    """True inside a ``GradScaler.step`` entered before the hub patched it (a live attach)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "step" and code.co_filename.endswith("grad_scaler.py"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _trained_params(optimizers: Any) -> set[int]:
+    ids: set[int] = set()
+    for opt in list(optimizers):
+        for group in opt.param_groups:
+            ids.update(id(p) for p in group["params"])
+    return ids
+
+
+class _OpMux(TorchDispatchMode):
+    """amprobe's only dispatch mode: hands each op to the collectors that asked for this step."""
+
+    def __init__(self, hub: Hub) -> None:
+        super().__init__()
+        self.hub = hub
+        self.observers: list[tuple[Collector, Callable[..., None]]] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        hub = self.hub
+        if self.observers and not hub.busy:
+            for collector, fn in self.observers:
+                hub.call(collector, fn, func, args, kwargs, out)
+        return out
+
+
+class Hub:
+    """Installs every interception once and delivers its events to the collectors.
+
+    Attributes:
+        facts: the shared facts of the iteration in progress.
+        optimizers: every optimizer seen (weakly held).
+        scalers: every GradScaler seen (weakly held).
+        busy: non-zero while collector code runs (its own tensor ops are not the job's).
+    """
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.facts = StepFacts()
+        self.optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self.scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        self.busy = 0
+        self._collectors: list[Collector] = []
+        self._subs: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
+        self._failed: set[str] = set()
+        self._patches: list[Patch] = []
+        self._handles: list[Any] = []  # optimizer hooks, model hooks: removed LIFO at close
+        self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self._mux: _OpMux | None = None
+        self._mux_pushed = False
+        # step boundary
+        self._mode: str | None = None  # "scaler" | "optimizer"
+        self._primary_scaler: weakref.ReferenceType[GradScaler] | None = None
+        self._primary_used = False
+        self._primary_opt: weakref.ReferenceType[Optimizer] | None = None
+        self._in_scaler_step = threading.local()
+        self._scaled_this_step = False
+        # discovery
+        self._disc_handles: list[Any] = []
+        self._disc_depth = 0
+        self._disc_first = 0
+        self._candidates: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self.closed = False
+
+    # -- subscribers and the guard ------------------------------------------------------------
+    def subscribe(self, collectors: list[Collector]) -> None:
+        """Register the collectors; an event goes only to those that override it."""
+        self._collectors = list(collectors)
+        for collector in collectors:
+            for event in EVENTS:
+                if getattr(type(collector), event) is not getattr(Collector, event):
+                    self._subs[event].append((collector, getattr(collector, event)))
+
+    def is_enabled(self, name: str) -> bool:
+        return name not in self._failed
+
+    def call(self, collector: Collector, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run collector code under the one guard: never raises, switches it off on failure."""
+        if collector.name in self._failed:
+            return None
+        self.busy += 1
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            self.failed(collector, exc)
+            return None
+        finally:
+            self.busy -= 1
+
+    def guard(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
+        """Wrap a hook a collector registers on the user's modules or tensors with the guard."""
+        probe = self.probe
+
+        def hook(*args: Any, **kwargs: Any) -> None:
+            if not probe.closed:
+                self.call(collector, fn, *args, **kwargs)
+
+        return hook
+
+    def emit(self, event: str, *args: Any) -> None:
+        """Deliver ``event`` to every collector that overrides it (dormant: rare events only)."""
+        subs = self._subs[event]
+        if not subs or self.closed and event != "on_close":
+            return
+        if not self.probe.recording and event not in _ALWAYS:
+            return
+        for collector, fn in subs:
+            self.call(collector, fn, *args)
+
+    def failed(self, collector: Collector, exc: BaseException) -> None:
+        """Switch ``collector`` off and record why, once."""
+        if collector.name in self._failed:
+            return
+        self._failed.add(collector.name)
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+        self.probe.event(
+            "collector_error",
+            collector=collector.name,
+            error=f"{type(exc).__name__}: {exc}",
+            where=where,
+        )
+        for event, subs in self._subs.items():
+            self._subs[event] = [(c, fn) for c, fn in subs if c is not collector]
+        if self._mux is not None:
+            self._mux.observers = [(c, fn) for c, fn in self._mux.observers if c is not collector]
+        try:
+            collector.on_close()
+        except Exception:
+            pass
+
+    # -- installation ---------------------------------------------------------------------------
+    def _patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+        self._patches.append(patch(owner, attr, make))
+
+    def install(self) -> None:
+        """Install every class-level interception (once per probe)."""
+        hub = self
+        probe = self.probe
+
+        def wrap_scaler_init(orig: Any) -> Any:
+            def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
+                orig(self, *args, **kwargs)
+                if not probe.closed:
+                    hub.see_scaler(self, user_call_site(2) or "?")
+
+            return __init__
+
+        def wrap_scale(orig: Any) -> Any:
+            def scale(self: GradScaler, outputs: Any) -> Any:
+                result = orig(self, outputs)
+                if not probe.closed:
+                    hub._on_scale(self, outputs)
+                return result
+
+            return scale
+
+        def wrap_unscale(orig: Any) -> Any:
+            def unscale_(self: GradScaler, optimizer: Optimizer) -> None:
+                orig(self, optimizer)
+                if probe.recording and not probe.closed:
+                    hub.emit("on_unscale", self, optimizer)
+
+            return unscale_
+
+        def wrap_scaler_step(orig: Any) -> Any:
+            def step(self: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+                if not probe.closed:
+                    hub._on_scaler_step(self, optimizer)
+                local = hub._in_scaler_step
+                depth = getattr(local, "depth", 0)
+                local.depth = depth + 1
+                try:
+                    return orig(self, optimizer, *args, **kwargs)
+                finally:
+                    local.depth = depth
+
+            return step
+
+        def wrap_update(orig: Any) -> Any:
+            def update(self: GradScaler, new_scale: Any = None) -> None:
+                before = hub._before_update(self) if not probe.closed else None
+                orig(self, new_scale)
+                if before is not None:
+                    hub._after_update(self, before)
+
+            return update
+
+        def wrap_scaler_load(orig: Any) -> Any:
+            def load_state_dict(self: GradScaler, state_dict: dict[str, Any]) -> None:
+                orig(self, state_dict)
+                if not probe.closed:
+                    hub.see_scaler(self, None)
+                    hub.emit("on_scaler_state_loaded", self, state_dict)
+
+            return load_state_dict
+
+        def wrap_opt_init(orig: Any) -> Any:
+            def __init__(self: Optimizer, *args: Any, **kwargs: Any) -> None:
+                orig(self, *args, **kwargs)
+                if not probe.closed:
+                    hub.see_optimizer(self)
+
+            return __init__
+
+        def wrap_opt_load(orig: Any) -> Any:
+            def load_state_dict(self: Optimizer, state_dict: dict[str, Any]) -> None:
+                orig(self, state_dict)
+                if not probe.closed:
+                    # a restore loads trained state; accelerate re-places a fresh optimizer's
+                    # (empty) state through the same call
+                    restored = bool(self.state) and any(bool(s) for s in self.state.values())
+                    hub.emit("on_optimizer_state_loaded", self, restored)
+
+            return load_state_dict
+
+        def wrap_autocast_enter(orig: Any) -> Any:
+            def __enter__(self: autocast) -> Any:
+                result = orig(self)
+                if probe.recording and not probe.closed:
+                    probe.touch()
+                    hub.emit(
+                        "on_autocast",
+                        str(getattr(self, "device", "?")),
+                        dtype_name(getattr(self, "fast_dtype", None)),
+                        bool(getattr(self, "_enabled", True)),
+                    )
+                return result
+
+            return __enter__
+
+        def wrap_autocast_exit(orig: Any) -> Any:
+            def __exit__(self: autocast, *exc: Any) -> Any:
+                if probe.recording and not probe.closed:
+                    hub.emit("on_autocast_exit", str(getattr(self, "device", "?")))
+                return orig(self, *exc)
+
+            return __exit__
+
+        def wrap_backward(orig: Any) -> Any:
+            def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+                if not probe.recording or probe.closed:
+                    return orig(tensors, *args, **kwargs)
+                hub._on_backward_begin(tensors)
+                try:
+                    return orig(tensors, *args, **kwargs)
+                finally:
+                    hub.emit("on_backward_end")
+
+            return backward
+
+        def wrap_next(orig: Any) -> Any:
+            def __next__(self_it: Any) -> Any:
+                if not probe.recording or probe.closed:
+                    return orig(self_it)
+                probe.touch()
+                t0 = time.perf_counter()
+                p0 = probe.probe_time
+                try:
+                    return orig(self_it)
+                finally:
+                    spent = time.perf_counter() - t0 - max(0.0, probe.probe_time - p0)
+                    hub.emit("on_batch", spent, self_it)
+
+            return __next__
+
+        def wrap_group(orig: Any) -> Any:
+            def _group_tensors_by_device_and_dtype(
+                tensorlistlist: Any, *args: Any, **kwargs: Any
+            ) -> Any:
+                if probe.recording and not probe.closed:
+                    hub._maybe_clip(tensorlistlist)
+                return orig(tensorlistlist, *args, **kwargs)
+
+            return _group_tensors_by_device_and_dtype
+
+        self._patch(GradScaler, "__init__", wrap_scaler_init)
+        self._patch(GradScaler, "scale", wrap_scale)
+        self._patch(GradScaler, "unscale_", wrap_unscale)
+        self._patch(GradScaler, "step", wrap_scaler_step)
+        self._patch(GradScaler, "update", wrap_update)
+        self._patch(GradScaler, "load_state_dict", wrap_scaler_load)
+        self._patch(Optimizer, "__init__", wrap_opt_init)
+        self._patch(Optimizer, "load_state_dict", wrap_opt_load)
+        self._patch(autocast, "__enter__", wrap_autocast_enter)
+        self._patch(autocast, "__exit__", wrap_autocast_exit)
+        self._patch(torch.autograd, "backward", wrap_backward)
+        self._patch(_dataloader._BaseDataLoaderIter, "__next__", wrap_next)
+        if hasattr(_clip_grad, "_group_tensors_by_device_and_dtype"):
+            self._patch(_clip_grad, "_group_tensors_by_device_and_dtype", wrap_group)
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+
+    def close(self) -> None:
+        """Remove everything the hub installed, newest first. Idempotent."""
+        if self.closed:
+            return
+        self._pop_mux(final=True)
+        self.stop_discovery()
+        for handle in reversed(self._handles):
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+        for p in reversed(self._patches):
+            p.remove()
+        self._patches.clear()
+        self.closed = True
+
+    # -- objects ----------------------------------------------------------------------------------
+    def see_scaler(self, scaler: GradScaler, site: str | None) -> None:
+        if scaler in self.scalers:
+            return
+        self.scalers.add(scaler)
+        self.emit("on_scaler", scaler, site)
+
+    def see_optimizer(self, opt: Optimizer) -> None:
+        if opt in self.optimizers:
+            return
+        self.optimizers.add(opt)
+        self.emit("on_optimizer", opt)
+
+    def watch_model(self, model: torch.nn.Module) -> None:
+        """Install the forward pre/post hooks of a root model (events for every collector)."""
+        if any(ref() is model for ref in self._models):
+            return
+        self._models.append(weakref.ref(model))
+        if not (self._subs["on_forward_begin"] or self._subs["on_forward_end"]):
+            return
+        probe = self.probe
+
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if probe.recording and not probe.closed:
+                probe.touch()
+                self.emit("on_forward_begin", module, args, kwargs)
+
+        def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if probe.recording and not probe.closed:
+                self.emit("on_forward_end", module)
+
+        self._handles.append(model.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(post, always_call=True))
+
+    # -- wrapper bodies -----------------------------------------------------------------------------
+    def _capture_loss(self, loss: torch.Tensor) -> None:
+        facts = self.facts
+        if facts.loss_dtype is None:
+            facts.loss_dtype = dtype_name(loss.dtype)
+        if self.probe.config.capture_loss:
+            with torch.no_grad():
+                value = loss.detach().reshape(()).float()
+                facts.loss = (
+                    value if facts.loss is None else facts.loss + value.to(facts.loss.device)
+                )
+            facts.loss_count += 1
+
+    def _on_scale(self, scaler: GradScaler, outputs: Any) -> None:
+        primary = self._primary_scaler() if self._primary_scaler is not None else None
+        if primary is scaler:
+            self._primary_used = True
+        if not self.probe.recording:
+            return
+        self.see_scaler(scaler, None)
+        self.probe.touch()
+        self._scaled_this_step = True
+        loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
+        if loss is not None:
+            self._capture_loss(loss)
+        self.emit("on_scale", scaler, loss)
+
+    def _on_backward_begin(self, tensors: Any) -> None:
+        self.probe.touch()
+        loss = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
+        if loss is not None and not self._scaled_this_step:
+            self._capture_loss(loss)
+        self.emit("on_backward_begin", loss)
+
+    def _on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer) -> None:
+        if self._mode is None:
+            self._mode = "scaler"
+        self.see_scaler(scaler, None)
+        self.see_optimizer(optimizer)
+        if self.probe.recording:
+            self.emit("on_scaler_step", scaler, optimizer)
+
+    def _before_update(self, scaler: GradScaler) -> dict[str, Any]:
+        if self._mode is None:
+            self._mode = "scaler"
+        primary = self._primary_scaler() if self._primary_scaler is not None else None
+        if primary is None or (primary is not scaler and not self._primary_used):
+            # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
+            self._primary_scaler = weakref.ref(scaler)
+        before: dict[str, Any] = {}
+        current = self._primary_scaler
+        if current is None or current() is not scaler or not self.probe.recording:
+            return before
+        try:
+            enabled = bool(getattr(scaler, "_enabled", True))
+            before["enabled"] = enabled
+            scale = getattr(scaler, "_scale", None)
+            if enabled and isinstance(scale, torch.Tensor):
+                with torch.no_grad():
+                    before["scale_before"] = scale.detach().clone()
+                    found = [
+                        f
+                        for state in scaler._per_optimizer_states.values()
+                        for f in state.get("found_inf_per_device", {}).values()
+                    ]
+                    if found:
+                        total = found[0].to(scale.device, non_blocking=True).clone()
+                        for f in found[1:]:
+                            total += f.to(scale.device, non_blocking=True)
+                        before["found_inf"] = total
+        except Exception as exc:  # torch internals changed: record, keep counting steps
+            self.probe.event("scaler_internals_unreadable", error=f"{type(exc).__name__}: {exc}")
+        return before
+
+    def _after_update(self, scaler: GradScaler, before: dict[str, Any]) -> None:
+        if self._primary_scaler is None or self._primary_scaler() is not scaler:
+            return
+        if self._mode != "scaler":
+            return
+        self._primary_used = False
+        if self.probe.recording:
+            facts = self.facts
+            facts.scaler = scaler
+            facts.scaler_enabled = bool(before.get("enabled", False))
+            if "scale_before" in before:
+                facts.scale_before = before["scale_before"]
+                with torch.no_grad():
+                    facts.scale_after = scaler._scale.detach().clone()  # type: ignore[union-attr]
+                    tracker = getattr(scaler, "_growth_tracker", None)
+                    if isinstance(tracker, torch.Tensor):
+                        facts.growth_tracker = tracker.detach().clone()
+            facts.found_inf = before.get("found_inf")
+            self.emit(
+                "on_scaler_update", scaler, facts.scale_before, facts.scale_after, facts.found_inf
+            )
+        self._end_step()
+
+    def _opt_pre(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
+        if self.probe.closed:
+            return
+        self.see_optimizer(opt)
+        if self.probe.recording:
+            self.probe.touch()
+            self.emit("on_optimizer_step_begin", opt)
+
+    def _opt_post(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
+        if self.probe.closed:
+            return
+        if self.probe.recording:
+            self.emit("on_optimizer_step_end", opt)
+        if (
+            self._mode is None
+            and getattr(self._in_scaler_step, "depth", 0) == 0
+            and not _inside_unwrapped_scaler_step()
+        ):
+            self._mode = "optimizer"
+            self._primary_opt = weakref.ref(opt)
+        if (
+            self._mode == "optimizer"
+            and self._primary_opt is not None
+            and self._primary_opt() is opt
+        ):
+            self._end_step()
+
+    def _maybe_clip(self, tensorlistlist: Any) -> None:
+        caller: Any = sys._getframe(1)
+        while caller is not None and not caller.f_code.co_filename.endswith("clip_grad.py"):
+            caller = caller.f_back  # skip amprobe's own wrapper frames
+        if caller is None:
+            return
+        name = caller.f_code.co_name
+        if name == "_get_total_norm":
+            outer = caller.f_back
+            while outer is not None and outer.f_code.co_name in _DECORATOR_FRAMES:
+                outer = outer.f_back
+            if outer is None or outer.f_code.co_name != "clip_grad_norm_":
+                return
+            function = "clip_grad_norm_"
+        elif name == "clip_grad_value_":
+            function = "clip_grad_value_"
+        else:
+            return
+        grads = list(tensorlistlist[0]) if tensorlistlist else []
+        self.emit("on_clip", function, grads, user_call_site(3))
+
+    # -- step boundary ------------------------------------------------------------------------------
+    def _end_step(self) -> None:
+        probe = self.probe
+        facts, self.facts = self.facts, StepFacts()
+        self._scaled_this_step = False
+        if not probe.recording:
+            probe.end_step(facts)
+            return
+        self._pop_mux()
+        probe.end_step(facts)  # dispatches on_step_end, flushes, applies control requests
+        if probe.recording and not probe.closed:
+            self.begin_step(probe.step)
+
+    def begin_step(self, step: int) -> None:
+        """Start iteration ``step``: ``on_step_begin``, then the op mode if anyone asked."""
+        self.emit("on_step_begin", step)
+        observers = [
+            (c, fn)
+            for c, fn in self._subs["on_op"]
+            if self.call(c, c.wants_ops, step)  # type: ignore[arg-type]
+        ]
+        if observers:
+            self._push_mux(observers)
+
+    def end_recording(self) -> None:
+        """Recording stops at this boundary: drop the op mode."""
+        self._pop_mux()
+
+    def _push_mux(self, observers: list[tuple[Collector, Callable[..., None]]]) -> None:
+        if self._mux is None:
+            self._mux = _OpMux(self)
+        self._mux.observers = observers
+        if not self._mux_pushed:
+            self._mux.__enter__()
+            self._mux_pushed = True
+
+    def _pop_mux(self, final: bool = False) -> None:
+        mux = self._mux
+        if mux is None:
+            return
+        mux.observers = []
+        if not self._mux_pushed:
+            return
+        if _get_current_dispatch_mode() is mux:
+            mux.__exit__(None, None, None)
+            self._mux_pushed = False
+        elif final:
+            # someone pushed a mode above ours and keeps it: ours stays a pass-through
+            self.probe.event("op_mode_left_inert", reason="another TorchDispatchMode is above it")
+
+    # -- root-model discovery -----------------------------------------------------------------------
+    def start_discovery(self) -> None:
+        """Watch top-level module calls until a root model is found (zero-code and live attach)."""
+        if self._disc_handles or self.closed:
+            return
+        self._disc_depth = 0
+        self._disc_first = self.probe.step
+        self._candidates = []
+        self._disc_handles.append(_module_mod.register_module_forward_pre_hook(self._disc_pre))
+        self._disc_handles.append(
+            _module_mod.register_module_forward_hook(self._disc_post, always_call=True)
+        )
+
+    def stop_discovery(self) -> None:
+        for handle in reversed(self._disc_handles):
+            handle.remove()
+        self._disc_handles.clear()
+
+    @property
+    def discovering(self) -> bool:
+        return bool(self._disc_handles)
+
+    def _disc_pre(self, module: torch.nn.Module, args: Any) -> None:
+        depth = self._disc_depth
+        self._disc_depth = depth + 1
+        if depth or not self.probe.recording or not torch.is_grad_enabled():
+            return
+        try:
+            if any(r() is module for r in self._candidates):
+                return
+            self._candidates.append(weakref.ref(module))
+            trained = _trained_params(self.optimizers)
+            if trained and any(id(p) in trained for p in module.parameters()):
+                # the root's own pre-hook, installed now, would not run for this call
+                self.probe.add_model(module)
+                self.stop_discovery()
+                self.emit("on_forward_begin", module, args, {})
+        except Exception as exc:
+            self.probe.event("discovery_failed", reason=f"{type(exc).__name__}: {exc}")
+            self.stop_discovery()
+
+    def _disc_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._disc_depth = max(0, self._disc_depth - 1)
+
+    def check_candidates(self, step: int) -> None:
+        """At a step boundary: register the candidates an optimizer trains, or give up."""
+        if not self._disc_handles:
+            return
+        trained = _trained_params(self.optimizers)
+        found = False
+        for ref in self._candidates:
+            root = ref()
+            if root is not None and any(id(p) in trained for p in root.parameters()):
+                self.probe.add_model(root)
+                found = True
+        if found or step + 1 - self._disc_first >= _DISCOVERY_STEPS:
+            if not found:
+                self.probe.event(
+                    "discovery_failed",
+                    reason="no module called at top level owns optimizer parameters",
+                )
+            self.stop_discovery()

@@ -1,0 +1,415 @@
+"""Rules on the precision what-if (checklist section E): fp8 candidates, fp8-hostile layers, fp16 range.
+
+All three read :func:`amprobe.analysis.whatif.compute_whatif`, derived from the per-layer
+exponent histograms of the ``numerics`` collector. What is measured per layer: its forward
+output (``activation``), the gradient of that output (``output gradient``, the input of the
+layer's backward GEMMs) and its parameters' gradient. A layer's forward input and its weights
+are not recorded, so the rules say "activations" for the layer's output only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pandas as pd
+
+from amprobe.analysis.whatif import (
+    FORMATS,
+    KINDS,
+    compute_fp16_gradient_fit,
+    compute_whatif,
+)
+from amprobe.rules.data import autocast_dtypes, per_rank
+from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.store.loader import Run
+
+__all__ = ["FP8_FORMAT_BY_KIND", "matmul_flops", "fp8_layer_table", "exp_range"]
+
+#: numerics kind -> the fp8 format it would use (the "hybrid" recipe: e4m3 forward, e5m2 backward)
+FP8_FORMAT_BY_KIND: Mapping[str, str] = {"output": "e4m3", "grad_output": "e5m2"}
+#: module types taken as matmul layers when the compute collector captured no step
+_MATMUL_TYPES = re.compile(r"Linear|Conv|Bilinear|MultiheadAttention")
+_MEASURED = (
+    "activation = the layer's forward output (the next layer's input); gradient = the gradient "
+    "of that output (the input of this layer's backward GEMMs); the layer's input and weights "
+    "are not recorded"
+)
+
+
+def exp_range(low: Any, high: Any) -> str:
+    """``2^-14 … 2^3`` from binade exponents (values lie in ``[2**low, 2**(high+1))``)."""
+    if low is None or high is None or pd.isna(low) or pd.isna(high):
+        return "no nonzero values"
+    return f"2^{int(low)} … 2^{int(high)}"
+
+
+def matmul_flops(run: Run, rank: int) -> tuple[dict[str, float] | None, str]:
+    """Each module's share of the matmul FLOPs of ``rank``'s last captured step.
+
+    Returns ``(module -> share, source)``; ``None`` when the compute collector captured no
+    step, with the source saying so.
+    """
+    ops = run.table("compute_ops")
+    if ops.empty:
+        return None, "not recorded (the compute collector captured no step)"
+    part = ops[ops["rank"] == rank]
+    if part.empty:
+        return None, f"not recorded on rank {rank}"
+    step = int(part["step"].max())
+    part = part[part["step"] == step]
+    flops = part.groupby("module")["flops"].sum()
+    total = float(flops.sum())
+    if total <= 0:
+        return None, f"compute_ops step {step} holds no FLOPs"
+    return {str(m): float(v) / total for m, v in flops.items()}, f"compute_ops, step {step}"
+
+
+def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
+    """Per matmul layer of ``rank``: its fp8 lost shares with per-tensor scaling and FLOPs share.
+
+    Matmul layers are the modules with matmul FLOPs in ``compute_ops``; without it, modules
+    whose type looks like a matmul (Linear, Conv, ...). Columns: ``module``, ``module_type``,
+    ``order``, ``flops_share`` (None when not recorded) and per kind of
+    :data:`FP8_FORMAT_BY_KIND`: ``<kind>_lost`` (overflow + flush share of the finite nonzero
+    values), ``<kind>_flush``, ``<kind>_range`` (None where the kind was not recorded) and
+    ``<kind>_nonfinite`` (NaN + inf values recorded).
+    """
+    whatif = compute_whatif(run)
+    wf = whatif[(whatif["rank"] == rank) & (whatif["scaling"] == "per-tensor")]
+    flops, source = matmul_flops(run, rank)
+    recorded = wf[wf["kind"] == "output"]
+    if flops is not None:
+        modules = [m for m in recorded["module"].unique() if flops.get(str(m), 0.0) > 0]
+    else:
+        modules = [
+            m
+            for m, t in zip(recorded["module"], recorded["module_type"], strict=True)
+            if _MATMUL_TYPES.search(str(t or ""))
+        ]
+    rows = []
+    for module in dict.fromkeys(modules):
+        mrows = wf[wf["module"] == module]
+        row: dict[str, Any] = {
+            "module": module,
+            "module_type": mrows["module_type"].iloc[0],
+            "order": int(mrows["order"].iloc[0]),
+            "flops_share": flops.get(str(module)) if flops is not None else None,
+        }
+        for kind, fmt in FP8_FORMAT_BY_KIND.items():
+            sel = mrows[(mrows["kind"] == kind) & (mrows["format"] == fmt)]
+            if sel.empty or int(sel["nonzero"].iloc[0]) == 0:
+                row[f"{kind}_lost"] = row[f"{kind}_flush"] = row[f"{kind}_range"] = None
+                row[f"{kind}_nonfinite"] = 0 if sel.empty else int(sel["nonfinite"].iloc[0])
+                continue
+            r = sel.iloc[0]
+            row[f"{kind}_nonfinite"] = int(r["nonfinite"])
+            row[f"{kind}_lost"] = float(r["lost_share"])
+            row[f"{kind}_flush"] = float(r["flush_share"])
+            row[f"{kind}_range"] = exp_range(r["min_exp"], r["max_exp"])
+        rows.append(row)
+    cols = ["module", "module_type", "order", "flops_share"] + [
+        f"{k}_{c}" for k in FP8_FORMAT_BY_KIND for c in ("lost", "flush", "range", "nonfinite")
+    ]
+    table = pd.DataFrame(rows, columns=cols).sort_values("order", kind="stable")
+    if flops is None:
+        source += "; matmul layers taken from module types (Linear, Conv, ...)"
+    return table.reset_index(drop=True), source
+
+
+def _ranks(run: Run) -> list[int]:
+    whatif = compute_whatif(run)
+    return sorted(int(r) for r in whatif["rank"].unique()) if len(whatif) else []
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:.3g} %"
+
+
+# -- requirement --------------------------------------------------------------------------------
+@requirement("numerics_ranges")
+def _has_ranges(run: Run) -> str | None:
+    numerics = run.table("numerics")
+    if numerics.empty:
+        return "no per-layer exponent histogram was recorded (the numerics table is empty)"
+    if not numerics["kind"].isin(list(KINDS)).any():
+        return "the numerics table holds only model inputs: no activation or gradient histogram"
+    return None
+
+
+# -- rules --------------------------------------------------------------------------------------
+@rule(
+    "AMP-P01",
+    "fp8-candidates",
+    "info",
+    "speed",
+    requires=("numerics_ranges",),
+    thresholds={"min_representable_share": 0.999, "max_layers": 12},
+    refs=("S§4", "S§10"),
+)
+def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
+    """Matmul layers whose values fit fp8 with per-tensor scaling, with their share of FLOPs.
+
+    Per matmul layer (see :func:`fp8_layer_table`), summed over sampled steps: the share of
+    nonzero activations representable (neither flushed nor saturated) in e4m3 and of nonzero
+    output gradients in e5m2, each with the amax-based power-of-two per-tensor scale of its
+    step. A layer is a candidate when both are at least ``min_representable_share``; a layer
+    without a recorded output gradient is not a candidate (not measured), nor is one whose
+    recorded activations or output gradients held NaN/inf (its range cannot be judged; listed
+    in ``not_judged_nonfinite``). FLOPs shares come from ``compute_ops`` (last captured step)
+    when recorded.
+    """
+    th = ctx.thresholds
+    run = ctx.run
+    for rank in _ranks(run):
+        table, source = fp8_layer_table(run, rank)
+        if table.empty:
+            continue
+        limit = 1.0 - th["min_representable_share"]
+        nonfinite = (table["output_nonfinite"] + table["grad_output_nonfinite"]) > 0
+        ok = (
+            ~nonfinite
+            & table["output_lost"].notna()
+            & table["grad_output_lost"].notna()
+            & (table["output_lost"].fillna(1.0) <= limit + 1e-12)
+            & (table["grad_output_lost"].fillna(1.0) <= limit + 1e-12)
+        )
+        good = table[ok]
+        if good.empty:
+            continue
+        flops_known = table["flops_share"].notna().any()
+        share = float(good["flops_share"].fillna(0).sum()) if flops_known else None
+        names = [str(m) for m in good["module"]]
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        flops_text = (
+            f"; {_pct(share)} of matmul FLOPs"
+            if share is not None
+            else "; their matmul FLOPs were not recorded"
+        )
+        yield ctx.finding(
+            title=(
+                f"{len(good)} of {len(table)} matmul layer(s) keep ≥ "
+                f"{_pct(th['min_representable_share'])} of their values in fp8 with per-tensor "
+                f"scaling (e4m3 activations, e5m2 gradients): {shown}{flops_text}"
+            ),
+            evidence={
+                "rank": rank,
+                "layers": [
+                    {
+                        "module": r.module,
+                        "module_type": r.module_type,
+                        "flops_share": None if pd.isna(r.flops_share) else round(r.flops_share, 4),
+                        "activation_range": r.output_range,
+                        "activation_lost_e4m3": round(float(r.output_lost), 6),
+                        "gradient_range": r.grad_output_range,
+                        "gradient_lost_e5m2": round(float(r.grad_output_lost), 6),
+                    }
+                    for r in good.head(int(th["max_layers"])).itertuples()
+                ],
+                "candidate_flops_share": None if share is None else round(share, 4),
+                "matmul_layers": len(table),
+                "not_judged_nonfinite": [str(m) for m in table.loc[nonfinite, "module"]],
+                "flops_source": source,
+                "min_representable_share": th["min_representable_share"],
+                "scaling": "per-tensor power of two from each step's amax",
+                "measured": _MEASURED,
+            },
+            fix=(
+                "Move these layers to fp8 first (e.g. Transformer Engine te.Linear under "
+                "te.fp8_autocast with the HYBRID recipe: e4m3 forward, e5m2 backward) and keep "
+                "the other layers in bf16; compare the loss curve against the bf16 run."
+            ),
+        )
+
+
+@rule(
+    "AMP-P02",
+    "fp8-hostile",
+    "info",
+    "speed",
+    requires=("numerics_ranges",),
+    thresholds={"max_lost_share": 0.001, "max_layers": 12},
+    refs=("S§4", "S§7"),
+)
+def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
+    """Matmul layers whose value range is too wide for fp8 even with per-tensor scaling.
+
+    Same measure as AMP-P01: a layer is hostile when more than ``max_lost_share`` of its
+    nonzero activations (e4m3) or output gradients (e5m2) would flush to zero or saturate with
+    the amax-based per-tensor scale (with that scale nothing saturates, so what is lost is the
+    small values: the range below ``amax`` is wider than the format's). The title names the
+    worst layer and its measured range in powers of two.
+    """
+    th = ctx.thresholds
+    run = ctx.run
+    for rank in _ranks(run):
+        table, source = fp8_layer_table(run, rank)
+        if table.empty:
+            continue
+        found = []
+        for r in table.itertuples():
+            for kind, fmt in FP8_FORMAT_BY_KIND.items():
+                lost = getattr(r, f"{kind}_lost")
+                if lost is not None and not pd.isna(lost) and lost > th["max_lost_share"]:
+                    found.append(
+                        {
+                            "module": r.module,
+                            "module_type": r.module_type,
+                            "tensor": KINDS[kind],
+                            "format": FORMATS[fmt].label,
+                            "range": getattr(r, f"{kind}_range"),
+                            "lost_share": round(float(lost), 6),
+                            "flush_share": round(float(getattr(r, f"{kind}_flush")), 6),
+                            "flops_share": None
+                            if pd.isna(r.flops_share)
+                            else round(float(r.flops_share), 4),
+                        }
+                    )
+        if not found:
+            continue
+        found.sort(key=lambda x: -x["lost_share"])
+        worst = found[0]
+        what = (
+            "flush to zero" if worst["flush_share"] >= worst["lost_share"] else "flush or saturate"
+        )
+        layers = sorted({x["module"] for x in found})
+        more = f" ({len(layers)} layers in all)" if len(layers) > 1 else ""
+        yield ctx.finding(
+            title=(
+                f"{worst['module']} {worst['tensor']}s span {worst['range']}: "
+                f"{_pct(worst['lost_share'])} would {what} in {worst['format']} even with "
+                f"per-tensor scaling{more}"
+            ),
+            evidence={
+                "rank": rank,
+                "layers": found[: int(th["max_layers"])],
+                "layers_affected": len(layers),
+                "max_lost_share": th["max_lost_share"],
+                "flops_source": source,
+                "scaling": "per-tensor power of two from each step's amax",
+                "measured": _MEASURED,
+            },
+            fix=(
+                "Keep these layers in bf16 when moving to fp8. A range this wide usually means "
+                "outliers: look for un-normalized activations (a missing norm before the layer, "
+                "outlier channels) or per-channel/block scaling instead of per-tensor."
+            ),
+        )
+
+
+def _is_bf16_run(run: Run) -> bool:
+    dtypes = autocast_dtypes(run)
+    if "float16" in dtypes:
+        return False
+    if "bfloat16" in dtypes:
+        return True
+    numerics = run.table("numerics")
+    outs = set(numerics.loc[numerics["kind"] == "output", "dtype"].dropna().unique())
+    return "bfloat16" in outs and "float16" not in outs
+
+
+@rule(
+    "AMP-P03",
+    "fp16-range",
+    "warning",
+    "nan",
+    requires=("numerics_ranges",),
+    thresholds={"max_overflow_share": 0.0, "max_underflow_share": 0.001, "max_layers": 10},
+    refs=("S§4", "S§8"),
+)
+def check_fp16_range(ctx: RuleContext) -> Iterator[Finding]:
+    """A bf16 run whose recorded values would not fit fp16.
+
+    Only for bf16 runs (bf16 autocast, or bf16 layer outputs without fp16). Two checks, per rank
+    over the sampled steps:
+
+    * activations: nonzero values above 65504 (overflow when cast as-is; activations are not
+      loss-scaled), share over all activations > ``max_overflow_share``;
+    * gradients: fp16 training multiplies every gradient by one loss scale. At the best one per
+      step (the largest power of two keeping the step's largest gradient under 65504, see
+      :func:`amprobe.analysis.whatif.compute_fp16_gradient_fit`) the share of nonzero gradients
+      that would still flush to zero > ``max_underflow_share``: no loss scale keeps both ends.
+    """
+    run = ctx.run
+    if not _is_bf16_run(run):
+        return
+    th = ctx.thresholds
+    whatif = compute_whatif(run)
+    numerics = run.table("numerics")
+    for rank, frame in per_rank(numerics):
+        wf = whatif[(whatif["rank"] == rank) & (whatif["format"] == "fp16")]
+        acts = wf[(wf["kind"] == "output") & (wf["scaling"] == "none")]
+        act_total = int(acts["nonzero"].sum())
+        act_over = int(acts["overflow"].sum())
+        over_share = act_over / act_total if act_total else 0.0
+        hot = acts[acts["overflow"] > 0].sort_values("overflow_share", ascending=False)
+        fit = compute_fp16_gradient_fit(frame)
+        grad_share = 0.0
+        per_layer: list[dict[str, Any]] = []
+        scale_exp = None
+        grad_range = None
+        if len(fit):
+            by_step = fit.groupby("step")[["flush", "nonzero"]].sum()
+            shares = by_step["flush"] / by_step["nonzero"].where(by_step["nonzero"] > 0)
+            grad_share = float(by_step["flush"].sum() / max(int(by_step["nonzero"].sum()), 1))
+            worst_step = int(shares.fillna(0).idxmax())
+            scale_exp = int(fit.loc[fit["step"] == worst_step, "loss_scale_exp"].iloc[0])
+            nz = fit[fit["nonzero"] > 0]
+            if len(nz):
+                grad_range = exp_range(nz["low_exp"].min(), nz["top_exp"].max())
+            layers = fit.groupby(["module", "kind"], sort=False)[["flush", "nonzero"]].sum()
+            layers = layers[layers["flush"] > 0]
+            layers["share"] = layers["flush"] / layers["nonzero"]
+            for (module, kind), r in layers.sort_values("share", ascending=False).iterrows():
+                per_layer.append(
+                    {
+                        "module": module,
+                        "tensor": KINDS.get(str(kind), str(kind)),
+                        "flush_share": round(float(r["share"]), 6),
+                    }
+                )
+        overflow = act_over > 0 and over_share > th["max_overflow_share"]
+        underflow = grad_share > th["max_underflow_share"]
+        if not (overflow or underflow):
+            continue
+        parts = []
+        if overflow:
+            top = hot.iloc[0]
+            parts.append(
+                f"{top['module']} activations reach 2^{int(top['max_exp'])} (amax "
+                f"{float(top['amax']):.3g} > 65504): {_pct(over_share)} of the activations "
+                f"would overflow fp16"
+            )
+        if underflow:
+            parts.append(
+                f"gradients span {grad_range}: at the largest loss scale that keeps them under "
+                f"65504 (2^{scale_exp}) {_pct(grad_share)} would still flush to zero in fp16"
+            )
+        yield ctx.finding(
+            title="this bf16 run would not fit fp16: " + "; ".join(parts),
+            evidence={
+                "rank": rank,
+                "activation_overflow_share": round(over_share, 6),
+                "overflowing_layers": [
+                    {
+                        "module": r.module,
+                        "range": exp_range(r.min_exp, r.max_exp),
+                        "amax": None if r.amax is None or math.isnan(r.amax) else float(r.amax),
+                        "overflow_share": round(float(r.overflow_share), 6),
+                    }
+                    for r in hot.head(int(th["max_layers"])).itertuples()
+                ],
+                "gradient_range": grad_range,
+                "gradient_flush_share_at_best_scale": round(grad_share, 6),
+                "best_loss_scale": None if scale_exp is None else 2.0**scale_exp,
+                "underflowing_layers": per_layer[: int(th["max_layers"])],
+                "max_overflow_share": th["max_overflow_share"],
+                "max_underflow_share": th["max_underflow_share"],
+            },
+            fix=(
+                "Do not move this run to fp16 without fixing these layers (normalize or keep "
+                "them in fp32); bf16, with fp32's exponent range, is the right choice here."
+            ),
+        )

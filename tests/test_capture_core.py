@@ -1,0 +1,265 @@
+"""The capture core (issue 13): one hub, nothing left installed, collector order irrelevant."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+import amprobe
+from amprobe.collectors import REGISTRY, Collector
+from amprobe.store.fields import STEP_FIELDS, fields_of
+from tests.helpers import amprobe_cli
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+PACKAGE_PARENT = str(Path(amprobe.__file__).resolve().parent.parent)
+# columns that measure time or memory: they differ between any two runs
+_TIMING = {"t", "wall_s", "probe_s", "data_wait_s", "fwd_s", "bwd_s", "opt_s", "rss_bytes"}
+
+
+def _torch_state() -> dict[str, object]:
+    """Every torch attribute and global hook table the hub touches, by identity and size."""
+    import torch.nn.utils.clip_grad as clip_grad
+    from torch.nn.modules import module as module_mod
+    from torch.optim import optimizer as optimizer_mod
+    from torch.utils.data import dataloader
+
+    owners = {
+        "GradScaler": torch.amp.GradScaler,
+        "Optimizer": torch.optim.Optimizer,
+        "autocast": torch.amp.autocast_mode.autocast,
+        "DataLoaderIter": dataloader._BaseDataLoaderIter,
+    }
+    state: dict[str, object] = {}
+    for name, owner in owners.items():
+        for attr, value in vars(owner).items():
+            if callable(value):
+                state[f"{name}.{attr}"] = value
+    state["autograd.backward"] = torch.autograd.backward
+    state["clip_grad._group"] = clip_grad._group_tensors_by_device_and_dtype
+    state["global_fwd_pre_hooks"] = len(module_mod._global_forward_pre_hooks)
+    state["global_fwd_hooks"] = len(module_mod._global_forward_hooks)
+    state["opt_pre_hooks"] = len(optimizer_mod._global_optimizer_pre_hooks)
+    state["opt_post_hooks"] = len(optimizer_mod._global_optimizer_post_hooks)
+    state["modes"] = len(_get_current_dispatch_mode_stack())
+    return state
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train(model: nn.Module, opt, scaler, steps: int, stacks: list | None = None) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.item()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if stacks is not None:
+            stacks.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+
+
+@pytest.mark.parametrize("pass_model", [True, False], ids=["model-passed", "nothing-passed"])
+def test_nothing_left_installed_after_close(tmp_path, pass_model):
+    before = _torch_state()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    config = {
+        "numerics_every": 2,
+        "shapes_every": 2,
+        "syncs_every": 3,
+        "collectors": ("scaler", "numerics", "compute", "runtime", "discovery"),
+    }
+    stacks: list = []
+    probe = amprobe.attach(
+        model=model if pass_model else None, run_dir=tmp_path / "r", config=config
+    )
+    _train(model, opt, scaler, 8, stacks)
+    probe.close()
+    after = _torch_state()
+    assert after == before, {
+        k: (before.get(k), after.get(k)) for k in after if after[k] != before.get(k)
+    }
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(not m._forward_hooks for m in model.modules())
+    # the op mode is up only on the steps that asked for it: sampled steps are 1, 3, 4, 5, 7
+    # (shapes: 1, 3, 5 (3 captures); syncs: 1, 4, 7); the stack is read just after each boundary
+    asked = {1, 3, 4, 5, 7}
+    for step, stack in enumerate(stacks):
+        expected = ["_OpMux"] if step + 1 in asked else []
+        assert stack == expected, (step, stack)
+    run = amprobe.load_run(tmp_path / "r")
+    assert run.events_of("model_registered"), "the model is known either way"
+    assert not run.events_of("collector_error")
+    assert not run.events_of("undeclared_field")
+
+
+def test_nothing_written_onto_the_users_objects(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 16)), 8)
+    it = iter(data)
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "r"):
+        for (x,) in it:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    for obj in (model, opt, scaler, it, *model.modules()):
+        assert not [a for a in vars(obj) if "amprobe" in a], type(obj).__name__
+
+
+def test_numerics_shapes_and_syncs_on_the_same_step_record_all_three(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    config = {"numerics_every": 1, "shapes_every": 1, "syncs_every": 1}
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "r", config=config):
+        _train(model, opt, scaler, 4)
+    run = amprobe.load_run(tmp_path / "r")
+    steps = run.steps.set_index("step")
+    for step in (1, 2, 3):
+        assert steps.loc[step, "numerics_sampled"], step
+        assert steps.loc[step, "syncs_sampled"] and steps.loc[step, "syncs"] == 1, step
+    compute = run.table("compute_steps")
+    assert {1, 2, 3} <= set(compute["step"])
+    assert set(run.table("numerics")["step"]) >= {1, 2, 3}
+    assert not run.events_of("sync_counting_stopped")
+
+
+def _record(tmp_path: Path, collectors: tuple[str, ...], tag: str) -> amprobe.Run:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    config = {"collectors": collectors, "numerics_every": 1, "shapes_every": 2, "syncs_every": 2}
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / tag, config=config):
+        _train(model, opt, scaler, 4)
+    return amprobe.load_run(tmp_path / tag)
+
+
+def test_collector_order_does_not_change_the_records(tmp_path):
+    runs = [
+        _record(tmp_path, ("scaler", *perm), "-".join(perm))
+        for perm in itertools.permutations(("numerics", "compute", "runtime"))
+    ]
+    reference = runs[0]
+    keep = [c for c in reference.steps.columns if c not in _TIMING]
+    assert reference.steps["loss_nonfinite"].notna().all()
+    for run in runs[1:]:
+        pd.testing.assert_frame_equal(run.steps[keep], reference.steps[keep])
+        for table in ("numerics", "compute_ops"):
+            a = reference.table(table).drop(columns=[], errors="ignore")
+            b = run.table(table)
+            pd.testing.assert_frame_equal(b.reset_index(drop=True), a.reset_index(drop=True))
+
+
+class _Sloppy(Collector):
+    name = "sloppy"
+
+    def on_step_end(self, step, record, facts):
+        record["my_private_column"] = 1
+
+
+def test_an_undeclared_column_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setitem(REGISTRY, "sloppy", _Sloppy)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amprobe.attach(model, opt, run_dir=tmp_path / "r", config={"collectors": ("sloppy",)}):
+        _train(model, opt, torch.amp.GradScaler("cpu"), 2)
+    events = amprobe.load_run(tmp_path / "r").events_of("undeclared_field")
+    assert [e["field"] for e in events] == ["my_private_column"]
+
+
+def test_every_collector_declares_exactly_its_fields():
+    declared = {f.name for f in STEP_FIELDS}
+    assert len(declared) == len(STEP_FIELDS), "a steps column is declared twice"
+    for name, cls in REGISTRY.items():
+        assert tuple(cls.fields) == fields_of(name), name
+    assert all(f.units is not None and f.meaning for f in STEP_FIELDS)
+
+
+def test_comma_separated_lists_are_accepted(tmp_path):
+    cfg = amprobe.Config(collectors="scaler,numerics, runtime", numerics_layers="0,2")
+    assert cfg.collectors == ("scaler", "numerics", "runtime")
+    assert cfg.numerics_layers == ("0", "2")
+    with pytest.raises(amprobe.ConfigError, match="unknown collector 'numeric'.*'numerics'"):
+        amprobe.attach(run_dir=tmp_path / "r", config={"collectors": "scaler,numeric"})
+
+
+def _amprobe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return amprobe_cli(*args, cwd=cwd, timeout=240)
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["torch-first", "amprobe-first"])
+def test_zero_code_run_leaves_no_mode_and_counts_syncs(tmp_path, first):
+    out = tmp_path / "run"
+    extra = ["--import-amprobe-first"] if first else []
+    proc = _amprobe(
+        "run",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        str(SCRIPTS / "capture_probe.py"),
+        "6",
+        *extra,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "not recording" not in proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 6
+    # defaults: shapes and syncs both on step 1 (the mode is up from the boundary after step 0
+    # to the one after step 1), nothing on any other step
+    for line in lines:
+        assert line["modes"] == (["_OpMux"] if line["step"] == 0 else []), line
+    run = amprobe.load_run(out)
+    steps = run.steps.set_index("step")
+    assert steps.loc[1, "syncs_sampled"] and steps.loc[1, "syncs"] == 6
+    assert 1 in set(run.table("compute_steps")["step"])
+    assert steps.loc[0, "numerics_sampled"], "the root model is found at its first forward"
+    assert not run.events_of("sync_counting_stopped")
+    assert "AMP-S03" in amprobe.diagnose(run).ids()
+
+
+def test_baseline_with_amprobe_imported_before_torch(tmp_path):
+    out = tmp_path / "base"
+    proc = _amprobe(
+        "baseline",
+        "--steps",
+        "5",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        str(SCRIPTS / "capture_probe.py"),
+        "8",
+        "--import-amprobe-first",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "not recording" not in proc.stderr
+    fp32, amp = amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp")
+    assert fp32.rank_manifest.get("forced_fp32") is True
+    assert list(fp32.steps["step"]) == [0, 1, 2, 3, 4]
+    assert not fp32.steps["autocast_dtype"].notna().any(), "the fp32 leg ran without autocast"
+    assert not fp32.steps["scaler_enabled"].any()
+    assert set(amp.steps["autocast_dtype"].dropna()) == {"bfloat16"}

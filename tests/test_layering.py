@@ -1,0 +1,320 @@
+"""Imports flow one way: a layering test over the AST of every module in amprobe/ and dashboard/.
+
+Layers, lowest first (a module may import its own layer and the layers below it):
+
+    amprobe.config < amprobe.store < capture (collectors, probe, hub/capture) < control
+        (control, launcher, autoattach, _bootstrap)
+    amprobe.store < amprobe.analysis < amprobe.rules < amprobe.report < amprobe.cli, dashboard
+    amprobe.demo may import capture and store; amprobe/__init__.py and amprobe/cli.py are top.
+
+Three checks per module: it imports no higher layer, it is in no import cycle with other
+modules, and it has no function-local import except of an optional dependency. Imports under
+``if TYPE_CHECKING:`` count for layering only (they run no code).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("amprobe", "dashboard")
+
+#: third-party packages amprobe works without (extras, drivers, test tools): importing them
+#: inside the function that needs them is how an optional dependency stays optional.
+OPTIONAL_DEPENDENCIES = {
+    "dash",
+    "plotly",
+    "flask",
+    "werkzeug",
+    "selenium",
+    "prometheus_client",
+    "pynvml",
+    "tqdm",
+    "psutil",
+}
+#: our own modules that need an optional dependency (dashboard.app imports dash) or are an
+#: optional part themselves (the CLI serves the dashboard when it is installed)
+OPTIONAL_INTERNAL = {"dashboard.app", "dashboard.main"}
+#: modules whose one job is to import lazily: `amprobe run`'s sitecustomize runs in every Python
+#: process it starts and must import amprobe only once the program imports torch
+LAZY_BY_DESIGN = {"amprobe._bootstrap.sitecustomize"}
+
+CONFIG, STORE, CAPTURE, CONTROL = "config", "store", "capture", "control"
+ANALYSIS, RULES, REPORT, DEMO, TOP = "analysis", "rules", "report", "demo", "top"
+
+#: layer -> the layers it may import (besides its own)
+ALLOWED: dict[str, set[str]] = {
+    CONFIG: set(),
+    STORE: {CONFIG},
+    CAPTURE: {CONFIG, STORE},
+    CONTROL: {CONFIG, STORE, CAPTURE},
+    ANALYSIS: {CONFIG, STORE},
+    RULES: {CONFIG, STORE, ANALYSIS},
+    REPORT: {CONFIG, STORE, ANALYSIS, RULES},
+    DEMO: {CONFIG, STORE, CAPTURE},
+    TOP: {CONFIG, STORE, CAPTURE, CONTROL, ANALYSIS, RULES, REPORT, DEMO},
+}
+
+
+def layer_of(module: str) -> str:
+    """The layer of a dotted module name (see the module docstring)."""
+    parts = module.split(".")
+    if parts[0] == "dashboard":
+        return TOP
+    if module in ("amprobe", "amprobe.cli", "amprobe.__main__"):
+        return TOP
+    sub = parts[1]
+    if sub in ("config", "version"):
+        return CONFIG
+    if sub == "store":
+        return STORE
+    if sub in ("collectors", "probe", "hub", "capture"):
+        return CAPTURE
+    if sub in ("control", "launcher", "autoattach", "_bootstrap", "api"):
+        return CONTROL
+    if sub in ("analysis", "rules", "report", "demo"):
+        return {"analysis": ANALYSIS, "rules": RULES, "report": REPORT, "demo": DEMO}[sub]
+    raise AssertionError(f"{module}: no layer assigned; add it to tests/test_layering.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    target: str  # a module of ours, or a third-party top-level name
+    line: int
+    local: bool  # inside a function body
+    type_only: bool  # under `if TYPE_CHECKING:`
+    guarded: bool  # inside a `try:` that handles ImportError
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _discover() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            out[_module_name(path)] = path
+    return out
+
+
+MODULES = _discover()
+
+
+def _resolve(name: str) -> str:
+    """The longest known module that ``name`` names (``amprobe.store.loader.Run`` -> loader)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        if candidate in MODULES:
+            return candidate
+    return parts[0]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _handles_import_error(node: ast.Try) -> bool:
+    for handler in node.handlers:
+        names = []
+        if handler.type is None:
+            return True
+        elts = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+        names = [e.id for e in elts if isinstance(e, ast.Name)]
+        if {"ImportError", "ModuleNotFoundError", "Exception"} & set(names):
+            return True
+    return False
+
+
+def imports_of(module: str, source: str | None = None) -> list[Import]:
+    """Every import statement of a module, resolved to our module names where they are ours."""
+    path = MODULES.get(module, ROOT / (module.replace(".", "/") + ".py"))
+    text = path.read_text(encoding="utf-8") if source is None else source
+    tree = ast.parse(text, filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool, type_only: bool, guarded: bool) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            local = True
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, local, True, guarded)
+            for child in node.orelse:
+                visit(child, local, type_only, guarded)
+            return
+        if isinstance(node, ast.Try) and _handles_import_error(node):
+            for child in node.body:
+                visit(child, local, type_only, True)
+            for part in (node.handlers, node.orelse, node.finalbody):
+                for child in part:
+                    visit(child, local, type_only, guarded)
+            return
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == "__future__":
+                names = []
+            else:
+                names = [f"{base}.{alias.name}" for alias in node.names]
+        for name in names:
+            found.append(Import(_resolve(name), node.lineno, local, type_only, guarded))
+        for child in ast.iter_child_nodes(node):
+            visit(child, local, type_only, guarded)
+
+    visit(tree, False, False, False)
+    return found
+
+
+IMPORTS = {module: imports_of(module) for module in MODULES}
+
+
+def _ours(name: str) -> bool:
+    return name in MODULES
+
+
+def upward_imports(module: str) -> list[str]:
+    layer = layer_of(module)
+    if module.startswith("dashboard") or module in ("amprobe.cli", "amprobe.__main__"):
+        return []  # the top imports anything
+    allowed = ALLOWED[layer] | {layer}
+    found = [
+        f"line {i.line}: {module} ({layer}) imports {i.target} ({layer_of(i.target)})"
+        for i in IMPORTS[module]
+        if _ours(i.target) and i.target != module and layer_of(i.target) not in allowed
+    ]
+    return list(dict.fromkeys(found))
+
+
+def _graph() -> dict[str, set[str]]:
+    return {
+        m: {i.target for i in imps if _ours(i.target) and i.target != m and not i.type_only}
+        for m, imps in IMPORTS.items()
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+CYCLES = _cycles(_graph())
+
+
+def local_imports(module: str) -> list[str]:
+    if module in LAZY_BY_DESIGN:
+        return []
+    bad = []
+    for i in IMPORTS[module]:
+        if not i.local or i.type_only:
+            continue
+        top = i.target.split(".")[0]
+        if top in OPTIONAL_DEPENDENCIES or i.target in OPTIONAL_INTERNAL:
+            continue
+        if i.guarded and not _ours(i.target):
+            continue  # try: import x / except ImportError: an optional third-party package
+        message = f"line {i.line}: {module} imports {i.target} inside a function"
+        if message not in bad:
+            bad.append(message)
+    return bad
+
+
+def _params(check: str) -> Iterator[object]:
+    for module in sorted(MODULES):
+        yield pytest.param(module, id=module)
+
+
+@pytest.mark.parametrize("module", list(_params("downward")))
+def test_imports_flow_downward(module: str) -> None:
+    assert upward_imports(module) == []
+
+
+@pytest.mark.parametrize("module", list(_params("cycle")))
+def test_in_no_import_cycle(module: str) -> None:
+    cycle = next((c for c in CYCLES if module in c), set())
+    assert not cycle, f"{module} is in an import cycle with {sorted(cycle - {module})}"
+
+
+@pytest.mark.parametrize("module", list(_params("local")))
+def test_no_function_local_import(module: str) -> None:
+    assert local_imports(module) == []
+
+
+# -- the checker itself -------------------------------------------------------------------------
+
+
+def test_every_module_has_a_layer() -> None:
+    assert {"amprobe.analysis", "amprobe.rules.engine", "amprobe.store.loader"} <= set(MODULES)
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_the_checker_sees_upward_local_and_cyclic_imports(monkeypatch) -> None:
+    code = (
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "from amprobe.rules.engine import Finding\n"
+        "if TYPE_CHECKING:\n    from amprobe.report import render_text\n"
+        "def f():\n    import amprobe.cli\n    try:\n        import dash\n"
+        "    except ImportError:\n        pass\n"
+    )
+    name = "amprobe.analysis._layering_probe"
+    monkeypatch.setitem(IMPORTS, name, imports_of(name, code))
+    upward = upward_imports(name)
+    assert [u.split(" imports ")[1] for u in upward] == [
+        "amprobe.rules.engine (rules)",
+        "amprobe.report (report)",  # a type-only import still counts for layering
+        "amprobe.cli (top)",
+    ]
+    assert local_imports(name) == [f"line 7: {name} imports amprobe.cli inside a function"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
