@@ -74,6 +74,9 @@ class _NoStats:
     def add(self, *args: Any, **kwargs: Any) -> None:
         return None
 
+    def count_nonfinite(self, x: torch.Tensor) -> int:
+        return 0
+
     def table(self) -> torch.Tensor:
         return torch.zeros(self.slots, numstats.K, dtype=torch.int64)
 
@@ -199,6 +202,10 @@ class _Recorder:
 
     def add(self, slot, x, scale=None, in_bad=None) -> None:  # type: ignore[no-untyped-def]
         _Recorder.calls.append((slot, x.detach().clone(), scale))
+
+    def count_nonfinite(self, x: torch.Tensor) -> int:
+        _Recorder.inputs.append(x.detach().clone())
+        return 0
 
     def table(self) -> torch.Tensor:
         return self.inner.table()

@@ -307,3 +307,21 @@ def test_on_the_device_v2_equals_v1_without_a_sync(device: torch.device) -> None
         expected[slot, C_IN_BAD] += numstats.count_nonfinite_v1(x)
     assert expected[:, C_IN_BAD].tolist() == [3, 7, 6]  # fp16 overflows its large specials
     _assert_rows_equal(expected.cpu(), table.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_an_input_measured_as_an_output_is_counted_from_its_histogram(dtype: torch.dtype) -> None:
+    x = _values(dtype, 20000, seed=11)
+    other = _values(dtype, 20000, seed=12)
+    expected = int(numstats.count_nonfinite_v1(x))
+    assert expected >= 3
+    stats = numstats.StepStats(2, torch.device("cpu"), sync_free=False)
+    stats.add(0, x)
+    with _CountOps(torch.ops.aten.aminmax.default) as reductions:
+        assert stats.count_nonfinite(x) == expected  # from the histogram: no pass over x
+    assert reductions.count == 0
+    with _CountOps(torch.ops.aten.aminmax.default) as reductions:
+        assert stats.count_nonfinite(other) == int(numstats.count_nonfinite_v1(other))
+    assert reductions.count == 1
+    x[5] = float("nan")  # in place (65504 before): a new version, counted afresh
+    assert stats.count_nonfinite(x) == expected + 1

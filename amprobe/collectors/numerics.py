@@ -336,6 +336,13 @@ class NumericsCollector(Collector):
         """Read no value back unless the model lives on CPU (where reading costs no sync)."""
         return self._device is None or self._device.type != "cpu"
 
+    def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
+        """Non-finite elements of a module input (reusing the step's measurement of it)."""
+        cap = self._capture(x.device)
+        if cap.stats is not None and cap.device == x.device:
+            return cap.stats.count_nonfinite(x)
+        return count_nonfinite(x, self._sync_free())
+
     def _recycle(self, cap: _Capture) -> None:
         stats = cap.settle()
         if stats is not None:
@@ -384,7 +391,7 @@ class NumericsCollector(Collector):
                 and arg.is_floating_point()
                 and arg.device == tensor.device
             ):
-                count = count_nonfinite(arg, self._sync_free())
+                count = self._count_nonfinite(arg)
                 bad = count if bad is None else bad + count
         if bad is None:
             bad = torch.zeros((), dtype=torch.int64, device=tensor.device)

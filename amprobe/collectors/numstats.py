@@ -148,6 +148,9 @@ class StepStatsV1:
         if in_bad is not None:
             self._buf[slot, C_IN_BAD] += in_bad
 
+    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
+        return count_nonfinite_v1(x)
+
     def table(self) -> torch.Tensor:
         return self._buf.clone()
 
@@ -397,6 +400,16 @@ class StepStats:
         acc[C_ZEROS] += extra[0]
         acc[C_NAN] += extra[1]
         acc[C_AMAX] = max(acc[C_AMAX], extra[2])
+
+    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
+        """Non-finite elements of ``x``; free when this step already measured the same tensor
+        object at the same version (a module's input is usually another module's output):
+        its histogram's inf/NaN keys hold the count. Otherwise :func:`count_nonfinite`."""
+        seen = self._seen.get(id(x)) if not self.sync_free else None
+        if seen is not None and seen[0]() is x and seen[1] == x._version and not seen[2][1]:
+            first_nonfinite = 0x7C00 if seen[2][0] == _F16 else _INF_KEY
+            return int(seen[3][first_nonfinite:].sum())
+        return count_nonfinite(x, self.sync_free)
 
     def _add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
         if self.sync_free:
