@@ -144,6 +144,7 @@ class Probe:
         self._announced = recording  # a dormant probe announces itself at its first step
         self._watcher: Any = None
         self._undeclared: set[str] = set()
+        self._live: dict[str, float] = {}
 
     # -- set-up -----------------------------------------------------------------------------
     def _start(self, model: Any, optimizer: Any, scaler: Any) -> None:
@@ -448,6 +449,7 @@ class Probe:
             self._pending_steps = []
             _materialize(rows)
             self._check_declared(rows)
+            self._update_live(rows)
             self.writer.append("steps", rows)
             self.hub.emit("on_flush", self.writer)
             events = self._pending_events
@@ -460,6 +462,34 @@ class Probe:
         finally:
             self._last_flush = time.perf_counter()
             self._probe_time += self._last_flush - t
+
+    def _update_live(self, rows: list[dict[str, Any]]) -> None:
+        live = self._live
+        for row in rows:
+            live["steps"] = live.get("steps", 0) + 1
+            if row.get("skipped") is True:
+                live["skipped_steps"] = live.get("skipped_steps", 0) + 1
+            scale = row.get("scale_after")
+            if isinstance(scale, (int, float)):
+                live["loss_scale"] = float(scale)
+                live.setdefault("skipped_steps", 0)
+            loss = row.get("loss")
+            if isinstance(loss, (int, float)):
+                live["loss"] = float(loss)
+
+    def publish(self, name: str, value: float) -> None:
+        """A collector's live value (e.g. ``nonfinite_layers``), read by :meth:`live_metrics`."""
+        self._live[name] = value
+
+    def live_metrics(self) -> dict[str, float]:
+        """amprobe's live values as of the last flush: never a host-device sync.
+
+        Keys present only once recorded: ``steps`` (recorded iterations), ``loss_scale`` (after
+        the last flushed ``update()``), ``skipped_steps`` (with a GradScaler), ``loss``,
+        ``nonfinite_layers`` (modules whose sampled outputs or gradients held inf/NaN, from the
+        numerics collector). Framework callbacks push these into the framework's own logging.
+        """
+        return dict(self._live)
 
     def _check_declared(self, rows: list[dict[str, Any]]) -> None:
         """Every steps column must be declared in amprobe.store.fields; say so once if not."""

@@ -256,7 +256,7 @@ def test_one_probe_per_process_and_reuse_of_run_dir(tmp_path):
         amprobe.attach(run_dir=tmp_path / "other")
     probe.close()
     # the store raises StoreError (a ValueError); the probe turns it into ConfigError at attach
-    with pytest.raises(ValueError, match="already holds a recording"):
+    with pytest.raises(ConfigError, match="already holds a recording"):
         amprobe.attach(run_dir=tmp_path / "r")
     amprobe.attach(run_dir=tmp_path / "r", config={"overwrite": True}).close()
 

@@ -263,3 +263,19 @@ def test_baseline_with_amprobe_imported_before_torch(tmp_path):
     assert not fp32.steps["autocast_dtype"].notna().any(), "the fp32 leg ran without autocast"
     assert not fp32.steps["scaler_enabled"].any()
     assert set(amp.steps["autocast_dtype"].dropna()) == {"bfloat16"}
+
+
+def test_each_interception_is_installed_once(tmp_path):
+    from torch.optim import optimizer as optimizer_mod
+
+    from amprobe.collectors import patching
+
+    pre = len(optimizer_mod._global_optimizer_pre_hooks)
+    post = len(optimizer_mod._global_optimizer_post_hooks)
+    every = tuple(name for name in REGISTRY if name != "prometheus")
+    with amprobe.attach(run_dir=tmp_path / "r", config={"collectors": every}):
+        stacks = {key: len(stack) for key, stack in patching._STACKS.items()}
+        assert stacks and set(stacks.values()) == {1}, stacks
+        assert len(optimizer_mod._global_optimizer_pre_hooks) == pre + 1
+        assert len(optimizer_mod._global_optimizer_post_hooks) == post + 1
+    assert not patching._STACKS

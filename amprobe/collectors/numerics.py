@@ -213,6 +213,7 @@ class NumericsCollector(Collector):
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._scaler: weakref.ReferenceType[GradScaler] | None = None
         self._inputs_described: set[int] = set()
+        self._nonfinite_modules: set[str] = set()
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -413,6 +414,8 @@ class NumericsCollector(Collector):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         floats = [t for t in tensors if t.is_floating_point()]
+        if tensors and not floats and self._input_bad is None:
+            self._input_bad = 0  # integer inputs (token ids) cannot be non-finite: checked
         if root not in self._inputs_described:
             self._inputs_described.add(root)
             self.probe.event(
@@ -528,6 +531,10 @@ class NumericsCollector(Collector):
             step_rows = self._rows(cap, table, scale)
             rows.extend(step_rows.values())
             offenders.extend(self._offenders(cap, step_rows))
+        self._nonfinite_modules.update(
+            r["module"] for r in rows if r["nan"] + r["inf"] > 0 and r["kind"] != "input"
+        )
+        self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
         writer.append("numerics", rows)
         if offenders:
             writer.append("offenders", offenders)

@@ -17,6 +17,7 @@ from torch.amp import GradScaler
 from torch.optim import Optimizer
 
 from amprobe.collectors.base import Collector, StepFacts
+from amprobe.collectors.frameworks import framework_amp_facts
 from amprobe.hub import dtype_name, user_call_site
 from amprobe.store.fields import Field, fields_of
 
@@ -82,6 +83,7 @@ class ScalerCollector(Collector):
         self._bound: set[tuple[int, int]] = set()
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         self._event_counts: Counter[str] = Counter()
+        self._framework_read = False
 
     def _event(self, kind: str, **detail: Any) -> None:
         self._event_counts[kind] += 1
@@ -205,6 +207,11 @@ class ScalerCollector(Collector):
         self._it = _Iteration()  # the first recorded step starts clean at this boundary
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        if not self._framework_read:  # the framework's AMP setting, once (a callback may have)
+            self._framework_read = True
+            framework = framework_amp_facts()
+            if framework and "framework" not in self.probe.rank_manifest:
+                self.probe.annotate_manifest(**framework)
         it = self._it
         self._it = _Iteration()
         record.update(

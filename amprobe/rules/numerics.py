@@ -40,7 +40,12 @@ def _has_input_check(run: Run) -> str | None:
     steps = run.steps
     if len(steps) and "input_nonfinite" in steps and steps["input_nonfinite"].notna().any():
         return None
-    return "model inputs were not checked (the 'numerics' collector with a model passed to attach)"
+    if not run.events_of("model_registered"):
+        return (
+            "model inputs were not checked: no root model was known (pass model= to attach, "
+            "or record with `amprobe run`, which finds it)"
+        )
+    return "model inputs were not checked (the 'numerics' collector was off)"
 
 
 # -- rules --------------------------------------------------------------------------------------
