@@ -24,7 +24,9 @@ Part 2, reductions only. The tensors the collector measured in one sampled step 
 replayed through v1 and v2 outside training, as bf16 and as fp16 with scaled gradients (CPU fp16
 autocast emulates its matmuls, about 12 s a step here, which would hide any overhead): the cost
 of the statistics per step, split into per-tensor work, module-input checks and the once-a-step
-fold, as milliseconds and as a share of the plain bf16 step.
+fold, as milliseconds and as a share of the plain bf16 step. (The replay counts every module
+input with ``count_nonfinite``; in the collector most inputs are other modules' outputs and
+their count comes free from the histogram already taken.)
 """
 
 from __future__ import annotations
