@@ -9,13 +9,12 @@ wrong) the collector installs hooks on the selected modules of every root model:
 * ``register_post_accumulate_grad_hook`` per parameter (the accumulated ``param.grad``);
 * a forward pre-hook on each root model (its floating inputs).
 
-Each tensor is reduced on its device into a preallocated per-step buffer with no host-device
-sync: the fp32 bit pattern of ``|x|`` gives a 256-bin base-2 exponent histogram
-(``index_add_``, not ``bincount``, which syncs on CUDA), plus exact-zero and NaN counts and
-the maximum. Gradients are divided by the current loss scale (the GradScaler's ``_scale``
-tensor, kept on device) before they are measured. Buffers are read back at flush in one
-transfer. Hooks exist only during sampled steps, so other steps pay nothing but the
-always-on check.
+Each tensor is reduced on its device by :mod:`amprobe.collectors.numstats` with no
+host-device sync: one histogram of its 16-bit magnitude patterns, folded once per step into a
+256-bin base-2 exponent histogram of the fp32 ``|x|`` plus exact-zero and NaN counts and the
+maximum. Gradients are measured as divided by the current loss scale (the GradScaler's
+``_scale`` tensor, kept on device). Tables are read back at flush in one transfer. Hooks exist
+only during sampled steps, so other steps pay nothing but the always-on check.
 
 Always on: a forward pre-hook on the root models counts non-finite elements of their
 floating inputs into a device counter, and the loss tensor recorded by the scaler collector is
@@ -45,7 +44,9 @@ Records:
     (``kind=input``).
 
 Cost: nothing on unsampled steps beyond one reduction over the root inputs. On a sampled
-step about eight elementwise passes per hooked tensor; see ``benchmarks/bench_numerics.py``.
+step one elementwise pass and one histogram pass per hooked tensor (fp32 tensors add a
+min/max reduction), and one ``aminmax`` per module input; see
+``benchmarks/bench_numerics_v2.py``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ import torch
 from torch.amp import GradScaler
 
 from amprobe.collectors.base import Collector, StepFacts, due
+from amprobe.collectors.numstats import C_AMAX as _C_AMAX
+from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
+from amprobe.collectors.numstats import C_NAN as _C_NAN
+from amprobe.collectors.numstats import C_ZEROS as _C_ZEROS
+from amprobe.collectors.numstats import H0 as _H0
+from amprobe.collectors.numstats import StepStats, count_nonfinite
 from amprobe.store.fields import Field, fields_of
 
 __all__ = [
@@ -82,11 +89,6 @@ _BIAS = 127
 _E_OVER = _BIAS + 16
 _E_NORMAL = _BIAS - 14
 _E_SUBNORMAL = _BIAS - 24
-_NAN_BITS = 0x7F800000  # |x| bits above this are NaN
-# buffer columns
-_C_ZEROS, _C_NAN, _C_AMAX, _C_IN_BAD = 0, 1, 2, 3
-_H0 = 4
-_K = _H0 + 256
 _MAX_INPUTS = 8  # floating inputs per root model given their own slot
 KINDS = ("input", "output", "grad_output", "grad_param")
 
@@ -129,19 +131,48 @@ class _Slot:
 
 
 class _Capture:
-    """One sampled step: its device buffer and the host-side facts (order, dtypes, counts)."""
+    """One sampled step: its device statistics and the host-side facts (order, dtypes, counts)."""
 
-    __slots__ = ("step", "buf", "scale", "calls", "elements", "dtypes", "order", "bad_hint")
+    __slots__ = (
+        "step",
+        "stats",
+        "device",
+        "table",
+        "scale",
+        "calls",
+        "elements",
+        "dtypes",
+        "order",
+        "bad_hint",
+    )
 
-    def __init__(self, step: int, buf: torch.Tensor) -> None:
+    def __init__(self, step: int, stats: StepStats) -> None:
         self.step = step
-        self.buf = buf
+        self.stats: StepStats | None = stats
+        self.device = stats.device
+        self.table: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.calls: dict[int, int] = {}
         self.elements: dict[int, int] = {}
         self.dtypes: dict[int, str] = {}
         self.order: dict[str, list[int]] = {k: [] for k in KINDS}
         self.bad_hint = False
+
+    @property
+    def buf(self) -> torch.Tensor:
+        """The step's ``(slots, K)`` int64 table (see ``numstats``), folded on first use."""
+        if self.table is None:
+            assert self.stats is not None
+            self.table = self.stats.table()
+        return self.table
+
+    def settle(self) -> StepStats | None:
+        """Fold the table and give up the statistics buffers (returned for reuse)."""
+        if self.stats is None:
+            return None
+        self.buf  # noqa: B018 - folds
+        stats, self.stats = self.stats, None
+        return stats
 
 
 class NumericsCollector(Collector):
@@ -173,7 +204,7 @@ class NumericsCollector(Collector):
         self._armed_until = -1
         self._cur: _Capture | None = None
         self._done: list[_Capture] = []
-        self._pool: list[torch.Tensor] = []
+        self._pool: list[StepStats] = []
         self._device: torch.device | None = None
         self._ones: torch.Tensor | None = None
         self._input_bad: torch.Tensor | int | None = None
@@ -287,36 +318,53 @@ class NumericsCollector(Collector):
     def _capture(self, device: torch.device) -> _Capture:
         cap = self._cur
         if cap is None or cap.step != self.probe.step:
-            buf = self._pool.pop() if self._pool else None
-            if buf is None or buf.device != device or buf.shape[0] != len(self._slots):
-                buf = torch.zeros(len(self._slots), _K, dtype=torch.int64, device=device)
-            cap = _Capture(self.probe.step, buf)
+            for done in self._done:  # fold finished steps now: a step's histograms are large
+                self._recycle(done)
+            stats = self._pool.pop() if self._pool else None
+            sync_free = self._sync_free()
+            if (
+                stats is None
+                or stats.device != device
+                or stats.slots != len(self._slots)
+                or stats.sync_free != sync_free
+            ):
+                stats = StepStats(len(self._slots), device, sync_free=sync_free)
+            cap = _Capture(self.probe.step, stats)
             self._cur = cap
-            self._ones = torch.ones(1, dtype=torch.int64, device=device)
         return cap
 
+    def _sync_free(self) -> bool:
+        """Read no value back unless the model lives on CPU (where reading costs no sync)."""
+        return self._device is None or self._device.type != "cpu"
+
+    def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
+        """Non-finite elements of a module input (reusing the step's measurement of it)."""
+        cap = self._capture(x.device)
+        if cap.stats is not None and cap.device == x.device:
+            return cap.stats.count_nonfinite(x)
+        return count_nonfinite(x, self._sync_free())
+
+    def _recycle(self, cap: _Capture) -> None:
+        stats = cap.settle()
+        if stats is not None:
+            self._pool.append(stats.reset())
+            del self._pool[2:]
+
     def _measure(
-        self, slot: int, x: torch.Tensor, grad: bool = False, in_bad: torch.Tensor | None = None
+        self,
+        slot: int,
+        x: torch.Tensor,
+        grad: bool = False,
+        in_bad: torch.Tensor | int | None = None,
     ) -> None:
         if not x.is_floating_point() or x.numel() == 0:
             return
         cap = self._capture(x.device)
-        if cap.buf.device != x.device:
+        if cap.device != x.device or cap.stats is None:
             return  # one device per capture (model parallel across devices is not measured)
         with torch.no_grad():
-            a = x.detach().to(torch.float32, copy=True).abs_()
-            if grad:
-                scale = self._scale_tensor(cap)
-                if scale is not None:
-                    a.div_(scale)
-            bits = a.view(torch.int32).reshape(-1)
-            row = cap.buf[slot]
-            row[_H0:].index_add_(0, bits >> 23, self._ones.expand(bits.numel()))  # type: ignore[union-attr]
-            row[_C_ZEROS].add_((bits == 0).sum())
-            row[_C_NAN].add_((bits > _NAN_BITS).sum())
-            row[_C_AMAX : _C_AMAX + 1].clamp_min_(bits.amax())
-            if in_bad is not None:
-                row[_C_IN_BAD].add_(in_bad)
+            scale = self._scale_tensor(cap) if grad else None
+            cap.stats.add(slot, x, scale=scale, in_bad=in_bad)
         if slot not in cap.calls:
             cap.order[self._slots[slot].kind].append(slot)
             cap.dtypes[slot] = _dtype_name(x.dtype)
@@ -327,24 +375,24 @@ class NumericsCollector(Collector):
         if cap.scale is None:
             scaler = self._scaler() if self._scaler is not None else None
             scale = getattr(scaler, "_scale", None) if scaler is not None else None
-            if isinstance(scale, torch.Tensor) and scale.device == cap.buf.device:
+            if isinstance(scale, torch.Tensor) and scale.device == cap.device:
                 cap.scale = scale.detach().clone()
             else:
-                cap.scale = torch.ones((), dtype=torch.float32, device=cap.buf.device)
+                cap.scale = torch.ones((), dtype=torch.float32, device=cap.device)
         return cap.scale
 
     def _on_forward(self, slots: tuple[int, int | None, int | None], args: Any, out: Any) -> None:
         tensor = _first_float(out)
         if tensor is None:
             return
-        bad: torch.Tensor | None = None
+        bad: torch.Tensor | int | None = None
         for arg in args if isinstance(args, tuple) else (args,):
             if (
                 isinstance(arg, torch.Tensor)
                 and arg.is_floating_point()
                 and arg.device == tensor.device
             ):
-                count = (~torch.isfinite(arg.detach())).sum()
+                count = self._count_nonfinite(arg)
                 bad = count if bad is None else bad + count
         if bad is None:
             bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
@@ -476,9 +524,7 @@ class NumericsCollector(Collector):
             read = iter(torch.stack(with_scale).double().cpu().tolist() if with_scale else [])
             scales = [next(read) if c.scale is not None else 1.0 for c in done]
         for cap in done:
-            cap.buf.zero_()
-            self._pool.append(cap.buf)
-        del self._pool[4:]
+            self._recycle(cap)
         rows: list[dict[str, Any]] = []
         offenders: list[dict[str, Any]] = []
         for cap, table, scale in zip(done, stacked, scales, strict=True):

@@ -1,0 +1,535 @@
+"""Per-tensor range statistics: the reduction behind the ``numerics`` collector.
+
+A measured tensor is reduced into one row of a per-step table, one row per slot (module and
+tensor kind). The row layout (``K`` int64 columns) is what the collector reads back:
+
+* ``C_ZEROS``: exact zeros of ``|x|`` (for gradients: of ``|x| / scale`` in fp32, so values
+  that underflow to zero when unscaled count as zeros);
+* ``C_NAN``: NaN count;
+* ``C_AMAX``: fp32 bit pattern of the largest ``|x|`` (of ``|x| / scale`` for gradients);
+  meaningless when NaN are present;
+* ``C_IN_BAD``: non-finite elements in the module's floating inputs (added by the caller);
+* ``H0 .. H0 + 255``: histogram of the biased fp32 exponent of ``|x|`` (bin 0 holds zeros and
+  fp32 subnormals, bin 255 inf and NaN).
+
+Two implementations give the same table:
+
+* :func:`stats_v1_` is the original reduction (about eight elementwise passes per tensor:
+  fp32 copy, abs, divide, shift, ``index_add_``, two compares with their sums, max). It is kept
+  as the reference the tests compare against.
+* :class:`StepStats` (and :func:`stats_v2` for one tensor) histograms the 16-bit magnitude
+  pattern of each tensor (``bits & 0x7FFF`` of fp16/bf16; the upper half of fp32, which is its
+  bf16 truncation) in one elementwise pass and one histogram pass. Every recorded count is a
+  sum of those 32768 bins: the exponent bins, the zeros and NaN of 16-bit tensors, and, for
+  16-bit gradients, the effect of dividing by the loss scale (each bin's value is unscaled
+  exactly as v1 unscales each element, so any scale gives v1's result, rounding into fp32
+  subnormals included). fp32 tensors need exact zeros, NaN and the maximum besides: one
+  ``aminmax`` reduction per tensor, plus a zero (or NaN) count only when the histogram shows
+  zeros (or non-finite values) could be present. The 32768-bin rows are folded into the table
+  once per step (:meth:`StepStats.table`).
+
+Devices: on CPU the histogram is ``bincount`` and the rare extra counts are decided on the host
+(reading a CPU tensor costs no sync); scratch buffers are reused so large tensors do not fault
+in fresh pages every call, and a large tensor object measured again in the same step at the
+same version (a ``Dropout(p=0)`` or ``Identity`` returns its input; a gradient hooked twice)
+reuses its histogram. With ``sync_free=True`` (the default on accelerators) no value is read
+back: histograms go through ``index_add_``, fp32 zeros/NaN are always counted on the device,
+and the fold's indices travel by pinned non-blocking copies, so a step issues kernels only.
+
+Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
+tensor and 2 ns per element of an fp32 tensor (the histogram, ``bincount``'s serial loop, is
+about two thirds of it), against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = [
+    "C_ZEROS",
+    "C_NAN",
+    "C_AMAX",
+    "C_IN_BAD",
+    "H0",
+    "K",
+    "StepStats",
+    "StepStatsV1",
+    "count_nonfinite",
+    "count_nonfinite_v1",
+    "stats_v1",
+    "stats_v1_",
+    "stats_v2",
+]
+
+# table columns (the layout the collector reads back)
+C_ZEROS, C_NAN, C_AMAX, C_IN_BAD = 0, 1, 2, 3
+H0 = 4
+K = H0 + 256
+_NAN_BITS = 0x7F800000  # |x| bits above this are NaN
+_NKEYS = 1 << 15  # 16-bit magnitude patterns
+_INF_KEY = 0x7F80  # upper half of fp32 inf: keys above are NaN
+_SMALL = 8192  # below this many elements index_add_ beats bincount's 32768-bin output
+_DUMMY = K  # scratch column for bins that add to no count
+
+# formats of the 16-bit key
+_F16, _BF16, _F32 = 0, 1, 2  # _F32: upper 16 bits of an fp32 (exactly a bf16 truncation)
+_KEY_DTYPE = {_F16: torch.float16, _BF16: torch.bfloat16, _F32: torch.bfloat16}
+
+
+# -- v1: the reference -------------------------------------------------------------------------
+def stats_v1_(
+    row: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    ones: torch.Tensor | None = None,
+) -> None:
+    """Accumulate ``x`` into ``row`` (``K`` int64 columns) the original way (reference).
+
+    Args:
+        row: the slot's row of the table, updated in place.
+        x: a floating tensor; gradients are passed with their ``scale``.
+        scale: the loss scale to divide by (a 0-d fp32 tensor on ``x``'s device), or None.
+        ones: a one-element int64 tensor on ``x``'s device (allocated when None).
+    """
+    if ones is None:
+        ones = torch.ones(1, dtype=torch.int64, device=x.device)
+    with torch.no_grad():
+        a = x.detach().to(torch.float32, copy=True).abs_()
+        if scale is not None:
+            a.div_(scale)
+        bits = a.view(torch.int32).reshape(-1)
+        row[H0:].index_add_(0, bits >> 23, ones.expand(bits.numel()))
+        row[C_ZEROS].add_((bits == 0).sum())
+        row[C_NAN].add_((bits > _NAN_BITS).sum())
+        row[C_AMAX : C_AMAX + 1].clamp_min_(bits.amax())
+
+
+def stats_v1(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The v1 row (``K`` int64) of one tensor."""
+    row = torch.zeros(K, dtype=torch.int64, device=x.device)
+    if x.numel():
+        stats_v1_(row, x, scale)
+    return row
+
+
+def count_nonfinite_v1(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor:
+    """v1's non-finite count of a module input (reference for :func:`count_nonfinite`)."""
+    return (~torch.isfinite(x.detach())).sum()
+
+
+class StepStatsV1:
+    """:class:`StepStats`'s interface over the v1 reduction (reference and benchmark baseline)."""
+
+    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
+        self.slots = slots
+        self.device = device
+        self.sync_free = device.type != "cpu" if sync_free is None else sync_free
+        self._buf = torch.zeros(slots, K, dtype=torch.int64, device=device)
+        self._ones = torch.ones(1, dtype=torch.int64, device=device)
+
+    def reset(self) -> StepStatsV1:
+        self._buf.zero_()
+        return self
+
+    def add(
+        self,
+        slot: int,
+        x: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        in_bad: torch.Tensor | int | None = None,
+    ) -> None:
+        if x.numel():
+            stats_v1_(self._buf[slot], x, scale, self._ones)
+        if in_bad is not None:
+            self._buf[slot, C_IN_BAD] += in_bad
+
+    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
+        return count_nonfinite_v1(x)
+
+    def table(self) -> torch.Tensor:
+        return self._buf.clone()
+
+
+# -- v2 ----------------------------------------------------------------------------------------
+def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor | int:
+    """Non-finite elements of a floating tensor.
+
+    On CPU (``sync_free`` False) one ``aminmax`` pass decides on the host whether anything is
+    non-finite and only then counts, returning an int; otherwise returns a 0-d int64 tensor on
+    ``x``'s device without reading it back.
+    """
+    x = x.detach()
+    if sync_free is None:
+        sync_free = x.device.type != "cpu"
+    if not sync_free:
+        if x.numel() == 0:
+            return 0
+        lo, hi = torch.aminmax(x)
+        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+            return 0
+        return x.numel() - int(torch.isfinite(x).sum())
+    return x.numel() - torch.isfinite(x).sum()
+
+
+def _key_format(dtype: torch.dtype) -> int:
+    if dtype == torch.float16:
+        return _F16
+    if dtype == torch.bfloat16:
+        return _BF16
+    return _F32
+
+
+class _Maps:
+    """Where each of the 32768 key values lands in a row, for one format and scale.
+
+    ``fbits`` is v1's fp32 bit pattern of each key's value (unscaled exactly as v1 unscales an
+    element), ``exp_col``/``flag_col`` the table columns it adds to. On the host the fold is
+    cheaper: keys come in blocks that share a source exponent (128 keys for bf16 layouts, 1024
+    for fp16); a block whose keys all land in one exponent bin is summed first (a reshape-sum),
+    and only the other blocks (fp16 subnormals, rounding at a non-power-of-two scale) are
+    gathered key by key. Zero keys form a prefix and NaN keys a suffix, ``fbits`` being monotone.
+    """
+
+    def __init__(
+        self, fmt: int, scale: torch.Tensor | None, device: torch.device, host: bool
+    ) -> None:
+        keys = torch.arange(_NKEYS, dtype=torch.int16, device=device)
+        values = keys.view(_KEY_DTYPE[fmt]).to(torch.float32)
+        if scale is not None:
+            values = values / scale  # exactly v1's unscaling, per value instead of per element
+        fbits = values.view(torch.int32).to(torch.int64)
+        self.fbits = fbits
+        self.exp_col = (fbits >> 23) + H0
+        zero, nan = fbits == 0, fbits > _NAN_BITS
+        # fp32 zeros and NaN are counted exactly per tensor instead (torch.where, not a mask
+        # assignment: that would read a count back on an accelerator)
+        self.flag_col = torch.where(
+            zero & (fmt != _F32), C_ZEROS, torch.where(nan & (fmt != _F32), C_NAN, _DUMMY)
+        )
+        if not host:
+            return
+        self.block = block = 1024 if fmt == _F16 else 128
+        blocks = self.exp_col.view(_NKEYS // block, block)
+        aligned = (blocks == blocks[:, :1]).all(1)
+        self.coarse_blocks = aligned.nonzero().flatten()
+        self.coarse_col = blocks[self.coarse_blocks, 0]
+        fine = (~aligned).nonzero().flatten()
+        self.fine_keys = (fine[:, None] * block + torch.arange(block)).flatten()
+        self.fine_col = self.exp_col[self.fine_keys]
+        self.zero_end = int(zero.sum())
+        self.nan_start = _NKEYS - int(nan.sum())
+
+
+class StepStats:
+    """Statistics of one step on one device: 32768-bin key histograms, folded at the end.
+
+    Args:
+        slots: rows of the table.
+        device: where the measured tensors live.
+        sync_free: never read a device value back (default: True off CPU).
+
+    ``add`` is the hot path; ``table`` folds everything into the ``(slots, K)`` table once.
+    ``reset`` makes the object reusable for another step with the same slots and device.
+    """
+
+    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
+        self.slots = slots
+        self.device = device
+        self.sync_free = device.type != "cpu" if sync_free is None else sync_free
+        self._ones = torch.ones(1, dtype=torch.int64, device=device)
+        # per (format, grad) group: histogram rows [n, 32768] and the slot of each row
+        self._hist: dict[tuple[int, bool], torch.Tensor] = {}
+        self._row_of: dict[tuple[int, bool], dict[int, int]] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._maps: dict[tuple[int, bool], _Maps] = {}
+        self.reset()
+
+    def reset(self) -> StepStats:
+        """Zero everything for the next step (keeps buffers)."""
+        for group, rows in self._row_of.items():
+            self._hist[group][: len(rows)].zero_()
+            rows.clear()
+        self._maps.clear()
+        self.scale: torch.Tensor | None = None
+        self._scale_one = False
+        # fp32 extras and the callers' input counts
+        if self.sync_free:
+            self._extra = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
+        self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad]
+        # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras)
+        self._seen: dict[int, tuple[Any, int, tuple[int, bool], torch.Tensor, Any]] = {}
+        self._table: torch.Tensor | None = None
+        return self
+
+    # -- hot path --------------------------------------------------------------------------------
+    def add(
+        self,
+        slot: int,
+        x: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        in_bad: torch.Tensor | int | None = None,
+    ) -> None:
+        """Accumulate a floating tensor into ``slot``.
+
+        Args:
+            slot: row of the table.
+            x: the tensor (any layout; not modified).
+            scale: for gradients, the loss scale to divide by (0-d fp32 on ``x``'s device); the
+                same tensor for the whole step. Pass ``torch.ones(())`` for unscaled gradients
+                (that is what v1 divides them by).
+            in_bad: non-finite count of the module's inputs, added to ``C_IN_BAD``.
+        """
+        grad = scale is not None
+        if grad and self.scale is None:
+            self.scale = scale
+            if not self.sync_free:
+                self._scale_one = float(scale) == 1.0  # type: ignore[arg-type]
+        if in_bad is not None:
+            self._add_in_bad(slot, in_bad)
+        n = x.numel()
+        if n == 0:
+            return
+        fmt = _key_format(x.dtype)
+        group = (_F32, False) if fmt == _F32 else (fmt, grad)  # fp32 is unscaled per tensor
+        hist = self._row(group, slot)
+        if self.sync_free:
+            self._add_device(slot, hist, x.detach(), fmt, grad)
+            return
+        if n < _SMALL:
+            self._add_small(slot, hist, x.detach(), fmt, grad)
+            return
+        # the same tensor object measured again in this step, unchanged (a Dropout(p=0) or
+        # Identity returns its input; a gradient hooked twice): reuse its histogram
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == group:
+            hist.add_(seen[3])
+            self._add_host_extra(slot, seen[4])
+            return
+        h, extra = self._measure_host(x.detach(), fmt, grad)
+        hist.add_(h)
+        self._add_host_extra(slot, extra)
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra)
+
+    def _measure_host(
+        self, x: torch.Tensor, fmt: int, grad: bool
+    ) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+        """Key histogram of a large tensor (CPU) and, for fp32, its exact zeros, NaN, amax."""
+        n = x.numel()
+        if fmt != _F32:
+            # |x| clears the sign bit: its 16-bit pattern is the key (abs runs vectorized in
+            # the float type, faster here than an integer and)
+            key = torch.abs(x, out=self._buf(x.dtype, n, x.shape)).view(torch.int16)
+            return torch.bincount(key.view(-1), minlength=_NKEYS), None
+        y = self._unscaled_f32(x, grad)
+        key = torch.bitwise_right_shift(
+            y.view(torch.int32), 16, out=self._buf(torch.int16, n, x.shape)
+        ).bitwise_and_(0x7FFF)
+        h = torch.bincount(key.view(-1), minlength=_NKEYS)
+        # bin 0 holds zeros and fp32 values below 2**-133: count zeros only if it is occupied
+        zeros = n - int(torch.count_nonzero(y)) if int(h[0]) else 0
+        return h, (zeros, *self._nan_amax_host(y))
+
+    def _add_small(
+        self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
+    ) -> None:
+        n = x.numel()
+        if fmt != _F32:
+            key = torch.bitwise_and(
+                x.view(torch.int16), 0x7FFF, out=self._buf(torch.int32, n, x.shape)
+            )
+            hist.index_add_(0, key.view(-1), self._ones.expand(n))
+            return
+        y = self._unscaled_f32(x, grad)
+        key = torch.bitwise_right_shift(
+            y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
+        ).bitwise_and_(0x7FFF)
+        hist.index_add_(0, key.view(-1), self._ones.expand(n))
+        zeros = n - int(torch.count_nonzero(y))
+        self._add_host_extra(slot, (zeros, *self._nan_amax_host(y)))
+
+    def _add_device(
+        self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
+    ) -> None:
+        """Sync-free: histogram by ``index_add_``, fp32 extras counted on the device."""
+        n = x.numel()
+        if fmt != _F32:
+            key = torch.bitwise_and(
+                x.view(torch.int16), 0x7FFF, out=self._buf(torch.int32, n, x.shape)
+            )
+            hist.index_add_(0, key.view(-1), self._ones.expand(n))
+            return
+        y = self._unscaled_f32(x, grad)
+        key = torch.bitwise_right_shift(
+            y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
+        ).bitwise_and_(0x7FFF)
+        hist.index_add_(0, key.view(-1), self._ones.expand(n))
+        mn, mx = torch.aminmax(y)
+        amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
+        extra = self._extra[slot]
+        extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
+        extra[C_ZEROS].add_(n - torch.count_nonzero(y))
+        extra[C_NAN].add_(torch.isnan(y).sum())
+
+    def _unscaled_f32(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
+        """``x`` as fp32, divided by the step's loss scale for gradients (as v1 does)."""
+        if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, like v1
+            x = x.to(torch.float32)
+        if grad and not self._scale_one:
+            out = self._buf(torch.float32, x.numel(), x.shape)
+            return torch.div(x, self.scale, out=out)  # type: ignore[arg-type]
+        return x
+
+    @staticmethod
+    def _nan_amax_host(y: torch.Tensor) -> tuple[int, int]:
+        lo, hi = (float(v) for v in torch.aminmax(y))
+        if math.isfinite(lo) and math.isfinite(hi):
+            return 0, _float_bits(max(abs(lo), abs(hi)))
+        # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN) and take
+        # v1's maximum (inf, or a NaN pattern, not reported then)
+        return int(torch.isnan(y).sum()), int(y.abs().view(torch.int32).amax())
+
+    def _add_host_extra(self, slot: int, extra: tuple[int, int, int] | None) -> None:
+        if extra is None:
+            return
+        acc = self._host.setdefault(slot, [0, 0, 0, 0])
+        acc[C_ZEROS] += extra[0]
+        acc[C_NAN] += extra[1]
+        acc[C_AMAX] = max(acc[C_AMAX], extra[2])
+
+    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
+        """Non-finite elements of ``x``; free when this step already measured the same tensor
+        object at the same version (a module's input is usually another module's output):
+        its histogram's inf/NaN keys hold the count. Otherwise :func:`count_nonfinite`."""
+        seen = self._seen.get(id(x)) if not self.sync_free else None
+        if seen is not None and seen[0]() is x and seen[1] == x._version and not seen[2][1]:
+            first_nonfinite = 0x7C00 if seen[2][0] == _F16 else _INF_KEY
+            return int(seen[3][first_nonfinite:].sum())
+        return count_nonfinite(x, self.sync_free)
+
+    def _add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
+        if self.sync_free:
+            self._extra[slot, C_IN_BAD] += in_bad
+        else:
+            self._host.setdefault(slot, [0, 0, 0, 0])[C_IN_BAD] += int(in_bad)
+
+    def _row(self, group: tuple[int, bool], slot: int) -> torch.Tensor:
+        rows = self._row_of.get(group)
+        if rows is None:
+            rows = self._row_of[group] = {}
+        row = rows.get(slot)
+        if row is None:
+            row = rows[slot] = len(rows)
+            hist = self._hist.get(group)
+            if hist is None or hist.shape[0] <= row:
+                grown = torch.zeros(max(8, 2 * row), _NKEYS, dtype=torch.int64, device=self.device)
+                if hist is not None:
+                    grown[: hist.shape[0]] = hist
+                self._hist[group] = hist = grown
+        return self._hist[group][row]
+
+    def _buf(self, dtype: torch.dtype, n: int, shape: torch.Size) -> torch.Tensor:
+        """A reusable output of ``n`` elements (fresh on accelerators: no cross-stream reuse)."""
+        if self.sync_free:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch[dtype] = torch.empty(max(n, 1 << 16), dtype=dtype)
+        return buf[:n].view(shape)
+
+    # -- once per step ---------------------------------------------------------------------------
+    def table(self) -> torch.Tensor:
+        """The ``(slots, K)`` int64 table of this step (computed once, then cached)."""
+        if self._table is not None:
+            return self._table
+        with torch.no_grad():
+            out = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
+            amax = torch.zeros(self.slots, dtype=torch.int64, device=self.device)
+            for (fmt, grad), rows in self._row_of.items():
+                if not rows:
+                    continue
+                self._fold(fmt, grad, rows, out, amax)
+            if self.sync_free:
+                out += self._extra
+                amax = torch.maximum(amax, self._extra[:, C_AMAX])
+            elif self._host:
+                index = torch.tensor(list(self._host.keys()), dtype=torch.int64)
+                extra = torch.tensor(list(self._host.values()), dtype=torch.int64)
+                amax[index] = torch.maximum(amax[index], extra[:, C_AMAX])
+                extra[:, C_AMAX] = 0
+                out[:, :H0].index_add_(0, index, extra)
+            out[:, C_AMAX] = amax
+            self._table = out[:, :K]
+            self._seen.clear()
+        return self._table
+
+    def _fold(
+        self,
+        fmt: int,
+        grad: bool,
+        rows: dict[int, int],
+        out: torch.Tensor,
+        amax: torch.Tensor,
+    ) -> None:
+        maps = self._maps.get((fmt, grad))
+        if maps is None:
+            scale = self.scale if grad and fmt != _F32 else None
+            maps = self._maps[(fmt, grad)] = _Maps(fmt, scale, self.device, not self.sync_free)
+        n = len(rows)
+        hist = self._hist[(fmt, grad)][:n]
+        slots = _index(list(rows.keys()), self.device)
+        part = torch.zeros(n, K + 1, dtype=torch.int64, device=self.device)
+        if self.sync_free:
+            part.index_add_(1, maps.exp_col, hist)
+            if fmt != _F32:
+                part.index_add_(1, maps.flag_col, hist)
+                # amax: the value of the largest occupied key (fbits are monotone in the key)
+                present = hist > 0
+                last = (_NKEYS - 1) - present.flip(1).to(torch.int8).argmax(1)
+                top = torch.where(present.any(1), maps.fbits[last], 0)
+                amax[slots] = torch.maximum(amax[slots], top)  # slots of a group are distinct
+        else:
+            block = maps.block
+            blocks = hist.view(n, _NKEYS // block, block)
+            coarse = blocks.sum(-1)
+            part.index_add_(1, maps.coarse_col, coarse[:, maps.coarse_blocks])
+            if maps.fine_keys.numel():
+                part.index_add_(1, maps.fine_col, hist[:, maps.fine_keys])
+            if fmt != _F32:
+                part[:, C_ZEROS] = hist[:, : maps.zero_end].sum(1)
+                part[:, C_NAN] = hist[:, maps.nan_start :].sum(1)
+                # amax: the last occupied block, then the last occupied key in it
+                index = torch.arange(_NKEYS // block)
+                last_block = torch.where(coarse > 0, index, -1).amax(1)
+                found = last_block >= 0
+                last_block.clamp_(min=0)
+                sub = blocks[torch.arange(n), last_block]
+                within = torch.where(sub > 0, torch.arange(block), 0).amax(1)
+                top = torch.where(found, maps.fbits[last_block * block + within], 0)
+                amax[slots] = torch.maximum(amax[slots], top)
+        out.index_add_(0, slots, part)
+
+
+def stats_v2(
+    x: torch.Tensor, scale: torch.Tensor | None = None, sync_free: bool | None = None
+) -> torch.Tensor:
+    """The row (``K`` int64) of one tensor, computed the v2 way (equal to :func:`stats_v1`)."""
+    stats = StepStats(1, x.device, sync_free=sync_free)
+    stats.add(0, x, scale=scale)
+    return stats.table()[0]
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index on ``device``; a pinned, non-blocking copy on CUDA (a plain one syncs)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64).pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _float_bits(value: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", value))[0])

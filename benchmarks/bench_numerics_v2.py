@@ -1,0 +1,329 @@
+"""Per-layer numerics on every step: v2 statistics side by side with plain training, v1 and peers.
+
+Run: ``python benchmarks/bench_numerics_v2.py [--blocks 3] [--steps 6] [--skip-e2e]``.
+
+Part 1, end to end. ``bench_overhead.py``'s TinyGPT (4 layers, d=256, batch 16x128, AdamW)
+under CPU bf16 autocast, without and with a GradScaler (the scaler makes every gradient go
+through the unscaling path, as fp16 training does). Every configuration runs in this one
+process, alternating in blocks, timed in per-thread CPU time with one intra-op thread; the first
+step after each attach is left untimed; medians are quoted. Configurations:
+
+- off: plain training.
+- numerics v1, every step: the original reduction (``numstats.StepStatsV1``) in the collector.
+- numerics v2, every step: the collector as shipped, ``numerics_every=1``.
+- v2, Dropout not hooked: as above, but ``numerics_layers`` leaves out the ``nn.Dropout``
+  modules (p=0 here: their output is their input); a prototype of a hook-layer policy.
+- hooks only, every step: the collector's hooks and bookkeeping with a no-op reduction; what the
+  hook layer costs by itself.
+- always-on only: ``numerics_every`` so large no step after the first is sampled; what every
+  unsampled step pays.
+- detect_anomaly: ``torch.autograd.set_detect_anomaly(True)``.
+- DebugUnderflowOverflow: ``transformers.debug_utils.DebugUnderflowOverflow`` (when installed).
+
+Part 2, reductions only. The tensors the collector measured in one sampled step are kept and
+replayed through v1 and v2 outside training, as bf16 and as fp16 with scaled gradients (CPU fp16
+autocast emulates its matmuls, about 12 s a step here, which would hide any overhead): the cost
+of the statistics per step, split into per-tensor work, module-input checks and the once-a-step
+fold, as milliseconds and as a share of the plain bf16 step. (The replay counts every module
+input with ``count_nonfinite``; in the collector most inputs are other modules' outputs and
+their count comes free from the histogram already taken.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import TinyGPT, make_batch, train_steps  # noqa: E402
+
+import amprobe  # noqa: E402
+import amprobe.collectors.numerics as numerics  # noqa: E402
+from amprobe.collectors import numstats  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class _NoStats:
+    """StepStats' interface doing nothing: leaves only the hook layer's own cost."""
+
+    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
+        self.slots, self.device = slots, device
+        self.sync_free = device.type != "cpu" if sync_free is None else sync_free
+
+    def reset(self) -> _NoStats:
+        return self
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def count_nonfinite(self, x: torch.Tensor) -> int:
+        return 0
+
+    def table(self) -> torch.Tensor:
+        return torch.zeros(self.slots, numstats.K, dtype=torch.int64)
+
+
+@contextlib.contextmanager
+def _kernel(stats_cls: Any, nonfinite: Callable[..., Any]) -> Iterator[None]:
+    saved = numerics.StepStats, numerics.count_nonfinite
+    numerics.StepStats, numerics.count_nonfinite = stats_cls, nonfinite  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        numerics.StepStats, numerics.count_nonfinite = saved  # type: ignore[misc]
+
+
+class _Probe:
+    """amprobe with the numerics collector on a given reduction."""
+
+    def __init__(self, model, opt, scaler, run_dir, every, stats_cls, nonfinite, skip=()) -> None:  # type: ignore[no-untyped-def]
+        self.ctx = _kernel(stats_cls, nonfinite)
+        self.ctx.__enter__()
+        config: dict[str, Any] = {"collectors": ["scaler", "numerics"], "numerics_every": every}
+        if skip:  # prototype of a hook-layer policy: leave these module types unhooked
+            config["numerics_layers"] = [
+                name or "<root>" for name, m in model.named_modules() if not isinstance(m, skip)
+            ]
+        self.probe = amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+        )
+
+    def close(self) -> None:
+        try:
+            self.probe.close()
+        finally:
+            self.ctx.__exit__(None, None, None)
+
+
+class _Anomaly:
+    def __init__(self) -> None:
+        torch.autograd.set_detect_anomaly(True)
+
+    def close(self) -> None:
+        torch.autograd.set_detect_anomaly(False)
+
+
+class _Underflow:
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        self.model = model
+        self.debug = DebugUnderflowOverflow(model)
+
+    def close(self) -> None:
+        for module in self.model.modules():
+            for key, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__self__", None) is self.debug:
+                    del module._forward_hooks[key]
+
+
+def _configs() -> dict[str, Callable[..., Any] | None]:
+    v2 = (numstats.StepStats, numstats.count_nonfinite)
+    v1 = (numstats.StepStatsV1, numstats.count_nonfinite_v1)
+    hooks = (_NoStats, lambda x, sync_free=None: 0)
+    configs: dict[str, Callable[..., Any] | None] = {
+        "off": None,
+        "numerics v1, every step": lambda m, o, s, d: _Probe(m, o, s, d, 1, *v1),
+        "numerics v2, every step": lambda m, o, s, d: _Probe(m, o, s, d, 1, *v2),
+        "v2, Dropout not hooked": lambda m, o, s, d: _Probe(
+            m, o, s, d, 1, *v2, skip=(torch.nn.Dropout,)
+        ),
+        "hooks only, every step": lambda m, o, s, d: _Probe(m, o, s, d, 1, *hooks),
+        "always-on only": lambda m, o, s, d: _Probe(m, o, s, d, 10**9, *v2),
+        "detect_anomaly": lambda m, o, s, d: _Anomaly(),
+    }
+    try:
+        import transformers.debug_utils  # noqa: F401
+
+        configs["DebugUnderflowOverflow"] = lambda m, o, s, d: _Underflow(m)
+    except ImportError:
+        print("note: transformers is not installed, DebugUnderflowOverflow not measured")
+    return configs
+
+
+def end_to_end(use_scaler: bool, blocks: int, steps: int) -> dict[str, float]:
+    """Median step thread-CPU seconds per configuration, interleaved in blocks."""
+    configs = _configs()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
+    batch = make_batch()
+    train_steps(model, opt, scaler, torch.bfloat16, batch, 2)
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for block in range(blocks):
+            order = list(configs.items())
+            if block % 2:
+                order.reverse()  # no configuration always runs right after another
+            for i, (name, start) in enumerate(order):
+                handle = start(model, opt, scaler, f"{tmp}/{block}-{i}") if start else None
+                try:
+                    train_steps(model, opt, scaler, torch.bfloat16, batch, 1)
+                    samples[name] += train_steps(model, opt, scaler, torch.bfloat16, batch, steps)
+                finally:
+                    if handle is not None:
+                        handle.close()
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+class _Recorder:
+    """StepStats that keeps (slot, tensor, scale) of every call for the replay."""
+
+    calls: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+    inputs: list[torch.Tensor] = []
+
+    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
+        self.inner = numstats.StepStats(slots, device, sync_free)
+        self.slots, self.device, self.sync_free = slots, device, self.inner.sync_free
+
+    def reset(self) -> _Recorder:
+        self.inner.reset()
+        return self
+
+    def add(self, slot, x, scale=None, in_bad=None) -> None:  # type: ignore[no-untyped-def]
+        _Recorder.calls.append((slot, x.detach().clone(), scale))
+
+    def count_nonfinite(self, x: torch.Tensor) -> int:
+        _Recorder.inputs.append(x.detach().clone())
+        return 0
+
+    def table(self) -> torch.Tensor:
+        return self.inner.table()
+
+
+def _record_step() -> tuple[int, list[tuple[int, torch.Tensor, torch.Tensor | None]], list]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = make_batch()
+    train_steps(model, opt, None, torch.bfloat16, batch, 2)
+
+    def keep_input(x: torch.Tensor, sync_free: bool | None = None) -> int:
+        _Recorder.inputs.append(x.detach().clone())
+        return 0
+
+    with tempfile.TemporaryDirectory() as tmp, _kernel(_Recorder, keep_input):
+        probe = amprobe.attach(
+            model, opt, None, run_dir=f"{tmp}/r", config={"collectors": ["numerics"]}
+        )
+        try:
+            train_steps(model, opt, None, torch.bfloat16, batch, 1)
+        finally:
+            probe.close()
+        slots = len(next(c for c in probe.collectors if c.name == "numerics")._slots)
+    return slots, _Recorder.calls, _Recorder.inputs
+
+
+def replay(rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Thread-CPU ms per step of the reductions alone, median of ``rounds``."""
+    torch.set_num_threads(1)
+    slots, calls, inputs = _record_step()
+    scale = torch.tensor(2.0**16)
+    fp16_calls = []
+    for slot, x, s in calls:
+        if x.dtype == torch.bfloat16:  # fp16 training: gradients are held scaled
+            x = (x.float() * (scale if s is not None else 1.0)).to(torch.float16)
+        fp16_calls.append((slot, x, scale if s is not None else None))
+    fp16_inputs = [x.half() if x.dtype == torch.bfloat16 else x for x in inputs]
+    cpu = torch.device("cpu")
+    results: dict[str, dict[str, float]] = {}
+    for label, work, ins in (
+        ("bf16", calls, inputs),
+        ("fp16 + loss scale 2^16", fp16_calls, fp16_inputs),
+    ):
+        for name, cls, nonfinite in (
+            ("v1", numstats.StepStatsV1, numstats.count_nonfinite_v1),
+            ("v2", numstats.StepStats, numstats.count_nonfinite),
+        ):
+            stats = cls(slots, cpu)
+            parts: dict[str, list[float]] = {"tensors": [], "inputs": [], "fold": []}
+            for _ in range(rounds):
+                stats.reset()
+                t0 = time.thread_time()
+                for slot, x, s in work:
+                    stats.add(slot, x, scale=s)
+                t1 = time.thread_time()
+                for x in ins:
+                    nonfinite(x, False)
+                t2 = time.thread_time()
+                stats.table()
+                t3 = time.thread_time()
+                parts["tensors"].append(t1 - t0)
+                parts["inputs"].append(t2 - t1)
+                parts["fold"].append(t3 - t2)
+            results[f"{label} {name}"] = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+    n_elem = sum(x.numel() for _, x, _ in calls)
+    print(
+        f"replayed one step: {len(calls)} tensors, {n_elem / 1e6:.1f} M elements, "
+        f"{len(inputs)} module inputs ({sum(x.numel() for x in inputs) / 1e6:.1f} M elements)"
+    )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per block")
+    parser.add_argument("--skip-e2e", action="store_true", help="only the reduction replay")
+    parser.add_argument("--skip-replay", action="store_true", help="only the end-to-end part")
+    args = parser.parse_args()
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')} on {cpu_model()}, torch {torch.__version__}, "
+        "1 intra-op thread, thread CPU time"
+    )
+    base = None
+    if not args.skip_e2e:
+        for use_scaler in (False, True):
+            medians = end_to_end(use_scaler, args.blocks, args.steps)
+            base = base or medians["off"]
+            title = "bf16 autocast" + (" + GradScaler" if use_scaler else "")
+            print(f"\nTinyGPT {title}, {args.blocks}x{args.steps} steps per configuration")
+            print(f"| {'configuration':<26} | median step (ms CPU) | ratio to off |")
+            print(f"|{'-' * 28}|---------------------|--------------|")
+            for name, value in medians.items():
+                ratio = value / medians["off"]
+                print(f"| {name:<26} | {value * 1e3:>19.1f} | {ratio:>12.3f} |")
+    if not args.skip_replay:
+        results = replay()
+        print("\nReductions alone, ms CPU per step (median of 3 replays)")
+        head = "| kernel" + " " * 26 + "| tensors | module inputs | fold | total |"
+        if base:
+            head += " share of plain step |"
+        print(head)
+        for name, parts in results.items():
+            total = sum(parts.values())
+            line = (
+                f"| {name:<31} | {parts['tensors']:>7.1f} | {parts['inputs']:>13.1f} "
+                f"| {parts['fold']:>4.1f} | {total:>5.1f} |"
+            )
+            if base:
+                line += f" {total / (base * 1e3):>19.3f} |"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

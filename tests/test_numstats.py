@@ -1,0 +1,327 @@
+"""numstats: the v2 statistics equal the v1 reference on the same tensors, in both device modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import amprobe
+import amprobe.collectors.numerics as numerics
+from amprobe.collectors import numstats
+from amprobe.collectors.numstats import C_AMAX, C_IN_BAD, C_NAN, C_ZEROS, H0, K
+
+SPECIAL = [
+    0.0,
+    -0.0,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    65504.0,  # fp16 max
+    65505.0,  # in (65504, 65536): not counted as over-fp16 (the histogram is exponent-only)
+    65520.0,
+    -65535.5,
+    65536.0,
+    2.0**-14,  # fp16 min normal
+    2.0**-14 * (1 - 2.0**-10),
+    2.0**-24,  # fp16 min subnormal
+    2.0**-25,
+    2.0**-110,  # divided by 2**16 lands on fp32's min normal
+    2.0**-110 * (1 - 2.0**-20),
+    2.0**-126,
+    2.0**-127,  # fp32 subnormals
+    1e-40,
+    2.0**-133,
+    2.0**-140,  # below bf16-truncation resolution: in key bin 0 with the zeros
+    1e-45,
+    3.0e38,
+]
+RANGES = {
+    torch.float16: (-26, 16),
+    torch.bfloat16: (-136, 127),
+    torch.float32: (-150, 127),
+    torch.float64: (-150, 129),
+    torch.float8_e4m3fn: (-10, 9),
+}
+SCALES = [None, 1.0, 2.0**16, 1000.0, 0.5]
+
+
+def _values(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
+    """Signed values spread over the dtype's whole exponent range, the special ones first."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = RANGES[dtype]
+    exponents = torch.randint(lo, hi, (n,), generator=g).double()
+    mantissa = 1 + torch.rand(n, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    x = sign * mantissa * torch.exp2(exponents)
+    x[torch.rand(n, generator=g) < 0.05] = 0.0  # zeros are common (ReLU, unused embeddings)
+    special = torch.tensor(SPECIAL, dtype=torch.float64)
+    if dtype == torch.float8_e4m3fn:  # no inf in e4m3fn: keep it finite or NaN
+        special = special[~torch.isinf(special)].clamp(-448, 448)
+    k = min(n, special.numel())
+    x[:k] = special[:k]
+    return x.to(dtype)
+
+
+def _scale(value: float | None) -> torch.Tensor | None:
+    return None if value is None else torch.tensor(value, dtype=torch.float32)
+
+
+def _assert_rows_equal(v1: torch.Tensor, v2: torch.Tensor) -> None:
+    v1, v2 = v1.clone(), v2.clone()
+    nan = v1[..., C_NAN] > 0
+    v1[..., C_AMAX][nan] = 0  # the maximum is not recorded when NaN are present
+    v2[..., C_AMAX][nan] = 0
+    diff = (v1 != v2).nonzero().tolist()
+    assert not diff, f"v1 and v2 differ at {diff[:8]}: {v1[v1 != v2][:8]} vs {v2[v1 != v2][:8]}"
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"scale={s}")
+@pytest.mark.parametrize("n", [300, 20000], ids=["small", "large"])
+@pytest.mark.parametrize("dtype", list(RANGES), ids=str)
+def test_v2_equals_v1(dtype: torch.dtype, n: int, scale: float | None, sync_free: bool) -> None:
+    x = _values(dtype, n)
+    s = _scale(scale)
+    v1 = numstats.stats_v1(x, s)
+    v2 = numstats.stats_v2(x, s, sync_free=sync_free)
+    assert int(v1[H0:].sum()) == n  # the reference sees every element
+    _assert_rows_equal(v1, v2)
+
+
+def test_the_special_values_are_where_v1_puts_them() -> None:
+    """Guards the test data: the edge cases really are present and counted."""
+    x = _values(torch.float32, 300)[: len(SPECIAL)]
+    row = numstats.stats_v2(x, sync_free=False)
+    assert int(row[C_NAN]) == 1
+    assert int(row[H0 + 255]) == 3  # two infinities and the NaN
+    assert int(row[C_ZEROS]) == 2
+    assert int(row[H0 + 127 + 15]) == 4  # 65504 .. 65535.5: exponent 15, not over fp16
+    assert int(row[H0]) - int(row[C_ZEROS]) == 5  # fp32 subnormals: 2**-127 .. 1e-45
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_layouts(dtype: torch.dtype, sync_free: bool) -> None:
+    base = _values(dtype, 2 * 3 * 40 * 50, seed=3).view(2, 3, 40, 50)
+    cases = {
+        "transposed": base.transpose(2, 3),
+        "strided": base[:, :, ::3, 1::2],
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "expanded": base[0, 0, 0].expand(7, 50),
+        "scalar": base[0, 0, 0, 0],
+        "empty": base[:, :, :0],
+    }
+    for name, x in cases.items():
+        for s in (None, _scale(2.0**16)):
+            v1 = numstats.stats_v1(x, s)
+            v2 = numstats.stats_v2(x, s, sync_free=sync_free)
+            assert int(v2[H0:].sum()) == x.numel(), name
+            _assert_rows_equal(v1, v2)
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+def test_a_step_of_mixed_calls(sync_free: bool) -> None:
+    """Several tensors per slot, dtypes mixed within a slot, activations and scaled gradients,
+    input counts; then the same object reused for a second step."""
+    scale = torch.tensor(2.0**12)
+    for step in range(2):
+        calls = [
+            (0, _values(torch.bfloat16, 20000, seed=step), None, 2),
+            (0, _values(torch.float32, 5000, seed=step + 10), None, None),
+            (0, _values(torch.bfloat16, 100, seed=step + 20), None, torch.tensor(3)),
+            (1, _values(torch.float16, 30000, seed=step + 30), scale, None),
+            (1, _values(torch.float16, 70, seed=step + 40), scale, None),
+            (2, _values(torch.float32, 12000, seed=step + 50), scale, None),
+            (2, _values(torch.bfloat16, 9000, seed=step + 60), scale, None),
+            (4, torch.zeros(0), None, 1),
+        ]
+        reference = numstats.StepStatsV1(5, torch.device("cpu"))
+        if step == 0:
+            stats = numstats.StepStats(5, torch.device("cpu"), sync_free=sync_free)
+        else:
+            stats.reset()
+        for slot, x, s, bad in calls:
+            reference.add(slot, x, scale=s, in_bad=bad)
+            stats.add(slot, x, scale=s, in_bad=bad)
+        table = stats.table()
+        assert table.shape == (5, K)
+        assert table[:, C_IN_BAD].tolist() == [5, 0, 0, 0, 1]
+        assert int(table[3].abs().sum()) == 0  # a slot never measured stays empty
+        _assert_rows_equal(reference.table(), table)
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_count_nonfinite(dtype: torch.dtype, sync_free: bool) -> None:
+    finite = torch.randn(64, 33).to(dtype)
+    bad = finite.clone()
+    bad[3, :5] = float("nan")
+    bad[7, 1] = float("inf")
+    bad[9, 2] = -float("inf")
+    for x, expected in ((finite, 0), (bad, 7), (bad.t(), 7), (bad[:0], 0)):
+        got = numstats.count_nonfinite(x, sync_free=sync_free)
+        assert int(got) == expected == int(numstats.count_nonfinite_v1(x))
+        assert isinstance(got, torch.Tensor) == sync_free
+
+
+class _CountScalarReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+def test_sync_free_mode_reads_nothing_back(sync_free: bool) -> None:
+    x32 = _values(torch.float32, 20000)
+    x16 = _values(torch.float16, 20000)
+    stats = numstats.StepStats(2, torch.device("cpu"), sync_free=sync_free)
+    with _CountScalarReads() as counter:
+        stats.add(
+            0, x32, scale=torch.tensor(2.0**16), in_bad=numstats.count_nonfinite(x16, sync_free)
+        )
+        stats.add(1, x16, scale=torch.tensor(2.0**16))
+        stats.table()
+    if sync_free:
+        assert counter.count == 0
+    else:
+        assert counter.count > 0  # the host mode decides on CPU values (free there)
+
+
+def _train(run_dir: Path) -> amprobe.Run:
+    """A tiny fp16 run with a GradScaler, an overflowing layer and a NaN input on step 2."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight[0].fill_(3000.0)  # large activations, fp16 overflow on some steps
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14)
+    g = torch.Generator().manual_seed(1)
+    with amprobe.attach(
+        model,
+        opt,
+        scaler,
+        run_dir=run_dir,
+        config={"collectors": ["scaler", "numerics"], "numerics_every": 1},
+    ):
+        for step in range(4):
+            x = torch.randn(16, 8, generator=g) * (10.0 ** (step - 1))
+            if step == 2:
+                x[0, 0] = float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    return amprobe.load_run(run_dir)
+
+
+def test_collector_records_the_same_with_v1_and_v2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    v2 = _train(tmp_path / "v2").table("numerics")
+    monkeypatch.setattr(numerics, "StepStats", numstats.StepStatsV1)
+    monkeypatch.setattr(numerics, "count_nonfinite", numstats.count_nonfinite_v1)
+    v1 = _train(tmp_path / "v1").table("numerics")
+    assert len(v1) == len(v2) > 0
+    assert (v2["nan"] + v2["inf"]).sum() > 0  # the run does exercise the non-finite paths
+    assert v2["in_nonfinite"].fillna(0).sum() > 0
+    assert (v2["kind"] == "grad_param").any() and (v2["loss_scale"].dropna() > 1).any()
+    key = ["step", "module", "kind"]
+    a = v1.sort_values(key).reset_index(drop=True)
+    b = v2.sort_values(key).reset_index(drop=True)
+    columns = [c for c in a.columns if c != "amax"]
+    assert a[columns].astype(str).equals(b[columns].astype(str))
+    finite = a["nan"] == 0
+    assert a.loc[finite, "amax"].equals(b.loc[finite, "amax"])
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, op: object) -> None:
+        super().__init__()
+        self.op = op
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is self.op:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_tensor_measured_twice_is_reused_while_unchanged(dtype: torch.dtype) -> None:
+    """Dropout(p=0) and Identity return their input object: measure it once per version."""
+    x = _values(dtype, 20000, seed=5)
+    y = x.clone()  # equal values, another object: measured afresh
+    reference = numstats.StepStatsV1(4, torch.device("cpu"))
+    stats = numstats.StepStats(4, torch.device("cpu"), sync_free=False)
+    with _CountOps(torch.ops.aten.bincount.default) as bincounts:
+        for slot, t in ((0, x), (1, x), (3, y)):
+            reference.add(slot, t)
+            stats.add(slot, t)
+        x.mul_(4.0)  # in place: a new version, so measured again
+        reference.add(2, x)
+        stats.add(2, x)
+    assert bincounts.count == 3
+    table = stats.table()
+    _assert_rows_equal(reference.table(), table)
+    assert torch.equal(table[0], table[1]) and not torch.equal(table[1], table[2])
+
+
+def test_on_the_device_v2_equals_v1_without_a_sync(device: torch.device) -> None:
+    """On CUDA, ``torch.cuda.set_sync_debug_mode('error')`` turns any sync into an error."""
+    scale = torch.tensor(2.0**16, device=device)
+    calls = [
+        (0, _values(torch.bfloat16, 20000, seed=7), None),
+        (1, _values(torch.float16, 20000, seed=8), scale),
+        (2, _values(torch.float32, 20000, seed=9), scale),
+        (2, _values(torch.float32, 300, seed=10), scale),
+    ]
+    calls = [(slot, x.to(device), s) for slot, x, s in calls]
+    reference = numstats.StepStatsV1(3, device)
+    for slot, x, s in calls:
+        reference.add(slot, x, scale=s)
+    stats = numstats.StepStats(3, device)
+    assert stats.sync_free == (device.type != "cpu")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slot, x, s in calls:
+            stats.add(slot, x, scale=s, in_bad=numstats.count_nonfinite(x))
+        table = stats.table()
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    expected = reference.table()
+    for slot, x, _ in calls:
+        expected[slot, C_IN_BAD] += numstats.count_nonfinite_v1(x)
+    assert expected[:, C_IN_BAD].tolist() == [3, 7, 6]  # fp16 overflows its large specials
+    _assert_rows_equal(expected.cpu(), table.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_an_input_measured_as_an_output_is_counted_from_its_histogram(dtype: torch.dtype) -> None:
+    x = _values(dtype, 20000, seed=11)
+    other = _values(dtype, 20000, seed=12)
+    expected = int(numstats.count_nonfinite_v1(x))
+    assert expected >= 3
+    stats = numstats.StepStats(2, torch.device("cpu"), sync_free=False)
+    stats.add(0, x)
+    with _CountOps(torch.ops.aten.aminmax.default) as reductions:
+        assert stats.count_nonfinite(x) == expected  # from the histogram: no pass over x
+    assert reductions.count == 0
+    with _CountOps(torch.ops.aten.aminmax.default) as reductions:
+        assert stats.count_nonfinite(other) == int(numstats.count_nonfinite_v1(other))
+    assert reductions.count == 1
+    x[5] = float("nan")  # in place (65504 before): a new version, counted afresh
+    assert stats.count_nonfinite(x) == expected + 1
