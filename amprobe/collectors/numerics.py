@@ -427,7 +427,7 @@ class NumericsCollector(Collector):
             )
         capturing = bool(self._capture_handles)
         for i, t in enumerate(floats):
-            count = (~torch.isfinite(t.detach())).sum()
+            count = count_nonfinite(t, self._sync_free())  # one aminmax pass on CPU
             self._input_bad = count if self._input_bad is None else self._input_bad + count
             if capturing and i < _MAX_INPUTS:
                 self._measure(self._input_slots[root][i], t)
@@ -454,6 +454,7 @@ class NumericsCollector(Collector):
             record["loss_nonfinite"] = flags["loss_nonfinite"] = ~torch.isfinite(facts.loss).all()
         cap = self._cur
         if cap is not None and cap.step == step:
+            self._recycle(cap)  # fold now: the step's histograms are large; reuse the buffers
             self._done.append(cap)
         self._cur = None
         if self._device is not None and self._device.type == "cpu":
