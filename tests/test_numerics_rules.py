@@ -272,12 +272,24 @@ def _sensitive_rows(dtype: str) -> list[dict[str, Any]]:
     ]
 
 
+_CUT = {"scale_after": 512.0, "skipped": True}
+
+
 @pytest.mark.parametrize(
-    ("dtype", "unstable", "expected"),
-    [("float16", True, ["head"]), ("float16", False, None), ("float32", True, None)],
+    ("dtype", "cuts", "expected"),
+    [
+        ("float16", {1: _CUT, 3: _CUT}, ["head"]),
+        ("float16", {}, None),
+        ("float32", {1: _CUT, 3: _CUT}, None),
+        # one overflow the scaler absorbed, or the initial calibration: dynamic scaling working
+        ("float16", {1: _CUT}, None),
+        ("float16", {0: _CUT, 1: _CUT, 2: _CUT}, None),
+    ],
 )
-def test_sensitive_layers_half(dtype: str, unstable: bool, expected: list[str] | None) -> None:
-    steps = _steps(3, {1: {"scale_after": 512.0, "skipped": True}} if unstable else None)
+def test_sensitive_layers_half(
+    dtype: str, cuts: dict[int, dict[str, Any]], expected: list[str] | None
+) -> None:
+    steps = _steps(5, cuts)
     run = fake_run(steps=steps, events=[FP16_AUTOCAST], tables={"numerics": _sensitive_rows(dtype)})
     finding = _get(run, "AMP-N16")
     if expected is None:
@@ -286,7 +298,16 @@ def test_sensitive_layers_half(dtype: str, unstable: bool, expected: list[str] |
         assert finding is not None
         assert [x["module"] for x in finding.evidence["layers"]] == expected
         assert finding.evidence["layers"][0]["role"] == "output projection"
-        assert finding.evidence["instability"]["scale_cuts"] == 1
+        assert finding.evidence["instability"]["scale_cuts"] == 2
+
+
+def test_sensitive_layers_half_nonfinite_loss_not_skipped_is_unstable() -> None:
+    steps = _steps(3, {2: {"loss_nonfinite": True}})
+    run = fake_run(
+        steps=steps, events=[FP16_AUTOCAST], tables={"numerics": _sensitive_rows("float16")}
+    )
+    finding = _get(run, "AMP-N16")
+    assert finding is not None and finding.evidence["instability"] == {"nonfinite_loss_steps": 1}
 
 
 # -- AMP-N03 / AMP-N11 evidence --------------------------------------------------------------------
