@@ -163,6 +163,36 @@ def test_forward_overflow_names_module_and_role(module: str, mtype: str, role: s
     assert finding.evidence["role"] == role and finding.evidence["inf"] == 7
 
 
+@pytest.mark.parametrize(
+    ("booster_order", "over", "origin"),
+    [
+        (0, 258, "booster"),  # fp32 output beyond fp16's range, before the overflowing head
+        (0, 0, None),  # in range: head alone
+        (2, 258, None),  # after head in execution order: not the origin
+    ],
+)
+def test_forward_overflow_names_out_of_range_producer(
+    booster_order: int, over: int, origin: str | None
+) -> None:
+    """Issue 14 item 3: the producer of out-of-range fp32 values is the origin, the cast's
+    consumer the place where it overflowed."""
+    booster = _row(1, "booster", "output", dtype="float32", order=booster_order, amax=3.07e5)
+    booster["over_fp16"] = over
+    tables = _overflow_tables(1)
+    tables["numerics"] = [booster, _row(1, "head", "output", order=1, inf=7)]
+    finding = _get(fake_run(steps=_steps(3), events=[FP16_AUTOCAST], tables=tables), "AMP-N05")
+    assert finding is not None
+    if origin is None:
+        assert finding.evidence["module"] == "head" and "overflow_module" not in finding.evidence
+        return
+    assert finding.evidence["module"] == origin
+    assert finding.evidence["overflow_module"] == "head"
+    assert finding.evidence["origin_over_fp16"] == 258
+    assert finding.evidence["origin_amax"] == pytest.approx(3.07e5)
+    assert finding.title.startswith("booster (Linear) outputs values beyond fp16's range")
+    assert "overflow to inf in head (Linear)" in finding.title
+
+
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
     run = fake_run(
         steps=_steps(3, {1: {"input_nonfinite": 3}}),

@@ -5,13 +5,15 @@ Usage: python train_accelerate.py [--precision no|bf16|fp16|fp16-manual] [--step
 fp16-manual: accelerate without mixed precision, and the loop's own torch.autocast(float16) with
 GradScaler("cpu") around the prepared optimizer (accelerate itself refuses fp16 on a CPU).
 --attach calls amprobe.attach(run_dir=RUN_DIR) with nothing else before accelerate prepares
-anything. Prints one "micro_loss <value>" line per micro-batch.
+anything. Prints one "micro_loss <value>" line per micro-batch and "train_time cpu_s=...
+wall_s=..." (process CPU and wall time of the training loop).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 
 import torch
 from accelerate import Accelerator
@@ -25,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--attach", default=None)
     p.add_argument("--width", type=int, default=32)
+    p.add_argument("--quiet", action="store_true", help="no micro_loss lines (benchmarks)")
     a = p.parse_args(argv)
     probe = None
     if a.attach:
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = torch.utils.data.DataLoader(ds, batch_size=8)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if manual else None
+    cpu, wall = time.process_time(), time.perf_counter()
     for x, y in loader:
         with accelerator.accumulate(model):
             region = (
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
             )
             with region:
                 loss = nn.functional.mse_loss(model(x).float(), y)
-            print(f"micro_loss {float(loss.detach())!r}")
+            if not a.quiet:
+                print(f"micro_loss {float(loss.detach())!r}")
             if scaler is not None:
                 accelerator.backward(scaler.scale(loss))
                 if accelerator.sync_gradients:
@@ -65,8 +70,10 @@ def main(argv: list[str] | None = None) -> None:
                 accelerator.backward(loss)
                 opt.step()
             opt.zero_grad()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     if probe is not None:
         probe.close()
+    print(f"train_time cpu_s={cpu:.6f} wall_s={wall:.6f}")
     print(f"trained {a.steps} steps", flush=True)
 
 

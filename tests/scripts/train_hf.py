@@ -4,7 +4,8 @@ Nothing is downloaded. Usage: python train_hf.py [--precision no|bf16|fp16] [--s
 [--accum K] [--plant-step S] [--callback RUN_DIR] [--config JSON] [--out DIR]
 With --plant-step, the layer "transformer.h.0.mlp.c_proj" multiplies its output by a gain that
 overflows the run's precision on optimizer step S. Prints "logged_loss STEP VALUE" for each
-entry of the Trainer's log history.
+entry of the Trainer's log history and "train_time cpu_s=... wall_s=..." (process CPU and wall
+time of trainer.train()).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,10 +98,13 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> Traine
         train_dataset=RandomTokens(a.steps * a.accum * a.batch),
         callbacks=callbacks,
     )
+    cpu, wall = time.process_time(), time.perf_counter()
     trainer.train()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     for entry in trainer.state.log_history:
         if "loss" in entry:
             print(f"logged_loss {entry['step']} {entry['loss']!r}")
+    print(f"train_time cpu_s={cpu:.6f} wall_s={wall:.6f}")
     print(f"trained {trainer.state.global_step} steps", flush=True)
     return trainer
 

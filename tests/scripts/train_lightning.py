@@ -6,7 +6,8 @@ P: a Lightning precision ("32-true", "bf16-mixed", ...) or "fp16-cpu" (16-mixed 
 through an explicit MixedPrecision plugin; Lightning turns a plain "16-mixed" into bf16 there).
 KIND: none; blow (layer "blow" multiplies its output by 1e5 on optimizer step S: an fp16
 overflow); booster (layer "booster" multiplies its fp32 output by 1e5 on every step, before the
-half-precision "head" matmul). Prints one "micro_loss <value>" line per training micro-batch.
+half-precision "head" matmul). Prints one "micro_loss <value>" line per training micro-batch and
+"train_time cpu_s=... wall_s=..." (process CPU and wall time of trainer.fit).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -114,9 +116,13 @@ def main(argv: list[str] | None = None) -> TinyModule:
         callbacks.append(AmprobeCallback(a.callback, json.loads(a.config) if a.config else None))
     module = TinyModule(a.plant, a.plant_step, a.accum, a.width)
     trainer = make_trainer(a.precision, a.steps, a.accum, callbacks, a.root)
-    trainer.fit(module, data(a.steps, a.accum))
+    loader = data(a.steps, a.accum)
+    cpu, wall = time.process_time(), time.perf_counter()
+    trainer.fit(module, loader)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     for value in module.micro_losses:
         print(f"micro_loss {value!r}")
+    print(f"train_time cpu_s={cpu:.6f} wall_s={wall:.6f}")
     print(f"trained {trainer.global_step} steps", flush=True)
     return module
 
