@@ -11,6 +11,7 @@ Tests marked ``xfail(strict=True)`` are measured defects whose fix is in the cap
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import subprocess
@@ -22,13 +23,9 @@ import pytest
 
 import amprobe
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ROOT = SCRIPTS.parent.parent
 FRAMEWORKS = ("transformers", "accelerate", "lightning", "pytorch_lightning")
-NUMERICS_EVERY_STEP = {"numerics_every": 1}
 
 
 def _core(item: int | str, what: str) -> pytest.MarkDecorator:
@@ -43,8 +40,6 @@ LIVE_METRICS = _core(
 
 def _script(name: str):
     """Import a script of tests/scripts as a module (its main() runs the loop in-process)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(f"_amprobe_test_{name}", SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -65,7 +60,8 @@ def _zero_code(tmp: Path, script: str, *args: str) -> SimpleNamespace:
     out = tmp / "run"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "HF_HUB_OFFLINE": "1",
     }
     proc = subprocess.run(
         [sys.executable, "-m", "amprobe", "run", "--out", str(out), "--", sys.executable]
