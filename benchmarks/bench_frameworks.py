@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,9 +103,8 @@ def main() -> None:
     versions = []
     for name in ("torch", "transformers", "accelerate", "lightning"):
         try:
-            module = __import__(name)
-            versions.append(f"{name} {module.__version__}")
-        except ImportError:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
             versions.append(f"{name} not installed")
     print("; ".join(versions))
     print(f"training-call process CPU time, median of {args.reps} alternating repetitions\n")
