@@ -38,14 +38,17 @@ MODES = ("plain", "amprobe run", "callback")
 
 #: framework -> (script, its arguments for a few seconds of training)
 WORKLOADS: dict[str, tuple[str, list[str]]] = {
-    "hf": ("train_hf.py", ["--precision", "bf16", "--steps", "150", "--embd", "64"]),
+    "hf": (
+        "train_hf.py",
+        ["--precision", "bf16", "--steps", "150", "--embd", "256", "--batch", "16"],
+    ),
     "lightning": (
         "train_lightning.py",
-        ["--precision", "bf16-mixed", "--steps", "400", "--width", "256"],
+        ["--precision", "bf16-mixed", "--steps", "200", "--width", "2048", "--batch", "128"],
     ),
     "accelerate": (
         "train_accelerate.py",
-        ["--precision", "bf16", "--steps", "800", "--width", "256", "--quiet"],
+        ["--precision", "bf16", "--steps", "200", "--width", "2048", "--batch", "128", "--quiet"],
     ),
 }
 
@@ -111,7 +114,7 @@ def main() -> None:
     print(
         f"{'framework':<12}"
         + "".join(f"{m:>16}" for m in MODES)
-        + f"{'run/plain':>12}{'callback/plain':>16}"
+        + f"{'run/plain':>12}{'callback/plain':>16}{'added ms/step (run, callback)':>32}"
     )
     with tempfile.TemporaryDirectory(prefix="bench_frameworks-") as tmpdir:
         tmp = Path(tmpdir)
@@ -122,11 +125,17 @@ def main() -> None:
                 for mode in order:
                     times[mode].append(run_once(framework, mode, tmp))
             med = {m: statistics.median(v) for m, v in times.items()}
+            steps = int(WORKLOADS[framework][1][WORKLOADS[framework][1].index("--steps") + 1])
+
+            def added(seconds: float, plain: float = med["plain"], steps: int = steps) -> float:
+                return 1000 * (seconds - plain) / steps
+
             print(
                 f"{framework:<12}"
                 + "".join(f"{med[m]:>15.3f}s" for m in MODES)
                 + f"{med['amprobe run'] / med['plain']:>11.3f}x"
-                + f"{med['callback'] / med['plain']:>15.3f}x",
+                + f"{med['callback'] / med['plain']:>15.3f}x"
+                + f"{added(med['amprobe run']):>16.2f}{added(med['callback']):>16.2f}",
                 flush=True,
             )
 

@@ -1,7 +1,7 @@
 """An accelerate loop on a tiny MLP with random data, CPU (zero-code tests, benchmarks).
 
 Usage: python train_accelerate.py [--precision no|bf16|fp16|fp16-manual] [--steps N] [--accum K]
-[--attach RUN_DIR] [--width W]
+[--attach RUN_DIR] [--width W] [--batch B]
 fp16-manual: accelerate without mixed precision, and the loop's own torch.autocast(float16) with
 GradScaler("cpu") around the prepared optimizer (accelerate itself refuses fp16 on a CPU).
 --attach calls amprobe.attach(run_dir=RUN_DIR) with nothing else before accelerate prepares
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--attach", default=None)
     p.add_argument("--width", type=int, default=32)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--quiet", action="store_true", help="no micro_loss lines (benchmarks)")
     a = p.parse_args(argv)
     probe = None
@@ -43,12 +44,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     model = nn.Sequential(nn.Linear(16, a.width), nn.ReLU(), nn.Linear(a.width, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    n = a.steps * a.accum * 8
+    n = a.steps * a.accum * a.batch
     g = torch.Generator().manual_seed(0)
     ds = torch.utils.data.TensorDataset(
         torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
     )
-    loader = torch.utils.data.DataLoader(ds, batch_size=8)
+    loader = torch.utils.data.DataLoader(ds, batch_size=a.batch)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if manual else None
     cpu, wall = time.process_time(), time.perf_counter()

@@ -1,7 +1,7 @@
 """A Lightning loop on a tiny MLP with random data (zero-code tests, integration tests, benchmarks).
 
 Usage: python train_lightning.py [--precision P] [--steps N] [--accum K] [--plant KIND]
-       [--plant-step S] [--callback RUN_DIR] [--config JSON] [--width W]
+       [--plant-step S] [--callback RUN_DIR] [--config JSON] [--width W] [--batch B]
 P: a Lightning precision ("32-true", "bf16-mixed", ...) or "fp16-cpu" (16-mixed on the CPU
 through an explicit MixedPrecision plugin; Lightning turns a plain "16-mixed" into bf16 there).
 KIND: none; blow (layer "blow" multiplies its output by 1e5 on optimizer step S: an fp16
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> TinyModule:
     p.add_argument("--config", default=None)
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--root", default=".")
+    p.add_argument("--batch", type=int, default=8)
     a = p.parse_args(argv)
     torch.manual_seed(0)
     callbacks = []
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> TinyModule:
         callbacks.append(AmprobeCallback(a.callback, json.loads(a.config) if a.config else None))
     module = TinyModule(a.plant, a.plant_step, a.accum, a.width)
     trainer = make_trainer(a.precision, a.steps, a.accum, callbacks, a.root)
-    loader = data(a.steps, a.accum)
+    loader = data(a.steps, a.accum, a.batch)
     cpu, wall = time.process_time(), time.perf_counter()
     trainer.fit(module, loader)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
