@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> None:
         mixed_precision="no" if manual else a.precision,
         gradient_accumulation_steps=a.accum,
     )
-    model = nn.Sequential(nn.Linear(16, a.width), nn.ReLU(), nn.Linear(a.width, 4))
+    model = nn.Sequential(
+        nn.Linear(16, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.Linear(a.width, 4)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     n = a.steps * a.accum * a.batch
     g = torch.Generator().manual_seed(0)
