@@ -38,6 +38,23 @@ LIVE_METRICS = _core(
 )
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_dispatch_mode():
+    """Leave no amprobe dispatch mode on torch's stack for the tests that follow.
+
+    A probe attached with no model passed leaves the compute collector's capture mode active
+    after close (issue 13, "What was measured" 1); until that fix lands, pop it here so the
+    rest of the suite is not run under it.
+    """
+    yield
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    while (stack := _get_current_dispatch_mode_stack()) and type(stack[-1]).__module__.startswith(
+        "amprobe."
+    ):
+        _pop_mode()
+
+
 def _script(name: str):
     """Import a script of tests/scripts as a module (its main() runs the loop in-process)."""
     spec = importlib.util.spec_from_file_location(f"_amprobe_test_{name}", SCRIPTS / f"{name}.py")
