@@ -148,6 +148,61 @@ def test_s04_tile_waste_is_info():
     assert findings[0].evidence["layers"] == [{"module": "fc", "dims": {"96": 128}}]
 
 
+@pytest.mark.parametrize(("device", "gpu_note"), [("cpu", True), ("cuda:0", False)])
+def test_s04_names_layers_not_the_root_and_says_gpu_on_cpu(device, gpu_note):
+    """Issue 14 item 9: a root-booked op (the last layer's backward) is no layer to pad."""
+    ops = [
+        op("head", 2048, 100, 512),
+        op("Net", 2048, 512, 100, phase="backward", opname="mm"),
+        op("fc", 2048, 96, 512),
+    ]
+    events = ({"kind": "model_registered", "model_class": "Net"},)
+    run = run_with(ops, events=events, manifest={"device": device})
+    findings = amprobe.diagnose(run, only=["AMP-S04"]).findings
+    warning = next(f for f in findings if f.severity == "warning")
+    assert [x["module"] for x in warning.evidence["layers"]] == ["head"]
+    assert "Net" not in warning.title
+    assert ("(would waste Tensor Core tiles on a GPU)" in warning.title) is gpu_note
+    info = next(f for f in findings if f.severity == "info")
+    assert [x["module"] for x in info.evidence["layers"]] == ["fc"]
+    verb = "would waste Tensor Core tiles on a GPU" if gpu_note else "waste Tensor Core tiles"
+    assert info.title.startswith(f"aligned but small layer sizes {verb}: ")
+
+
+@pytest.mark.parametrize(
+    ("framework", "autocast", "expect"),
+    [
+        ({"framework_amp_dtype": "float16"}, False, True),  # asked, none ran: trained in fp32
+        ({"framework_amp_dtype": "float16"}, True, False),  # asked and active
+        ({"framework_amp_dtype": None}, False, False),  # fp32 asked for
+        ({}, False, False),  # no framework integration
+    ],
+)
+def test_s05_framework_precision_without_autocast(framework, autocast, expect):
+    """Issue 14 item 8: the framework's setting asks for mixed precision, none ran."""
+    manifest = {}
+    if framework:
+        manifest = {
+            "framework": "transformers",
+            "framework_precision": "fp16",
+            "framework_precision_setting": "TrainingArguments(fp16=True)",
+            **framework,
+        }
+    events = ({"kind": "autocast_seen", "device": "cpu", "dtype": "float16", "enabled": True},)
+    run = run_with(
+        [op("fc", 64, 64, 64, dtype="float32", autocast="none")],
+        events=events if autocast else (),
+        manifest=manifest,
+    )
+    findings = amprobe.diagnose(run, only=["AMP-S05"]).findings
+    framework_findings = [f for f in findings if "framework" in f.evidence]
+    assert bool(framework_findings) is expect
+    if expect:
+        f = framework_findings[0]
+        assert f.title.startswith("TrainingArguments(fp16=True) asks transformers for mixed")
+        assert f.evidence["framework_amp_dtype"] == "float16"
+
+
 @pytest.mark.parametrize(
     ("flops", "other_bytes", "params", "expect"),
     [

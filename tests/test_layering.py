@@ -68,6 +68,8 @@ def layer_of(module: str) -> str:
         return TOP
     if module in ("amprobe", "amprobe.cli", "amprobe.__main__"):
         return TOP
+    if parts[1] == "integrations":  # framework callbacks: attach, diagnose, print the summary
+        return TOP
     sub = parts[1]
     if sub in ("config", "version"):
         return CONFIG

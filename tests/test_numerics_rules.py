@@ -163,6 +163,36 @@ def test_forward_overflow_names_module_and_role(module: str, mtype: str, role: s
     assert finding.evidence["role"] == role and finding.evidence["inf_count"] == 7
 
 
+@pytest.mark.parametrize(
+    ("booster_order", "over", "origin"),
+    [
+        (0, 258, "booster"),  # fp32 output beyond fp16's range, before the overflowing head
+        (0, 0, None),  # in range: head alone
+        (2, 258, None),  # after head in execution order: not the origin
+    ],
+)
+def test_forward_overflow_names_out_of_range_producer(
+    booster_order: int, over: int, origin: str | None
+) -> None:
+    """Issue 14 item 3: the producer of out-of-range fp32 values is the origin, the cast's
+    consumer the place where it overflowed."""
+    booster = _row(1, "booster", "output", dtype="float32", order=booster_order, amax=3.07e5)
+    booster["over_fp16"] = over
+    tables = _overflow_tables(1)
+    tables["numerics"] = [booster, _row(1, "head", "output", order=1, inf=7)]
+    finding = _get(fake_run(steps=_steps(3), events=[FP16_AUTOCAST], tables=tables), "AMP-N05")
+    assert finding is not None
+    if origin is None:
+        assert finding.evidence["module"] == "head" and "overflow_module" not in finding.evidence
+        return
+    assert finding.evidence["module"] == origin
+    assert finding.evidence["overflow_module"] == "head"
+    assert finding.evidence["origin_over_fp16_count"] == 258
+    assert finding.evidence["origin_amax"] == pytest.approx(3.07e5)
+    assert finding.title.startswith("booster (Linear) outputs values beyond fp16's range")
+    assert "overflow to inf in head (Linear)" in finding.title
+
+
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
     run = fake_run(
         steps=_steps(3, {1: {"input_nonfinite": 3}}),
@@ -272,12 +302,24 @@ def _sensitive_rows(dtype: str) -> list[dict[str, Any]]:
     ]
 
 
+_CUT = {"scale_after": 512.0, "skipped": True}
+
+
 @pytest.mark.parametrize(
-    ("dtype", "unstable", "expected"),
-    [("float16", True, ["head"]), ("float16", False, None), ("float32", True, None)],
+    ("dtype", "cuts", "expected"),
+    [
+        ("float16", {1: _CUT, 3: _CUT}, ["head"]),
+        ("float16", {}, None),
+        ("float32", {1: _CUT, 3: _CUT}, None),
+        # one overflow the scaler absorbed, or the initial calibration: dynamic scaling working
+        ("float16", {1: _CUT}, None),
+        ("float16", {0: _CUT, 1: _CUT, 2: _CUT}, None),
+    ],
 )
-def test_sensitive_layers_half(dtype: str, unstable: bool, expected: list[str] | None) -> None:
-    steps = _steps(3, {1: {"scale_after": 512.0, "skipped": True}} if unstable else None)
+def test_sensitive_layers_half(
+    dtype: str, cuts: dict[int, dict[str, Any]], expected: list[str] | None
+) -> None:
+    steps = _steps(5, cuts)
     run = fake_run(steps=steps, events=[FP16_AUTOCAST], tables={"numerics": _sensitive_rows(dtype)})
     finding = _get(run, "AMP-N16")
     if expected is None:
@@ -286,7 +328,16 @@ def test_sensitive_layers_half(dtype: str, unstable: bool, expected: list[str] |
         assert finding is not None
         assert [x["module"] for x in finding.evidence["layers"]] == expected
         assert finding.evidence["layers"][0]["role"] == "output projection"
-        assert finding.evidence["instability"]["scale_cut_count"] == 1
+        assert finding.evidence["instability"]["scale_cut_count"] == 2
+
+
+def test_sensitive_layers_half_nonfinite_loss_not_skipped_is_unstable() -> None:
+    steps = _steps(3, {2: {"loss_nonfinite": True}})
+    run = fake_run(
+        steps=steps, events=[FP16_AUTOCAST], tables={"numerics": _sensitive_rows("float16")}
+    )
+    finding = _get(run, "AMP-N16")
+    assert finding is not None and finding.evidence["instability"] == {"nonfinite_loss_count": 1}
 
 
 # -- AMP-N03 / AMP-N11 evidence --------------------------------------------------------------------

@@ -16,7 +16,7 @@ from amprobe.analysis.compute import (
     latest_alignment,
     latest_capture,
 )
-from amprobe.rules.data import HALF_DTYPES
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, FC_GUIDE, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
@@ -123,12 +123,20 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
         min_tile_efficiency=th["min_tile_efficiency"],
         small_dim=int(th["small_dim"]),
     )
+    roots = {str(e.get("model_class")) for e in ctx.run.events_of("model_registered")}
     for rank, part in frame.groupby("rank", sort=True):
+        manifests = [r.manifest for r in ctx.run.ranks if r.rank == int(rank)]
+        on_cpu = bool(manifests) and str(manifests[0].get("device") or "").startswith("cpu")
+        gpu_note = " (would waste Tensor Core tiles on a GPU)" if on_cpu else ""
         bad = part[part["aligned"].eq(False)]
         share = float(bad["flop_share"].sum())
+        # ops booked on a root model ran in no named layer (e.g. the backward of the last layer)
+        named_bad = bad[~bad["module"].astype(str).isin(roots)]
         if len(bad) and share >= th["min_flop_share"]:
             layers: list[dict[str, Any]] = []
-            for module, mods in bad.groupby("module", sort=False):
+            for module, mods in (named_bad if len(named_bad) else bad).groupby(
+                "module", sort=False
+            ):
                 sizes: dict[int, int] = {}
                 for mis, sug in zip(mods["misaligned"], mods["suggested"], strict=True):
                     for dim, size in mis.items():
@@ -149,7 +157,7 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
                 for d in layers[:6]
             )
             yield ctx.finding(
-                title=f"{share:.1%} of matmul FLOPs run with dims that are not Tensor Core multiples: {named}",
+                title=f"{share:.1%} of matmul FLOPs run with dims that are not Tensor Core multiples{gpu_note}: {named}",
                 evidence={
                     "rank": int(rank),
                     "step": int(part["step"].iloc[0]),
@@ -172,9 +180,11 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
         if len(waste) and float(waste["flop_share"].sum()) >= th["min_flop_share"]:
             items: dict[str, dict[int, int]] = {}
             for module, tw in zip(waste["module"], waste["tile_waste"], strict=True):
-                items.setdefault(str(module), {}).update(tw)
+                if str(module) not in roots:
+                    items.setdefault(str(module), {}).update(tw)
+            verb = "would waste Tensor Core tiles on a GPU" if on_cpu else "waste Tensor Core tiles"
             yield ctx.finding(
-                title="aligned but small layer sizes waste Tensor Core tiles: "
+                title=f"aligned but small layer sizes {verb}: "
                 + "; ".join(
                     f"{m} (" + ", ".join(f"{v} -> {p}" for v, p in sorted(dims.items())) + ")"
                     for m, dims in list(items.items())[:6]
@@ -196,6 +206,24 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
             )
 
 
+def _framework_amp(run: Run) -> dict[str, Any] | None:
+    """The first rank whose manifest says a framework asked for mixed precision, if any."""
+    for info in run.ranks:
+        m = info.manifest
+        if m.get("framework_amp_dtype") and m.get("framework"):
+            return {
+                "rank": info.rank,
+                "framework": str(m["framework"]),
+                "framework_precision": m.get("framework_precision"),
+                "framework_precision_setting": str(
+                    m.get("framework_precision_setting") or m.get("framework_precision")
+                ),
+                "framework_amp_dtype": str(m["framework_amp_dtype"]),
+                "device": m.get("device"),
+            }
+    return None
+
+
 @rule(
     "AMP-S05",
     "autocast-ineffective",
@@ -208,12 +236,40 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
 def check_autocast_ineffective(ctx: RuleContext) -> Iterator[Finding]:
     """AMP is configured, yet most matmul FLOPs still run in fp32.
 
-    Algorithm: AMP counts as configured when a GradScaler or an enabled autocast region was
-    seen. On the last captured step, the share of matmul/conv/attention FLOPs whose operands
-    were fp16/bf16/fp8 is compared with ``min_half_share``; the finding names the modules that
-    stayed fp32 and why (outside autocast, autocast disabled, op on autocast's fp32 list).
+    Algorithm: when the framework was asked for mixed precision (``framework_amp_dtype`` in
+    the manifest, written by the integrations or read from the framework's state in zero-code
+    runs) and no enabled autocast region ran, the finding names that setting (the job trained
+    in fp32). Otherwise AMP counts as configured when a GradScaler or an enabled autocast
+    region was seen. On the last captured step, the share of matmul/conv/attention FLOPs whose
+    operands were fp16/bf16/fp8 is compared with ``min_half_share``; the finding names the
+    modules that stayed fp32 and why (outside autocast, autocast disabled, op on autocast's
+    fp32 list).
     """
     run = ctx.run
+    asked = _framework_amp(run)
+    if asked is not None and not autocast_dtypes(run):
+        yield ctx.finding(
+            title=(
+                f"{asked['framework_precision_setting']} asks {asked['framework']} for mixed "
+                f"precision, but no enabled autocast region ran: the job trained in fp32"
+            ),
+            evidence={
+                "rank": int(asked["rank"]),
+                "framework": asked["framework"],
+                "framework_precision": asked.get("framework_precision"),
+                "framework_precision_setting": asked["framework_precision_setting"],
+                "framework_amp_dtype": asked["framework_amp_dtype"],
+                "device": asked.get("device"),
+                "autocast_region_count": 0,
+            },
+            fix=(
+                "The framework's mixed-precision setting had no effect on this device. On a CPU the "
+                "Hugging Face Trainer (fp16=True) and accelerate (mixed_precision='fp16') run no "
+                "fp16 autocast: use bf16 there (bf16=True / mixed_precision='bf16'), or train on "
+                "a GPU; with a custom loop, run the forward pass inside accelerator.autocast()."
+            ),
+        )
+        return
     configured = amp_configured(run)
     if not configured:
         return

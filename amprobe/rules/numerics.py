@@ -11,6 +11,9 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import pandas as pd
+
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
     compute_scale_hint,
@@ -25,6 +28,21 @@ from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
 
 __all__: list[str] = []
+
+
+def _out_of_range_origin(rows: pd.DataFrame, offender: str) -> pd.Series | None:
+    """The first module, before ``offender`` in execution order, whose output exceeded fp16's range.
+
+    ``rows`` are one rank's numerics rows of one step; None when no such module ran.
+    """
+    outputs = rows[rows["kind"] == "output"]
+    at = outputs.loc[outputs["module"] == offender, "order"]
+    if at.empty:
+        return None
+    earlier = outputs[(outputs["order"] < at.min()) & (outputs["over_fp16"] > 0)]
+    if earlier.empty:
+        return None
+    return earlier.sort_values("order", kind="stable").iloc[0]
 
 
 # -- requirements ------------------------------------------------------------------------------
@@ -96,9 +114,12 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
 
     Uses the collector's forward offenders (first module in execution order, per sampled
     step, whose output was non-finite and whose floating inputs were finite). Steps whose
-    model input was already non-finite are AMP-N04's and are left out. The module's role
-    (normalization, softmax, loss, embedding, output projection = last Linear executed) is
-    named.
+    model input was already non-finite are AMP-N04's and are left out. When an earlier module
+    of that step (execution order of outputs) produced finite values beyond fp16's range
+    (``over_fp16``, an fp32 output), the first such module is the origin and is named as the
+    finding's ``module``; the offender, where the cast to half overflowed, is the
+    ``overflow_module``. The module's role (normalization, softmax, loss, embedding, output
+    projection = last Linear executed) is named.
     """
     run = ctx.run
     offenders = run.table("offenders")
@@ -118,25 +139,57 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
         out = rows[(rows["module"] == module) & (rows["kind"] == "output")]
         detail = json.loads(first["detail"]) if isinstance(first["detail"], str) else {}
         what = f" ({ROLE_LABELS[role]})" if role else ""
+        evidence: dict[str, Any] = {
+            "rank": rank,
+            "module": module,
+            "module_type": first["module_type"],
+            "role": role,
+            "step": step,
+            "offender_steps": steps_list(part["step"]),
+            "offending_modules": sorted(set(part["module"])),
+            "nan_count": detail.get("nan"),
+            "inf_count": detail.get("inf"),
+            "element_count": detail.get("elements"),
+            "output_dtype": out["dtype"].iloc[0] if len(out) else None,
+        }
+        origin = _out_of_range_origin(rows, module)
+        if origin is None:
+            yield ctx.finding(
+                title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite, at step {step}",
+                evidence=evidence,
+                fix=(
+                    f"Run {module} in fp32: wrap it in torch.autocast(device_type, enabled=False) "
+                    "and call .float() on its inputs. Un-normalized logits, custom normalizations "
+                    "and cosine-similarity losses are the classic cases."
+                ),
+            )
+            continue
+        name, module_type = str(origin["module"]), str(origin["module_type"])
+        evidence.update(
+            module=name,
+            module_type=module_type,
+            overflow_module=module,
+            overflow_module_type=first["module_type"],
+            overflow_role=role,
+            role=None,
+            origin_amax=None if pd.isna(origin["amax"]) else float(origin["amax"]),
+            origin_over_fp16_count=int(origin["over_fp16"]),
+            origin_element_count=int(origin["elements"]),
+            origin_dtype=str(origin["dtype"]),
+        )
+        amax = evidence["origin_amax"]
         yield ctx.finding(
-            title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite, at step {step}",
-            evidence={
-                "rank": rank,
-                "module": module,
-                "module_type": first["module_type"],
-                "role": role,
-                "step": step,
-                "offender_steps": steps_list(part["step"]),
-                "offending_modules": sorted(set(part["module"])),
-                "nan_count": detail.get("nan"),
-                "inf_count": detail.get("inf"),
-                "element_count": detail.get("elements"),
-                "output_dtype": out["dtype"].iloc[0] if len(out) else None,
-            },
+            title=(
+                f"{name} ({module_type}) outputs values beyond fp16's range "
+                f"({evidence['origin_over_fp16_count']} of {evidence['origin_element_count']}"
+                + (f", max {amax:.3g}" if amax is not None else "")
+                + f") that overflow to inf in {module} ({first['module_type']}){what}, at step {step}"
+            ),
+            evidence=evidence,
             fix=(
-                f"Run {module} in fp32: wrap it in torch.autocast(device_type, enabled=False) and "
-                "call .float() on its inputs. Un-normalized logits, custom normalizations and "
-                "cosine-similarity losses are the classic cases."
+                f"Keep {name}'s output within fp16's range (+-65504): normalize or scale it down "
+                f"where it is produced, or run {module} in fp32 as well (torch.autocast("
+                "device_type, enabled=False) around it and .float() on its inputs)."
             ),
         )
 
@@ -225,35 +278,40 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     "info",
     "nan",
     requires=("numerics",),
+    thresholds={"min_scale_cuts": 2},
     refs=(AUTOCAST_OPS,),
 )
 def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     """Embedding / output-projection / normalization layers run in half and the run is unstable.
 
-    Half = the module's forward output dtype is fp16/bf16. Unstable = a loss-scale cut, a
-    skipped step, a non-finite loss, or non-finite values in any recorded layer.
+    Half = the module's forward output dtype is fp16/bf16. Unstable = at least
+    ``min_scale_cuts`` loss-scale cuts (or skipped steps) after the initial calibration (the
+    leading run of cuts down from ``init_scale``), or a non-finite loss or non-finite values
+    in a recorded layer on a step the GradScaler did not skip. An overflow the scaler absorbed
+    now and then is dynamic loss scaling working, not instability.
     """
     run = ctx.run
     numerics = run.table("numerics")
     steps = run.steps
+    min_cuts = ctx.thresholds["min_scale_cuts"]
     for rank, frame in per_rank(numerics):
         srows = steps[steps["rank"] == rank] if len(steps) else steps
         signals: dict[str, Any] = {}
+        absorbed: set[int] = set()  # steps whose update the scaler skipped
         if len(srows):
-            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False)
-            if cuts.any():
-                signals["scale_cut_count"] = int(cuts.sum())
+            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).to_numpy(bool)
+            calibration = int(np.argmin(cuts)) if not cuts.all() else len(cuts)
+            if int(cuts.sum()) - calibration >= min_cuts:
+                signals["scale_cut_count"] = int(cuts.sum()) - calibration
             skipped = srows["skipped"].fillna(False).astype(bool)
-            if skipped.any():
+            absorbed = {int(s) for s in srows.loc[skipped, "step"]}
+            if int(skipped.sum()) - calibration >= min_cuts:
                 signals["skipped_count"] = int(skipped.sum())
-            if (
-                "loss_nonfinite" in srows
-                and srows["loss_nonfinite"].fillna(False).astype(bool).any()
-            ):
-                signals["nonfinite_loss_count"] = int(
-                    srows["loss_nonfinite"].fillna(False).astype(bool).sum()
-                )
-        nonfinite = frame[(frame["nan"] + frame["inf"]) > 0]
+            if "loss_nonfinite" in srows:
+                bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped
+                if bad.any():
+                    signals["nonfinite_loss_count"] = int(bad.sum())
+        nonfinite = frame[((frame["nan"] + frame["inf"]) > 0) & ~frame["step"].isin(absorbed)]
         if len(nonfinite):
             signals["nonfinite_layers"] = sorted(set(nonfinite["module"]))[:10]
         if not signals:
