@@ -464,18 +464,7 @@ class Probe:
             self._probe_time += self._last_flush - t
 
     def _update_live(self, rows: list[dict[str, Any]]) -> None:
-        live = self._live
-        for row in rows:
-            live["steps"] = live.get("steps", 0) + 1
-            if row.get("skipped") is True:
-                live["skipped_steps"] = live.get("skipped_steps", 0) + 1
-            scale = row.get("scale_after")
-            if isinstance(scale, (int, float)):
-                live["loss_scale"] = float(scale)
-                live.setdefault("skipped_steps", 0)
-            loss = row.get("loss")
-            if isinstance(loss, (int, float)):
-                live["loss"] = float(loss)
+        _fold_live(self._live, rows)
 
     def publish(self, name: str, value: float) -> None:
         """A collector's live value (e.g. ``nonfinite_layers``), read by :meth:`live_metrics`."""
@@ -488,8 +477,15 @@ class Probe:
         the last flushed ``update()``), ``skipped_steps`` (with a GradScaler), ``loss``,
         ``nonfinite_layers`` (modules whose sampled outputs or gradients held inf/NaN, from the
         numerics collector). Framework callbacks push these into the framework's own logging.
+        On a CPU run the steps not flushed yet count too (reading a host tensor is no sync).
         """
-        return dict(self._live)
+        live = dict(self._live)
+        if self.device is not None and self.device.type == "cpu":
+            pending = [
+                {k: _host_value(v) for k, v in row.items()} for row in list(self._pending_steps)
+            ]
+            _fold_live(live, pending)
+        return live
 
     def _check_declared(self, rows: list[dict[str, Any]]) -> None:
         """Every steps column must be declared in amprobe.store.fields; say so once if not."""
@@ -542,6 +538,29 @@ class Probe:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("recording" if self.recording else "dormant")
         return f"<amprobe.Probe {state} step={self.step} run_dir={str(self.run_dir)!r}>"
+
+
+def _fold_live(live: dict[str, float], rows: list[dict[str, Any]]) -> None:
+    """Add materialized step records to the live totals (see :meth:`Probe.live_metrics`)."""
+    for row in rows:
+        live["steps"] = live.get("steps", 0) + 1
+        if row.get("skipped") is True:
+            live["skipped_steps"] = live.get("skipped_steps", 0) + 1
+        scale = row.get("scale_after")
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            live["loss_scale"] = float(scale)
+            live.setdefault("skipped_steps", 0)
+        loss = row.get("loss")
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            live["loss"] = float(loss)
+
+
+def _host_value(value: Any) -> Any:
+    """A CPU tensor's value (no device sync); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+        item = value.item()
+        return bool(item) if value.dtype == torch.bool else item
+    return value
 
 
 def _first_param_device(obj: Any) -> torch.device | None:

@@ -456,6 +456,8 @@ class NumericsCollector(Collector):
         if cap is not None and cap.step == step:
             self._recycle(cap)  # fold now: the step's histograms are large; reuse the buffers
             self._done.append(cap)
+            if cap.device.type == "cpu":  # live count at once where reading costs no sync
+                self._note_nonfinite(cap)
         self._cur = None
         if self._device is not None and self._device.type == "cpu":
             # reading a CPU tensor costs no device sync: arm at once
@@ -536,6 +538,7 @@ class NumericsCollector(Collector):
             r["module"] for r in rows if r["nan"] + r["inf"] > 0 and r["kind"] != "input"
         )
         self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
+
         writer.append("numerics", rows)
         if offenders:
             writer.append("offenders", offenders)
@@ -545,6 +548,14 @@ class NumericsCollector(Collector):
                     **{k: o[k] for k in ("kind", "module", "module_type")},
                     at_step=o["step"],
                 )
+
+    def _note_nonfinite(self, cap: _Capture) -> None:
+        """Modules whose output or gradients held inf/NaN in this (CPU) step, for live metrics."""
+        bad = (cap.buf[:, _H0 + 255] > 0).nonzero().flatten().tolist()  # bin 255: inf and NaN
+        self._nonfinite_modules.update(
+            self._slots[i].name for i in bad if self._slots[i].kind != "input"
+        )
+        self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
 
     def _rows(
         self, cap: _Capture, table: list[list[int]], scale: float

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from amprobe.config import Config, make_config
-from amprobe.report.summary import print_run_summary
 from amprobe.probe import Probe
+from amprobe.report.summary import print_run_summary
 
 __all__ = ["PREFIX", "METRIC_KEYS", "check_config", "live_metrics", "print_summary"]
 
