@@ -34,6 +34,7 @@ import amprobe
 from amprobe.report.sections import build_sections
 from amprobe.store import read_table
 from amprobe.store.layout import (
+    file_kind,
     has_format_marker,
     open_regular,
     parse_rank_dirname,
@@ -183,18 +184,6 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
     return sorted(found)
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    return "not a regular file"
-
-
 def _within(base: Path, real: Path) -> bool:
     return real == base or base in real.parents
 
@@ -223,7 +212,7 @@ def _stat_inside(base: Path, path: Path, rel: str) -> os.stat_result:
 
 def _check_file(st: os.stat_result, rel: str, max_table_bytes: int) -> None:
     if not stat.S_ISREG(st.st_mode):
-        raise RunAccessError(f"{rel} is {_kind(st.st_mode)}, not a regular file")
+        raise RunAccessError(f"{rel} is {file_kind(st.st_mode)}, not a regular file")
     limit = MAX_JSON_BYTES if rel.endswith(".json") else max_table_bytes
     if st.st_size > limit:
         raise RunAccessError(

@@ -47,6 +47,7 @@ __all__ = [
     "RankDir",
     "RankListing",
     "StoreError",
+    "file_kind",
     "prepare_run_dir",
     "check_writable",
     "has_format_marker",
@@ -212,7 +213,7 @@ def open_regular(
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = _kind(st.st_mode)
+            kind = file_kind(st.st_mode)
             raise NotRegularFileError(errno.EINVAL, f"is {kind}, not a regular file", str(path))
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)  # regular files never block; reads behave as usual
@@ -225,7 +226,8 @@ def open_regular(
     return fh
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages: "a FIFO", "a device", "a socket", ..."""
     if stat.S_ISFIFO(mode):
         return "a FIFO"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
