@@ -89,7 +89,7 @@ class Config:
     world_size: int | None = None
     overwrite: bool = False
     max_steps: int | None = None
-    numerics_every: int = 20
+    numerics_every: int = 100
     numerics_layers: tuple[str, ...] = ()
     numerics_arm_steps: int = 3
     shapes_every: int = 200

@@ -145,6 +145,8 @@ class Probe:
         self._watcher: Any = None
         self._undeclared: set[str] = set()
         self._live: dict[str, float] = {}
+        self._live_pending: dict[str, float] = {}  # CPU runs: the unflushed steps, folded once
+        self._live_pending_n = 0
 
     # -- set-up -----------------------------------------------------------------------------
     def _start(self, model: Any, optimizer: Any, scaler: Any) -> None:
@@ -465,6 +467,7 @@ class Probe:
 
     def _update_live(self, rows: list[dict[str, Any]]) -> None:
         _fold_live(self._live, rows)
+        self._live_pending, self._live_pending_n = {}, 0  # those rows are flushed now
 
     def publish(self, name: str, value: float) -> None:
         """A collector's live value (e.g. ``nonfinite_layers``), read by :meth:`live_metrics`."""
@@ -479,12 +482,17 @@ class Probe:
         numerics collector). Framework callbacks push these into the framework's own logging.
         On a CPU run the steps not flushed yet count too (reading a host tensor is no sync).
         """
+        if self.device is None or self.device.type != "cpu":
+            return dict(self._live)
+        pending = list(self._pending_steps)
+        if len(pending) < self._live_pending_n:  # flushed since: start the pending fold afresh
+            self._live_pending, self._live_pending_n = {}, 0
+        new = pending[self._live_pending_n :]
+        _fold_live(self._live_pending, [{k: _host_value(v) for k, v in r.items()} for r in new])
+        self._live_pending_n = len(pending)
         live = dict(self._live)
-        if self.device is not None and self.device.type == "cpu":
-            pending = [
-                {k: _host_value(v) for k, v in row.items()} for row in list(self._pending_steps)
-            ]
-            _fold_live(live, pending)
+        for key, value in self._live_pending.items():  # counts add up, last values replace
+            live[key] = live.get(key, 0) + value if key in _LIVE_COUNTS else value
         return live
 
     def _check_declared(self, rows: list[dict[str, Any]]) -> None:
@@ -538,6 +546,9 @@ class Probe:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("recording" if self.recording else "dormant")
         return f"<amprobe.Probe {state} step={self.step} run_dir={str(self.run_dir)!r}>"
+
+
+_LIVE_COUNTS = frozenset({"steps", "skipped_steps"})
 
 
 def _fold_live(live: dict[str, float], rows: list[dict[str, Any]]) -> None:

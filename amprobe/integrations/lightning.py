@@ -143,7 +143,9 @@ class AmprobeCallback(pl.Callback):
                 amprobe_step=probe.step,
                 offset=self._offset,
             )
-        if self.log_metrics:
+        # log when Lightning logs (every `log_every_n_steps`), as DeviceStatsMonitor does
+        connector = getattr(trainer, "_logger_connector", None)
+        if self.log_metrics and getattr(connector, "should_update_logs", True):
             metrics = live_metrics(probe)
             if metrics:
                 pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
