@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -69,16 +71,6 @@ def browser_first_paint(root: Path) -> None:
         f"browser first paint (cold server, {root.name}/big): findings shown {t1 - t0:.2f} s; "
         f"loss-scale figure drawn {t2 - t1:.2f} s after the tab click"
     )
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def browser_run_list(root: Path, runs: int) -> None:
@@ -168,7 +160,7 @@ def main() -> None:
         "--repeat", type=int, default=1, help="browser measurements with --runs (fresh server each)"
     )
     args = parser.parse_args()
-    print(f"CPU: {_cpu()}")
+    print(f"CPU: {cpu_model()}")
     if args.runs:
         bench_many_runs(args.runs, args.run_steps, args.browser, args.repeat)
         return

@@ -32,6 +32,9 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 MODES = ("plain", "amprobe run", "callback")
@@ -51,16 +54,6 @@ WORKLOADS: dict[str, tuple[str, list[str]]] = {
         ["--precision", "bf16", "--steps", "200", "--width", "2048", "--batch", "128", "--quiet"],
     ),
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_once(framework: str, mode: str, tmp: Path) -> float:

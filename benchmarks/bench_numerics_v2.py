@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -45,22 +44,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from common import TinyGPT, make_batch, train_steps  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 import amprobe  # noqa: E402
 import amprobe.collectors.numerics as numerics  # noqa: E402
 from amprobe.collectors import numstats  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class _NoStats:

@@ -21,7 +21,6 @@ Configurations:
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import compare_stats  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 import amprobe  # noqa: E402
 import amprobe.probe  # noqa: E402
@@ -212,7 +212,7 @@ def main() -> None:
 def _print(stats: dict[str, tuple[float, float]], args: argparse.Namespace) -> None:
     base_median, base_mean = stats["off"]
     print(
-        f"\n{time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
+        f"\n{time.strftime('%Y-%m-%d')} on {cpu_model()}, "
         f"torch {torch.__version__}, {args.blocks}x{args.steps} steps per configuration"
     )
     print(f"| {'configuration':<24} | median step (ms CPU) | median ratio | mean ratio |")
