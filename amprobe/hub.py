@@ -183,6 +183,7 @@ class Hub:
         self._collectors: list[Collector] = []
         self._subs: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
         self._failed: set[str] = set()
+        self._hub_failed = False
         self._patches: list[Patch] = []
         self._handles: list[Any] = []  # optimizer hooks, model hooks: removed LIFO at close
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
@@ -226,6 +227,21 @@ class Hub:
             return None
         finally:
             self.busy -= 1
+
+    def safe(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the hub's own body of a wrapper: a failure is recorded once, never raised.
+
+        ``SystemExit`` (``max_steps`` reached, asked for by ``amprobe baseline``) passes.
+        """
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not self._hub_failed:
+                self._hub_failed = True
+                tb = traceback.extract_tb(exc.__traceback__)
+                where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+                self.probe.event("hub_error", error=f"{type(exc).__name__}: {exc}", where=where)
+            return None
 
     def guard(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
         """Wrap a hook a collector registers on the user's modules or tensors with the guard."""
@@ -282,7 +298,7 @@ class Hub:
             def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
                 orig(self, *args, **kwargs)
                 if not probe.closed:
-                    hub.see_scaler(self, user_call_site(2) or "?")
+                    hub.safe(hub.see_scaler, self, user_call_site(2) or "?")
 
             return __init__
 
@@ -290,7 +306,7 @@ class Hub:
             def scale(self: GradScaler, outputs: Any) -> Any:
                 result = orig(self, outputs)
                 if not probe.closed:
-                    hub._on_scale(self, outputs)
+                    hub.safe(hub._on_scale, self, outputs)
                 return result
 
             return scale
@@ -306,7 +322,7 @@ class Hub:
         def wrap_scaler_step(orig: Any) -> Any:
             def step(self: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
                 if not probe.closed:
-                    hub._on_scaler_step(self, optimizer)
+                    hub.safe(hub._on_scaler_step, self, optimizer)
                 local = hub._in_scaler_step
                 depth = getattr(local, "depth", 0)
                 local.depth = depth + 1
@@ -319,10 +335,13 @@ class Hub:
 
         def wrap_update(orig: Any) -> Any:
             def update(self: GradScaler, new_scale: Any = None) -> None:
-                before = hub._before_update(self) if not probe.closed else None
+                before = None
+                if not probe.closed:
+                    hub.safe(hub._claim_boundary, self)
+                    before = hub.safe(hub._before_update, self)
                 orig(self, new_scale)
-                if before is not None:
-                    hub._after_update(self, before)
+                if not probe.closed:  # the step boundary survives a failed read of internals
+                    hub.safe(hub._after_update, self, before or {})
 
             return update
 
@@ -330,7 +349,7 @@ class Hub:
             def load_state_dict(self: GradScaler, state_dict: dict[str, Any]) -> None:
                 orig(self, state_dict)
                 if not probe.closed:
-                    hub.see_scaler(self, None)
+                    hub.safe(hub.see_scaler, self, None)
                     hub.emit("on_scaler_state_loaded", self, state_dict)
 
             return load_state_dict
@@ -339,7 +358,7 @@ class Hub:
             def __init__(self: Optimizer, *args: Any, **kwargs: Any) -> None:
                 orig(self, *args, **kwargs)
                 if not probe.closed:
-                    hub.see_optimizer(self)
+                    hub.safe(hub.see_optimizer, self)
 
             return __init__
 
@@ -381,7 +400,7 @@ class Hub:
             def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
                 if not probe.recording or probe.closed:
                     return orig(tensors, *args, **kwargs)
-                hub._on_backward_begin(tensors)
+                hub.safe(hub._on_backward_begin, tensors)
                 try:
                     return orig(tensors, *args, **kwargs)
                 finally:
@@ -409,7 +428,7 @@ class Hub:
                 tensorlistlist: Any, *args: Any, **kwargs: Any
             ) -> Any:
                 if probe.recording and not probe.closed:
-                    hub._maybe_clip(tensorlistlist)
+                    hub.safe(hub._maybe_clip, tensorlistlist)
                 return orig(tensorlistlist, *args, **kwargs)
 
             return _group_tensors_by_device_and_dtype
@@ -428,8 +447,12 @@ class Hub:
         self._patch(_dataloader._BaseDataLoaderIter, "__next__", wrap_next)
         if hasattr(_clip_grad, "_group_tensors_by_device_and_dtype"):
             self._patch(_clip_grad, "_group_tensors_by_device_and_dtype", wrap_group)
-        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        self._handles.append(
+            register_optimizer_step_pre_hook(lambda *a: self.safe(self._opt_pre, *a))
+        )
+        self._handles.append(
+            register_optimizer_step_post_hook(lambda *a: self.safe(self._opt_post, *a))
+        )
 
     def close(self) -> None:
         """Remove everything the hub installed, newest first. Idempotent."""
@@ -524,13 +547,17 @@ class Hub:
         if self.probe.recording:
             self.emit("on_scaler_step", scaler, optimizer)
 
-    def _before_update(self, scaler: GradScaler) -> dict[str, Any]:
+    def _claim_boundary(self, scaler: GradScaler) -> None:
+        """``update()`` is called: the first scaler used owns the step boundary."""
         if self._mode is None:
             self._mode = "scaler"
         primary = self._primary_scaler() if self._primary_scaler is not None else None
         if primary is None or (primary is not scaler and not self._primary_used):
             # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
             self._primary_scaler = weakref.ref(scaler)
+
+    def _before_update(self, scaler: GradScaler) -> dict[str, Any]:
+        """The scale and found-inf before ``update()`` (device clones; reads torch internals)."""
         before: dict[str, Any] = {}
         current = self._primary_scaler
         if current is None or current() is not scaler or not self.probe.recording:

@@ -279,3 +279,22 @@ def test_each_interception_is_installed_once(tmp_path):
         assert len(optimizer_mod._global_optimizer_pre_hooks) == pre + 1
         assert len(optimizer_mod._global_optimizer_post_hooks) == post + 1
     assert not patching._STACKS
+
+
+def test_a_failing_hub_body_never_reaches_the_loop(tmp_path, monkeypatch):
+    from amprobe.hub import Hub
+
+    def boom(self, *args):
+        raise RuntimeError("torch internals changed")
+
+    monkeypatch.setattr(Hub, "_before_update", boom)
+    monkeypatch.setattr(Hub, "_on_backward_begin", boom)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "r"):
+        _train(model, opt, scaler, 4)
+    run = amprobe.load_run(tmp_path / "r")
+    assert list(run.steps["step"]) == [0, 1, 2, 3], "step boundaries survive"
+    errors = run.events_of("hub_error")
+    assert len(errors) == 1 and "torch internals changed" in errors[0]["error"]
