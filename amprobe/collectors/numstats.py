@@ -334,45 +334,46 @@ class StepStats:
         zeros = n - int(torch.count_nonzero(y)) if int(h[0]) else 0
         return h, (zeros, *self._nan_amax_host(y))
 
-    def _add_small(
-        self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
-    ) -> None:
+    def _index_add_keys(
+        self, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
+    ) -> torch.Tensor | None:
+        """Add ``x``'s magnitude keys to ``hist`` with ``index_add_`` (no sync); the unscaled fp32
+        values for fp32 tensors (their extras are counted by the caller), else None."""
         n = x.numel()
         if fmt != _F32:
             key = torch.bitwise_and(
                 x.view(torch.int16), 0x7FFF, out=self._buf(torch.int32, n, x.shape)
             )
             hist.index_add_(0, key.view(-1), self._ones.expand(n))
-            return
+            return None
         y = self._unscaled_f32(x, grad)
         key = torch.bitwise_right_shift(
             y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
         ).bitwise_and_(0x7FFF)
         hist.index_add_(0, key.view(-1), self._ones.expand(n))
-        zeros = n - int(torch.count_nonzero(y))
+        return y
+
+    def _add_small(
+        self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
+    ) -> None:
+        y = self._index_add_keys(hist, x, fmt, grad)
+        if y is None:
+            return
+        zeros = x.numel() - int(torch.count_nonzero(y))
         self._add_host_extra(slot, (zeros, *self._nan_amax_host(y)))
 
     def _add_device(
         self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
     ) -> None:
         """Sync-free: histogram by ``index_add_``, fp32 extras counted on the device."""
-        n = x.numel()
-        if fmt != _F32:
-            key = torch.bitwise_and(
-                x.view(torch.int16), 0x7FFF, out=self._buf(torch.int32, n, x.shape)
-            )
-            hist.index_add_(0, key.view(-1), self._ones.expand(n))
+        y = self._index_add_keys(hist, x, fmt, grad)
+        if y is None:
             return
-        y = self._unscaled_f32(x, grad)
-        key = torch.bitwise_right_shift(
-            y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
-        ).bitwise_and_(0x7FFF)
-        hist.index_add_(0, key.view(-1), self._ones.expand(n))
         mn, mx = torch.aminmax(y)
         amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
         extra = self._extra[slot]
         extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
-        extra[C_ZEROS].add_(n - torch.count_nonzero(y))
+        extra[C_ZEROS].add_(x.numel() - torch.count_nonzero(y))
         extra[C_NAN].add_(torch.isnan(y).sum())
 
     def _unscaled_f32(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
