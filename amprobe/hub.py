@@ -180,7 +180,6 @@ class Hub:
         self.optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         self.busy = 0
-        self._collectors: list[Collector] = []
         self._subs: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
         self._failed: set[str] = set()
         self._hub_failed = False
@@ -206,7 +205,6 @@ class Hub:
     # -- subscribers and the guard ------------------------------------------------------------
     def subscribe(self, collectors: list[Collector]) -> None:
         """Register the collectors; an event goes only to those that override it."""
-        self._collectors = list(collectors)
         for collector in collectors:
             for event in EVENTS:
                 if getattr(type(collector), event) is not getattr(Collector, event):
@@ -721,10 +719,6 @@ class Hub:
         for handle in reversed(self._disc_handles):
             handle.remove()
         self._disc_handles.clear()
-
-    @property
-    def discovering(self) -> bool:
-        return bool(self._disc_handles)
 
     def _disc_pre(self, module: torch.nn.Module, args: Any) -> None:
         depth = self._disc_depth

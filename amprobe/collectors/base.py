@@ -8,7 +8,7 @@ arguments, so the order collectors run in cannot change what they record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -62,7 +62,6 @@ class StepFacts:
     scale_after: torch.Tensor | None = None
     growth_tracker: torch.Tensor | None = None
     found_inf: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Collector:

@@ -318,8 +318,6 @@ class NumericsCollector(Collector):
     def _capture(self, device: torch.device) -> _Capture:
         cap = self._cur
         if cap is None or cap.step != self.probe.step:
-            for done in self._done:  # fold finished steps now: a step's histograms are large
-                self._recycle(done)
             stats = self._pool.pop() if self._pool else None
             sync_free = self._sync_free()
             if (
@@ -526,8 +524,6 @@ class NumericsCollector(Collector):
             with_scale = [c.scale for c in done if c.scale is not None]
             read = iter(torch.stack(with_scale).double().cpu().tolist() if with_scale else [])
             scales = [next(read) if c.scale is not None else 1.0 for c in done]
-        for cap in done:
-            self._recycle(cap)
         rows: list[dict[str, Any]] = []
         offenders: list[dict[str, Any]] = []
         for cap, table, scale in zip(done, stacked, scales, strict=True):
