@@ -71,6 +71,10 @@ __all__ = [
 ]
 
 MAX_CONTROL_BYTES = 64 * 1024  # a control request is a few hundred bytes
+# A control file changed less than this long ago that does not parse is read again at the next
+# poll instead of being reported: a writer that is not atomic (``echo ... > control.json``, a big
+# copy) may be half-way through it.
+SETTLE_S = 1.0
 STATUS_FILE = "attach_status.json"  # written by attach_live for `amprobe attach --pid`
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 _NEXT_TIME = "start the job with `amprobe run --dormant --out DIR -- ...` next time, then `amprobe attach DIR`"
@@ -96,8 +100,10 @@ class ControlWatcher(threading.Thread):
 
     The control file is read only when it is a regular file (not a symbolic link, a FIFO or a
     device), without blocking and at most :data:`MAX_CONTROL_BYTES`; anything else is ignored,
-    recorded once as a ``control_file_ignored`` event and reported in the acknowledgement so
-    that ``amprobe attach`` can say why. Each request carries a random ``id``: a request is
+    recorded once per kind of problem as a ``control_file_ignored`` event and reported in the
+    acknowledgement so that ``amprobe attach`` can say why. A file that does not parse yet was
+    changed in the last :data:`SETTLE_S` seconds is read again at the next poll (it may be
+    half-written) and reported only once it stays that way. Each request carries a random ``id``: a request is
     handled once, whatever its sequence number, so a deleted or rewritten control file cannot
     make the job skip a request.
     """
@@ -157,11 +163,16 @@ class ControlWatcher(threading.Thread):
             if self._stop_event.wait(self._poll_s):
                 return
 
-    def _refuse(self, probe: Any, reason: str) -> None:
-        """Ignore the control file as it is now: one event per distinct reason, and the ack says it."""
+    def _refuse(self, probe: Any, reason: str, kind: str | None = None) -> None:
+        """Ignore the control file as it is now: one event per kind of problem, and the ack says it.
+
+        ``kind`` groups reasons that differ only in a detail (the size of a file that grows while
+        it is written is one problem, not one per size seen); it defaults to the reason.
+        """
         self._ignored = f"{CONTROL_FILE} ignored: {reason}"
-        if reason not in self._reported and len(self._reported) < 16:
-            self._reported.add(reason)
+        kind = kind or reason
+        if kind not in self._reported and len(self._reported) < 16:
+            self._reported.add(kind)
             with contextlib.suppress(Exception):
                 probe.event("control_file_ignored", reason=reason)
 
@@ -179,15 +190,23 @@ class ControlWatcher(threading.Thread):
             self._refuse(probe, f"it is {kind}")
             return
         if st.st_size > MAX_CONTROL_BYTES:
-            self._refuse(probe, f"larger than {MAX_CONTROL_BYTES} bytes ({st.st_size})")
+            self._refuse(
+                probe, f"larger than {MAX_CONTROL_BYTES} bytes ({st.st_size})", kind="too large"
+            )
             return
         try:
             command = read_json_file(self._path, max_bytes=MAX_CONTROL_BYTES, follow_symlinks=False)
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            self._refuse(probe, reason)
+        except ValueError as exc:
+            if 0 <= time.time_ns() - st.st_mtime_ns < SETTLE_S * 1e9:
+                self._last_sig = None  # maybe half-written: read it again at the next poll
+                return
+            reason = str(exc)
+            self._refuse(probe, reason, kind="too large" if reason.startswith("larger") else None)
+            return
+        except OSError as exc:
+            self._refuse(probe, exc.strerror or str(exc))
             return
         self._ignored = None
         self._handle(probe, command)

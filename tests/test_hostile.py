@@ -440,6 +440,61 @@ def test_control_file_that_is_not_a_small_regular_file_is_ignored(watched, tmp_p
     assert watched.actions == ["attach"]
 
 
+def _request(seq: int, command: str = "attach") -> str:
+    import time
+
+    return json.dumps(
+        {"seq": seq, "id": f"req-{seq}", "command": command, "issued_unix": time.time()}
+    )
+
+
+def test_half_written_control_file_is_read_again_not_reported(watched):
+    """A writer that is not atomic (`echo ... > control.json`) is seen half-way: not an error."""
+    import time
+
+    control = watched.run_dir / "control.json"
+    assert _wait(lambda: _ack(watched).get("pid"))
+    text = _request(7)
+    with open(control, "w") as fh:
+        fh.write(text[:10])
+        fh.flush()
+        time.sleep(0.3)  # ~15 polls see the half-written file
+        fh.write(text[10:])
+    assert _wait(lambda: watched.actions == ["attach"])
+    assert [e for e in watched.events if e[0] == "control_file_ignored"] == []
+    assert _wait(lambda: _ack(watched).get("seen") == 7)
+    assert _ack(watched)["ignored"] is None
+
+
+def test_control_file_that_stays_invalid_is_reported_once(watched):
+    import time
+
+    from amprobe.control import SETTLE_S
+
+    control = watched.run_dir / "control.json"
+    assert _wait(lambda: _ack(watched).get("pid"))
+    control.write_text('{"seq": 3, "comm')
+    assert _wait(lambda: "not valid JSON" in (_ack(watched).get("ignored") or ""))
+    time.sleep(0.2)  # more polls of the same file: still one event
+    ignored = [e for e in watched.events if e[0] == "control_file_ignored"]
+    assert ignored == [("control_file_ignored", {"reason": "not valid JSON"})]
+    # reported only after it settled: the acknowledgement came no sooner than SETTLE_S later
+    assert (
+        os.stat(watched.run_dir / "rank0" / "control_ack.json").st_mtime - os.stat(control).st_mtime
+        >= SETTLE_S - 0.05
+    )
+
+
+def test_control_file_growing_past_the_limit_is_one_problem(watched):
+    control = watched.run_dir / "control.json"
+    assert _wait(lambda: _ack(watched).get("pid"))
+    for size in (100_000, 200_000, 300_000):
+        control.write_bytes(b" " * size)
+        assert _wait(lambda s=size: f"({s})" in (_ack(watched).get("ignored") or ""))
+    ignored = [e for e in watched.events if e[0] == "control_file_ignored"]
+    assert len(ignored) == 1 and ignored[0][1]["reason"].startswith("larger than"), ignored
+
+
 # -- disk full: appends are idempotent, the clean close survives (item 5) ------------------------
 @pytest.fixture
 def small_disk(tmp_path):
