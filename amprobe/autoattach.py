@@ -17,7 +17,6 @@ Environment (set by the CLI):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -89,8 +88,6 @@ def activate_from_env() -> Any:
             return current_probe()
         overrides = json.loads(os.environ.get(ENV_CONFIG) or "{}")
         cfg = make_config(overrides)
-        if "discovery" not in cfg.collectors:
-            cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, "discovery"))
         if os.environ.get(ENV_FORCE_FP32) == "1":
             _force_fp32()
         probe = attach(

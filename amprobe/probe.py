@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import enum
 import json
 import os
@@ -652,6 +653,10 @@ def attach(
     global _ACTIVE
     cfg = make_config(config)
     check_collectors(cfg, REGISTRY)
+    if model is None and "discovery" not in cfg.collectors:
+        # nothing passed (accelerate, `amprobe run`): find the root model at its first forward,
+        # so the per-layer collectors see it as if it had been passed
+        cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, "discovery"))
     with _LOCK:
         existing = _ACTIVE
         if existing is not None and not existing.closed:

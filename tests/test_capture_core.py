@@ -109,6 +109,28 @@ def test_nothing_left_installed_after_close(tmp_path, pass_model):
     assert not run.events_of("undeclared_field")
 
 
+def test_nothing_passed_records_the_same_layers_as_model_passed(tmp_path):
+    """attach() with no model (accelerate, a custom loop) finds the root at its first forward:
+    per-layer numerics and compute rows name the same layers as when the model is passed."""
+    runs = []
+    for tag, pass_model in (("passed", True), ("found", False)):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        config = {"numerics_every": 1, "shapes_every": 1}  # default collectors: no discovery
+        with amprobe.attach(model if pass_model else None, run_dir=tmp_path / tag, config=config):
+            _train(model, opt, scaler, 3)
+        runs.append(amprobe.load_run(tmp_path / tag))
+    passed, found = runs
+    assert [e["model_class"] for e in found.events_of("model_registered")] == ["Sequential"]
+    layers = [set(run.table("numerics").query("step >= 1")["module"]) for run in runs]
+    assert layers[0] == layers[1] and {"0", "1", "2"} <= layers[0], layers
+    modules = [set(run.table("compute_ops")["module"]) for run in runs]
+    assert modules[0] == modules[1] == {"0", "2"}, modules
+    # the optimizer predates attach(), so the root is confirmed at the end of step 0
+    assert set(found.table("numerics")["step"]) == {1, 2}
+
+
 def test_nothing_written_onto_the_users_objects(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -385,6 +385,9 @@ def test_accelerate_attach_with_nothing_passed(accelerate_script, tmp_path):
     assert run.steps["scaler_enabled"].all() and run.steps["scale_before"].eq(1024.0).all()
     assert "SGD" in {e["optimizer_class"] for e in run.events_of("optimizer_seen")}
     assert set(run.steps["autocast_dtype"].dropna()) == {"float16"}
+    # the prepared model is found at its first forward: per-layer numerics as if it were passed
+    assert len(run.events_of("model_registered")) == 1
+    assert not run.table("numerics").empty
 
 
 def test_accelerate_prepare_is_no_restore(accelerate_script, tmp_path):
