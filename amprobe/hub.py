@@ -23,13 +23,14 @@ installs is removed by :meth:`Hub.close`, in the reverse order of installation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +224,16 @@ class Hub:
         except Exception as exc:
             self.failed(collector, exc)
             return None
+        finally:
+            self.busy -= 1
+
+    @contextlib.contextmanager
+    def own_work(self) -> Iterator[None]:
+        """amprobe's own tensor work outside a collector (reading live metrics for a callback):
+        its ops are not the job's, so no op observer (sync counter, shape capture) books them."""
+        self.busy += 1
+        try:
+            yield
         finally:
             self.busy -= 1
 

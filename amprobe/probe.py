@@ -489,7 +489,9 @@ class Probe:
         if len(pending) < self._live_pending_n:  # flushed since: start the pending fold afresh
             self._live_pending, self._live_pending_n = {}, 0
         new = pending[self._live_pending_n :]
-        _fold_live(self._live_pending, [{k: _host_value(v) for k, v in r.items()} for r in new])
+        with self.hub.own_work():  # amprobe's reads are not the job's host syncs
+            rows = [{k: _host_value(v) for k, v in r.items()} for r in new]
+        _fold_live(self._live_pending, rows)
         self._live_pending_n = len(pending)
         live = dict(self._live)
         for key, value in self._live_pending.items():  # counts add up, last values replace

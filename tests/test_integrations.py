@@ -167,16 +167,28 @@ def test_lightning_callback_config_checked_in_setup(lightning_script, tmp_path):
 
 
 def test_lightning_live_metrics_logged(lightning_script, tmp_path):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
     from amprobe.integrations.lightning import AmprobeCallback
 
-    callback = AmprobeCallback(tmp_path / "run", summary=False)
+    callback = AmprobeCallback(tmp_path / "run", config={"syncs_every": 1}, summary=False)
     module = lightning_script.TinyModule("blow", 1)
-    trainer = lightning_script.make_trainer("fp16-cpu", 3, 1, [callback], str(tmp_path))
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer = lightning_script.make_trainer(
+        "fp16-cpu", 3, 1, [callback], str(tmp_path), logger=logger
+    )
     _in_process(trainer.fit, module, lightning_script.data(3, 1))
-    logged = trainer.logged_metrics
-    assert float(logged["amprobe/loss_scale"]) == 32768.0
-    assert float(logged["amprobe/skipped_steps"]) == 1.0
-    assert "amprobe/nonfinite_layers" in logged
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("amprobe/loss_scale")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2], "one row per optimizer step (logging steps)"
+    assert float(rows[-1]["amprobe/loss_scale"]) == 32768.0
+    assert float(rows[-1]["amprobe/skipped_steps"]) == 1.0
+    assert rows[-1]["amprobe/nonfinite_layers"] != ""
+    # reading and logging amprobe's metrics is not the job's host-device sync (false AMP-S03)
+    sites = set(amprobe.load_run(tmp_path / "run").table("syncs")["site"])
+    assert not [s for s in sites if "/amprobe/" in s], sites
 
 
 def test_lightning_booster_overflow_names_producer_and_place(lightning_script, tmp_path):

@@ -49,8 +49,10 @@ class AmprobeCallback(pl.Callback):
     run directory and the findings, as ``amprobe run`` does. Under ``amprobe run`` the
     callback joins the launcher's probe and leaves closing and the summary to it.
 
-    Logged metrics (``pl_module.log``, once per optimizer step, only when the probe provides
-    them; they reach whatever logger the trainer has):
+    Logged metrics (written to the trainer's loggers on Lightning's logging steps, as
+    ``DeviceStatsMonitor`` does, only when the probe provides them; they reach whatever logger
+    the trainer has, TensorBoard, W&B, CSV; as plain numbers, so logging them adds no tensor and
+    no host-device sync to the job):
 
     - ``amprobe/loss_scale``: the GradScaler's loss scale after the last recorded update.
     - ``amprobe/skipped_steps``: iterations whose update the GradScaler skipped so far (count).
@@ -63,7 +65,7 @@ class AmprobeCallback(pl.Callback):
     Args:
         run_dir: where the run is written; default ``amprobe_runs/<time>-<pid>``.
         config: an :class:`amprobe.Config` or a dict of its fields.
-        log_metrics: push the live metrics into ``pl_module.log``.
+        log_metrics: write the live metrics to the trainer's loggers.
         summary: print the findings at the end of training (global rank 0 only).
     """
 
@@ -145,10 +147,13 @@ class AmprobeCallback(pl.Callback):
             )
         # log when Lightning logs (every `log_every_n_steps`), as DeviceStatsMonitor does
         connector = getattr(trainer, "_logger_connector", None)
-        if self.log_metrics and getattr(connector, "should_update_logs", True):
+        loggers = trainer.loggers
+        if self.log_metrics and loggers and getattr(connector, "should_update_logs", True):
             metrics = live_metrics(probe)
             if metrics:
-                pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+                at = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
+                for logger in loggers:
+                    logger.log_metrics(metrics, step=at)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         probe, self.probe = self.probe, None

@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -59,7 +60,9 @@ class TinyModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def make_trainer(precision: str, steps: int, accum: int, callbacks: list, root: str) -> pl.Trainer:
+def make_trainer(
+    precision: str, steps: int, accum: int, callbacks: list, root: str, logger: Any = False
+) -> pl.Trainer:
     plugins = []
     if precision == "fp16-cpu":
         from lightning.pytorch.plugins.precision import MixedPrecision
@@ -76,7 +79,7 @@ def make_trainer(precision: str, steps: int, accum: int, callbacks: list, root: 
         accumulate_grad_batches=accum,
         callbacks=callbacks,
         plugins=plugins,
-        logger=False,
+        logger=logger,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
