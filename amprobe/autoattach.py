@@ -67,7 +67,7 @@ def _close_on_sigterm() -> None:
         if probe is not None:
             with contextlib.suppress(Exception):
                 probe.event("terminated", signal=signum)
-                probe.close()
+                probe.close(ended_by=signal.Signals(signum).name)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

@@ -510,8 +510,15 @@ class Probe:
             self.event("undeclared_field", table="steps", field=name)
 
     # -- shutdown -----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Flush, remove every hook and patch, and mark the run as cleanly closed. Idempotent."""
+    def close(self, *, ended_by: BaseException | str | None = None) -> None:
+        """Flush, remove every hook and patch, and mark the run as cleanly closed. Idempotent.
+
+        Args:
+            ended_by: what is ending the program, when it is not a normal end: the uncaught
+                exception (the run's status becomes ``failed``; ``interrupted`` for
+                ``KeyboardInterrupt``) or the name of a signal (``interrupted``). At exit and in
+                ``with attach(...)`` this is found by itself.
+        """
         global _ACTIVE
         with _LOCK:
             if self.closed:
@@ -519,32 +526,52 @@ class Probe:
             self.closed = True
         if os.getpid() != self.pid:
             return  # a forked child (DataLoader worker) never writes the parent's run
+        status, reason = _end_status(ended_by)
         try:
             if self.recording and self.window > 0:
                 self._window_end_event("run_end")
-            self.event("run_end", steps=self.step)
+            self.event("run_end", steps=self.step, status=status)
             if self._watcher is not None:
                 self._watcher.stop()
+            if self.writer is not None and not self.writer.ready and self._trained_something():
+                # the job died before its first step ended (the fault most in need of a
+                # diagnosis): keep what was seen instead of leaving no run at all
+                with contextlib.suppress(Exception):
+                    self.writer.prepare()
             self.flush()
         finally:
             for collector in reversed(self.collectors):
                 self.hub.call(collector, collector.on_close)
             self.hub.close()
             if self.writer is not None:
+                end: dict[str, Any] = {
+                    "status": status,
+                    "steps": self.step,
+                    "end_unix": time.time(),
+                }
+                if reason:
+                    end["reason"] = reason
                 with contextlib.suppress(Exception):
-                    self.writer.close(
-                        {"status": "finished", "steps": self.step, "end_unix": time.time()}
-                    )
+                    self.writer.close(end)
             with contextlib.suppress(Exception):
-                atexit.unregister(self.close)
+                atexit.unregister(self._close_at_exit)
             if _ACTIVE is self:
                 _ACTIVE = None
+
+    def _close_at_exit(self) -> None:
+        self.close(ended_by=_uncaught_exception())
+
+    def _trained_something(self) -> bool:
+        """Whether this process got as far as training objects (not a launcher or a helper)."""
+        return bool(len(self.hub.optimizers) or len(self.hub.scalers)) or any(
+            ref() is not None for ref in self.models
+        )
 
     def __enter__(self) -> Probe:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(ended_by=exc)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("recording" if self.recording else "dormant")
@@ -567,6 +594,36 @@ def _fold_live(live: dict[str, float], rows: list[dict[str, Any]]) -> None:
         loss = row.get("loss")
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             live["loss"] = float(loss)
+
+
+def _uncaught_exception() -> BaseException | None:
+    """The exception ending the program, at exit: the interpreter keeps an uncaught one in
+    ``sys.last_exc`` (``sys.last_value`` before 3.12) before running exit handlers. In an
+    interactive session those hold an earlier error the session went on from: not used."""
+    if hasattr(sys, "ps1") or "IPython" in sys.modules:
+        return None
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return exc if isinstance(exc, BaseException) else None
+
+
+def _end_status(ended_by: BaseException | str | None) -> tuple[str, str | None]:
+    """``(status, reason)`` for ``end.json`` from what ended the program."""
+    if ended_by is None:
+        return "finished", None
+    if isinstance(ended_by, str):
+        return "interrupted", ended_by
+    if isinstance(ended_by, KeyboardInterrupt):
+        return "interrupted", "KeyboardInterrupt"
+    if isinstance(ended_by, SystemExit):
+        code = ended_by.code
+        if code is None or code == 0:
+            return "finished", None
+        return "failed", f"SystemExit({code!r})"[:300]
+    if not isinstance(ended_by, Exception):  # GeneratorExit and friends: not a failure
+        return "finished", None
+    text = str(ended_by).strip().splitlines()
+    message = f"{type(ended_by).__name__}: {text[0]}" if text else type(ended_by).__name__
+    return "failed", message[:300]
 
 
 def _host_value(value: Any) -> Any:
@@ -695,7 +752,7 @@ def attach(
         raise
     with _LOCK:
         _ACTIVE = probe
-    atexit.register(probe.close)
+    atexit.register(probe._close_at_exit)
     return probe
 
 

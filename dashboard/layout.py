@@ -70,6 +70,7 @@ _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {
     "live": "#2e7d32",
     "finished": "#555",
+    "failed": "#c62828",
     "interrupted": "#c62828",
     "unreadable": "#c62828",
 }

@@ -34,12 +34,13 @@ import amprobe
 from amprobe.report.sections import build_sections
 from amprobe.store import read_table
 from amprobe.store.layout import (
+    STATUS_ORDER,
     file_kind,
     has_format_marker,
     open_regular,
     parse_rank_dirname,
-    rank_state,
     read_json_file,
+    status_of,
 )
 
 __all__ = [
@@ -417,17 +418,16 @@ def peek_run(name: str, path: Path) -> RunSummary:
     for i, (_, folder) in enumerate(ranks):
         ended = (folder / _END_MARKER).exists()
         manifest = _read_small_json(folder / _RUN_MANIFEST)
+        end = (_read_small_json(folder / _END_MARKER) or {}) if ended else None
         if i == 0:
             device = _text_field(manifest, "gpu_name", "device")
             dtype = _text_field(_first_record(folder / "steps.jsonl"), "autocast_dtype")
-            end = _read_small_json(folder / _END_MARKER) if ended else None
             value = (end or {}).get("steps")
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 steps = value
         # as the loader does: a rank of another host or a gone process reads as interrupted
-        state = rank_state(manifest or {}, ended=ended)
-        statuses.add(state if state in ("finished", "live") else "interrupted")
-    status = next(s for s in ("live", "interrupted", "finished") if s in statuses)
+        statuses.add(status_of(manifest or {}, end))
+    status = next(s for s in STATUS_ORDER if s in statuses)
     return RunSummary(
         name=name,
         status=status,

@@ -190,3 +190,104 @@ def test_compiled_model_is_recorded_without_crash(tmp_path):
 def test_bad_config_type(tmp_path, bad):
     with pytest.raises(amprobe.ConfigError):
         amprobe.attach(run_dir=tmp_path / "r", config=bad)
+
+
+# -- how the program ended is recorded, never lost ---------------------------------------------
+_CRASHING_SCRIPT = """
+import os, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+if os.environ["MODE"] == "half":
+    model = model.half()  # with a GradScaler: torch refuses to unscale fp16 gradients at step 0
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+dtype = torch.half if os.environ["MODE"] == "half" else torch.float
+for i in range(10):
+    if os.environ["MODE"] == "crash" and i == 3:
+        raise RuntimeError("planted crash at 3")
+    if os.environ["MODE"] == "ctrl-c" and i == 3:
+        raise KeyboardInterrupt
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8, dtype=dtype)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "code", "status", "steps", "reason"),
+    [
+        ("crash", 1, "failed", 3, "RuntimeError: planted crash at 3"),
+        ("ctrl-c", 130, "interrupted", 3, "KeyboardInterrupt"),
+        ("half", 1, "failed", 0, "ValueError: Attempting to unscale FP16 gradients."),
+    ],
+)
+def test_zero_code_run_records_how_the_program_ended(tmp_path, mode, code, status, steps, reason):
+    """A job that dies is not 'finished'; one that dies in its first step still leaves its run."""
+    import os
+
+    from tests.helpers import amprobe_cli
+
+    (tmp_path / "train.py").write_text(_CRASHING_SCRIPT)
+    os.environ["MODE"] = mode
+    try:
+        proc = amprobe_cli("run", "--out", "run", "--", "python", "train.py", cwd=tmp_path)
+    finally:
+        del os.environ["MODE"]
+    assert proc.returncode == code, proc.stderr[-2000:]
+    run = amprobe.load_run(tmp_path / "run")
+    assert (run.status, run.end_reason, len(run.steps)) == (status, reason, steps)
+    assert f"({status}: {reason})" in proc.stderr
+    assert not [w for w in run.warnings if "abruptly" in w]
+    if mode == "half":  # what the user most needs to hear: the fp16 master weights
+        assert "AMP-N14" in amprobe.diagnose(run).ids()
+        assert amprobe.diagnose(run).to_dict()["run"]["end_reason"] == reason
+
+
+def test_context_manager_records_the_exception_that_left_it(tmp_path):
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ZeroDivisionError):
+        with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run"):
+            train_loop(model, opt, scaler, 2, dtype=torch.bfloat16)
+            1 / 0  # noqa: B018
+    run = amprobe.load_run(tmp_path / "run")
+    assert (run.status, run.end_reason) == ("failed", "ZeroDivisionError: division by zero")
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "ok"):
+        train_loop(model, opt, scaler, 2, dtype=torch.bfloat16)
+    assert (
+        amprobe.load_run(tmp_path / "ok").status,
+        amprobe.load_run(tmp_path / "ok").end_reason,
+    ) == (
+        "finished",
+        None,
+    )
+
+
+def test_a_process_that_trains_nothing_still_leaves_no_run(tmp_path):
+    from tests.helpers import amprobe_cli
+
+    (tmp_path / "helper.py").write_text("import torch\nraise SystemExit(3)\n")
+    proc = amprobe_cli("run", "--out", "run", "--", "python", "helper.py", cwd=tmp_path)
+    assert proc.returncode == 3
+    assert not (tmp_path / "run" / "rank0").exists()
+
+
+@pytest.mark.parametrize(
+    ("end", "status"),
+    [
+        ({"status": "finished"}, "finished"),
+        ({"status": "failed", "reason": "RuntimeError: x"}, "failed"),
+        ({"status": "interrupted", "reason": "SIGTERM"}, "interrupted"),
+        ({"status": ["odd"]}, "finished"),  # a damaged field is not a status
+        (None, "interrupted"),  # no end file and no live process: ended without closing
+    ],
+)
+def test_status_of_a_rank(end, status):
+    from amprobe.store.layout import status_of
+
+    assert status_of({"hostname": "elsewhere-host"}, end) == status

@@ -75,12 +75,18 @@ def _run_summary(diagnosis: Diagnosis) -> dict[str, Any]:
     return diagnosis.to_dict()["run"]
 
 
+def _status(run: dict[str, Any]) -> str:
+    """``finished``, or ``failed (RuntimeError: ...)`` with the recorded reason."""
+    reason = run.get("end_reason")
+    return f"{run['status']} ({reason})" if reason else str(run["status"])
+
+
 def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
     """The one-screen text form printed by ``amprobe diagnose``."""
     run = _run_summary(diagnosis)
     lines = [
         f"amprobe diagnosis of {run['path']}",
-        f"  status {run['status']}, {run['steps']} steps, ranks {run['ranks']}, "
+        f"  status {_status(run)}, {run['steps']} steps, ranks {run['ranks']}, "
         f"device {run['device']}",
     ]
     for warning in run["warnings"]:
@@ -143,7 +149,7 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
     run = _run_summary(diagnosis)
     out = [f"# amprobe report: {_md_escape(Path(run['path']).name)}", ""]
     out.append(
-        f"- status: {_md_escape(run['status'])}; steps: {run['steps']}; "
+        f"- status: {_md_escape(_status(run))}; steps: {run['steps']}; "
         f"ranks: {_md_escape(run['ranks'])}; device: {_md_escape(run['device'])}"
     )
     for warning in run["warnings"]:
@@ -247,7 +253,7 @@ def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None =
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>amprobe report: {e(Path(info['path']).name)}</title><style>{_CSS}</style></head><body>",
         f"<h1>amprobe report: {e(Path(info['path']).name)}</h1>",
-        f"<p class='muted'>status {e(str(info['status']))} &middot; {info['steps']} steps &middot; "
+        f"<p class='muted'>status {e(_status(info))} &middot; {info['steps']} steps &middot; "
         f"ranks {e(str(info['ranks']))} &middot; device {e(str(info['device']))}"
         + (f" ({e(str(info['gpu_name']))})" if info.get("gpu_name") else "")
         + "</p>",

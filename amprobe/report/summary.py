@@ -40,8 +40,9 @@ def print_run_summary(run_dir: Path) -> None:
             file=sys.stderr,
         )
         return
+    status = f"{run.status}: {run.end_reason}" if run.end_reason else run.status
     print(
-        f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({run.status})",
+        f"\namprobe: recorded {steps} steps on {len(run.ranks)} rank(s) in {run_dir} ({status})",
         file=sys.stderr,
     )
     for line in collector_errors(run):

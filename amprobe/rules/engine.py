@@ -264,6 +264,7 @@ class Diagnosis:
             "run": {
                 "path": str(run.path),
                 "status": run.status,
+                "end_reason": run.end_reason,
                 "ranks": [r.rank for r in run.ranks],
                 "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0,
                 "device": run.rank_manifest.get("device") or "not recorded",

@@ -61,6 +61,8 @@ __all__ = [
     "rank_dirname",
     "rank_state",
     "read_json_file",
+    "STATUS_ORDER",
+    "status_of",
 ]
 
 FORMAT = "amprobe-run"  #: the ``format`` field of every manifest: the format marker
@@ -342,6 +344,22 @@ def pid_alive(pid: Any) -> bool:
     except (OSError, OverflowError):
         return False
     return True
+
+
+#: Run statuses, the one that wins first: a run is ``live`` while any rank is, else ``failed``
+#: if a rank's program ended with an uncaught exception, else ``interrupted`` (Ctrl-C, SIGTERM,
+#: or a process that ended without closing), else ``finished``.
+STATUS_ORDER = ("live", "failed", "interrupted", "finished")
+
+
+def status_of(manifest: dict[str, Any], end: Any) -> str:
+    """A rank's status (one of :data:`STATUS_ORDER`) from its manifest and ``end.json`` object
+    (``None`` when it has none): the end file says how the program ended, when it knows."""
+    if end is None:
+        state = rank_state(manifest, ended=False)
+        return "live" if state == "live" else "interrupted"
+    said = end.get("status") if isinstance(end, dict) else None
+    return said if said in ("failed", "interrupted") else "finished"
 
 
 def rank_state(manifest: dict[str, Any], ended: bool) -> str:

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 
 from amprobe.store import schema
-from amprobe.store.layout import list_ranks, open_regular, rank_state, read_json_file
+from amprobe.store.layout import STATUS_ORDER, list_ranks, open_regular, read_json_file, status_of
 
 __all__ = [
     "Run",
@@ -50,7 +50,7 @@ class RankInfo:
     path: Path
     manifest: dict[str, Any]
     end: dict[str, Any] | None
-    status: str  # "finished" | "live" | "interrupted"
+    status: str  # one of amprobe.store.layout.STATUS_ORDER
 
 
 @dataclasses.dataclass
@@ -61,8 +61,10 @@ class Run:
         path: the run directory.
         manifest: the run-level manifest.
         ranks: one :class:`RankInfo` per rank that could be read.
-        status: ``finished`` when every rank closed cleanly, ``live`` while a rank's process is
-            still running on this host, else ``interrupted`` (the process ended without closing).
+        status: ``live`` while a rank's process is still running on this host, ``failed`` when
+            a rank's program ended with an uncaught exception, ``interrupted`` when it was
+            stopped (Ctrl-C, SIGTERM) or ended without closing, else ``finished``;
+            :attr:`end_reason` says why, when recorded.
         warnings: problems met while loading (partial records dropped, unreadable ranks, ...).
     """
 
@@ -178,6 +180,16 @@ class Run:
         if key not in self._derived:
             self._derived[key] = compute(self)
         return self._derived[key]
+
+    @property
+    def end_reason(self) -> str | None:
+        """Why the run did not finish normally, as its end files say (``"RuntimeError: ..."``,
+        ``"KeyboardInterrupt"``, ``"SIGTERM"``), rank-prefixed when several ranks ran."""
+        for info in self.ranks:
+            reason = (info.end or {}).get("reason") if info.status == self.status else None
+            if isinstance(reason, str) and reason:
+                return reason if len(self.ranks) == 1 else f"rank {info.rank}: {reason}"
+        return None
 
     @property
     def last_step(self) -> int | None:
@@ -505,11 +517,6 @@ def _check_version(manifest: dict[str, Any], where: Path) -> None:
         raise RunLoadError(f"manifest has an invalid schema_version {version}: {where}")
 
 
-def _rank_status(manifest: dict[str, Any], end: dict[str, Any] | None) -> str:
-    state = rank_state(manifest, ended=end is not None)
-    return {"finished": "finished", "live": "live"}.get(state, "interrupted")
-
-
 def load_run(path: str | os.PathLike[str]) -> Run:
     """Load a run directory.
 
@@ -572,7 +579,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         if end is not None:
             warnings.extend(_drop_damaged_fields(end, _END_CHECKS, f"rank {rank} end.json"))
             warnings.extend(_lost_rows_warning(rank, end))
-        status = _rank_status(rank_manifest, end)
+        status = status_of(rank_manifest, end)
         ranks.append(
             RankInfo(rank=rank, path=rank_dir, manifest=rank_manifest, end=end, status=status)
         )
@@ -593,13 +600,9 @@ def load_run(path: str | os.PathLike[str]) -> Run:
                 f"rank folder(s) {', '.join(str(r) for r in beyond)} are beyond world_size {world}"
             )
     statuses = {r.status for r in ranks}
-    status = (
-        "live"
-        if "live" in statuses
-        else ("interrupted" if "interrupted" in statuses else "finished")
-    )
+    status = next((s for s in STATUS_ORDER if s in statuses), "finished")
     run = Run(path=root, manifest=manifest, ranks=ranks, status=status, warnings=warnings)
-    if status == "interrupted":
+    if any(r.end is None and r.status != "live" for r in ranks):
         last = run.last_step
         where = f" at step {last}" if last is not None else " before its first flushed step"
         run.warnings.append(f"run ended abruptly{where} (no clean close recorded)")
