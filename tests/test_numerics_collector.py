@@ -342,3 +342,48 @@ def test_cuda_arming_reads_a_pinned_flag_once_its_event_has_passed(
         assert collector._in_flight == []
     finally:
         probe.close()
+
+
+class _Booster(nn.Module):
+    """Multiplies by 1e5 on the steps listed: beyond fp16's range in the next half matmul."""
+
+    def __init__(self, at: set[int]) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * 1e5 if self.calls - 1 in self.at else x
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["no-scaler", "scaler"])
+def test_update_that_wrote_nan_into_the_weights_is_named_not_the_next_layer(tmp_path, scaled):
+    """No GradScaler: the overflow step's NaN update reaches the weights, and the next step's
+    first Linear outputs NaN from finite inputs. N05 must say so, not blame that Linear; with a
+    scaler the step is skipped and the overflowing module is named as before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Booster({3, 4, 5}), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+    with amprobe.attach(
+        model, opt, scaler, run_dir=tmp_path / "run", config={"numerics_every": 50}
+    ):
+        for x in _batches(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    run = amprobe.load_run(tmp_path / "run")
+    n05 = next(f for f in diagnose(run).findings if f.id == "AMP-N05")
+    weights = run.events_of("nonfinite_weights")
+    if scaled:
+        assert not weights, "the scaler skipped the NaN update: the weights stay finite"
+        assert n05.evidence["module"] == "0" and "cause" not in n05.evidence
+    else:
+        assert [(e["at_step"], e["params"][0]) for e in weights][:1] == [(4, "1.weight")]
+        assert n05.evidence["cause"] == "nonfinite_weights"
+        assert n05.evidence["applied_update_step"] == 3 and n05.evidence["step"] == 4
+        assert "the update of step 3 applied non-finite values" in n05.title
+        assert "GradScaler" in n05.fix

@@ -201,6 +201,17 @@ def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
     return {int(s) for s in part["step"]}
 
 
+def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
+    """The first armed step of ``rank`` that began with inf/NaN in the weights (the
+    ``nonfinite_weights`` event: ``at_step``, ``count``, ``params``), or ``None``."""
+    seen = [
+        e
+        for e in run.events_of("nonfinite_weights")
+        if e.get("rank") == rank and isinstance(e.get("at_step"), int)
+    ]
+    return min(seen, key=lambda e: e["at_step"]) if seen else None
+
+
 def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
     """First forward / backward offenders of ``rank`` as evidence fields (empty if not recorded)."""
     offenders = run.table("offenders")

@@ -214,6 +214,8 @@ class NumericsCollector(Collector):
         self._scaler: weakref.ReferenceType[GradScaler] | None = None
         self._inputs_described: set[int] = set()
         self._nonfinite_modules: set[str] = set()
+        # armed steps: (step, parameter names, device flags "holds inf/NaN") not read yet
+        self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -434,8 +436,46 @@ class NumericsCollector(Collector):
     def on_step_begin(self, step: int) -> None:
         if self._sampled(step):
             self._install_capture()
+            if step <= self._armed_until:
+                self._check_weights(step)
         else:
             self._remove_capture()
+
+    def _check_weights(self, step: int) -> None:
+        """Which hooked modules' own parameters hold inf/NaN as this armed step begins.
+
+        After a bad step whose update was applied (no GradScaler to skip it, or a learning rate
+        that diverges), the weights themselves are non-finite, and the first module to use them
+        outputs NaN from finite inputs without overflowing anything: AMP-N05 must not blame it.
+        One ``isfinite`` pass over the weights, on armed steps only; read at once on CPU, at the
+        next flush elsewhere (no sync).
+        """
+        names: list[str] = []
+        flags: list[torch.Tensor] = []
+        with torch.no_grad():
+            for ref, slots in self._targets:
+                mod = ref()
+                if mod is None:
+                    continue
+                label = self._slots[slots[0]].name
+                for pname, p in mod.named_parameters(recurse=False):
+                    if p.is_floating_point() and p.numel():
+                        names.append(pname if label == "<root>" else f"{label}.{pname}")
+                        flags.append(~torch.isfinite(p).all())
+            if not flags:
+                return
+            device = flags[0].device
+            stacked = torch.stack([f.to(device, non_blocking=True) for f in flags])
+        self._weight_checks.append((step, names, stacked))
+        if device.type == "cpu":
+            self._read_weight_checks()
+
+    def _read_weight_checks(self) -> None:
+        checks, self._weight_checks = self._weight_checks, []
+        for step, names, flags in checks:
+            bad = [name for name, flag in zip(names, flags.cpu().tolist(), strict=True) if flag]
+            if bad:
+                self.probe.event("nonfinite_weights", at_step=step, count=len(bad), params=bad[:10])
 
     def on_recording(self, active: bool) -> None:
         if not active:
@@ -512,6 +552,7 @@ class NumericsCollector(Collector):
 
     # -- flush ------------------------------------------------------------------------------------
     def on_flush(self, writer: Any) -> None:
+        self._read_weight_checks()
         watch, self._watch = self._watch, []
         for flags in _to_host(watch):  # device flags: one transfer per device, at flush
             if _record_bad(flags):

@@ -18,6 +18,7 @@ from amprobe.analysis.numerics import (
     ROLE_LABELS,
     compute_scale_hint,
     compute_underflow,
+    first_nonfinite_weights,
     last_linears,
     module_role,
     nonfinite_input_steps,
@@ -131,6 +132,15 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
         part = part[~part["step"].isin(excluded)]
         if part.empty:
             continue
+        weights = first_nonfinite_weights(run, rank)
+        if weights is not None:
+            # from that step on a module's NaN output comes from its weights, not from an op
+            # that overflowed: only offenders seen before it can be named
+            before = part[part["step"] < weights["at_step"]]
+            if before.empty:
+                yield _nonfinite_weights_finding(ctx, rank, weights, part.iloc[0])
+                continue
+            part = before
         first = part.iloc[0]
         step, module = int(first["step"]), str(first["module"])
         rows = numerics[(numerics["rank"] == rank) & (numerics["step"] == step)]
@@ -192,6 +202,59 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
                 "device_type, enabled=False) around it and .float() on its inputs)."
             ),
         )
+
+
+def _nonfinite_weights_finding(
+    ctx: RuleContext, rank: int, weights: dict[str, Any], first: pd.Series
+) -> Finding:
+    """AMP-N05 when the weights were already non-finite: name the update, not a layer."""
+    steps = ctx.run.steps
+    at = int(weights["at_step"])
+    mine = steps[(steps["rank"] == rank) & (steps["step"] < at)] if not steps.empty else steps
+    bad = (
+        mine[mine["loss_nonfinite"].fillna(False).astype(bool)]
+        if "loss_nonfinite" in mine
+        else mine.iloc[0:0]
+    )
+    applied = int(bad["step"].max()) if len(bad) else None
+    scaled = "scaler_enabled" in mine and bool(
+        mine["scaler_enabled"].fillna(False).astype(bool).any()
+    )
+    params = [str(p) for p in weights.get("params") or []]
+    count = int(weights.get("count") or len(params))
+    update = f"the update of step {applied}" if applied is not None else "an earlier update"
+    module, module_type = str(first["module"]), str(first["module_type"])
+    fix = (
+        "With fp16 use torch.amp.GradScaler: it skips a step whose gradients hold inf/NaN "
+        "instead of applying them. "
+        if not scaled
+        else ""
+    )
+    fix += (
+        "If the loss diverges in fp32 too, this is not AMP: lower the learning rate or clip "
+        "gradients (after scaler.unscale_). To name the layer that overflowed first, sample "
+        "every step (--set numerics_every=1)."
+    )
+    return ctx.finding(
+        title=(
+            f"the weights hold inf/NaN from step {at} ({count} parameter(s), first "
+            f"{params[0] if params else '?'}): {update} applied non-finite values, so "
+            f"{module} ({module_type}) outputs NaN from finite inputs; no layer was seen "
+            "overflowing before"
+        ),
+        evidence={
+            "rank": rank,
+            "module": module,
+            "module_type": module_type,
+            "step": at,
+            "cause": "nonfinite_weights",
+            "nonfinite_param_count": count,
+            "nonfinite_params": params,
+            "applied_update_step": applied,
+            "scaler_enabled": scaled,
+        },
+        fix=fix,
+    )
 
 
 @rule(
