@@ -728,6 +728,13 @@ def attach(
             existing = None
     if existing is not None:
         # `amprobe run` attached an automatic probe: join it instead of instrumenting twice.
+        if run_dir is not None and Path(run_dir).resolve() != Path(existing.run_dir).resolve():
+            existing.event("attach_joined", requested_run_dir=str(run_dir))
+            print(
+                f"amprobe: attach(run_dir={str(run_dir)!r}) joins the run `amprobe run` is "
+                f"recording in {existing.run_dir}; nothing is written to {str(run_dir)!r}",
+                file=sys.stderr,
+            )
         for obj in (optimizer, scaler):
             if obj is not None:
                 existing.add_object(obj)

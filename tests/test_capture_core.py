@@ -320,3 +320,23 @@ def test_a_failing_hub_body_never_reaches_the_loop(tmp_path, monkeypatch):
     assert list(run.steps["step"]) == [0, 1, 2, 3], "step boundaries survive"
     errors = run.events_of("hub_error")
     assert len(errors) == 1 and "torch internals changed" in errors[0]["error"]
+
+
+def test_attach_under_amprobe_run_says_where_it_records(tmp_path, capsys):
+    """A script's own attach(run_dir=X) joins the launcher's probe: say so, never silently."""
+    from amprobe.probe import attach as core_attach
+
+    outer = core_attach(run_dir=tmp_path / "outer", adoptable=True)
+    try:
+        model = _model()
+        joined = amprobe.attach(model, run_dir=tmp_path / "inner")
+        assert joined is outer
+        err = capsys.readouterr().err
+        assert "joins the run `amprobe run` is recording in" in err and "inner" in err
+        assert amprobe.attach(run_dir=tmp_path / "outer") is outer  # the same place: no message
+        assert capsys.readouterr().err == ""
+    finally:
+        outer.close()
+    assert not (tmp_path / "inner").exists()
+    events = amprobe.load_run(tmp_path / "outer").events_of("attach_joined")
+    assert [e["requested_run_dir"] for e in events] == [str(tmp_path / "inner")]
