@@ -128,6 +128,9 @@ class Probe:
         self._last_flush = time.perf_counter()
         self._pending_steps: list[dict[str, Any]] = []
         self._pending_events: list[dict[str, Any]] = []
+        # events come from other threads too (the control watcher): the flush's hand-over of
+        # the list and an append must not interleave, or the appended event is lost
+        self._events_lock = threading.Lock()
         self.collectors: list[Collector] = []
         self.hub = Hub(self)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
@@ -277,14 +280,14 @@ class Probe:
         ):
             self._dropped_events += 1
             return
-        self._pending_events.append(
-            {
-                "step": self.step,
-                "t": time.perf_counter() - self._t0,
-                "kind": kind,
-                "detail": json.dumps(detail, default=str, sort_keys=True),
-            }
-        )
+        row = {
+            "step": self.step,
+            "t": time.perf_counter() - self._t0,
+            "kind": kind,
+            "detail": json.dumps(detail, default=str, sort_keys=True),
+        }
+        with self._events_lock:
+            self._pending_events.append(row)
 
     def end_step(self, facts: StepFacts) -> None:
         """Close the iteration in progress. Called by the hub at the step boundary.
@@ -455,8 +458,8 @@ class Probe:
             self._update_live(rows)
             self.writer.append("steps", rows)
             self.hub.emit("on_flush", self.writer)
-            events = self._pending_events
-            self._pending_events = []
+            with self._events_lock:
+                events, self._pending_events = self._pending_events, []
             self.writer.append("events", events)
             self.writer.flush()
         except Exception as exc:  # the writer never raises; this guards the materialisation
@@ -790,6 +793,7 @@ def _after_fork_in_child() -> None:
     probe = _ACTIVE
     if probe is not None:
         probe.closed = True
+        probe._events_lock = threading.Lock()  # another thread may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):  # POSIX only
