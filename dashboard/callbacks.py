@@ -41,6 +41,10 @@ __all__ = [
 ]
 
 
+#: Consecutive failed reads of a live run after which its page stops polling.
+LIVE_READ_ATTEMPTS = 5
+
+
 @dataclasses.dataclass
 class Context:
     """What the callbacks share: the root, the run cache and the live tail."""
@@ -49,6 +53,8 @@ class Context:
     refresh_ms: int = 2000
     cache: RunCache = dataclasses.field(init=False)
     tail: LiveTail = dataclasses.field(default_factory=LiveTail)
+    #: consecutive failed live reads per run name (a read may fail once while a rank closes)
+    live_failures: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -112,19 +118,25 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
 
     Returns ``(steps text, status badge, loss-scale figure, step-time figure, interval disabled)``.
     """
+    key = name or ""
     try:
-        path, _ = ctx.cache.check(name or "")
-        update = ctx.tail.poll(path)
-    except (RunAccessError, amprobe.RunLoadError) as exc:
+        path, _ = ctx.cache.check(key)
+    except RunAccessError as exc:  # outside the root, not a run: asking again cannot help
         return (str(exc), no_update, no_update, no_update, True)
+    try:
+        update = ctx.tail.poll(path)
     except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
+        # a live run can be caught between two writes: keep polling a few times before giving up
+        failures = ctx.live_failures[key] = ctx.live_failures.get(key, 0) + 1
+        text = str(exc) if isinstance(exc, amprobe.RunLoadError) else f"{type(exc).__name__}: {exc}"
         return (
-            f"cannot read this run: {type(exc).__name__}: {exc}",
+            f"cannot read this run: {text}",
             no_update,
             no_update,
             no_update,
-            True,
+            failures >= LIVE_READ_ATTEMPTS,
         )
+    ctx.live_failures.pop(key, None)
     steps = update.steps
     done = update.status != "live"
     return (

@@ -536,3 +536,25 @@ def test_finding_refs_render_as_links() -> None:
     assert [a.children for a in links] == [refs[1], "NVIDIA guide"]
     assert refs[0] in small.children  # the checklist item is plain text
     assert layout.SEVERITIES == ("error", "warning", "info")
+
+
+def test_live_page_keeps_polling_through_a_failed_read(ctx: callbacks.Context, monkeypatch) -> None:
+    """A live run can be caught between two writes: one failed read must not stop the page
+    updating for good (it then never showed 'finished'); five in a row do."""
+    real = ctx.tail.poll
+    fail = {"left": 1}
+
+    def flaky(path):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise amprobe.RunLoadError("manifest.json is not valid JSON")
+        return real(path)
+
+    monkeypatch.setattr(ctx.tail, "poll", flaky)
+    text, *_, disabled = callbacks.refresh_live(ctx, 1, "group/synthetic")
+    assert "cannot read this run" in text and disabled is False
+    text, status, *_, disabled = callbacks.refresh_live(ctx, 2, "group/synthetic")
+    assert "steps" in text and disabled is True  # read again: a finished run stops polling
+    fail["left"] = callbacks.LIVE_READ_ATTEMPTS
+    results = [callbacks.refresh_live(ctx, 3 + i, "group/synthetic")[-1] for i in range(5)]
+    assert results == [False] * (callbacks.LIVE_READ_ATTEMPTS - 1) + [True]
