@@ -388,6 +388,37 @@ def test_prefer_bf16_per_layer_evidence_and_bad_data() -> None:
     assert _get(fake_run(steps=bad_data, events=[FP16_AUTOCAST]), "AMP-N11") is None
 
 
+def test_prefer_bf16_names_the_layer_that_overflowed_not_the_propagated_nans() -> None:
+    """The overflowing layer holds fewer non-finite values than the NaNs it spreads downstream."""
+    rows = []
+    for step in (1, 2):
+        rows += [
+            _row(step, "fc1", "output", order=0, elements=2048),
+            _row(step, "booster", "output", "Booster", order=1, elements=2048, inf=500),
+            _row(step, "norm", "output", "LayerNorm", order=2, elements=2048, nan=2048),
+            _row(step, "fc2", "output", order=3, elements=2048, nan=2048),
+            _row(step, "fc2", "grad_output", order=0, elements=2048, nan=2048),
+            _row(step, "fc2", "grad_param", dtype="float32", order=0, elements=4096, nan=4096),
+        ]
+        rows[-4]["in_nonfinite"] = 500
+        rows[-3]["in_nonfinite"] = 2048
+    # a later step whose forward stayed finite: its non-finite gradient arose in backward
+    rows += [
+        _row(3, "fc2", "output", order=0),
+        _row(3, "fc2", "grad_output", order=0, inf=3),
+    ]
+    run = fake_run(steps=_collapse_steps(4), events=[FP16_AUTOCAST], tables={"numerics": rows})
+    finding = _get(run, "AMP-N11")
+    assert finding is not None
+    layers = finding.evidence["overflowing_layers"]
+    assert [(x["module"], x["kind"], x["first_step"]) for x in layers] == [
+        ("booster", "output", 1),
+        ("fc2", "grad_output", 3),
+    ]
+    assert layers[0]["nonfinite_count"] == 1000 and layers[1]["nonfinite_count"] == 3
+    assert finding.evidence["propagated_layer_count"] == 3  # norm, fc2 output, fc2 grad_param
+
+
 # -- roles and report ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("mtype", "last", "role"),

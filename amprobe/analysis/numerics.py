@@ -221,27 +221,55 @@ def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
 
 
 def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, Any]:
-    """Per-layer overflow evidence for ``rank``: layers with non-finite or >65504 values.
+    """Per-layer overflow evidence for ``rank``: the layers where non-finite or >65504 values arose.
+
+    Algorithm: a forward output row counts when its module's inputs were finite
+    (``in_nonfinite`` 0, or not recorded); a gradient row counts on steps whose forward
+    outputs were all finite. Values that only carried an earlier overflow downstream (the
+    NaNs every later layer and every gradient hold once one layer overflowed) are left out:
+    counted by size they would push the layer that overflowed off the list. Layers are
+    listed in the order they first overflowed (step, then forward before backward, then
+    execution order); ``propagated_layer_count`` counts the (layer, kind) pairs that were
+    non-finite only downstream of an overflow.
 
     Returns an empty dict when per-layer numerics were not recorded.
     """
-    if run.table("numerics").empty:
+    numerics = run.table("numerics")
+    if numerics.empty:
         return {}
-    summary = layer_summary(run, rank)
-    if summary.empty:
+    frame = numerics[(numerics["rank"] == rank) & (numerics["kind"] != "input")]
+    if frame.empty:
         return {}
-    hot = summary[(summary["nonfinite"] + summary["over_fp16"]) > 0]
-    hot = hot.sort_values(["nonfinite", "over_fp16"], ascending=False).head(limit)
+    frame = frame.assign(nonfinite=frame["nan"] + frame["inf"])
+    hit = (frame["nonfinite"] + frame["over_fp16"]) > 0
+    outputs = frame["kind"] == "output"
+    broken = set(frame.loc[outputs & (frame["nonfinite"] > 0), "step"])
+    inputs_finite = frame["in_nonfinite"].isna() | (frame["in_nonfinite"] == 0)
+    origin = hit & ((outputs & inputs_finite) | (~outputs & ~frame["step"].isin(broken)))
+    rows = frame[origin].assign(phase=(~outputs[origin]).astype(int))
+    rows = rows.sort_values(["step", "phase", "order"], kind="stable")
+    layers = rows.groupby(["module", "kind"], sort=False).agg(
+        dtype=("dtype", lambda s: ",".join(sorted(set(s.dropna())))),
+        nonfinite=("nonfinite", "sum"),
+        over_fp16=("over_fp16", "sum"),
+        first_step=("step", "first"),
+    )
+    propagated = {
+        (str(m), str(k))
+        for m, k in zip(frame.loc[hit, "module"], frame.loc[hit, "kind"], strict=True)
+    } - {(str(m), str(k)) for m, k in layers.index}
     return {
         "overflowing_layers": [
             {
-                "module": r.module,
-                "kind": r.kind,
-                "dtype": r.dtype,
-                "nonfinite_count": int(r.nonfinite),
-                "over_fp16_count": int(r.over_fp16),
+                "module": module,
+                "kind": kind,
+                "dtype": row["dtype"],
+                "nonfinite_count": int(row["nonfinite"]),
+                "over_fp16_count": int(row["over_fp16"]),
+                "first_step": int(row["first_step"]),
             }
-            for r in hot.itertuples()
+            for (module, kind), row in layers.head(limit).iterrows()
         ],
+        "propagated_layer_count": len(propagated),
         **offender_evidence(run, rank),
     }
