@@ -251,6 +251,57 @@ def test_grad_underflow(
         assert hint["hint_scale"] == 2.0 ** math.floor(math.log2(65504 / 8 / 2.0**-4))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "hist", "zeros", "underflow", "expect"),
+    [
+        (
+            "float16",
+            {-20: 20, -5: 60},
+            20,
+            0,
+            "worst fc (grad_param, float16): 25.0% of its nonzero values are fp16 subnormals at "
+            "loss scale 1 (values already flushed to zero cannot be counted); 0.0% at 65536, "
+            "the largest scale keeping amax under 65504/8",
+        ),
+        (
+            "float32",
+            {-30: 5, -10: 95},
+            0,
+            5,
+            "worst fc (grad_param, float32): 5.0% of its nonzero values fall below fp16's smallest "
+            "subnormal at loss scale 1; 0.0% at 65536, the largest scale keeping amax under 65504/8",
+        ),
+    ],
+)
+def test_grad_underflow_title_names_one_measure(
+    dtype: str, hist: dict, zeros: int, underflow: int, expect: str
+) -> None:
+    """Both numbers of the title are the same measure of the same layer, named as such."""
+    row = _row(
+        0,
+        "fc",
+        "grad_param",
+        dtype=dtype,
+        elements=sum(hist.values()) + zeros,
+        zeros=zeros,
+        hist=hist,
+        loss_scale=1.0,
+        underflow=underflow,
+        amax=2.0**-4,
+    )
+    run = fake_run(steps=_steps(1), events=[FP16_AUTOCAST], tables={"numerics": [row]})
+    finding = _get(run, "AMP-N06")
+    assert finding is not None
+    assert finding.title.endswith(expect), finding.title
+    (layer,) = finding.evidence["layers"]
+    assert layer["share_at_hint"] == 0.0 and layer["loss_scales"] == [1.0]
+    hint = finding.evidence["scale_hint"]
+    if dtype == "float16":  # flushed fp16 values are zeros: no share over every gradient kind
+        assert hint["underflow_share_at_current"] is None
+    else:
+        assert hint["underflow_share_at_current"] == pytest.approx(layer["share"])
+
+
 def test_grad_underflow_only_for_fp16_runs() -> None:
     rows = [
         _row(
