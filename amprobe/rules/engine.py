@@ -31,6 +31,7 @@ from amprobe.store.loader import Run
 __all__ = [
     "Severity",
     "SEVERITIES",
+    "CATEGORY_LABELS",
     "Finding",
     "NotChecked",
     "RuleSpec",
@@ -67,6 +68,12 @@ class Severity(str, enum.Enum):
 
 SEVERITIES = tuple(s.value for s in Severity)
 _SEVERITY_RANK = {severity: i for i, severity in enumerate(Severity)}
+
+
+#: A finding's category (the checklist question it answers) -> how reports name it.
+CATEGORY_LABELS: Mapping[str, str] = MappingProxyType(
+    {"nan": "NaN / inf", "speed": "speed", "distributed": "distributed"}
+)
 
 
 class ThresholdError(ValueError):
@@ -108,6 +115,11 @@ class Finding:
         object.__setattr__(self, "severity", severity)
         object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
         object.__setattr__(self, "refs", tuple(self.refs))
+
+    @property
+    def category_label(self) -> str:
+        """The category as reports name it (``NaN / inf`` for ``nan``)."""
+        return CATEGORY_LABELS.get(self.category, self.category)
 
     def to_dict(self) -> dict[str, Any]:
         return {
