@@ -22,7 +22,7 @@ from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.downsample import thin_figure
 from amprobe.report.escape import escape_markdown
 from amprobe.report.render import split_ref
-from amprobe.rules.engine import Severity
+from amprobe.rules.engine import CATEGORY_LABELS, Severity
 from dashboard import ids
 from dashboard.figures import (
     make_loss_scale_figure,
@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 SEVERITIES = tuple(severity.value for severity in Severity)
-CATEGORIES = (("nan", "NaN / inf"), ("speed", "speed"), ("distributed", "distributed"))
+CATEGORIES = tuple(CATEGORY_LABELS.items())
 #: Dashboard tab -> report section key, for the panels every run page shows.
 PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utilization", "runtime"))
 #: The report section whose text joins the Loss scale tab (its figure is drawn live there).
@@ -315,7 +315,7 @@ def build_finding(index: int, finding: Any) -> html.Div:
                         style={"fontWeight": "bold", "marginRight": "8px"},
                     ),
                     _badge(finding.severity, color),
-                    _badge(finding.category, "#777"),
+                    _badge(finding.category_label, "#777"),
                     html.Span(finding.title),
                 ]
             ),

@@ -217,6 +217,18 @@ def test_renderers_show_followable_refs():
     assert f'href="{link}"' in html
 
 
+def test_renderers_name_the_category_not_its_key():
+    """The HTML report printed 'AMP-N02 skip-rate (nan)': a category key that reads as a value."""
+    diagnosis = amprobe.diagnose(amprobe.load_run(SAMPLES / "misuse"))
+    f = next(f for f in diagnosis.findings if f.category == "nan")
+    note = f"({f.severity}, category: NaN / inf)"
+    html = amprobe.report.render_html(diagnosis.run, diagnosis)
+    assert f"<code>{f.name}</code> {note}</div>" in html
+    assert "(nan)" not in html
+    assert f"### {f.id} `{f.name}` {note}" in render_markdown(diagnosis)
+    assert "    category: NaN / inf" in render_text(diagnosis, verbose=True)
+
+
 # -- loader ---------------------------------------------------------------------------------------
 
 

@@ -169,6 +169,23 @@ def test_s04_names_layers_not_the_root_and_says_gpu_on_cpu(device, gpu_note):
     assert info.title.startswith(f"aligned but small layer sizes {verb}: ")
 
 
+def test_s04_names_a_root_that_is_itself_the_layer():
+    """A bare nn.Linear as the model: its ops are booked under its class name, and are its own."""
+    ops = [
+        op("Linear", 4, 8, 8),
+        op("Linear", 8, 8, 4, phase="backward", opname="mm"),
+    ]
+    events = ({"kind": "model_registered", "model_class": "Linear"},)
+    findings = amprobe.diagnose(run_with(ops, events=events), only=["AMP-S04"]).findings
+    assert findings, "the misaligned batch and the small layer are both reportable"
+    for f in findings:
+        assert [x["module"] for x in f.evidence["layers"]] == ["Linear"]
+        assert not f.title.endswith(": ")
+    info = next(f for f in findings if f.severity == "info")
+    assert info.evidence["layers"] == [{"module": "Linear", "dims": {"8": 64}}]
+    assert info.title.endswith(": Linear (8 -> 64)")
+
+
 @pytest.mark.parametrize(
     ("framework", "autocast", "expect"),
     [

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -165,13 +166,91 @@ def _finding(rank: int, cuts: int) -> Finding:
     )
 
 
-def test_group_rank_findings_merges_identical_ranks_only():
-    grouped = group_rank_findings([_finding(0, 2), _finding(1, 2), _finding(2, 5), _finding(3, 2)])
+def test_group_rank_findings_merges_identical_ranks():
+    grouped = group_rank_findings([_finding(0, 2), _finding(1, 2), _finding(3, 2)])
     assert [(f.title, f.evidence.get("ranks")) for f in grouped] == [
         ("loss scale cut 2 time(s) on ranks 0-1, 3", [0, 1, 3]),
-        ("loss scale cut 5 time(s) on rank 2", None),
     ]
-    assert grouped[0].evidence["rank"] == 0
+    assert grouped[0].evidence["rank"] == 0 and "by_rank" not in grouped[0].evidence
+
+
+def test_group_rank_findings_merges_one_kind_with_the_range_of_its_numbers():
+    """Issue: per-rank findings differing only in their numbers were listed once per rank."""
+    grouped = group_rank_findings([_finding(0, 2), _finding(1, 2), _finding(2, 5), _finding(3, 2)])
+    (merged,) = grouped
+    assert merged.title == "loss scale cut 2 to 5 time(s) on ranks 0-3"
+    assert merged.evidence["ranks"] == [0, 1, 2, 3] and merged.evidence["cuts"] == 2
+    assert merged.evidence["by_rank"] == {
+        "0": {"cuts": 2},
+        "1": {"cuts": 2},
+        "2": {"cuts": 5},
+        "3": {"cuts": 2},
+    }
+
+
+def _plain(rank: int, title: str, fix: str = "fix", **evidence: Any) -> Finding:
+    return Finding(
+        "AMP-P01", "fp8-candidates", "info", "speed", title, {"rank": rank, **evidence}, fix
+    )
+
+
+def test_group_rank_findings_without_rank_in_title_and_differing_evidence():
+    """The ddp run's AMP-P01: same title on both ranks, evidence ranges differ."""
+    title = "2 of 2 matmul layer(s) keep 99.9 % in fp8: module.0, module.2; 100 % of FLOPs"
+    grouped = group_rank_findings(
+        [
+            _plain(0, title, gradient_range="2^-17 … 2^-7"),
+            _plain(1, title, gradient_range="2^-15 … 2^-7"),
+        ]
+    )
+    (merged,) = grouped
+    assert merged.title == title + " on ranks 0-1"
+    assert merged.evidence["by_rank"] == {
+        "0": {"gradient_range": "2^-17 … 2^-7"},
+        "1": {"gradient_range": "2^-15 … 2^-7"},
+    }
+
+
+def test_group_rank_findings_keeps_different_kinds_apart():
+    grouped = group_rank_findings(
+        [
+            _plain(0, "layers: fc1, blocks.2"),
+            _plain(1, "layers: fc2, blocks.3"),  # numbers inside names are names
+            _plain(2, "layers: fc1, blocks.2", fix="another fix"),
+            Finding(
+                "AMP-P01",
+                "fp8-candidates",
+                "warning",
+                "speed",
+                "layers: fc1, blocks.2",
+                {"rank": 3},
+                "fix",
+            ),
+        ]
+    )
+    assert [f.evidence["rank"] for f in grouped] == [0, 1, 2, 3]
+    assert all("ranks" not in f.evidence for f in grouped)
+
+
+def test_group_rank_findings_ranges_in_fix_and_rank_inside_title():
+    grouped = group_rank_findings(
+        [
+            _plain(
+                1,
+                "cut 3 time(s) on rank 1 (1,024 steps)",
+                fix="init_scale about 4096 keeps it in range",
+            ),
+            _plain(
+                0,
+                "cut 1 time(s) on rank 0 (1,024 steps)",
+                fix="init_scale about 1024 keeps it in range",
+            ),
+        ]
+    )
+    (merged,) = grouped
+    assert merged.title == "cut 1 to 3 time(s) on ranks 0-1 (1,024 steps)"
+    assert merged.fix == "init_scale about 1024 to 4096 keeps it in range"
+    assert merged.evidence["rank"] == 0
 
 
 def test_format_ranks():

@@ -251,6 +251,57 @@ def test_grad_underflow(
         assert hint["hint_scale"] == 2.0 ** math.floor(math.log2(65504 / 8 / 2.0**-4))
 
 
+@pytest.mark.parametrize(
+    ("dtype", "hist", "zeros", "underflow", "expect"),
+    [
+        (
+            "float16",
+            {-20: 20, -5: 60},
+            20,
+            0,
+            "worst fc (grad_param, float16): 25.0% of its nonzero values are fp16 subnormals at "
+            "loss scale 1 (values already flushed to zero cannot be counted); 0.0% at 65536, "
+            "the largest scale keeping amax under 65504/8",
+        ),
+        (
+            "float32",
+            {-30: 5, -10: 95},
+            0,
+            5,
+            "worst fc (grad_param, float32): 5.0% of its nonzero values fall below fp16's smallest "
+            "subnormal at loss scale 1; 0.0% at 65536, the largest scale keeping amax under 65504/8",
+        ),
+    ],
+)
+def test_grad_underflow_title_names_one_measure(
+    dtype: str, hist: dict, zeros: int, underflow: int, expect: str
+) -> None:
+    """Both numbers of the title are the same measure of the same layer, named as such."""
+    row = _row(
+        0,
+        "fc",
+        "grad_param",
+        dtype=dtype,
+        elements=sum(hist.values()) + zeros,
+        zeros=zeros,
+        hist=hist,
+        loss_scale=1.0,
+        underflow=underflow,
+        amax=2.0**-4,
+    )
+    run = fake_run(steps=_steps(1), events=[FP16_AUTOCAST], tables={"numerics": [row]})
+    finding = _get(run, "AMP-N06")
+    assert finding is not None
+    assert finding.title.endswith(expect), finding.title
+    (layer,) = finding.evidence["layers"]
+    assert layer["share_at_hint"] == 0.0 and layer["loss_scales"] == [1.0]
+    hint = finding.evidence["scale_hint"]
+    if dtype == "float16":  # flushed fp16 values are zeros: no share over every gradient kind
+        assert hint["underflow_share_at_current"] is None
+    else:
+        assert hint["underflow_share_at_current"] == pytest.approx(layer["share"])
+
+
 def test_grad_underflow_only_for_fp16_runs() -> None:
     rows = [
         _row(
@@ -386,6 +437,37 @@ def test_prefer_bf16_per_layer_evidence_and_bad_data() -> None:
     assert finding.evidence["overflowing_layers"][0]["nonfinite_count"] == 7
     bad_data = [{**r, "input_nonfinite": 1} for r in _collapse_steps(4)]
     assert _get(fake_run(steps=bad_data, events=[FP16_AUTOCAST]), "AMP-N11") is None
+
+
+def test_prefer_bf16_names_the_layer_that_overflowed_not_the_propagated_nans() -> None:
+    """The overflowing layer holds fewer non-finite values than the NaNs it spreads downstream."""
+    rows = []
+    for step in (1, 2):
+        rows += [
+            _row(step, "fc1", "output", order=0, elements=2048),
+            _row(step, "booster", "output", "Booster", order=1, elements=2048, inf=500),
+            _row(step, "norm", "output", "LayerNorm", order=2, elements=2048, nan=2048),
+            _row(step, "fc2", "output", order=3, elements=2048, nan=2048),
+            _row(step, "fc2", "grad_output", order=0, elements=2048, nan=2048),
+            _row(step, "fc2", "grad_param", dtype="float32", order=0, elements=4096, nan=4096),
+        ]
+        rows[-4]["in_nonfinite"] = 500
+        rows[-3]["in_nonfinite"] = 2048
+    # a later step whose forward stayed finite: its non-finite gradient arose in backward
+    rows += [
+        _row(3, "fc2", "output", order=0),
+        _row(3, "fc2", "grad_output", order=0, inf=3),
+    ]
+    run = fake_run(steps=_collapse_steps(4), events=[FP16_AUTOCAST], tables={"numerics": rows})
+    finding = _get(run, "AMP-N11")
+    assert finding is not None
+    layers = finding.evidence["overflowing_layers"]
+    assert [(x["module"], x["kind"], x["first_step"]) for x in layers] == [
+        ("booster", "output", 1),
+        ("fc2", "grad_output", 3),
+    ]
+    assert layers[0]["nonfinite_count"] == 1000 and layers[1]["nonfinite_count"] == 3
+    assert finding.evidence["propagated_layer_count"] == 3  # norm, fc2 output, fc2 grad_param
 
 
 # -- roles and report ------------------------------------------------------------------------------

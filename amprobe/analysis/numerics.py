@@ -75,7 +75,22 @@ def _nonzero(frame: pd.DataFrame) -> pd.Series:
     return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
 
 
-def compute_underflow(frame: pd.DataFrame) -> pd.DataFrame:
+def _lost_at(row: Any, nz: int, scale: float | None) -> tuple[float, str]:
+    """One gradient row's lost share and its measure, at ``scale`` or the row's own scale."""
+    if not nz:
+        return 0.0, "subnormal" if row.dtype == "float16" else "flushed"
+    own = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
+    at = own if scale is None else scale
+    if row.dtype == "float16":
+        limit = -14 - math.log2(at)
+        return sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit) / nz, "subnormal"
+    if scale is None:
+        return int(row.underflow_at_scale) / nz, "flushed"
+    limit = -24 - math.log2(at)
+    return sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit) / nz, "flushed"
+
+
+def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.DataFrame:
     """Per gradient row: the share of nonzero values that fp16 with the row's loss scale loses.
 
     For gradients held wider than fp16 (fp32/bf16) the loss is exact: nonzero values whose
@@ -83,6 +98,12 @@ def compute_underflow(frame: pd.DataFrame) -> pd.DataFrame:
     fp16 the lost values are zeros by now and cannot be told from true zeros, so the measure is
     the share of surviving values in fp16's subnormal range (scaled magnitude < 2**-14), which
     is where precision is already lost and the neighbouring values were flushed.
+
+    Args:
+        frame: ``numerics`` rows (other kinds than gradients are ignored).
+        scale: evaluate every row at this loss scale instead of the one it was recorded with
+            (from the exponent histograms, which hold unscaled magnitudes). For fp16-held
+            gradients values flushed at the recorded scale stay uncounted.
 
     Returns:
         The gradient rows with ``nonzero``, ``lost_share`` and ``measure`` (``flushed`` or
@@ -95,16 +116,9 @@ def compute_underflow(frame: pd.DataFrame) -> pd.DataFrame:
     lost: list[float] = []
     measure: list[str] = []
     for row in grads.itertuples():
-        nz = int(row.nonzero)
-        if row.dtype == "float16":
-            scale = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
-            limit = -14 - math.log2(scale)
-            sub = sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit)
-            lost.append(sub / nz if nz else 0.0)
-            measure.append("subnormal")
-        else:
-            lost.append(int(row.underflow_at_scale) / nz if nz else 0.0)
-            measure.append("flushed")
+        share, kind = _lost_at(row, int(row.nonzero), scale)
+        lost.append(share)
+        measure.append(kind)
     grads["lost_share"] = lost
     grads["measure"] = measure
     return grads
@@ -115,10 +129,12 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
 
     Algorithm: ``amax`` is the largest unscaled gradient magnitude over every gradient row;
     the hint is ``2**floor(log2(65504 / margin / amax))``. Underflow shares come from the
-    exponent histograms: nonzero gradients whose magnitude times the scale stays below
-    2**-24, over all nonzero measured gradients, at the current scale (the last recorded one)
-    and at the hint. Values already flushed to zero in fp16 tensors are not counted (they
-    are indistinguishable from true zeros).
+    exponent histograms of the gradients held wider than fp16: nonzero gradients whose
+    magnitude times the scale stays below 2**-24, over their nonzero values, at the current
+    scale (the last recorded one) and at the hint. Gradients held in fp16 are left out: their
+    flushed values are zeros already, indistinguishable from true zeros (see
+    :func:`compute_underflow` for what is measured there). With no wider gradient the shares
+    are ``None``.
 
     Returns:
         ``None`` when no finite nonzero gradient was recorded.
@@ -134,24 +150,27 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
     current = (
         float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
     )
+    wide = grads[grads["dtype"] != "float16"] if "dtype" in grads else grads
     merged: dict[int, int] = {}
-    for text in grads["exp_hist"]:
+    for text in wide["exp_hist"]:
         for e, n in _hist(text).items():
             merged[e] = merged.get(e, 0) + n
     nonzero = sum(n for e, n in merged.items() if -127 < e < 128)
 
-    def share(scale: float) -> float:
+    def share(scale: float) -> float | None:
+        if not nonzero:
+            return None
         limit = -24 - math.log2(scale)
         lost = sum(n for e, n in merged.items() if -127 < e < limit)
-        return lost / nonzero if nonzero else 0.0
+        return round(lost / nonzero, 6)
 
     return {
         "grad_amax": peak,
         "margin": margin,
         "hint_scale": hint,
         "current_scale": current,
-        "underflow_share_at_current": round(share(current), 6),
-        "underflow_share_at_hint": round(share(hint), 6),
+        "underflow_share_at_current": share(current),
+        "underflow_share_at_hint": share(hint),
     }
 
 
@@ -232,27 +251,55 @@ def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
 
 
 def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, Any]:
-    """Per-layer overflow evidence for ``rank``: layers with non-finite or >65504 values.
+    """Per-layer overflow evidence for ``rank``: the layers where non-finite or >65504 values arose.
+
+    Algorithm: a forward output row counts when its module's inputs were finite
+    (``in_nonfinite`` 0, or not recorded); a gradient row counts on steps whose forward
+    outputs were all finite. Values that only carried an earlier overflow downstream (the
+    NaNs every later layer and every gradient hold once one layer overflowed) are left out:
+    counted by size they would push the layer that overflowed off the list. Layers are
+    listed in the order they first overflowed (step, then forward before backward, then
+    execution order); ``propagated_layer_count`` counts the (layer, kind) pairs that were
+    non-finite only downstream of an overflow.
 
     Returns an empty dict when per-layer numerics were not recorded.
     """
-    if run.table("numerics").empty:
+    numerics = run.table("numerics")
+    if numerics.empty:
         return {}
-    summary = layer_summary(run, rank)
-    if summary.empty:
+    frame = numerics[(numerics["rank"] == rank) & (numerics["kind"] != "input")]
+    if frame.empty:
         return {}
-    hot = summary[(summary["nonfinite"] + summary["over_fp16"]) > 0]
-    hot = hot.sort_values(["nonfinite", "over_fp16"], ascending=False).head(limit)
+    frame = frame.assign(nonfinite=frame["nan"] + frame["inf"])
+    hit = (frame["nonfinite"] + frame["over_fp16"]) > 0
+    outputs = frame["kind"] == "output"
+    broken = set(frame.loc[outputs & (frame["nonfinite"] > 0), "step"])
+    inputs_finite = frame["in_nonfinite"].isna() | (frame["in_nonfinite"] == 0)
+    origin = hit & ((outputs & inputs_finite) | (~outputs & ~frame["step"].isin(broken)))
+    rows = frame[origin].assign(phase=(~outputs[origin]).astype(int))
+    rows = rows.sort_values(["step", "phase", "order"], kind="stable")
+    layers = rows.groupby(["module", "kind"], sort=False).agg(
+        dtype=("dtype", lambda s: ",".join(sorted(set(s.dropna())))),
+        nonfinite=("nonfinite", "sum"),
+        over_fp16=("over_fp16", "sum"),
+        first_step=("step", "first"),
+    )
+    propagated = {
+        (str(m), str(k))
+        for m, k in zip(frame.loc[hit, "module"], frame.loc[hit, "kind"], strict=True)
+    } - {(str(m), str(k)) for m, k in layers.index}
     return {
         "overflowing_layers": [
             {
-                "module": r.module,
-                "kind": r.kind,
-                "dtype": r.dtype,
-                "nonfinite_count": int(r.nonfinite),
-                "over_fp16_count": int(r.over_fp16),
+                "module": module,
+                "kind": kind,
+                "dtype": row["dtype"],
+                "nonfinite_count": int(row["nonfinite"]),
+                "over_fp16_count": int(row["over_fp16"]),
+                "first_step": int(row["first_step"]),
             }
-            for r in hot.itertuples()
+            for (module, kind), row in layers.head(limit).iterrows()
         ],
+        "propagated_layer_count": len(propagated),
         **offender_evidence(run, rank),
     }

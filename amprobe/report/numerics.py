@@ -151,12 +151,23 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     ]
     hint = compute_scale_hint(frame)
     if hint is not None:
-        text.append(
+        line = (
             f"Loss-scale hint: {hint['hint_scale']:g} is the largest power of two keeping the largest "
-            f"gradient ({hint['grad_amax']:.3g}) under 65504/{hint['margin']:g}; at the current scale "
-            f"{hint['current_scale']:g}, {hint['underflow_share_at_current']:.2%} of the measured nonzero "
-            f"gradients underflow fp16 ({hint['underflow_share_at_hint']:.2%} at the hint)."
+            f"gradient ({hint['grad_amax']:.3g}) under 65504/{hint['margin']:g}"
         )
+        if hint["underflow_share_at_current"] is None:
+            line += (
+                "; every measured gradient is held in fp16, where values flushed to zero cannot "
+                "be told from true zeros (AMP-N06 measures their subnormal share instead)."
+            )
+        else:
+            line += (
+                f"; at the current scale {hint['current_scale']:g}, "
+                f"{hint['underflow_share_at_current']:.2%} of the nonzero gradients held wider "
+                f"than fp16 would flush to zero in fp16 ({hint['underflow_share_at_hint']:.2%} "
+                "at the hint)."
+            )
+        text.append(line)
     figures = [make_numerics_heatmap_figure(frame, metric) for metric in HEATMAP_METRICS]
     layers = worst_layers(frame, summary=summary)
     if layers:

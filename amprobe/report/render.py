@@ -59,6 +59,11 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def _heading_note(f: Finding) -> str:
+    """What follows a finding's ID and name in a report heading: ``error, category: NaN / inf``."""
+    return f"{f.severity}, category: {f.category_label}"
+
+
 def _health_line(key: str, metric: dict[str, Any]) -> str:
     value = metric.get("value")
     label = metric.get("label", key)
@@ -98,6 +103,7 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
         lines.append(f"[{_ICON[f.severity]}] {f.id} {f.name} ({f.severity}): {f.title}")
         lines.append(f"    fix: {f.fix}")
         if verbose:
+            lines.append(f"    category: {f.category_label}")
             for key, value in f.evidence.items():
                 lines.append(f"    {key}: {format_value(value)}")
             for ref in f.refs:
@@ -158,7 +164,7 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
     if not diagnosis.findings:
         out.append("No findings.")
     for f in diagnosis.findings:
-        out.append(f"### {_md_escape(f.id)} `{f.name}` ({f.severity})")
+        out.append(f"### {_md_escape(f.id)} `{f.name}` ({_md_escape(_heading_note(f))})")
         out.append("")
         out.append(_md_escape(f.title))
         out.append("")
@@ -238,7 +244,7 @@ def _finding_html(f: Finding) -> str:
     return (
         f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
         f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"
-        f"<b>{e(f.id)}</b> <code>{e(f.name)}</code> ({e(f.category)})</div>"
+        f"<b>{e(f.id)}</b> <code>{e(f.name)}</code> ({e(_heading_note(f))})</div>"
         f"<div>{e(f.title)}</div><div class='fix'><b>Fix:</b> {e(f.fix)}</div>"
         f"<table>{rows}</table>{refs}</div>"
     )

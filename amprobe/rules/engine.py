@@ -31,6 +31,7 @@ from amprobe.store.loader import Run
 __all__ = [
     "Severity",
     "SEVERITIES",
+    "CATEGORY_LABELS",
     "Finding",
     "NotChecked",
     "RuleSpec",
@@ -67,6 +68,12 @@ class Severity(str, enum.Enum):
 
 SEVERITIES = tuple(s.value for s in Severity)
 _SEVERITY_RANK = {severity: i for i, severity in enumerate(Severity)}
+
+
+#: A finding's category (the checklist question it answers) -> how reports name it.
+CATEGORY_LABELS: Mapping[str, str] = MappingProxyType(
+    {"nan": "NaN / inf", "speed": "speed", "distributed": "distributed"}
+)
 
 
 class ThresholdError(ValueError):
@@ -108,6 +115,11 @@ class Finding:
         object.__setattr__(self, "severity", severity)
         object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
         object.__setattr__(self, "refs", tuple(self.refs))
+
+    @property
+    def category_label(self) -> str:
+        """The category as reports name it (``NaN / inf`` for ``nan``)."""
+        return CATEGORY_LABELS.get(self.category, self.category)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -278,6 +290,9 @@ class Diagnosis:
 
 
 _RANK_IN_TITLE = re.compile(r" on rank \d+")
+# a number standing alone in a text (not part of a name such as fc1 or blocks.3): 20, 27,152,
+# 5.0%, 2.27e-13, -4
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?%?(?!\w)")
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
@@ -294,15 +309,51 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
+_RANK_MARK = "\x01"
+
+
+def _rankless(title: str) -> str:
+    """``title`` with " on rank N" replaced by a mark where the merged ranks go."""
+    return _RANK_IN_TITLE.sub(_RANK_MARK, title)
+
+
+def _template(text: str) -> tuple[str, list[str]]:
+    """``text`` with every standalone number replaced by a placeholder, and the numbers."""
+    return _NUMBER.sub("\0", text), _NUMBER.findall(text)
+
+
+def _number_value(text: str) -> float:
+    return float(text.replace(",", "").rstrip("%"))
+
+
+def _merge_numbers(template: str, numbers: list[list[str]]) -> str:
+    """Fill ``template``'s placeholders: a number shared by every rank as is, else its range."""
+    parts = template.split("\0")
+    out = [parts[0]]
+    for i, rest in enumerate(parts[1:]):
+        values = [nums[i] for nums in numbers]
+        if len(set(values)) == 1:
+            out.append(values[0])
+        else:
+            lo = min(values, key=_number_value)
+            hi = max(values, key=_number_value)
+            out.append(lo if _number_value(lo) == _number_value(hi) else f"{lo} to {hi}")
+        out.append(rest)
+    return "".join(out)
+
+
 def group_rank_findings(findings: list[Finding]) -> list[Finding]:
-    """Merge per-rank findings that are identical except for their rank into one.
+    """Merge the per-rank findings of one kind into one finding naming the ranks.
 
     A job of hundreds of ranks whose ranks all overflow at the same steps would otherwise list
-    the same finding hundreds of times. Findings are identical when their severity, fix and
-    evidence (``rank`` aside) agree and their titles agree once " on rank N" is removed. The
-    merged finding keeps the lowest rank in ``evidence["rank"]``, lists every rank in
-    ``evidence["ranks"]`` and says "on ranks 0-255" in its title. Findings without a ``rank``
-    in their evidence, or whose rank is unique, are returned unchanged.
+    the same finding hundreds of times. Findings are of one kind when their ID and severity
+    agree and their titles and fixes agree once " on rank N" is removed and every standalone
+    number is set aside. The merged finding keeps the lowest rank's evidence, with that rank in
+    ``evidence["rank"]`` and every rank in ``evidence["ranks"]``, and says "on ranks 0-255" in
+    its title. Where the ranks measured different numbers, the title gives each number's range
+    over the ranks ("cut 2 to 5 time(s)") and ``evidence["by_rank"]`` holds, per rank, the
+    evidence values that differ. Findings without a ``rank`` in their evidence, or whose kind
+    only one rank reported, are returned unchanged.
     """
     groups: dict[tuple[Any, ...], list[Finding]] = {}
     order: list[tuple[Any, ...] | int] = []
@@ -310,14 +361,7 @@ def group_rank_findings(findings: list[Finding]) -> list[Finding]:
         if "rank" not in f.evidence or "ranks" in f.evidence:
             order.append(i)
             continue
-        rest = {k: v for k, v in f.evidence.items() if k != "rank"}
-        key = (
-            f.id,
-            f.severity,
-            _RANK_IN_TITLE.sub("", f.title),
-            f.fix,
-            json.dumps(rest, sort_keys=True, default=str),
-        )
+        key = (f.id, f.severity, _template(_rankless(f.title))[0], _template(f.fix)[0])
         if key not in groups:
             groups[key] = []
             order.append(key)
@@ -327,23 +371,32 @@ def group_rank_findings(findings: list[Finding]) -> list[Finding]:
         if isinstance(item, int):
             out.append(findings[item])
             continue
-        group = groups[item]
+        group = sorted(groups[item], key=lambda f: int(f.evidence["rank"]))
         if len(group) == 1:
             out.append(group[0])
             continue
-        ranks = sorted(int(f.evidence["rank"]) for f in group)
+        ranks = [int(f.evidence["rank"]) for f in group]
+        if len(set(ranks)) < len(ranks):  # several of one kind on a rank: not a per-rank copy
+            out.extend(groups[item])
+            continue
         first = group[0]
+        title = _merge_numbers(item[2], [_template(_rankless(f.title))[1] for f in group])
         where = f" on ranks {format_ranks(ranks)}"
-        title = (
-            _RANK_IN_TITLE.sub(where, first.title)
-            if _RANK_IN_TITLE.search(first.title)
-            else first.title + where
-        )
-        out.append(
-            dataclasses.replace(
-                first, title=title, evidence={**first.evidence, "rank": ranks[0], "ranks": ranks}
-            )
-        )
+        title = title.replace(_RANK_MARK, where) if _RANK_MARK in title else title + where
+        fix = _merge_numbers(item[3], [_template(f.fix)[1] for f in group])
+        evidence: dict[str, Any] = {**first.evidence, "rank": ranks[0], "ranks": ranks}
+        keys = [k for k in first.evidence if k != "rank"]
+        keys += [k for f in group for k in f.evidence if k != "rank" and k not in keys]
+        differ = [
+            k
+            for k in dict.fromkeys(keys)
+            if len({json.dumps(f.evidence.get(k), sort_keys=True, default=str) for f in group}) > 1
+        ]
+        if differ:
+            evidence["by_rank"] = {
+                str(int(f.evidence["rank"])): {k: f.evidence.get(k) for k in differ} for f in group
+            }
+        out.append(dataclasses.replace(first, title=title, fix=fix, evidence=evidence))
     return out
 
 

@@ -269,10 +269,14 @@ def _nonfinite_weights_finding(
 def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
 
-    Per (module, gradient kind) over sampled steps, see :func:`compute_underflow`: gradients
-    held in fp32 count nonzero values that the current loss scale leaves below 2**-24;
-    gradients held in fp16 count surviving values in the subnormal range. Evidence includes
-    the loss-scale hint of :func:`compute_scale_hint`.
+    Per (module, gradient kind) over sampled steps, see :func:`compute_underflow`. Gradients
+    held wider than fp16 are judged as the checklist defines the loss: nonzero values that the
+    recorded loss scale leaves below fp16's smallest subnormal (2**-24). Gradients held in
+    fp16 have lost theirs already (flushed to zero, indistinguishable from true zeros), so
+    there the share of surviving values in the subnormal range stands in for it: a layer
+    with more than ``max_lost_share`` of its values there reaches the flush boundary. The
+    title says which of the two it measured for the worst layer, at the recorded loss scale
+    and, by the same measure, at the hint of :func:`compute_scale_hint`.
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
@@ -283,16 +287,24 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
         grads = compute_underflow(frame)
         if grads.empty:
             continue
-        grads = grads.assign(lost=grads["lost_share"] * grads["nonzero"])
+        hint = compute_scale_hint(frame, th["scale_margin"])
+        at_hint = compute_underflow(frame, scale=hint["hint_scale"]) if hint else grads
+        grads = grads.assign(
+            lost=grads["lost_share"] * grads["nonzero"],
+            lost_at_hint=at_hint["lost_share"] * grads["nonzero"],
+            scale=grads["loss_scale"].where(grads["loss_scale"] > 0, 1.0).fillna(1.0),
+        )
         g = grads.groupby(["module", "kind", "measure"], sort=False)
-        layers = g[["lost", "nonzero"]].sum()
-        layers["share"] = layers["lost"] / layers["nonzero"].where(layers["nonzero"] > 0)
+        layers = g[["lost", "lost_at_hint", "nonzero"]].sum()
+        nonzero = layers["nonzero"].where(layers["nonzero"] > 0)
+        layers["share"] = layers["lost"] / nonzero
+        layers["share_at_hint"] = layers["lost_at_hint"] / nonzero
         layers["dtype"] = g["dtype"].first()
+        layers["scales"] = g["scale"].agg(lambda s: sorted(set(s)))
         layers["sampled_steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
         bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
         if bad.empty:
             continue
-        hint = compute_scale_hint(frame, th["scale_margin"])
         listed = [
             {
                 "module": m,
@@ -300,21 +312,39 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
                 "measure": meas,
                 "dtype": row["dtype"],
                 "share": round(float(row["share"]), 4),
+                "share_at_hint": round(float(row["share_at_hint"]), 4) if hint else None,
+                "loss_scales": [float(x) for x in row["scales"]],
                 "sampled_steps": row["sampled_steps"],
             }
             for (m, k, meas), row in bad.head(int(th["max_layers"])).iterrows()
         ]
         worst = listed[0]
+        scales = worst["loss_scales"]
+        at = (
+            f"loss scale {scales[0]:g}"
+            if len(scales) == 1
+            else f"loss scales {scales[0]:g} to {scales[-1]:g}"
+        )
+        if worst["measure"] == "subnormal":
+            what = (
+                f"{worst['share']:.1%} of its nonzero values are fp16 subnormals at {at} "
+                "(values already flushed to zero cannot be counted)"
+            )
+        else:
+            what = (
+                f"{worst['share']:.1%} of its nonzero values fall below fp16's smallest "
+                f"subnormal at {at}"
+            )
         scale_text = ""
         if hint is not None:
             scale_text = (
-                f"; loss scale {hint['current_scale']:g} lets {hint['underflow_share_at_current']:.1%} "
-                f"underflow, {hint['hint_scale']:g} would keep amax under 65504/{th['scale_margin']:g}"
+                f"; {worst['share_at_hint']:.1%} at {hint['hint_scale']:g}, the largest scale "
+                f"keeping amax under 65504/{th['scale_margin']:g}"
             )
         yield ctx.finding(
             title=(
                 f"gradients underflow in fp16 in {len(bad)} layer(s); worst {worst['module']} "
-                f"({worst['kind']}) loses {worst['share']:.1%}{scale_text}"
+                f"({worst['kind']}, {worst['dtype']}): {what}{scale_text}"
             ),
             evidence={
                 "rank": rank,
