@@ -166,6 +166,12 @@ def test_baseline_and_compare(tmp_path):
     )
     health = amprobe.diagnose(amp).health
     assert health["speedup"]["value"] == pytest.approx(comparison["speedup"])
+    # amprobe turned the script's autocast and GradScaler off on the FP32 leg: no AMP-S05
+    # "autocast-ineffective" error of its own making, only "not checked" with the reason
+    fp32_diagnosis = amprobe.diagnose(fp32)
+    assert "AMP-S05" not in fp32_diagnosis.ids()
+    reasons = {n.id: n.reason for n in fp32_diagnosis.not_checked}
+    assert reasons["AMP-S05"] == "the FP32 leg of `amprobe baseline` (amprobe forced fp32)"
     proc = amprobe_cli(
         "compare", str(out / "fp32"), str(out / "amp"), "--format", "json", cwd=tmp_path
     )

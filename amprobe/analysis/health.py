@@ -6,6 +6,7 @@ from typing import Any
 
 from amprobe.analysis.compare import COMPARED_METRICS, baseline_comparison, baseline_path
 from amprobe.analysis.compute import compute_mfu
+from amprobe.analysis.frames import FORCED_FP32, forced_fp32
 from amprobe.analysis.scaler import compute_success_rate
 from amprobe.store.loader import Run
 
@@ -40,11 +41,12 @@ def _compute_health(run: Run) -> dict[str, dict[str, Any]]:
     comparison = baseline_comparison(run)
     for key in COMPARED_METRICS:
         if comparison is None:
-            why = (
-                "no FP32 baseline recorded (see `amprobe baseline`)"
-                if baseline_path(run) is None
-                else f"the FP32 baseline run {baseline_path(run)} cannot be read"
-            )
+            if baseline_path(run) is not None:
+                why = f"the FP32 baseline run {baseline_path(run)} cannot be read"
+            elif forced_fp32(run):
+                why = f"this run is the baseline itself, {FORCED_FP32}"
+            else:
+                why = "no FP32 baseline recorded (see `amprobe baseline`)"
             health[key] = _not_measured(why)
         elif comparison.get(key) is not None:
             health[key] = {"value": comparison[key], "baseline": comparison["baseline"]}

@@ -35,7 +35,7 @@ def _has_baseline(run: Run) -> str | None:
     "no-speedup",
     "warning",
     "speed",
-    requires=("baseline",),
+    requires=("amp_as_written", "baseline"),
     thresholds={"min_speedup": 1.1},
     refs=(AMP_DOCS, TUNING_GUIDE, MATMUL_GUIDE),
     after=SPEED_RULES,
