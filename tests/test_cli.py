@@ -297,3 +297,69 @@ def test_rules_lists_every_id(capsys):
     listed = re.findall(r"^(AMP-[A-Z]\d\d)\b", out, re.M)
     assert sorted(listed) == sorted(REGISTRY)
     assert "warn_below=0.95" in out
+
+
+# -- baseline and compare -------------------------------------------------------------------------
+
+
+def write_leg(run_dir: Path, wall_s: float, manifest: dict, steps: int = 20, **extra) -> Path:
+    """A recorded run (through the real writer) of ``steps`` steps of ``wall_s`` seconds each."""
+    from amprobe.store.writer import RunWriter
+
+    writer = RunWriter(run_dir, 0, 1, {"device": "cpu", **manifest}, max_buffered_rows=1000)
+    rows = [
+        {
+            "step": i,
+            "window": 0,
+            "t": float(i),
+            "wall_s": wall_s,
+            "loss": 2.0 - 0.01 * i,
+            "scaler_enabled": False,
+            "opt_steps": 1,
+            **extra,
+        }
+        for i in range(steps)
+    ]
+    writer.append("steps", rows)
+    writer.close({"status": "finished", "steps": steps})
+    return run_dir
+
+
+@pytest.fixture
+def fake_baseline(monkeypatch):
+    """`amprobe baseline` whose two launches record runs directly: the FP32 leg forced to fp32,
+    the AMP leg (bf16 autocast, no scaler) half as fast, so AMP-S06 fires."""
+    from amprobe import launcher
+
+    def launch(command, run_dir, config=None, force_fp32=False, baseline=None, **kwargs):
+        if force_fp32:
+            write_leg(run_dir, 0.01, {"forced_fp32": True, "argv": list(command[1:])})
+        else:
+            manifest = {"baseline_run": str(baseline), "argv": list(command[1:])}
+            write_leg(run_dir, 0.02, manifest, autocast_dtype="bfloat16")
+        return 0
+
+    monkeypatch.setattr(launcher, "launch", launch)
+
+
+def test_baseline_prints_what_compare_prints(capsys, tmp_path, fake_baseline):
+    """`amprobe baseline` used to print the speedup but not AMP-S06, which `amprobe compare`
+    printed for the same pair; and the success rate of a run without a scaler read "not
+    recorded" there but "not applicable" in diagnose."""
+    out = tmp_path / "ab"
+    code, base_out, _ = run_cli(
+        capsys, "baseline", "--steps", "20", "--out", str(out), "--", "python", "train.py"
+    )
+    assert code == 0
+    code, cmp_out, _ = run_cli(capsys, "compare", str(out / "fp32"), str(out / "amp"))
+    assert code == 0
+    assert "[warning] AMP-S06 no-speedup: AMP is 0.50x the FP32 baseline's throughput" in cmp_out
+    assert cmp_out in base_out
+    code, json_out, _ = run_cli(
+        capsys, "compare", str(out / "fp32"), str(out / "amp"), "--format", "json"
+    )
+    assert json.loads((out / "comparison.json").read_text()) == json.loads(json_out)
+    code, diag_out, _ = run_cli(capsys, "diagnose", str(out / "amp"))
+    applicable = "not applicable: no enabled GradScaler (every step applied its update)"
+    assert f"loss-scale success rate (steps applied / all steps): {applicable}" in diag_out
+    assert f"scaler success rate: {applicable} -> {applicable}" in cmp_out

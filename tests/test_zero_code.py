@@ -151,6 +151,7 @@ def test_baseline_and_compare(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "speedup" in proc.stdout
+    baseline_stdout = proc.stdout
     fp32, amp = amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp")
     assert len(fp32.steps) == 12 and len(amp.steps) == 12, "each run stops cleanly after --steps"
     assert fp32.steps["autocast_dtype"].isna().all() and not fp32.steps["scaler_enabled"].any()
@@ -177,3 +178,6 @@ def test_baseline_and_compare(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["speedup"] == pytest.approx(comparison["speedup"])
+    text = amprobe_cli("compare", str(out / "fp32"), str(out / "amp"), cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout in baseline_stdout, "baseline prints what compare prints"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from amprobe.analysis.scaler import compute_success_rate
+from amprobe.analysis.scaler import success_rate_metric
 from amprobe.store.loader import Run, RunLoadError, load_run
 
 __all__ = [
@@ -79,7 +79,9 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
 
     Throughput uses the median step wall time after warm-up (``WARMUP_SHARE``), so the first
     steps and the probe's own flushes do not count. A metric of :data:`COMPARED_METRICS` that
-    cannot be measured is ``None`` and ``notes[metric]`` says why.
+    cannot be measured is ``None`` and ``notes[metric]`` says why; so is a run's scaler success
+    rate (``scaler_success_rate_baseline`` / ``_candidate``) without an enabled GradScaler, with
+    the note of the health metric (:func:`~amprobe.analysis.scaler.success_rate_metric`).
     """
     notes: dict[str, str] = {}
     out: dict[str, Any] = {
@@ -127,7 +129,9 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     else:
         out["loss_diff"] = None
         notes["loss_diff"] = "the runs share no step with a recorded loss"
-    rate_a, rate_b = compute_success_rate(baseline), compute_success_rate(candidate)
-    out["scaler_success_rate_baseline"] = rate_a["value"] if rate_a else None
-    out["scaler_success_rate_candidate"] = rate_b["value"] if rate_b else None
+    for side, run in (("baseline", baseline), ("candidate", candidate)):
+        rate = success_rate_metric(run)
+        out[f"scaler_success_rate_{side}"] = rate["value"]
+        if rate["value"] is None:
+            notes[f"scaler_success_rate_{side}"] = rate["note"]
     return out

@@ -7,7 +7,7 @@ from typing import Any
 from amprobe.analysis.compare import COMPARED_METRICS, baseline_comparison, baseline_path
 from amprobe.analysis.compute import compute_mfu
 from amprobe.analysis.frames import FORCED_FP32, forced_fp32
-from amprobe.analysis.scaler import compute_success_rate
+from amprobe.analysis.scaler import success_rate_metric
 from amprobe.store.loader import Run
 
 __all__ = ["compute_health", "HEALTH_METRICS"]
@@ -52,16 +52,7 @@ def _compute_health(run: Run) -> dict[str, dict[str, Any]]:
             health[key] = {"value": comparison[key], "baseline": comparison["baseline"]}
         else:
             health[key] = _not_measured(comparison["notes"].get(key, "not recorded"))
-    rate = compute_success_rate(run)
-    if rate is not None:
-        health["scaler_success_rate"] = dict(rate)
-    elif len(run.steps):
-        health["scaler_success_rate"] = {
-            "value": None,
-            "note": "not applicable: no enabled GradScaler (every step applied its update)",
-        }
-    else:
-        health["scaler_success_rate"] = _not_measured("no training step was recorded")
+    health["scaler_success_rate"] = success_rate_metric(run)
     if len(run.table("compute_steps")):
         health["mfu"] = compute_mfu(run)
     else:
