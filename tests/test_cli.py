@@ -359,7 +359,35 @@ def test_baseline_prints_what_compare_prints(capsys, tmp_path, fake_baseline):
         capsys, "compare", str(out / "fp32"), str(out / "amp"), "--format", "json"
     )
     assert json.loads((out / "comparison.json").read_text()) == json.loads(json_out)
+    assert json.loads(json_out)["warnings"] == [], "the two legs are an FP32/AMP pair"
     code, diag_out, _ = run_cli(capsys, "diagnose", str(out / "amp"))
     applicable = "not applicable: no enabled GradScaler (every step applied its update)"
     assert f"loss-scale success rate (steps applied / all steps): {applicable}" in diag_out
     assert f"scaler success rate: {applicable} -> {applicable}" in cmp_out
+
+
+def test_compare_warns_when_the_pair_is_not_fp32_vs_amp(capsys, tmp_path):
+    """RUN_A was called the "FP32 baseline" unchecked: a baseline that ran autocast, or two runs
+    of different commands, give a one-line warning each (and in the JSON); they are compared."""
+    fp32 = write_leg(tmp_path / "fp32", 0.01, {"argv": ["train.py", "--lr", "1e-3"]})
+    amp = write_leg(
+        tmp_path / "amp", 0.02, {"argv": ["train.py", "--lr", "1e-3"]}, autocast_dtype="bfloat16"
+    )
+    other = write_leg(tmp_path / "other", 0.02, {"argv": ["other.py"]}, autocast_dtype="bfloat16")
+    code, out, err = run_cli(capsys, "compare", str(fp32), str(amp))
+    assert code == 0 and err == "", "a true FP32/AMP pair of one command: no warning"
+
+    code, out, err = run_cli(capsys, "compare", str(amp), str(fp32))
+    assert code == 0 and "speedup 2.00x" in out, "still compared"
+    assert err == (
+        f"amprobe: warning: the baseline {amp} is not an FP32 run (it ran autocast with "
+        "bfloat16); it is compared as the FP32 baseline anyway\n"
+    )
+    code, out, err = run_cli(capsys, "compare", str(fp32), str(other), "--format", "json")
+    assert code == 0
+    (warning,) = json.loads(out)["warnings"]
+    assert warning == (
+        "the two runs' commands differ (train.py --lr 1e-3 vs other.py); "
+        "the comparison may not be like for like"
+    )
+    assert err == f"amprobe: warning: {warning}\n"

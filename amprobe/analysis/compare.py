@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from amprobe.analysis.frames import autocast_dtypes
 from amprobe.analysis.scaler import success_rate_metric
 from amprobe.store.loader import Run, RunLoadError, load_run
 
@@ -16,6 +18,7 @@ __all__ = [
     "baseline_path",
     "load_baseline",
     "compute_comparison",
+    "pairing_warnings",
     "baseline_comparison",
 ]
 
@@ -74,6 +77,34 @@ def _peak_memory(run: Run) -> tuple[float | None, str | None]:
     return None, None
 
 
+def _command(run: Run) -> list[str] | None:
+    """The training process's ``sys.argv`` as recorded in the manifests, if it was."""
+    argv = run.rank_manifest.get("argv") or run.manifest.get("argv")
+    return [str(a) for a in argv] if isinstance(argv, list) and argv else None
+
+
+def pairing_warnings(baseline: Run, candidate: Run) -> list[str]:
+    """Why two runs may not be an FP32 baseline and its AMP run, one line each.
+
+    The baseline ran an enabled autocast region (it is not an FP32 run), or the two runs'
+    commands (``argv`` in their manifests) differ. A command not recorded is not compared.
+    """
+    out = []
+    dtypes = autocast_dtypes(baseline)
+    if dtypes:
+        out.append(
+            f"the baseline {baseline.path} is not an FP32 run (it ran autocast with "
+            f"{', '.join(sorted(dtypes))}); it is compared as the FP32 baseline anyway"
+        )
+    a, b = _command(baseline), _command(candidate)
+    if a is not None and b is not None and a != b:
+        out.append(
+            f"the two runs' commands differ ({shlex.join(a)} vs {shlex.join(b)}); "
+            "the comparison may not be like for like"
+        )
+    return out
+
+
 def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     """Side-by-side metrics of two runs (checklist section C).
 
@@ -82,11 +113,13 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     cannot be measured is ``None`` and ``notes[metric]`` says why; so is a run's scaler success
     rate (``scaler_success_rate_baseline`` / ``_candidate``) without an enabled GradScaler, with
     the note of the health metric (:func:`~amprobe.analysis.scaler.success_rate_metric`).
+    ``warnings`` are :func:`pairing_warnings`: the runs are compared all the same.
     """
     notes: dict[str, str] = {}
     out: dict[str, Any] = {
         "baseline": str(baseline.path),
         "candidate": str(candidate.path),
+        "warnings": pairing_warnings(baseline, candidate),
         "notes": notes,
     }
     a, b = _timed(baseline.steps), _timed(candidate.steps)
