@@ -28,6 +28,7 @@ from amprobe.report.summary import collector_errors, print_run_summary
 from amprobe.rules import REGISTRY, ThresholdError
 from amprobe.rules.compare import Comparison, compare_runs
 from amprobe.store import RunLoadError
+from amprobe.store.layout import BASELINE_LEGS
 
 __all__ = ["main", "build_parser"]
 
@@ -370,22 +371,25 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     out = Path(args.out or _default_out("-baseline"))
     config = {**_settings(args.settings), "max_steps": args.steps}
     codes = {}
-    for name, fp32 in (("fp32", True), ("amp", False)):
+    fp32_leg, amp_leg = BASELINE_LEGS
+    for name, fp32 in ((fp32_leg, True), (amp_leg, False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
         codes[name] = launcher.launch(
             command,
             out / name,
             config,
             force_fp32=fp32,
-            baseline=(out / "fp32") if not fp32 else None,
+            baseline=(out / fp32_leg) if not fp32 else None,
             overwrite=args.overwrite,
         )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
-    comparison = compare_runs(_load(str(out / "fp32")), _load(str(out / "amp")))
+    comparison = compare_runs(_load(str(out / fp32_leg)), _load(str(out / amp_leg)))
     (out / "comparison.json").write_text(render_comparison_json(comparison))
     _print_comparison(comparison, "text")
-    print(f"amprobe: runs in {out}/fp32 and {out}/amp; amprobe diagnose {out}/amp")
+    print(
+        f"amprobe: runs in {out / fp32_leg} and {out / amp_leg}; amprobe diagnose {out / amp_leg}"
+    )
     return 0
 
 

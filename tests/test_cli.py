@@ -391,3 +391,18 @@ def test_compare_warns_when_the_pair_is_not_fp32_vs_amp(capsys, tmp_path):
         "the comparison may not be like for like"
     )
     assert err == f"amprobe: warning: {warning}\n"
+
+
+def test_diagnose_on_a_baseline_folder_names_its_two_runs(capsys, tmp_path):
+    """The folder `amprobe baseline --out X` writes holds X/fp32 and X/amp; `diagnose X` used to
+    say only "not an amprobe run directory"."""
+    root = tmp_path / "ab"
+    write_leg(root / "fp32", 0.01, {"forced_fp32": True})
+    code, _, err = run_cli(capsys, "diagnose", str(root))
+    assert_one_line_error(code, err, "holds one run of `amprobe baseline`")
+    assert f"diagnose {root / 'fp32'}" in err
+    write_leg(root / "amp", 0.02, {"baseline_run": str(root / "fp32")})
+    code, _, err = run_cli(capsys, "diagnose", str(root))
+    assert_one_line_error(code, err, "holds an amprobe baseline pair, not one run")
+    assert f"diagnose {root / 'amp'} (or {root / 'fp32'})" in err
+    assert f"`amprobe compare {root / 'fp32'} {root / 'amp'}`" in err

@@ -21,7 +21,14 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 
 from amprobe.store import schema
-from amprobe.store.layout import list_ranks, open_regular, rank_state, read_json_file
+from amprobe.store.layout import (
+    BASELINE_LEGS,
+    is_run_dir,
+    list_ranks,
+    open_regular,
+    rank_state,
+    read_json_file,
+)
 
 __all__ = [
     "Run",
@@ -510,6 +517,21 @@ def _rank_status(manifest: dict[str, Any], end: dict[str, Any] | None) -> str:
     return {"finished": "finished", "live": "live"}.get(state, "interrupted")
 
 
+def _not_a_run(root: Path) -> str:
+    """Why ``root`` (no manifest, no rank folder) is not a run, naming the runs of an
+    ``amprobe baseline`` folder when it is one."""
+    legs = [root / leg for leg in BASELINE_LEGS if is_run_dir(root / leg)]
+    if len(legs) == len(BASELINE_LEGS):
+        fp32, amp = legs
+        return (
+            f"{root} holds an amprobe baseline pair, not one run: diagnose {amp} (or {fp32}), "
+            f"or compare them with `amprobe compare {fp32} {amp}`"
+        )
+    if legs:
+        return f"{root} holds one run of `amprobe baseline`, not one run itself: diagnose {legs[0]}"
+    return f"not an amprobe run directory (no manifest.json): {root}"
+
+
 def load_run(path: str | os.PathLike[str]) -> Run:
     """Load a run directory.
 
@@ -547,7 +569,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     rank_dirs = listing.ranks
     if not rank_dirs:
         if not top.exists():
-            raise RunLoadError(f"not an amprobe run directory (no manifest.json): {root}")
+            raise RunLoadError(_not_a_run(root))
         raise RunLoadError(f"run directory holds no rank data (no rank*/ folder): {root}")
     ranks: list[RankInfo] = []
     for entry in rank_dirs:
