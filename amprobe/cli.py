@@ -13,23 +13,22 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, NoReturn
 
 import amprobe
 from amprobe import control, launcher
-from amprobe.analysis.compare import compute_comparison
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
 from amprobe.control import ControlError
 from amprobe.demo import run_demo
 from amprobe.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
+from amprobe.report.compare import render_comparison_json, render_comparison_text
 from amprobe.report.summary import collector_errors, print_run_summary
-from amprobe.rules import REGISTRY, ThresholdError, diagnose
-from amprobe.rules.compare import SPEED_RULES, no_speedup_findings
-from amprobe.rules.engine import RuleContext, resolve_thresholds
+from amprobe.rules import REGISTRY, ThresholdError
+from amprobe.rules.compare import Comparison, compare_runs
 from amprobe.store import RunLoadError
+from amprobe.store.layout import BASELINE_LEGS
 
 __all__ = ["main", "build_parser"]
 
@@ -372,75 +371,39 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     out = Path(args.out or _default_out("-baseline"))
     config = {**_settings(args.settings), "max_steps": args.steps}
     codes = {}
-    for name, fp32 in (("fp32", True), ("amp", False)):
+    fp32_leg, amp_leg = BASELINE_LEGS
+    for name, fp32 in ((fp32_leg, True), (amp_leg, False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
         codes[name] = launcher.launch(
             command,
             out / name,
             config,
             force_fp32=fp32,
-            baseline=(out / "fp32") if not fp32 else None,
+            baseline=(out / fp32_leg) if not fp32 else None,
             overwrite=args.overwrite,
         )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
-    comparison = compute_comparison(amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp"))
-    (out / "comparison.json").write_text(json.dumps(comparison, indent=2, default=str))
-    _print_comparison(comparison)
-    print(f"amprobe: runs in {out}/fp32 and {out}/amp; amprobe diagnose {out}/amp")
+    comparison = compare_runs(_load(str(out / fp32_leg)), _load(str(out / amp_leg)))
+    (out / "comparison.json").write_text(render_comparison_json(comparison))
+    _print_comparison(comparison, "text")
+    print(
+        f"amprobe: runs in {out / fp32_leg} and {out / amp_leg}; amprobe diagnose {out / amp_leg}"
+    )
     return 0
 
 
-def _print_comparison(c: dict[str, Any]) -> None:
-    def fmt(value: Any, spec: str) -> str:
-        return "not recorded" if value is None else format(value, spec)
-
-    print(f"baseline:  {c['baseline']}")
-    print(f"candidate: {c['candidate']}")
-    if c.get("speedup") is not None:
-        print(
-            f"throughput: {c['steps_per_s_baseline']:.2f} -> {c['steps_per_s_candidate']:.2f} steps/s, "
-            f"speedup {c['speedup']:.2f}x"
-        )
+def _print_comparison(comparison: Comparison, form: str) -> None:
+    for warning in comparison.metrics.get("warnings", ()):
+        print(f"amprobe: warning: {warning}", file=sys.stderr)
+    if form == "json":
+        sys.stdout.write(render_comparison_json(comparison))
     else:
-        print("throughput: not recorded")
-    if c.get("memory_ratio") is not None:
-        print(
-            f"peak memory ({c['memory_kind']}): {c['peak_memory_baseline'] / 2**20:.1f} -> "
-            f"{c['peak_memory_candidate'] / 2**20:.1f} MiB, ratio {c['memory_ratio']:.2f}"
-        )
-    else:
-        print("peak memory: not recorded in both runs")
-    if c.get("loss_diff") is not None:
-        print(
-            f"loss over {c['shared_loss_steps']} shared steps: mean |diff| {c['loss_mean_abs_diff']:.4g}, "
-            f"final {c['final_loss_baseline']:.4g} -> {c['final_loss_candidate']:.4g}"
-        )
-    print(
-        f"scaler success rate: {fmt(c['scaler_success_rate_baseline'], '.1%')} -> "
-        f"{fmt(c['scaler_success_rate_candidate'], '.1%')}"
-    )
+        sys.stdout.write(render_comparison_text(comparison))
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    base, cand = _load(args.baseline), _load(args.candidate)
-    comparison = compute_comparison(base, cand)
-    spec = REGISTRY["AMP-S06"]
-    ctx = RuleContext(
-        run=cand, spec=spec, thresholds=MappingProxyType(resolve_thresholds(None)["AMP-S06"])
-    )
-    explaining = diagnose(cand, only=SPEED_RULES).findings
-    findings = list(no_speedup_findings(ctx, comparison, explaining))
-    if args.format == "json":
-        print(
-            json.dumps(
-                {**comparison, "findings": [f.to_dict() for f in findings]}, indent=2, default=str
-            )
-        )
-        return 0
-    _print_comparison(comparison)
-    for f in findings:
-        print(f"[{f.severity}] {f.id} {f.name}: {f.title}\n    fix: {f.fix}")
+    _print_comparison(compare_runs(_load(args.baseline), _load(args.candidate)), args.format)
     return 0
 
 

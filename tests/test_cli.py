@@ -297,3 +297,112 @@ def test_rules_lists_every_id(capsys):
     listed = re.findall(r"^(AMP-[A-Z]\d\d)\b", out, re.M)
     assert sorted(listed) == sorted(REGISTRY)
     assert "warn_below=0.95" in out
+
+
+# -- baseline and compare -------------------------------------------------------------------------
+
+
+def write_leg(run_dir: Path, wall_s: float, manifest: dict, steps: int = 20, **extra) -> Path:
+    """A recorded run (through the real writer) of ``steps`` steps of ``wall_s`` seconds each."""
+    from amprobe.store.writer import RunWriter
+
+    writer = RunWriter(run_dir, 0, 1, {"device": "cpu", **manifest}, max_buffered_rows=1000)
+    rows = [
+        {
+            "step": i,
+            "window": 0,
+            "t": float(i),
+            "wall_s": wall_s,
+            "loss": 2.0 - 0.01 * i,
+            "scaler_enabled": False,
+            "opt_steps": 1,
+            **extra,
+        }
+        for i in range(steps)
+    ]
+    writer.append("steps", rows)
+    writer.close({"status": "finished", "steps": steps})
+    return run_dir
+
+
+@pytest.fixture
+def fake_baseline(monkeypatch):
+    """`amprobe baseline` whose two launches record runs directly: the FP32 leg forced to fp32,
+    the AMP leg (bf16 autocast, no scaler) half as fast, so AMP-S06 fires."""
+    from amprobe import launcher
+
+    def launch(command, run_dir, config=None, force_fp32=False, baseline=None, **kwargs):
+        if force_fp32:
+            write_leg(run_dir, 0.01, {"forced_fp32": True, "argv": list(command[1:])})
+        else:
+            manifest = {"baseline_run": str(baseline), "argv": list(command[1:])}
+            write_leg(run_dir, 0.02, manifest, autocast_dtype="bfloat16")
+        return 0
+
+    monkeypatch.setattr(launcher, "launch", launch)
+
+
+def test_baseline_prints_what_compare_prints(capsys, tmp_path, fake_baseline):
+    """`amprobe baseline` used to print the speedup but not AMP-S06, which `amprobe compare`
+    printed for the same pair; and the success rate of a run without a scaler read "not
+    recorded" there but "not applicable" in diagnose."""
+    out = tmp_path / "ab"
+    code, base_out, _ = run_cli(
+        capsys, "baseline", "--steps", "20", "--out", str(out), "--", "python", "train.py"
+    )
+    assert code == 0
+    code, cmp_out, _ = run_cli(capsys, "compare", str(out / "fp32"), str(out / "amp"))
+    assert code == 0
+    assert "[warning] AMP-S06 no-speedup: AMP is 0.50x the FP32 baseline's throughput" in cmp_out
+    assert cmp_out in base_out
+    code, json_out, _ = run_cli(
+        capsys, "compare", str(out / "fp32"), str(out / "amp"), "--format", "json"
+    )
+    assert json.loads((out / "comparison.json").read_text()) == json.loads(json_out)
+    assert json.loads(json_out)["warnings"] == [], "the two legs are an FP32/AMP pair"
+    code, diag_out, _ = run_cli(capsys, "diagnose", str(out / "amp"))
+    applicable = "not applicable: no enabled GradScaler (every step applied its update)"
+    assert f"loss-scale success rate (steps applied / all steps): {applicable}" in diag_out
+    assert f"scaler success rate: {applicable} -> {applicable}" in cmp_out
+
+
+def test_compare_warns_when_the_pair_is_not_fp32_vs_amp(capsys, tmp_path):
+    """RUN_A was called the "FP32 baseline" unchecked: a baseline that ran autocast, or two runs
+    of different commands, give a one-line warning each (and in the JSON); they are compared."""
+    fp32 = write_leg(tmp_path / "fp32", 0.01, {"argv": ["train.py", "--lr", "1e-3"]})
+    amp = write_leg(
+        tmp_path / "amp", 0.02, {"argv": ["train.py", "--lr", "1e-3"]}, autocast_dtype="bfloat16"
+    )
+    other = write_leg(tmp_path / "other", 0.02, {"argv": ["other.py"]}, autocast_dtype="bfloat16")
+    code, out, err = run_cli(capsys, "compare", str(fp32), str(amp))
+    assert code == 0 and err == "", "a true FP32/AMP pair of one command: no warning"
+
+    code, out, err = run_cli(capsys, "compare", str(amp), str(fp32))
+    assert code == 0 and "speedup 2.00x" in out, "still compared"
+    assert err == (
+        f"amprobe: warning: the baseline {amp} is not an FP32 run (it ran autocast with "
+        "bfloat16); it is compared as the FP32 baseline anyway\n"
+    )
+    code, out, err = run_cli(capsys, "compare", str(fp32), str(other), "--format", "json")
+    assert code == 0
+    (warning,) = json.loads(out)["warnings"]
+    assert warning == (
+        "the two runs' commands differ (train.py --lr 1e-3 vs other.py); "
+        "the comparison may not be like for like"
+    )
+    assert err == f"amprobe: warning: {warning}\n"
+
+
+def test_diagnose_on_a_baseline_folder_names_its_two_runs(capsys, tmp_path):
+    """The folder `amprobe baseline --out X` writes holds X/fp32 and X/amp; `diagnose X` used to
+    say only "not an amprobe run directory"."""
+    root = tmp_path / "ab"
+    write_leg(root / "fp32", 0.01, {"forced_fp32": True})
+    code, _, err = run_cli(capsys, "diagnose", str(root))
+    assert_one_line_error(code, err, "holds one run of `amprobe baseline`")
+    assert f"diagnose {root / 'fp32'}" in err
+    write_leg(root / "amp", 0.02, {"baseline_run": str(root / "fp32")})
+    code, _, err = run_cli(capsys, "diagnose", str(root))
+    assert_one_line_error(code, err, "holds an amprobe baseline pair, not one run")
+    assert f"diagnose {root / 'amp'} (or {root / 'fp32'})" in err
+    assert f"`amprobe compare {root / 'fp32'} {root / 'amp'}`" in err

@@ -269,6 +269,35 @@ def test_s05_cases(ops, events, expect):
     assert [i for i in ids(run_with(ops, events=events)) if i == "AMP-S05"] == expect
 
 
+@pytest.mark.parametrize(
+    "framework",
+    [
+        pytest.param({}, id="scaler-disabled-by-amprobe"),
+        pytest.param(
+            {
+                "framework": "transformers",
+                "framework_precision": "bf16",
+                "framework_precision_setting": "TrainingArguments(bf16=True)",
+                "framework_amp_dtype": "bfloat16",
+            },
+            id="framework-setting",
+        ),
+    ],
+)
+def test_s05_not_checked_on_the_forced_fp32_leg(framework):
+    """`amprobe baseline`'s FP32 leg ran no autocast because amprobe turned it off: AMP-S05 is
+    not checked there (it used to say AMP was ineffective, an error of amprobe's own making)."""
+    ops = [op("fc", 64, 64, 64, dtype="float32", autocast="disabled")]
+    events = ({"kind": "scaler_created", "enabled": False},)
+    assert "AMP-S05" in ids(run_with(ops, events=events, manifest=framework))
+    forced = run_with(ops, events=events, manifest={**framework, "forced_fp32": True})
+    diagnosis = amprobe.diagnose(forced, only=["AMP-S05"])
+    assert diagnosis.ids() == []
+    assert [(n.id, n.reason) for n in diagnosis.not_checked] == [
+        ("AMP-S05", "the FP32 leg of `amprobe baseline` (amprobe forced fp32)")
+    ]
+
+
 def test_s05_names_modules_and_reasons():
     ops = [
         op("enc", 64, 64, 64, flops=10.0),

@@ -484,3 +484,40 @@ def test_findings_sorted_most_severe_first_and_serialisable():
     payload = d.to_dict()
     assert [f["id"] for f in payload["findings"]] == d.ids()
     assert {"AMP-N01", "AMP-N02", "AMP-N09"} <= set(d.ids())
+
+
+#: the rules that judge the script's own AMP setup (autocast regions, GradScaler): on the FP32
+#: leg of `amprobe baseline` amprobe turned both off, so they are not checked there
+FORCED_FP32_RULES = {
+    "AMP-N01",
+    "AMP-N02",
+    "AMP-N03",
+    "AMP-N06",
+    "AMP-N07",
+    "AMP-N08",
+    "AMP-N09",
+    "AMP-N10",
+    "AMP-N11",
+    "AMP-N12",
+    "AMP-N15",
+    "AMP-S05",
+    "AMP-S06",
+    "AMP-S07",
+    "AMP-D01",
+}
+
+
+def test_forced_fp32_leg_does_not_judge_the_scripts_amp_setup():
+    """The FP32 leg of `amprobe baseline`: amprobe disabled the script's GradScaler, so an
+    autocast region it did not reach must not read as "fp16 without a scaler" (AMP-N12), and
+    no AMP rule says more than "not checked" with the reason."""
+    steps = plain_steps(20, dtype="float16", loss_dtype="float16")
+    events = [scaler_event(enabled=False)]
+    as_written = diag(fake_run(steps=steps, events=events))
+    assert "AMP-N12" in as_written.ids()  # the same record, not forced: the rule judges it
+    forced = diag(fake_run(steps=steps, events=events, manifest={"forced_fp32": True}))
+    reasons = not_checked_ids(forced)
+    why = "the FP32 leg of `amprobe baseline` (amprobe forced fp32)"
+    assert {rid for rid, reason in reasons.items() if reason == why} == FORCED_FP32_RULES
+    assert not FORCED_FP32_RULES & set(forced.ids())
+    assert "AMP-N13" in forced.ids()  # the script's own half loss is still reported

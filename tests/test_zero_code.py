@@ -151,6 +151,7 @@ def test_baseline_and_compare(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "speedup" in proc.stdout
+    baseline_stdout = proc.stdout
     fp32, amp = amprobe.load_run(out / "fp32"), amprobe.load_run(out / "amp")
     assert len(fp32.steps) == 12 and len(amp.steps) == 12, "each run stops cleanly after --steps"
     assert fp32.steps["autocast_dtype"].isna().all() and not fp32.steps["scaler_enabled"].any()
@@ -166,8 +167,17 @@ def test_baseline_and_compare(tmp_path):
     )
     health = amprobe.diagnose(amp).health
     assert health["speedup"]["value"] == pytest.approx(comparison["speedup"])
+    # amprobe turned the script's autocast and GradScaler off on the FP32 leg: no AMP-S05
+    # "autocast-ineffective" error of its own making, only "not checked" with the reason
+    fp32_diagnosis = amprobe.diagnose(fp32)
+    assert "AMP-S05" not in fp32_diagnosis.ids()
+    reasons = {n.id: n.reason for n in fp32_diagnosis.not_checked}
+    assert reasons["AMP-S05"] == "the FP32 leg of `amprobe baseline` (amprobe forced fp32)"
     proc = amprobe_cli(
         "compare", str(out / "fp32"), str(out / "amp"), "--format", "json", cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["speedup"] == pytest.approx(comparison["speedup"])
+    text = amprobe_cli("compare", str(out / "fp32"), str(out / "amp"), cwd=tmp_path)
+    assert text.returncode == 0, text.stderr
+    assert text.stdout in baseline_stdout, "baseline prints what compare prints"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from amprobe.analysis.scaler import compute_success_rate
+from amprobe.analysis.frames import autocast_dtypes
+from amprobe.analysis.scaler import success_rate_metric
 from amprobe.store.loader import Run, RunLoadError, load_run
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "baseline_path",
     "load_baseline",
     "compute_comparison",
+    "pairing_warnings",
     "baseline_comparison",
 ]
 
@@ -74,17 +77,49 @@ def _peak_memory(run: Run) -> tuple[float | None, str | None]:
     return None, None
 
 
+def _command(run: Run) -> list[str] | None:
+    """The training process's ``sys.argv`` as recorded in the manifests, if it was."""
+    argv = run.rank_manifest.get("argv") or run.manifest.get("argv")
+    return [str(a) for a in argv] if isinstance(argv, list) and argv else None
+
+
+def pairing_warnings(baseline: Run, candidate: Run) -> list[str]:
+    """Why two runs may not be an FP32 baseline and its AMP run, one line each.
+
+    The baseline ran an enabled autocast region (it is not an FP32 run), or the two runs'
+    commands (``argv`` in their manifests) differ. A command not recorded is not compared.
+    """
+    out = []
+    dtypes = autocast_dtypes(baseline)
+    if dtypes:
+        out.append(
+            f"the baseline {baseline.path} is not an FP32 run (it ran autocast with "
+            f"{', '.join(sorted(dtypes))}); it is compared as the FP32 baseline anyway"
+        )
+    a, b = _command(baseline), _command(candidate)
+    if a is not None and b is not None and a != b:
+        out.append(
+            f"the two runs' commands differ ({shlex.join(a)} vs {shlex.join(b)}); "
+            "the comparison may not be like for like"
+        )
+    return out
+
+
 def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     """Side-by-side metrics of two runs (checklist section C).
 
     Throughput uses the median step wall time after warm-up (``WARMUP_SHARE``), so the first
     steps and the probe's own flushes do not count. A metric of :data:`COMPARED_METRICS` that
-    cannot be measured is ``None`` and ``notes[metric]`` says why.
+    cannot be measured is ``None`` and ``notes[metric]`` says why; so is a run's scaler success
+    rate (``scaler_success_rate_baseline`` / ``_candidate``) without an enabled GradScaler, with
+    the note of the health metric (:func:`~amprobe.analysis.scaler.success_rate_metric`).
+    ``warnings`` are :func:`pairing_warnings`: the runs are compared all the same.
     """
     notes: dict[str, str] = {}
     out: dict[str, Any] = {
         "baseline": str(baseline.path),
         "candidate": str(candidate.path),
+        "warnings": pairing_warnings(baseline, candidate),
         "notes": notes,
     }
     a, b = _timed(baseline.steps), _timed(candidate.steps)
@@ -127,7 +162,9 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     else:
         out["loss_diff"] = None
         notes["loss_diff"] = "the runs share no step with a recorded loss"
-    rate_a, rate_b = compute_success_rate(baseline), compute_success_rate(candidate)
-    out["scaler_success_rate_baseline"] = rate_a["value"] if rate_a else None
-    out["scaler_success_rate_candidate"] = rate_b["value"] if rate_b else None
+    for side, run in (("baseline", baseline), ("candidate", candidate)):
+        rate = success_rate_metric(run)
+        out[f"scaler_success_rate_{side}"] = rate["value"]
+        if rate["value"] is None:
+            notes[f"scaler_success_rate_{side}"] = rate["note"]
     return out

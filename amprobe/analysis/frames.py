@@ -1,4 +1,5 @@
-"""Small frame helpers shared by every analysis: per-rank slicing, scaler steps, autocast dtypes."""
+"""Small frame helpers shared by every analysis: per-rank slicing, scaler steps, autocast dtypes,
+and whether amprobe itself forced the run to fp32."""
 
 from __future__ import annotations
 
@@ -18,10 +19,14 @@ __all__ = [
     "scaler_configs",
     "autocast_dtypes",
     "steps_list",
+    "forced_fp32",
+    "FORCED_FP32",
 ]
 
 HALF_DTYPES = ("float16", "bfloat16")
 MAX_LISTED_STEPS = 20  # step numbers spelled out in a ``*_steps`` evidence list
+#: what a run forced to fp32 is, in the words of "not checked" reasons and health notes
+FORCED_FP32 = "the FP32 leg of `amprobe baseline` (amprobe forced fp32)"
 
 
 def steps_list(steps: pd.Series | list[int] | Any, limit: int = MAX_LISTED_STEPS) -> list[int]:
@@ -81,3 +86,13 @@ def _autocast_dtypes(run: Run) -> frozenset[str]:
     if not steps.empty:
         dtypes |= set(steps["autocast_dtype"].dropna().unique())
     return frozenset(str(d) for d in dtypes if d)
+
+
+def forced_fp32(run: Run) -> bool:
+    """Whether amprobe itself turned autocast and GradScalers off in this run.
+
+    True for the FP32 leg of ``amprobe baseline`` (``forced_fp32`` in a rank manifest, written
+    by :mod:`amprobe.autoattach`): its missing autocast and disabled scaler are amprobe's doing,
+    not the script's, so the rules that judge the script's AMP setup do not judge it.
+    """
+    return any(info.manifest.get("forced_fp32") is True for info in run.ranks)

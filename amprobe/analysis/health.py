@@ -6,7 +6,8 @@ from typing import Any
 
 from amprobe.analysis.compare import COMPARED_METRICS, baseline_comparison, baseline_path
 from amprobe.analysis.compute import compute_mfu
-from amprobe.analysis.scaler import compute_success_rate
+from amprobe.analysis.frames import FORCED_FP32, forced_fp32
+from amprobe.analysis.scaler import success_rate_metric
 from amprobe.store.loader import Run
 
 __all__ = ["compute_health", "HEALTH_METRICS"]
@@ -40,26 +41,18 @@ def _compute_health(run: Run) -> dict[str, dict[str, Any]]:
     comparison = baseline_comparison(run)
     for key in COMPARED_METRICS:
         if comparison is None:
-            why = (
-                "no FP32 baseline recorded (see `amprobe baseline`)"
-                if baseline_path(run) is None
-                else f"the FP32 baseline run {baseline_path(run)} cannot be read"
-            )
+            if baseline_path(run) is not None:
+                why = f"the FP32 baseline run {baseline_path(run)} cannot be read"
+            elif forced_fp32(run):
+                why = f"this run is the baseline itself, {FORCED_FP32}"
+            else:
+                why = "no FP32 baseline recorded (see `amprobe baseline`)"
             health[key] = _not_measured(why)
         elif comparison.get(key) is not None:
             health[key] = {"value": comparison[key], "baseline": comparison["baseline"]}
         else:
             health[key] = _not_measured(comparison["notes"].get(key, "not recorded"))
-    rate = compute_success_rate(run)
-    if rate is not None:
-        health["scaler_success_rate"] = dict(rate)
-    elif len(run.steps):
-        health["scaler_success_rate"] = {
-            "value": None,
-            "note": "not applicable: no enabled GradScaler (every step applied its update)",
-        }
-    else:
-        health["scaler_success_rate"] = _not_measured("no training step was recorded")
+    health["scaler_success_rate"] = success_rate_metric(run)
     if len(run.table("compute_steps")):
         health["mfu"] = compute_mfu(run)
     else:

@@ -15,6 +15,7 @@ __all__ = [
     "scale_events",
     "longest_run",
     "compute_success_rate",
+    "success_rate_metric",
     "growth_interval",
     "init_scale",
 ]
@@ -67,6 +68,19 @@ def _success_rate(run: Run) -> dict[str, Any] | None:
         "step_count": int(len(steps)),
         "skipped_count": skipped,
     }
+
+
+def success_rate_metric(run: Run) -> dict[str, Any]:
+    """The success rate as a reported metric: :func:`compute_success_rate`'s dict, or
+    ``{"value": None, "note": why}`` (the one answer of the health metric and the comparison)."""
+    rate = compute_success_rate(run)
+    if rate is not None:
+        return dict(rate)
+    if len(run.steps):
+        why = "not applicable: no enabled GradScaler (every step applied its update)"
+    else:
+        why = "not measured: no training step was recorded"
+    return {"value": None, "note": why}
 
 
 def growth_interval(run: Run, rank: int) -> int:

@@ -2,20 +2,37 @@
 
 The comparison itself is :mod:`amprobe.analysis.compare`; this rule judges it and reads the
 run's other speed findings (``after=SPEED_RULES``) to say which of them explain it.
+:func:`compare_runs` is the comparison of two runs named by the user (``amprobe compare`` and
+``amprobe baseline``), with AMP-S06 judged on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
-from amprobe.analysis.compare import baseline_comparison, baseline_path, load_baseline
-from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.analysis.compare import (
+    baseline_comparison,
+    baseline_path,
+    compute_comparison,
+    load_baseline,
+)
+from amprobe.rules.engine import (
+    REGISTRY,
+    Finding,
+    RuleContext,
+    diagnose,
+    requirement,
+    resolve_thresholds,
+    rule,
+)
 from amprobe.rules.refs import AMP_DOCS, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
 
-__all__ = ["SPEED_RULES", "no_speedup_findings"]
+__all__ = ["SPEED_RULES", "Comparison", "compare_runs", "no_speedup_findings"]
 
 #: the speed rules whose findings can explain a missing speedup
 SPEED_RULES = ("AMP-S01", "AMP-S02", "AMP-S03", "AMP-S04", "AMP-S05", "AMP-S07")
@@ -35,7 +52,7 @@ def _has_baseline(run: Run) -> str | None:
     "no-speedup",
     "warning",
     "speed",
-    requires=("baseline",),
+    requires=("amp_as_written", "baseline"),
     thresholds={"min_speedup": 1.1},
     refs=(AMP_DOCS, TUNING_GUIDE, MATMUL_GUIDE),
     after=SPEED_RULES,
@@ -76,3 +93,36 @@ def no_speedup_findings(
             "host syncs, small or misaligned layers and code outside autocast eat the gain."
         ),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Two runs side by side: the metrics of
+    :func:`~amprobe.analysis.compare.compute_comparison` and AMP-S06's finding on them."""
+
+    metrics: Mapping[str, Any]
+    findings: tuple[Finding, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.metrics, "findings": [f.to_dict() for f in self.findings]}
+
+
+def compare_runs(
+    baseline: Run,
+    candidate: Run,
+    thresholds: Mapping[str, Mapping[str, float]] | None = None,
+) -> Comparison:
+    """Compare ``candidate`` (AMP) with ``baseline`` (FP32) and judge AMP-S06 on the pair.
+
+    What ``amprobe compare`` and ``amprobe baseline`` print. AMP-S06 names the candidate's
+    speed findings that explain a missing speedup (the speed rules run on the candidate only).
+    """
+    metrics = compute_comparison(baseline, candidate)
+    spec = REGISTRY["AMP-S06"]
+    ctx = RuleContext(
+        run=candidate,
+        spec=spec,
+        thresholds=MappingProxyType(resolve_thresholds(thresholds)[spec.id]),
+    )
+    explaining = diagnose(candidate, thresholds=thresholds, only=SPEED_RULES).findings
+    return Comparison(metrics, tuple(no_speedup_findings(ctx, metrics, explaining)))

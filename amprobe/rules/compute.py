@@ -233,7 +233,7 @@ def _framework_amp(run: Run) -> dict[str, Any] | None:
     "autocast-ineffective",
     "error",
     "speed",
-    requires=("compute",),
+    requires=("amp_as_written", "compute"),
     thresholds={"min_half_share": 0.5},
     refs=(AMP_DOCS, AUTOCAST_OPS),
 )

@@ -7,8 +7,10 @@ here for rule modules.
 from __future__ import annotations
 
 from amprobe.analysis.frames import (
+    FORCED_FP32,
     HALF_DTYPES,
     autocast_dtypes,
+    forced_fp32,
     per_rank,
     scaler_configs,
     scaler_steps,
@@ -39,6 +41,16 @@ def _has_scaler(run: Run) -> str | None:
     if len(scaler_steps(run)):
         return None
     return "no enabled GradScaler was used (bf16/fp32 run, scaler disabled or absent)"
+
+
+@requirement("amp_as_written")
+def _amp_as_written(run: Run) -> str | None:
+    """Met unless amprobe forced the run to fp32 (the FP32 leg of ``amprobe baseline``).
+
+    Rules that judge the script's own AMP setup (its autocast regions, its GradScaler) list it
+    first: on the forced leg the missing autocast and the disabled scaler are amprobe's doing.
+    """
+    return FORCED_FP32 if forced_fp32(run) else None
 
 
 @requirement("autocast")

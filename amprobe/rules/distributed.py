@@ -41,7 +41,7 @@ def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[
     "rank-scale-divergence",
     "warning",
     "distributed",
-    requires=("scaler", "multi_rank"),
+    requires=("amp_as_written", "scaler", "multi_rank"),
     thresholds={"min_divergent_steps": 1},
     refs=(MULTI_GPU_EXAMPLE,),
 )

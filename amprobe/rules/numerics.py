@@ -262,7 +262,7 @@ def _nonfinite_weights_finding(
     "grad-underflow",
     "warning",
     "nan",
-    requires=("numerics", "autocast"),
+    requires=("amp_as_written", "numerics", "autocast"),
     thresholds={"max_lost_share": 0.01, "scale_margin": 8.0, "max_layers": 10},
     refs=(GRADIENT_SCALING,),
 )

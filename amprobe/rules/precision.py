@@ -17,7 +17,7 @@ __all__: list[str] = []
     "prefer-bf16",
     "warning",
     "nan",
-    requires=("scaler", "autocast", "device_facts"),
+    requires=("amp_as_written", "scaler", "autocast", "device_facts"),
     thresholds={"warn_skip_share": 0.05},
     refs=(AMP_DOCS,),
 )
@@ -69,7 +69,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     "fp16-without-scaler",
     "warning",
     "nan",
-    requires=("steps", "autocast"),
+    requires=("amp_as_written", "steps", "autocast"),
     refs=(GRADIENT_SCALING, TYPICAL_EXAMPLE),
 )
 def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
@@ -146,7 +146,7 @@ def check_half_master_weights(ctx: RuleContext) -> Iterator[Finding]:
     "bf16-needless-scaler",
     "info",
     "nan",
-    requires=("scaler", "autocast"),
+    requires=("amp_as_written", "scaler", "autocast"),
     refs=(GRADIENT_SCALING,),
 )
 def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:

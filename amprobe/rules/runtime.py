@@ -187,7 +187,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
     "tensor-core-idle",
     "warning",
     "speed",
-    requires=("gpm", "autocast"),
+    requires=("amp_as_written", "gpm", "autocast"),
     thresholds={"tensor_active_pct": 1.0, "busy_gpu_util": 50.0, "skip_steps": 1},
     refs=(AUTOCAST_OPS, MATMUL_GUIDE),
 )

@@ -27,7 +27,7 @@ __all__: list[str] = []
     "scale-backoff",
     "warning",
     "nan",
-    requires=("scaler",),
+    requires=("amp_as_written", "scaler"),
     thresholds={"frequent_cuts_per_interval": 1.0},
     refs=(GRADIENT_SCALING,),
 )
@@ -89,7 +89,7 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     "skip-rate",
     "error",
     "nan",
-    requires=("scaler",),
+    requires=("amp_as_written", "scaler"),
     thresholds={"warn_below": 0.95, "error_below": 0.90, "min_steps": 10},
     refs=(GRADIENT_SCALING,),
 )
@@ -134,7 +134,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     "scale-collapse",
     "error",
     "nan",
-    requires=("scaler",),
+    requires=("amp_as_written", "scaler"),
     thresholds={"min_scale": 1.0, "max_consecutive_cuts": 16},
     refs=(AUTOCAST_OPS,),
 )
@@ -183,7 +183,7 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     "scale-chronically-low",
     "warning",
     "nan",
-    requires=("scaler",),
+    requires=("amp_as_written", "scaler"),
     thresholds={"min_intervals": 4, "below_init_factor": 256.0},
     refs=(GRADIENT_SCALING,),
 )
@@ -231,7 +231,7 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
     "scaler-recreated",
     "error",
     "nan",
-    requires=("scaler",),
+    requires=("amp_as_written", "scaler"),
     thresholds={"max_instances_per_site": 1, "max_scale_resets": 1},
     refs=(TYPICAL_EXAMPLE,),
 )
@@ -289,7 +289,7 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
     "clip-before-unscale",
     "error",
     "nan",
-    requires=("steps",),
+    requires=("amp_as_written", "steps"),
     thresholds={"max_scaled_clips": 0},
     refs=(CLIPPING_EXAMPLE,),
 )
@@ -330,7 +330,7 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
     "scaler-not-restored",
     "warning",
     "nan",
-    requires=("scaler", "optimizer"),
+    requires=("amp_as_written", "scaler", "optimizer"),
     refs=(CHECKPOINT_EXAMPLE,),
 )
 def check_scaler_not_restored(ctx: RuleContext) -> Iterator[Finding]:

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 
 __all__ = [
     "ACK_FILE",
+    "BASELINE_LEGS",
     "CONTROL_FILE",
     "CONTROL_LOCK",
     "END_MARKER",
@@ -72,6 +73,8 @@ END_MARKER = "end.json"
 CONTROL_FILE = "control.json"  #: in the run directory, read by every rank of a dormant run
 CONTROL_LOCK = ".control.lock"  #: serialises writers of the control file
 ACK_FILE = "control_ack.json"  #: in each rank's directory, written by that rank's watcher
+#: the run directories ``amprobe baseline`` writes in its folder: the FP32 leg, then the AMP leg
+BASELINE_LEGS = ("fp32", "amp")
 #: manifests, end markers and control files are small; anything larger is not one of ours
 MAX_JSON_BYTES = 1 << 20
 

@@ -21,7 +21,15 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 
 from amprobe.store import schema
-from amprobe.store.layout import STATUS_ORDER, list_ranks, open_regular, read_json_file, status_of
+from amprobe.store.layout import (
+    BASELINE_LEGS,
+    STATUS_ORDER,
+    is_run_dir,
+    list_ranks,
+    open_regular,
+    read_json_file,
+    status_of,
+)
 
 __all__ = [
     "Run",
@@ -517,6 +525,21 @@ def _check_version(manifest: dict[str, Any], where: Path) -> None:
         raise RunLoadError(f"manifest has an invalid schema_version {version}: {where}")
 
 
+def _not_a_run(root: Path) -> str:
+    """Why ``root`` (no manifest, no rank folder) is not a run, naming the runs of an
+    ``amprobe baseline`` folder when it is one."""
+    legs = [root / leg for leg in BASELINE_LEGS if is_run_dir(root / leg)]
+    if len(legs) == len(BASELINE_LEGS):
+        fp32, amp = legs
+        return (
+            f"{root} holds an amprobe baseline pair, not one run: diagnose {amp} (or {fp32}), "
+            f"or compare them with `amprobe compare {fp32} {amp}`"
+        )
+    if legs:
+        return f"{root} holds one run of `amprobe baseline`, not one run itself: diagnose {legs[0]}"
+    return f"not an amprobe run directory (no manifest.json): {root}"
+
+
 def load_run(path: str | os.PathLike[str]) -> Run:
     """Load a run directory.
 
@@ -554,7 +577,7 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     rank_dirs = listing.ranks
     if not rank_dirs:
         if not top.exists():
-            raise RunLoadError(f"not an amprobe run directory (no manifest.json): {root}")
+            raise RunLoadError(_not_a_run(root))
         raise RunLoadError(f"run directory holds no rank data (no rank*/ folder): {root}")
     ranks: list[RankInfo] = []
     for entry in rank_dirs:

@@ -164,6 +164,7 @@ MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "config": (dict,),
     "control": (dict,),
     "baseline_run": (str,),
+    "forced_fp32": (bool,),
     "start_unix": (int, float),
     "created_unix": (int, float),
 }
