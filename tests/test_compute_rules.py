@@ -255,6 +255,12 @@ AMP_EVENTS = ({"kind": "scaler_created", "enabled": True},)
         ),
         pytest.param([op("fc", 64, 64, 64)], AMP_EVENTS, [], id="half"),
         pytest.param(
+            [op("fc", 64, 64, 64, dtype="float32", autocast="outside")],
+            ({"kind": "scaler_created", "enabled": False},),
+            [],
+            id="user-disabled-scaler",  # GradScaler(enabled=args.amp) with AMP off: fp32 run
+        ),
+        pytest.param(
             [
                 op("fc", 64, 64, 64, flops=40.0),
                 op("head", 64, 64, 64, dtype="float32", autocast="disabled", flops=60.0),
@@ -288,8 +294,8 @@ def test_s05_not_checked_on_the_forced_fp32_leg(framework):
     """`amprobe baseline`'s FP32 leg ran no autocast because amprobe turned it off: AMP-S05 is
     not checked there (it used to say AMP was ineffective, an error of amprobe's own making)."""
     ops = [op("fc", 64, 64, 64, dtype="float32", autocast="disabled")]
-    events = ({"kind": "scaler_created", "enabled": False},)
-    assert "AMP-S05" in ids(run_with(ops, events=events, manifest=framework))
+    events = ({"kind": "scaler_created", "enabled": False},)  # amprobe disabled it
+    assert "AMP-S05" in ids(run_with(ops, events=AMP_EVENTS, manifest=framework))
     forced = run_with(ops, events=events, manifest={**framework, "forced_fp32": True})
     diagnosis = amprobe.diagnose(forced, only=["AMP-S05"])
     assert diagnosis.ids() == []

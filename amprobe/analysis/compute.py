@@ -200,7 +200,8 @@ def fp32_modules(ops: pd.DataFrame) -> pd.DataFrame:
 
 def amp_configured(run: Run) -> list[str]:
     seen = []
-    if run.events_of("scaler_created"):
+    # GradScaler(enabled=args.amp) with AMP off is the usual switch for fp32 runs: not AMP
+    if any(e.get("enabled", True) is not False for e in run.events_of("scaler_created")):
         seen.append("GradScaler")
     if autocast_dtypes(run):
         seen.append("autocast(" + ", ".join(sorted(autocast_dtypes(run))) + ")")
