@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import TinyGPT, make_batch, train_steps  # noqa: E402
+from common import TinyGPT, compare_stats, make_batch, train_steps  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 import amprobe  # noqa: E402
@@ -152,29 +152,17 @@ def _configs() -> dict[str, Callable[..., Any] | None]:
 
 def end_to_end(use_scaler: bool, blocks: int, steps: int) -> dict[str, float]:
     """Median step thread-CPU seconds per configuration, interleaved in blocks."""
-    configs = _configs()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyGPT()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
-    batch = make_batch()
-    train_steps(model, opt, scaler, torch.bfloat16, batch, 2)
-    samples: dict[str, list[float]] = {name: [] for name in configs}
-    with tempfile.TemporaryDirectory() as tmp:
-        for block in range(blocks):
-            order = list(configs.items())
-            if block % 2:
-                order.reverse()  # no configuration always runs right after another
-            for i, (name, start) in enumerate(order):
-                handle = start(model, opt, scaler, f"{tmp}/{block}-{i}") if start else None
-                try:
-                    train_steps(model, opt, scaler, torch.bfloat16, batch, 1)
-                    samples[name] += train_steps(model, opt, scaler, torch.bfloat16, batch, steps)
-                finally:
-                    if handle is not None:
-                        handle.close()
-    return {name: statistics.median(v) for name, v in samples.items()}
+    stats = compare_stats(
+        _configs(),
+        dtype=torch.bfloat16,
+        use_scaler=use_scaler,
+        blocks=blocks,
+        steps_per_block=steps,
+        warmup=2,
+        skip_first=True,
+        alternate=True,
+    )
+    return {name: median for name, (median, _) in stats.items()}
 
 
 class _Recorder:

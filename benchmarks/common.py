@@ -113,12 +113,15 @@ def compare_stats(
     steps_per_block: int = 100,
     warmup: int = 3,
     skip_first: bool = False,
+    alternate: bool = False,
 ) -> dict[str, tuple[float, float]]:
     """Like :func:`compare`, but returns ``(median, mean)`` per configuration.
 
     The mean over whole blocks includes the rare sampled steps (numerics every 100 steps, shape
     capture, sync counting) that a median hides; use blocks at least as long as the sampling
-    period. ``skip_first`` leaves the first step after each attach untimed.
+    period. ``skip_first`` leaves the first step after each attach untimed; ``alternate``
+    reverses the order of the configurations every other block, so that none always runs right
+    after another.
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -130,7 +133,10 @@ def compare_stats(
     samples: dict[str, list[float]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for block in range(blocks):
-            for i, (name, start) in enumerate(configs.items()):
+            order = list(configs.items())
+            if alternate and block % 2:
+                order.reverse()
+            for i, (name, start) in enumerate(order):
                 handle = start(model, opt, scaler, f"{tmp}/{name}-{block}-{i}") if start else None
                 try:
                     if skip_first:
