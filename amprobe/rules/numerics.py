@@ -23,7 +23,7 @@ from amprobe.analysis.numerics import (
     module_role,
     nonfinite_input_steps,
 )
-from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, steps_list
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
@@ -217,8 +217,9 @@ def _nonfinite_weights_finding(
         else mine.iloc[0:0]
     )
     applied = int(bad["step"].max()) if len(bad) else None
-    scaled = "scaler_enabled" in mine and bool(
-        mine["scaler_enabled"].fillna(False).astype(bool).any()
+    scaled_steps = scaler_steps(ctx.run)
+    scaled = not scaled_steps.empty and bool(
+        ((scaled_steps["rank"] == rank) & (scaled_steps["step"] < at)).any()
     )
     params = [str(p) for p in weights.get("params") or []]
     count = int(weights.get("count") or len(params))
