@@ -41,7 +41,8 @@ class Config:
         capture_loss: keep the loss tensor of each step (on device) and record its value and dtype.
         collectors: names of the collectors to run; see :data:`amprobe.collectors.REGISTRY`.
             ``scaler`` is always added: the loss-scale trajectory and skipped steps are the
-            core of every run (step boundaries themselves come from the hub).
+            core of every run (step boundaries themselves come from the hub); so is
+            ``compile`` (torch.compile's counters, read only in a job that compiles).
         max_buffered_rows: rows kept in memory when the run directory cannot be written
             (disk full, removed); beyond this the oldest rows are dropped and counted as lost.
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.
@@ -52,6 +53,7 @@ class Config:
             ``amprobe baseline``. ``None`` never stops the job.
         numerics_every: the ``numerics`` collector measures per-layer ranges every this many
             steps (step 0 included); other steps only run the cheap non-finite input/loss check.
+            0 takes no per-layer sample at all (not even the full capture armed by an overflow).
         numerics_layers: ``fnmatch`` patterns on qualified module names (``"blocks.*.linear1"``);
             empty selects every leaf module and every module owning parameters.
         numerics_arm_steps: steps captured in full after a non-finite input, loss or gradient.
@@ -155,6 +157,8 @@ class Config:
         collectors = tuple(dict.fromkeys(self.collectors))
         if "scaler" not in collectors:
             collectors = ("scaler", *collectors)
+        if "compile" not in collectors:  # always on: a few counter reads, and only if compiling
+            collectors = (collectors[0], "compile", *collectors[1:])
         if port and "prometheus" not in collectors:
             collectors = (*collectors, "prometheus")
         object.__setattr__(self, "collectors", collectors)
@@ -164,9 +168,14 @@ class Config:
             raise ConfigError(
                 f"max_steps must be a positive integer or None, got {self.max_steps!r}"
             )
-        if not isinstance(self.numerics_every, int) or self.numerics_every < 1:
+        if (
+            isinstance(self.numerics_every, bool)
+            or not isinstance(self.numerics_every, int)
+            or self.numerics_every < 0
+        ):
             raise ConfigError(
-                f"numerics_every must be a positive integer, got {self.numerics_every!r}"
+                "numerics_every must be a non-negative integer (0 = no per-layer samples), "
+                f"got {self.numerics_every!r}"
             )
         if not isinstance(self.numerics_arm_steps, int) or self.numerics_arm_steps < 0:
             raise ConfigError(

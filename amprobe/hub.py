@@ -48,6 +48,15 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.data import dataloader as _dataloader
 
 from amprobe.collectors.base import Collector, StepFacts
+from amprobe.collectors.compiled import (
+    backend_name,
+    compiled_frames,
+    graph_facts,
+    is_compiled_module,
+    is_compiling,
+    unwrap_compiled,
+)
+from amprobe.collectors.discovery import find_live_training_objects
 from amprobe.collectors.patching import Patch, patch
 
 if TYPE_CHECKING:
@@ -76,6 +85,8 @@ _EVENT_TABLE: dict[str, bool] = {
     "on_scaler": True,
     "on_scaler_state_loaded": True,
     "on_optimizer_state_loaded": True,
+    "on_compile": True,
+    "on_compiled_graph": True,
     "on_step_begin": False,
     "on_batch": False,
     "on_forward_begin": False,
@@ -153,6 +164,13 @@ class _OpMux(TorchDispatchMode):
         self.hub = hub
         self.observers: list[tuple[Collector, Callable[..., None]]] = []
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile neither skips a frame met while this mode is active (it would run the
+        # model uncompiled for the rest of the job) nor traces it: the mode is off while dynamo
+        # and AOTAutograd compile, and sees the compiled artifacts' ops as they run
+        return True
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
@@ -201,6 +219,14 @@ class Hub:
         self._disc_depth = 0
         self._disc_first = 0
         self._candidates: list[weakref.ReferenceType[torch.nn.Module]] = []
+        # torch.compile: once anything is compiled, no hook that dynamo could trace is installed
+        self.compile_in_use = False
+        self._frames_at_start = compiled_frames()  # what the process compiled before attach
+        self.compiled_autocast: tuple[str, str | None] | None = None  # inside a compiled graph
+        self._compiled: list[dict[str, Any]] = []
+        self._compiled_ids: set[int] = set()
+        self._method_compiled: set[int] = set()  # modules whose own compile() ran
+        self._disc_compiled = False  # discovering without global hooks (a compiled job)
         self.closed = False
 
     # -- subscribers and the guard ------------------------------------------------------------
@@ -442,6 +468,17 @@ class Hub:
 
             return _group_tensors_by_device_and_dtype
 
+        def wrap_compile(orig: Any) -> Any:
+            def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+                result = orig(model, *args, **kwargs)
+                if model is not None and not kwargs.get("disable") and not probe.closed:
+                    hub.safe(hub.note_compile, model, result, kwargs)
+                return result
+
+            compile.__doc__ = orig.__doc__
+            return compile
+
+        self._patch(torch, "compile", wrap_compile)
         self._patch(GradScaler, "__init__", wrap_scaler_init)
         self._patch(GradScaler, "scale", wrap_scale)
         self._patch(GradScaler, "unscale_", wrap_unscale)
@@ -492,10 +529,18 @@ class Hub:
             return
         self.optimizers.add(opt)
         self.emit("on_optimizer", opt)
+        self._claim_compiled_roots()
 
     def watch_model(self, model: torch.nn.Module) -> None:
         """Install the forward pre/post hooks of a root model (events for every collector)."""
         if any(ref() is model for ref in self._models):
+            return
+        if is_compiled_module(model):
+            self.note_compile(model, model, None)
+        if id(model) in self._method_compiled:
+            # Module.compile(): the module's own hooks run inside the compiled frame, and adding
+            # them after it compiled would recompile it; its forward is not timed
+            self.probe.event("model_hooks_skipped", reason="module compiled with .compile()")
             return
         self._models.append(weakref.ref(model))
         if not (self._subs["on_forward_begin"] or self._subs["on_forward_end"]):
@@ -503,16 +548,136 @@ class Hub:
         probe = self.probe
 
         def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            if probe.recording and not probe.closed:
+            # inside a compiled region (module.compile(), a compiled train step) dynamo traces
+            # this hook: it returns at once, so the graph is the one without amprobe
+            if probe.recording and not probe.closed and not is_compiling():
                 probe.touch()
                 self.emit("on_forward_begin", module, args, kwargs)
 
         def post(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if probe.recording and not probe.closed:
+            if probe.recording and not probe.closed and not is_compiling():
                 self.emit("on_forward_end", module)
 
         self._handles.append(model.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(model.register_forward_hook(post, always_call=True))
+
+    # -- torch.compile ------------------------------------------------------------------------------
+    def note_compile(self, target: Any, compiled: Any, kwargs: dict[str, Any] | None) -> None:
+        """``torch.compile`` was called on ``target`` (or a compiled model became known).
+
+        From here on no hook that dynamo could trace is installed (collectors hear
+        ``on_compile``), discovery stops watching global module calls, and the run's manifest
+        lists what was compiled, how.
+        """
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, torch.nn.Module):  # Module.compile() compiles its _call_impl
+            module, kind, called = owner, "method", owner
+        elif isinstance(target, torch.nn.Module):
+            module = unwrap_compiled(target)
+            if compiled is not target or module is not target:  # torch.compile(module)
+                kind, called = "module", compiled
+            else:  # a model whose compile() ran before amprobe attached
+                kind, called = "method", target
+        else:
+            module, kind, called = None, "function", None
+        key = id(module if module is not None else target)
+        if kind == "method":
+            self._method_compiled.add(key)
+        if key in self._compiled_ids:
+            return
+        self._compiled_ids.add(key)
+        if module is not None:
+            name = type(module).__name__
+        else:
+            code = getattr(target, "__code__", None)
+            where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+            name = f"{getattr(target, '__qualname__', type(target).__name__)}{where}"
+        if kwargs is None:  # compiled before amprobe saw the call: read what the wrapper keeps
+            backend = _wrapper_backend(target)
+            fact: dict[str, Any] = {"target": name, "kind": kind, "backend": backend}
+        else:
+            fact = {
+                "target": name,
+                "kind": kind,
+                "backend": backend_name(kwargs.get("backend")),
+                "mode": kwargs.get("mode"),
+                "dynamic": kwargs.get("dynamic"),
+                "fullgraph": bool(kwargs.get("fullgraph", False)),
+            }
+        self._compiled.append(fact)
+        first = not self.compile_in_use
+        self.compile_in_use = True
+        self.probe.annotate_manifest(compile=list(self._compiled))
+        self.probe.event("compiled", **fact)
+        if self._disc_handles:
+            # global module hooks make torch warn on every OptimizedModule call and are traced
+            # inside compiled regions: the compiled module itself is the candidate root
+            self.stop_discovery()
+            self._disc_compiled = True
+        if called is not None and not any(r() is called for r in self._candidates):
+            self._candidates.append(weakref.ref(called))
+        if first:
+            self._compile_started()
+        self._claim_compiled_roots()
+
+    def _claim_compiled_roots(self) -> None:
+        """Discovering without global hooks: a compiled candidate whose parameters an optimizer
+        already trains is the root now (so step 0 is sampled like an eager model's)."""
+        if not self._disc_compiled or self.probe.models:
+            return
+        trained = _trained_params(self.optimizers)
+        if not trained:
+            return
+        for ref in list(self._candidates):
+            root = ref()
+            if root is not None and any(id(p) in trained for p in root.parameters()):
+                self._disc_compiled = False
+                self.probe.add_model(root)
+
+    def _check_compiled(self) -> None:
+        """A compile amprobe did not see being made (before attach) shows in dynamo's counters.
+
+        Only frames compiled since attach count: what the process compiled and ran before (an
+        earlier job in the same interpreter) says nothing about the model trained now."""
+        if not self.compile_in_use and compiled_frames() > self._frames_at_start:
+            self.compile_in_use = True
+            self.probe.event("compiled", target="(compiled before amprobe attached)", kind="?")
+            self._compile_started()
+
+    def _compile_started(self) -> None:
+        self._watch_graphs()
+        self.emit("on_compile")
+
+    def _watch_graphs(self) -> None:
+        """Read each graph dynamo hands its backend (shapes, dtypes, modules, autocast): at
+        compile time, never at run time. The backend gets the very same graph."""
+        try:
+            from torch._dynamo.output_graph import OutputGraph
+        except (ImportError, AttributeError) as exc:
+            self.probe.event("compiled_graphs_unreadable", error=f"{type(exc).__name__}: {exc}")
+            return
+        if not hasattr(OutputGraph, "call_user_compiler"):
+            self.probe.event(
+                "compiled_graphs_unreadable", error="no OutputGraph.call_user_compiler"
+            )
+            return
+        hub = self
+
+        def wrap_call_user_compiler(orig: Any) -> Any:
+            def call_user_compiler(self: Any, gm: Any, example_inputs: Any) -> Any:
+                if not hub.probe.closed:
+                    hub.safe(hub._on_graph, gm)
+                return orig(self, gm, example_inputs)
+
+            return call_user_compiler
+
+        self._patch(OutputGraph, "call_user_compiler", wrap_call_user_compiler)
+
+    def _on_graph(self, gm: Any) -> None:
+        facts = graph_facts(gm)
+        if facts["autocast"]:
+            self.compiled_autocast = facts["autocast"][-1]
+        self.emit("on_compiled_graph", facts)
 
     # -- wrapper bodies -----------------------------------------------------------------------------
     def _capture_loss(self, loss: torch.Tensor) -> None:
@@ -678,6 +843,7 @@ class Hub:
 
     def begin_step(self, step: int) -> None:
         """Start iteration ``step``: ``on_step_begin``, then the op mode if anyone asked."""
+        self._check_compiled()
         self.emit("on_step_begin", step)
         observers = [
             (c, fn)
@@ -720,7 +886,11 @@ class Hub:
             return
         self._disc_depth = 0
         self._disc_first = self.probe.step
-        self._candidates = []
+        self._candidates = [r for r in self._candidates if r() is not None]
+        self._check_compiled()
+        if self.compile_in_use:  # global hooks would be traced: candidates come from compile()
+            self._disc_compiled = True
+            return
         self._disc_handles.append(_module_mod.register_module_forward_pre_hook(self._disc_pre))
         self._disc_handles.append(
             _module_mod.register_module_forward_hook(self._disc_post, always_call=True)
@@ -732,6 +902,8 @@ class Hub:
         self._disc_handles.clear()
 
     def _disc_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if is_compiling():  # traced inside a compiled region: leave the graph as it is
+            return
         depth = self._disc_depth
         self._disc_depth = depth + 1
         if depth or not self.probe.recording or not torch.is_grad_enabled():
@@ -751,11 +923,13 @@ class Hub:
             self.stop_discovery()
 
     def _disc_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
         self._disc_depth = max(0, self._disc_depth - 1)
 
     def check_candidates(self, step: int) -> None:
         """At a step boundary: register the candidates an optimizer trains, or give up."""
-        if not self._disc_handles:
+        if not self._disc_handles and not self._disc_compiled:
             return
         trained = _trained_params(self.optimizers)
         found = False
@@ -764,10 +938,32 @@ class Hub:
             if root is not None and any(id(p) in trained for p in root.parameters()):
                 self.probe.add_model(root)
                 found = True
+        if not found and self._disc_compiled and trained:
+            # a compiled train-step function: its modules were never seen being called
+            for root in find_live_training_objects().models[:8]:
+                if any(id(p) in trained for p in root.parameters()):
+                    self.probe.add_model(root)
+                    found = True
         if found or step + 1 - self._disc_first >= _DISCOVERY_STEPS:
+            self._disc_compiled = False
             if not found:
                 self.probe.event(
                     "discovery_failed",
                     reason="no module called at top level owns optimizer parameters",
                 )
             self.stop_discovery()
+
+
+def _wrapper_backend(module: Any) -> str:
+    """The backend of a module compiled before amprobe attached, where torch keeps it."""
+    try:
+        ctx = getattr(module, "dynamo_ctx", None)
+        if ctx is None:
+            impl = getattr(module, "_compiled_call_impl", None)
+            ctx = getattr(impl, "_torchdynamo_orig_callable", None) and impl
+        callback = getattr(ctx, "callback", None)
+        backend = getattr(callback, "_torchdynamo_orig_backend", None)
+        inner = getattr(backend, "_torchdynamo_orig_backend", backend)
+        return backend_name(inner) if inner is not None else "unknown"
+    except Exception:
+        return "unknown"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from amprobe.collectors import REGISTRY, Collector, StepFacts
+from amprobe.collectors.compiled import compiled_wrapper_of, unwrap_compiled
 from amprobe.collectors.discovery import find_live_training_objects
 from amprobe.config import Config, ConfigError, check_collectors, make_config
 from amprobe.hub import Hub
@@ -219,12 +220,16 @@ class Probe:
 
     def add_model(self, model: torch.nn.Module) -> None:
         """Register a root model (the attach argument, or one found by discovery)."""
+        # the job calls torch.compile's wrapper: its hooks run outside the compiled frame
+        wrapper = compiled_wrapper_of(model)
+        if wrapper is not None:
+            model = wrapper
         if any(ref() is model for ref in self.models):
             return
         self.models.append(weakref.ref(model))
         self.event(
             "model_registered",
-            model_class=type(model).__name__,
+            model_class=type(unwrap_compiled(model)).__name__,
             parameters=sum(p.numel() for p in model.parameters()),
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         )

@@ -220,7 +220,8 @@ def test_every_collector_declares_exactly_its_fields():
 
 def test_comma_separated_lists_are_accepted(tmp_path):
     cfg = amprobe.Config(collectors="scaler,numerics, runtime", numerics_layers="0,2")
-    assert cfg.collectors == ("scaler", "numerics", "runtime")
+    # scaler and compile are always on (compile reads torch.compile's counters only if used)
+    assert cfg.collectors == ("scaler", "compile", "numerics", "runtime")
     assert cfg.numerics_layers == ("0", "2")
     with pytest.raises(amprobe.ConfigError, match="unknown collector 'numeric'.*'numerics'"):
         amprobe.attach(run_dir=tmp_path / "r", config={"collectors": "scaler,numeric"})

@@ -8,6 +8,7 @@ columns in :mod:`amprobe.store.fields`, and register it here. It never patches t
 from __future__ import annotations
 
 from amprobe.collectors.base import Collector, StepFacts, due
+from amprobe.collectors.compiled import CompileCollector
 from amprobe.collectors.compute import ComputeCollector
 from amprobe.collectors.discovery import RootModelFinder
 from amprobe.collectors.numerics import NumericsCollector
@@ -18,6 +19,7 @@ from amprobe.collectors.scaler import ScalerCollector
 __all__ = [
     "REGISTRY",
     "Collector",
+    "CompileCollector",
     "ComputeCollector",
     "NumericsCollector",
     "PrometheusCollector",
@@ -30,6 +32,7 @@ __all__ = [
 
 REGISTRY: dict[str, type[Collector]] = {
     "scaler": ScalerCollector,
+    "compile": CompileCollector,
     "numerics": NumericsCollector,
     "compute": ComputeCollector,
     "runtime": RuntimeCollector,

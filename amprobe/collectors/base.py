@@ -118,6 +118,16 @@ class Collector:
         """``Optimizer.load_state_dict`` ran; ``restored`` when the state had been trained
         (per-parameter state present), not a re-placement of a fresh optimizer's state."""
 
+    def on_compile(self) -> None:
+        """torch.compile is in use in this process (first call seen, a compiled model attached,
+        or dynamo's counters show compiled frames): from now on install no hook that dynamo
+        could trace (per-layer module hooks, global module hooks, ``ModuleTracker``)."""
+
+    def on_compiled_graph(self, facts: dict[str, Any]) -> None:
+        """dynamo compiled a graph (at compile time): ``facts`` from
+        :func:`amprobe.collectors.compiled.graph_facts` (its GEMM/conv/attention ops with their
+        modules, shapes and dtypes, and the autocast regions inside it)."""
+
     # -- one iteration -----------------------------------------------------------------------
     def on_step_begin(self, step: int) -> None:
         """Iteration ``step`` starts (after the previous boundary, or when recording starts)."""

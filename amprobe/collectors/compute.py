@@ -22,6 +22,7 @@ from torch.utils import flop_counter
 from torch.utils.module_tracker import ModuleTracker
 
 from amprobe.collectors.base import Collector, StepFacts, due
+from amprobe.collectors.compiled import unwrap_compiled
 from amprobe.hub import dtype_name
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
@@ -265,6 +266,8 @@ class ComputeCollector(Collector):
         self._lock = threading.Lock()
         self._in_optimizer = 0
         self._in_model = 0  # forward/backward nested inside optimizer.step(closure)
+        self._compiled_modules: dict[tuple[Any, ...], list[str]] = {}
+        self._turns: dict[tuple[Any, ...], int] = {}
 
     # -- schedule ----------------------------------------------------------------------------
     def _due(self, step: int) -> bool:
@@ -288,6 +291,7 @@ class ComputeCollector(Collector):
     def on_model(self, model: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             return
+        model = unwrap_compiled(model)  # the user's module and names, not torch's wrapper
         params = trainable = 0
         dtypes: dict[str, int] = defaultdict(int)
         for p in model.parameters():
@@ -381,9 +385,43 @@ class ComputeCollector(Collector):
         self._clock = 0
         self._param_owners: dict[str, bool] = {}
         self._seed_autocast()
+        self._turns = {}
+        if self.probe.hub.compile_in_use:
+            return  # ModuleTracker's global hooks would be traced into compiled graphs
         self._tracker = ModuleTracker()
         self._tracker.parents = self._ordered(self._tracker.parents)  # type: ignore[assignment]
         self._tracker.__enter__()
+
+    def on_compile(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+
+    def on_compiled_graph(self, facts: dict[str, Any]) -> None:
+        # no module hook runs inside a compiled region: the ops it runs are named from the
+        # graphs dynamo compiled (module per GEMM shape, in graph order)
+        for op in facts.get("ops", ()):
+            for backward in (False, True):
+                key = _signature(op["kind"], op.get("m"), op.get("n"), op.get("k"), backward)
+                if key is not None:
+                    self._compiled_modules.setdefault(key, []).append(op["module"] or "")
+
+    def _compiled_module(self, name: str, dims: dict[str, Any], backward: bool) -> str:
+        """The module of an op run by compiled code: from the compiled graphs' GEMM shapes.
+
+        Layers of equal shapes (a transformer's blocks) take turns in graph order (reversed in
+        backward): their shapes and FLOPs are equal, so what is booked per layer is exact."""
+        kind = "conv" if name in CONV_OPS else "attention" if is_attention_op(name) else "linear"
+        key = _signature(kind, dims.get("m"), dims.get("n"), dims.get("k"), backward)
+        modules = self._compiled_modules.get(key) if key is not None else None
+        root = self._roots[0][1] if self._roots else "(no module)"
+        if not modules:
+            return root
+        turn = (key, backward)
+        i = self._turns.get(turn, 0)
+        self._turns[turn] = i + 1
+        i %= len(modules)
+        return modules[len(modules) - 1 - i if backward else i] or root
 
     def _stop(self) -> None:
         self._capturing = False
@@ -492,8 +530,12 @@ class ComputeCollector(Collector):
         else:
             state, ac_dtype = self._autocast_state(device)
         flops = _flops(packet, name, args, kwargs, out)
+        if self._tracker is None and self.probe.hub.compile_in_use:
+            module = self._compiled_module(name, dims, backward)
+        else:
+            module = self._module()
         key = (
-            self._module(),
+            module,
             name,
             "backward" if backward else "forward",
             tuple(sorted(dims.items())),
@@ -533,6 +575,18 @@ class ComputeCollector(Collector):
             if inner.startswith(root_name + "."):
                 return inner[len(root_name) + 1 :]
         return inner
+
+
+def _signature(kind: str, m: Any, n: Any, k: Any, backward: bool) -> tuple[Any, ...] | None:
+    """How a compiled op is matched to its layer: a forward GEMM by its dimensions, a backward
+    GEMM by their set (the input- and weight-gradient GEMMs permute the forward's M, N, K)."""
+    if m is None or n is None or k is None:
+        return None
+    family = "attention" if kind == "attention" else "conv" if kind == "conv" else "gemm"
+    dims = (int(m), int(n), int(k))
+    if kind == "attention":  # its backward op carries the forward's shapes
+        return (family, backward, *dims)
+    return (family, backward, *(sorted(dims) if backward else dims))
 
 
 def _tf32_enabled() -> bool:

@@ -63,6 +63,7 @@ import torch
 from torch.amp import GradScaler
 
 from amprobe.collectors.base import Collector, StepFacts, due
+from amprobe.collectors.compiled import is_compiling, unwrap_compiled
 from amprobe.collectors.numstats import C_AMAX as _C_AMAX
 from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
 from amprobe.collectors.numstats import C_NAN as _C_NAN
@@ -216,6 +217,7 @@ class NumericsCollector(Collector):
         self._nonfinite_modules: set[str] = set()
         # armed steps: (step, parameter names, device flags "holds inf/NaN") not read yet
         self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
+        self._compiled_noted = False
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -245,11 +247,12 @@ class NumericsCollector(Collector):
             for p in model.parameters():
                 self._device = p.device
                 break
+        user_model = unwrap_compiled(model)  # names as written: no torch.compile wrapper
         self._input_slots[root] = [
-            self._new_slot(f"<input {root}>[{i}]", type(model).__name__, "input", root)
+            self._new_slot(f"<input {root}>[{i}]", type(user_model).__name__, "input", root)
             for i in range(_MAX_INPUTS)
         ]
-        for name, mod in model.named_modules():
+        for name, mod in user_model.named_modules():
             if id(mod) in self._module_slots:
                 continue
             own = list(mod.parameters(recurse=False))
@@ -286,10 +289,15 @@ class NumericsCollector(Collector):
         if self._capture_handles:
             return
         fwd = self._guarded(self._on_forward)
-        for ref, slots in self._targets:
-            mod = ref()
-            if mod is not None:
-                self._capture_handles.append(mod.register_forward_hook(self._bind(fwd, slots)))
+        if self.probe.hub.compile_in_use:
+            # a forward hook inside a compiled region is traced by dynamo: graph breaks,
+            # recompiles and a changed fusion. Gradients are read outside the graph below.
+            self._note_compiled()
+        else:
+            for ref, slots in self._targets:
+                mod = ref()
+                if mod is not None:
+                    self._capture_handles.append(mod.register_forward_hook(self._bind(fwd, slots)))
         for pref, slot in self._params:
             p = pref()
             if p is not None:
@@ -297,10 +305,34 @@ class NumericsCollector(Collector):
                     p.register_post_accumulate_grad_hook(self._guarded(self._bind_param(slot)))
                 )
 
+    def _note_compiled(self) -> None:
+        if self._compiled_noted:
+            return
+        self._compiled_noted = True
+        self.probe.event(
+            "numerics_not_checked",
+            what="activations",
+            reason=(
+                "compiled region: per-layer outputs and output gradients are not measured "
+                "inside a torch.compile'd model or function (a hook there would change the "
+                "graphs that run); parameter gradients are measured. To see activations, run "
+                "a diagnostic job uncompiled (torch.compiler.set_stance('force_eager'))"
+            ),
+            step=self.probe.step,
+        )
+
+    def on_compile(self) -> None:
+        if self._capture_handles:  # installed before the compile was seen: drop the module hooks
+            self._remove_capture()
+            self._install_capture()
+
     @staticmethod
     def _bind(fn: Any, slots: tuple[int, int | None, int | None]) -> Any:
         def hook(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            fn(slots, args, out)
+            # traced by dynamo (a train step compiled before amprobe knew): leave the graph as
+            # it is; the hooks go once compile is seen at the step boundary
+            if not is_compiling():
+                fn(slots, args, out)
 
         return hook
 
@@ -420,7 +452,7 @@ class NumericsCollector(Collector):
             self._inputs_described.add(root)
             self.probe.event(
                 "model_inputs",
-                root=type(model).__name__,
+                root=type(unwrap_compiled(model)).__name__,
                 floating=len(floats),
                 integer=sum(1 for t in tensors if not t.is_floating_point()),
                 dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
@@ -546,6 +578,8 @@ class NumericsCollector(Collector):
         self._in_flight = pending[-64:]  # bounded even if the device falls far behind
 
     def _arm(self, step: int) -> None:
+        if self.every == 0:  # per-layer samples are off: nothing to arm
+            return
         if step + self.arm_steps > self._armed_until:
             self._armed_until = step + self.arm_steps
             self.probe.event("numerics_armed", from_step=step + 1, until_step=self._armed_until)

@@ -225,8 +225,12 @@ class ScalerCollector(Collector):
         )
         if facts.loss is not None:
             record["loss"] = facts.loss
-        if it.autocast is not None:
-            record["autocast_device"], record["autocast_dtype"] = it.autocast
+        autocast = it.autocast
+        if autocast is None and self.probe.hub.compiled_autocast is not None:
+            # autocast inside a compiled region runs in the graph, not through __enter__
+            autocast = self.probe.hub.compiled_autocast
+        if autocast is not None:
+            record["autocast_device"], record["autocast_dtype"] = autocast
         if facts.scale_before is not None:
             record["scale_before"] = facts.scale_before
             record["scale_after"] = facts.scale_after

@@ -6,6 +6,7 @@ Importing this package registers every rule module in :data:`RULE_MODULES`.
 from __future__ import annotations
 
 from amprobe.rules import compare as _compare  # noqa: F401
+from amprobe.rules import compiled as _compiled  # noqa: F401
 from amprobe.rules import compute as _compute  # noqa: F401
 from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
 from amprobe.rules import distributed as _distributed  # noqa: F401

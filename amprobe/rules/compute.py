@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+from amprobe.analysis.compiled import is_compiled
 from amprobe.analysis.compute import (
     amp_configured,
     autocast_coverage,
@@ -55,6 +56,7 @@ def check_thin_model(ctx: RuleContext) -> Iterator[Finding]:
     parameters than ``min_params`` (from ``model_params`` events) marks a small model.
     """
     run = ctx.run
+    compiled = is_compiled(run)
     _, csteps = latest_capture(run)
     params = sum(
         int(e.get("trainable_params") or 0)
@@ -87,8 +89,12 @@ def check_thin_model(ctx: RuleContext) -> Iterator[Finding]:
             },
             fix=(
                 "AMP's gain here is memory, not speed: keep it to fit larger batches or stay in fp32. "
-                "For speed, give the GPU more matmul work per step (larger batch, wider layers) "
-                "or fuse the elementwise ops (torch.compile)."
+                "For speed, give the GPU more matmul work per step (larger batch, wider layers)"
+                + (
+                    "; the model is compiled already, so its elementwise ops are fused."
+                    if compiled
+                    else " or fuse the elementwise ops (torch.compile)."
+                )
             ),
         )
         return

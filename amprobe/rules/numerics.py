@@ -54,6 +54,18 @@ def _has_numerics(run: Run) -> str | None:
     return "per-layer numerics were not recorded (add 'numerics' to Config.collectors)"
 
 
+@requirement("activations")
+def _has_activations(run: Run) -> str | None:
+    """Met when per-layer outputs were measured; a compiled job says why they were not."""
+    numerics = run.table("numerics")
+    if not numerics.empty and (numerics["kind"] == "output").any():
+        return None
+    skipped = [e for e in run.events_of("numerics_not_checked") if e.get("what") == "activations"]
+    if skipped:
+        return str(skipped[0].get("reason"))
+    return None if numerics.empty else "no per-layer output was measured"
+
+
 @requirement("input_check")
 def _has_input_check(run: Run) -> str | None:
     steps = run.steps
@@ -107,7 +119,7 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
     "forward-overflow",
     "error",
     "nan",
-    requires=("numerics",),
+    requires=("numerics", "activations"),
     refs=(AUTOCAST_OPS,),
 )
 def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:

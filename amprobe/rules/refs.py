@@ -47,6 +47,16 @@ FC_GUIDE = (
     "NVIDIA Linear/Fully-Connected Layers User's Guide: "
     "https://docs.nvidia.com/deeplearning/performance/dl-performance-fully-connected/index.html"
 )
+COMPILE_RECOMPILES = (
+    "torch.compile programming model, recompilation: "
+    "https://docs.pytorch.org/docs/main/user_guide/torch_compiler/compile/"
+    "programming_model.recompilation.html"
+)
+COMPILE_GRAPH_BREAKS = (
+    "torch.compile programming model, graph breaks: "
+    "https://docs.pytorch.org/docs/main/user_guide/torch_compiler/compile/"
+    "programming_model.graph_breaks_index.html"
+)
 
 _SECTIONS = {
     "N": "NaN checklist",
@@ -80,6 +90,7 @@ CHECKLIST_TITLES: dict[str, str] = {
     "AMP-S05": "run forward and loss inside autocast",
     "AMP-S06": "AMP slower than expected against FP32",
     "AMP-S07": "Tensor Cores idle under AMP",
+    "AMP-S08": "a compiled model must not keep recompiling",
     "AMP-D01": "ranks must agree on the loss scale",
     "AMP-D02": "the slowest rank sets the pace",
     "AMP-P01": "layers that can move to fp8 first",

@@ -105,6 +105,20 @@ STEP_FIELDS: tuple[Field, ...] = (
             ("syncs", pa.int64(), "count", "synchronizing ops issued by user code (sampled steps)"),
         ],
     ),
+    *_f(
+        "compile",
+        [
+            (
+                "compile_frames",
+                pa.int64(),
+                "count",
+                "frames torch.compile compiled during the step",
+            ),
+            ("compile_graphs", pa.int64(), "count", "new compiled graphs during the step"),
+            ("graph_breaks", pa.int64(), "count", "graph breaks met while compiling in the step"),
+            ("recompiles", pa.int64(), "count", "recompilations of already compiled frames"),
+        ],
+    ),
 )
 
 

@@ -1,0 +1,108 @@
+"""Overhead of amprobe on a compiled transformer: step CPU time, probe on vs off, side by side.
+
+Usage: ``python benchmarks/bench_compile.py [--backend inductor|aot_eager] [--blocks N]
+[--steps N]``.
+
+The benchmark's TinyGPT (4 layers, d=256) is wrapped in ``torch.compile`` and warmed up (its
+graphs compiled) before any timing; then blocks of plain steps and of steps with
+``amprobe.attach(model=compiled, ...)`` in the default configuration alternate (the order
+reversed every other block), each block long enough to include the sampled steps (numerics
+every 100, sync counting every 50, shape capture). It prints the CPU model, the median and mean
+step CPU time of each configuration and their ratios, and checks that the probed blocks ran the
+compiled graph on every step (a counting backend wrapper) and compiled nothing new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import TinyGPT, make_batch, train_steps  # noqa: E402
+from machine import cpu_model  # noqa: E402
+
+import amprobe  # noqa: E402
+
+CALLS = {"n": 0}
+
+
+def counting(name: str):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner = lookup_backend(name)
+
+    def backend(gm, example_inputs):
+        compiled = inner(gm, example_inputs)
+
+        def run(*args):
+            CALLS["n"] += 1
+            return compiled(*args)
+
+        return run
+
+    return backend
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=100, help="steps per block")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    compiled = torch.compile(model, backend=counting(args.backend))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = make_batch()
+    t0 = time.perf_counter()
+    train_steps(compiled, opt, None, torch.bfloat16, batch, 3)
+    print(f"compile + 3 warm-up steps: {time.perf_counter() - t0:.1f} s ({args.backend})")
+    from torch._dynamo.utils import counters
+
+    frames0 = counters["frames"]["total"]
+    samples: dict[str, list[float]] = {"off": [], "amprobe": []}
+    calls: dict[str, list[int]] = {"off": [], "amprobe": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for block in range(args.blocks):
+            order = ["off", "amprobe"] if block % 2 == 0 else ["amprobe", "off"]
+            for name in order:
+                probe = None
+                if name == "amprobe":
+                    probe = amprobe.attach(
+                        model=compiled, optimizer=opt, run_dir=f"{tmp}/run-{block}"
+                    )
+                before = CALLS["n"]
+                try:
+                    samples[name].extend(
+                        train_steps(compiled, opt, None, torch.bfloat16, batch, args.steps)
+                    )
+                finally:
+                    if probe is not None:
+                        probe.close()
+                calls[name].append(CALLS["n"] - before)
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; 1 intra-op thread")
+    print(
+        f"{'configuration':<14}{'median ms':>12}{'mean ms':>12}{'ratio (median)':>16}"
+        f"{'ratio (mean)':>14}"
+    )
+    base_med = statistics.median(samples["off"])
+    base_mean = statistics.fmean(samples["off"])
+    for name, values in samples.items():
+        med, mean = statistics.median(values), statistics.fmean(values)
+        print(
+            f"{name:<14}{med * 1e3:>12.2f}{mean * 1e3:>12.2f}{med / base_med:>16.3f}"
+            f"{mean / base_mean:>14.3f}"
+        )
+    print(f"compiled-graph calls per block: off {calls['off']}, amprobe {calls['amprobe']}")
+    print(f"frames compiled during timing: {counters['frames']['total'] - frames0}")
+
+
+if __name__ == "__main__":
+    main()

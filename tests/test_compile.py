@@ -1,0 +1,259 @@
+"""torch.compile: amprobe never changes what the compiler runs, and still sees inside.
+
+Every job runs tests/scripts/train_compiled.py (a 2-block transformer, bf16 autocast) in a fresh
+process, whose backend wrapper counts how often a compiled graph runs; plain and probed jobs are
+compared on graph calls per step, the compiler's own counters and the exact per-step losses.
+The jobs are started together in a small pool (compiling is the slow part).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import amprobe
+from amprobe.config import ConfigError
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_compiled.py"
+STEPS = 8
+
+# (job id) -> (how the model is compiled, how amprobe is attached, extra script args)
+JOBS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "module-plain": ("module", "plain", ()),
+    "module-run": ("module", "run", ()),
+    "module-attach-compiled": ("module", "compiled", ()),
+    "module-attach-original": ("module", "original", ()),
+    "method-plain": ("method", "plain", ()),
+    "method-run": ("method", "run", ()),
+    "method-attach": ("method", "compiled", ()),
+    "function-plain": ("function", "plain", ()),
+    "function-run": ("function", "run", ()),
+    "function-attach": ("function", "compiled", ()),
+    "switch-run": ("module", "run", ("--switch-dtype-at", "5")),
+    "inductor-plain": ("module", "plain", ("--backend", "inductor")),
+    "inductor-run": ("module", "run", ("--backend", "inductor")),
+}
+
+
+def _run_job(root: Path, job: str) -> dict[str, Any]:
+    how, attach, extra = JOBS[job]
+    out = root / f"{job}.json"
+    run_dir = root / f"{job}-run"
+    script = [sys.executable, str(SCRIPT), str(out), "--how", how, "--steps", str(STEPS), *extra]
+    if attach == "run":
+        argv = [sys.executable, "-m", "amprobe", "run", "--out", str(run_dir), "--", *script]
+    elif attach == "plain":
+        argv = script
+    else:
+        config = json.dumps({"collectors": ["scaler", "numerics", "compute", "runtime"]})
+        argv = [*script, "--attach", attach, "--config", config]
+    proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{job}: {proc.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    result["stderr"] = proc.stderr
+    result["run_dir"] = run_dir
+    return result
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("compile")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {job: pool.submit(_run_job, root, job) for job in JOBS}
+        return {job: future.result() for job, future in futures.items()}
+
+
+def _calls(result: dict[str, Any]) -> list[int]:
+    return [s["graph_calls"] for s in result["steps"]]
+
+
+def _losses(result: dict[str, Any]) -> list[str]:
+    return [s["loss"] for s in result["steps"]]
+
+
+@pytest.mark.parametrize(
+    "job, plain",
+    [
+        ("module-run", "module-plain"),
+        ("module-attach-compiled", "module-plain"),
+        ("module-attach-original", "module-plain"),
+        ("method-run", "method-plain"),
+        ("method-attach", "method-plain"),
+        ("function-run", "function-plain"),
+        ("inductor-run", "inductor-plain"),
+    ],
+)
+def test_probed_job_runs_the_same_graphs_with_the_same_losses(jobs, job, plain):
+    probed, base = jobs[job], jobs[plain]
+    assert _calls(base) == [1] * STEPS, "the plain job runs one compiled graph per step"
+    assert _calls(probed) == _calls(base), "compiled-graph calls per step"
+    for counter in ("unique_graphs", "graph_breaks", "recompiles", "frames_total"):
+        assert probed[counter] == base[counter], counter
+    assert _losses(probed) == _losses(base), "per-step losses, bit for bit"
+
+
+def test_train_step_compiled_before_attach_compiles_one_variant_only(jobs):
+    """A compiled function made before attach() is only known once it ran: step 0's sampled
+    hooks return at once inside the graph; removing them compiles one variant, then no step
+    recompiles (README: torch.compile)."""
+    probed, base = jobs["function-attach"], jobs["function-plain"]
+    assert _calls(probed) == _calls(base) == [1] * STEPS
+    assert probed["graph_breaks"] == 0
+    assert probed["unique_graphs"] <= base["unique_graphs"] + 1
+    assert _losses(probed) == _losses(base)
+
+
+@pytest.mark.parametrize("job", ["module-run", "method-run", "function-run", "inductor-run"])
+def test_nothing_printed_by_torch_because_of_amprobe(jobs, job):
+    err = jobs[job]["stderr"]
+    for phrase in ("global hooks", "Graph break", "recompil", "torch._dynamo hit"):
+        assert phrase not in err, (phrase, err[-2000:])
+    plain_err = jobs[job.replace("-run", "-plain")]["stderr"]
+    assert "Warning" not in err.replace(plain_err, "")
+
+
+def test_compiled_run_names_layers_as_written_and_records_compiled_shapes(jobs):
+    run = amprobe.load_run(jobs["module-run"]["run_dir"])
+    ops = run.table("compute_ops")
+    assert not ops.empty
+    modules = set(ops["module"])
+    assert not any("_orig_mod" in m for m in modules)
+    assert {"blocks.0.qkv", "blocks.1.out", "head"} <= modules
+    qkv = ops[(ops["module"] == "blocks.0.qkv") & (ops["phase"] == "forward")].iloc[0]
+    # x [4, 16, 32] @ W[96, 32]^T in bf16: the GEMM that ran, named from the compiled graph
+    assert (qkv["m"], qkv["n"], qkv["k"]) == (64, 96, 32)
+    assert qkv["in_dtype"] == "bfloat16"
+    assert set(ops[ops["module"] == "blocks.0.qkv"]["phase"]) == {"forward", "backward"}
+    numerics = run.table("numerics")
+    assert not numerics.empty and not numerics["module"].str.contains("_orig_mod").any()
+    assert set(numerics["kind"]) == {"grad_param"}, "gradients measured outside the graph"
+    diagnosis = amprobe.diagnose(run)
+    text = json.dumps([f.title + f.fix for f in diagnosis.findings])
+    assert "_orig_mod" not in text
+    assert "(torch.compile)" not in text, "no advice to compile a compiled model"
+    assert "AMP-S08" not in diagnosis.ids()
+
+
+def test_compile_is_a_recorded_fact(jobs):
+    run = amprobe.load_run(jobs["module-run"]["run_dir"])
+    facts = run.rank_manifest["compile"]
+    assert facts == [
+        {
+            "target": "TinyGPT",
+            "kind": "module",
+            "backend": "backend",
+            "mode": None,
+            "dynamic": None,
+            "fullgraph": False,
+        }
+    ]
+    steps = run.steps
+    assert steps.loc[0, "compile_frames"] == 1 and steps.loc[0, "compile_graphs"] == 1
+    assert steps["compile_frames"].iloc[1:].sum() == 0
+    assert steps["recompiles"].sum() == 0 and steps["graph_breaks"].sum() == 0
+    method = amprobe.load_run(jobs["method-run"]["run_dir"])
+    assert [f["kind"] for f in method.rank_manifest["compile"]] == ["method"]
+    function = amprobe.load_run(jobs["function-run"]["run_dir"])
+    (fact,) = function.rank_manifest["compile"]
+    assert fact["kind"] == "function" and "forward_loss" in fact["target"]
+    # autocast inside the compiled function runs in the graph: still the step's precision
+    assert set(function.steps["autocast_dtype"]) == {"bfloat16"}
+    assert "AMP-S05" not in amprobe.diagnose(function).ids()
+
+
+def test_compiled_region_activations_not_checked_with_the_reason(jobs):
+    run = amprobe.load_run(jobs["module-run"]["run_dir"])
+    skipped = {s.id: s.reason for s in amprobe.diagnose(run).not_checked}
+    assert "compiled region" in skipped["AMP-N05"]
+    assert "force_eager" in skipped["AMP-N05"]
+
+
+def test_recompile_after_warmup_is_amp_s08_with_the_guard(jobs):
+    result = jobs["switch-run"]
+    assert result["frames_total"] == 2, "the dtype switch compiles the frame a second time"
+    run = amprobe.load_run(result["run_dir"])
+    assert int(run.steps.set_index("step").loc[5, "recompiles"]) == 1
+    (event,) = run.events_of("recompile")
+    assert event["step"] == 5 and "train_compiled.py" in event["where"]
+    (finding,) = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-S08"]
+    assert "1 recompile(s) after the first 3 steps (steps 5)" in finding.title
+    assert "autocast(cpu)_dtype" in event["reason"]
+    assert event["reason"].splitlines()[0] in finding.title
+    assert "autocast" in finding.fix
+
+
+def test_numerics_every_zero_is_the_off_switch(tmp_path):
+    assert amprobe.Config(numerics_every=0).numerics_every == 0
+    with pytest.raises(ConfigError, match="non-negative"):
+        amprobe.Config(numerics_every=-1)
+
+
+# -- rule and graph reading on hand-built inputs (no compile) -----------------------------------
+
+COMPILED = {"compile": [{"target": "TinyGPT", "kind": "module", "backend": "inductor"}]}
+
+
+def _steps(recompiles: dict[int, int], breaks: dict[int, int] | None = None, n: int = 10):
+    breaks = breaks or {}
+    return [
+        {
+            "step": s,
+            "compile_frames": int(s == 0) + recompiles.get(s, 0),
+            "compile_graphs": int(s == 0) + recompiles.get(s, 0),
+            "recompiles": recompiles.get(s, 0),
+            "graph_breaks": breaks.get(s, 0),
+        }
+        for s in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "recompiles, breaks, manifest, fires",
+    [
+        ({}, {}, COMPILED, False),  # compiled once, stable
+        ({1: 1, 2: 1}, {}, COMPILED, False),  # warm-up recompiles (automatic dynamic shapes)
+        ({4: 1, 7: 1}, {}, COMPILED, True),  # recompiles after warm-up
+        ({}, {0: 2}, COMPILED, True),  # graph breaks split the model
+        ({4: 1}, {}, {}, False),  # nothing compiled: not checked
+    ],
+)
+def test_s08_table(recompiles, breaks, manifest, fires):
+    from tests.helpers import fake_run
+
+    events = [
+        {
+            "kind": "recompile",
+            "step": s,
+            "function": "forward",
+            "where": "model.py:12",
+            "reason": "___check_global_state()",
+        }
+        for s in recompiles
+    ] + [{"kind": "graph_break", "step": s, "reason": "Tensor.item"} for s in breaks]
+    run = fake_run(steps=_steps(recompiles, breaks), events=events, manifest=manifest)
+    diagnosis = amprobe.diagnose(run)
+    found = [f for f in diagnosis.findings if f.id == "AMP-S08"]
+    assert bool(found) == fires
+    if found and recompiles:
+        assert "guard failed in forward (model.py:12): ___check_global_state()" in found[0].title
+        assert found[0].evidence["recompile_steps"] == sorted(recompiles)
+    if not manifest:
+        assert "AMP-S08" in {n.id for n in diagnosis.not_checked}
+
+
+def test_dynamo_module_paths_read_as_written():
+    from amprobe.collectors.compiled import stack_module_name, user_module_name
+
+    assert stack_module_name("L['self'].blocks[0]._orig_mod.qkv") == "blocks.0.qkv"
+    assert stack_module_name("L['self']._modules['blocks']._modules['0']._modules['fc']") == (
+        "blocks.0.fc"
+    )
+    assert stack_module_name("L['model'].head") == "head"
+    assert stack_module_name("L['self']") == ""
+    assert user_module_name("_orig_mod.blocks.0") == "blocks.0"
