@@ -7,8 +7,9 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
-from amprobe.analysis.numerics import compute_scale_hint, module_role
+from amprobe.analysis.numerics import compute_scale_hint, compute_underflow, module_role
 from amprobe.report.numerics import build_numerics_section
 from amprobe.rules import diagnose
 from tests.helpers import fake_run
@@ -268,8 +269,8 @@ def test_grad_underflow(
             {-30: 5, -10: 95},
             0,
             5,
-            "worst fc (grad_param, float32): 5.0% of its nonzero values fall below fp16's smallest "
-            "subnormal at loss scale 1; 0.0% at 65536, the largest scale keeping amax under 65504/8",
+            "worst fc (grad_param, float32): 5.0% of its nonzero values flush to zero in fp16 at "
+            "loss scale 1; 0.0% at 65536, the largest scale keeping amax under 65504/8",
         ),
     ],
 )
@@ -342,6 +343,27 @@ def test_scale_hint_values() -> None:
     assert hint["hint_scale"] == 2048.0  # 65504 / 8 / 3 = 2729 -> 2**11
     assert hint["underflow_share_at_current"] == pytest.approx(0.10)  # 2**-40 * 4096 < 2**-24
     assert hint["underflow_share_at_hint"] == pytest.approx(0.10)
+
+
+@pytest.mark.parametrize("scale", [2.0**4, 2.0**5, 2.0**6, 2.0**20])
+def test_underflow_at_another_scale_is_what_a_real_cast_flushes(scale: float) -> None:
+    """Issue 19 item 9: one boundary, the real one. Gradients in the binade [2**-30, 2**-29)
+    at scale 2**5 land in (2**-25, 2**-24), which an fp16 cast rounds up to 2**-24: kept, not
+    lost (the histogram path used to count everything below 2**-24)."""
+    import pandas as pd
+
+    g = torch.Generator().manual_seed(0)
+    u = (2.0**-30 * (1 + torch.rand(1000, generator=g))).clamp(max=2.0**-29 * (1 - 2.0**-23))
+    u = torch.cat([u, 2.0**-8 * torch.ones(1000)])  # and values that never flush
+    s = torch.tensor(scale, dtype=torch.float32)
+    truth = float((((u * s).half() == 0) & (u != 0)).sum()) / len(u)
+    row = _row(0, "fc", "grad_param", dtype="float32", elements=2000, hist={-30: 1000, -8: 1000})
+    row.update(loss_scale=1.0, amax=2.0**-8)
+    frame = pd.DataFrame([row])
+    (share,) = compute_underflow(frame, scale=scale)["lost_share"]
+    assert share == pytest.approx(truth)
+    hint = compute_scale_hint(frame.assign(loss_scale=scale), margin=8.0)
+    assert hint is not None and hint["underflow_share_at_current"] == pytest.approx(truth)
 
 
 # -- AMP-N16 -------------------------------------------------------------------------------------

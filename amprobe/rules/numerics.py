@@ -271,8 +271,10 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
 
     Per (module, gradient kind) over sampled steps, see :func:`compute_underflow`. Gradients
-    held wider than fp16 are judged as the checklist defines the loss: nonzero values that the
-    recorded loss scale leaves below fp16's smallest subnormal (2**-24). Gradients held in
+    held wider than fp16 are judged as the checklist defines the loss: nonzero values that a
+    real fp16 cast at the recorded loss scale flushes to zero (scaled magnitude at most
+    2**-25, half fp16's smallest subnormal; values in ``(2**-25, 2**-24)`` round up to
+    2**-24 and survive). Gradients held in
     fp16 have lost theirs already (flushed to zero, indistinguishable from true zeros), so
     there the share of surviving values in the subnormal range stands in for it: a layer
     with more than ``max_lost_share`` of its values there reaches the flush boundary. The
@@ -332,10 +334,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
                 "(values already flushed to zero cannot be counted)"
             )
         else:
-            what = (
-                f"{worst['share']:.1%} of its nonzero values fall below fp16's smallest "
-                f"subnormal at {at}"
-            )
+            what = f"{worst['share']:.1%} of its nonzero values flush to zero in fp16 at {at}"
         scale_text = ""
         if hint is not None:
             scale_text = (
