@@ -194,6 +194,59 @@ def test_forward_overflow_names_out_of_range_producer(
     assert "overflow to inf in head (Linear)" in finding.title
 
 
+@pytest.mark.parametrize(
+    ("autocast", "head_dtype", "origin"),
+    [
+        ("float16", "float16", "conv2"),  # fp16 cast of 4.65e5: inf, conv2 is the origin
+        ("bfloat16", "bfloat16", None),  # representable in bf16: calib made its own inf
+        ("float16", "float32", None),  # calib's output is fp32: no half cast to blame on conv2
+        ("float16", None, "conv2"),  # dtype not recorded: the run's autocast dtype decides
+    ],
+)
+def test_forward_overflow_judges_range_against_the_cast_dtype(
+    autocast: str, head_dtype: str | None, origin: str | None
+) -> None:
+    """Issue 19 item 12: a bf16 run does not blame fp16's range."""
+    conv2 = _row(1, "conv2", "output", "Conv2d", dtype="float32", order=0, elements=65536)
+    conv2.update(over_fp16=2094, amax=4.65e5)
+    calib = _row(1, "calib", "output", "Calib", dtype=head_dtype, order=1, inf=7)
+    tables = _overflow_tables(1, "calib", "Calib")
+    tables["numerics"] = [conv2, calib]
+    event = {**FP16_AUTOCAST, "dtype": autocast}
+    finding = _get(fake_run(steps=_steps(3), events=[event], tables=tables), "AMP-N05")
+    assert finding is not None
+    # ground truth from plain torch: what each cast makes of conv2's largest value
+    assert torch.isinf(torch.tensor(4.65e5).half()) and torch.isfinite(
+        torch.tensor(4.65e5).bfloat16()
+    )
+    if origin is None:
+        assert finding.evidence["module"] == "calib" and "overflow_module" not in finding.evidence
+        assert "fp16's range" not in finding.title
+        return
+    assert finding.evidence["module"] == origin and finding.evidence["overflow_module"] == "calib"
+    assert finding.evidence["cast_dtype"] == "float16"
+    assert finding.title.startswith(
+        "conv2 (Conv2d) outputs values beyond fp16's range (2094 of 65536"
+    )
+
+
+def test_forward_overflow_in_bf16_names_values_beyond_bf16() -> None:
+    big = float.fromhex("0x1.ffp127")  # the first fp32 magnitude bf16's cast makes inf
+    assert torch.isinf(torch.tensor(big).bfloat16())
+    assert torch.isfinite(torch.tensor(float.fromhex("0x1.fefffep127")).bfloat16())
+    conv2 = _row(1, "conv2", "output", "Conv2d", dtype="float32", order=0, amax=big)
+    calib = _row(1, "calib", "output", "Calib", dtype="bfloat16", order=1, inf=7)
+    tables = _overflow_tables(1, "calib", "Calib")
+    tables["numerics"] = [conv2, calib]
+    event = {**FP16_AUTOCAST, "dtype": "bfloat16"}
+    finding = _get(fake_run(steps=_steps(3), events=[event], tables=tables), "AMP-N05")
+    assert finding is not None and finding.evidence["module"] == "conv2"
+    assert finding.evidence["origin_over_fp16_count"] is None
+    assert finding.title.startswith(
+        "conv2 (Conv2d) outputs values beyond bf16's range (max 3.4e+38)"
+    )
+
+
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
     run = fake_run(
         steps=_steps(3, {1: {"input_nonfinite": 3}}),
