@@ -201,6 +201,23 @@ def test_fp32_subnormals_are_scaled_by_their_binade(
     assert (sel["low_exp"] == -149).all()  # values below 2**-133: the bound, not -127
 
 
+def test_p03_names_the_smallest_gradient_binade(
+    recorded: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """Issue 19 item 11: the recorded fp32 subnormal gradients reach the 2**-149 binade; the
+    text says so instead of 2^-127 (where every subnormal used to be placed)."""
+    run_dir, tensors = recorded
+    t = tensors["subnormal"].abs()
+    assert math.floor(math.log2(float(t[t > 0].min()))) == -149  # ground truth
+    rows = amprobe.load_run(run_dir).table("numerics")
+    rows = rows[rows["module"].isin(["m.subnormal", "m.normal"])]
+    records = rows.astype(object).where(rows.notna(), None).to_dict("records")
+    run = fake_run(steps=[{"step": 0}], events=[BF16], tables={"numerics": records})
+    (p03,) = diagnose(run, only=["AMP-P03"]).findings
+    assert "gradients span 2^-149 … 2^" in p03.title, p03.title
+    assert p03.evidence["gradient_range"].startswith("2^-149 … ")
+
+
 def test_ties_at_half_the_min_subnormal_are_within_the_stated_bounds(
     recorded: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
