@@ -27,7 +27,7 @@ __all__ = [
 HEATMAP_METRICS: dict[str, tuple[str, Any]] = {
     "nonfinite": ("non-finite values (NaN + inf)", lambda f: f["nan"] + f["inf"]),
     "overflow": (
-        "values beyond the fp16 max (finite > 65504, plus inf)",
+        "values an fp16 cast makes inf (finite >= 65520, plus inf)",
         lambda f: f["over_fp16"] + f["inf"],
     ),
     "underflow": (
