@@ -52,7 +52,8 @@ Records:
 
 Cost: nothing on unsampled steps beyond one reduction over the root inputs. On a sampled
 step one elementwise pass and one histogram pass per hooked tensor (fp32 tensors add a
-min/max reduction), and one ``aminmax`` per module input; see
+max reduction and two compare-and-count passes for the exact fp16 boundaries), and one
+``aminmax`` per module input; see
 ``benchmarks/bench_numerics_v2.py``.
 """
 

@@ -50,8 +50,10 @@ back: histograms go through ``index_add_``, fp32 zeros/NaN are always counted on
 and the fold's indices travel by pinned non-blocking copies, so a step issues kernels only.
 
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
-tensor and 2 ns per element of an fp32 tensor (the histogram, ``bincount``'s serial loop, is
-about two thirds of it), against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``.
+tensor, against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``. An fp32 tensor
+costs about 4 ns per element (one thread, 4M-element ``randn``): about 2 ns for the key
+histogram and its extras, and about 2 ns more for the exact fp16-overflow and fp16-flush
+counts (two compare-and-count passes), which its truncated key cannot give.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def flush_threshold(scale: torch.Tensor | None, device: torch.device) -> torch.T
     scales are settled by trying the fp32 neighbours of that quotient, on the device (no sync).
     Returns a 0-d fp32 tensor on ``device``.
     """
-    limit = torch.tensor(FLUSH16, dtype=torch.float32, device=device)
+    limit = torch.full((), FLUSH16, dtype=torch.float32, device=device)  # a fill: no copy
     if scale is None:
         return limit
     s = scale.detach().to(device=device, dtype=torch.float32)
@@ -415,22 +417,21 @@ class StepStats:
             key = torch.abs(x, out=self._buf(x.dtype, n, x.shape)).view(torch.int16)
             return torch.bincount(key.view(-1), minlength=_NKEYS), None, None
         y = self._unscaled_f32(x, grad)
+        # the sign bit is clear: the upper half is the key
         key = torch.bitwise_right_shift(
             y.view(torch.int32), 16, out=self._buf(torch.int16, n, x.shape)
-        ).bitwise_and_(0x7FFF)
+        )
         h = torch.bincount(key.view(-1), minlength=_NKEYS)
         # bin 0 holds zeros and fp32 values below 2**-133: count zeros only if it is occupied
         zeros = n - int(torch.count_nonzero(y)) if int(h[0]) else 0
         return h, (zeros, *self._nan_amax_host(y)), self._fp16_counts(y, grad)
 
     def _fp16_counts(self, y: torch.Tensor, grad: bool) -> torch.Tensor:
-        """(fp16-overflowing, fp16-flushed) counts of unscaled fp32 values, as a device tensor:
-        ``|y| >= 65520`` and ``|y| <= flush_threshold(scale)`` (no read-back)."""
-        n = y.numel()
-        a = torch.abs(y, out=self._buf(torch.float32, n, y.shape, tag=1))
-        flags = self._buf(torch.bool, n, y.shape)
-        over = torch.count_nonzero(torch.ge(a, OVER16, out=flags))
-        flush = torch.count_nonzero(torch.le(a, self._flush_at(grad), out=flags))
+        """(fp16-overflowing, fp16-flushed) counts of unscaled fp32 magnitudes, as a device
+        tensor: ``y >= 65520`` and ``y <= flush_threshold(scale)`` (no read-back)."""
+        flags = self._buf(torch.bool, y.numel(), y.shape)
+        over = torch.count_nonzero(torch.ge(y, OVER16, out=flags))
+        flush = torch.count_nonzero(torch.le(y, self._flush_at(grad), out=flags))
         return torch.stack([over, flush])
 
     def _flush_at(self, grad: bool) -> torch.Tensor:
@@ -460,7 +461,7 @@ class StepStats:
         y = self._unscaled_f32(x, grad)
         key = torch.bitwise_right_shift(
             y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
-        ).bitwise_and_(0x7FFF)
+        )
         hist.index_add_(0, key.view(-1), self._ones.expand(n))
         return y
 
@@ -481,8 +482,7 @@ class StepStats:
         y = self._index_add_keys(hist, x, fmt, grad)
         if y is None:
             return
-        mn, mx = torch.aminmax(y)
-        amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
+        amax = y.amax().view(torch.int32)
         extra = self._extra[slot]
         extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
         extra[C_ZEROS].add_(x.numel() - torch.count_nonzero(y))
@@ -490,22 +490,25 @@ class StepStats:
         self._add_f32_counts(slot, self._fp16_counts(y, grad))
 
     def _unscaled_f32(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
-        """``x`` as fp32, divided by the step's loss scale for gradients (as v1 does)."""
+        """``|x|`` as fp32, divided by the step's loss scale for gradients (as v1 does), in a
+        scratch buffer (the magnitude's upper half is the key, no masking needed)."""
         if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, like v1
             x = x.to(torch.float32)
+        out = self._buf(torch.float32, x.numel(), x.shape)
+        torch.abs(x, out=out)
         if grad and not self._scale_one:
-            out = self._buf(torch.float32, x.numel(), x.shape)
-            return torch.div(x, self.scale, out=out)  # type: ignore[arg-type]
-        return x
+            out.div_(self.scale)  # type: ignore[arg-type]
+        return out
 
     @staticmethod
     def _nan_amax_host(y: torch.Tensor) -> tuple[int, int]:
-        lo, hi = (float(v) for v in torch.aminmax(y))
-        if math.isfinite(lo) and math.isfinite(hi):
-            return 0, _float_bits(max(abs(lo), abs(hi)))
+        """NaN count and amax bits of fp32 magnitudes (``amax`` propagates NaN)."""
+        hi = float(y.amax())
+        if math.isfinite(hi):
+            return 0, _float_bits(hi)
         # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN) and take
         # v1's maximum (inf, or a NaN pattern, not reported then)
-        return int(torch.isnan(y).sum()), int(y.abs().view(torch.int32).amax())
+        return int(torch.isnan(y).sum()), int(y.view(torch.int32).amax())
 
     def _add_host_extra(self, slot: int, extra: tuple[int, int, int] | None) -> None:
         if extra is None:
