@@ -419,3 +419,46 @@ def test_subnormal_binades_are_resolved(
     assert int(row[H0 : H0 + NBINS].sum()) == x.numel()
     if dtype == torch.float32:
         assert truth["lump"] > 0 and truth["e-130"] > 0
+
+
+class _Emit(nn.Module):
+    """Outputs its parameter (times ones): the output and both gradients are known tensors."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(t.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w * x
+
+
+def test_recorded_columns_are_what_real_casts_do(tmp_path: Path) -> None:
+    """Items 8 and 9 end to end: the stored ``over_fp16`` and ``underflow_at_scale`` of an
+    output and its gradients equal plain-torch casts of the same values."""
+    scale = 2.0**10
+    t = torch.tensor([65504.0, 65510.0, 65519.0, 65520.0, 65530.0, 65535.9, 7e4, 1.0, 2.0**-25])
+    t = torch.cat([t, 2.0**-25 * (1 + torch.rand(50, generator=torch.Generator().manual_seed(0)))])
+    g = torch.tensor([2.0**-25, 1.5 * 2.0**-25, 2.0**-24 * (1 - 2.0**-20), 2.0**-26, 1e-3]) / scale
+    g = torch.cat([g, torch.zeros(len(t) - len(g))])
+    model = _Emit(t)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    config = {"collectors": ["scaler", "numerics"], "numerics_every": 1}
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run", config=config):
+        loss = (model(torch.ones(len(t))) * g).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    table = amprobe.load_run(tmp_path / "run").table("numerics")
+    rows = {
+        kind: table[(table["module"] == "<root>") & (table["kind"] == kind)].iloc[0]
+        for kind in ("output", "grad_output", "grad_param")
+    }
+    assert rows["output"]["over_fp16"] == int(torch.isinf(t.half()).sum()) == 4
+    assert rows["output"]["underflow_at_scale"] == int(((t.half() == 0) & (t != 0)).sum()) == 1
+    s = torch.tensor(scale)
+    flushed = int((((g * s).half() == 0) & (g != 0)).sum())
+    assert flushed == 2  # the tie 2**-25 and 2**-26; (2**-25, 2**-24) rounds up to 2**-24
+    for kind in ("grad_output", "grad_param"):
+        assert rows[kind]["loss_scale"] == scale
+        assert rows[kind]["underflow_at_scale"] == flushed, kind
