@@ -591,3 +591,15 @@ def test_report_section_missing() -> None:
     run = fake_run(steps=_steps(2))
     sec = build_numerics_section(run, diagnose(run))
     assert sec.missing is not None and "numerics" in sec.missing and not sec.figures
+
+
+def test_exponent_histogram_figure_leaves_out_zeros_keeps_subnormals() -> None:
+    import pandas as pd
+
+    from amprobe.report.numerics import make_exponent_histogram_figure
+
+    row = _row(0, "fc", "output", elements=19, zeros=5)
+    row["exp_hist"] = json.dumps({"-149": 2, "-130": 3, "-127": 4 + 5, "0": 5})  # 5 zeros
+    fig = make_exponent_histogram_figure(pd.DataFrame([row]), [("fc", "output")])
+    (bars,) = fig.data
+    assert dict(zip(bars.x, bars.y, strict=True)) == {-149: 2, -130: 3, -127: 4, 0: 5}
