@@ -7,8 +7,9 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
-from amprobe.analysis.numerics import compute_scale_hint, module_role
+from amprobe.analysis.numerics import compute_scale_hint, compute_underflow, module_role
 from amprobe.report.numerics import build_numerics_section
 from amprobe.rules import diagnose
 from tests.helpers import fake_run
@@ -193,6 +194,59 @@ def test_forward_overflow_names_out_of_range_producer(
     assert "overflow to inf in head (Linear)" in finding.title
 
 
+@pytest.mark.parametrize(
+    ("autocast", "head_dtype", "origin"),
+    [
+        ("float16", "float16", "conv2"),  # fp16 cast of 4.65e5: inf, conv2 is the origin
+        ("bfloat16", "bfloat16", None),  # representable in bf16: calib made its own inf
+        ("float16", "float32", None),  # calib's output is fp32: no half cast to blame on conv2
+        ("float16", None, "conv2"),  # dtype not recorded: the run's autocast dtype decides
+    ],
+)
+def test_forward_overflow_judges_range_against_the_cast_dtype(
+    autocast: str, head_dtype: str | None, origin: str | None
+) -> None:
+    """Issue 19 item 12: a bf16 run does not blame fp16's range."""
+    conv2 = _row(1, "conv2", "output", "Conv2d", dtype="float32", order=0, elements=65536)
+    conv2.update(over_fp16=2094, amax=4.65e5)
+    calib = _row(1, "calib", "output", "Calib", dtype=head_dtype, order=1, inf=7)
+    tables = _overflow_tables(1, "calib", "Calib")
+    tables["numerics"] = [conv2, calib]
+    event = {**FP16_AUTOCAST, "dtype": autocast}
+    finding = _get(fake_run(steps=_steps(3), events=[event], tables=tables), "AMP-N05")
+    assert finding is not None
+    # ground truth from plain torch: what each cast makes of conv2's largest value
+    assert torch.isinf(torch.tensor(4.65e5).half()) and torch.isfinite(
+        torch.tensor(4.65e5).bfloat16()
+    )
+    if origin is None:
+        assert finding.evidence["module"] == "calib" and "overflow_module" not in finding.evidence
+        assert "fp16's range" not in finding.title
+        return
+    assert finding.evidence["module"] == origin and finding.evidence["overflow_module"] == "calib"
+    assert finding.evidence["cast_dtype"] == "float16"
+    assert finding.title.startswith(
+        "conv2 (Conv2d) outputs values beyond fp16's range (2094 of 65536"
+    )
+
+
+def test_forward_overflow_in_bf16_names_values_beyond_bf16() -> None:
+    big = float.fromhex("0x1.ffp127")  # the first fp32 magnitude bf16's cast makes inf
+    assert torch.isinf(torch.tensor(big).bfloat16())
+    assert torch.isfinite(torch.tensor(float.fromhex("0x1.fefffep127")).bfloat16())
+    conv2 = _row(1, "conv2", "output", "Conv2d", dtype="float32", order=0, amax=big)
+    calib = _row(1, "calib", "output", "Calib", dtype="bfloat16", order=1, inf=7)
+    tables = _overflow_tables(1, "calib", "Calib")
+    tables["numerics"] = [conv2, calib]
+    event = {**FP16_AUTOCAST, "dtype": "bfloat16"}
+    finding = _get(fake_run(steps=_steps(3), events=[event], tables=tables), "AMP-N05")
+    assert finding is not None and finding.evidence["module"] == "conv2"
+    assert finding.evidence["origin_over_fp16_count"] is None
+    assert finding.title.startswith(
+        "conv2 (Conv2d) outputs values beyond bf16's range (max 3.4e+38)"
+    )
+
+
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
     run = fake_run(
         steps=_steps(3, {1: {"input_nonfinite": 3}}),
@@ -268,8 +322,8 @@ def test_grad_underflow(
             {-30: 5, -10: 95},
             0,
             5,
-            "worst fc (grad_param, float32): 5.0% of its nonzero values fall below fp16's smallest "
-            "subnormal at loss scale 1; 0.0% at 65536, the largest scale keeping amax under 65504/8",
+            "worst fc (grad_param, float32): 5.0% of its nonzero values flush to zero in fp16 at "
+            "loss scale 1; 0.0% at 65536, the largest scale keeping amax under 65504/8",
         ),
     ],
 )
@@ -342,6 +396,27 @@ def test_scale_hint_values() -> None:
     assert hint["hint_scale"] == 2048.0  # 65504 / 8 / 3 = 2729 -> 2**11
     assert hint["underflow_share_at_current"] == pytest.approx(0.10)  # 2**-40 * 4096 < 2**-24
     assert hint["underflow_share_at_hint"] == pytest.approx(0.10)
+
+
+@pytest.mark.parametrize("scale", [2.0**4, 2.0**5, 2.0**6, 2.0**20])
+def test_underflow_at_another_scale_is_what_a_real_cast_flushes(scale: float) -> None:
+    """Issue 19 item 9: one boundary, the real one. Gradients in the binade [2**-30, 2**-29)
+    at scale 2**5 land in (2**-25, 2**-24), which an fp16 cast rounds up to 2**-24: kept, not
+    lost (the histogram path used to count everything below 2**-24)."""
+    import pandas as pd
+
+    g = torch.Generator().manual_seed(0)
+    u = (2.0**-30 * (1 + torch.rand(1000, generator=g))).clamp(max=2.0**-29 * (1 - 2.0**-23))
+    u = torch.cat([u, 2.0**-8 * torch.ones(1000)])  # and values that never flush
+    s = torch.tensor(scale, dtype=torch.float32)
+    truth = float((((u * s).half() == 0) & (u != 0)).sum()) / len(u)
+    row = _row(0, "fc", "grad_param", dtype="float32", elements=2000, hist={-30: 1000, -8: 1000})
+    row.update(loss_scale=1.0, amax=2.0**-8)
+    frame = pd.DataFrame([row])
+    (share,) = compute_underflow(frame, scale=scale)["lost_share"]
+    assert share == pytest.approx(truth)
+    hint = compute_scale_hint(frame.assign(loss_scale=scale), margin=8.0)
+    assert hint is not None and hint["underflow_share_at_current"] == pytest.approx(truth)
 
 
 # -- AMP-N16 -------------------------------------------------------------------------------------
@@ -516,3 +591,15 @@ def test_report_section_missing() -> None:
     run = fake_run(steps=_steps(2))
     sec = build_numerics_section(run, diagnose(run))
     assert sec.missing is not None and "numerics" in sec.missing and not sec.figures
+
+
+def test_exponent_histogram_figure_leaves_out_zeros_keeps_subnormals() -> None:
+    import pandas as pd
+
+    from amprobe.report.numerics import make_exponent_histogram_figure
+
+    row = _row(0, "fc", "output", elements=19, zeros=5)
+    row["exp_hist"] = json.dumps({"-149": 2, "-130": 3, "-127": 4 + 5, "0": 5})  # 5 zeros
+    fig = make_exponent_histogram_figure(pd.DataFrame([row]), [("fc", "output")])
+    (bars,) = fig.data
+    assert dict(zip(bars.x, bars.y, strict=True)) == {-149: 2, -130: 3, -127: 4, 0: 5}

@@ -12,7 +12,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amprobe
 import amprobe.collectors.numerics as numerics
 from amprobe.collectors import numstats
-from amprobe.collectors.numstats import C_AMAX, C_IN_BAD, C_NAN, C_ZEROS, H0, K
+from amprobe.collectors.numstats import (
+    C_AMAX,
+    C_IN_BAD,
+    C_NAN,
+    C_OVER16,
+    C_ZEROS,
+    E_MIN,
+    H0,
+    H_LUMP,
+    H_NONFINITE,
+    H_ZERO,
+    NBINS,
+    K,
+)
 
 SPECIAL = [
     0.0,
@@ -21,8 +34,8 @@ SPECIAL = [
     float("inf"),
     -float("inf"),
     65504.0,  # fp16 max
-    65505.0,  # in (65504, 65536): not counted as over-fp16 (the histogram is exponent-only)
-    65520.0,
+    65505.0,  # in (65504, 65520): rounds down to 65504, not over fp16
+    65520.0,  # the first value fp16's cast makes inf
     -65535.5,
     65536.0,
     2.0**-14,  # fp16 min normal
@@ -35,7 +48,7 @@ SPECIAL = [
     2.0**-127,  # fp32 subnormals
     1e-40,
     2.0**-133,
-    2.0**-140,  # below bf16-truncation resolution: in key bin 0 with the zeros
+    2.0**-140,  # below bf16-truncation resolution: in the lump with 1e-45
     1e-45,
     3.0e38,
 ]
@@ -97,10 +110,13 @@ def test_the_special_values_are_where_v1_puts_them() -> None:
     x = _values(torch.float32, 300)[: len(SPECIAL)]
     row = numstats.stats_v2(x, sync_free=False)
     assert int(row[C_NAN]) == 1
-    assert int(row[H0 + 255]) == 3  # two infinities and the NaN
+    assert int(row[H_NONFINITE]) == 3  # two infinities and the NaN
     assert int(row[C_ZEROS]) == 2
-    assert int(row[H0 + 127 + 15]) == 4  # 65504 .. 65535.5: exponent 15, not over fp16
-    assert int(row[H0]) - int(row[C_ZEROS]) == 5  # fp32 subnormals: 2**-127 .. 1e-45
+    assert int(row[H0 + 15 - E_MIN]) == 4  # 65504 .. 65535.5: exponent 15
+    assert int(row[C_OVER16]) == 6  # 65520, 65535.5, 65536, 3e38 and the infinities
+    assert int(row[H_ZERO]) - int(row[C_ZEROS]) == 1  # 2**-127
+    assert int(row[H0 - 133 - E_MIN]) == 2  # 1e-40 and 2**-133
+    assert int(row[H_LUMP]) == 2  # 2**-140 and 1e-45: below 2**-133
 
 
 @pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
@@ -325,3 +341,124 @@ def test_an_input_measured_as_an_output_is_counted_from_its_histogram(dtype: tor
     assert reductions.count == 1
     x[5] = float("nan")  # in place (65504 before): a new version, counted afresh
     assert stats.count_nonfinite(x) == expected + 1
+
+
+# -- the definitions, checked against real casts (issue 19 items 8-10) ---------------------------
+def _boundary_values(dtype: torch.dtype, scale: float | None) -> torch.Tensor:
+    """Values whose recorded magnitude (``|x| / scale``) sits on fp16's cast boundaries: the
+    overflow boundary 65520, the flush boundary 2**-25 (the tie) and its neighbours, fp32
+    subnormals of every binade; plus the wide spread of ``_values``."""
+    s = 1.0 if scale is None else scale
+    up = 1 + 2.0**-23
+    targets = [65504.0, 65505.0, 65519.0, 65519.996, 65520.0, 65520.004, 65535.0, 65536.0]
+    targets += [2.0**-25, 2.0**-25 * up, 2.0**-25 / up, 2.0**-25 * 1.5, 2.0**-24, 2.0**-26]
+    targets += [2.0**-24 / up, 2.0**-14, 2.0**-14 / up]
+    targets += [2.0**e * 1.25 for e in range(-149, -126)]  # fp32 subnormal binades
+    wanted = torch.tensor(targets, dtype=torch.float64) * s
+    wanted = torch.cat([wanted, -wanted]).to(dtype)
+    return torch.cat([wanted, _values(dtype, 4000, seed=21)])
+
+
+def _truth(x: torch.Tensor, scale: float | None) -> dict[str, int]:
+    """What real ``.to(float16)`` casts make of the recorded values (plain torch)."""
+    u = x.to(torch.float32).abs()
+    s = 1.0 if scale is None else scale
+    if scale is not None:
+        u = u / torch.tensor(scale, dtype=torch.float32)
+    at_scale = (u * torch.tensor(s, dtype=torch.float32)).to(torch.float16)
+    e = torch.frexp(u.double())[1] - 1  # binade, exact for fp32 subnormals too
+    nonzero = (u > 0) & torch.isfinite(u)
+    return {
+        "over": int((torch.isinf(u.to(torch.float16)) & torch.isfinite(u)).sum()),
+        "flush": int(((at_scale == 0) & (u != 0)).sum()),
+        "inf": int(torch.isinf(u).sum()),
+        "zeros": int((u == 0).sum()),
+        "lump": int((nonzero & (u < 2.0**-133)).sum()),
+        **{f"e{k}": int((nonzero & (e == k)).sum()) for k in range(-133, 128)},
+    }
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("scale", [None, 2.0**16, 1000.0, 2.0**-3], ids=lambda s: f"scale={s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fp16_counts_are_what_real_casts_do(
+    dtype: torch.dtype, scale: float | None, sync_free: bool
+) -> None:
+    """Items 8 and 9: overflow from 65520 (not 2**16), flush at or below 2**-25 at the scale
+    (values in (2**-25, 2**-24) round up to 2**-24; the tie 2**-25 goes to zero)."""
+    x = _boundary_values(dtype, scale)
+    truth = _truth(x, scale)
+    for row in (
+        numstats.stats_v2(x, _scale(scale), sync_free),
+        numstats.stats_v1(x, _scale(scale)),
+    ):
+        counts = numerics.summarize_hist(row.tolist())
+        assert counts["over_fp16"] == truth["over"]
+        assert counts["underflow_at_scale"] == truth["flush"]
+        assert int(row[C_ZEROS]) == truth["zeros"]
+        assert int(row[H_NONFINITE]) - int(row[C_NAN]) == truth["inf"]
+    if dtype == torch.float32 and scale in (None, 2.0**16):
+        assert truth["over"] > 0 and truth["flush"] > 0  # the boundaries are exercised
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("scale", [None, 2.0**16, 1000.0], ids=lambda s: f"scale={s}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_subnormal_binades_are_resolved(
+    dtype: torch.dtype, scale: float | None, sync_free: bool
+) -> None:
+    """Item 10: fp32 subnormals sit in their own binades down to 2**-133, the rest in the lump
+    column (exponent -149), zeros with the top subnormal binade (-127)."""
+    x = _boundary_values(dtype, scale)
+    truth = _truth(x, scale)
+    row = numstats.stats_v2(x, _scale(scale), sync_free)
+    for k in range(-133, 128):
+        extra = truth["zeros"] if k == -127 else 0
+        assert int(row[H0 + k - E_MIN]) == truth[f"e{k}"] + extra, k
+    assert int(row[H_LUMP]) == truth["lump"]
+    assert int(row[H0 : H0 + NBINS].sum()) == x.numel()
+    if dtype == torch.float32:
+        assert truth["lump"] > 0 and truth["e-130"] > 0
+
+
+class _Emit(nn.Module):
+    """Outputs its parameter (times ones): the output and both gradients are known tensors."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(t.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w * x
+
+
+def test_recorded_columns_are_what_real_casts_do(tmp_path: Path) -> None:
+    """Items 8 and 9 end to end: the stored ``over_fp16`` and ``underflow_at_scale`` of an
+    output and its gradients equal plain-torch casts of the same values."""
+    scale = 2.0**10
+    t = torch.tensor([65504.0, 65510.0, 65519.0, 65520.0, 65530.0, 65535.9, 7e4, 1.0, 2.0**-25])
+    t = torch.cat([t, 2.0**-25 * (1 + torch.rand(50, generator=torch.Generator().manual_seed(0)))])
+    g = torch.tensor([2.0**-25, 1.5 * 2.0**-25, 2.0**-24 * (1 - 2.0**-20), 2.0**-26, 1e-3]) / scale
+    g = torch.cat([g, torch.zeros(len(t) - len(g))])
+    model = _Emit(t)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    config = {"collectors": ["scaler", "numerics"], "numerics_every": 1}
+    with amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run", config=config):
+        loss = (model(torch.ones(len(t))) * g).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    table = amprobe.load_run(tmp_path / "run").table("numerics")
+    rows = {
+        kind: table[(table["module"] == "<root>") & (table["kind"] == kind)].iloc[0]
+        for kind in ("output", "grad_output", "grad_param")
+    }
+    assert rows["output"]["over_fp16"] == int(torch.isinf(t.half()).sum()) == 4
+    assert rows["output"]["underflow_at_scale"] == int(((t.half() == 0) & (t != 0)).sum()) == 1
+    s = torch.tensor(scale)
+    flushed = int((((g * s).half() == 0) & (g != 0)).sum())
+    assert flushed == 2  # the tie 2**-25 and 2**-26; (2**-25, 2**-24) rounds up to 2**-24
+    for kind in ("grad_output", "grad_param"):
+        assert rows[kind]["loss_scale"] == scale
+        assert rows[kind]["underflow_at_scale"] == flushed, kind

@@ -71,6 +71,32 @@ def _hist(text: Any) -> dict[int, int]:
     return {int(k): int(v) for k, v in json.loads(text).items()}
 
 
+#: ``exp_hist`` key of the values below 2**-133 (binades -149 .. -134) and its top binade
+_LUMP, _LUMP_TOP = -149, -134
+
+
+def _nonzero_binades(text: Any, zeros: int) -> dict[int, int]:
+    """``exp_hist`` as top binade -> nonzero finite count: the zeros taken out of bin -127,
+    inf/NaN left out, the lump below 2**-133 keyed by its top binade -134."""
+    out: dict[int, int] = {}
+    for e, n in _hist(text).items():
+        if e >= 128:
+            continue
+        if e == -127:
+            n -= zeros
+        if n > 0:
+            key = _LUMP_TOP if e <= _LUMP else e
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def _below(binades: dict[int, int], bound_exp: float, scale: float) -> int:
+    """Values of the binades that lie wholly at or below ``2**bound_exp`` once multiplied by
+    ``scale``: ``2**(e+1) * scale <= 2**bound_exp``."""
+    cut = bound_exp - math.log2(scale) - 1
+    return sum(n for e, n in binades.items() if e <= cut)
+
+
 def _nonzero(frame: pd.DataFrame) -> pd.Series:
     return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
 
@@ -81,29 +107,33 @@ def _lost_at(row: Any, nz: int, scale: float | None) -> tuple[float, str]:
         return 0.0, "subnormal" if row.dtype == "float16" else "flushed"
     own = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
     at = own if scale is None else scale
+    zeros = getattr(row, "zeros", 0)
+    binades = _nonzero_binades(row.exp_hist, 0 if pd.isna(zeros) else int(zeros))
     if row.dtype == "float16":
-        limit = -14 - math.log2(at)
-        return sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit) / nz, "subnormal"
+        return _below(binades, -14, at) / nz, "subnormal"
     if scale is None:
         return int(row.underflow_at_scale) / nz, "flushed"
-    limit = -24 - math.log2(at)
-    return sum(n for e, n in _hist(row.exp_hist).items() if -127 < e < limit) / nz, "flushed"
+    return _below(binades, -25, at) / nz, "flushed"
 
 
 def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.DataFrame:
     """Per gradient row: the share of nonzero values that fp16 with the row's loss scale loses.
 
-    For gradients held wider than fp16 (fp32/bf16) the loss is exact: nonzero values whose
-    scaled magnitude stays below 2**-24 (``underflow_at_scale``). For gradients already held in
-    fp16 the lost values are zeros by now and cannot be told from true zeros, so the measure is
-    the share of surviving values in fp16's subnormal range (scaled magnitude < 2**-14), which
-    is where precision is already lost and the neighbouring values were flushed.
+    For gradients held wider than fp16 (fp32/bf16) the loss is exact: nonzero values that a
+    real fp16 cast at the loss scale makes zero, scaled magnitude at most 2**-25
+    (``underflow_at_scale``; values in ``(2**-25, 2**-24)`` round up to 2**-24 and are kept).
+    For gradients already held in fp16 the lost values are zeros by now and cannot be told
+    from true zeros, so the measure is the share of surviving values in fp16's subnormal range
+    (scaled magnitude < 2**-14), which is where precision is already lost and the neighbouring
+    values were flushed.
 
     Args:
         frame: ``numerics`` rows (other kinds than gradients are ignored).
-        scale: evaluate every row at this loss scale instead of the one it was recorded with
-            (from the exponent histograms, which hold unscaled magnitudes). For fp16-held
-            gradients values flushed at the recorded scale stay uncounted.
+        scale: evaluate every row at this loss scale instead of the one it was recorded with,
+            from the exponent histograms (they hold unscaled magnitudes): the binades that
+            lie wholly at or below 2**-25 at that scale flush; a tie at exactly 2**-25, which
+            a binade does not resolve, is not counted. For fp16-held gradients values flushed
+            at the recorded scale stay uncounted.
 
     Returns:
         The gradient rows with ``nonzero``, ``lost_share`` and ``measure`` (``flushed`` or
@@ -129,9 +159,10 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
 
     Algorithm: ``amax`` is the largest unscaled gradient magnitude over every gradient row;
     the hint is ``2**floor(log2(65504 / margin / amax))``. Underflow shares come from the
-    exponent histograms of the gradients held wider than fp16: nonzero gradients whose
-    magnitude times the scale stays below 2**-24, over their nonzero values, at the current
-    scale (the last recorded one) and at the hint. Gradients held in fp16 are left out: their
+    exponent histograms of the gradients held wider than fp16: nonzero gradients whose binade
+    times the scale lies wholly at or below 2**-25 (what a real fp16 cast flushes; a tie at
+    exactly 2**-25 is not resolved), over their nonzero values, at the current scale (the
+    last recorded one) and at the hint. Gradients held in fp16 are left out: their
     flushed values are zeros already, indistinguishable from true zeros (see
     :func:`compute_underflow` for what is measured there). With no wider gradient the shares
     are ``None``.
@@ -152,17 +183,16 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
     )
     wide = grads[grads["dtype"] != "float16"] if "dtype" in grads else grads
     merged: dict[int, int] = {}
-    for text in wide["exp_hist"]:
-        for e, n in _hist(text).items():
+    zeros_of = wide["zeros"].fillna(0) if "zeros" in wide else pd.Series(0, index=wide.index)
+    for text, zeros in zip(wide["exp_hist"], zeros_of, strict=True):
+        for e, n in _nonzero_binades(text, int(zeros)).items():
             merged[e] = merged.get(e, 0) + n
-    nonzero = sum(n for e, n in merged.items() if -127 < e < 128)
+    nonzero = sum(merged.values())
 
     def share(scale: float) -> float | None:
         if not nonzero:
             return None
-        limit = -24 - math.log2(scale)
-        lost = sum(n for e, n in merged.items() if -127 < e < limit)
-        return round(lost / nonzero, 6)
+        return round(_below(merged, -25, scale) / nonzero, 6)
 
     return {
         "grad_amax": peak,

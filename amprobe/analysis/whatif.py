@@ -2,17 +2,22 @@
 
 A pure analysis of a loaded run (it adds nothing to the job's cost). Input is the ``numerics``
 table: per module, tensor kind and sampled step, a base-2 exponent histogram of ``|x|``
-(``exp_hist``: unbiased exponent ``e`` -> count of values in ``[2**e, 2**(e+1))``; ``-127``
-holds exact zeros and fp32 subnormals, ``128`` inf/NaN), ``zeros``, ``nan``, ``inf``,
-``amax`` and ``elements``. Gradients were divided by the loss scale before they were measured
-(see :mod:`amprobe.collectors.numerics`), so their histograms and ``amax`` are already the true,
-unscaled gradients.
+(``exp_hist``: exponent ``e`` -> count of values in ``[2**e, 2**(e+1))``; ``-127`` also holds
+the exact zeros, ``-133`` .. ``-128`` are fp32 subnormal binades, ``-149`` holds every nonzero
+value below ``2**-133`` (the lump: binades -149 .. -134, not resolved), ``128`` inf/NaN),
+``zeros``, ``nan``, ``inf``, ``amax`` and ``elements``. Gradients were divided by the loss
+scale before they were measured (see :mod:`amprobe.collectors.numerics`), so their histograms
+and ``amax`` are already the true, unscaled gradients.
 
 For each format, a nonzero finite value ``y`` (``y = |x| * 2**k`` for a scale ``2**k``) is
+classified by what a round-to-nearest-even cast does with it:
 
-* **overflow** (or saturation, for fp8-e4m3 which has no inf) when ``y > max``;
-* **flush** to zero when it rounds to 0: ``y < 2**(m-1)``, half the minimum subnormal
-  ``2**m`` (a tie at exactly ``2**(m-1)`` rounds to even, i.e. to 0);
+* **overflow** when the cast does not keep it within half a step of a finite value:
+  ``y >= max + ulp(max)/2`` (:attr:`FloatFormat.overflow_at`: fp16 65520, bf16 ``0x1.ffp127``,
+  e5m2 61440, e4m3 464); such values become inf, or for fp8-e4m3, which has no inf, saturate
+  to 448. Values between ``max`` and that bound round down to ``max``;
+* **flush** to zero when it rounds to 0: ``y <= 2**(m-1)``, half the minimum subnormal
+  ``2**m`` (the tie at exactly ``2**(m-1)`` rounds to even, i.e. to 0);
 * **subnormal** when it lands in ``[2**m, 2**emin)``: kept, with fewer significant bits.
 
 Two scalings are evaluated: ``none`` (cast as-is) and ``per-tensor``: the power of two that maps
@@ -25,24 +30,28 @@ What the exponent-only histogram resolves, and the tolerance that follows:
 * Exact: every bin that lies wholly inside one class: above the top binade ``[2**T, 2**(T+1))``
   (``T = floor(log2(max))``) is overflow, bins up to ``m-2`` flush, bins ``m`` .. ``emin-2``
   subnormal, bins ``emin`` .. ``T-1`` normal.
-* Top binade: holds values on both sides of the max (fp16: 32768 .. 65504 fit, 65504 .. 65536
-  do not). ``amax`` settles it when the (scaled) ``amax`` is at most the max (then the whole bin
-  fits; always the case with per-tensor scaling); otherwise ``amax`` itself is counted as
-  overflowing and the rest of the bin is reported as unresolved (``edge``).
+* Top binade: holds values on both sides of the overflow bound (fp16: 32768 .. 65519.99 fit,
+  65520 .. 65536 do not). ``amax`` settles it when the (scaled) ``amax`` is below the bound
+  (then the whole bin fits; always the case with per-tensor scaling); otherwise ``amax``
+  itself is counted as overflowing and the rest of the bin is unresolved (``edge``).
 * Bin ``m-1``, ``[2**(m-1), 2**m)``: rounds up to the min subnormal, except a value of exactly
-  ``2**(m-1)`` (a tie) which flushes; counted as subnormal. Ties are rare: at most ``2**-p`` of
-  the bin for data held with ``p`` mantissa bits (bf16 1/128, fp16 1/1024, fp32 ~1e-7).
+  ``2**(m-1)`` (a tie) which flushes; counted as subnormal and in ``edge``. Ties need not be
+  rare (data held in a format whose grid contains ``2**(m-1)``, e.g. gradients that are powers
+  of two), so the histogram does not tell how many there are.
 * Bin ``emin-1``: values within half a subnormal step of ``2**emin`` round up to the min
-  normal; counted as subnormal, so the subnormal share is an upper bound. The part of the
-  bin's width that rounds up is ``2**(m-emin)``: fp16 0.1 %, bf16 0.8 %, e4m3 12.5 %,
-  e5m2 25 %.
-* Bin ``-127`` (fp32 subnormals, below ``2**-126``) is placed at exponent ``-127``.
+  normal; counted as subnormal and in ``edge``. The part of the bin's width that rounds up is
+  ``2**(m-emin)``: fp16 0.1 %, bf16 0.8 %, e4m3 12.5 %, e5m2 25 %.
+* fp32 subnormals: the binades down to ``2**-133`` are exact bins, scaled like any other; the
+  lump (nonzero values below ``2**-133``) covers the scaled binades ``-149+k`` .. ``-134+k``:
+  counted in the class of its top binade, and in ``edge`` unless that whole range lies in one
+  exactly resolved class. ``min_exp`` is -149 when the lump holds values (a lower bound).
 * Values a narrower dtype already flushed (an fp16 tensor's underflow) are zeros by now and
   are not counted: shares are of the values that were recorded nonzero.
 
-So overflow and flush counts are exact up to the ``edge`` count, and subnormal counts are high
-by at most the count of bin ``emin-1``. ``edge`` is the number of values in the edge bins
-(``m-1``, ``emin-1`` and the unresolved top binade) and bounds every class's error;
+So, with ``E`` the bin ``m-1`` count, ``N`` the bin ``emin-1`` count and ``L`` the lump and
+open top-binade values counted in ``edge``: overflow is exact up to ``L``; flush is low by at
+most ``E + L`` (the ties); subnormal is high by at most ``E + N + L`` and never low by more
+than ``L``. ``edge = E + N + L`` therefore bounds every class's error;
 ``tests/test_whatif.py`` casts real tensors to check the predicted counts against it.
 """
 
@@ -83,6 +92,8 @@ class FloatFormat:
         max: largest finite value.
         min_normal_exp: ``emin``, the min normal is ``2**emin``.
         min_subnormal_exp: ``m``, the min subnormal is ``2**m``.
+        mantissa_bits: stored mantissa bits ``p`` (the step in ``[2**e, 2**(e+1))`` is
+            ``2**(e-p)``).
     """
 
     name: str
@@ -90,6 +101,13 @@ class FloatFormat:
     max: float
     min_normal_exp: int
     min_subnormal_exp: int
+    mantissa_bits: int
+
+    @property
+    def overflow_at(self) -> float:
+        """The smallest magnitude a round-to-nearest cast does not keep finite: ``max`` plus
+        half its step (values in between round down to ``max``)."""
+        return self.max + 2.0 ** (self.top_exp - self.mantissa_bits - 1)
 
     @property
     def top_exp(self) -> int:
@@ -103,10 +121,10 @@ class FloatFormat:
 
 #: The formats evaluated, as data.
 FORMATS: dict[str, FloatFormat] = {
-    "fp16": FloatFormat("fp16", "float16", 65504.0, -14, -24),
-    "bf16": FloatFormat("bf16", "bfloat16", float.fromhex("0x1.fep127"), -126, -133),
-    "e4m3": FloatFormat("e4m3", "float8_e4m3fn", 448.0, -6, -9),
-    "e5m2": FloatFormat("e5m2", "float8_e5m2", 57344.0, -14, -16),
+    "fp16": FloatFormat("fp16", "float16", 65504.0, -14, -24, 10),
+    "bf16": FloatFormat("bf16", "bfloat16", float.fromhex("0x1.fep127"), -126, -133, 7),
+    "e4m3": FloatFormat("e4m3", "float8_e4m3fn", 448.0, -6, -9, 3),
+    "e5m2": FloatFormat("e5m2", "float8_e5m2", 57344.0, -14, -16, 2),
 }
 #: numerics kind -> what the what-if calls it
 KINDS: dict[str, str] = {
@@ -142,9 +160,15 @@ WHATIF_COLUMNS = [
     "lost_share",
     "edge_share",
 ]
-_NBINS = 256  # exponent -127 .. 128
-_BIAS = 127
-_FINITE = 255  # bin indices 0..254 are finite
+# histogram columns: exponent e at e - _E_LO for e in -134 .. 128; the lump (``exp_hist`` key
+# -149, nonzero values below 2**-133) sits at column 0, the position of its top binade -134
+_E_LO = -134
+_LUMP_EXP = -149  # the lump's lowest binade: what min_exp reports for it
+_LUMP_SPAN = _E_LO - _LUMP_EXP  # the lump covers exponents top - 15 .. top
+_NBINS = 128 - _E_LO + 1
+_ZERO = -127 - _E_LO  # the column that also holds the zeros
+_FINITE = 128 - _E_LO  # columns 0 .. _FINITE - 1 are finite; _FINITE holds inf/NaN
+_NONE = -(10**6)  # exponent of "no nonzero finite value"
 
 
 _STRIP = str.maketrans({"{": None, "}": None, '"': None, " ": None, ":": ","})
@@ -153,7 +177,8 @@ _BLOCK = 16384
 
 
 def _parse_hists(texts: Iterable[Any]) -> np.ndarray:
-    """``exp_hist`` JSON strings -> (rows, 256) int64 counts indexed by exponent + 127.
+    """``exp_hist`` JSON strings -> (rows, _NBINS) int64 counts indexed by exponent - _E_LO
+    (exponents below -134, the lump, go to column 0).
 
     The collector writes flat ``{"e": n, ...}`` objects; they are parsed as one number list
     (string and numpy operations, no per-bin Python loop).
@@ -165,19 +190,34 @@ def _parse_hists(texts: Iterable[Any]) -> np.ndarray:
         return out
     values = np.array(",".join(c for c in cleaned if c).split(","), dtype=np.int64).reshape(-1, 2)
     rows = np.repeat(np.arange(len(cleaned)), pairs)
-    cols = values[:, 0] + _BIAS
-    keep = (cols >= 0) & (cols < _NBINS)
+    cols = np.maximum(values[:, 0] - _E_LO, 0)
+    keep = cols < _NBINS
     np.add.at(out, (rows[keep], cols[keep]), values[keep, 1])
     return out
 
 
-def _top_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
-    """Per row, the exponent of the highest nonzero finite bin (-128 when there is none)."""
+def _nonzero_bins(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """The finite columns with the zeros taken out of their bin."""
     finite = hist[:, :_FINITE].copy()
-    finite[:, 0] -= zeros
-    has = finite > 0
-    idx = np.where(has.any(axis=1), _FINITE - 1 - np.argmax(has[:, ::-1], axis=1), -1)
-    return idx - _BIAS
+    finite[:, _ZERO] = np.maximum(finite[:, _ZERO] - zeros, 0)
+    return finite
+
+
+def _top_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """Per row, the exponent of the highest nonzero finite bin (``_NONE`` when there is none;
+    -134 when only the lump holds values: they lie below 2**-133)."""
+    has = _nonzero_bins(hist, zeros) > 0
+    idx = _FINITE - 1 - np.argmax(has[:, ::-1], axis=1)
+    return np.where(has.any(axis=1), idx + _E_LO, _NONE)
+
+
+def _low_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
+    """Per row, the exponent of the lowest nonzero finite bin (-149 for the lump, a bound;
+    ``-_NONE`` when there is none)."""
+    has = _nonzero_bins(hist, zeros) > 0
+    idx = np.argmax(has, axis=1)
+    low = np.where(idx == 0, _LUMP_EXP, idx + _E_LO)
+    return np.where(has.any(axis=1), low, -_NONE)
 
 
 def per_tensor_scale_exp(amax: float, fmt: FloatFormat) -> int:
@@ -192,16 +232,20 @@ def _scale_exps(amax: np.ndarray, top: np.ndarray, fmt: FloatFormat) -> np.ndarr
         exact = np.floor(np.log2(fmt.max / np.where(ok, amax, 1.0)))
     # amax unknown (NaN present) or inf: the largest finite value is below 2**(top+1)
     bound = fmt.top_exp - (top + 1)
-    k = np.where(ok, exact, np.where(top > -128, bound, 0))
+    k = np.where(ok, exact, np.where(top > _NONE, bound, 0))
     return k.astype(np.int64)
 
 
 class _Counter:
-    """Counts of nonzero finite values over scaled-exponent ranges, per row."""
+    """Counts of nonzero finite values over scaled-exponent ranges, per row.
+
+    The lump (column 0: nonzero values below 2**-133, binades -149 .. -134) is counted at its
+    top binade -134; :meth:`lump_open` says where its range crosses a class boundary.
+    """
 
     def __init__(self, hist: np.ndarray, zeros: np.ndarray) -> None:
-        finite = hist[:, :_FINITE].copy()
-        finite[:, 0] = np.maximum(finite[:, 0] - zeros, 0)
+        finite = _nonzero_bins(hist, zeros)
+        self.lump = finite[:, 0].copy()
         self.prefix = np.concatenate(
             [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(finite, axis=1)], axis=1
         )
@@ -209,10 +253,20 @@ class _Counter:
 
     def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         """Values whose scaled exponent ``e + k`` lies in ``[lo, hi]`` (inclusive)."""
-        a = np.clip(np.asarray(lo) - k + _BIAS, 0, _FINITE)
-        b = np.clip(np.asarray(hi) - k + _BIAS + 1, 0, _FINITE)
+        a = np.clip(np.asarray(lo) - k - _E_LO, 0, _FINITE)
+        b = np.clip(np.asarray(hi) - k - _E_LO + 1, 0, _FINITE)
         b = np.maximum(a, b)
         return self.prefix[self.rows, b] - self.prefix[self.rows, a]
+
+    def lump_open(self, exact: list[tuple[float, float]], k: np.ndarray) -> np.ndarray:
+        """The lump's count where its scaled range ``[-149+k, -134+k]`` lies in none of the
+        ``exact`` exponent ranges (inclusive), else 0."""
+        top = _E_LO + k
+        low = top - _LUMP_SPAN
+        inside = np.zeros(len(self.rows), dtype=bool)
+        for lo, hi in exact:
+            inside |= (low >= lo) & (top <= hi)
+        return np.where(inside, 0, self.lump)
 
 
 def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
@@ -265,10 +319,7 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
     nonzero = counter.prefix[:, -1]
     amax = pd.to_numeric(frame["amax"], errors="coerce").to_numpy(dtype=float)
     top = _top_finite_exp(hist, zeros)
-    nz = hist[:, :_FINITE].copy()
-    nz[:, 0] -= zeros
-    has = nz > 0
-    low = np.where(has.any(axis=1), np.argmax(has, axis=1), _NBINS) - _BIAS
+    low = _low_finite_exp(hist, zeros)
     base = {
         "rank": frame["rank"].to_numpy() if "rank" in frame else np.zeros(len(frame), np.int64),
         "step": frame["step"].to_numpy(),
@@ -297,16 +348,23 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
             scaled_amax = amax * np.exp2(k.astype(float))
             above = counter.between(t + 1, 10**6, k)
             top_bin = counter.between(t, t, k)
-            # amax settles the top binade when it fits; else amax overflows and the rest is open
-            known_fit = np.isfinite(scaled_amax) & (scaled_amax <= fmt.max)
+            # amax settles the top binade when it rounds to a finite value; else amax
+            # overflows and the rest of the bin is open
+            bound = fmt.overflow_at
+            known_fit = np.isfinite(scaled_amax) & (scaled_amax < bound)
             amax_over = (
-                np.isfinite(scaled_amax) & (scaled_amax > fmt.max) & (top + k == t) & (top_bin > 0)
+                np.isfinite(scaled_amax) & (scaled_amax >= bound) & (top + k == t) & (top_bin > 0)
             )
             overflow = above + amax_over.astype(np.int64)
             top_open = np.where(known_fit, 0, top_bin - amax_over.astype(np.int64))
             flush = counter.between(-(10**6), m - 2, k)
             subnormal = counter.between(m - 1, emin - 1, k)
-            edge = counter.between(m - 1, m - 1, k) + counter.between(emin - 1, emin - 1, k)
+            exact = [(-math.inf, m - 2), (m, emin - 2), (emin, t - 1), (t + 1, math.inf)]
+            edge = (
+                counter.between(m - 1, m - 1, k)
+                + counter.between(emin - 1, emin - 1, k)
+                + counter.lump_open(exact, k)
+            )
             parts.append(
                 pd.DataFrame(
                     {
@@ -415,7 +473,8 @@ def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.
     """Per module and kind (forward execution order) and base-2 exponent: the share of values.
 
     Histograms of ``kinds`` are summed over sampled steps and ranks; zeros and inf/NaN are
-    left out (exponent -127 keeps only fp32 subnormals). Returns columns ``module``, ``kind``,
+    left out (exponent -127 keeps only the values in ``[2**-127, 2**-126)``; -149 stands for
+    every nonzero value below 2**-133, binade not resolved). Returns columns ``module``, ``kind``,
     ``order``, ``exponent``, ``count``, ``share`` (of that module and kind's nonzero finite
     values).
     """
@@ -425,7 +484,8 @@ def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.
         return pd.DataFrame(columns=cols)
     order = layer_order(numerics)
     hist = _parse_hists(frame["exp_hist"])
-    hist[:, 0] = np.maximum(hist[:, 0] - frame["zeros"].fillna(0).to_numpy(dtype=np.int64), 0)
+    zeros = frame["zeros"].fillna(0).to_numpy(dtype=np.int64)
+    hist[:, _ZERO] = np.maximum(hist[:, _ZERO] - zeros, 0)
     hist[:, _FINITE] = 0
     index = pd.MultiIndex.from_arrays(
         [frame["module"].astype(str).to_numpy(), frame["kind"].astype(str).to_numpy()]
@@ -439,8 +499,9 @@ def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.
             continue
         for j in np.flatnonzero(values):
             n = int(values[j])
+            exponent = _LUMP_EXP if j == 0 else j + _E_LO
             records.append(
-                (module, kind, order.get(str(module), len(order)), j - _BIAS, n, n / total)
+                (module, kind, order.get(str(module), len(order)), exponent, n, n / total)
             )
     out = pd.DataFrame.from_records(records, columns=cols)
     kind_rank = {k: i for i, k in enumerate(KINDS)}
@@ -455,8 +516,10 @@ def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
     fp16 training multiplies every gradient by one loss scale. Per rank and sampled step, the
     best power of two is the largest that keeps the step's largest gradient (unscaled ``amax``
     over every gradient row) under 65504: ``2**floor(log2(65504 / amax))``; a larger scale
-    overflows, a smaller one flushes more. Counted as in :func:`compute_whatif_rows` (flush =
-    scaled value below 2**-25).
+    overflows, a smaller one flushes more. Counted as in :func:`compute_whatif_rows`: flush =
+    scaled binade below 2**-25, exact; ``edge`` = the binade ``[2**-25, 2**-24)``, whose values
+    round up to 2**-24 except a tie at exactly 2**-25 (it flushes), plus the lump of values
+    below 2**-133 where its scaled range crosses the flush boundary.
 
     Returns:
         One row per (rank, step, module, kind) of gradients: ``loss_scale_exp``, ``nonzero``,
@@ -475,7 +538,7 @@ def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
     amax = pd.to_numeric(grads["amax"], errors="coerce").to_numpy(dtype=float)
     # where amax is unknown, the histogram bounds it
     amax = np.where(
-        np.isfinite(amax) & (amax > 0), amax, np.where(top > -128, np.exp2(top + 1.0), 0)
+        np.isfinite(amax) & (amax > 0), amax, np.where(top > _NONE, np.exp2(top + 1.0), 0)
     )
     peak = pd.Series(amax).groupby([grads["rank"], grads["step"]]).transform("max").to_numpy()
     with np.errstate(divide="ignore"):
@@ -483,9 +546,7 @@ def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
     k = k.astype(np.int64)
     counter = _Counter(hist, zeros)
     m = fmt.min_subnormal_exp
-    nz = hist[:, :_FINITE].copy()
-    nz[:, 0] -= zeros
-    has = nz > 0
+    exact = [(-math.inf, m - 2), (m, math.inf)]
     return pd.DataFrame(
         {
             "rank": grads["rank"].to_numpy(),
@@ -495,8 +556,8 @@ def compute_fp16_gradient_fit(numerics: pd.DataFrame) -> pd.DataFrame:
             "loss_scale_exp": k,
             "nonzero": counter.prefix[:, -1],
             "flush": counter.between(-(10**6), m - 2, k),
-            "edge": counter.between(m - 1, m - 1, k),
-            "low_exp": np.where(has.any(axis=1), np.argmax(has, axis=1), _NBINS) - _BIAS,
+            "edge": counter.between(m - 1, m - 1, k) + counter.lump_open(exact, k),
+            "low_exp": _low_finite_exp(hist, zeros),
             "top_exp": top,
         }
     )

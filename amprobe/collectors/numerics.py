@@ -10,9 +10,9 @@ wrong) the collector installs hooks on the selected modules of every root model:
 * a forward pre-hook on each root model (its floating inputs).
 
 Each tensor is reduced on its device by :mod:`amprobe.collectors.numstats` with no
-host-device sync: one histogram of its 16-bit magnitude patterns, folded once per step into a
-256-bin base-2 exponent histogram of the fp32 ``|x|`` plus exact-zero and NaN counts and the
-maximum. Gradients are measured as divided by the current loss scale (the GradScaler's
+host-device sync: one histogram of its 16-bit magnitude patterns, folded once per step into a base-2
+exponent histogram of the fp32 ``|x|`` plus exact-zero, NaN, fp16-overflow and fp16-flush
+counts and the maximum. Gradients are measured as divided by the current loss scale (the GradScaler's
 ``_scale`` tensor, kept on device). Tables are read back at flush in one transfer. Hooks exist
 only during sampled steps, so other steps pay nothing but the always-on check.
 
@@ -29,14 +29,21 @@ Records:
     ``numerics`` table, one row per module, kind and sampled step: ``kind`` (``input``,
     ``output``, ``grad_output``, ``grad_param``), ``dtype``, ``calls``, ``order`` (position of
     the first call in execution order of that kind in the step), ``elements``, ``zeros``,
-    ``nan``, ``inf``, ``finite``, ``over_fp16`` (finite values above 65504), ``below_normal``
-    and ``below_subnormal`` (nonzero values below 2**-14 = 6.1e-5 and 2**-24 = 5.96e-8; for
-    gradients after unscaling), ``underflow_at_scale`` (nonzero gradients that stay below
-    2**-24 even multiplied by the loss scale: what fp16 with the current scale flushes to
-    zero), ``loss_scale`` (scale the gradients were divided by; 1 without a scaler), ``amax``
-    (largest magnitude; null when NaN present), ``in_nonfinite`` (non-finite elements in the
-    module's floating inputs), ``exp_hist`` (JSON object: unbiased base-2 exponent -> count;
-    exponent -127 holds zeros and fp32 subnormals, 128 holds inf/NaN).
+    ``nan``, ``inf``, ``finite``. With ``v`` the recorded magnitude (``|x|`` in fp32; for
+    gradients ``|x| / loss_scale``, divided in fp32): ``over_fp16`` (finite values that a real
+    fp16 cast makes inf: ``v >= 65520``, the round-to-nearest boundary; 65504 < v < 65520
+    rounds down to 65504), ``below_normal`` and ``below_subnormal`` (nonzero ``v < 2**-14`` =
+    6.1e-5 and ``v < 2**-24`` = 5.96e-8: value thresholds, not what a cast flushes),
+    ``underflow_at_scale`` (nonzero values that a real fp16 cast at the row's scale makes zero:
+    ``fp16(v * s) == 0`` with ``v * s`` in fp32, i.e. ``v * s <= 2**-25``, the tie at 2**-25
+    rounding to even, zero; ``s`` is the loss scale for gradients and 1 for other kinds, so
+    values in ``(2**-25, 2**-24)`` are not counted: they round up to 2**-24), ``loss_scale``
+    (scale the gradients were divided by; 1 without a scaler), ``amax`` (largest magnitude;
+    null when NaN present), ``in_nonfinite`` (non-finite elements in the module's floating
+    inputs), ``exp_hist`` (JSON object: base-2 exponent ``e`` -> count of ``v`` in
+    ``[2**e, 2**(e+1))``; -127 also holds the zeros; -133 .. -128 are fp32 subnormal binades;
+    -149 holds every nonzero value below 2**-133, whose binade is not resolved; 128 holds
+    inf/NaN).
     ``offenders`` table: the first module (execution order) whose forward output was
     non-finite while its inputs were finite (``kind=forward``); the module whose backward
     first produced non-finite output gradients, i.e. the last module in backward order whose
@@ -45,7 +52,8 @@ Records:
 
 Cost: nothing on unsampled steps beyond one reduction over the root inputs. On a sampled
 step one elementwise pass and one histogram pass per hooked tensor (fp32 tensors add a
-min/max reduction), and one ``aminmax`` per module input; see
+max reduction and two compare-and-count passes for the exact fp16 boundaries), and one
+``aminmax`` per module input; see
 ``benchmarks/bench_numerics_v2.py``.
 """
 
@@ -53,7 +61,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import math
 import struct
 import weakref
 from collections.abc import Iterable
@@ -65,10 +72,15 @@ from torch.amp import GradScaler
 from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.compiled import is_compiling, unwrap_compiled
 from amprobe.collectors.numstats import C_AMAX as _C_AMAX
+from amprobe.collectors.numstats import C_FLUSH16 as _C_FLUSH16
 from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
 from amprobe.collectors.numstats import C_NAN as _C_NAN
+from amprobe.collectors.numstats import C_OVER16 as _C_OVER16
 from amprobe.collectors.numstats import C_ZEROS as _C_ZEROS
+from amprobe.collectors.numstats import E_MIN as _E_MIN
 from amprobe.collectors.numstats import H0 as _H0
+from amprobe.collectors.numstats import H_NONFINITE as _H_NONFINITE
+from amprobe.collectors.numstats import NBINS as _NBINS
 from amprobe.collectors.numstats import StepStats, count_nonfinite
 from amprobe.store.fields import Field, fields_of
 
@@ -83,13 +95,10 @@ __all__ = [
 FP16_MAX = 65504.0
 FP16_MIN_NORMAL = 2.0**-14  # 6.1e-5
 FP16_MIN_SUBNORMAL = 2.0**-24  # 5.96e-8
-_BIAS = 127
-# biased fp32 exponent thresholds: >= 2**16 overflows fp16 (65504 < x < 65536 is not counted:
-# the histogram is exponent-only), < 2**-14 is below fp16's min normal, < 2**-24 below its
-# min subnormal
-_E_OVER = _BIAS + 16
-_E_NORMAL = _BIAS - 14
-_E_SUBNORMAL = _BIAS - 24
+# histogram positions (exponent - E_MIN) of the value thresholds: below 2**-14 (fp16's min
+# normal), below 2**-24 (its min subnormal)
+_E_NORMAL = -14 - _E_MIN
+_E_SUBNORMAL = -24 - _E_MIN
 _MAX_INPUTS = 8  # floating inputs per root model given their own slot
 KINDS = ("input", "output", "grad_output", "grad_param")
 
@@ -98,25 +107,28 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def summarize_hist(hist: Iterable[int], zeros: int, log2_scale: float = 0.0) -> dict[str, int]:
-    """Derive the fp16 range counts from a 256-bin biased fp32 exponent histogram of ``|x|``.
+def summarize_hist(row: Iterable[int]) -> dict[str, int]:
+    """The fp16 range counts of one row of the statistics table (see ``numstats``).
 
     Args:
-        hist: counts per biased exponent 0..255 (bin 255 holds inf and NaN).
-        zeros: exact zeros among the values (they sit in bin 0).
-        log2_scale: base-2 log of the loss scale the values were divided by (0 for none).
+        row: the ``K`` counts of a slot: zeros, NaN, the fp16-overflow and fp16-flush counts
+            (real-cast boundaries, inf and zeros included) and the exponent histogram.
 
     Returns:
-        ``over_fp16``, ``below_normal``, ``below_subnormal``, ``underflow_at_scale`` counts.
+        ``over_fp16`` (finite values a real fp16 cast makes inf: ``|v| >= 65520``),
+        ``below_normal`` / ``below_subnormal`` (nonzero ``|v| < 2**-14`` / ``< 2**-24``) and
+        ``underflow_at_scale`` (nonzero values a real fp16 cast at the row's scale makes zero:
+        ``fp16(v * scale) == 0``, i.e. ``|v| * scale <= 2**-25``).
     """
-    h = list(hist)
-    below_sub = sum(h[:_E_SUBNORMAL]) - zeros
-    cut = _E_SUBNORMAL - int(round(log2_scale))
+    r = list(row)
+    hist = r[_H0 : _H0 + _NBINS]
+    zeros, nan = r[_C_ZEROS], r[_C_NAN]
+    inf = hist[-1] - nan
     return {
-        "over_fp16": sum(h[_E_OVER:255]),
-        "below_normal": sum(h[:_E_NORMAL]) - zeros,
-        "below_subnormal": below_sub,
-        "underflow_at_scale": max(0, sum(h[: max(0, min(256, cut))]) - zeros) if cut > 0 else 0,
+        "over_fp16": r[_C_OVER16] - inf,
+        "below_normal": sum(hist[:_E_NORMAL]) - zeros,
+        "below_subnormal": sum(hist[:_E_SUBNORMAL]) - zeros,
+        "underflow_at_scale": r[_C_FLUSH16] - zeros,
     }
 
 
@@ -622,7 +634,7 @@ class NumericsCollector(Collector):
 
     def _note_nonfinite(self, cap: _Capture) -> None:
         """Modules whose output or gradients held inf/NaN in this (CPU) step, for live metrics."""
-        bad = (cap.buf[:, _H0 + 255] > 0).nonzero().flatten().tolist()  # bin 255: inf and NaN
+        bad = (cap.buf[:, _H_NONFINITE] > 0).nonzero().flatten().tolist()  # inf and NaN
         self._nonfinite_modules.update(
             self._slots[i].name for i in bad if self._slots[i].kind != "input"
         )
@@ -632,16 +644,15 @@ class NumericsCollector(Collector):
         self, cap: _Capture, table: list[list[int]], scale: float
     ) -> dict[int, dict[str, Any]]:
         rows: dict[int, dict[str, Any]] = {}
-        log2_scale = _log2(scale)
         for kind in KINDS:
             for position, index in enumerate(cap.order[kind]):
                 slot = self._slots[index]
                 values = table[index]
-                hist = values[_H0:]
+                hist = values[_H0 : _H0 + _NBINS]
                 zeros, nan = int(values[_C_ZEROS]), int(values[_C_NAN])
-                inf = int(hist[255]) - nan
+                inf = int(hist[-1]) - nan
                 grad = kind.startswith("grad")
-                counts = summarize_hist(hist, zeros, log2_scale if grad else 0.0)
+                counts = summarize_hist(values)
                 amax_bits = int(values[_C_AMAX])
                 elements = cap.elements[index]
                 rows[index] = {
@@ -662,7 +673,7 @@ class NumericsCollector(Collector):
                     "amax": None if nan else _bits_to_float(amax_bits),
                     "in_nonfinite": int(values[_C_IN_BAD]) if kind == "output" else None,
                     "exp_hist": json.dumps(
-                        {str(e - _BIAS): int(n) for e, n in enumerate(hist) if n},
+                        {str(e + _E_MIN): int(n) for e, n in enumerate(hist) if n},
                         separators=(",", ":"),
                     ),
                 }
@@ -782,7 +793,3 @@ def _record_bad(record: dict[str, Any]) -> bool:
 
 def _bits_to_float(bits: int) -> float:
     return float(struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0])
-
-
-def _log2(value: float) -> float:
-    return math.log2(value) if value > 0 and math.isfinite(value) else 0.0

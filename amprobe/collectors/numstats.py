@@ -9,8 +9,18 @@ tensor kind). The row layout (``K`` int64 columns) is what the collector reads b
 * ``C_AMAX``: fp32 bit pattern of the largest ``|x|`` (of ``|x| / scale`` for gradients);
   meaningless when NaN are present;
 * ``C_IN_BAD``: non-finite elements in the module's floating inputs (added by the caller);
-* ``H0 .. H0 + 255``: histogram of the biased fp32 exponent of ``|x|`` (bin 0 holds zeros and
-  fp32 subnormals, bin 255 inf and NaN).
+* ``C_OVER16``: values ``v`` (``|x|``, or ``|x| / scale`` for gradients) with ``v >= 65520``,
+  inf included, NaN not: what a real fp16 cast makes inf (65520 is the round-to-nearest
+  boundary: 65504 < v < 65520 rounds down to 65504);
+* ``C_FLUSH16``: values with ``fp16(v * scale) == 0`` (``v * scale`` computed in fp32; scale 1
+  for activations), zeros included: ``v * scale <= 2**-25``, the tie at 2**-25 rounding to
+  even, i.e. to zero (:func:`flush_threshold` gives the bound on ``v``);
+* ``H0 .. H0 + NBINS - 1``: histogram of the base-2 exponent ``e`` of ``v`` (``v`` in
+  ``[2**e, 2**(e+1))``), column ``H0 + e - E_MIN`` for ``e`` in -149 .. 128. Exponents -133 ..
+  -127 are fp32 subnormal binades, resolved exactly; column ``H_ZERO`` (exponent -127) also
+  holds the zeros; ``H_LUMP`` (exponent -149) holds every nonzero value below 2**-133 (fp32
+  subnormal binades -149 .. -134, which a 16-bit key cannot tell apart); exponents -148 ..
+  -134 stay empty; ``H_NONFINITE`` (exponent 128) holds inf and NaN.
 
 Two implementations give the same table:
 
@@ -20,13 +30,16 @@ Two implementations give the same table:
 * :class:`StepStats` (and :func:`stats_v2` for one tensor) histograms the 16-bit magnitude
   pattern of each tensor (``bits & 0x7FFF`` of fp16/bf16; the upper half of fp32, which is its
   bf16 truncation) in one elementwise pass and one histogram pass. Every recorded count is a
-  sum of those 32768 bins: the exponent bins, the zeros and NaN of 16-bit tensors, and, for
+  sum of those 32768 bins: the exponent bins, the zeros, NaN, fp16-overflow and fp16-flush
+  counts of 16-bit tensors (each key's value is classified by a real fp16 cast), and, for
   16-bit gradients, the effect of dividing by the loss scale (each bin's value is unscaled
   exactly as v1 unscales each element, so any scale gives v1's result, rounding into fp32
   subnormals included). fp32 tensors need exact zeros, NaN and the maximum besides: one
   ``aminmax`` reduction per tensor, plus a zero (or NaN) count only when the histogram shows
-  zeros (or non-finite values) could be present. The 32768-bin rows are folded into the table
-  once per step (:meth:`StepStats.table`).
+  zeros (or non-finite values) could be present; and, since their key (the bf16 truncation)
+  cannot place 65520 or 2**-25 exactly, the fp16-overflow and fp16-flush counts: an ``abs``
+  and two compare-and-count passes, kept on the device. The 32768-bin rows are folded into the
+  table once per step (:meth:`StepStats.table`).
 
 Devices: on CPU the histogram is ``bincount`` and the rare extra counts are decided on the host
 (reading a CPU tensor costs no sync); scratch buffers are reused so large tensors do not fault
@@ -37,8 +50,10 @@ back: histograms go through ``index_add_``, fp32 zeros/NaN are always counted on
 and the fold's indices travel by pinned non-blocking copies, so a step issues kernels only.
 
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
-tensor and 2 ns per element of an fp32 tensor (the histogram, ``bincount``'s serial loop, is
-about two thirds of it), against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``.
+tensor, against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``. An fp32 tensor
+costs about 4 ns per element (one thread, 4M-element ``randn``): about 2 ns for the key
+histogram and its extras, and about 2 ns more for the exact fp16-overflow and fp16-flush
+counts (two compare-and-count passes), which its truncated key cannot give.
 """
 
 from __future__ import annotations
@@ -55,21 +70,43 @@ __all__ = [
     "C_NAN",
     "C_AMAX",
     "C_IN_BAD",
+    "C_OVER16",
+    "C_FLUSH16",
+    "E_MIN",
     "H0",
+    "H_LUMP",
+    "H_NONFINITE",
+    "H_ZERO",
     "K",
+    "NBINS",
+    "OVER16",
+    "FLUSH16",
     "StepStats",
     "StepStatsV1",
     "count_nonfinite",
     "count_nonfinite_v1",
+    "exponent_column",
+    "flush_threshold",
     "stats_v1",
     "stats_v1_",
     "stats_v2",
 ]
 
 # table columns (the layout the collector reads back)
-C_ZEROS, C_NAN, C_AMAX, C_IN_BAD = 0, 1, 2, 3
-H0 = 4
-K = H0 + 256
+C_ZEROS, C_NAN, C_AMAX, C_IN_BAD, C_OVER16, C_FLUSH16 = 0, 1, 2, 3, 4, 5
+_HOST_COLS = 6  # the per-slot counts before the histogram
+H0 = 6
+E_MIN = -149  # exponent of column H0: fp32's smallest subnormal binade
+NBINS = 128 - E_MIN + 1  # exponents -149 .. 128
+K = H0 + NBINS
+H_LUMP = H0  # nonzero values below 2**-133 (fp32 subnormal binades -149 .. -134)
+H_ZERO = H0 + (-127 - E_MIN)  # zeros and [2**-127, 2**-126)
+H_NONFINITE = K - 1  # inf and NaN
+#: fp16's cast makes ``|v| >= OVER16`` inf (round to nearest: 65504 + half its step of 32)
+OVER16 = 65520.0
+#: fp16's cast makes ``|v| <= FLUSH16`` zero (half the min subnormal 2**-24; the tie goes to 0)
+FLUSH16 = 2.0**-25
+_OVER16_BITS = 0x477FF000  # fp32 bits of OVER16
 _NAN_BITS = 0x7F800000  # |x| bits above this are NaN
 _NKEYS = 1 << 15  # 16-bit magnitude patterns
 _INF_KEY = 0x7F80  # upper half of fp32 inf: keys above are NaN
@@ -79,6 +116,34 @@ _DUMMY = K  # scratch column for bins that add to no count
 # formats of the 16-bit key
 _F16, _BF16, _F32 = 0, 1, 2  # _F32: upper 16 bits of an fp32 (exactly a bf16 truncation)
 _KEY_DTYPE = {_F16: torch.float16, _BF16: torch.bfloat16, _F32: torch.bfloat16}
+
+
+def exponent_column(bits: torch.Tensor) -> torch.Tensor:
+    """Table column of each fp32 magnitude bit pattern (int64, nonnegative): see the layout."""
+    normal = H_ZERO + (bits >> 23)  # biased exponent b >= 1 is exponent b - 127
+    # a subnormal's binade from its leading mantissa bit: bits in [2**j, 2**(j+1)) -> j - 149
+    lead = torch.frexp(bits.to(torch.float64))[1].to(torch.int64) - 1
+    sub = torch.where(bits >= 1 << 16, H0 + lead, H_LUMP)
+    return torch.where(bits >= 1 << 23, normal, torch.where(bits == 0, H_ZERO, sub))
+
+
+def flush_threshold(scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The largest fp32 ``t`` with ``fp16(t * scale) == 0`` (``t * scale`` rounded to fp32).
+
+    ``fl32(t * scale)`` is monotone in ``t``, so the values a real fp16 cast at this scale
+    flushes are exactly ``|v| <= t``. For a power-of-two scale ``t = 2**-25 / scale``; other
+    scales are settled by trying the fp32 neighbours of that quotient, on the device (no sync).
+    Returns a 0-d fp32 tensor on ``device``.
+    """
+    limit = torch.full((), FLUSH16, dtype=torch.float32, device=device)  # a fill: no copy
+    if scale is None:
+        return limit
+    s = scale.detach().to(device=device, dtype=torch.float32)
+    guess = (limit / s).view(torch.int32)
+    steps = torch.arange(-2, 3, dtype=torch.int32, device=device)
+    candidates = (guess + steps).clamp_min(0).view(torch.float32)
+    fits = candidates * s <= limit
+    return torch.where(fits, candidates, 0.0).amax()
 
 
 # -- v1: the reference -------------------------------------------------------------------------
@@ -103,8 +168,10 @@ def stats_v1_(
         if scale is not None:
             a.div_(scale)
         bits = a.view(torch.int32).reshape(-1)
-        row[H0:].index_add_(0, bits >> 23, ones.expand(bits.numel()))
+        row.index_add_(0, exponent_column(bits.to(torch.int64)), ones.expand(bits.numel()))
         row[C_ZEROS].add_((bits == 0).sum())
+        row[C_OVER16].add_((a >= OVER16).sum())
+        row[C_FLUSH16].add_((a <= flush_threshold(scale, x.device)).sum())
         row[C_NAN].add_((bits > _NAN_BITS).sum())
         row[C_AMAX : C_AMAX + 1].clamp_min_(bits.amax())
 
@@ -188,15 +255,23 @@ class _Maps:
     """Where each of the 32768 key values lands in a row, for one format and scale.
 
     ``fbits`` is v1's fp32 bit pattern of each key's value (unscaled exactly as v1 unscales an
-    element), ``exp_col``/``flag_col`` the table columns it adds to. On the host the fold is
-    cheaper: keys come in blocks that share a source exponent (128 keys for bf16 layouts, 1024
-    for fp16); a block whose keys all land in one exponent bin is summed first (a reshape-sum),
-    and only the other blocks (fp16 subnormals, rounding at a non-power-of-two scale) are
-    gathered key by key. Zero keys form a prefix and NaN keys a suffix, ``fbits`` being monotone.
+    element), ``exp_col`` its histogram column, ``flag_col`` (zeros, NaN), ``over_col`` and
+    ``flush_col`` the count columns it adds to (16-bit formats; an fp32 key is a truncation
+    and its counts are taken per tensor instead). On the host the fold is cheaper: keys come
+    in blocks that share a source exponent (128 keys for bf16 layouts, 1024 for fp16); a block
+    whose keys all land in one exponent bin is summed first (a reshape-sum), and only the other
+    blocks (subnormals, rounding at a non-power-of-two scale) are gathered key by key. Zero and
+    flushed keys form prefixes, NaN and fp16-overflowing keys suffixes, ``fbits`` being
+    monotone.
     """
 
     def __init__(
-        self, fmt: int, scale: torch.Tensor | None, device: torch.device, host: bool
+        self,
+        fmt: int,
+        scale: torch.Tensor | None,
+        flush_at: torch.Tensor,
+        device: torch.device,
+        host: bool,
     ) -> None:
         keys = torch.arange(_NKEYS, dtype=torch.int16, device=device)
         values = keys.view(_KEY_DTYPE[fmt]).to(torch.float32)
@@ -204,13 +279,20 @@ class _Maps:
             values = values / scale  # exactly v1's unscaling, per value instead of per element
         fbits = values.view(torch.int32).to(torch.int64)
         self.fbits = fbits
-        self.exp_col = (fbits >> 23) + H0
+        self.exp_col = exponent_column(fbits)
+        if fmt == _F32:  # key 0: zeros and values below 2**-133; the zeros are moved per tensor
+            self.exp_col[0] = H_LUMP
+        wide = fmt == _F32
         zero, nan = fbits == 0, fbits > _NAN_BITS
+        over = (fbits >= _OVER16_BITS) & ~nan
+        flushed = values <= flush_at
         # fp32 zeros and NaN are counted exactly per tensor instead (torch.where, not a mask
         # assignment: that would read a count back on an accelerator)
         self.flag_col = torch.where(
-            zero & (fmt != _F32), C_ZEROS, torch.where(nan & (fmt != _F32), C_NAN, _DUMMY)
+            zero & (not wide), C_ZEROS, torch.where(nan & (not wide), C_NAN, _DUMMY)
         )
+        self.over_col = torch.where(over & (not wide), C_OVER16, _DUMMY)
+        self.flush_col = torch.where(flushed & (not wide), C_FLUSH16, _DUMMY)
         if not host:
             return
         self.block = block = 1024 if fmt == _F16 else 128
@@ -222,7 +304,9 @@ class _Maps:
         self.fine_keys = (fine[:, None] * block + torch.arange(block)).flatten()
         self.fine_col = self.exp_col[self.fine_keys]
         self.zero_end = int(zero.sum())
+        self.flush_end = int(flushed.sum())
         self.nan_start = _NKEYS - int(nan.sum())
+        self.over_start = _NKEYS - int(over.sum()) - int(nan.sum())
 
 
 class StepStats:
@@ -245,8 +329,9 @@ class StepStats:
         # per (format, grad) group: histogram rows [n, 32768] and the slot of each row
         self._hist: dict[tuple[int, bool], torch.Tensor] = {}
         self._row_of: dict[tuple[int, bool], dict[int, int]] = {}
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._maps: dict[tuple[int, bool], _Maps] = {}
+        self._flush16 = flush_threshold(None, device)
         self.reset()
 
     def reset(self) -> StepStats:
@@ -257,12 +342,15 @@ class StepStats:
         self._maps.clear()
         self.scale: torch.Tensor | None = None
         self._scale_one = False
+        self._grad_flush: torch.Tensor | None = None  # flush_threshold of the step's scale
+        # fp32 tensors' fp16-overflow and fp16-flush counts, per slot, kept on the device
+        self._f32 = torch.zeros(self.slots, 2, dtype=torch.int64, device=self.device)
         # fp32 extras and the callers' input counts
         if self.sync_free:
             self._extra = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
-        self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad]
-        # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras)
-        self._seen: dict[int, tuple[Any, int, tuple[int, bool], torch.Tensor, Any]] = {}
+        self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad, 0, 0]
+        # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras, fp32 counts)
+        self._seen: dict[int, tuple[Any, int, tuple[int, bool], torch.Tensor, Any, Any]] = {}
         self._table: torch.Tensor | None = None
         return self
 
@@ -309,30 +397,54 @@ class StepStats:
         if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == group:
             hist.add_(seen[3])
             self._add_host_extra(slot, seen[4])
+            self._add_f32_counts(slot, seen[5])
             return
-        h, extra = self._measure_host(x.detach(), fmt, grad)
+        h, extra, counts = self._measure_host(x.detach(), fmt, grad)
         hist.add_(h)
         self._add_host_extra(slot, extra)
-        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra)
+        self._add_f32_counts(slot, counts)
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts)
 
     def _measure_host(
         self, x: torch.Tensor, fmt: int, grad: bool
-    ) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
-        """Key histogram of a large tensor (CPU) and, for fp32, its exact zeros, NaN, amax."""
+    ) -> tuple[torch.Tensor, tuple[int, int, int] | None, torch.Tensor | None]:
+        """Key histogram of a large tensor (CPU) and, for fp32, its exact zeros, NaN, amax and
+        fp16-overflow/flush counts."""
         n = x.numel()
         if fmt != _F32:
             # |x| clears the sign bit: its 16-bit pattern is the key (abs runs vectorized in
             # the float type, faster here than an integer and)
             key = torch.abs(x, out=self._buf(x.dtype, n, x.shape)).view(torch.int16)
-            return torch.bincount(key.view(-1), minlength=_NKEYS), None
+            return torch.bincount(key.view(-1), minlength=_NKEYS), None, None
         y = self._unscaled_f32(x, grad)
+        # the sign bit is clear: the upper half is the key
         key = torch.bitwise_right_shift(
             y.view(torch.int32), 16, out=self._buf(torch.int16, n, x.shape)
-        ).bitwise_and_(0x7FFF)
+        )
         h = torch.bincount(key.view(-1), minlength=_NKEYS)
         # bin 0 holds zeros and fp32 values below 2**-133: count zeros only if it is occupied
         zeros = n - int(torch.count_nonzero(y)) if int(h[0]) else 0
-        return h, (zeros, *self._nan_amax_host(y))
+        return h, (zeros, *self._nan_amax_host(y)), self._fp16_counts(y, grad)
+
+    def _fp16_counts(self, y: torch.Tensor, grad: bool) -> torch.Tensor:
+        """(fp16-overflowing, fp16-flushed) counts of unscaled fp32 magnitudes, as a device
+        tensor: ``y >= 65520`` and ``y <= flush_threshold(scale)`` (no read-back)."""
+        flags = self._buf(torch.bool, y.numel(), y.shape)
+        over = torch.count_nonzero(torch.ge(y, OVER16, out=flags))
+        flush = torch.count_nonzero(torch.le(y, self._flush_at(grad), out=flags))
+        return torch.stack([over, flush])
+
+    def _flush_at(self, grad: bool) -> torch.Tensor:
+        """The fp16 flush bound on unscaled values: 2**-25, or for gradients 2**-25 / scale."""
+        if not grad:
+            return self._flush16
+        if self._grad_flush is None:
+            self._grad_flush = flush_threshold(self.scale, self.device)
+        return self._grad_flush
+
+    def _add_f32_counts(self, slot: int, counts: torch.Tensor | None) -> None:
+        if counts is not None:
+            self._f32[slot] += counts
 
     def _index_add_keys(
         self, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
@@ -349,7 +461,7 @@ class StepStats:
         y = self._unscaled_f32(x, grad)
         key = torch.bitwise_right_shift(
             y.view(torch.int32), 16, out=self._buf(torch.int32, n, x.shape)
-        ).bitwise_and_(0x7FFF)
+        )
         hist.index_add_(0, key.view(-1), self._ones.expand(n))
         return y
 
@@ -361,6 +473,7 @@ class StepStats:
             return
         zeros = x.numel() - int(torch.count_nonzero(y))
         self._add_host_extra(slot, (zeros, *self._nan_amax_host(y)))
+        self._add_f32_counts(slot, self._fp16_counts(y, grad))
 
     def _add_device(
         self, slot: int, hist: torch.Tensor, x: torch.Tensor, fmt: int, grad: bool
@@ -369,35 +482,38 @@ class StepStats:
         y = self._index_add_keys(hist, x, fmt, grad)
         if y is None:
             return
-        mn, mx = torch.aminmax(y)
-        amax = torch.maximum(mn.neg(), mx).abs().view(torch.int32)
+        amax = y.amax().view(torch.int32)
         extra = self._extra[slot]
         extra[C_AMAX : C_AMAX + 1].clamp_min_(amax)
         extra[C_ZEROS].add_(x.numel() - torch.count_nonzero(y))
         extra[C_NAN].add_(torch.isnan(y).sum())
+        self._add_f32_counts(slot, self._fp16_counts(y, grad))
 
     def _unscaled_f32(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
-        """``x`` as fp32, divided by the step's loss scale for gradients (as v1 does)."""
+        """``|x|`` as fp32, divided by the step's loss scale for gradients (as v1 does), in a
+        scratch buffer (the magnitude's upper half is the key, no masking needed)."""
         if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, like v1
             x = x.to(torch.float32)
+        out = self._buf(torch.float32, x.numel(), x.shape)
+        torch.abs(x, out=out)
         if grad and not self._scale_one:
-            out = self._buf(torch.float32, x.numel(), x.shape)
-            return torch.div(x, self.scale, out=out)  # type: ignore[arg-type]
-        return x
+            out.div_(self.scale)  # type: ignore[arg-type]
+        return out
 
     @staticmethod
     def _nan_amax_host(y: torch.Tensor) -> tuple[int, int]:
-        lo, hi = (float(v) for v in torch.aminmax(y))
-        if math.isfinite(lo) and math.isfinite(hi):
-            return 0, _float_bits(max(abs(lo), abs(hi)))
+        """NaN count and amax bits of fp32 magnitudes (``amax`` propagates NaN)."""
+        hi = float(y.amax())
+        if math.isfinite(hi):
+            return 0, _float_bits(hi)
         # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN) and take
         # v1's maximum (inf, or a NaN pattern, not reported then)
-        return int(torch.isnan(y).sum()), int(y.abs().view(torch.int32).amax())
+        return int(torch.isnan(y).sum()), int(y.view(torch.int32).amax())
 
     def _add_host_extra(self, slot: int, extra: tuple[int, int, int] | None) -> None:
         if extra is None:
             return
-        acc = self._host.setdefault(slot, [0, 0, 0, 0])
+        acc = self._host.setdefault(slot, [0] * _HOST_COLS)
         acc[C_ZEROS] += extra[0]
         acc[C_NAN] += extra[1]
         acc[C_AMAX] = max(acc[C_AMAX], extra[2])
@@ -416,7 +532,7 @@ class StepStats:
         if self.sync_free:
             self._extra[slot, C_IN_BAD] += in_bad
         else:
-            self._host.setdefault(slot, [0, 0, 0, 0])[C_IN_BAD] += int(in_bad)
+            self._host.setdefault(slot, [0] * _HOST_COLS)[C_IN_BAD] += int(in_bad)
 
     def _row(self, group: tuple[int, bool], slot: int) -> torch.Tensor:
         rows = self._row_of.get(group)
@@ -433,13 +549,14 @@ class StepStats:
                 self._hist[group] = hist = grown
         return self._hist[group][row]
 
-    def _buf(self, dtype: torch.dtype, n: int, shape: torch.Size) -> torch.Tensor:
-        """A reusable output of ``n`` elements (fresh on accelerators: no cross-stream reuse)."""
+    def _buf(self, dtype: torch.dtype, n: int, shape: torch.Size, tag: int = 0) -> torch.Tensor:
+        """A reusable output of ``n`` elements (fresh on accelerators: no cross-stream reuse);
+        ``tag`` tells apart two buffers of one dtype that are live together."""
         if self.sync_free:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        buf = self._scratch.get(dtype)
+        buf = self._scratch.get((dtype, tag))
         if buf is None or buf.numel() < n:
-            buf = self._scratch[dtype] = torch.empty(max(n, 1 << 16), dtype=dtype)
+            buf = self._scratch[(dtype, tag)] = torch.empty(max(n, 1 << 16), dtype=dtype)
         return buf[:n].view(shape)
 
     # -- once per step ---------------------------------------------------------------------------
@@ -457,12 +574,21 @@ class StepStats:
             if self.sync_free:
                 out += self._extra
                 amax = torch.maximum(amax, self._extra[:, C_AMAX])
+                f32_zeros = self._extra[:, C_ZEROS]
             elif self._host:
                 index = torch.tensor(list(self._host.keys()), dtype=torch.int64)
                 extra = torch.tensor(list(self._host.values()), dtype=torch.int64)
                 amax[index] = torch.maximum(amax[index], extra[:, C_AMAX])
                 extra[:, C_AMAX] = 0
                 out[:, :H0].index_add_(0, index, extra)
+                f32_zeros = torch.zeros(self.slots, dtype=torch.int64)
+                f32_zeros[index] = extra[:, C_ZEROS]
+            else:
+                f32_zeros = torch.zeros(self.slots, dtype=torch.int64, device=self.device)
+            # fp32 key 0 went to the lump: its zeros (counted exactly) belong to the zero bin
+            out[:, H_LUMP] -= f32_zeros
+            out[:, H_ZERO] += f32_zeros
+            out[:, C_OVER16 : C_FLUSH16 + 1] += self._f32
             out[:, C_AMAX] = amax
             self._table = out[:, :K]
             self._seen.clear()
@@ -479,7 +605,9 @@ class StepStats:
         maps = self._maps.get((fmt, grad))
         if maps is None:
             scale = self.scale if grad and fmt != _F32 else None
-            maps = self._maps[(fmt, grad)] = _Maps(fmt, scale, self.device, not self.sync_free)
+            maps = self._maps[(fmt, grad)] = _Maps(
+                fmt, scale, self._flush_at(grad), self.device, not self.sync_free
+            )
         n = len(rows)
         hist = self._hist[(fmt, grad)][:n]
         slots = _index(list(rows.keys()), self.device)
@@ -488,6 +616,8 @@ class StepStats:
             part.index_add_(1, maps.exp_col, hist)
             if fmt != _F32:
                 part.index_add_(1, maps.flag_col, hist)
+                part.index_add_(1, maps.over_col, hist)
+                part.index_add_(1, maps.flush_col, hist)
                 # amax: the value of the largest occupied key (fbits are monotone in the key)
                 present = hist > 0
                 last = (_NKEYS - 1) - present.flip(1).to(torch.int8).argmax(1)
@@ -503,6 +633,8 @@ class StepStats:
             if fmt != _F32:
                 part[:, C_ZEROS] = hist[:, : maps.zero_end].sum(1)
                 part[:, C_NAN] = hist[:, maps.nan_start :].sum(1)
+                part[:, C_OVER16] = hist[:, maps.over_start : maps.nan_start].sum(1)
+                part[:, C_FLUSH16] = hist[:, : maps.flush_end].sum(1)
                 # amax: the last occupied block, then the last occupied key in it
                 index = torch.arange(_NKEYS // block)
                 last_block = torch.where(coarse > 0, index, -1).amax(1)

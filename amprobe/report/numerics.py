@@ -27,7 +27,7 @@ __all__ = [
 HEATMAP_METRICS: dict[str, tuple[str, Any]] = {
     "nonfinite": ("non-finite values (NaN + inf)", lambda f: f["nan"] + f["inf"]),
     "overflow": (
-        "values beyond the fp16 max (finite > 65504, plus inf)",
+        "values an fp16 cast makes inf (finite >= 65520, plus inf)",
         lambda f: f["over_fp16"] + f["inf"],
     ),
     "underflow": (
@@ -105,10 +105,14 @@ def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, 
     for module, kind in layers:
         rows = frame[(frame["module"] == module) & (frame["kind"] == kind)]
         merged: dict[int, int] = {}
-        for text in rows["exp_hist"].dropna():
+        for text, zeros in zip(rows["exp_hist"], rows["zeros"].fillna(0), strict=True):
+            if not isinstance(text, str):
+                continue
             for e, count in json.loads(text).items():
                 merged[int(e)] = merged.get(int(e), 0) + int(count)
-        exps = sorted(e for e in merged if -127 < e < 128)
+            merged[-127] = merged.get(-127, 0) - int(zeros)  # bin -127 also holds the zeros
+        # fp32 subnormal binades included (-149: every value below 2**-133)
+        exps = sorted(e for e, n in merged.items() if e < 128 and n > 0)
         fig.add_trace(
             go.Bar(x=exps, y=[merged[e] for e in exps], name=f"{module} · {kind}", opacity=0.6)
         )

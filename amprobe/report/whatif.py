@@ -46,10 +46,13 @@ _KIND_SUFFIX = {"output": "", "grad_output": " · output grad", "grad_param": " 
 _MIN_LOG_SHARE = -6.0
 MISSING = "no per-layer exponent histogram was recorded (the numerics table is empty)"
 TOLERANCE = (
-    "Shares come from exponent-only histograms: overflow and flush-to-zero are exact except in "
-    "the edge binades (values exactly at half the min subnormal, and the binade holding the max "
-    "when amax exceeds it); subnormal shares are upper bounds (the last binade below the min "
-    "normal partly rounds up). The edge_share column bounds the error; per-tensor scaling is "
+    "Shares come from exponent-only histograms and classify values as a round-to-nearest cast "
+    "does (overflow from the max plus half a step: fp16 65520; flush at or below half the min "
+    "subnormal). Overflow and flush-to-zero are exact except in the edge binades (the binade "
+    "from half the min subnormal, whose exact ties flush; the binade holding the max when amax "
+    "reaches the overflow bound; fp32 values below 2^-133, whose binade is not resolved); "
+    "subnormal shares are upper bounds but for those fp32 values (the last binade below the "
+    "min normal partly rounds up). The edge_share column bounds the error; per-tensor scaling is "
     "the power of two that maps each step's amax just under the format max; gradients are "
     "measured after the loss scale was removed."
 )

@@ -31,16 +31,48 @@ from amprobe.store.loader import Run
 __all__: list[str] = []
 
 
-def _out_of_range_origin(rows: pd.DataFrame, offender: str) -> pd.Series | None:
-    """The first module, before ``offender`` in execution order, whose output exceeded fp16's range.
+#: half dtype -> (name, smallest magnitude its round-to-nearest cast makes inf)
+_CAST_RANGE = {
+    "float16": ("fp16", 65520.0),
+    "bfloat16": ("bf16", float.fromhex("0x1.ffp127")),
+}
 
-    ``rows`` are one rank's numerics rows of one step; None when no such module ran.
+
+def _cast_dtype(run: Run, offender_dtype: Any) -> str | None:
+    """The half dtype the offender's values were cast to: its own output dtype when that is
+    half; when it is not recorded, the run's one autocast half dtype; else None (an offender
+    with a wider output produced its non-finite values itself)."""
+    if offender_dtype in _CAST_RANGE:
+        return str(offender_dtype)
+    if isinstance(offender_dtype, str) and offender_dtype:
+        return None
+    half = [d for d in autocast_dtypes(run) if d in _CAST_RANGE]
+    return half[0] if len(half) == 1 else None
+
+
+def _out_of_range_origin(
+    rows: pd.DataFrame, offender: str, cast_dtype: str | None
+) -> pd.Series | None:
+    """The first module, before ``offender`` in execution order, whose finite output a cast
+    to ``cast_dtype`` makes inf (fp16: ``over_fp16``, values >= 65520; bf16: an ``amax`` at or
+    above bf16's bound 0x1.ffp127).
+
+    ``rows`` are one rank's numerics rows of one step; None when no such module ran, or when
+    the cast dtype is unknown or not half: then the offender produced its non-finite values
+    itself.
     """
+    if cast_dtype not in _CAST_RANGE:
+        return None
     outputs = rows[rows["kind"] == "output"]
     at = outputs.loc[outputs["module"] == offender, "order"]
     if at.empty:
         return None
-    earlier = outputs[(outputs["order"] < at.min()) & (outputs["over_fp16"] > 0)]
+    if cast_dtype == "float16":
+        beyond = outputs["over_fp16"] > 0
+    else:
+        amax = pd.to_numeric(outputs["amax"], errors="coerce")
+        beyond = amax >= _CAST_RANGE[cast_dtype][1]
+    earlier = outputs[(outputs["order"] < at.min()) & beyond]
     if earlier.empty:
         return None
     return earlier.sort_values("order", kind="stable").iloc[0]
@@ -127,11 +159,14 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
 
     Uses the collector's forward offenders (first module in execution order, per sampled
     step, whose output was non-finite and whose floating inputs were finite). Steps whose
-    model input was already non-finite are AMP-N04's and are left out. When an earlier module
-    of that step (execution order of outputs) produced finite values beyond fp16's range
-    (``over_fp16``, an fp32 output), the first such module is the origin and is named as the
-    finding's ``module``; the offender, where the cast to half overflowed, is the
-    ``overflow_module``. The module's role (normalization, softmax, loss, embedding, output
+    model input was already non-finite are AMP-N04's and are left out. The range is judged
+    against the half dtype the offender's values were cast to (its output dtype when half;
+    the run's one autocast dtype when that is not recorded): when an earlier module of that step (execution order
+    of outputs) produced finite values that this cast makes inf (fp16: ``over_fp16``, values
+    >= 65520; bf16: ``amax`` >= 0x1.ffp127), the first such module is the origin and is named
+    as the finding's ``module``; the offender, where the cast overflowed, is the
+    ``overflow_module``. Otherwise (an fp32 offender, a bf16 run whose values fit bf16) the
+    offender produced the non-finite values itself and is the one named. The module's role (normalization, softmax, loss, embedding, output
     projection = last Linear executed) is named.
     """
     run = ctx.run
@@ -174,7 +209,8 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             "element_count": detail.get("elements"),
             "output_dtype": out["dtype"].iloc[0] if len(out) else None,
         }
-        origin = _out_of_range_origin(rows, module)
+        cast_dtype = _cast_dtype(run, evidence["output_dtype"])
+        origin = _out_of_range_origin(rows, module, cast_dtype)
         if origin is None:
             yield ctx.finding(
                 title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite, at step {step}",
@@ -187,6 +223,8 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             )
             continue
         name, module_type = str(origin["module"]), str(origin["module_type"])
+        fmt = _CAST_RANGE[str(cast_dtype)][0]
+        fp16 = cast_dtype == "float16"
         evidence.update(
             module=name,
             module_type=module_type,
@@ -195,21 +233,31 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             overflow_role=role,
             role=None,
             origin_amax=None if pd.isna(origin["amax"]) else float(origin["amax"]),
-            origin_over_fp16_count=int(origin["over_fp16"]),
+            origin_over_fp16_count=int(origin["over_fp16"]) if fp16 else None,
             origin_element_count=int(origin["elements"]),
             origin_dtype=str(origin["dtype"]),
+            cast_dtype=cast_dtype,
         )
         amax = evidence["origin_amax"]
+        count = (
+            f"{evidence['origin_over_fp16_count']} of {evidence['origin_element_count']}"
+            if fp16
+            else None
+        )
+        details = ", ".join(
+            x for x in (count, f"max {amax:.3g}" if amax is not None else None) if x
+        )
         yield ctx.finding(
             title=(
-                f"{name} ({module_type}) outputs values beyond fp16's range "
-                f"({evidence['origin_over_fp16_count']} of {evidence['origin_element_count']}"
-                + (f", max {amax:.3g}" if amax is not None else "")
-                + f") that overflow to inf in {module} ({first['module_type']}){what}, at step {step}"
+                f"{name} ({module_type}) outputs values beyond {fmt}'s range"
+                + (f" ({details})" if details else "")
+                + f" that overflow to inf in {module} ({first['module_type']}){what}, at step {step}"
             ),
             evidence=evidence,
             fix=(
-                f"Keep {name}'s output within fp16's range (+-65504): normalize or scale it down "
+                f"Keep {name}'s output within {fmt}'s range"
+                + (" (+-65504)" if fp16 else "")
+                + ": normalize or scale it down "
                 f"where it is produced, or run {module} in fp32 as well (torch.autocast("
                 "device_type, enabled=False) around it and .float() on its inputs)."
             ),
@@ -283,8 +331,10 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
 
     Per (module, gradient kind) over sampled steps, see :func:`compute_underflow`. Gradients
-    held wider than fp16 are judged as the checklist defines the loss: nonzero values that the
-    recorded loss scale leaves below fp16's smallest subnormal (2**-24). Gradients held in
+    held wider than fp16 are judged as the checklist defines the loss: nonzero values that a
+    real fp16 cast at the recorded loss scale flushes to zero (scaled magnitude at most
+    2**-25, half fp16's smallest subnormal; values in ``(2**-25, 2**-24)`` round up to
+    2**-24 and survive). Gradients held in
     fp16 have lost theirs already (flushed to zero, indistinguishable from true zeros), so
     there the share of surviving values in the subnormal range stands in for it: a layer
     with more than ``max_lost_share`` of its values there reaches the flush boundary. The
@@ -344,10 +394,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
                 "(values already flushed to zero cannot be counted)"
             )
         else:
-            what = (
-                f"{worst['share']:.1%} of its nonzero values fall below fp16's smallest "
-                f"subnormal at {at}"
-            )
+            what = f"{worst['share']:.1%} of its nonzero values flush to zero in fp16 at {at}"
         scale_text = ""
         if hint is not None:
             scale_text = (

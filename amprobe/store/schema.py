@@ -96,14 +96,14 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "nan": pa.int64(),
         "inf": pa.int64(),
         "finite": pa.int64(),
-        "over_fp16": pa.int64(),  # finite values >= 2**16 (would overflow fp16)
+        "over_fp16": pa.int64(),  # finite values a real fp16 cast makes inf: >= 65520
         "below_normal": pa.int64(),  # nonzero values < 2**-14 (gradients: after unscaling)
         "below_subnormal": pa.int64(),  # nonzero values < 2**-24 (gradients: after unscaling)
-        "underflow_at_scale": pa.int64(),  # nonzero grads < 2**-24 even times the loss scale
+        "underflow_at_scale": pa.int64(),  # nonzero, fp16(v * loss scale) == 0: <= 2**-25
         "loss_scale": pa.float64(),  # scale gradients were divided by (1 without a scaler)
         "amax": pa.float64(),  # null when NaN present
         "in_nonfinite": pa.int64(),  # non-finite elements in the module's float inputs
-        "exp_hist": pa.string(),  # JSON {unbiased exponent: count}; -127 zeros, 128 inf/NaN
+        "exp_hist": pa.string(),  # JSON {exponent: count}; -127 +zeros, -149 <2**-133, 128 inf/NaN
     },
     "offenders": {
         "step": pa.int64(),
