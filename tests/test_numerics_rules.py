@@ -371,7 +371,10 @@ def test_sensitive_layers_half(
     dtype: str, cuts: dict[int, dict[str, Any]], expected: list[str] | None
 ) -> None:
     steps = _steps(5, cuts)
-    run = fake_run(steps=steps, events=[FP16_AUTOCAST], tables={"numerics": _sensitive_rows(dtype)})
+    created = {"kind": "scaler_created", "init_scale": 1024.0, "enabled": True}
+    run = fake_run(
+        steps=steps, events=[FP16_AUTOCAST, created], tables={"numerics": _sensitive_rows(dtype)}
+    )
     finding = _get(run, "AMP-N16")
     if expected is None:
         assert finding is None

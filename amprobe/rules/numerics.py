@@ -11,7 +11,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from amprobe.analysis.numerics import (
@@ -23,6 +22,7 @@ from amprobe.analysis.numerics import (
     module_role,
     nonfinite_input_steps,
 )
+from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
@@ -379,8 +379,8 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     """Embedding / output-projection / normalization layers run in half and the run is unstable.
 
     Half = the module's forward output dtype is fp16/bf16. Unstable = at least
-    ``min_scale_cuts`` loss-scale cuts (or skipped steps) after the initial calibration (the
-    leading run of cuts down from ``init_scale``), or a non-finite loss or non-finite values
+    ``min_scale_cuts`` loss-scale cuts (or skipped steps) after the initial calibration
+    (:func:`~amprobe.analysis.scaler.compute_calibration`), or a non-finite loss or non-finite values
     in a recorded layer on a step the GradScaler did not skip. An overflow the scaler absorbed
     now and then is dynamic loss scaling working, not instability.
     """
@@ -393,13 +393,13 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
         signals: dict[str, Any] = {}
         absorbed: set[int] = set()  # steps whose update the scaler skipped
         if len(srows):
-            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).to_numpy(bool)
-            calibration = int(np.argmin(cuts)) if not cuts.all() else len(cuts)
-            if int(cuts.sum()) - calibration >= min_cuts:
-                signals["scale_cut_count"] = int(cuts.sum()) - calibration
+            judged = ~srows["step"].isin(calibration_steps(run, rank))
+            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).astype(bool)
+            if int((cuts & judged).sum()) >= min_cuts:
+                signals["scale_cut_count"] = int((cuts & judged).sum())
             skipped = srows["skipped"].fillna(False).astype(bool)
             absorbed = {int(s) for s in srows.loc[skipped, "step"]}
-            if int(skipped.sum()) - calibration >= min_cuts:
+            if int((skipped & judged).sum()) >= min_cuts:
                 signals["skipped_count"] = int(skipped.sum())
             if "loss_nonfinite" in srows:
                 bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped
