@@ -18,6 +18,7 @@ from amprobe.analysis.numerics import (
     compute_scale_hint,
     compute_underflow,
     first_nonfinite_weights,
+    first_overflow_step,
     last_linears,
     module_role,
     nonfinite_input_steps,
@@ -120,7 +121,10 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     (``over_fp16``, an fp32 output), the first such module is the origin and is named as the
     finding's ``module``; the offender, where the cast to half overflowed, is the
     ``overflow_module``. The module's role (normalization, softmax, loss, embedding, output
-    projection = last Linear executed) is named.
+    projection = last Linear executed) is named. ``step`` is the sampled step whose capture
+    names the module; the first step that overflowed since the previous sampled step
+    (:func:`~amprobe.analysis.numerics.first_overflow_step`, usually the step before: an
+    overflow arms the capture) is ``first_overflow_step``, and the title gives both.
     """
     run = ctx.run
     offenders = run.table("offenders")
@@ -162,10 +166,19 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             "element_count": detail.get("elements"),
             "output_dtype": out["dtype"].iloc[0] if len(out) else None,
         }
+        first_overflow = first_overflow_step(run, rank, step)
+        evidence["first_overflow_step"] = first_overflow
+        if first_overflow is None or first_overflow == step:
+            when = f", at step {step}"
+        else:
+            when = (
+                f"; first overflow at step {first_overflow}, layer named from the capture of "
+                f"step {step}"
+            )
         origin = _out_of_range_origin(rows, module)
         if origin is None:
             yield ctx.finding(
-                title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite, at step {step}",
+                title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite{when}",
                 evidence=evidence,
                 fix=(
                     f"Run {module} in fp32: wrap it in torch.autocast(device_type, enabled=False) "
@@ -193,7 +206,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
                 f"{name} ({module_type}) outputs values beyond fp16's range "
                 f"({evidence['origin_over_fp16_count']} of {evidence['origin_element_count']}"
                 + (f", max {amax:.3g}" if amax is not None else "")
-                + f") that overflow to inf in {module} ({first['module_type']}){what}, at step {step}"
+                + f") that overflow to inf in {module} ({first['module_type']}){what}{when}"
             ),
             evidence=evidence,
             fix=(
