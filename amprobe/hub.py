@@ -341,7 +341,7 @@ class Hub:
             def scale(self: GradScaler, outputs: Any) -> Any:
                 result = orig(self, outputs)
                 if not probe.closed:
-                    hub.safe(hub._on_scale, self, outputs)
+                    hub.safe(hub._on_scale, self, outputs, result)
                 return result
 
             return scale
@@ -681,6 +681,7 @@ class Hub:
 
     # -- wrapper bodies -----------------------------------------------------------------------------
     def _capture_loss(self, loss: torch.Tensor) -> None:
+        """Add ``loss`` (a scalar backpropagated into ``.grad``, unscaled) to the step's loss."""
         facts = self.facts
         if facts.loss_dtype is None:
             facts.loss_dtype = dtype_name(loss.dtype)
@@ -692,7 +693,7 @@ class Hub:
                 )
             facts.loss_count += 1
 
-    def _on_scale(self, scaler: GradScaler, outputs: Any) -> None:
+    def _on_scale(self, scaler: GradScaler, outputs: Any, result: Any = None) -> None:
         primary = self._primary_scaler() if self._primary_scaler is not None else None
         if primary is scaler:
             self._primary_used = True
@@ -702,16 +703,37 @@ class Hub:
         self.probe.touch()
         self._scaled_this_step = True
         loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
-        if loss is not None:
-            self._capture_loss(loss)
+        if loss is not None and isinstance(result, torch.Tensor):
+            # not the step's loss yet: only what reaches torch.autograd.backward is (a scaled
+            # loss given to torch.autograd.grad, as for a gradient penalty, never is)
+            scale = getattr(scaler, "_scale", None) if getattr(scaler, "_enabled", False) else None
+            self.facts.scaled.append((weakref.ref(result), loss.detach(), scale))
         self.emit("on_scale", scaler, loss)
+
+    def _unscaled(self, root: torch.Tensor) -> torch.Tensor:
+        """The loss a backward root stands for: the ``scale()`` input it is the output of, the
+        root divided by the last scale used when it was computed from a scaled loss, or the
+        root itself when nothing was scaled in this iteration."""
+        scaled = self.facts.scaled
+        for ref, loss, _ in scaled:
+            if ref() is root:
+                return loss
+        if not self._scaled_this_step:
+            return root
+        scale = scaled[-1][2] if scaled else None
+        if not isinstance(scale, torch.Tensor):
+            return root  # the scaler was disabled: scale() returned its input
+        with torch.no_grad():
+            return root.detach().float() / scale.to(root.device, non_blocking=True)
 
     def _on_backward_begin(self, tensors: Any) -> None:
         self.probe.touch()
-        loss = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
-        if loss is not None and not self._scaled_this_step:
-            self._capture_loss(loss)
-        self.emit("on_backward_begin", loss)
+        roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
+        for root in roots:
+            if isinstance(root, torch.Tensor) and root.numel() == 1:
+                self._capture_loss(self._unscaled(root))
+        single = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
+        self.emit("on_backward_begin", single)
 
     def _on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer) -> None:
         if self._mode is None:

@@ -19,7 +19,15 @@ from torch import nn
 from amprobe.store import schema
 from amprobe.store.loader import RankInfo, Run
 
-__all__ = ["amprobe_cli", "fake_run", "TinyNet", "train_loop", "free_port", "torchrun_argv"]
+__all__ = [
+    "amprobe_cli",
+    "amprobe_sites",
+    "fake_run",
+    "TinyNet",
+    "train_loop",
+    "free_port",
+    "torchrun_argv",
+]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
@@ -36,6 +44,24 @@ def amprobe_cli(*args: str, cwd: Path, timeout: float = 180) -> subprocess.Compl
         timeout=timeout,
         env=env,
     )
+
+
+def amprobe_sites(sites: Iterable[str]) -> list[str]:
+    """The ``file:line`` sites that lie in amprobe's own package (by module file, not by a
+    ``/amprobe/`` substring: a clone's folder is named ``amprobe`` too)."""
+    import amprobe
+
+    package = Path(amprobe.__file__).resolve().parent
+    own = []
+    for site in sites:
+        filename = str(site).rsplit(":", 1)[0]
+        try:
+            inside = Path(filename).resolve().is_relative_to(package)
+        except (OSError, ValueError):
+            inside = False
+        if inside:
+            own.append(site)
+    return own
 
 
 def free_port() -> int:

@@ -358,3 +358,65 @@ def test_gradient_accumulation_records_the_accumulated_loss_and_one_step(tmp_pat
     steps = amprobe.load_run(tmp_path / "r").steps
     assert list(steps["step"]) == [0, 1, 2], "one step per optimizer update, not per micro-batch"
     assert steps["loss"].tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def _penalty_step(model, scaler, x, y):
+    """PyTorch's AMP gradient-penalty recipe; returns the objective it backpropagates."""
+    with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    params = list(model.parameters())
+    if scaler is not None:
+        scaled = torch.autograd.grad(scaler.scale(loss), params, create_graph=True)
+        grads = [g * (1.0 / scaler.get_scale()) for g in scaled]
+    else:
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+    penalty = torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt()
+    objective = loss + penalty
+    if scaler is not None:
+        scaler.scale(objective).backward()
+    else:
+        objective.backward()
+    return float(objective.detach())
+
+
+@pytest.mark.parametrize("use_scaler", [True, False])
+def test_gradient_penalty_records_the_backpropagated_objective(tmp_path, use_scaler):
+    """Issue 19 item 2: the scaled loss given to autograd.grad is not part of the step's loss
+    (before: loss + (loss + penalty) with a GradScaler, 1.9x the objective)."""
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu") if use_scaler else None
+    g = torch.Generator().manual_seed(0)
+    expected = []
+    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r"):
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            expected.append(_penalty_step(model, scaler, x, y))
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+    steps = amprobe.load_run(tmp_path / "r").steps
+    assert steps["loss"].tolist() == pytest.approx(expected, rel=1e-5)
+
+
+def test_loss_computed_from_a_scaled_loss_is_unscaled(tmp_path):
+    """A backward root computed from scale()'s output (not the output itself) is divided by
+    the scale in use, so the step's loss stays the objective."""
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    g = torch.Generator().manual_seed(0)
+    expected = []
+    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path / "r"):
+        for _ in range(2):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            (scaler.scale(loss) * 0.5).backward()
+            expected.append(float(loss.detach()) * 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    steps = amprobe.load_run(tmp_path / "r").steps
+    assert steps["loss"].tolist() == pytest.approx(expected, rel=1e-5)

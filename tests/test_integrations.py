@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 import amprobe
+from tests.helpers import amprobe_sites
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 ROOT = SCRIPTS.parent.parent
@@ -188,7 +189,16 @@ def test_lightning_live_metrics_logged(lightning_script, tmp_path):
     assert rows[-1]["amprobe/nonfinite_layers"] != ""
     # reading and logging amprobe's metrics is not the job's host-device sync (false AMP-S03)
     sites = set(amprobe.load_run(tmp_path / "run").table("syncs")["site"])
-    assert not [s for s in sites if "/amprobe/" in s], sites
+    assert amprobe_sites(sites) == [], sites
+
+
+def test_amprobe_sites_are_spotted_by_module_not_by_path(tmp_path):
+    """Issue 19 item 13: a clone in a folder named amprobe (`git clone .../amprobe`) holds the
+    test scripts under `/amprobe/`; only files of the amprobe package are amprobe's sites."""
+    package = Path(amprobe.__file__).resolve().parent
+    clone_script = tmp_path / "amprobe" / "tests" / "scripts" / "lightning_train.py"
+    sites = [f"{clone_script}:42", f"{package / 'probe.py'}:10", "?"]
+    assert amprobe_sites(sites) == [f"{package / 'probe.py'}:10"]
 
 
 def test_lightning_booster_overflow_names_producer_and_place(lightning_script, tmp_path):

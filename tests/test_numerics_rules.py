@@ -247,6 +247,46 @@ def test_forward_overflow_in_bf16_names_values_beyond_bf16() -> None:
     )
 
 
+_SKIP = {"scale_after": 512.0, "skipped": True, "found_inf": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "first", "where"),
+    [
+        # sampled at 0, overflow (skipped) at 20 and 21, the armed capture of 21 names the layer
+        pytest.param(
+            {20: _SKIP, 21: _SKIP},
+            20,
+            "; first overflow at step 20, layer named from the capture of step 21",
+            id="capture-after-overflow",
+        ),
+        pytest.param({21: _SKIP}, 21, ", at step 21", id="overflow-on-the-captured-step"),
+        pytest.param({}, None, ", at step 21", id="no-overflow-recorded"),
+        # an overflow before the previous sampled step belongs to an earlier episode
+        pytest.param({5: _SKIP}, None, ", at step 21", id="before-the-previous-sample"),
+        pytest.param(
+            {19: {"loss_nonfinite": True}, 21: _SKIP},
+            19,
+            "; first overflow at step 19, layer named from the capture of step 21",
+            id="nonfinite-loss",
+        ),
+    ],
+)
+def test_forward_overflow_says_first_overflow_and_captured_step(
+    overrides: dict[int, dict[str, Any]], first: int | None, where: str
+) -> None:
+    """Issue 19 item 4: the step of the capture that names the layer is not the first overflow."""
+    tables = _overflow_tables(21, "booster", "Booster")
+    tables["numerics"] += [_row(10, "fc", "output", order=0)]  # the previous sampled step
+    run = fake_run(steps=_steps(25, overrides), events=[FP16_AUTOCAST], tables=tables)
+    finding = _get(run, "AMP-N05")
+    assert finding is not None
+    assert finding.evidence["step"] == 21 and finding.evidence["first_overflow_step"] == first
+    assert finding.title == (
+        "booster (Booster) is the first module whose output is non-finite" + where
+    )
+
+
 def test_forward_overflow_not_blamed_on_bad_input_steps() -> None:
     run = fake_run(
         steps=_steps(3, {1: {"input_nonfinite": 3}}),
@@ -446,7 +486,10 @@ def test_sensitive_layers_half(
     dtype: str, cuts: dict[int, dict[str, Any]], expected: list[str] | None
 ) -> None:
     steps = _steps(5, cuts)
-    run = fake_run(steps=steps, events=[FP16_AUTOCAST], tables={"numerics": _sensitive_rows(dtype)})
+    created = {"kind": "scaler_created", "init_scale": 1024.0, "enabled": True}
+    run = fake_run(
+        steps=steps, events=[FP16_AUTOCAST, created], tables={"numerics": _sensitive_rows(dtype)}
+    )
     finding = _get(run, "AMP-N16")
     if expected is None:
         assert finding is None

@@ -34,10 +34,10 @@ def test_every_precision_rule_is_covered_here():
     [
         pytest.param("float16", True, [], None, id="no-overflow"),
         pytest.param("float16", True, [10, 30], "info", id="few-cuts-info"),
-        pytest.param("float16", True, range(0, 100, 20), "info", id="boundary-5pct-info"),
-        pytest.param("float16", True, range(0, 100, 10), "warning", id="10pct-skipped-warning"),
-        pytest.param("float16", False, range(0, 100, 10), None, id="no-bf16-hardware"),
-        pytest.param("bfloat16", True, range(0, 100, 10), None, id="already-bf16"),
+        pytest.param("float16", True, range(5, 100, 20), "info", id="boundary-5pct-info"),
+        pytest.param("float16", True, range(5, 100, 10), "warning", id="10pct-skipped-warning"),
+        pytest.param("float16", False, range(5, 100, 10), None, id="no-bf16-hardware"),
+        pytest.param("bfloat16", True, range(5, 100, 10), None, id="already-bf16"),
     ],
 )
 def test_n11_prefer_bf16(dtype, bf16_supported, cuts, expected):

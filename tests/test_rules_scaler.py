@@ -151,19 +151,19 @@ def test_n02_skip_rate(n, skipped, expected):
 
 
 def test_n02_threshold_overrides_change_outcome():
-    run = fake_run(steps=scaled_steps(100, cuts=range(3)))  # 97 % applied
+    run = fake_run(steps=scaled_steps(100, cuts=range(50, 53)))  # 97 % applied
     assert findings_of(diag(run), "AMP-N02") == []
     (f,) = findings_of(diag(run, {"AMP-N02": {"warn_below": 0.98}}), "AMP-N02")
     assert f.severity == "warning"
     (f,) = findings_of(diag(run, {"AMP-N02": {"warn_below": 0.99, "error_below": 0.98}}), "AMP-N02")
     assert f.severity == "error"
-    short = fake_run(steps=scaled_steps(8, cuts=range(4)))
+    short = fake_run(steps=scaled_steps(8, cuts=range(4, 8)))
     assert findings_of(diag(short), "AMP-N02") == []
     assert findings_of(diag(short, {"AMP-N02": {"min_steps": 5}}), "AMP-N02")[0].severity == "error"
 
 
 def test_n02_per_rank_evidence():
-    rows = scaled_steps(50, rank=0) + scaled_steps(50, cuts=range(10), rank=1)
+    rows = scaled_steps(50, rank=0) + scaled_steps(50, cuts=range(20, 30), rank=1)
     run = fake_run(steps=rows, ranks=(0, 1))
     (f,) = findings_of(diag(run), "AMP-N02")
     assert f.evidence["rank"] == 1
@@ -445,7 +445,7 @@ def test_unknown_rule_or_threshold_raises(overrides):
 
 
 def test_overrides_do_not_leak_into_defaults():
-    run = fake_run(steps=scaled_steps(100, cuts=range(3)))
+    run = fake_run(steps=scaled_steps(100, cuts=range(50, 53)))
     assert findings_of(diag(run, {"AMP-N02": {"warn_below": 0.99}}), "AMP-N02")
     assert findings_of(diag(run), "AMP-N02") == []
     assert REGISTRY["AMP-N02"].thresholds["warn_below"] == 0.95
@@ -521,3 +521,65 @@ def test_forced_fp32_leg_does_not_judge_the_scripts_amp_setup():
     assert {rid for rid, reason in reasons.items() if reason == why} == FORCED_FP32_RULES
     assert not FORCED_FP32_RULES & set(forced.ids())
     assert "AMP-N13" in forced.ids()  # the script's own half loss is still reported
+
+
+# -- the initial calibration, one notion for every rule (issue 19 item 3) -------------------------
+
+
+def _calibrating_run(n: int = 30, cuts=(0, 1, 2), init: float = 65536.0, **manifest):
+    return fake_run(
+        steps=scaled_steps(n, cuts=cuts, init=init),
+        events=[scaler_event(growth_interval=2000, init_scale=65536.0)],
+        manifest={"bf16_supported": True, "device": "cpu", **manifest},
+    )
+
+
+def test_initial_calibration_is_judged_by_no_rule():
+    """3 skipped first steps while the scale comes down from init_scale: AMP-N01 reports them
+    as calibration; before, AMP-N02 (90.0 % of 30 steps) and AMP-N11 (3 cuts) warned too."""
+    d = diag(_calibrating_run())
+    (n01,) = findings_of(d, "AMP-N01")
+    assert n01.severity == "info" and "initial calibration" in n01.title
+    assert n01.evidence["calibration_cut_count"] == 3
+    assert findings_of(d, "AMP-N02") == []
+    assert findings_of(d, "AMP-N11") == []
+
+
+def test_cuts_after_the_calibration_are_judged_without_it():
+    # 3 calibration cuts, then 3 overflows in 27 steps: 88.9 % of the judged steps applied
+    d = diag(_calibrating_run(cuts=(0, 1, 2, 10, 15, 20)))
+    (n02,) = findings_of(d, "AMP-N02")
+    assert n02.severity == "error"
+    assert n02.evidence["step_count"] == 27 and n02.evidence["skipped_count"] == 3
+    assert n02.evidence["calibration_step_count"] == 3
+    assert n02.evidence["skipped_steps"] == [10, 15, 20]
+    assert "3 step(s) of initial calibration not judged" in n02.title
+    (n11,) = findings_of(d, "AMP-N11")
+    assert n11.evidence["scale_cut_count"] == 3
+    assert n11.evidence["skipped_share"] == pytest.approx(3 / 27, abs=1e-4)
+    assert "not counting 3 step(s) of initial calibration" in n11.title
+
+
+@pytest.mark.parametrize(
+    ("cuts", "init", "calibration"),
+    [
+        pytest.param((0, 1, 2), 65536.0, 3, id="calibration"),
+        pytest.param((0, 1, 2), 1024.0, 0, id="not-at-init-scale"),  # a resumed or attached run
+        pytest.param(range(16), 65536.0, 0, id="16-cuts-are-a-collapse"),
+        pytest.param(range(15), 65536.0, 15, id="15-cuts"),
+        pytest.param((1, 2), 65536.0, 0, id="not-at-the-start"),
+    ],
+)
+def test_what_counts_as_calibration(cuts, init, calibration):
+    d = diag(_calibrating_run(n=60, cuts=cuts, init=init))
+    (n01,) = findings_of(d, "AMP-N01")
+    assert n01.evidence["calibration_cut_count"] == calibration
+    n02 = findings_of(d, "AMP-N02")
+    assert bool(n02) == (calibration == 0 and len(list(cuts)) > 3)
+
+
+def test_no_calibration_without_a_known_init_scale():
+    run = fake_run(steps=scaled_steps(30, cuts=(0, 1, 2)))  # no scaler_created event
+    (n01,) = findings_of(diag(run), "AMP-N01")
+    assert n01.evidence["calibration_cut_count"] == 0
+    assert findings_of(diag(run), "AMP-N02")[0].evidence["calibration_step_count"] == 0

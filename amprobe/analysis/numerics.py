@@ -27,6 +27,7 @@ __all__ = [
     "offender_evidence",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
+    "first_overflow_step",
 ]
 
 FP16_MAX = 65504.0
@@ -248,6 +249,39 @@ def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
         return set()
     part = steps[(steps["rank"] == rank) & (steps["input_nonfinite"].fillna(0) > 0)]
     return {int(s) for s in part["step"]}
+
+
+def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
+    """The first step that overflowed before the numerics of ``captured_step`` were recorded.
+
+    A step overflowed when its gradients held inf/NaN (``found_inf``, a skipped update) or its
+    loss was non-finite. Looks at the steps after the last step of ``rank`` with recorded
+    numerics before ``captured_step``, up to and including ``captured_step``: an overflow arms
+    a full capture from the next step, so the module that overflowed is seen one step or more
+    after the first overflow. Steps with a non-finite model input (AMP-N04's) are left out.
+    ``None`` when no such step overflowed.
+    """
+    steps = run.steps
+    if steps.empty:
+        return None
+    numerics = run.table("numerics")
+    earlier = (
+        numerics.loc[(numerics["rank"] == rank) & (numerics["step"] < captured_step), "step"]
+        if not numerics.empty
+        else numerics
+    )
+    since = int(earlier.max()) if len(earlier) else -1
+    part = steps[
+        (steps["rank"] == rank) & (steps["step"] > since) & (steps["step"] <= captured_step)
+    ]
+    overflowed = pd.Series(False, index=part.index)
+    for column in ("found_inf", "skipped", "loss_nonfinite"):
+        if column in part:
+            values = part[column]
+            flags = values.fillna(0) > 0 if column == "found_inf" else values.fillna(False)
+            overflowed |= flags.astype(bool)
+    part = part[overflowed & ~part["step"].isin(nonfinite_input_steps(run, rank))]
+    return int(part["step"].min()) if len(part) else None
 
 
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import scaler_steps
+from amprobe.analysis.frames import per_rank, scaler_steps
 from amprobe.store.loader import Run
 
 __all__ = [
@@ -18,9 +18,15 @@ __all__ = [
     "success_rate_metric",
     "growth_interval",
     "init_scale",
+    "MAX_CALIBRATION_CUTS",
+    "compute_calibration",
+    "calibration_steps",
 ]
 
 DEFAULT_GROWTH_INTERVAL = 2000  # torch.amp.GradScaler's default
+#: a leading run of this many cuts or more is a collapse (AMP-N03's ``max_consecutive_cuts``:
+#: as many halvings as take PyTorch's default init_scale 2**16 to 1), not a calibration
+MAX_CALIBRATION_CUTS = 16
 
 
 def compute_scale_events(frame: pd.DataFrame) -> pd.DataFrame:
@@ -97,3 +103,35 @@ def init_scale(run: Run, rank: int) -> float | None:
     values = [c.get("init_scale") for c in run.events_of("scaler_created") if c.get("rank") == rank]
     numbers = [float(v) for v in values if isinstance(v, (int, float))]
     return numbers[-1] if numbers else None
+
+
+def compute_calibration(frame: pd.DataFrame, init: float | None) -> int:
+    """How many of one rank's first scaler steps are the GradScaler's initial calibration.
+
+    The calibration is the run of scale cuts (skipped steps) that starts the recording while
+    the scale comes down from ``init_scale``: PyTorch's docs call a few skipped first iterations
+    normal. It is empty when the first recorded step did not start at ``init`` (a resumed scaler
+    or a live attach: those cuts are overflows of a calibrated scale), when ``init`` is not
+    known (None: no ``scaler_created`` event), and when the run of cuts is
+    :data:`MAX_CALIBRATION_CUTS` long or longer (a collapse). ``frame``: the rank's scaler steps
+    in step order. Every rule that judges cuts or skipped steps leaves these steps out.
+    """
+    if frame.empty or init is None or float(frame["scale_before"].iloc[0]) != init:
+        return 0
+    cuts = (frame["scale_after"] < frame["scale_before"]).to_numpy(dtype=bool, na_value=False)
+    leading = int(np.argmin(cuts)) if not cuts.all() else len(cuts)
+    return leading if leading < MAX_CALIBRATION_CUTS else 0
+
+
+def calibration_steps(run: Run, rank: int) -> list[int]:
+    """The step numbers of ``rank``'s initial calibration (:func:`compute_calibration`)."""
+    table = run.cached("calibration_steps", _calibration_steps)
+    return table.get(rank, [])
+
+
+def _calibration_steps(run: Run) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for rank, frame in per_rank(scaler_steps(run)):
+        n = compute_calibration(frame, init_scale(run, rank))
+        out[rank] = [int(s) for s in frame["step"].iloc[:n]]
+    return out

@@ -8,7 +8,7 @@ arguments, so the order collectors run in cannot change what they record.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -39,12 +39,16 @@ class StepFacts:
     values a collector puts into the step record at flush, in one transfer per device.
 
     Attributes:
-        loss: sum of the scalar losses passed to ``GradScaler.scale()`` (or, without a scaler,
-            to ``backward()``) during the iteration: the objective whose gradient this step
-            applies. With gradient accumulation a framework divides each micro-batch's loss by
+        loss: sum of the scalar losses backpropagated into ``.grad`` during the iteration
+            (the roots of ``torch.autograd.backward``, unscaled: for ``scaler.scale(x)
+            .backward()`` it is ``x``): the objective whose gradient this step applies. A
+            ``scale()`` output given to ``torch.autograd.grad`` (a gradient penalty) is not
+            counted. With gradient accumulation a framework divides each micro-batch's loss by
             the accumulation count, so this is the mean loss the framework logs.
         loss_count: how many scalar losses were summed.
-        loss_dtype: dtype of the first loss seen.
+        loss_dtype: dtype of the first loss summed.
+        scaled: ``(output, input, scale)`` of each scalar ``GradScaler.scale()`` call of the
+            iteration (output weakly held), to find the unscaled loss of a backward root.
         scaler: the GradScaler that owns the step boundary, when one is used.
         scaler_enabled: that scaler was enabled.
         scale_before: its loss scale used for this iteration's backward (0-d tensor).
@@ -56,6 +60,7 @@ class StepFacts:
     loss: torch.Tensor | None = None
     loss_count: int = 0
     loss_dtype: str | None = None
+    scaled: list[tuple[Any, torch.Tensor, Any]] = field(default_factory=list)
     scaler: Any = None
     scaler_enabled: bool = False
     scale_before: torch.Tensor | None = None

@@ -11,6 +11,7 @@ import os
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -89,6 +90,10 @@ class RuntimeCollector(Collector):
         self._cuda_events: list[tuple[int, str, Any, Any]] = []
         self._sync_rows: list[dict[str, Any]] = []
         self._counter: SyncCounter | None = None
+        # what a CPU run's sync counter takes as device tensors (see amprobe.collectors.syncs)
+        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._scalers: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()
         self._sampler: GpuSampler | None = None
         self._sampler_started = False
         self._event_counts: dict[str, int] = defaultdict(int)
@@ -104,6 +109,16 @@ class RuntimeCollector(Collector):
         self._event_counts[kind] += 1
         if self._event_counts[kind] <= _MAX_EVENTS_PER_KIND:
             self.probe.event(kind, **detail)
+
+    # -- objects ------------------------------------------------------------------------------
+    def on_model(self, model: torch.nn.Module) -> None:
+        self._models.add(model)
+
+    def on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizers.add(optimizer)
+
+    def on_scaler(self, scaler: torch.amp.GradScaler, site: str | None) -> None:
+        self._scalers.add(scaler)
 
     # -- data loader --------------------------------------------------------------------------
     def on_batch(self, wait_s: float, iterator: Any) -> None:
@@ -139,6 +154,8 @@ class RuntimeCollector(Collector):
         self._end("fwd")
 
     def on_backward_begin(self, loss: Any) -> None:
+        if self._counter is not None:
+            self._counter.mark((loss,))
         self._begin("bwd")
 
     def on_backward_end(self) -> None:
@@ -196,13 +213,35 @@ class RuntimeCollector(Collector):
         every = self._syncs_every  # steps 1, 1 + N, ... (every step when N = 1)
         if device is not None and due(step, every, first=1 % every if every > 0 else 0):
             self._counter = SyncCounter(device.type)
+            if device.type == "cpu":
+                self._counter.mark(self._model_tensors())
+
+    def _model_tensors(self) -> Iterator[torch.Tensor]:
+        """Parameters, buffers and gradients of the known models and optimizers, and the
+        GradScalers' scale and growth tracker (``scaler.get_scale()`` syncs on a GPU)."""
+        for scaler in list(self._scalers):
+            for name in ("_scale", "_growth_tracker"):
+                value = getattr(scaler, name, None)
+                if isinstance(value, torch.Tensor):
+                    yield value
+        params: list[torch.Tensor] = []
+        for model in list(self._models):
+            params.extend(model.parameters())
+            yield from model.buffers()
+        for opt in list(self._optimizers):
+            for group in opt.param_groups:
+                params.extend(group["params"])
+        for p in params:
+            yield p
+            if p.grad is not None:
+                yield p.grad
 
     def wants_ops(self, step: int) -> bool:
         return self._counter is not None
 
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self._counter is not None:
-            self._counter.observe(func, args, kwargs)
+            self._counter.observe(func, args, kwargs, out)
 
     def on_recording(self, active: bool) -> None:
         self._counter = None

@@ -155,7 +155,10 @@ def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
         device_types = set(syncs["device"].dropna()) if len(syncs) else set()
         caption = "Host-device syncs per sampled step by source line"
         if device_types and device_types <= {"cpu"}:
-            caption += " (CPU run: these would synchronize on a GPU)"
+            caption += (
+                " (CPU run: these would synchronize on a GPU; counted on tensors derived from "
+                "the model's parameters, outputs or loss)"
+            )
         tables.append((caption, sync_table))
     else:
         text.append("Host-device syncs were not counted (syncs_every=0 or no sampled step).")

@@ -11,7 +11,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from amprobe.analysis.numerics import (
@@ -19,10 +18,12 @@ from amprobe.analysis.numerics import (
     compute_scale_hint,
     compute_underflow,
     first_nonfinite_weights,
+    first_overflow_step,
     last_linears,
     module_role,
     nonfinite_input_steps,
 )
+from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
@@ -167,7 +168,10 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     as the finding's ``module``; the offender, where the cast overflowed, is the
     ``overflow_module``. Otherwise (an fp32 offender, a bf16 run whose values fit bf16) the
     offender produced the non-finite values itself and is the one named. The module's role (normalization, softmax, loss, embedding, output
-    projection = last Linear executed) is named.
+    projection = last Linear executed) is named. ``step`` is the sampled step whose capture
+    names the module; the first step that overflowed since the previous sampled step
+    (:func:`~amprobe.analysis.numerics.first_overflow_step`, usually the step before: an
+    overflow arms the capture) is ``first_overflow_step``, and the title gives both.
     """
     run = ctx.run
     offenders = run.table("offenders")
@@ -209,11 +213,20 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             "element_count": detail.get("elements"),
             "output_dtype": out["dtype"].iloc[0] if len(out) else None,
         }
+        first_overflow = first_overflow_step(run, rank, step)
+        evidence["first_overflow_step"] = first_overflow
+        if first_overflow is None or first_overflow == step:
+            when = f", at step {step}"
+        else:
+            when = (
+                f"; first overflow at step {first_overflow}, layer named from the capture of "
+                f"step {step}"
+            )
         cast_dtype = _cast_dtype(run, evidence["output_dtype"])
         origin = _out_of_range_origin(rows, module, cast_dtype)
         if origin is None:
             yield ctx.finding(
-                title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite, at step {step}",
+                title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite{when}",
                 evidence=evidence,
                 fix=(
                     f"Run {module} in fp32: wrap it in torch.autocast(device_type, enabled=False) "
@@ -251,7 +264,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             title=(
                 f"{name} ({module_type}) outputs values beyond {fmt}'s range"
                 + (f" ({details})" if details else "")
-                + f" that overflow to inf in {module} ({first['module_type']}){what}, at step {step}"
+                + f" that overflow to inf in {module} ({first['module_type']}){what}{when}"
             ),
             evidence=evidence,
             fix=(
@@ -438,8 +451,8 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     """Embedding / output-projection / normalization layers run in half and the run is unstable.
 
     Half = the module's forward output dtype is fp16/bf16. Unstable = at least
-    ``min_scale_cuts`` loss-scale cuts (or skipped steps) after the initial calibration (the
-    leading run of cuts down from ``init_scale``), or a non-finite loss or non-finite values
+    ``min_scale_cuts`` loss-scale cuts (or skipped steps) after the initial calibration
+    (:func:`~amprobe.analysis.scaler.compute_calibration`), or a non-finite loss or non-finite values
     in a recorded layer on a step the GradScaler did not skip. An overflow the scaler absorbed
     now and then is dynamic loss scaling working, not instability.
     """
@@ -452,13 +465,13 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
         signals: dict[str, Any] = {}
         absorbed: set[int] = set()  # steps whose update the scaler skipped
         if len(srows):
-            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).to_numpy(bool)
-            calibration = int(np.argmin(cuts)) if not cuts.all() else len(cuts)
-            if int(cuts.sum()) - calibration >= min_cuts:
-                signals["scale_cut_count"] = int(cuts.sum()) - calibration
+            judged = ~srows["step"].isin(calibration_steps(run, rank))
+            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).astype(bool)
+            if int((cuts & judged).sum()) >= min_cuts:
+                signals["scale_cut_count"] = int((cuts & judged).sum())
             skipped = srows["skipped"].fillna(False).astype(bool)
             absorbed = {int(s) for s in srows.loc[skipped, "step"]}
-            if int(skipped.sum()) - calibration >= min_cuts:
+            if int((skipped & judged).sum()) >= min_cuts:
                 signals["skipped_count"] = int(skipped.sum())
             if "loss_nonfinite" in srows:
                 bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped

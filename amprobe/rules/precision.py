@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
+from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, GRADIENT_SCALING, TYPICAL_EXAMPLE
@@ -25,8 +26,10 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     """An fp16 run with overflow cuts or NaN on hardware that supports bf16.
 
     Info when the scale was cut at all; warning when more than ``warn_skip_share`` of the
-    steps were skipped. bf16 support comes from the rank manifest (CUDA capability >= 8.0, or
-    a CPU with AVX512-BF16/AMX).
+    steps were skipped. The steps of the initial calibration
+    (:func:`~amprobe.analysis.scaler.compute_calibration`) and steps with a non-finite model input
+    (AMP-N04's) are left out of both. bf16 support comes from the rank manifest (CUDA capability
+    >= 8.0, or a CPU with AVX512-BF16/AMX).
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
@@ -35,9 +38,11 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     if not supported:
         return
     for rank, frame in per_rank(scaler_steps(run)):
-        frame = frame[
-            ~frame["step"].isin(nonfinite_input_steps(run, rank))
-        ]  # bad data is AMP-N04's
+        calibration = calibration_steps(run, rank)
+        left_out = set(nonfinite_input_steps(run, rank)) | set(calibration)  # bad data: AMP-N04
+        frame = frame[~frame["step"].isin(left_out)]
+        if frame.empty:
+            continue
         skipped = frame["skipped"].fillna(False).astype(bool)
         cuts = int((frame["scale_after"] < frame["scale_before"]).sum())
         if cuts == 0 and not skipped.any():
@@ -45,12 +50,19 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
         share = float(skipped.mean())
         device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device")
         yield ctx.finding(
-            title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped) on {device}, which supports bf16",
+            title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped"
+            + (
+                f", not counting {len(calibration)} step(s) of initial calibration"
+                if calibration
+                else ""
+            )
+            + f") on {device}, which supports bf16",
             evidence={
                 "rank": rank,
                 "scale_cut_count": cuts,
                 "skipped_share": round(share, 4),
                 "skipped_steps": steps_list(frame.loc[skipped, "step"]),
+                "calibration_step_count": len(calibration),
                 "device": device,
                 "warn_skip_share": ctx.thresholds["warn_skip_share"],
                 **layer_overflow_evidence(run, rank),

@@ -19,6 +19,12 @@ from amprobe.store.loader import Run
 
 __all__: list[str] = []
 
+#: what a sync counted on a CPU run is
+CPU_SYNC_NOTE = (
+    "would synchronize on a GPU; counted on tensors derived from the model's parameters, "
+    "outputs or loss"
+)
+
 
 @requirement("runtime")
 def _has_runtime(run: Run) -> str | None:
@@ -134,7 +140,9 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
     Algorithm: per rank, mean of ``syncs`` (user-issued synchronizing ops) over the sampled
     steps; fires above ``syncs_per_step``. Evidence lists the top source lines by count per
     sampled step. GradScaler's own check and optimizer/data-loader internals are not counted.
-    On a CPU run the ops are counted on CPU tensors: they would synchronize on a GPU.
+    On a CPU run the ops are counted on the tensors a GPU run would keep on the device (those
+    derived from the model's parameters, outputs or loss; see :mod:`amprobe.collectors.syncs`):
+    they would synchronize on a GPU. Host-side indices and counters are not counted.
     """
     th = ctx.thresholds
     syncs = ctx.run.table("syncs")
@@ -156,7 +164,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
                 sampled
             )
         top = [f"{r.site} ({r.op}, {r.per_step:g}/step)" for r in sites.itertuples()]
-        note = " (would synchronize on a GPU)" if on_cpu else ""
+        note = f" ({CPU_SYNC_NOTE})" if on_cpu else ""
         out.append(
             ctx.finding(
                 title=f"{per_step:.1f} host-device syncs per step{note} (rank {rank}), "
@@ -167,9 +175,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
                     "threshold": th["syncs_per_step"],
                     "sampled_steps": steps_list(sampled["step"]),
                     "top_sites": top,
-                    "counted_on": "cpu (would synchronize on a GPU)"
-                    if on_cpu
-                    else ",".join(sorted(devices)),
+                    "counted_on": f"cpu ({CPU_SYNC_NOTE})" if on_cpu else ",".join(sorted(devices)),
                     "gradscaler_checks_per_step": scaler_checks,
                 },
                 fix=(

@@ -8,7 +8,13 @@ from collections.abc import Iterator
 import numpy as np
 
 from amprobe.analysis.numerics import offender_evidence
-from amprobe.analysis.scaler import growth_interval, init_scale, longest_run, scale_events
+from amprobe.analysis.scaler import (
+    calibration_steps,
+    growth_interval,
+    init_scale,
+    longest_run,
+    scale_events,
+)
 from amprobe.rules.data import per_rank, scaler_configs, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import (
@@ -34,9 +40,9 @@ __all__: list[str] = []
 def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     """The loss scale was cut because gradients held inf/NaN.
 
-    Algorithm: a cut is a step whose ``scale_after < scale_before``. The run of cuts that
-    starts the recording is the scaler calibrating down from ``init_scale`` (PyTorch's docs call
-    a few skipped first iterations normal) and is reported but not judged. Cuts per growth
+    Algorithm: a cut is a step whose ``scale_after < scale_before``. The initial calibration
+    (:func:`~amprobe.analysis.scaler.compute_calibration`: the run of cuts that starts the
+    recording at ``init_scale``, shorter than a collapse) is reported but not judged. Cuts per growth
     interval = later cuts / max(steps / growth_interval, 1); above the threshold the finding is
     a warning (the scaler cannot settle), else info.
     """
@@ -46,8 +52,7 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
         if cuts.empty:
             continue
         interval = growth_interval(ctx.run, rank)
-        flags = frame["backoff"].to_numpy(dtype=bool)
-        calibration = int(np.argmin(flags)) if not flags.all() else len(flags)
+        calibration = len(calibration_steps(ctx.run, rank))
         later = len(cuts) - calibration
         per_interval = later / max(len(frame) / interval, 1.0)
         frequent = per_interval > ctx.thresholds["frequent_cuts_per_interval"]
@@ -96,12 +101,16 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
 def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     """Scaler success rate = iterations whose optimizer update was applied / all iterations.
 
-    Every iteration counts, skipped ones included. Runs shorter than ``min_steps`` are not
-    judged. Warning below ``warn_below``, error below ``error_below``.
+    Every iteration counts, skipped ones included, except the steps of the initial calibration
+    (:func:`~amprobe.analysis.scaler.compute_calibration`), which AMP-N01 reports and no rule
+    judges. Runs with fewer than ``min_steps`` judged steps are not judged. Warning below
+    ``warn_below``, error below ``error_below``.
     """
     th = ctx.thresholds
     multi = ctx.run.steps["rank"].nunique() > 1
     for rank, frame in per_rank(scaler_steps(ctx.run)):
+        calibration = calibration_steps(ctx.run, rank)
+        frame = frame[~frame["step"].isin(calibration)]
         if len(frame) < th["min_steps"]:
             continue
         skipped = frame[frame["skipped"].fillna(False).astype(bool)]
@@ -109,14 +118,18 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
         if rate >= th["warn_below"]:
             continue
         severity = "error" if rate < th["error_below"] else "warning"
+        calibrated = (
+            f"; {len(calibration)} step(s) of initial calibration not judged" if calibration else ""
+        )
         yield ctx.finding(
-            title=f"only {rate:.1%} of {len(frame)} steps applied their update ({len(skipped)} skipped)"
-            + (f" on rank {rank}" if multi else ""),
+            title=f"only {rate:.1%} of {len(frame)} steps applied their update "
+            f"({len(skipped)} skipped{calibrated})" + (f" on rank {rank}" if multi else ""),
             evidence={
                 "rank": rank,
                 "success_rate": round(rate, 4),
                 "skipped_count": len(skipped),
                 "step_count": len(frame),
+                "calibration_step_count": len(calibration),
                 "skipped_steps": steps_list(skipped["step"]),
                 "warn_below": th["warn_below"],
                 "error_below": th["error_below"],
