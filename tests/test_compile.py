@@ -153,6 +153,9 @@ def test_compile_is_a_recorded_fact(jobs):
             "fullgraph": False,
         }
     ]
+    from amprobe.report.render import render_text
+
+    assert "  compiled: TinyGPT (module, backend)\n" in render_text(amprobe.diagnose(run))
     steps = run.steps
     assert steps.loc[0, "compile_frames"] == 1 and steps.loc[0, "compile_graphs"] == 1
     assert steps["compile_frames"].iloc[1:].sum() == 0

@@ -80,6 +80,17 @@ def _run_summary(diagnosis: Diagnosis) -> dict[str, Any]:
     return diagnosis.to_dict()["run"]
 
 
+def compiled_summary(targets: list[dict[str, Any]]) -> str:
+    """``TinyGPT (module, inductor, mode max-autotune)``: what torch.compile compiled, how."""
+    parts = []
+    for t in targets:
+        how = [str(t.get("kind") or "?"), str(t.get("backend") or "backend not recorded")]
+        if t.get("mode"):
+            how.append(f"mode {t['mode']}")
+        parts.append(f"{t.get('target')} ({', '.join(how)})")
+    return "; ".join(parts)
+
+
 def _status(run: dict[str, Any]) -> str:
     """``finished``, or ``failed (RuntimeError: ...)`` with the recorded reason."""
     reason = run.get("end_reason")
@@ -94,6 +105,8 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
         f"  status {_status(run)}, {run['steps']} steps, ranks {run['ranks']}, "
         f"device {run['device']}",
     ]
+    if run.get("compiled"):
+        lines.append(f"  compiled: {compiled_summary(run['compiled'])}")
     for warning in run["warnings"]:
         lines.append(f"  warning: {warning}")
     lines.append("")
@@ -262,6 +275,11 @@ def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None =
         f"<p class='muted'>status {e(_status(info))} &middot; {info['steps']} steps &middot; "
         f"ranks {e(str(info['ranks']))} &middot; device {e(str(info['device']))}"
         + (f" ({e(str(info['gpu_name']))})" if info.get("gpu_name") else "")
+        + (
+            f" &middot; compiled: {e(compiled_summary(info['compiled']))}"
+            if info.get("compiled")
+            else ""
+        )
         + "</p>",
     ]
     for warning in info["warnings"]:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from amprobe.analysis.compiled import compiled_targets
 from amprobe.analysis.health import compute_health
 from amprobe.rules.refs import checklist_ref
 from amprobe.store.loader import Run
@@ -281,6 +282,7 @@ class Diagnosis:
                 "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0,
                 "device": run.rank_manifest.get("device") or "not recorded",
                 "gpu_name": run.rank_manifest.get("gpu_name"),
+                "compiled": compiled_targets(run),
                 "warnings": list(run.warnings),
             },
             "findings": [f.to_dict() for f in self.findings],
