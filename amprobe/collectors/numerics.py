@@ -69,6 +69,7 @@ from amprobe.collectors.numstats import C_NAN as _C_NAN
 from amprobe.collectors.numstats import C_ZEROS as _C_ZEROS
 from amprobe.collectors.numstats import H0 as _H0
 from amprobe.collectors.numstats import StepStats, count_nonfinite
+from amprobe.collectors.sharded import local_tensor, user_class_name, user_module_name
 from amprobe.store.fields import Field, fields_of
 
 __all__ = [
@@ -246,7 +247,7 @@ class NumericsCollector(Collector):
                 self._device = p.device
                 break
         self._input_slots[root] = [
-            self._new_slot(f"<input {root}>[{i}]", type(model).__name__, "input", root)
+            self._new_slot(f"<input {root}>[{i}]", user_class_name(model), "input", root)
             for i in range(_MAX_INPUTS)
         ]
         for name, mod in model.named_modules():
@@ -254,10 +255,10 @@ class NumericsCollector(Collector):
                 continue
             own = list(mod.parameters(recurse=False))
             is_leaf = next(iter(mod.children()), None) is None
-            if not (is_leaf or own) or not self._selected(name or "<root>"):
+            label = user_module_name(name) or "<root>"  # as written: no wrapper segments
+            if not (is_leaf or own) or not self._selected(label):
                 continue
-            label = name or "<root>"
-            mtype = type(mod).__name__
+            mtype = user_class_name(mod)
             out = self._new_slot(label, mtype, "output", root)
             gout = self._new_slot(label, mtype, "grad_output", root)
             gparam = (
@@ -339,6 +340,7 @@ class NumericsCollector(Collector):
 
     def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
         """Non-finite elements of a module input (reusing the step's measurement of it)."""
+        x = local_tensor(x)
         cap = self._capture(x.device)
         if cap.stats is not None and cap.device == x.device:
             return cap.stats.count_nonfinite(x)
@@ -357,6 +359,7 @@ class NumericsCollector(Collector):
         grad: bool = False,
         in_bad: torch.Tensor | int | None = None,
     ) -> None:
+        x = local_tensor(x)  # a DTensor (FSDP2): this rank's shard, measured where it lives
         if not x.is_floating_point() or x.numel() == 0:
             return
         cap = self._capture(x.device)
@@ -420,13 +423,14 @@ class NumericsCollector(Collector):
             self._inputs_described.add(root)
             self.probe.event(
                 "model_inputs",
-                root=type(model).__name__,
+                root=user_class_name(model),
                 floating=len(floats),
                 integer=sum(1 for t in tensors if not t.is_floating_point()),
                 dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
             )
         capturing = bool(self._capture_handles)
         for i, t in enumerate(floats):
+            t = local_tensor(t)
             count = count_nonfinite(t, self._sync_free())  # one aminmax pass on CPU
             self._input_bad = count if self._input_bad is None else self._input_bad + count
             if capturing and i < _MAX_INPUTS:
@@ -461,7 +465,7 @@ class NumericsCollector(Collector):
                 for pname, p in mod.named_parameters(recurse=False):
                     if p.is_floating_point() and p.numel():
                         names.append(pname if label == "<root>" else f"{label}.{pname}")
-                        flags.append(~torch.isfinite(p).all())
+                        flags.append(~torch.isfinite(local_tensor(p)).all())
             if not flags:
                 return
             device = flags[0].device
