@@ -19,6 +19,7 @@ from torch import nn
 import amprobe
 from amprobe.collectors.sharded import local_tensor, sharding_facts, user_module_name
 from tests.helpers import fake_run, torchrun_argv
+from tests.test_analysis import _check_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"inp", "mid", "booster", "head"}
@@ -143,6 +144,7 @@ def test_d03_names_layers_whose_fp16_reduction_overflowed(fsdp_runs):
     assert all(layer["nonfinite_after_reduce"] for layer in ev["layers"])
     assert ev["ranks"] == [0, 1] and ev["exceeded_steps"] == [11]
     assert "reduce_dtype=torch.float32" in d03[0].fix
+    _check_keys("AMP-D03", dict(ev))
     assert d03[0].severity == "warning" and d03[0].category == "distributed"
 
 
@@ -218,6 +220,8 @@ def _reduce(dtype: str, world: int, pre: float, measured: str) -> dict:
 def test_d03_rule_table(manifest, rows, expect):
     run = fake_run(ranks=[0, 1], manifest=manifest, tables={"numerics": rows})
     d03 = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-D03"]
+    for f in d03:
+        _check_keys(f.id, dict(f.evidence))
     if expect is None:
         assert d03 == []
     elif expect == "bf16":
@@ -306,3 +310,46 @@ def test_grad_scaler_subclass_overrides_are_hooked(tmp_path, cls):
     # closing the probe restored the subclass's own method
     assert cls.__dict__["update"].__qualname__.startswith(cls.__name__)
     assert json.dumps(steps["scale_before"].tolist())
+
+
+class _FakeFSDPNet(nn.Module):
+    """Duck-types FSDP2's root (``_get_fsdp_state()._mp_policy``) without a process group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+    def _get_fsdp_state(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        class _State:
+            _mp_policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16
+            )
+            _fsdp_param_group = None
+
+        return _State()
+
+
+def test_policy_recorded_when_the_model_is_discovered_after_attach(tmp_path, monkeypatch):
+    """Attached late (objects built first, nothing passed): the root is registered at the
+    first step's boundary, and the policy is read at the next step's end."""
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    model = _FakeFSDPNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"collectors": (*amprobe.Config().collectors, "discovery")}
+    with amprobe.attach(run_dir=tmp_path / "r", config=config):
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    run = amprobe.load_run(tmp_path / "r")
+    manifest = run.ranks[0].manifest
+    assert manifest["fsdp_mp_policy"]["param_dtype"] == "bfloat16"
+    assert manifest["grad_reduce"]["world_size"] == 64
+    assert manifest["framework_precision_setting"] == (
+        "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)"
+    )

@@ -70,6 +70,10 @@ class ScalerCollector(Collector):
     Step boundaries come from the hub: the ``update()`` of the first GradScaler used, else the
     ``step()`` of the first optimizer that steps. A skipped iteration is still an iteration.
 
+    Manifest (once, at the first step's end): the AMP setting of a framework in the process
+    (:mod:`amprobe.collectors.frameworks`) and, for an FSDP2 or DDP model, its
+    ``MixedPrecisionPolicy`` and gradient reduction (:func:`amprobe.collectors.sharded.sharding_facts`).
+
     Cost: a few Python calls per iteration; the hub's three 0-d tensor clones; no sync.
     """
 
@@ -86,6 +90,7 @@ class ScalerCollector(Collector):
         self._event_counts: Counter[str] = Counter()
         self._framework_read = False
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self._sharding_read = False
 
     def _event(self, kind: str, **detail: Any) -> None:
         self._event_counts[kind] += 1
@@ -211,8 +216,8 @@ class ScalerCollector(Collector):
 
     def _read_sharding(self) -> None:
         """FSDP2's ``MixedPrecisionPolicy`` (the job's precision setting) and a half-precision
-        gradient reduction, read once the first step has run (``fully_shard`` may follow
-        attach); a framework's own setting, recorded first, keeps its name."""
+        gradient reduction, read at the end of the first step a root model is known
+        (``fully_shard`` may follow attach); a framework's own setting keeps its name."""
         for ref in self._models:
             model = ref()
             facts = sharding_facts(model) if model is not None else {}
@@ -238,6 +243,8 @@ class ScalerCollector(Collector):
             framework = framework_amp_facts()
             if framework and "framework" not in self.probe.rank_manifest:
                 self.probe.annotate_manifest(**framework)
+        if not self._sharding_read and self._models:  # once a model is known (discovery: step 1)
+            self._sharding_read = True
             self._read_sharding()
         it = self._it
         self._it = _Iteration()
