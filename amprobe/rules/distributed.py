@@ -322,7 +322,7 @@ def check_half_reduce(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 **common,
                 "sum_rel_error_bound": round(bound, 6),
-                "layers": reduced[:MAX_LISTED],
+                "layers": [{"module": m} for m in reduced[:MAX_LISTED]],
                 "layer_count": len(reduced),
                 "bf16_unit_roundoff": th["bf16_unit_roundoff"],
                 "max_sum_rel_error": th["max_sum_rel_error"],
