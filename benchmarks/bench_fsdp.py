@@ -81,6 +81,12 @@ def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str
 
     train(warmup)
     config = {"collectors": (*amprobe.Config().collectors, "discovery")}
+    # one untimed attached block first: amprobe's one-time imports are not a block's cost
+    probe = amprobe.probe.attach(
+        run_dir=f"{out}/warmup-rank{rank}", config=config, adoptable=True, lazy=True
+    )
+    train(warmup)
+    probe.close()
     for pair in range(pairs):
         for mode in MODES if pair % 2 == 0 else tuple(reversed(MODES)):
             probe = None
