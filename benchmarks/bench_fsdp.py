@@ -10,8 +10,11 @@ order flips from one pair of blocks to the next); "on" is what ``amprobe run`` a
 job (nothing passed, the root model discovered at its first forward, default collectors and
 sampling: per-layer numerics on the DTensor shards at each block's step 0, i.e. once per 100
 steps, sync counting every 50 steps, one shape capture per block, which is more than a long
-run's 3). Each block's time is the rank's process CPU time over the block (attach before and
-close after it are not counted; the probe's flushes inside it are); one intra-op thread.
+run's 3). Each block's time is the rank's CPU time over the block (attach before and close
+after it are not counted; the probe's flushes inside it are); one intra-op thread. Two clocks:
+the process (all threads: gloo's communication threads burn CPU while a rank waits for the
+other, so a delay on one rank is counted on both) and the training thread alone (where every
+amprobe hook runs).
 
 Prints the CPU model, the median block time per mode (mean of the 2 ranks), and the on/off
 ratio as the median of the per-pair ratios (the target of issue 21: <= 1.02) and as the
@@ -94,12 +97,15 @@ def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str
                 probe = amprobe.probe.attach(
                     run_dir=f"{out}/pair{pair}-rank{rank}", config=config, adoptable=True, lazy=True
                 )
-            start = time.process_time()
+            start, start_main = time.process_time(), time.thread_time()
             train(block)
-            spent = time.process_time() - start
+            spent, main = time.process_time() - start, time.thread_time() - start_main
             if probe is not None:
                 probe.close()
-            print(f"block rank={rank} mode={mode} pair={pair} cpu_s={spent:.6f}", flush=True)
+            print(
+                f"block rank={rank} mode={mode} pair={pair} cpu_s={spent:.6f} main_s={main:.6f}",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
@@ -153,23 +159,27 @@ def main() -> None:
             ),
         }
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    found = re.findall(r"block rank=(\d) mode=(\w+) pair=(\d+) cpu_s=([0-9.]+)", proc.stdout)
+    found = re.findall(
+        r"block rank=(\d) mode=(\w+) pair=(\d+) cpu_s=([0-9.]+) main_s=([0-9.]+)", proc.stdout
+    )
     if proc.returncode != 0 or len(found) != 4 * args.pairs:
         raise RuntimeError(f"the job failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    blocks: dict[tuple[str, int], list[float]] = {}
-    for _, mode, pair, cpu_s in found:
-        blocks.setdefault((mode, int(pair)), []).append(float(cpu_s))
-    per = {k: statistics.mean(v) for k, v in blocks.items()}
-    for pair in range(args.pairs):
-        off, on = per[("off", pair)], per[("on", pair)]
-        print(f"  pair {pair}: off {off:.3f} s  on {on:.3f} s  ratio {on / off:.3f}x")
-    med = {m: statistics.median(per[(m, p)] for p in range(args.pairs)) for m in MODES}
-    ratio = statistics.median(per[("on", p)] / per[("off", p)] for p in range(args.pairs))
-    print(
-        f"\nmedian block: off {med['off']:.3f} s  on {med['on']:.3f} s; on/off: median of pair "
-        f"ratios {ratio:.3f}x, ratio of medians {med['on'] / med['off']:.3f}x, added "
-        f"{1000 * (med['on'] - med['off']) / args.block:.2f} ms/step"
-    )
+    for column, label in ((3, "process CPU (all threads)"), (4, "training thread CPU")):
+        blocks: dict[tuple[str, int], list[float]] = {}
+        for row in found:
+            blocks.setdefault((row[1], int(row[2])), []).append(float(row[column]))
+        per = {k: statistics.mean(v) for k, v in blocks.items()}
+        print(f"{label}:")
+        for pair in range(args.pairs):
+            off, on = per[("off", pair)], per[("on", pair)]
+            print(f"  pair {pair}: off {off:.3f} s  on {on:.3f} s  ratio {on / off:.3f}x")
+        med = {m: statistics.median(per[(m, p)] for p in range(args.pairs)) for m in MODES}
+        ratio = statistics.median(per[("on", p)] / per[("off", p)] for p in range(args.pairs))
+        print(
+            f"  median block: off {med['off']:.3f} s  on {med['on']:.3f} s; on/off: median of "
+            f"pair ratios {ratio:.3f}x, ratio of medians {med['on'] / med['off']:.3f}x, added "
+            f"{1000 * (med['on'] - med['off']) / args.block:.2f} ms/step\n"
+        )
 
 
 if __name__ == "__main__":
