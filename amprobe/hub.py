@@ -2,7 +2,9 @@
 
 One :class:`Hub` per probe wraps, at class level and exactly once:
 
-* ``GradScaler.__init__``/``scale``/``unscale_``/``step``/``update``/``load_state_dict``;
+* ``GradScaler.__init__``/``scale``/``unscale_``/``step``/``update``/``load_state_dict``, and
+  the overrides of those a subclass defines (``ShardedGradScaler``), once one of its instances
+  is seen;
 * ``Optimizer.__init__``/``load_state_dict`` and torch's global optimizer step pre/post hooks;
 * ``autocast.__enter__``/``__exit__``; ``torch.autograd.backward`` (``Tensor.backward`` calls it);
 * ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
@@ -214,6 +216,11 @@ class Hub:
         self._primary_opt: weakref.ReferenceType[Optimizer] | None = None
         self._in_scaler_step = threading.local()
         self._scaled_this_step = False
+        # GradScaler subclasses: the wrapper factories, the classes seen, the owners wrapped
+        self._scaler_makers: dict[str, Callable[[Any], Any]] = {}
+        self._scaler_calls = threading.local()
+        self._hooked_scaler_classes: set[type] = set()
+        self._hooked_scaler_owners: dict[str, set[type]] = {}
         # discovery
         self._disc_handles: list[Any] = []
         self._disc_depth = 0
@@ -480,11 +487,11 @@ class Hub:
 
         self._patch(torch, "compile", wrap_compile)
         self._patch(GradScaler, "__init__", wrap_scaler_init)
-        self._patch(GradScaler, "scale", wrap_scale)
-        self._patch(GradScaler, "unscale_", wrap_unscale)
-        self._patch(GradScaler, "step", wrap_scaler_step)
-        self._patch(GradScaler, "update", wrap_update)
-        self._patch(GradScaler, "load_state_dict", wrap_scaler_load)
+        self._patch_scaler_method("scale", wrap_scale)
+        self._patch_scaler_method("unscale_", wrap_unscale)
+        self._patch_scaler_method("step", wrap_scaler_step)
+        self._patch_scaler_method("update", wrap_update)
+        self._patch_scaler_method("load_state_dict", wrap_scaler_load)
         self._patch(Optimizer, "__init__", wrap_opt_init)
         self._patch(Optimizer, "load_state_dict", wrap_opt_load)
         self._patch(autocast, "__enter__", wrap_autocast_enter)
@@ -517,10 +524,72 @@ class Hub:
         self._patches.clear()
         self.closed = True
 
+    # -- GradScaler subclasses (ShardedGradScaler and the like) -----------------------------------
+    def _patch_scaler_method(self, attr: str, make: Callable[[Any], Any]) -> None:
+        """Wrap ``GradScaler.<attr>`` and remember ``make`` for subclasses that override it."""
+        self._scaler_makers[attr] = make
+        self._patch(GradScaler, attr, self._outermost(attr, make))
+
+    def _outermost(self, attr: str, make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``make`` whose wrapper acts only in the outermost ``<attr>`` call on a scaler.
+
+        A subclass's own ``update`` that calls ``super().update()`` reaches the wrapped base
+        method too; only the outer call is the user's, so the inner one passes straight through
+        (one step boundary, one ``on_unscale``). Cost: a set insert and removal per call.
+        """
+        local = self._scaler_calls
+
+        def make_outermost(orig: Any) -> Any:
+            inner = make(orig)
+
+            def outermost(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+                active: set[tuple[int, str]] = local.__dict__.setdefault("active", set())
+                key = (id(scaler), attr)
+                if key in active:
+                    return orig(scaler, *args, **kwargs)
+                active.add(key)
+                try:
+                    return inner(scaler, *args, **kwargs)
+                finally:
+                    active.discard(key)
+
+            return outermost
+
+        return make_outermost
+
+    def _hook_scaler_class(self, cls: type) -> None:
+        """Wrap the methods a GradScaler subclass overrides, the first time one of its
+        instances is seen: ``ShardedGradScaler`` has its own ``scale``/``unscale_``/``update``,
+        so the class-level wrappers on ``GradScaler`` never see its step boundary. For each
+        wrapped method, the class the instance's MRO resolves it to is wrapped (a GradScaler
+        subclass only: a mixin shared with other classes is left alone and reported)."""
+        if cls is GradScaler or cls in self._hooked_scaler_classes or self.closed:
+            return
+        self._hooked_scaler_classes.add(cls)
+        for attr, make in self._scaler_makers.items():
+            owner = next((k for k in cls.__mro__ if attr in vars(k)), None)
+            if (
+                owner is None
+                or owner is GradScaler
+                or owner in self._hooked_scaler_owners.get(attr, ())
+            ):
+                continue
+            if not (isinstance(owner, type) and issubclass(owner, GradScaler)):
+                self.probe.event(
+                    "scaler_method_unhooked",
+                    scaler_class=cls.__name__,
+                    method=attr,
+                    owner=getattr(owner, "__qualname__", "?"),
+                )
+                continue
+            self._hooked_scaler_owners.setdefault(attr, set()).add(owner)
+            self._patch(owner, attr, self._outermost(attr, make))
+
     # -- objects ----------------------------------------------------------------------------------
     def see_scaler(self, scaler: GradScaler, site: str | None) -> None:
         if scaler in self.scalers:
             return
+        self._hook_scaler_class(type(scaler))
         self.scalers.add(scaler)
         self.emit("on_scaler", scaler, site)
 

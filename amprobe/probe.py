@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from amprobe.collectors import REGISTRY, Collector, StepFacts
-from amprobe.collectors.compiled import compiled_wrapper_of, unwrap_compiled
+from amprobe.collectors.compiled import compiled_wrapper_of
 from amprobe.collectors.discovery import find_live_training_objects
+from amprobe.collectors.sharded import user_class_name
 from amprobe.config import Config, ConfigError, check_collectors, make_config
 from amprobe.hub import Hub
 from amprobe.store.fields import STEP_FIELDS
@@ -229,7 +230,7 @@ class Probe:
         self.models.append(weakref.ref(model))
         self.event(
             "model_registered",
-            model_class=type(unwrap_compiled(model)).__name__,
+            model_class=user_class_name(model),
             parameters=sum(p.numel() for p in model.parameters()),
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         )

@@ -24,29 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
 from common import TinyGPT, make_batch, train_steps  # noqa: E402
 from machine import cpu_model  # noqa: E402
+from train_compiled import CALLS, counting  # noqa: E402  (the tests' counting backend)
 
 import amprobe  # noqa: E402
-
-CALLS = {"n": 0}
-
-
-def counting(name: str):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inner = lookup_backend(name)
-
-    def backend(gm, example_inputs):
-        compiled = inner(gm, example_inputs)
-
-        def run(*args):
-            CALLS["n"] += 1
-            return compiled(*args)
-
-        return run
-
-    return backend
 
 
 def main() -> None:
@@ -78,7 +61,7 @@ def main() -> None:
                     probe = amprobe.attach(
                         model=compiled, optimizer=opt, run_dir=f"{tmp}/run-{block}"
                     )
-                before = CALLS["n"]
+                before = CALLS["graph_calls"]
                 try:
                     samples[name].extend(
                         train_steps(compiled, opt, None, torch.bfloat16, batch, args.steps)
@@ -86,7 +69,7 @@ def main() -> None:
                 finally:
                     if probe is not None:
                         probe.close()
-                calls[name].append(CALLS["n"] - before)
+                calls[name].append(CALLS["graph_calls"] - before)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}; 1 intra-op thread")
     print(
         f"{'configuration':<14}{'median ms':>12}{'mean ms':>12}{'ratio (median)':>16}"

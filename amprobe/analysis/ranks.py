@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-__all__ = ["compute_rank_grid", "compute_rank_medians"]
+__all__ = ["compute_rank_grid", "compute_rank_medians", "compute_reduce_peaks"]
 
 
 def compute_rank_grid(
@@ -30,3 +30,38 @@ def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) ->
     """Median of ``column`` per rank over the steps after ``warmup_steps`` (NaN rows ignored)."""
     body = steps.loc[steps["step"].to_numpy() >= warmup_steps, ["rank", column]]
     return body.groupby("rank", sort=True)[column].median().dropna()
+
+
+def compute_reduce_peaks(
+    numerics: pd.DataFrame, world_size: int, pre_divide: float, measured: str
+) -> pd.DataFrame:
+    """Per ``grad_param`` row, the largest magnitude inside a fp16 gradient reduction.
+
+    ``peak = amax * loss_scale * max(1, world_size / pre_divide)``: the recorded maximum is
+    divided by the loss scale, the reduction runs on scaled gradients, and summing
+    ``world_size`` ranks' values each divided by ``pre_divide`` grows them by at most
+    ``world_size / pre_divide`` (a cast before a full pre-division, as DDP's hook does, is
+    bounded by the rank's own maximum). With ``measured == "reduced"`` (FSDP2 hands the
+    reduced mean to the hooks) ``amax`` is the mean's maximum and the bound is the sum's
+    own value. ``nonfinite`` marks rows whose reduced gradient is inf/NaN while the same
+    module's output gradient on that rank and step was finite: the overflow happened in the
+    reduction (only for ``measured == "reduced"``).
+    """
+    rows = numerics[numerics["kind"] == "grad_param"].copy()
+    factor = max(1.0, world_size / pre_divide) if pre_divide > 0 else float(world_size)
+    scale = rows["loss_scale"].astype(float).fillna(1.0)
+    rows["peak"] = rows["amax"].astype(float) * scale * factor
+    bad = (rows["inf"].fillna(0) + rows["nan"].fillna(0)) > 0
+    if measured == "reduced" and bad.any():
+        gout = numerics[numerics["kind"] == "grad_output"]
+        gout_bad = gout.assign(g_bad=(gout["inf"].fillna(0) + gout["nan"].fillna(0)) > 0)[
+            ["rank", "step", "module", "g_bad"]
+        ]
+        merged = rows[["rank", "step", "module"]].merge(
+            gout_bad, on=["rank", "step", "module"], how="left"
+        )
+        upstream_bad = merged["g_bad"].fillna(False).astype(bool).to_numpy()
+        rows["nonfinite"] = bad.to_numpy() & ~upstream_bad
+    else:
+        rows["nonfinite"] = False
+    return rows

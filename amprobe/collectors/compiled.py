@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from amprobe.collectors.base import Collector, StepFacts
+from amprobe.collectors.sharded import user_module_name
 from amprobe.store.fields import Field, fields_of
 
 if TYPE_CHECKING:
@@ -45,7 +46,6 @@ __all__ = [
     "user_module_name",
 ]
 
-_WRAPPER_PARTS = frozenset({"_orig_mod"})
 _MAX_REASONS = 50  # recompile / graph-break events kept per run (the steps table has counts)
 
 
@@ -101,13 +101,6 @@ def compiled_wrapper_of(module: Any) -> Any:
     except Exception:
         return None
     return None
-
-
-def user_module_name(name: str) -> str:
-    """A module path as the user wrote it: torch.compile's ``_orig_mod.`` parts dropped."""
-    if "_orig_mod" not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
 def backend_name(backend: Any) -> str:

@@ -23,6 +23,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.compiled import unwrap_compiled
+from amprobe.collectors.sharded import user_class_name, user_module_name
 from amprobe.hub import dtype_name
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
@@ -301,7 +302,7 @@ class ComputeCollector(Collector):
             dtypes[str(p.dtype).replace("torch.", "")] += p.numel()
         self.probe.event(
             "model_params",
-            root=type(model).__name__,
+            root=user_class_name(model),
             params=params,
             trainable_params=trainable,
             param_dtypes=dict(dtypes),
@@ -570,11 +571,15 @@ class ComputeCollector(Collector):
             parents = tracker.parents = self._ordered(parents)  # type: ignore[assignment]
         inner = parents.innermost()  # type: ignore[attr-defined]  # replaced by _OrderedSet above
         if inner is None:
-            return self._roots[0][1] if self._roots else "(no module)"
-        for _, root_name in self._roots:
+            root = self._roots[0][0]() if self._roots else None
+            return user_class_name(root) if root is not None else "(no module)"
+        for ref, root_name in self._roots:
             if inner.startswith(root_name + "."):
-                return inner[len(root_name) + 1 :]
-        return inner
+                return user_module_name(inner[len(root_name) + 1 :])
+            if inner == root_name:  # FSDP2's generated FSDPNet is the user's Net
+                root = ref()
+                return user_class_name(root) if root is not None else inner
+        return user_module_name(inner)
 
 
 def _signature(kind: str, m: Any, n: Any, k: Any, backward: bool) -> tuple[Any, ...] | None:

@@ -82,6 +82,7 @@ from amprobe.collectors.numstats import H0 as _H0
 from amprobe.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.collectors.numstats import NBINS as _NBINS
 from amprobe.collectors.numstats import StepStats, count_nonfinite
+from amprobe.collectors.sharded import local_tensor, user_class_name, user_module_name
 from amprobe.store.fields import Field, fields_of
 
 __all__ = [
@@ -261,7 +262,7 @@ class NumericsCollector(Collector):
                 break
         user_model = unwrap_compiled(model)  # names as written: no torch.compile wrapper
         self._input_slots[root] = [
-            self._new_slot(f"<input {root}>[{i}]", type(user_model).__name__, "input", root)
+            self._new_slot(f"<input {root}>[{i}]", user_class_name(model), "input", root)
             for i in range(_MAX_INPUTS)
         ]
         for name, mod in user_model.named_modules():
@@ -269,10 +270,10 @@ class NumericsCollector(Collector):
                 continue
             own = list(mod.parameters(recurse=False))
             is_leaf = next(iter(mod.children()), None) is None
-            if not (is_leaf or own) or not self._selected(name or "<root>"):
+            label = user_module_name(name) or "<root>"  # as written: no wrapper segments
+            if not (is_leaf or own) or not self._selected(label):
                 continue
-            label = name or "<root>"
-            mtype = type(mod).__name__
+            mtype = user_class_name(mod)
             out = self._new_slot(label, mtype, "output", root)
             gout = self._new_slot(label, mtype, "grad_output", root)
             gparam = (
@@ -383,6 +384,7 @@ class NumericsCollector(Collector):
 
     def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
         """Non-finite elements of a module input (reusing the step's measurement of it)."""
+        x = local_tensor(x)
         cap = self._capture(x.device)
         if cap.stats is not None and cap.device == x.device:
             return cap.stats.count_nonfinite(x)
@@ -401,6 +403,7 @@ class NumericsCollector(Collector):
         grad: bool = False,
         in_bad: torch.Tensor | int | None = None,
     ) -> None:
+        x = local_tensor(x)  # a DTensor (FSDP2): this rank's shard, measured where it lives
         if not x.is_floating_point() or x.numel() == 0:
             return
         cap = self._capture(x.device)
@@ -464,13 +467,14 @@ class NumericsCollector(Collector):
             self._inputs_described.add(root)
             self.probe.event(
                 "model_inputs",
-                root=type(unwrap_compiled(model)).__name__,
+                root=user_class_name(model),
                 floating=len(floats),
                 integer=sum(1 for t in tensors if not t.is_floating_point()),
                 dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
             )
         capturing = bool(self._capture_handles)
         for i, t in enumerate(floats):
+            t = local_tensor(t)
             count = count_nonfinite(t, self._sync_free())  # one aminmax pass on CPU
             self._input_bad = count if self._input_bad is None else self._input_bad + count
             if capturing and i < _MAX_INPUTS:
@@ -505,7 +509,7 @@ class NumericsCollector(Collector):
                 for pname, p in mod.named_parameters(recurse=False):
                     if p.is_floating_point() and p.numel():
                         names.append(pname if label == "<root>" else f"{label}.{pname}")
-                        flags.append(~torch.isfinite(p).all())
+                        flags.append(~torch.isfinite(local_tensor(p)).all())
             if not flags:
                 return
             device = flags[0].device

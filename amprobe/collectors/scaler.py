@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from amprobe.collectors.base import Collector, StepFacts
 from amprobe.collectors.frameworks import framework_amp_facts
+from amprobe.collectors.sharded import sharding_facts
 from amprobe.hub import dtype_name, user_call_site
 from amprobe.store.fields import Field, fields_of
 
@@ -69,6 +70,10 @@ class ScalerCollector(Collector):
     Step boundaries come from the hub: the ``update()`` of the first GradScaler used, else the
     ``step()`` of the first optimizer that steps. A skipped iteration is still an iteration.
 
+    Manifest (once, at the first step's end): the AMP setting of a framework in the process
+    (:mod:`amprobe.collectors.frameworks`) and, for an FSDP2 or DDP model, its
+    ``MixedPrecisionPolicy`` and gradient reduction (:func:`amprobe.collectors.sharded.sharding_facts`).
+
     Cost: a few Python calls per iteration; the hub's three 0-d tensor clones; no sync.
     """
 
@@ -84,6 +89,8 @@ class ScalerCollector(Collector):
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         self._event_counts: Counter[str] = Counter()
         self._framework_read = False
+        self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self._sharding_read = False
 
     def _event(self, kind: str, **detail: Any) -> None:
         self._event_counts[kind] += 1
@@ -203,6 +210,30 @@ class ScalerCollector(Collector):
             it.clip_scaled += 1
             self._event("clip_before_unscale", function=function, site=site)
 
+    def on_model(self, model: Any) -> None:
+        if isinstance(model, torch.nn.Module):
+            self._models.append(weakref.ref(model))
+
+    def _read_sharding(self) -> None:
+        """FSDP2's ``MixedPrecisionPolicy`` (the job's precision setting) and a half-precision
+        gradient reduction, read at the end of the first step a root model is known
+        (``fully_shard`` may follow attach); a framework's own setting keeps its name."""
+        for ref in self._models:
+            model = ref()
+            facts = sharding_facts(model) if model is not None else {}
+            if not facts:
+                continue
+            if "framework" in self.probe.rank_manifest:
+                keep = (
+                    "framework_casts_params",
+                    "fsdp_mp_policy",
+                    "fsdp_mp_policies",
+                    "grad_reduce",
+                )
+                facts = {k: v for k, v in facts.items() if k in keep}
+            self.probe.annotate_manifest(**facts)
+            return
+
     def on_recording(self, active: bool) -> None:
         self._it = _Iteration()  # the first recorded step starts clean at this boundary
 
@@ -212,6 +243,9 @@ class ScalerCollector(Collector):
             framework = framework_amp_facts()
             if framework and "framework" not in self.probe.rank_manifest:
                 self.probe.annotate_manifest(**framework)
+        if not self._sharding_read and self._models:  # once a model is known (discovery: step 1)
+            self._sharding_read = True
+            self._read_sharding()
         it = self._it
         self._it = _Iteration()
         record.update(

@@ -217,9 +217,13 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
 
 
 def _framework_amp(run: Run) -> dict[str, Any] | None:
-    """The first rank whose manifest says a framework asked for mixed precision, if any."""
+    """The first rank whose manifest says a framework asked for autocast mixed precision, if
+    any; a framework that casts the parameters itself (FSDP2's ``MixedPrecisionPolicy``,
+    ``framework_casts_params``) needs no autocast region."""
     for info in run.ranks:
         m = info.manifest
+        if m.get("framework_casts_params"):
+            continue
         if m.get("framework_amp_dtype") and m.get("framework"):
             return {
                 "rank": info.rank,
@@ -246,9 +250,10 @@ def _framework_amp(run: Run) -> dict[str, Any] | None:
 def check_autocast_ineffective(ctx: RuleContext) -> Iterator[Finding]:
     """AMP is configured, yet most matmul FLOPs still run in fp32.
 
-    Algorithm: when the framework was asked for mixed precision (``framework_amp_dtype`` in
-    the manifest, written by the integrations or read from the framework's state in zero-code
-    runs) and no enabled autocast region ran, the finding names that setting (the job trained
+    Algorithm: when the framework was asked for autocast mixed precision
+    (``framework_amp_dtype`` in the manifest, written by the integrations or read from the
+    framework's state in zero-code runs; not when it casts the parameters itself, as FSDP2's
+    ``MixedPrecisionPolicy`` does) and no enabled autocast region ran, the finding names that setting (the job trained
     in fp32). Otherwise AMP counts as configured when a GradScaler or an enabled autocast
     region was seen. On the last captured step, the share of matmul/conv/attention FLOPs whose
     operands were fp16/bf16/fp8 is compared with ``min_half_share``; the finding names the

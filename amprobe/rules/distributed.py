@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from amprobe.analysis.ranks import compute_rank_grid, compute_rank_medians
+from amprobe.analysis.ranks import compute_rank_grid, compute_rank_medians, compute_reduce_peaks
 from amprobe.rules.data import scaler_configs, scaler_steps, steps_list
 from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
 from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
@@ -242,3 +242,143 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
                 "device (thermal throttling, a different GPU model)."
             ),
         )
+
+
+# -- AMP-D03 half-reduce -------------------------------------------------------------------------
+_HALF_REDUCE = ("float16", "bfloat16")
+
+
+def _grad_reduce(run: Run) -> dict[str, Any] | None:
+    """The half-precision gradient reduction a rank's manifest records (``grad_reduce``)."""
+    for info in run.ranks:
+        reduce = info.manifest.get("grad_reduce")
+        if isinstance(reduce, dict) and reduce.get("dtype") in _HALF_REDUCE:
+            return {**reduce, "rank": info.rank}
+    return None
+
+
+@requirement("half_reduce")
+def _has_half_reduce(run: Run) -> str | None:
+    if _grad_reduce(run) is not None:
+        return None
+    return (
+        "gradients were not reduced in half precision (no FSDP2 reduce_dtype fp16/bf16 and no "
+        "DDP fp16/bf16 compression hook was recorded)"
+    )
+
+
+@rule(
+    "AMP-D03",
+    "half-reduce",
+    "warning",
+    "distributed",
+    requires=("half_reduce", "numerics"),
+    thresholds={
+        "fp16_max": 65504.0,
+        "range_fraction": 1.0,
+        "bf16_unit_roundoff": 2.0**-8,
+        "max_sum_rel_error": 0.01,
+    },
+    refs=(MULTI_GPU_EXAMPLE,),
+)
+def check_half_reduce(ctx: RuleContext) -> Iterator[Finding]:
+    """Gradients are reduced across ranks in half precision, and the reduction loses range or
+    precision.
+
+    Algorithm (fp16): for every recorded ``grad_param`` row (per rank, sampled step, layer),
+    the peak inside the reduction is :func:`compute_reduce_peaks`; a layer is named when its
+    peak exceeds ``fp16_max * range_fraction`` on some step, or (FSDP2, which measures the
+    reduced gradient) when its reduced gradient is inf/NaN while its output gradient on that
+    rank was finite. Assumes the ranks' gradients are of similar size (the recorded maximum
+    stands for every rank's). bf16 (same range as fp32): the rounding error of an
+    ``N``-term bf16 sum is bounded by ``(N - 1) * bf16_unit_roundoff``; a finding (info) when
+    that exceeds ``max_sum_rel_error``.
+    """
+    th = ctx.thresholds
+    reduce = _grad_reduce(ctx.run)
+    assert reduce is not None  # the requirement
+    world = int(reduce.get("world_size") or 1)
+    pre = float(reduce.get("pre_divide") or 1.0)
+    measured = str(reduce.get("measured") or "local")
+    source = str(reduce.get("source") or "a half-precision reduction")
+    numerics = ctx.run.table("numerics")
+    common = {
+        "reduce_dtype": reduce["dtype"],
+        "reduce_source": source,
+        "world_size": world,
+        "pre_divide": pre,
+        "measured": measured,
+    }
+    if reduce["dtype"] == "bfloat16":
+        bound = (world - 1) * th["bf16_unit_roundoff"]
+        if bound <= th["max_sum_rel_error"]:
+            return
+        reduced = sorted(set(numerics.loc[numerics["kind"] == "grad_param", "module"]))
+        yield ctx.finding(
+            title=(
+                f"gradients are summed across {world} ranks in bf16 ({source}): up to "
+                f"{bound:.1%} relative rounding error per element"
+            ),
+            evidence={
+                **common,
+                "sum_rel_error_bound": round(bound, 6),
+                "layers": [{"module": m} for m in reduced[:MAX_LISTED]],
+                "layer_count": len(reduced),
+                "bf16_unit_roundoff": th["bf16_unit_roundoff"],
+                "max_sum_rel_error": th["max_sum_rel_error"],
+            },
+            fix=(
+                "bf16 keeps fp32's range but only 8 significant bits, so a sum over many ranks "
+                "drops the small gradients' low bits: reduce in fp32 "
+                "(MixedPrecisionPolicy(reduce_dtype=torch.float32)) if convergence suffers."
+            ),
+            severity="info",
+        )
+        return
+    rows = compute_reduce_peaks(numerics, world, pre, measured)
+    if rows.empty:
+        return
+    limit = th["fp16_max"] * th["range_fraction"]
+    over = rows[(rows["peak"] > limit) | rows["nonfinite"]]
+    if over.empty:
+        return
+    layers: list[dict[str, Any]] = []
+    for module, part in over.groupby("module", sort=False):
+        finite = part.loc[~part["nonfinite"] & part["peak"].notna(), "peak"]
+        layers.append(
+            {
+                "module": str(module),
+                "peak_in_reduction": float(finite.max()) if len(finite) else None,
+                "nonfinite_after_reduce": bool(part["nonfinite"].any()),
+                "ranks": sorted(int(r) for r in part["rank"].unique()),
+                "exceeded_steps": steps_list(np.unique(part["step"].to_numpy())),
+            }
+        )
+    layers.sort(key=lambda d: (not d["nonfinite_after_reduce"], -(d["peak_in_reduction"] or 0)))
+    names = [d["module"] for d in layers]
+    ranks = sorted(int(r) for r in over["rank"].unique())
+    factor = max(1.0, world / pre) if pre > 0 else float(world)
+    yield ctx.finding(
+        title=(
+            f"gradients are reduced across {world} ranks in fp16 ({source}) and "
+            f"{len(names)} layer(s) exceed fp16's range in the reduction: "
+            + ", ".join(names[:5])
+            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        ),
+        evidence={
+            **common,
+            "ranks": ranks,
+            "layers": layers[:MAX_LISTED],
+            "layer_count": len(layers),
+            "exceeded_steps": steps_list(np.unique(over["step"].to_numpy())),
+            "sum_factor": factor,
+            "fp16_max": th["fp16_max"],
+            "range_fraction": th["range_fraction"],
+        },
+        fix=(
+            "Reduce gradients in fp32: MixedPrecisionPolicy(reduce_dtype=torch.float32) with "
+            "FSDP2 (the parameters and the compute stay in half precision), no fp16 compression "
+            "hook with DDP (or bf16_compress_hook); or pre-divide each rank's gradients by the "
+            "world size before the reduction."
+        ),
+    )

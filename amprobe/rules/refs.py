@@ -93,6 +93,7 @@ CHECKLIST_TITLES: dict[str, str] = {
     "AMP-S08": "a compiled model must not keep recompiling",
     "AMP-D01": "ranks must agree on the loss scale",
     "AMP-D02": "the slowest rank sets the pace",
+    "AMP-D03": "reduce gradients in fp32",
     "AMP-P01": "layers that can move to fp8 first",
     "AMP-P02": "layers to keep in bf16 when moving to fp8",
     "AMP-P03": "values that would not fit fp16",
