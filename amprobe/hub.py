@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils.data import dataloader as _dataloader
 
 from amprobe.collectors.base import Collector, StepFacts
+from amprobe.collectors.engines import SOURCES, EngineScaler, StepSource
 from amprobe.collectors.patching import Patch, patch
 
 if TYPE_CHECKING:
@@ -190,12 +191,15 @@ class Hub:
         self._mux: _OpMux | None = None
         self._mux_pushed = False
         # step boundary
-        self._mode: str | None = None  # "scaler" | "optimizer"
+        self._mode: str | None = None  # "scaler" | "optimizer" | "source" (an engine)
         self._primary_scaler: weakref.ReferenceType[GradScaler] | None = None
         self._primary_used = False
         self._primary_opt: weakref.ReferenceType[Optimizer] | None = None
         self._in_scaler_step = threading.local()
         self._scaled_this_step = False
+        # engines that own the loss scale (installed once the program imports them)
+        self._pending_sources: list[type[StepSource]] = list(SOURCES)
+        self._sources: list[StepSource] = []
         # discovery
         self._disc_handles: list[Any] = []
         self._disc_depth = 0
@@ -462,6 +466,7 @@ class Hub:
         self._handles.append(
             register_optimizer_step_post_hook(lambda *a: self.safe(self._opt_post, *a))
         )
+        self.load_sources()
 
     def close(self) -> None:
         """Remove everything the hub installed, newest first. Idempotent."""
@@ -491,6 +496,7 @@ class Hub:
         if opt in self.optimizers:
             return
         self.optimizers.add(opt)
+        self.load_sources()
         self.emit("on_optimizer", opt)
 
     def watch_model(self, model: torch.nn.Module) -> None:
@@ -544,7 +550,7 @@ class Hub:
     def _on_backward_begin(self, tensors: Any) -> None:
         self.probe.touch()
         loss = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
-        if loss is not None and not self._scaled_this_step:
+        if loss is not None and not self._scaled_this_step and not self._source_backward(loss):
             self._capture_loss(loss)
         self.emit("on_backward_begin", loss)
 
@@ -632,6 +638,7 @@ class Hub:
             self._mode is None
             and getattr(self._in_scaler_step, "depth", 0) == 0
             and not _inside_unwrapped_scaler_step()
+            and not self._source_owns_step()
         ):
             self._mode = "optimizer"
             self._primary_opt = weakref.ref(opt)
@@ -662,6 +669,87 @@ class Hub:
             return
         grads = list(tensorlistlist[0]) if tensorlistlist else []
         self.emit("on_clip", function, grads, user_call_site(3))
+
+    # -- step-facts sources: engines that own the loss scale (amprobe.collectors.engines) ---------
+    def load_sources(self) -> None:
+        """Install the step-facts source of each engine the program has imported by now."""
+        if not self._pending_sources or self.closed:
+            return
+        for cls in list(self._pending_sources):
+            if cls.module not in sys.modules:
+                continue
+            self._pending_sources.remove(cls)
+            source = cls(self)
+            try:
+                source.install()
+            except Exception as exc:  # the engine changed: record, keep the torch-level capture
+                self.probe.event(
+                    "engine_source_failed", engine=cls.name, error=f"{type(exc).__name__}: {exc}"
+                )
+                continue
+            self._sources.append(source)
+            self.probe.event("engine_source_installed", engine=cls.name)
+
+    def patch_source(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+        """Wrap an engine's entry point (removed by :meth:`close` with the hub's own patches)."""
+        self._patch(owner, attr, make)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's model inside an engine's wrapper module (``DeepSpeedEngine.module``)."""
+        self.load_sources()
+        for source in self._sources:
+            try:
+                model = source.unwrap(model)
+            except Exception:
+                pass
+        return model
+
+    def _source_owns_step(self) -> bool:
+        """An optimizer step that an engine makes itself is no step boundary."""
+        self.load_sources()
+        return any(source.owns_optimizer_step() for source in self._sources)
+
+    def _source_backward(self, loss: torch.Tensor) -> bool:
+        """A backward no engine call announced: a source may recognize a loss scaled by hand."""
+        for source in self._sources:
+            if self.safe(source.on_backward, loss):
+                return True
+        return False
+
+    def source_scaled(self, scaler: EngineScaler | None, loss: torch.Tensor | None) -> None:
+        """An engine backpropagates ``loss`` (unscaled) with ``scaler``'s scale (None: unscaled)."""
+        if not self.probe.recording:
+            return
+        self.probe.touch()
+        self._scaled_this_step = True
+        if loss is not None:
+            self._capture_loss(loss)
+        if scaler is not None:
+            self.see_scaler(scaler, None)  # type: ignore[arg-type]
+            self.emit("on_scale", scaler, loss)
+
+    def source_step(
+        self,
+        scaler: EngineScaler | None,
+        scale_before: torch.Tensor | None,
+        scale_after: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """An engine's optimizer iteration ended (skipped or not): the step boundary, with the
+        same facts a GradScaler's ``update()`` gives. A GradScaler boundary keeps precedence."""
+        if self._mode == "scaler":
+            return
+        self._mode = "source"
+        if self.probe.recording:
+            facts = self.facts
+            facts.scaler = scaler
+            facts.scaler_enabled = scaler is not None
+            facts.scale_before = scale_before
+            facts.scale_after = scale_after
+            facts.found_inf = found_inf
+            if scaler is not None:
+                self.emit("on_scaler_update", scaler, scale_before, scale_after, found_inf)
+        self._end_step()
 
     # -- step boundary ------------------------------------------------------------------------------
     def _end_step(self) -> None:

@@ -218,7 +218,9 @@ class Probe:
             self.hub.see_scaler(obj, None)
 
     def add_model(self, model: torch.nn.Module) -> None:
-        """Register a root model (the attach argument, or one found by discovery)."""
+        """Register a root model (the attach argument, or one found by discovery); an engine's
+        wrapper (``DeepSpeedEngine``) is registered as the user's model inside it."""
+        model = self.hub.unwrap(model)
         if any(ref() is model for ref in self.models):
             return
         self.models.append(weakref.ref(model))

@@ -529,9 +529,18 @@ class ComputeCollector(Collector):
         inner = parents.innermost()  # type: ignore[attr-defined]  # replaced by _OrderedSet above
         if inner is None:
             return self._roots[0][1] if self._roots else "(no module)"
-        for _, root_name in self._roots:
-            if inner.startswith(root_name + "."):
-                return inner[len(root_name) + 1 :]
+        known = getattr(tracker, "_known_modules", None) or {}
+        for ref, root_name in self._roots:
+            root = ref()
+            # the tracker names a root called inside a wrapper (an engine's module, such as
+            # ``DeepSpeedEngine.module``) by the wrapper's path: strip that path too
+            for prefix in (root_name, known.get(root) if root is not None else None):
+                if not prefix:
+                    continue
+                if inner == prefix:
+                    return root_name
+                if inner.startswith(prefix + "."):
+                    return inner[len(prefix) + 1 :]
         return inner
 
 
