@@ -4,6 +4,7 @@ mixed-precision optimizer drives them. Each job runs once per module (module-sco
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,19 +71,32 @@ def ds_zero_code(tmp_path_factory: pytest.TempPathFactory) -> amprobe.Run:
     """fp16 ZeRO 0 (FP16_UnfusedOptimizer) under `amprobe run -- torchrun`."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (.ci/run installs it)")
     tmp = tmp_path_factory.mktemp("ds_zero_code")
-    _job(tmp, "train_deepspeed.py", {"CONFIGS": "fp16:0"}, zero_code=True)
-    return amprobe.load_run(tmp / "run")
+    _job(tmp, "train_deepspeed.py", {"CONFIGS": "fp16:0", "LOSSES_DIR": str(tmp)}, zero_code=True)
+    run = amprobe.load_run(tmp / "run")
+    run.script_losses = json.loads((tmp / "fp16-z0-losses.json").read_text())
+    return run
 
 
 @pytest.fixture(scope="module")
 def ds_attached(tmp_path_factory: pytest.TempPathFactory) -> dict[str, amprobe.Run]:
-    """fp16 ZeRO 1 and 2 (DeepSpeedZeroOptimizer) and bf16 ZeRO 1, each `attach(model=engine)`."""
+    """fp16 ZeRO 1 (with 2 micro-batches per step) and 2 (DeepSpeedZeroOptimizer) and bf16
+    ZeRO 1, each `attach(model=engine)`; the script's own per-iteration losses alongside."""
     pytest.importorskip("deepspeed", reason="deepspeed is not installed (.ci/run installs it)")
     tmp = tmp_path_factory.mktemp("ds_attached")
-    _job(tmp, "train_deepspeed.py", {"CONFIGS": "fp16:1,fp16:2,bf16:1"}, zero_code=False)
-    return {
-        name: amprobe.load_run(tmp / "run" / name) for name in ("fp16-z1", "fp16-z2", "bf16-z1")
-    }
+    _job(tmp, "train_deepspeed.py", {"CONFIGS": "fp16:1:2,fp16:2,bf16:1"}, zero_code=False)
+    runs = {}
+    for name in ("fp16-z1-ga2", "fp16-z2", "bf16-z1"):
+        runs[name] = amprobe.load_run(tmp / "run" / name)
+        runs[name].script_losses = json.loads((tmp / "run" / f"{name}-losses.json").read_text())
+    return runs
+
+
+def _same_losses(run: Any) -> None:
+    """The recorded loss is the script's (the mean over micro-batches), not the scaled one."""
+    recorded = list(_rank0(run)["loss"])
+    for i, (got, want) in enumerate(zip(recorded, run.script_losses, strict=True)):
+        if i not in PLANT:
+            assert got == pytest.approx(want, rel=1e-4), (i, got, want)
 
 
 def test_deepspeed_zero0_fp16_zero_code_one_step_per_iteration_with_its_loss_scale(ds_zero_code):
@@ -96,9 +110,7 @@ def test_deepspeed_zero0_fp16_zero_code_one_step_per_iteration_with_its_loss_sca
     assert list(steps["scale_before"]) == [4096.0] * 4 + [2048.0, 1024.0] + [512.0] * 4
     assert list(steps["scale_after"]) == [4096.0] * 3 + [2048.0, 1024.0] + [512.0] * 5
     assert {"AMP-N01", "AMP-N02"} <= _ids(run)
-    # the loss is the user's, and every step's own (finite outside the planted overflow)
-    losses = list(steps["loss"])
-    assert all(0.1 < v < 5 for i, v in enumerate(losses) if i not in PLANT)
+    _same_losses(run)  # each step's own loss (it was one step off)
     assert run.events_of("engine_source_installed")
 
 
@@ -118,7 +130,7 @@ def test_deepspeed_zero0_names_the_users_layers_and_says_its_loss_is_not_scaled(
     assert "AMP-N05" not in {n.id for n in amprobe.diagnose(run).not_checked}
 
 
-@pytest.mark.parametrize("name", ["fp16-z1", "fp16-z2"])
+@pytest.mark.parametrize("name", ["fp16-z1-ga2", "fp16-z2"])
 def test_deepspeed_zero_fp16_records_skips_hysteresis_and_the_unscaled_loss(ds_attached, name):
     """Issue 21: 13 steps for 16 iterations (skipped ones missing), the scaled loss recorded
     (4722.5 = 1.1530 x 4096), no scale trajectory."""
@@ -129,14 +141,14 @@ def test_deepspeed_zero_fp16_records_skips_hysteresis_and_the_unscaled_loss(ds_a
     # hysteresis 2: the first overflow skips without a cut, the next ones halve the scale
     assert list(steps["scale_before"]) == [4096.0] * 5 + [2048.0] + [1024.0] * 4
     assert list(steps["scale_after"]) == [4096.0] * 4 + [2048.0] + [1024.0] * 5
-    assert all(0.1 < v < 5 for i, v in enumerate(steps["loss"]) if i not in PLANT)
+    _same_losses(run)  # with accumulation: one step per 2 micro-batches, their mean loss
     # the gradients carry DeepSpeed's scale; the numerics divide it out
     assert _grad_scales(run) <= {4096.0, 2048.0, 1024.0} and 4096.0 in _grad_scales(run)
     assert {"embed", "head"} <= set(run.table("numerics")["module"])
     assert {"AMP-N01", "AMP-N02"} <= _ids(run)
     manifest = run.ranks[0].manifest
     assert manifest["engine"] == "deepspeed" and manifest["engine_precision"] == "fp16"
-    assert manifest["engine_zero_stage"] == int(name[-1])
+    assert manifest["engine_zero_stage"] == int(name[6])
     assert manifest["engine_optimizer"] == "DeepSpeedZeroOptimizer"
 
 
@@ -146,6 +158,7 @@ def test_deepspeed_bf16_records_steps_and_loss_with_no_scaler_finding(ds_attache
     assert list(steps["step"]) == list(range(10))
     assert _skipped(run) == {0: [], 1: []}
     assert steps["scale_before"].isna().all()
+    _same_losses(run)
     assert not {"AMP-N01", "AMP-N02"} & _ids(run)
     assert {"embed", "head"} <= set(run.table("numerics")["module"])
 

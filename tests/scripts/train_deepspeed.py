@@ -1,12 +1,15 @@
 """A DeepSpeed job on CPU (gloo), written without amprobe in mind: a layer multiplies its output
 by 1e6 on the iterations in PLANT (default 3,4,5) so fp16 overflows there.
 
-Environment: CONFIGS: comma-separated ``precision:zero_stage`` (default ``fp16:1``); STEPS
-(default 10). With AMPROBE_OUT set, each config is recorded by ``amprobe.attach(model=engine)``
-into ``$AMPROBE_OUT/<precision>-z<stage>`` (the attach path); without it, the job is meant to
-run under ``amprobe run`` (zero-code).
+Environment: CONFIGS: comma-separated ``precision:zero_stage[:accumulation]`` (default
+``fp16:1``); STEPS: optimizer iterations (default 10). With AMPROBE_OUT set, each config is
+recorded by ``amprobe.attach(model=engine)`` into ``$AMPROBE_OUT/<precision>-z<stage>[-ga<n>]``
+(the attach path) and rank 0 writes each iteration's mean micro-batch loss next to it
+(``<name>-losses.json``, or into LOSSES_DIR); without it, the job is meant to run under
+``amprobe run`` (zero-code).
 """
 
+import json
 import os
 
 import deepspeed
@@ -16,6 +19,7 @@ from torch import nn
 STEPS = int(os.environ.get("STEPS", 10))
 PLANT = {int(s) for s in os.environ.get("PLANT", "3,4,5").split(",") if s}
 OUT = os.environ.get("AMPROBE_OUT")
+LOSSES = os.environ.get("LOSSES_DIR", OUT)  # where rank 0 writes <name>-losses.json
 
 
 class Net(nn.Module):
@@ -32,12 +36,12 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def train(precision: str, stage: int) -> None:
+def train(precision: str, stage: int, accumulation: int) -> None:
     torch.manual_seed(0)
     model = Net()
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10_000,
@@ -48,26 +52,32 @@ def train(precision: str, stage: int) -> None:
         cfg["bf16"] = {"enabled": True}
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    name = f"{precision}-z{stage}" + (f"-ga{accumulation}" if accumulation > 1 else "")
     probe = None
     if OUT:
         import amprobe
 
-        probe = amprobe.attach(model=engine, run_dir=f"{OUT}/{precision}-z{stage}")
+        probe = amprobe.attach(model=engine, run_dir=f"{OUT}/{name}")
     dtype = next(engine.module.parameters()).dtype
     torch.manual_seed(1)
-    for i in range(STEPS):
+    losses = [0.0] * STEPS
+    for i in range(STEPS * accumulation):
         x, y = torch.randn(4, 8).to(dtype), torch.randn(4, 4)
-        model.blow = i in PLANT
+        model.blow = i // accumulation in PLANT
         loss = nn.functional.mse_loss(engine(x).float(), y)
+        losses[i // accumulation] += float(loss) / accumulation
         engine.backward(loss)
         engine.step()
     if probe is not None:
         probe.close()
     if engine.global_rank == 0:
-        print(f"{precision}-z{stage} skipped_steps={engine.skipped_steps}", flush=True)
+        print(f"{name} skipped_steps={engine.skipped_steps}", flush=True)
+        if LOSSES:
+            with open(f"{LOSSES}/{name}-losses.json", "w") as f:
+                json.dump(losses, f)
 
 
 deepspeed.init_distributed(dist_backend="gloo")
 for item in os.environ.get("CONFIGS", "fp16:1").split(","):
-    precision, stage = item.split(":")
-    train(precision, int(stage))
+    precision, stage, *accumulation = item.split(":")
+    train(precision, int(stage), int(accumulation[0]) if accumulation else 1)
