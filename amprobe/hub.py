@@ -8,6 +8,9 @@ One :class:`Hub` per probe wraps, at class level and exactly once:
 * ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
 * the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``);
 * per root model, one forward pre-hook and one forward hook;
+* the entry points of an engine that owns the loss scale (DeepSpeed, Megatron-core), once the
+  program imports it: its :class:`~amprobe.collectors.engines.StepSource` reports the same step
+  facts a GradScaler gives (:meth:`Hub.source_scaled`, :meth:`Hub.source_step`);
 * while root models are being discovered, a global module forward pre/post hook;
 * on the steps a collector asks for, one probe-owned ``TorchDispatchMode`` that hands every op
   to each collector that asked (sync counting, shape capture, FLOP counting), so no two of
@@ -17,7 +20,8 @@ Each wrapper turns the call into a typed event (:class:`amprobe.collectors.base.
 delivers it through one guard: a collector that raises is switched off and recorded once, and
 nothing reaches the training loop. While the probe is dormant, the wrappers only count step
 boundaries (a few attribute reads). The hub also owns the step boundary: the ``update()`` of the
-first GradScaler used, else the ``step()`` of the first optimizer that steps. Everything it
+first GradScaler used, else an engine's own step, else the ``step()`` of the first optimizer
+that steps (not one an engine makes itself). Everything it
 installs is removed by :meth:`Hub.close`, in the reverse order of installation.
 """
 
