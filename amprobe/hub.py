@@ -10,6 +10,9 @@ One :class:`Hub` per probe wraps, at class level and exactly once:
 * ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
 * the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``);
 * per root model, one forward pre-hook and one forward hook;
+* the entry points of an engine that owns the loss scale (DeepSpeed, Megatron-core), once the
+  program imports it: its :class:`~amprobe.collectors.engines.StepSource` reports the same step
+  facts a GradScaler gives (:meth:`Hub.source_scaled`, :meth:`Hub.source_step`);
 * while root models are being discovered, a global module forward pre/post hook;
 * on the steps a collector asks for, one probe-owned ``TorchDispatchMode`` that hands every op
   to each collector that asked (sync counting, shape capture, FLOP counting), so no two of
@@ -19,7 +22,8 @@ Each wrapper turns the call into a typed event (:class:`amprobe.collectors.base.
 delivers it through one guard: a collector that raises is switched off and recorded once, and
 nothing reaches the training loop. While the probe is dormant, the wrappers only count step
 boundaries (a few attribute reads). The hub also owns the step boundary: the ``update()`` of the
-first GradScaler used, else the ``step()`` of the first optimizer that steps. Everything it
+first GradScaler used, else an engine's own step, else the ``step()`` of the first optimizer
+that steps (not one an engine makes itself). Everything it
 installs is removed by :meth:`Hub.close`, in the reverse order of installation.
 """
 
@@ -59,6 +63,7 @@ from amprobe.collectors.compiled import (
     unwrap_compiled,
 )
 from amprobe.collectors.discovery import find_live_training_objects
+from amprobe.collectors.engines import SOURCES, EngineScaler, StepSource
 from amprobe.collectors.patching import Patch, patch
 
 if TYPE_CHECKING:
@@ -210,17 +215,21 @@ class Hub:
         self._mux: _OpMux | None = None
         self._mux_pushed = False
         # step boundary
-        self._mode: str | None = None  # "scaler" | "optimizer"
+        self._mode: str | None = None  # "scaler" | "optimizer" | "source" (an engine)
         self._primary_scaler: weakref.ReferenceType[GradScaler] | None = None
         self._primary_used = False
         self._primary_opt: weakref.ReferenceType[Optimizer] | None = None
         self._in_scaler_step = threading.local()
         self._scaled_this_step = False
+        self._engine_scaled = False  # an engine announced this iteration's backward
         # GradScaler subclasses: the wrapper factories, the classes seen, the owners wrapped
         self._scaler_makers: dict[str, Callable[[Any], Any]] = {}
         self._scaler_calls = threading.local()
         self._hooked_scaler_classes: set[type] = set()
         self._hooked_scaler_owners: dict[str, set[type]] = {}
+        # engines that own the loss scale (installed once the program imports them)
+        self._pending_sources: list[type[StepSource]] = list(SOURCES)
+        self._sources: list[StepSource] = []
         # discovery
         self._disc_handles: list[Any] = []
         self._disc_depth = 0
@@ -506,6 +515,7 @@ class Hub:
         self._handles.append(
             register_optimizer_step_post_hook(lambda *a: self.safe(self._opt_post, *a))
         )
+        self.load_sources()
 
     def close(self) -> None:
         """Remove everything the hub installed, newest first. Idempotent."""
@@ -597,6 +607,7 @@ class Hub:
         if opt in self.optimizers:
             return
         self.optimizers.add(opt)
+        self.load_sources()
         self.emit("on_optimizer", opt)
         self._claim_compiled_roots()
 
@@ -799,8 +810,11 @@ class Hub:
         self.probe.touch()
         roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
         for root in roots:
-            if isinstance(root, torch.Tensor) and root.numel() == 1:
-                self._capture_loss(self._unscaled(root))
+            if not (isinstance(root, torch.Tensor) and root.numel() == 1):
+                continue
+            if self._engine_scaled or self._source_backward(root):
+                continue  # the engine recorded this loss, unscaled, when it announced it
+            self._capture_loss(self._unscaled(root))
         single = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
         self.emit("on_backward_begin", single)
 
@@ -888,6 +902,7 @@ class Hub:
             self._mode is None
             and getattr(self._in_scaler_step, "depth", 0) == 0
             and not _inside_unwrapped_scaler_step()
+            and not self._source_owns_step()
         ):
             self._mode = "optimizer"
             self._primary_opt = weakref.ref(opt)
@@ -919,11 +934,94 @@ class Hub:
         grads = list(tensorlistlist[0]) if tensorlistlist else []
         self.emit("on_clip", function, grads, user_call_site(3))
 
+    # -- step-facts sources: engines that own the loss scale (amprobe.collectors.engines) ---------
+    def load_sources(self) -> None:
+        """Install the step-facts source of each engine the program has imported by now."""
+        if not self._pending_sources or self.closed:
+            return
+        for cls in list(self._pending_sources):
+            if cls.module not in sys.modules:
+                continue
+            self._pending_sources.remove(cls)
+            source = cls(self)
+            try:
+                source.install()
+            except Exception as exc:  # the engine changed: record, keep the torch-level capture
+                self.probe.event(
+                    "engine_source_failed", engine=cls.name, error=f"{type(exc).__name__}: {exc}"
+                )
+                continue
+            self._sources.append(source)
+            self.probe.event("engine_source_installed", engine=cls.name)
+
+    def patch_source(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+        """Wrap an engine's entry point (removed by :meth:`close` with the hub's own patches)."""
+        self._patch(owner, attr, make)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's model inside an engine's wrapper module (``DeepSpeedEngine.module``)."""
+        self.load_sources()
+        for source in self._sources:
+            try:
+                model = source.unwrap(model)
+            except Exception:
+                pass
+        return model
+
+    def _source_owns_step(self) -> bool:
+        """An optimizer step that an engine makes itself is no step boundary."""
+        self.load_sources()
+        return any(source.owns_optimizer_step() for source in self._sources)
+
+    def _source_backward(self, loss: torch.Tensor) -> bool:
+        """A backward no engine call announced: a source may recognize a loss scaled by hand."""
+        for source in self._sources:
+            if self.safe(source.on_backward, loss):
+                return True
+        return False
+
+    def source_scaled(self, scaler: EngineScaler | None, loss: torch.Tensor | None) -> None:
+        """An engine backpropagates ``loss`` (unscaled) with ``scaler``'s scale (None: unscaled)."""
+        if not self.probe.recording:
+            return
+        self.probe.touch()
+        self._scaled_this_step = True
+        self._engine_scaled = True
+        if loss is not None:
+            self._capture_loss(loss)
+        if scaler is not None:
+            self.see_scaler(scaler, None)  # type: ignore[arg-type]
+            self.emit("on_scale", scaler, loss)
+
+    def source_step(
+        self,
+        scaler: EngineScaler | None,
+        scale_before: torch.Tensor | None,
+        scale_after: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """An engine's optimizer iteration ended (skipped or not): the step boundary, with the
+        same facts a GradScaler's ``update()`` gives. A GradScaler boundary keeps precedence."""
+        if self._mode == "scaler":
+            return
+        self._mode = "source"
+        if self.probe.recording:
+            facts = self.facts
+            facts.scaler = scaler
+            facts.scaler_enabled = scaler is not None
+            facts.scale_before = scale_before
+            facts.scale_after = scale_after
+            facts.found_inf = found_inf
+            if scaler is not None:
+                self.emit("on_scaler_update", scaler, scale_before, scale_after, found_inf)
+        self._end_step()
+
     # -- step boundary ------------------------------------------------------------------------------
     def _end_step(self) -> None:
         probe = self.probe
         facts, self.facts = self.facts, StepFacts()
         self._scaled_this_step = False
+        self._engine_scaled = False
         if not probe.recording:
             probe.end_step(facts)
             return

@@ -220,7 +220,9 @@ class Probe:
             self.hub.see_scaler(obj, None)
 
     def add_model(self, model: torch.nn.Module) -> None:
-        """Register a root model (the attach argument, or one found by discovery)."""
+        """Register a root model (the attach argument, or one found by discovery); an engine's
+        wrapper (``DeepSpeedEngine``) is registered as the user's model inside it."""
+        model = self.hub.unwrap(model)
         # the job calls torch.compile's wrapper: its hooks run outside the compiled frame
         wrapper = compiled_wrapper_of(model)
         if wrapper is not None:

@@ -573,12 +573,18 @@ class ComputeCollector(Collector):
         if inner is None:
             root = self._roots[0][0]() if self._roots else None
             return user_class_name(root) if root is not None else "(no module)"
+        known = getattr(tracker, "_known_modules", None) or {}
         for ref, root_name in self._roots:
-            if inner.startswith(root_name + "."):
-                return user_module_name(inner[len(root_name) + 1 :])
-            if inner == root_name:  # FSDP2's generated FSDPNet is the user's Net
-                root = ref()
-                return user_class_name(root) if root is not None else inner
+            root = ref()
+            # the tracker names a root called inside a wrapper (an engine's module, such as
+            # ``DeepSpeedEngine.module``) by the wrapper's path: strip that path too
+            for prefix in (root_name, known.get(root) if root is not None else None):
+                if not prefix:
+                    continue
+                if inner == prefix:  # FSDP2's generated FSDPNet is the user's Net
+                    return user_class_name(root) if root is not None else inner
+                if inner.startswith(prefix + "."):
+                    return user_module_name(inner[len(prefix) + 1 :])
         return user_module_name(inner)
 
 

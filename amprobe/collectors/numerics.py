@@ -422,8 +422,10 @@ class NumericsCollector(Collector):
         if cap.scale is None:
             scaler = self._scaler() if self._scaler is not None else None
             scale = getattr(scaler, "_scale", None) if scaler is not None else None
-            if isinstance(scale, torch.Tensor) and scale.device == cap.device:
-                cap.scale = scale.detach().clone()
+            if isinstance(scale, torch.Tensor):  # an engine's scale may live on the CPU
+                value = scale.detach().reshape(()).float()
+                same = value.device == cap.device
+                cap.scale = value.clone() if same else value.to(cap.device, non_blocking=True)
             else:
                 cap.scale = torch.ones((), dtype=torch.float32, device=cap.device)
         return cap.scale
