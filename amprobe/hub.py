@@ -621,18 +621,29 @@ class Hub:
         self._claim_compiled_roots()
 
     def _claim_compiled_roots(self) -> None:
-        """Discovering without global hooks: a compiled candidate whose parameters an optimizer
-        already trains is the root now (so step 0 is sampled like an eager model's)."""
-        if not self._disc_compiled or self.probe.models:
+        """Discovering without global hooks: each compiled candidate whose parameters an
+        optimizer already trains is a root now (so step 0 is sampled like an eager model's).
+        Discovery goes on to the step boundary: several compiled models may be trained."""
+        if not self._disc_compiled:
             return
         trained = _trained_params(self.optimizers)
         if not trained:
             return
         for ref in list(self._candidates):
             root = ref()
-            if root is not None and any(id(p) in trained for p in root.parameters()):
-                self._disc_compiled = False
+            if root is not None and self._is_new_root(root, trained):
                 self.probe.add_model(root)
+
+    def _is_new_root(self, module: torch.nn.Module, trained: set[int]) -> bool:
+        """An optimizer trains ``module``'s parameters and no known root contains it."""
+        if not any(id(p) in trained for p in module.parameters()):
+            return False
+        target = unwrap_compiled(module)
+        for ref in self.probe.models:
+            root = ref()
+            if root is not None and any(m is target for m in unwrap_compiled(root).modules()):
+                return False
+        return True
 
     def _check_compiled(self) -> None:
         """A compile amprobe did not see being made (before attach) shows in dynamo's counters.
@@ -935,10 +946,10 @@ class Hub:
                 return
             self._candidates.append(weakref.ref(module))
             trained = _trained_params(self.optimizers)
-            if trained and any(id(p) in trained for p in module.parameters()):
-                # the root's own pre-hook, installed now, would not run for this call
+            if trained and self._is_new_root(module, trained):
+                # the root's own pre-hook, installed now, would not run for this call; the
+                # global hooks stay to the step's end: other models may be trained with it
                 self.probe.add_model(module)
-                self.stop_discovery()
                 self.emit("on_forward_begin", module, args, {})
         except Exception as exc:
             self.probe.event("discovery_failed", reason=f"{type(exc).__name__}: {exc}")
@@ -954,16 +965,15 @@ class Hub:
         if not self._disc_handles and not self._disc_compiled:
             return
         trained = _trained_params(self.optimizers)
-        found = False
         for ref in self._candidates:
             root = ref()
-            if root is not None and any(id(p) in trained for p in root.parameters()):
+            if root is not None and self._is_new_root(root, trained):
                 self.probe.add_model(root)
-                found = True
+        found = any(ref() is not None for ref in self.probe.models)
         if not found and self._disc_compiled and trained:
             # a compiled train-step function: its modules were never seen being called
             for root in find_live_training_objects().models[:8]:
-                if any(id(p) in trained for p in root.parameters()):
+                if self._is_new_root(root, trained):
                     self.probe.add_model(root)
                     found = True
         if found or step + 1 - self._disc_first >= _DISCOVERY_STEPS:
