@@ -216,6 +216,7 @@ class Hub:
         self._scaled_this_step = False
         # discovery
         self._disc_handles: list[Any] = []
+        self._disc_checking = False  # candidates checked at step boundaries
         self._disc_depth = 0
         self._disc_first = 0
         self._candidates: list[weakref.ReferenceType[torch.nn.Module]] = []
@@ -635,15 +636,14 @@ class Hub:
                 self.probe.add_model(root)
 
     def _is_new_root(self, module: torch.nn.Module, trained: set[int]) -> bool:
-        """An optimizer trains ``module``'s parameters and no known root contains it."""
-        if not any(id(p) in trained for p in module.parameters()):
-            return False
-        target = unwrap_compiled(module)
+        """``module`` holds parameters an optimizer trains that no known root holds (a module
+        inside a known root, or a wrapper around one such as DDP, is not a new root)."""
+        known: set[int] = set()
         for ref in self.probe.models:
             root = ref()
-            if root is not None and any(m is target for m in unwrap_compiled(root).modules()):
-                return False
-        return True
+            if root is not None:
+                known.update(id(p) for p in root.parameters())
+        return any(id(p) in trained and id(p) not in known for p in module.parameters())
 
     def _check_compiled(self) -> None:
         """A compile amprobe did not see being made (before attach) shows in dynamo's counters.
@@ -924,12 +924,17 @@ class Hub:
         if self.compile_in_use:  # global hooks would be traced: candidates come from compile()
             self._disc_compiled = True
             return
+        self._disc_checking = True
         self._disc_handles.append(_module_mod.register_module_forward_pre_hook(self._disc_pre))
         self._disc_handles.append(
             _module_mod.register_module_forward_hook(self._disc_post, always_call=True)
         )
 
     def stop_discovery(self) -> None:
+        self._disc_checking = False
+        self._remove_disc_hooks()
+
+    def _remove_disc_hooks(self) -> None:
         for handle in reversed(self._disc_handles):
             handle.remove()
         self._disc_handles.clear()
@@ -961,8 +966,12 @@ class Hub:
         self._disc_depth = max(0, self._disc_depth - 1)
 
     def check_candidates(self, step: int) -> None:
-        """At a step boundary: register the candidates an optimizer trains, or give up."""
-        if not self._disc_handles and not self._disc_compiled:
+        """At a step boundary: register the candidates an optimizer trains, or give up.
+
+        The global hooks go at the end of the first step that knows a root; the modules they
+        saw called at top level are checked again at the boundaries of the first steps (an
+        optimizer created before attaching is seen only at its first ``step()``)."""
+        if not self._disc_checking and not self._disc_compiled:
             return
         trained = _trained_params(self.optimizers)
         for ref in self._candidates:
@@ -976,7 +985,9 @@ class Hub:
                 if self._is_new_root(root, trained):
                     self.probe.add_model(root)
                     found = True
-        if found or step + 1 - self._disc_first >= _DISCOVERY_STEPS:
+        if found:
+            self._remove_disc_hooks()
+        if step + 1 - self._disc_first >= _DISCOVERY_STEPS:
             self._disc_compiled = False
             if not found:
                 self.probe.event(

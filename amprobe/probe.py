@@ -751,9 +751,10 @@ def attach(
     global _ACTIVE
     cfg = make_config(config)
     check_collectors(cfg, REGISTRY)
-    if model is None and "discovery" not in cfg.collectors:
+    if "discovery" not in cfg.collectors:
         # nothing passed (accelerate, `amprobe run`): find the root model at its first forward,
-        # so the per-layer collectors see it as if it had been passed
+        # so the per-layer collectors see it as if it had been passed; a model passed may not
+        # be the only one trained: the others are found in the first step
         cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, "discovery"))
     with _LOCK:
         existing = _ACTIVE

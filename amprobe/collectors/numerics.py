@@ -635,7 +635,12 @@ class NumericsCollector(Collector):
         if not done:
             return
         with torch.no_grad():
-            stacked = torch.stack([c.buf for c in done]).cpu().tolist()
+            # a root model registered between captures adds slots: pad the earlier tables
+            slots = max(c.buf.shape[0] for c in done)
+            tables = [
+                torch.nn.functional.pad(c.buf, (0, 0, 0, slots - c.buf.shape[0])) for c in done
+            ]
+            stacked = torch.stack(tables).cpu().tolist()
             with_scale = [c.scale for c in done if c.scale is not None]
             read = iter(torch.stack(with_scale).double().cpu().tolist() if with_scale else [])
             scales = [next(read) if c.scale is not None else 1.0 for c in done]
