@@ -30,10 +30,11 @@ def attach(
     ``amprobe run`` this joins the automatic probe instead of attaching a second one.
 
     Args:
-        model: the root module being trained. Without it, the first top-level module whose
-            parameters an optimizer trains is taken as the root at its first forward (or at
+        model: the root module being trained. Without it, each top-level module whose
+            parameters an optimizer trains is taken as a root at its first forward (or at
             the end of the first step, for an optimizer created before attaching), and the
-            per-layer collectors record it from then on.
+            per-layer collectors record it from then on. Models trained beside the one passed
+            (two models, two optimizers) are found the same way in the first step.
         optimizer: an optimizer to record from the start.
         scaler: a GradScaler created before attaching.
         run_dir: directory to write the run to; default ``amprobe_runs/<time>-<pid>``.

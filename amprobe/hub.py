@@ -232,6 +232,7 @@ class Hub:
         self._sources: list[StepSource] = []
         # discovery
         self._disc_handles: list[Any] = []
+        self._disc_checking = False  # candidates checked at step boundaries
         self._disc_depth = 0
         self._disc_first = 0
         self._candidates: list[weakref.ReferenceType[torch.nn.Module]] = []
@@ -701,18 +702,28 @@ class Hub:
         self._claim_compiled_roots()
 
     def _claim_compiled_roots(self) -> None:
-        """Discovering without global hooks: a compiled candidate whose parameters an optimizer
-        already trains is the root now (so step 0 is sampled like an eager model's)."""
-        if not self._disc_compiled or self.probe.models:
+        """Discovering without global hooks: each compiled candidate whose parameters an
+        optimizer already trains is a root now (so step 0 is sampled like an eager model's).
+        Discovery goes on to the step boundary: several compiled models may be trained."""
+        if not self._disc_compiled:
             return
         trained = _trained_params(self.optimizers)
         if not trained:
             return
         for ref in list(self._candidates):
             root = ref()
-            if root is not None and any(id(p) in trained for p in root.parameters()):
-                self._disc_compiled = False
+            if root is not None and self._is_new_root(root, trained):
                 self.probe.add_model(root)
+
+    def _is_new_root(self, module: torch.nn.Module, trained: set[int]) -> bool:
+        """``module`` holds parameters an optimizer trains that no known root holds (a module
+        inside a known root, or a wrapper around one such as DDP, is not a new root)."""
+        known: set[int] = set()
+        for ref in self.probe.models:
+            root = ref()
+            if root is not None:
+                known.update(id(p) for p in root.parameters())
+        return any(id(p) in trained and id(p) not in known for p in module.parameters())
 
     def _check_compiled(self) -> None:
         """A compile amprobe did not see being made (before attach) shows in dynamo's counters.
@@ -1080,12 +1091,17 @@ class Hub:
         if self.compile_in_use:  # global hooks would be traced: candidates come from compile()
             self._disc_compiled = True
             return
+        self._disc_checking = True
         self._disc_handles.append(_module_mod.register_module_forward_pre_hook(self._disc_pre))
         self._disc_handles.append(
             _module_mod.register_module_forward_hook(self._disc_post, always_call=True)
         )
 
     def stop_discovery(self) -> None:
+        self._disc_checking = False
+        self._remove_disc_hooks()
+
+    def _remove_disc_hooks(self) -> None:
         for handle in reversed(self._disc_handles):
             handle.remove()
         self._disc_handles.clear()
@@ -1102,10 +1118,10 @@ class Hub:
                 return
             self._candidates.append(weakref.ref(module))
             trained = _trained_params(self.optimizers)
-            if trained and any(id(p) in trained for p in module.parameters()):
-                # the root's own pre-hook, installed now, would not run for this call
+            if trained and self._is_new_root(module, trained):
+                # the root's own pre-hook, installed now, would not run for this call; the
+                # global hooks stay to the step's end: other models may be trained with it
                 self.probe.add_model(module)
-                self.stop_discovery()
                 self.emit("on_forward_begin", module, args, {})
         except Exception as exc:
             self.probe.event("discovery_failed", reason=f"{type(exc).__name__}: {exc}")
@@ -1117,23 +1133,28 @@ class Hub:
         self._disc_depth = max(0, self._disc_depth - 1)
 
     def check_candidates(self, step: int) -> None:
-        """At a step boundary: register the candidates an optimizer trains, or give up."""
-        if not self._disc_handles and not self._disc_compiled:
+        """At a step boundary: register the candidates an optimizer trains, or give up.
+
+        The global hooks go at the end of the first step that knows a root; the modules they
+        saw called at top level are checked again at the boundaries of the first steps (an
+        optimizer created before attaching is seen only at its first ``step()``)."""
+        if not self._disc_checking and not self._disc_compiled:
             return
         trained = _trained_params(self.optimizers)
-        found = False
         for ref in self._candidates:
             root = ref()
-            if root is not None and any(id(p) in trained for p in root.parameters()):
+            if root is not None and self._is_new_root(root, trained):
                 self.probe.add_model(root)
-                found = True
+        found = any(ref() is not None for ref in self.probe.models)
         if not found and self._disc_compiled and trained:
             # a compiled train-step function: its modules were never seen being called
             for root in find_live_training_objects().models[:8]:
-                if any(id(p) in trained for p in root.parameters()):
+                if self._is_new_root(root, trained):
                     self.probe.add_model(root)
                     found = True
-        if found or step + 1 - self._disc_first >= _DISCOVERY_STEPS:
+        if found:
+            self._remove_disc_hooks()
+        if step + 1 - self._disc_first >= _DISCOVERY_STEPS:
             self._disc_compiled = False
             if not found:
                 self.probe.event(

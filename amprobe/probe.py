@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from amprobe.collectors import REGISTRY, Collector, StepFacts
-from amprobe.collectors.compiled import compiled_wrapper_of
-from amprobe.collectors.discovery import find_live_training_objects
+from amprobe.collectors.compiled import compiled_wrapper_of, unwrap_compiled
+from amprobe.collectors.discovery import find_live_training_objects, name_in_caller
 from amprobe.collectors.sharded import user_class_name
 from amprobe.config import Config, ConfigError, check_collectors, make_config
 from amprobe.hub import Hub
@@ -136,6 +136,7 @@ class Probe:
         self.collectors: list[Collector] = []
         self.hub = Hub(self)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self._model_labels: list[str] = []  # parallel to models: the user's name for each root
         self.device: torch.device | None = None
         self._rank_manifest: dict[str, Any] = {}
         self.writer: RunWriter | None = None
@@ -229,10 +230,14 @@ class Probe:
             model = wrapper
         if any(ref() is model for ref in self.models):
             return
+        user_model = unwrap_compiled(model)
+        label = name_in_caller(model, user_model) or user_class_name(model)
         self.models.append(weakref.ref(model))
+        self._model_labels.append(label)
         self.event(
             "model_registered",
             model_class=user_class_name(model),
+            name=label,
             parameters=sum(p.numel() for p in model.parameters()),
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         )
@@ -240,6 +245,32 @@ class Probe:
             self.note_device(_first_param_device(model))
         self.hub.watch_model(model)
         self.hub.emit("on_model", model)
+
+    def root_name(self, model: Any) -> str | None:
+        """The name of root model ``model`` (the wrapper or the module it wraps) in layer names.
+
+        With one root model, layers are named by their path in it (``encoder.fc1``) and this
+        is ``None``. With several, each layer's name starts with its root's name: the name the
+        user's code binds the model to where amprobe first met it (``model1``), else its class
+        name; names that would be equal get the root's registration index (``Sequential[0]``,
+        ``Sequential[1]``).
+        """
+        if len(self.models) < 2:
+            return None
+        index = next(
+            (
+                i
+                for i, ref in enumerate(self.models)
+                if (m := ref()) is not None and (m is model or unwrap_compiled(m) is model)
+            ),
+            None,
+        )
+        if index is None:
+            return None
+        label = self._model_labels[index]
+        if self._model_labels.count(label) > 1:
+            return f"{label}[{index}]"
+        return label
 
     def note_device(self, device: torch.device | None) -> None:
         """Record the training device once it is known (first optimizer or model seen)."""
@@ -723,9 +754,10 @@ def attach(
     global _ACTIVE
     cfg = make_config(config)
     check_collectors(cfg, REGISTRY)
-    if model is None and "discovery" not in cfg.collectors:
+    if "discovery" not in cfg.collectors:
         # nothing passed (accelerate, `amprobe run`): find the root model at its first forward,
-        # so the per-layer collectors see it as if it had been passed
+        # so the per-layer collectors see it as if it had been passed; a model passed may not
+        # be the only one trained: the others are found in the first step
         cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, "discovery"))
     with _LOCK:
         existing = _ACTIVE

@@ -341,3 +341,32 @@ def test_attach_under_amprobe_run_says_where_it_records(tmp_path, capsys):
     assert not (tmp_path / "inner").exists()
     events = amprobe.load_run(tmp_path / "outer").events_of("attach_joined")
     assert [e["requested_run_dir"] for e in events] == [str(tmp_path / "inner")]
+
+
+def test_model_passed_to_attach_and_a_second_trained_model_are_both_watched(tmp_path):
+    """Issue 19 item 1: a model trained beside the one passed to attach is found too, and a
+    wrapper called around the passed model (DataParallel-style) is no second root."""
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    second = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 4))
+    wrapped = nn.Sequential(first)  # the job calls a wrapper holding the same parameters
+    opt0 = torch.optim.SGD(first.parameters(), lr=1e-2)
+    opt1 = torch.optim.SGD(second.parameters(), lr=1e-2)
+    config = {"collectors": ("scaler", "numerics", "compute"), "numerics_every": 1}
+    with amprobe.attach(first, opt0, run_dir=tmp_path / "run", config=config):
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            loss = (wrapped(x) - second(x)).pow(2).mean()
+            loss.backward()
+            opt0.step()
+            opt1.step()
+            opt0.zero_grad()
+            opt1.zero_grad()
+    run = amprobe.load_run(tmp_path / "run")
+    models = run.events_of("model_registered")
+    assert [(m["name"], m["parameters"]) for m in models] == [("first", 212), ("second", 160)]
+    # opt1 predates attach: it is seen at its first step(), after step 0's boundary (opt0's),
+    # so the second model is registered at step 1's end and hooked from step 2
+    rows = run.table("numerics")
+    last = set(rows.loc[(rows["step"] == 2) & (rows["kind"] == "output"), "module"])
+    assert last == {"first.0", "first.1", "first.2", "second.0", "second.1", "second.2"}

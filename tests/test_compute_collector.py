@@ -301,3 +301,54 @@ def test_collector_off_means_not_checked(tmp_path):
     reasons = {n.id: n.reason for n in diagnosis.not_checked}
     assert "compute collector was not enabled" in reasons["AMP-S04"]
     assert diagnosis.health["mfu"]["value"] is None
+
+
+def test_backward_ops_booked_to_their_layer_whatever_the_users_hooks(tmp_path):
+    """Issue 19 item 6: a user's forward hook that registers a tensor hook doing an op in
+    backward must not move the last layer's backward matmuls to the root model."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def hook(module, args, out):
+        out.register_hook(lambda grad: grad * 1.0)
+
+    model[2].register_forward_hook(hook)
+
+    def batch(g):
+        return torch.randn(4, 16, generator=g), torch.randn(4, 8, generator=g)
+
+    run = _run(tmp_path, model, batch, None, steps=2, lm=False)
+    ops, _ = latest_capture(run)
+    backward = ops[ops["phase"] == "backward"]
+    assert set(backward["module"]) == {"0", "2"}, backward[["module", "op", "m", "n", "k"]]
+    assert int(backward.loc[backward["module"] == "2", "count"].sum()) == 2  # dX and dW
+    assert int(backward.loc[backward["module"] == "0", "count"].sum()) == 1  # dW only
+
+
+class _Attention(nn.Module):
+    """nanoGPT's attention: fused SDPA, then an output projection and its dropout."""
+
+    def __init__(self, d: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.resid_dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c)))
+
+
+def test_attention_backward_is_booked_to_the_attention_module(tmp_path):
+    """Issue 19 item 6: SDPA's backward belongs to the module that ran SDPA, not to the
+    dropout after it (which then counted as a matmul layer)."""
+    model = nn.Sequential(nn.Embedding(64, 32), _Attention(), nn.Linear(32, 64))
+    run = _run(tmp_path, model, _tokens(64), torch.bfloat16, steps=2)
+    ops, _ = latest_capture(run)
+    attention = ops[ops["op"].astype(str).str.startswith("_scaled_dot_product")]
+    assert set(attention["phase"]) == {"forward", "backward"}
+    assert set(attention["module"]) == {"1"}, attention[["module", "op", "phase"]]
+    assert not ops["module"].astype(str).str.contains("dropout").any()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import amprobe
+from amprobe.analysis.compute import latest_capture
 from amprobe.rules import diagnose
 
 FP16 = torch.float16
@@ -387,3 +388,47 @@ def test_update_that_wrote_nan_into_the_weights_is_named_not_the_next_layer(tmp_
         assert n05.evidence["applied_update_step"] == 3 and n05.evidence["step"] == 4
         assert "the update of step 3 applied non-finite values" in n05.title
         assert "GradScaler" in n05.fix
+
+
+class _Checkpointed(nn.Module):
+    """A block (Linear, ReLU, LayerNorm) run under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.LayerNorm(16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recomputation_is_not_a_second_call(tmp_path: Path, reentrant: bool) -> None:
+    """Issue 19 item 5: the recomputed forward of a checkpointed block is counted once, and
+    its output gradient is still measured (reentrant checkpointing has no graph in forward)."""
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    config = {"collectors": ("scaler", "numerics", "compute"), "numerics_every": 1}
+    with amprobe.attach(model, opt, run_dir=tmp_path / "run", config=config):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    run = amprobe.load_run(tmp_path / "run")
+    rows = run.table("numerics")
+    rows = rows[rows["step"] == 1].set_index(["module", "kind"])
+    for layer in ("block.0", "block.1", "block.2"):
+        assert rows.loc[(layer, "output"), "calls"] == 1, layer
+        assert rows.loc[(layer, "output"), "elements"] == 4 * 16, layer
+        assert rows.loc[(layer, "grad_output"), "calls"] == 1, layer
+    # the compute profile books the recomputed matmul as recompute, to its layer
+    ops, _ = latest_capture(run)
+    recomputed = ops[ops["phase"] == "recompute"]
+    assert list(recomputed["module"]) == ["block.0"] and list(recomputed["op"]) == ["addmm"]
+    assert set(ops.loc[ops["phase"] == "backward", "module"]) == {"head", "block.0", "inp"}

@@ -76,3 +76,12 @@ def test_fp8_whatif_sample_names_candidates_and_the_outlier_layer():
     hostile = p02.evidence["layers"][0]
     assert hostile["module"] == "proj" and hostile["lost_share"] > 0.01
     assert int(run.steps["numerics_sampled"].sum()) == 6
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_no_sample_run_carries_a_collector_error(name):
+    """The shipped runs are recorded with the current code: a newcomer's first dashboard must
+    not show a capture failure that was fixed long ago (regenerate with sample_runs/generate.py)."""
+    run = amprobe.load_run(SAMPLES / name)
+    for kind in ("collector_error", "hub_error", "compute_capture_error", "undeclared_field"):
+        assert run.events_of(kind) == [], (kind, run.events_of(kind)[:1])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import amprobe
+from amprobe.analysis.compute import latest_capture
 from tests.helpers import amprobe_cli, torchrun_argv
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -70,6 +71,40 @@ def test_script_without_model_or_scaler_is_recorded(tmp_path):
     assert run.events_of("discovery_failed"), "no root module: said so, not guessed"
     diagnosis = amprobe.diagnose(run)
     assert "AMP-N02" in {n.id for n in diagnosis.not_checked}
+
+
+def test_several_models_are_all_watched_and_named_apart(tmp_path):
+    """Issue 19 item 1: the AMP examples' two models, two losses, two optimizers, one scaler,
+    with an overflow planted in the second model (unnamed Sequentials both)."""
+    out = tmp_path / "run"
+    proc = amprobe_cli(
+        "run",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        str(SCRIPTS / "train_two_models.py"),
+        "8",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = amprobe.load_run(out)
+    models = run.events_of("model_registered")
+    assert [(m["name"], m["trainable_parameters"]) for m in models] == [
+        ("model0", 676),
+        ("model1", 508),
+    ], "both roots, named as the script names them"
+    # layers are named apart: the second model's widths are filed under its own names
+    ops, _ = latest_capture(run)
+    forward = ops[ops["phase"] == "forward"].set_index("module")
+    assert sorted(forward.index) == ["model0.0", "model0.2", "model1.0", "model1.2"]
+    assert forward.loc["model0.0", "n"] == 32 and forward.loc["model1.0", "n"] == 24
+    numerics = run.table("numerics")
+    assert {"model0.0", "model1.0"} <= set(numerics["module"])
+    findings = {f.id: f for f in amprobe.diagnose(run).findings}
+    n05 = findings["AMP-N05"]
+    assert n05.evidence["module"] == "model1.0", "the overflow is in the second model"
+    assert findings["AMP-S02"].evidence["trainable_param_count"] == 676 + 508
 
 
 def test_crashing_script_keeps_exit_code_and_is_recorded(tmp_path):

@@ -18,6 +18,10 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 from torch.utils import flop_counter
 from torch.utils.module_tracker import ModuleTracker
 
@@ -221,6 +225,41 @@ class _OrderedSet:
         return max(group, key=lambda p: (self._owns_params(p[1]), p[1].count("."), p[0]))[1]
 
 
+class _Tracker(ModuleTracker):
+    """ModuleTracker that also counts the module forwards running now (``forward_depth``).
+
+    A module forward that runs during a backward pass is activation checkpointing recomputing
+    it (reentrant or not): its ops are booked as ``recompute``, to the module running them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward_depth = 0
+        self._depth_handles: list[Any] = []
+
+    def _enter_forward(self, *args: Any) -> None:
+        self.forward_depth += 1
+
+    def _leave_forward(self, *args: Any) -> None:
+        # always called, also when the forward raised (non-reentrant checkpointing stops its
+        # recomputation with an exception once it has what backward needs)
+        self.forward_depth = max(0, self.forward_depth - 1)
+
+    def __enter__(self) -> _Tracker:
+        super().__enter__()
+        self._depth_handles = [
+            register_module_forward_pre_hook(self._enter_forward),
+            register_module_forward_hook(self._leave_forward, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        for handle in self._depth_handles:
+            handle.remove()
+        self._depth_handles = []
+        super().__exit__(*args)
+
+
 class ComputeCollector(Collector):
     """Records what the step computes: GEMM/conv/attention shapes, dtypes, modules and FLOPs.
 
@@ -241,6 +280,14 @@ class ComputeCollector(Collector):
     Events: ``model_params`` (root class, parameters, trainable parameters, parameter dtypes),
     ``compute_capture_error`` (a capture that could not be completed).
 
+    Modules: a forward op is booked to the innermost module running it (ModuleTracker's
+    forward hooks). A backward op is booked to the module that ran the forward op whose
+    autograd node is executing it (each forward op's output ``grad_fn`` is remembered with its
+    module; ``torch._C._current_autograd_node()`` names the node in backward), so the user's
+    own hooks, and modules whose backward hooks fire out of order, change nothing; ops of nodes
+    not seen in forward fall back to ModuleTracker's backward hooks. A forward op that runs
+    during backward (activation checkpointing recomputing a module) has phase ``recompute``.
+
     The ops come from the hub's one dispatch mode, asked for on captured steps only. A capture
     counts from the root model's first forward of the sampled step (or, when no model is known,
     from the step's start) to the step's end; ops of a forward or backward run inside
@@ -259,7 +306,7 @@ class ComputeCollector(Collector):
         self._capturing = False
         self._started = False
         self._capture_step = -1
-        self._tracker: ModuleTracker | None = None
+        self._tracker: _Tracker | None = None
         self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
         self._rows: list[dict[str, Any]] = []
         self._capture_error: Exception | None = None
@@ -308,6 +355,8 @@ class ComputeCollector(Collector):
             param_dtypes=dict(dtypes),
         )
         self._roots.append((weakref.ref(model), type(model).__name__))
+        if self._tracker is not None:  # a root found in the middle of a capture
+            self._name_roots(self._tracker)
 
     def on_forward_begin(self, model: Any, args: Any, kwargs: Any) -> None:
         self._started = self._capturing  # the capture counts from the root's forward
@@ -385,13 +434,26 @@ class ComputeCollector(Collector):
         self._capture_error = None
         self._clock = 0
         self._param_owners: dict[str, bool] = {}
+        # autograd node -> module of the forward op that made it (held until the capture ends)
+        self._node_modules: dict[Any, str] = {}
+        self._pending: list[tuple[torch.Tensor, str]] = []  # outputs whose grad_fn is not set yet
         self._seed_autocast()
         self._turns = {}
         if self.probe.hub.compile_in_use:
             return  # ModuleTracker's global hooks would be traced into compiled graphs
-        self._tracker = ModuleTracker()
+        self._tracker = _Tracker()
         self._tracker.parents = self._ordered(self._tracker.parents)  # type: ignore[assignment]
+        self._name_roots(self._tracker)
         self._tracker.__enter__()
+
+    def _name_roots(self, tracker: ModuleTracker) -> None:
+        """With several root models, ModuleTracker's names (the root's class name, then the
+        path) would collide: each root is named as the probe names it (``model1.fc``)."""
+        for ref, _ in self._roots:
+            model = ref()
+            name = self.probe.root_name(model) if model is not None else None
+            if name is not None:
+                tracker._known_modules[model] = name
 
     def on_compile(self) -> None:
         tracker, self._tracker = self._tracker, None
@@ -415,7 +477,7 @@ class ComputeCollector(Collector):
         kind = "conv" if name in CONV_OPS else "attention" if is_attention_op(name) else "linear"
         key = _signature(kind, dims.get("m"), dims.get("n"), dims.get("k"), backward)
         modules = self._compiled_modules.get(key) if key is not None else None
-        root = self._roots[0][1] if self._roots else "(no module)"
+        root = self._root_name()
         if not modules:
             return root
         turn = (key, backward)
@@ -427,6 +489,8 @@ class ComputeCollector(Collector):
     def _stop(self) -> None:
         self._capturing = False
         self._started = False
+        self._node_modules = {}
+        self._pending = []
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
             tracker.__exit__(None, None, None)
@@ -492,12 +556,27 @@ class ComputeCollector(Collector):
     # -- per-op work (inside the dispatch mode) --------------------------------------------------
     def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         self._clock += 1
+        if self._pending:
+            self._note_nodes()
         packet = func._overloadpacket
         name = packet.__name__
-        if name in GEMM_OPS or name in CONV_OPS or is_attention_op(name):
-            self._record_op(packet, name, args, kwargs, out)
+        tracker = self._tracker
+        phase = "forward"
+        if torch._C._current_graph_task_id() != -1:
+            phase = "recompute" if tracker is not None and tracker.forward_depth else "backward"
+        matmul = name in GEMM_OPS or name in CONV_OPS or is_attention_op(name)
+        free = name in _FREE_OPS or func.is_view
+        module = None
+        if phase != "backward" and tracker is not None and (matmul or not free):
+            module = self._module()
+            # autograd sets the output's grad_fn once this op returns: read it at the next op
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(first, torch.Tensor):
+                self._pending.append((first, module))
+        if matmul:
+            self._record_op(packet, name, args, kwargs, out, phase, module)
             return
-        if name in _FREE_OPS or func.is_view:
+        if free:
             return
         moved = _nbytes(out)
         for a in args:
@@ -509,10 +588,34 @@ class ComputeCollector(Collector):
                 self._other_ops += 1
                 self._other_bytes += moved
 
+    def _note_nodes(self) -> None:
+        """Remember the autograd node of each pending forward output with its module."""
+        nodes = self._node_modules
+        for tensor, module in self._pending:
+            node = tensor.grad_fn
+            if node is not None and node not in nodes:
+                nodes[node] = module
+        self._pending = []
+
+    def _backward_module(self) -> str:
+        """The module of a backward op: the one whose forward op made the executing node."""
+        if self._pending:
+            self._note_nodes()
+        node = torch._C._current_autograd_node()
+        module = self._node_modules.get(node) if node is not None else None
+        return module if module is not None else self._module()
+
     def _record_op(
-        self, packet: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+        self,
+        packet: Any,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        phase: str,
+        module: str | None,
     ) -> None:
-        backward = torch._C._current_graph_task_id() != -1
+        backward = phase == "backward"
         dims = op_dims(name, args)
         operand = next(
             (
@@ -532,13 +635,15 @@ class ComputeCollector(Collector):
             state, ac_dtype = self._autocast_state(device)
         flops = _flops(packet, name, args, kwargs, out)
         if self._tracker is None and self.probe.hub.compile_in_use:
-            module = self._compiled_module(name, dims, backward)
-        else:
+            module = self._compiled_module(name, dims, phase != "forward")
+        elif backward:
+            module = self._backward_module()
+        elif module is None:
             module = self._module()
         key = (
             module,
             name,
-            "backward" if backward else "forward",
+            phase,
             tuple(sorted(dims.items())),
             _dtype(operand),
             _dtype(result),
@@ -571,8 +676,9 @@ class ComputeCollector(Collector):
             parents = tracker.parents = self._ordered(parents)  # type: ignore[assignment]
         inner = parents.innermost()  # type: ignore[attr-defined]  # replaced by _OrderedSet above
         if inner is None:
-            root = self._roots[0][0]() if self._roots else None
-            return user_class_name(root) if root is not None else "(no module)"
+            return self._root_name()
+        if len(self._roots) > 1:
+            return user_module_name(inner)  # names start with their root's name (_name_roots)
         known = getattr(tracker, "_known_modules", None) or {}
         for ref, root_name in self._roots:
             root = ref()
@@ -582,10 +688,20 @@ class ComputeCollector(Collector):
                 if not prefix:
                     continue
                 if inner == prefix:  # FSDP2's generated FSDPNet is the user's Net
-                    return user_class_name(root) if root is not None else inner
+                    return self._root_name()
                 if inner.startswith(prefix + "."):
                     return user_module_name(inner[len(prefix) + 1 :])
         return user_module_name(inner)
+
+    def _root_name(self) -> str:
+        """Where an op that ran in no known layer is booked: the (first) root model."""
+        if not self._roots:
+            return "(no module)"
+        ref, cls = self._roots[0]
+        model = ref()
+        if model is None:
+            return cls
+        return self.probe.root_name(model) or user_class_name(model)
 
 
 def _signature(kind: str, m: Any, n: Any, k: Any, backward: bool) -> tuple[Any, ...] | None:

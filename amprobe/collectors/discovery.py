@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -19,19 +20,32 @@ import torch
 
 from amprobe.collectors.base import Collector
 
-__all__ = ["LiveObjects", "RootModelFinder", "find_live_training_objects", "find_root_modules"]
+__all__ = [
+    "LiveObjects",
+    "RootModelFinder",
+    "find_live_training_objects",
+    "find_root_modules",
+    "name_in_caller",
+]
 
 _HOLD_GIL_S = 100.0  # switch interval during a GC scan: no other thread runs meanwhile
+# frames of torch and amprobe are never the user's
+_NOT_USER = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
 
 
 class RootModelFinder(Collector):
     """Finds the root modules being trained, with no reference to the user's objects.
 
     Asks the hub to watch top-level module calls (a global forward pre/post hook tracking call
-    depth): the first module called at depth 0 with gradients enabled whose parameters an
-    optimizer updates is registered at that very call (so step 0 is recorded in full); modules
-    whose optimizer appears only later are checked at each of the first step boundaries. The
-    global hooks are removed as soon as a root is found, or after three steps.
+    depth): every module called at depth 0 with gradients enabled whose parameters an optimizer
+    updates, and that is not inside a root already known, is registered at that very call (so
+    step 0 is recorded in full; several models trained together are all found); modules whose
+    optimizer appears only later are checked at each of the first step boundaries. The global
+    hooks are removed at the end of the first step that found a root (or in which a root was
+    passed to ``attach``), or after three steps.
 
     A dormant probe installs nothing: when recording starts and no model is known yet
     (:meth:`amprobe.Probe.start_recording` scans live objects first), discovery runs for the
@@ -48,9 +62,6 @@ class RootModelFinder(Collector):
     def _knows_a_model(self) -> bool:
         return any(ref() is not None for ref in self.probe.models)
 
-    def on_model(self, model: Any) -> None:
-        self.probe.hub.stop_discovery()
-
     def on_recording(self, active: bool) -> None:
         if not active:
             self.probe.hub.stop_discovery()
@@ -62,6 +73,29 @@ class RootModelFinder(Collector):
 
     def on_close(self) -> None:
         self.probe.hub.stop_discovery()
+
+
+def name_in_caller(*objs: Any) -> str | None:
+    """The name the user's code gives one of ``objs``, in the first frame outside torch and
+    amprobe: a local or global variable bound to it, else an attribute of that frame's
+    ``self``. ``None`` when there is none. Reads frames only; never raises."""
+    try:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
+            frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        scopes = [frame.f_locals, frame.f_globals]
+        if owner is not None and hasattr(owner, "__dict__"):
+            scopes.append(vars(owner))
+        for scope in scopes:
+            for name, value in list(scope.items()):
+                if not name.startswith("_") and any(value is obj for obj in objs):
+                    return str(name)
+    except Exception:
+        return None
+    return None
 
 
 @dataclasses.dataclass

@@ -158,6 +158,7 @@ class _Capture:
         "dtypes",
         "order",
         "bad_hint",
+        "grad_hooked",
     )
 
     def __init__(self, step: int, stats: StepStats) -> None:
@@ -171,6 +172,7 @@ class _Capture:
         self.dtypes: dict[int, str] = {}
         self.order: dict[str, list[int]] = {k: [] for k in KINDS}
         self.bad_hint = False
+        self.grad_hooked: set[int] = set()  # output-gradient slots hooked in this step
 
     @property
     def buf(self) -> torch.Tensor:
@@ -288,8 +290,24 @@ class NumericsCollector(Collector):
                 for p in own:
                     if p.requires_grad:
                         self._params.append((weakref.ref(p), gparam))
+        cap = self._cur
+        if cap is not None and cap.stats is not None:  # a root found in the middle of a step
+            cap.stats.grow(len(self._slots))
         if self._sampled(self.probe.step):
+            if self._capture_handles:  # a capture in progress: hook the new root's modules too
+                self._remove_capture()
             self._install_capture()
+
+    def _layer_name(self, slot: _Slot) -> str:
+        """A slot's layer name: its path in its root model, prefixed with the root's name when
+        several root models are watched (see :meth:`amprobe.probe.Probe.root_name`)."""
+        if slot.kind == "input" or len(self._roots) < 2:
+            return slot.name
+        model = self._roots[slot.root][0]()
+        root = self.probe.root_name(model) if model is not None else None
+        if root is None:
+            return slot.name
+        return root if slot.name == "<root>" else f"{root}.{slot.name}"
 
     # -- sampling ------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
@@ -434,6 +452,16 @@ class NumericsCollector(Collector):
         tensor = _first_float(out)
         if tensor is None:
             return
+        gout = slots[1]
+        if torch._C._current_graph_task_id() != -1:
+            # a forward run during backward is activation checkpointing recomputing it: its
+            # values were measured in the forward pass. Only the output gradient is taken
+            # here, when the forward made no graph to hook (reentrant checkpointing)
+            cap = self._capture(tensor.device)
+            if gout is not None and tensor.requires_grad and gout not in cap.grad_hooked:
+                cap.grad_hooked.add(gout)
+                tensor.register_hook(self._guarded(self._bind_grad(gout)))
+            return
         bad: torch.Tensor | int | None = None
         for arg in args if isinstance(args, tuple) else (args,):
             if (
@@ -446,8 +474,8 @@ class NumericsCollector(Collector):
         if bad is None:
             bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
         self._measure(slots[0], tensor, in_bad=bad)
-        gout = slots[1]
         if gout is not None and tensor.requires_grad:
+            self._capture(tensor.device).grad_hooked.add(gout)
             tensor.register_hook(self._guarded(self._bind_grad(gout)))
 
     def _bind_grad(self, slot: int) -> Any:
@@ -507,7 +535,7 @@ class NumericsCollector(Collector):
                 mod = ref()
                 if mod is None:
                     continue
-                label = self._slots[slots[0]].name
+                label = self._layer_name(self._slots[slots[0]])
                 for pname, p in mod.named_parameters(recurse=False):
                     if p.is_floating_point() and p.numel():
                         names.append(pname if label == "<root>" else f"{label}.{pname}")
@@ -613,7 +641,12 @@ class NumericsCollector(Collector):
         if not done:
             return
         with torch.no_grad():
-            stacked = torch.stack([c.buf for c in done]).cpu().tolist()
+            # a root model registered between captures adds slots: pad the earlier tables
+            slots = max(c.buf.shape[0] for c in done)
+            tables = [
+                torch.nn.functional.pad(c.buf, (0, 0, 0, slots - c.buf.shape[0])) for c in done
+            ]
+            stacked = torch.stack(tables).cpu().tolist()
             with_scale = [c.scale for c in done if c.scale is not None]
             read = iter(torch.stack(with_scale).double().cpu().tolist() if with_scale else [])
             scales = [next(read) if c.scale is not None else 1.0 for c in done]
@@ -642,7 +675,7 @@ class NumericsCollector(Collector):
         """Modules whose output or gradients held inf/NaN in this (CPU) step, for live metrics."""
         bad = (cap.buf[:, _H_NONFINITE] > 0).nonzero().flatten().tolist()  # inf and NaN
         self._nonfinite_modules.update(
-            self._slots[i].name for i in bad if self._slots[i].kind != "input"
+            self._layer_name(self._slots[i]) for i in bad if self._slots[i].kind != "input"
         )
         self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
 
@@ -663,7 +696,7 @@ class NumericsCollector(Collector):
                 elements = cap.elements[index]
                 rows[index] = {
                     "step": cap.step,
-                    "module": slot.name,
+                    "module": self._layer_name(slot),
                     "module_type": slot.module_type,
                     "kind": kind,
                     "dtype": cap.dtypes.get(index),
@@ -697,7 +730,7 @@ class NumericsCollector(Collector):
             return {
                 "step": cap.step,
                 "kind": kind,
-                "module": slot.name,
+                "module": self._layer_name(slot),
                 "module_type": slot.module_type,
                 "detail": json.dumps(detail, sort_keys=True),
             }
@@ -732,7 +765,7 @@ class NumericsCollector(Collector):
         backward = cap.order["grad_output"]
         first_bad = next((i for i, index in enumerate(backward) if bad(index)), None)
         if first_bad is not None:
-            received = self._slots[backward[first_bad]].name
+            received = self._layer_name(self._slots[backward[first_bad]])
             if first_bad > 0:
                 out.append(
                     row(

@@ -354,6 +354,18 @@ class StepStats:
         self._table: torch.Tensor | None = None
         return self
 
+    def grow(self, slots: int) -> None:
+        """Add rows (a root model registered in the middle of a step); counts so far are kept."""
+        more = slots - self.slots
+        if more <= 0:
+            return
+        pad = torch.zeros(more, 2, dtype=torch.int64, device=self.device)
+        self._f32 = torch.cat([self._f32, pad])
+        if self.sync_free:
+            pad = torch.zeros(more, K + 1, dtype=torch.int64, device=self.device)
+            self._extra = torch.cat([self._extra, pad])
+        self.slots = slots
+
     # -- hot path --------------------------------------------------------------------------------
     def add(
         self,

@@ -129,7 +129,10 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
         min_tile_efficiency=th["min_tile_efficiency"],
         small_dim=int(th["small_dim"]),
     )
-    roots = {str(e.get("model_class")) for e in ctx.run.events_of("model_registered")}
+    registered = ctx.run.events_of("model_registered")
+    roots = {str(e.get("model_class")) for e in registered}
+    if len(registered) > 1:  # several roots: ops outside their layers are booked on root names
+        roots |= {str(e["name"]) for e in registered if e.get("name")}
     for rank, part in frame.groupby("rank", sort=True):
         manifests = [r.manifest for r in ctx.run.ranks if r.rank == int(rank)]
         on_cpu = bool(manifests) and str(manifests[0].get("device") or "").startswith("cpu")

@@ -117,7 +117,7 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "step": pa.int64(),  # the captured step
         "module": pa.string(),  # qualified name of the innermost module (relative to the root)
         "op": pa.string(),  # aten op, e.g. addmm, mm, convolution_backward
-        "phase": pa.string(),  # forward | backward
+        "phase": pa.string(),  # forward | backward | recompute (checkpointing, in backward)
         "batch": pa.int64(),  # bmm batch, conv N, attention B x heads
         "m": pa.int64(),  # GEMM M (rows of the output); conv: N x input pixels; attention: query length
         "n": pa.int64(),  # GEMM N; conv: Cout / groups; attention: key length
