@@ -645,7 +645,11 @@ def test_diagnose_json_carries_the_whatif_table(capsys: pytest.CaptureFixture[st
         and r["scaling"] == "per-tensor"
     ]
     assert len(proj) == 1 and proj[0]["flush_share"] > 0.01
-    assert proj[0]["max_exp"] == 12 and isinstance(proj[0]["scale_exp"], int)
+    # the largest recorded value's binade (the sample's values depend on the CPU's bf16 kernels)
+    numerics = amprobe.load_run(SAMPLE).table("numerics")
+    amax = numerics[(numerics["module"] == "proj") & (numerics["kind"] == "output")]["amax"].max()
+    assert proj[0]["max_exp"] == math.floor(math.log2(amax))
+    assert isinstance(proj[0]["scale_exp"], int)
     # a user can script it: the same numbers the rules used
     p02 = next(f for f in data["findings"] if f["id"] == "AMP-P02")
     assert p02["evidence"]["layers"][0]["lost_share"] == pytest.approx(
