@@ -239,6 +239,9 @@ class Hub:
         # torch.compile: once anything is compiled, no hook that dynamo could trace is installed
         self.compile_in_use = False
         self._frames_at_start = compiled_frames()  # what the process compiled before attach
+        #: something was compiled in this process before amprobe attached: a hook added now
+        #: would recompile what already runs, so no in-graph statistics are installed
+        self.compiled_before_attach = self._frames_at_start > 0
         self.compiled_autocast: tuple[str, str | None] | None = None  # inside a compiled graph
         self._compiled: list[dict[str, Any]] = []
         self._compiled_ids: set[int] = set()

@@ -46,6 +46,7 @@ __all__ = [
     "user_module_name",
 ]
 
+_OWN_FLAG = "GRAPH_SAMPLE"  # amprobe's guarded flag (collectors.graphstats) in a guard's text
 _MAX_REASONS = 50  # recompile / graph-break events kept per run (the steps table has counts)
 
 
@@ -307,6 +308,10 @@ class CompileCollector(Collector):
         if frames:
             for metric in self._new_metrics():
                 reason = getattr(metric, "recompile_reason", None)
+                if reason and _OWN_FLAG in str(reason):
+                    # the graph variant of amprobe's sampled steps (graphstats), compiled once
+                    self._note("compiled_variant", step=step, function=metric.co_name)
+                    continue
                 if reason:
                     recompiles += 1
                     self._note(

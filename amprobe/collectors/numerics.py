@@ -71,6 +71,7 @@ from torch.amp import GradScaler
 
 from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.compiled import is_compiling, unwrap_compiled
+from amprobe.collectors.graphstats import GRAPH_SAMPLE, graph_stats_hook, new_buffer
 from amprobe.collectors.numstats import C_AMAX as _C_AMAX
 from amprobe.collectors.numstats import C_FLUSH16 as _C_FLUSH16
 from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
@@ -233,6 +234,11 @@ class NumericsCollector(Collector):
         # armed steps: (step, parameter names, device flags "holds inf/NaN") not read yet
         self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
         self._compiled_noted = False
+        # compiled regions: hooks traced into the graph, one buffer per install (see graphstats)
+        self._graph: list[tuple[torch.Tensor, list[int]]] = []
+        self._graph_handles: list[Any] = []
+        self._graph_hooked: set[int] = set()  # slots with an in-graph hook
+        self._graph_done: list[tuple[int, list[torch.Tensor]]] = []
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -293,6 +299,8 @@ class NumericsCollector(Collector):
         cap = self._cur
         if cap is not None and cap.stats is not None:  # a root found in the middle of a step
             cap.stats.grow(len(self._slots))
+        if self.probe.hub.compile_in_use:
+            self._install_graph_hooks()
         if self._sampled(self.probe.step):
             if self._capture_handles:  # a capture in progress: hook the new root's modules too
                 self._remove_capture()
@@ -309,6 +317,94 @@ class NumericsCollector(Collector):
             return slot.name
         return root if slot.name == "<root>" else f"{root}.{slot.name}"
 
+    # -- compiled regions: statistics inside the graph ------------------------------------------
+    def _install_graph_hooks(self) -> None:
+        """Compiled regions: permanent forward hooks whose statistics run inside the graph on
+        sampled steps (two graph variants, each compiled once; see graphstats)."""
+        if self.every == 0 or self.probe.hub.compiled_before_attach:
+            return  # (a late attach: adding hooks would recompile the graphs that run)
+        # a root's own hooks run around its compiled frame, not inside it: not in the graph
+        roots = {id(unwrap_compiled(ref())) for ref, _ in self._roots if ref() is not None}
+        targets = [
+            (r, slots)
+            for r, slots in self._targets
+            if slots[0] not in self._graph_hooked and id(r()) not in roots
+        ]
+        if not targets:
+            return
+        buf = new_buffer(len(self._slots), self._device)
+        indices = []
+        for ref, slots in targets:
+            mod = ref()
+            if mod is None:
+                continue
+            self._graph_handles.append(mod.register_forward_hook(graph_stats_hook(buf, slots[0])))
+            self._graph_hooked.add(slots[0])
+            indices.append(slots[0])
+        self._graph.append((buf, indices))
+        GRAPH_SAMPLE.on = self._sampled(self.probe.step)  # a step already sampled counts
+
+    def _graph_step_end(self, step: int) -> None:
+        """A sampled step ended: keep its in-graph statistics and zero the buffers."""
+        if not GRAPH_SAMPLE.on:
+            return
+        GRAPH_SAMPLE.on = False
+        with torch.no_grad():
+            snapshots = [buf.clone() for buf, _ in self._graph]
+            for buf, _ in self._graph:
+                buf.zero_()
+        self._graph_done.append((step, snapshots))
+
+    def _graph_rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The ``numerics`` rows (kind ``output``) and forward offenders of the in-graph samples."""
+        done, self._graph_done = self._graph_done, []
+        rows: list[dict[str, Any]] = []
+        offenders: list[dict[str, Any]] = []
+        for step, snapshots in done:
+            step_rows: list[dict[str, Any]] = []
+            for (_, indices), table in zip(self._graph, snapshots, strict=False):
+                values = table.cpu().tolist()
+                for index in indices:
+                    elems, nan, inf, over, amax, in_bad, order, calls = values[index]
+                    if not calls:
+                        continue
+                    slot = self._slots[index]
+                    step_rows.append(
+                        {
+                            "step": step,
+                            "module": self._layer_name(slot),
+                            "module_type": slot.module_type,
+                            "kind": "output",
+                            "dtype": None,
+                            "calls": int(calls),
+                            "order": int(order),
+                            "elements": int(elems),
+                            "nan": int(nan),
+                            "inf": int(inf),
+                            "finite": int(elems - nan - inf),
+                            "over_fp16": int(over),
+                            "amax": None if nan else float(amax),
+                            "in_nonfinite": int(in_bad),
+                        }
+                    )
+            step_rows.sort(key=lambda r: r["order"])
+            rows.extend(step_rows)
+            first = next(
+                (r for r in step_rows if r["nan"] + r["inf"] > 0 and not r["in_nonfinite"]), None
+            )
+            if first is not None:
+                detail = {k: first[k] for k in ("nan", "inf", "elements", "order")}
+                offenders.append(
+                    {
+                        "step": step,
+                        "kind": "forward",
+                        "module": first["module"],
+                        "module_type": first["module_type"],
+                        "detail": json.dumps(detail, sort_keys=True),
+                    }
+                )
+        return rows, offenders
+
     # -- sampling ------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
         return self.probe.recording and (due(step, self.every) or step <= self._armed_until)
@@ -321,9 +417,11 @@ class NumericsCollector(Collector):
             return
         fwd = self._guarded(self._on_forward)
         if self.probe.hub.compile_in_use:
-            # a forward hook inside a compiled region is traced by dynamo: graph breaks,
-            # recompiles and a changed fusion. Gradients are read outside the graph below.
-            self._note_compiled()
+            # an eager forward hook inside a compiled region is traced by dynamo: graph breaks,
+            # recompiles, a changed fusion. Outputs are measured by the in-graph hooks
+            # (graphstats); gradients are read outside the graph below.
+            if not self._graph:
+                self._note_compiled()
         else:
             for ref, slots in self._targets:
                 mod = ref()
@@ -345,9 +443,11 @@ class NumericsCollector(Collector):
             what="activations",
             reason=(
                 "compiled region: per-layer outputs and output gradients are not measured "
-                "inside a torch.compile'd model or function (a hook there would change the "
-                "graphs that run); parameter gradients are measured. To see activations, run "
-                "a diagnostic job uncompiled (torch.compiler.set_stance('force_eager'))"
+                "inside a torch.compile'd model or function that ran before amprobe attached "
+                "(a hook added now would recompile the graphs that run); parameter gradients "
+                "are measured. To see activations, attach before the first compiled call "
+                "(amprobe run does), or run a diagnostic job uncompiled "
+                "(torch.compiler.set_stance('force_eager'))"
             ),
             step=self.probe.step,
         )
@@ -356,6 +456,7 @@ class NumericsCollector(Collector):
         if self._capture_handles:  # installed before the compile was seen: drop the module hooks
             self._remove_capture()
             self._install_capture()
+        self._install_graph_hooks()
 
     @staticmethod
     def _bind(fn: Any, slots: tuple[int, int | None, int | None]) -> Any:
@@ -512,6 +613,7 @@ class NumericsCollector(Collector):
 
     # -- step boundary ------------------------------------------------------------------------------
     def on_step_begin(self, step: int) -> None:
+        GRAPH_SAMPLE.on = bool(self._graph) and self._sampled(step)
         if self._sampled(step):
             self._install_capture()
             if step <= self._armed_until:
@@ -561,7 +663,8 @@ class NumericsCollector(Collector):
         self._input_bad = None
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        record["numerics_sampled"] = bool(self._capture_handles)
+        record["numerics_sampled"] = bool(self._capture_handles) or GRAPH_SAMPLE.on
+        self._graph_step_end(step)
         flags: dict[str, Any] = {"found_inf": facts.found_inf}
         if self._input_bad is not None:
             record["input_nonfinite"] = flags["input_nonfinite"] = self._input_bad
@@ -637,6 +740,12 @@ class NumericsCollector(Collector):
         for flags in _to_host(watch):  # device flags: one transfer per device, at flush
             if _record_bad(flags):
                 self._arm(int(flags["step"]))
+        if self._graph_done:
+            graph_rows, graph_offenders = self._graph_rows()
+            self._nonfinite_modules.update(r["module"] for r in graph_rows if r["nan"] + r["inf"])
+            writer.append("numerics", graph_rows)
+            if graph_offenders:
+                writer.append("offenders", graph_offenders)
         done, self._done = self._done, []
         if not done:
             return
@@ -790,6 +899,10 @@ class NumericsCollector(Collector):
 
     def on_close(self) -> None:
         self._remove_capture()
+        GRAPH_SAMPLE.on = False
+        for handle in self._graph_handles:
+            handle.remove()
+        self._graph_handles.clear()
 
 
 def _first_float(out: Any) -> torch.Tensor | None:
