@@ -1,6 +1,11 @@
 """Command line: parses arguments and calls the package; no logic of its own.
 
 Every user error ends in one line on stderr and a non-zero exit code, never a traceback.
+
+The read commands (diagnose, report, compare, rules, dashboard) load no torch: a run copied
+from a cluster reads where torch is not installed, and in a fraction of a second. The commands
+that train or talk to a training job (run, demo, baseline, attach, detach) import the capture
+side (launcher, control, demo: torch) inside their own function, and only there.
 """
 
 from __future__ import annotations
@@ -11,17 +16,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import amprobe
-from amprobe import control, launcher
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
-from amprobe.control import ControlError
-from amprobe.demo import run_demo
-from amprobe.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
 from amprobe.report.compare import render_comparison_json, render_comparison_text
 from amprobe.report.summary import collector_errors, print_run_summary
@@ -252,7 +253,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _as_cli_error(*errors: type[Exception]) -> Iterator[None]:
+    """The capture side's user errors (imported with it, inside a command) as one-line errors."""
+    try:
+        yield
+    except errors as exc:
+        raise CliError(str(exc)) from None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from amprobe.demo import run_demo  # the capture side: torch
+
     if args.steps < 10:
         raise CliError("--steps must be at least 10")
     run_dir = run_demo(args.out, steps=args.steps, progress=True)
@@ -303,6 +315,8 @@ def _default_out(suffix: str = "") -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from amprobe import launcher  # the capture side: torch
+
     args.command_name = "run"
     command = _command(args)
     settings = _settings(args.settings)
@@ -310,16 +324,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings["prometheus_port"] = args.prometheus_port
     if args.dormant:
         settings["dormant"] = True
-    return launcher.launch(
-        command,
-        Path(args.out or _default_out()),
-        settings,
-        overwrite=args.overwrite,
-        summarize=print_run_summary,
-    )
+    with _as_cli_error(launcher.LaunchError):
+        return launcher.launch(
+            command,
+            Path(args.out or _default_out()),
+            settings,
+            overwrite=args.overwrite,
+            summarize=print_run_summary,
+        )
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
+    from amprobe import control  # the capture side: torch
+
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be a positive number of steps")
     if args.pid is not None:
@@ -327,19 +344,21 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("give either a run directory or --pid PID --out DIR, not both")
         if args.out is None:
             raise CliError("--pid needs --out DIR (where to record)")
-        lines = control.attach_pid(
-            args.pid,
-            args.out,
-            steps=args.steps,
-            wait_s=max(args.wait, 30.0),
-            overwrite=args.overwrite,
-        )
+        with _as_cli_error(control.ControlError):
+            lines = control.attach_pid(
+                args.pid,
+                args.out,
+                steps=args.steps,
+                wait_s=max(args.wait, 30.0),
+                overwrite=args.overwrite,
+            )
     else:
         if args.run is None:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-        reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        with _as_cli_error(control.ControlError):
+            reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
         return _print_reply(reply.lines, reply.acknowledged)
     for line in lines:
         print(line)
@@ -359,11 +378,16 @@ def _print_reply(lines: list[str], acknowledged: bool) -> int:
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
-    reply = control.send_control(args.run, "detach", wait_s=args.wait)
+    from amprobe import control  # the capture side: torch
+
+    with _as_cli_error(control.ControlError):
+        reply = control.send_control(args.run, "detach", wait_s=args.wait)
     return _print_reply(reply.lines, reply.acknowledged)
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
+    from amprobe import launcher  # the capture side: torch
+
     args.command_name = "baseline"
     command = _command(args)
     if args.steps < 5:
@@ -374,14 +398,15 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     fp32_leg, amp_leg = BASELINE_LEGS
     for name, fp32 in ((fp32_leg, True), (amp_leg, False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
-        codes[name] = launcher.launch(
-            command,
-            out / name,
-            config,
-            force_fp32=fp32,
-            baseline=(out / fp32_leg) if not fp32 else None,
-            overwrite=args.overwrite,
-        )
+        with _as_cli_error(launcher.LaunchError):
+            codes[name] = launcher.launch(
+                command,
+                out / name,
+                config,
+                force_fp32=fp32,
+                baseline=(out / fp32_leg) if not fp32 else None,
+                overwrite=args.overwrite,
+            )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
     comparison = compare_runs(_load(str(out / fp32_leg)), _load(str(out / amp_leg)))
@@ -443,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError, ControlError) as exc:
+    except (CliError, RunLoadError, ConfigError, ThresholdError) as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValueError as exc:
