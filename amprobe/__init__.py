@@ -20,7 +20,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from amprobe.config import Config, ConfigError
+from amprobe.config import ENV_RUN_DIR, Config, ConfigError
 from amprobe.rules import Diagnosis, Finding, diagnose
 from amprobe.store import Run, RunLoadError, load_run
 from amprobe.version import __version__
@@ -66,5 +66,5 @@ def __dir__() -> list[str]:
 # torch before this package finished initializing gets the automatic probe here (idempotent);
 # one without torch stays torch-free (the hook attaches when torch comes). Imported by name, like
 # the capture side above: the read side never imports it.
-if os.environ.get("AMPROBE_RUN_DIR") and "torch" in sys.modules:
+if os.environ.get(ENV_RUN_DIR) and "torch" in sys.modules:
     importlib.import_module("amprobe.autoattach").activate_from_env()

@@ -2,10 +2,11 @@
 
 Every user error ends in one line on stderr and a non-zero exit code, never a traceback.
 
-The read commands (diagnose, report, compare, rules, dashboard) load no torch: a run copied
-from a cluster reads where torch is not installed, and in a fraction of a second. The commands
-that train or talk to a training job (run, demo, baseline, attach, detach) import the capture
-side (launcher, control, demo: torch) inside their own function, and only there.
+The CLI loads no torch: a run copied from a cluster is read where torch is not installed, and
+`amprobe run`'s launcher process, which lives as long as the job, stays small (the training
+processes load torch, not the launcher). The commands that record in this process or talk to a
+training job (demo, attach, detach) import the capture side (demo, control: torch) inside their
+own function, and only there.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import amprobe
+from amprobe import launcher
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
+from amprobe.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
 from amprobe.report.compare import render_comparison_json, render_comparison_text
 from amprobe.report.summary import collector_errors, print_run_summary
@@ -315,8 +318,6 @@ def _default_out(suffix: str = "") -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from amprobe import launcher  # the capture side: torch
-
     args.command_name = "run"
     command = _command(args)
     settings = _settings(args.settings)
@@ -324,14 +325,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings["prometheus_port"] = args.prometheus_port
     if args.dormant:
         settings["dormant"] = True
-    with _as_cli_error(launcher.LaunchError):
-        return launcher.launch(
-            command,
-            Path(args.out or _default_out()),
-            settings,
-            overwrite=args.overwrite,
-            summarize=print_run_summary,
-        )
+    return launcher.launch(
+        command,
+        Path(args.out or _default_out()),
+        settings,
+        overwrite=args.overwrite,
+        summarize=print_run_summary,
+    )
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
@@ -386,8 +386,6 @@ def _cmd_detach(args: argparse.Namespace) -> int:
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
-    from amprobe import launcher  # the capture side: torch
-
     args.command_name = "baseline"
     command = _command(args)
     if args.steps < 5:
@@ -398,15 +396,14 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     fp32_leg, amp_leg = BASELINE_LEGS
     for name, fp32 in ((fp32_leg, True), (amp_leg, False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
-        with _as_cli_error(launcher.LaunchError):
-            codes[name] = launcher.launch(
-                command,
-                out / name,
-                config,
-                force_fp32=fp32,
-                baseline=(out / fp32_leg) if not fp32 else None,
-                overwrite=args.overwrite,
-            )
+        codes[name] = launcher.launch(
+            command,
+            out / name,
+            config,
+            force_fp32=fp32,
+            baseline=(out / fp32_leg) if not fp32 else None,
+            overwrite=args.overwrite,
+        )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
     comparison = compare_runs(_load(str(out / fp32_leg)), _load(str(out / amp_leg)))
@@ -468,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (CliError, RunLoadError, ConfigError, ThresholdError) as exc:
+    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError) as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValueError as exc:

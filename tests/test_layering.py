@@ -47,7 +47,9 @@ OPTIONAL_INTERNAL = {"dashboard.app", "dashboard.main"}
 #: process it starts and must import amprobe only once the program imports torch
 LAZY_BY_DESIGN = {"amprobe._bootstrap.sitecustomize"}
 #: modules that reach the capture side (which loads torch) only inside the function that needs
-#: it: the CLI's run/demo/baseline/attach/detach commands. Only those layers, only there.
+#: it: the CLI's demo/attach/detach commands. Only those layers, only there. (The launcher is
+#: imported at the top of the CLI: it must load no torch, which the read-side check of
+#: amprobe.cli enforces.)
 LAZY_CAPTURE = {"amprobe.cli"}
 
 CONFIG, STORE, CAPTURE, CONTROL = "config", "store", "capture", "control"
