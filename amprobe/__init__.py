@@ -10,14 +10,14 @@ then diagnose the recording with ``amprobe diagnose runs/exp1`` or :func:`diagno
 
 ``import amprobe`` loads the read side only (config, store, rules): a run copied from a cluster
 can be diagnosed where torch is not installed. The capture side (``attach``, ``Probe``,
-``current_probe``), which needs torch, loads on first use (PEP 562's module ``__getattr__``).
+``current_probe``), which needs torch, loads on first use (PEP 562's module ``__getattr__``), or
+at once in a process started by ``amprobe run`` (see the end of this file).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 from amprobe.config import ENV_RUN_DIR, Config, ConfigError
@@ -62,9 +62,11 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_CAPTURE))
 
 
-# `amprobe run`: its sitecustomize attaches once the program imports torch. A process that had
-# torch before this package finished initializing gets the automatic probe here (idempotent);
-# one without torch stays torch-free (the hook attaches when torch comes). Imported by name, like
-# the capture side above: the read side never imports it.
-if os.environ.get(ENV_RUN_DIR) and "torch" in sys.modules:
+# `amprobe run` (its environment names the run directory): the process is a training job, so
+# the capture side loads now, as it always did, and the automatic probe attaches once this
+# package is complete (idempotent). Attaching from here, not from the bootstrap's torch-import
+# hook, matters when a capture module (`amprobe.probe`, an integration) is imported before
+# torch: the hook would fire while that module is half-initialized. Imported by name, like the
+# capture side above: outside `amprobe run` the read side never loads it.
+if os.environ.get(ENV_RUN_DIR):
     importlib.import_module("amprobe.autoattach").activate_from_env()

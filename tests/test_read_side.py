@@ -155,9 +155,9 @@ def test_cli_capture_commands_still_report_user_errors(tmp_path: Path) -> None:
 FIRST_AMPROBE_THEN_TORCH = """\
 import sys
 
+if sys.argv[1] == "submodule":
+    import amprobe.probe  # a capture module first: it imports torch while half-initialized
 import amprobe
-
-assert "torch" not in sys.modules, "import amprobe loads no torch"
 import torch
 from torch import nn
 
@@ -176,12 +176,12 @@ for _ in range(5):
 """
 
 
-@pytest.mark.parametrize("mode", ["plain", "attach"])
+@pytest.mark.parametrize("mode", ["plain", "attach", "submodule"])
 def test_amprobe_run_records_a_script_that_imports_amprobe_before_torch(
     tmp_path: Path, mode: str
 ) -> None:
-    """``import amprobe`` no longer loads torch, so `amprobe run`'s torch-import hook (not the
-    package's own import) attaches the automatic probe; a script's own attach joins it."""
+    """Under `amprobe run`, a script that imports amprobe (or one of its capture modules) before
+    torch is recorded by one automatic probe; a script's own attach joins it."""
     script = tmp_path / "first.py"
     script.write_text(FIRST_AMPROBE_THEN_TORCH)
     out = tmp_path / "out"
