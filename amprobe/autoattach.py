@@ -26,16 +26,11 @@ from typing import Any
 from torch.amp import GradScaler
 from torch.amp.autocast_mode import autocast
 
-from amprobe.config import make_config
+from amprobe.config import ENV_BASELINE, ENV_CONFIG, ENV_FORCE_FP32, ENV_RUN_DIR, make_config
 from amprobe.control import start_control
 from amprobe.probe import attach, current_probe
 
 __all__ = ["activate_from_env", "ENV_RUN_DIR", "ENV_CONFIG", "ENV_FORCE_FP32", "ENV_BASELINE"]
-
-ENV_RUN_DIR = "AMPROBE_RUN_DIR"
-ENV_CONFIG = "AMPROBE_CONFIG"
-ENV_FORCE_FP32 = "AMPROBE_FORCE_FP32"
-ENV_BASELINE = "AMPROBE_BASELINE"
 
 
 def _force_fp32() -> None:

@@ -1,6 +1,12 @@
 """Command line: parses arguments and calls the package; no logic of its own.
 
 Every user error ends in one line on stderr and a non-zero exit code, never a traceback.
+
+The CLI loads no torch: a run copied from a cluster is read where torch is not installed, and
+`amprobe run`'s launcher process, which lives as long as the job, stays small (the training
+processes load torch, not the launcher). The commands that record in this process or talk to a
+training job (demo, attach, detach) import the capture side (demo, control: torch) inside their
+own function, and only there.
 """
 
 from __future__ import annotations
@@ -11,16 +17,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import amprobe
-from amprobe import control, launcher
+from amprobe import launcher
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
-from amprobe.control import ControlError
-from amprobe.demo import run_demo
 from amprobe.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
 from amprobe.report.compare import render_comparison_json, render_comparison_text
@@ -252,7 +256,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _as_cli_error(*errors: type[Exception]) -> Iterator[None]:
+    """The capture side's user errors (imported with it, inside a command) as one-line errors."""
+    try:
+        yield
+    except errors as exc:
+        raise CliError(str(exc)) from None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from amprobe.demo import run_demo  # the capture side: torch
+
     if args.steps < 10:
         raise CliError("--steps must be at least 10")
     run_dir = run_demo(args.out, steps=args.steps, progress=True)
@@ -320,6 +335,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
+    from amprobe import control  # the capture side: torch
+
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be a positive number of steps")
     if args.pid is not None:
@@ -327,19 +344,21 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("give either a run directory or --pid PID --out DIR, not both")
         if args.out is None:
             raise CliError("--pid needs --out DIR (where to record)")
-        lines = control.attach_pid(
-            args.pid,
-            args.out,
-            steps=args.steps,
-            wait_s=max(args.wait, 30.0),
-            overwrite=args.overwrite,
-        )
+        with _as_cli_error(control.ControlError):
+            lines = control.attach_pid(
+                args.pid,
+                args.out,
+                steps=args.steps,
+                wait_s=max(args.wait, 30.0),
+                overwrite=args.overwrite,
+            )
     else:
         if args.run is None:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-        reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        with _as_cli_error(control.ControlError):
+            reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
         return _print_reply(reply.lines, reply.acknowledged)
     for line in lines:
         print(line)
@@ -359,7 +378,10 @@ def _print_reply(lines: list[str], acknowledged: bool) -> int:
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
-    reply = control.send_control(args.run, "detach", wait_s=args.wait)
+    from amprobe import control  # the capture side: torch
+
+    with _as_cli_error(control.ControlError):
+        reply = control.send_control(args.run, "detach", wait_s=args.wait)
     return _print_reply(reply.lines, reply.acknowledged)
 
 
@@ -443,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError, ControlError) as exc:
+    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError) as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ValueError as exc:

@@ -13,7 +13,24 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Config", "ConfigError", "check_collectors", "make_config", "LIST_KEYS"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "check_collectors",
+    "make_config",
+    "LIST_KEYS",
+    "ENV_RUN_DIR",
+    "ENV_CONFIG",
+    "ENV_FORCE_FP32",
+    "ENV_BASELINE",
+]
+
+#: the environment `amprobe run` passes to the processes it starts (read by amprobe.autoattach);
+#: here, in a leaf, so that the launcher's own process never loads the capture side (torch)
+ENV_RUN_DIR = "AMPROBE_RUN_DIR"  # the run directory (required to activate)
+ENV_CONFIG = "AMPROBE_CONFIG"  # JSON object of Config fields
+ENV_FORCE_FP32 = "AMPROBE_FORCE_FP32"  # "1": autocast and GradScalers off (the FP32 baseline)
+ENV_BASELINE = "AMPROBE_BASELINE"  # the FP32 baseline run, recorded in this run's manifest
 
 #: keys whose value is a list of names; a string is read as comma-separated ("a,b,c")
 LIST_KEYS = ("collectors", "numerics_layers")

@@ -21,8 +21,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from amprobe.autoattach import ENV_BASELINE, ENV_CONFIG, ENV_FORCE_FP32, ENV_RUN_DIR
-from amprobe.config import ConfigError, make_config
+from amprobe.config import (
+    ENV_BASELINE,
+    ENV_CONFIG,
+    ENV_FORCE_FP32,
+    ENV_RUN_DIR,
+    ConfigError,
+    make_config,
+)
 from amprobe.store import layout
 from amprobe.store.layout import StoreError
 

@@ -7,8 +7,11 @@ Layers, lowest first (a module may import its own layer and the layers below it)
     amprobe.store < amprobe.analysis < amprobe.rules < amprobe.report < amprobe.cli, dashboard
     amprobe.demo may import capture and store; amprobe/__init__.py and amprobe/cli.py are top.
 
-Three checks per module: it imports no higher layer, it is in no import cycle with other
-modules, and it has no function-local import except of an optional dependency. Imports under
+Four checks per module: it imports no higher layer, it is in no import cycle with other
+modules, it has no function-local import except of an optional dependency (or, in the CLI, of
+the capture side inside the command that needs it), and, on the read side (config, store,
+analysis, rules, report, dashboard, the CLI, the package itself), it loads no torch at import,
+directly or through any module it imports, parent packages included. Imports under
 ``if TYPE_CHECKING:`` count for layering only (they run no code).
 """
 
@@ -43,9 +46,16 @@ OPTIONAL_INTERNAL = {"dashboard.app", "dashboard.main"}
 #: modules whose one job is to import lazily: `amprobe run`'s sitecustomize runs in every Python
 #: process it starts and must import amprobe only once the program imports torch
 LAZY_BY_DESIGN = {"amprobe._bootstrap.sitecustomize"}
+#: modules that reach the capture side (which loads torch) only inside the function that needs
+#: it: the CLI's demo/attach/detach commands. Only those layers, only there. (The launcher is
+#: imported at the top of the CLI: it must load no torch, which the read-side check of
+#: amprobe.cli enforces.)
+LAZY_CAPTURE = {"amprobe.cli"}
 
 CONFIG, STORE, CAPTURE, CONTROL = "config", "store", "capture", "control"
 ANALYSIS, RULES, REPORT, DEMO, TOP = "analysis", "rules", "report", "demo", "top"
+#: the layers that train or talk to a training job: they import torch
+TORCH_LAYERS = {CAPTURE, CONTROL, DEMO}
 
 #: layer -> the layers it may import (besides its own)
 ALLOWED: dict[str, set[str]] = {
@@ -265,10 +275,56 @@ def local_imports(module: str) -> list[str]:
             continue
         if i.guarded and not _ours(i.target):
             continue  # try: import x / except ImportError: an optional third-party package
+        if module in LAZY_CAPTURE and _ours(i.target) and layer_of(i.target) in TORCH_LAYERS:
+            continue
         message = f"line {i.line}: {module} imports {i.target} inside a function"
         if message not in bad:
             bad.append(message)
     return bad
+
+
+def _is_read_side(module: str) -> bool:
+    """Modules that must load without torch: everything but capture, control, demo and the
+    framework integrations (which run inside a training job), and dashboard.demo (it records
+    runs for the tests and benchmarks; the served dashboard never imports it)."""
+    if module.startswith("amprobe.integrations") or module == "dashboard.demo":
+        return False
+    return module.startswith("dashboard") or layer_of(module) not in TORCH_LAYERS
+
+
+def _parents(module: str) -> list[str]:
+    """The packages Python initializes before ``module`` (``a.b.c`` -> ``a``, ``a.b``)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+
+
+def torch_paths(module: str) -> list[str]:
+    """Chains of import-time imports from ``module`` to torch (empty: importing it loads no
+    torch). Function-local and type-only imports run no code at import; a guarded
+    ``try: import torch`` still loads torch where it is installed, so it counts."""
+    seen: dict[str, str | None] = {module: None}
+    queue = [module]
+    found = []
+    while queue:
+        current = queue.pop(0)
+        steps = [(p, "parent") for p in _parents(current)]
+        steps += [
+            (i.target, f"line {i.line}")
+            for i in IMPORTS[current]
+            if not i.local and not i.type_only
+        ]
+        for target, how in steps:
+            if target.split(".")[0] == "torch":
+                chain, node = [f"{current} ({how}) -> torch"], current
+                while seen[node] is not None:
+                    parent = seen[node]
+                    chain.insert(0, f"{parent} -> {node}")
+                    node = parent
+                found.append(", ".join(chain))
+            elif _ours(target) and target not in seen:
+                seen[target] = current
+                queue.append(target)
+    return found
 
 
 def _params(check: str) -> Iterator[object]:
@@ -290,6 +346,11 @@ def test_in_no_import_cycle(module: str) -> None:
 @pytest.mark.parametrize("module", list(_params("local")))
 def test_no_function_local_import(module: str) -> None:
     assert local_imports(module) == []
+
+
+@pytest.mark.parametrize("module", [m for m in sorted(MODULES) if _is_read_side(m)])
+def test_read_side_loads_no_torch(module: str) -> None:
+    assert torch_paths(module) == []
 
 
 # -- the checker itself -------------------------------------------------------------------------
@@ -320,3 +381,29 @@ def test_the_checker_sees_upward_local_and_cyclic_imports(monkeypatch) -> None:
     ]
     assert local_imports(name) == [f"line 7: {name} imports amprobe.cli inside a function"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None:
+    assert _is_read_side("amprobe.store.loader") and _is_read_side("dashboard.app")
+    assert _is_read_side("amprobe") and _is_read_side("amprobe.cli")
+    assert not _is_read_side("amprobe.probe") and not _is_read_side("amprobe.demo")
+    assert not _is_read_side("dashboard.demo")
+    # a package __init__ that imports the capture side puts torch under every read module in it
+    init = "from amprobe.config import Config\nfrom amprobe.api import attach\n"
+    monkeypatch.setitem(IMPORTS, "amprobe", imports_of("amprobe", init))
+    paths = torch_paths("amprobe.store.loader")
+    assert paths and paths[0].startswith("amprobe.store.loader -> amprobe")
+    assert paths[0].endswith("amprobe.api (line 9) -> torch")
+    # a function-local or type-only import of the capture side loads nothing at import
+    lazy = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from amprobe.probe import Probe\n"
+        "def f():\n    from amprobe.api import attach\n"
+    )
+    monkeypatch.setitem(IMPORTS, "amprobe", imports_of("amprobe", lazy))
+    assert torch_paths("amprobe.store.loader") == []
+    # the CLI may import the capture side inside a command, and nothing else
+    cli = "def run():\n    from amprobe import launcher\ndef f():\n    import amprobe.report\n"
+    monkeypatch.setitem(IMPORTS, "amprobe.cli", imports_of("amprobe.cli", cli))
+    assert local_imports("amprobe.cli") == [
+        "line 4: amprobe.cli imports amprobe.report inside a function"
+    ]

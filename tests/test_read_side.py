@@ -1,0 +1,195 @@
+"""The read side works where torch is not installed (issue 20, item 2).
+
+Each test runs a fresh interpreter whose ``sitecustomize`` makes ``import torch`` raise
+ImportError, as on a laptop that reads a run copied from a cluster. The static twin of these
+tests, which names the import chain that would load torch, is in tests/test_layering.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_runs"
+
+BLOCK_TORCH = """\
+import sys
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"No module named {name!r} (blocked by the test)")
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def _python(tmp_path: Path, *args: str, block_torch: bool = True) -> subprocess.CompletedProcess:
+    site = tmp_path / "no_torch_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCK_TORCH if block_torch else "")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+    env.pop("AMPROBE_RUN_DIR", None)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+
+
+def test_torch_is_really_blocked(tmp_path: Path) -> None:
+    proc = _python(tmp_path, "-c", "import torch")
+    assert proc.returncode != 0
+    assert "blocked by the test" in proc.stderr
+
+
+def test_diagnose_without_torch(tmp_path: Path) -> None:
+    proc = _python(tmp_path, "-m", "amprobe", "diagnose", str(SAMPLES / "overflow"))
+    assert proc.returncode == 0, proc.stderr
+    assert "AMP-N05" in proc.stdout  # the overflow run's first non-finite layer
+    proc = _python(
+        tmp_path, "-m", "amprobe", "diagnose", str(SAMPLES / "overflow"), "--format", "json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    ids = {f["id"] for f in json.loads(proc.stdout)["findings"]}
+    assert {"AMP-N02", "AMP-N03", "AMP-N05"} <= ids
+
+
+def test_report_without_torch(tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    proc = _python(tmp_path, "-m", "amprobe", "report", str(SAMPLES / "overflow"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "AMP-N05" in out.read_text(encoding="utf-8")
+
+
+def test_compare_and_rules_without_torch(tmp_path: Path) -> None:
+    healthy, overflow = str(SAMPLES / "healthy"), str(SAMPLES / "overflow")
+    proc = _python(tmp_path, "-m", "amprobe", "compare", healthy, overflow, "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)
+    proc = _python(tmp_path, "-m", "amprobe", "rules")
+    assert proc.returncode == 0, proc.stderr
+    assert "AMP-S01" in proc.stdout
+
+
+def test_dashboard_app_factory_without_torch(tmp_path: Path) -> None:
+    pytest.importorskip("dash", reason="the dashboard needs dash")
+    code = (
+        "import sys\n"
+        "from dashboard.app import create_app\n"
+        f"app = create_app({str(SAMPLES)!r})\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(type(app).__name__)\n"
+    )
+    proc = _python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "Dash"
+
+
+def test_package_imports_without_torch_and_capture_fails_only_on_use(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import amprobe\n"
+        "assert 'torch' not in sys.modules\n"
+        "amprobe.Config(flush_every=5)\n"
+        f"run = amprobe.load_run({str(SAMPLES / 'overflow')!r})\n"
+        "assert amprobe.diagnose(run).findings\n"
+        "try:\n"
+        "    amprobe.attach\n"
+        "except ImportError as exc:\n"
+        "    print('capture side:', exc)\n"
+    )
+    proc = _python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert "capture side: No module named 'torch'" in proc.stdout
+
+
+def test_capture_side_loads_on_first_use(tmp_path: Path) -> None:
+    """With torch installed, ``amprobe.attach`` etc. are the very objects they always were."""
+    code = (
+        "import sys\n"
+        "import amprobe\n"
+        "assert 'torch' not in sys.modules, 'import amprobe alone loads no torch'\n"
+        "from amprobe import attach, Probe\n"
+        "import amprobe.api, amprobe.probe\n"
+        "assert attach is amprobe.api.attach and amprobe.attach is attach\n"
+        "assert Probe is amprobe.probe.Probe\n"
+        "assert amprobe.current_probe is amprobe.probe.current_probe\n"
+        "assert amprobe.current_probe() is None\n"
+        "assert {'attach', 'Probe', 'current_probe'} <= set(dir(amprobe))\n"
+        "assert set(amprobe.__all__) <= set(dir(amprobe))\n"
+        "try:\n"
+        "    amprobe.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = _python(tmp_path, "-c", code, block_torch=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "module 'amprobe' has no attribute 'no_such_name'" in proc.stdout
+
+
+def test_cli_capture_commands_still_report_user_errors(tmp_path: Path) -> None:
+    """run/attach/detach import the capture side inside the command; their errors stay one line."""
+    proc = _python(
+        tmp_path, "-m", "amprobe", "detach", str(tmp_path / "nothing"), block_torch=False
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("amprobe: error:") and "Traceback" not in proc.stderr
+    proc = _python(tmp_path, "-m", "amprobe", "run", "--", block_torch=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("amprobe: error: no command given")
+
+
+FIRST_AMPROBE_THEN_TORCH = """\
+import sys
+
+if sys.argv[1] == "submodule":
+    import amprobe.probe  # a capture module first: it imports torch while half-initialized
+import amprobe
+import torch
+from torch import nn
+
+model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+if sys.argv[1] == "attach":
+    amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir="own")
+for _ in range(5):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "attach", "submodule"])
+def test_amprobe_run_records_a_script_that_imports_amprobe_before_torch(
+    tmp_path: Path, mode: str
+) -> None:
+    """Under `amprobe run`, a script that imports amprobe (or one of its capture modules) before
+    torch is recorded by one automatic probe; a script's own attach joins it."""
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_AMPROBE_THEN_TORCH)
+    out = tmp_path / "out"
+    proc = _python(
+        tmp_path, "-m", "amprobe", "run", "--out", str(out), "--",
+        sys.executable, str(script), mode, block_torch=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    check = f"import amprobe; print(len(amprobe.load_run({str(out)!r}).steps))"
+    assert _python(tmp_path, "-c", check).stdout.strip() == "5"
+    assert not (tmp_path / "own").exists(), "one probe: attach() joined the automatic one"
