@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,63 @@ def test_unterminated_oversize_tail_is_not_reread(tmp_path, monkeypatch):
     frame, offset2, dropped = read_table(path, "steps", offset)
     assert list(frame["step"]) == [3] and dropped == 0  # the rest of the oversize line skipped
     assert offset2 == path.stat().st_size
+
+
+#: Loads a clean run (allocators and imports warm), then the hostile one; prints the peak RSS
+#: growth the second load caused, in bytes, and the warnings it gave.
+_PEAK_RSS_SCRIPT = """
+import json, resource, sys
+from amprobe.store import load_run
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+def load(path):
+    run = load_run(path)
+    return len(run.steps), run.warnings
+
+load(sys.argv[1])
+before = peak()
+rows, warnings = load(sys.argv[2])
+print(json.dumps({"growth": peak() - before, "rows": rows, "warnings": warnings}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB, sparse files")
+@pytest.mark.parametrize("length", [200_000_000, 1_000_000_000])
+def test_a_complete_oversize_line_costs_no_more_memory_than_the_cap(tmp_path, length):
+    import subprocess
+
+    from amprobe.store import loader
+
+    clean = _write_run(tmp_path / "clean")
+    hostile = _write_run(tmp_path / "hostile")
+    path = hostile / "rank0" / "steps.jsonl"
+    good = path.read_bytes()
+    head = b'{"step": 99, "pad": "'
+    with open(path, "wb") as fh:  # the long run of the line is a hole: no disk, read as NULs
+        fh.write(good + head)
+        fh.truncate(len(good) + len(head) + length)
+        fh.seek(0, os.SEEK_END)
+        fh.write(b'"}\n' + good.replace(b'"window": 0', b'"window": 1'))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(clean), str(hostile)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            timeout=300,
+        )
+    finally:
+        path.unlink()
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["rows"] == 24
+    cap = loader.MAX_RECORD_BYTES
+    assert any(f"1 record(s) longer than {cap} bytes skipped" in w for w in result["warnings"])
+    # a few buffers of the cap's size at once (the chunk read, the chunk joined to the rest of
+    # the line before it), never the line: 198 MB for either line before the fix
+    assert result["growth"] <= 4 * cap, result
 
 
 def test_unterminated_small_tail_is_left_for_the_next_read(tmp_path):
@@ -626,7 +684,6 @@ def test_disk_that_stays_full_keeps_the_events_tail_and_the_clean_close(small_di
 # -- amprobe run: signals, exit statuses, orphans (items 2, 3) -----------------------------------
 import signal  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
