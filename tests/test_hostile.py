@@ -852,6 +852,111 @@ def test_sighup_is_delivered_to_a_child_that_handles_it(tmp_path):
         proc.stdout.close()
 
 
+#: A job whose handler for the signal named in argv[1] counts deliveries and takes a while, as a
+#: checkpoint save would; it prints the count once a second delivery has had time to arrive.
+COUNTING_SCRIPT = """
+import signal, sys, time
+count = 0
+def save(signum, frame):
+    global count
+    count += 1
+    time.sleep(0.5)
+signal.signal(getattr(signal, sys.argv[1]), save)
+print("ready", flush=True)
+for _ in range(600):
+    if count:
+        break
+    time.sleep(0.05)
+time.sleep(1.0)
+print(f"deliveries {count}", flush=True)
+"""
+
+
+def _deliveries(tmp_path: Path, sig: signal.Signals, how: str) -> tuple[int, str]:
+    """Run ``amprobe run -- python COUNTING_SCRIPT``, send ``sig`` once the job is ready, the way
+    ``how`` says; return (exit status, everything printed).
+
+    ``how``: "ctrl-c" (a pseudo-terminal's Ctrl-C), "terminal-group" (the signal sent to the
+    process group of amprobe run, the terminal's foreground job, as ``kill -INT %1`` does),
+    "group" (to amprobe's process group with no terminal: CI runners, scancel), "timeout" (to
+    amprobe's process, then at once to its group, as ``timeout -s SIG`` does) or "alone" (to
+    amprobe's process only)."""
+    script = tmp_path / "job.py"
+    script.write_text(COUNTING_SCRIPT)
+    argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), sig.name)
+    if how in ("ctrl-c", "terminal-group"):
+        import pty
+
+        pid, master = pty.fork()
+        if pid == 0:  # a new session whose controlling terminal (foreground: us) is the pty
+            try:
+                os.execve(sys.executable, argv, _env())
+            finally:
+                os._exit(127)
+        out = ""
+        try:
+            out += _read_until(_Fd(master), "ready", timeout=120)
+            if how == "ctrl-c":
+                os.write(master, b"\x03")  # the line discipline signals the foreground group
+            else:
+                os.killpg(pid, sig)
+            out += _read_until(_Fd(master), "deliveries", timeout=60)
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status), out
+        finally:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            os.close(master)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,  # no controlling terminal
+    )
+    try:
+        out = _read_until(proc.stdout, "ready", timeout=120)
+        if how == "group":
+            os.killpg(proc.pid, sig)
+        elif how == "timeout":  # what `timeout -s SIG` does: to its child, then to its group
+            proc.send_signal(sig)
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        return code, out + proc.stdout.read().decode()
+    finally:
+        _kill_group(proc)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("sig", "how"),
+    [
+        (signal.SIGINT, "ctrl-c"),
+        (signal.SIGINT, "terminal-group"),
+        (signal.SIGINT, "group"),
+        (signal.SIGINT, "timeout"),
+        (signal.SIGINT, "alone"),
+        (signal.SIGTERM, "terminal-group"),
+        (signal.SIGTERM, "group"),
+        (signal.SIGTERM, "timeout"),
+        (signal.SIGTERM, "alone"),
+    ],
+)
+def test_a_signal_reaches_the_job_exactly_once(tmp_path, sig, how):
+    code, out = _deliveries(tmp_path, sig, how)
+    assert "deliveries 1" in out, out
+    assert code == 0, out
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
