@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -955,6 +956,56 @@ def test_a_signal_reaches_the_job_exactly_once(tmp_path, sig, how):
     code, out = _deliveries(tmp_path, sig, how)
     assert "deliveries 1" in out, out
     assert code == 0, out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash for its job control")
+def test_ctrl_z_stops_the_job_and_fg_resumes_it(tmp_path):
+    """The job in a process group of its own still stops with Ctrl-Z and resumes with `fg`, as in
+    an interactive shell without amprobe; the Ctrl-C after it reaches the job once."""
+    import pty
+
+    script = tmp_path / "job.py"
+    script.write_text(COUNTING_SCRIPT)
+    argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), "SIGINT")
+    pid, master = pty.fork()
+    if pid == 0:
+        try:
+            env = {**_env(), "PS1": "prompt$ ", "TERM": "dumb"}
+            os.execvpe("bash", ["bash", "--norc", "--noprofile", "-i"], env)
+        finally:
+            os._exit(127)
+    try:
+
+        def until(after: str, text: str) -> str:  # read to `text` printed after `after`
+            seen = _read_until(_Fd(master), after, timeout=60)
+            if text not in seen.split(after, 1)[1]:
+                seen += _read_until(_Fd(master), text, timeout=60)
+            return seen
+
+        _read_until(_Fd(master), "prompt$ ", timeout=30)
+        command = " ".join(f"'{arg}'" for arg in argv)
+        os.write(master, f"{command}\r".encode())
+        _read_until(_Fd(master), "ready", timeout=120)
+        os.write(master, b"\x1a")  # Ctrl-Z
+        until("Stopped", "prompt$ ")
+        os.write(master, b"fg\r")
+        time.sleep(0.5)  # let the job run on before it is interrupted
+        os.write(master, b"\x03")  # Ctrl-C
+        out = until("deliveries", "prompt$ ")
+        os.write(master, b"echo status=$?\r")
+        out += until("status=", "prompt$ ")
+        assert "deliveries 1" in out, out
+        assert "status=0" in out, out
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        os.close(master)
 
 
 def _gone(pid: int) -> bool:
