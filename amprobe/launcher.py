@@ -3,12 +3,13 @@
 Used by ``amprobe run`` and ``amprobe baseline``. The child's output passes through unchanged
 and its exit status too (a child killed by signal N gives ``128 + N``, as in a shell: SIGTERM
 143, an uncaught KeyboardInterrupt 130); amprobe's own failures after the child ends never
-change it. SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 reach the child exactly once, whoever
-sends them: the child leads a process group of its own, which is the terminal's foreground group
-when ``amprobe run`` was, so a terminal's Ctrl-C reaches the child alone, and a signal sent to
-amprobe's group (``timeout -s INT``, CI runners, ``scancel --signal``) or to amprobe alone
-reaches amprobe alone, which passes it on once. Ctrl-Z stops the child and amprobe's job with it.
-The child gets SIGTERM if ``amprobe run`` itself dies (Linux), so it never trains on as an orphan.
+change it. SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 reach the child exactly once:
+the child leads a process group of its own, which is the terminal's foreground group when
+``amprobe run`` was, so a terminal's Ctrl-C reaches the child alone, and a signal sent to
+amprobe's group (``timeout -s INT``, CI runners) or to amprobe alone reaches amprobe alone,
+which passes it on once (a sender that signals each process by itself, ``pkill -f``, still
+reaches the child twice). Ctrl-Z stops the child and amprobe's job with it. The child gets
+SIGTERM if ``amprobe run`` itself dies (Linux), so it never trains on as an orphan.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ def exit_status(returncode: int) -> int:
 
 
 #: Signals ``amprobe run`` passes on to the child. The child runs in a process group of its own,
-#: so a signal sent to amprobe's group (``timeout``, CI runners, ``scancel``) reaches only
-#: amprobe, which passes it on once; a terminal's signals go to the child's group directly (it
-#: is the terminal's foreground group) and never through amprobe. SIGUSR1 and SIGUSR2 (a job
+#: so a signal sent to amprobe's group (``timeout``, CI runners) reaches only amprobe, which
+#: passes it on once; a terminal's signals go to the child's group directly (it is the
+#: terminal's foreground group) and never through amprobe. A sender that signals every process
+#: by itself (``pkill -f``) still reaches the child twice. SIGUSR1 and SIGUSR2 (a job
 #: scheduler's "time is nearly up") would otherwise end amprobe instead of reaching the job.
 _FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 #: The same signal received again within this many seconds of the one passed on is the same event
