@@ -3,20 +3,26 @@
 Used by ``amprobe run`` and ``amprobe baseline``. The child's output passes through unchanged
 and its exit status too (a child killed by signal N gives ``128 + N``, as in a shell: SIGTERM
 143, an uncaught KeyboardInterrupt 130); amprobe's own failures after the child ends never
-change it. SIGTERM, SIGHUP, SIGINT and SIGQUIT reach the child exactly once: the terminal
-already sends Ctrl-C to the child (same process group), so that one is not sent again. The child
-gets SIGTERM if ``amprobe run`` itself dies (Linux), so it never trains on as an orphan.
+change it. SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 reach the child exactly once:
+the child leads a process group of its own, which is the terminal's foreground group when
+``amprobe run`` was, so a terminal's Ctrl-C reaches the child alone, and a signal sent to
+amprobe's group (``timeout -s INT``, CI runners) or to amprobe alone reaches amprobe alone,
+which passes it on once (a sender that signals each process by itself, ``pkill -f``, still
+reaches the child twice). Ctrl-Z stops the child and amprobe's job with it. The child gets
+SIGTERM if ``amprobe run`` itself dies (Linux), so it never trains on as an orphan.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,59 +118,69 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-#: Signals forwarded to the child. The terminal sends SIGINT, SIGQUIT and (on hang-up) SIGHUP
-#: to the whole foreground process group, child included: those are forwarded only when the
-#: child would not get them that way (see :func:`_child_gets_terminal_signals`).
-_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-_TERMINAL = ("SIGINT", "SIGQUIT", "SIGHUP")
+#: Signals ``amprobe run`` passes on to the child. The child runs in a process group of its own,
+#: so a signal sent to amprobe's group (``timeout``, CI runners) reaches only amprobe, which
+#: passes it on once; a terminal's signals go to the child's group directly (it is the
+#: terminal's foreground group) and never through amprobe. A sender that signals every process
+#: by itself (``pkill -f``) still reaches the child twice. SIGUSR1 and SIGUSR2 (a job
+#: scheduler's "time is nearly up") would otherwise end amprobe instead of reaching the job.
+_FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: The same signal received again within this many seconds of the one passed on is the same event
+#: sent twice and is not passed on again: ``timeout`` signals amprobe and then amprobe's group,
+#: microseconds apart, and a process receiving both before its handler runs sees one (as the
+#: training process alone would).
+_SAME_SIGNAL_S = 0.2
 
 
-def _foreground_group() -> int | None:
-    """The foreground process group of this process's controlling terminal, if any."""
-    for stream in (sys.stdin, sys.stdout, sys.stderr):
-        try:
-            return os.tcgetpgrp(stream.fileno())
-        except (OSError, AttributeError, ValueError):
-            continue
+def _controlling_terminal() -> int | None:
+    """A descriptor on this process's controlling terminal, or ``None`` without one."""
     try:
-        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NONBLOCK)
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        return os.tcgetpgrp(fd)
+        os.tcgetpgrp(fd)
     except OSError:
-        return None
-    finally:
         os.close(fd)
+        return None
+    return fd
 
 
-def _child_gets_terminal_signals(child_pid: int) -> bool:
-    """Whether a signal the terminal sends reaches the child by itself (the child is in the
-    terminal's foreground process group, as ``amprobe run`` started it)."""
+def _set_foreground(tty: int, group: int) -> None:
+    """Make ``group`` the terminal's foreground process group. SIGTTOU is blocked meanwhile: a
+    process outside the foreground group may hand the terminal over (as shells do)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
     try:
-        group = os.getpgid(child_pid)
+        os.tcsetpgrp(tty, group)
     except OSError:
-        return False
-    return group == os.getpgrp() and _foreground_group() == group
+        pass
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGTERM when ``amprobe run`` dies
-    (``PR_SET_PDEATHSIG``, Linux), so a killed wrapper never leaves the job training as an
-    orphan. ``None`` where the OS has no such call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
+def _child_setup(tty: int | None) -> Callable[[], None]:
+    """The ``preexec_fn``: the child leads a process group of its own, made the terminal's
+    foreground group when ``tty`` is given (amprobe run was in the foreground), so that a
+    terminal's Ctrl-C reaches the child alone and a group signal reaches amprobe alone; and, on
+    Linux, the child receives SIGTERM when ``amprobe run`` dies (``PR_SET_PDEATHSIG``), so a
+    killed wrapper never leaves the job training as an orphan."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        try:
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            prctl = None
     parent = os.getpid()
     pr_set_pdeathsig = 1
 
     def setup() -> None:  # runs in the child between fork and exec: system calls only
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the wrapper died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+        os.setpgid(0, 0)
+        if tty is not None:  # before exec, so the job never reads the terminal from behind
+            _set_foreground(tty, os.getpgrp())
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # the wrapper died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
 
     return setup
 
@@ -200,34 +216,48 @@ def launch(
                 file=sys.stderr,
             )
     env = bootstrap_env(run_dir, config, force_fp32=force_fp32, baseline=baseline)
+    tty = _controlling_terminal()
     try:
-        child = subprocess.Popen(list(command), env=env, preexec_fn=_die_with_parent())
-    except FileNotFoundError:
-        _remove_if_empty(created)
-        raise LaunchError(f"command not found: {command[0]}") from None
-    except PermissionError:
-        _remove_if_empty(created)
-        raise LaunchError(f"command is not executable: {command[0]}") from None
-    except OSError as exc:
-        _remove_if_empty(created)
-        raise LaunchError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
-    code = exit_status(_supervise(child))
+        # hand the terminal to the child only if it is ours now (not a background job)
+        foreground = tty is not None and os.tcgetpgrp(tty) == os.getpgrp()
+        try:
+            child = subprocess.Popen(
+                list(command), env=env, preexec_fn=_child_setup(tty if foreground else None)
+            )
+        except OSError as exc:
+            if foreground and tty is not None:  # the child took the terminal, then failed exec
+                _set_foreground(tty, os.getpgrp())
+            _remove_if_empty(created)
+            if isinstance(exc, FileNotFoundError):
+                raise LaunchError(f"command not found: {command[0]}") from None
+            if isinstance(exc, PermissionError):
+                raise LaunchError(f"command is not executable: {command[0]}") from None
+            raise LaunchError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
+        code = exit_status(_supervise(child, tty))
+    finally:
+        if tty is not None:
+            os.close(tty)
     if summarize is not None:
         summarize(run_dir)
     return code
 
 
-def _supervise(child: subprocess.Popen[bytes]) -> int:
-    """Wait for the child, passing on each signal it would not get otherwise; its return code.
+def _supervise(child: subprocess.Popen[bytes], tty: int | None) -> int:
+    """Wait for the child, passing on each signal amprobe receives once; its return code.
 
-    SIGTERM always reaches the child through ``amprobe run``; SIGINT, SIGQUIT and SIGHUP only
-    when the terminal did not already deliver them to it (so Ctrl-C arrives once).
+    With a controlling terminal ``tty``, a stopped child (Ctrl-Z, a background read) stops
+    amprobe's job too, with the terminal given back, so the shell regains control; ``fg`` or
+    ``bg`` continues amprobe, which continues the child (handing it the terminal again when
+    amprobe is in the foreground).
     """
 
+    forwarded: dict[int, float] = {}
+
     def forward(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if name in _TERMINAL and _child_gets_terminal_signals(child.pid):
-            return
+        now = time.monotonic()
+        if now - forwarded.get(signum, -math.inf) < _SAME_SIGNAL_S:
+            return  # one event sent twice (timeout: to amprobe, then to its group)
+        forwarded[signum] = now
         try:
             child.send_signal(signum)
         except ProcessLookupError:
@@ -245,9 +275,43 @@ def _supervise(child: subprocess.Popen[bytes]) -> int:
     try:
         while True:
             try:
-                return child.wait()
+                _, status = os.waitpid(child.pid, os.WUNTRACED if tty is not None else 0)
             except KeyboardInterrupt:  # a handler we did not replace: keep waiting
                 continue
+            except ChildProcessError:  # reaped elsewhere (not expected): as Popen would say
+                return child.wait()
+            if tty is not None and os.WIFSTOPPED(status):
+                _stop_with_child(child.pid, tty, os.WSTOPSIG(status))
+                continue
+            child.returncode = os.waitstatus_to_exitcode(status)
+            return child.returncode
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if tty is not None and _foreground(tty) == child.pid:
+            _set_foreground(tty, os.getpgrp())  # the terminal back before the summary
+
+
+def _foreground(tty: int) -> int | None:
+    try:
+        return os.tcgetpgrp(tty)
+    except OSError:
+        return None
+
+
+def _stop_with_child(group: int, tty: int, stopped_by: int) -> None:
+    """The child's group stopped: stop amprobe's job the same way (the terminal given back to
+    it first), and when amprobe is continued, continue the child's group."""
+    if _foreground(tty) == group:
+        _set_foreground(tty, os.getpgrp())
+    stops = (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+    try:  # the shell sees its job stop; this returns once amprobe is continued
+        os.killpg(os.getpgrp(), stopped_by if stopped_by in stops else signal.SIGSTOP)
+    except OSError:
+        pass
+    if _foreground(tty) == os.getpgrp():  # `fg`: the terminal goes back to the child
+        _set_foreground(tty, group)
+    try:
+        os.killpg(group, signal.SIGCONT)
+    except OSError:
+        pass

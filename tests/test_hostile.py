@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,6 +246,63 @@ def test_unterminated_oversize_tail_is_not_reread(tmp_path, monkeypatch):
     frame, offset2, dropped = read_table(path, "steps", offset)
     assert list(frame["step"]) == [3] and dropped == 0  # the rest of the oversize line skipped
     assert offset2 == path.stat().st_size
+
+
+#: Loads a clean run (allocators and imports warm), then the hostile one; prints the peak RSS
+#: growth the second load caused, in bytes, and the warnings it gave.
+_PEAK_RSS_SCRIPT = """
+import json, resource, sys
+from amprobe.store import load_run
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+def load(path):
+    run = load_run(path)
+    return len(run.steps), run.warnings
+
+load(sys.argv[1])
+before = peak()
+rows, warnings = load(sys.argv[2])
+print(json.dumps({"growth": peak() - before, "rows": rows, "warnings": warnings}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB, sparse files")
+@pytest.mark.parametrize("length", [200_000_000, 1_000_000_000])
+def test_a_complete_oversize_line_costs_no_more_memory_than_the_cap(tmp_path, length):
+    import subprocess
+
+    from amprobe.store import loader
+
+    clean = _write_run(tmp_path / "clean")
+    hostile = _write_run(tmp_path / "hostile")
+    path = hostile / "rank0" / "steps.jsonl"
+    good = path.read_bytes()
+    head = b'{"step": 99, "pad": "'
+    with open(path, "wb") as fh:  # the long run of the line is a hole: no disk, read as NULs
+        fh.write(good + head)
+        fh.truncate(len(good) + len(head) + length)
+        fh.seek(0, os.SEEK_END)
+        fh.write(b'"}\n' + good.replace(b'"window": 0', b'"window": 1'))
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_SCRIPT, str(clean), str(hostile)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            timeout=300,
+        )
+    finally:
+        path.unlink()
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["rows"] == 24
+    cap = loader.MAX_RECORD_BYTES
+    assert any(f"1 record(s) longer than {cap} bytes skipped" in w for w in result["warnings"])
+    # a few buffers of the cap's size at once (the chunk read, the chunk joined to the rest of
+    # the line before it), never the line: 198 MB for either line before the fix
+    assert result["growth"] <= 4 * cap, result
 
 
 def test_unterminated_small_tail_is_left_for_the_next_read(tmp_path):
@@ -626,7 +685,6 @@ def test_disk_that_stays_full_keeps_the_events_tail_and_the_clean_close(small_di
 # -- amprobe run: signals, exit statuses, orphans (items 2, 3) -----------------------------------
 import signal  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
@@ -793,6 +851,161 @@ def test_sighup_is_delivered_to_a_child_that_handles_it(tmp_path):
     finally:
         _kill_group(proc)
         proc.stdout.close()
+
+
+#: A job whose handler for the signal named in argv[1] counts deliveries and takes a while, as a
+#: checkpoint save would; it prints the count once a second delivery has had time to arrive.
+COUNTING_SCRIPT = """
+import signal, sys, time
+count = 0
+def save(signum, frame):
+    global count
+    count += 1
+    time.sleep(0.5)
+signal.signal(getattr(signal, sys.argv[1]), save)
+print("ready", flush=True)
+for _ in range(600):
+    if count:
+        break
+    time.sleep(0.05)
+time.sleep(1.0)
+print(f"deliveries {count}", flush=True)
+"""
+
+
+def _deliveries(tmp_path: Path, sig: signal.Signals, how: str) -> tuple[int, str]:
+    """Run ``amprobe run -- python COUNTING_SCRIPT``, send ``sig`` once the job is ready, the way
+    ``how`` says; return (exit status, everything printed).
+
+    ``how``: "ctrl-c" (a pseudo-terminal's Ctrl-C), "terminal-group" (the signal sent to the
+    process group of amprobe run, the terminal's foreground job, as ``kill -INT %1`` does),
+    "group" (to amprobe's process group with no terminal: CI runners, scancel), "timeout" (to
+    amprobe's process, then at once to its group, as ``timeout -s SIG`` does) or "alone" (to
+    amprobe's process only)."""
+    script = tmp_path / "job.py"
+    script.write_text(COUNTING_SCRIPT)
+    argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), sig.name)
+    if how in ("ctrl-c", "terminal-group"):
+        import pty
+
+        pid, master = pty.fork()
+        if pid == 0:  # a new session whose controlling terminal (foreground: us) is the pty
+            try:
+                os.execve(sys.executable, argv, _env())
+            finally:
+                os._exit(127)
+        out = ""
+        try:
+            out += _read_until(_Fd(master), "ready", timeout=120)
+            if how == "ctrl-c":
+                os.write(master, b"\x03")  # the line discipline signals the foreground group
+            else:
+                os.killpg(pid, sig)
+            out += _read_until(_Fd(master), "deliveries", timeout=60)
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status), out
+        finally:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            os.close(master)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=_env(),
+        start_new_session=True,  # no controlling terminal
+    )
+    try:
+        out = _read_until(proc.stdout, "ready", timeout=120)
+        if how == "group":
+            os.killpg(proc.pid, sig)
+        elif how == "timeout":  # what `timeout -s SIG` does: to its child, then to its group
+            proc.send_signal(sig)
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        return code, out + proc.stdout.read().decode()
+    finally:
+        _kill_group(proc)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("sig", "how"),
+    [
+        (signal.SIGINT, "ctrl-c"),
+        (signal.SIGINT, "terminal-group"),
+        (signal.SIGINT, "group"),
+        (signal.SIGINT, "timeout"),
+        (signal.SIGINT, "alone"),
+        (signal.SIGTERM, "terminal-group"),
+        (signal.SIGTERM, "group"),
+        (signal.SIGTERM, "timeout"),
+        (signal.SIGTERM, "alone"),
+    ],
+)
+def test_a_signal_reaches_the_job_exactly_once(tmp_path, sig, how):
+    code, out = _deliveries(tmp_path, sig, how)
+    assert "deliveries 1" in out, out
+    assert code == 0, out
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash for its job control")
+def test_ctrl_z_stops_the_job_and_fg_resumes_it(tmp_path):
+    """The job in a process group of its own still stops with Ctrl-Z and resumes with `fg`, as in
+    an interactive shell without amprobe; the Ctrl-C after it reaches the job once."""
+    import pty
+
+    script = tmp_path / "job.py"
+    script.write_text(COUNTING_SCRIPT)
+    argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), "SIGINT")
+    pid, master = pty.fork()
+    if pid == 0:
+        try:
+            env = {**_env(), "PS1": "prompt$ ", "TERM": "dumb"}
+            os.execvpe("bash", ["bash", "--norc", "--noprofile", "-i"], env)
+        finally:
+            os._exit(127)
+    try:
+
+        def until(after: str, text: str) -> str:  # read to `text` printed after `after`
+            seen = _read_until(_Fd(master), after, timeout=60)
+            if text not in seen.split(after, 1)[1]:
+                seen += _read_until(_Fd(master), text, timeout=60)
+            return seen
+
+        _read_until(_Fd(master), "prompt$ ", timeout=30)
+        command = " ".join(f"'{arg}'" for arg in argv)
+        os.write(master, f"{command}\r".encode())
+        _read_until(_Fd(master), "ready", timeout=120)
+        os.write(master, b"\x1a")  # Ctrl-Z
+        until("Stopped", "prompt$ ")
+        os.write(master, b"fg\r")
+        time.sleep(0.5)  # let the job run on before it is interrupted
+        os.write(master, b"\x03")  # Ctrl-C
+        out = until("deliveries", "prompt$ ")
+        os.write(master, b"echo status=$?\r")
+        out += until("status=", "prompt$ ")
+        assert "deliveries 1" in out, out
+        assert "status=0" in out, out
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        os.close(master)
 
 
 def _gone(pid: int) -> bool:
