@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GRAPH_SAMPLE", "COLUMNS", "graph_stats_hook", "new_buffer"]
+__all__ = ["GRAPH_SAMPLE", "COLUMNS", "first_float", "graph_stats_hook", "new_buffer"]
 
 
 class _Flag:
@@ -41,7 +41,8 @@ def new_buffer(slots: int, device: torch.device | None) -> torch.Tensor:
     return torch.zeros(slots + 1, len(COLUMNS), dtype=torch.float64, device=device)
 
 
-def _first_float(out: Any) -> torch.Tensor | None:
+def first_float(out: Any) -> torch.Tensor | None:
+    """A module output's first floating tensor (the output itself, or in a tuple/list)."""
     if isinstance(out, torch.Tensor):
         return out if out.is_floating_point() else None
     if isinstance(out, (tuple, list)):
@@ -57,7 +58,7 @@ def graph_stats_hook(buf: torch.Tensor, slot: int) -> Any:
     def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
         if not GRAPH_SAMPLE.on:
             return
-        x = _first_float(out)
+        x = first_float(out)
         if x is None or x.device != buf.device or x.numel() == 0:
             return
         with torch.no_grad():

@@ -71,7 +71,7 @@ from torch.amp import GradScaler
 
 from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.compiled import is_compiling, unwrap_compiled
-from amprobe.collectors.graphstats import GRAPH_SAMPLE, graph_stats_hook, new_buffer
+from amprobe.collectors.graphstats import GRAPH_SAMPLE, first_float, graph_stats_hook, new_buffer
 from amprobe.collectors.numstats import C_AMAX as _C_AMAX
 from amprobe.collectors.numstats import C_FLUSH16 as _C_FLUSH16
 from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
@@ -550,7 +550,7 @@ class NumericsCollector(Collector):
         return cap.scale
 
     def _on_forward(self, slots: tuple[int, int | None, int | None], args: Any, out: Any) -> None:
-        tensor = _first_float(out)
+        tensor = first_float(out)
         if tensor is None:
             return
         gout = slots[1]
@@ -903,16 +903,6 @@ class NumericsCollector(Collector):
         for handle in self._graph_handles:
             handle.remove()
         self._graph_handles.clear()
-
-
-def _first_float(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out if out.is_floating_point() else None
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            if isinstance(item, torch.Tensor) and item.is_floating_point():
-                return item
-    return None
 
 
 def _to_host(watch: list[dict[str, Any]]) -> list[dict[str, Any]]:
