@@ -1,7 +1,9 @@
 """Overhead of amprobe on a compiled transformer: step CPU time, probe on vs off, side by side.
 
 Usage: ``python benchmarks/bench_compile.py [--backend inductor|aot_eager] [--blocks N]
-[--steps N]``.
+[--steps N]``, or ``--fresh N`` for N alternating pairs of fresh processes in which amprobe
+attaches before the first compiled call (so its in-graph statistics hooks are compiled in, as
+under ``amprobe run``).
 
 The benchmark's TinyGPT (4 layers, d=256) is wrapped in ``torch.compile`` and warmed up (its
 graphs compiled) before any timing; then blocks of plain steps and of steps with
@@ -15,7 +17,9 @@ compiled graph on every step (a counting backend wrapper) and compiled nothing n
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,12 +36,66 @@ from train_compiled import CALLS, counting  # noqa: E402  (the tests' counting b
 import amprobe  # noqa: E402
 
 
+def one_job(backend: str, probed: bool, steps: int) -> None:
+    """A fresh process's job (``--job``): attach (or not) before the first compiled call, so
+    the in-graph statistics hooks are compiled in; prints one JSON line with the step times."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    compiled = torch.compile(model, backend=counting(backend))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = (
+            amprobe.attach(model=compiled, optimizer=opt, run_dir=tmp + "/run") if probed else None
+        )
+        times = train_steps(compiled, opt, None, torch.bfloat16, make_batch(), steps + 3)[3:]
+        if probe is not None:
+            probe.close()
+    from torch._dynamo.utils import counters
+
+    print(
+        json.dumps(
+            {"times": times, "calls": CALLS["graph_calls"], "frames": counters["frames"]["total"]}
+        )
+    )
+
+
+def fresh(backend: str, pairs: int, steps: int) -> None:
+    """Alternating fresh processes, plain and probed from the start; median of pair ratios."""
+    ratios, medians = [], {"off": [], "amprobe": []}
+    for pair in range(pairs):
+        order = ["off", "amprobe"] if pair % 2 == 0 else ["amprobe", "off"]
+        result = {}
+        for name in order:
+            argv = [sys.executable, __file__, "--job", name, "--backend", backend]
+            out = subprocess.run(
+                [*argv, "--steps", str(steps)], capture_output=True, text=True, check=True
+            )
+            result[name] = json.loads(out.stdout.strip().splitlines()[-1])
+            medians[name].append(statistics.median(result[name]["times"]))
+        ratios.append(medians["amprobe"][-1] / medians["off"][-1])
+        print(
+            f"pair {pair}: off {medians['off'][-1] * 1e3:.1f} ms, amprobe "
+            f"{medians['amprobe'][-1] * 1e3:.1f} ms, ratio {ratios[-1]:.3f}; graph calls "
+            f"{result['off']['calls']} / {result['amprobe']['calls']}, frames compiled "
+            f"{result['off']['frames']} / {result['amprobe']['frames']}"
+        )
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; 1 intra-op thread; {backend}")
+    print(f"median of pair ratios (step CPU time, amprobe / off): {statistics.median(ratios):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=100, help="steps per block")
+    ap.add_argument("--fresh", type=int, default=0, help="N alternating pairs of fresh processes")
+    ap.add_argument("--job", choices=["off", "amprobe"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.job:
+        return one_job(args.backend, args.job == "amprobe", args.steps)
+    if args.fresh:
+        return fresh(args.backend, args.fresh, args.steps)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyGPT()
