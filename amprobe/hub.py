@@ -30,7 +30,6 @@ installs is removed by :meth:`Hub.close`, in the reverse order of installation.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
@@ -65,20 +64,13 @@ from amprobe.collectors.compiled import (
 from amprobe.collectors.discovery import find_live_training_objects
 from amprobe.collectors.engines import SOURCES, EngineScaler, StepSource
 from amprobe.collectors.patching import Patch, patch
+from amprobe.collectors.sites import dtype_name, user_call_site
 
 if TYPE_CHECKING:
     from amprobe.probe import Probe
 
 __all__ = ["EVENTS", "Hub", "dtype_name", "user_call_site"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-#: amprobe's capture code: frames from these files are the probe's, never the user's
-_OWN_PATHS = (
-    os.path.join(_PKG_DIR, "hub.py"),
-    os.path.join(_PKG_DIR, "probe.py"),
-    os.path.join(_PKG_DIR, "collectors") + os.sep,
-)
 # frames that torch's decorators (no_grad and friends) put between clip_grad_norm_ and its helper
 _DECORATOR_FRAMES = frozenset({"_no_grad_wrapper", "decorate_context", "wrapper", "inner"})
 _DISCOVERY_STEPS = 3  # give up finding a root model after this many steps
@@ -116,30 +108,6 @@ _EVENT_TABLE: dict[str, bool] = {
 }
 EVENTS = tuple(_EVENT_TABLE)
 _ALWAYS = frozenset(name for name, dormant in _EVENT_TABLE.items() if dormant)
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).replace("torch.", "") if dtype is not None else None
-
-
-def user_call_site(depth: int = 2) -> str | None:
-    """``file:line`` of the first caller outside torch and amprobe's capture code (no tensor work)."""
-    try:
-        frame = sys._getframe(depth)
-    except ValueError:
-        return None
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_PATHS)):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
-def is_own_frame(filename: str) -> bool:
-    """True for a frame of amprobe's capture code."""
-    return filename.startswith(_OWN_PATHS)
 
 
 def _inside_unwrapped_scaler_step() -> bool:

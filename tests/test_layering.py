@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -407,3 +409,15 @@ def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None
     assert local_imports("amprobe.cli") == [
         "line 4: amprobe.cli imports amprobe.report inside a function"
     ]
+
+
+@pytest.mark.parametrize(
+    "module", ["amprobe.hub", "amprobe.probe", "amprobe.collectors", "amprobe.collectors.syncs"]
+)
+def test_capture_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
+    """``import amprobe.hub`` as a program's first amprobe import must not fail halfway (a
+    collector that imported the hub back did, once ``amprobe`` stopped loading it eagerly)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -28,7 +28,7 @@ from torch.utils.module_tracker import ModuleTracker
 from amprobe.collectors.base import Collector, StepFacts, due
 from amprobe.collectors.compiled import unwrap_compiled
 from amprobe.collectors.sharded import user_class_name, user_module_name
-from amprobe.hub import dtype_name
+from amprobe.collectors.sites import dtype_name
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
 

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from amprobe.collectors.base import Collector, StepFacts
 from amprobe.collectors.frameworks import framework_amp_facts
 from amprobe.collectors.sharded import sharding_facts
-from amprobe.hub import dtype_name, user_call_site
+from amprobe.collectors.sites import dtype_name, user_call_site
 from amprobe.store.fields import Field, fields_of
 
 __all__ = ["ScalerCollector"]

@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
-from amprobe.hub import is_own_frame
+from amprobe.collectors.sites import TORCH_DIR as _TORCH_DIR
+from amprobe.collectors.sites import is_own_frame
 
 __all__ = ["SyncCounter", "SYNC_OPS"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
 _DATA_DIR = os.path.join(_TORCH_DIR, "utils", "data") + os.sep
 _GRAD_SCALER_FILES = ("grad_scaler.py", "sharded_grad_scaler.py")
