@@ -756,20 +756,40 @@ class _Fd:
         return self.fd
 
 
+def _in_pty(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
+    """Start ``argv`` in a new session whose controlling terminal is a new pty: (pid, master)."""
+    import pty
+
+    pid, master = pty.fork()
+    if pid == 0:
+        try:
+            os.execvpe(argv[0], argv, env)
+        finally:
+            os._exit(127)
+    return pid, master
+
+
+def _close_pty(pid: int, master: int) -> None:
+    """Kill what is left of the pty's session and close its master side."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    os.close(master)
+
+
 def _run_in_terminal(tmp_path: Path, script: str) -> tuple[int, str]:
     """Run ``amprobe run -- python script`` in a pseudo-terminal, press Ctrl-C once when the
     script is ready; return (exit status, everything printed)."""
-    import pty
 
     script_path = tmp_path / "job.py"
     script_path.write_text(script)
     argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script_path))
-    pid, master = pty.fork()
-    if pid == 0:  # the child: a new session whose controlling terminal is the pty
-        try:
-            os.execve(sys.executable, argv, _env())
-        finally:
-            os._exit(127)
+    pid, master = _in_pty(argv, _env())  # a new session whose controlling terminal is the pty
     out = ""
     try:
         out += _read_until(_Fd(master), "ready", timeout=120)
@@ -788,15 +808,7 @@ def _run_in_terminal(tmp_path: Path, script: str) -> tuple[int, str]:
                 return os.waitstatus_to_exitcode(status), out
         raise AssertionError(f"amprobe run did not exit; output {out!r}")
     finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        os.close(master)
+        _close_pty(pid, master)
 
 
 def test_ctrl_c_arrives_once(tmp_path):
@@ -886,14 +898,7 @@ def _deliveries(tmp_path: Path, sig: signal.Signals, how: str) -> tuple[int, str
     script.write_text(COUNTING_SCRIPT)
     argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), sig.name)
     if how in ("ctrl-c", "terminal-group"):
-        import pty
-
-        pid, master = pty.fork()
-        if pid == 0:  # a new session whose controlling terminal (foreground: us) is the pty
-            try:
-                os.execve(sys.executable, argv, _env())
-            finally:
-                os._exit(127)
+        pid, master = _in_pty(argv, _env())  # a new session; its foreground is the pty's
         out = ""
         try:
             out += _read_until(_Fd(master), "ready", timeout=120)
@@ -905,15 +910,7 @@ def _deliveries(tmp_path: Path, sig: signal.Signals, how: str) -> tuple[int, str
             _, status = os.waitpid(pid, 0)
             return os.waitstatus_to_exitcode(status), out
         finally:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            os.close(master)
+            _close_pty(pid, master)
     proc = subprocess.Popen(
         argv,
         stdin=subprocess.DEVNULL,
@@ -962,18 +959,12 @@ def test_a_signal_reaches_the_job_exactly_once(tmp_path, sig, how):
 def test_ctrl_z_stops_the_job_and_fg_resumes_it(tmp_path):
     """The job in a process group of its own still stops with Ctrl-Z and resumes with `fg`, as in
     an interactive shell without amprobe; the Ctrl-C after it reaches the job once."""
-    import pty
 
     script = tmp_path / "job.py"
     script.write_text(COUNTING_SCRIPT)
     argv = _amprobe_run_argv(tmp_path / "run", sys.executable, str(script), "SIGINT")
-    pid, master = pty.fork()
-    if pid == 0:
-        try:
-            env = {**_env(), "PS1": "prompt$ ", "TERM": "dumb"}
-            os.execvpe("bash", ["bash", "--norc", "--noprofile", "-i"], env)
-        finally:
-            os._exit(127)
+    env = {**_env(), "PS1": "prompt$ ", "TERM": "dumb"}
+    pid, master = _in_pty(["bash", "--norc", "--noprofile", "-i"], env)
     try:
 
         def until(after: str, text: str) -> str:  # read to `text` printed after `after`
@@ -997,15 +988,7 @@ def test_ctrl_z_stops_the_job_and_fg_resumes_it(tmp_path):
         assert "deliveries 1" in out, out
         assert "status=0" in out, out
     finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        os.close(master)
+        _close_pty(pid, master)
 
 
 def _gone(pid: int) -> bool:
