@@ -41,3 +41,20 @@ class PlantedLinear(nn.Linear):
             if self.at is None or call in self.at:
                 y = y * self.gain
         return y
+
+
+class BlowNet(nn.Module):
+    """Two Linear layers (``embed``, ``head``); ``blow = True`` multiplies the hidden state by
+    1e6 (an fp16 overflow), as the engine scripts set it on their planted iterations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.blow = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x))
+        if self.blow:
+            h = h * 1e6
+        return self.head(h)

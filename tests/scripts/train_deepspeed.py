@@ -11,10 +11,15 @@ recorded by ``amprobe.attach(model=engine)`` into ``$AMPROBE_OUT/<precision>-z<s
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import deepspeed
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _planted import BlowNet  # noqa: E402
 
 STEPS = int(os.environ.get("STEPS", 10))
 PLANT = {int(s) for s in os.environ.get("PLANT", "3,4,5").split(",") if s}
@@ -22,23 +27,9 @@ OUT = os.environ.get("AMPROBE_OUT")
 LOSSES = os.environ.get("LOSSES_DIR", OUT)  # where rank 0 writes <name>-losses.json
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 4)
-        self.blow = False
-
-    def forward(self, x):
-        h = torch.relu(self.embed(x))
-        if self.blow:
-            h = h * 1e6
-        return self.head(h)
-
-
 def train(precision: str, stage: int, accumulation: int) -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = BlowNet()
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": accumulation,

@@ -17,6 +17,8 @@ by ``grad_scaler.scale`` itself); each is recorded by ``amprobe.attach(model=...
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,9 @@ from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from torch import nn
 
 import amprobe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _planted import BlowNet  # noqa: E402
 
 STEPS = int(os.environ.get("STEPS", 10))
 PLANT = {int(s) for s in os.environ.get("PLANT", "3,4,5").split(",") if s}
@@ -49,23 +54,9 @@ def cuda_as_cpu():
         torch.tensor = orig
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 4)
-        self.blow = False
-
-    def forward(self, x):
-        h = torch.relu(self.embed(x))
-        if self.blow:
-            h = h * 1e6
-        return self.head(h)
-
-
 def train(kind: str, mode: str) -> None:
     torch.manual_seed(0)
-    model = Net().half()
+    model = BlowNet().half()
     main = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     opt = torch.optim.SGD(main, lr=0.01)
     probe = amprobe.attach(model=model, run_dir=f"{OUT}/{kind}-{mode}")
