@@ -27,7 +27,7 @@ from amprobe.version import __version__
 
 if TYPE_CHECKING:
     from amprobe.api import attach
-    from amprobe.probe import Probe, current_probe
+    from amprobe.capture.probe import Probe, current_probe
 
 __all__ = [
     "Config",
@@ -46,7 +46,11 @@ __all__ = [
 
 #: the capture side's public names -> the module that defines them (imported on first access;
 #: each of these modules imports torch)
-_CAPTURE = {"attach": "amprobe.api", "Probe": "amprobe.probe", "current_probe": "amprobe.probe"}
+_CAPTURE = {
+    "attach": "amprobe.api",
+    "Probe": "amprobe.capture.probe",
+    "current_probe": "amprobe.capture.probe",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,8 +69,8 @@ def __dir__() -> list[str]:
 # `amprobe run` (its environment names the run directory): the process is a training job, so
 # the capture side loads now, as it always did, and the automatic probe attaches once this
 # package is complete (idempotent). Attaching from here, not from the bootstrap's torch-import
-# hook, matters when a capture module (`amprobe.probe`, an integration) is imported before
+# hook, matters when a capture module (`amprobe.capture.probe`, an integration) is imported before
 # torch: the hook would fire while that module is half-initialized. Imported by name, like the
 # capture side above: outside `amprobe run` the read side never loads it.
 if os.environ.get(ENV_RUN_DIR):
-    importlib.import_module("amprobe.autoattach").activate_from_env()
+    importlib.import_module("amprobe.control.autoattach").activate_from_env()

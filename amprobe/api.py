@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from amprobe.capture.probe import Probe
+from amprobe.capture.probe import attach as _attach
 from amprobe.config import Config
-from amprobe.control import start_control
-from amprobe.probe import Probe
-from amprobe.probe import attach as _attach
+from amprobe.control.channel import start_control
 
 __all__ = ["attach"]
 

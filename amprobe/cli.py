@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import amprobe
-from amprobe import launcher
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
-from amprobe.launcher import LaunchError
+from amprobe.control import launcher
+from amprobe.control.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
 from amprobe.report.compare import render_comparison_json, render_comparison_text
 from amprobe.report.summary import collector_errors, print_run_summary
@@ -335,7 +335,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
-    from amprobe import control  # the capture side: torch
+    from amprobe.control import channel as control  # the capture side: torch
 
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be a positive number of steps")
@@ -378,7 +378,7 @@ def _print_reply(lines: list[str], acknowledged: bool) -> int:
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
-    from amprobe import control  # the capture side: torch
+    from amprobe.control import channel as control  # the capture side: torch
 
     with _as_cli_error(control.ControlError):
         reply = control.send_control(args.run, "detach", wait_s=args.wait)

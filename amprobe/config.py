@@ -25,7 +25,7 @@ __all__ = [
     "ENV_BASELINE",
 ]
 
-#: the environment `amprobe run` passes to the processes it starts (read by amprobe.autoattach);
+#: the environment `amprobe run` passes to the processes it starts (read by amprobe.control.autoattach);
 #: here, in a leaf, so that the launcher's own process never loads the capture side (torch)
 ENV_RUN_DIR = "AMPROBE_RUN_DIR"  # the run directory (required to activate)
 ENV_CONFIG = "AMPROBE_CONFIG"  # JSON object of Config fields
@@ -56,7 +56,7 @@ class Config:
         flush_interval_s: also flush when this many seconds have passed since the last flush,
             checked at step boundaries, so a live dashboard sees a slow job move.
         capture_loss: keep the loss tensor of each step (on device) and record its value and dtype.
-        collectors: names of the collectors to run; see :data:`amprobe.collectors.REGISTRY`.
+        collectors: names of the collectors to run; see :data:`amprobe.capture.collectors.REGISTRY`.
             ``scaler`` is always added: the loss-scale trajectory and skipped steps are the
             core of every run (step boundaries themselves come from the hub); so is
             ``compile`` (torch.compile's counters, read only in a job that compiles).

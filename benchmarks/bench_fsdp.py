@@ -50,7 +50,7 @@ def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     import amprobe
-    import amprobe.probe
+    import amprobe.capture.probe
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -85,7 +85,7 @@ def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str
     train(warmup)
     config = {"collectors": (*amprobe.Config().collectors, "discovery")}
     # one untimed attached block first: amprobe's one-time imports are not a block's cost
-    probe = amprobe.probe.attach(
+    probe = amprobe.capture.probe.attach(
         run_dir=f"{out}/warmup-rank{rank}", config=config, adoptable=True, lazy=True
     )
     train(warmup)
@@ -94,7 +94,7 @@ def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str
         for mode in MODES if pair % 2 == 0 else tuple(reversed(MODES)):
             probe = None
             if mode == "on":  # what `amprobe run` attaches: nothing passed
-                probe = amprobe.probe.attach(
+                probe = amprobe.capture.probe.attach(
                     run_dir=f"{out}/pair{pair}-rank{rank}", config=config, adoptable=True, lazy=True
                 )
             start, start_main = time.process_time(), time.thread_time()

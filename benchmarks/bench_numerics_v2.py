@@ -48,8 +48,8 @@ from common import TinyGPT, compare_stats, make_batch, train_steps  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 import amprobe  # noqa: E402
-import amprobe.collectors.numerics as numerics  # noqa: E402
-from amprobe.collectors import numstats  # noqa: E402
+import amprobe.capture.collectors.numerics as numerics  # noqa: E402
+from amprobe.capture.collectors import numstats  # noqa: E402
 
 
 class _NoStats:

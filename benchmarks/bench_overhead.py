@@ -33,7 +33,7 @@ from common import compare_stats  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 import amprobe  # noqa: E402
-import amprobe.probe  # noqa: E402
+import amprobe.capture.probe  # noqa: E402
 
 FULL = {"numerics_every": 1, "shapes_every": 1, "shapes_captures": 0, "syncs_every": 1}
 
@@ -50,7 +50,7 @@ def attach_with(config: dict | None = None):
 def zero_code(model, opt, scaler, run_dir):
     """What `amprobe run` attaches in the job: nothing passed, root models discovered."""
     config = {"collectors": (*amprobe.Config().collectors, "discovery")}
-    return amprobe.probe.attach(run_dir=run_dir, config=config, adoptable=True, lazy=True)
+    return amprobe.capture.probe.attach(run_dir=run_dir, config=config, adoptable=True, lazy=True)
 
 
 class _Anomaly:

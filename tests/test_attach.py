@@ -219,7 +219,7 @@ def test_half_master_weights_and_half_loss(tmp_path):
 
 
 def test_collector_failure_never_reaches_the_loop(tmp_path, monkeypatch):
-    from amprobe.collectors.scaler import ScalerCollector
+    from amprobe.capture.collectors.scaler import ScalerCollector
 
     def boom(self, *args):
         raise RuntimeError("collector bug")

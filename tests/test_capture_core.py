@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import amprobe
-from amprobe.collectors import REGISTRY, Collector
+from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.store.fields import STEP_FIELDS, fields_of
 from tests.helpers import amprobe_cli
 
@@ -291,7 +291,7 @@ def test_baseline_with_amprobe_imported_before_torch(tmp_path):
 def test_each_interception_is_installed_once(tmp_path):
     from torch.optim import optimizer as optimizer_mod
 
-    from amprobe.collectors import patching
+    from amprobe.capture.collectors import patching
 
     pre = len(optimizer_mod._global_optimizer_pre_hooks)
     post = len(optimizer_mod._global_optimizer_post_hooks)
@@ -305,7 +305,7 @@ def test_each_interception_is_installed_once(tmp_path):
 
 
 def test_a_failing_hub_body_never_reaches_the_loop(tmp_path, monkeypatch):
-    from amprobe.hub import Hub
+    from amprobe.capture.hub import Hub
 
     def boom(self, *args):
         raise RuntimeError("torch internals changed")
@@ -325,7 +325,7 @@ def test_a_failing_hub_body_never_reaches_the_loop(tmp_path, monkeypatch):
 
 def test_attach_under_amprobe_run_says_where_it_records(tmp_path, capsys):
     """A script's own attach(run_dir=X) joins the launcher's probe: say so, never silently."""
-    from amprobe.probe import attach as core_attach
+    from amprobe.capture.probe import attach as core_attach
 
     outer = core_attach(run_dir=tmp_path / "outer", adoptable=True)
     try:

@@ -329,7 +329,7 @@ def write_leg(run_dir: Path, wall_s: float, manifest: dict, steps: int = 20, **e
 def fake_baseline(monkeypatch):
     """`amprobe baseline` whose two launches record runs directly: the FP32 leg forced to fp32,
     the AMP leg (bf16 autocast, no scaler) half as fast, so AMP-S06 fires."""
-    from amprobe import launcher
+    from amprobe.control import launcher
 
     def launch(command, run_dir, config=None, force_fp32=False, baseline=None, **kwargs):
         if force_fp32:

@@ -288,7 +288,7 @@ def test_s08_table(recompiles, breaks, manifest, fires):
 
 
 def test_dynamo_module_paths_read_as_written():
-    from amprobe.collectors.compiled import stack_module_name, user_module_name
+    from amprobe.capture.collectors.compiled import stack_module_name, user_module_name
 
     assert stack_module_name("L['self'].blocks[0]._orig_mod.qkv") == "blocks.0.qkv"
     assert stack_module_name("L['self']._modules['blocks']._modules['0']._modules['fc']") == (

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import amprobe
 from amprobe.analysis.frames import per_rank
 from amprobe.analysis.scaler import longest_run
-from amprobe.collectors import REGISTRY, Collector
+from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.report.ranks import build_ranks_section
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
 from tests.helpers import TinyNet, fake_run, free_port, torchrun_argv, train_loop

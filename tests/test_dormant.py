@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 import amprobe
+from amprobe.capture.collectors import REGISTRY, Collector
+from amprobe.capture.discovery import find_live_training_objects, find_root_modules
 from amprobe.cli import main as cli_main
-from amprobe.collectors import REGISTRY, Collector
-from amprobe.collectors.discovery import find_live_training_objects, find_root_modules
-from amprobe.control import (
+from amprobe.control.channel import (
     ControlError,
     build_remote_script,
     remote_exec_disabled,

@@ -47,7 +47,7 @@ OPTIONAL_DEPENDENCIES = {
 OPTIONAL_INTERNAL = {"dashboard.app", "dashboard.main"}
 #: modules whose one job is to import lazily: `amprobe run`'s sitecustomize runs in every Python
 #: process it starts and must import amprobe only once the program imports torch
-LAZY_BY_DESIGN = {"amprobe._bootstrap.sitecustomize"}
+LAZY_BY_DESIGN = {"amprobe.control._bootstrap.sitecustomize"}
 #: modules that reach the capture side (which loads torch) only inside the function that needs
 #: it: the CLI's demo/attach/detach commands. Only those layers, only there. (The launcher is
 #: imported at the top of the CLI: it must load no torch, which the read-side check of
@@ -388,7 +388,7 @@ def test_the_checker_sees_upward_local_and_cyclic_imports(monkeypatch) -> None:
 def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None:
     assert _is_read_side("amprobe.store.loader") and _is_read_side("dashboard.app")
     assert _is_read_side("amprobe") and _is_read_side("amprobe.cli")
-    assert not _is_read_side("amprobe.probe") and not _is_read_side("amprobe.demo")
+    assert not _is_read_side("amprobe.capture.probe") and not _is_read_side("amprobe.demo")
     assert not _is_read_side("dashboard.demo")
     # a package __init__ that imports the capture side puts torch under every read module in it
     init = "from amprobe.config import Config\nfrom amprobe.api import attach\n"
@@ -398,13 +398,13 @@ def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None
     assert paths[0].endswith("amprobe.api (line 9) -> torch")
     # a function-local or type-only import of the capture side loads nothing at import
     lazy = (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from amprobe.probe import Probe\n"
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from amprobe.capture.probe import Probe\n"
         "def f():\n    from amprobe.api import attach\n"
     )
     monkeypatch.setitem(IMPORTS, "amprobe", imports_of("amprobe", lazy))
     assert torch_paths("amprobe.store.loader") == []
     # the CLI may import the capture side inside a command, and nothing else
-    cli = "def run():\n    from amprobe import launcher\ndef f():\n    import amprobe.report\n"
+    cli = "def run():\n    from amprobe.control import launcher\ndef f():\n    import amprobe.report\n"
     monkeypatch.setitem(IMPORTS, "amprobe.cli", imports_of("amprobe.cli", cli))
     assert local_imports("amprobe.cli") == [
         "line 4: amprobe.cli imports amprobe.report inside a function"
@@ -412,10 +412,16 @@ def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None
 
 
 @pytest.mark.parametrize(
-    "module", ["amprobe.hub", "amprobe.probe", "amprobe.collectors", "amprobe.collectors.syncs"]
+    "module",
+    [
+        "amprobe.capture.hub",
+        "amprobe.capture.probe",
+        "amprobe.capture.collectors",
+        "amprobe.capture.collectors.syncs",
+    ],
 )
 def test_capture_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
-    """``import amprobe.hub`` as a program's first amprobe import must not fail halfway (a
+    """``import amprobe.capture.hub`` as a program's first amprobe import must not fail halfway (a
     collector that imported the hub back did, once ``amprobe`` stopped loading it eagerly)."""
     proc = subprocess.run(
         [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120

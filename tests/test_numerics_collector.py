@@ -306,7 +306,7 @@ def test_cuda_arming_reads_a_pinned_flag_once_its_event_has_passed(
 
     Faked at the narrowest seams: the pinned allocation and ``torch.cuda.Event``.
     """
-    from amprobe.collectors import numerics as numerics_mod
+    from amprobe.capture.collectors import numerics as numerics_mod
 
     class FakeEvent:
         landed = False

@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprobe
-import amprobe.collectors.numerics as numerics
-from amprobe.collectors import numstats
-from amprobe.collectors.numstats import (
+import amprobe.capture.collectors.numerics as numerics
+from amprobe.capture.collectors import numstats
+from amprobe.capture.collectors.numstats import (
     C_AMAX,
     C_IN_BAD,
     C_NAN,

@@ -8,7 +8,7 @@ import pynvml
 import pytest
 
 import amprobe
-from amprobe.collectors.nvml import GpuSampler, decode_throttle
+from amprobe.capture.collectors.nvml import GpuSampler, decode_throttle
 from tests.helpers import TinyNet, train_loop
 
 

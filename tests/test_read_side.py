@@ -123,10 +123,10 @@ def test_capture_side_loads_on_first_use(tmp_path: Path) -> None:
         "import amprobe\n"
         "assert 'torch' not in sys.modules, 'import amprobe alone loads no torch'\n"
         "from amprobe import attach, Probe\n"
-        "import amprobe.api, amprobe.probe\n"
+        "import amprobe.api, amprobe.capture.probe\n"
         "assert attach is amprobe.api.attach and amprobe.attach is attach\n"
-        "assert Probe is amprobe.probe.Probe\n"
-        "assert amprobe.current_probe is amprobe.probe.current_probe\n"
+        "assert Probe is amprobe.capture.probe.Probe\n"
+        "assert amprobe.current_probe is amprobe.capture.probe.current_probe\n"
         "assert amprobe.current_probe() is None\n"
         "assert {'attach', 'Probe', 'current_probe'} <= set(dir(amprobe))\n"
         "assert set(amprobe.__all__) <= set(dir(amprobe))\n"
@@ -156,7 +156,7 @@ FIRST_AMPROBE_THEN_TORCH = """\
 import sys
 
 if sys.argv[1] == "submodule":
-    import amprobe.probe  # a capture module first: it imports torch while half-initialized
+    import amprobe.capture.probe  # a capture module first: it imports torch while half-initialized
 import amprobe
 import torch
 from torch import nn

@@ -101,7 +101,7 @@ def test_disk_full_beyond_budget_counts_what_was_lost(tmp_path, monkeypatch):
 def test_numerics_identical_with_every_collector_enabled(tmp_path, dtype):
     """fp16 with a planted overflow, and bf16: same weights and scale with every collector at
     full detail (per-layer statistics, shape capture and sync counting on every step)."""
-    from amprobe.collectors import REGISTRY
+    from amprobe.capture.collectors import REGISTRY
 
     every = tuple(name for name in REGISTRY if name != "prometheus")
     full = {
@@ -133,7 +133,7 @@ class OddOutputs(nn.Module):
 
 
 def test_odd_model_outputs_and_weight_sharing(tmp_path):
-    from amprobe.collectors import REGISTRY
+    from amprobe.capture.collectors import REGISTRY
 
     every = tuple(name for name in REGISTRY if name != "prometheus")
     torch.manual_seed(0)

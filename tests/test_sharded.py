@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import amprobe
-from amprobe.collectors.sharded import local_tensor, sharding_facts, user_module_name
+from amprobe.capture.collectors.sharded import local_tensor, sharding_facts, user_module_name
 from tests.helpers import fake_run, torchrun_argv
 from tests.test_analysis import _check_keys
 

@@ -92,7 +92,7 @@ def forced_fp32(run: Run) -> bool:
     """Whether amprobe itself turned autocast and GradScalers off in this run.
 
     True for the FP32 leg of ``amprobe baseline`` (``forced_fp32`` in a rank manifest, written
-    by :mod:`amprobe.autoattach`): its missing autocast and disabled scaler are amprobe's doing,
+    by :mod:`amprobe.control.autoattach`): its missing autocast and disabled scaler are amprobe's doing,
     not the script's, so the rules that judge the script's AMP setup do not judge it.
     """
     return any(info.manifest.get("forced_fp32") is True for info in run.ranks)

@@ -6,7 +6,7 @@ table: per module, tensor kind and sampled step, a base-2 exponent histogram of 
 the exact zeros, ``-133`` .. ``-128`` are fp32 subnormal binades, ``-149`` holds every nonzero
 value below ``2**-133`` (the lump: binades -149 .. -134, not resolved), ``128`` inf/NaN),
 ``zeros``, ``nan``, ``inf``, ``amax`` and ``elements``. Gradients were divided by the loss
-scale before they were measured (see :mod:`amprobe.collectors.numerics`), so their histograms
+scale before they were measured (see :mod:`amprobe.capture.collectors.numerics`), so their histograms
 and ``amax`` are already the true, unscaled gradients.
 
 For each format, a nonzero finite value ``y`` (``y = |x| * 2**k`` for a scale ``2**k``) is

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amprobe.probe import attach
+from amprobe.capture.probe import attach
 
 __all__ = ["FAULTS", "DemoModel", "DemoResult", "train", "run_demo"]
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from amprobe.capture.probe import Probe
 from amprobe.config import Config, make_config
-from amprobe.probe import Probe
 from amprobe.report.summary import print_run_summary
 
 __all__ = ["PREFIX", "METRIC_KEYS", "check_config", "live_metrics", "print_summary"]

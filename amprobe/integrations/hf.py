@@ -14,9 +14,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers import __version__ as _TRANSFORMERS_VERSION
 
 import amprobe
+from amprobe.capture.probe import Probe
 from amprobe.config import Config
 from amprobe.integrations._common import check_config, live_metrics, print_summary
-from amprobe.probe import Probe
 
 __all__ = ["AmprobeCallback"]
 

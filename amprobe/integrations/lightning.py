@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 import amprobe
+from amprobe.capture.probe import Probe
 from amprobe.config import Config
 from amprobe.integrations._common import check_config, live_metrics, print_summary
-from amprobe.probe import Probe
 
 try:
     import lightning.pytorch as pl

@@ -141,7 +141,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
     steps; fires above ``syncs_per_step``. Evidence lists the top source lines by count per
     sampled step. GradScaler's own check and optimizer/data-loader internals are not counted.
     On a CPU run the ops are counted on the tensors a GPU run would keep on the device (those
-    derived from the model's parameters, outputs or loss; see :mod:`amprobe.collectors.syncs`):
+    derived from the model's parameters, outputs or loss; see :mod:`amprobe.capture.collectors.syncs`):
     they would synchronize on a GPU. Host-side indices and counters are not counted.
     """
     th = ctx.thresholds

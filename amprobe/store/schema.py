@@ -56,7 +56,7 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "bwd_s": pa.float64(),
         "opt_s": pa.float64(),
     },
-    "gpu": {  # runtime collector: NVML samples (amprobe.collectors.nvml)
+    "gpu": {  # runtime collector: NVML samples (amprobe.capture.collectors.nvml)
         "t": pa.float64(),  # seconds since the rank's start (same clock as steps.t)
         "step": pa.int64(),  # step in progress when sampled
         "gpu": pa.int64(),  # torch CUDA device index
@@ -82,7 +82,7 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "kind": pa.string(),
         "detail": pa.string(),  # JSON object with the event's fields
     },
-    # per module, kind and sampled step; see amprobe.collectors.numerics for units
+    # per module, kind and sampled step; see amprobe.capture.collectors.numerics for units
     "numerics": {
         "step": pa.int64(),
         "module": pa.string(),  # qualified name; "<input R>[i]" for root model R's i-th float input

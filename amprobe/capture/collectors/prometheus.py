@@ -14,12 +14,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from amprobe.collectors.base import Collector
+from amprobe.capture.protocol import Collector
 from amprobe.config import ConfigError
 from amprobe.store.loader import read_table
 
 if TYPE_CHECKING:
-    from amprobe.probe import Probe
+    from amprobe.capture.probe import Probe
 
 __all__ = ["PrometheusCollector", "METRICS"]
 

@@ -1,14 +1,14 @@
 """Training engines that own the loss scale, as sources of the hub's step facts.
 
 :data:`SOURCES` lists them; the hub installs one once the program has imported its module
-(``StepSource.module``). See :mod:`amprobe.collectors.engines.base` for the seam.
+(``StepSource.module``). See :mod:`amprobe.capture.collectors.engines.base` for the seam.
 """
 
 from __future__ import annotations
 
-from amprobe.collectors.engines.base import EngineScaler, StepSource
-from amprobe.collectors.engines.deepspeed import DeepSpeedSource
-from amprobe.collectors.engines.megatron import MegatronSource
+from amprobe.capture.collectors.engines.base import EngineScaler, StepSource
+from amprobe.capture.collectors.engines.deepspeed import DeepSpeedSource
+from amprobe.capture.collectors.engines.megatron import MegatronSource
 
 __all__ = ["SOURCES", "EngineScaler", "StepSource"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from amprobe.collectors.engines.base import EngineScaler, StepSource, called_from
+from amprobe.capture.collectors.engines.base import EngineScaler, StepSource, called_from
 
 __all__ = ["DeepSpeedSource"]
 

@@ -11,14 +11,14 @@ One :class:`Hub` per probe wraps, at class level and exactly once:
 * the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``);
 * per root model, one forward pre-hook and one forward hook;
 * the entry points of an engine that owns the loss scale (DeepSpeed, Megatron-core), once the
-  program imports it: its :class:`~amprobe.collectors.engines.StepSource` reports the same step
+  program imports it: its :class:`~amprobe.capture.collectors.engines.StepSource` reports the same step
   facts a GradScaler gives (:meth:`Hub.source_scaled`, :meth:`Hub.source_step`);
 * while root models are being discovered, a global module forward pre/post hook;
 * on the steps a collector asks for, one probe-owned ``TorchDispatchMode`` that hands every op
   to each collector that asked (sync counting, shape capture, FLOP counting), so no two of
   amprobe's modes can ever shadow each other.
 
-Each wrapper turns the call into a typed event (:class:`amprobe.collectors.base.Collector`) and
+Each wrapper turns the call into a typed event (:class:`amprobe.capture.protocol.Collector`) and
 delivers it through one guard: a collector that raises is switched off and recorded once, and
 nothing reaches the training loop. While the probe is dormant, the wrappers only count step
 boundaries (a few attribute reads). The hub also owns the step boundary: the ``update()`` of the
@@ -52,8 +52,7 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils.data import dataloader as _dataloader
 
-from amprobe.collectors.base import Collector, StepFacts
-from amprobe.collectors.compiled import (
+from amprobe.capture.collectors.compiled import (
     backend_name,
     compiled_frames,
     graph_facts,
@@ -61,13 +60,14 @@ from amprobe.collectors.compiled import (
     is_compiling,
     unwrap_compiled,
 )
-from amprobe.collectors.discovery import find_live_training_objects
-from amprobe.collectors.engines import SOURCES, EngineScaler, StepSource
-from amprobe.collectors.patching import Patch, patch
-from amprobe.collectors.sites import dtype_name, user_call_site
+from amprobe.capture.collectors.engines import SOURCES, EngineScaler, StepSource
+from amprobe.capture.discovery import find_live_training_objects
+from amprobe.capture.patching import Patch, patch
+from amprobe.capture.protocol import Collector, StepFacts
+from amprobe.capture.sites import dtype_name, user_call_site
 
 if TYPE_CHECKING:
-    from amprobe.probe import Probe
+    from amprobe.capture.probe import Probe
 
 __all__ = ["EVENTS", "Hub", "dtype_name", "user_call_site"]
 
@@ -916,7 +916,7 @@ class Hub:
         grads = list(tensorlistlist[0]) if tensorlistlist else []
         self.emit("on_clip", function, grads, user_call_site(3))
 
-    # -- step-facts sources: engines that own the loss scale (amprobe.collectors.engines) ---------
+    # -- step-facts sources: engines that own the loss scale (amprobe.capture.collectors.engines) ---------
     def load_sources(self) -> None:
         """Install the step-facts source of each engine the program has imported by now."""
         if not self._pending_sources or self.closed:

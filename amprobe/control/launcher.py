@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 BOOTSTRAP_DIR = Path(__file__).resolve().parent / "_bootstrap"
-PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds amprobe/
 
 
 class LaunchError(Exception):

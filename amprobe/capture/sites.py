@@ -1,7 +1,7 @@
 """Where code runs, and dtype names: the small helpers the hub and the collectors share.
 
 A leaf module (torch only), so a collector never imports the hub for them: the hub imports the
-collectors' protocol, and a collector importing the hub back made ``import amprobe.hub``, done
+collectors' protocol, and a collector importing the hub back made ``import amprobe.capture.hub``, done
 first, fail halfway through.
 """
 
@@ -15,13 +15,9 @@ import torch
 __all__ = ["TORCH_DIR", "dtype_name", "is_own_frame", "user_call_site"]
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-#: amprobe's capture code: frames from these files are the probe's, never the user's
-_OWN_PATHS = (
-    os.path.join(_PKG_DIR, "hub.py"),
-    os.path.join(_PKG_DIR, "probe.py"),
-    os.path.join(_PKG_DIR, "collectors") + os.sep,
-)
+#: amprobe's capture code (this package: hub, probe, discovery, collectors): frames from these
+#: files are the probe's, never the user's
+_OWN_PATHS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -25,10 +25,10 @@ from torch.nn.modules.module import (
 from torch.utils import flop_counter
 from torch.utils.module_tracker import ModuleTracker
 
-from amprobe.collectors.base import Collector, StepFacts, due
-from amprobe.collectors.compiled import unwrap_compiled
-from amprobe.collectors.sharded import user_class_name, user_module_name
-from amprobe.collectors.sites import dtype_name
+from amprobe.capture.collectors.compiled import unwrap_compiled
+from amprobe.capture.collectors.sharded import user_class_name, user_module_name
+from amprobe.capture.protocol import Collector, StepFacts, due
+from amprobe.capture.sites import dtype_name
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
 

@@ -16,10 +16,10 @@ import torch
 from torch.amp import GradScaler
 from torch.optim import Optimizer
 
-from amprobe.collectors.base import Collector, StepFacts
-from amprobe.collectors.frameworks import framework_amp_facts
-from amprobe.collectors.sharded import sharding_facts
-from amprobe.collectors.sites import dtype_name, user_call_site
+from amprobe.capture.collectors.frameworks import framework_amp_facts
+from amprobe.capture.collectors.sharded import sharding_facts
+from amprobe.capture.protocol import Collector, StepFacts
+from amprobe.capture.sites import dtype_name, user_call_site
 from amprobe.store.fields import Field, fields_of
 
 __all__ = ["ScalerCollector"]
@@ -71,8 +71,8 @@ class ScalerCollector(Collector):
     ``step()`` of the first optimizer that steps. A skipped iteration is still an iteration.
 
     Manifest (once, at the first step's end): the AMP setting of a framework in the process
-    (:mod:`amprobe.collectors.frameworks`) and, for an FSDP2 or DDP model, its
-    ``MixedPrecisionPolicy`` and gradient reduction (:func:`amprobe.collectors.sharded.sharding_facts`).
+    (:mod:`amprobe.capture.collectors.frameworks`) and, for an FSDP2 or DDP model, its
+    ``MixedPrecisionPolicy`` and gradient reduction (:func:`amprobe.capture.collectors.sharded.sharding_facts`).
 
     Cost: a few Python calls per iteration; the hub's three 0-d tensor clones; no sync.
     """

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from amprobe.collectors.base import Collector
+from amprobe.capture.protocol import Collector
 
 __all__ = [
     "LiveObjects",

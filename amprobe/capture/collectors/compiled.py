@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from amprobe.collectors.base import Collector, StepFacts
-from amprobe.collectors.sharded import user_module_name
+from amprobe.capture.collectors.sharded import user_module_name
+from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 
 if TYPE_CHECKING:
-    from amprobe.probe import Probe
+    from amprobe.capture.probe import Probe
 
 __all__ = [
     "CompileCollector",

@@ -1,7 +1,7 @@
 """The collector protocol: typed events from the hub, each a documented no-op by default.
 
 A collector never patches torch and never reads another collector's state: the
-:class:`~amprobe.hub.Hub` installs every interception once and calls the ``on_*`` methods a
+:class:`~amprobe.capture.hub.Hub` installs every interception once and calls the ``on_*`` methods a
 collector overrides, with the shared facts of the iteration (loss, found-inf, loss scale) as
 arguments, so the order collectors run in cannot change what they record.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from amprobe.probe import Probe
+    from amprobe.capture.probe import Probe
     from amprobe.store.fields import Field
 
 __all__ = ["Collector", "StepFacts", "due"]
@@ -84,7 +84,7 @@ class Collector:
             writing a column not declared here is reported as an ``undeclared_field`` event.
 
     Per-layer hooks a collector registers on the user's modules (never on torch itself) go
-    through :meth:`amprobe.hub.Hub.guard` and are removed by the collector in
+    through :meth:`amprobe.capture.hub.Hub.guard` and are removed by the collector in
     :meth:`on_recording` (``False``) and :meth:`on_close`.
     """
 
@@ -130,7 +130,7 @@ class Collector:
 
     def on_compiled_graph(self, facts: dict[str, Any]) -> None:
         """dynamo compiled a graph (at compile time): ``facts`` from
-        :func:`amprobe.collectors.compiled.graph_facts` (its GEMM/conv/attention ops with their
+        :func:`amprobe.capture.collectors.compiled.graph_facts` (its GEMM/conv/attention ops with their
         modules, shapes and dtypes, and the autocast regions inside it)."""
 
     # -- one iteration -----------------------------------------------------------------------

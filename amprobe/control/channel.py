@@ -36,9 +36,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from amprobe.collectors.discovery import find_live_training_objects
+from amprobe.capture.discovery import find_live_training_objects
+from amprobe.capture.probe import Probe, attach, current_probe
 from amprobe.config import Config, ConfigError, make_config
-from amprobe.probe import Probe, attach, current_probe
 from amprobe.store.layout import (
     ACK_FILE,
     CONTROL_FILE,
@@ -76,7 +76,7 @@ MAX_CONTROL_BYTES = 64 * 1024  # a control request is a few hundred bytes
 # copy) may be half-way through it.
 SETTLE_S = 1.0
 STATUS_FILE = "attach_status.json"  # written by attach_live for `amprobe attach --pid`
-_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+_PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the folder that holds amprobe/
 _NEXT_TIME = "start the job with `amprobe run --dormant --out DIR -- ...` next time, then `amprobe attach DIR`"
 
 
@@ -612,7 +612,7 @@ def _amprobe_attach():
         parent = {str(_PACKAGE_PARENT)!r}
         if parent not in sys.path:
             sys.path.append(parent)
-        from amprobe.control import attach_live
+        from amprobe.control.channel import attach_live
         attach_live({str(run_dir)!r}, steps={steps!r}, config={dict(config or {})!r},
                     status_file={str(status_file)!r})
     except Exception as exc:
@@ -712,7 +712,7 @@ def attach_pid(
 def start_control(probe: Probe) -> ControlWatcher:
     """A dormant probe's first step: write the control facts and start the watcher thread.
 
-    Passed to :func:`amprobe.probe.attach` as ``on_announce`` by the layers that create dormant
+    Passed to :func:`amprobe.capture.probe.attach` as ``on_announce`` by the layers that create dormant
     probes (:func:`amprobe.attach`, ``amprobe run --dormant``, live attach).
     """
     probe.annotate_manifest(control=control_manifest(probe.config))

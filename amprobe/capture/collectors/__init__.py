@@ -7,14 +7,14 @@ columns in :mod:`amprobe.store.fields`, and register it here. It never patches t
 
 from __future__ import annotations
 
-from amprobe.collectors.base import Collector, StepFacts, due
-from amprobe.collectors.compiled import CompileCollector
-from amprobe.collectors.compute import ComputeCollector
-from amprobe.collectors.discovery import RootModelFinder
-from amprobe.collectors.numerics import NumericsCollector
-from amprobe.collectors.prometheus import PrometheusCollector
-from amprobe.collectors.runtime import RuntimeCollector
-from amprobe.collectors.scaler import ScalerCollector
+from amprobe.capture.collectors.compiled import CompileCollector
+from amprobe.capture.collectors.compute import ComputeCollector
+from amprobe.capture.collectors.numerics import NumericsCollector
+from amprobe.capture.collectors.prometheus import PrometheusCollector
+from amprobe.capture.collectors.runtime import RuntimeCollector
+from amprobe.capture.collectors.scaler import ScalerCollector
+from amprobe.capture.discovery import RootModelFinder
+from amprobe.capture.protocol import Collector, StepFacts, due
 
 __all__ = [
     "REGISTRY",

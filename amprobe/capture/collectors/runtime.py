@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from amprobe.collectors.base import Collector, StepFacts, due
-from amprobe.collectors.nvml import GpuSampler
-from amprobe.collectors.syncs import SyncCounter
+from amprobe.capture.collectors.nvml import GpuSampler
+from amprobe.capture.collectors.syncs import SyncCounter
+from amprobe.capture.protocol import Collector, StepFacts, due
 from amprobe.store.fields import Field, fields_of
 
 __all__ = ["RuntimeCollector", "PHASES", "read_rss_bytes"]
@@ -56,13 +56,13 @@ class RuntimeCollector(Collector):
       ``Config.reset_peak_memory`` is False (then it is the peak since the start).
     - ``rss_bytes``: the process's resident set size at the end of the step (Linux).
     - ``syncs`` and ``syncs_sampled``: on sampled steps (``Config.syncs_every``), the number of
-      synchronizing ops issued by user code (see :mod:`amprobe.collectors.syncs`); null on
+      synchronizing ops issued by user code (see :mod:`amprobe.capture.collectors.syncs`); null on
       other steps. Sampled steps run under a dispatch mode, so their ``wall_s`` is inflated.
 
     Tables: ``syncs`` (step, site ``file:line``, op, kind user/scaler/optimizer, count, device),
     ``cuda_phases`` (step, ``fwd_s``/``bwd_s``/``opt_s`` measured with CUDA events on the
     current stream, read back at flush), ``gpu`` (NVML samples, see
-    :mod:`amprobe.collectors.nvml`).
+    :mod:`amprobe.capture.collectors.nvml`).
 
     Events: ``dataloader_seen`` (num_workers, prefetch_factor, pin_memory, persistent_workers,
     batch_size), ``gpu_sampler`` (status: sampling / not available / stopped, and why),
@@ -90,7 +90,7 @@ class RuntimeCollector(Collector):
         self._cuda_events: list[tuple[int, str, Any, Any]] = []
         self._sync_rows: list[dict[str, Any]] = []
         self._counter: SyncCounter | None = None
-        # what a CPU run's sync counter takes as device tensors (see amprobe.collectors.syncs)
+        # what a CPU run's sync counter takes as device tensors (see amprobe.capture.collectors.syncs)
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._scalers: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()

@@ -1,7 +1,7 @@
 """The attach scope: one :class:`Probe` per process owns the hub, the collectors and the files.
 
 Step boundaries come from the training job itself (the GradScaler's ``update`` or the
-optimizer's ``step``, seen by the :class:`~amprobe.hub.Hub`), so the user's loop needs no extra
+optimizer's ``step``, seen by the :class:`~amprobe.capture.hub.Hub`), so the user's loop needs no extra
 call. The probe turns each iteration into a step record, buffers records and events, and writes
 them through the store at flush.
 """
@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from amprobe.collectors import REGISTRY, Collector, StepFacts
-from amprobe.collectors.compiled import compiled_wrapper_of, unwrap_compiled
-from amprobe.collectors.discovery import find_live_training_objects, name_in_caller
-from amprobe.collectors.sharded import user_class_name
+from amprobe.capture.collectors import REGISTRY, Collector, StepFacts
+from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_compiled
+from amprobe.capture.collectors.sharded import user_class_name
+from amprobe.capture.discovery import find_live_training_objects, name_in_caller
+from amprobe.capture.hub import Hub
 from amprobe.config import Config, ConfigError, check_collectors, make_config
-from amprobe.hub import Hub
 from amprobe.store.fields import STEP_FIELDS
 from amprobe.store.layout import StoreError, check_writable
 from amprobe.store.writer import RunWriter
@@ -46,7 +46,7 @@ _ALWAYS_KEPT = frozenset(
 )
 _DECLARED = frozenset(f.name for f in STEP_FIELDS)
 #: what a dormant probe runs at its first step (the control-file watcher); returns a handle
-#: with ``stop()``. Supplied by the layer above (``amprobe.api``, ``amprobe.autoattach``).
+#: with ``stop()``. Supplied by the layer above (``amprobe.api``, ``amprobe.control.autoattach``).
 Announcer = Callable[["Probe"], Any]
 
 

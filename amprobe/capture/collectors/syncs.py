@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from amprobe.collectors.sites import TORCH_DIR as _TORCH_DIR
-from amprobe.collectors.sites import is_own_frame
+from amprobe.capture.sites import TORCH_DIR as _TORCH_DIR
+from amprobe.capture.sites import is_own_frame
 
 __all__ = ["SyncCounter", "SYNC_OPS"]
 

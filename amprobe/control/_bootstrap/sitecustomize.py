@@ -25,7 +25,7 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
             if _amprobe_initializing():
                 return  # `import amprobe` came first: its __init__ attaches once it is complete
             try:
-                from amprobe.autoattach import activate_from_env
+                from amprobe.control.autoattach import activate_from_env
 
                 activate_from_env()
             except Exception as exc:  # never break the user's program
@@ -61,7 +61,7 @@ def _chain_user_sitecustomize():
 
 if os.environ.get("AMPROBE_RUN_DIR"):
     if "torch" in sys.modules:
-        from amprobe.autoattach import activate_from_env
+        from amprobe.control.autoattach import activate_from_env
 
         activate_from_env()
     else:

@@ -6,9 +6,9 @@ themselves; a bare GradScaler is never called. A :class:`StepSource` wraps the e
 entry points (installed by the hub once the program has imported the engine, removed with the
 hub's other patches) and turns them into the hub's calls:
 
-* :meth:`amprobe.hub.Hub.source_scaled`: the unscaled loss of a backward, and the loss scale its
+* :meth:`amprobe.capture.hub.Hub.source_scaled`: the unscaled loss of a backward, and the loss scale its
   gradients carry (an :class:`EngineScaler`, the GradScaler-shaped view every collector reads);
-* :meth:`amprobe.hub.Hub.source_step`: the engine's optimizer iteration ended: scale before and
+* :meth:`amprobe.capture.hub.Hub.source_step`: the engine's optimizer iteration ended: scale before and
   after, found-inf (the update was skipped). This is the step boundary, one per iteration,
   skipped or not;
 * :meth:`unwrap`: the user's model inside the engine's wrapper module, so layers keep the names
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from amprobe.hub import Hub
+    from amprobe.capture.hub import Hub
 
 __all__ = ["EngineScaler", "StepSource", "called_from"]
 

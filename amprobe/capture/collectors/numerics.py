@@ -9,7 +9,7 @@ wrong) the collector installs hooks on the selected modules of every root model:
 * ``register_post_accumulate_grad_hook`` per parameter (the accumulated ``param.grad``);
 * a forward pre-hook on each root model (its floating inputs).
 
-Each tensor is reduced on its device by :mod:`amprobe.collectors.numstats` with no
+Each tensor is reduced on its device by :mod:`amprobe.capture.collectors.numstats` with no
 host-device sync: one histogram of its 16-bit magnitude patterns, folded once per step into a base-2
 exponent histogram of the fp32 ``|x|`` plus exact-zero, NaN, fp16-overflow and fp16-flush
 counts and the maximum. Gradients are measured as divided by the current loss scale (the GradScaler's
@@ -69,21 +69,26 @@ from typing import Any, ClassVar
 import torch
 from torch.amp import GradScaler
 
-from amprobe.collectors.base import Collector, StepFacts, due
-from amprobe.collectors.compiled import is_compiling, unwrap_compiled
-from amprobe.collectors.graphstats import GRAPH_SAMPLE, first_float, graph_stats_hook, new_buffer
-from amprobe.collectors.numstats import C_AMAX as _C_AMAX
-from amprobe.collectors.numstats import C_FLUSH16 as _C_FLUSH16
-from amprobe.collectors.numstats import C_IN_BAD as _C_IN_BAD
-from amprobe.collectors.numstats import C_NAN as _C_NAN
-from amprobe.collectors.numstats import C_OVER16 as _C_OVER16
-from amprobe.collectors.numstats import C_ZEROS as _C_ZEROS
-from amprobe.collectors.numstats import E_MIN as _E_MIN
-from amprobe.collectors.numstats import H0 as _H0
-from amprobe.collectors.numstats import H_NONFINITE as _H_NONFINITE
-from amprobe.collectors.numstats import NBINS as _NBINS
-from amprobe.collectors.numstats import StepStats, count_nonfinite
-from amprobe.collectors.sharded import local_tensor, user_class_name, user_module_name
+from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
+from amprobe.capture.collectors.graphstats import (
+    GRAPH_SAMPLE,
+    first_float,
+    graph_stats_hook,
+    new_buffer,
+)
+from amprobe.capture.collectors.numstats import C_AMAX as _C_AMAX
+from amprobe.capture.collectors.numstats import C_FLUSH16 as _C_FLUSH16
+from amprobe.capture.collectors.numstats import C_IN_BAD as _C_IN_BAD
+from amprobe.capture.collectors.numstats import C_NAN as _C_NAN
+from amprobe.capture.collectors.numstats import C_OVER16 as _C_OVER16
+from amprobe.capture.collectors.numstats import C_ZEROS as _C_ZEROS
+from amprobe.capture.collectors.numstats import E_MIN as _E_MIN
+from amprobe.capture.collectors.numstats import H0 as _H0
+from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
+from amprobe.capture.collectors.numstats import NBINS as _NBINS
+from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
+from amprobe.capture.collectors.sharded import local_tensor, user_class_name, user_module_name
+from amprobe.capture.protocol import Collector, StepFacts, due
 from amprobe.store.fields import Field, fields_of
 
 __all__ = [
@@ -308,7 +313,7 @@ class NumericsCollector(Collector):
 
     def _layer_name(self, slot: _Slot) -> str:
         """A slot's layer name: its path in its root model, prefixed with the root's name when
-        several root models are watched (see :meth:`amprobe.probe.Probe.root_name`)."""
+        several root models are watched (see :meth:`amprobe.capture.probe.Probe.root_name`)."""
         if slot.kind == "input" or len(self._roots) < 2:
             return slot.name
         model = self._roots[slot.root][0]()

@@ -1,6 +1,6 @@
 """Zero-code attach: what ``amprobe run`` activates inside every Python process it starts.
 
-``amprobe run`` puts ``amprobe/_bootstrap`` first on ``PYTHONPATH``; its ``sitecustomize``
+``amprobe run`` puts ``amprobe/control/_bootstrap`` first on ``PYTHONPATH``; its ``sitecustomize``
 waits until the process imports torch and then calls :func:`activate_from_env`, which attaches
 an automatic probe. The probe writes nothing until the process runs a training step, so the
 launcher processes (torchrun's agent, helper scripts) leave no trace. Root models are found by
@@ -26,9 +26,9 @@ from typing import Any
 from torch.amp import GradScaler
 from torch.amp.autocast_mode import autocast
 
+from amprobe.capture.probe import attach, current_probe
 from amprobe.config import ENV_BASELINE, ENV_CONFIG, ENV_FORCE_FP32, ENV_RUN_DIR, make_config
-from amprobe.control import start_control
-from amprobe.probe import attach, current_probe
+from amprobe.control.channel import start_control
 
 __all__ = ["activate_from_env", "ENV_RUN_DIR", "ENV_CONFIG", "ENV_FORCE_FP32", "ENV_BASELINE"]
 
