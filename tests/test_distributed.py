@@ -449,7 +449,8 @@ def test_prometheus_config_validation(bad):
 
 
 def test_cli_prometheus_port_maps_to_config(monkeypatch):
-    from amprobe import cli, launcher
+    from amprobe import cli
+    from amprobe.control import launcher
 
     seen = {}
 
