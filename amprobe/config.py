@@ -42,6 +42,10 @@ def _as_names(value: Any) -> Any:
     return value
 
 
+#: the minimum periods of the default (budgeted) sampling schedules, in steps
+DEFAULT_PERIODS = {"numerics_every": 100, "shapes_every": 200, "syncs_every": 50}
+
+
 class ConfigError(ValueError):
     """A configuration mistake, raised at attach time with a message that names the fix."""
 
@@ -71,16 +75,25 @@ class Config:
         numerics_every: the ``numerics`` collector measures per-layer ranges every this many
             steps (step 0 included); other steps only run the cheap non-finite input/loss check.
             0 takes no per-layer sample at all (not even the full capture armed by an overflow).
+            ``None`` (the default): at most every 100 steps, and further apart when the
+            ``overhead_budget`` needs it (see :mod:`amprobe.capture.budget`).
         numerics_layers: ``fnmatch`` patterns on qualified module names (``"blocks.*.linear1"``);
             empty selects every leaf module and every module owning parameters.
         numerics_arm_steps: steps captured in full after a non-finite input, loss or gradient.
         shapes_every: with the ``compute`` collector, capture the matmul/conv/attention ops of
             one step every this many steps (first capture at step 1). A captured step runs
-            under a dispatch mode and costs a few times a plain step.
+            under a dispatch mode and costs a few times a plain step. ``None`` (the default):
+            at most every 200 steps, further apart when the ``overhead_budget`` needs it.
         shapes_captures: stop after this many captured steps (shapes rarely change);
             0 captures every ``shapes_every`` steps for the whole run.
         syncs_every: runtime collector: count host-device syncs on every this-many-th step
-            (steps 1, 1 + N, ...; 1 = every step); 0 turns sync counting off.
+            (steps 1, 1 + N, ...; 1 = every step); 0 turns sync counting off. ``None`` (the
+            default): at most every 50 steps, further apart when the ``overhead_budget`` needs it.
+        overhead_budget: the share of training time that sampled steps (per-layer numerics,
+            shape capture, sync counting) may add, 0.01 = 1 %: amprobe measures what each
+            sampled step costs and spaces the next samples of the default schedules so that
+            they stay within it. Periods set explicitly are followed exactly; 0 follows the
+            default periods exactly too.
         gpu_sample_hz: runtime collector: NVML samples per second (0 turns the sampler off).
         gpu_gpm: runtime collector: also read GPM metrics (Tensor Core activity, SM occupancy)
             on GPUs that support them (Hopper or newer).
@@ -108,12 +121,13 @@ class Config:
     world_size: int | None = None
     overwrite: bool = False
     max_steps: int | None = None
-    numerics_every: int = 100
+    numerics_every: int | None = None
     numerics_layers: tuple[str, ...] = ()
     numerics_arm_steps: int = 3
-    shapes_every: int = 200
+    shapes_every: int | None = None
     shapes_captures: int = 3
-    syncs_every: int = 50
+    syncs_every: int | None = None
+    overhead_budget: float = 0.01
     gpu_sample_hz: float = 10.0
     gpu_gpm: bool = True
     reset_peak_memory: bool = False
@@ -135,13 +149,29 @@ class Config:
             raise ConfigError(
                 f"max_buffered_rows must be a positive integer, got {self.max_buffered_rows!r}"
             )
-        if not isinstance(self.shapes_every, int) or self.shapes_every < 1:
-            raise ConfigError(f"shapes_every must be a positive integer, got {self.shapes_every!r}")
+        if self.shapes_every is not None and (
+            isinstance(self.shapes_every, bool)
+            or not isinstance(self.shapes_every, int)
+            or self.shapes_every < 1
+        ):
+            raise ConfigError(
+                f"shapes_every must be a positive integer (or None: the default schedule), "
+                f"got {self.shapes_every!r}"
+            )
+        if (
+            isinstance(self.overhead_budget, bool)
+            or not isinstance(self.overhead_budget, (int, float))
+            or not 0 <= self.overhead_budget <= 1
+        ):
+            raise ConfigError(
+                "overhead_budget must be a share of training time in [0, 1] (0.01 = 1 %), "
+                f"got {self.overhead_budget!r}"
+            )
         if not isinstance(self.shapes_captures, int) or self.shapes_captures < 0:
             raise ConfigError(
                 f"shapes_captures must be a non-negative integer (0 = no limit), got {self.shapes_captures!r}"
             )
-        if (
+        if self.syncs_every is not None and (
             isinstance(self.syncs_every, bool)
             or not isinstance(self.syncs_every, int)
             or self.syncs_every < 0
@@ -185,7 +215,7 @@ class Config:
             raise ConfigError(
                 f"max_steps must be a positive integer or None, got {self.max_steps!r}"
             )
-        if (
+        if self.numerics_every is not None and (
             isinstance(self.numerics_every, bool)
             or not isinstance(self.numerics_every, int)
             or self.numerics_every < 0
@@ -220,6 +250,14 @@ class Config:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"{key} must be a non-negative integer, got {value!r}")
+
+    def sample_period(self, key: str) -> tuple[int, bool]:
+        """``(period, fixed)`` of a sampling schedule (``"numerics_every"``, ``"shapes_every"``,
+        ``"syncs_every"``): the period set, fixed; or the default, spaced by the budget."""
+        value = getattr(self, key)
+        if value is None:
+            return DEFAULT_PERIODS[key], False
+        return int(value), True
 
     @property
     def resolved_rank(self) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from amprobe.capture.budget import SampleBudget
 from amprobe.capture.collectors import REGISTRY, Collector, StepFacts
 from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_compiled
 from amprobe.capture.collectors.sharded import user_class_name
@@ -134,6 +135,8 @@ class Probe:
         # the list and an append must not interleave, or the appended event is lost
         self._events_lock = threading.Lock()
         self.collectors: list[Collector] = []
+        #: spaces the sampled steps of the default schedules within the overhead budget
+        self.budget = SampleBudget(self.config.overhead_budget, self.event)
         self.hub = Hub(self)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
         self._model_labels: list[str] = []  # parallel to models: the user's name for each root
@@ -350,11 +353,15 @@ class Probe:
             "wall_s": max(0.0, now - start - self._probe_time),
             "probe_s": self._probe_time,
         }
+        spent = self._probe_time
         self._probe_time = 0.0
         self.hub.emit("on_step_end", self.step, record, facts)
         self._pending_steps.append(record)
         self.step += 1
         self._t_step_start = time.perf_counter()
+        # the step and the collectors' work at its end (a sampled step's folds), without
+        # flushes: what a sampled step costs is measured against an unsampled one's
+        self.budget.end_step(max(0.0, self._t_step_start - start - spent))
         if self._window_left is not None:
             self._window_left -= 1
             if self._window_left <= 0:
@@ -593,6 +600,8 @@ class Probe:
                 }
                 if reason:
                     end["reason"] = reason
+                with contextlib.suppress(Exception):
+                    end["sampling"] = self.budget.summary()
                 with contextlib.suppress(Exception):
                     self.writer.close(end)
             with contextlib.suppress(Exception):

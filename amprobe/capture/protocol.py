@@ -35,8 +35,10 @@ def due(step: int, every: int, first: int = 0) -> bool:
 class StepFacts:
     """What the hub saw of one iteration, shared with every collector at its end.
 
-    Tensors stay on their device (reading them would synchronize); the probe reads back the
-    values a collector puts into the step record at flush, in one transfer per device.
+    Values of tensors on an accelerator stay there as tensors (reading them would synchronize);
+    the probe reads back the values a collector puts into the step record at flush, in one
+    transfer per device. Values of CPU tensors are Python numbers, read at once (no sync, and
+    cheaper than keeping a copy). A collector handles both.
 
     Attributes:
         loss: sum of the scalar losses backpropagated into ``.grad`` during the iteration
@@ -57,16 +59,16 @@ class StepFacts:
         found_inf: inf/NaN found in the gradients, summed over optimizers and devices.
     """
 
-    loss: torch.Tensor | None = None
+    loss: torch.Tensor | float | None = None
     loss_count: int = 0
     loss_dtype: str | None = None
     scaled: list[tuple[Any, torch.Tensor, Any]] = field(default_factory=list)
     scaler: Any = None
     scaler_enabled: bool = False
-    scale_before: torch.Tensor | None = None
-    scale_after: torch.Tensor | None = None
-    growth_tracker: torch.Tensor | None = None
-    found_inf: torch.Tensor | None = None
+    scale_before: torch.Tensor | float | None = None
+    scale_after: torch.Tensor | float | None = None
+    growth_tracker: torch.Tensor | float | None = None
+    found_inf: torch.Tensor | float | None = None
 
 
 class Collector:

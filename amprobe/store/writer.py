@@ -28,6 +28,9 @@ RESERVE_FILE = ".amprobe-reserve"
 
 __all__ = ["RunWriter", "write_json_atomic", "run_environment"]
 
+#: one encoder for every row (``json.dumps`` with options builds a new one per call)
+_ENCODE = json.JSONEncoder(default=str, check_circular=False).encode
+
 
 def write_json_atomic(path: Path, obj: Mapping[str, Any]) -> None:
     """Write ``obj`` as JSON so that a reader sees either the old file or the whole new one."""
@@ -181,7 +184,7 @@ class RunWriter:
         queue = self._pending.setdefault(table, deque())
         for row in rows:
             # NaN / Infinity are written as such: pyarrow's JSON reader reads them back
-            queue.append(json.dumps(row, default=str))
+            queue.append(_ENCODE(row))
         overflow = len(queue) - self._max_rows
         if overflow > 0:
             for _ in range(overflow):

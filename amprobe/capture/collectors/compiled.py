@@ -226,14 +226,20 @@ def graph_facts(gm: Any) -> dict[str, Any]:
     return {"ops": ops, "autocast": autocast}
 
 
+_UTILS: list[Any] = []  # torch._dynamo.utils, once found
+
+
 def _dynamo_utils() -> Any:
     """``torch._dynamo.utils`` once something imported dynamo (never imported by amprobe)."""
+    if _UTILS:
+        return _UTILS[0]
     if "torch._dynamo" not in sys.modules:
         return None
     try:
         from torch._dynamo import utils
     except ImportError:
         return None
+    _UTILS.append(utils)
     return utils
 
 
@@ -296,11 +302,16 @@ class CompileCollector(Collector):
             self._snapshot()
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        last = self._last or (0, 0, {})
+        # graphs, breaks and recompiles only happen while a frame compiles: one dict read
+        # tells a step that compiled nothing (every step of a job that does not compile)
+        if compiled_frames() == last[0]:
+            record.update(compile_frames=0, compile_graphs=0, graph_breaks=0, recompiles=0)
+            return
         now = _counters()
         if now is None:
             record.update(compile_frames=0, compile_graphs=0, graph_breaks=0, recompiles=0)
             return
-        last = self._last or (0, 0, {})
         self._last = now
         frames = now[0] - last[0]
         breaks = {k: v - last[2].get(k, 0) for k, v in now[2].items() if v > last[2].get(k, 0)}

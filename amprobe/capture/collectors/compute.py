@@ -27,7 +27,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from amprobe.capture.collectors.compiled import unwrap_compiled
 from amprobe.capture.collectors.sharded import user_class_name, user_module_name
-from amprobe.capture.protocol import Collector, StepFacts, due
+from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.capture.sites import dtype_name
 
 __all__ = ["ComputeCollector", "GEMM_OPS", "CONV_OPS", "is_attention_op", "op_dims"]
@@ -300,7 +300,8 @@ class ComputeCollector(Collector):
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
-        self._every = probe.config.shapes_every
+        self._every, fixed = probe.config.sample_period("shapes_every")
+        probe.budget.register("shapes", self._every, fixed=fixed, first=1)
         self._limit = probe.config.shapes_captures
         self._captures = 0
         self._capturing = False
@@ -321,7 +322,7 @@ class ComputeCollector(Collector):
     def _due(self, step: int) -> bool:
         if self._limit and self._captures >= self._limit:
             return False
-        return due(step, self._every, first=1)
+        return bool(self.probe.budget.due("shapes", step))
 
     def on_step_begin(self, step: int) -> None:
         if self._capturing:

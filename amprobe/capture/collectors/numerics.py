@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import struct
 import weakref
 from collections.abc import Iterable
@@ -88,7 +89,7 @@ from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.capture.collectors.numstats import NBINS as _NBINS
 from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
 from amprobe.capture.collectors.sharded import local_tensor, user_class_name, user_module_name
-from amprobe.capture.protocol import Collector, StepFacts, due
+from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 
 __all__ = [
@@ -209,7 +210,8 @@ class NumericsCollector(Collector):
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
         cfg = probe.config
-        self.every: int = cfg.numerics_every
+        self.every, fixed = cfg.sample_period("numerics_every")
+        probe.budget.register("numerics", self.every, fixed=fixed)
         self.patterns: tuple[str, ...] = tuple(cfg.numerics_layers)
         self.arm_steps: int = cfg.numerics_arm_steps
         self._slots: list[_Slot] = []
@@ -412,7 +414,14 @@ class NumericsCollector(Collector):
 
     # -- sampling ------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
-        return self.probe.recording and (due(step, self.every) or step <= self._armed_until)
+        """Whether ``step`` is measured in full: armed by a problem, or due (the budget
+        spaces the default schedule; see :mod:`amprobe.capture.budget`)."""
+        if not self.probe.recording:
+            return False
+        if step <= self._armed_until:
+            self.probe.budget.take("numerics", step)
+            return True
+        return bool(self.probe.budget.due("numerics", step))
 
     def _guarded(self, fn: Any) -> Any:
         return self.probe.hub.guard(self, fn)
@@ -674,8 +683,11 @@ class NumericsCollector(Collector):
         if self._input_bad is not None:
             record["input_nonfinite"] = flags["input_nonfinite"] = self._input_bad
             self._input_bad = None
-        if isinstance(facts.loss, torch.Tensor):
-            record["loss_nonfinite"] = flags["loss_nonfinite"] = ~torch.isfinite(facts.loss).all()
+        loss = facts.loss
+        if isinstance(loss, torch.Tensor):
+            record["loss_nonfinite"] = flags["loss_nonfinite"] = ~torch.isfinite(loss).all()
+        elif isinstance(loss, float):
+            record["loss_nonfinite"] = flags["loss_nonfinite"] = not math.isfinite(loss)
         cap = self._cur
         if cap is not None and cap.step == step:
             self._recycle(cap)  # fold now: the step's histograms are large; reuse the buffers

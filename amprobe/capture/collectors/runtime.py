@@ -18,7 +18,7 @@ import torch
 
 from amprobe.capture.collectors.nvml import GpuSampler
 from amprobe.capture.collectors.syncs import SyncCounter
-from amprobe.capture.protocol import Collector, StepFacts, due
+from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 
 __all__ = ["RuntimeCollector", "PHASES", "read_rss_bytes"]
@@ -27,6 +27,8 @@ __all__ = ["RuntimeCollector", "PHASES", "read_rss_bytes"]
 PHASES = ("fwd", "bwd", "opt")
 _MAX_EVENTS_PER_KIND = 20
 _STATM = "/proc/self/statm"
+#: seconds between two reads of the resident set size (steps in between reuse the last one)
+RSS_PERIOD_S = 0.1
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -54,7 +56,8 @@ class RuntimeCollector(Collector):
     - ``peak_mem_bytes``: CUDA only, ``torch.cuda.max_memory_allocated`` over the step (the
       allocator's host-side counter, no sync); the peak is reset at every step unless
       ``Config.reset_peak_memory`` is False (then it is the peak since the start).
-    - ``rss_bytes``: the process's resident set size at the end of the step (Linux).
+    - ``rss_bytes``: the process's resident set size at the end of the step (Linux), read at
+      most every 0.1 s (:data:`RSS_PERIOD_S`): faster steps repeat the last reading.
     - ``syncs`` and ``syncs_sampled``: on sampled steps (``Config.syncs_every``), the number of
       synchronizing ops issued by user code (see :mod:`amprobe.capture.collectors.syncs`); null on
       other steps. Sampled steps run under a dispatch mode, so their ``wall_s`` is inflated.
@@ -68,7 +71,7 @@ class RuntimeCollector(Collector):
     batch_size), ``gpu_sampler`` (status: sampling / not available / stopped, and why),
     ``sync_counting_stopped``.
 
-    Cost: two ``perf_counter`` calls per batch and per phase, one ``/proc`` read per step;
+    Cost: two ``perf_counter`` calls per batch and per phase, one ``/proc`` read per 0.1 s;
     on CUDA two events per phase and a host-side allocator query. The NVML sampler runs in its
     own thread. Sync counting (the hub's op mode) costs about 10 % on sampled steps only.
     """
@@ -79,7 +82,9 @@ class RuntimeCollector(Collector):
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
         cfg = probe.config
-        self._syncs_every: int = cfg.syncs_every
+        self._syncs_every, fixed = cfg.sample_period("syncs_every")
+        every = self._syncs_every
+        probe.budget.register("syncs", every, fixed=fixed, first=1 % every if every > 0 else 0)
         self._wait = 0.0
         self._batches = 0
         self._acc: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -96,6 +101,10 @@ class RuntimeCollector(Collector):
         self._scalers: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()
         self._sampler: GpuSampler | None = None
         self._sampler_started = False
+        self._device_seen: Any = None
+        self._cuda = False
+        self._rss_t = -RSS_PERIOD_S
+        self._rss_value: int | None = None
         self._event_counts: dict[str, int] = defaultdict(int)
         self._loader_configs: set[tuple[Any, ...]] = set()
         self._iterators_seen: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -169,7 +178,18 @@ class RuntimeCollector(Collector):
 
     def _is_cuda(self) -> bool:
         device = self.probe.device
-        return device is not None and device.type == "cuda"
+        if device is not self._device_seen:  # known once the first model or tensor is seen
+            self._device_seen = device
+            self._cuda = device is not None and device.type == "cuda"
+        return self._cuda
+
+    def _rss(self, now: float) -> int | None:
+        """The resident set size, read from ``/proc`` at most every :data:`RSS_PERIOD_S`: a step
+        of a fast job reuses the last reading (no filesystem call per step)."""
+        if now - self._rss_t >= RSS_PERIOD_S:
+            self._rss_t = now
+            self._rss_value = read_rss_bytes()
+        return self._rss_value
 
     def _begin(self, phase: str) -> None:
         depth = self._depth[phase]
@@ -210,8 +230,8 @@ class RuntimeCollector(Collector):
     def on_step_begin(self, step: int) -> None:
         self._counter = None
         device = self.probe.device
-        every = self._syncs_every  # steps 1, 1 + N, ... (every step when N = 1)
-        if device is not None and due(step, every, first=1 % every if every > 0 else 0):
+        # steps 1, 1 + N, ... (every step when N = 1), spaced by the budget by default
+        if device is not None and self.probe.budget.due("syncs", step):
             self._counter = SyncCounter(device.type)
             if device.type == "cpu":
                 self._counter.mark(self._model_tensors())
@@ -266,7 +286,7 @@ class RuntimeCollector(Collector):
         record["fwd_s"] = self._acc["fwd"]
         record["bwd_s"] = self._acc["bwd"]
         record["opt_s"] = self._acc["opt"]
-        record["rss_bytes"] = read_rss_bytes()
+        record["rss_bytes"] = self._rss(now)
         if self._is_cuda():
             record["peak_mem_bytes"] = self._peak_memory()
         if counter is not None:

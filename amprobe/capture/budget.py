@@ -1,0 +1,188 @@
+"""The overhead budget: sampled steps spaced so that they cost a bounded share of training time.
+
+Some collectors measure more on a few steps than on the others: per-layer numerics (hooks and
+histograms on every layer), shape capture and sync counting (every op through Python). What such
+a sampled step costs depends on the model, not on amprobe: a few percent of a long step, many
+times a short one. A fixed period ("every 100 steps") therefore bounds nothing. Here amprobe
+measures what each sampled step cost, and spaces the next one so that all samples together add
+at most ``Config.overhead_budget`` (1 % by default) of the training time measured so far.
+
+The rule is a token bucket. Each unsampled step earns ``fraction x its time`` of credit; a
+sampled step spends its measured cost: its time (the step, and the collectors' work at its end)
+minus a typical unsampled step's (a running median of recent unsampled steps). A kind of sample
+is due when its minimum period has passed (``numerics_every`` and friends: the schedule with no
+budget) and the credit covers its last measured cost. The first sample of each kind is taken at
+its first due step whatever it costs (it measures the cost, and every run needs one), so the
+amortized overhead tends to the budget from above.
+
+A period the user set explicitly is followed exactly (``numerics_every=1`` samples every step);
+the budget spaces only the default schedules. Samples armed by a problem (numerics after a
+non-finite loss or gradient) are taken at once and their cost charged to the bucket.
+
+What the budget chose is recorded: one ``sample_deferred`` event per kind the first time the
+budget holds a sample back (its cost, the step time, the budget), and in ``end.json``'s
+``sampling`` (per kind: samples taken, samples deferred, mean cost, period used).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+from amprobe.capture.protocol import due
+
+__all__ = ["SampleBudget", "due"]
+
+#: unsampled steps kept for the running median of a typical step's time
+_WINDOW = 64
+
+
+@dataclass
+class _Kind:
+    every: int
+    fixed: bool
+    first: int
+    last: int | None = None  # last sampled step
+    cost: float | None = None  # seconds the last measured sample added
+    samples: int = 0
+    deferred: int = 0
+    spent: float = 0.0
+    told: bool = False  # the first deferral was recorded
+
+
+class SampleBudget:
+    """Decides which steps the sampling collectors sample; owned by the probe.
+
+    Args:
+        fraction: the share of training time sampled steps may add (``Config.overhead_budget``);
+            0 follows every period exactly.
+        event: records an event in the run (the probe's ``event``).
+    """
+
+    def __init__(self, fraction: float, event: Any = None) -> None:
+        self.fraction = float(fraction)
+        self._event = event
+        self.credit = 0.0
+        self._kinds: dict[str, _Kind] = {}
+        self._decided: dict[str, tuple[int, bool]] = {}
+        self._now: list[str] = []  # kinds sampled in the step in progress
+        self._recent: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._sorted: list[float] = []
+        self._unresolved: list[tuple[list[str], float]] = []  # sampled before a typical step
+        self.trained_s = 0.0
+        self.spent_s = 0.0
+
+    def register(self, kind: str, every: int, *, fixed: bool, first: int = 0) -> None:
+        """Declare a kind of sample: its minimum period, and whether the user fixed it."""
+        self._kinds[kind] = _Kind(every=every, fixed=fixed or self.fraction <= 0, first=first)
+        self._decided.pop(kind, None)
+
+    def due(self, kind: str, step: int) -> bool:
+        """Whether ``kind`` samples ``step``; the same answer however often it is asked."""
+        decided = self._decided.get(kind)
+        if decided is not None and decided[0] == step:
+            return decided[1]
+        k = self._kinds[kind]
+        if k.fixed:
+            answer = due(step, k.every, k.first)
+        elif k.every <= 0 or step < k.first:
+            answer = False
+        elif k.last is not None and step - k.last < k.every:
+            answer = False
+        elif k.last is None or k.cost is None or k.cost <= self.credit:
+            answer = True
+        else:
+            answer = False
+            k.deferred += 1
+            if not k.told and self._event is not None:
+                k.told = True
+                self._event(
+                    "sample_deferred",
+                    sample=kind,
+                    cost_ms=round(k.cost * 1e3, 3),
+                    step_ms=round(self.typical() * 1e3, 3),
+                    budget=self.fraction,
+                    next_period=self.period(kind),
+                )
+        self._decided[kind] = (step, answer)
+        if answer:
+            self.take(kind, step)
+        return answer
+
+    def take(self, kind: str, step: int) -> None:
+        """``kind`` samples ``step`` (a due sample, or one armed by a problem)."""
+        k = self._kinds.get(kind)
+        if k is None or kind in self._now:
+            return
+        k.last = step
+        k.samples += 1
+        self._now.append(kind)
+
+    def typical(self) -> float:
+        """A typical unsampled step's seconds (running median), 0 before the first."""
+        s = self._sorted
+        return s[len(s) // 2] if s else 0.0
+
+    def period(self, kind: str) -> int | None:
+        """The spacing, in steps, that the budget allows ``kind`` now (None: not measured)."""
+        k = self._kinds[kind]
+        if k.fixed:
+            return k.every
+        step_s = self.typical()
+        if k.cost is None or step_s <= 0 or self.fraction <= 0:
+            return None
+        return max(k.every, int(k.cost / (self.fraction * step_s)) + 1)
+
+    def end_step(self, seconds: float) -> None:
+        """The step in progress took ``seconds`` (collectors' work at its end included)."""
+        now, self._now = self._now, []
+        if not now:
+            self.trained_s += seconds
+            self.credit += self.fraction * seconds
+            if len(self._recent) == self._recent.maxlen:
+                old = self._recent[0]
+                del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._recent.append(seconds)
+            bisect.insort(self._sorted, seconds)
+            if self._unresolved:
+                pending, self._unresolved = self._unresolved, []
+                for kinds, took in pending:
+                    self._charge(kinds, took)
+            return
+        if not self._sorted:
+            self._unresolved.append((now, seconds))
+            return
+        self._charge(now, seconds)
+
+    def _charge(self, kinds: list[str], seconds: float) -> None:
+        typical = self.typical()
+        self.trained_s += min(seconds, typical)
+        extra = max(0.0, seconds - typical)
+        self.credit -= extra
+        self.spent_s += extra
+        share = extra / len(kinds)
+        for kind in kinds:
+            k = self._kinds[kind]
+            k.cost = share
+            k.spent += share
+
+    def summary(self) -> dict[str, Any]:
+        """What the budget chose, for ``end.json``."""
+        kinds = {}
+        for name, k in self._kinds.items():
+            kinds[name] = {
+                "mode": "fixed" if k.fixed else "budget",
+                "min_period": k.every,
+                "samples": k.samples,
+                "deferred": k.deferred,
+                "mean_cost_ms": round(k.spent / k.samples * 1e3, 3) if k.samples else None,
+                "period": self.period(name),
+            }
+        return {
+            "budget": self.fraction,
+            "typical_step_ms": round(self.typical() * 1e3, 3),
+            "sampled_share": round(self.spent_s / self.trained_s, 5) if self.trained_s else None,
+            "kinds": kinds,
+        }
