@@ -160,7 +160,7 @@ def _finding(rank: int, cuts: int) -> Finding:
         "scale-backoff",
         "info",
         "nan",
-        f"loss scale cut {cuts} time(s) on rank {rank}",
+        f"loss scale cut {cuts} time(s)",
         {"rank": rank, "cuts": cuts},
         "fix",
     )
@@ -232,25 +232,51 @@ def test_group_rank_findings_keeps_different_kinds_apart():
     assert all("ranks" not in f.evidence for f in grouped)
 
 
-def test_group_rank_findings_ranges_in_fix_and_rank_inside_title():
+def test_group_rank_findings_ranges_in_fix():
     grouped = group_rank_findings(
         [
-            _plain(
-                1,
-                "cut 3 time(s) on rank 1 (1,024 steps)",
-                fix="init_scale about 4096 keeps it in range",
-            ),
-            _plain(
-                0,
-                "cut 1 time(s) on rank 0 (1,024 steps)",
-                fix="init_scale about 1024 keeps it in range",
-            ),
+            _plain(1, "cut 3 time(s) (1,024 steps)", fix="init_scale about 4096 keeps it in range"),
+            _plain(0, "cut 1 time(s) (1,024 steps)", fix="init_scale about 1024 keeps it in range"),
         ]
     )
     (merged,) = grouped
-    assert merged.title == "cut 1 to 3 time(s) on ranks 0-1 (1,024 steps)"
+    assert merged.title == "cut 1 to 3 time(s) (1,024 steps) on ranks 0-1"
     assert merged.fix == "init_scale about 1024 to 4096 keeps it in range"
     assert merged.evidence["rank"] == 0
+
+
+def test_group_rank_findings_takes_the_rank_from_the_evidence_never_the_title():
+    """Issue #20: the rank was parsed out of titles (" on rank N"); it is a field now.
+
+    A title that happens to say "on rank 7" (here: a layer's own words) is left as written, a
+    finding of one rank gets "on rank N" from its evidence in a run of several ranks, and a
+    title without the rank is not changed in a one-rank run.
+    """
+    title = "gathered on rank 7 before the reduce"
+    merged, single = group_rank_findings(
+        [_plain(0, title), _plain(1, title), _plain(2, "another kind")], name_rank=True
+    )
+    assert merged.title == f"{title} on ranks 0-1" and merged.evidence["ranks"] == [0, 1]
+    assert single.title == "another kind on rank 2" and "ranks" not in single.evidence
+    (alone,) = group_rank_findings([_plain(0, "another kind")])
+    assert alone.title == "another kind"
+
+
+def test_per_rank_titles_are_placed_by_the_engine():
+    """A two-rank run whose ranks both wait for data: one AMP-S01 finding naming both ranks,
+    its title carrying no rank number of its own (it said "Input-bound (rank 0 to 1)")."""
+    rows = []
+    for rank in (0, 1):
+        rows += _steps(rank, n=8, wall=0.1, data_wait_s=0.05 + 0.01 * rank)
+    diagnosis = amprobe.diagnose(fake_run(ranks=[0, 1], steps=rows), only=["AMP-S01"])
+    (finding,) = diagnosis.findings
+    assert finding.title.startswith("Input-bound: ") and finding.title.endswith(" on ranks 0-1")
+    assert "(rank" not in finding.title and finding.evidence["ranks"] == [0, 1]
+    one = amprobe.diagnose(
+        fake_run(ranks=[0, 1], steps=rows[:8] + _steps(1, n=8)), only=["AMP-S01"]
+    )
+    (finding,) = one.findings
+    assert finding.title.endswith(" on rank 0") and finding.evidence["rank"] == 0
 
 
 def test_format_ranks():
@@ -449,7 +475,8 @@ def test_prometheus_config_validation(bad):
 
 
 def test_cli_prometheus_port_maps_to_config(monkeypatch):
-    from amprobe import cli, launcher
+    from amprobe import cli
+    from amprobe.control import launcher
 
     seen = {}
 
