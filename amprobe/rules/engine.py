@@ -205,9 +205,18 @@ REQUIREMENTS: dict[str, Callable[[Run], str | None]] = {}
 
 
 def requirement(name: str) -> Callable[[Callable[[Run], str | None]], Callable[[Run], str | None]]:
-    """Register a named data requirement that rules can list in ``requires``."""
+    """Register a named data requirement that rules can list in ``requires``.
+
+    A requirement is registered once, before the first rule that lists it (its module is
+    imported first: the shared ones live in :mod:`amprobe.rules.data`).
+
+    Raises:
+        ValueError: ``name`` is registered already.
+    """
 
     def register(fn: Callable[[Run], str | None]) -> Callable[[Run], str | None]:
+        if name in REQUIREMENTS:
+            raise ValueError(f"requirement {name!r} registered twice")
         REQUIREMENTS[name] = fn
         return fn
 
@@ -227,14 +236,27 @@ def rule(
     """Register a rule function under its checklist ID.
 
     Args:
+        requires: names of data requirements registered with :func:`requirement`.
         refs: documentation links for the fix; the checklist item
             (:func:`~amprobe.rules.refs.checklist_ref`) is put first automatically.
         after: rule IDs whose findings this rule reads from :attr:`RuleContext.prior`.
+
+    Raises:
+        ValueError: at registration (import time): the ID is registered twice, the severity is
+            unknown, or a name in ``requires`` is not a registered requirement.
     """
+    needs = tuple(requires)
 
     def register(fn: RuleFn) -> RuleFn:
         if id in REGISTRY:
             raise ValueError(f"rule {id} registered twice")
+        unknown = [name for name in needs if name not in REQUIREMENTS]
+        if unknown:
+            raise ValueError(
+                f"rule {id} requires {', '.join(map(repr, unknown))}, not a registered "
+                f"requirement (known: {', '.join(sorted(REQUIREMENTS)) or 'none'}); register it "
+                "with @requirement, or import the module that does, before the rule"
+            )
         try:
             level = Severity(severity)
         except ValueError:
@@ -244,7 +266,7 @@ def rule(
             name=name,
             severity=level,
             category=category,
-            requires=tuple(requires),
+            requires=needs,
             thresholds=MappingProxyType(dict(thresholds or {})),
             refs=(checklist_ref(id), *refs),
             fn=fn,
@@ -472,8 +494,7 @@ def diagnose(
         reason = None
         for req in spec.requires:
             if req not in cache:
-                check = REQUIREMENTS.get(req)
-                cache[req] = check(run) if check else f"unknown requirement {req!r}"
+                cache[req] = REQUIREMENTS[req](run)
             if cache[req]:
                 reason = cache[req]
                 break
