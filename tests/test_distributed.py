@@ -4,6 +4,7 @@ the Prometheus exporter, and 2-rank gloo jobs recorded through `amprobe run -- t
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from amprobe.analysis.scaler import longest_run
 from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.report.ranks import build_ranks_section
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
+from amprobe.store import writer as store_writer
 from tests.helpers import TinyNet, fake_run, free_port, torchrun_argv, train_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,6 +369,26 @@ class _RuntimeLike(Collector):
         record["syncs"] = torch.tensor(3)
 
 
+class _TablesLike(Collector):
+    """Stands in for the numerics and NVML collectors: writes their rows at its first flush."""
+
+    name = "tables_like"
+    written = False
+
+    def on_flush(self, writer):
+        if self.written:
+            return
+        self.written = True
+        writer.append(
+            "numerics",
+            [
+                {"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
+                {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4},
+            ],
+        )
+        writer.append("gpu", [{"t": 0.1, "step": 2, "gpu": 0, "gpu_util": 87.5}])
+
+
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out = {}
@@ -382,6 +404,7 @@ def _labels(**extra: str) -> tuple:
 
 def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
     monkeypatch.setitem(REGISTRY, "runtime_like", _RuntimeLike)
+    monkeypatch.setitem(REGISTRY, "tables_like", _TablesLike)
     port = free_port()
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -394,20 +417,21 @@ def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
         config={
             "prometheus_port": port,
             "flush_every": 2,
-            "collectors": ("scaler", "runtime_like"),
+            "collectors": ("scaler", "runtime_like", "tables_like"),
         },
     )
     assert "prometheus" in probe.config.collectors  # enabled by setting the port
+    # the per-layer tables never reach disk (full disk): the exporter, which gets their rows in
+    # memory at flush, still serves them (it read them back from the files before, and lost them)
+    append_lines = store_writer._append_lines
+
+    def full_disk(path, data):
+        if path.name in ("numerics.jsonl", "gpu.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return append_lines(path, data)
+
+    monkeypatch.setattr(store_writer, "_append_lines", full_disk)
     train_loop(model, opt, scaler, 6, inf_at=(2,))
-    probe.writer.append(
-        "numerics",
-        [
-            {"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
-            {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4},
-        ],
-    )
-    probe.writer.append("gpu", [{"t": 0.1, "step": 2, "gpu": 0, "gpu_util": 87.5}])
-    probe.writer.flush()
     metrics = _scrape(f"http://127.0.0.1:{port}/metrics")
     labels = _labels()
     assert metrics[("amprobe_steps_total", labels)] == 6
