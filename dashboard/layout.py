@@ -22,6 +22,7 @@ from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.downsample import thin_figure
 from amprobe.report.escape import escape_markdown
 from amprobe.report.render import split_ref
+from amprobe.report.sections import section_tabs
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
 from dashboard import ids
 from dashboard.figures import (
@@ -36,7 +37,7 @@ from dashboard.runs import PAGE_ROWS, PENDING, LoadedRun, RunPage, RunSummary
 __all__ = [
     "SEVERITIES",
     "CATEGORIES",
-    "PANEL_SECTIONS",
+    "build_section_tab",
     "build_frame",
     "build_run_list",
     "build_run_table",
@@ -58,13 +59,14 @@ __all__ = [
 
 SEVERITIES = tuple(severity.value for severity in Severity)
 CATEGORIES = tuple(CATEGORY_LABELS.items())
-#: Dashboard tab -> report section key, for the panels every run page shows.
-PANEL_SECTIONS = (("Numerics", "numerics"), ("Tensor Cores", "compute"), ("Utilization", "runtime"))
-#: The report section whose text joins the Loss scale tab (its figure is drawn live there).
+# A run page has one tab per registered report section (amprobe.report.sections), in report
+# order; these sections' tabs add live parts to the section's own content:
+#: the Loss scale tab draws its figure live and adds the scale events (the section's text joins)
 SCALE_SECTION = "scale"
-#: The precision what-if tab: its heatmap is switched between activations and gradients.
+#: the precision what-if tab: its heatmap is switched between activations and gradients
 WHATIF_SECTION = "whatif"
-WHATIF_LABEL = "Precision what-if"
+#: the runtime tab shows the live step-time figure above the section
+RUNTIME_SECTION = "runtime"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {
@@ -458,9 +460,9 @@ def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -
     )
 
 
-def _whatif_tab(run: Any, section: Any) -> html.Div:
+def _whatif_tab(run: Any, section: Any, label: str) -> html.Div:
     if section is None:
-        return _absent_section(WHATIF_SECTION, WHATIF_LABEL)
+        return _absent_section(WHATIF_SECTION, label)
     if section.missing:
         return build_whatif(section, None, "", ())
 
@@ -477,7 +479,7 @@ def _absent_section(key: str, title: str) -> html.Div:
         [
             html.H3(title),
             html.P(
-                f"not recorded: this amprobe has no '{key}' report section installed",
+                f"not recorded: the '{key}' report section has nothing for this run",
                 className="missing",
                 style={"color": "#777"},
             ),
@@ -527,12 +529,30 @@ def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
     )
 
 
+def build_section_tab(run: Any, key: str, label: str, section: Any) -> Any:
+    """The body of report section ``key``'s tab: the section (``None``: it built nothing for
+    this run), with the live parts of the loss-scale, what-if and runtime tabs."""
+    if key == SCALE_SECTION:
+        return build_loss_scale(run.steps, section)
+    if key == WHATIF_SECTION:
+        return _whatif_tab(run, section, label)
+    body = build_section(section, key) if section is not None else _absent_section(key, label)
+    if key != RUNTIME_SECTION:
+        return body
+    live = html.Div(
+        [
+            html.H3("Step time and the probe's own time (live)"),
+            dcc.Graph(figure=make_step_time_figure(run.steps), id=ids.STEP_TIME_GRAPH),
+        ]
+    )
+    return html.Div([live, body])
+
+
 def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
     """One run: status, health and findings, loss scale, and a tab per report section."""
     run, diagnosis = loaded.run, loaded.diagnosis
     steps = run.steps
     sections = {s.key: s for s in loaded.sections}
-    panel_keys = {key for _, key in PANEL_SECTIONS} | {SCALE_SECTION, WHATIF_SECTION}
     tabs = [
         dcc.Tab(
             label="Overview",
@@ -575,33 +595,15 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
                 ]
             ),
         ),
-        dcc.Tab(
-            label="Loss scale",
-            value="loss-scale",
-            children=build_loss_scale(steps, sections.get(SCALE_SECTION)),
-        ),
     ]
-    for label, key in PANEL_SECTIONS:
-        body = build_section(sections[key], key) if key in sections else _absent_section(key, label)
-        extra = None
-        if key == "runtime":
-            extra = html.Div(
-                [
-                    html.H3("Step time and the probe's own time (live)"),
-                    dcc.Graph(figure=make_step_time_figure(steps), id=ids.STEP_TIME_GRAPH),
-                ]
+    for key, label in section_tabs():
+        tabs.append(
+            dcc.Tab(
+                label=label,
+                value=key,
+                children=build_section_tab(run, key, label, sections.get(key)),
             )
-        tabs.append(dcc.Tab(label=label, value=key, children=html.Div([extra, body])))
-    tabs.append(
-        dcc.Tab(
-            label=WHATIF_LABEL,
-            value=WHATIF_SECTION,
-            children=_whatif_tab(run, sections.get(WHATIF_SECTION)),
         )
-    )
-    for key, sec in sections.items():
-        if key not in panel_keys:
-            tabs.append(dcc.Tab(label=sec.title, value=key, children=build_section(sec, key)))
     warnings = [html.Li(w) for w in run.warnings]
     return html.Div(
         [

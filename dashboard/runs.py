@@ -34,13 +34,18 @@ import amprobe
 from amprobe.report.sections import build_sections
 from amprobe.store import read_table
 from amprobe.store.layout import (
+    END_MARKER,
+    RANK_MANIFEST,
     STATUS_ORDER,
+    TABLE_SUFFIX,
     file_kind,
-    has_format_marker,
+    is_run_dir,
+    looks_like_rank_dirname,
     open_regular,
     parse_rank_dirname,
     read_json_file,
     status_of,
+    table_filename,
 )
 
 __all__ = [
@@ -54,7 +59,6 @@ __all__ = [
     "resolve_run",
     "inspect_run",
     "discover_runs",
-    "is_run_dir",
     "PENDING",
 ]
 
@@ -78,52 +82,12 @@ _FIRST_WAIT_ROWS = 8
 PENDING = "diagnosing\u2026"
 #: The longest reason shown in an unreadable row.
 _MAX_REASON_CHARS = 300
-_RUN_MANIFEST = "manifest.json"
-_END_MARKER = "end.json"
-_RANK_PREFIX = "rank"
-_READ_SUFFIXES = (".json", ".jsonl")
+#: the files the loader reads: manifests and end markers, and the tables
+_READ_SUFFIXES = (".json", TABLE_SUFFIX)
 
 
 class RunAccessError(Exception):
     """A run the dashboard will not or cannot open; the message is one line that says why."""
-
-
-def _rankish(name: str) -> bool:
-    """Names a loader may take for a rank folder (``rank²`` included): all of them are checked.
-
-    Which of them are ranks is :func:`amprobe.store.layout.parse_rank_dirname`'s answer
-    (``rank`` + ASCII digits); the wider net here only decides what :func:`inspect_run` checks.
-    """
-    return name.startswith(_RANK_PREFIX) and name[len(_RANK_PREFIX) :].isdigit()
-
-
-def _marked(manifest: Path) -> bool:
-    """Whether ``manifest`` may be an amprobe manifest, opening only a small regular file.
-
-    A regular file must carry the format marker; a link, FIFO or device in its place counts
-    (the run is then listed, and :func:`inspect_run` refuses it with the reason).
-    """
-    try:
-        st = os.lstat(manifest)
-    except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode):
-        return True
-    return has_format_marker(manifest)
-
-
-def is_run_dir(path: Path) -> bool:
-    """True when ``path`` is an amprobe run directory: its manifest, or a rank folder's, carries
-    the format marker (an unrelated folder with a ``manifest.json`` is not a run).
-
-    Reads only small regular files, non-blocking; a link or FIFO is looked at with ``lstat``.
-    """
-    try:
-        if _marked(path / _RUN_MANIFEST):
-            return True
-        return any(_rankish(p.name) and _marked(p / _RUN_MANIFEST) for p in path.iterdir())
-    except OSError:
-        return False
 
 
 def resolve_run(root: Path, name: str) -> Path:
@@ -142,7 +106,7 @@ def resolve_run(root: Path, name: str) -> Path:
     path = (base / rel).resolve()
     if path != base and base not in path.parents:
         raise RunAccessError(f"not a run under the dashboard's root: {name!r}")
-    if not path.is_dir() or not is_run_dir(path):
+    if not path.is_dir() or not is_run_dir(path, untrusted=True):
         raise RunAccessError(f"no run named {name!r} under the dashboard's root")
     return path
 
@@ -157,7 +121,7 @@ def discover_runs(root: Path, max_depth: int = MAX_DEPTH) -> list[str]:
     found: list[str] = []
 
     def walk(path: Path, depth: int) -> None:
-        if is_run_dir(path):
+        if is_run_dir(path, untrusted=True):
             rel = path.relative_to(base).as_posix()
             found.append(rel if rel != "." else ".")
             return
@@ -246,7 +210,7 @@ def inspect_run(root: Path, path: Path, max_table_bytes: int = MAX_TABLE_BYTES) 
 
     for entry in scan(path, ""):
         name = entry.name
-        if _rankish(name):
+        if looks_like_rank_dirname(name):  # all a loader might take for a rank are checked
             st = _stat_inside(base, Path(entry.path), name)
             if not stat.S_ISDIR(st.st_mode):
                 continue  # the loader reads rank folders only
@@ -404,7 +368,7 @@ def peek_run(name: str, path: Path) -> RunSummary:
         rank = parse_rank_dirname(entry.name)
         if rank is not None and entry.is_dir():
             ranks.append((rank, Path(entry.path)))
-        elif entry.name.startswith(_RANK_PREFIX) and entry.name[len(_RANK_PREFIX) :].isnumeric():
+        elif looks_like_rank_dirname(entry.name):
             odd.append(entry.name)
     if not ranks:
         why = "no rank folder (rank0, rank1, ...)"
@@ -416,12 +380,12 @@ def peek_run(name: str, path: Path) -> RunSummary:
     device = dtype = None
     steps: int | None = None
     for i, (_, folder) in enumerate(ranks):
-        ended = (folder / _END_MARKER).exists()
-        manifest = _read_small_json(folder / _RUN_MANIFEST)
-        end = (_read_small_json(folder / _END_MARKER) or {}) if ended else None
+        ended = (folder / END_MARKER).exists()
+        manifest = _read_small_json(folder / RANK_MANIFEST)
+        end = (_read_small_json(folder / END_MARKER) or {}) if ended else None
         if i == 0:
             device = _text_field(manifest, "gpu_name", "device")
-            dtype = _text_field(_first_record(folder / "steps.jsonl"), "autocast_dtype")
+            dtype = _text_field(_first_record(folder / table_filename("steps")), "autocast_dtype")
             value = (end or {}).get("steps")
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 steps = value
@@ -676,7 +640,9 @@ class LiveTail:
             new_rows = 0
             for info in run.ranks:
                 start = state.offsets.get(info.rank, 0)
-                frame, nxt, _ = read_table(info.path / f"{self.TABLE}.jsonl", self.TABLE, start)
+                frame, nxt, _ = read_table(
+                    info.path / table_filename(self.TABLE), self.TABLE, start
+                )
                 state.offsets[info.rank] = nxt
                 if len(frame):
                     frame.insert(0, "rank", info.rank)

@@ -311,8 +311,12 @@ def test_section_panels_render_registered_sections_and_missing(
             "compute", "Tensor Cores", missing="no CUDA device: op shapes not traced"
         )
 
-    monkeypatch.setitem(sections_mod.SECTIONS, "numerics", (50, numerics))
-    monkeypatch.setitem(sections_mod.SECTIONS, "compute", (60, compute))
+    monkeypatch.setitem(
+        sections_mod.SECTIONS, "numerics", sections_mod.SectionSpec(50, numerics, "N")
+    )
+    monkeypatch.setitem(
+        sections_mod.SECTIONS, "compute", sections_mod.SectionSpec(60, compute, "C")
+    )
     page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
     graph = find(page, f"{ids.SECTION_PREFIX}numerics-fig0")
     assert len(graph.figure.data[0].y) <= 2000
@@ -452,12 +456,38 @@ def test_scale_section_text_joins_the_loss_scale_tab(
             text=("30 scaled steps: 2 skipped",),
         )
 
-    monkeypatch.setitem(sections_mod.SECTIONS, "scale", (10, scale))
+    monkeypatch.setitem(
+        sections_mod.SECTIONS, "scale", sections_mod.SectionSpec(10, scale, "Loss scale")
+    )
     page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
     tabs = find(page, ids.RUN_TABS).children
     assert [t.label for t in tabs][:2] == ["Overview", "Loss scale"]
     assert "Loss scale and loss" not in [t.label for t in tabs]
     assert "30 scaled steps: 2 skipped" in texts(tabs[1])
+
+
+def test_run_tabs_follow_the_report_section_registry(
+    monkeypatch: pytest.MonkeyPatch, ctx: callbacks.Context
+) -> None:
+    """Issue #20: the dashboard listed its tabs by hand; a newly registered section had none."""
+    from amprobe.report import sections as sections_mod
+
+    def memory(run: Any, diagnosis: Any) -> Any:
+        return sections_mod.Section("memory", "Device memory", text=("peak 1.5 GiB",))
+
+    monkeypatch.setitem(
+        sections_mod.SECTIONS, "memory", sections_mod.SectionSpec(20, memory, "Memory")
+    )
+    page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
+    tabs = find(page, ids.RUN_TABS).children
+    assert [(t.value, t.label) for t in tabs] == [
+        ("overview", "Overview"),
+        *sections_mod.section_tabs(),
+    ]
+    memory_tab = next(t for t in tabs if t.value == "memory")
+    assert memory_tab.label == "Memory" and "peak 1.5 GiB" in texts(memory_tab)
+    labels = dict(sections_mod.section_tabs())
+    assert list(labels)[:2] == ["scale", "memory"] and labels["compute"] == "Tensor Cores"
 
 
 SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"

@@ -213,6 +213,37 @@ def test_a_folder_with_an_unrelated_manifest_is_not_a_run(tmp_path: Path) -> Non
     assert runs_mod.discover_runs(tmp_path) == ["run"]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_the_dashboard_and_the_store_agree_on_what_a_run_is(tmp_path: Path) -> None:
+    """Issue #20: dashboard/runs.py kept its own file names and ``is_run_dir``; they differed.
+
+    A run whose top manifest was lost and whose only rank folder is ``rank²`` (not a rank) was
+    a run to the dashboard (``str.isdigit``) and not to the store. The dashboard now asks the
+    store, in its ``untrusted`` mode: a FIFO in a manifest's place is listed (and refused
+    later, with the reason), never opened.
+    """
+    from amprobe.store import layout
+
+    write_synthetic_run(tmp_path / "run", steps=3)
+    write_synthetic_run(tmp_path / "superscript", steps=3)
+    (tmp_path / "superscript" / "manifest.json").unlink()
+    (tmp_path / "superscript" / "rank0").rename(tmp_path / "superscript" / "rank\u00b2")
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "manifest.json")
+    assert not layout.is_run_dir(tmp_path / "superscript", untrusted=True)
+    assert not layout.is_run_dir(tmp_path / "fifo")
+    assert layout.is_run_dir(tmp_path / "fifo", untrusted=True)
+    # (a rank folder's own manifest carries the marker: rank² alone reads as a run, for both)
+    stored = [p.relative_to(tmp_path.resolve()).as_posix() for p in layout.list_runs(tmp_path)]
+    assert stored == ["run", "superscript/rank\u00b2"]  # the store, trusting, skips the FIFO
+    assert runs_mod.discover_runs(tmp_path) == ["fifo", *stored]
+    ctx = callbacks.Context(root=tmp_path)
+    callbacks.render_page(ctx, "/")
+    assert ctx.cache.wait_idle(60)
+    rows = rows_by_name(ctx.cache.page(1).rows)
+    assert rows["fifo"].status == "unreadable" and "FIFO" in (rows["fifo"].error or "")
+
+
 def test_oversized_table_is_refused_before_it_is_read(tmp_path: Path) -> None:
     write_synthetic_run(tmp_path / "big", steps=50)
     cache = RunCache(tmp_path, max_table_bytes=1000)

@@ -4,6 +4,7 @@ the Prometheus exporter, and 2-rank gloo jobs recorded through `amprobe run -- t
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from amprobe.analysis.scaler import longest_run
 from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.report.ranks import build_ranks_section
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
+from amprobe.store import writer as store_writer
 from tests.helpers import TinyNet, fake_run, free_port, torchrun_argv, train_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +162,7 @@ def _finding(rank: int, cuts: int) -> Finding:
         "scale-backoff",
         "info",
         "nan",
-        f"loss scale cut {cuts} time(s) on rank {rank}",
+        f"loss scale cut {cuts} time(s)",
         {"rank": rank, "cuts": cuts},
         "fix",
     )
@@ -232,25 +234,51 @@ def test_group_rank_findings_keeps_different_kinds_apart():
     assert all("ranks" not in f.evidence for f in grouped)
 
 
-def test_group_rank_findings_ranges_in_fix_and_rank_inside_title():
+def test_group_rank_findings_ranges_in_fix():
     grouped = group_rank_findings(
         [
-            _plain(
-                1,
-                "cut 3 time(s) on rank 1 (1,024 steps)",
-                fix="init_scale about 4096 keeps it in range",
-            ),
-            _plain(
-                0,
-                "cut 1 time(s) on rank 0 (1,024 steps)",
-                fix="init_scale about 1024 keeps it in range",
-            ),
+            _plain(1, "cut 3 time(s) (1,024 steps)", fix="init_scale about 4096 keeps it in range"),
+            _plain(0, "cut 1 time(s) (1,024 steps)", fix="init_scale about 1024 keeps it in range"),
         ]
     )
     (merged,) = grouped
-    assert merged.title == "cut 1 to 3 time(s) on ranks 0-1 (1,024 steps)"
+    assert merged.title == "cut 1 to 3 time(s) (1,024 steps) on ranks 0-1"
     assert merged.fix == "init_scale about 1024 to 4096 keeps it in range"
     assert merged.evidence["rank"] == 0
+
+
+def test_group_rank_findings_takes_the_rank_from_the_evidence_never_the_title():
+    """Issue #20: the rank was parsed out of titles (" on rank N"); it is a field now.
+
+    A title that happens to say "on rank 7" (here: a layer's own words) is left as written, a
+    finding of one rank gets "on rank N" from its evidence in a run of several ranks, and a
+    title without the rank is not changed in a one-rank run.
+    """
+    title = "gathered on rank 7 before the reduce"
+    merged, single = group_rank_findings(
+        [_plain(0, title), _plain(1, title), _plain(2, "another kind")], name_rank=True
+    )
+    assert merged.title == f"{title} on ranks 0-1" and merged.evidence["ranks"] == [0, 1]
+    assert single.title == "another kind on rank 2" and "ranks" not in single.evidence
+    (alone,) = group_rank_findings([_plain(0, "another kind")])
+    assert alone.title == "another kind"
+
+
+def test_per_rank_titles_are_placed_by_the_engine():
+    """A two-rank run whose ranks both wait for data: one AMP-S01 finding naming both ranks,
+    its title carrying no rank number of its own (it said "Input-bound (rank 0 to 1)")."""
+    rows = []
+    for rank in (0, 1):
+        rows += _steps(rank, n=8, wall=0.1, data_wait_s=0.05 + 0.01 * rank)
+    diagnosis = amprobe.diagnose(fake_run(ranks=[0, 1], steps=rows), only=["AMP-S01"])
+    (finding,) = diagnosis.findings
+    assert finding.title.startswith("Input-bound: ") and finding.title.endswith(" on ranks 0-1")
+    assert "(rank" not in finding.title and finding.evidence["ranks"] == [0, 1]
+    one = amprobe.diagnose(
+        fake_run(ranks=[0, 1], steps=rows[:8] + _steps(1, n=8)), only=["AMP-S01"]
+    )
+    (finding,) = one.findings
+    assert finding.title.endswith(" on rank 0") and finding.evidence["rank"] == 0
 
 
 def test_format_ranks():
@@ -341,6 +369,26 @@ class _RuntimeLike(Collector):
         record["syncs"] = torch.tensor(3)
 
 
+class _TablesLike(Collector):
+    """Stands in for the numerics and NVML collectors: writes their rows at its first flush."""
+
+    name = "tables_like"
+    written = False
+
+    def on_flush(self, writer):
+        if self.written:
+            return
+        self.written = True
+        writer.append(
+            "numerics",
+            [
+                {"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
+                {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4},
+            ],
+        )
+        writer.append("gpu", [{"t": 0.1, "step": 2, "gpu": 0, "gpu_util": 87.5}])
+
+
 def _scrape(url: str) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     out = {}
@@ -356,6 +404,7 @@ def _labels(**extra: str) -> tuple:
 
 def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
     monkeypatch.setitem(REGISTRY, "runtime_like", _RuntimeLike)
+    monkeypatch.setitem(REGISTRY, "tables_like", _TablesLike)
     port = free_port()
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -368,20 +417,21 @@ def test_prometheus_endpoint_serves_live_metrics(tmp_path, monkeypatch):
         config={
             "prometheus_port": port,
             "flush_every": 2,
-            "collectors": ("scaler", "runtime_like"),
+            "collectors": ("scaler", "runtime_like", "tables_like"),
         },
     )
     assert "prometheus" in probe.config.collectors  # enabled by setting the port
+    # the per-layer tables never reach disk (full disk): the exporter, which gets their rows in
+    # memory at flush, still serves them (it read them back from the files before, and lost them)
+    append_lines = store_writer._append_lines
+
+    def full_disk(path, data):
+        if path.name in ("numerics.jsonl", "gpu.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return append_lines(path, data)
+
+    monkeypatch.setattr(store_writer, "_append_lines", full_disk)
     train_loop(model, opt, scaler, 6, inf_at=(2,))
-    probe.writer.append(
-        "numerics",
-        [
-            {"step": 2, "module": "fc1", "kind": "output", "nan": 2, "inf": 1},
-            {"step": 2, "module": "fc2", "kind": "grad_output", "nan": 0, "inf": 4},
-        ],
-    )
-    probe.writer.append("gpu", [{"t": 0.1, "step": 2, "gpu": 0, "gpu_util": 87.5}])
-    probe.writer.flush()
     metrics = _scrape(f"http://127.0.0.1:{port}/metrics")
     labels = _labels()
     assert metrics[("amprobe_steps_total", labels)] == 6

@@ -104,6 +104,7 @@ _EVENT_TABLE: dict[str, bool] = {
     "on_op": False,
     "on_step_end": False,
     "on_flush": True,
+    "on_rows": True,
     "on_close": True,
 }
 EVENTS = tuple(_EVENT_TABLE)

@@ -32,6 +32,7 @@ from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_comp
 from amprobe.capture.collectors.sharded import user_class_name
 from amprobe.capture.discovery import find_live_training_objects, name_in_caller
 from amprobe.capture.hub import Hub
+from amprobe.capture.protocol import FlushWriter
 from amprobe.config import Config, ConfigError, check_collectors, make_config
 from amprobe.store.fields import STEP_FIELDS
 from amprobe.store.layout import StoreError, check_writable
@@ -503,7 +504,10 @@ class Probe:
             self._check_declared(rows)
             self._update_live(rows)
             self.writer.append("steps", rows)
-            self.hub.emit("on_flush", self.writer)
+            written = FlushWriter(self.writer)
+            self.hub.emit("on_flush", written)
+            for table, new in written.appended:  # per-layer values reach collectors in memory
+                self.hub.emit("on_rows", table, new)
             with self._events_lock:
                 events, self._pending_events = self._pending_events, []
             self.writer.append("events", events)

@@ -8,6 +8,7 @@ arguments, so the order collectors run in cannot change what they record.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from amprobe.capture.probe import Probe
     from amprobe.store.fields import Field
 
-__all__ = ["Collector", "StepFacts", "due"]
+__all__ = ["Collector", "FlushWriter", "StepFacts", "due"]
 
 
 def due(step: int, every: int, first: int = 0) -> bool:
@@ -71,6 +72,31 @@ class StepFacts:
     found_inf: torch.Tensor | float | None = None
 
 
+class FlushWriter:
+    """The writer a collector's :meth:`Collector.on_flush` receives.
+
+    Rows appended to it go to the run's writer as they would directly, and are kept (by
+    reference, until the flush ends) so that the probe can hand them to every collector's
+    :meth:`Collector.on_rows` once all ``on_flush`` calls have run: a collector that needs
+    another's per-layer values gets them in memory, never by reading the run's files back.
+    Any other attribute is the run writer's own.
+    """
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.appended: list[tuple[str, list[Mapping[str, Any]]]] = []
+
+    def append(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Queue ``rows`` for ``table`` (see the run writer's ``append``) and keep them."""
+        kept = list(rows)
+        self._writer.append(table, kept)
+        if kept:
+            self.appended.append((table, kept))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
 class Collector:
     """Base class of every collector: a subscriber to the hub's events.
 
@@ -105,7 +131,12 @@ class Collector:
         """Recording starts (True) or stops (False) at a step boundary (dormant probes)."""
 
     def on_flush(self, writer: Any) -> None:
-        """Write this collector's own tables; the step records were read back just before."""
+        """Write this collector's own tables; the step records were read back just before.
+        ``writer`` is a :class:`FlushWriter`."""
+
+    def on_rows(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+        """Rows the collectors (this one included) queued for ``table`` at this flush, after
+        every ``on_flush``: Python values, already read back. Read them; never modify them."""
 
     def on_close(self) -> None:
         """Remove every hook this collector registered and stop its threads."""

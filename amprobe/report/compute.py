@@ -108,7 +108,7 @@ def make_coverage_figure(coverage: pd.DataFrame) -> go.Figure:
     return fig
 
 
-@section("compute", order=40)
+@section("compute", order=40, tab="Tensor Cores")
 def build_compute_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Compute: GEMM shapes, Tensor Core alignment, autocast coverage"
     ops, steps = latest_capture(run)

@@ -127,7 +127,7 @@ def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, 
     return fig
 
 
-@section("numerics", 30)
+@section("numerics", order=30, tab="Numerics")
 def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     """Per-layer numerics, or why they are missing."""
     title = "Per-layer numerics"

@@ -133,7 +133,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     return fig
 
 
-@section("ranks", order=80)
+@section("ranks", order=80, tab="Ranks")
 def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Ranks"
     steps = run.steps

@@ -131,7 +131,7 @@ def make_phase_table(steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["part", "median_ms"])
 
 
-@section("runtime", order=40)
+@section("runtime", order=40, tab="Utilization")
 def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Runtime: step time, data loading, syncs, GPU"
     steps = run.steps

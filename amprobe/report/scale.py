@@ -209,7 +209,7 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     return fig
 
 
-@section("scale", order=10)
+@section("scale", order=10, tab="Loss scale")
 def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     steps = run.steps
     title = "Loss scale and loss"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pandas as pd
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
 
-__all__ = ["Section", "SECTIONS", "section", "build_sections"]
+__all__ = ["Section", "SectionSpec", "SECTIONS", "section", "section_tabs", "build_sections"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +47,36 @@ class Section:
 
 SectionBuilder = Callable[["Run", "Diagnosis"], "Section | None"]
 
-#: key -> (order, builder). Lower order comes first.
-SECTIONS: dict[str, tuple[int, SectionBuilder]] = {}
+
+class SectionSpec(NamedTuple):
+    """A registered section: where it comes in a report, its builder, its tab's label."""
+
+    order: int  # lower comes first
+    build: SectionBuilder
+    tab: str  # the short label of its dashboard tab ("Tensor Cores")
 
 
-def section(key: str, order: int) -> Callable[[SectionBuilder], SectionBuilder]:
-    """Register a section builder."""
+#: key -> its :class:`SectionSpec`. The HTML report and the dashboard's tabs follow this table.
+SECTIONS: dict[str, SectionSpec] = {}
+
+
+def section(key: str, order: int, tab: str) -> Callable[[SectionBuilder], SectionBuilder]:
+    """Register a section builder under ``key``; ``tab`` labels its dashboard tab."""
 
     def register(fn: SectionBuilder) -> SectionBuilder:
-        SECTIONS[key] = (order, fn)
+        SECTIONS[key] = SectionSpec(order, fn, tab)
         return fn
 
     return register
+
+
+def _in_order() -> list[tuple[str, SectionSpec]]:
+    return sorted(SECTIONS.items(), key=lambda kv: kv[1].order)
+
+
+def section_tabs() -> list[tuple[str, str]]:
+    """``(key, tab label)`` of every registered section, in report order: one dashboard tab each."""
+    return [(key, spec.tab) for key, spec in _in_order()]
 
 
 def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
@@ -68,9 +86,9 @@ def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
     :func:`~amprobe.report.escape.escape_figure_text`.
     """
     out: list[Section] = []
-    for key, (_, fn) in sorted(SECTIONS.items(), key=lambda kv: kv[1][0]):
+    for key, spec in _in_order():
         try:
-            result = fn(run, diagnosis)
+            result = spec.build(run, diagnosis)
         except Exception as exc:
             result = Section(
                 key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"

@@ -225,7 +225,7 @@ def whatif_table(whatif: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-@section("whatif", 35)
+@section("whatif", order=35, tab="Precision what-if")
 def build_whatif_section(run: Run, diagnosis: Diagnosis) -> Section:
     """The precision what-if, or why it cannot be computed."""
     title = "Precision what-if (fp16 / bf16 / fp8)"

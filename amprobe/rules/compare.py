@@ -20,6 +20,7 @@ from amprobe.analysis.compare import (
     compute_comparison,
     load_baseline,
 )
+from amprobe.rules import data as _data  # noqa: F401  (registers amp_as_written, listed below)
 from amprobe.rules.engine import (
     REGISTRY,
     Finding,

@@ -1,4 +1,8 @@
-"""Named data requirements (a rule's skip conditions).
+"""Named data requirements (a rule's skip conditions) that several rule modules list.
+
+A rule module imports this one (for its helpers or for these registrations) before its rules
+are registered: :func:`~amprobe.rules.engine.rule` refuses a requirement not registered yet.
+A requirement only one module lists lives in that module, above its rules.
 
 The frame helpers rules share live in :mod:`amprobe.analysis.frames`; they are re-exported
 here for rule modules.
@@ -76,3 +80,10 @@ def _has_device_facts(run: Run) -> str | None:
     if any("bf16_supported" in r.manifest for r in run.ranks):
         return None
     return "the training device was not recorded"
+
+
+@requirement("numerics")
+def _has_numerics(run: Run) -> str | None:
+    if not run.table("numerics").empty:
+        return None
+    return "per-layer numerics were not recorded (add 'numerics' to Config.collectors)"

@@ -205,9 +205,18 @@ REQUIREMENTS: dict[str, Callable[[Run], str | None]] = {}
 
 
 def requirement(name: str) -> Callable[[Callable[[Run], str | None]], Callable[[Run], str | None]]:
-    """Register a named data requirement that rules can list in ``requires``."""
+    """Register a named data requirement that rules can list in ``requires``.
+
+    A requirement is registered once, before the first rule that lists it (its module is
+    imported first: the shared ones live in :mod:`amprobe.rules.data`).
+
+    Raises:
+        ValueError: ``name`` is registered already.
+    """
 
     def register(fn: Callable[[Run], str | None]) -> Callable[[Run], str | None]:
+        if name in REQUIREMENTS:
+            raise ValueError(f"requirement {name!r} registered twice")
         REQUIREMENTS[name] = fn
         return fn
 
@@ -227,14 +236,27 @@ def rule(
     """Register a rule function under its checklist ID.
 
     Args:
+        requires: names of data requirements registered with :func:`requirement`.
         refs: documentation links for the fix; the checklist item
             (:func:`~amprobe.rules.refs.checklist_ref`) is put first automatically.
         after: rule IDs whose findings this rule reads from :attr:`RuleContext.prior`.
+
+    Raises:
+        ValueError: at registration (import time): the ID is registered twice, the severity is
+            unknown, or a name in ``requires`` is not a registered requirement.
     """
+    needs = tuple(requires)
 
     def register(fn: RuleFn) -> RuleFn:
         if id in REGISTRY:
             raise ValueError(f"rule {id} registered twice")
+        unknown = [name for name in needs if name not in REQUIREMENTS]
+        if unknown:
+            raise ValueError(
+                f"rule {id} requires {', '.join(map(repr, unknown))}, not a registered "
+                f"requirement (known: {', '.join(sorted(REQUIREMENTS)) or 'none'}); register it "
+                "with @requirement, or import the module that does, before the rule"
+            )
         try:
             level = Severity(severity)
         except ValueError:
@@ -244,7 +266,7 @@ def rule(
             name=name,
             severity=level,
             category=category,
-            requires=tuple(requires),
+            requires=needs,
             thresholds=MappingProxyType(dict(thresholds or {})),
             refs=(checklist_ref(id), *refs),
             fn=fn,
@@ -291,7 +313,6 @@ class Diagnosis:
         }
 
 
-_RANK_IN_TITLE = re.compile(r" on rank \d+")
 # a number standing alone in a text (not part of a name such as fc1 or blocks.3): 20, 27,152,
 # 5.0%, 2.27e-13, -4
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?%?(?!\w)")
@@ -311,12 +332,12 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-_RANK_MARK = "\x01"
-
-
-def _rankless(title: str) -> str:
-    """``title`` with " on rank N" replaced by a mark where the merged ranks go."""
-    return _RANK_IN_TITLE.sub(_RANK_MARK, title)
+def _rank_of(finding: Finding) -> int | None:
+    """The rank a finding is about: its ``evidence["rank"]``, unless it already names several."""
+    rank = finding.evidence.get("rank")
+    if "ranks" in finding.evidence or isinstance(rank, bool) or not isinstance(rank, int):
+        return None
+    return rank
 
 
 def _template(text: str) -> tuple[str, list[str]]:
@@ -344,26 +365,29 @@ def _merge_numbers(template: str, numbers: list[list[str]]) -> str:
     return "".join(out)
 
 
-def group_rank_findings(findings: list[Finding]) -> list[Finding]:
+def group_rank_findings(findings: list[Finding], name_rank: bool = False) -> list[Finding]:
     """Merge the per-rank findings of one kind into one finding naming the ranks.
 
     A job of hundreds of ranks whose ranks all overflow at the same steps would otherwise list
-    the same finding hundreds of times. Findings are of one kind when their ID and severity
-    agree and their titles and fixes agree once " on rank N" is removed and every standalone
-    number is set aside. The merged finding keeps the lowest rank's evidence, with that rank in
-    ``evidence["rank"]`` and every rank in ``evidence["ranks"]``, and says "on ranks 0-255" in
-    its title. Where the ranks measured different numbers, the title gives each number's range
-    over the ranks ("cut 2 to 5 time(s)") and ``evidence["by_rank"]`` holds, per rank, the
-    evidence values that differ. Findings without a ``rank`` in their evidence, or whose kind
-    only one rank reported, are returned unchanged.
+    the same finding hundreds of times. The rank a finding is about is a field of its
+    evidence (``evidence["rank"]``), never read from its title: rules write titles without
+    the rank and this function says where. Findings are of one kind when their ID and severity
+    agree and their titles and fixes agree once every standalone number is set aside. The
+    merged finding keeps the lowest rank's evidence, with that rank in ``evidence["rank"]``
+    and every rank in ``evidence["ranks"]``, and its title ends with "on ranks 0-255". Where
+    the ranks measured different numbers, the title gives each number's range over the ranks
+    ("cut 2 to 5 time(s)") and ``evidence["by_rank"]`` holds, per rank, the evidence values
+    that differ. A kind only one rank reported keeps its finding, its title ending with
+    "on rank N" when ``name_rank`` (a run of several ranks). Findings without a ``rank`` in
+    their evidence, or that already name their ``ranks``, are returned unchanged.
     """
     groups: dict[tuple[Any, ...], list[Finding]] = {}
     order: list[tuple[Any, ...] | int] = []
     for i, f in enumerate(findings):
-        if "rank" not in f.evidence or "ranks" in f.evidence:
+        if _rank_of(f) is None:
             order.append(i)
             continue
-        key = (f.id, f.severity, _template(_rankless(f.title))[0], _template(f.fix)[0])
+        key = (f.id, f.severity, _template(f.title)[0], _template(f.fix)[0])
         if key not in groups:
             groups[key] = []
             order.append(key)
@@ -373,18 +397,18 @@ def group_rank_findings(findings: list[Finding]) -> list[Finding]:
         if isinstance(item, int):
             out.append(findings[item])
             continue
-        group = sorted(groups[item], key=lambda f: int(f.evidence["rank"]))
-        if len(group) == 1:
-            out.append(group[0])
-            continue
-        ranks = [int(f.evidence["rank"]) for f in group]
-        if len(set(ranks)) < len(ranks):  # several of one kind on a rank: not a per-rank copy
-            out.extend(groups[item])
+        group = sorted(groups[item], key=lambda f: _rank_of(f) or 0)
+        ranks = [_rank_of(f) or 0 for f in group]
+        if len(group) == 1 or len(set(ranks)) < len(ranks):
+            # one rank, or several of one kind on a rank (not per-rank copies): each its own
+            out.extend(
+                dataclasses.replace(f, title=f"{f.title} on rank {_rank_of(f)}") if name_rank else f
+                for f in groups[item]
+            )
             continue
         first = group[0]
-        title = _merge_numbers(item[2], [_template(_rankless(f.title))[1] for f in group])
-        where = f" on ranks {format_ranks(ranks)}"
-        title = title.replace(_RANK_MARK, where) if _RANK_MARK in title else title + where
+        title = _merge_numbers(item[2], [_template(f.title)[1] for f in group])
+        title += f" on ranks {format_ranks(ranks)}"
         fix = _merge_numbers(item[3], [_template(f.fix)[1] for f in group])
         evidence: dict[str, Any] = {**first.evidence, "rank": ranks[0], "ranks": ranks}
         keys = [k for k in first.evidence if k != "rank"]
@@ -396,10 +420,17 @@ def group_rank_findings(findings: list[Finding]) -> list[Finding]:
         ]
         if differ:
             evidence["by_rank"] = {
-                str(int(f.evidence["rank"])): {k: f.evidence.get(k) for k in differ} for f in group
+                str(rank): {k: f.evidence.get(k) for k in differ}
+                for rank, f in zip(ranks, group, strict=True)
             }
         out.append(dataclasses.replace(first, title=title, fix=fix, evidence=evidence))
     return out
+
+
+def _rank_count(run: Run) -> int:
+    """How many ranks the run has: its rank folders, or the ranks its steps came from."""
+    steps = run.steps
+    return max(len(run.ranks), int(steps["rank"].nunique()) if len(steps) else 0)
 
 
 def resolve_thresholds(
@@ -457,13 +488,13 @@ def diagnose(
     by_rule: dict[str, list[Finding]] = {}
     skipped: list[NotChecked] = []
     cache: dict[str, str | None] = {}
+    several_ranks = _rank_count(run) > 1
     for rid in order:
         spec = REGISTRY[rid]
         reason = None
         for req in spec.requires:
             if req not in cache:
-                check = REQUIREMENTS.get(req)
-                cache[req] = check(run) if check else f"unknown requirement {req!r}"
+                cache[req] = REQUIREMENTS[req](run)
             if cache[req]:
                 reason = cache[req]
                 break
@@ -474,7 +505,7 @@ def diagnose(
         prior = tuple(f for r in spec.after for f in by_rule.get(r, ()))
         ctx = RuleContext(run=run, spec=spec, thresholds=MappingProxyType(merged[rid]), prior=prior)
         try:
-            by_rule[rid] = group_rank_findings(list(spec.fn(ctx)))
+            by_rule[rid] = group_rank_findings(list(spec.fn(ctx)), name_rank=several_ranks)
         except Exception as exc:  # a rule bug must not hide the other findings
             where = traceback.extract_tb(exc.__traceback__)[-1]
             if rid in report:

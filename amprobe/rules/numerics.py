@@ -80,13 +80,6 @@ def _out_of_range_origin(
 
 
 # -- requirements ------------------------------------------------------------------------------
-@requirement("numerics")
-def _has_numerics(run: Run) -> str | None:
-    if not run.table("numerics").empty:
-        return None
-    return "per-layer numerics were not recorded (add 'numerics' to Config.collectors)"
-
-
 @requirement("activations")
 def _has_activations(run: Run) -> str | None:
     """Met when per-layer outputs were measured; a compiled job says why they were not."""

@@ -113,7 +113,7 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
             parts.append(f"median GPU utilization {util['gpu_util_median']:.0f}%")  # type: ignore[index]
         out.append(
             ctx.finding(
-                title=f"Input-bound (rank {rank}): " + "; ".join(parts),
+                title="Input-bound: " + "; ".join(parts),
                 evidence=evidence,
                 fix=(
                     "Feed the device faster: raise DataLoader num_workers (and prefetch_factor), set "
@@ -167,7 +167,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
         note = f" ({CPU_SYNC_NOTE})" if on_cpu else ""
         out.append(
             ctx.finding(
-                title=f"{per_step:.1f} host-device syncs per step{note} (rank {rank}), "
+                title=f"{per_step:.1f} host-device syncs per step{note}, "
                 f"top: {top[0] if top else '?'}",
                 evidence={
                     "rank": rank,
@@ -220,7 +220,7 @@ def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
         hmma = busy["tensor_hmma"].dropna()
         out.append(
             ctx.finding(
-                title=f"Tensor Cores idle under AMP (rank {int(rank)}): median tensor activity "
+                title=f"Tensor Cores idle under AMP: median tensor activity "
                 f"{median:.2f}% while the GPU is busy",
                 evidence={
                     "rank": int(rank),

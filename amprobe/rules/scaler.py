@@ -46,7 +46,6 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     interval = later cuts / max(steps / growth_interval, 1); above the threshold the finding is
     a warning (the scaler cannot settle), else info.
     """
-    multi = ctx.run.steps["rank"].nunique() > 1
     for rank, frame in per_rank(scale_events(ctx.run)):
         cuts = frame[frame["backoff"]]
         if cuts.empty:
@@ -62,9 +61,7 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
         elif frequent:
             note = f" ({per_interval:.1f} cuts per growth interval of {interval})"
         yield ctx.finding(
-            title=f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps"
-            + (f" on rank {rank}" if multi else "")
-            + note,
+            title=f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps{note}",
             evidence={
                 "rank": rank,
                 "cut_count": len(cuts),
@@ -107,7 +104,6 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     ``warn_below``, error below ``error_below``.
     """
     th = ctx.thresholds
-    multi = ctx.run.steps["rank"].nunique() > 1
     for rank, frame in per_rank(scaler_steps(ctx.run)):
         calibration = calibration_steps(ctx.run, rank)
         frame = frame[~frame["step"].isin(calibration)]
@@ -123,7 +119,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
         )
         yield ctx.finding(
             title=f"only {rate:.1%} of {len(frame)} steps applied their update "
-            f"({len(skipped)} skipped{calibrated})" + (f" on rank {rank}" if multi else ""),
+            f"({len(skipped)} skipped{calibrated})",
             evidence={
                 "rank": rank,
                 "success_rate": round(rate, 4),

@@ -64,12 +64,16 @@ __all__ = [
     "read_json_file",
     "STATUS_ORDER",
     "status_of",
+    "TABLE_SUFFIX",
+    "table_filename",
+    "looks_like_rank_dirname",
 ]
 
 FORMAT = "amprobe-run"  #: the ``format`` field of every manifest: the format marker
 RUN_MANIFEST = "manifest.json"
 RANK_MANIFEST = "manifest.json"
 END_MARKER = "end.json"
+TABLE_SUFFIX = ".jsonl"  #: a rank's tables are JSON Lines files: ``steps.jsonl``, ``events.jsonl``
 CONTROL_FILE = "control.json"  #: in the run directory, read by every rank of a dormant run
 CONTROL_LOCK = ".control.lock"  #: serialises writers of the control file
 ACK_FILE = "control_ack.json"  #: in each rank's directory, written by that rank's watcher
@@ -100,6 +104,11 @@ def rank_dirname(rank: int) -> str:
     return f"{_RANK_PREFIX}{int(rank)}"
 
 
+def table_filename(table: str) -> str:
+    """The file of ``table`` in a rank folder: ``steps`` is ``steps.jsonl``."""
+    return f"{table}{TABLE_SUFFIX}"
+
+
 def parse_rank_dirname(name: str) -> int | None:
     """The rank a folder name stands for, or ``None`` when it is not a rank folder.
 
@@ -115,8 +124,13 @@ def parse_rank_dirname(name: str) -> int | None:
     return int(digits)
 
 
-def _looks_like_rank(name: str) -> bool:
-    """A name a user would read as a rank folder but that is not one (``rank²``, ``rank١``)."""
+def looks_like_rank_dirname(name: str) -> bool:
+    """Whether a user would read ``name`` as a rank folder: ``rank`` and any Unicode digits.
+
+    Wider than :func:`parse_rank_dirname`: ``rank²`` and ``rank١`` look like ranks but are
+    not (they are reported). A reader that checks a run's files before loading it checks
+    every such folder.
+    """
     digits = name[len(_RANK_PREFIX) :]
     return name.startswith(_RANK_PREFIX) and bool(digits) and digits.isnumeric()
 
@@ -160,7 +174,7 @@ def list_ranks(run_dir: str | os.PathLike[str]) -> RankListing:
     for entry in entries:
         rank = parse_rank_dirname(entry.name)
         if rank is None:
-            if _looks_like_rank(entry.name):
+            if looks_like_rank_dirname(entry.name):
                 warnings.append(
                     f"folder {entry.name!r} is not read as a rank: rank numbers use the "
                     "ASCII digits 0-9"
@@ -279,12 +293,31 @@ def has_format_marker(manifest_path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def is_run_dir(path: str | os.PathLike[str]) -> bool:
+def _marked_or_odd(manifest: Path) -> bool:
+    """A manifest with the format marker, or something not a regular file in its place (a
+    symbolic link, a FIFO, a device), looked at with ``lstat`` and never opened."""
+    try:
+        st = os.lstat(manifest)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return True
+    return has_format_marker(manifest)
+
+
+def is_run_dir(path: str | os.PathLike[str], *, untrusted: bool = False) -> bool:
     """Whether ``path`` is an amprobe run directory, judged by the format marker.
 
     True when its ``manifest.json`` carries the marker, or (a run whose top manifest was lost)
     when one of its rank folders' manifests does. An unrelated folder that happens to hold a
-    ``manifest.json`` (a browser extension, a web app) is not a run.
+    ``manifest.json`` (a browser extension, a web app) is not a run. Reads only small regular
+    files, non-blocking.
+
+    Args:
+        untrusted: for a reader of runs written by programs it does not trust (the
+            dashboard): a manifest that is not a regular file (a symbolic link, a FIFO, a
+            device) is not opened and counts as a marker, so that the run is listed and the
+            reader's own checks refuse it with the reason instead of hiding it.
     """
     root = Path(path)
     try:
@@ -292,9 +325,10 @@ def is_run_dir(path: str | os.PathLike[str]) -> bool:
             return False
     except OSError:
         return False
-    if has_format_marker(root / RUN_MANIFEST):
+    marked = _marked_or_odd if untrusted else has_format_marker
+    if marked(root / RUN_MANIFEST):
         return True
-    return any(has_format_marker(r.path / RANK_MANIFEST) for r in list_ranks(root).ranks)
+    return any(marked(r.path / RANK_MANIFEST) for r in list_ranks(root).ranks)
 
 
 def list_runs(root: str | os.PathLike[str], max_depth: int = 3) -> list[Path]:

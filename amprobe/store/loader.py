@@ -29,6 +29,7 @@ from amprobe.store.layout import (
     open_regular,
     read_json_file,
     status_of,
+    table_filename,
 )
 
 __all__ = [
@@ -112,7 +113,7 @@ class Run:
         converted to pandas once, so a run of hundreds of ranks loads in seconds.
         """
         if name not in self._tables:
-            paths = [info.path / f"{name}.jsonl" for info in self.ranks]
+            paths = [info.path / table_filename(name) for info in self.ranks]
             if len(paths) > 1:
                 workers = min(len(paths), os.cpu_count() or 1, 16)
                 with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -121,7 +122,7 @@ class Run:
                 parts = [_read_rank_table(p, name) for p in paths]
             tables = []
             for info, read in zip(self.ranks, parts, strict=True):
-                self.warnings.extend(_read_warnings(info, f"{name}.jsonl", read))
+                self.warnings.extend(_read_warnings(info, table_filename(name), read))
                 part = read.table if isinstance(read, _TableRead) else None
                 if part is not None and part.num_rows:
                     ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from amprobe.store import schema
-from amprobe.store.layout import StoreError, has_format_marker
+from amprobe.store.layout import StoreError, has_format_marker, table_filename
 from amprobe.version import __version__
 
 #: Space set aside in each rank's folder at start and released at close, so that the clean
@@ -239,7 +239,7 @@ class RunWriter:
         if not lines:
             return
         try:
-            _append_lines(self.rank_dir / f"{table}.jsonl", _encode(lines))
+            _append_lines(self.rank_dir / table_filename(table), _encode(lines))
         except OSError:
             return
         queue.clear()
@@ -267,7 +267,7 @@ class RunWriter:
             lines = list(queue)
             try:
                 self.rank_dir.mkdir(parents=True, exist_ok=True)
-                _append_lines(self.rank_dir / f"{table}.jsonl", _encode(lines))
+                _append_lines(self.rank_dir / table_filename(table), _encode(lines))
             except OSError as exc:
                 ok = False
                 message = f"{table}: {exc.strerror or exc}"

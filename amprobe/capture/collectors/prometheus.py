@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from amprobe.capture.protocol import Collector
 from amprobe.config import ConfigError
-from amprobe.store.loader import read_table
 
 if TYPE_CHECKING:
     from amprobe.capture.probe import Probe
@@ -77,16 +76,16 @@ class PrometheusCollector(Collector):
     - ``amprobe_data_wait_share`` (gauge, 0-1): ``data_wait_s`` / ``wall_s`` over the window,
       when the runtime collector records ``data_wait_s``.
     - ``amprobe_syncs_per_step`` (gauge): mean ``syncs`` of the window's sampled steps, when recorded.
-    - ``amprobe_gpu_utilization_percent`` (gauge, %, label ``gpu``): latest row of the ``gpu``
-      table, when the NVML sampler records one.
+    - ``amprobe_gpu_utilization_percent`` (gauge, %, label ``gpu``): latest ``gpu`` row,
+      when the NVML sampler records one.
     - ``amprobe_nonfinite_total`` (counter, labels ``layer``, ``kind``): ``nan + inf`` summed
-      over the ``numerics`` table's rows, when the numerics collector records them.
+      over the ``numerics`` rows, when the numerics collector records them.
 
     Metrics whose data is not recorded are absent, never zero. Step values are taken at flush
     time from the already materialized step records (the hot path only keeps a reference to
-    the record), so the exporter adds no host-device sync; the ``gpu`` and ``numerics`` tables
-    are read incrementally from this rank's files when Prometheus scrapes, on the server's
-    thread. The exporter uses its own ``CollectorRegistry`` and adds no collective
+    the record), so the exporter adds no host-device sync; the ``gpu`` and ``numerics`` rows
+    come in memory at flush (:meth:`on_rows`, after the other collectors wrote them), never
+    read back from the run's files. The exporter uses its own ``CollectorRegistry`` and adds no collective
     communication. The server starts at attach (for the automatic probe of ``amprobe run``:
     at the process's first training step, so launcher processes open no port) and stops at close.
     """
@@ -121,8 +120,7 @@ class PrometheusCollector(Collector):
         self._records: list[dict[str, Any]] = []
         self._totals = {"steps": 0.0, "skipped": 0.0}
         self._snapshot: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._offsets: dict[str, int] = {}
+        self._lock = threading.Lock()  # on_rows (training thread) vs. a scrape (server thread)
         self._nonfinite: dict[tuple[str, str], float] = {}
         self._gpu_util: dict[str, float] = {}
         self._server: Any = None
@@ -206,40 +204,32 @@ class PrometheusCollector(Collector):
         if thread is not None:
             thread.join(timeout=5)
 
+    def on_rows(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+        """Fold the flush's ``numerics`` and ``gpu`` rows (Python values) into the metrics."""
+        if table == "numerics":
+            with self._lock:
+                for row in rows:
+                    nan, inf = _number(row.get("nan")), _number(row.get("inf"))
+                    if nan is None and inf is None:
+                        continue
+                    key = (str(row.get("module")), str(row.get("kind")))
+                    self._nonfinite[key] = (
+                        self._nonfinite.get(key, 0.0) + (nan or 0.0) + (inf or 0.0)
+                    )
+        elif table == "gpu":
+            with self._lock:
+                for row in rows:
+                    value = _number(row.get("gpu_util"))
+                    if value is not None and value == value:  # NaN: no reading
+                        self._gpu_util[str(row.get("gpu", 0))] = value
+
     # -- scrape time (server thread) -------------------------------------------------------------
-    def _read_new(self, table: str) -> Any:
-        writer = self.probe.writer
-        if writer is None:
-            return None
-        offset = self._offsets.get(table, 0)
-        frame, self._offsets[table], _ = read_table(
-            writer.rank_dir / f"{table}.jsonl", table, offset
-        )
-        return frame if len(frame) else None
-
-    def _refresh_tables(self) -> None:
-        with self._lock:
-            numerics = self._read_new("numerics")
-            if numerics is not None and {"module", "kind", "nan", "inf"} <= set(numerics.columns):
-                counts = numerics["nan"].fillna(0) + numerics["inf"].fillna(0)
-                for (module, kind), value in (
-                    counts.groupby([numerics["module"], numerics["kind"]]).sum().items()
-                ):
-                    key = (str(module), str(kind))
-                    self._nonfinite[key] = self._nonfinite.get(key, 0.0) + float(value)
-            gpu = self._read_new("gpu")
-            if gpu is not None and "gpu_util" in gpu.columns:
-                index = gpu["gpu"] if "gpu" in gpu.columns else [0] * len(gpu)
-                for device, value in zip(index, gpu["gpu_util"], strict=True):
-                    if _number(value) is not None and value == value:
-                        self._gpu_util[str(device)] = float(value)
-
     def collect_families(self) -> Iterator[Any]:
         """The metric families for one scrape (called by ``prometheus_client``)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        with contextlib.suppress(Exception):  # a damaged table must not break the scrape
-            self._refresh_tables()
+        with self._lock:
+            gpu_util, nonfinite = dict(self._gpu_util), dict(self._nonfinite)
         names, values = list(self.labels), list(self.labels.values())
         snapshot: Mapping[str, float] = self._snapshot
         for metric, value in snapshot.items():
@@ -248,20 +238,20 @@ class PrometheusCollector(Collector):
             family = cls(metric, doc, labels=names)
             family.add_metric(values, value)
             yield family
-        if self._gpu_util:
+        if gpu_util:
             kind, doc = METRICS["amprobe_gpu_utilization_percent"]
             family = GaugeMetricFamily(
                 "amprobe_gpu_utilization_percent", doc, labels=[*names, "gpu"]
             )
-            for device, value in sorted(self._gpu_util.items()):
+            for device, value in sorted(gpu_util.items()):
                 family.add_metric([*values, device], value)
             yield family
-        if self._nonfinite:
+        if nonfinite:
             kind, doc = METRICS["amprobe_nonfinite"]
             counter = CounterMetricFamily(
                 "amprobe_nonfinite", doc, labels=[*names, "layer", "kind"]
             )
-            for (layer, tensor_kind), value in sorted(self._nonfinite.items()):
+            for (layer, tensor_kind), value in sorted(nonfinite.items()):
                 counter.add_metric([*values, layer, tensor_kind], value)
             yield counter
 
