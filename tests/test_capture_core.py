@@ -291,7 +291,7 @@ def test_baseline_with_amprobe_imported_before_torch(tmp_path):
 def test_each_interception_is_installed_once(tmp_path):
     from torch.optim import optimizer as optimizer_mod
 
-    from amprobe.capture.collectors import patching
+    from amprobe.capture import patching
 
     pre = len(optimizer_mod._global_optimizer_pre_hooks)
     post = len(optimizer_mod._global_optimizer_post_hooks)
