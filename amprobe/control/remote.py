@@ -101,8 +101,7 @@ def _attach_live(
         existing.start_recording(steps, source="attach_live")
         return existing, {"run_dir": str(existing.run_dir), "joined_existing": True}
     cfg = make_config(config)
-    collectors = cfg.collectors if "discovery" in cfg.collectors else (*cfg.collectors, "discovery")
-    cfg = dataclasses.replace(cfg, dormant=True, collectors=collectors)
+    cfg = dataclasses.replace(cfg, dormant=True)
     live = find_live_training_objects()
     if not live.optimizers:
         raise ConfigError(
