@@ -11,7 +11,7 @@ import torch
 from amprobe.capture.probe import Probe
 from amprobe.capture.probe import attach as _attach
 from amprobe.config import Config
-from amprobe.control.channel import start_control
+from amprobe.control.watcher import start_control
 
 __all__ = ["attach"]
 

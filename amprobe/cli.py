@@ -4,9 +4,9 @@ Every user error ends in one line on stderr and a non-zero exit code, never a tr
 
 The CLI loads no torch: a run copied from a cluster is read where torch is not installed, and
 `amprobe run`'s launcher process, which lives as long as the job, stays small (the training
-processes load torch, not the launcher). The commands that record in this process or talk to a
-training job (demo, attach, detach) import the capture side (demo, control: torch) inside their
-own function, and only there.
+processes load torch, not the launcher; `amprobe attach RUN`/`detach RUN` only write files). The
+commands that record in this process or attach to a live one (demo, attach --pid) import the
+capture side (demo, control.remote: torch) inside their own function, and only there.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import amprobe
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
-from amprobe.control import launcher
+from amprobe.control import launcher, sender
 from amprobe.control.launcher import LaunchError
 from amprobe.report import render_json, render_markdown, render_text, write_report
 from amprobe.report.compare import render_comparison_json, render_comparison_text
@@ -335,8 +335,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
-    from amprobe.control import channel as control  # the capture side: torch
-
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be a positive number of steps")
     if args.pid is not None:
@@ -344,8 +342,10 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError("give either a run directory or --pid PID --out DIR, not both")
         if args.out is None:
             raise CliError("--pid needs --out DIR (where to record)")
-        with _as_cli_error(control.ControlError):
-            lines = control.attach_pid(
+        from amprobe.control import remote  # the capture side: torch
+
+        with _as_cli_error(sender.ControlError):
+            lines = remote.attach_pid(
                 args.pid,
                 args.out,
                 steps=args.steps,
@@ -357,8 +357,8 @@ def _cmd_attach(args: argparse.Namespace) -> int:
             raise CliError(
                 "give the run directory of a job started with `amprobe run --dormant`, or --pid PID --out DIR"
             )
-        with _as_cli_error(control.ControlError):
-            reply = control.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
+        with _as_cli_error(sender.ControlError):
+            reply = sender.send_control(args.run, "attach", steps=args.steps, wait_s=args.wait)
         return _print_reply(reply.lines, reply.acknowledged)
     for line in lines:
         print(line)
@@ -378,10 +378,8 @@ def _print_reply(lines: list[str], acknowledged: bool) -> int:
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
-    from amprobe.control import channel as control  # the capture side: torch
-
-    with _as_cli_error(control.ControlError):
-        reply = control.send_control(args.run, "detach", wait_s=args.wait)
+    with _as_cli_error(sender.ControlError):
+        reply = sender.send_control(args.run, "detach", wait_s=args.wait)
     return _print_reply(reply.lines, reply.acknowledged)
 
 

@@ -64,6 +64,8 @@ class Config:
             ``scaler`` is always added: the loss-scale trajectory and skipped steps are the
             core of every run (step boundaries themselves come from the hub); so is
             ``compile`` (torch.compile's counters, read only in a job that compiles).
+            ``discovery`` (finding the root models nobody passed) is not a collector but is
+            accepted here and always on; every run's manifest lists it.
         max_buffered_rows: rows kept in memory when the run directory cannot be written
             (disk full, removed); beyond this the oldest rows are dropped and counted as lost.
         rank: process rank; ``None`` reads ``RANK`` from the environment (torchrun), else 0.

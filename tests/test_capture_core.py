@@ -210,6 +210,56 @@ def test_an_undeclared_column_is_reported(tmp_path, monkeypatch):
     assert [e["field"] for e in events] == ["my_private_column"]
 
 
+def test_discovery_is_no_collector_but_its_name_is_accepted(tmp_path):
+    """Root-model discovery belongs to the hub (amprobe.capture.discovery), not to the
+    collectors; "discovery" is still accepted in Config.collectors and every manifest lists it."""
+    assert "discovery" not in REGISTRY
+    for tag, config in (("named", {"collectors": ("scaler", "discovery")}), ("default", {})):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        with amprobe.attach(run_dir=tmp_path / tag, config=config) as probe:
+            assert [c.name for c in probe.collectors if c.name == "discovery"] == []
+            _train(model, opt, scaler, 2)
+        run = amprobe.load_run(tmp_path / tag)
+        assert run.rank_manifest["config"]["collectors"].count("discovery") == 1, tag
+        assert [e["model_class"] for e in run.events_of("model_registered")] == ["Sequential"]
+
+
+def test_a_failing_discovery_is_switched_off_and_reported(tmp_path, monkeypatch):
+    """A failure at a step boundary switches discovery off for the run, removes its global
+    hooks and is reported like a collector's (the run summary lists it); training goes on."""
+    from torch.nn.modules import module as module_mod
+
+    from amprobe.capture.discovery import RootModelFinder
+    from amprobe.report.summary import collector_errors
+
+    def boom(self, step):
+        raise RuntimeError("discovery broke")
+
+    monkeypatch.setattr(RootModelFinder, "_check_candidates", boom)
+
+    def finder_hooks(finder: RootModelFinder) -> int:
+        tables = (module_mod._global_forward_pre_hooks, module_mod._global_forward_hooks)
+        return sum(getattr(h, "__self__", None) is finder for t in tables for h in t.values())
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # seen only at its first step()
+    scaler = torch.amp.GradScaler("cpu")
+    with amprobe.attach(run_dir=tmp_path / "r") as probe:
+        assert finder_hooks(probe.hub.discovery) == 2, "searching from the first step"
+        _train(model, opt, scaler, 1)
+        assert finder_hooks(probe.hub.discovery) == 0, "the global hooks went with the failure"
+        _train(model, opt, scaler, 3)
+    run = amprobe.load_run(tmp_path / "r")
+    assert list(run.steps["step"]) == [0, 1, 2, 3]
+    errors = run.events_of("collector_error")
+    assert [(e["collector"], e["step"]) for e in errors] == [("discovery", 0)]
+    assert "RuntimeError: discovery broke" in errors[0]["error"]
+    assert not run.events_of("model_registered"), "switched off: no root was claimed"
+    assert "'discovery' was switched off" in collector_errors(run)[0]
+
+
 def test_every_collector_declares_exactly_its_fields():
     declared = {f.name for f in STEP_FIELDS}
     assert len(declared) == len(STEP_FIELDS), "a steps column is declared twice"

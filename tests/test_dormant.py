@@ -21,13 +21,12 @@ import amprobe
 from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.capture.discovery import find_live_training_objects, find_root_modules
 from amprobe.cli import main as cli_main
-from amprobe.control.channel import (
-    ControlError,
+from amprobe.control.remote import (
     build_remote_script,
     remote_exec_disabled,
     remote_exec_unsupported,
-    send_control,
 )
+from amprobe.control.sender import ControlError, send_control
 from tests.helpers import amprobe_cli
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_dormant.py"

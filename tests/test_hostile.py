@@ -389,7 +389,7 @@ class _FakeProbe:
 
 @pytest.fixture
 def watched(tmp_path):
-    from amprobe.control.channel import ControlWatcher
+    from amprobe.control.watcher import ControlWatcher
 
     probe = _FakeProbe(tmp_path / "run")
     watcher = ControlWatcher(probe)
@@ -421,7 +421,7 @@ def _wait(predicate, timeout=10.0):
 
 @pytest.mark.parametrize("how", ["delete", "empty"])
 def test_request_after_the_control_file_was_deleted_or_emptied_is_applied(watched, how):
-    from amprobe.control.channel import send_control
+    from amprobe.control.sender import send_control
 
     assert send_control(watched.run_dir, "attach", wait_s=5).acknowledged
     control = watched.run_dir / "control.json"
@@ -438,7 +438,7 @@ def test_request_after_the_control_file_was_deleted_or_emptied_is_applied(watche
 def test_two_requests_at_once_are_both_applied(watched):
     import threading
 
-    from amprobe.control.channel import send_control
+    from amprobe.control.sender import send_control
 
     replies: list = []
     threads = [
@@ -473,7 +473,7 @@ def test_cli_exits_non_zero_when_its_request_is_not_acknowledged(tmp_path, capsy
 def test_control_file_that_is_not_a_small_regular_file_is_ignored(watched, tmp_path, kind):
     import resource
 
-    from amprobe.control.channel import send_control
+    from amprobe.control.sender import send_control
 
     control = watched.run_dir / "control.json"
     assert _wait(lambda: _ack(watched).get("pid"))
@@ -528,7 +528,7 @@ def test_half_written_control_file_is_read_again_not_reported(watched):
 def test_control_file_that_stays_invalid_is_reported_once(watched):
     import time
 
-    from amprobe.control.channel import SETTLE_S
+    from amprobe.control.watcher import SETTLE_S
 
     control = watched.run_dir / "control.json"
     assert _wait(lambda: _ack(watched).get("pid"))

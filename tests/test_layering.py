@@ -8,11 +8,15 @@ Layers, lowest first (a module may import its own layer and the layers below it)
     amprobe.demo may import capture and store; amprobe/__init__.py and amprobe/cli.py are top.
 
 Four checks per module: it imports no higher layer, it is in no import cycle with other
-modules, it has no function-local import except of an optional dependency (or, in the CLI, of
-the capture side inside the command that needs it), and, on the read side (config, store,
-analysis, rules, report, dashboard, the CLI, the package itself), it loads no torch at import,
-directly or through any module it imports, parent packages included. Imports under
-``if TYPE_CHECKING:`` count for layering only (they run no code).
+modules (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so the parent
+packages of what a module imports are in the graph too), it has no function-local import except
+of an optional dependency (or, in the CLI, of the capture side inside the command that needs
+it), and, on the read side (config, store, analysis, rules, report, dashboard, the CLI, the
+package itself), it loads no torch at import, directly or through any module it imports, parent
+packages included. Imports under ``if TYPE_CHECKING:`` count for layering only (they run no
+code). A fifth, for the collectors (``amprobe.capture.collectors.*``): at import time they load
+only the collector protocol, the leaf helpers (sites, patching), other collectors, the store and
+the config; never the hub, the probe, discovery or control.
 """
 
 from __future__ import annotations
@@ -205,6 +209,12 @@ def _ours(name: str) -> bool:
     return name in MODULES
 
 
+def _parents(module: str) -> list[str]:
+    """The packages Python initializes before ``module`` (``a.b.c`` -> ``a``, ``a.b``)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
+
+
 def upward_imports(module: str) -> list[str]:
     layer = layer_of(module)
     if module.startswith("dashboard") or module in ("amprobe.cli", "amprobe.__main__"):
@@ -219,10 +229,22 @@ def upward_imports(module: str) -> list[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    return {
-        m: {i.target for i in imps if _ours(i.target) and i.target != m and not i.type_only}
-        for m, imps in IMPORTS.items()
-    }
+    """Module -> the modules of ours its import-time imports run. Importing ``a.b.c`` first runs
+    ``a/__init__`` and ``a/b/__init__``: those parent packages are edges too, except the
+    importing module's own ancestors (already initialized before it runs; a package's modules
+    importing each other would otherwise all be in a circle with it)."""
+    graph: dict[str, set[str]] = {}
+    for m, imps in IMPORTS.items():
+        own = set(_parents(m))
+        targets: set[str] = set()
+        for i in imps:
+            if not _ours(i.target) or i.type_only:
+                continue
+            targets.update(p for p in _parents(i.target) if p not in own)
+            targets.add(i.target)
+        targets.discard(m)
+        graph[m] = targets
+    return graph
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -285,6 +307,42 @@ def local_imports(module: str) -> list[str]:
     return bad
 
 
+#: the collectors' package: its modules depend on the collector protocol, never on what drives it
+COLLECTORS = "amprobe.capture.collectors"
+#: what a collector may import besides other collectors, amprobe.store and amprobe.config: the
+#: protocol and the leaf helpers. Never the hub, the probe, discovery or control: the hub imports
+#: collectors (and so runs their package's ``__init__``), so a collector that imported it back
+#: would close a circle, and a collector would reach past the protocol it is given.
+COLLECTOR_MAY_IMPORT = (
+    "amprobe.capture.protocol",
+    "amprobe.capture.sites",
+    "amprobe.capture.patching",
+)
+COLLECTOR_MAY_IMPORT_PACKAGES = (COLLECTORS, "amprobe.store", "amprobe.config")
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def collector_imports(module: str) -> list[str]:
+    """The imports of a module under amprobe.capture.collectors that the protocol rule refuses.
+    Type-only imports (a ``Probe`` or ``Hub`` annotation of the object the protocol hands in)
+    run no code and are allowed."""
+    if not _within(module, COLLECTORS):
+        return []
+    bad = []
+    for i in IMPORTS[module]:
+        if not _ours(i.target) or i.type_only or i.target in COLLECTOR_MAY_IMPORT:
+            continue
+        if any(_within(i.target, p) for p in COLLECTOR_MAY_IMPORT_PACKAGES):
+            continue
+        message = f"line {i.line}: {module} imports {i.target}"
+        if message not in bad:
+            bad.append(message)
+    return bad
+
+
 def _is_read_side(module: str) -> bool:
     """Modules that must load without torch: everything but capture, control, demo and the
     framework integrations (which run inside a training job), and dashboard.demo (it records
@@ -292,12 +350,6 @@ def _is_read_side(module: str) -> bool:
     if module.startswith("amprobe.integrations") or module == "dashboard.demo":
         return False
     return module.startswith("dashboard") or layer_of(module) not in TORCH_LAYERS
-
-
-def _parents(module: str) -> list[str]:
-    """The packages Python initializes before ``module`` (``a.b.c`` -> ``a``, ``a.b``)."""
-    parts = module.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in MODULES]
 
 
 def torch_paths(module: str) -> list[str]:
@@ -350,6 +402,11 @@ def test_no_function_local_import(module: str) -> None:
     assert local_imports(module) == []
 
 
+@pytest.mark.parametrize("module", [m for m in sorted(MODULES) if _within(m, COLLECTORS)])
+def test_collectors_import_only_the_protocol_and_leaves(module: str) -> None:
+    assert collector_imports(module) == []
+
+
 @pytest.mark.parametrize("module", [m for m in sorted(MODULES) if _is_read_side(m)])
 def test_read_side_loads_no_torch(module: str) -> None:
     assert torch_paths(module) == []
@@ -385,6 +442,57 @@ def test_the_checker_sees_upward_local_and_cyclic_imports(monkeypatch) -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
 
 
+def test_the_checker_sees_a_circle_through_a_package_init(monkeypatch) -> None:
+    """The circle once reported: the hub imports a module of the collectors' package, whose
+    ``__init__`` imports a collector that imports the hub. No module imports its successor
+    directly by the name of the package, yet Python runs ``collectors/__init__`` first."""
+    hub, package = "amprobe.capture.hub", COLLECTORS
+    compiled, compute = f"{COLLECTORS}.compiled", f"{COLLECTORS}.compute"
+    sources = {
+        hub: "from amprobe.capture.collectors.compiled import CompileCollector\n",
+        package: "from amprobe.capture.collectors.compute import ComputeCollector\n",
+        compute: "from amprobe.capture.hub import Hub\n",
+        compiled: "import torch\n",
+    }
+    for name, code in sources.items():
+        monkeypatch.setitem(IMPORTS, name, imports_of(name, code))
+    graph = _graph()
+    assert package in graph[hub]  # the parent package of the module imported
+    assert {hub, package, compute} in _cycles(graph)
+    # within a package, its modules importing each other do not count its own __init__
+    monkeypatch.setitem(IMPORTS, compute, imports_of(compute, sources[hub]))
+    graph = _graph()
+    assert graph[compute] == {compiled}
+    assert not [c for c in _cycles(graph) if hub in c]
+
+
+def test_the_checker_sees_a_collector_reaching_past_the_protocol(monkeypatch) -> None:
+    name = f"{COLLECTORS}._layering_probe"
+    code = (
+        "from typing import TYPE_CHECKING\n"
+        "from amprobe.capture.protocol import Collector\n"
+        "from amprobe.capture.sites import dtype_name\n"
+        "from amprobe.capture.patching import patch\n"
+        "from amprobe.capture.collectors.sharded import user_module_name\n"
+        "from amprobe.store.fields import fields_of\n"
+        "from amprobe.config import ConfigError\n"
+        "import torch\n"
+        "if TYPE_CHECKING:\n    from amprobe.capture.hub import Hub\n"
+        "from amprobe.capture.hub import Hub\n"
+        "from amprobe.capture.discovery import find_root_modules\n"
+        "from amprobe.capture import probe\n"
+        "import amprobe.control.launcher\n"
+    )
+    monkeypatch.setitem(IMPORTS, name, imports_of(name, code))
+    assert [b.split(" imports ")[1] for b in collector_imports(name)] == [
+        "amprobe.capture.hub",
+        "amprobe.capture.discovery",
+        "amprobe.capture.probe",
+        "amprobe.control.launcher",
+    ]
+    assert collector_imports("amprobe.capture.hub") == []  # the rule is the collectors' only
+
+
 def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None:
     assert _is_read_side("amprobe.store.loader") and _is_read_side("dashboard.app")
     assert _is_read_side("amprobe") and _is_read_side("amprobe.cli")
@@ -416,6 +524,7 @@ def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None
     [
         "amprobe.capture.hub",
         "amprobe.capture.probe",
+        "amprobe.capture.discovery",
         "amprobe.capture.collectors",
         "amprobe.capture.collectors.syncs",
     ],

@@ -1,9 +1,17 @@
-"""Root-model discovery for zero-code and live attach.
+"""Root-model discovery: finding the models, optimizers and scalers of a process, in one place.
 
 Two ways to find the root modules being trained, with no reference to the user's objects:
-:class:`RootModelFinder` has the hub watch which modules are called at top level;
-:func:`find_live_training_objects` scans the garbage collector's object list once (used when
-attaching to a job that is already running, where there is no "first step" to watch).
+
+* :class:`RootModelFinder`, one per hub (``hub.discovery``), watches which modules are called
+  at top level (zero-code runs, ``attach()`` with no model, a dormant probe starting to record)
+  and learns compiled roots from ``torch.compile`` itself;
+* :func:`find_live_training_objects` scans the garbage collector's object list once (used when
+  attaching to a job that is already running, where there is no "first step" to watch, and by
+  the finder for a compiled train step whose modules are never seen being called).
+
+Discovery is not a collector (it records nothing; it tells the probe which models to hook). It
+is always on; ``"discovery"`` (:data:`DISCOVERY`) is still accepted in ``Config.collectors``
+and listed in every run's manifest, so configs and runs that name it keep working.
 """
 
 from __future__ import annotations
@@ -13,14 +21,22 @@ import gc
 import os
 import sys
 import time
+import traceback
+import weakref
 from collections.abc import Iterable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.modules import module as _module_mod
 
-from amprobe.capture.protocol import Collector
+from amprobe.capture.collectors.compiled import is_compiling
+
+if TYPE_CHECKING:
+    from amprobe.capture.hub import Hub
 
 __all__ = [
+    "DISCOVERY",
     "LiveObjects",
     "RootModelFinder",
     "find_live_training_objects",
@@ -28,6 +44,9 @@ __all__ = [
     "name_in_caller",
 ]
 
+#: the name of discovery in ``Config.collectors`` (accepted, always on; see the module docstring)
+DISCOVERY = "discovery"
+_DISCOVERY_STEPS = 3  # give up finding a root model after this many steps
 _HOLD_GIL_S = 100.0  # switch interval during a GC scan: no other thread runs meanwhile
 # frames of torch and amprobe are never the user's
 _NOT_USER = (
@@ -36,43 +55,212 @@ _NOT_USER = (
 )
 
 
-class RootModelFinder(Collector):
+class RootModelFinder:
     """Finds the root modules being trained, with no reference to the user's objects.
 
-    Asks the hub to watch top-level module calls (a global forward pre/post hook tracking call
-    depth): every module called at depth 0 with gradients enabled whose parameters an optimizer
-    updates, and that is not inside a root already known, is registered at that very call (so
-    step 0 is recorded in full; several models trained together are all found); modules whose
-    optimizer appears only later are checked at each of the first step boundaries. The global
-    hooks are removed at the end of the first step that found a root (or in which a root was
-    passed to ``attach``), or after three steps.
+    Watches top-level module calls (a global forward pre/post hook tracking call depth): every
+    module called at depth 0 with gradients enabled whose parameters an optimizer updates, and
+    that is not inside a root already known, is registered at that very call (so step 0 is
+    recorded in full; several models trained together are all found); modules whose optimizer
+    appears only later are checked at each of the first step boundaries. The global hooks are
+    removed at the end of the first step that found a root (or in which a root was passed to
+    ``attach``), or after three steps. Once ``torch.compile`` is in use no global hook is
+    installed (dynamo would trace it): the modules compiled are the candidates instead.
 
     A dormant probe installs nothing: when recording starts and no model is known yet
     (:meth:`amprobe.Probe.start_recording` scans live objects first), discovery runs for the
     first recorded steps; when recording stops it is removed.
+
+    The interface, all on the training thread: the probe calls :meth:`on_attach`,
+    :meth:`on_recording` and :meth:`on_step_end` (after the collectors' events of the same
+    name); the hub calls :meth:`compiled` and :meth:`claim_compiled_roots` when it sees
+    ``torch.compile`` and optimizers, and :meth:`stop` when it closes. A failure at a step
+    boundary or a recording change switches discovery off for the run and is recorded as a
+    ``collector_error`` of ``"discovery"`` (the run summary lists it); one inside a module call
+    is recorded as ``discovery_failed`` and stops the current search only. Never raises into the
+    training loop.
     """
 
-    name = "discovery"
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.failed = False
+        self._handles: list[Any] = []  # the global module hooks
+        self._checking = False  # candidates checked at step boundaries
+        self._depth = 0
+        self._first = 0
+        self._candidates: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self._compiled = False  # discovering without global hooks (a compiled job)
 
-    def on_attach(self, probe: Any) -> None:
-        super().on_attach(probe)
-        if probe.recording:
-            probe.hub.start_discovery()
-
-    def _knows_a_model(self) -> bool:
-        return any(ref() is not None for ref in self.probe.models)
+    # -- driven by the probe ----------------------------------------------------------------------
+    def on_attach(self) -> None:
+        """The probe attached: search at once if it records from the start (may raise: attach
+        time errors are loud)."""
+        if self.hub.probe.recording:
+            self.start()
 
     def on_recording(self, active: bool) -> None:
-        if not active:
-            self.probe.hub.stop_discovery()
-        elif not self._knows_a_model():
-            self.probe.hub.start_discovery()
+        """A recording window starts (search if no model is known) or ends (stop)."""
+        if self.hub.closed or self.failed:
+            return
+        try:
+            if not active:
+                self.stop()
+            elif not self._knows_a_model():
+                self.start()
+        except Exception as exc:
+            self._fail(exc)
 
-    def on_step_end(self, step: int, record: dict[str, Any], facts: Any) -> None:
-        self.probe.hub.check_candidates(step)
+    def on_step_end(self, step: int) -> None:
+        """At a recorded step boundary: register the candidates an optimizer trains, or give up."""
+        if self.hub.closed or self.failed:
+            return
+        try:
+            self._check_candidates(step)
+        except Exception as exc:
+            self._fail(exc)
 
-    def on_close(self) -> None:
-        self.probe.hub.stop_discovery()
+    # -- driven by the hub ------------------------------------------------------------------------
+    def compiled(self, called: Any) -> None:
+        """``torch.compile`` was noted; ``called`` is the module the job calls (or ``None``).
+
+        Global module hooks make torch warn on every ``OptimizedModule`` call and are traced
+        inside compiled regions: they go, and the compiled module itself is the candidate root.
+        """
+        if self._handles:
+            self.stop()
+            self._compiled = True
+        if called is not None and not any(r() is called for r in self._candidates):
+            self._candidates.append(weakref.ref(called))
+
+    def claim_compiled_roots(self) -> None:
+        """Discovering without global hooks: each compiled candidate whose parameters an
+        optimizer already trains is a root now (so step 0 is sampled like an eager model's).
+        Discovery goes on to the step boundary: several compiled models may be trained."""
+        if not self._compiled:
+            return
+        trained = _trained_params(self.hub.optimizers)
+        if not trained:
+            return
+        for ref in list(self._candidates):
+            root = ref()
+            if root is not None and self._is_new_root(root, trained):
+                self.hub.probe.add_model(root)
+
+    def start(self) -> None:
+        """Watch top-level module calls until a root model is found (zero-code and live attach)."""
+        hub = self.hub
+        if self._handles or hub.closed:
+            return
+        self._depth = 0
+        self._first = hub.probe.step
+        self._candidates = [r for r in self._candidates if r() is not None]
+        if hub.compile_seen():  # global hooks would be traced: candidates come from compile()
+            self._compiled = True
+            return
+        self._checking = True
+        self._handles.append(_module_mod.register_module_forward_pre_hook(self._pre))
+        self._handles.append(_module_mod.register_module_forward_hook(self._post, always_call=True))
+
+    def stop(self) -> None:
+        """Remove the global hooks and stop checking candidates. Idempotent."""
+        self._checking = False
+        self._remove_hooks()
+
+    # -- the search -------------------------------------------------------------------------------
+    def _knows_a_model(self) -> bool:
+        return any(ref() is not None for ref in self.hub.probe.models)
+
+    def _fail(self, exc: Exception) -> None:
+        self.failed = True
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else "?"
+        self.hub.probe.event(
+            "collector_error",
+            collector=DISCOVERY,
+            error=f"{type(exc).__name__}: {exc}",
+            where=where,
+        )
+        self.stop()
+
+    def _remove_hooks(self) -> None:
+        for handle in reversed(self._handles):
+            handle.remove()
+        self._handles.clear()
+
+    def _is_new_root(self, module: torch.nn.Module, trained: set[int]) -> bool:
+        """``module`` holds parameters an optimizer trains that no known root holds (a module
+        inside a known root, or a wrapper around one such as DDP, is not a new root)."""
+        known: set[int] = set()
+        for ref in self.hub.probe.models:
+            root = ref()
+            if root is not None:
+                known.update(id(p) for p in root.parameters())
+        return any(id(p) in trained and id(p) not in known for p in module.parameters())
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if is_compiling():  # traced inside a compiled region: leave the graph as it is
+            return
+        depth = self._depth
+        self._depth = depth + 1
+        probe = self.hub.probe
+        if depth or not probe.recording or not torch.is_grad_enabled():
+            return
+        try:
+            if any(r() is module for r in self._candidates):
+                return
+            self._candidates.append(weakref.ref(module))
+            trained = _trained_params(self.hub.optimizers)
+            if trained and self._is_new_root(module, trained):
+                # the root's own pre-hook, installed now, would not run for this call; the
+                # global hooks stay to the step's end: other models may be trained with it
+                probe.add_model(module)
+                self.hub.emit("on_forward_begin", module, args, {})
+        except Exception as exc:
+            probe.event("discovery_failed", reason=f"{type(exc).__name__}: {exc}")
+            self.stop()
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
+        self._depth = max(0, self._depth - 1)
+
+    def _check_candidates(self, step: int) -> None:
+        """The global hooks go at the end of the first step that knows a root; the modules they
+        saw called at top level are checked again at the boundaries of the first steps (an
+        optimizer created before attaching is seen only at its first ``step()``)."""
+        if not self._checking and not self._compiled:
+            return
+        probe = self.hub.probe
+        trained = _trained_params(self.hub.optimizers)
+        for ref in self._candidates:
+            root = ref()
+            if root is not None and self._is_new_root(root, trained):
+                probe.add_model(root)
+        found = self._knows_a_model()
+        if not found and self._compiled and trained:
+            # a compiled train-step function: its modules were never seen being called
+            for root in find_live_training_objects().models[:8]:
+                if self._is_new_root(root, trained):
+                    probe.add_model(root)
+                    found = True
+        if found:
+            self._remove_hooks()
+        if step + 1 - self._first >= _DISCOVERY_STEPS:
+            self._compiled = False
+            if not found:
+                probe.event(
+                    "discovery_failed",
+                    reason="no module called at top level owns optimizer parameters",
+                )
+            self.stop()
+
+
+def _trained_params(optimizers: Any) -> set[int]:
+    ids: set[int] = set()
+    for opt in list(optimizers):
+        for group in opt.param_groups:
+            ids.update(id(p) for p in group["params"])
+    return ids
 
 
 def name_in_caller(*objs: Any) -> str | None:

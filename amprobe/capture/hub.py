@@ -13,7 +13,8 @@ One :class:`Hub` per probe wraps, at class level and exactly once:
 * the entry points of an engine that owns the loss scale (DeepSpeed, Megatron-core), once the
   program imports it: its :class:`~amprobe.capture.collectors.engines.StepSource` reports the same step
   facts a GradScaler gives (:meth:`Hub.source_scaled`, :meth:`Hub.source_step`);
-* while root models are being discovered, a global module forward pre/post hook;
+* while root models are being discovered, a global module forward pre/post hook (installed by
+  :class:`~amprobe.capture.discovery.RootModelFinder`, the hub's ``discovery``);
 * on the steps a collector asks for, one probe-owned ``TorchDispatchMode`` that hands every op
   to each collector that asked (sync counting, shape capture, FLOP counting), so no two of
   amprobe's modes can ever shadow each other.
@@ -43,7 +44,6 @@ import torch
 import torch.nn.utils.clip_grad as _clip_grad
 from torch.amp import GradScaler
 from torch.amp.autocast_mode import autocast
-from torch.nn.modules import module as _module_mod
 from torch.optim import Optimizer
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -61,7 +61,7 @@ from amprobe.capture.collectors.compiled import (
     unwrap_compiled,
 )
 from amprobe.capture.collectors.engines import SOURCES, EngineScaler, StepSource
-from amprobe.capture.discovery import find_live_training_objects
+from amprobe.capture.discovery import RootModelFinder
 from amprobe.capture.patching import Patch, patch
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.capture.sites import dtype_name, user_call_site
@@ -73,7 +73,6 @@ __all__ = ["EVENTS", "Hub", "dtype_name", "user_call_site"]
 
 # frames that torch's decorators (no_grad and friends) put between clip_grad_norm_ and its helper
 _DECORATOR_FRAMES = frozenset({"_no_grad_wrapper", "decorate_context", "wrapper", "inner"})
-_DISCOVERY_STEPS = 3  # give up finding a root model after this many steps
 
 #: every event of the collector protocol, in the order of a typical iteration, and whether it
 #: is delivered while the probe is dormant (rare facts and lifecycle) or only while recording
@@ -132,14 +131,6 @@ def _host_scalar(t: torch.Tensor) -> Any:
     if t.is_cpu:
         return t.item()
     return t.detach().clone()
-
-
-def _trained_params(optimizers: Any) -> set[int]:
-    ids: set[int] = set()
-    for opt in list(optimizers):
-        for group in opt.param_groups:
-            ids.update(id(p) for p in group["params"])
-    return ids
 
 
 class _OpMux(TorchDispatchMode):
@@ -209,12 +200,8 @@ class Hub:
         # engines that own the loss scale (installed once the program imports them)
         self._pending_sources: list[type[StepSource]] = list(SOURCES)
         self._sources: list[StepSource] = []
-        # discovery
-        self._disc_handles: list[Any] = []
-        self._disc_checking = False  # candidates checked at step boundaries
-        self._disc_depth = 0
-        self._disc_first = 0
-        self._candidates: list[weakref.ReferenceType[torch.nn.Module]] = []
+        #: root-model discovery (the global module hooks, the candidates)
+        self.discovery = RootModelFinder(self)
         # torch.compile: once anything is compiled, no hook that dynamo could trace is installed
         self.compile_in_use = False
         self._frames_at_start = compiled_frames()  # what the process compiled before attach
@@ -225,7 +212,6 @@ class Hub:
         self._compiled: list[dict[str, Any]] = []
         self._compiled_ids: set[int] = set()
         self._method_compiled: set[int] = set()  # modules whose own compile() ran
-        self._disc_compiled = False  # discovering without global hooks (a compiled job)
         self.closed = False
 
     # -- subscribers and the guard ------------------------------------------------------------
@@ -517,7 +503,7 @@ class Hub:
         if self.closed:
             return
         self._pop_mux(final=True)
-        self.stop_discovery()
+        self.discovery.stop()
         for handle in reversed(self._handles):
             try:
                 handle.remove()
@@ -604,7 +590,7 @@ class Hub:
         self.optimizers.add(opt)
         self.load_sources()
         self.emit("on_optimizer", opt)
-        self._claim_compiled_roots()
+        self.discovery.claim_compiled_roots()
 
     def watch_model(self, model: torch.nn.Module) -> None:
         """Install the forward pre/post hooks of a root model (events for every collector)."""
@@ -684,40 +670,10 @@ class Hub:
         self.compile_in_use = True
         self.probe.annotate_manifest(compile=list(self._compiled))
         self.probe.event("compiled", **fact)
-        if self._disc_handles:
-            # global module hooks make torch warn on every OptimizedModule call and are traced
-            # inside compiled regions: the compiled module itself is the candidate root
-            self.stop_discovery()
-            self._disc_compiled = True
-        if called is not None and not any(r() is called for r in self._candidates):
-            self._candidates.append(weakref.ref(called))
+        self.discovery.compiled(called)
         if first:
             self._compile_started()
-        self._claim_compiled_roots()
-
-    def _claim_compiled_roots(self) -> None:
-        """Discovering without global hooks: each compiled candidate whose parameters an
-        optimizer already trains is a root now (so step 0 is sampled like an eager model's).
-        Discovery goes on to the step boundary: several compiled models may be trained."""
-        if not self._disc_compiled:
-            return
-        trained = _trained_params(self.optimizers)
-        if not trained:
-            return
-        for ref in list(self._candidates):
-            root = ref()
-            if root is not None and self._is_new_root(root, trained):
-                self.probe.add_model(root)
-
-    def _is_new_root(self, module: torch.nn.Module, trained: set[int]) -> bool:
-        """``module`` holds parameters an optimizer trains that no known root holds (a module
-        inside a known root, or a wrapper around one such as DDP, is not a new root)."""
-        known: set[int] = set()
-        for ref in self.probe.models:
-            root = ref()
-            if root is not None:
-                known.update(id(p) for p in root.parameters())
-        return any(id(p) in trained and id(p) not in known for p in module.parameters())
+        self.discovery.claim_compiled_roots()
 
     def _check_compiled(self) -> None:
         """A compile amprobe did not see being made (before attach) shows in dynamo's counters.
@@ -728,6 +684,11 @@ class Hub:
             self.compile_in_use = True
             self.probe.event("compiled", target="(compiled before amprobe attached)", kind="?")
             self._compile_started()
+
+    def compile_seen(self) -> bool:
+        """Whether ``torch.compile`` is in use in this process since attach (checked now)."""
+        self._check_compiled()
+        return self.compile_in_use
 
     def _compile_started(self) -> None:
         self._watch_graphs()
@@ -1080,90 +1041,6 @@ class Hub:
         elif final:
             # someone pushed a mode above ours and keeps it: ours stays a pass-through
             self.probe.event("op_mode_left_inert", reason="another TorchDispatchMode is above it")
-
-    # -- root-model discovery -----------------------------------------------------------------------
-    def start_discovery(self) -> None:
-        """Watch top-level module calls until a root model is found (zero-code and live attach)."""
-        if self._disc_handles or self.closed:
-            return
-        self._disc_depth = 0
-        self._disc_first = self.probe.step
-        self._candidates = [r for r in self._candidates if r() is not None]
-        self._check_compiled()
-        if self.compile_in_use:  # global hooks would be traced: candidates come from compile()
-            self._disc_compiled = True
-            return
-        self._disc_checking = True
-        self._disc_handles.append(_module_mod.register_module_forward_pre_hook(self._disc_pre))
-        self._disc_handles.append(
-            _module_mod.register_module_forward_hook(self._disc_post, always_call=True)
-        )
-
-    def stop_discovery(self) -> None:
-        self._disc_checking = False
-        self._remove_disc_hooks()
-
-    def _remove_disc_hooks(self) -> None:
-        for handle in reversed(self._disc_handles):
-            handle.remove()
-        self._disc_handles.clear()
-
-    def _disc_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if is_compiling():  # traced inside a compiled region: leave the graph as it is
-            return
-        depth = self._disc_depth
-        self._disc_depth = depth + 1
-        if depth or not self.probe.recording or not torch.is_grad_enabled():
-            return
-        try:
-            if any(r() is module for r in self._candidates):
-                return
-            self._candidates.append(weakref.ref(module))
-            trained = _trained_params(self.optimizers)
-            if trained and self._is_new_root(module, trained):
-                # the root's own pre-hook, installed now, would not run for this call; the
-                # global hooks stay to the step's end: other models may be trained with it
-                self.probe.add_model(module)
-                self.emit("on_forward_begin", module, args, {})
-        except Exception as exc:
-            self.probe.event("discovery_failed", reason=f"{type(exc).__name__}: {exc}")
-            self.stop_discovery()
-
-    def _disc_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if is_compiling():
-            return
-        self._disc_depth = max(0, self._disc_depth - 1)
-
-    def check_candidates(self, step: int) -> None:
-        """At a step boundary: register the candidates an optimizer trains, or give up.
-
-        The global hooks go at the end of the first step that knows a root; the modules they
-        saw called at top level are checked again at the boundaries of the first steps (an
-        optimizer created before attaching is seen only at its first ``step()``)."""
-        if not self._disc_checking and not self._disc_compiled:
-            return
-        trained = _trained_params(self.optimizers)
-        for ref in self._candidates:
-            root = ref()
-            if root is not None and self._is_new_root(root, trained):
-                self.probe.add_model(root)
-        found = any(ref() is not None for ref in self.probe.models)
-        if not found and self._disc_compiled and trained:
-            # a compiled train-step function: its modules were never seen being called
-            for root in find_live_training_objects().models[:8]:
-                if self._is_new_root(root, trained):
-                    self.probe.add_model(root)
-                    found = True
-        if found:
-            self._remove_disc_hooks()
-        if step + 1 - self._disc_first >= _DISCOVERY_STEPS:
-            self._disc_compiled = False
-            if not found:
-                self.probe.event(
-                    "discovery_failed",
-                    reason="no module called at top level owns optimizer parameters",
-                )
-            self.stop_discovery()
 
 
 def _wrapper_backend(module: Any) -> str:

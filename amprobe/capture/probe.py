@@ -30,7 +30,7 @@ from amprobe.capture.budget import SampleBudget
 from amprobe.capture.collectors import REGISTRY, Collector, StepFacts
 from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_compiled
 from amprobe.capture.collectors.sharded import user_class_name
-from amprobe.capture.discovery import find_live_training_objects, name_in_caller
+from amprobe.capture.discovery import DISCOVERY, find_live_training_objects, name_in_caller
 from amprobe.capture.hub import Hub
 from amprobe.capture.protocol import FlushWriter
 from amprobe.config import Config, ConfigError, check_collectors, make_config
@@ -203,9 +203,12 @@ class Probe:
             raise ConfigError(str(exc)) from None
         self.hub.install()
         for name in self.config.collectors:
+            if name == DISCOVERY:  # not a collector: the hub's root-model finder, always on
+                continue
             collector = REGISTRY[name]()
             self.collectors.append(collector)
             collector.on_attach(self)  # may raise ConfigError: attach-time errors are loud
+        self.hub.discovery.on_attach()
         self.hub.subscribe(self.collectors)
         self.event("run_start", recording=self.recording)
         for obj in (optimizer, scaler):
@@ -357,6 +360,7 @@ class Probe:
         spent = self._probe_time
         self._probe_time = 0.0
         self.hub.emit("on_step_end", self.step, record, facts)
+        self.hub.discovery.on_step_end(self.step)
         self._pending_steps.append(record)
         self.step += 1
         self._t_step_start = time.perf_counter()
@@ -456,6 +460,7 @@ class Probe:
             dormant_events_dropped=self._dropped_events,
         )
         self.hub.emit("on_recording", True)
+        self.hub.discovery.on_recording(True)
         self.hub.begin_step(self.step)
 
     def _window_end_event(self, reason: str) -> None:
@@ -471,6 +476,7 @@ class Probe:
     def _stop_window(self, reason: str) -> None:
         self.hub.end_recording()
         self.hub.emit("on_recording", False)
+        self.hub.discovery.on_recording(False)
         self.recording = False
         self._window_left = None
         self._window_end_event(reason)
@@ -766,12 +772,12 @@ def attach(
     """
     global _ACTIVE
     cfg = make_config(config)
-    check_collectors(cfg, REGISTRY)
-    if "discovery" not in cfg.collectors:
+    check_collectors(cfg, {**REGISTRY, DISCOVERY: None})
+    if DISCOVERY not in cfg.collectors:
         # nothing passed (accelerate, `amprobe run`): find the root model at its first forward,
         # so the per-layer collectors see it as if it had been passed; a model passed may not
         # be the only one trained: the others are found in the first step
-        cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, "discovery"))
+        cfg = dataclasses.replace(cfg, collectors=(*cfg.collectors, DISCOVERY))
     with _LOCK:
         existing = _ACTIVE
         if existing is not None and not existing.closed:

@@ -3,8 +3,11 @@
 - :mod:`~amprobe.control.launcher`: ``amprobe run`` (the child process, its signals, its run dir);
 - :mod:`~amprobe.control.autoattach` and ``_bootstrap``: the zero-code probe in the processes
   ``amprobe run`` starts;
-- :mod:`~amprobe.control.channel`: the control file a running probe watches, the CLI's sender,
-  and attaching to a live process.
+- :mod:`~amprobe.control.watcher`: the control file a dormant probe watches (in the job);
+- :mod:`~amprobe.control.sender`: ``amprobe attach RUN`` / ``detach RUN`` writing that file (in
+  the CLI; loads no torch);
+- :mod:`~amprobe.control.remote`: attaching to a live process started without amprobe
+  (``attach_live``, ``amprobe attach --pid``).
 
 This ``__init__`` imports nothing (the launcher must load without torch).
 """

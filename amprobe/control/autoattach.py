@@ -28,7 +28,7 @@ from torch.amp.autocast_mode import autocast
 
 from amprobe.capture.probe import attach, current_probe
 from amprobe.config import ENV_BASELINE, ENV_CONFIG, ENV_FORCE_FP32, ENV_RUN_DIR, make_config
-from amprobe.control.channel import start_control
+from amprobe.control.watcher import start_control
 
 __all__ = ["activate_from_env", "ENV_RUN_DIR", "ENV_CONFIG", "ENV_FORCE_FP32", "ENV_BASELINE"]
 

@@ -13,7 +13,6 @@ from amprobe.capture.collectors.numerics import NumericsCollector
 from amprobe.capture.collectors.prometheus import PrometheusCollector
 from amprobe.capture.collectors.runtime import RuntimeCollector
 from amprobe.capture.collectors.scaler import ScalerCollector
-from amprobe.capture.discovery import RootModelFinder
 from amprobe.capture.protocol import Collector, StepFacts, due
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "ComputeCollector",
     "NumericsCollector",
     "PrometheusCollector",
-    "RootModelFinder",
     "RuntimeCollector",
     "ScalerCollector",
     "StepFacts",
@@ -36,6 +34,5 @@ REGISTRY: dict[str, type[Collector]] = {
     "numerics": NumericsCollector,
     "compute": ComputeCollector,
     "runtime": RuntimeCollector,
-    "discovery": RootModelFinder,
     "prometheus": PrometheusCollector,
 }
