@@ -60,6 +60,13 @@ RANGES = {
     torch.float8_e4m3fn: (-10, 9),
 }
 SCALES = [None, 1.0, 2.0**16, 1000.0, 0.5]
+#: host: the eager CPU reduction; kernel: the compiled CPU kernel (numkernel); sync-free: the
+#: accelerator path (index_add_, nothing read back), run on CPU here
+MODES = ["host", "kernel", "sync-free"]
+
+
+def _kw(mode: str) -> dict[str, bool]:
+    return {"sync_free": mode == "sync-free", "kernel": mode == "kernel"}
 
 
 def _values(dtype: torch.dtype, n: int, seed: int = 0) -> torch.Tensor:
@@ -92,23 +99,24 @@ def _assert_rows_equal(v1: torch.Tensor, v2: torch.Tensor) -> None:
     assert not diff, f"v1 and v2 differ at {diff[:8]}: {v1[v1 != v2][:8]} vs {v2[v1 != v2][:8]}"
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scale", SCALES, ids=lambda s: f"scale={s}")
 @pytest.mark.parametrize("n", [300, 20000], ids=["small", "large"])
 @pytest.mark.parametrize("dtype", list(RANGES), ids=str)
-def test_v2_equals_v1(dtype: torch.dtype, n: int, scale: float | None, sync_free: bool) -> None:
+def test_v2_equals_v1(dtype: torch.dtype, n: int, scale: float | None, mode: str) -> None:
     x = _values(dtype, n)
     s = _scale(scale)
     v1 = numstats.stats_v1(x, s)
-    v2 = numstats.stats_v2(x, s, sync_free=sync_free)
+    v2 = numstats.stats_v2(x, s, **_kw(mode))
     assert int(v1[H0:].sum()) == n  # the reference sees every element
     _assert_rows_equal(v1, v2)
 
 
-def test_the_special_values_are_where_v1_puts_them() -> None:
+@pytest.mark.parametrize("mode", ["host", "kernel"])
+def test_the_special_values_are_where_v1_puts_them(mode: str) -> None:
     """Guards the test data: the edge cases really are present and counted."""
     x = _values(torch.float32, 300)[: len(SPECIAL)]
-    row = numstats.stats_v2(x, sync_free=False)
+    row = numstats.stats_v2(x, **_kw(mode))
     assert int(row[C_NAN]) == 1
     assert int(row[H_NONFINITE]) == 3  # two infinities and the NaN
     assert int(row[C_ZEROS]) == 2
@@ -119,9 +127,9 @@ def test_the_special_values_are_where_v1_puts_them() -> None:
     assert int(row[H_LUMP]) == 2  # 2**-140 and 1e-45: below 2**-133
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_layouts(dtype: torch.dtype, sync_free: bool) -> None:
+def test_layouts(dtype: torch.dtype, mode: str) -> None:
     base = _values(dtype, 2 * 3 * 40 * 50, seed=3).view(2, 3, 40, 50)
     cases = {
         "transposed": base.transpose(2, 3),
@@ -134,13 +142,13 @@ def test_layouts(dtype: torch.dtype, sync_free: bool) -> None:
     for name, x in cases.items():
         for s in (None, _scale(2.0**16)):
             v1 = numstats.stats_v1(x, s)
-            v2 = numstats.stats_v2(x, s, sync_free=sync_free)
+            v2 = numstats.stats_v2(x, s, **_kw(mode))
             assert int(v2[H0:].sum()) == x.numel(), name
             _assert_rows_equal(v1, v2)
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
-def test_a_step_of_mixed_calls(sync_free: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_step_of_mixed_calls(mode: str) -> None:
     """Several tensors per slot, dtypes mixed within a slot, activations and scaled gradients,
     input counts; then the same object reused for a second step."""
     scale = torch.tensor(2.0**12)
@@ -157,7 +165,7 @@ def test_a_step_of_mixed_calls(sync_free: bool) -> None:
         ]
         reference = numstats.StepStatsV1(5, torch.device("cpu"))
         if step == 0:
-            stats = numstats.StepStats(5, torch.device("cpu"), sync_free=sync_free)
+            stats = numstats.StepStats(5, torch.device("cpu"), **_kw(mode))
         else:
             stats.reset()
         for slot, x, s, bad in calls:
@@ -170,18 +178,18 @@ def test_a_step_of_mixed_calls(sync_free: bool) -> None:
         _assert_rows_equal(reference.table(), table)
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_count_nonfinite(dtype: torch.dtype, sync_free: bool) -> None:
+def test_count_nonfinite(dtype: torch.dtype, mode: str) -> None:
     finite = torch.randn(64, 33).to(dtype)
     bad = finite.clone()
     bad[3, :5] = float("nan")
     bad[7, 1] = float("inf")
     bad[9, 2] = -float("inf")
     for x, expected in ((finite, 0), (bad, 7), (bad.t(), 7), (bad[:0], 0)):
-        got = numstats.count_nonfinite(x, sync_free=sync_free)
+        got = numstats.count_nonfinite(x, sync_free=_kw(mode)["sync_free"])
         assert int(got) == expected == int(numstats.count_nonfinite_v1(x))
-        assert isinstance(got, torch.Tensor) == sync_free
+        assert isinstance(got, torch.Tensor) == (mode == "sync-free")
 
 
 class _CountScalarReads(TorchDispatchMode):
@@ -195,18 +203,21 @@ class _CountScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
-def test_sync_free_mode_reads_nothing_back(sync_free: bool) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_sync_free_mode_reads_nothing_back(mode: str) -> None:
     x32 = _values(torch.float32, 20000)
     x16 = _values(torch.float16, 20000)
-    stats = numstats.StepStats(2, torch.device("cpu"), sync_free=sync_free)
+    stats = numstats.StepStats(2, torch.device("cpu"), **_kw(mode))
     with _CountScalarReads() as counter:
         stats.add(
-            0, x32, scale=torch.tensor(2.0**16), in_bad=numstats.count_nonfinite(x16, sync_free)
+            0,
+            x32,
+            scale=torch.tensor(2.0**16),
+            in_bad=numstats.count_nonfinite(x16, _kw(mode)["sync_free"]),
         )
         stats.add(1, x16, scale=torch.tensor(2.0**16))
         stats.table()
-    if sync_free:
+    if mode == "sync-free":
         assert counter.count == 0
     else:
         assert counter.count > 0  # the host mode decides on CPU values (free there)
@@ -279,7 +290,7 @@ def test_a_tensor_measured_twice_is_reused_while_unchanged(dtype: torch.dtype) -
     x = _values(dtype, 20000, seed=5)
     y = x.clone()  # equal values, another object: measured afresh
     reference = numstats.StepStatsV1(4, torch.device("cpu"))
-    stats = numstats.StepStats(4, torch.device("cpu"), sync_free=False)
+    stats = numstats.StepStats(4, torch.device("cpu"), sync_free=False, kernel=False)
     with _CountOps(torch.ops.aten.bincount.default) as bincounts:
         for slot, t in ((0, x), (1, x), (3, y)):
             reference.add(slot, t)
@@ -325,13 +336,16 @@ def test_on_the_device_v2_equals_v1_without_a_sync(device: torch.device) -> None
     _assert_rows_equal(expected.cpu(), table.cpu())
 
 
+@pytest.mark.parametrize("mode", ["host", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_an_input_measured_as_an_output_is_counted_from_its_histogram(dtype: torch.dtype) -> None:
+def test_an_input_measured_as_an_output_is_counted_from_its_histogram(
+    dtype: torch.dtype, mode: str
+) -> None:
     x = _values(dtype, 20000, seed=11)
     other = _values(dtype, 20000, seed=12)
     expected = int(numstats.count_nonfinite_v1(x))
     assert expected >= 3
-    stats = numstats.StepStats(2, torch.device("cpu"), sync_free=False)
+    stats = numstats.StepStats(2, torch.device("cpu"), **_kw(mode))
     stats.add(0, x)
     with _CountOps(torch.ops.aten.aminmax.default) as reductions:
         assert stats.count_nonfinite(x) == expected  # from the histogram: no pass over x
@@ -378,18 +392,18 @@ def _truth(x: torch.Tensor, scale: float | None) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scale", [None, 2.0**16, 1000.0, 2.0**-3], ids=lambda s: f"scale={s}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_fp16_counts_are_what_real_casts_do(
-    dtype: torch.dtype, scale: float | None, sync_free: bool
+    dtype: torch.dtype, scale: float | None, mode: str
 ) -> None:
     """Items 8 and 9: overflow from 65520 (not 2**16), flush at or below 2**-25 at the scale
     (values in (2**-25, 2**-24) round up to 2**-24; the tie 2**-25 goes to zero)."""
     x = _boundary_values(dtype, scale)
     truth = _truth(x, scale)
     for row in (
-        numstats.stats_v2(x, _scale(scale), sync_free),
+        numstats.stats_v2(x, _scale(scale), **_kw(mode)),
         numstats.stats_v1(x, _scale(scale)),
     ):
         counts = numerics.summarize_hist(row.tolist())
@@ -401,17 +415,15 @@ def test_fp16_counts_are_what_real_casts_do(
         assert truth["over"] > 0 and truth["flush"] > 0  # the boundaries are exercised
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("scale", [None, 2.0**16, 1000.0], ids=lambda s: f"scale={s}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_subnormal_binades_are_resolved(
-    dtype: torch.dtype, scale: float | None, sync_free: bool
-) -> None:
+def test_subnormal_binades_are_resolved(dtype: torch.dtype, scale: float | None, mode: str) -> None:
     """Item 10: fp32 subnormals sit in their own binades down to 2**-133, the rest in the lump
     column (exponent -149), zeros with the top subnormal binade (-127)."""
     x = _boundary_values(dtype, scale)
     truth = _truth(x, scale)
-    row = numstats.stats_v2(x, _scale(scale), sync_free)
+    row = numstats.stats_v2(x, _scale(scale), **_kw(mode))
     for k in range(-133, 128):
         extra = truth["zeros"] if k == -127 else 0
         assert int(row[H0 + k - E_MIN]) == truth[f"e{k}"] + extra, k
@@ -462,3 +474,28 @@ def test_recorded_columns_are_what_real_casts_do(tmp_path: Path) -> None:
     for kind in ("grad_output", "grad_param"):
         assert rows[kind]["loss_scale"] == scale
         assert rows[kind]["underflow_at_scale"] == flushed, kind
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_kernel_on_large_tensors_and_runs_of_one_key(dtype: torch.dtype) -> None:
+    """From 2**18 elements the kernel counts into four sub-histograms merged at the end; runs
+    of one key (a ReLU's zeros) and a transposed (dense, not contiguous) layout included."""
+    n = 1 << 19
+    x = _values(dtype, n, seed=13)
+    x[1000:200000] = 0.0  # a long run of one key
+    cases = [x, x.view(512, 1024).t(), x.view(512, 1024)[:, ::2]]
+    for s in (None, _scale(1000.0)):
+        for t in cases:
+            _assert_rows_equal(numstats.stats_v1(t, s), numstats.stats_v2(t, s, kernel=True))
+
+
+def test_a_tensor_measured_twice_by_the_kernel() -> None:
+    x = _values(torch.bfloat16, 20000, seed=5)
+    reference = numstats.StepStatsV1(2, torch.device("cpu"))
+    stats = numstats.StepStats(2, torch.device("cpu"), kernel=True)
+    for slot in (0, 1):
+        reference.add(slot, x)
+        stats.add(slot, x)
+    table = stats.table()
+    _assert_rows_equal(reference.table(), table)
+    assert torch.equal(table[0], table[1])

@@ -50,10 +50,15 @@ Records:
     output gradient was still finite (``kind=backward``); non-finite root inputs
     (``kind=input``).
 
+On CPU the per-tensor reduction is a compiled C kernel (``numkernel``: built once in a
+subprocess started when the first CPU model is seen, cached per user), and the eager torch
+reduction until it is ready or when it cannot be built (event ``numerics_kernel``, once, with
+the reason); both record the same table.
+
 Cost: nothing on unsampled steps beyond one reduction over the root inputs. On a sampled
-step one elementwise pass and one histogram pass per hooked tensor (fp32 tensors add a
-max reduction and two compare-and-count passes for the exact fp16 boundaries), and one
-``aminmax`` per module input; see
+step one pass per hooked tensor on CPU (the compiled kernel; eagerly, one elementwise and one
+histogram pass, fp32 tensors adding a max reduction and two compare-and-count passes for the
+exact fp16 boundaries), and one ``aminmax`` per module input not measured already; see
 ``benchmarks/bench_numerics_v2.py``.
 """
 
@@ -70,6 +75,7 @@ from typing import Any, ClassVar
 import torch
 from torch.amp import GradScaler
 
+from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
 from amprobe.capture.collectors.graphstats import (
     GRAPH_SAMPLE,
@@ -241,6 +247,7 @@ class NumericsCollector(Collector):
         # armed steps: (step, parameter names, device flags "holds inf/NaN") not read yet
         self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
         self._compiled_noted = False
+        self._kernel_noted = False
         # compiled regions: hooks traced into the graph, one buffer per install (see graphstats)
         self._graph: list[tuple[torch.Tensor, list[int]]] = []
         self._graph_handles: list[Any] = []
@@ -275,6 +282,8 @@ class NumericsCollector(Collector):
             for p in model.parameters():
                 self._device = p.device
                 break
+            if self.every and self._device is not None and self._device.type == "cpu":
+                numkernel.start_build()  # compiled beside the first step, not inside it
         user_model = unwrap_compiled(model)  # names as written: no torch.compile wrapper
         self._input_slots[root] = [
             self._new_slot(f"<input {root}>[{i}]", user_class_name(model), "input", root)
@@ -466,6 +475,18 @@ class NumericsCollector(Collector):
             step=self.probe.step,
         )
 
+    def _note_kernel(self) -> None:
+        """Record once why the compiled CPU kernel is not used (the eager reduction runs
+        instead and records the same table)."""
+        if self._kernel_noted:
+            return
+        state = numkernel.status()
+        if state in ("ready", "building"):
+            self._kernel_noted = state == "ready"
+            return
+        self._kernel_noted = True
+        self.probe.event("numerics_kernel", status="eager fallback", reason=state)
+
     def on_compile(self) -> None:
         if self._capture_handles:  # installed before the compile was seen: drop the module hooks
             self._remove_capture()
@@ -506,6 +527,8 @@ class NumericsCollector(Collector):
                 or stats.slots != len(self._slots)
                 or stats.sync_free != sync_free
             ):
+                if device.type == "cpu" and self.every:
+                    numkernel.start_build()  # (once per process; a model found late)
                 stats = StepStats(len(self._slots), device, sync_free=sync_free)
             cap = _Capture(self.probe.step, stats)
             self._cur = cap
@@ -694,6 +717,7 @@ class NumericsCollector(Collector):
             self._done.append(cap)
             if cap.device.type == "cpu":  # live count at once where reading costs no sync
                 self._note_nonfinite(cap)
+                self._note_kernel()
         self._cur = None
         if self._device is not None and self._device.type == "cpu":
             # reading a CPU tensor costs no device sync: arm at once

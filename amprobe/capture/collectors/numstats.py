@@ -49,8 +49,16 @@ reuses its histogram. With ``sync_free=True`` (the default on accelerators) no v
 back: histograms go through ``index_add_``, fp32 zeros/NaN are always counted on the device,
 and the fold's indices travel by pinned non-blocking copies, so a step issues kernels only.
 
+On CPU the host mode runs the compiled kernel of :mod:`amprobe.capture.collectors.numkernel`
+once it is built (a plain C pass, one per tensor: the 16-bit key, or for fp32 the unscaled key
+and its exact extras, added straight into the slot's row), and this eager reduction until then
+or when no C compiler is available; both give the same table. A tensor measured again in the
+step is then measured again (a kernel pass costs less than keeping its histogram); its
+non-finite count is kept for :meth:`StepStats.count_nonfinite`.
+
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
-tensor, against about 8 ns for v1; see ``benchmarks/bench_numerics_v2.py``. An fp32 tensor
+tensor with the eager reduction, against about 8 ns for v1, and about half that with the
+compiled kernel (0.4 ns per element on a warm tensor); see ``benchmarks/bench_numerics_v2.py``. An fp32 tensor
 costs about 4 ns per element (one thread, 4M-element ``randn``): about 2 ns for the key
 histogram and its extras, and about 2 ns more for the exact fp16-overflow and fp16-flush
 counts (two compare-and-count passes), which its truncated key cannot give.
@@ -64,6 +72,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from amprobe.capture.collectors import numkernel
 
 __all__ = [
     "C_ZEROS",
@@ -107,6 +117,7 @@ OVER16 = 65520.0
 #: fp16's cast makes ``|v| <= FLUSH16`` zero (half the min subnormal 2**-24; the tie goes to 0)
 FLUSH16 = 2.0**-25
 _OVER16_BITS = 0x477FF000  # fp32 bits of OVER16
+_FLUSH16_BITS = 0x33000000  # fp32 bits of FLUSH16
 _NAN_BITS = 0x7F800000  # |x| bits above this are NaN
 _NKEYS = 1 << 15  # 16-bit magnitude patterns
 _INF_KEY = 0x7F80  # upper half of fp32 inf: keys above are NaN
@@ -316,21 +327,40 @@ class StepStats:
         slots: rows of the table.
         device: where the measured tensors live.
         sync_free: never read a device value back (default: True off CPU).
+        kernel: host mode on CPU: use the compiled kernel (``numkernel``) once it is built
+            (None, the default), never (False), or wait for it and raise when it cannot be
+            built (True: tests and benchmarks).
 
     ``add`` is the hot path; ``table`` folds everything into the ``(slots, K)`` table once.
     ``reset`` makes the object reusable for another step with the same slots and device.
     """
 
-    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
+    def __init__(
+        self,
+        slots: int,
+        device: torch.device,
+        sync_free: bool | None = None,
+        kernel: bool | None = None,
+    ) -> None:
         self.slots = slots
         self.device = device
         self.sync_free = device.type != "cpu" if sync_free is None else sync_free
+        # the compiled CPU kernel (numkernel): None = once it is built, True = wait for it
+        self._kernel_mode = kernel
+        self._kernel: numkernel.Kernel | None = None
+        if kernel and not self.sync_free:
+            self._kernel = numkernel.wait()
+            if self._kernel is None:
+                raise RuntimeError(f"numstats kernel: {numkernel.status()}")
+        self._sub: torch.Tensor | None = None  # the kernel's sub-histogram scratch (zeroed)
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
         # per (format, grad) group: histogram rows [n, 32768] and the slot of each row
         self._hist: dict[tuple[int, bool], torch.Tensor] = {}
         self._row_of: dict[tuple[int, bool], dict[int, int]] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
-        self._maps: dict[tuple[int, bool], _Maps] = {}
+        # fold maps per (format, grad, scale): kept across steps on the host, where the scale
+        # is a known value (a step's scale seldom changes); rebuilt per step when sync-free
+        self._maps: dict[tuple[int, bool, float | None], _Maps] = {}
         self._flush16 = flush_threshold(None, device)
         self.reset()
 
@@ -339,18 +369,26 @@ class StepStats:
         for group, rows in self._row_of.items():
             self._hist[group][: len(rows)].zero_()
             rows.clear()
-        self._maps.clear()
+        if self.sync_free or len(self._maps) > 16:
+            self._maps.clear()
         self.scale: torch.Tensor | None = None
         self._scale_one = False
+        self._scale_f = 1.0  # host mode: the scale as a Python float (the kernel divides by it)
+        self._grad_flush_bits: int | None = None
         self._grad_flush: torch.Tensor | None = None  # flush_threshold of the step's scale
         # fp32 tensors' fp16-overflow and fp16-flush counts, per slot, kept on the device
         self._f32 = torch.zeros(self.slots, 2, dtype=torch.int64, device=self.device)
+        # the kernel's fp32 extras per slot: zeros, NaN, amax bits, fp16-overflow, fp16-flush
+        self._kx = torch.zeros(self.slots, 5, dtype=torch.int64) if not self.sync_free else None
+        self._kx_used = False
         # fp32 extras and the callers' input counts
         if self.sync_free:
             self._extra = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
         self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad, 0, 0]
-        # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras, fp32 counts)
-        self._seen: dict[int, tuple[Any, int, tuple[int, bool], torch.Tensor, Any, Any]] = {}
+        # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras, fp32 counts,
+        # non-finite count); the kernel adds into the rows directly: no histogram, the count
+        # kept for count_nonfinite (activations only)
+        self._seen: dict[int, tuple[Any, int, tuple[int, bool], Any, Any, Any, int | None]] = {}
         self._table: torch.Tensor | None = None
         return self
 
@@ -361,6 +399,8 @@ class StepStats:
             return
         pad = torch.zeros(more, 2, dtype=torch.int64, device=self.device)
         self._f32 = torch.cat([self._f32, pad])
+        if self._kx is not None:
+            self._kx = torch.cat([self._kx, torch.zeros(more, 5, dtype=torch.int64)])
         if self.sync_free:
             pad = torch.zeros(more, K + 1, dtype=torch.int64, device=self.device)
             self._extra = torch.cat([self._extra, pad])
@@ -388,7 +428,8 @@ class StepStats:
         if grad and self.scale is None:
             self.scale = scale
             if not self.sync_free:
-                self._scale_one = float(scale) == 1.0  # type: ignore[arg-type]
+                self._scale_f = float(scale)  # type: ignore[arg-type]
+                self._scale_one = self._scale_f == 1.0
         if in_bad is not None:
             self._add_in_bad(slot, in_bad)
         n = x.numel()
@@ -400,13 +441,23 @@ class StepStats:
         if self.sync_free:
             self._add_device(slot, hist, x.detach(), fmt, grad)
             return
+        kern = self._kernel if self._kernel is not None else self._ready_kernel()
+        if kern is not None and x.device.type == "cpu":
+            self._add_kernel(kern, slot, hist, x, fmt, grad)
+            return
         if n < _SMALL:
             self._add_small(slot, hist, x.detach(), fmt, grad)
             return
         # the same tensor object measured again in this step, unchanged (a Dropout(p=0) or
         # Identity returns its input; a gradient hooked twice): reuse its histogram
         seen = self._seen.get(id(x))
-        if seen is not None and seen[0]() is x and seen[1] == x._version and seen[2] == group:
+        if (
+            seen is not None
+            and seen[0]() is x
+            and seen[1] == x._version
+            and seen[2] == group
+            and seen[3] is not None
+        ):
             hist.add_(seen[3])
             self._add_host_extra(slot, seen[4])
             self._add_f32_counts(slot, seen[5])
@@ -415,7 +466,66 @@ class StepStats:
         hist.add_(h)
         self._add_host_extra(slot, extra)
         self._add_f32_counts(slot, counts)
-        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts)
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts, None)
+
+    def _ready_kernel(self) -> numkernel.Kernel | None:
+        if self._kernel_mode is False:
+            return None
+        self._kernel = numkernel.kernel()
+        return self._kernel
+
+    def _add_kernel(
+        self,
+        kern: numkernel.Kernel,
+        slot: int,
+        hist: torch.Tensor,
+        x: torch.Tensor,
+        fmt: int,
+        grad: bool,
+    ) -> None:
+        """One compiled pass over ``x`` (CPU, host mode): keys added into the slot's row,
+        fp32 extras into ``_kx``. A tensor measured twice is measured twice (a pass is cheaper
+        than keeping a 32768-bin histogram per tensor); its non-finite count is kept."""
+        t = x.detach()
+        if fmt == _F32 and t.dtype != torch.float32:  # fp64, fp8, ...: as their fp32 value
+            t = t.to(torch.float32)
+        if not _dense(t):
+            t = t.contiguous()
+        sub = self._sub
+        if sub is None:
+            sub = self._sub = torch.zeros(numkernel.SUB_WORDS, dtype=torch.int32)
+        if fmt != _F32:
+            bad = kern.hist16(
+                t.data_ptr(),
+                t.numel(),
+                hist.data_ptr(),
+                sub.data_ptr(),
+                0x7C00 if fmt == _F16 else _INF_KEY,
+            )
+        else:
+            self._kx_used = True
+            divide = grad and not self._scale_one
+            bad = kern.stats32(
+                t.data_ptr(),
+                t.numel(),
+                hist.data_ptr(),
+                sub.data_ptr(),
+                self._kx[slot].data_ptr(),  # type: ignore[index]
+                self._scale_f if divide else 1.0,
+                int(divide),
+                self._flush_bits(grad),
+            )
+        if not grad:  # an activation: a later module's input, whose count is then free
+            group = (fmt, False)
+            self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad)
+
+    def _flush_bits(self, grad: bool) -> int:
+        """fp32 bit pattern of :meth:`_flush_at` (host mode)."""
+        if not grad:
+            return _FLUSH16_BITS
+        if self._grad_flush_bits is None:
+            self._grad_flush_bits = _float_bits(float(self._flush_at(True)))
+        return self._grad_flush_bits
 
     def _measure_host(
         self, x: torch.Tensor, fmt: int, grad: bool
@@ -536,8 +646,11 @@ class StepStats:
         its histogram's inf/NaN keys hold the count. Otherwise :func:`count_nonfinite`."""
         seen = self._seen.get(id(x)) if not self.sync_free else None
         if seen is not None and seen[0]() is x and seen[1] == x._version and not seen[2][1]:
-            first_nonfinite = 0x7C00 if seen[2][0] == _F16 else _INF_KEY
-            return int(seen[3][first_nonfinite:].sum())
+            if seen[6] is not None:
+                return seen[6]
+            if seen[3] is not None:
+                first_nonfinite = 0x7C00 if seen[2][0] == _F16 else _INF_KEY
+                return int(seen[3][first_nonfinite:].sum())
         return count_nonfinite(x, self.sync_free)
 
     def _add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
@@ -597,6 +710,15 @@ class StepStats:
                 f32_zeros[index] = extra[:, C_ZEROS]
             else:
                 f32_zeros = torch.zeros(self.slots, dtype=torch.int64, device=self.device)
+            if self._kx_used:  # the kernel's fp32 extras (host mode)
+                kx = self._kx
+                assert kx is not None
+                out[:, C_ZEROS] += kx[:, 0]
+                out[:, C_NAN] += kx[:, 1]
+                amax = torch.maximum(amax, kx[:, 2])
+                out[:, C_OVER16] += kx[:, 3]
+                out[:, C_FLUSH16] += kx[:, 4]
+                f32_zeros = f32_zeros + kx[:, 0]
             # fp32 key 0 went to the lump: its zeros (counted exactly) belong to the zero bin
             out[:, H_LUMP] -= f32_zeros
             out[:, H_ZERO] += f32_zeros
@@ -614,10 +736,11 @@ class StepStats:
         out: torch.Tensor,
         amax: torch.Tensor,
     ) -> None:
-        maps = self._maps.get((fmt, grad))
+        key = (fmt, grad, None if self.sync_free or not grad else self._scale_f)
+        maps = self._maps.get(key)
         if maps is None:
             scale = self.scale if grad and fmt != _F32 else None
-            maps = self._maps[(fmt, grad)] = _Maps(
+            maps = self._maps[key] = _Maps(
                 fmt, scale, self._flush_at(grad), self.device, not self.sync_free
             )
         n = len(rows)
@@ -660,10 +783,13 @@ class StepStats:
 
 
 def stats_v2(
-    x: torch.Tensor, scale: torch.Tensor | None = None, sync_free: bool | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    sync_free: bool | None = None,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """The row (``K`` int64) of one tensor, computed the v2 way (equal to :func:`stats_v1`)."""
-    stats = StepStats(1, x.device, sync_free=sync_free)
+    stats = StepStats(1, x.device, sync_free=sync_free, kernel=kernel)
     stats.add(0, x, scale=scale)
     return stats.table()[0]
 
@@ -674,6 +800,21 @@ def _index(values: list[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
     host = torch.tensor(values, dtype=torch.int64).pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill ``numel`` consecutive slots from its data pointer (in
+    some order: a transpose or permute of a contiguous tensor), so one pass reads them all."""
+    if x.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _float_bits(value: float) -> int:
