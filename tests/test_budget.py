@@ -119,3 +119,25 @@ def test_a_recorded_run_says_what_the_budget_chose():
     assert sampling["kinds"]["numerics"]["samples"] >= 1  # step 0
     assert sampling["kinds"]["numerics"]["mode"] == "budget"
     assert sampling["typical_step_ms"] > 0
+
+
+def test_armed_samples_are_declined_once_the_debt_is_deep():
+    events = []
+    budget = SampleBudget(0.01, lambda kind, **detail: events.append(kind))
+    budget.register("numerics", 100, fixed=False)
+    _drive(budget, "numerics", 1_000, step_s=0.001, sample_s=0.01)  # cost 10 ms measured
+    taken = 0
+    for step in range(1_000, 1_200):  # a problem on every step: each one arms a sample
+        if budget.take_armed("numerics", step):
+            taken += 1
+            assert budget.take_armed("numerics", step)  # the same answer when asked again
+            budget.end_step(0.011)
+        else:
+            budget.end_step(0.001)
+    # about ten samples' debt, plus what 200 steps of credit repay; never one per step
+    assert 10 <= taken <= 13, taken
+    assert budget.summary()["kinds"]["numerics"]["armed_declined"] == 200 - taken
+    assert events.count("armed_sample_declined") == 1
+    fixed = SampleBudget(0.01)
+    fixed.register("numerics", 1, fixed=True)
+    assert all(fixed.take_armed("numerics", s) for s in range(50))

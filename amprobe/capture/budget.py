@@ -17,7 +17,10 @@ amortized overhead tends to the budget from above.
 
 A period the user set explicitly is followed exactly (``numerics_every=1`` samples every step);
 the budget spaces only the default schedules. Samples armed by a problem (numerics after a
-non-finite loss or gradient) are taken at once and their cost charged to the bucket.
+non-finite loss or gradient) are taken at once and their cost charged to the bucket, so the
+periodic samples pause until that debt is paid back; while the debt is deeper than
+:data:`ARMED_DEBT_SAMPLES` samples (a job that overflows every few steps), further armed
+samples are declined too, so that a storm of problems cannot make amprobe the job's cost.
 
 What the budget chose is recorded: one ``sample_deferred`` event per kind the first time the
 budget holds a sample back (its cost, the step time, the budget), and in ``end.json``'s
@@ -37,6 +40,8 @@ __all__ = ["SampleBudget", "due"]
 
 #: unsampled steps kept for the running median of a typical step's time
 _WINDOW = 64
+#: armed samples are declined while the budget owes more than this many of them
+ARMED_DEBT_SAMPLES = 10
 
 
 @dataclass
@@ -48,6 +53,7 @@ class _Kind:
     cost: float | None = None  # seconds the last measured sample added
     samples: int = 0
     deferred: int = 0
+    declined: int = 0  # armed samples declined (the budget deep in debt)
     spent: float = 0.0
     told: bool = False  # the first deferral was recorded
 
@@ -107,6 +113,32 @@ class SampleBudget:
                     next_period=self.period(kind),
                 )
         self._decided[kind] = (step, answer)
+        if answer:
+            self.take(kind, step)
+        return answer
+
+    def take_armed(self, kind: str, step: int) -> bool:
+        """An armed sample of ``kind`` (a problem asks for it): taken unless the budget owes
+        more than :data:`ARMED_DEBT_SAMPLES` samples of it already. Fixed schedules always take
+        it. The same answer however often it is asked for one step."""
+        decided = self._decided.get(f"armed:{kind}")
+        if decided is not None and decided[0] == step:
+            return decided[1]
+        k = self._kinds.get(kind)
+        answer = True
+        if k is not None and not k.fixed and k.cost is not None:
+            answer = self.credit >= -ARMED_DEBT_SAMPLES * k.cost
+            if not answer:
+                k.declined += 1
+                if k.declined == 1 and self._event is not None:
+                    self._event(
+                        "armed_sample_declined",
+                        sample=kind,
+                        cost_ms=round(k.cost * 1e3, 3),
+                        debt_ms=round(-self.credit * 1e3, 3),
+                        budget=self.fraction,
+                    )
+        self._decided[f"armed:{kind}"] = (step, answer)
         if answer:
             self.take(kind, step)
         return answer
@@ -177,6 +209,7 @@ class SampleBudget:
                 "min_period": k.every,
                 "samples": k.samples,
                 "deferred": k.deferred,
+                "armed_declined": k.declined,
                 "mean_cost_ms": round(k.spent / k.samples * 1e3, 3) if k.samples else None,
                 "period": self.period(name),
             }

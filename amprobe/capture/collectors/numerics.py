@@ -427,8 +427,7 @@ class NumericsCollector(Collector):
         spaces the default schedule; see :mod:`amprobe.capture.budget`)."""
         if not self.probe.recording:
             return False
-        if step <= self._armed_until:
-            self.probe.budget.take("numerics", step)
+        if step <= self._armed_until and self.probe.budget.take_armed("numerics", step):
             return True
         return bool(self.probe.budget.due("numerics", step))
 
