@@ -9,7 +9,8 @@ process, alternating in blocks, timed in per-thread CPU time with one intra-op t
 step after each attach is left untimed; medians are quoted. Configurations:
 
 - off: plain training.
-- numerics v1, every step: the original reduction (``numstats.StepStatsV1``) in the collector.
+- numerics v1, every step: the original reduction (``StepStatsV1`` of
+  ``tests/numstats_reference.py``) in the collector.
 - v2 eager reduction: the collector with the eager torch reduction (``StepStats`` with
   ``kernel=False``): what runs before the compiled kernel is built or without a C compiler.
 - numerics v2, every step: the collector as shipped, ``numerics_every=1`` (the compiled CPU
@@ -61,6 +62,9 @@ from machine import cpu_model  # noqa: E402
 import amprobe  # noqa: E402
 import amprobe.capture.collectors.numerics as numerics  # noqa: E402
 from amprobe.capture.collectors import numkernel, numstats  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests package: v1 lives there
+from tests import numstats_reference  # noqa: E402
 
 
 class _NoStats:
@@ -140,7 +144,7 @@ class _Underflow:
 def _configs() -> dict[str, Callable[..., Any] | None]:
     v2 = (numstats.StepStats, numstats.count_nonfinite)
     eager = (functools.partial(numstats.StepStats, kernel=False), numstats.count_nonfinite)
-    v1 = (numstats.StepStatsV1, numstats.count_nonfinite_v1)
+    v1 = (numstats_reference.StepStatsV1, numstats_reference.count_nonfinite_v1)
     hooks = (_NoStats, lambda x, sync_free=None: 0)
     configs: dict[str, Callable[..., Any] | None] = {
         "off": None,
@@ -249,7 +253,7 @@ def replay(rounds: int = 3) -> dict[str, dict[str, float]]:
         ("fp16 + loss scale 2^16", fp16_calls, fp16_inputs),
     ):
         for name, cls, nonfinite in (
-            ("v1", numstats.StepStatsV1, numstats.count_nonfinite_v1),
+            ("v1", numstats_reference.StepStatsV1, numstats_reference.count_nonfinite_v1),
             (
                 "v2 eager",
                 functools.partial(numstats.StepStats, kernel=False),

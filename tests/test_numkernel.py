@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprobe
 from amprobe.capture.collectors import numkernel, numstats
+from tests import numstats_reference
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_built_in_a_subprocess_then_loaded_from_the_cache(
     assert numkernel.wait() is not None and numkernel.status() == "ready"
     assert [p.suffix for p in fresh.iterdir()] == [".so"]  # no build leftovers
     x = torch.randn(5000).to(torch.bfloat16)
-    assert torch.equal(numstats.stats_v2(x, kernel=True), numstats.stats_v1(x))
+    assert torch.equal(numstats.stats_v2(x, kernel=True), numstats_reference.stats_v1(x))
     # a later process: loaded at once, no compiler run
     monkeypatch.setattr(numkernel, "_BUILD", numkernel._Build())
     numkernel.start_build()
@@ -77,7 +78,7 @@ def test_falls_back_to_the_eager_reduction(
         assert "exit 3" in state and "bad: no such flag" in state
         assert not list(fresh.iterdir())  # nothing half-built is left in the cache
     x = torch.randn(3000).to(torch.float16)
-    assert torch.equal(numstats.stats_v2(x), numstats.stats_v1(x))  # the eager path
+    assert torch.equal(numstats.stats_v2(x), numstats_reference.stats_v1(x))  # the eager path
     with pytest.raises(RuntimeError, match="unavailable"):
         numstats.StepStats(1, torch.device("cpu"), kernel=True)
     assert capfd.readouterr() == ("", "")

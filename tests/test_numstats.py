@@ -1,4 +1,5 @@
-"""numstats: the v2 statistics equal the v1 reference on the same tensors, in both device modes."""
+"""numstats: the v2 statistics equal the v1 reference (tests/numstats_reference.py) on the same
+tensors, in both device modes."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from amprobe.capture.collectors.numstats import (
     NBINS,
     K,
 )
+from tests import numstats_reference
 
 SPECIAL = [
     0.0,
@@ -106,7 +108,7 @@ def _assert_rows_equal(v1: torch.Tensor, v2: torch.Tensor) -> None:
 def test_v2_equals_v1(dtype: torch.dtype, n: int, scale: float | None, mode: str) -> None:
     x = _values(dtype, n)
     s = _scale(scale)
-    v1 = numstats.stats_v1(x, s)
+    v1 = numstats_reference.stats_v1(x, s)
     v2 = numstats.stats_v2(x, s, **_kw(mode))
     assert int(v1[H0:].sum()) == n  # the reference sees every element
     _assert_rows_equal(v1, v2)
@@ -141,7 +143,7 @@ def test_layouts(dtype: torch.dtype, mode: str) -> None:
     }
     for name, x in cases.items():
         for s in (None, _scale(2.0**16)):
-            v1 = numstats.stats_v1(x, s)
+            v1 = numstats_reference.stats_v1(x, s)
             v2 = numstats.stats_v2(x, s, **_kw(mode))
             assert int(v2[H0:].sum()) == x.numel(), name
             _assert_rows_equal(v1, v2)
@@ -163,7 +165,7 @@ def test_a_step_of_mixed_calls(mode: str) -> None:
             (2, _values(torch.bfloat16, 9000, seed=step + 60), scale, None),
             (4, torch.zeros(0), None, 1),
         ]
-        reference = numstats.StepStatsV1(5, torch.device("cpu"))
+        reference = numstats_reference.StepStatsV1(5, torch.device("cpu"))
         if step == 0:
             stats = numstats.StepStats(5, torch.device("cpu"), **_kw(mode))
         else:
@@ -188,7 +190,7 @@ def test_count_nonfinite(dtype: torch.dtype, mode: str) -> None:
     bad[9, 2] = -float("inf")
     for x, expected in ((finite, 0), (bad, 7), (bad.t(), 7), (bad[:0], 0)):
         got = numstats.count_nonfinite(x, sync_free=_kw(mode)["sync_free"])
-        assert int(got) == expected == int(numstats.count_nonfinite_v1(x))
+        assert int(got) == expected == int(numstats_reference.count_nonfinite_v1(x))
         assert isinstance(got, torch.Tensor) == (mode == "sync-free")
 
 
@@ -256,8 +258,8 @@ def test_collector_records_the_same_with_v1_and_v2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     v2 = _train(tmp_path / "v2").table("numerics")
-    monkeypatch.setattr(numerics, "StepStats", numstats.StepStatsV1)
-    monkeypatch.setattr(numerics, "count_nonfinite", numstats.count_nonfinite_v1)
+    monkeypatch.setattr(numerics, "StepStats", numstats_reference.StepStatsV1)
+    monkeypatch.setattr(numerics, "count_nonfinite", numstats_reference.count_nonfinite_v1)
     v1 = _train(tmp_path / "v1").table("numerics")
     assert len(v1) == len(v2) > 0
     assert (v2["nan"] + v2["inf"]).sum() > 0  # the run does exercise the non-finite paths
@@ -289,7 +291,7 @@ def test_a_tensor_measured_twice_is_reused_while_unchanged(dtype: torch.dtype) -
     """Dropout(p=0) and Identity return their input object: measure it once per version."""
     x = _values(dtype, 20000, seed=5)
     y = x.clone()  # equal values, another object: measured afresh
-    reference = numstats.StepStatsV1(4, torch.device("cpu"))
+    reference = numstats_reference.StepStatsV1(4, torch.device("cpu"))
     stats = numstats.StepStats(4, torch.device("cpu"), sync_free=False, kernel=False)
     with _CountOps(torch.ops.aten.bincount.default) as bincounts:
         for slot, t in ((0, x), (1, x), (3, y)):
@@ -314,7 +316,7 @@ def test_on_the_device_v2_equals_v1_without_a_sync(device: torch.device) -> None
         (2, _values(torch.float32, 300, seed=10), scale),
     ]
     calls = [(slot, x.to(device), s) for slot, x, s in calls]
-    reference = numstats.StepStatsV1(3, device)
+    reference = numstats_reference.StepStatsV1(3, device)
     for slot, x, s in calls:
         reference.add(slot, x, scale=s)
     stats = numstats.StepStats(3, device)
@@ -331,7 +333,7 @@ def test_on_the_device_v2_equals_v1_without_a_sync(device: torch.device) -> None
             torch.cuda.set_sync_debug_mode("default")
     expected = reference.table()
     for slot, x, _ in calls:
-        expected[slot, C_IN_BAD] += numstats.count_nonfinite_v1(x)
+        expected[slot, C_IN_BAD] += numstats_reference.count_nonfinite_v1(x)
     assert expected[:, C_IN_BAD].tolist() == [3, 7, 6]  # fp16 overflows its large specials
     _assert_rows_equal(expected.cpu(), table.cpu())
 
@@ -343,7 +345,7 @@ def test_an_input_measured_as_an_output_is_counted_from_its_histogram(
 ) -> None:
     x = _values(dtype, 20000, seed=11)
     other = _values(dtype, 20000, seed=12)
-    expected = int(numstats.count_nonfinite_v1(x))
+    expected = int(numstats_reference.count_nonfinite_v1(x))
     assert expected >= 3
     stats = numstats.StepStats(2, torch.device("cpu"), **_kw(mode))
     stats.add(0, x)
@@ -351,7 +353,7 @@ def test_an_input_measured_as_an_output_is_counted_from_its_histogram(
         assert stats.count_nonfinite(x) == expected  # from the histogram: no pass over x
     assert reductions.count == 0
     with _CountOps(torch.ops.aten.aminmax.default) as reductions:
-        assert stats.count_nonfinite(other) == int(numstats.count_nonfinite_v1(other))
+        assert stats.count_nonfinite(other) == int(numstats_reference.count_nonfinite_v1(other))
     assert reductions.count == 1
     x[5] = float("nan")  # in place (65504 before): a new version, counted afresh
     assert stats.count_nonfinite(x) == expected + 1
@@ -404,7 +406,7 @@ def test_fp16_counts_are_what_real_casts_do(
     truth = _truth(x, scale)
     for row in (
         numstats.stats_v2(x, _scale(scale), **_kw(mode)),
-        numstats.stats_v1(x, _scale(scale)),
+        numstats_reference.stats_v1(x, _scale(scale)),
     ):
         counts = numerics.summarize_hist(row.tolist())
         assert counts["over_fp16"] == truth["over"]
@@ -486,12 +488,14 @@ def test_the_kernel_on_large_tensors_and_runs_of_one_key(dtype: torch.dtype) -> 
     cases = [x, x.view(512, 1024).t(), x.view(512, 1024)[:, ::2]]
     for s in (None, _scale(1000.0)):
         for t in cases:
-            _assert_rows_equal(numstats.stats_v1(t, s), numstats.stats_v2(t, s, kernel=True))
+            _assert_rows_equal(
+                numstats_reference.stats_v1(t, s), numstats.stats_v2(t, s, kernel=True)
+            )
 
 
 def test_a_tensor_measured_twice_by_the_kernel() -> None:
     x = _values(torch.bfloat16, 20000, seed=5)
-    reference = numstats.StepStatsV1(2, torch.device("cpu"))
+    reference = numstats_reference.StepStatsV1(2, torch.device("cpu"))
     stats = numstats.StepStats(2, torch.device("cpu"), kernel=True)
     for slot in (0, 1):
         reference.add(slot, x)

@@ -22,24 +22,25 @@ tensor kind). The row layout (``K`` int64 columns) is what the collector reads b
   subnormal binades -149 .. -134, which a 16-bit key cannot tell apart); exponents -148 ..
   -134 stay empty; ``H_NONFINITE`` (exponent 128) holds inf and NaN.
 
-Two implementations give the same table:
+The reference for this table is the original per-element reduction (about eight elementwise
+passes per tensor: fp32 copy, abs, divide by the scale, shift, ``index_add_``, two compares
+with their sums, max). It does not ship: it lives with the tests, in
+``tests/numstats_reference.py``, which compare every path here against it;
+``benchmarks/bench_numerics_v2.py`` times it as the baseline.
 
-* :func:`stats_v1_` is the original reduction (about eight elementwise passes per tensor:
-  fp32 copy, abs, divide, shift, ``index_add_``, two compares with their sums, max). It is kept
-  as the reference the tests compare against.
-* :class:`StepStats` (and :func:`stats_v2` for one tensor) histograms the 16-bit magnitude
-  pattern of each tensor (``bits & 0x7FFF`` of fp16/bf16; the upper half of fp32, which is its
-  bf16 truncation) in one elementwise pass and one histogram pass. Every recorded count is a
-  sum of those 32768 bins: the exponent bins, the zeros, NaN, fp16-overflow and fp16-flush
-  counts of 16-bit tensors (each key's value is classified by a real fp16 cast), and, for
-  16-bit gradients, the effect of dividing by the loss scale (each bin's value is unscaled
-  exactly as v1 unscales each element, so any scale gives v1's result, rounding into fp32
-  subnormals included). fp32 tensors need exact zeros, NaN and the maximum besides: one
-  ``aminmax`` reduction per tensor, plus a zero (or NaN) count only when the histogram shows
-  zeros (or non-finite values) could be present; and, since their key (the bf16 truncation)
-  cannot place 65520 or 2**-25 exactly, the fp16-overflow and fp16-flush counts: an ``abs``
-  and two compare-and-count passes, kept on the device. The 32768-bin rows are folded into the
-  table once per step (:meth:`StepStats.table`).
+:class:`StepStats` (and :func:`stats_v2` for one tensor) histograms the 16-bit magnitude
+pattern of each tensor (``bits & 0x7FFF`` of fp16/bf16; the upper half of fp32, which is its
+bf16 truncation) in one elementwise pass and one histogram pass. Every recorded count is a
+sum of those 32768 bins: the exponent bins, the zeros, NaN, fp16-overflow and fp16-flush
+counts of 16-bit tensors (each key's value is classified by a real fp16 cast), and, for
+16-bit gradients, the effect of dividing by the loss scale (each bin's value is unscaled
+exactly as the reference unscales each element, an fp32 division, so any scale gives the
+reference's result, rounding into fp32 subnormals included). fp32 tensors need exact zeros,
+NaN and the maximum besides: one ``aminmax`` reduction per tensor, plus a zero (or NaN) count
+only when the histogram shows zeros (or non-finite values) could be present; and, since their
+key (the bf16 truncation) cannot place 65520 or 2**-25 exactly, the fp16-overflow and
+fp16-flush counts: an ``abs`` and two compare-and-count passes, kept on the device. The
+32768-bin rows are folded into the table once per step (:meth:`StepStats.table`).
 
 Devices: on CPU the histogram is ``bincount`` and the rare extra counts are decided on the host
 (reading a CPU tensor costs no sync); scratch buffers are reused so large tensors do not fault
@@ -57,11 +58,12 @@ step is then measured again (a kernel pass costs less than keeping its histogram
 non-finite count is kept for :meth:`StepStats.count_nonfinite`.
 
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
-tensor with the eager reduction, against about 8 ns for v1, and about half that with the
-compiled kernel (0.4 ns per element on a warm tensor); see ``benchmarks/bench_numerics_v2.py``. An fp32 tensor
-costs about 4 ns per element (one thread, 4M-element ``randn``): about 2 ns for the key
-histogram and its extras, and about 2 ns more for the exact fp16-overflow and fp16-flush
-counts (two compare-and-count passes), which its truncated key cannot give.
+tensor with the eager reduction, against about 8 ns for the reference, and about half that
+with the compiled kernel (0.4 ns per element on a warm tensor); see
+``benchmarks/bench_numerics_v2.py``. An fp32 tensor costs about 4 ns per element (one
+thread, 4M-element ``randn``): about 2 ns for the key histogram and its extras, and about 2 ns
+more for the exact fp16-overflow and fp16-flush counts (two compare-and-count passes), which
+its truncated key cannot give.
 """
 
 from __future__ import annotations
@@ -92,13 +94,9 @@ __all__ = [
     "OVER16",
     "FLUSH16",
     "StepStats",
-    "StepStatsV1",
     "count_nonfinite",
-    "count_nonfinite_v1",
     "exponent_column",
     "flush_threshold",
-    "stats_v1",
-    "stats_v1_",
     "stats_v2",
 ]
 
@@ -157,82 +155,6 @@ def flush_threshold(scale: torch.Tensor | None, device: torch.device) -> torch.T
     return torch.where(fits, candidates, 0.0).amax()
 
 
-# -- v1: the reference -------------------------------------------------------------------------
-def stats_v1_(
-    row: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor | None = None,
-    ones: torch.Tensor | None = None,
-) -> None:
-    """Accumulate ``x`` into ``row`` (``K`` int64 columns) the original way (reference).
-
-    Args:
-        row: the slot's row of the table, updated in place.
-        x: a floating tensor; gradients are passed with their ``scale``.
-        scale: the loss scale to divide by (a 0-d fp32 tensor on ``x``'s device), or None.
-        ones: a one-element int64 tensor on ``x``'s device (allocated when None).
-    """
-    if ones is None:
-        ones = torch.ones(1, dtype=torch.int64, device=x.device)
-    with torch.no_grad():
-        a = x.detach().to(torch.float32, copy=True).abs_()
-        if scale is not None:
-            a.div_(scale)
-        bits = a.view(torch.int32).reshape(-1)
-        row.index_add_(0, exponent_column(bits.to(torch.int64)), ones.expand(bits.numel()))
-        row[C_ZEROS].add_((bits == 0).sum())
-        row[C_OVER16].add_((a >= OVER16).sum())
-        row[C_FLUSH16].add_((a <= flush_threshold(scale, x.device)).sum())
-        row[C_NAN].add_((bits > _NAN_BITS).sum())
-        row[C_AMAX : C_AMAX + 1].clamp_min_(bits.amax())
-
-
-def stats_v1(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The v1 row (``K`` int64) of one tensor."""
-    row = torch.zeros(K, dtype=torch.int64, device=x.device)
-    if x.numel():
-        stats_v1_(row, x, scale)
-    return row
-
-
-def count_nonfinite_v1(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor:
-    """v1's non-finite count of a module input (reference for :func:`count_nonfinite`)."""
-    return (~torch.isfinite(x.detach())).sum()
-
-
-class StepStatsV1:
-    """:class:`StepStats`'s interface over the v1 reduction (reference and benchmark baseline)."""
-
-    def __init__(self, slots: int, device: torch.device, sync_free: bool | None = None) -> None:
-        self.slots = slots
-        self.device = device
-        self.sync_free = device.type != "cpu" if sync_free is None else sync_free
-        self._buf = torch.zeros(slots, K, dtype=torch.int64, device=device)
-        self._ones = torch.ones(1, dtype=torch.int64, device=device)
-
-    def reset(self) -> StepStatsV1:
-        self._buf.zero_()
-        return self
-
-    def add(
-        self,
-        slot: int,
-        x: torch.Tensor,
-        scale: torch.Tensor | None = None,
-        in_bad: torch.Tensor | int | None = None,
-    ) -> None:
-        if x.numel():
-            stats_v1_(self._buf[slot], x, scale, self._ones)
-        if in_bad is not None:
-            self._buf[slot, C_IN_BAD] += in_bad
-
-    def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
-        return count_nonfinite_v1(x)
-
-    def table(self) -> torch.Tensor:
-        return self._buf.clone()
-
-
 # -- v2 ----------------------------------------------------------------------------------------
 def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor | int:
     """Non-finite elements of a floating tensor.
@@ -265,15 +187,15 @@ def _key_format(dtype: torch.dtype) -> int:
 class _Maps:
     """Where each of the 32768 key values lands in a row, for one format and scale.
 
-    ``fbits`` is v1's fp32 bit pattern of each key's value (unscaled exactly as v1 unscales an
-    element), ``exp_col`` its histogram column, ``flag_col`` (zeros, NaN), ``over_col`` and
-    ``flush_col`` the count columns it adds to (16-bit formats; an fp32 key is a truncation
-    and its counts are taken per tensor instead). On the host the fold is cheaper: keys come
-    in blocks that share a source exponent (128 keys for bf16 layouts, 1024 for fp16); a block
-    whose keys all land in one exponent bin is summed first (a reshape-sum), and only the other
-    blocks (subnormals, rounding at a non-power-of-two scale) are gathered key by key. Zero and
-    flushed keys form prefixes, NaN and fp16-overflowing keys suffixes, ``fbits`` being
-    monotone.
+    ``fbits`` is the fp32 bit pattern of each key's value (unscaled exactly as the reference
+    unscales an element: an fp32 division), ``exp_col`` its histogram column, ``flag_col``
+    (zeros, NaN), ``over_col`` and ``flush_col`` the count columns it adds to (16-bit formats;
+    an fp32 key is a truncation and its counts are taken per tensor instead). On the host the
+    fold is cheaper: keys come in blocks that share a source exponent (128 keys for bf16
+    layouts, 1024 for fp16); a block whose keys all land in one exponent bin is summed first (a
+    reshape-sum), and only the other blocks (subnormals, rounding at a non-power-of-two scale)
+    are gathered key by key. Zero and flushed keys form prefixes, NaN and fp16-overflowing keys
+    suffixes, ``fbits`` being monotone.
     """
 
     def __init__(
@@ -287,7 +209,7 @@ class _Maps:
         keys = torch.arange(_NKEYS, dtype=torch.int16, device=device)
         values = keys.view(_KEY_DTYPE[fmt]).to(torch.float32)
         if scale is not None:
-            values = values / scale  # exactly v1's unscaling, per value instead of per element
+            values = values / scale  # the reference's unscaling, per value instead of per element
         fbits = values.view(torch.int32).to(torch.int64)
         self.fbits = fbits
         self.exp_col = exponent_column(fbits)
@@ -421,7 +343,7 @@ class StepStats:
             x: the tensor (any layout; not modified).
             scale: for gradients, the loss scale to divide by (0-d fp32 on ``x``'s device); the
                 same tensor for the whole step. Pass ``torch.ones(())`` for unscaled gradients
-                (that is what v1 divides them by).
+                (what the reference divides them by).
             in_bad: non-finite count of the module's inputs, added to ``C_IN_BAD``.
         """
         grad = scale is not None
@@ -612,9 +534,9 @@ class StepStats:
         self._add_f32_counts(slot, self._fp16_counts(y, grad))
 
     def _unscaled_f32(self, x: torch.Tensor, grad: bool) -> torch.Tensor:
-        """``|x|`` as fp32, divided by the step's loss scale for gradients (as v1 does), in a
-        scratch buffer (the magnitude's upper half is the key, no masking needed)."""
-        if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, like v1
+        """``|x|`` as fp32, divided by the step's loss scale for gradients (as the reference
+        does), in a scratch buffer (the magnitude's upper half is the key, no masking needed)."""
+        if x.dtype != torch.float32:  # fp64, fp8, ...: measured as their fp32 value, as reference
             x = x.to(torch.float32)
         out = self._buf(torch.float32, x.numel(), x.shape)
         torch.abs(x, out=out)
@@ -629,7 +551,7 @@ class StepStats:
         if math.isfinite(hi):
             return 0, _float_bits(hi)
         # inf or NaN somewhere: count NaN exactly (an inf key may hide a signaling NaN) and take
-        # v1's maximum (inf, or a NaN pattern, not reported then)
+        # the reference's maximum (inf, or a NaN pattern, not reported then)
         return int(torch.isnan(y).sum()), int(y.view(torch.int32).amax())
 
     def _add_host_extra(self, slot: int, extra: tuple[int, int, int] | None) -> None:
@@ -788,7 +710,7 @@ def stats_v2(
     sync_free: bool | None = None,
     kernel: bool | None = None,
 ) -> torch.Tensor:
-    """The row (``K`` int64) of one tensor, computed the v2 way (equal to :func:`stats_v1`)."""
+    """The row (``K`` int64) of one tensor, computed the v2 way (equal to the reference's row)."""
     stats = StepStats(1, x.device, sync_free=sync_free, kernel=kernel)
     stats.add(0, x, scale=scale)
     return stats.table()[0]
