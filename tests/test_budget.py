@@ -12,6 +12,7 @@ import torch
 import amprobe
 from amprobe.capture.budget import SampleBudget
 from amprobe.config import Config, ConfigError
+from amprobe.report import render_text
 
 
 def _drive(
@@ -113,6 +114,12 @@ def test_a_recorded_run_says_what_the_budget_chose():
                 opt.step()
                 opt.zero_grad()
         end = json.loads((run_dir / "rank0" / "end.json").read_text())
+        diagnosis = amprobe.diagnose(amprobe.load_run(run_dir))
+    text = render_text(diagnosis)
+    line = next(line for line in text.splitlines() if "sampled steps:" in line)
+    assert "numerics 1 " in line or "numerics 2 " in line, line
+    assert "[budget 1%" in line
+    assert diagnosis.to_dict()["run"]["sampling"]["budget"] == 0.01
     sampling = end["sampling"]
     assert sampling["budget"] == 0.01
     assert set(sampling["kinds"]) == {"numerics", "shapes", "syncs"}

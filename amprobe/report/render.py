@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from amprobe.analysis.sampling import sampling_text
 from amprobe.report.escape import escape_markdown
 from amprobe.report.sections import Section, build_sections
 from amprobe.rules.engine import Diagnosis, Finding
@@ -107,6 +108,8 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
     ]
     if run.get("compiled"):
         lines.append(f"  compiled: {compiled_summary(run['compiled'])}")
+    if run.get("sampling"):
+        lines.append(f"  sampled steps: {sampling_text(run['sampling'])}")
     for warning in run["warnings"]:
         lines.append(f"  warning: {warning}")
     lines.append("")

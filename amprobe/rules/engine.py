@@ -26,6 +26,7 @@ from typing import Any
 
 from amprobe.analysis.compiled import compiled_targets
 from amprobe.analysis.health import compute_health
+from amprobe.analysis.sampling import sampling_summary
 from amprobe.rules.refs import checklist_ref
 from amprobe.store.loader import Run
 
@@ -305,6 +306,7 @@ class Diagnosis:
                 "device": run.rank_manifest.get("device") or "not recorded",
                 "gpu_name": run.rank_manifest.get("gpu_name"),
                 "compiled": compiled_targets(run),
+                "sampling": sampling_summary(run),
                 "warnings": list(run.warnings),
             },
             "findings": [f.to_dict() for f in self.findings],
