@@ -2,8 +2,9 @@
 
 Layers, lowest first (a module may import its own layer and the layers below it):
 
-    amprobe.config < amprobe.store < capture (collectors, probe, hub/capture) < control
-        (control, launcher, autoattach, _bootstrap)
+    amprobe.config < amprobe.store < capture (amprobe.capture: protocol, collectors, hub,
+        probe ...) < control (amprobe.control: watcher, sender, remote, launcher, autoattach,
+        _bootstrap; and amprobe.api)
     amprobe.store < amprobe.analysis < amprobe.rules < amprobe.report < amprobe.cli, dashboard
     amprobe.demo may import capture and store; amprobe/__init__.py and amprobe/cli.py are top.
 
@@ -91,9 +92,9 @@ def layer_of(module: str) -> str:
         return CONFIG
     if sub == "store":
         return STORE
-    if sub in ("collectors", "probe", "hub", "capture"):
+    if sub == "capture":
         return CAPTURE
-    if sub in ("control", "launcher", "autoattach", "_bootstrap", "api"):
+    if sub in ("control", "api"):
         return CONTROL
     if sub in ("analysis", "rules", "report", "demo"):
         return {"analysis": ANALYSIS, "rules": RULES, "report": REPORT, "demo": DEMO}[sub]
