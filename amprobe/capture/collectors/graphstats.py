@@ -9,7 +9,10 @@ variants, each compiled once; the buffer is read at the step's end (on CPU) or a
 
 Per layer and sampled step (columns of the buffer): elements, NaN, inf, finite values a real
 fp16 cast makes inf (``>= 65520``), finite amax, non-finite elements in the layer's floating
-inputs, the position of its first call among the hooked layers, and its calls.
+inputs, the position of its first call among the hooked layers, its calls, and the small end of
+the range as the eager statistics define it: zeros, nonzero values a real fp16 cast makes zero
+(``|v| <= 2**-25``), nonzero values below fp16's smallest subnormal and smallest normal
+(``2**-24``, ``2**-14``). Not in the graph: the exponent histogram and output gradients.
 """
 
 from __future__ import annotations
@@ -30,9 +33,27 @@ class _Flag:
 GRAPH_SAMPLE = _Flag()
 
 #: buffer columns
-COLUMNS = ("elements", "nan", "inf", "over_fp16", "amax", "in_nonfinite", "order", "calls")
-_ELEMS, _NAN, _INF, _OVER, _AMAX, _INBAD, _ORDER, _CALLS = range(len(COLUMNS))
+COLUMNS = (
+    "elements",
+    "nan",
+    "inf",
+    "over_fp16",
+    "amax",
+    "in_nonfinite",
+    "order",
+    "calls",
+    "zeros",
+    "underflow_at_scale",
+    "below_subnormal",
+    "below_normal",
+)
+(_ELEMS, _NAN, _INF, _OVER, _AMAX, _INBAD, _ORDER, _CALLS, _ZEROS, _UNDER, _BSUB, _BNORM) = range(
+    len(COLUMNS)
+)
 _FP16_OVERFLOW = 65520.0  # the smallest magnitude a round-to-nearest fp16 cast makes inf
+_FP16_FLUSH = 2.0**-25  # the largest magnitude a round-to-nearest fp16 cast makes zero
+_FP16_MIN_SUBNORMAL = 2.0**-24
+_FP16_MIN_NORMAL = 2.0**-14
 
 
 def new_buffer(slots: int, device: torch.device | None) -> torch.Tensor:
@@ -74,9 +95,16 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     finite = torch.isfinite(x)
     nan = torch.isnan(x).sum()
     inf = x.numel() - finite.sum() - nan
-    mag = torch.where(finite, x.abs(), torch.zeros_like(x))
+    # fp32 magnitudes (exact for every 16-bit value; fused by inductor, never materialized),
+    # compared with the fp16 boundaries as the eager statistics define them (numstats)
+    mag = torch.where(finite, x.float().abs(), 0.0)
     over = (mag >= _FP16_OVERFLOW).sum()
     amax = mag.amax().to(buf.dtype)
+    nonzero = mag > 0
+    zeros = (x == 0).sum()
+    flush = (nonzero & (mag <= _FP16_FLUSH)).sum()
+    below_subnormal = (nonzero & (mag < _FP16_MIN_SUBNORMAL)).sum()
+    below_normal = (nonzero & (mag < _FP16_MIN_NORMAL)).sum()
     in_bad = torch.zeros((), dtype=buf.dtype, device=buf.device)
     for arg in args if isinstance(args, tuple) else (args,):
         if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.device == x.device:
@@ -89,4 +117,6 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     row[_INBAD].add_(in_bad)
     row[_ORDER].copy_(torch.where(row[_CALLS] == 0, counter, row[_ORDER]))
     row[_CALLS].add_(1.0)
+    small = torch.stack([zeros, flush, below_subnormal, below_normal]).to(buf.dtype)
+    row[_ZEROS : _BNORM + 1].add_(small)
     counter.add_(1.0)

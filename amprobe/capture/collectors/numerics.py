@@ -381,7 +381,8 @@ class NumericsCollector(Collector):
             for (_, indices), table in zip(self._graph, snapshots, strict=False):
                 values = table.cpu().tolist()
                 for index in indices:
-                    elems, nan, inf, over, amax, in_bad, order, calls = values[index]
+                    (elems, nan, inf, over, amax, in_bad, order, calls) = values[index][:8]
+                    zeros, flush, below_subnormal, below_normal = values[index][8:12]
                     if not calls:
                         continue
                     slot = self._slots[index]
@@ -395,10 +396,14 @@ class NumericsCollector(Collector):
                             "calls": int(calls),
                             "order": int(order),
                             "elements": int(elems),
+                            "zeros": int(zeros),
                             "nan": int(nan),
                             "inf": int(inf),
                             "finite": int(elems - nan - inf),
                             "over_fp16": int(over),
+                            "below_normal": int(below_normal),
+                            "below_subnormal": int(below_subnormal),
+                            "underflow_at_scale": int(flush),
                             "amax": None if nan else float(amax),
                             "in_nonfinite": int(in_bad),
                         }
