@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pandas as pd
-import plotly.graph_objects as go
 
 from amprobe.analysis.compute import (
     alignment_frame,
@@ -17,8 +16,11 @@ from amprobe.analysis.compute import (
 from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
+
 
 __all__ = ["make_op_table", "make_coverage_figure"]
 
@@ -93,6 +95,8 @@ def make_coverage_figure(coverage: pd.DataFrame) -> go.Figure:
         coverage: from :func:`amprobe.analysis.compute.autocast_coverage` (``rank``, ``in_dtype``,
             ``share``).
     """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
     fig = go.Figure()
     for dtype, part in coverage.groupby("in_dtype", sort=False):
         fig.add_trace(

@@ -6,14 +6,16 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-import plotly.graph_objects as go
 
 from amprobe.analysis.numerics import compute_layer_summary, compute_scale_hint, layer_summary
 from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
+
 
 __all__ = [
     "HEATMAP_METRICS",
@@ -59,6 +61,8 @@ def _label(frame: pd.DataFrame) -> pd.Series:
 
 def make_numerics_heatmap_figure(frame: pd.DataFrame, metric: str) -> go.Figure:
     """Layer (module · kind) x step heatmap of one :data:`HEATMAP_METRICS` count."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
     title, fn = HEATMAP_METRICS[metric]
     data = frame.assign(layer=_label(frame), value=fn(frame))
     pivot = data.pivot_table(
@@ -101,6 +105,8 @@ def worst_layers(
 
 def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, str]]) -> go.Figure:
     """Base-2 exponent histograms (summed over sampled steps) of ``layers``, with fp16 limits."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
     fig = go.Figure()
     for module, kind in layers:
         rows = frame[(frame["module"] == module) & (frame["kind"] == kind)]

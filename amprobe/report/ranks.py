@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pandas as pd
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from amprobe.report.downsample import downsample
 from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
+
 
 __all__ = ["compute_rank_summary", "compute_rank_spread", "make_ranks_figure"]
 
@@ -58,6 +59,9 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     Args:
         steps: the run's ``steps`` frame (``rank``, ``step``, ``scale_after``, ``wall_s``).
     """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+    from plotly.subplots import make_subplots
+
     fig = make_subplots(
         rows=2,
         cols=1,

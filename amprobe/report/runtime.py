@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pandas as pd
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from amprobe.analysis.runtime import compute_sync_sites, gpu_unavailable_reason
 from amprobe.report.downsample import downsample
 from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
+
 
 __all__ = ["make_runtime_figure", "make_sync_table", "make_phase_table"]
 
@@ -27,6 +28,9 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
         gpu: the ``gpu`` frame (``rank``, ``step``, ``t``, ``gpu``, ``gpu_util``, ``tensor_any``);
             may be empty, then the GPU panel is left out (the section says why).
     """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+    from plotly.subplots import make_subplots
+
     has_gpu = bool(len(gpu))
     fig = make_subplots(
         rows=2 if has_gpu else 1,

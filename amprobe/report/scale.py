@@ -6,15 +6,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
 from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
+
 
 __all__ = [
     "make_loss_scale_figure",
@@ -34,6 +35,8 @@ _CUT_COLOR = "#ff7f0e"
 
 def empty_figure(message: str) -> go.Figure:
     """A blank figure that says why nothing is drawn."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_layout(height=240, xaxis_visible=False, yaxis_visible=False, template="plotly_white")
@@ -109,6 +112,9 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
         steps: the run's steps frame.
         max_points: points kept per drawn series.
     """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+    from plotly.subplots import make_subplots
+
     rows = scaler_rows(steps)
     has_loss = not steps.empty and "loss" in steps and steps["loss"].notna().any()
     if rows.empty and not has_loss:

@@ -7,7 +7,6 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-import plotly.graph_objects as go
 
 from amprobe.analysis.whatif import (
     FORMATS,
@@ -19,8 +18,11 @@ from amprobe.analysis.whatif import (
 from amprobe.report.sections import Section, section
 
 if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
+
 
 __all__ = [
     "HEATMAP_GROUPS",
@@ -78,6 +80,8 @@ def make_exponent_heatmap(
         whatif: :func:`amprobe.analysis.whatif.compute_whatif_frame` of ``numerics`` (computed
             when not given), for the per-row scaled windows.
     """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
     title, kinds, scaled_fmt = HEATMAP_GROUPS[group]
     shares = compute_exponent_shares(numerics, kinds)
     fig = go.Figure()
