@@ -128,9 +128,14 @@ def _host_scalar(t: torch.Tensor) -> Any:
     host-device sync: a Python number for a CPU tensor (``item()`` reads host memory, ~0.5 us,
     where a clone is a dispatched op, ~5 us), a detached device copy otherwise (read back at
     flush with the other device values, one transfer per device)."""
-    if t.is_cpu:
+    if _on_host(t):
         return t.item()
     return t.detach().clone()
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """Reading ``t`` costs no host-device sync (a CPU tensor)."""
+    return bool(t.is_cpu)
 
 
 class _OpMux(TorchDispatchMode):
@@ -826,7 +831,7 @@ class Hub:
                     for state in scaler._per_optimizer_states.values()
                     for f in state.get("found_inf_per_device", {}).values()
                 ]
-                if found and all(f.is_cpu for f in found):
+                if found and all(_on_host(f) for f in found):
                     before["found_inf"] = sum(f.item() for f in found)
                 elif found:  # on the device: summed there, read back at flush (no sync)
                     total = found[0].detach().to(scale.device, non_blocking=True).clone()
