@@ -10,11 +10,16 @@ order flips from one pair of blocks to the next); "on" is what ``amprobe run`` a
 job (nothing passed, the root model discovered at its first forward, default collectors and
 sampling: per-layer numerics on the DTensor shards at each block's step 0, i.e. once per 100
 steps, sync counting every 50 steps, one shape capture per block, which is more than a long
-run's 3). Each block's time is the rank's CPU time over the block (attach before and close
+run's 3; since the overhead budget, those default periods are minimums). Each block's time is the rank's CPU time over the block (attach before and close
 after it are not counted; the probe's flushes inside it are); one intra-op thread. Two clocks:
 the process (all threads: gloo's communication threads burn CPU while a rank waits for the
 other, so a delay on one rank is counted on both) and the training thread alone (where every
 amprobe hook runs).
+
+``--settle N`` (default 5) leaves the first N steps of every block untimed, in both modes: with
+a fresh probe per block, they hold its one-time first samples (per-layer numerics at step 0,
+shape capture and sync counting at step 1), which a long job pays once and the overhead
+budget then spaces out; ``--settle 0`` counts them in every block.
 
 Prints the CPU model, the median block time per mode (mean of the 2 ranks), and the on/off
 ratio as the median of the per-pair ratios (the target of issue 21: <= 1.02) and as the
@@ -41,7 +46,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODES = ("off", "on")
 
 
-def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str) -> None:
+def worker(
+    pairs: int, block: int, warmup: int, width: int, batch: int, out: str, settle: int = 0
+) -> None:
     """One rank of the FSDP2 job; prints ``block rank=R mode=M cpu_s=X`` per block."""
     import torch
     import torch.distributed as dist
@@ -97,6 +104,7 @@ def worker(pairs: int, block: int, warmup: int, width: int, batch: int, out: str
                 probe = amprobe.capture.probe.attach(
                     run_dir=f"{out}/pair{pair}-rank{rank}", config=config, adoptable=True, lazy=True
                 )
+            train(settle)  # untimed, both modes: an attach's one-time first samples (below)
             start, start_main = time.process_time(), time.thread_time()
             train(block)
             spent, main = time.process_time() - start, time.thread_time() - start_main
@@ -119,9 +127,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--port", type=int, default=29731)
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=5,
+        help="untimed steps at the start of each block (0 counts an attach's first samples)",
+    )
     args = parser.parse_args()
     if args.worker:
-        worker(args.pairs, args.block, args.warmup, args.width, args.batch, args.out)
+        worker(args.pairs, args.block, args.warmup, args.width, args.batch, args.out, args.settle)
         return
     import torch
 
@@ -149,7 +163,7 @@ def main() -> None:
             tmpdir,
             *("--pairs", str(args.pairs), "--block", str(args.block)),
             *("--warmup", str(args.warmup), "--width", str(args.width)),
-            *("--batch", str(args.batch)),
+            *("--batch", str(args.batch), "--settle", str(args.settle)),
         ]
         env = {
             **os.environ,
