@@ -10,6 +10,7 @@ Dependencies point one way, lowest first:
 - the hub's parts, one role each: :mod:`~amprobe.capture.dispatch` (the guard and the event
   dispatch), :mod:`~amprobe.capture.install` (the stack of patches and hooks, GradScaler's
   wrapped methods), :mod:`~amprobe.capture.opmode` (the one dispatch mode),
+  :mod:`~amprobe.capture.modules` (the module stack on the steps a collector asks for),
   :mod:`~amprobe.capture.compilewatch` (torch.compile awareness),
   :mod:`~amprobe.capture.sources` (engines that own the loss scale),
   :mod:`~amprobe.capture.boundary` (the step boundary and its facts),

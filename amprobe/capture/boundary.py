@@ -6,8 +6,8 @@
 (``"optimizer"``, not one an engine makes itself). It gathers the iteration's
 :class:`~amprobe.capture.protocol.StepFacts` from the hub's wrappers (the loss that reaches
 backward, unscaled; the scale before and after ``update()``; found-inf), closes the step with
-the probe, and starts the next one: ``on_step_begin`` and the op mode on the steps a collector
-asked for. It also keeps the optimizers and GradScalers seen.
+the probe, and starts the next one: ``on_step_begin``, the module stack and the op mode on the
+steps a collector asked for. It also keeps the optimizers and GradScalers seen.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from amprobe.capture.collectors.engines import EngineScaler
 from amprobe.capture.compilewatch import CompileWatch
 from amprobe.capture.dispatch import Dispatcher
 from amprobe.capture.install import ScalerMethods
+from amprobe.capture.modules import ModuleStack
 from amprobe.capture.opmode import OpMode
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.capture.sites import dtype_name
@@ -77,6 +78,7 @@ class StepBoundary:
         probe: Probe,
         dispatch: Dispatcher,
         ops: OpMode,
+        modules: ModuleStack,
         compile_watch: CompileWatch,
         sources: EngineSources,
         scaler_methods: ScalerMethods,
@@ -85,6 +87,7 @@ class StepBoundary:
         self.probe = probe
         self.dispatch = dispatch
         self.ops = ops
+        self.modules = modules
         self.compile = compile_watch
         self.sources = sources
         self.scaler_methods = scaler_methods
@@ -327,7 +330,7 @@ class StepBoundary:
 
     # -- the boundary ---------------------------------------------------------------------------
     def end_step(self) -> None:
-        """Close the iteration: the op mode goes, the probe records the step,
+        """Close the iteration: the op mode and module stack go, the probe records the step,
         and the next one begins (while recording)."""
         probe = self.probe
         facts, self.facts = self.facts, StepFacts()
@@ -337,12 +340,15 @@ class StepBoundary:
             probe.end_step(facts)
             return
         self.ops.pop()
+        if self.modules.active:
+            self.modules.stop()
         probe.end_step(facts)  # dispatches on_step_end, flushes, applies control requests
         if probe.recording and not probe.closed:
             self.begin_step(probe.step)
 
     def begin_step(self, step: int) -> None:
-        """Start iteration ``step``: ``on_step_begin``, then the op mode if anyone asked."""
+        """Start iteration ``step``: ``on_step_begin``, then the module stack and the op mode
+        if anyone asked (the module stack never while torch.compile is in use)."""
         self.compile.check()
         self._emit("on_step_begin", step)
         call = self.dispatch.call
@@ -352,8 +358,15 @@ class StepBoundary:
             if call(c, c.wants_ops, step)  # type: ignore[arg-type]
         ]
         if observers:
+            if not self.compile.in_use:
+                for collector, _ in observers:
+                    if collector.track_modules:
+                        self.modules.start()  # before the op mode: removed after it (LIFO)
+                        break
             self.ops.push(observers)
 
     def end_recording(self) -> None:
-        """Recording stops at this boundary: drop the op mode."""
+        """Recording stops at this boundary: drop the op mode and the module stack."""
         self.ops.pop()
+        if self.modules.active:
+            self.modules.stop()

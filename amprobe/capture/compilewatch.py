@@ -2,7 +2,8 @@
 
 :class:`CompileWatch` (one per hub, ``hub.compile``) hears every ``torch.compile`` call (the
 hub's wrapper), notices compiles made before attach (dynamo's frame counters), and from the
-first compile on keeps amprobe from installing anything dynamo could trace: discovery stops watching global module calls, collectors hear ``on_compile``. It reads
+first compile on keeps amprobe from installing anything dynamo could trace: the module stack
+stops, discovery stops watching global module calls, collectors hear ``on_compile``. It reads
 each graph dynamo hands its backend (shapes, dtypes, modules, autocast: ``on_compiled_graph``)
 at compile time, never at run time, and lists what was compiled in the run's manifest.
 """
@@ -21,6 +22,7 @@ from amprobe.capture.collectors.compiled import (
 )
 from amprobe.capture.dispatch import Dispatcher
 from amprobe.capture.install import Installed
+from amprobe.capture.modules import ModuleStack
 
 if TYPE_CHECKING:
     from amprobe.capture.discovery import RootModelFinder
@@ -44,11 +46,13 @@ class CompileWatch:
         probe: Probe,
         dispatch: Dispatcher,
         installed: Installed,
+        modules: ModuleStack,
         discovery: RootModelFinder,
     ) -> None:
         self.probe = probe
         self.dispatch = dispatch
         self.installed = installed
+        self.modules = modules
         self.discovery = discovery
         self.in_use = False
         self._frames_at_start = compiled_frames()  # what the process compiled before attach
@@ -130,6 +134,8 @@ class CompileWatch:
         return self.in_use
 
     def _started(self) -> None:
+        if self.modules.active:
+            self.modules.stop()  # its global hooks would be traced into the graphs
         self._watch_graphs()
         self.dispatch.emit("on_compile")
 

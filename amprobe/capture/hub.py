@@ -22,6 +22,9 @@ installed at :meth:`Hub.close`, in the reverse order of installation:
   scale (DeepSpeed, Megatron-core), installed once the program imports them;
 * :class:`~amprobe.capture.opmode.OpMode` (``ops``): on the steps a collector asks for, one
   probe-owned ``TorchDispatchMode`` that hands every op to each collector that asked;
+* :class:`~amprobe.capture.modules.ModuleStack` (``modules``): on the steps a collector asks
+  for ops with module attribution, torch's global module hooks naming the module each op runs
+  in (never while torch.compile is in use);
 * :class:`~amprobe.capture.compilewatch.CompileWatch` (``compile``): what torch.compile did;
 * :class:`~amprobe.capture.discovery.RootModelFinder` (``discovery``): root-model discovery.
 
@@ -43,6 +46,7 @@ from amprobe.capture.discovery import RootModelFinder
 from amprobe.capture.dispatch import EVENTS, Dispatcher
 from amprobe.capture.install import Installed, ScalerMethods
 from amprobe.capture.interceptions import Interceptions, RootModelHooks
+from amprobe.capture.modules import ModuleStack
 from amprobe.capture.opmode import OpMode
 from amprobe.capture.protocol import StepFacts
 from amprobe.capture.sites import dtype_name, user_call_site
@@ -70,14 +74,18 @@ class Hub:
         self.installed = Installed()
         self.scaler_methods = ScalerMethods(probe, self.installed)
         self.ops = OpMode(probe, self.dispatch)
+        self.modules = ModuleStack(probe, self.ops)
         #: root-model discovery (the global module hooks, the candidates)
         self.discovery = RootModelFinder(self)
-        self.compile = CompileWatch(probe, self.dispatch, self.installed, self.discovery)
+        self.compile = CompileWatch(
+            probe, self.dispatch, self.installed, self.modules, self.discovery
+        )
         self.sources = EngineSources(self, self.dispatch, self.installed)
         self.boundary = StepBoundary(
             probe,
             self.dispatch,
             self.ops,
+            self.modules,
             self.compile,
             self.sources,
             self.scaler_methods,
@@ -153,7 +161,9 @@ class Hub:
         self.interceptions.install()
 
     def watch_model(self, model: torch.nn.Module) -> None:
-        """A root model is registered: hook its forward."""
+        """A root model is registered: name it in the module stack, hook its forward."""
+        if self.modules.active:
+            self.modules.name_roots()
         self.roots.watch(model)
 
     def close(self) -> None:
@@ -161,6 +171,8 @@ class Hub:
         if self.closed:
             return
         self.ops.pop(final=True)
+        if self.modules.active:
+            self.modules.stop()
         self.discovery.stop()
         self.installed.remove_all()
         self.dispatch.closed = True

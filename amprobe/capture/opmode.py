@@ -23,12 +23,17 @@ __all__ = ["OpMode"]
 
 
 class _OpMux(TorchDispatchMode):
-    """amprobe's only dispatch mode: hands each op to the collectors that asked for this step."""
+    """amprobe's only dispatch mode: hands each op to the collectors that asked for this step.
+
+    ``delivered`` counts the ops handed over (the module stack's clock: modules entered with no
+    op between them share a stamp).
+    """
 
     def __init__(self, dispatch: Dispatcher) -> None:
         super().__init__()
         self.dispatch = dispatch
         self.observers: list[tuple[Collector, Callable[..., None]]] = []
+        self.delivered = 0
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -44,6 +49,7 @@ class _OpMux(TorchDispatchMode):
         out = func(*args, **kwargs)
         dispatch = self.dispatch
         if self.observers and not dispatch.busy:
+            self.delivered += 1
             for collector, fn in self.observers:
                 dispatch.call(collector, fn, func, args, kwargs, out)
         return out
