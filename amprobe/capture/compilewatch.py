@@ -142,6 +142,8 @@ class CompileWatch:
     def _watch_graphs(self) -> None:
         """Read each graph dynamo hands its backend (shapes, dtypes, modules, autocast): at
         compile time, never at run time. The backend gets the very same graph."""
+        if self.installed.closed:
+            return  # nothing is installed after close (it would never be removed)
         try:
             from torch._dynamo.output_graph import OutputGraph
         except (ImportError, AttributeError) as exc:
