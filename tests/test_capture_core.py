@@ -355,13 +355,13 @@ def test_each_interception_is_installed_once(tmp_path):
 
 
 def test_a_failing_hub_body_never_reaches_the_loop(tmp_path, monkeypatch):
-    from amprobe.capture.hub import Hub
+    from amprobe.capture.boundary import StepBoundary
 
     def boom(self, *args):
         raise RuntimeError("torch internals changed")
 
-    monkeypatch.setattr(Hub, "_before_update", boom)
-    monkeypatch.setattr(Hub, "_on_backward_begin", boom)
+    monkeypatch.setattr(StepBoundary, "before_update", boom)
+    monkeypatch.setattr(StepBoundary, "on_backward_begin", boom)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")

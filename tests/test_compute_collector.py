@@ -352,3 +352,45 @@ def test_attention_backward_is_booked_to_the_attention_module(tmp_path):
     assert set(attention["phase"]) == {"forward", "backward"}
     assert set(attention["module"]) == {"1"}, attention[["module", "op", "phase"]]
     assert not ops["module"].astype(str).str.contains("dropout").any()
+
+
+def test_module_hooks_are_the_hubs_and_only_on_captured_steps(tmp_path):
+    """The global module hooks naming ops' modules are installed by the hub on the captured
+    steps only, removed at the step end, and all gone at close; compute installs none itself."""
+    from torch.nn.modules import module as torch_module
+
+    def global_hooks() -> int:
+        return len(torch_module._global_forward_pre_hooks) + len(torch_module._global_forward_hooks)
+
+    before = global_hooks()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    probe = amprobe.attach(
+        model,
+        opt,
+        run_dir=tmp_path / "r",
+        config={"collectors": list(COLLECTORS), "shapes_every": 3},
+    )
+    seen: list[tuple[int, bool, int, str | None]] = []
+
+    def on_forward(module: nn.Module, args: tuple) -> None:
+        stack = probe.hub.modules
+        seen.append((probe.step, stack.active, global_hooks(), stack.innermost()))
+
+    handle = model[2].register_forward_pre_hook(on_forward)
+    try:
+        for _ in range(5):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        handle.remove()
+        probe.close()
+    assert global_hooks() == before
+    captured = [step for step, active, _, _ in seen if active]
+    assert captured == [1, 4], seen  # step 1, then every third
+    for step, active, hooks, inner in seen:
+        if step > 0:  # on step 0 discovery's own global hooks look for more root models
+            assert hooks == (before + 3 if active else before), (step, hooks)
+        assert inner == ("Sequential.2" if active else None), (step, inner)

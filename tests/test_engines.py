@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import amprobe
-import amprobe.capture.hub
+import amprobe.capture.sources
 from amprobe.capture.collectors.engines import EngineScaler, StepSource
 from tests.helpers import torchrun_argv
 
@@ -279,7 +279,7 @@ def test_an_engine_is_a_source_of_the_same_step_facts(tmp_path, monkeypatch):
     """The seam alone (runs without DeepSpeed or Megatron): an engine's step is the boundary,
     its set-up and inner optimizer steps are not, skipped iterations are steps, and the scale,
     found-inf and unscaled loss land in the columns a GradScaler fills."""
-    monkeypatch.setattr(amprobe.capture.hub, "SOURCES", (_ToySource,))
+    monkeypatch.setattr(amprobe.capture.sources, "SOURCES", (_ToySource,))
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     probe = amprobe.attach(model=model, run_dir=tmp_path / "run")

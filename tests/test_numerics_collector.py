@@ -269,7 +269,7 @@ def _scalar_reads(tmp_path: Path, probe: bool) -> int:
 
 
 def test_no_host_reads_on_the_hot_path(tmp_path: Path, monkeypatch) -> None:
-    from amprobe.capture import hub as hub_mod
+    from amprobe.capture import boundary as boundary_mod
 
     plain = _scalar_reads(tmp_path / "plain", probe=False)
     assert plain == 4  # GradScaler's own found_inf read, once per step
@@ -277,7 +277,7 @@ def test_no_host_reads_on_the_hot_path(tmp_path: Path, monkeypatch) -> None:
     # tracker, found-inf) from host memory at once, 5 a step: item() there is no device sync
     assert _scalar_reads(tmp_path / "cpu", probe=True) == plain + 5 * 4
     # an accelerator job keeps device copies (read back at flush): no read on the hot path
-    monkeypatch.setattr(hub_mod, "_on_host", lambda t: False)
+    monkeypatch.setattr(boundary_mod, "_on_host", lambda t: False)
     assert _scalar_reads(tmp_path / "probe", probe=True) == plain
 
 

@@ -110,6 +110,12 @@ class Collector:
         name: the name accepted in ``Config.collectors``.
         fields: the ``steps`` columns this collector writes (see :mod:`amprobe.store.fields`);
             writing a column not declared here is reported as an ``undeclared_field`` event.
+        track_modules: the ops it asks for (:meth:`wants_ops`) come with the module stack: on
+            those steps the hub installs torch's global module hooks and the collector reads
+            which module runs now from ``probe.hub.modules``
+            (:class:`amprobe.capture.modules.ModuleStack`: ``active``, ``innermost()``,
+            ``forward_depth``, ``name_of(module)``); removed at the step end, never installed
+            while torch.compile is in use. A collector never installs global hooks itself.
 
     Per-layer hooks a collector registers on the user's modules (never on torch itself) go
     through :meth:`amprobe.capture.hub.Hub.guard` and are removed by the collector in
@@ -118,6 +124,7 @@ class Collector:
 
     name: ClassVar[str] = "collector"
     fields: ClassVar[tuple[Field, ...]] = ()
+    track_modules: ClassVar[bool] = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def on_attach(self, probe: Probe) -> None:
@@ -159,7 +166,7 @@ class Collector:
     def on_compile(self) -> None:
         """torch.compile is in use in this process (first call seen, a compiled model attached,
         or dynamo's counters show compiled frames): from now on install no hook that dynamo
-        could trace (per-layer module hooks, global module hooks, ``ModuleTracker``)."""
+        could trace (per-layer module hooks, global module hooks); the hub's module stack stops."""
 
     def on_compiled_graph(self, facts: dict[str, Any]) -> None:
         """dynamo compiled a graph (at compile time): ``facts`` from

@@ -2,8 +2,8 @@
 
 On sampled steps a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every aten op
 below the Autocast and Autograd keys, so it records the dtypes autocast chose and the backward
-GEMMs too; :class:`torch.utils.module_tracker.ModuleTracker` names the module each op runs in,
-and the formulas registered in :mod:`torch.utils.flop_counter` give each op's FLOPs.
+GEMMs too; the hub's module stack (:class:`amprobe.capture.modules.ModuleStack`, asked for with
+``track_modules``) names the module each op runs in, and the formulas registered in :mod:`torch.utils.flop_counter` give each op's FLOPs.
 """
 
 from __future__ import annotations
@@ -18,12 +18,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.nn.modules.module import (
-    register_module_forward_hook,
-    register_module_forward_pre_hook,
-)
 from torch.utils import flop_counter
-from torch.utils.module_tracker import ModuleTracker
 
 from amprobe.capture.collectors.compiled import unwrap_compiled
 from amprobe.capture.collectors.sharded import user_class_name, user_module_name
@@ -182,84 +177,6 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-class _OrderedSet:
-    """Stands in for ``ModuleTracker.parents``, remembering when each module was entered.
-
-    ModuleTracker keeps the modules being executed in a plain set. In backward, several modules
-    are entered by hooks on the same tensor with no op in between (a module and its parent that
-    return the same output, or an identity such as ``Dropout(p=0)`` whose exit hook fired
-    before its entry hook and so stays in the set). :meth:`innermost` picks, among the modules
-    entered last (same op clock), the deepest one that owns parameters.
-    """
-
-    def __init__(self, items: Any, clock: Any, owns_params: Any) -> None:
-        self._items: dict[str, int] = dict.fromkeys(items, -1)
-        self._clock = clock
-        self._owns_params = owns_params
-
-    def add(self, item: str) -> None:
-        self._items.pop(item, None)
-        self._items[item] = self._clock()
-
-    def remove(self, item: str) -> None:
-        del self._items[item]
-
-    def discard(self, item: str) -> None:
-        self._items.pop(item, None)
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._items
-
-    def __iter__(self) -> Any:
-        return iter(list(self._items))
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def innermost(self) -> str | None:
-        items = [(name, stamp) for name, stamp in list(self._items.items()) if name != "Global"]
-        if not items:
-            return None
-        latest = max(stamp for _, stamp in items)
-        group = [(i, name) for i, (name, stamp) in enumerate(items) if stamp == latest]
-        return max(group, key=lambda p: (self._owns_params(p[1]), p[1].count("."), p[0]))[1]
-
-
-class _Tracker(ModuleTracker):
-    """ModuleTracker that also counts the module forwards running now (``forward_depth``).
-
-    A module forward that runs during a backward pass is activation checkpointing recomputing
-    it (reentrant or not): its ops are booked as ``recompute``, to the module running them.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.forward_depth = 0
-        self._depth_handles: list[Any] = []
-
-    def _enter_forward(self, *args: Any) -> None:
-        self.forward_depth += 1
-
-    def _leave_forward(self, *args: Any) -> None:
-        # always called, also when the forward raised (non-reentrant checkpointing stops its
-        # recomputation with an exception once it has what backward needs)
-        self.forward_depth = max(0, self.forward_depth - 1)
-
-    def __enter__(self) -> _Tracker:
-        super().__enter__()
-        self._depth_handles = [
-            register_module_forward_pre_hook(self._enter_forward),
-            register_module_forward_hook(self._leave_forward, always_call=True),
-        ]
-        return self
-
-    def __exit__(self, *args: Any) -> None:
-        for handle in self._depth_handles:
-            handle.remove()
-        self._depth_handles = []
-        super().__exit__(*args)
-
-
 class ComputeCollector(Collector):
     """Records what the step computes: GEMM/conv/attention shapes, dtypes, modules and FLOPs.
 
@@ -280,12 +197,12 @@ class ComputeCollector(Collector):
     Events: ``model_params`` (root class, parameters, trainable parameters, parameter dtypes),
     ``compute_capture_error`` (a capture that could not be completed).
 
-    Modules: a forward op is booked to the innermost module running it (ModuleTracker's
-    forward hooks). A backward op is booked to the module that ran the forward op whose
+    Modules: a forward op is booked to the innermost module running it (the hub's module
+    stack, asked for with ``track_modules`` on captured steps). A backward op is booked to the module that ran the forward op whose
     autograd node is executing it (each forward op's output ``grad_fn`` is remembered with its
     module; ``torch._C._current_autograd_node()`` names the node in backward), so the user's
     own hooks, and modules whose backward hooks fire out of order, change nothing; ops of nodes
-    not seen in forward fall back to ModuleTracker's backward hooks. A forward op that runs
+    not seen in forward fall back to the module stack's backward hooks. A forward op that runs
     during backward (activation checkpointing recomputing a module) has phase ``recompute``.
 
     The ops come from the hub's one dispatch mode, asked for on captured steps only. A capture
@@ -297,6 +214,7 @@ class ComputeCollector(Collector):
     """
 
     name = "compute"
+    track_modules = True
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -307,7 +225,7 @@ class ComputeCollector(Collector):
         self._capturing = False
         self._started = False
         self._capture_step = -1
-        self._tracker: _Tracker | None = None
+        self._stack: Any = probe.hub.modules  # ModuleStack: active on the captured steps
         self._roots: list[tuple[weakref.ReferenceType[torch.nn.Module], str]] = []
         self._rows: list[dict[str, Any]] = []
         self._capture_error: Exception | None = None
@@ -356,8 +274,6 @@ class ComputeCollector(Collector):
             param_dtypes=dict(dtypes),
         )
         self._roots.append((weakref.ref(model), type(model).__name__))
-        if self._tracker is not None:  # a root found in the middle of a capture
-            self._name_roots(self._tracker)
 
     def on_forward_begin(self, model: Any, args: Any, kwargs: Any) -> None:
         self._started = self._capturing  # the capture counts from the root's forward
@@ -433,33 +349,11 @@ class ComputeCollector(Collector):
         self._other_bytes = 0
         self._opt_bytes = 0
         self._capture_error = None
-        self._clock = 0
-        self._param_owners: dict[str, bool] = {}
         # autograd node -> module of the forward op that made it (held until the capture ends)
         self._node_modules: dict[Any, str] = {}
         self._pending: list[tuple[torch.Tensor, str]] = []  # outputs whose grad_fn is not set yet
         self._seed_autocast()
         self._turns = {}
-        if self.probe.hub.compile_in_use:
-            return  # ModuleTracker's global hooks would be traced into compiled graphs
-        self._tracker = _Tracker()
-        self._tracker.parents = self._ordered(self._tracker.parents)  # type: ignore[assignment]
-        self._name_roots(self._tracker)
-        self._tracker.__enter__()
-
-    def _name_roots(self, tracker: ModuleTracker) -> None:
-        """With several root models, ModuleTracker's names (the root's class name, then the
-        path) would collide: each root is named as the probe names it (``model1.fc``)."""
-        for ref, _ in self._roots:
-            model = ref()
-            name = self.probe.root_name(model) if model is not None else None
-            if name is not None:
-                tracker._known_modules[model] = name
-
-    def on_compile(self) -> None:
-        tracker, self._tracker = self._tracker, None
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
 
     def on_compiled_graph(self, facts: dict[str, Any]) -> None:
         # no module hook runs inside a compiled region: the ops it runs are named from the
@@ -492,9 +386,6 @@ class ComputeCollector(Collector):
         self._started = False
         self._node_modules = {}
         self._pending = []
-        tracker, self._tracker = self._tracker, None
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
 
     def _finish(self, step: int) -> None:
         self._stop()
@@ -556,19 +447,19 @@ class ComputeCollector(Collector):
 
     # -- per-op work (inside the dispatch mode) --------------------------------------------------
     def _observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        self._clock += 1
         if self._pending:
             self._note_nodes()
         packet = func._overloadpacket
         name = packet.__name__
-        tracker = self._tracker
+        stack = self._stack
+        tracking = stack.active
         phase = "forward"
         if torch._C._current_graph_task_id() != -1:
-            phase = "recompute" if tracker is not None and tracker.forward_depth else "backward"
+            phase = "recompute" if tracking and stack.forward_depth else "backward"
         matmul = name in GEMM_OPS or name in CONV_OPS or is_attention_op(name)
         free = name in _FREE_OPS or func.is_view
         module = None
-        if phase != "backward" and tracker is not None and (matmul or not free):
+        if phase != "backward" and tracking and (matmul or not free):
             module = self._module()
             # autograd sets the output's grad_fn once this op returns: read it at the next op
             first = out[0] if isinstance(out, (tuple, list)) and out else out
@@ -635,7 +526,7 @@ class ComputeCollector(Collector):
         else:
             state, ac_dtype = self._autocast_state(device)
         flops = _flops(packet, name, args, kwargs, out)
-        if self._tracker is None and self.probe.hub.compile_in_use:
+        if not self._stack.active and self.probe.hub.compile_in_use:
             module = self._compiled_module(name, dims, phase != "forward")
         elif backward:
             module = self._backward_module()
@@ -656,36 +547,20 @@ class ComputeCollector(Collector):
             entry[0] += 1
             entry[1] += float("nan") if flops is None else flops
 
-    def _ordered(self, items: Any) -> _OrderedSet:
-        return _OrderedSet(items, lambda: self._clock, self._owns_params)
-
-    def _owns_params(self, name: str) -> bool:
-        cache = self._param_owners
-        if name not in cache:
-            known = getattr(self._tracker, "_known_modules", None) or {}
-            for module, qual in list(known.items()):
-                if qual not in cache:
-                    cache[qual] = any(True for _ in module.parameters(recurse=False))
-        return cache.get(name, False)
-
     def _module(self) -> str:
-        tracker = self._tracker
-        if tracker is None:
+        stack = self._stack
+        if not stack.active:
             return "(no module)"
-        parents = tracker.parents
-        if not isinstance(parents, _OrderedSet):  # the tracker resets it after each backward
-            parents = tracker.parents = self._ordered(parents)  # type: ignore[assignment]
-        inner = parents.innermost()  # type: ignore[attr-defined]  # replaced by _OrderedSet above
+        inner = stack.innermost()
         if inner is None:
             return self._root_name()
         if len(self._roots) > 1:
-            return user_module_name(inner)  # names start with their root's name (_name_roots)
-        known = getattr(tracker, "_known_modules", None) or {}
+            return user_module_name(inner)  # names start with their root's name (root_name)
         for ref, root_name in self._roots:
             root = ref()
-            # the tracker names a root called inside a wrapper (an engine's module, such as
+            # the stack names a root called inside a wrapper (an engine's module, such as
             # ``DeepSpeedEngine.module``) by the wrapper's path: strip that path too
-            for prefix in (root_name, known.get(root) if root is not None else None):
+            for prefix in (root_name, stack.name_of(root)):
                 if not prefix:
                     continue
                 if inner == prefix:  # FSDP2's generated FSDPNet is the user's Net

@@ -1,0 +1,377 @@
+"""The step boundary and the facts of the iteration in progress.
+
+:class:`StepBoundary` (one per hub, ``hub.boundary``) decides where an iteration ends: the
+``update()`` of the first GradScaler used (``"scaler"``), else an engine's own step
+(``"source"``, DeepSpeed, Megatron-core), else the ``step()`` of the first optimizer that steps
+(``"optimizer"``, not one an engine makes itself). It gathers the iteration's
+:class:`~amprobe.capture.protocol.StepFacts` from the hub's wrappers (the loss that reaches
+backward, unscaled; the scale before and after ``update()``; found-inf), closes the step with
+the probe, and starts the next one: ``on_step_begin``, the module stack and the op mode on the
+steps a collector asked for. It also keeps the optimizers and GradScalers seen.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.amp import GradScaler
+from torch.optim import Optimizer
+
+from amprobe.capture.collectors.engines import EngineScaler
+from amprobe.capture.compilewatch import CompileWatch
+from amprobe.capture.dispatch import Dispatcher
+from amprobe.capture.install import ScalerMethods
+from amprobe.capture.modules import ModuleStack
+from amprobe.capture.opmode import OpMode
+from amprobe.capture.protocol import Collector, StepFacts
+from amprobe.capture.sites import dtype_name
+from amprobe.capture.sources import EngineSources
+
+if TYPE_CHECKING:
+    from amprobe.capture.discovery import RootModelFinder
+    from amprobe.capture.probe import Probe
+
+__all__ = ["StepBoundary"]
+
+
+def _inside_unwrapped_scaler_step() -> bool:
+    """True inside a ``GradScaler.step`` entered before the hub patched it (a live attach)."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "step" and code.co_filename.endswith("grad_scaler.py"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _host_scalar(t: torch.Tensor) -> Any:
+    """A one-element tensor's value kept for the step record, at the least cost that adds no
+    host-device sync: a Python number for a CPU tensor (``item()`` reads host memory, ~0.5 us,
+    where a clone is a dispatched op, ~5 us), a detached device copy otherwise (read back at
+    flush with the other device values, one transfer per device)."""
+    if _on_host(t):
+        return t.item()
+    return t.detach().clone()
+
+
+def _on_host(t: torch.Tensor) -> bool:
+    """Reading ``t`` costs no host-device sync (a CPU tensor)."""
+    return bool(t.is_cpu)
+
+
+class StepBoundary:
+    """Owns the step boundary and the facts of the iteration in progress.
+
+    Attributes:
+        facts: the shared facts of the iteration in progress.
+        optimizers: every optimizer seen (weakly held).
+        scalers: every GradScaler seen (weakly held).
+        mode: what ends a step: ``"scaler"``, ``"source"`` (an engine), ``"optimizer"``, or
+            None until the first one is seen.
+    """
+
+    def __init__(
+        self,
+        probe: Probe,
+        dispatch: Dispatcher,
+        ops: OpMode,
+        modules: ModuleStack,
+        compile_watch: CompileWatch,
+        sources: EngineSources,
+        scaler_methods: ScalerMethods,
+        discovery: RootModelFinder,
+    ) -> None:
+        self.probe = probe
+        self.dispatch = dispatch
+        self.ops = ops
+        self.modules = modules
+        self.compile = compile_watch
+        self.sources = sources
+        self.scaler_methods = scaler_methods
+        self.discovery = discovery
+        self._emit = dispatch.emit
+        self.facts = StepFacts()
+        self.optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self.scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        self.mode: str | None = None
+        self._primary_scaler: weakref.ReferenceType[GradScaler] | None = None
+        self._primary_used = False
+        self._primary_opt: weakref.ReferenceType[Optimizer] | None = None
+        #: depth of GradScaler.step calls running now, per thread (read by the wrapper)
+        self.in_scaler_step = threading.local()
+        self._scaled_this_step = False
+        self._engine_scaled = False  # an engine announced this iteration's backward
+
+    # -- objects --------------------------------------------------------------------------------
+    def see_scaler(self, scaler: GradScaler, site: str | None) -> None:
+        """A GradScaler is seen (created, used or passed to attach): ``on_scaler`` once."""
+        if scaler in self.scalers:
+            return
+        self.scaler_methods.hook_class(type(scaler))
+        self.scalers.add(scaler)
+        self._emit("on_scaler", scaler, site)
+
+    def see_optimizer(self, opt: Optimizer) -> None:
+        """An optimizer is seen (created, stepped or passed to attach): ``on_optimizer`` once."""
+        if opt in self.optimizers:
+            return
+        self.optimizers.add(opt)
+        self.sources.load()
+        self._emit("on_optimizer", opt)
+        self.discovery.claim_compiled_roots()
+
+    # -- the facts ------------------------------------------------------------------------------
+    def _capture_loss(self, loss: torch.Tensor) -> None:
+        """Add ``loss`` (a scalar backpropagated into ``.grad``, unscaled) to the step's loss."""
+        facts = self.facts
+        if facts.loss_dtype is None:
+            facts.loss_dtype = dtype_name(loss.dtype)
+        if self.probe.config.capture_loss:
+            value = _host_scalar(loss)
+            if isinstance(value, torch.Tensor):
+                value = value.reshape(()).float()
+            total = facts.loss
+            if total is None:
+                facts.loss = value
+            elif isinstance(total, torch.Tensor) or isinstance(value, torch.Tensor):
+                device = total.device if isinstance(total, torch.Tensor) else value.device  # type: ignore[union-attr]
+                facts.loss = torch.as_tensor(total, device=device) + torch.as_tensor(
+                    value, device=device
+                )
+            else:
+                facts.loss = total + value
+            facts.loss_count += 1
+
+    def on_scale(self, scaler: GradScaler, outputs: Any, result: Any = None) -> None:
+        """``scaler.scale(outputs)`` returned ``result``."""
+        primary = self._primary_scaler() if self._primary_scaler is not None else None
+        if primary is scaler:
+            self._primary_used = True
+        if not self.probe.recording:
+            return
+        self.see_scaler(scaler, None)
+        self.probe.touch()
+        self._scaled_this_step = True
+        loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
+        if loss is not None and isinstance(result, torch.Tensor):
+            # not the step's loss yet: only what reaches torch.autograd.backward is (a scaled
+            # loss given to torch.autograd.grad, as for a gradient penalty, never is)
+            scale = getattr(scaler, "_scale", None) if getattr(scaler, "_enabled", False) else None
+            self.facts.scaled.append((weakref.ref(result), loss.detach(), scale))
+        self._emit("on_scale", scaler, loss)
+
+    def _unscaled(self, root: torch.Tensor) -> torch.Tensor:
+        """The loss a backward root stands for: the ``scale()`` input it is the output of, the
+        root divided by the last scale used when it was computed from a scaled loss, or the
+        root itself when nothing was scaled in this iteration."""
+        scaled = self.facts.scaled
+        for ref, loss, _ in scaled:
+            if ref() is root:
+                return loss
+        if not self._scaled_this_step:
+            return root
+        scale = scaled[-1][2] if scaled else None
+        if not isinstance(scale, torch.Tensor):
+            return root  # the scaler was disabled: scale() returned its input
+        with torch.no_grad():
+            return root.detach().float() / scale.to(root.device, non_blocking=True)
+
+    def on_backward_begin(self, tensors: Any) -> None:
+        """``torch.autograd.backward(tensors)`` starts: the step's loss, then the event."""
+        self.probe.touch()
+        roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
+        for root in roots:
+            if not (isinstance(root, torch.Tensor) and root.numel() == 1):
+                continue
+            if self._engine_scaled or self.sources.recognizes_backward(root):
+                continue  # the engine recorded this loss, unscaled, when it announced it
+            self._capture_loss(self._unscaled(root))
+        single = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
+        self._emit("on_backward_begin", single)
+
+    def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer) -> None:
+        """``scaler.step(optimizer)`` starts."""
+        if self.mode is None:
+            self.mode = "scaler"
+        self.see_scaler(scaler, None)
+        self.see_optimizer(optimizer)
+        if self.probe.recording:
+            self._emit("on_scaler_step", scaler, optimizer)
+
+    def claim_boundary(self, scaler: GradScaler) -> None:
+        """``update()`` is called: the first scaler used owns the step boundary."""
+        if self.mode is None:
+            self.mode = "scaler"
+        primary = self._primary_scaler() if self._primary_scaler is not None else None
+        if primary is None or (primary is not scaler and not self._primary_used):
+            # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
+            self._primary_scaler = weakref.ref(scaler)
+
+    def before_update(self, scaler: GradScaler) -> dict[str, Any]:
+        """The scale and found-inf before ``update()`` (device clones; reads torch internals)."""
+        before: dict[str, Any] = {}
+        current = self._primary_scaler
+        if current is None or current() is not scaler or not self.probe.recording:
+            return before
+        try:
+            enabled = bool(getattr(scaler, "_enabled", True))
+            before["enabled"] = enabled
+            scale = getattr(scaler, "_scale", None)
+            if enabled and isinstance(scale, torch.Tensor):
+                before["scale_before"] = _host_scalar(scale)
+                found = [
+                    f
+                    for state in scaler._per_optimizer_states.values()
+                    for f in state.get("found_inf_per_device", {}).values()
+                ]
+                if found and all(_on_host(f) for f in found):
+                    before["found_inf"] = sum(f.item() for f in found)
+                elif found:  # on the device: summed there, read back at flush (no sync)
+                    total = found[0].detach().to(scale.device, non_blocking=True).clone()
+                    for f in found[1:]:
+                        total += f.to(scale.device, non_blocking=True)
+                    before["found_inf"] = total
+        except Exception as exc:  # torch internals changed: record, keep counting steps
+            self.probe.event("scaler_internals_unreadable", error=f"{type(exc).__name__}: {exc}")
+        return before
+
+    def after_update(self, scaler: GradScaler, before: dict[str, Any]) -> None:
+        """``update()`` returned: the step boundary when ``scaler`` owns it."""
+        if self._primary_scaler is None or self._primary_scaler() is not scaler:
+            return
+        if self.mode != "scaler":
+            return
+        self._primary_used = False
+        if self.probe.recording:
+            facts = self.facts
+            facts.scaler = scaler
+            facts.scaler_enabled = bool(before.get("enabled", False))
+            if "scale_before" in before:
+                facts.scale_before = before["scale_before"]
+                facts.scale_after = _host_scalar(scaler._scale)  # type: ignore[arg-type]
+                tracker = getattr(scaler, "_growth_tracker", None)
+                if isinstance(tracker, torch.Tensor):
+                    facts.growth_tracker = _host_scalar(tracker)
+            facts.found_inf = before.get("found_inf")
+            self._emit(
+                "on_scaler_update", scaler, facts.scale_before, facts.scale_after, facts.found_inf
+            )
+        self.end_step()
+
+    def opt_pre(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer step pre-hook."""
+        if self.probe.closed:
+            return
+        self.see_optimizer(opt)
+        if self.probe.recording:
+            self.probe.touch()
+            self._emit("on_optimizer_step_begin", opt)
+
+    def opt_post(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer step post-hook: the boundary in ``"optimizer"`` mode."""
+        if self.probe.closed:
+            return
+        if self.probe.recording:
+            self._emit("on_optimizer_step_end", opt)
+        if (
+            self.mode is None
+            and getattr(self.in_scaler_step, "depth", 0) == 0
+            and not _inside_unwrapped_scaler_step()
+            and not self.sources.owns_optimizer_step()
+        ):
+            self.mode = "optimizer"
+            self._primary_opt = weakref.ref(opt)
+        if (
+            self.mode == "optimizer"
+            and self._primary_opt is not None
+            and self._primary_opt() is opt
+        ):
+            self.end_step()
+
+    # -- engines that own the loss scale (amprobe.capture.sources) ------------------------------
+    def source_scaled(self, scaler: EngineScaler | None, loss: torch.Tensor | None) -> None:
+        """An engine backpropagates ``loss`` (unscaled) with ``scaler``'s scale (None: unscaled)."""
+        if not self.probe.recording:
+            return
+        self.probe.touch()
+        self._scaled_this_step = True
+        self._engine_scaled = True
+        if loss is not None:
+            self._capture_loss(loss)
+        if scaler is not None:
+            self.see_scaler(scaler, None)  # type: ignore[arg-type]
+            self._emit("on_scale", scaler, loss)
+
+    def source_step(
+        self,
+        scaler: EngineScaler | None,
+        scale_before: torch.Tensor | None,
+        scale_after: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """An engine's optimizer iteration ended (skipped or not): the step boundary, with the
+        same facts a GradScaler's ``update()`` gives. A GradScaler boundary keeps precedence."""
+        if self.mode == "scaler":
+            return
+        self.mode = "source"
+        if self.probe.recording:
+            facts = self.facts
+            facts.scaler = scaler
+            facts.scaler_enabled = scaler is not None
+            facts.scale_before = scale_before
+            facts.scale_after = scale_after
+            facts.found_inf = found_inf
+            if scaler is not None:
+                self._emit("on_scaler_update", scaler, scale_before, scale_after, found_inf)
+        self.end_step()
+
+    # -- the boundary ---------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Close the iteration: the op mode and module stack go, the probe records the step,
+        and the next one begins (while recording)."""
+        probe = self.probe
+        facts, self.facts = self.facts, StepFacts()
+        self._scaled_this_step = False
+        self._engine_scaled = False
+        if not probe.recording:
+            probe.end_step(facts)
+            return
+        self.ops.pop()
+        if self.modules.active:
+            self.modules.stop()
+        probe.end_step(facts)  # dispatches on_step_end, flushes, applies control requests
+        if probe.recording and not probe.closed:
+            self.begin_step(probe.step)
+
+    def begin_step(self, step: int) -> None:
+        """Start iteration ``step``: ``on_step_begin``, then the module stack and the op mode
+        if anyone asked (the module stack never while torch.compile is in use)."""
+        self.compile.check()
+        self._emit("on_step_begin", step)
+        call = self.dispatch.call
+        observers: list[tuple[Collector, Callable[..., None]]] = [
+            (c, fn)
+            for c, fn in self.dispatch.subs["on_op"]
+            if call(c, c.wants_ops, step)  # type: ignore[arg-type]
+        ]
+        if observers:
+            if not self.compile.in_use:
+                for collector, _ in observers:
+                    if collector.track_modules:
+                        self.modules.start()  # before the op mode: removed after it (LIFO)
+                        break
+            self.ops.push(observers)
+
+    def end_recording(self) -> None:
+        """Recording stops at this boundary: drop the op mode and the module stack."""
+        self.ops.pop()
+        if self.modules.active:
+            self.modules.stop()

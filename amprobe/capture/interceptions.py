@@ -1,0 +1,323 @@
+"""The class-level interceptions of torch, each turned into a hub event.
+
+:class:`Interceptions` installs, once per probe and through the hub's
+:class:`~amprobe.capture.install.Installed` stack:
+
+* ``GradScaler.__init__``/``scale``/``unscale_``/``step``/``update``/``load_state_dict`` (and,
+  through :class:`~amprobe.capture.install.ScalerMethods`, a subclass's overrides of them);
+* ``Optimizer.__init__``/``load_state_dict`` and torch's global optimizer step pre/post hooks;
+* ``autocast.__enter__``/``__exit__``; ``torch.autograd.backward`` (``Tensor.backward`` calls it);
+* ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
+* the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``);
+* ``torch.compile`` (to :class:`~amprobe.capture.compilewatch.CompileWatch`).
+
+:class:`RootModelHooks` adds, per root model, one forward pre-hook and one forward hook. Every
+wrapper checks ``probe.recording``/``probe.closed`` first (dormant: a few attribute reads) and
+calls the dispatcher's ``emit``/``safe`` or the step boundary directly: no layer in between.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.utils.clip_grad as _clip_grad
+from torch.amp import GradScaler
+from torch.amp.autocast_mode import autocast
+from torch.optim import Optimizer
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.data import dataloader as _dataloader
+
+from amprobe.capture.boundary import StepBoundary
+from amprobe.capture.collectors.compiled import is_compiled_module, is_compiling
+from amprobe.capture.compilewatch import CompileWatch
+from amprobe.capture.dispatch import Dispatcher
+from amprobe.capture.install import Installed, ScalerMethods
+from amprobe.capture.sites import dtype_name, user_call_site
+from amprobe.capture.sources import EngineSources
+
+if TYPE_CHECKING:
+    from amprobe.capture.probe import Probe
+
+__all__ = ["Interceptions", "RootModelHooks"]
+
+# frames that torch's decorators (no_grad and friends) put between clip_grad_norm_ and its helper
+_DECORATOR_FRAMES = frozenset({"_no_grad_wrapper", "decorate_context", "wrapper", "inner"})
+
+
+class Interceptions:
+    """Installs the class-level wrappers (see the module docstring)."""
+
+    def __init__(
+        self,
+        probe: Probe,
+        dispatch: Dispatcher,
+        installed: Installed,
+        scaler_methods: ScalerMethods,
+        boundary: StepBoundary,
+        compile_watch: CompileWatch,
+        sources: EngineSources,
+    ) -> None:
+        self.probe = probe
+        self.dispatch = dispatch
+        self.installed = installed
+        self.scaler_methods = scaler_methods
+        self.boundary = boundary
+        self.compile = compile_watch
+        self.sources = sources
+
+    def install(self) -> None:
+        """Install every class-level interception (once per probe)."""
+        probe = self.probe
+        emit = self.dispatch.emit
+        safe = self.dispatch.safe
+        boundary = self.boundary
+        watch = self.compile
+        clip = self._maybe_clip
+        in_scaler_step = boundary.in_scaler_step
+
+        def wrap_scaler_init(orig: Any) -> Any:
+            def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
+                orig(self, *args, **kwargs)
+                if not probe.closed:
+                    safe(boundary.see_scaler, self, user_call_site(2) or "?")
+
+            return __init__
+
+        def wrap_scale(orig: Any) -> Any:
+            def scale(self: GradScaler, outputs: Any) -> Any:
+                result = orig(self, outputs)
+                if not probe.closed:
+                    safe(boundary.on_scale, self, outputs, result)
+                return result
+
+            return scale
+
+        def wrap_unscale(orig: Any) -> Any:
+            def unscale_(self: GradScaler, optimizer: Optimizer) -> None:
+                orig(self, optimizer)
+                if probe.recording and not probe.closed:
+                    emit("on_unscale", self, optimizer)
+
+            return unscale_
+
+        def wrap_scaler_step(orig: Any) -> Any:
+            def step(self: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+                if not probe.closed:
+                    safe(boundary.on_scaler_step, self, optimizer)
+                depth = getattr(in_scaler_step, "depth", 0)
+                in_scaler_step.depth = depth + 1
+                try:
+                    return orig(self, optimizer, *args, **kwargs)
+                finally:
+                    in_scaler_step.depth = depth
+
+            return step
+
+        def wrap_update(orig: Any) -> Any:
+            def update(self: GradScaler, new_scale: Any = None) -> None:
+                before = None
+                if not probe.closed:
+                    safe(boundary.claim_boundary, self)
+                    before = safe(boundary.before_update, self)
+                orig(self, new_scale)
+                if not probe.closed:  # the step boundary survives a failed read of internals
+                    safe(boundary.after_update, self, before or {})
+
+            return update
+
+        def wrap_scaler_load(orig: Any) -> Any:
+            def load_state_dict(self: GradScaler, state_dict: dict[str, Any]) -> None:
+                orig(self, state_dict)
+                if not probe.closed:
+                    safe(boundary.see_scaler, self, None)
+                    emit("on_scaler_state_loaded", self, state_dict)
+
+            return load_state_dict
+
+        def wrap_opt_init(orig: Any) -> Any:
+            def __init__(self: Optimizer, *args: Any, **kwargs: Any) -> None:
+                orig(self, *args, **kwargs)
+                if not probe.closed:
+                    safe(boundary.see_optimizer, self)
+
+            return __init__
+
+        def wrap_opt_load(orig: Any) -> Any:
+            def load_state_dict(self: Optimizer, state_dict: dict[str, Any]) -> None:
+                orig(self, state_dict)
+                if not probe.closed:
+                    # a restore loads trained state; accelerate re-places a fresh optimizer's
+                    # (empty) state through the same call
+                    restored = bool(self.state) and any(bool(s) for s in self.state.values())
+                    emit("on_optimizer_state_loaded", self, restored)
+
+            return load_state_dict
+
+        def wrap_autocast_enter(orig: Any) -> Any:
+            def __enter__(self: autocast) -> Any:
+                result = orig(self)
+                if probe.recording and not probe.closed:
+                    probe.touch()
+                    emit(
+                        "on_autocast",
+                        str(getattr(self, "device", "?")),
+                        dtype_name(getattr(self, "fast_dtype", None)),
+                        bool(getattr(self, "_enabled", True)),
+                    )
+                return result
+
+            return __enter__
+
+        def wrap_autocast_exit(orig: Any) -> Any:
+            def __exit__(self: autocast, *exc: Any) -> Any:
+                if probe.recording and not probe.closed:
+                    emit("on_autocast_exit", str(getattr(self, "device", "?")))
+                return orig(self, *exc)
+
+            return __exit__
+
+        def wrap_backward(orig: Any) -> Any:
+            def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+                if not probe.recording or probe.closed:
+                    return orig(tensors, *args, **kwargs)
+                safe(boundary.on_backward_begin, tensors)
+                try:
+                    return orig(tensors, *args, **kwargs)
+                finally:
+                    emit("on_backward_end")
+
+            return backward
+
+        def wrap_next(orig: Any) -> Any:
+            def __next__(self_it: Any) -> Any:
+                if not probe.recording or probe.closed:
+                    return orig(self_it)
+                probe.touch()
+                t0 = time.perf_counter()
+                p0 = probe.probe_time
+                try:
+                    return orig(self_it)
+                finally:
+                    spent = time.perf_counter() - t0 - max(0.0, probe.probe_time - p0)
+                    emit("on_batch", spent, self_it)
+
+            return __next__
+
+        def wrap_group(orig: Any) -> Any:
+            def _group_tensors_by_device_and_dtype(
+                tensorlistlist: Any, *args: Any, **kwargs: Any
+            ) -> Any:
+                if probe.recording and not probe.closed:
+                    safe(clip, tensorlistlist)
+                return orig(tensorlistlist, *args, **kwargs)
+
+            return _group_tensors_by_device_and_dtype
+
+        def wrap_compile(orig: Any) -> Any:
+            def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:
+                result = orig(model, *args, **kwargs)
+                if model is not None and not kwargs.get("disable") and not probe.closed:
+                    safe(watch.note, model, result, kwargs)
+                return result
+
+            compile.__doc__ = orig.__doc__
+            return compile
+
+        installed = self.installed
+        wrap = self.scaler_methods.wrap
+        installed.patch(torch, "compile", wrap_compile)
+        installed.patch(GradScaler, "__init__", wrap_scaler_init)
+        wrap("scale", wrap_scale)
+        wrap("unscale_", wrap_unscale)
+        wrap("step", wrap_scaler_step)
+        wrap("update", wrap_update)
+        wrap("load_state_dict", wrap_scaler_load)
+        installed.patch(Optimizer, "__init__", wrap_opt_init)
+        installed.patch(Optimizer, "load_state_dict", wrap_opt_load)
+        installed.patch(autocast, "__enter__", wrap_autocast_enter)
+        installed.patch(autocast, "__exit__", wrap_autocast_exit)
+        installed.patch(torch.autograd, "backward", wrap_backward)
+        installed.patch(_dataloader._BaseDataLoaderIter, "__next__", wrap_next)
+        if hasattr(_clip_grad, "_group_tensors_by_device_and_dtype"):
+            installed.patch(_clip_grad, "_group_tensors_by_device_and_dtype", wrap_group)
+        installed.hook(register_optimizer_step_pre_hook(lambda *a: safe(boundary.opt_pre, *a)))
+        installed.hook(register_optimizer_step_post_hook(lambda *a: safe(boundary.opt_post, *a)))
+        self.sources.load()
+
+    def _maybe_clip(self, tensorlistlist: Any) -> None:
+        """The grouping helper runs: ``on_clip`` when a clipping function called it."""
+        caller: Any = sys._getframe(1)
+        while caller is not None and not caller.f_code.co_filename.endswith("clip_grad.py"):
+            caller = caller.f_back  # skip amprobe's own wrapper frames
+        if caller is None:
+            return
+        name = caller.f_code.co_name
+        if name == "_get_total_norm":
+            outer = caller.f_back
+            while outer is not None and outer.f_code.co_name in _DECORATOR_FRAMES:
+                outer = outer.f_back
+            if outer is None or outer.f_code.co_name != "clip_grad_norm_":
+                return
+            function = "clip_grad_norm_"
+        elif name == "clip_grad_value_":
+            function = "clip_grad_value_"
+        else:
+            return
+        grads = list(tensorlistlist[0]) if tensorlistlist else []
+        self.dispatch.emit("on_clip", function, grads, user_call_site(3))
+
+
+class RootModelHooks:
+    """One forward pre-hook and one forward hook per root model (``on_forward_begin``/``_end``)."""
+
+    def __init__(
+        self,
+        probe: Probe,
+        dispatch: Dispatcher,
+        installed: Installed,
+        compile_watch: CompileWatch,
+    ) -> None:
+        self.probe = probe
+        self.dispatch = dispatch
+        self.installed = installed
+        self.compile = compile_watch
+        self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Install the forward pre/post hooks of a root model (events for every collector)."""
+        if any(ref() is model for ref in self._models):
+            return
+        if is_compiled_module(model):
+            self.compile.note(model, model, None)
+        if self.compile.method_compiled(model):
+            # Module.compile(): the module's own hooks run inside the compiled frame, and adding
+            # them after it compiled would recompile it; its forward is not timed
+            self.probe.event("model_hooks_skipped", reason="module compiled with .compile()")
+            return
+        self._models.append(weakref.ref(model))
+        subs = self.dispatch.subs
+        if not (subs["on_forward_begin"] or subs["on_forward_end"]):
+            return
+        probe = self.probe
+        emit = self.dispatch.emit
+
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            # inside a compiled region (module.compile(), a compiled train step) dynamo traces
+            # this hook: it returns at once, so the graph is the one without amprobe
+            if probe.recording and not probe.closed and not is_compiling():
+                probe.touch()
+                emit("on_forward_begin", module, args, kwargs)
+
+        def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if probe.recording and not probe.closed and not is_compiling():
+                emit("on_forward_end", module)
+
+        self.installed.hook(model.register_forward_pre_hook(pre, with_kwargs=True))
+        self.installed.hook(model.register_forward_hook(post, always_call=True))
