@@ -412,3 +412,83 @@ def test_remote_attach_needs_python_314(tmp_path):
         target.wait(timeout=60)
     assert target.returncode == 0
     assert len(amprobe.load_run(out).steps) == 5
+
+
+class _OwnScaler(torch.amp.GradScaler):
+    """A subclass with its own scale/update (as ShardedGradScaler), not passed to attach."""
+
+    def scale(self, outputs):
+        return super().scale(outputs)
+
+    def update(self, new_scale=None):
+        return super().update(new_scale)
+
+
+def test_dormant_installs_only_the_step_boundary(tmp_path):
+    from torch.amp.autocast_mode import autocast
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = _OwnScaler("cpu")  # created before attach, seen at its first step
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    torch_own = {
+        "autocast.__enter__": autocast.__dict__["__enter__"],
+        "autocast.__exit__": autocast.__dict__["__exit__"],
+        "backward": torch.autograd.backward,
+        "GradScaler.scale": torch.amp.GradScaler.__dict__["scale"],
+        "_OwnScaler.scale": _OwnScaler.__dict__["scale"],
+    }
+    own_update = torch.amp.GradScaler.__dict__["update"], _OwnScaler.__dict__["update"]
+
+    def current():
+        return {
+            "autocast.__enter__": autocast.__dict__["__enter__"],
+            "autocast.__exit__": autocast.__dict__["__exit__"],
+            "backward": torch.autograd.backward,
+            "GradScaler.scale": torch.amp.GradScaler.__dict__["scale"],
+            "_OwnScaler.scale": _OwnScaler.__dict__["scale"],
+        }
+
+    def loop(n):
+        for _ in range(n):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+    probe = amprobe.attach(model=model, run_dir=tmp_path / "r", config={"dormant": True})
+    try:
+        assert current() == torch_own
+        assert not model._forward_pre_hooks and not model._forward_hooks
+        boundary = torch.amp.GradScaler.__dict__["update"]
+        loop(3)
+        assert probe.step == 3, "dormant steps are counted at the scaler's update()"
+        assert torch.amp.GradScaler.__dict__["update"] is boundary
+        assert _OwnScaler.__dict__["update"] is not boundary, "the subclass's update is hooked"
+        assert current() == torch_own, "nothing per-step is installed while dormant"
+        for window in (1, 2):
+            probe.start_recording(steps=2)
+            loop(1)  # the boundary that opens the window
+            assert probe.recording
+            wrapped = current()
+            assert all(wrapped[k] is not torch_own[k] for k in torch_own), wrapped
+            assert model._forward_pre_hooks and model._forward_hooks
+            loop(2)
+            assert not probe.recording
+            assert current() == torch_own, f"window {window}: removed when it closed"
+            assert not model._forward_pre_hooks and not model._forward_hooks
+        loop(2)
+        assert probe.step == 3 + 2 * 3 + 2
+    finally:
+        probe.close()
+    assert current() == torch_own
+    assert (torch.amp.GradScaler.__dict__["update"], _OwnScaler.__dict__["update"]) == own_update
+    run = amprobe.load_run(tmp_path / "r")
+    assert list(run.steps["step"]) == [4, 5, 7, 8]
+    assert list(run.steps["window"]) == [1, 1, 2, 2]
+    # the first step of each window is complete: its loss and its scale
+    assert run.steps["loss"].notna().all() and run.steps["scale_after"].notna().all()
+    assert run.steps["loss"].gt(0).all()

@@ -39,17 +39,18 @@ if TYPE_CHECKING:
 __all__ = ["StepBoundary"]
 
 
-def _inside_unwrapped_scaler_step() -> bool:
-    """True inside a ``GradScaler.step`` entered before the hub patched it (a live attach)."""
+def _unwrapped_scaler_step() -> tuple[bool, Any]:
+    """Whether this runs inside a ``GradScaler.step`` that is not wrapped (entered before the
+    hub patched it, in a live attach, or while the probe is dormant), and that call's scaler."""
     frame = sys._getframe(1)
     for _ in range(12):
         if frame is None:
-            return False
+            return False, None
         code = frame.f_code
         if code.co_name == "step" and code.co_filename.endswith("grad_scaler.py"):
-            return True
+            return True, frame.f_locals.get("self")
         frame = frame.f_back  # type: ignore[assignment]
-    return False
+    return False, None
 
 
 def _host_scalar(t: torch.Tensor) -> Any:
@@ -211,7 +212,14 @@ class StepBoundary:
         if self.mode is None:
             self.mode = "scaler"
         primary = self._primary_scaler() if self._primary_scaler is not None else None
-        if primary is None or (primary is not scaler and not self._primary_used):
+        if self.probe.recording:
+            used = self._primary_used
+        else:
+            # dormant: scale() is not wrapped; the primary's steps since its last update()
+            # (torch's per-optimizer states) say it is in use in this iteration
+            self.see_scaler(scaler, None)
+            used = primary is not None and bool(getattr(primary, "_per_optimizer_states", None))
+        if primary is None or (primary is not scaler and not used):
             # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
             self._primary_scaler = weakref.ref(scaler)
 
@@ -281,14 +289,16 @@ class StepBoundary:
             return
         if self.probe.recording:
             self._emit("on_optimizer_step_end", opt)
-        if (
-            self.mode is None
-            and getattr(self.in_scaler_step, "depth", 0) == 0
-            and not _inside_unwrapped_scaler_step()
-            and not self.sources.owns_optimizer_step()
-        ):
-            self.mode = "optimizer"
-            self._primary_opt = weakref.ref(opt)
+        else:  # dormant: the pre-hook that sees optimizers is not installed
+            self.see_optimizer(opt)
+        if self.mode is None and getattr(self.in_scaler_step, "depth", 0) == 0:
+            inside, scaler = _unwrapped_scaler_step()
+            if inside:
+                if not self.probe.recording and isinstance(scaler, GradScaler):
+                    self.see_scaler(scaler, None)  # a subclass's own update() is hooked now
+            elif not self.sources.owns_optimizer_step():
+                self.mode = "optimizer"
+                self._primary_opt = weakref.ref(opt)
         if (
             self.mode == "optimizer"
             and self._primary_opt is not None
@@ -338,12 +348,12 @@ class StepBoundary:
         """Close the iteration: the op mode and module stack go, the probe records the step,
         and the next one begins (while recording)."""
         probe = self.probe
-        facts, self.facts = self.facts, StepFacts()
         self._scaled_this_step = False
         self._engine_scaled = False
-        if not probe.recording:
-            probe.end_step(facts)
+        if not probe.recording:  # dormant: nothing was gathered, the facts stay fresh
+            probe.end_step(self.facts)
             return
+        facts, self.facts = self.facts, StepFacts()
         self.ops.pop()
         if self.modules.active:
             self.modules.stop()

@@ -10,6 +10,7 @@ at compile time, never at run time, and lists what was compiled in the run's man
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,8 @@ class CompileWatch:
         self._compiled: list[dict[str, Any]] = []
         self._compiled_ids: set[int] = set()
         self._method_compiled: set[int] = set()  # modules whose own compile() ran
+        #: called when torch.compile is first seen in use (the hub pins its recording layer)
+        self.on_started: Callable[[], None] | None = None
 
     def note(self, target: Any, compiled: Any, kwargs: dict[str, Any] | None) -> None:
         """``torch.compile`` was called on ``target`` (or a compiled model became known).
@@ -134,6 +137,8 @@ class CompileWatch:
         return self.in_use
 
     def _started(self) -> None:
+        if self.on_started is not None:
+            self.on_started()
         if self.modules.active:
             self.modules.stop()  # its global hooks would be traced into the graphs
         self._watch_graphs()

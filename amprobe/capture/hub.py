@@ -31,7 +31,11 @@ installed at :meth:`Hub.close`, in the reverse order of installation:
 The methods the collectors, the probe, discovery and the engines call (``emit``, ``safe``,
 ``call``, ``source_step``, ...) are the parts' own bound methods, set as attributes: a call
 through the hub costs no extra layer on the per-step path. While the probe is dormant, the
-wrappers only count step boundaries (a few attribute reads).
+hub has only the step boundary and the objects' set-up calls installed: the per-step
+interceptions and the root models' hooks are a layer of the install stack, installed when a
+recording window opens (:meth:`Hub.start_recording`) and removed, newest first, when it closes
+(:meth:`Hub.stop_recording`). Once ``torch.compile`` is in use the layer is installed for good
+(no hook dynamo could trace comes or goes while compiled code runs).
 """
 
 from __future__ import annotations
@@ -128,6 +132,8 @@ class Hub:
         # torch.compile
         self.note_compile = self.compile.note
         self.compile_seen = self.compile.seen
+        self._recording_layer: Installed | None = None
+        self._pinned = False  # torch.compile is in use: the recording layer stays to close
 
     # -- state read through the hub ----------------------------------------------------------------
     @property
@@ -157,8 +163,42 @@ class Hub:
 
     # -- installation and removal ----------------------------------------------------------------
     def install(self) -> None:
-        """Install every class-level interception (once per probe)."""
+        """Install the class-level interceptions (once per probe), and the recording layer
+        when the probe records from attach or something was compiled already."""
         self.interceptions.install()
+        self.compile.on_started = self._pin_recording
+        if self.probe.recording:
+            self.start_recording()
+        if self.compile.before_attach or self.compile.in_use:
+            self._pin_recording()
+
+    def start_recording(self) -> None:
+        """A recording window opens: install the per-step interceptions and the root models'
+        hooks (a layer of the install stack). Idempotent."""
+        if self._recording_layer is not None or self.installed.closed:
+            return
+        layer = self.installed.layer()
+        self._recording_layer = layer
+        self.interceptions.install_recording(layer)
+        self.roots.install(layer)
+
+    def stop_recording(self) -> None:
+        """A recording window closes: remove its layer, newest first (kept while compiled
+        code may run: see :meth:`_pin_recording`)."""
+        layer = self._recording_layer
+        if layer is None or self._pinned:
+            return
+        self._recording_layer = None
+        self.roots.install(None)
+        self.scaler_methods.unwrap(layer)
+        self.installed.drop(layer)
+
+    def _pin_recording(self) -> None:
+        """torch.compile is in use: the recording layer is installed now (before the compiled
+        code is traced, when torch.compile is called) and stays until close, so no hook dynamo
+        could trace is added or removed under compiled code."""
+        self._pinned = True
+        self.start_recording()
 
     def watch_model(self, model: torch.nn.Module) -> None:
         """A root model is registered: name it in the module stack, hook its forward."""

@@ -1,19 +1,25 @@
 """The class-level interceptions of torch, each turned into a hub event.
 
-:class:`Interceptions` installs, once per probe and through the hub's
-:class:`~amprobe.capture.install.Installed` stack:
+:class:`Interceptions` installs, once per probe and in the hub's
+:class:`~amprobe.capture.install.Installed` stack, what a dormant probe needs:
 
-* ``GradScaler.__init__``/``scale``/``unscale_``/``step``/``update``/``load_state_dict`` (and,
-  through :class:`~amprobe.capture.install.ScalerMethods`, a subclass's overrides of them);
-* ``Optimizer.__init__``/``load_state_dict`` and torch's global optimizer step pre/post hooks;
+* ``GradScaler.__init__``/``update``/``load_state_dict`` (and, through
+  :class:`~amprobe.capture.install.ScalerMethods`, a subclass's overrides of them);
+* ``Optimizer.__init__``/``load_state_dict`` and torch's global optimizer step post-hook;
+* ``torch.compile`` (to :class:`~amprobe.capture.compilewatch.CompileWatch`);
+
+and, in each recording window's layer of that stack (removed when the window closes), the
+per-step interceptions that do nothing while dormant:
+
+* ``GradScaler.scale``/``unscale_``/``step`` (and a subclass's overrides);
+* torch's global optimizer step pre-hook;
 * ``autocast.__enter__``/``__exit__``; ``torch.autograd.backward`` (``Tensor.backward`` calls it);
 * ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
-* the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``);
-* ``torch.compile`` (to :class:`~amprobe.capture.compilewatch.CompileWatch`).
+* the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``).
 
-:class:`RootModelHooks` adds, per root model, one forward pre-hook and one forward hook. Every
-wrapper checks ``probe.recording``/``probe.closed`` first (dormant: a few attribute reads) and
-calls the dispatcher's ``emit``/``safe`` or the step boundary directly: no layer in between.
+:class:`RootModelHooks` adds, per root model and in the same layer, one forward pre-hook and
+one forward hook. Every wrapper checks ``probe.recording``/``probe.closed`` first and calls the
+dispatcher's ``emit``/``safe`` or the step boundary directly: no layer in between.
 """
 
 from __future__ import annotations
@@ -71,9 +77,13 @@ class Interceptions:
         self.boundary = boundary
         self.compile = compile_watch
         self.sources = sources
+        self._recording_makers: dict[str, Any] = {}
 
     def install(self) -> None:
-        """Install every class-level interception (once per probe)."""
+        """Install the interceptions a dormant probe needs (once per probe, in the hub's own
+        stack): the step boundary (``GradScaler.update``, the optimizer step post-hook, the
+        engine sources), the objects' ``__init__``/``load_state_dict`` and ``torch.compile``.
+        The others are installed by :meth:`install_recording`."""
         probe = self.probe
         emit = self.dispatch.emit
         safe = self.dispatch.safe
@@ -230,26 +240,42 @@ class Interceptions:
             compile.__doc__ = orig.__doc__
             return compile
 
+        self._recording_makers = {
+            "scale": wrap_scale,
+            "unscale_": wrap_unscale,
+            "step": wrap_scaler_step,
+            "autocast.__enter__": wrap_autocast_enter,
+            "autocast.__exit__": wrap_autocast_exit,
+            "backward": wrap_backward,
+            "__next__": wrap_next,
+            "group": wrap_group,
+            "opt_pre": lambda *a: safe(boundary.opt_pre, *a),
+        }
         installed = self.installed
-        wrap = self.scaler_methods.wrap
         installed.patch(torch, "compile", wrap_compile)
         installed.patch(GradScaler, "__init__", wrap_scaler_init)
-        wrap("scale", wrap_scale)
-        wrap("unscale_", wrap_unscale)
-        wrap("step", wrap_scaler_step)
-        wrap("update", wrap_update)
-        wrap("load_state_dict", wrap_scaler_load)
+        self.scaler_methods.wrap(
+            installed, {"update": wrap_update, "load_state_dict": wrap_scaler_load}
+        )
         installed.patch(Optimizer, "__init__", wrap_opt_init)
         installed.patch(Optimizer, "load_state_dict", wrap_opt_load)
-        installed.patch(autocast, "__enter__", wrap_autocast_enter)
-        installed.patch(autocast, "__exit__", wrap_autocast_exit)
-        installed.patch(torch.autograd, "backward", wrap_backward)
-        installed.patch(_dataloader._BaseDataLoaderIter, "__next__", wrap_next)
-        if hasattr(_clip_grad, "_group_tensors_by_device_and_dtype"):
-            installed.patch(_clip_grad, "_group_tensors_by_device_and_dtype", wrap_group)
-        installed.hook(register_optimizer_step_pre_hook(lambda *a: safe(boundary.opt_pre, *a)))
         installed.hook(register_optimizer_step_post_hook(lambda *a: safe(boundary.opt_post, *a)))
         self.sources.load()
+
+    def install_recording(self, layer: Installed) -> None:
+        """Install the per-step recording interceptions in ``layer`` (a recording window's
+        stack): the wrappers that do nothing while the probe is dormant."""
+        make = self._recording_makers
+        self.scaler_methods.wrap(
+            layer, {"scale": make["scale"], "unscale_": make["unscale_"], "step": make["step"]}
+        )
+        layer.patch(autocast, "__enter__", make["autocast.__enter__"])
+        layer.patch(autocast, "__exit__", make["autocast.__exit__"])
+        layer.patch(torch.autograd, "backward", make["backward"])
+        layer.patch(_dataloader._BaseDataLoaderIter, "__next__", make["__next__"])
+        if hasattr(_clip_grad, "_group_tensors_by_device_and_dtype"):
+            layer.patch(_clip_grad, "_group_tensors_by_device_and_dtype", make["group"])
+        layer.hook(register_optimizer_step_pre_hook(make["opt_pre"]))
 
     def _maybe_clip(self, tensorlistlist: Any) -> None:
         """The grouping helper runs: ``on_clip`` when a clipping function called it."""
@@ -275,7 +301,8 @@ class Interceptions:
 
 
 class RootModelHooks:
-    """One forward pre-hook and one forward hook per root model (``on_forward_begin``/``_end``)."""
+    """One forward pre-hook and one forward hook per root model (``on_forward_begin``/``_end``),
+    installed in the recording window's layer (:meth:`install`; dropped with it)."""
 
     def __init__(
         self,
@@ -289,9 +316,11 @@ class RootModelHooks:
         self.installed = installed
         self.compile = compile_watch
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        self._layer: Installed | None = None  # the recording layer the hooks go in
 
     def watch(self, model: torch.nn.Module) -> None:
-        """Install the forward pre/post hooks of a root model (events for every collector)."""
+        """A root model: its forward pre/post hooks (events for every collector), now if a
+        recording layer is installed, else when one is."""
         if any(ref() is model for ref in self._models):
             return
         if is_compiled_module(model):
@@ -302,6 +331,21 @@ class RootModelHooks:
             self.probe.event("model_hooks_skipped", reason="module compiled with .compile()")
             return
         self._models.append(weakref.ref(model))
+        if self._layer is not None:
+            self._hook(model, self._layer)
+
+    def install(self, layer: Installed | None) -> None:
+        """Hook every root model in ``layer`` (a recording window's stack); ``None``: the
+        layer is being removed, hook no more models."""
+        self._layer = layer
+        if layer is None:
+            return
+        for ref in self._models:
+            model = ref()
+            if model is not None:
+                self._hook(model, layer)
+
+    def _hook(self, model: torch.nn.Module, layer: Installed) -> None:
         subs = self.dispatch.subs
         if not (subs["on_forward_begin"] or subs["on_forward_end"]):
             return
@@ -319,5 +363,5 @@ class RootModelHooks:
             if probe.recording and not probe.closed and not is_compiling():
                 emit("on_forward_end", module)
 
-        self.installed.hook(model.register_forward_pre_hook(pre, with_kwargs=True))
-        self.installed.hook(model.register_forward_hook(post, always_call=True))
+        layer.hook(model.register_forward_pre_hook(pre, with_kwargs=True))
+        layer.hook(model.register_forward_hook(post, always_call=True))

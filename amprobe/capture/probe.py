@@ -459,6 +459,7 @@ class Probe:
             source=source,
             dormant_events_dropped=self._dropped_events,
         )
+        self.hub.start_recording()  # the per-step interceptions, from this boundary on
         self.hub.emit("on_recording", True)
         self.hub.discovery.on_recording(True)
         self.hub.begin_step(self.step)
@@ -477,6 +478,7 @@ class Probe:
         self.hub.end_recording()
         self.hub.emit("on_recording", False)
         self.hub.discovery.on_recording(False)
+        self.hub.stop_recording()
         self.recording = False
         self._window_left = None
         self._window_end_event(reason)
