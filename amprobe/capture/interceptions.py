@@ -135,7 +135,8 @@ class Interceptions:
                 before = None
                 if not probe.closed:
                     safe(boundary.claim_boundary, self)
-                    before = safe(boundary.before_update, self)
+                    if probe.recording:  # dormant: no facts to read before the update
+                        before = safe(boundary.before_update, self)
                 orig(self, new_scale)
                 if not probe.closed:  # the step boundary survives a failed read of internals
                     safe(boundary.after_update, self, before or {})
