@@ -29,14 +29,14 @@ budget holds a sample back (its cost, the step time, the budget), and in ``end.j
 
 from __future__ import annotations
 
-import bisect
 import collections
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from amprobe.capture.protocol import due
 
-__all__ = ["SampleBudget", "due"]
+__all__ = ["ARMED_DEBT_SAMPLES", "SampleBudget"]
 
 #: unsampled steps kept for the running median of a typical step's time
 _WINDOW = 64
@@ -75,7 +75,6 @@ class SampleBudget:
         self._decided: dict[str, tuple[int, bool]] = {}
         self._now: list[str] = []  # kinds sampled in the step in progress
         self._recent: collections.deque[float] = collections.deque(maxlen=_WINDOW)
-        self._sorted: list[float] = []
         self._unresolved: list[tuple[list[str], float]] = []  # sampled before a typical step
         self.trained_s = 0.0
         self.spent_s = 0.0
@@ -153,9 +152,10 @@ class SampleBudget:
         self._now.append(kind)
 
     def typical(self) -> float:
-        """A typical unsampled step's seconds (running median), 0 before the first."""
-        s = self._sorted
-        return s[len(s) // 2] if s else 0.0
+        """A typical unsampled step's seconds (the median of the last :data:`_WINDOW`), 0
+        before the first. Computed when asked (a sample is charged, the schedule reported),
+        never on an unsampled step."""
+        return statistics.median_high(self._recent) if self._recent else 0.0
 
     def period(self, kind: str) -> int | None:
         """The spacing, in steps, that the budget allows ``kind`` now (None: not measured)."""
@@ -173,17 +173,13 @@ class SampleBudget:
         if not now:
             self.trained_s += seconds
             self.credit += self.fraction * seconds
-            if len(self._recent) == self._recent.maxlen:
-                old = self._recent[0]
-                del self._sorted[bisect.bisect_left(self._sorted, old)]
             self._recent.append(seconds)
-            bisect.insort(self._sorted, seconds)
             if self._unresolved:
                 pending, self._unresolved = self._unresolved, []
                 for kinds, took in pending:
                     self._charge(kinds, took)
             return
-        if not self._sorted:
+        if not self._recent:
             self._unresolved.append((now, seconds))
             return
         self._charge(now, seconds)
