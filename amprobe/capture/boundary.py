@@ -137,18 +137,13 @@ class StepBoundary:
             facts.loss_dtype = dtype_name(loss.dtype)
         if self.probe.config.capture_loss:
             value = _host_scalar(loss)
-            if isinstance(value, torch.Tensor):
-                value = value.reshape(()).float()
             total = facts.loss
-            if total is None:
-                facts.loss = value
-            elif isinstance(total, torch.Tensor) or isinstance(value, torch.Tensor):
-                device = total.device if isinstance(total, torch.Tensor) else value.device  # type: ignore[union-attr]
-                facts.loss = torch.as_tensor(total, device=device) + torch.as_tensor(
-                    value, device=device
-                )
-            else:
-                facts.loss = total + value
+            if isinstance(value, torch.Tensor):  # on a device: summed there, read at flush
+                value = value.reshape(()).float()
+                if isinstance(total, torch.Tensor):
+                    value = value.to(total.device, non_blocking=True)
+            # a Python number and a tensor add into a tensor on the tensor's device
+            facts.loss = value if total is None else total + value
             facts.loss_count += 1
 
     def on_scale(self, scaler: GradScaler, outputs: Any, result: Any = None) -> None:
