@@ -305,10 +305,7 @@ class CompileCollector(Collector):
         last = self._last or (0, 0, {})
         # graphs, breaks and recompiles only happen while a frame compiles: one dict read
         # tells a step that compiled nothing (every step of a job that does not compile)
-        if compiled_frames() == last[0]:
-            record.update(compile_frames=0, compile_graphs=0, graph_breaks=0, recompiles=0)
-            return
-        now = _counters()
+        now = _counters() if compiled_frames() != last[0] else None
         if now is None:
             record.update(compile_frames=0, compile_graphs=0, graph_breaks=0, recompiles=0)
             return
