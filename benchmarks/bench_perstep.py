@@ -50,11 +50,7 @@ def worker(mode: str, steps: int, warmup: int, run_dir: str) -> dict[str, Any]:
     """One long measurement in this process: per-step wall and thread-CPU microseconds over
     ``steps`` steps after ``warmup`` (every sampled step and flush of the schedule included),
     and what the overhead budget chose."""
-    import torch
-
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    step, model, opt, scaler = _loop(torch)
+    step, model, opt, scaler = _loop()
     probe = None
     config = MODES[mode]
     if config is not None:
@@ -81,13 +77,9 @@ def worker_ab(mode: str, rounds: int, block: int, settle: int, run_dir: str) -> 
     process's own speed, which differs by up to 10 % between processes, cancels): per round, a
     plain block, then ``attach``, ``settle`` untimed steps (an attach's one-time first samples),
     a probed block, ``close``. Thread-CPU microseconds per step of each block."""
-    import torch
-
     import amprobe
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    step, model, opt, scaler = _loop(torch)
+    step, model, opt, scaler = _loop()
     for _ in range(300):
         step()
 
@@ -111,7 +103,12 @@ def worker_ab(mode: str, rounds: int, block: int, settle: int, run_dir: str) -> 
     return {"plain": plain, "probed": probed, "sampling": sampling}
 
 
-def _loop(torch: Any) -> tuple[Any, Any, Any, Any]:
+def _loop() -> tuple[Any, Any, Any, Any]:
+    """The training step of issue #20's loop (seeded, one intra-op thread) and its objects."""
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
     model = torch.nn.Sequential(
         torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.Linear(32, 1)
     )
