@@ -361,12 +361,15 @@ class StepBoundary:
         if anyone asked (the module stack never while torch.compile is in use)."""
         self.compile.check()
         self._emit("on_step_begin", step)
-        call = self.dispatch.call
+        dispatch = self.dispatch
+        call = dispatch.call
         observers: list[tuple[Collector, Callable[..., None]]] = [
             (c, fn)
-            for c, fn in self.dispatch.subs["on_op"]
+            for c, fn in dispatch.subs["on_op"]
             if call(c, c.wants_ops, step)  # type: ignore[arg-type]
         ]
+        for collector in self._detailed:  # their per-call events on the steps they observe
+            dispatch.set_detail(collector, any(c is collector for c, _ in observers))
         if observers:
             if not self.compile.in_use:
                 for collector, _ in observers:
@@ -375,8 +378,15 @@ class StepBoundary:
                         break
             self.ops.push(observers)
 
+    @property
+    def _detailed(self) -> list[Collector]:
+        """The collectors with ``detail_events`` (those that observe ops)."""
+        return [c for c, _ in self.dispatch.subs["on_op"] if c.detail_events]
+
     def end_recording(self) -> None:
         """Recording stops at this boundary: drop the op mode and the module stack."""
+        for collector in self._detailed:
+            self.dispatch.set_detail(collector, False)
         self.ops.pop()
         if self.modules.active:
             self.modules.stop()

@@ -68,7 +68,9 @@ class Dispatcher:
     """Delivers the hub's events to the collectors, under one guard.
 
     Attributes:
-        subs: event name -> the (collector, bound ``on_*`` method) pairs that override it.
+        subs: event name -> the (collector, bound ``on_*`` method) pairs an event goes to now:
+            those that override it, less a collector's ``detail_events`` on the steps it does
+            not ask for them (:meth:`set_detail`).
         busy: non-zero while collector code or amprobe's own tensor work runs.
         closed: set by the hub at close; from then on only ``on_close`` is delivered.
     """
@@ -78,6 +80,9 @@ class Dispatcher:
         self.busy = 0
         self.closed = False
         self.subs: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
+        #: every override, detail events included, in subscription order
+        self._all: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
+        self._detail_on: set[str] = set()  # collectors whose detail events are delivered now
         self._failed: set[str] = set()
         self._hub_failed = False
         self._failure_listeners: list[Callable[[Collector], None]] = []
@@ -87,7 +92,32 @@ class Dispatcher:
         for collector in collectors:
             for event in EVENTS:
                 if getattr(type(collector), event) is not getattr(Collector, event):
-                    self.subs[event].append((collector, getattr(collector, event)))
+                    self._all[event].append((collector, getattr(collector, event)))
+        for event in EVENTS:
+            self._rebuild(event)
+
+    def subscribed(self, event: str) -> bool:
+        """Whether any collector overrides ``event`` (on some step, for detail events)."""
+        return bool(self._all[event])
+
+    def set_detail(self, collector: Collector, on: bool) -> None:
+        """Deliver ``collector``'s ``detail_events`` from now on (``on``) or no longer."""
+        if (collector.name in self._detail_on) == on:
+            return
+        if on:
+            self._detail_on.add(collector.name)
+        else:
+            self._detail_on.discard(collector.name)
+        for event in collector.detail_events:
+            self._rebuild(event)
+
+    def _rebuild(self, event: str) -> None:
+        self.subs[event] = [
+            (c, fn)
+            for c, fn in self._all[event]
+            if c.name not in self._failed
+            and (event not in c.detail_events or c.name in self._detail_on)
+        ]
 
     def on_failure(self, listener: Callable[[Collector], None]) -> None:
         """Call ``listener(collector)`` when a collector is switched off (drop it elsewhere)."""
@@ -178,8 +208,9 @@ class Dispatcher:
             error=f"{type(exc).__name__}: {exc}",
             where=_where(exc),
         )
-        for event, subs in self.subs.items():
-            self.subs[event] = [(c, fn) for c, fn in subs if c is not collector]
+        for event, subs in self._all.items():
+            self._all[event] = [(c, fn) for c, fn in subs if c is not collector]
+            self._rebuild(event)
         for listener in self._failure_listeners:
             with contextlib.suppress(Exception):
                 listener(collector)

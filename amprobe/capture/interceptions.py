@@ -347,8 +347,8 @@ class RootModelHooks:
                 self._hook(model, layer)
 
     def _hook(self, model: torch.nn.Module, layer: Installed) -> None:
-        subs = self.dispatch.subs
-        if not (subs["on_forward_begin"] or subs["on_forward_end"]):
+        subscribed = self.dispatch.subscribed
+        if not (subscribed("on_forward_begin") or subscribed("on_forward_end")):
             return
         probe = self.probe
         emit = self.dispatch.emit

@@ -116,6 +116,9 @@ class Collector:
             (:class:`amprobe.capture.modules.ModuleStack`: ``active``, ``innermost()``,
             ``forward_depth``, ``name_of(module)``); removed at the step end, never installed
             while torch.compile is in use. A collector never installs global hooks itself.
+        detail_events: per-step events (``on_autocast``, ``on_forward_begin``, ...) this
+            collector needs only on the steps it asks for ops (:meth:`wants_ops` True): the hub
+            delivers them on those steps only, so an unsampled step does not call it at all.
 
     Per-layer hooks a collector registers on the user's modules (never on torch itself) go
     through :meth:`amprobe.capture.hub.Hub.guard` and are removed by the collector in
@@ -125,6 +128,7 @@ class Collector:
     name: ClassVar[str] = "collector"
     fields: ClassVar[tuple[Field, ...]] = ()
     track_modules: ClassVar[bool] = False
+    detail_events: ClassVar[frozenset[str]] = frozenset()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def on_attach(self, probe: Probe) -> None:

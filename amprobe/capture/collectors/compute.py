@@ -215,6 +215,19 @@ class ComputeCollector(Collector):
 
     name = "compute"
     track_modules = True
+    # where an op runs (autocast state, model or optimizer) matters only while capturing
+    detail_events = frozenset(
+        {
+            "on_autocast",
+            "on_autocast_exit",
+            "on_forward_begin",
+            "on_forward_end",
+            "on_backward_begin",
+            "on_backward_end",
+            "on_optimizer_step_begin",
+            "on_optimizer_step_end",
+        }
+    )
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -343,6 +356,7 @@ class ComputeCollector(Collector):
         self._capturing = True
         self._started = not self._roots  # no model known: count from the step's start
         self._capture_step = step
+        self._in_optimizer = self._in_model = 0  # detail events are delivered from here on
         self._t_start = time.perf_counter()
         self._ops: dict[tuple[Any, ...], list[float]] = {}
         self._other_ops = 0
