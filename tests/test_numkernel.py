@@ -133,3 +133,32 @@ def test_the_collector_records_the_same_with_and_without_the_kernel(
     b = b.sort_values(key).reset_index(drop=True).astype(str)
     assert a.equals(b)
     assert os.environ["AMPROBE_KERNEL_CACHE"] == str(fresh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_input_check_counts_in_the_kernel_as_torch_does(dtype: torch.dtype) -> None:
+    """The per-step input check (``count_nonfinite`` on CPU) runs in the kernel for contiguous
+    fp32/fp16/bf16 tensors and counts exactly what ``torch.isfinite`` does; strided tensors take
+    the eager path with the same answer."""
+    numkernel.wait()
+    if numkernel.kernel() is None:
+        pytest.skip(f"kernel {numkernel.status()}")
+    x = torch.randn(4099).to(dtype)
+    x[[3, 7, 9, 4098]] = torch.tensor([float("inf"), float("nan"), -float("inf"), float("nan")]).to(
+        dtype
+    )
+    x[100] = torch.finfo(dtype).max  # the largest finite value is finite
+    x[101] = -torch.finfo(dtype).tiny
+    for view in (x, x[::2], x.view(-1, 1).t(), x[:0]):
+        expected = view.numel() - int(torch.isfinite(view).sum())
+        assert numstats.count_nonfinite(view, False) == expected
+    calls = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        assert numstats.count_nonfinite(x, False) == 4
+    assert calls == []  # no dispatched op: no aminmax, no detach

@@ -161,7 +161,8 @@ class StepBoundary:
             # not the step's loss yet: only what reaches torch.autograd.backward is (a scaled
             # loss given to torch.autograd.grad, as for a gradient penalty, never is)
             scale = getattr(scaler, "_scale", None) if getattr(scaler, "_enabled", False) else None
-            self.facts.scaled.append((weakref.ref(result), loss.detach(), scale))
+            # the loss itself, not a detached copy (a dispatched op): only read, never used
+            self.facts.scaled.append((weakref.ref(result), loss, scale))
         self._emit("on_scale", scaler, loss)
 
     def _unscaled(self, root: torch.Tensor) -> torch.Tensor:

@@ -177,13 +177,27 @@ int64_t amprobe_stats32(const uint32_t *x, int64_t n, int64_t *h, uint32_t *sub,
   extra[4] += flush;
   return tail_sum(h, 0x7F80) - before;
 }
+
+/* how many of n elements are inf or NaN: kind 0 fp32, 1 fp16, 2 bf16 (one pass, no copy) */
+int64_t amprobe_nonfinite(const void *x, int64_t n, int32_t kind) {
+  int64_t c = 0;
+  if (kind == 0) {
+    const uint32_t *u = (const uint32_t *)x;
+    for (int64_t i = 0; i < n; i++) c += (u[i] & 0x7FFFFFFFu) >= 0x7F800000u;
+  } else {
+    const uint16_t *u = (const uint16_t *)x;
+    const uint16_t inf = kind == 1 ? 0x7C00 : 0x7F80;
+    for (int64_t i = 0; i < n; i++) c += (uint16_t)(u[i] & 0x7FFF) >= inf;
+  }
+  return c;
+}
 """
 
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math", "-std=c99")
 
 
 class Kernel:
-    """The loaded library: ``hist16`` and ``stats32`` (see :data:`SOURCE`)."""
+    """The loaded library: ``hist16``, ``stats32`` and ``nonfinite`` (see :data:`SOURCE`)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -194,6 +208,9 @@ class Kernel:
         self.stats32 = lib.amprobe_stats32
         self.stats32.argtypes = [p, i64, p, p, p, ctypes.c_float, ctypes.c_int32, ctypes.c_uint32]
         self.stats32.restype = i64
+        self.nonfinite = lib.amprobe_nonfinite
+        self.nonfinite.argtypes = [p, i64, ctypes.c_int32]
+        self.nonfinite.restype = i64
         self.path = path
 
 

@@ -156,16 +156,27 @@ def flush_threshold(scale: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 # -- v2 ----------------------------------------------------------------------------------------
+_NONFINITE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass's data pointer may not be its values
+
+
 def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor | int:
     """Non-finite elements of a floating tensor.
 
-    On CPU (``sync_free`` False) one ``aminmax`` pass decides on the host whether anything is
-    non-finite and only then counts, returning an int; otherwise returns a 0-d int64 tensor on
-    ``x``'s device without reading it back.
+    On CPU (``sync_free`` False) the compiled kernel counts a contiguous fp32/fp16/bf16 tensor
+    in one pass without a dispatched op (once it is built), else one ``aminmax`` pass decides on
+    the host whether anything is non-finite and only then counts, returning an int; otherwise
+    returns a 0-d int64 tensor on ``x``'s device without reading it back.
     """
-    x = x.detach()
     if sync_free is None:
         sync_free = x.device.type != "cpu"
+    if not sync_free:
+        kind = _NONFINITE_KIND.get(x.dtype)
+        if kind is not None and type(x) in _PLAIN and x.is_contiguous():
+            kern = numkernel.kernel()
+            if kern is not None:
+                return int(kern.nonfinite(x.data_ptr(), x.numel(), kind))
+    x = x.detach()
     if not sync_free:
         if x.numel() == 0:
             return 0
