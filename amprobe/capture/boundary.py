@@ -28,8 +28,9 @@ from amprobe.capture.dispatch import Dispatcher
 from amprobe.capture.install import ScalerMethods
 from amprobe.capture.modules import ModuleStack
 from amprobe.capture.opmode import OpMode
+from amprobe.capture.phases import PhaseClock
 from amprobe.capture.protocol import Collector, StepFacts
-from amprobe.capture.sites import dtype_name
+from amprobe.capture.sites import dtype_name, user_call_site
 from amprobe.capture.sources import EngineSources
 
 if TYPE_CHECKING:
@@ -99,7 +100,13 @@ class StepBoundary:
         self.scaler_methods = scaler_methods
         self.discovery = discovery
         self._emit = dispatch.emit
+        self._subs = dispatch.subs  # event -> its subscribers now (rebuilt in place per key)
         self.facts = StepFacts()
+        #: the forward/backward/optimizer phase clock (on when a collector asked for it)
+        self.clock = PhaseClock()
+        self._autocast_seen: set[tuple[str, str | None, bool]] = set()
+        # a collector asked for ops or detail events at the last step start (asked again now)
+        self._asked = True
         self.optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         self.mode: str | None = None
@@ -153,7 +160,10 @@ class StepBoundary:
             self._primary_used = True
         if not self.probe.recording:
             return
-        self.see_scaler(scaler, None)
+        facts = self.facts
+        if scaler not in facts.scalers_scaled:
+            self.see_scaler(scaler, None)
+            facts.scalers_scaled.append(scaler)
         self.probe.touch()
         self._scaled_this_step = True
         loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
@@ -162,8 +172,9 @@ class StepBoundary:
             # loss given to torch.autograd.grad, as for a gradient penalty, never is)
             scale = getattr(scaler, "_scale", None) if getattr(scaler, "_enabled", False) else None
             # the loss itself, not a detached copy (a dispatched op): only read, never used
-            self.facts.scaled.append((weakref.ref(result), loss, scale))
-        self._emit("on_scale", scaler, loss)
+            facts.scaled.append((weakref.ref(result), loss, scale))
+        if self._subs["on_scale"]:
+            self._emit("on_scale", scaler, loss)
 
     def _unscaled(self, root: torch.Tensor) -> torch.Tensor:
         """The loss a backward root stands for: the ``scale()`` input it is the output of, the
@@ -188,11 +199,57 @@ class StepBoundary:
         for root in roots:
             if not (isinstance(root, torch.Tensor) and root.numel() == 1):
                 continue
-            if self._engine_scaled or self.sources.recognizes_backward(root):
+            if self._engine_scaled or (
+                self.sources.sources and self.sources.recognizes_backward(root)
+            ):
                 continue  # the engine recorded this loss, unscaled, when it announced it
             self._capture_loss(self._unscaled(root))
-        single = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
-        self._emit("on_backward_begin", single)
+        self.clock.begin("bwd")
+        if self._subs["on_backward_begin"]:
+            single = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
+            self._emit("on_backward_begin", single)
+
+    def on_backward_end(self) -> None:
+        """``torch.autograd.backward`` returned (or raised)."""
+        self.clock.end("bwd")
+        if self._subs["on_backward_end"]:
+            self._emit("on_backward_end")
+
+    def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        """A root model's forward starts."""
+        self.clock.begin("fwd")
+        if self._subs["on_forward_begin"]:
+            self._emit("on_forward_begin", model, args, kwargs)
+
+    def on_forward_end(self, model: torch.nn.Module) -> None:
+        """A root model's forward ended (or raised)."""
+        self.clock.end("fwd")
+        if self._subs["on_forward_end"]:
+            self._emit("on_forward_end", model)
+
+    def on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None:
+        """``scaler.unscale_(optimizer)`` ran."""
+        facts = self.facts
+        facts.unscale_calls += 1
+        facts.unscaled_opts.append(optimizer)
+        if self._subs["on_unscale"]:
+            self._emit("on_unscale", scaler, optimizer)
+
+    def on_autocast(self, device: str, dtype: str | None, enabled: bool) -> None:
+        """An autocast region was entered (the user's line is read for a new setting only)."""
+        if enabled:
+            self.facts.autocast = (device, dtype)
+        key = (device, dtype, enabled)
+        if key not in self._autocast_seen:
+            self._autocast_seen.add(key)
+            self.facts.autocast_new.append((device, dtype, enabled, user_call_site(2)))
+        if self._subs["on_autocast"]:
+            self._emit("on_autocast", device, dtype, enabled)
+
+    def on_autocast_exit(self, device: str) -> None:
+        """An autocast region was left."""
+        if self._subs["on_autocast_exit"]:
+            self._emit("on_autocast_exit", device)
 
     def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer) -> None:
         """``scaler.step(optimizer)`` starts."""
@@ -201,7 +258,9 @@ class StepBoundary:
         self.see_scaler(scaler, None)
         self.see_optimizer(optimizer)
         if self.probe.recording:
-            self._emit("on_scaler_step", scaler, optimizer)
+            self.facts.scaler_steps.append((scaler, optimizer))
+            if self._subs["on_scaler_step"]:
+                self._emit("on_scaler_step", scaler, optimizer)
 
     def claim_boundary(self, scaler: GradScaler) -> None:
         """``update()`` is called: the first scaler used owns the step boundary."""
@@ -219,6 +278,13 @@ class StepBoundary:
             # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
             self._primary_scaler = weakref.ref(scaler)
 
+    def update_begins(self, scaler: GradScaler) -> dict[str, Any]:
+        """``update()`` is called: claim the boundary, then the facts before it (recording)."""
+        self.claim_boundary(scaler)
+        if not self.probe.recording:  # dormant: no facts to read before the update
+            return {}
+        return self.before_update(scaler)
+
     def before_update(self, scaler: GradScaler) -> dict[str, Any]:
         """The scale and found-inf before ``update()`` (device clones; reads torch internals)."""
         before: dict[str, Any] = {}
@@ -231,13 +297,21 @@ class StepBoundary:
             scale = getattr(scaler, "_scale", None)
             if enabled and isinstance(scale, torch.Tensor):
                 before["scale_before"] = _host_scalar(scale)
-                found = [
-                    f
-                    for state in scaler._per_optimizer_states.values()
-                    for f in state.get("found_inf_per_device", {}).values()
-                ]
-                if found and all(_on_host(f) for f in found):
-                    before["found_inf"] = sum(f.item() for f in found)
+                found: list[torch.Tensor] = []
+                for state in scaler._per_optimizer_states.values():
+                    per_device = state.get("found_inf_per_device")
+                    if per_device:
+                        found.extend(per_device.values())
+                host = True
+                for f in found:
+                    if not _on_host(f):
+                        host = False
+                        break
+                if found and host:
+                    count = 0.0
+                    for f in found:
+                        count += f.item()
+                    before["found_inf"] = count
                 elif found:  # on the device: summed there, read back at flush (no sync)
                     total = found[0].detach().to(scale.device, non_blocking=True).clone()
                     for f in found[1:]:
@@ -277,14 +351,19 @@ class StepBoundary:
         self.see_optimizer(opt)
         if self.probe.recording:
             self.probe.touch()
-            self._emit("on_optimizer_step_begin", opt)
+            self.clock.begin("opt")
+            if self._subs["on_optimizer_step_begin"]:
+                self._emit("on_optimizer_step_begin", opt)
 
     def opt_post(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
         """torch's global optimizer step post-hook: the boundary in ``"optimizer"`` mode."""
         if self.probe.closed:
             return
         if self.probe.recording:
-            self._emit("on_optimizer_step_end", opt)
+            self.clock.end("opt")
+            self.facts.opt_steps += 1
+            if self._subs["on_optimizer_step_end"]:
+                self._emit("on_optimizer_step_end", opt)
         else:  # dormant: the pre-hook that sees optimizers is not installed
             self.see_optimizer(opt)
         if self.mode is None and getattr(self.in_scaler_step, "depth", 0) == 0:
@@ -350,6 +429,9 @@ class StepBoundary:
             probe.end_step(self.facts)
             return
         facts, self.facts = self.facts, StepFacts()
+        taken = self.clock.take()
+        if taken is not None:
+            facts.phase_s, facts.cuda_phases = taken
         self.ops.pop()
         if self.modules.active:
             self.modules.stop()
@@ -361,16 +443,34 @@ class StepBoundary:
         """Start iteration ``step``: ``on_step_begin``, then the module stack and the op mode
         if anyone asked (the module stack never while torch.compile is in use)."""
         self.compile.check()
-        self._emit("on_step_begin", step)
         dispatch = self.dispatch
+        clock = self.clock
+        if clock.on != dispatch.phase_times:
+            clock.on = dispatch.phase_times
+            clock.reset()
+        device = self.probe.device
+        clock.cuda = device is not None and device.type == "cuda"
+        budget = self.probe.budget
+        if not self._asked and budget.quiet(step):
+            # no sample can start and none ends here: the samplers are not asked
+            if dispatch.step_begin_always:
+                dispatch.deliver(dispatch.step_begin_always, (step,))
+            return
+        self._emit("on_step_begin", step)
+        if not (budget.sampling or self._asked):
+            return  # no sample this step nor the last: nobody asks for ops or detail
         call = dispatch.call
         observers: list[tuple[Collector, Callable[..., None]]] = [
             (c, fn)
             for c, fn in dispatch.subs["on_op"]
             if call(c, c.wants_ops, step)  # type: ignore[arg-type]
         ]
-        for collector in self._detailed:  # their per-call events on the steps they observe
-            dispatch.set_detail(collector, any(c is collector for c, _ in observers))
+        detail = False
+        for collector in dispatch.detailed:  # their detail events on the steps they ask for
+            on = bool(call(collector, collector.wants_detail, step))
+            dispatch.set_detail(collector, on)
+            detail = detail or on
+        self._asked = bool(observers) or detail
         if observers:
             if not self.compile.in_use:
                 for collector, _ in observers:
@@ -379,15 +479,12 @@ class StepBoundary:
                         break
             self.ops.push(observers)
 
-    @property
-    def _detailed(self) -> list[Collector]:
-        """The collectors with ``detail_events`` (those that observe ops)."""
-        return [c for c, _ in self.dispatch.subs["on_op"] if c.detail_events]
-
     def end_recording(self) -> None:
         """Recording stops at this boundary: drop the op mode and the module stack."""
-        for collector in self._detailed:
+        for collector in self.dispatch.detailed:
             self.dispatch.set_detail(collector, False)
+        self._asked = True  # the next window asks everyone at its first step
+        self.clock.reset()
         self.ops.pop()
         if self.modules.active:
             self.modules.stop()

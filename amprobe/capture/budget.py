@@ -56,6 +56,7 @@ class _Kind:
     declined: int = 0  # armed samples declined (the budget deep in debt)
     spent: float = 0.0
     told: bool = False  # the first deferral was recorded
+    retry: int = 0  # deferred: the step the credit should cover its cost again (an estimate)
 
 
 class SampleBudget:
@@ -78,11 +79,38 @@ class SampleBudget:
         self._unresolved: list[tuple[list[str], float]] = []  # sampled before a typical step
         self.trained_s = 0.0
         self.spent_s = 0.0
+        self._quiet_until: float | None = 0  # no kind can be due before this step (None: ask)
+        self._armed_until = -1  # an armed sample may be taken up to this step
 
     def register(self, kind: str, every: int, *, fixed: bool, first: int = 0) -> None:
         """Declare a kind of sample: its minimum period, and whether the user fixed it."""
         self._kinds[kind] = _Kind(every=every, fixed=fixed or self.fraction <= 0, first=first)
         self._decided.pop(kind, None)
+        self._quiet_until = None
+
+    def quiet(self, step: int) -> bool:
+        """No kind can sample ``step``: its period has not passed since its last sample (or its
+        first step is later), the credit is known to be short, and nothing is armed. On such a
+        step the sampling collectors are not asked (:meth:`due` would say no to each)."""
+        if step <= self._armed_until:
+            return False
+        until = self._quiet_until
+        if until is None:
+            until = self._quiet_until = min(
+                (self._next_possible(k) for k in self._kinds.values()), default=float("inf")
+            )
+        return step < until
+
+    def arm(self, until: int) -> None:
+        """A problem arms samples up to step ``until`` (see :meth:`take_armed`)."""
+        self._armed_until = max(self._armed_until, until)
+
+    @staticmethod
+    def _next_possible(k: _Kind) -> float:
+        if k.every <= 0:
+            return float("inf")
+        nxt = k.first if k.last is None else max(k.first, k.last + k.every)
+        return max(nxt, k.retry)
 
     def due(self, kind: str, step: int) -> bool:
         """Whether ``kind`` samples ``step``; the same answer however often it is asked."""
@@ -101,6 +129,11 @@ class SampleBudget:
         else:
             answer = False
             k.deferred += 1
+            # not asked again before the credit can cover the cost (one step at least)
+            earn = self.fraction * self.typical()
+            short = (k.cost or 0.0) - self.credit
+            k.retry = step + (max(1, int(short / earn)) if earn > 0 else 1)
+            self._quiet_until = None
             if not k.told and self._event is not None:
                 k.told = True
                 self._event(
@@ -142,6 +175,11 @@ class SampleBudget:
             self.take(kind, step)
         return answer
 
+    @property
+    def sampling(self) -> bool:
+        """Some kind samples the step in progress (asked at its start, after ``due``)."""
+        return bool(self._now)
+
     def take(self, kind: str, step: int) -> None:
         """``kind`` samples ``step`` (a due sample, or one armed by a problem)."""
         k = self._kinds.get(kind)
@@ -150,6 +188,7 @@ class SampleBudget:
         k.last = step
         k.samples += 1
         self._now.append(kind)
+        self._quiet_until = None
 
     def typical(self) -> float:
         """A typical unsampled step's seconds (the median of the last :data:`_WINDOW`), 0

@@ -112,7 +112,7 @@ class RootModelFinder:
 
     def on_step_end(self, step: int) -> None:
         """At a recorded step boundary: register the candidates an optimizer trains, or give up."""
-        if self.hub.closed or self.failed:
+        if self.hub.closed or self.failed or not (self._checking or self._compiled):
             return
         try:
             self._check_candidates(step)
@@ -214,7 +214,7 @@ class RootModelFinder:
                 # the root's own pre-hook, installed now, would not run for this call; the
                 # global hooks stay to the step's end: other models may be trained with it
                 probe.add_model(module)
-                self.hub.emit("on_forward_begin", module, args, {})
+                self.hub.boundary.on_forward_begin(module, args, {})
         except Exception as exc:
             probe.event("discovery_failed", reason=f"{type(exc).__name__}: {exc}")
             self.stop()

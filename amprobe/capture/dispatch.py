@@ -83,6 +83,10 @@ class Dispatcher:
         #: every override, detail events included, in subscription order
         self._all: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
         self._detail_on: set[str] = set()  # collectors whose detail events are delivered now
+        self.detailed: list[Collector] = []
+        self.phase_times = False
+        #: ``on_step_begin`` subscribers that are not samplers (asked on quiet steps too)
+        self.step_begin_always: list[tuple[Collector, Callable[..., Any]]] = []
         self._failed: set[str] = set()
         self._hub_failed = False
         self._failure_listeners: list[Callable[[Collector], None]] = []
@@ -95,6 +99,19 @@ class Dispatcher:
                     self._all[event].append((collector, getattr(collector, event)))
         for event in EVENTS:
             self._rebuild(event)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        seen: list[Collector] = []
+        for subs in self._all.values():
+            for c, _ in subs:
+                if c.detail_events and not any(c is s for s in seen):
+                    seen.append(c)
+        #: the collectors (still on) with detail events, asked per step (``wants_detail``)
+        self.detailed = seen
+        #: a collector (still on) asked for the phase clock
+        self.phase_times = any(c.phase_times for subs in self._all.values() for c, _ in subs)
+        self.step_begin_always = [(c, fn) for c, fn in self.subs["on_step_begin"] if not c.samples]
 
     def subscribed(self, event: str) -> bool:
         """Whether any collector overrides ``event`` (on some step, for detail events)."""
@@ -186,6 +203,12 @@ class Dispatcher:
             return
         if not self.probe.recording and event not in _ALWAYS:
             return
+        self.deliver(subs, args)
+
+    def deliver(
+        self, subs: list[tuple[Collector, Callable[..., Any]]], args: tuple[Any, ...]
+    ) -> None:
+        """Call each subscriber's handler with ``args``, under the guard."""
         for collector, fn in subs:  # self.call, inlined: this is the per-step hot path
             if collector.name in self._failed:
                 continue
@@ -211,6 +234,7 @@ class Dispatcher:
         for event, subs in self._all.items():
             self._all[event] = [(c, fn) for c, fn in subs if c is not collector]
             self._rebuild(event)
+        self._refresh()
         for listener in self._failure_listeners:
             with contextlib.suppress(Exception):
                 listener(collector)

@@ -104,7 +104,9 @@ class Hub:
             self.compile,
             self.sources,
         )
-        self.roots = RootModelHooks(probe, self.dispatch, self.installed, self.compile)
+        self.roots = RootModelHooks(
+            probe, self.dispatch, self.installed, self.compile, self.boundary
+        )
         self.optimizers = self.boundary.optimizers
         self.scalers = self.boundary.scalers
         # the parts' bound methods, as attributes (no extra call layer): the guard and dispatch

@@ -122,7 +122,9 @@ class ScalerMethods:
             inner = make(orig)
 
             def outermost(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-                active: set[tuple[int, str]] = local.__dict__.setdefault("active", set())
+                active: set[tuple[int, str]] | None = getattr(local, "active", None)
+                if active is None:
+                    active = local.active = set()
                 key = (id(scaler), attr)
                 if key in active:
                     return orig(scaler, *args, **kwargs)

@@ -113,7 +113,7 @@ class Interceptions:
             def unscale_(self: GradScaler, optimizer: Optimizer) -> None:
                 orig(self, optimizer)
                 if probe.recording and not probe.closed:
-                    emit("on_unscale", self, optimizer)
+                    safe(boundary.on_unscale, self, optimizer)
 
             return unscale_
 
@@ -134,9 +134,7 @@ class Interceptions:
             def update(self: GradScaler, new_scale: Any = None) -> None:
                 before = None
                 if not probe.closed:
-                    safe(boundary.claim_boundary, self)
-                    if probe.recording:  # dormant: no facts to read before the update
-                        before = safe(boundary.before_update, self)
+                    before = safe(boundary.update_begins, self)
                 orig(self, new_scale)
                 if not probe.closed:  # the step boundary survives a failed read of internals
                     safe(boundary.after_update, self, before or {})
@@ -176,8 +174,8 @@ class Interceptions:
                 result = orig(self)
                 if probe.recording and not probe.closed:
                     probe.touch()
-                    emit(
-                        "on_autocast",
+                    safe(
+                        boundary.on_autocast,
                         str(getattr(self, "device", "?")),
                         dtype_name(getattr(self, "fast_dtype", None)),
                         bool(getattr(self, "_enabled", True)),
@@ -189,7 +187,7 @@ class Interceptions:
         def wrap_autocast_exit(orig: Any) -> Any:
             def __exit__(self: autocast, *exc: Any) -> Any:
                 if probe.recording and not probe.closed:
-                    emit("on_autocast_exit", str(getattr(self, "device", "?")))
+                    safe(boundary.on_autocast_exit, str(getattr(self, "device", "?")))
                 return orig(self, *exc)
 
             return __exit__
@@ -202,7 +200,7 @@ class Interceptions:
                 try:
                     return orig(tensors, *args, **kwargs)
                 finally:
-                    emit("on_backward_end")
+                    safe(boundary.on_backward_end)
 
             return backward
 
@@ -298,11 +296,12 @@ class Interceptions:
         else:
             return
         grads = list(tensorlistlist[0]) if tensorlistlist else []
-        self.dispatch.emit("on_clip", function, grads, user_call_site(3))
+        self.dispatch.emit("on_clip", function, grads, user_call_site(3), self.boundary.facts)
 
 
 class RootModelHooks:
-    """One forward pre-hook and one forward hook per root model (``on_forward_begin``/``_end``),
+    """One forward pre-hook and one forward hook per root model (the forward phase of the hub's
+    phase clock, and ``on_forward_begin``/``_end``),
     installed in the recording window's layer (:meth:`install`; dropped with it)."""
 
     def __init__(
@@ -311,11 +310,13 @@ class RootModelHooks:
         dispatch: Dispatcher,
         installed: Installed,
         compile_watch: CompileWatch,
+        boundary: StepBoundary,
     ) -> None:
         self.probe = probe
         self.dispatch = dispatch
         self.installed = installed
         self.compile = compile_watch
+        self.boundary = boundary
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
         self._layer: Installed | None = None  # the recording layer the hooks go in
 
@@ -347,22 +348,26 @@ class RootModelHooks:
                 self._hook(model, layer)
 
     def _hook(self, model: torch.nn.Module, layer: Installed) -> None:
-        subscribed = self.dispatch.subscribed
-        if not (subscribed("on_forward_begin") or subscribed("on_forward_end")):
+        dispatch = self.dispatch
+        subscribed = dispatch.subscribed
+        if not (
+            subscribed("on_forward_begin") or subscribed("on_forward_end") or dispatch.phase_times
+        ):
             return
         probe = self.probe
-        emit = self.dispatch.emit
+        safe = dispatch.safe
+        boundary = self.boundary
 
         def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             # inside a compiled region (module.compile(), a compiled train step) dynamo traces
             # this hook: it returns at once, so the graph is the one without amprobe
             if probe.recording and not probe.closed and not is_compiling():
                 probe.touch()
-                emit("on_forward_begin", module, args, kwargs)
+                safe(boundary.on_forward_begin, module, args, kwargs)
 
         def post(module: torch.nn.Module, args: Any, out: Any) -> None:
             if probe.recording and not probe.closed and not is_compiling():
-                emit("on_forward_end", module)
+                safe(boundary.on_forward_end, module)
 
         layer.hook(model.register_forward_pre_hook(pre, with_kwargs=True))
         layer.hook(model.register_forward_hook(post, always_call=True))

@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from amprobe.capture.probe import Probe
     from amprobe.store.fields import Field
 
-__all__ = ["Collector", "FlushWriter", "StepFacts", "due"]
+__all__ = ["PHASES", "Collector", "FlushWriter", "StepFacts", "due"]
+
+#: the step phases the hub's phase clock times (:attr:`StepFacts.phase_s` keys), in order
+PHASES = ("fwd", "bwd", "opt")
 
 
 def due(step: int, every: int, first: int = 0) -> bool:
@@ -58,6 +61,16 @@ class StepFacts:
         scale_after: its loss scale after ``update()``.
         growth_tracker: consecutive unskipped steps after ``update()``.
         found_inf: inf/NaN found in the gradients, summed over optimizers and devices.
+        phase_s: host seconds per phase (``fwd``, ``bwd``, ``opt``) when a collector asked
+            for phase times (see :mod:`amprobe.capture.phases`), else None.
+        cuda_phases: ``(phase, start, end)`` CUDA timing events of the phases (not read yet).
+        scalers_scaled: the GradScalers whose ``scale()`` ran, in first-use order.
+        unscale_calls: ``GradScaler.unscale_`` calls; ``unscaled_opts`` their optimizers.
+        scaler_steps: ``(scaler, optimizer)`` of each ``GradScaler.step`` call.
+        opt_steps: optimizer ``step()`` calls that ran (a skipped one does not).
+        autocast: ``(device, dtype)`` of the last enabled autocast region entered.
+        autocast_new: ``(device, dtype, enabled, site)`` of each autocast setting this probe
+            had not seen before, with the user's line that entered it.
     """
 
     loss: torch.Tensor | float | None = None
@@ -70,6 +83,15 @@ class StepFacts:
     scale_after: torch.Tensor | float | None = None
     growth_tracker: torch.Tensor | float | None = None
     found_inf: torch.Tensor | float | None = None
+    phase_s: dict[str, float] | None = None
+    cuda_phases: list[tuple[str, Any, Any]] = field(default_factory=list)
+    scalers_scaled: list[Any] = field(default_factory=list)
+    unscale_calls: int = 0
+    unscaled_opts: list[Any] = field(default_factory=list)
+    scaler_steps: list[tuple[Any, Any]] = field(default_factory=list)
+    opt_steps: int = 0
+    autocast: tuple[str, str | None] | None = None
+    autocast_new: list[tuple[str, str | None, bool, str | None]] = field(default_factory=list)
 
 
 class FlushWriter:
@@ -117,8 +139,15 @@ class Collector:
             ``forward_depth``, ``name_of(module)``); removed at the step end, never installed
             while torch.compile is in use. A collector never installs global hooks itself.
         detail_events: per-step events (``on_autocast``, ``on_forward_begin``, ...) this
-            collector needs only on the steps it asks for ops (:meth:`wants_ops` True): the hub
-            delivers them on those steps only, so an unsampled step does not call it at all.
+            collector needs only on some steps (:meth:`wants_detail` True, by default the steps
+            it asks for ops): the hub delivers them on those steps only, so an unsampled step
+            does not call it at all.
+        phase_times: the hub times the forward, backward and optimizer phases of every step
+            for it (:attr:`StepFacts.phase_s`; no event per phase).
+        samples: its :meth:`on_step_begin` only decides whether to sample the step (through
+            the probe's :class:`~amprobe.capture.budget.SampleBudget`): the hub skips it on the
+            steps no sample can be due (``budget.quiet(step)``) unless the collector asked for
+            ops or detail events at the step before (its sample ends there).
 
     Per-layer hooks a collector registers on the user's modules (never on torch itself) go
     through :meth:`amprobe.capture.hub.Hub.guard` and are removed by the collector in
@@ -129,6 +158,8 @@ class Collector:
     fields: ClassVar[tuple[Field, ...]] = ()
     track_modules: ClassVar[bool] = False
     detail_events: ClassVar[frozenset[str]] = frozenset()
+    phase_times: ClassVar[bool] = False
+    samples: ClassVar[bool] = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     def on_attach(self, probe: Probe) -> None:
@@ -182,8 +213,15 @@ class Collector:
         """Iteration ``step`` starts (after the previous boundary, or when recording starts)."""
 
     def wants_ops(self, step: int) -> bool:
-        """Ask for :meth:`on_op` during iteration ``step``; asked right after ``on_step_begin``."""
+        """Ask for :meth:`on_op` during iteration ``step``; asked right after ``on_step_begin``
+        on the steps some kind of sample is taken (:class:`~amprobe.capture.budget.SampleBudget`)
+        and on the step after a collector asked (to stop): ask only on a sampled step."""
         return False
+
+    def wants_detail(self, step: int) -> bool:
+        """Ask for the :attr:`detail_events` during iteration ``step`` (asked right after
+        :meth:`wants_ops`); by default on the steps this collector observes ops."""
+        return self.wants_ops(step)
 
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """An aten op ran (below autocast and autograd), on steps this collector asked for."""
@@ -215,8 +253,9 @@ class Collector:
     def on_unscale(self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
         """``GradScaler.unscale_`` ran for ``optimizer``."""
 
-    def on_clip(self, function: str, grads: list[Any], site: str | None) -> None:
-        """``clip_grad_norm_`` or ``clip_grad_value_`` is about to read ``grads``."""
+    def on_clip(self, function: str, grads: list[Any], site: str | None, facts: StepFacts) -> None:
+        """``clip_grad_norm_`` or ``clip_grad_value_`` is about to read ``grads``; ``facts``
+        are those of the iteration so far (which optimizers were unscaled)."""
 
     def on_scaler_step(
         self, scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer

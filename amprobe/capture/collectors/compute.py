@@ -214,6 +214,7 @@ class ComputeCollector(Collector):
     """
 
     name = "compute"
+    samples = True  # on_step_begin decides its samples (skipped on quiet steps)
     track_modules = True
     # where an op runs (autocast state, model or optimizer) matters only while capturing
     detail_events = frozenset(
@@ -226,6 +227,7 @@ class ComputeCollector(Collector):
             "on_backward_end",
             "on_optimizer_step_begin",
             "on_optimizer_step_end",
+            "on_step_end",  # a capture ends with its step
         }
     )
 

@@ -211,7 +211,10 @@ class NumericsCollector(Collector):
     """
 
     name = "numerics"
+    samples = True  # on_step_begin decides its samples (skipped on quiet steps)
     fields: ClassVar[tuple[Field, ...]] = fields_of("numerics")
+    # the scaler that divides the gradients matters on the steps measured in full
+    detail_events = frozenset({"on_scale"})
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -232,6 +235,7 @@ class NumericsCollector(Collector):
         self._params: list[tuple[weakref.ReferenceType[torch.nn.Parameter], int]] = []
         self._capture_handles: list[Any] = []
         self._armed_until = -1
+        self._sampled_now = False  # this step is measured in full (asked in on_step_begin)
         self._cur: _Capture | None = None
         self._done: list[_Capture] = []
         self._pool: list[StepStats] = []
@@ -627,12 +631,20 @@ class NumericsCollector(Collector):
         return hook
 
     def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        root = next((r for ref, r in self._roots if ref() is model), None)
+        root = None
+        for ref, r in self._roots:
+            if ref() is model:
+                root = r
+                break
         if root is None:
             return
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        floats = [t for t in tensors if t.is_floating_point()]
+        floats: list[torch.Tensor] = []
+        tensors = 0
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                tensors += 1
+                if a.is_floating_point():
+                    floats.append(a)
         if tensors and not floats and self._input_bad is None:
             self._input_bad = 0  # integer inputs (token ids) cannot be non-finite: checked
         if root not in self._inputs_described:
@@ -641,25 +653,36 @@ class NumericsCollector(Collector):
                 "model_inputs",
                 root=user_class_name(model),
                 floating=len(floats),
-                integer=sum(1 for t in tensors if not t.is_floating_point()),
-                dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+                integer=tensors - len(floats),
+                dtypes=sorted(
+                    {
+                        str(t.dtype).replace("torch.", "")
+                        for t in (*args, *kwargs.values())
+                        if isinstance(t, torch.Tensor)
+                    }
+                ),
             )
         capturing = bool(self._capture_handles)
+        sync_free = self._sync_free() if floats else True
         for i, t in enumerate(floats):
             t = local_tensor(t)
-            count = count_nonfinite(t, self._sync_free())  # one aminmax pass on CPU
+            count = count_nonfinite(t, sync_free)  # in the kernel (or one aminmax pass) on CPU
             self._input_bad = count if self._input_bad is None else self._input_bad + count
             if capturing and i < _MAX_INPUTS:
                 self._measure(self._input_slots[root][i], t)
 
     # -- step boundary ------------------------------------------------------------------------------
+    def wants_detail(self, step: int) -> bool:
+        return self._sampled_now
+
     def on_step_begin(self, step: int) -> None:
-        GRAPH_SAMPLE.on = bool(self._graph) and self._sampled(step)
-        if self._sampled(step):
+        self._sampled_now = sampled = self._sampled(step)
+        GRAPH_SAMPLE.on = bool(self._graph) and sampled
+        if sampled:
             self._install_capture()
             if step <= self._armed_until:
                 self._check_weights(step)
-        else:
+        elif self._capture_handles:
             self._remove_capture()
 
     def _check_weights(self, step: int) -> None:
@@ -705,7 +728,8 @@ class NumericsCollector(Collector):
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         record["numerics_sampled"] = bool(self._capture_handles) or GRAPH_SAMPLE.on
-        self._graph_step_end(step)
+        if GRAPH_SAMPLE.on:
+            self._graph_step_end(step)
         flags: dict[str, Any] = {"found_inf": facts.found_inf}
         if self._input_bad is not None:
             record["input_nonfinite"] = flags["input_nonfinite"] = self._input_bad
@@ -732,7 +756,8 @@ class NumericsCollector(Collector):
             self._watch.append(flags)  # fallback: read back at flush with the step records
             if self._device is not None and self._device.type == "cuda":
                 self._watch_async(step, flags)
-        self._poll_in_flight()
+        if self._in_flight:
+            self._poll_in_flight()
 
     def _watch_async(self, step: int, record: dict[str, Any]) -> None:
         """Copy this step's "something is non-finite" flag to pinned host memory, no sync.
@@ -776,6 +801,7 @@ class NumericsCollector(Collector):
             return
         if step + self.arm_steps > self._armed_until:
             self._armed_until = step + self.arm_steps
+            self.probe.budget.arm(self._armed_until)  # the next steps are not quiet
             self.probe.event("numerics_armed", from_step=step + 1, until_step=self._armed_until)
 
     # -- flush ------------------------------------------------------------------------------------

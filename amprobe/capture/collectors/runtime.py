@@ -18,13 +18,11 @@ import torch
 
 from amprobe.capture.collectors.nvml import GpuSampler
 from amprobe.capture.collectors.syncs import SyncCounter
-from amprobe.capture.protocol import Collector, StepFacts
+from amprobe.capture.protocol import PHASES, Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 
 __all__ = ["RuntimeCollector", "PHASES", "read_rss_bytes"]
 
-#: step phases timed by the collector, in order.
-PHASES = ("fwd", "bwd", "opt")
 _MAX_EVENTS_PER_KIND = 20
 _STATM = "/proc/self/statm"
 #: seconds between two reads of the resident set size (steps in between reuse the last one)
@@ -71,13 +69,21 @@ class RuntimeCollector(Collector):
     batch_size), ``gpu_sampler`` (status: sampling / not available / stopped, and why),
     ``sync_counting_stopped``.
 
+    The phases are timed by the hub's phase clock (:mod:`amprobe.capture.phases`, asked for
+    with ``phase_times``): no event per phase reaches this collector; it reads
+    :attr:`StepFacts.phase_s` at the step's end.
+
     Cost: two ``perf_counter`` calls per batch and per phase, one ``/proc`` read per 0.1 s;
     on CUDA two events per phase and a host-side allocator query. The NVML sampler runs in its
     own thread. Sync counting (the hub's op mode) costs about 10 % on sampled steps only.
     """
 
     name = "runtime"
+    samples = True  # on_step_begin decides its samples (skipped on quiet steps)
     fields: ClassVar[tuple[Field, ...]] = fields_of("runtime")
+    phase_times = True
+    # the backward root is a tensor the job owns: marked on the steps syncs are counted
+    detail_events = frozenset({"on_backward_begin"})
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -87,11 +93,6 @@ class RuntimeCollector(Collector):
         probe.budget.register("syncs", every, fixed=fixed, first=1 % every if every > 0 else 0)
         self._wait = 0.0
         self._batches = 0
-        self._acc: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self._depth: dict[str, int] = dict.fromkeys(PHASES, 0)
-        self._stack: list[str] = []  # open phases, innermost last: only it accumulates time
-        self._seg = 0.0  # when the innermost open phase (re)started accumulating
-        self._ev_open: dict[str, Any] = {}
         self._cuda_events: list[tuple[int, str, Any, Any]] = []
         self._sync_rows: list[dict[str, Any]] = []
         self._counter: SyncCounter | None = None
@@ -155,28 +156,14 @@ class RuntimeCollector(Collector):
             )
             self._event("dataloader_seen", **dict(zip(keys, config, strict=True)))
 
-    # -- phases -------------------------------------------------------------------------------
-    def on_forward_begin(self, model: Any, args: Any, kwargs: Any) -> None:
-        self._begin("fwd")
-
-    def on_forward_end(self, model: Any) -> None:
-        self._end("fwd")
-
+    # -- phases (timed by the hub's clock) -----------------------------------------------------
     def on_backward_begin(self, loss: Any) -> None:
         if self._counter is not None:
             self._counter.mark((loss,))
-        self._begin("bwd")
-
-    def on_backward_end(self) -> None:
-        self._end("bwd")
-
-    def on_optimizer_step_begin(self, optimizer: Any) -> None:
-        self._begin("opt")
-
-    def on_optimizer_step_end(self, optimizer: Any) -> None:
-        self._end("opt")
 
     def _is_cuda(self) -> bool:
+        """Whether the training device is CUDA (read again at each step start, kept in
+        ``self._cuda`` for the phase timers)."""
         device = self.probe.device
         if device is not self._device_seen:  # known once the first model or tensor is seen
             self._device_seen = device
@@ -191,44 +178,10 @@ class RuntimeCollector(Collector):
             self._rss_value = read_rss_bytes()
         return self._rss_value
 
-    def _begin(self, phase: str) -> None:
-        depth = self._depth[phase]
-        self._depth[phase] = depth + 1
-        if depth:
-            return
-        now = time.perf_counter()
-        if self._stack:  # pause the enclosing phase: nested time is this phase's
-            self._acc[self._stack[-1]] += now - self._seg
-        self._stack.append(phase)
-        self._seg = now
-        if self._is_cuda():
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._ev_open[phase] = event
-
-    def _end(self, phase: str, now: float | None = None) -> None:
-        depth = self._depth[phase] - 1
-        if depth < 0:
-            return  # already closed at the step boundary
-        self._depth[phase] = depth
-        if depth:
-            return
-        now = time.perf_counter() if now is None else now
-        if self._stack and self._stack[-1] == phase:
-            self._acc[phase] += now - self._seg
-            self._stack.pop()
-            self._seg = now  # the enclosing phase resumes
-        elif phase in self._stack:  # closed out of order: its time went to the inner phase
-            self._stack.remove(phase)
-        start = self._ev_open.pop(phase, None)
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._cuda_events.append((self.probe.step, phase, start, end))
-
     # -- syncs: the hub's op mode on sampled steps ---------------------------------------------
     def on_step_begin(self, step: int) -> None:
         self._counter = None
+        self._is_cuda()
         device = self.probe.device
         # steps 1, 1 + N, ... (every step when N = 1), spaced by the budget by default
         if device is not None and self.probe.budget.due("syncs", step):
@@ -270,23 +223,23 @@ class RuntimeCollector(Collector):
     def _reset(self) -> None:
         self._wait = 0.0
         self._batches = 0
-        self._acc = dict.fromkeys(PHASES, 0.0)
-        self._depth = dict.fromkeys(PHASES, 0)
-        self._stack = []
 
     # -- step boundary ------------------------------------------------------------------------
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         now = time.perf_counter()
-        for phase in reversed(self._stack):  # still open (the optimizer step that ended the step)
-            self._depth[phase] = 1
-            self._end(phase, now)
         counter, self._counter = self._counter, None
         record["data_wait_s"] = self._wait
         record["batches"] = self._batches
-        record["fwd_s"] = self._acc["fwd"]
-        record["bwd_s"] = self._acc["bwd"]
-        record["opt_s"] = self._acc["opt"]
-        record["rss_bytes"] = self._rss(now)
+        phase_s = facts.phase_s
+        if phase_s is not None:
+            record["fwd_s"] = phase_s["fwd"]
+            record["bwd_s"] = phase_s["bwd"]
+            record["opt_s"] = phase_s["opt"]
+        for phase, start, end in facts.cuda_phases:
+            self._cuda_events.append((step, phase, start, end))
+        if now - self._rss_t >= RSS_PERIOD_S:  # (see _rss) no filesystem call on most steps
+            self._rss(now)
+        record["rss_bytes"] = self._rss_value
         if self._is_cuda():
             record["peak_mem_bytes"] = self._peak_memory()
         if counter is not None:
@@ -304,8 +257,10 @@ class RuntimeCollector(Collector):
                 }
                 for (site, op, kind), n in counts.items()
             )
-        self._reset()
-        self._maybe_start_sampler()
+        self._wait = 0.0
+        self._batches = 0
+        if not self._sampler_started:
+            self._maybe_start_sampler()
 
     def _peak_memory(self) -> int:
         device = self.probe.device

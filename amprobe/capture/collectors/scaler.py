@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from amprobe.capture.collectors.frameworks import framework_amp_facts
 from amprobe.capture.collectors.sharded import sharding_facts
 from amprobe.capture.protocol import Collector, StepFacts
-from amprobe.capture.sites import dtype_name, user_call_site
+from amprobe.capture.sites import dtype_name
 from amprobe.store.fields import Field, fields_of
 
 __all__ = ["ScalerCollector"]
@@ -28,26 +28,13 @@ _MAX_EVENTS_PER_KIND = 50  # per-step facts live in the steps table; events only
 
 
 class _Iteration:
-    """What one training iteration did, as seen through the hub's events."""
+    """The gradient clipping of one training iteration (the rest is in the hub's facts)."""
 
-    __slots__ = (
-        "opt_steps",
-        "unscale_calls",
-        "clip_calls",
-        "clip_scaled",
-        "autocast",
-        "scaled",
-        "unscaled_opts",
-    )
+    __slots__ = ("clip_calls", "clip_scaled")
 
     def __init__(self) -> None:
-        self.opt_steps = 0
-        self.unscale_calls = 0
         self.clip_calls = 0
         self.clip_scaled = 0
-        self.autocast: tuple[str, str | None] | None = None
-        self.scaled: list[GradScaler] = []
-        self.unscaled_opts: list[Optimizer] = []
 
 
 class ScalerCollector(Collector):
@@ -86,7 +73,6 @@ class ScalerCollector(Collector):
         self._ids: weakref.WeakKeyDictionary[GradScaler, int] = weakref.WeakKeyDictionary()
         self._serial = itertools.count(1)
         self._bound: set[tuple[int, int]] = set()
-        self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         self._event_counts: Counter[str] = Counter()
         self._framework_read = False
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
@@ -161,47 +147,15 @@ class ScalerCollector(Collector):
                 "optimizer_state_loaded", optimizer_id=id(opt), optimizer_class=type(opt).__name__
             )
 
-    # -- one iteration --------------------------------------------------------------------------
-    def on_scale(self, scaler: GradScaler, loss: torch.Tensor | None) -> None:
-        if scaler not in self._it.scaled:
-            self._it.scaled.append(scaler)
-
-    def on_unscale(self, scaler: GradScaler, optimizer: Optimizer) -> None:
-        self._it.unscale_calls += 1
-        self._it.unscaled_opts.append(optimizer)
-
-    def on_scaler_step(self, scaler: GradScaler, optimizer: Optimizer) -> None:
-        key = (self._id(scaler), id(optimizer))
-        if key not in self._bound:
-            self._bound.add(key)
-            self._event(
-                "scaler_bound",
-                scaler_id=key[0],
-                optimizer_id=id(optimizer),
-                optimizer_class=type(optimizer).__name__,
-            )
-
-    def on_autocast(self, device: str, dtype: str | None, enabled: bool) -> None:
-        if enabled:
-            self._it.autocast = (device, dtype)
-        key = (device, dtype, enabled)
-        if key not in self._autocast_seen:
-            self._autocast_seen.add(key)
-            self._event(
-                "autocast_seen", device=device, dtype=dtype, enabled=enabled, site=user_call_site(3)
-            )
-
-    def on_optimizer_step_end(self, optimizer: Optimizer) -> None:
-        self._it.opt_steps += 1
-
-    def on_clip(self, function: str, grads: list[Any], site: str | None) -> None:
+    # -- one iteration (what the hub saw is in its facts: read at the step's end) -----------------
+    def on_clip(self, function: str, grads: list[Any], site: str | None, facts: StepFacts) -> None:
         it = self._it
         it.clip_calls += 1
-        if not any(getattr(s, "_enabled", False) for s in it.scaled):
+        if not any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
             return
         unscaled = {
             id(p.grad)
-            for opt in it.unscaled_opts
+            for opt in facts.unscaled_opts
             for group in opt.param_groups
             for p in group["params"]
             if p.grad is not None
@@ -248,9 +202,21 @@ class ScalerCollector(Collector):
             self._read_sharding()
         it = self._it
         self._it = _Iteration()
+        for scaler, optimizer in facts.scaler_steps:
+            key = (self._id(scaler), id(optimizer))
+            if key not in self._bound:
+                self._bound.add(key)
+                self._event(
+                    "scaler_bound",
+                    scaler_id=key[0],
+                    optimizer_id=id(optimizer),
+                    optimizer_class=type(optimizer).__name__,
+                )
+        for device, dtype, enabled, site in facts.autocast_new:
+            self._event("autocast_seen", device=device, dtype=dtype, enabled=enabled, site=site)
         record.update(
-            opt_steps=it.opt_steps,
-            unscale_calls=it.unscale_calls,
+            opt_steps=facts.opt_steps,
+            unscale_calls=facts.unscale_calls,
             clip_calls=it.clip_calls,
             clip_scaled=it.clip_scaled,
             loss_dtype=facts.loss_dtype,
@@ -259,7 +225,7 @@ class ScalerCollector(Collector):
         )
         if facts.loss is not None:
             record["loss"] = facts.loss
-        autocast = it.autocast
+        autocast = facts.autocast
         if autocast is None and self.probe.hub.compiled_autocast is not None:
             # autocast inside a compiled region runs in the graph, not through __enter__
             autocast = self.probe.hub.compiled_autocast
