@@ -11,7 +11,6 @@ layer that wraps them.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +86,7 @@ class ScalerMethods:
     def __init__(self, probe: Probe, installed: Installed) -> None:
         self.probe = probe
         self.installed = installed
-        self._calls = threading.local()
+        self._active: set[tuple[int, str]] = set()  # (scaler id, method) of the calls running
         self._classes: list[type] = []  # the subclasses seen, in order
         # the sets wrapped now: (the stack they are in, attr -> maker, attr -> owners hooked)
         self._sets: list[tuple[Installed, dict[str, Callable[[Any], Any]], dict[str, set[type]]]]
@@ -101,7 +100,7 @@ class ScalerMethods:
         entry = (installed, makers, hooked)
         self._sets.append(entry)
         for attr, make in makers.items():
-            installed.patch(GradScaler, attr, self._outermost(attr, make))
+            installed.patch(GradScaler, attr, self._outermost(attr, make, base=True))
         for cls in self._classes:
             self._hook(cls, entry)
 
@@ -109,22 +108,32 @@ class ScalerMethods:
         """Forget the set wrapped in ``installed`` (its owner removes the patches)."""
         self._sets = [entry for entry in self._sets if entry[0] is not installed]
 
-    def _outermost(self, attr: str, make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def _outermost(
+        self, attr: str, make: Callable[[Any], Any], base: bool = False
+    ) -> Callable[[Any], Any]:
         """``make`` whose wrapper acts only in the outermost ``<attr>`` call on a scaler.
 
         A subclass's own ``update`` that calls ``super().update()`` reaches the wrapped base
         method too; only the outer call is the user's, so the inner one passes straight through
-        (one step boundary, one ``on_unscale``). Cost: a set insert and removal per call.
+        (one step boundary, one ``on_unscale``). A subclass's wrapper marks its call (a set
+        insert and removal); GradScaler's own wrapper (``base``) is never outer to another, so
+        it only looks (nothing to mark while no subclass method is hooked). The mark is per
+        scaler and method, not per thread: a GradScaler is used by one thread at a time.
         """
-        local = self._calls
+        active = self._active
 
         def make_outermost(orig: Any) -> Any:
             inner = make(orig)
+            if base:
+
+                def outermost_base(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+                    if active and (id(scaler), attr) in active:
+                        return orig(scaler, *args, **kwargs)
+                    return inner(scaler, *args, **kwargs)
+
+                return outermost_base
 
             def outermost(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-                active: set[tuple[int, str]] | None = getattr(local, "active", None)
-                if active is None:
-                    active = local.active = set()
                 key = (id(scaler), attr)
                 if key in active:
                     return orig(scaler, *args, **kwargs)

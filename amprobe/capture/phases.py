@@ -53,10 +53,11 @@ class PhaseClock:
         """``phase`` starts (nested calls count once)."""
         if not self.on:
             return
-        depth = self._depth[phase]
-        self._depth[phase] = depth + 1
-        if depth:
+        depth = self._depth
+        if depth[phase]:
+            depth[phase] += 1
             return
+        depth[phase] = 1
         now = time.perf_counter()
         stack = self._stack
         if stack:  # pause the enclosing phase: nested time is this phase's
@@ -72,25 +73,28 @@ class PhaseClock:
         """``phase`` ends (the outermost call of a nest closes it)."""
         if not self.on:
             return
-        depth = self._depth[phase] - 1
-        if depth < 0:
-            return  # already closed at the step boundary
-        self._depth[phase] = depth
-        if depth:
-            return
-        now = time.perf_counter() if now is None else now
+        depth = self._depth
+        left = depth[phase] - 1
+        if left:
+            if left > 0:
+                depth[phase] = left
+            return  # still nested, or already closed at the step boundary
+        depth[phase] = 0
+        if now is None:
+            now = time.perf_counter()
         stack = self._stack
-        if stack and stack[-1] == phase:
+        if stack[-1] == phase:
             self._acc[phase] += now - self._seg
             stack.pop()
             self._seg = now  # the enclosing phase resumes
         elif phase in stack:  # closed out of order: its time went to the inner phase
             stack.remove(phase)
-        start = self._open.pop(phase, None)
-        if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((phase, start, end))
+        if self.cuda:
+            start = self._open.pop(phase, None)
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events.append((phase, start, end))
 
     def take(self) -> tuple[dict[str, float], list[tuple[str, Any, Any]]] | None:
         """Close the phases still open (the optimizer step that ended the step) and return the
