@@ -208,17 +208,17 @@ class Dispatcher:
     def deliver(
         self, subs: list[tuple[Collector, Callable[..., Any]]], args: tuple[Any, ...]
     ) -> None:
-        """Call each subscriber's handler with ``args``, under the guard."""
-        for collector, fn in subs:  # self.call, inlined: this is the per-step hot path
-            if collector.name in self._failed:
-                continue
-            self.busy += 1
-            try:
-                fn(*args)
-            except Exception as exc:
-                self.failed(collector, exc)
-            finally:
-                self.busy -= 1
+        """Call each subscriber's handler with ``args``, under the guard (a collector switched
+        off is out of every list already: :meth:`failed` rebuilds them)."""
+        self.busy += 1
+        try:
+            for collector, fn in subs:  # self.call, inlined: this is the per-step hot path
+                try:
+                    fn(*args)
+                except Exception as exc:
+                    self.failed(collector, exc)
+        finally:
+            self.busy -= 1
 
     def failed(self, collector: Collector, exc: BaseException) -> None:
         """Switch ``collector`` off and record why, once."""
