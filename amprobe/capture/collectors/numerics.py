@@ -240,7 +240,6 @@ class NumericsCollector(Collector):
         self._done: list[_Capture] = []
         self._pool: list[StepStats] = []
         self._device: torch.device | None = None
-        self._on_cpu = False  # the model is on the CPU (reading its values costs no sync)
         self._ones: torch.Tensor | None = None
         self._input_bad: torch.Tensor | int | None = None
         self._watch: list[dict[str, Any]] = []
@@ -286,7 +285,6 @@ class NumericsCollector(Collector):
         if self._device is None:
             for p in model.parameters():
                 self._device = p.device
-                self._on_cpu = p.device.type == "cpu"
                 break
             if self.every and self._device is not None and self._device.type == "cpu":
                 numkernel.start_build()  # compiled beside the first step, not inside it
@@ -749,7 +747,7 @@ class NumericsCollector(Collector):
                 self._note_nonfinite(cap)
                 self._note_kernel()
         self._cur = None
-        if self._on_cpu:
+        if self._device is not None and self._device.type == "cpu":
             # reading a CPU tensor costs no device sync: arm at once
             if _record_bad(flags):
                 self._arm(step)
