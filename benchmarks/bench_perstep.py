@@ -160,6 +160,8 @@ def main() -> None:
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); python {sys.version.split()[0]}")
     print("tiny MLP, fp16 autocast + GradScaler('cpu'), one intra-op thread, thread CPU time\n")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.processes < 1 or args.rounds < 1:
+            parser.error("--processes and --rounds must be at least 1")
         print(
             f"1. always-on path: {args.processes} fresh processes x {args.rounds} rounds of a "
             f"plain and a probed {args.block}-step block ({args.settle} untimed steps after each "
@@ -175,12 +177,14 @@ def main() -> None:
                 )
                 plain += got["plain"]
                 added += [b - a for a, b in zip(got["plain"], got["probed"], strict=True)]
-            q = statistics.quantiles(added, n=4)
+            q = statistics.quantiles(added, n=4) if len(added) > 1 else [added[0]] * 3
             print(
                 f"   {mode:>8}: plain {statistics.median(plain):7.1f} us/step; added "
                 f"{statistics.median(added):+7.1f} us/step (quartiles {q[0]:+.1f} .. {q[2]:+.1f}, "
                 f"{len(added)} rounds)"
             )
+        if args.pairs < 1:
+            return
         print(
             f"\n2. amortized, sampled steps and flushes included: {args.pairs} alternating pairs "
             f"of fresh processes, {args.warmup} warm-up + {args.steps} timed steps; added = "

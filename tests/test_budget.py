@@ -148,3 +148,96 @@ def test_armed_samples_are_declined_once_the_debt_is_deep():
     fixed = SampleBudget(0.01)
     fixed.register("numerics", 1, fixed=True)
     assert all(fixed.take_armed("numerics", s) for s in range(50))
+
+
+def _drive_quiet(
+    budget: SampleBudget, kind: str, steps: int, step_s: float, sample_s: float
+) -> tuple[list[int], list[int]]:
+    """As ``_drive``, but ``due`` is asked only on steps the budget does not call quiet (what
+    the hub does): the samples taken, and the steps asked."""
+    taken, asked = [], []
+    for step in range(steps):
+        sampled = False
+        if not budget.quiet(step):
+            asked.append(step)
+            sampled = budget.due(kind, step)
+            if sampled:
+                taken.append(step)
+        budget.end_step(step_s + (sample_s if sampled else 0.0))
+    return taken, asked
+
+
+def test_quiet_steps_are_those_no_sample_can_take():
+    fixed = SampleBudget(0.01)
+    fixed.register("k", 5, fixed=True, first=2)
+    taken, asked = _drive_quiet(fixed, "k", 30, 0.001, 0.05)
+    assert taken == _drive(_fixed("k", 5, 2), "k", 30, 0.001, 0.05) == list(range(2, 30, 5))
+    assert asked == taken  # a fixed schedule is asked on its own steps only
+
+    budgeted = SampleBudget(0.01)
+    budgeted.register("k", 100, fixed=False)
+    taken, asked = _drive_quiet(budgeted, "k", 20_000, step_s=0.001, sample_s=0.05)
+    # the same spacing as asking every step, asked on a few steps only (deferrals wait for
+    # the credit they need instead of asking every step)
+    every = _drive(_budgeted("k", 100), "k", 20_000, step_s=0.001, sample_s=0.05)
+    assert taken[0] == every[0] == 0
+    assert abs(len(taken) - len(every)) <= 1
+    gaps = [b - a for a, b in zip(taken, taken[1:], strict=False)]
+    assert gaps and min(gaps) >= 4_900, gaps
+    assert len(asked) < 100, len(asked)
+
+    armed = SampleBudget(0.01)
+    armed.register("k", 100, fixed=False)
+    assert not armed.quiet(0) and armed.due("k", 0)
+    armed.end_step(0.05)
+    assert armed.quiet(1)
+    armed.arm(3)  # a problem arms samples up to step 3: not quiet until then
+    assert not armed.quiet(1) and not armed.quiet(3) and armed.quiet(4)
+
+    off = SampleBudget(0.01)
+    off.register("k", 0, fixed=False)  # a kind switched off never makes a step busy
+    assert off.quiet(0) and off.quiet(10_000)
+
+
+def _fixed(kind: str, every: int, first: int) -> SampleBudget:
+    budget = SampleBudget(0.01)
+    budget.register(kind, every, fixed=True, first=first)
+    return budget
+
+
+def _budgeted(kind: str, every: int) -> SampleBudget:
+    budget = SampleBudget(0.01)
+    budget.register(kind, every, fixed=False)
+    return budget
+
+
+def test_samplers_are_asked_only_when_a_sample_can_start_or_end(tmp_path, monkeypatch):
+    """The hub skips a sampler's ``on_step_begin`` on quiet steps: with numerics sampled every
+    4th step (fixed), its step start runs on the sampled steps and the step after each (where
+    its hooks come off), and the recorded samples are those of a probe asked on every step."""
+    from amprobe.capture.collectors.numerics import NumericsCollector
+
+    called: list[int] = []
+    orig = NumericsCollector.on_step_begin
+
+    def spy(self, step):
+        called.append(step)
+        return orig(self, step)
+
+    monkeypatch.setattr(NumericsCollector, "on_step_begin", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    run = tmp_path / "r"
+    config = {"collectors": ["numerics"], "numerics_every": 4}
+    with amprobe.attach(model, opt, run_dir=run, config=config):
+        for _ in range(13):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    steps = amprobe.load_run(run).steps
+    sampled = [int(s) for s in steps.loc[steps["numerics_sampled"], "step"]]
+    assert sampled and sampled == [s for s in range(13) if s in sampled]
+    assert len(sampled) >= 3, sampled
+    assert sorted(set(called)) == sorted(set(sampled) | {s + 1 for s in sampled})

@@ -300,3 +300,42 @@ def test_device_phases_and_memory(tmp_path, device):
         assert steps["syncs"].fillna(0).sum() == 0, "no user sync in this loop"
     else:
         assert run.table("cuda_phases").empty and steps["peak_mem_bytes"].isna().all()
+
+
+def test_phase_clock_counts_the_innermost_phase_and_closes_what_is_open(monkeypatch):
+    """The hub's phase clock: only the innermost open phase accumulates (a forward and backward
+    inside ``optimizer.step(closure)`` are not optimizer time), a phase entered again while open
+    counts once, and the step's end closes the phases still open."""
+    from amprobe.capture import phases
+
+    now = [0.0]
+    monkeypatch.setattr(phases.time, "perf_counter", lambda: now[0])
+    clock = phases.PhaseClock()
+    assert clock.take() is None  # off: nothing timed
+    clock.on = True
+
+    def at(t: float) -> None:
+        now[0] = t
+
+    clock.begin("opt")  # optimizer.step(closure) at 0
+    at(1.0)
+    clock.begin("fwd")  # the closure's forward: 1 .. 3, a nested root inside it counts once
+    clock.begin("fwd")
+    at(2.0)
+    clock.end("fwd")
+    at(3.0)
+    clock.end("fwd")
+    clock.begin("bwd")  # its backward: 3 .. 6
+    at(6.0)
+    clock.end("bwd")
+    at(7.0)  # the optimizer's own work: 0 .. 1 and 6 .. 7, still open at the step's end
+    taken = clock.take()
+    assert taken is not None
+    seconds, events = taken
+    assert seconds == {"fwd": 2.0, "bwd": 3.0, "opt": 2.0} and events == []
+    clock.end("opt")  # closed at the boundary already: a late end changes nothing
+    at(8.0)
+    clock.begin("fwd")
+    at(8.5)
+    again = clock.take()
+    assert again is not None and again[0] == {"fwd": 0.5, "bwd": 0.0, "opt": 0.0}

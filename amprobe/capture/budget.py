@@ -22,9 +22,14 @@ periodic samples pause until that debt is paid back; while the debt is deeper th
 :data:`ARMED_DEBT_SAMPLES` samples (a job that overflows every few steps), further armed
 samples are declined too, so that a storm of problems cannot make amprobe the job's cost.
 
+A deferred kind is not asked again before the credit can cover its cost (an estimate from the
+typical step), and a step on which no kind can be due is quiet (:meth:`SampleBudget.quiet`): the
+hub does not ask the sampling collectors at its start, so an unsampled step costs them nothing.
+
 What the budget chose is recorded: one ``sample_deferred`` event per kind the first time the
 budget holds a sample back (its cost, the step time, the budget), and in ``end.json``'s
-``sampling`` (per kind: samples taken, samples deferred, mean cost, period used).
+``sampling`` (per kind: samples taken, times a due sample was deferred, mean cost, period
+used).
 """
 
 from __future__ import annotations
