@@ -66,7 +66,7 @@ def _host_scalar(t: torch.Tensor) -> Any:
 
 def _on_host(t: torch.Tensor) -> bool:
     """Reading ``t`` costs no host-device sync (a CPU tensor)."""
-    return bool(t.is_cpu)
+    return t.is_cpu
 
 
 class StepBoundary:

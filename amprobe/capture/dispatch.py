@@ -78,6 +78,8 @@ class Dispatcher:
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
         self.busy = 0
+        #: the op mode is pushed: amprobe's own code marks itself ``busy`` (else no one reads it)
+        self.observing = False
         self.closed = False
         self.subs: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
         #: every override, detail events included, in subscription order
@@ -171,20 +173,28 @@ class Dispatcher:
         """Run the hub's own body of a wrapper: a failure is recorded once, never raised.
 
         ``SystemExit`` (``max_steps`` reached, asked for by ``amprobe baseline``) passes. Its
-        tensor ops (reading a CPU loss scale) are amprobe's: no op observer books them.
+        tensor ops (reading a CPU loss scale) are amprobe's: no op observer books them (they
+        are marked ``busy`` while the op mode is pushed, the only reader of the mark).
         """
+        if not self.observing:
+            try:
+                return fn(*args)
+            except Exception as exc:
+                self._hub_error(exc)
+                return None
         self.busy += 1
         try:
             return fn(*args)
         except Exception as exc:
-            if not self._hub_failed:
-                self._hub_failed = True
-                self.probe.event(
-                    "hub_error", error=f"{type(exc).__name__}: {exc}", where=_where(exc)
-                )
+            self._hub_error(exc)
             return None
         finally:
             self.busy -= 1
+
+    def _hub_error(self, exc: Exception) -> None:
+        if not self._hub_failed:
+            self._hub_failed = True
+            self.probe.event("hub_error", error=f"{type(exc).__name__}: {exc}", where=_where(exc))
 
     def guard(self, collector: Collector, fn: Callable[..., Any]) -> Callable[..., None]:
         """Wrap a hook a collector registers on the user's modules or tensors with the guard."""

@@ -71,6 +71,7 @@ class OpMode:
     def push(self, observers: list[tuple[Collector, Callable[..., None]]]) -> None:
         """Hand this step's ops to ``observers`` (pushes the mode unless it is pushed)."""
         self.mux.observers = observers
+        self.mux.dispatch.observing = True
         if not self._pushed:
             self.mux.__enter__()
             self._pushed = True
@@ -79,6 +80,7 @@ class OpMode:
         """Stop handing ops over; pop the mode when it is the innermost one."""
         mux = self.mux
         mux.observers = []
+        mux.dispatch.observing = False
         if not self._pushed:
             return
         if _get_current_dispatch_mode() is mux:

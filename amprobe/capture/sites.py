@@ -20,9 +20,17 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_PATHS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
+_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).replace("torch.", "") if dtype is not None else None
+    """``torch.bfloat16`` -> ``"bfloat16"`` (remembered: called on every autocast entry)."""
+    if dtype is None:
+        return None
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def user_call_site(depth: int = 2) -> str | None:
