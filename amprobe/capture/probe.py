@@ -711,6 +711,10 @@ def _first_param_device(obj: Any) -> torch.device | None:
     return None
 
 
+#: the types of a step record's values that need no read-back
+_SCALARS = frozenset({float, int, bool, str, type(None)})
+
+
 def _materialize(rows: list[dict[str, Any]]) -> None:
     """Replace device tensors in ``rows`` by Python numbers with one transfer per device.
 
@@ -720,9 +724,12 @@ def _materialize(rows: list[dict[str, Any]]) -> None:
     groups: dict[
         tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], str, torch.Tensor]]
     ] = defaultdict(list)
+    tensor = torch.Tensor
     for row in rows:
+        if set(map(type, row.values())) <= _SCALARS:
+            continue  # a CPU job's row: Python values only (one C-level pass over its types)
         for key, value in row.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, tensor):
                 groups[(value.device, value.dtype)].append((row, key, value))
     by_device: dict[
         torch.device, list[tuple[torch.dtype, list[tuple[dict[str, Any], str, torch.Tensor]]]]
