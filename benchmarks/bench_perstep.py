@@ -19,6 +19,13 @@ with the default configuration, or ``dormant=True``. Two measurements:
    training time the sampled steps took, as the overhead budget recorded it. Process-to-process
    noise applies here.
 
+3. ``--opcodes``: the Python bytecode instructions amprobe's own frames execute per recorded
+   step (``sys.settrace`` with opcode events, 10 steps after 250), and the distinct source lines
+   they touch: a count that does not depend on the machine or its load, for comparing versions
+   of the always-on path where timings differ by less than this machine's noise. (What such
+   code costs inside a training loop is mostly its cold-cache footprint, several times its cost
+   in a tight loop of its own.)
+
 Targets (issue #20): <= 100 us per step amortized with the default configuration, <= 20 us for a
 dormant probe. The CPU model is printed beside the figures.
 """
@@ -103,6 +110,44 @@ def worker_ab(mode: str, rounds: int, block: int, settle: int, run_dir: str) -> 
     return {"plain": plain, "probed": probed, "sampling": sampling}
 
 
+def opcodes(mode: str, warmup: int = 250, steps: int = 10) -> tuple[int, int]:
+    """Bytecode instructions per step executed in amprobe's frames, and distinct lines."""
+    import amprobe
+
+    step, model, opt, scaler = _loop()
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=tmp, config=MODES[mode]
+        )
+        for _ in range(warmup):
+            step()
+        root = os.path.dirname(amprobe.__file__) + os.sep
+        count = [0]
+        lines: set[tuple[str, int]] = set()
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                count[0] += 1
+            elif event == "line":
+                lines.add((frame.f_code.co_filename, frame.f_lineno))
+            return local
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            if not frame.f_code.co_filename.startswith(root):
+                return None
+            frame.f_trace_opcodes = True
+            return local
+
+        sys.settrace(trace)
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            sys.settrace(None)
+        probe.close()
+    return count[0] // steps, len(lines)
+
+
 def _loop() -> tuple[Any, Any, Any, Any]:
     """The training step of issue #20's loop (seeded, one intra-op thread) and its objects."""
     import torch
@@ -145,6 +190,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000, help="long runs: timed steps")
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--modes", default="default,dormant", help="probed modes, comma-separated")
+    parser.add_argument(
+        "--opcodes", action="store_true", help="only count amprobe's bytecodes per step"
+    )
     parser.add_argument("--worker", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--ab", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -158,6 +206,11 @@ def main() -> None:
         return
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); python {sys.version.split()[0]}")
+    if args.opcodes:
+        for mode in modes:
+            ops, lines = opcodes(mode)
+            print(f"   {mode:>8}: {ops} bytecodes a step in amprobe's frames, {lines} lines")
+        return
     print("tiny MLP, fp16 autocast + GradScaler('cpu'), one intra-op thread, thread CPU time\n")
     with tempfile.TemporaryDirectory() as tmp:
         if args.processes < 1 or args.rounds < 1:
