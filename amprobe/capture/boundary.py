@@ -339,9 +339,14 @@ class StepBoundary:
                 if isinstance(tracker, torch.Tensor):
                     facts.growth_tracker = _host_scalar(tracker)
             facts.found_inf = before.get("found_inf")
-            self._emit(
-                "on_scaler_update", scaler, facts.scale_before, facts.scale_after, facts.found_inf
-            )
+            if self._subs["on_scaler_update"]:
+                self._emit(
+                    "on_scaler_update",
+                    scaler,
+                    facts.scale_before,
+                    facts.scale_after,
+                    facts.found_inf,
+                )
         self.end_step()
 
     def opt_pre(self, opt: Optimizer, args: Any, kwargs: Any) -> None:
