@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprobe
 import amprobe.capture.collectors.numerics as numerics
-from amprobe.capture.collectors import numstats
+from amprobe.capture.collectors import numkernel, numstats
 from amprobe.capture.collectors.numstats import (
     C_AMAX,
     C_IN_BAD,
@@ -492,7 +492,7 @@ def test_the_kernel_on_large_tensors_and_runs_of_one_key(dtype: torch.dtype) -> 
     x = _values(dtype, n, seed=13)
     x[1000:200000] = 0.0  # a long run of one key
     cases = [x, x.view(512, 1024).t(), x.view(512, 1024)[:, ::2]]
-    for s in (None, _scale(1000.0)):
+    for s in (None, _scale(1000.0), _scale(2.0**16), _scale(2.0**-3)):
         for t in cases:
             _assert_rows_equal(
                 numstats_reference.stats_v1(t, s), numstats.stats_v2(t, s, kernel=True)

@@ -9,7 +9,12 @@ row; for fp32 five more). The C function here does it in one pass and adds into 
 directly: about 0.35 ns per bf16 element on one core against about 0.9 ns for ``abs`` +
 ``bincount`` (Intel Xeon, 2M elements). Large tensors count into four interleaved uint32
 sub-histograms (a scratch the caller owns, left zeroed) so that runs of one key (the zeros
-after a ReLU) do not serialise on one counter.
+after a ReLU) do not serialise on one counter. The loops prefetch 4 KiB ahead: the counter
+updates keep the hardware prefetcher from streaming a tensor that is not in cache (a training
+step's tensors mostly are not), which halved the cost of a TinyGPT step's tensors (about 1 to
+0.45 ns per bf16 element). The elementwise fp32 loops and the non-finite count are compiled
+twice, for AVX2 and for the baseline, chosen when the library loads (GCC's ``target_clones``
+on x86-64 Linux; one baseline version elsewhere).
 
 Why not ``torch.compile``: inductor lowers a histogram to atomic scatter-adds (about 1.2 ns per
 element here, no faster than ``bincount``), its first compile of the function took about two
@@ -51,6 +56,18 @@ SOURCE = r"""
 #define SUB_MIN (1 << 18)      /* from this many elements, count into the four sub-histograms */
 #define CHUNK (1LL << 31)      /* elements per sub-histogram merge: no uint32 counter overflows */
 #define BLOCK 2048             /* fp32 elements unscaled and classified per block */
+#define AHEAD 4096             /* bytes prefetched ahead of the histogram loops */
+
+/* AVX2 and baseline versions of the elementwise loops, picked at load time by an ifunc
+   (glibc on x86-64 Linux: GCC >= 6, clang >= 14); one baseline version elsewhere */
+#if defined(__has_attribute) && defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
+#if __has_attribute(target_clones)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
 
 static int64_t tail_sum(const int64_t *h, int64_t from) {
   int64_t s = 0;
@@ -66,13 +83,16 @@ static void merge(int64_t *h, uint32_t *sub) {
 
 static void hist16_direct(const uint16_t *x, int64_t n, int64_t *h) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    uint64_t w;
-    memcpy(&w, x + i, 8);
-    h[w & 0x7FFF]++;
-    h[(w >> 16) & 0x7FFF]++;
-    h[(w >> 32) & 0x7FFF]++;
-    h[(w >> 48) & 0x7FFF]++;
+  for (; i + 32 <= n; i += 32) {
+    __builtin_prefetch((const char *)(x + i) + AHEAD);
+    for (int j = 0; j < 32; j += 4) {
+      uint64_t w;
+      memcpy(&w, x + i + j, 8);
+      h[w & 0x7FFF]++;
+      h[(w >> 16) & 0x7FFF]++;
+      h[(w >> 32) & 0x7FFF]++;
+      h[(w >> 48) & 0x7FFF]++;
+    }
   }
   for (; i < n; i++) h[x[i] & 0x7FFF]++;
 }
@@ -80,13 +100,21 @@ static void hist16_direct(const uint16_t *x, int64_t n, int64_t *h) {
 static void hist16_sub(const uint16_t *x, int64_t n, uint32_t *sub) {
   uint32_t *s0 = sub, *s1 = sub + NK, *s2 = sub + 2 * NK, *s3 = sub + 3 * NK;
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    uint64_t w;
-    memcpy(&w, x + i, 8);
-    s0[w & 0x7FFF]++;
-    s1[(w >> 16) & 0x7FFF]++;
-    s2[(w >> 32) & 0x7FFF]++;
-    s3[(w >> 48) & 0x7FFF]++;
+  for (; i + 32 <= n; i += 32) {
+    __builtin_prefetch((const char *)(x + i) + AHEAD);
+    for (int j = 0; j < 32; j += 8) {
+      uint64_t w, v;
+      memcpy(&w, x + i + j, 8);
+      memcpy(&v, x + i + j + 4, 8);
+      s0[w & 0x7FFF]++;
+      s1[(w >> 16) & 0x7FFF]++;
+      s2[(w >> 32) & 0x7FFF]++;
+      s3[(w >> 48) & 0x7FFF]++;
+      s0[v & 0x7FFF]++;
+      s1[(v >> 16) & 0x7FFF]++;
+      s2[(v >> 32) & 0x7FFF]++;
+      s3[(v >> 48) & 0x7FFF]++;
+    }
   }
   for (; i < n; i++) s0[x[i] & 0x7FFF]++;
 }
@@ -113,6 +141,7 @@ int64_t amprobe_hist16(const uint16_t *x, int64_t n, int64_t *h, uint32_t *sub,
    adds v's upper 16 bits to h and accumulates into extra: [0] zeros, [1] NaN, [2] the largest
    bit pattern, [3] v >= 65520 (inf included, NaN not), [4] v <= the fp32 value of flush_bits.
    Returns how many v are inf or NaN. */
+CLONES
 int64_t amprobe_stats32(const uint32_t *x, int64_t n, int64_t *h, uint32_t *sub,
                         int64_t *extra, float scale, int32_t divide, uint32_t flush_bits) {
   uint32_t buf[BLOCK];
@@ -121,10 +150,27 @@ int64_t amprobe_stats32(const uint32_t *x, int64_t n, int64_t *h, uint32_t *sub,
   uint32_t top = 0;
   int use_sub = n >= SUB_MIN;
   int64_t since_merge = 0;
+  /* a power-of-two scale whose inverse is a normal number: x * (1 / scale) is the same real
+     number as x / scale, so both round to the same fp32 (subnormal results included) */
+  uint32_t sbits;
+  memcpy(&sbits, &scale, 4);
+  uint32_t sexp = (sbits >> 23) & 0xFF;
+  int pow2 = (sbits & 0x807FFFFFu) == 0 && sexp >= 2 && sexp <= 252;
+  float inv = 1.0f / scale;
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
     int m = n - i0 < BLOCK ? (int)(n - i0) : BLOCK;
     const uint32_t *src = x + i0;
-    if (divide) {
+    for (int j = 0; j < m; j += 16) __builtin_prefetch((const char *)(src + j) + AHEAD);
+    if (divide && pow2) {
+      for (int j = 0; j < m; j++) {
+        uint32_t u = src[j] & 0x7FFFFFFFu;
+        float f;
+        memcpy(&f, &u, 4);
+        f = f * inv;
+        memcpy(&u, &f, 4);
+        buf[j] = u;
+      }
+    } else if (divide) {
       for (int j = 0; j < m; j++) {
         uint32_t u = src[j] & 0x7FFFFFFFu;
         float f;
@@ -178,16 +224,28 @@ int64_t amprobe_stats32(const uint32_t *x, int64_t n, int64_t *h, uint32_t *sub,
   return tail_sum(h, 0x7F80) - before;
 }
 
-/* how many of n elements are inf or NaN: kind 0 fp32, 1 fp16, 2 bf16 (one pass, no copy) */
+/* how many of n elements are inf or NaN: kind 0 fp32, 1 fp16, 2 bf16 (one pass, no copy;
+   counted per block in narrow counters, which vectorize) */
+#define NF_BLOCK 4096
+CLONES
 int64_t amprobe_nonfinite(const void *x, int64_t n, int32_t kind) {
   int64_t c = 0;
-  if (kind == 0) {
-    const uint32_t *u = (const uint32_t *)x;
-    for (int64_t i = 0; i < n; i++) c += (u[i] & 0x7FFFFFFFu) >= 0x7F800000u;
-  } else {
-    const uint16_t *u = (const uint16_t *)x;
-    const uint16_t inf = kind == 1 ? 0x7C00 : 0x7F80;
-    for (int64_t i = 0; i < n; i++) c += (uint16_t)(u[i] & 0x7FFF) >= inf;
+  for (int64_t i0 = 0; i0 < n; i0 += NF_BLOCK) {
+    int m = n - i0 < NF_BLOCK ? (int)(n - i0) : NF_BLOCK;
+    if (kind == 0) {
+      const uint32_t *u = (const uint32_t *)x + i0;
+      uint32_t cc = 0;
+      for (int j = 0; j < m; j += 16) __builtin_prefetch((const char *)(u + j) + AHEAD);
+      for (int j = 0; j < m; j++) cc += (u[j] & 0x7FFFFFFFu) >= 0x7F800000u;
+      c += cc;
+    } else {
+      const uint16_t *u = (const uint16_t *)x + i0;
+      const uint16_t inf = kind == 1 ? 0x7C00 : 0x7F80;
+      uint16_t cc = 0;
+      for (int j = 0; j < m; j += 32) __builtin_prefetch((const char *)(u + j) + AHEAD);
+      for (int j = 0; j < m; j++) cc += (uint16_t)(u[j] & 0x7FFF) >= inf;
+      c += cc;
+    }
   }
   return c;
 }
