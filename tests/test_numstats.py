@@ -509,3 +509,45 @@ def test_a_tensor_measured_twice_by_the_kernel() -> None:
     table = stats.table()
     _assert_rows_equal(reference.table(), table)
     assert torch.equal(table[0], table[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_kernel_on_both_sides_of_its_size_threshold(dtype: torch.dtype) -> None:
+    """Below ``numkernel.SUB_MIN`` elements the kernel counts segments per element, from it
+    it counts keys into the sub-histograms and folds them: both equal the reference, tails
+    that fill no whole group of elements included, and both return the inf/NaN count that
+    a later ``count_nonfinite`` of the same tensor reads instead of a pass."""
+    assert numkernel.wait() is not None
+    threshold = numkernel.SUB_MIN
+    for n in (1, 3, 37, threshold - 1, threshold, threshold + 37):
+        x = _values(dtype, n, seed=n)
+        for s in (None, _scale(2.0**16), _scale(1000.0)):
+            _assert_rows_equal(
+                numstats_reference.stats_v1(x, s), numstats.stats_v2(x, s, kernel=True)
+            )
+        stats = numstats.StepStats(1, torch.device("cpu"), kernel=True)
+        stats.add(0, x)
+        with _CountOps(torch.ops.aten.aminmax.default) as reductions:
+            assert stats.count_nonfinite(x) == int(numstats_reference.count_nonfinite_v1(x))
+        assert reductions.count == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_added_in_the_middle_of_a_step(mode: str) -> None:
+    """``grow`` (a root model registered mid-step) keeps the counts so far and measures into
+    the new rows."""
+    a = _values(torch.bfloat16, 3000, seed=1)
+    b = _values(torch.float32, 3000, seed=2)
+    g = _values(torch.float16, 3000, seed=3)
+    scale = _scale(2.0**10)
+    reference = numstats_reference.StepStatsV1(4, torch.device("cpu"))
+    stats = numstats.StepStats(2, torch.device("cpu"), **_kw(mode))
+    for target in (reference, stats):
+        target.add(0, a)
+        target.add(1, g, scale=scale)
+    stats.grow(4)
+    for target in (reference, stats):
+        target.add(3, b, scale=scale)
+        target.add(2, a)
+        target.add(0, b)
+    _assert_rows_equal(reference.table(), stats.table())
