@@ -123,6 +123,7 @@ _INF_KEY = 0x7F80  # upper half of fp32 inf: keys above are NaN
 _SMALL = 8192  # below this many elements index_add_ beats bincount's 32768-bin output
 _DUMMY = K  # scratch column for bins that add to no count
 _ROW_BYTES = (K + 1) * 8  # a host-mode table row (int64)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel reads them as they are
 
 # formats of the 16-bit key
 _F16, _BF16, _F32 = 0, 1, 2  # _F32: upper 16 bits of an fp32 (exactly a bf16 truncation)
@@ -343,11 +344,13 @@ class StepStats:
             if self._kernel is None:
                 raise RuntimeError(f"numstats kernel: {numkernel.status()}")
         self._sub: torch.Tensor | None = None  # the kernel's sub-histogram scratch (zeroed)
-        self._sub_ptr = 0
+        # this step's kernel function and arguments per (dtype, grad): see _call
+        self._calls: dict[tuple[torch.dtype, bool], tuple[Any, tuple[Any, ...]]] = {}
         # the kernel's plans per (format, grad, scale), kept across steps like the fold maps
         self._plans: dict[tuple[int, bool, float | None], _Plan] = {}
         # host mode: the table rows the kernel adds into, per call (C_AMAX holds a maximum)
         self._kt = torch.zeros(0 if self.sync_free else slots, K + 1, dtype=torch.int64)
+        self._kt_ptr = self._kt.data_ptr()
         self._kt_used = False
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
         # per (format, grad) group: histogram rows [n, 32768] and the slot of each row
@@ -372,6 +375,7 @@ class StepStats:
         if self._kt_used:
             self._kt.zero_()
             self._kt_used = False
+        self._calls.clear()  # the scale may change
         self.scale: torch.Tensor | None = None
         self._scale_one = False
         self._scale_f = 1.0  # host mode: the scale as a Python float (the kernel divides by it)
@@ -399,6 +403,7 @@ class StepStats:
         self._f32 = torch.cat([self._f32, pad])
         if not self.sync_free:
             self._kt = torch.cat([self._kt, torch.zeros(more, K + 1, dtype=torch.int64)])
+            self._kt_ptr = self._kt.data_ptr()
         if self.sync_free:
             pad = torch.zeros(more, K + 1, dtype=torch.int64, device=self.device)
             self._extra = torch.cat([self._extra, pad])
@@ -433,13 +438,13 @@ class StepStats:
         n = x.numel()
         if n == 0:
             return
-        fmt = _key_format(x.dtype)
-        group = (_F32, False) if fmt == _F32 else (fmt, grad)  # fp32 is unscaled per tensor
         if not self.sync_free:
             kern = self._kernel if self._kernel is not None else self._ready_kernel()
             if kern is not None and x.device.type == "cpu":
-                self._add_kernel(kern, slot, x, fmt, grad)
+                self._add_kernel(kern, slot, x, grad)
                 return
+        fmt = _key_format(x.dtype)
+        group = (_F32, False) if fmt == _F32 else (fmt, grad)  # fp32 is unscaled per tensor
         hist = self._row(group, slot)
         if self.sync_free:
             self._add_device(slot, hist, x.detach(), fmt, grad)
@@ -473,50 +478,46 @@ class StepStats:
         self._kernel = numkernel.kernel()
         return self._kernel
 
-    def _add_kernel(
-        self,
-        kern: numkernel.Kernel,
-        slot: int,
-        x: torch.Tensor,
-        fmt: int,
-        grad: bool,
-    ) -> None:
+    def _add_kernel(self, kern: numkernel.Kernel, slot: int, x: torch.Tensor, grad: bool) -> None:
         """One compiled pass over ``x`` (CPU, host mode), added straight into the slot's table
         row through the plan of its format and scale (no 32768-bin row, no fold at the end).
         A tensor measured twice is measured twice (a pass is cheaper than keeping a
-        histogram per tensor); its non-finite count is kept."""
-        t = x.detach()
-        if fmt == _F32 and t.dtype != torch.float32:  # fp64, fp8, ...: as their fp32 value
-            t = t.to(torch.float32)
-        if not _dense(t):
+        histogram per tensor); its non-finite count is kept. (Lean: a hook runs this after
+        the training's own ops have evicted most of the interpreter's data from the cache.)"""
+        call = self._calls.get((x.dtype, grad))
+        if call is None:
+            call = self._call(kern, x.dtype, grad)
+        t = x if x.dtype in _KERNEL_DTYPES else x.to(torch.float32)  # fp64, fp8: as fp32
+        if not t.is_contiguous() and not _dense(t):
             t = t.contiguous()
+        bad = call[0](t.data_ptr(), t.numel(), self._kt_ptr + slot * _ROW_BYTES, *call[1])
+        self._kt_used = True
+        if not grad:  # an activation: a later module's input, whose count is then free
+            group = (_key_format(x.dtype), False)
+            self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad)
+
+    def _call(
+        self, kern: numkernel.Kernel, dtype: torch.dtype, grad: bool
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The kernel function for ``dtype`` and its arguments after the row (this step)."""
         if self._sub is None:
             self._sub = torch.zeros(numkernel.SUB_WORDS, dtype=torch.int32)
-            self._sub_ptr = self._sub.data_ptr()
+        sub = self._sub.data_ptr()
+        fmt = _key_format(dtype)
         scaled = grad and fmt != _F32  # fp32 is unscaled in the kernel, its plan is the same
         plan = self._plans.get((fmt, scaled, self._scale_f if scaled else None))
         if plan is None:
             plan = self._plan(fmt, scaled)
-        row = self._kt.data_ptr() + slot * _ROW_BYTES
-        self._kt_used = True
+        call: tuple[Any, tuple[Any, ...]]
         if fmt != _F32:
-            bad = kern.row16(t.data_ptr(), t.numel(), row, self._sub_ptr, *plan.pointers)
+            call = (kern.row16, (sub, *plan.pointers))
         else:
             divide = grad and not self._scale_one
-            bad = kern.row32(
-                t.data_ptr(),
-                t.numel(),
-                row,
-                self._sub_ptr,
-                plan.pointers[0],
-                plan.pointers[1],
-                self._scale_f if divide else 1.0,
-                int(divide),
-                self._flush_bits(grad),
-            )
-        if not grad:  # an activation: a later module's input, whose count is then free
-            group = (fmt, False)
-            self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad)
+            scale = self._scale_f if divide else 1.0
+            flush = self._flush_bits(grad)
+            call = (kern.row32, (sub, *plan.pointers[:2], scale, int(divide), flush))
+        self._calls[(dtype, grad)] = call
+        return call
 
     def _plan(self, fmt: int, scaled: bool) -> _Plan:
         scale = self.scale if scaled else None
