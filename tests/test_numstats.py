@@ -499,16 +499,41 @@ def test_the_kernel_on_large_tensors_and_runs_of_one_key(dtype: torch.dtype) -> 
             )
 
 
-def test_a_tensor_measured_twice_by_the_kernel() -> None:
-    x = _values(torch.bfloat16, 20000, seed=5)
-    reference = numstats_reference.StepStatsV1(2, torch.device("cpu"))
-    stats = numstats.StepStats(2, torch.device("cpu"), kernel=True)
-    for slot in (0, 1):
-        reference.add(slot, x)
-        stats.add(slot, x)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_tensor_measured_twice_by_the_kernel(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel keeps each tensor's own row: the same object at the same version (a
+    Dropout(p=0) output, a gradient hooked twice) is added again without a pass; an in-place
+    change, an equal copy, or the same tensor as a gradient is measured afresh."""
+    kern = numkernel.wait()
+    assert kern is not None
+    passes = []
+    for name in ("row16", "row32"):
+        run = getattr(kern, name)
+        monkeypatch.setattr(kern, name, lambda *a, run=run: passes.append(a) or run(*a))
+    x = _values(dtype, 20000, seed=5)
+    x[:5000] = 0.0
+    big = _values(dtype, numkernel.SUB_MIN + 5, seed=6)  # folded from the sub-histograms
+    y = x.clone()
+    scale = _scale(2.0**12)
+    reference = numstats_reference.StepStatsV1(8, torch.device("cpu"))
+    stats = numstats.StepStats(8, torch.device("cpu"), kernel=True)
+    calls = [(0, x, None), (1, x, None), (3, y, None), (4, x, scale), (5, x, scale)]
+    calls += [(6, big, scale), (7, big, scale), (6, big, None)]
+    for slot, t, s in calls:
+        reference.add(slot, t, scale=s)
+        stats.add(slot, t, scale=s)
+    assert len(passes) == 5  # x, y, x as a gradient, big as a gradient, big
+    x.mul_(4.0)  # in place: a new version, so measured again
+    reference.add(2, x)
+    stats.add(2, x)
+    assert len(passes) == 6
     table = stats.table()
     _assert_rows_equal(reference.table(), table)
-    assert torch.equal(table[0], table[1])
+    assert torch.equal(table[0], table[1]) and not torch.equal(table[1], table[2])
+    assert torch.equal(table[4], table[5]) and torch.equal(table[0], table[3])
+    assert int(table[7, H0:].sum()) == big.numel() and int(table[6, H0:].sum()) == 2 * big.numel()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -80,7 +80,7 @@ PLAN_HEADER = 16
 #: a plan's header fields, in order (``P_*`` in :data:`SOURCE`): the segment count, the first
 #: key counted as non-finite, whether the maximum comes from the keys, then the row's columns
 PLAN_FIELDS: tuple[str, ...] = ("nseg", "bad_from", "amax_from_keys")
-PLAN_FIELDS += ("zeros", "nan", "amax", "over", "flush", "lump", "zero_bin")
+PLAN_FIELDS += ("zeros", "nan", "amax", "over", "flush", "lump", "zero_bin", "ncols")
 #: a segment's flag bits: the count columns it adds to besides its histogram column
 SEGMENT_FLAGS = {"zeros": 1, "nan": 2, "over": 4, "flush": 8}
 
@@ -116,7 +116,7 @@ SOURCE = r"""
    segment; fbits[key] the fp32 bits of its (unscaled) value, for the maximum. */
 enum {
   P_NSEG, P_BAD_FROM, P_AMAX_FROM_KEYS, P_ZEROS, P_NAN, P_AMAX, P_OVER, P_FLUSH, P_LUMP,
-  P_ZERO_BIN, P_HEADER = 16
+  P_ZERO_BIN, P_NCOLS, P_HEADER = 16
 };
 enum { F_ZERO = 1, F_NAN = 2, F_OVER = 4, F_FLUSH = 8 };
 
@@ -201,8 +201,8 @@ static void hist16_sub(const uint16_t *x, int64_t n, uint32_t *sub) {
 /* Add the magnitude keys (bits & 0x7FFF) of n 16-bit floats to a table row through a plan
    (columns, counts and the maximum); sub: scratch, left zeroed. Returns how many keys are
    >= the plan's P_BAD_FROM (the call's inf/NaN count for an unscaled plan). */
-int64_t amprobe_row16(const uint16_t *x, int64_t n, int64_t *row, uint32_t *sub,
-                      const int32_t *plan, const uint16_t *seg_of, const uint32_t *fbits) {
+static int64_t row16(const uint16_t *x, int64_t n, int64_t *row, uint32_t *sub,
+                     const int32_t *plan, const uint16_t *seg_of, const uint32_t *fbits) {
   if (n <= 0) return 0;
   if (n >= SUB_MIN) {
     int64_t bad = 0;
@@ -241,9 +241,9 @@ int64_t amprobe_row16(const uint16_t *x, int64_t n, int64_t *row, uint32_t *sub,
    largest bit pattern, v >= 65520 (inf included, NaN not), v <= the fp32 value of flush_bits.
    sub: scratch, left zeroed. Returns how many v are inf or NaN. */
 CLONES
-int64_t amprobe_row32(const uint32_t *x, int64_t n, int64_t *row, uint32_t *sub,
-                      const int32_t *plan, const uint16_t *seg_of, float scale, int32_t divide,
-                      uint32_t flush_bits) {
+static int64_t row32(const uint32_t *x, int64_t n, int64_t *row, uint32_t *sub,
+                     const int32_t *plan, const uint16_t *seg_of, float scale, int32_t divide,
+                     uint32_t flush_bits) {
   uint32_t buf[BLOCK];
   uint32_t cnt[LANES * MAXSEG];
   int64_t zeros = 0, nan = 0, over = 0, flush = 0, bad = 0;
@@ -336,6 +336,33 @@ int64_t amprobe_row32(const uint32_t *x, int64_t n, int64_t *row, uint32_t *sub,
   return bad;
 }
 
+/* Add a tensor's own row (keep) to a slot's row: counts add, the maximum is a maximum. */
+void amprobe_add_row(int64_t *row, const int64_t *keep, const int32_t *plan) {
+  int a = plan[P_AMAX];
+  int64_t top = row[a] > keep[a] ? row[a] : keep[a];
+  for (int c = 0; c < plan[P_NCOLS]; c++) row[c] += keep[c];
+  row[a] = top;
+}
+
+/* The exported passes: the tensor is counted into keep (zeroed by the caller), its own row,
+   which the caller keeps so that the same tensor measured again in the step (a Dropout(p=0)
+   returns its input; a gradient hooked twice) costs an amprobe_add_row; then keep is added
+   to the slot's row. */
+int64_t amprobe_row16(const uint16_t *x, int64_t n, int64_t *row, int64_t *keep, uint32_t *sub,
+                      const int32_t *plan, const uint16_t *seg_of, const uint32_t *fbits) {
+  int64_t bad = row16(x, n, keep, sub, plan, seg_of, fbits);
+  amprobe_add_row(row, keep, plan);
+  return bad;
+}
+
+int64_t amprobe_row32(const uint32_t *x, int64_t n, int64_t *row, int64_t *keep, uint32_t *sub,
+                      const int32_t *plan, const uint16_t *seg_of, float scale, int32_t divide,
+                      uint32_t flush_bits) {
+  int64_t bad = row32(x, n, keep, sub, plan, seg_of, scale, divide, flush_bits);
+  amprobe_add_row(row, keep, plan);
+  return bad;
+}
+
 /* how many of n elements are inf or NaN: kind 0 fp32, 1 fp16, 2 bf16 (one pass, no copy;
    counted per block in narrow counters, which vectorize) */
 #define NF_BLOCK 4096
@@ -368,17 +395,22 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math", "-std=c99")
 
 
 class Kernel:
-    """The loaded library: ``row16``, ``row32`` and ``nonfinite`` (see :data:`SOURCE`)."""
+    """The loaded library: ``row16``, ``row32``, ``add_row`` and ``nonfinite`` (see
+    :data:`SOURCE`)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.row16 = lib.amprobe_row16
-        self.row16.argtypes = [p, i64, p, p, p, p, p]
+        self.row16.argtypes = [p, i64, p, p, p, p, p, p]
         self.row16.restype = i64
+        f32, i32, u32 = ctypes.c_float, ctypes.c_int32, ctypes.c_uint32
         self.row32 = lib.amprobe_row32
-        self.row32.argtypes = [p, i64, p, p, p, p, ctypes.c_float, ctypes.c_int32, ctypes.c_uint32]
+        self.row32.argtypes = [p, i64, p, p, p, p, p, f32, i32, u32]
         self.row32.restype = i64
+        self.add_row = lib.amprobe_add_row
+        self.add_row.argtypes = [p, p, p]
+        self.add_row.restype = None
         self.nonfinite = lib.amprobe_nonfinite
         self.nonfinite.argtypes = [p, i64, ctypes.c_int32]
         self.nonfinite.restype = i64

@@ -55,9 +55,10 @@ once it is built (a plain C pass, one per tensor: the 16-bit key, or for fp32 th
 and its exact extras), and this eager reduction until then or when no C compiler is available;
 both give the same table. The kernel adds each tensor straight into the slot's table row
 through a plan of its format and scale (:class:`_Plan`: the fold maps as runs of keys), so
-those tensors keep no 32768-bin row and need no fold at the step's end. A tensor measured
-again in the step is then measured again (a kernel pass costs less than keeping its
-histogram); its non-finite count is kept for :meth:`StepStats.count_nonfinite`.
+those tensors keep no 32768-bin row and need no fold at the step's end. Each tensor's own row
+is kept for the step (``K + 1`` counts): the same object measured again at the same version
+adds it again instead of a pass; an activation's non-finite count is kept for
+:meth:`StepStats.count_nonfinite`.
 
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
 tensor with the eager reduction, against about 8 ns for the reference, and about 0.35 ns with
@@ -298,6 +299,7 @@ class _Plan:
             "flush": C_FLUSH16,
             "lump": H_LUMP,
             "zero_bin": H_ZERO,
+            "ncols": K + 1,
         }
         header = torch.zeros(numkernel.PLAN_HEADER, dtype=torch.int64)
         header[: len(numkernel.PLAN_FIELDS)] = torch.tensor(
@@ -352,6 +354,10 @@ class StepStats:
         self._kt = torch.zeros(0 if self.sync_free else slots, K + 1, dtype=torch.int64)
         self._kt_ptr = self._kt.data_ptr()
         self._kt_used = False
+        # host mode: each kernel-measured tensor's own row, added again for a repeat
+        self._keep = torch.zeros(0, K + 1, dtype=torch.int64)
+        self._keep_ptr = self._keep.data_ptr()
+        self._keep_used = 0
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
         # per (format, grad) group: histogram rows [n, 32768] and the slot of each row
         self._hist: dict[tuple[int, bool], torch.Tensor] = {}
@@ -388,9 +394,13 @@ class StepStats:
             self._extra = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
         self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad, 0, 0]
         # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras, fp32 counts,
-        # non-finite count); the kernel adds into the rows directly: no histogram, the count
-        # kept for count_nonfinite (activations only)
-        self._seen: dict[int, tuple[Any, int, tuple[int, bool], Any, Any, Any, int | None]] = {}
+        # non-finite count, kernel row); the eager path keeps the histogram and extras (group:
+        # (format, grad)), the kernel the tensor's own row in _keep and the count (group:
+        # (dtype, grad), never equal to an eager group)
+        self._seen: dict[int, tuple[Any, int, tuple[Any, bool], Any, Any, Any, Any, Any]] = {}
+        if self._keep_used:
+            self._keep[: self._keep_used].zero_()
+            self._keep_used = 0
         self._table: torch.Tensor | None = None
         return self
 
@@ -470,7 +480,7 @@ class StepStats:
         hist.add_(h)
         self._add_host_extra(slot, extra)
         self._add_f32_counts(slot, counts)
-        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts, None)
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts, None, None)
 
     def _ready_kernel(self) -> numkernel.Kernel | None:
         if self._kernel_mode is False:
@@ -481,20 +491,38 @@ class StepStats:
     def _add_kernel(self, kern: numkernel.Kernel, slot: int, x: torch.Tensor, grad: bool) -> None:
         """One compiled pass over ``x`` (CPU, host mode), added straight into the slot's table
         row through the plan of its format and scale (no 32768-bin row, no fold at the end).
-        A tensor measured twice is measured twice (a pass is cheaper than keeping a
-        histogram per tensor); its non-finite count is kept. (Lean: a hook runs this after
-        the training's own ops have evicted most of the interpreter's data from the cache.)"""
-        call = self._calls.get((x.dtype, grad))
+        The pass counts into the tensor's own row (in ``_keep``), then adds it to the slot's:
+        the same tensor object measured again in the step at the same version (a
+        ``Dropout(p=0)`` or ``Identity`` returns its input; a gradient hooked twice) adds that
+        row again instead of a pass. An activation's non-finite count is kept for
+        :meth:`count_nonfinite`. (Lean: a hook runs this after the training's own ops have
+        evicted most of the interpreter's data from the cache.)"""
+        group = (x.dtype, grad)
+        call = self._calls.get(group)
         if call is None:
             call = self._call(kern, x.dtype, grad)
+        row = self._kt_ptr + slot * _ROW_BYTES
+        self._kt_used = True
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[2] == group and seen[0]() is x and seen[1] == x._version:
+            kern.add_row(row, self._keep_ptr + seen[7] * _ROW_BYTES, call[1][1])
+            return
         t = x if x.dtype in _KERNEL_DTYPES else x.to(torch.float32)  # fp64, fp8: as fp32
         if not t.is_contiguous() and not _dense(t):
             t = t.contiguous()
-        bad = call[0](t.data_ptr(), t.numel(), self._kt_ptr + slot * _ROW_BYTES, *call[1])
-        self._kt_used = True
-        if not grad:  # an activation: a later module's input, whose count is then free
-            group = (_key_format(x.dtype), False)
-            self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad)
+        index = self._keep_used
+        if index == self._keep.shape[0]:
+            self._grow_keep()
+        self._keep_used = index + 1
+        keep = self._keep_ptr + index * _ROW_BYTES
+        bad = call[0](t.data_ptr(), t.numel(), row, keep, *call[1])
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad, index)
+
+    def _grow_keep(self) -> None:
+        grown = torch.zeros(max(64, 2 * self._keep.shape[0]), K + 1, dtype=torch.int64)
+        grown[: self._keep_used] = self._keep[: self._keep_used]
+        self._keep = grown
+        self._keep_ptr = grown.data_ptr()
 
     def _call(
         self, kern: numkernel.Kernel, dtype: torch.dtype, grad: bool
