@@ -62,10 +62,11 @@ adds it again instead of a pass; an activation's non-finite count is kept for
 
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
 tensor with the eager reduction, against about 8 ns for the reference, and about 0.35 ns with
-the compiled kernel; see ``benchmarks/bench_numerics_v2.py``. An fp32 tensor costs about 4 ns per element (one
-thread, 4M-element ``randn``): about 2 ns for the key histogram and its extras, and about 2 ns
-more for the exact fp16-overflow and fp16-flush counts (two compare-and-count passes), which
-its truncated key cannot give.
+the compiled kernel (about 0.7 ns for fp32); see ``benchmarks/bench_numerics_v2.py``. With the
+eager reduction an fp32 tensor costs about 4 ns per element (one thread, 4M-element
+``randn``): about 2 ns for the key histogram and its extras, and about 2 ns more for the exact
+fp16-overflow and fp16-flush counts (two compare-and-count passes), which its truncated key
+cannot give.
 """
 
 from __future__ import annotations
