@@ -24,12 +24,15 @@ step after each attach is left untimed; medians are quoted. Configurations:
 - detect_anomaly: ``torch.autograd.set_detect_anomaly(True)``.
 - DebugUnderflowOverflow: ``transformers.debug_utils.DebugUnderflowOverflow`` (when installed).
 
-Measured 2026-12-02 on an Intel Xeon with AMX and native bf16 (2 cores shared, loaded),
-5x5 steps alternating: off 378 ms; v2 eager 1.58x, v2 with the compiled kernel 1.33x, hooks
-only 1.04x (bf16); with a GradScaler 1.64x, 1.32x, 1.05x. Replayed reductions, one bf16 step:
-v2 eager 199 ms (166 ms tensors, 19 ms inputs, 14 ms fold), kernel 118 ms (85, 20, 13);
-fp16 with scaled gradients 194 ms against 98 ms. ``--configs`` selects end-to-end
-configurations by name (``off`` always runs).
+Measured 2026-12-02 on an Intel Xeon with AMX and native bf16 (2 cores shared, load about 2),
+6x5 steps alternating: off 328 ms; v2 eager 1.56x, v2 with the compiled kernel 1.15x, v2 with
+Dropout not hooked 1.09x, hooks only 1.01x (bf16); with a GradScaler 1.55x, 1.15x, 1.14x,
+1.01x (three runs: kernel 1.13x to 1.16x bf16, 1.15x with the scaler; the kernel before its
+rework, side by side with it in one process, five runs: 1.28x to 1.37x). Replayed reductions,
+one bf16 step: v2 eager 165 ms (145 ms tensors, 13 ms inputs, 7 ms fold), kernel 53 ms (41,
+12, 1); fp16 with scaled gradients 168 ms against 59 ms. (The replay's tensors are clones: a
+tensor measured twice in a training step, a Dropout(p=0) output, costs a second pass here, not
+in training.) ``--configs`` selects end-to-end configurations by name (``off`` always runs).
 
 Part 2, reductions only. The tensors the collector measured in one sampled step are kept and
 replayed through v1 and v2 outside training, as bf16 and as fp16 with scaled gradients (CPU fp16

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amprobe
 import amprobe.capture.collectors.numerics as numerics
-from amprobe.capture.collectors import numstats
+from amprobe.capture.collectors import numkernel, numstats
 from amprobe.capture.collectors.numstats import (
     C_AMAX,
     C_IN_BAD,
@@ -492,20 +492,87 @@ def test_the_kernel_on_large_tensors_and_runs_of_one_key(dtype: torch.dtype) -> 
     x = _values(dtype, n, seed=13)
     x[1000:200000] = 0.0  # a long run of one key
     cases = [x, x.view(512, 1024).t(), x.view(512, 1024)[:, ::2]]
-    for s in (None, _scale(1000.0)):
+    for s in (None, _scale(1000.0), _scale(2.0**16), _scale(2.0**-3)):
         for t in cases:
             _assert_rows_equal(
                 numstats_reference.stats_v1(t, s), numstats.stats_v2(t, s, kernel=True)
             )
 
 
-def test_a_tensor_measured_twice_by_the_kernel() -> None:
-    x = _values(torch.bfloat16, 20000, seed=5)
-    reference = numstats_reference.StepStatsV1(2, torch.device("cpu"))
-    stats = numstats.StepStats(2, torch.device("cpu"), kernel=True)
-    for slot in (0, 1):
-        reference.add(slot, x)
-        stats.add(slot, x)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_tensor_measured_twice_by_the_kernel(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel keeps each tensor's own row: the same object at the same version (a
+    Dropout(p=0) output, a gradient hooked twice) is added again without a pass; an in-place
+    change, an equal copy, or the same tensor as a gradient is measured afresh."""
+    kern = numkernel.wait()
+    assert kern is not None
+    passes = []
+    for name in ("row16", "row32"):
+        run = getattr(kern, name)
+        monkeypatch.setattr(kern, name, lambda *a, run=run: passes.append(a) or run(*a))
+    x = _values(dtype, 20000, seed=5)
+    x[:5000] = 0.0
+    big = _values(dtype, numkernel.SUB_MIN + 5, seed=6)  # folded from the sub-histograms
+    y = x.clone()
+    scale = _scale(2.0**12)
+    reference = numstats_reference.StepStatsV1(8, torch.device("cpu"))
+    stats = numstats.StepStats(8, torch.device("cpu"), kernel=True)
+    calls = [(0, x, None), (1, x, None), (3, y, None), (4, x, scale), (5, x, scale)]
+    calls += [(6, big, scale), (7, big, scale), (6, big, None)]
+    for slot, t, s in calls:
+        reference.add(slot, t, scale=s)
+        stats.add(slot, t, scale=s)
+    assert len(passes) == 5  # x, y, x as a gradient, big as a gradient, big
+    x.mul_(4.0)  # in place: a new version, so measured again
+    reference.add(2, x)
+    stats.add(2, x)
+    assert len(passes) == 6
     table = stats.table()
     _assert_rows_equal(reference.table(), table)
-    assert torch.equal(table[0], table[1])
+    assert torch.equal(table[0], table[1]) and not torch.equal(table[1], table[2])
+    assert torch.equal(table[4], table[5]) and torch.equal(table[0], table[3])
+    assert int(table[7, H0:].sum()) == big.numel() and int(table[6, H0:].sum()) == 2 * big.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_kernel_on_both_sides_of_its_size_threshold(dtype: torch.dtype) -> None:
+    """Below ``numkernel.SUB_MIN`` elements the kernel counts segments per element, from it
+    it counts keys into the sub-histograms and folds them: both equal the reference, tails
+    that fill no whole group of elements included, and both return the inf/NaN count that
+    a later ``count_nonfinite`` of the same tensor reads instead of a pass."""
+    assert numkernel.wait() is not None
+    threshold = numkernel.SUB_MIN
+    for n in (1, 3, 37, threshold - 1, threshold, threshold + 37):
+        x = _values(dtype, n, seed=n)
+        for s in (None, _scale(2.0**16), _scale(1000.0)):
+            _assert_rows_equal(
+                numstats_reference.stats_v1(x, s), numstats.stats_v2(x, s, kernel=True)
+            )
+        stats = numstats.StepStats(1, torch.device("cpu"), kernel=True)
+        stats.add(0, x)
+        with _CountOps(torch.ops.aten.aminmax.default) as reductions:
+            assert stats.count_nonfinite(x) == int(numstats_reference.count_nonfinite_v1(x))
+        assert reductions.count == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_added_in_the_middle_of_a_step(mode: str) -> None:
+    """``grow`` (a root model registered mid-step) keeps the counts so far and measures into
+    the new rows."""
+    a = _values(torch.bfloat16, 3000, seed=1)
+    b = _values(torch.float32, 3000, seed=2)
+    g = _values(torch.float16, 3000, seed=3)
+    scale = _scale(2.0**10)
+    reference = numstats_reference.StepStatsV1(4, torch.device("cpu"))
+    stats = numstats.StepStats(2, torch.device("cpu"), **_kw(mode))
+    for target in (reference, stats):
+        target.add(0, a)
+        target.add(1, g, scale=scale)
+    stats.grow(4)
+    for target in (reference, stats):
+        target.add(3, b, scale=scale)
+        target.add(2, a)
+        target.add(0, b)
+    _assert_rows_equal(reference.table(), stats.table())

@@ -52,18 +52,21 @@ and the fold's indices travel by pinned non-blocking copies, so a step issues ke
 
 On CPU the host mode runs the compiled kernel of :mod:`amprobe.capture.collectors.numkernel`
 once it is built (a plain C pass, one per tensor: the 16-bit key, or for fp32 the unscaled key
-and its exact extras, added straight into the slot's row), and this eager reduction until then
-or when no C compiler is available; both give the same table. A tensor measured again in the
-step is then measured again (a kernel pass costs less than keeping its histogram); its
-non-finite count is kept for :meth:`StepStats.count_nonfinite`.
+and its exact extras), and this eager reduction until then or when no C compiler is available;
+both give the same table. The kernel adds each tensor straight into the slot's table row
+through a plan of its format and scale (:class:`_Plan`: the fold maps as runs of keys), so
+those tensors keep no 32768-bin row and need no fold at the step's end. Each tensor's own row
+is kept for the step (``K + 1`` counts): the same object measured again at the same version
+adds it again instead of a pass; an activation's non-finite count is kept for
+:meth:`StepStats.count_nonfinite`.
 
 Cost on CPU (TinyGPT, one thread, cold tensors replayed): about 1 ns per element of a 16-bit
-tensor with the eager reduction, against about 8 ns for the reference, and about half that
-with the compiled kernel (0.4 ns per element on a warm tensor); see
-``benchmarks/bench_numerics_v2.py``. An fp32 tensor costs about 4 ns per element (one
-thread, 4M-element ``randn``): about 2 ns for the key histogram and its extras, and about 2 ns
-more for the exact fp16-overflow and fp16-flush counts (two compare-and-count passes), which
-its truncated key cannot give.
+tensor with the eager reduction, against about 8 ns for the reference, and about 0.35 ns with
+the compiled kernel (about 0.7 ns for fp32); see ``benchmarks/bench_numerics_v2.py``. With the
+eager reduction an fp32 tensor costs about 4 ns per element (one thread, 4M-element
+``randn``): about 2 ns for the key histogram and its extras, and about 2 ns more for the exact
+fp16-overflow and fp16-flush counts (two compare-and-count passes), which its truncated key
+cannot give.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ _NKEYS = 1 << 15  # 16-bit magnitude patterns
 _INF_KEY = 0x7F80  # upper half of fp32 inf: keys above are NaN
 _SMALL = 8192  # below this many elements index_add_ beats bincount's 32768-bin output
 _DUMMY = K  # scratch column for bins that add to no count
+_ROW_BYTES = (K + 1) * 8  # a host-mode table row (int64)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel reads them as they are
 
 # formats of the 16-bit key
 _F16, _BF16, _F32 = 0, 1, 2  # _F32: upper 16 bits of an fp32 (exactly a bf16 truncation)
@@ -253,6 +258,62 @@ class _Maps:
         self.over_start = _NKEYS - int(over.sum()) - int(nan.sum())
 
 
+class _Plan:
+    """:class:`_Maps` as the compiled kernel reads it (host mode): the keys in segments.
+
+    A segment is a maximal run of keys that add to the same columns: one histogram column and
+    the count columns of its flags (``numkernel.SEGMENT_FLAGS``: zeros, NaN, fp16-overflow,
+    fp16-flush; none for fp32 keys, whose counts are exact per element). A run ends at every
+    change and at the first non-finite key (the kernel returns the count from there on: an
+    activation's inf/NaN count). ``seg_of`` gives each key's segment (uint16), ``fbits`` its
+    value's fp32 bits (for the maximum, 16-bit formats), ``plan`` the int32 header and
+    segment arrays (layout: ``numkernel.PLAN_FIELDS``). Built once per format and scale.
+    """
+
+    def __init__(self, maps: _Maps, fmt: int) -> None:
+        col = maps.exp_col
+        flags = torch.zeros(_NKEYS, dtype=torch.int64)
+        if fmt != _F32:
+            bit = numkernel.SEGMENT_FLAGS
+            flags |= torch.where(maps.flag_col == C_ZEROS, bit["zeros"], 0)
+            flags |= torch.where(maps.flag_col == C_NAN, bit["nan"], 0)
+            flags |= torch.where(maps.over_col == C_OVER16, bit["over"], 0)
+            flags |= torch.where(maps.flush_col == C_FLUSH16, bit["flush"], 0)
+        bad_from = {_F16: 0x7C00, _BF16: _INF_KEY}.get(fmt, _NKEYS)
+        cls = col * 16 + flags
+        change = torch.ones(_NKEYS, dtype=torch.bool)
+        change[1:] = cls[1:] != cls[:-1]
+        if bad_from < _NKEYS:
+            change[bad_from] = True
+        starts = change.nonzero().flatten()
+        nseg = starts.numel()
+        if nseg > numkernel.MAXSEG:  # cannot happen: columns are monotone in the key
+            raise RuntimeError(f"numstats kernel plan: {nseg} segments")
+        values = {
+            "nseg": nseg,
+            "bad_from": bad_from,
+            "amax_from_keys": int(fmt != _F32),
+            "zeros": C_ZEROS,
+            "nan": C_NAN,
+            "amax": C_AMAX,
+            "over": C_OVER16,
+            "flush": C_FLUSH16,
+            "lump": H_LUMP,
+            "zero_bin": H_ZERO,
+            "ncols": K + 1,
+        }
+        header = torch.zeros(numkernel.PLAN_HEADER, dtype=torch.int64)
+        header[: len(numkernel.PLAN_FIELDS)] = torch.tensor(
+            [values[f] for f in numkernel.PLAN_FIELDS]
+        )
+        ends = torch.tensor([_NKEYS])
+        parts = [header, starts, ends, col[starts], flags[starts]]
+        self.plan = torch.cat(parts).to(torch.int32)
+        self.seg_of = (change.cumsum(0) - 1).to(torch.int16)
+        self.fbits = maps.fbits.to(torch.int32)  # nonnegative: magnitudes
+        self.pointers = (self.plan.data_ptr(), self.seg_of.data_ptr(), self.fbits.data_ptr())
+
+
 class StepStats:
     """Statistics of one step on one device: 32768-bin key histograms, folded at the end.
 
@@ -286,6 +347,18 @@ class StepStats:
             if self._kernel is None:
                 raise RuntimeError(f"numstats kernel: {numkernel.status()}")
         self._sub: torch.Tensor | None = None  # the kernel's sub-histogram scratch (zeroed)
+        # this step's kernel function and arguments per (dtype, grad): see _call
+        self._calls: dict[tuple[torch.dtype, bool], tuple[Any, tuple[Any, ...]]] = {}
+        # the kernel's plans per (format, grad, scale), kept across steps like the fold maps
+        self._plans: dict[tuple[int, bool, float | None], _Plan] = {}
+        # host mode: the table rows the kernel adds into, per call (C_AMAX holds a maximum)
+        self._kt = torch.zeros(0 if self.sync_free else slots, K + 1, dtype=torch.int64)
+        self._kt_ptr = self._kt.data_ptr()
+        self._kt_used = False
+        # host mode: each kernel-measured tensor's own row, added again for a repeat
+        self._keep = torch.zeros(0, K + 1, dtype=torch.int64)
+        self._keep_ptr = self._keep.data_ptr()
+        self._keep_used = 0
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
         # per (format, grad) group: histogram rows [n, 32768] and the slot of each row
         self._hist: dict[tuple[int, bool], torch.Tensor] = {}
@@ -304,6 +377,12 @@ class StepStats:
             rows.clear()
         if self.sync_free or len(self._maps) > 16:
             self._maps.clear()
+        if len(self._plans) > 16:
+            self._plans.clear()
+        if self._kt_used:
+            self._kt.zero_()
+            self._kt_used = False
+        self._calls.clear()  # the scale may change
         self.scale: torch.Tensor | None = None
         self._scale_one = False
         self._scale_f = 1.0  # host mode: the scale as a Python float (the kernel divides by it)
@@ -311,17 +390,18 @@ class StepStats:
         self._grad_flush: torch.Tensor | None = None  # flush_threshold of the step's scale
         # fp32 tensors' fp16-overflow and fp16-flush counts, per slot, kept on the device
         self._f32 = torch.zeros(self.slots, 2, dtype=torch.int64, device=self.device)
-        # the kernel's fp32 extras per slot: zeros, NaN, amax bits, fp16-overflow, fp16-flush
-        self._kx = torch.zeros(self.slots, 5, dtype=torch.int64) if not self.sync_free else None
-        self._kx_used = False
         # fp32 extras and the callers' input counts
         if self.sync_free:
             self._extra = torch.zeros(self.slots, K + 1, dtype=torch.int64, device=self.device)
         self._host: dict[int, list[int]] = {}  # CPU: slot -> [zeros, nan, amax bits, in_bad, 0, 0]
         # CPU: id(tensor) -> (weakref, version, group, key histogram, fp32 extras, fp32 counts,
-        # non-finite count); the kernel adds into the rows directly: no histogram, the count
-        # kept for count_nonfinite (activations only)
-        self._seen: dict[int, tuple[Any, int, tuple[int, bool], Any, Any, Any, int | None]] = {}
+        # non-finite count, kernel row); the eager path keeps the histogram and extras (group:
+        # (format, grad)), the kernel the tensor's own row in _keep and the count (group:
+        # (dtype, grad), never equal to an eager group)
+        self._seen: dict[int, tuple[Any, int, tuple[Any, bool], Any, Any, Any, Any, Any]] = {}
+        if self._keep_used:
+            self._keep[: self._keep_used].zero_()
+            self._keep_used = 0
         self._table: torch.Tensor | None = None
         return self
 
@@ -332,8 +412,9 @@ class StepStats:
             return
         pad = torch.zeros(more, 2, dtype=torch.int64, device=self.device)
         self._f32 = torch.cat([self._f32, pad])
-        if self._kx is not None:
-            self._kx = torch.cat([self._kx, torch.zeros(more, 5, dtype=torch.int64)])
+        if not self.sync_free:
+            self._kt = torch.cat([self._kt, torch.zeros(more, K + 1, dtype=torch.int64)])
+            self._kt_ptr = self._kt.data_ptr()
         if self.sync_free:
             pad = torch.zeros(more, K + 1, dtype=torch.int64, device=self.device)
             self._extra = torch.cat([self._extra, pad])
@@ -368,15 +449,16 @@ class StepStats:
         n = x.numel()
         if n == 0:
             return
+        if not self.sync_free:
+            kern = self._kernel if self._kernel is not None else self._ready_kernel()
+            if kern is not None and x.device.type == "cpu":
+                self._add_kernel(kern, slot, x, grad)
+                return
         fmt = _key_format(x.dtype)
         group = (_F32, False) if fmt == _F32 else (fmt, grad)  # fp32 is unscaled per tensor
         hist = self._row(group, slot)
         if self.sync_free:
             self._add_device(slot, hist, x.detach(), fmt, grad)
-            return
-        kern = self._kernel if self._kernel is not None else self._ready_kernel()
-        if kern is not None and x.device.type == "cpu":
-            self._add_kernel(kern, slot, hist, x, fmt, grad)
             return
         if n < _SMALL:
             self._add_small(slot, hist, x.detach(), fmt, grad)
@@ -399,7 +481,7 @@ class StepStats:
         hist.add_(h)
         self._add_host_extra(slot, extra)
         self._add_f32_counts(slot, counts)
-        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts, None)
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, h, extra, counts, None, None)
 
     def _ready_kernel(self) -> numkernel.Kernel | None:
         if self._kernel_mode is False:
@@ -407,50 +489,71 @@ class StepStats:
         self._kernel = numkernel.kernel()
         return self._kernel
 
-    def _add_kernel(
-        self,
-        kern: numkernel.Kernel,
-        slot: int,
-        hist: torch.Tensor,
-        x: torch.Tensor,
-        fmt: int,
-        grad: bool,
-    ) -> None:
-        """One compiled pass over ``x`` (CPU, host mode): keys added into the slot's row,
-        fp32 extras into ``_kx``. A tensor measured twice is measured twice (a pass is cheaper
-        than keeping a 32768-bin histogram per tensor); its non-finite count is kept."""
-        t = x.detach()
-        if fmt == _F32 and t.dtype != torch.float32:  # fp64, fp8, ...: as their fp32 value
-            t = t.to(torch.float32)
-        if not _dense(t):
+    def _add_kernel(self, kern: numkernel.Kernel, slot: int, x: torch.Tensor, grad: bool) -> None:
+        """One compiled pass over ``x`` (CPU, host mode), added straight into the slot's table
+        row through the plan of its format and scale (no 32768-bin row, no fold at the end).
+        The pass counts into the tensor's own row (in ``_keep``), then adds it to the slot's:
+        the same tensor object measured again in the step at the same version (a
+        ``Dropout(p=0)`` or ``Identity`` returns its input; a gradient hooked twice) adds that
+        row again instead of a pass. An activation's non-finite count is kept for
+        :meth:`count_nonfinite`. (Lean: a hook runs this after the training's own ops have
+        evicted most of the interpreter's data from the cache.)"""
+        group = (x.dtype, grad)
+        call = self._calls.get(group)
+        if call is None:
+            call = self._call(kern, x.dtype, grad)
+        row = self._kt_ptr + slot * _ROW_BYTES
+        self._kt_used = True
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[2] == group and seen[0]() is x and seen[1] == x._version:
+            kern.add_row(row, self._keep_ptr + seen[7] * _ROW_BYTES, call[1][1])
+            return
+        t = x if x.dtype in _KERNEL_DTYPES else x.to(torch.float32)  # fp64, fp8: as fp32
+        if not t.is_contiguous() and not _dense(t):
             t = t.contiguous()
-        sub = self._sub
-        if sub is None:
-            sub = self._sub = torch.zeros(numkernel.SUB_WORDS, dtype=torch.int32)
+        index = self._keep_used
+        if index == self._keep.shape[0]:
+            self._grow_keep()
+        self._keep_used = index + 1
+        keep = self._keep_ptr + index * _ROW_BYTES
+        bad = call[0](t.data_ptr(), t.numel(), row, keep, *call[1])
+        self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad, index)
+
+    def _grow_keep(self) -> None:
+        grown = torch.zeros(max(64, 2 * self._keep.shape[0]), K + 1, dtype=torch.int64)
+        grown[: self._keep_used] = self._keep[: self._keep_used]
+        self._keep = grown
+        self._keep_ptr = grown.data_ptr()
+
+    def _call(
+        self, kern: numkernel.Kernel, dtype: torch.dtype, grad: bool
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The kernel function for ``dtype`` and its arguments after the row (this step)."""
+        if self._sub is None:
+            self._sub = torch.zeros(numkernel.SUB_WORDS, dtype=torch.int32)
+        sub = self._sub.data_ptr()
+        fmt = _key_format(dtype)
+        scaled = grad and fmt != _F32  # fp32 is unscaled in the kernel, its plan is the same
+        plan = self._plans.get((fmt, scaled, self._scale_f if scaled else None))
+        if plan is None:
+            plan = self._plan(fmt, scaled)
+        call: tuple[Any, tuple[Any, ...]]
         if fmt != _F32:
-            bad = kern.hist16(
-                t.data_ptr(),
-                t.numel(),
-                hist.data_ptr(),
-                sub.data_ptr(),
-                0x7C00 if fmt == _F16 else _INF_KEY,
-            )
+            call = (kern.row16, (sub, *plan.pointers))
         else:
-            self._kx_used = True
             divide = grad and not self._scale_one
-            bad = kern.stats32(
-                t.data_ptr(),
-                t.numel(),
-                hist.data_ptr(),
-                sub.data_ptr(),
-                self._kx[slot].data_ptr(),  # type: ignore[index]
-                self._scale_f if divide else 1.0,
-                int(divide),
-                self._flush_bits(grad),
-            )
-        if not grad:  # an activation: a later module's input, whose count is then free
-            group = (fmt, False)
-            self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad)
+            scale = self._scale_f if divide else 1.0
+            flush = self._flush_bits(grad)
+            call = (kern.row32, (sub, *plan.pointers[:2], scale, int(divide), flush))
+        self._calls[(dtype, grad)] = call
+        return call
+
+    def _plan(self, fmt: int, scaled: bool) -> _Plan:
+        scale = self.scale if scaled else None
+        maps = _Maps(fmt, scale, self._flush_at(scaled), self.device, host=False)
+        plan = _Plan(maps, fmt)
+        self._plans[(fmt, scaled, self._scale_f if scaled else None)] = plan
+        return plan
 
     def _flush_bits(self, grad: bool) -> int:
         """fp32 bit pattern of :meth:`_flush_at` (host mode)."""
@@ -643,15 +746,9 @@ class StepStats:
                 f32_zeros[index] = extra[:, C_ZEROS]
             else:
                 f32_zeros = torch.zeros(self.slots, dtype=torch.int64, device=self.device)
-            if self._kx_used:  # the kernel's fp32 extras (host mode)
-                kx = self._kx
-                assert kx is not None
-                out[:, C_ZEROS] += kx[:, 0]
-                out[:, C_NAN] += kx[:, 1]
-                amax = torch.maximum(amax, kx[:, 2])
-                out[:, C_OVER16] += kx[:, 3]
-                out[:, C_FLUSH16] += kx[:, 4]
-                f32_zeros = f32_zeros + kx[:, 0]
+            if self._kt_used:  # the rows the kernel added to, complete (host mode)
+                out += self._kt
+                amax = torch.maximum(amax, self._kt[:, C_AMAX])
             # fp32 key 0 went to the lump: its zeros (counted exactly) belong to the zero bin
             out[:, H_LUMP] -= f32_zeros
             out[:, H_ZERO] += f32_zeros
