@@ -1,0 +1,127 @@
+"""Where the wall time of `amprobe diagnose RUN` goes, in fresh processes.
+
+Each sample is one fresh interpreter per line below, run in alternation (a slow moment of the
+shared machine hits every line alike); printed: the median and the spread over ``--repeat``
+samples, and the CPU model.
+
+* ``python -c pass``: interpreter startup and shutdown (the floor of any command);
+* ``import pandas``: numpy, pyarrow and pandas (the store's tables are pandas frames);
+* ``import amprobe.cli``: pandas and every module of amprobe the CLI imports;
+* ``amprobe diagnose``: the command as a user runs it (``python -m amprobe diagnose RUN``).
+
+The breakdown of the diagnose process comes from timers inside it (``time.perf_counter``
+around each phase, the same clock): ``startup`` is the wall time not inside the timed phases
+before the first import (interpreter start, ``site``), ``pandas`` the import of numpy, pyarrow
+and pandas, ``amprobe`` the rest of ``import amprobe.cli``, ``run`` the command itself
+(``amprobe.cli.main``: load, diagnose, render) and ``exit`` what remains of the wall time
+(interpreter shutdown: module teardown and the final garbage collection).
+
+    python benchmarks/bench_diagnose.py [--repeat 11] [--run sample_runs/overflow] [--json]
+
+``benchmarks/bench_readside.py`` measures the same command's peak memory and that it loads no
+torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from machine import cpu_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: runs in the child: times its own phases and prints them as JSON on stderr's last line; the
+#: command's exit path is the CLI's own (``python -m amprobe`` calls ``sys.exit(main())``)
+_CHILD = """
+import sys, time, json
+t0 = time.perf_counter()
+import numpy, pyarrow, pandas
+t1 = time.perf_counter()
+import amprobe.cli
+t2 = time.perf_counter()
+code = amprobe.cli.main(sys.argv[1:])
+t3 = time.perf_counter()
+sys.stdout.flush()
+sys.stderr.write("\\n" + json.dumps({"t0": t0, "pandas": t1 - t0, "amprobe": t2 - t1,
+                                     "run": t3 - t2, "end": t3}) + "\\n")
+sys.exit(code)
+"""
+
+
+def _wall(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+    """Wall seconds of one fresh process, and its stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wall = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.decode()[-2000:]}")
+    return wall, proc.stderr.decode()
+
+
+def _phases(argv: list[str], env: dict[str, str]) -> dict[str, float]:
+    """One diagnose process timed from inside: startup, pandas, amprobe, run, exit (seconds)."""
+    # the child's perf_counter and ours are the same monotonic clock (CLOCK_MONOTONIC)
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    end = time.perf_counter()
+    if proc.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.decode()[-2000:]}")
+    inside = json.loads(proc.stderr.decode().strip().splitlines()[-1])
+    return {
+        "startup": inside["t0"] - start,
+        "pandas": inside["pandas"],
+        "amprobe": inside["amprobe"],
+        "run": inside["run"],
+        "exit": end - inside["end"],
+        "total": end - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=11)
+    parser.add_argument("--run", default=str(ROOT / "sample_runs" / "overflow"))
+    parser.add_argument("--json", action="store_true", help="time `diagnose --format json` too")
+    args = parser.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("AMPROBE_RUN_DIR", None)
+    py = sys.executable
+    commands = {
+        "python -c pass": [py, "-c", "pass"],
+        "import pandas": [py, "-c", "import pandas"],
+        "import amprobe.cli": [py, "-c", "import amprobe.cli"],
+        "amprobe diagnose": [py, "-m", "amprobe", "diagnose", args.run],
+    }
+    if args.json:
+        commands["amprobe diagnose --format json"] = [
+            *commands["amprobe diagnose"],
+            "--format",
+            "json",
+        ]
+    timed = [py, "-c", _CHILD, "diagnose", args.run]
+    walls: dict[str, list[float]] = {name: [] for name in commands}
+    phases: list[dict[str, float]] = []
+    for _ in range(args.repeat):
+        for name, argv in commands.items():
+            walls[name].append(_wall(argv, env)[0])
+        phases.append(_phases(timed, env))
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); Python {sys.version.split()[0]}")
+    print(f"run: {args.run}; {args.repeat} fresh processes per line, alternating")
+    print(f"{'command':<32} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for name, w in walls.items():
+        print(f"{name:<32} {statistics.median(w):9.3f} {min(w):7.3f} {max(w):7.3f}")
+    print("\n`amprobe diagnose` timed from inside (median s of each phase):")
+    for key in ("startup", "pandas", "amprobe", "run", "exit", "total"):
+        values = [p[key] for p in phases]
+        print(f"  {key:<10} {statistics.median(values):7.3f}  (min {min(values):.3f})")
+
+
+if __name__ == "__main__":
+    main()
