@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -458,7 +459,22 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``amprobe`` console script."""
+    """Entry point of the ``amprobe`` console script.
+
+    Called as the program (``argv`` None: the console script, ``python -m amprobe``), it
+    freezes the objects the command made out of the garbage collector before it returns: the
+    process exits next, and the final collection at interpreter shutdown would walk every one
+    of them (pandas' modules and the run's frames: 70 ms of the 0.7 s of an ``amprobe
+    diagnose`` on a 2-core Xeon) to free memory the exit frees anyway.
+    """
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:
+            gc.freeze()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

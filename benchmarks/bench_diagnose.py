@@ -37,8 +37,9 @@ from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: runs in the child: times its own phases and prints them as JSON on stderr's last line; the
-#: command's exit path is the CLI's own (``python -m amprobe`` calls ``sys.exit(main())``)
+#: runs in the child: times its own phases and prints them as JSON on stderr's last line. It
+#: calls ``main()`` as ``python -m amprobe`` does (arguments from ``sys.argv``, then
+#: ``sys.exit``), so the command takes the program's own path to the exit
 _CHILD = """
 import sys, time, json
 t0 = time.perf_counter()
@@ -46,7 +47,7 @@ import numpy, pyarrow, pandas
 t1 = time.perf_counter()
 import amprobe.cli
 t2 = time.perf_counter()
-code = amprobe.cli.main(sys.argv[1:])
+code = amprobe.cli.main()
 t3 = time.perf_counter()
 sys.stdout.flush()
 sys.stderr.write("\\n" + json.dumps({"t0": t0, "pandas": t1 - t0, "amprobe": t2 - t1,
