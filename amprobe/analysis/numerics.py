@@ -102,18 +102,25 @@ def _nonzero(frame: pd.DataFrame) -> pd.Series:
     return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
 
 
-def _lost_at(row: Any, nz: int, scale: float | None) -> tuple[float, str]:
+def _lost_at(
+    dtype: Any,
+    loss_scale: Any,
+    exp_hist: Any,
+    zeros: Any,
+    underflow_at_scale: Any,
+    nz: int,
+    scale: float | None,
+) -> tuple[float, str]:
     """One gradient row's lost share and its measure, at ``scale`` or the row's own scale."""
     if not nz:
-        return 0.0, "subnormal" if row.dtype == "float16" else "flushed"
-    own = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
+        return 0.0, "subnormal" if dtype == "float16" else "flushed"
+    own = float(loss_scale) if loss_scale and loss_scale > 0 else 1.0
     at = own if scale is None else scale
-    zeros = getattr(row, "zeros", 0)
-    binades = _nonzero_binades(row.exp_hist, 0 if pd.isna(zeros) else int(zeros))
-    if row.dtype == "float16":
+    binades = _nonzero_binades(exp_hist, 0 if pd.isna(zeros) else int(zeros))
+    if dtype == "float16":
         return _below(binades, -14, at) / nz, "subnormal"
     if scale is None:
-        return int(row.underflow_at_scale) / nz, "flushed"
+        return int(underflow_at_scale) / nz, "flushed"
     return _below(binades, -25, at) / nz, "flushed"
 
 
@@ -146,8 +153,22 @@ def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.Dat
     grads["nonzero"] = _nonzero(grads)
     lost: list[float] = []
     measure: list[str] = []
-    for row in grads.itertuples():
-        share, kind = _lost_at(row, int(row.nonzero), scale)
+    n = len(grads)
+    # the rows' values as Python lists (what iterating the rows would give, at a fraction of
+    # the cost of one tuple per row)
+    values = [
+        grads[name].tolist() if name in grads else [default] * n
+        for name, default in (
+            ("dtype", None),
+            ("loss_scale", None),
+            ("exp_hist", None),
+            ("zeros", 0),
+            ("underflow_at_scale", None),
+            ("nonzero", None),
+        )
+    ]
+    for dtype, loss_scale, exp_hist, zeros, underflow, nonzero in zip(*values, strict=True):
+        share, kind = _lost_at(dtype, loss_scale, exp_hist, zeros, underflow, int(nonzero), scale)
         lost.append(share)
         measure.append(kind)
     grads["lost_share"] = lost
