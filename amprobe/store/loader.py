@@ -24,6 +24,7 @@ from amprobe.store import schema
 from amprobe.store.layout import (
     BASELINE_LEGS,
     STATUS_ORDER,
+    RunLoadError,
     is_run_dir,
     list_ranks,
     open_regular,
@@ -41,10 +42,6 @@ __all__ = [
     "read_table",
     "empty_frame",
 ]
-
-
-class RunLoadError(Exception):
-    """A run directory that cannot be read; the message is one line that says why."""
 
 
 class NewerSchemaError(RunLoadError):
