@@ -7,6 +7,12 @@ The CLI loads no torch: a run copied from a cluster is read where torch is not i
 processes load torch, not the launcher; `amprobe attach RUN`/`detach RUN` only write files). The
 commands that record in this process or attach to a live one (demo, attach --pid) import the
 capture side (demo, control.remote: torch) inside their own function, and only there.
+
+Each command imports what it needs inside its own functions (``_cmd_<name>`` and the private
+helpers they call), so that ``import amprobe.cli`` loads the standard library, the config and
+the run directory's layout only: ``amprobe --help`` and ``amprobe run``'s launcher do not load
+pandas, the rules or the report, and ``amprobe diagnose`` does not load the launcher, the control
+channel or the run writer.
 """
 
 from __future__ import annotations
@@ -20,20 +26,14 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import amprobe
-from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.config import ConfigError
-from amprobe.control import launcher, sender
-from amprobe.control.launcher import LaunchError
-from amprobe.report import render_json, render_markdown, render_text, write_report
-from amprobe.report.compare import render_comparison_json, render_comparison_text
-from amprobe.report.summary import collector_errors, print_run_summary
-from amprobe.rules import REGISTRY, ThresholdError
-from amprobe.rules.compare import Comparison, compare_runs
-from amprobe.store import RunLoadError
-from amprobe.store.layout import BASELINE_LEGS
+from amprobe.store.layout import BASELINE_LEGS, RunLoadError
+
+if TYPE_CHECKING:
+    from amprobe.rules.compare import Comparison
 
 __all__ = ["main", "build_parser"]
 
@@ -226,6 +226,8 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 
 def _load(path: str) -> Any:
+    from amprobe.report.summary import collector_errors
+
     run = amprobe.load_run(path)
     run.warnings.extend(collector_errors(run))
     for warning in run.warnings:
@@ -234,6 +236,9 @@ def _load(path: str) -> Any:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from amprobe.analysis.whatif import compute_whatif, whatif_records
+    from amprobe.report import render_json, render_markdown, render_text
+
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     if args.format == "json":
@@ -250,6 +255,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from amprobe.report import write_report
+
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     path = write_report(run, diagnosis, args.output)
@@ -268,6 +275,7 @@ def _as_cli_error(*errors: type[Exception]) -> Iterator[None]:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from amprobe.demo import run_demo  # the capture side: torch
+    from amprobe.report import render_text, write_report
 
     if args.steps < 10:
         raise CliError("--steps must be at least 10")
@@ -282,6 +290,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_rules(args: argparse.Namespace) -> int:
+    from amprobe.rules import REGISTRY
+
     for spec in sorted(REGISTRY.values(), key=lambda spec: spec.id):
         th = ", ".join(f"{k}={v:g}" for k, v in spec.thresholds.items()) or "-"
         print(f"{spec.id}  {spec.name:<24} {spec.severity:<8} {spec.category:<6} thresholds: {th}")
@@ -318,7 +328,16 @@ def _default_out(suffix: str = "") -> str:
     return os.path.join("amprobe_runs", time.strftime("%Y%m%d-%H%M%S") + suffix)
 
 
+def _print_run_summary(run_dir: Path) -> None:
+    """The one-screen summary after `amprobe run`'s job ends: the read side loads only then."""
+    from amprobe.report.summary import print_run_summary
+
+    print_run_summary(run_dir)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    from amprobe.control import launcher
+
     args.command_name = "run"
     command = _command(args)
     settings = _settings(args.settings)
@@ -326,16 +345,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings["prometheus_port"] = args.prometheus_port
     if args.dormant:
         settings["dormant"] = True
-    return launcher.launch(
-        command,
-        Path(args.out or _default_out()),
-        settings,
-        overwrite=args.overwrite,
-        summarize=print_run_summary,
-    )
+    with _as_cli_error(launcher.LaunchError):
+        return launcher.launch(
+            command,
+            Path(args.out or _default_out()),
+            settings,
+            overwrite=args.overwrite,
+            summarize=_print_run_summary,
+        )
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
+    from amprobe.control import sender
+
     if args.steps is not None and args.steps < 1:
         raise CliError("--steps must be a positive number of steps")
     if args.pid is not None:
@@ -379,12 +401,18 @@ def _print_reply(lines: list[str], acknowledged: bool) -> int:
 
 
 def _cmd_detach(args: argparse.Namespace) -> int:
+    from amprobe.control import sender
+
     with _as_cli_error(sender.ControlError):
         reply = sender.send_control(args.run, "detach", wait_s=args.wait)
     return _print_reply(reply.lines, reply.acknowledged)
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
+    from amprobe.control import launcher
+    from amprobe.report.compare import render_comparison_json
+    from amprobe.rules.compare import compare_runs
+
     args.command_name = "baseline"
     command = _command(args)
     if args.steps < 5:
@@ -395,14 +423,15 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     fp32_leg, amp_leg = BASELINE_LEGS
     for name, fp32 in ((fp32_leg, True), (amp_leg, False)):
         print(f"amprobe: baseline: {name} run, {args.steps} steps", file=sys.stderr)
-        codes[name] = launcher.launch(
-            command,
-            out / name,
-            config,
-            force_fp32=fp32,
-            baseline=(out / fp32_leg) if not fp32 else None,
-            overwrite=args.overwrite,
-        )
+        with _as_cli_error(launcher.LaunchError):
+            codes[name] = launcher.launch(
+                command,
+                out / name,
+                config,
+                force_fp32=fp32,
+                baseline=(out / fp32_leg) if not fp32 else None,
+                overwrite=args.overwrite,
+            )
         if codes[name] != 0:
             raise CliError(f"the {name} run exited with status {codes[name]}; see its output above")
     comparison = compare_runs(_load(str(out / fp32_leg)), _load(str(out / amp_leg)))
@@ -415,6 +444,8 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def _print_comparison(comparison: Comparison, form: str) -> None:
+    from amprobe.report.compare import render_comparison_json, render_comparison_text
+
     for warning in comparison.metrics.get("warnings", ()):
         print(f"amprobe: warning: {warning}", file=sys.stderr)
     if form == "json":
@@ -424,6 +455,8 @@ def _print_comparison(comparison: Comparison, form: str) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
+    from amprobe.rules.compare import compare_runs
+
     _print_comparison(compare_runs(_load(args.baseline), _load(args.candidate)), args.format)
     return 0
 
@@ -479,10 +512,10 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (CliError, RunLoadError, ConfigError, ThresholdError, LaunchError) as exc:
+    except (CliError, RunLoadError, ConfigError) as exc:
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except ValueError as exc:
+    except ValueError as exc:  # ThresholdError (an unknown --threshold) among them
         print(f"amprobe: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
