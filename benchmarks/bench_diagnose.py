@@ -10,9 +10,11 @@ samples, and the CPU model.
 * ``amprobe diagnose``: the command as a user runs it (``python -m amprobe diagnose RUN``).
 
 The breakdown of the diagnose process comes from timers inside it (``time.perf_counter``
-around each phase, the same clock): ``startup`` is the wall time not inside the timed phases
-before the first import (interpreter start, ``site``), ``pandas`` the import of numpy, pyarrow
-and pandas, ``amprobe`` the rest of ``import amprobe.cli``, ``run`` the command itself
+around each phase, the same clock): ``startup`` is the wall time before the first import
+(interpreter start, ``site``), ``pandas`` the import of numpy, pyarrow and pandas, ``cli`` the
+rest of ``import amprobe.cli``, ``read side`` the import of the modules the command imports
+when it runs (:data:`DIAGNOSE_IMPORTS`, imported first here so that the next phase is the
+work alone; the child says if the command imported more), ``run`` the command itself
 (``amprobe.cli.main``: load, diagnose, render) and ``exit`` what remains of the wall time
 (interpreter shutdown: module teardown and the final garbage collection).
 
@@ -37,23 +39,38 @@ from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: the modules `amprobe diagnose` imports when it runs (the CLI imports them in the command)
+DIAGNOSE_IMPORTS = (
+    "amprobe.store.loader",
+    "amprobe.rules",
+    "amprobe.report",
+    "amprobe.report.summary",
+    "amprobe.analysis.whatif",
+)
+
 #: runs in the child: times its own phases and prints them as JSON on stderr's last line. It
 #: calls ``main()`` as ``python -m amprobe`` does (arguments from ``sys.argv``, then
 #: ``sys.exit``), so the command takes the program's own path to the exit
 _CHILD = """
-import sys, time, json
+import importlib, sys, time, json
 t0 = time.perf_counter()
 import numpy, pyarrow, pandas
 t1 = time.perf_counter()
 import amprobe.cli
 t2 = time.perf_counter()
-code = amprobe.cli.main()
+for name in IMPORTS:
+    importlib.import_module(name)
 t3 = time.perf_counter()
+before = set(sys.modules)
+code = amprobe.cli.main()
+t4 = time.perf_counter()
 sys.stdout.flush()
-sys.stderr.write("\\n" + json.dumps({"t0": t0, "pandas": t1 - t0, "amprobe": t2 - t1,
-                                     "run": t3 - t2, "end": t3}) + "\\n")
+more = sorted(m for m in set(sys.modules) - before if m.startswith("amprobe"))
+sys.stderr.write("\\n" + json.dumps({"t0": t0, "pandas": t1 - t0, "cli": t2 - t1,
+                                     "read side": t3 - t2, "run": t4 - t3, "end": t4,
+                                     "more": more}) + "\\n")
 sys.exit(code)
-"""
+""".replace("IMPORTS", repr(DIAGNOSE_IMPORTS), 1)
 
 
 def _wall(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -67,7 +84,7 @@ def _wall(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
 
 
 def _phases(argv: list[str], env: dict[str, str]) -> dict[str, float]:
-    """One diagnose process timed from inside: startup, pandas, amprobe, run, exit (seconds)."""
+    """One diagnose process timed from inside: startup, pandas, cli, read side, run, exit (s)."""
     # the child's perf_counter and ours are the same monotonic clock (CLOCK_MONOTONIC)
     start = time.perf_counter()
     proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -75,10 +92,13 @@ def _phases(argv: list[str], env: dict[str, str]) -> dict[str, float]:
     if proc.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.decode()[-2000:]}")
     inside = json.loads(proc.stderr.decode().strip().splitlines()[-1])
+    if inside["more"]:
+        print(f"note: the command imported more than DIAGNOSE_IMPORTS: {inside['more']}")
     return {
         "startup": inside["t0"] - start,
         "pandas": inside["pandas"],
-        "amprobe": inside["amprobe"],
+        "cli": inside["cli"],
+        "read side": inside["read side"],
         "run": inside["run"],
         "exit": end - inside["end"],
         "total": end - start,
@@ -119,7 +139,7 @@ def main() -> None:
     for name, w in walls.items():
         print(f"{name:<32} {statistics.median(w):9.3f} {min(w):7.3f} {max(w):7.3f}")
     print("\n`amprobe diagnose` timed from inside (median s of each phase):")
-    for key in ("startup", "pandas", "amprobe", "run", "exit", "total"):
+    for key in ("startup", "pandas", "cli", "read side", "run", "exit", "total"):
         values = [p[key] for p in phases]
         print(f"  {key:<10} {statistics.median(values):7.3f}  (min {min(values):.3f})")
 
