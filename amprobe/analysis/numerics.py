@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
@@ -322,17 +323,27 @@ def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
     if offenders.empty:
         return {}
     part = offenders[offenders["rank"] == rank].sort_values("step")
+    kinds = part["kind"].tolist()
     out: dict[str, Any] = {}
     for kind in ("forward", "backward", "input"):
-        rows = part[part["kind"] == kind]
-        if len(rows):
-            first = rows.iloc[0]
+        if kind in kinds:
+            first = kinds.index(kind)
             out[f"first_{kind}_offender"] = {
-                "module": first["module"],
-                "module_type": first["module_type"],
-                "step": int(first["step"]),
+                "module": part["module"].iloc[first],
+                "module_type": part["module_type"].iloc[first],
+                "step": int(part["step"].iloc[first]),
             }
     return out
+
+
+#: the numerics columns :func:`layer_overflow_evidence` reads
+_OVERFLOW_COLUMNS = ("step", "module", "dtype", "order", "nan", "inf", "over_fp16", "in_nonfinite")
+
+
+def _nan_last(value: Any) -> tuple[bool, Any]:
+    """A sort key that puts missing values last, as pandas sorts."""
+    missing = bool(pd.isna(value))
+    return missing, 0 if missing else value
 
 
 def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, Any]:
@@ -352,38 +363,67 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     numerics = run.table("numerics")
     if numerics.empty:
         return {}
-    frame = numerics[(numerics["rank"] == rank) & (numerics["kind"] != "input")]
-    if frame.empty:
+    # the columns as arrays, the rank's rows picked once (frame operations per mask cost more
+    # than the arithmetic on a few hundred rows)
+    kind = numerics["kind"].to_numpy()
+    mine = np.flatnonzero((numerics["rank"].to_numpy() == rank) & (kind != "input"))
+    if not len(mine):
         return {}
-    frame = frame.assign(nonfinite=frame["nan"] + frame["inf"])
-    hit = (frame["nonfinite"] + frame["over_fp16"]) > 0
-    outputs = frame["kind"] == "output"
-    broken = set(frame.loc[outputs & (frame["nonfinite"] > 0), "step"])
-    inputs_finite = frame["in_nonfinite"].isna() | (frame["in_nonfinite"] == 0)
-    origin = hit & ((outputs & inputs_finite) | (~outputs & ~frame["step"].isin(broken)))
-    rows = frame[origin].assign(phase=(~outputs[origin]).astype(int))
-    rows = rows.sort_values(["step", "phase", "order"], kind="stable")
-    layers = rows.groupby(["module", "kind"], sort=False).agg(
-        dtype=("dtype", lambda s: ",".join(sorted(set(s.dropna())))),
-        nonfinite=("nonfinite", "sum"),
-        over_fp16=("over_fp16", "sum"),
-        first_step=("step", "first"),
+    col = {c: numerics[c].to_numpy()[mine] for c in _OVERFLOW_COLUMNS}
+    kind = kind[mine]
+    nonfinite = col["nan"] + col["inf"]
+    hit = (nonfinite + col["over_fp16"]) > 0
+    outputs = kind == "output"
+    step = col["step"]
+    broken = set(step[outputs & (nonfinite > 0)].tolist())
+    is_broken = pd.Series(step).isin(broken).to_numpy()
+    inputs_finite = pd.isna(col["in_nonfinite"]) | (col["in_nonfinite"] == 0)
+    origin = np.flatnonzero(hit & ((outputs & inputs_finite) | (~outputs & ~is_broken)))
+    # in order of first overflow: step, forward before backward, execution order (stable)
+    values = {c: col[c][origin].tolist() for c in ("step", "order", "module", "dtype", "over_fp16")}
+    values["kind"] = kind[origin].tolist()
+    values["nonfinite"] = nonfinite[origin].tolist()
+    values["phase"] = (~outputs[origin]).astype(int).tolist()
+    ranked = sorted(
+        range(len(origin)),
+        key=lambda i: (
+            _nan_last(values["step"][i]),
+            values["phase"][i],
+            _nan_last(values["order"][i]),
+        ),
     )
+    # per (module, kind), in order of first overflow
+    layers: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for i in ranked:
+        module, layer_kind = values["module"][i], values["kind"][i]
+        if pd.isna(module) or pd.isna(layer_kind):
+            continue  # as a groupby drops a missing key
+        layer = layers.setdefault(
+            (module, layer_kind),
+            {"dtypes": set(), "nonfinite": 0, "over_fp16": 0, "first_step": math.nan},
+        )
+        dtype, count, over, at = (values[c][i] for c in ("dtype", "nonfinite", "over_fp16", "step"))
+        if not pd.isna(dtype):
+            layer["dtypes"].add(dtype)
+        layer["nonfinite"] += 0 if pd.isna(count) else count
+        layer["over_fp16"] += 0 if pd.isna(over) else over
+        if pd.isna(layer["first_step"]) and not pd.isna(at):
+            layer["first_step"] = at
     propagated = {
         (str(m), str(k))
-        for m, k in zip(frame.loc[hit, "module"], frame.loc[hit, "kind"], strict=True)
-    } - {(str(m), str(k)) for m, k in layers.index}
+        for m, k in zip(col["module"][hit].tolist(), kind[hit].tolist(), strict=True)
+    } - {(str(m), str(k)) for m, k in layers}
     return {
         "overflowing_layers": [
             {
                 "module": module,
-                "kind": kind,
-                "dtype": row["dtype"],
-                "nonfinite_count": int(row["nonfinite"]),
-                "over_fp16_count": int(row["over_fp16"]),
-                "first_step": int(row["first_step"]),
+                "kind": layer_kind,
+                "dtype": ",".join(sorted(layer["dtypes"])),
+                "nonfinite_count": int(layer["nonfinite"]),
+                "over_fp16_count": int(layer["over_fp16"]),
+                "first_step": int(layer["first_step"]),
             }
-            for (module, kind), row in layers.head(limit).iterrows()
+            for (module, layer_kind), layer in list(layers.items())[:limit]
         ],
         "propagated_layer_count": len(propagated),
         **offender_evidence(run, rank),
