@@ -183,6 +183,8 @@ def _parse_hists(texts: Iterable[Any]) -> np.ndarray:
     The collector writes flat ``{"e": n, ...}`` objects; they are parsed as one number list
     (string and numpy operations, no per-bin Python loop).
     """
+    if isinstance(texts, (pd.Series, np.ndarray)):
+        texts = texts.tolist()  # plain strings: iterating the column one value at a time is slow
     cleaned = [t.translate(_STRIP) if isinstance(t, str) else "" for t in texts]
     out = np.zeros((len(cleaned), _NBINS), dtype=np.int64)
     pairs = np.array([(c.count(",") + 1) // 2 if c else 0 for c in cleaned], dtype=np.int64)
@@ -206,15 +208,23 @@ def _nonzero_bins(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
 def _top_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
     """Per row, the exponent of the highest nonzero finite bin (``_NONE`` when there is none;
     -134 when only the lump holds values: they lie below 2**-133)."""
-    has = _nonzero_bins(hist, zeros) > 0
-    idx = _FINITE - 1 - np.argmax(has[:, ::-1], axis=1)
-    return np.where(has.any(axis=1), idx + _E_LO, _NONE)
+    return _top_exp(_nonzero_bins(hist, zeros) > 0)
 
 
 def _low_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
     """Per row, the exponent of the lowest nonzero finite bin (-149 for the lump, a bound;
     ``-_NONE`` when there is none)."""
-    has = _nonzero_bins(hist, zeros) > 0
+    return _low_exp(_nonzero_bins(hist, zeros) > 0)
+
+
+def _top_exp(has: np.ndarray) -> np.ndarray:
+    """:func:`_top_finite_exp` of the rows' nonzero finite bins (``has``: bin holds values)."""
+    idx = _FINITE - 1 - np.argmax(has[:, ::-1], axis=1)
+    return np.where(has.any(axis=1), idx + _E_LO, _NONE)
+
+
+def _low_exp(has: np.ndarray) -> np.ndarray:
+    """:func:`_low_finite_exp` of the rows' nonzero finite bins (``has``: bin holds values)."""
     idx = np.argmax(has, axis=1)
     low = np.where(idx == 0, _LUMP_EXP, idx + _E_LO)
     return np.where(has.any(axis=1), low, -_NONE)
@@ -245,6 +255,7 @@ class _Counter:
 
     def __init__(self, hist: np.ndarray, zeros: np.ndarray) -> None:
         finite = _nonzero_bins(hist, zeros)
+        self.has = finite > 0  # the bins that hold values
         self.lump = finite[:, 0].copy()
         self.prefix = np.concatenate(
             [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(finite, axis=1)], axis=1
@@ -253,8 +264,9 @@ class _Counter:
 
     def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         """Values whose scaled exponent ``e + k`` lies in ``[lo, hi]`` (inclusive)."""
-        a = np.clip(np.asarray(lo) - k - _E_LO, 0, _FINITE)
-        b = np.clip(np.asarray(hi) - k - _E_LO + 1, 0, _FINITE)
+        # np.minimum/np.maximum, not np.clip: the same bounds without clip's per-call checks
+        a = np.minimum(np.maximum(np.asarray(lo) - k - _E_LO, 0), _FINITE)
+        b = np.minimum(np.maximum(np.asarray(hi) - k - _E_LO + 1, 0), _FINITE)
         b = np.maximum(a, b)
         return self.prefix[self.rows, b] - self.prefix[self.rows, a]
 
@@ -293,9 +305,8 @@ _ROWS_COLUMNS = [
 _COUNTS = ("overflow", "flush", "subnormal", "edge")
 
 
-def _base(frame: pd.DataFrame, hist: np.ndarray, counter: _Counter) -> dict[str, Any]:
+def _base(frame: pd.DataFrame, counter: _Counter) -> dict[str, Any]:
     """The identifying columns and per-row facts of ``frame``'s rows (one per row)."""
-    zeros = frame["zeros"].fillna(0).to_numpy(dtype=np.int64)
     return {
         "rank": frame["rank"].to_numpy() if "rank" in frame else np.zeros(len(frame), np.int64),
         "step": frame["step"].to_numpy(),
@@ -310,8 +321,8 @@ def _base(frame: pd.DataFrame, hist: np.ndarray, counter: _Counter) -> dict[str,
             + frame["inf"].fillna(0).to_numpy(dtype=np.int64)
         ),
         "amax": pd.to_numeric(frame["amax"], errors="coerce").to_numpy(dtype=float),
-        "low_exp": _low_finite_exp(hist, zeros),
-        "top_exp": _top_finite_exp(hist, zeros),
+        "low_exp": _low_exp(counter.has),
+        "top_exp": _top_exp(counter.has),
     }
 
 
@@ -384,7 +395,7 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
         )
     hist = _parse_hists(frame["exp_hist"])
     counter = _Counter(hist, frame["zeros"].fillna(0).to_numpy(dtype=np.int64))
-    base = _base(frame, hist, counter)
+    base = _base(frame, counter)
     parts = [
         pd.DataFrame({**base, "format": fmt.name, "scaling": scaling, **counts})
         for fmt, scaling, counts in _classify(counter, base["amax"], base["top_exp"])
@@ -396,11 +407,18 @@ def layer_order(numerics: pd.DataFrame) -> dict[str, int]:
     """Module -> position in forward execution order (modules without outputs come last)."""
     if numerics.empty:
         return {}
-    outputs = numerics[numerics["kind"] == "output"]
-    first = outputs.groupby("module", sort=False)["order"].min().sort_values(kind="stable")
-    order = {str(m): i for i, m in enumerate(first.index)}
-    for module in numerics.loc[numerics["kind"] != "input", "module"].unique():
-        order.setdefault(str(module), len(order))
+    kind = numerics["kind"].to_numpy()
+    module = numerics["module"].to_numpy()
+    outputs = kind == "output"
+    # each module's first output position (a missing module or position is left out), modules
+    # in order of first appearance; then sorted by it, stably, those without one last
+    codes, modules = pd.factorize(module[outputs])
+    positions = pd.to_numeric(numerics["order"], errors="coerce").to_numpy(dtype=float)[outputs]
+    first = np.full(len(modules), np.nan)
+    np.fmin.at(first, codes[codes >= 0], positions[codes >= 0])
+    order = {str(modules[i]): n for n, i in enumerate(np.argsort(first, kind="stable"))}
+    for name in pd.unique(module[kind != "input"]):
+        order.setdefault(str(name), len(order))
     return order
 
 
@@ -454,7 +472,7 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
         part = frame.iloc[i : i + _BLOCK]
         hist = _parse_hists(part["exp_hist"])
         counter = _Counter(hist, part["zeros"].fillna(0).to_numpy(dtype=np.int64))
-        parts.append((counter, _base(part, hist, counter)))
+        parts.append((counter, _base(part, counter)))
     base = {key: np.concatenate([b[key] for _, b in parts]) for key in parts[0][1]}
     # the dtypes a frame of these columns infers (those of the table grouped before)
     inferred = {k: pd.Series(base[k]).dtype for k in ("module", "module_type", "kind", "dtype")}
