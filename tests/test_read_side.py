@@ -180,7 +180,7 @@ def test_lazy_names_are_the_defining_modules_objects(tmp_path: Path) -> None:
     modules that define them, listed by ``dir()``; the subpackages and the store's modules are
     attributes as when the packages imported them at once."""
     code = (
-        "import amprobe, amprobe.store\n"
+        "import sys, amprobe, amprobe.store\n"
         "assert set(amprobe.__all__) <= set(dir(amprobe))\n"
         "assert set(amprobe.store.__all__) <= set(dir(amprobe.store))\n"
         "import amprobe.rules, amprobe.rules.engine, amprobe.store.loader as loader\n"
@@ -197,7 +197,16 @@ def test_lazy_names_are_the_defining_modules_objects(tmp_path: Path) -> None:
         "assert amprobe.store.SCHEMA_VERSION == schema.SCHEMA_VERSION\n"
         "assert amprobe.store.RunWriter is writer.RunWriter\n"
         "assert amprobe.analysis.__name__ == 'amprobe.analysis'\n"
-        "assert amprobe.report.render_text\n"
+        "import amprobe.report.render as render\n"
+        "assert not any(m in sys.modules for m in ('amprobe.report.sections', 'plotly'))\n"
+        "import amprobe.report.document as document\n"
+        "assert amprobe.report.render_text is render.render_text\n"
+        "assert amprobe.report.render_html is document.render_html\n"
+        "assert amprobe.report.write_report is document.write_report\n"
+        "import amprobe.report.registry as registry\n"
+        "assert amprobe.report.SECTIONS is amprobe.report.sections.SECTIONS is registry.SECTIONS\n"
+        "assert amprobe.report.Section is registry.Section\n"
+        "assert set(amprobe.report.__all__) <= set(dir(amprobe.report))\n"
         "assert amprobe.store.fields.STEP_FIELDS\n"
         "for module, name in ((amprobe, 'no_such_name'), (amprobe.store, 'load_runs')):\n"
         "    try:\n"
@@ -211,6 +220,27 @@ def test_lazy_names_are_the_defining_modules_objects(tmp_path: Path) -> None:
         "module 'amprobe' has no attribute 'no_such_name'",
         "module 'amprobe.store' has no attribute 'load_runs'",
     ]
+
+
+def test_the_section_registry_is_complete_however_it_is_imported(tmp_path: Path) -> None:
+    """The section builders register when :mod:`amprobe.report.sections` is imported, which
+    every path that builds or lists sections goes through; rendering text loads none of them."""
+    keys = "['scale', 'numerics', 'whatif', 'compute', 'runtime', 'ranks']"
+    for first in (
+        "from amprobe.report.sections import section_tabs",
+        "from amprobe.report import build_sections",
+        "from amprobe.report import render_html",
+        "import amprobe.report.document",
+    ):
+        code = (
+            f"{first}\n"
+            "from amprobe.report.registry import SECTIONS\n"
+            "from amprobe.report.sections import section_tabs\n"
+            "print([key for key, _ in section_tabs()], sorted(SECTIONS) == sorted(dict(section_tabs())))\n"
+        )
+        proc = _python(tmp_path, "-c", code)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"{keys} True", first
 
 
 def test_control_commands_load_no_torch(tmp_path: Path) -> None:
