@@ -44,6 +44,7 @@ DIAGNOSE_IMPORTS = (
     "amprobe.store.loader",
     "amprobe.rules",
     "amprobe.report",
+    "amprobe.report.render",
     "amprobe.report.summary",
     "amprobe.analysis.whatif",
 )
