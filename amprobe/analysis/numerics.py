@@ -25,6 +25,7 @@ __all__ = [
     "layer_summary",
     "compute_scale_hint",
     "compute_underflow",
+    "compute_gradient_underflow",
     "offender_evidence",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
@@ -103,11 +104,29 @@ def _nonzero(frame: pd.DataFrame) -> pd.Series:
     return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
 
 
+class _Histograms:
+    """Gradient rows' exponent histograms as nonzero binades (:func:`_nonzero_binades`), each
+    parsed on first use: the underflow at two scales and the scale hint read the same rows."""
+
+    def __init__(self, texts: list[Any], zeros: list[Any]) -> None:
+        self._texts = texts
+        self._zeros = zeros
+        self._parsed: dict[int, dict[int, int]] = {}
+
+    def __getitem__(self, row: int) -> dict[int, int]:
+        parsed = self._parsed.get(row)
+        if parsed is None:
+            zeros = self._zeros[row]
+            parsed = _nonzero_binades(self._texts[row], 0 if pd.isna(zeros) else int(zeros))
+            self._parsed[row] = parsed
+        return parsed
+
+
 def _lost_at(
     dtype: Any,
     loss_scale: Any,
-    exp_hist: Any,
-    zeros: Any,
+    binades: _Histograms,
+    row: int,
     underflow_at_scale: Any,
     nz: int,
     scale: float | None,
@@ -117,12 +136,94 @@ def _lost_at(
         return 0.0, "subnormal" if dtype == "float16" else "flushed"
     own = float(loss_scale) if loss_scale and loss_scale > 0 else 1.0
     at = own if scale is None else scale
-    binades = _nonzero_binades(exp_hist, 0 if pd.isna(zeros) else int(zeros))
+    counts = binades[row]  # parsed before any branch: a damaged histogram always raises
     if dtype == "float16":
-        return _below(binades, -14, at) / nz, "subnormal"
+        return _below(counts, -14, at) / nz, "subnormal"
     if scale is None:
         return int(underflow_at_scale) / nz, "flushed"
-    return _below(binades, -25, at) / nz, "flushed"
+    return _below(counts, -25, at) / nz, "flushed"
+
+
+#: the gradient rows' columns the underflow reads, and their value where a column is absent
+_UNDERFLOW_COLUMNS = (
+    ("dtype", None),
+    ("loss_scale", None),
+    ("exp_hist", None),
+    ("zeros", 0),
+    ("underflow_at_scale", None),
+    ("nonzero", None),
+)
+
+
+class _Gradients:
+    """A frame's gradient rows with their values as Python lists (what iterating the rows would
+    give, at a fraction of the cost of one tuple per row); ``nonzero`` is added by the first
+    :meth:`underflow` (the scale hint does not need the element counts)."""
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.frame = frame[frame["kind"].isin(GRAD_KINDS)].copy()
+        n = len(self.frame)
+        self.values = {
+            name: self.frame[name].tolist() if name in self.frame else [default] * n
+            for name, default in _UNDERFLOW_COLUMNS
+            if name != "nonzero"
+        }
+        self.histograms = _Histograms(self.values["exp_hist"], self.values["zeros"])
+
+    def underflow(self, scale: float | None) -> tuple[list[float], list[str]]:
+        """Per row: :func:`compute_underflow`'s ``lost_share`` and ``measure``."""
+        if "nonzero" not in self.values:
+            self.frame["nonzero"] = _nonzero(self.frame)
+            self.values["nonzero"] = self.frame["nonzero"].tolist()
+        lost: list[float] = []
+        measure: list[str] = []
+        v = self.values
+        rows = zip(v["dtype"], v["loss_scale"], v["underflow_at_scale"], v["nonzero"], strict=True)
+        for i, (dtype, loss_scale, underflow, nonzero) in enumerate(rows):
+            share, kind = _lost_at(
+                dtype, loss_scale, self.histograms, i, underflow, int(nonzero), scale
+            )
+            lost.append(share)
+            measure.append(kind)
+        return lost, measure
+
+    def scale_hint(self, margin: float) -> dict[str, Any] | None:
+        """:func:`compute_scale_hint` of these rows."""
+        grads = self.frame
+        amax = grads["amax"].dropna()
+        amax = amax[(amax > 0) & amax.map(math.isfinite)]
+        if amax.empty:
+            return None
+        peak = float(amax.max())
+        hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+        scales = grads["loss_scale"].dropna()
+        current = (
+            float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
+        )
+        wide = (
+            [i for i, d in enumerate(self.values["dtype"]) if d != "float16"]
+            if "dtype" in grads
+            else range(len(grads))
+        )
+        merged: dict[int, int] = {}
+        for i in wide:
+            for e, n in self.histograms[i].items():
+                merged[e] = merged.get(e, 0) + n
+        nonzero = sum(merged.values())
+
+        def share(scale: float) -> float | None:
+            if not nonzero:
+                return None
+            return round(_below(merged, -25, scale) / nonzero, 6)
+
+        return {
+            "grad_amax": peak,
+            "margin": margin,
+            "hint_scale": hint,
+            "current_scale": current,
+            "underflow_share_at_current": share(current),
+            "underflow_share_at_hint": share(hint),
+        }
 
 
 def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.DataFrame:
@@ -148,30 +249,11 @@ def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.Dat
         The gradient rows with ``nonzero``, ``lost_share`` and ``measure`` (``flushed`` or
         ``subnormal``) columns added.
     """
-    grads = frame[frame["kind"].isin(GRAD_KINDS)].copy()
+    gradients = _Gradients(frame)
+    grads = gradients.frame
     if grads.empty:
         return grads.assign(nonzero=[], lost_share=[], measure=[])
-    grads["nonzero"] = _nonzero(grads)
-    lost: list[float] = []
-    measure: list[str] = []
-    n = len(grads)
-    # the rows' values as Python lists (what iterating the rows would give, at a fraction of
-    # the cost of one tuple per row)
-    values = [
-        grads[name].tolist() if name in grads else [default] * n
-        for name, default in (
-            ("dtype", None),
-            ("loss_scale", None),
-            ("exp_hist", None),
-            ("zeros", 0),
-            ("underflow_at_scale", None),
-            ("nonzero", None),
-        )
-    ]
-    for dtype, loss_scale, exp_hist, zeros, underflow, nonzero in zip(*values, strict=True):
-        share, kind = _lost_at(dtype, loss_scale, exp_hist, zeros, underflow, int(nonzero), scale)
-        lost.append(share)
-        measure.append(kind)
+    lost, measure = gradients.underflow(scale)
     grads["lost_share"] = lost
     grads["measure"] = measure
     return grads
@@ -193,38 +275,33 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
     Returns:
         ``None`` when no finite nonzero gradient was recorded.
     """
-    grads = frame[frame["kind"].isin(GRAD_KINDS)]
-    amax = grads["amax"].dropna()
-    amax = amax[(amax > 0) & amax.map(math.isfinite)]
-    if amax.empty:
-        return None
-    peak = float(amax.max())
-    hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
-    scales = grads["loss_scale"].dropna()
-    current = (
-        float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
-    )
-    wide = grads[grads["dtype"] != "float16"] if "dtype" in grads else grads
-    merged: dict[int, int] = {}
-    zeros_of = wide["zeros"].fillna(0) if "zeros" in wide else pd.Series(0, index=wide.index)
-    for text, zeros in zip(wide["exp_hist"], zeros_of, strict=True):
-        for e, n in _nonzero_binades(text, int(zeros)).items():
-            merged[e] = merged.get(e, 0) + n
-    nonzero = sum(merged.values())
+    return _Gradients(frame).scale_hint(margin)
 
-    def share(scale: float) -> float | None:
-        if not nonzero:
-            return None
-        return round(_below(merged, -25, scale) / nonzero, 6)
 
-    return {
-        "grad_amax": peak,
-        "margin": margin,
-        "hint_scale": hint,
-        "current_scale": current,
-        "underflow_share_at_current": share(current),
-        "underflow_share_at_hint": share(hint),
-    }
+def compute_gradient_underflow(
+    frame: pd.DataFrame, margin: float = 8.0
+) -> tuple[pd.DataFrame, dict[str, Any] | None, pd.Series]:
+    """:func:`compute_underflow` of ``frame``, its :func:`compute_scale_hint` and the rows'
+    lost share at that hint (their own shares when there is no hint), with each histogram
+    parsed once for the three.
+
+    Returns:
+        ``(rows, hint, lost_share_at_hint)``: ``rows`` as :func:`compute_underflow` returns
+        them, the hint or ``None``, and a series on the rows' index.
+    """
+    gradients = _Gradients(frame)
+    grads = gradients.frame
+    if grads.empty:
+        empty = grads.assign(nonzero=[], lost_share=[], measure=[])
+        return empty, None, empty["lost_share"]
+    lost, measure = gradients.underflow(None)
+    grads["lost_share"] = lost
+    grads["measure"] = measure
+    hint = gradients.scale_hint(margin)
+    if hint is None:
+        return grads, None, grads["lost_share"]
+    at_hint, _ = gradients.underflow(hint["hint_scale"])
+    return grads, hint, pd.Series(at_hint, index=grads.index, dtype=float)
 
 
 def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:

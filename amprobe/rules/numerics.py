@@ -11,12 +11,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
-    compute_scale_hint,
-    compute_underflow,
+    compute_gradient_underflow,
     first_nonfinite_weights,
     first_overflow_step,
     last_linears,
@@ -324,6 +324,28 @@ def _nonfinite_weights_finding(
     )
 
 
+def _layer_facts(grads: pd.DataFrame, keys: set[Any]) -> dict[Any, dict[str, Any]]:
+    """Per (module, kind, measure) in ``keys``: the first recorded dtype (NaN when none), the
+    loss scales and the sampled steps of its rows; one pass over the listed layers' rows."""
+    facts: dict[Any, dict[str, Any]] = {}
+    columns = ("module", "kind", "measure", "dtype", "scale", "step")
+    for module, kind, measure, dtype, scale, step in zip(
+        *(grads[c].tolist() for c in columns), strict=True
+    ):
+        key = (module, kind, measure)
+        if key not in keys:
+            continue
+        layer = facts.setdefault(key, {"dtype": None, "scales": set(), "steps": set()})
+        if layer["dtype"] is None and not pd.isna(dtype):
+            layer["dtype"] = dtype
+        layer["scales"].add(scale)
+        layer["steps"].add(step)
+    for layer in facts.values():
+        if layer["dtype"] is None:
+            layer["dtype"] = np.nan  # as a grouped first() of missing values
+    return facts
+
+
 @rule(
     "AMP-N06",
     "grad-underflow",
@@ -336,7 +358,8 @@ def _nonfinite_weights_finding(
 def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
 
-    Per (module, gradient kind) over sampled steps, see :func:`compute_underflow`. Gradients
+    Per (module, gradient kind) over sampled steps, see
+    :func:`~amprobe.analysis.numerics.compute_underflow`. Gradients
     held wider than fp16 are judged as the checklist defines the loss: nonzero values that a
     real fp16 cast at the recorded loss scale flushes to zero (scaled magnitude at most
     2**-25, half fp16's smallest subnormal; values in ``(2**-25, 2**-24)`` round up to
@@ -345,7 +368,8 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     there the share of surviving values in the subnormal range stands in for it: a layer
     with more than ``max_lost_share`` of its values there reaches the flush boundary. The
     title says which of the two it measured for the worst layer, at the recorded loss scale
-    and, by the same measure, at the hint of :func:`compute_scale_hint`.
+    and, by the same measure, at the hint of
+    :func:`~amprobe.analysis.numerics.compute_scale_hint`.
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
@@ -353,14 +377,12 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     th = ctx.thresholds
     numerics = run.table("numerics")
     for rank, frame in per_rank(numerics):
-        grads = compute_underflow(frame)
+        grads, hint, lost_at_hint = compute_gradient_underflow(frame, th["scale_margin"])
         if grads.empty:
             continue
-        hint = compute_scale_hint(frame, th["scale_margin"])
-        at_hint = compute_underflow(frame, scale=hint["hint_scale"]) if hint else grads
         grads = grads.assign(
             lost=grads["lost_share"] * grads["nonzero"],
-            lost_at_hint=at_hint["lost_share"] * grads["nonzero"],
+            lost_at_hint=lost_at_hint * grads["nonzero"],
             scale=grads["loss_scale"].where(grads["loss_scale"] > 0, 1.0).fillna(1.0),
         )
         g = grads.groupby(["module", "kind", "measure"], sort=False)
@@ -368,24 +390,25 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
         nonzero = layers["nonzero"].where(layers["nonzero"] > 0)
         layers["share"] = layers["lost"] / nonzero
         layers["share_at_hint"] = layers["lost_at_hint"] / nonzero
-        layers["dtype"] = g["dtype"].first()
-        layers["scales"] = g["scale"].agg(lambda s: sorted(set(s)))
-        layers["sampled_steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
         bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
         if bad.empty:
             continue
+        shown = bad.head(int(th["max_layers"]))
+        facts = _layer_facts(grads, set(shown.index))
         listed = [
             {
                 "module": m,
                 "kind": k,
                 "measure": meas,
-                "dtype": row["dtype"],
-                "share": round(float(row["share"]), 4),
-                "share_at_hint": round(float(row["share_at_hint"]), 4) if hint else None,
-                "loss_scales": [float(x) for x in row["scales"]],
-                "sampled_steps": row["sampled_steps"],
+                "dtype": facts[(m, k, meas)]["dtype"],
+                "share": round(float(share), 4),
+                "share_at_hint": round(float(at_hint), 4) if hint else None,
+                "loss_scales": [float(x) for x in sorted(facts[(m, k, meas)]["scales"])],
+                "sampled_steps": steps_list(sorted(facts[(m, k, meas)]["steps"])),
             }
-            for (m, k, meas), row in bad.head(int(th["max_layers"])).iterrows()
+            for (m, k, meas), share, at_hint in zip(
+                shown.index, shown["share"], shown["share_at_hint"], strict=True
+            )
         ]
         worst = listed[0]
         scales = worst["loss_scales"]
