@@ -61,11 +61,28 @@ def module_role(module_type: str | None, is_last_linear: bool = False) -> str | 
 
 def last_linears(frame: pd.DataFrame) -> set[tuple[int, str]]:
     """(step, module) of the last Linear executed in each step's forward pass."""
-    out = frame[(frame["kind"] == "output") & frame["module_type"].str.contains("Linear", na=False)]
-    if out.empty:
+    kind = frame["kind"].to_numpy()
+    types = frame["module_type"].tolist()
+    linear = np.array(["Linear" in t if isinstance(t, str) else False for t in types], dtype=bool)
+    rows = np.flatnonzero((kind == "output") & linear)
+    if not len(rows):
         return set()
-    last = out.sort_values("order").groupby("step").tail(1)
-    return {(int(s), str(m)) for s, m in zip(last["step"], last["module"], strict=True)}
+    # in execution order (pandas' sort: NaN positions last), the last row of each step wins
+    order = frame["order"].to_numpy()[rows]
+    missing = pd.isna(order)
+    ranked = np.concatenate(
+        [
+            np.flatnonzero(~missing)[order[~missing].argsort(kind="quicksort")],
+            np.flatnonzero(missing),
+        ]
+    )
+    steps = frame["step"].to_numpy()[rows][ranked].tolist()
+    modules = frame["module"].to_numpy()[rows][ranked].tolist()
+    last: dict[Any, Any] = {}
+    for step, module in zip(steps, modules, strict=True):
+        if not pd.isna(step):
+            last[step] = module
+    return {(int(s), str(m)) for s, m in last.items()}
 
 
 def _hist(text: Any) -> dict[int, int]:
@@ -342,12 +359,17 @@ def layer_summary(run: Run, rank: int | None = None) -> pd.DataFrame:
 
 
 def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
-    """Steps of ``rank`` whose root-model inputs held non-finite values."""
+    """Steps of ``rank`` whose root-model inputs held non-finite values (computed once per run
+    and rank; a new set each call)."""
+    return set(run.cached(f"nonfinite_input_steps:{rank}", lambda r: _nonfinite_inputs(r, rank)))
+
+
+def _nonfinite_inputs(run: Run, rank: int) -> frozenset[int]:
     steps = run.steps
     if steps.empty or "input_nonfinite" not in steps:
-        return set()
-    part = steps[(steps["rank"] == rank) & (steps["input_nonfinite"].fillna(0) > 0)]
-    return {int(s) for s in part["step"]}
+        return frozenset()
+    bad = (steps["rank"].to_numpy() == rank) & (steps["input_nonfinite"].fillna(0).to_numpy() > 0)
+    return frozenset(int(s) for s in steps["step"].to_numpy()[bad].tolist())
 
 
 def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
@@ -364,23 +386,24 @@ def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
     if steps.empty:
         return None
     numerics = run.table("numerics")
-    earlier = (
-        numerics.loc[(numerics["rank"] == rank) & (numerics["step"] < captured_step), "step"]
-        if not numerics.empty
-        else numerics
+    since = -1
+    if not numerics.empty:
+        recorded = numerics["step"].to_numpy()
+        earlier = recorded[(numerics["rank"].to_numpy() == rank) & (recorded < captured_step)]
+        since = int(earlier.max()) if len(earlier) else -1
+    step = steps["step"].to_numpy()
+    window = np.flatnonzero(
+        (steps["rank"].to_numpy() == rank) & (step > since) & (step <= captured_step)
     )
-    since = int(earlier.max()) if len(earlier) else -1
-    part = steps[
-        (steps["rank"] == rank) & (steps["step"] > since) & (steps["step"] <= captured_step)
-    ]
-    overflowed = pd.Series(False, index=part.index)
+    overflowed = np.zeros(len(window), dtype=bool)
     for column in ("found_inf", "skipped", "loss_nonfinite"):
-        if column in part:
-            values = part[column]
+        if column in steps:
+            values = steps[column].iloc[window]
             flags = values.fillna(0) > 0 if column == "found_inf" else values.fillna(False)
-            overflowed |= flags.astype(bool)
-    part = part[overflowed & ~part["step"].isin(nonfinite_input_steps(run, rank))]
-    return int(part["step"].min()) if len(part) else None
+            overflowed |= flags.astype(bool).to_numpy()
+    excluded = nonfinite_input_steps(run, rank)
+    found = [s for s in step[window][overflowed].tolist() if s not in excluded]
+    return int(min(found)) if found else None
 
 
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:

@@ -64,19 +64,21 @@ def _out_of_range_origin(
     """
     if cast_dtype not in _CAST_RANGE:
         return None
-    outputs = rows[rows["kind"] == "output"]
-    at = outputs.loc[outputs["module"] == offender, "order"]
-    if at.empty:
+    outputs = np.flatnonzero(rows["kind"].to_numpy() == "output")
+    order = pd.to_numeric(rows["order"], errors="coerce").to_numpy(dtype=float)[outputs]
+    at = order[rows["module"].to_numpy()[outputs] == offender]
+    if not len(at) or np.isnan(at).all():
         return None
     if cast_dtype == "float16":
-        beyond = outputs["over_fp16"] > 0
+        beyond = rows["over_fp16"].to_numpy()[outputs] > 0
     else:
-        amax = pd.to_numeric(outputs["amax"], errors="coerce")
+        amax = pd.to_numeric(rows["amax"], errors="coerce").to_numpy(dtype=float)[outputs]
         beyond = amax >= _CAST_RANGE[cast_dtype][1]
-    earlier = outputs[(outputs["order"] < at.min()) & beyond]
-    if earlier.empty:
+    earlier = np.flatnonzero((order < np.nanmin(at)) & beyond)
+    if not len(earlier):
         return None
-    return earlier.sort_values("order", kind="stable").iloc[0]
+    # the first in execution order (the first of equal positions)
+    return rows.iloc[int(outputs[earlier[np.argmin(order[earlier])]])]
 
 
 # -- requirements ------------------------------------------------------------------------------
