@@ -495,24 +495,42 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
                 bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped
                 if bad.any():
                     signals["nonfinite_loss_count"] = int(bad.sum())
-        nonfinite = frame[((frame["nan"] + frame["inf"]) > 0) & ~frame["step"].isin(absorbed)]
-        if len(nonfinite):
-            signals["nonfinite_layers"] = sorted(set(nonfinite["module"]))[:10]
+        step = frame["step"].tolist()
+        module = frame["module"].tolist()
+        hit = ((frame["nan"] + frame["inf"]) > 0).tolist()
+        nonfinite = [
+            m for m, s, h in zip(module, step, hit, strict=True) if h and s not in absorbed
+        ]
+        if nonfinite:
+            signals["nonfinite_layers"] = sorted(set(nonfinite))[:10]
         if not signals:
             continue
         last = last_linears(frame)
-        outs = frame[(frame["kind"] == "output") & frame["dtype"].isin(HALF_DTYPES)]
+        # the half-precision forward outputs per (module, type), in order of first appearance
+        groups: dict[tuple[Any, Any], dict[str, Any]] = {}
+        rows = zip(
+            module,
+            frame["module_type"].tolist(),
+            frame["kind"].tolist(),
+            frame["dtype"].tolist(),
+            step,
+            strict=True,
+        )
+        for name, mtype, kind, dtype, at in rows:
+            if kind != "output" or dtype not in HALF_DTYPES or pd.isna(name) or pd.isna(mtype):
+                continue  # (a missing key: in no group, as a groupby drops it)
+            groups.setdefault((name, mtype), {"dtype": dtype, "steps": []})["steps"].append(at)
         layers = []
-        for (module, mtype), part in outs.groupby(["module", "module_type"], sort=False):
-            is_last = any((int(s), str(module)) in last for s in part["step"])
+        for (name, mtype), group in groups.items():
+            is_last = any((int(s), str(name)) in last for s in group["steps"])
             role = module_role(mtype, is_last)
             if role in ("embedding", "output projection", "normalization"):
                 layers.append(
                     {
-                        "module": module,
+                        "module": name,
                         "module_type": mtype,
                         "role": role,
-                        "dtype": str(part["dtype"].iloc[0]),
+                        "dtype": str(group["dtype"]),
                     }
                 )
         if not layers:
