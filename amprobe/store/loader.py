@@ -83,6 +83,8 @@ class Run:
     _events_cache: dict[str, list[dict[str, Any]]] = dataclasses.field(
         default_factory=dict, repr=False
     )
+    #: the events' columns as lists and each kind's row positions, read once by events_of
+    _event_rows: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
     #: derived frames computed once per run by the rules (e.g. scaler steps); see ``cached``
     _derived: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -162,14 +164,19 @@ class Run:
             ev = self.events
             out: list[dict[str, Any]] = []
             if not ev.empty:
-                mask = (ev["kind"] == kind).to_numpy(dtype=bool, na_value=False)
-                sel = ev[mask]
-                for rank, step, t, raw in zip(
-                    sel["rank"].tolist(),
-                    sel["step"].tolist(),
-                    sel["t"].tolist(),
-                    sel["detail"].tolist(),
-                    strict=True,
+                if not self._event_rows:
+                    # one pass over the table for every kind asked for (a mask and a frame
+                    # per kind cost a millisecond each, and the rules ask for a dozen)
+                    columns = {c: ev[c].tolist() for c in ("rank", "step", "t", "detail")}
+                    positions: dict[Any, list[int]] = {}
+                    for i, k in enumerate(ev["kind"].tolist()):
+                        positions.setdefault(k, []).append(i)
+                    self._event_rows.update(columns=columns, positions=positions)
+                columns = self._event_rows["columns"]
+                rows = self._event_rows["positions"].get(kind, ())
+                for rank, step, t, raw in (
+                    (columns["rank"][i], columns["step"][i], columns["t"][i], columns["detail"][i])
+                    for i in rows
                 ):
                     try:
                         detail = json.loads(raw) if isinstance(raw, str) else {}
