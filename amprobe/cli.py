@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -64,14 +64,7 @@ def _threshold(text: str) -> tuple[str, str, float]:
         ) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="amprobe", description="Diagnose mixed-precision (AMP) training in PyTorch."
-    )
-    parser.add_argument("--version", action="version", version=f"amprobe {amprobe.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
-
+def _diagnose_parser(sub: Any) -> None:
     p = sub.add_parser("diagnose", help="print the findings of a recorded run")
     p.add_argument("run", help="run directory")
     p.add_argument("--format", choices=("text", "json", "markdown"), default="text")
@@ -96,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="text format: print the evidence and references",
     )
 
+
+def _report_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="write a report (HTML, Markdown or JSON by extension)")
     p.add_argument("run", help="run directory")
     p.add_argument("-o", "--output", required=True, help="report file: .html, .md or .json")
@@ -103,14 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--threshold", action="append", type=_threshold, default=[], metavar="RULE.NAME=VALUE"
     )
 
+
+def _demo_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="train a small model with planted AMP faults, diagnose it, write a report"
     )
     p.add_argument("--out", default="amprobe-demo", help="output folder (default: ./amprobe-demo)")
     p.add_argument("--steps", type=int, default=300, help="training iterations (default 300)")
 
-    p = sub.add_parser("rules", help="list the rules with their IDs, severities and thresholds")
 
+def _rules_parser(sub: Any) -> None:
+    sub.add_parser("rules", help="list the rules with their IDs, severities and thresholds")
+
+
+def _run_parser(sub: Any) -> None:
     p = sub.add_parser(
         "run",
         help="run a training command with amprobe attached to every Python process",
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         "argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command, after --"
     )
 
+
+def _attach_parser(sub: Any) -> None:
     p = sub.add_parser(
         "attach",
         help="start recording a live job (a --dormant run, or a PID on Python 3.14+)",
@@ -171,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the job to acknowledge (default 5)",
     )
 
+
+def _detach_parser(sub: Any) -> None:
     p = sub.add_parser(
         "detach", help="stop recording a live job (the probe stays, dormant); flushes the window"
     )
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the job to acknowledge (default 5)",
     )
 
+
+def _baseline_parser(sub: Any) -> None:
     p = sub.add_parser(
         "baseline",
         help="run a command twice, FP32 then as written (AMP), and compare",
@@ -199,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND")
 
+
+def _dashboard_parser(sub: Any) -> None:
     p = sub.add_parser("dashboard", help="serve the live dashboard over every run under ROOT")
     p.add_argument(
         "root", nargs="?", default=".", help="folder holding run directories (default: .)"
@@ -211,10 +220,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=8050)
 
+
+def _compare_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="compare two runs (e.g. FP32 baseline vs AMP)")
     p.add_argument("baseline", help="the reference run (FP32)")
     p.add_argument("candidate", help="the run to compare (AMP)")
     p.add_argument("--format", choices=("text", "json"), default="text")
+
+
+#: subcommand -> the function that adds its parser, in the order ``--help`` lists them
+_SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
+    "diagnose": _diagnose_parser,
+    "report": _report_parser,
+    "demo": _demo_parser,
+    "rules": _rules_parser,
+    "run": _run_parser,
+    "attach": _attach_parser,
+    "detach": _detach_parser,
+    "baseline": _baseline_parser,
+    "dashboard": _dashboard_parser,
+    "compare": _compare_parser,
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with ``command``, one whose only subcommand is that one (it parses that
+    command's arguments exactly as the full parser does, with the same messages, without
+    building the nine others: argparse looks up translations for every parser it builds).
+    """
+    parser = _Parser(
+        prog="amprobe", description="Diagnose mixed-precision (AMP) training in PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"amprobe {amprobe.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, add in _SUBCOMMANDS.items():
+        if command is None or name == command:
+            add(sub)
     return parser
 
 
@@ -508,7 +550,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    args_given = sys.argv[1:] if argv is None else list(argv)
+    command = args_given[0] if args_given and args_given[0] in _SUBCOMMANDS else None
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
