@@ -19,6 +19,12 @@ work alone; the child says if the command imported more), ``run`` the command it
 (interpreter shutdown: module teardown and the final garbage collection).
 
     python benchmarks/bench_diagnose.py [--repeat 11] [--run sample_runs/overflow] [--json]
+        [--baseline DIR]
+
+``--baseline DIR`` times another checkout of amprobe (``git archive <commit> | tar -x -C DIR``)
+in the same alternation: its ``amprobe diagnose`` and its breakdown, beside this one's. Every
+child runs in the temporary directory, so that ``python -m amprobe`` imports the checkout its
+``PYTHONPATH`` names.
 
 ``benchmarks/bench_readside.py`` measures the same command's peak memory and that it loads no
 torch.
@@ -32,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,10 +81,15 @@ sys.exit(code)
 """.replace("IMPORTS", repr(DIAGNOSE_IMPORTS), 1)
 
 
+_CWD = tempfile.gettempdir()
+
+
 def _wall(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     """Wall seconds of one fresh process, and its stderr."""
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(
+        argv, env=env, cwd=_CWD, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.decode()[-2000:]}")
@@ -88,7 +100,9 @@ def _phases(argv: list[str], env: dict[str, str]) -> dict[str, float]:
     """One diagnose process timed from inside: startup, pandas, cli, read side, run, exit (s)."""
     # the child's perf_counter and ours are the same monotonic clock (CLOCK_MONOTONIC)
     start = time.perf_counter()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.run(
+        argv, env=env, cwd=_CWD, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     end = time.perf_counter()
     if proc.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(argv)} failed: {proc.stderr.decode()[-2000:]}")
@@ -111,38 +125,50 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=11)
     parser.add_argument("--run", default=str(ROOT / "sample_runs" / "overflow"))
     parser.add_argument("--json", action="store_true", help="time `diagnose --format json` too")
+    parser.add_argument("--baseline", default=None, help="another amprobe checkout to time")
     args = parser.parse_args()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("AMPROBE_RUN_DIR", None)
+    run = str(Path(args.run).resolve())
+    checkouts = {"": str(ROOT)}
+    if args.baseline:
+        checkouts[" (baseline)"] = str(Path(args.baseline).resolve())
+    envs = {}
+    for tag, path in checkouts.items():
+        envs[tag] = {**os.environ, "PYTHONPATH": path}
+        envs[tag].pop("AMPROBE_RUN_DIR", None)
     py = sys.executable
-    commands = {
-        "python -c pass": [py, "-c", "pass"],
-        "import pandas": [py, "-c", "import pandas"],
-        "import amprobe.cli": [py, "-c", "import amprobe.cli"],
-        "amprobe diagnose": [py, "-m", "amprobe", "diagnose", args.run],
+    commands: dict[str, tuple[str, list[str]]] = {
+        "python -c pass": ("", [py, "-c", "pass"]),
+        "import pandas": ("", [py, "-c", "import pandas"]),
     }
-    if args.json:
-        commands["amprobe diagnose --format json"] = [
-            *commands["amprobe diagnose"],
-            "--format",
-            "json",
-        ]
-    timed = [py, "-c", _CHILD, "diagnose", args.run]
+    for tag in checkouts:
+        commands[f"import amprobe.cli{tag}"] = (tag, [py, "-c", "import amprobe.cli"])
+        commands[f"amprobe diagnose{tag}"] = (tag, [py, "-m", "amprobe", "diagnose", run])
+        if args.json:
+            argv = [py, "-m", "amprobe", "diagnose", run, "--format", "json"]
+            commands[f"amprobe diagnose --format json{tag}"] = (tag, argv)
+    timed = [py, "-c", _CHILD, "diagnose", run]
     walls: dict[str, list[float]] = {name: [] for name in commands}
-    phases: list[dict[str, float]] = []
+    phases: dict[str, list[dict[str, float]]] = {tag: [] for tag in checkouts}
     for _ in range(args.repeat):
-        for name, argv in commands.items():
-            walls[name].append(_wall(argv, env)[0])
-        phases.append(_phases(timed, env))
+        for name, (tag, argv) in commands.items():
+            walls[name].append(_wall(argv, envs[tag])[0])
+        for tag in checkouts:
+            phases[tag].append(_phases(timed, envs[tag]))
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); Python {sys.version.split()[0]}")
-    print(f"run: {args.run}; {args.repeat} fresh processes per line, alternating")
-    print(f"{'command':<32} {'median s':>9} {'min s':>7} {'max s':>7}")
+    print(f"run: {run}; {args.repeat} fresh processes per line, alternating")
+    for tag, path in checkouts.items():
+        print(f"checkout{tag or ''}: {path}")
+    print(f"{'command':<44} {'median s':>9} {'min s':>7} {'max s':>7}")
     for name, w in walls.items():
-        print(f"{name:<32} {statistics.median(w):9.3f} {min(w):7.3f} {max(w):7.3f}")
-    print("\n`amprobe diagnose` timed from inside (median s of each phase):")
+        print(f"{name:<44} {statistics.median(w):9.3f} {min(w):7.3f} {max(w):7.3f}")
+    print("\n`amprobe diagnose` timed from inside (median s of each phase, min in brackets):")
+    print(f"  {'phase':<10}" + "".join(f" {'this' + tag:>22}" for tag in checkouts))
     for key in ("startup", "pandas", "cli", "read side", "run", "exit", "total"):
-        values = [p[key] for p in phases]
-        print(f"  {key:<10} {statistics.median(values):7.3f}  (min {min(values):.3f})")
+        cells = []
+        for tag in checkouts:
+            values = [p[key] for p in phases[tag]]
+            cells.append(f"{statistics.median(values):.3f} ({min(values):.3f})")
+        print(f"  {key:<10}" + "".join(f" {c:>22}" for c in cells))
 
 
 if __name__ == "__main__":
