@@ -583,8 +583,17 @@ def compute_whatif(run: Any) -> pd.DataFrame:
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """The what-if table as JSON-ready records (plain Python values, missing values as None)."""
-    return frame.astype(object).where(frame.notna(), None).to_dict("records")  # type: ignore[no-any-return]
+    """The what-if table as JSON-ready records (plain Python values, missing values as None).
+
+    Built from each column's values as a list (the plain Python values), not through an
+    object-dtype copy of the frame.
+    """
+    columns = [
+        [None if value is None or pd.isna(value) else value for value in frame[name].tolist()]
+        for name in frame.columns
+    ]
+    names = list(frame.columns)
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.DataFrame:
