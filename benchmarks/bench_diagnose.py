@@ -6,7 +6,7 @@ samples, and the CPU model.
 
 * ``python -c pass``: interpreter startup and shutdown (the floor of any command);
 * ``import pandas``: numpy, pyarrow and pandas (the store's tables are pandas frames);
-* ``import amprobe.cli``: pandas and every module of amprobe the CLI imports;
+* ``import amprobe.cli``: the CLI alone (each command imports what it needs when it runs);
 * ``amprobe diagnose``: the command as a user runs it (``python -m amprobe diagnose RUN``).
 
 The breakdown of the diagnose process comes from timers inside it (``time.perf_counter``
@@ -25,6 +25,11 @@ work alone; the child says if the command imported more), ``run`` the command it
 in the same alternation: its ``amprobe diagnose`` and its breakdown, beside this one's. Every
 child runs in the temporary directory, so that ``python -m amprobe`` imports the checkout its
 ``PYTHONPATH`` names.
+
+Where no bytecode of amprobe is cached (``PYTHONDONTWRITEBYTECODE=1`` and an editable install,
+as on this project's machine), every process compiles amprobe's modules from source: most of
+the ``cli`` and ``read side`` phases is that compilation (about 0.05 s of the read side; a
+regular ``pip install`` or ``python -m compileall amprobe`` caches it).
 
 ``benchmarks/bench_readside.py`` measures the same command's peak memory and that it loads no
 torch.
