@@ -28,7 +28,7 @@ child runs in the temporary directory, so that ``python -m amprobe`` imports the
 
 Where no bytecode of amprobe is cached (``PYTHONDONTWRITEBYTECODE=1`` and an editable install,
 as on this project's machine), every process compiles amprobe's modules from source: most of
-the ``cli`` and ``read side`` phases is that compilation (about 0.05 s of the read side; a
+the ``cli`` and ``read side`` phases is that compilation (about 0.05 s of 0.07 s; a
 regular ``pip install`` or ``python -m compileall amprobe`` caches it).
 
 ``benchmarks/bench_readside.py`` measures the same command's peak memory and that it loads no
