@@ -8,10 +8,13 @@ Attach it to a training job::
 
 then diagnose the recording with ``amprobe diagnose runs/exp1`` or :func:`diagnose`.
 
-``import amprobe`` loads the read side only (config, store, rules): a run copied from a cluster
-can be diagnosed where torch is not installed. The capture side (``attach``, ``Probe``,
-``current_probe``), which needs torch, loads on first use (PEP 562's module ``__getattr__``), or
-at once in a process started by ``amprobe run`` (see the end of this file).
+``import amprobe`` loads the configuration only. Every other public name loads with the module
+that defines it, on first use (PEP 562's module ``__getattr__``): the read side (``load_run``,
+``Run``, ``diagnose``, ``Diagnosis``, ``Finding``: pandas, never torch), so that a run copied
+from a cluster can be diagnosed where torch is not installed; the capture side (``attach``,
+``Probe``, ``current_probe``: torch, never pandas), so that a training script that imports
+amprobe does not load pandas. A process started by ``amprobe run`` loads the capture side at
+once (see the end of this file).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from amprobe.config import ENV_RUN_DIR, Config, ConfigError
-from amprobe.rules import Diagnosis, Finding, diagnose
-from amprobe.store import Run, RunLoadError, load_run
+from amprobe.store.layout import RunLoadError
 from amprobe.version import __version__
 
 if TYPE_CHECKING:
     from amprobe.api import attach
     from amprobe.capture.probe import Probe, current_probe
+    from amprobe.rules import Diagnosis, Finding, diagnose
+    from amprobe.store.loader import Run, load_run
 
 __all__ = [
     "Config",
@@ -51,10 +55,24 @@ _CAPTURE = {
     "Probe": "amprobe.capture.probe",
     "current_probe": "amprobe.capture.probe",
 }
+#: the read side's public names -> the module that defines them (imported on first access;
+#: pandas). ``diagnose`` comes from the rules package, whose import registers every rule.
+_READ = {
+    "Diagnosis": "amprobe.rules",
+    "Finding": "amprobe.rules",
+    "diagnose": "amprobe.rules",
+    "Run": "amprobe.store.loader",
+    "load_run": "amprobe.store.loader",
+}
+#: read-side packages, as attributes (``amprobe.rules`` after ``import amprobe``, as when this
+#: file imported them)
+_SUBPACKAGES = ("analysis", "report", "rules", "store")
 
 
 def __getattr__(name: str) -> Any:
-    module = _CAPTURE.get(name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"amprobe.{name}")
+    module = _CAPTURE.get(name) or _READ.get(name)
     if module is None:
         raise AttributeError(f"module 'amprobe' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -63,7 +81,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_CAPTURE))
+    return sorted(set(globals()) | set(_CAPTURE) | set(_READ) | set(_SUBPACKAGES))
 
 
 # `amprobe run` (its environment names the run directory): the process is a training job, so

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -297,6 +298,22 @@ def test_rules_lists_every_id(capsys):
     listed = re.findall(r"^(AMP-[A-Z]\d\d)\b", out, re.M)
     assert sorted(listed) == sorted(REGISTRY)
     assert "warn_below=0.95" in out
+
+
+def test_only_the_program_freezes_its_objects_before_exit(capsys, monkeypatch):
+    """``main()`` as the program (argv from ``sys.argv``) freezes what it made out of the
+    garbage collector, so the shutdown collection skips them; called with arguments (from
+    Python, as here and in the dashboard's tests) it leaves the collector alone."""
+    gc.unfreeze()
+    try:
+        assert run_cli(capsys, "rules")[0] == 0
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setattr(sys, "argv", ["amprobe", "rules"])
+        assert main() == 0
+        assert gc.get_freeze_count() > 0
+        assert "AMP-N01" in capsys.readouterr().out
+    finally:
+        gc.unfreeze()
 
 
 # -- baseline and compare -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ Four checks per module: it imports no higher layer, it is in no import cycle wit
 modules (importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so the parent
 packages of what a module imports are in the graph too), it has no function-local import except
 of an optional dependency (or, in the CLI, of the capture side inside the command that needs
-it), and, on the read side (config, store, analysis, rules, report, dashboard, the CLI, the
+it, and of what a command needs inside the command's own private functions), and, on the read side (config, store, analysis, rules, report, dashboard, the CLI, the
 package itself), it loads no torch at import, directly or through any module it imports, parent
 packages included. Imports under ``if TYPE_CHECKING:`` count for layering only (they run no
 code). A fifth, for the collectors (``amprobe.capture.collectors.*``): at import time they load
@@ -54,10 +54,16 @@ OPTIONAL_INTERNAL = {"dashboard.app", "dashboard.main"}
 #: process it starts and must import amprobe only once the program imports torch
 LAZY_BY_DESIGN = {"amprobe.control._bootstrap.sitecustomize"}
 #: modules that reach the capture side (which loads torch) only inside the function that needs
-#: it: the CLI's demo/attach/detach commands. Only those layers, only there. (The launcher is
-#: imported at the top of the CLI: it must load no torch, which the read-side check of
-#: amprobe.cli enforces.)
+#: it: the CLI's demo/attach/detach commands. Only those layers, only there.
 LAZY_CAPTURE = {"amprobe.cli"}
+#: modules whose private functions (a command, ``_cmd_<name>``, and the ``_`` helpers it calls)
+#: import the modules that command needs, of any layer, inside themselves: ``import amprobe.cli``
+#: (``amprobe --help``, ``amprobe run``'s launcher process, alive as long as the job) loads
+#: neither pandas nor the rules, and ``amprobe diagnose`` neither the launcher nor the writer.
+#: Public functions (``main``, ``build_parser``) import nothing inside. The read side so
+#: imported is checked for torch module by module; the launcher and the control channel that
+#: run/attach/detach import are checked by tests/test_read_side.py (run with torch blocked).
+LAZY_COMMANDS = {"amprobe.cli"}
 
 CONFIG, STORE, CAPTURE, CONTROL = "config", "store", "capture", "control"
 ANALYSIS, RULES, REPORT, DEMO, TOP = "analysis", "rules", "report", "demo", "top"
@@ -108,6 +114,7 @@ class Import:
     local: bool  # inside a function body
     type_only: bool  # under `if TYPE_CHECKING:`
     guarded: bool  # inside a `try:` that handles ImportError
+    function: str = ""  # the module-level function (or class) it is inside, if local
 
 
 def _module_name(path: Path) -> str:
@@ -165,21 +172,23 @@ def imports_of(module: str, source: str | None = None) -> list[Import]:
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[Import] = []
 
-    def visit(node: ast.AST, local: bool, type_only: bool, guarded: bool) -> None:
+    def visit(node: ast.AST, local: bool, type_only: bool, guarded: bool, where: str = "") -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             local = True
+        if not where and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            where = node.name
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.body:
-                visit(child, local, True, guarded)
+                visit(child, local, True, guarded, where)
             for child in node.orelse:
-                visit(child, local, type_only, guarded)
+                visit(child, local, type_only, guarded, where)
             return
         if isinstance(node, ast.Try) and _handles_import_error(node):
             for child in node.body:
-                visit(child, local, type_only, True)
+                visit(child, local, type_only, True, where)
             for part in (node.handlers, node.orelse, node.finalbody):
                 for child in part:
-                    visit(child, local, type_only, guarded)
+                    visit(child, local, type_only, guarded, where)
             return
         names: list[str] = []
         if isinstance(node, ast.Import):
@@ -195,9 +204,13 @@ def imports_of(module: str, source: str | None = None) -> list[Import]:
             else:
                 names = [f"{base}.{alias.name}" for alias in node.names]
         for name in names:
-            found.append(Import(_resolve(name), node.lineno, local, type_only, guarded))
+            found.append(
+                Import(
+                    _resolve(name), node.lineno, local, type_only, guarded, where if local else ""
+                )
+            )
         for child in ast.iter_child_nodes(node):
-            visit(child, local, type_only, guarded)
+            visit(child, local, type_only, guarded, where)
 
     visit(tree, False, False, False)
     return found
@@ -301,6 +314,8 @@ def local_imports(module: str) -> list[str]:
         if i.guarded and not _ours(i.target):
             continue  # try: import x / except ImportError: an optional third-party package
         if module in LAZY_CAPTURE and _ours(i.target) and layer_of(i.target) in TORCH_LAYERS:
+            continue
+        if module in LAZY_COMMANDS and _ours(i.target) and i.function.startswith("_"):
             continue
         message = f"line {i.line}: {module} imports {i.target} inside a function"
         if message not in bad:
@@ -518,6 +533,25 @@ def test_the_checker_sees_torch_through_parents_and_imports(monkeypatch) -> None
     assert local_imports("amprobe.cli") == [
         "line 4: amprobe.cli imports amprobe.report inside a function"
     ]
+
+
+def test_the_checker_lets_only_the_clis_private_functions_import_late(monkeypatch) -> None:
+    """A command of the CLI (a private function, at any depth inside it) may import what it
+    needs when it runs; the CLI's public functions, and any other module's, may not."""
+    cli = (
+        "def _cmd_diagnose(args):\n    from amprobe.report import render_text\n"
+        "    def helper():\n        import amprobe.rules\n"
+        "def _load(path):\n    from amprobe.report.summary import collector_errors\n"
+        "def main(argv=None):\n    import amprobe.store.loader\n"
+    )
+    monkeypatch.setitem(IMPORTS, "amprobe.cli", imports_of("amprobe.cli", cli))
+    assert [i.function for i in IMPORTS["amprobe.cli"]] == ["_cmd_diagnose"] * 2 + ["_load", "main"]
+    assert local_imports("amprobe.cli") == [
+        "line 8: amprobe.cli imports amprobe.store.loader inside a function"
+    ]
+    name = "amprobe.report._layering_probe"
+    monkeypatch.setitem(IMPORTS, name, imports_of(name, "def _f():\n    import amprobe.rules\n"))
+    assert local_imports(name) == [f"line 2: {name} imports amprobe.rules inside a function"]
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,113 @@ def test_cli_capture_commands_still_report_user_errors(tmp_path: Path) -> None:
     assert proc.stderr.startswith("amprobe: error: no command given")
 
 
+def test_each_import_loads_only_what_it_needs(tmp_path: Path) -> None:
+    """``import amprobe`` (a training script's), the store's writer (the capture side's) and the
+    CLI (``amprobe --help``, ``amprobe run``'s launcher) load no pandas; the CLI nor ``import
+    amprobe`` load pyarrow, the rules, the report or the control channel either."""
+    code = (
+        "import sys\n"
+        "def loaded(*names):\n"
+        "    return sorted(n for n in names if n in sys.modules)\n"
+        "heavy = ('pandas', 'pyarrow', 'numpy', 'plotly', 'dash', 'torch')\n"
+        "ours = ('amprobe.rules', 'amprobe.report', 'amprobe.analysis', 'amprobe.control',\n"
+        "        'amprobe.store.loader', 'amprobe.store.writer')\n"
+        "import amprobe\n"
+        "print('amprobe', loaded(*heavy, *ours))\n"
+        "import amprobe.cli\n"
+        "print('cli', loaded(*heavy, *ours))\n"
+        "import amprobe.store.writer, amprobe.store.fields\n"
+        "print('writer', loaded('pandas', 'amprobe.store.loader', 'amprobe.rules'))\n"
+    )
+    proc = _python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["amprobe []", "cli []", "writer []"]
+
+
+def test_lazy_names_are_the_defining_modules_objects(tmp_path: Path) -> None:
+    """The names ``amprobe`` and ``amprobe.store`` load on first use are the objects of the
+    modules that define them, listed by ``dir()``; the subpackages and the store's modules are
+    attributes as when the packages imported them at once."""
+    code = (
+        "import sys, amprobe, amprobe.store\n"
+        "assert set(amprobe.__all__) <= set(dir(amprobe))\n"
+        "assert set(amprobe.store.__all__) <= set(dir(amprobe.store))\n"
+        "import amprobe.rules, amprobe.rules.engine, amprobe.store.loader as loader\n"
+        "import amprobe.store.schema as schema, amprobe.store.writer as writer\n"
+        "assert amprobe.diagnose is amprobe.rules.diagnose is amprobe.rules.engine.diagnose\n"
+        "assert amprobe.Finding is amprobe.rules.engine.Finding\n"
+        "assert amprobe.Diagnosis is amprobe.rules.engine.Diagnosis\n"
+        "assert amprobe.load_run is amprobe.store.load_run is loader.load_run\n"
+        "assert amprobe.Run is amprobe.store.Run is loader.Run\n"
+        "assert amprobe.RunLoadError is amprobe.store.RunLoadError is loader.RunLoadError\n"
+        "assert amprobe.store.read_table is loader.read_table\n"
+        "assert amprobe.store.RankInfo is loader.RankInfo\n"
+        "assert amprobe.store.TABLES is schema.TABLES\n"
+        "assert amprobe.store.SCHEMA_VERSION == schema.SCHEMA_VERSION\n"
+        "assert amprobe.store.RunWriter is writer.RunWriter\n"
+        "assert amprobe.analysis.__name__ == 'amprobe.analysis'\n"
+        "import amprobe.report.render as render\n"
+        "assert not any(m in sys.modules for m in ('amprobe.report.sections', 'plotly'))\n"
+        "import amprobe.report.document as document\n"
+        "assert amprobe.report.render_text is render.render_text\n"
+        "assert amprobe.report.render_html is document.render_html\n"
+        "assert amprobe.report.write_report is document.write_report\n"
+        "import amprobe.report.registry as registry\n"
+        "assert amprobe.report.SECTIONS is amprobe.report.sections.SECTIONS is registry.SECTIONS\n"
+        "assert amprobe.report.Section is registry.Section\n"
+        "assert set(amprobe.report.__all__) <= set(dir(amprobe.report))\n"
+        "assert amprobe.store.fields.STEP_FIELDS\n"
+        "for module, name in ((amprobe, 'no_such_name'), (amprobe.store, 'load_runs')):\n"
+        "    try:\n"
+        "        getattr(module, name)\n"
+        "    except AttributeError as exc:\n"
+        "        print(exc)\n"
+    )
+    proc = _python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "module 'amprobe' has no attribute 'no_such_name'",
+        "module 'amprobe.store' has no attribute 'load_runs'",
+    ]
+
+
+def test_the_section_registry_is_complete_however_it_is_imported(tmp_path: Path) -> None:
+    """The section builders register when :mod:`amprobe.report.sections` is imported, which
+    every path that builds or lists sections goes through; rendering text loads none of them."""
+    keys = "['scale', 'numerics', 'whatif', 'compute', 'runtime', 'ranks']"
+    for first in (
+        "from amprobe.report.sections import section_tabs",
+        "from amprobe.report import build_sections",
+        "from amprobe.report import render_html",
+        "import amprobe.report.document",
+    ):
+        code = (
+            f"{first}\n"
+            "from amprobe.report.registry import SECTIONS\n"
+            "from amprobe.report.sections import section_tabs\n"
+            "print([key for key, _ in section_tabs()], sorted(SECTIONS) == sorted(dict(section_tabs())))\n"
+        )
+        proc = _python(tmp_path, "-c", code)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"{keys} True", first
+
+
+def test_control_commands_load_no_torch(tmp_path: Path) -> None:
+    """``amprobe run`` and ``attach``/``detach RUN`` import the launcher and the control channel
+    inside the command (not at the CLI's import, where the layering test followed them): with
+    torch blocked they still start and report a user error in one line."""
+    proc = _python(tmp_path, "-m", "amprobe", "detach", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and proc.stderr.startswith("amprobe: error:"), proc.stderr
+    proc = _python(tmp_path, "-m", "amprobe", "attach", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and proc.stderr.startswith("amprobe: error:"), proc.stderr
+    proc = _python(tmp_path, "-m", "amprobe", "run", "--")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("amprobe: error: no command given"), proc.stderr
+    code = "import amprobe.control.launcher, amprobe.control.sender, amprobe.control.watcher"
+    proc = _python(tmp_path, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+
+
 FIRST_AMPROBE_THEN_TORCH = """\
 import sys
 

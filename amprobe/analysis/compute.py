@@ -108,9 +108,13 @@ def _latest_capture(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
     ops, steps = run.table("compute_ops"), run.table("compute_steps")
     if steps.empty:
         return ops.iloc[0:0], steps
-    last = steps.groupby("rank")["step"].max()
-    steps = steps[steps["step"] == steps["rank"].map(last)]
-    ops = ops[ops["step"] == ops["rank"].map(last)]
+    # each rank's last captured step (a row without a rank or a step is in no rank's)
+    last: dict[Any, Any] = {}
+    for rank, step in zip(steps["rank"].tolist(), steps["step"].tolist(), strict=True):
+        if not (pd.isna(rank) or pd.isna(step)) and (rank not in last or step > last[rank]):
+            last[rank] = step
+    steps = steps[steps["step"].to_numpy() == steps["rank"].map(last).to_numpy()]
+    ops = ops[ops["step"].to_numpy() == ops["rank"].map(last).to_numpy()]
     return ops, steps
 
 
@@ -258,7 +262,8 @@ def _mfu(run: Run) -> dict[str, Any]:
     row = csteps[csteps["rank"] == rank].iloc[0]
     steps = run.steps
     steps = steps[steps["rank"] == rank] if len(steps) else steps
-    captured = set(run.table("compute_steps").query("rank == @rank")["step"].astype(int))
+    captured_steps = run.table("compute_steps")
+    captured = set(captured_steps.loc[captured_steps["rank"] == rank, "step"].astype(int))
     plain = steps[~steps["step"].isin(captured)] if len(steps) else steps
     if len(plain) > 1:
         plain = plain[plain["step"] != 0]

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
@@ -24,6 +25,7 @@ __all__ = [
     "layer_summary",
     "compute_scale_hint",
     "compute_underflow",
+    "compute_gradient_underflow",
     "offender_evidence",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
@@ -59,11 +61,28 @@ def module_role(module_type: str | None, is_last_linear: bool = False) -> str | 
 
 def last_linears(frame: pd.DataFrame) -> set[tuple[int, str]]:
     """(step, module) of the last Linear executed in each step's forward pass."""
-    out = frame[(frame["kind"] == "output") & frame["module_type"].str.contains("Linear", na=False)]
-    if out.empty:
+    kind = frame["kind"].to_numpy()
+    types = frame["module_type"].tolist()
+    linear = np.array(["Linear" in t if isinstance(t, str) else False for t in types], dtype=bool)
+    rows = np.flatnonzero((kind == "output") & linear)
+    if not len(rows):
         return set()
-    last = out.sort_values("order").groupby("step").tail(1)
-    return {(int(s), str(m)) for s, m in zip(last["step"], last["module"], strict=True)}
+    # in execution order (pandas' sort: NaN positions last), the last row of each step wins
+    order = frame["order"].to_numpy()[rows]
+    missing = pd.isna(order)
+    ranked = np.concatenate(
+        [
+            np.flatnonzero(~missing)[order[~missing].argsort(kind="quicksort")],
+            np.flatnonzero(missing),
+        ]
+    )
+    steps = frame["step"].to_numpy()[rows][ranked].tolist()
+    modules = frame["module"].to_numpy()[rows][ranked].tolist()
+    last: dict[Any, Any] = {}
+    for step, module in zip(steps, modules, strict=True):
+        if not pd.isna(step):
+            last[step] = module
+    return {(int(s), str(m)) for s, m in last.items()}
 
 
 def _hist(text: Any) -> dict[int, int]:
@@ -102,19 +121,126 @@ def _nonzero(frame: pd.DataFrame) -> pd.Series:
     return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
 
 
-def _lost_at(row: Any, nz: int, scale: float | None) -> tuple[float, str]:
+class _Histograms:
+    """Gradient rows' exponent histograms as nonzero binades (:func:`_nonzero_binades`), each
+    parsed on first use: the underflow at two scales and the scale hint read the same rows."""
+
+    def __init__(self, texts: list[Any], zeros: list[Any]) -> None:
+        self._texts = texts
+        self._zeros = zeros
+        self._parsed: dict[int, dict[int, int]] = {}
+
+    def __getitem__(self, row: int) -> dict[int, int]:
+        parsed = self._parsed.get(row)
+        if parsed is None:
+            zeros = self._zeros[row]
+            parsed = _nonzero_binades(self._texts[row], 0 if pd.isna(zeros) else int(zeros))
+            self._parsed[row] = parsed
+        return parsed
+
+
+def _lost_at(
+    dtype: Any,
+    loss_scale: Any,
+    binades: _Histograms,
+    row: int,
+    underflow_at_scale: Any,
+    nz: int,
+    scale: float | None,
+) -> tuple[float, str]:
     """One gradient row's lost share and its measure, at ``scale`` or the row's own scale."""
     if not nz:
-        return 0.0, "subnormal" if row.dtype == "float16" else "flushed"
-    own = float(row.loss_scale) if row.loss_scale and row.loss_scale > 0 else 1.0
+        return 0.0, "subnormal" if dtype == "float16" else "flushed"
+    own = float(loss_scale) if loss_scale and loss_scale > 0 else 1.0
     at = own if scale is None else scale
-    zeros = getattr(row, "zeros", 0)
-    binades = _nonzero_binades(row.exp_hist, 0 if pd.isna(zeros) else int(zeros))
-    if row.dtype == "float16":
-        return _below(binades, -14, at) / nz, "subnormal"
+    counts = binades[row]  # parsed before any branch: a damaged histogram always raises
+    if dtype == "float16":
+        return _below(counts, -14, at) / nz, "subnormal"
     if scale is None:
-        return int(row.underflow_at_scale) / nz, "flushed"
-    return _below(binades, -25, at) / nz, "flushed"
+        return int(underflow_at_scale) / nz, "flushed"
+    return _below(counts, -25, at) / nz, "flushed"
+
+
+#: the gradient rows' columns the underflow reads, and their value where a column is absent
+_UNDERFLOW_COLUMNS = (
+    ("dtype", None),
+    ("loss_scale", None),
+    ("exp_hist", None),
+    ("zeros", 0),
+    ("underflow_at_scale", None),
+    ("nonzero", None),
+)
+
+
+class _Gradients:
+    """A frame's gradient rows with their values as Python lists (what iterating the rows would
+    give, at a fraction of the cost of one tuple per row); ``nonzero`` is added by the first
+    :meth:`underflow` (the scale hint does not need the element counts)."""
+
+    def __init__(self, frame: pd.DataFrame) -> None:
+        self.frame = frame[frame["kind"].isin(GRAD_KINDS)].copy()
+        n = len(self.frame)
+        self.values = {
+            name: self.frame[name].tolist() if name in self.frame else [default] * n
+            for name, default in _UNDERFLOW_COLUMNS
+            if name != "nonzero"
+        }
+        self.histograms = _Histograms(self.values["exp_hist"], self.values["zeros"])
+
+    def underflow(self, scale: float | None) -> tuple[list[float], list[str]]:
+        """Per row: :func:`compute_underflow`'s ``lost_share`` and ``measure``."""
+        if "nonzero" not in self.values:
+            self.frame["nonzero"] = _nonzero(self.frame)
+            self.values["nonzero"] = self.frame["nonzero"].tolist()
+        lost: list[float] = []
+        measure: list[str] = []
+        v = self.values
+        rows = zip(v["dtype"], v["loss_scale"], v["underflow_at_scale"], v["nonzero"], strict=True)
+        for i, (dtype, loss_scale, underflow, nonzero) in enumerate(rows):
+            share, kind = _lost_at(
+                dtype, loss_scale, self.histograms, i, underflow, int(nonzero), scale
+            )
+            lost.append(share)
+            measure.append(kind)
+        return lost, measure
+
+    def scale_hint(self, margin: float) -> dict[str, Any] | None:
+        """:func:`compute_scale_hint` of these rows."""
+        grads = self.frame
+        amax = grads["amax"].dropna()
+        amax = amax[(amax > 0) & amax.map(math.isfinite)]
+        if amax.empty:
+            return None
+        peak = float(amax.max())
+        hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+        scales = grads["loss_scale"].dropna()
+        current = (
+            float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
+        )
+        wide = (
+            [i for i, d in enumerate(self.values["dtype"]) if d != "float16"]
+            if "dtype" in grads
+            else range(len(grads))
+        )
+        merged: dict[int, int] = {}
+        for i in wide:
+            for e, n in self.histograms[i].items():
+                merged[e] = merged.get(e, 0) + n
+        nonzero = sum(merged.values())
+
+        def share(scale: float) -> float | None:
+            if not nonzero:
+                return None
+            return round(_below(merged, -25, scale) / nonzero, 6)
+
+        return {
+            "grad_amax": peak,
+            "margin": margin,
+            "hint_scale": hint,
+            "current_scale": current,
+            "underflow_share_at_current": share(current),
+            "underflow_share_at_hint": share(hint),
+        }
 
 
 def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.DataFrame:
@@ -140,16 +266,11 @@ def compute_underflow(frame: pd.DataFrame, scale: float | None = None) -> pd.Dat
         The gradient rows with ``nonzero``, ``lost_share`` and ``measure`` (``flushed`` or
         ``subnormal``) columns added.
     """
-    grads = frame[frame["kind"].isin(GRAD_KINDS)].copy()
+    gradients = _Gradients(frame)
+    grads = gradients.frame
     if grads.empty:
         return grads.assign(nonzero=[], lost_share=[], measure=[])
-    grads["nonzero"] = _nonzero(grads)
-    lost: list[float] = []
-    measure: list[str] = []
-    for row in grads.itertuples():
-        share, kind = _lost_at(row, int(row.nonzero), scale)
-        lost.append(share)
-        measure.append(kind)
+    lost, measure = gradients.underflow(scale)
     grads["lost_share"] = lost
     grads["measure"] = measure
     return grads
@@ -171,38 +292,33 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
     Returns:
         ``None`` when no finite nonzero gradient was recorded.
     """
-    grads = frame[frame["kind"].isin(GRAD_KINDS)]
-    amax = grads["amax"].dropna()
-    amax = amax[(amax > 0) & amax.map(math.isfinite)]
-    if amax.empty:
-        return None
-    peak = float(amax.max())
-    hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
-    scales = grads["loss_scale"].dropna()
-    current = (
-        float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
-    )
-    wide = grads[grads["dtype"] != "float16"] if "dtype" in grads else grads
-    merged: dict[int, int] = {}
-    zeros_of = wide["zeros"].fillna(0) if "zeros" in wide else pd.Series(0, index=wide.index)
-    for text, zeros in zip(wide["exp_hist"], zeros_of, strict=True):
-        for e, n in _nonzero_binades(text, int(zeros)).items():
-            merged[e] = merged.get(e, 0) + n
-    nonzero = sum(merged.values())
+    return _Gradients(frame).scale_hint(margin)
 
-    def share(scale: float) -> float | None:
-        if not nonzero:
-            return None
-        return round(_below(merged, -25, scale) / nonzero, 6)
 
-    return {
-        "grad_amax": peak,
-        "margin": margin,
-        "hint_scale": hint,
-        "current_scale": current,
-        "underflow_share_at_current": share(current),
-        "underflow_share_at_hint": share(hint),
-    }
+def compute_gradient_underflow(
+    frame: pd.DataFrame, margin: float = 8.0
+) -> tuple[pd.DataFrame, dict[str, Any] | None, pd.Series]:
+    """:func:`compute_underflow` of ``frame``, its :func:`compute_scale_hint` and the rows'
+    lost share at that hint (their own shares when there is no hint), with each histogram
+    parsed once for the three.
+
+    Returns:
+        ``(rows, hint, lost_share_at_hint)``: ``rows`` as :func:`compute_underflow` returns
+        them, the hint or ``None``, and a series on the rows' index.
+    """
+    gradients = _Gradients(frame)
+    grads = gradients.frame
+    if grads.empty:
+        empty = grads.assign(nonzero=[], lost_share=[], measure=[])
+        return empty, None, empty["lost_share"]
+    lost, measure = gradients.underflow(None)
+    grads["lost_share"] = lost
+    grads["measure"] = measure
+    hint = gradients.scale_hint(margin)
+    if hint is None:
+        return grads, None, grads["lost_share"]
+    at_hint, _ = gradients.underflow(hint["hint_scale"])
+    return grads, hint, pd.Series(at_hint, index=grads.index, dtype=float)
 
 
 def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
@@ -243,12 +359,17 @@ def layer_summary(run: Run, rank: int | None = None) -> pd.DataFrame:
 
 
 def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
-    """Steps of ``rank`` whose root-model inputs held non-finite values."""
+    """Steps of ``rank`` whose root-model inputs held non-finite values (computed once per run
+    and rank; a new set each call)."""
+    return set(run.cached(f"nonfinite_input_steps:{rank}", lambda r: _nonfinite_inputs(r, rank)))
+
+
+def _nonfinite_inputs(run: Run, rank: int) -> frozenset[int]:
     steps = run.steps
     if steps.empty or "input_nonfinite" not in steps:
-        return set()
-    part = steps[(steps["rank"] == rank) & (steps["input_nonfinite"].fillna(0) > 0)]
-    return {int(s) for s in part["step"]}
+        return frozenset()
+    bad = (steps["rank"].to_numpy() == rank) & (steps["input_nonfinite"].fillna(0).to_numpy() > 0)
+    return frozenset(int(s) for s in steps["step"].to_numpy()[bad].tolist())
 
 
 def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
@@ -265,23 +386,24 @@ def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
     if steps.empty:
         return None
     numerics = run.table("numerics")
-    earlier = (
-        numerics.loc[(numerics["rank"] == rank) & (numerics["step"] < captured_step), "step"]
-        if not numerics.empty
-        else numerics
+    since = -1
+    if not numerics.empty:
+        recorded = numerics["step"].to_numpy()
+        earlier = recorded[(numerics["rank"].to_numpy() == rank) & (recorded < captured_step)]
+        since = int(earlier.max()) if len(earlier) else -1
+    step = steps["step"].to_numpy()
+    window = np.flatnonzero(
+        (steps["rank"].to_numpy() == rank) & (step > since) & (step <= captured_step)
     )
-    since = int(earlier.max()) if len(earlier) else -1
-    part = steps[
-        (steps["rank"] == rank) & (steps["step"] > since) & (steps["step"] <= captured_step)
-    ]
-    overflowed = pd.Series(False, index=part.index)
+    overflowed = np.zeros(len(window), dtype=bool)
     for column in ("found_inf", "skipped", "loss_nonfinite"):
-        if column in part:
-            values = part[column]
+        if column in steps:
+            values = steps[column].iloc[window]
             flags = values.fillna(0) > 0 if column == "found_inf" else values.fillna(False)
-            overflowed |= flags.astype(bool)
-    part = part[overflowed & ~part["step"].isin(nonfinite_input_steps(run, rank))]
-    return int(part["step"].min()) if len(part) else None
+            overflowed |= flags.astype(bool).to_numpy()
+    excluded = nonfinite_input_steps(run, rank)
+    found = [s for s in step[window][overflowed].tolist() if s not in excluded]
+    return int(min(found)) if found else None
 
 
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
@@ -301,17 +423,27 @@ def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
     if offenders.empty:
         return {}
     part = offenders[offenders["rank"] == rank].sort_values("step")
+    kinds = part["kind"].tolist()
     out: dict[str, Any] = {}
     for kind in ("forward", "backward", "input"):
-        rows = part[part["kind"] == kind]
-        if len(rows):
-            first = rows.iloc[0]
+        if kind in kinds:
+            first = kinds.index(kind)
             out[f"first_{kind}_offender"] = {
-                "module": first["module"],
-                "module_type": first["module_type"],
-                "step": int(first["step"]),
+                "module": part["module"].iloc[first],
+                "module_type": part["module_type"].iloc[first],
+                "step": int(part["step"].iloc[first]),
             }
     return out
+
+
+#: the numerics columns :func:`layer_overflow_evidence` reads
+_OVERFLOW_COLUMNS = ("step", "module", "dtype", "order", "nan", "inf", "over_fp16", "in_nonfinite")
+
+
+def _nan_last(value: Any) -> tuple[bool, Any]:
+    """A sort key that puts missing values last, as pandas sorts."""
+    missing = bool(pd.isna(value))
+    return missing, 0 if missing else value
 
 
 def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, Any]:
@@ -331,38 +463,67 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     numerics = run.table("numerics")
     if numerics.empty:
         return {}
-    frame = numerics[(numerics["rank"] == rank) & (numerics["kind"] != "input")]
-    if frame.empty:
+    # the columns as arrays, the rank's rows picked once (frame operations per mask cost more
+    # than the arithmetic on a few hundred rows)
+    kind = numerics["kind"].to_numpy()
+    mine = np.flatnonzero((numerics["rank"].to_numpy() == rank) & (kind != "input"))
+    if not len(mine):
         return {}
-    frame = frame.assign(nonfinite=frame["nan"] + frame["inf"])
-    hit = (frame["nonfinite"] + frame["over_fp16"]) > 0
-    outputs = frame["kind"] == "output"
-    broken = set(frame.loc[outputs & (frame["nonfinite"] > 0), "step"])
-    inputs_finite = frame["in_nonfinite"].isna() | (frame["in_nonfinite"] == 0)
-    origin = hit & ((outputs & inputs_finite) | (~outputs & ~frame["step"].isin(broken)))
-    rows = frame[origin].assign(phase=(~outputs[origin]).astype(int))
-    rows = rows.sort_values(["step", "phase", "order"], kind="stable")
-    layers = rows.groupby(["module", "kind"], sort=False).agg(
-        dtype=("dtype", lambda s: ",".join(sorted(set(s.dropna())))),
-        nonfinite=("nonfinite", "sum"),
-        over_fp16=("over_fp16", "sum"),
-        first_step=("step", "first"),
+    col = {c: numerics[c].to_numpy()[mine] for c in _OVERFLOW_COLUMNS}
+    kind = kind[mine]
+    nonfinite = col["nan"] + col["inf"]
+    hit = (nonfinite + col["over_fp16"]) > 0
+    outputs = kind == "output"
+    step = col["step"]
+    broken = set(step[outputs & (nonfinite > 0)].tolist())
+    is_broken = pd.Series(step).isin(broken).to_numpy()
+    inputs_finite = pd.isna(col["in_nonfinite"]) | (col["in_nonfinite"] == 0)
+    origin = np.flatnonzero(hit & ((outputs & inputs_finite) | (~outputs & ~is_broken)))
+    # in order of first overflow: step, forward before backward, execution order (stable)
+    values = {c: col[c][origin].tolist() for c in ("step", "order", "module", "dtype", "over_fp16")}
+    values["kind"] = kind[origin].tolist()
+    values["nonfinite"] = nonfinite[origin].tolist()
+    values["phase"] = (~outputs[origin]).astype(int).tolist()
+    ranked = sorted(
+        range(len(origin)),
+        key=lambda i: (
+            _nan_last(values["step"][i]),
+            values["phase"][i],
+            _nan_last(values["order"][i]),
+        ),
     )
+    # per (module, kind), in order of first overflow
+    layers: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for i in ranked:
+        module, layer_kind = values["module"][i], values["kind"][i]
+        if pd.isna(module) or pd.isna(layer_kind):
+            continue  # as a groupby drops a missing key
+        layer = layers.setdefault(
+            (module, layer_kind),
+            {"dtypes": set(), "nonfinite": 0, "over_fp16": 0, "first_step": math.nan},
+        )
+        dtype, count, over, at = (values[c][i] for c in ("dtype", "nonfinite", "over_fp16", "step"))
+        if not pd.isna(dtype):
+            layer["dtypes"].add(dtype)
+        layer["nonfinite"] += 0 if pd.isna(count) else count
+        layer["over_fp16"] += 0 if pd.isna(over) else over
+        if pd.isna(layer["first_step"]) and not pd.isna(at):
+            layer["first_step"] = at
     propagated = {
         (str(m), str(k))
-        for m, k in zip(frame.loc[hit, "module"], frame.loc[hit, "kind"], strict=True)
-    } - {(str(m), str(k)) for m, k in layers.index}
+        for m, k in zip(col["module"][hit].tolist(), kind[hit].tolist(), strict=True)
+    } - {(str(m), str(k)) for m, k in layers}
     return {
         "overflowing_layers": [
             {
                 "module": module,
-                "kind": kind,
-                "dtype": row["dtype"],
-                "nonfinite_count": int(row["nonfinite"]),
-                "over_fp16_count": int(row["over_fp16"]),
-                "first_step": int(row["first_step"]),
+                "kind": layer_kind,
+                "dtype": ",".join(sorted(layer["dtypes"])),
+                "nonfinite_count": int(layer["nonfinite"]),
+                "over_fp16_count": int(layer["over_fp16"]),
+                "first_step": int(layer["first_step"]),
             }
-            for (module, kind), row in layers.head(limit).iterrows()
+            for (module, layer_kind), layer in list(layers.items())[:limit]
         ],
         "propagated_layer_count": len(propagated),
         **offender_evidence(run, rank),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
@@ -49,20 +50,25 @@ def compute_data_wait(steps: pd.DataFrame, skip_steps: int) -> dict[str, Any] | 
     Steps whose syncs were counted are left out (the dispatch mode inflates their time) unless
     no other step is left.
     """
-    frame = steps[steps["data_wait_s"].notna() & steps["wall_s"].notna()]
-    frame = frame[frame["step"] >= frame["step"].min() + skip_steps] if len(frame) else frame
-    unsampled = frame[~frame["syncs_sampled"].fillna(False).astype(bool)]
-    if len(unsampled):
-        frame = unsampled
-    wall = float(frame["wall_s"].sum())
-    if not len(frame) or wall <= 0:
+    # the rows kept, as positions: three masked copies of the steps table cost more than the
+    # arithmetic; the sums and medians are taken on the same values, in the same order
+    rows = np.flatnonzero((steps["data_wait_s"].notna() & steps["wall_s"].notna()).to_numpy())
+    if len(rows):
+        step = steps["step"].iloc[rows]
+        rows = rows[(step >= step.min() + skip_steps).to_numpy()]
+    sampled = steps["syncs_sampled"].iloc[rows].fillna(False).astype(bool).to_numpy()
+    if not sampled.all():
+        rows = rows[~sampled]
+    walls = steps["wall_s"].iloc[rows]
+    wall = float(walls.sum())
+    if not len(rows) or wall <= 0:
         return None
-    wait = float(frame["data_wait_s"].sum())
+    waits = steps["data_wait_s"].iloc[rows]
     return {
-        "data_wait_share": wait / wall,
-        "data_wait_s_median": float(frame["data_wait_s"].median()),
-        "wall_s_median": float(frame["wall_s"].median()),
-        "measured_step_count": int(len(frame)),
+        "data_wait_share": float(waits.sum()) / wall,
+        "data_wait_s_median": float(waits.median()),
+        "wall_s_median": float(walls.median()),
+        "measured_step_count": int(len(rows)),
     }
 
 

@@ -183,6 +183,8 @@ def _parse_hists(texts: Iterable[Any]) -> np.ndarray:
     The collector writes flat ``{"e": n, ...}`` objects; they are parsed as one number list
     (string and numpy operations, no per-bin Python loop).
     """
+    if isinstance(texts, (pd.Series, np.ndarray)):
+        texts = texts.tolist()  # plain strings: iterating the column one value at a time is slow
     cleaned = [t.translate(_STRIP) if isinstance(t, str) else "" for t in texts]
     out = np.zeros((len(cleaned), _NBINS), dtype=np.int64)
     pairs = np.array([(c.count(",") + 1) // 2 if c else 0 for c in cleaned], dtype=np.int64)
@@ -206,15 +208,23 @@ def _nonzero_bins(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
 def _top_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
     """Per row, the exponent of the highest nonzero finite bin (``_NONE`` when there is none;
     -134 when only the lump holds values: they lie below 2**-133)."""
-    has = _nonzero_bins(hist, zeros) > 0
-    idx = _FINITE - 1 - np.argmax(has[:, ::-1], axis=1)
-    return np.where(has.any(axis=1), idx + _E_LO, _NONE)
+    return _top_exp(_nonzero_bins(hist, zeros) > 0)
 
 
 def _low_finite_exp(hist: np.ndarray, zeros: np.ndarray) -> np.ndarray:
     """Per row, the exponent of the lowest nonzero finite bin (-149 for the lump, a bound;
     ``-_NONE`` when there is none)."""
-    has = _nonzero_bins(hist, zeros) > 0
+    return _low_exp(_nonzero_bins(hist, zeros) > 0)
+
+
+def _top_exp(has: np.ndarray) -> np.ndarray:
+    """:func:`_top_finite_exp` of the rows' nonzero finite bins (``has``: bin holds values)."""
+    idx = _FINITE - 1 - np.argmax(has[:, ::-1], axis=1)
+    return np.where(has.any(axis=1), idx + _E_LO, _NONE)
+
+
+def _low_exp(has: np.ndarray) -> np.ndarray:
+    """:func:`_low_finite_exp` of the rows' nonzero finite bins (``has``: bin holds values)."""
     idx = np.argmax(has, axis=1)
     low = np.where(idx == 0, _LUMP_EXP, idx + _E_LO)
     return np.where(has.any(axis=1), low, -_NONE)
@@ -245,6 +255,7 @@ class _Counter:
 
     def __init__(self, hist: np.ndarray, zeros: np.ndarray) -> None:
         finite = _nonzero_bins(hist, zeros)
+        self.has = finite > 0  # the bins that hold values
         self.lump = finite[:, 0].copy()
         self.prefix = np.concatenate(
             [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(finite, axis=1)], axis=1
@@ -253,8 +264,9 @@ class _Counter:
 
     def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         """Values whose scaled exponent ``e + k`` lies in ``[lo, hi]`` (inclusive)."""
-        a = np.clip(np.asarray(lo) - k - _E_LO, 0, _FINITE)
-        b = np.clip(np.asarray(hi) - k - _E_LO + 1, 0, _FINITE)
+        # np.minimum/np.maximum, not np.clip: the same bounds without clip's per-call checks
+        a = np.minimum(np.maximum(np.asarray(lo) - k - _E_LO, 0), _FINITE)
+        b = np.minimum(np.maximum(np.asarray(hi) - k - _E_LO + 1, 0), _FINITE)
         b = np.maximum(a, b)
         return self.prefix[self.rows, b] - self.prefix[self.rows, a]
 
@@ -269,58 +281,33 @@ class _Counter:
         return np.where(inside, 0, self.lump)
 
 
-def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
-    """Per numerics row (module, kind, step), format and scaling: overflow/flush/subnormal counts.
+_ROWS_COLUMNS = [
+    "rank",
+    "step",
+    "module",
+    "module_type",
+    "kind",
+    "order",
+    "dtype",
+    "nonzero",
+    "nonfinite",
+    "amax",
+    "low_exp",
+    "top_exp",
+    "format",
+    "scaling",
+    "scale_exp",
+    "overflow",
+    "flush",
+    "subnormal",
+    "edge",
+]
+_COUNTS = ("overflow", "flush", "subnormal", "edge")
 
-    Rows of kind ``input`` are left out. See the module docstring for the classification and
-    its tolerance.
 
-    Returns:
-        The identifying columns (``rank`` when present, ``step``, ``module``, ``module_type``,
-        ``kind``, ``order``, ``dtype``), ``nonzero`` (finite nonzero values), ``nonfinite``
-        (NaN + inf, not part of the shares), ``amax``,
-        ``top_exp``/``low_exp`` (range of nonzero bins), ``format``, ``scaling``,
-        ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``.
-    """
-    frame = numerics[numerics["kind"].isin(list(KINDS))]
-    if frame.empty:
-        return pd.DataFrame(
-            columns=[
-                "rank",
-                "step",
-                "module",
-                "module_type",
-                "kind",
-                "order",
-                "dtype",
-                "nonzero",
-                "nonfinite",
-                "amax",
-                "low_exp",
-                "top_exp",
-                "format",
-                "scaling",
-                "scale_exp",
-                "overflow",
-                "flush",
-                "subnormal",
-                "edge",
-            ]
-        )
-    frame = frame.reset_index(drop=True)
-    if len(frame) > _BLOCK:
-        return pd.concat(
-            [compute_whatif_rows(frame.iloc[i : i + _BLOCK]) for i in range(0, len(frame), _BLOCK)],
-            ignore_index=True,
-        )
-    hist = _parse_hists(frame["exp_hist"])
-    zeros = frame["zeros"].fillna(0).to_numpy(dtype=np.int64)
-    counter = _Counter(hist, zeros)
-    nonzero = counter.prefix[:, -1]
-    amax = pd.to_numeric(frame["amax"], errors="coerce").to_numpy(dtype=float)
-    top = _top_finite_exp(hist, zeros)
-    low = _low_finite_exp(hist, zeros)
-    base = {
+def _base(frame: pd.DataFrame, counter: _Counter) -> dict[str, Any]:
+    """The identifying columns and per-row facts of ``frame``'s rows (one per row)."""
+    return {
         "rank": frame["rank"].to_numpy() if "rank" in frame else np.zeros(len(frame), np.int64),
         "step": frame["step"].to_numpy(),
         "module": frame["module"].to_numpy(),
@@ -328,21 +315,27 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
         "kind": frame["kind"].to_numpy(),
         "order": frame["order"].to_numpy(),
         "dtype": frame["dtype"].to_numpy(),
-        "nonzero": nonzero,
+        "nonzero": counter.prefix[:, -1],
         "nonfinite": (
             frame["nan"].fillna(0).to_numpy(dtype=np.int64)
             + frame["inf"].fillna(0).to_numpy(dtype=np.int64)
         ),
-        "amax": amax,
-        "low_exp": low,
-        "top_exp": top,
+        "amax": pd.to_numeric(frame["amax"], errors="coerce").to_numpy(dtype=float),
+        "low_exp": _low_exp(counter.has),
+        "top_exp": _top_exp(counter.has),
     }
-    parts = []
+
+
+def _classify(
+    counter: _Counter, amax: np.ndarray, top: np.ndarray
+) -> Iterable[tuple[FloatFormat, str, dict[str, np.ndarray]]]:
+    """Per format and scaling (:data:`FORMATS` x :data:`SCALINGS`, in that order), per row:
+    ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``."""
     for fmt in FORMATS.values():
         t, emin, m = fmt.top_exp, fmt.min_normal_exp, fmt.min_subnormal_exp
         for scaling in SCALINGS:
             if scaling == "none":
-                k = np.zeros(len(frame), dtype=np.int64)
+                k = np.zeros(len(amax), dtype=np.int64)
             else:
                 k = _scale_exps(amax, top, fmt)
             scaled_amax = amax * np.exp2(k.astype(float))
@@ -365,20 +358,48 @@ def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
                 + counter.between(emin - 1, emin - 1, k)
                 + counter.lump_open(exact, k)
             )
-            parts.append(
-                pd.DataFrame(
-                    {
-                        **base,
-                        "format": fmt.name,
-                        "scaling": scaling,
-                        "scale_exp": k,
-                        "overflow": overflow,
-                        "flush": flush,
-                        "subnormal": subnormal,
-                        "edge": edge + np.maximum(top_open, 0),
-                    }
-                )
+            yield (
+                fmt,
+                scaling,
+                {
+                    "scale_exp": k,
+                    "overflow": overflow,
+                    "flush": flush,
+                    "subnormal": subnormal,
+                    "edge": edge + np.maximum(top_open, 0),
+                },
             )
+
+
+def compute_whatif_rows(numerics: pd.DataFrame) -> pd.DataFrame:
+    """Per numerics row (module, kind, step), format and scaling: overflow/flush/subnormal counts.
+
+    Rows of kind ``input`` are left out. See the module docstring for the classification and
+    its tolerance.
+
+    Returns:
+        The identifying columns (``rank`` when present, ``step``, ``module``, ``module_type``,
+        ``kind``, ``order``, ``dtype``), ``nonzero`` (finite nonzero values), ``nonfinite``
+        (NaN + inf, not part of the shares), ``amax``,
+        ``top_exp``/``low_exp`` (range of nonzero bins), ``format``, ``scaling``,
+        ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``.
+    """
+    frame = numerics[numerics["kind"].isin(list(KINDS))]
+    if frame.empty:
+        return pd.DataFrame(columns=_ROWS_COLUMNS)
+    frame = frame.reset_index(drop=True)
+    if len(frame) > _BLOCK:
+        return pd.concat(
+            [compute_whatif_rows(frame.iloc[i : i + _BLOCK]) for i in range(0, len(frame), _BLOCK)],
+            ignore_index=True,
+        )
+    hist = _parse_hists(frame["exp_hist"])
+    counter = _Counter(hist, frame["zeros"].fillna(0).to_numpy(dtype=np.int64))
+    base = _base(frame, counter)
+    parts = [
+        pd.DataFrame({**base, "format": fmt.name, "scaling": scaling, **counts})
+        for fmt, scaling, counts in _classify(counter, base["amax"], base["top_exp"])
+    ]
     return pd.concat(parts, ignore_index=True)
 
 
@@ -386,12 +407,38 @@ def layer_order(numerics: pd.DataFrame) -> dict[str, int]:
     """Module -> position in forward execution order (modules without outputs come last)."""
     if numerics.empty:
         return {}
-    outputs = numerics[numerics["kind"] == "output"]
-    first = outputs.groupby("module", sort=False)["order"].min().sort_values(kind="stable")
-    order = {str(m): i for i, m in enumerate(first.index)}
-    for module in numerics.loc[numerics["kind"] != "input", "module"].unique():
-        order.setdefault(str(module), len(order))
+    kind = numerics["kind"].to_numpy()
+    module = numerics["module"].to_numpy()
+    outputs = kind == "output"
+    # each module's first output position (a missing module or position is left out), modules
+    # in order of first appearance; then sorted by it, stably, those without one last
+    codes, modules = pd.factorize(module[outputs])
+    positions = pd.to_numeric(numerics["order"], errors="coerce").to_numpy(dtype=float)[outputs]
+    first = np.full(len(modules), np.nan)
+    np.fmin.at(first, codes[codes >= 0], positions[codes >= 0])
+    order = {str(modules[i]): n for n, i in enumerate(np.argsort(first, kind="stable"))}
+    for name in pd.unique(module[kind != "input"]):
+        order.setdefault(str(name), len(order))
     return order
+
+
+def _group_codes(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the index of its key (the values of ``columns`` in that row) among the distinct
+    keys in order of first appearance, -1 when a key value is missing (groupby drops such
+    rows); and the first row of each key."""
+    codes = np.zeros(len(columns[0]), dtype=np.int64)
+    missing = np.zeros(len(columns[0]), dtype=bool)
+    for values in columns:
+        part, uniques = pd.factorize(values)
+        missing |= part < 0
+        codes = codes * (len(uniques) + 1) + part
+    _, first, inverse = np.unique(codes[~missing], return_index=True, return_inverse=True)
+    # renumber the keys by first appearance (np.unique numbers them by value)
+    by_appearance = np.argsort(np.argsort(first, kind="stable"), kind="stable")
+    out = np.full(len(codes), -1, dtype=np.int64)
+    out[~missing] = by_appearance[inverse.reshape(-1)]
+    rows = np.flatnonzero(~missing)[np.sort(first)]
+    return out, rows
 
 
 def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
@@ -409,54 +456,125 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
         exponent of the last sampled step (0 for ``none``), counts summed over steps and shares
         of ``nonzero``; ``lost_share`` = overflow + flush, ``edge_share`` = values the
         histogram cannot classify exactly (the tolerance, see the module docstring).
+
+    The rows of :func:`compute_whatif_rows` are summed per layer as arrays, one group index
+    per row shared by every format and scaling (a frame eight times the table's size, grouped
+    and merged, cost more than the classification itself).
     """
-    rows = compute_whatif_rows(numerics)
-    if rows.empty:
+    frame = numerics[numerics["kind"].isin(list(KINDS))]
+    if frame.empty:
         return pd.DataFrame(columns=WHATIF_COLUMNS)
-    order = layer_order(numerics)
-    layer = ["rank", "module", "kind"]
-    keys = [*layer, "format", "scaling"]
-    rows = rows.sort_values("step", kind="stable")
-    g = rows.groupby(keys, sort=False)
-    out = g[["nonzero", "overflow", "flush", "subnormal", "edge"]].sum()
-    out["scale_exp"] = g["scale_exp"].last()
-    # per layer facts, from one format's rows (they repeat for every format and scaling)
-    one = rows[(rows["format"] == next(iter(FORMATS))) & (rows["scaling"] == SCALINGS[0])]
-    one = one.assign(
-        low_exp=one["low_exp"].where(one["nonzero"] > 0),
-        top_exp=one["top_exp"].where(one["nonzero"] > 0),
-    )
-    lg = one.groupby(layer, sort=False)
-    facts = pd.DataFrame(
+    frame = frame.reset_index(drop=True)
+    n = len(frame)
+    blocks = range(0, n, _BLOCK)
+    parts = []
+    for i in blocks:
+        part = frame.iloc[i : i + _BLOCK]
+        hist = _parse_hists(part["exp_hist"])
+        counter = _Counter(hist, part["zeros"].fillna(0).to_numpy(dtype=np.int64))
+        parts.append((counter, _base(part, counter)))
+    base = {key: np.concatenate([b[key] for _, b in parts]) for key in parts[0][1]}
+    # the dtypes a frame of these columns infers (those of the table grouped before)
+    inferred = {k: pd.Series(base[k]).dtype for k in ("module", "module_type", "kind", "dtype")}
+    codes, key_rows = _group_codes([base["rank"], base["module"], base["kind"]])
+    grouped = codes >= 0
+    n_layers = len(key_rows)
+    g_rows = codes[grouped]
+    # step order (stable): a layer's scale_exp is that of its last sampled step, its
+    # module_type the first recorded
+    by_step = pd.Series(base["step"]).sort_values(kind="stable").index.to_numpy()
+    position = np.empty(n, dtype=np.int64)
+    position[by_step] = np.arange(n)
+    last = np.full(n_layers, -1, dtype=np.int64)
+    np.maximum.at(last, g_rows, position[grouped])
+    is_last = np.zeros(n, dtype=bool)
+    is_last[by_step[last]] = True
+    # per layer facts, from the rows' own values (the same for every format and scaling)
+    module_type = base["module_type"]
+    named = grouped & ~pd.isna(module_type)
+    first_named = np.full(n_layers, n, dtype=np.int64)
+    np.minimum.at(first_named, codes[named], position[named])
+    type_rows = np.where(first_named < n, by_step[np.minimum(first_named, n - 1)], key_rows)
+    step_codes, step_values = pd.factorize(base["step"])
+    stepped = grouped & (step_codes >= 0)
+    width = max(len(step_values), 1)
+    pairs = np.unique(codes[stepped] * width + step_codes[stepped])  # (layer, step) seen
+    steps = np.bincount(pairs // width, minlength=n_layers)
+    nonfinite = np.zeros(n_layers, dtype=np.int64)
+    np.add.at(nonfinite, g_rows, base["nonfinite"][grouped])
+    has = grouped & (base["nonzero"] > 0)
+    min_exp = np.full(n_layers, np.inf)
+    max_exp = np.full(n_layers, -np.inf)
+    np.minimum.at(min_exp, codes[has], base["low_exp"][has])
+    np.maximum.at(max_exp, codes[has], base["top_exp"][has])
+    amax = np.full(n_layers, np.nan)
+    np.fmax.at(amax, g_rows, base["amax"][grouped])
+    dtype_codes, dtype_names = pd.factorize(base["dtype"])
+    typed = grouped & (dtype_codes >= 0)
+    width = max(len(dtype_names), 1)
+    seen: dict[int, set[str]] = {}
+    for pair in np.unique(codes[typed] * width + dtype_codes[typed]).tolist():
+        seen.setdefault(pair // width, set()).add(dtype_names[pair % width])
+    if seen:
+        dtype_text: pd.Series = pd.Series(
+            [",".join(sorted(seen[i])) if i in seen else np.nan for i in range(n_layers)]
+        )
+    else:
+        blank = np.float64 if inferred["dtype"] == np.float64 else object
+        dtype_text = pd.Series(np.full(n_layers, np.nan), dtype=blank)
+    # the counts of every format and scaling, summed per layer
+    combos = [(fmt.name, scaling) for fmt in FORMATS.values() for scaling in SCALINGS]
+    sums = {name: np.zeros((len(combos), n_layers), dtype=np.int64) for name in _COUNTS}
+    nonzero = np.zeros(n_layers, dtype=np.int64)
+    np.add.at(nonzero, g_rows, base["nonzero"][grouped])
+    scale_exp = np.zeros((len(combos), n_layers), dtype=np.int64)
+    for i, (counter, part_base) in zip(blocks, parts, strict=True):
+        rows = slice(i, i + _BLOCK)
+        g, keep, tail = codes[rows], grouped[rows], is_last[rows]
+        counts_of = _classify(counter, part_base["amax"], part_base["top_exp"])
+        for c, (_, _, counts) in enumerate(counts_of):
+            for name in _COUNTS:
+                np.add.at(sums[name][c], g[keep], counts[name][keep])
+            scale_exp[c, g[tail]] = counts["scale_exp"][tail]
+    # one row per layer and format/scaling, layers in (rank, execution order, kind) order
+    order_of = layer_order(numerics)
+    modules = base["module"][key_rows]
+    layer_pos = np.array([order_of.get(str(m), len(order_of)) for m in modules], dtype=np.int64)
+    kind_rank = {k: i for i, k in enumerate(KINDS)}
+    kinds = base["kind"][key_rows]
+    ranks = base["rank"][key_rows]
+    layers = np.lexsort((np.array([kind_rank[k] for k in kinds]), layer_pos, ranks))
+    each = np.repeat(layers, len(combos))
+    combo = np.tile(np.arange(len(combos)), n_layers)
+    counts = {name: sums[name][combo, each] for name in _COUNTS}
+    denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
+    out = pd.DataFrame(
         {
-            "module_type": lg["module_type"].first(),
-            "steps": lg["step"].nunique(),
-            "nonfinite": lg["nonfinite"].sum(),
-            "min_exp": lg["low_exp"].min(),
-            "max_exp": lg["top_exp"].max(),
-            "amax": lg["amax"].max(),
+            "rank": ranks[each],
+            "module": pd.Series(modules[each], dtype=inferred["module"]),
+            "module_type": pd.Series(module_type[type_rows][each], dtype=inferred["module_type"]),
+            "kind": pd.Series(kinds[each], dtype=inferred["kind"]),
+            "order": layer_pos[each],
+            "dtype": dtype_text.iloc[each].reset_index(drop=True),
+            "steps": steps[each],
+            "nonzero": nonzero[each],
+            "nonfinite": nonfinite[each],
+            "min_exp": pd.array(
+                np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
+            ),
+            "max_exp": pd.array(
+                np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64"
+            ),
+            "amax": amax[each],
+            "format": np.array([combos[c][0] for c in combo], dtype=object),
+            "scaling": np.array([combos[c][1] for c in combo], dtype=object),
+            "scale_exp": scale_exp[combo, each],
+            **counts,
+            **{f"{name}_share": np.nan_to_num(counts[name] / denom, nan=0.0) for name in _COUNTS},
         }
     )
-    dtypes = one.dropna(subset=["dtype"]).drop_duplicates([*layer, "dtype"])
-    facts["dtype"] = dtypes.sort_values("dtype").groupby(layer, sort=False)["dtype"].agg(",".join)
-    out = out.reset_index().merge(facts.reset_index(), on=layer, how="left")
-    out["order"] = out["module"].map(lambda m: order.get(str(m), len(order)))
-    denom = out["nonzero"].where(out["nonzero"] > 0)
-    for name in ("overflow", "flush", "subnormal", "edge"):
-        out[f"{name}_share"] = (out[name] / denom).fillna(0.0)
-    out["lost_share"] = ((out["overflow"] + out["flush"]) / denom).fillna(0.0)
-    kind_rank = {k: i for i, k in enumerate(KINDS)}
-    fmt_rank = {k: i for i, k in enumerate(FORMATS)}
-    out = out.sort_values(
-        ["rank", "order", "kind", "format", "scaling"],
-        key=lambda s: (
-            s.map(kind_rank) if s.name == "kind" else s.map(fmt_rank) if s.name == "format" else s
-        ),
-        kind="stable",
-    )
-    for col in ("min_exp", "max_exp"):
-        out[col] = out[col].astype("Int64")
-    return out[WHATIF_COLUMNS].reset_index(drop=True)
+    out["lost_share"] = np.nan_to_num((counts["overflow"] + counts["flush"]) / denom, nan=0.0)
+    return out[WHATIF_COLUMNS]
 
 
 def compute_whatif(run: Any) -> pd.DataFrame:
@@ -465,8 +583,17 @@ def compute_whatif(run: Any) -> pd.DataFrame:
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """The what-if table as JSON-ready records (plain Python values, missing values as None)."""
-    return frame.astype(object).where(frame.notna(), None).to_dict("records")  # type: ignore[no-any-return]
+    """The what-if table as JSON-ready records (plain Python values, missing values as None).
+
+    Built from each column's values as a list (the plain Python values), not through an
+    object-dtype copy of the frame.
+    """
+    columns = [
+        [None if value is None or pd.isna(value) else value for value in frame[name].tolist()]
+        for name in frame.columns
+    ]
+    names = list(frame.columns)
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.DataFrame:

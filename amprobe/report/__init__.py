@@ -1,19 +1,19 @@
-"""Reports: section builders (figures and tables as data) and renderers (text, JSON, Markdown, HTML)."""
+"""Reports: section builders (figures and tables as data) and renderers (text, JSON, Markdown, HTML).
 
-from amprobe.report import compute as _compute  # noqa: F401  (registers the compute section)
-from amprobe.report import numerics as _numerics  # noqa: F401  (registers the numerics section)
-from amprobe.report import ranks as _ranks  # noqa: F401  (registers the ranks section)
-from amprobe.report import runtime as _runtime  # noqa: F401  (registers the runtime section)
-from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
-from amprobe.report import whatif as _whatif  # noqa: F401  (registers the what-if section)
-from amprobe.report.render import (
-    render_html,
-    render_json,
-    render_markdown,
-    render_text,
-    write_report,
-)
-from amprobe.report.sections import SECTIONS, Section, build_sections, section
+``import amprobe.report`` loads nothing else: each public name loads with the module that
+defines it, on first use (PEP 562's module ``__getattr__``), so that ``amprobe diagnose``, which
+renders text, loads neither the section builders nor plotly's figures.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from amprobe.report.document import render_html, write_report
+    from amprobe.report.render import render_json, render_markdown, render_text
+    from amprobe.report.sections import SECTIONS, Section, build_sections, section
 
 __all__ = [
     "SECTIONS",
@@ -26,3 +26,49 @@ __all__ = [
     "section",
     "write_report",
 ]
+
+#: public names -> the module that defines them (imported on first access)
+_LAZY = {
+    "render_text": "amprobe.report.render",
+    "render_json": "amprobe.report.render",
+    "render_markdown": "amprobe.report.render",
+    "render_html": "amprobe.report.document",
+    "write_report": "amprobe.report.document",
+    "SECTIONS": "amprobe.report.sections",
+    "Section": "amprobe.report.sections",
+    "build_sections": "amprobe.report.sections",
+    "section": "amprobe.report.sections",
+}
+#: the package's modules, as attributes (``amprobe.report.sections`` once ``amprobe.report`` is
+#: imported, as when this file imported them)
+_SUBMODULES = (
+    "compare",
+    "compute",
+    "document",
+    "downsample",
+    "escape",
+    "numerics",
+    "ranks",
+    "registry",
+    "render",
+    "runtime",
+    "scale",
+    "sections",
+    "summary",
+    "whatif",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute read
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

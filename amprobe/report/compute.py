@@ -13,7 +13,7 @@ from amprobe.analysis.compute import (
     latest_alignment,
     latest_capture,
 )
-from amprobe.report.sections import Section, section
+from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from amprobe.analysis.numerics import compute_layer_summary, compute_scale_hint, layer_summary
-from amprobe.report.sections import Section, section
+from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from amprobe.report.downsample import downsample
-from amprobe.report.sections import Section, section
+from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

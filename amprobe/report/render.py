@@ -1,35 +1,34 @@
-"""Renderers: a :class:`~amprobe.rules.Diagnosis` as text, JSON, Markdown or self-contained HTML.
+"""Renderers: a :class:`~amprobe.rules.Diagnosis` as text, JSON or Markdown.
 
-Renderers only consume findings and report sections; they compute nothing.
+Renderers only consume findings and report sections; they compute nothing. The HTML page and
+the report files are :mod:`amprobe.report.document`'s: they build the sections, which this
+module only receives (``amprobe diagnose`` renders none and does not load their builders).
 """
 
 from __future__ import annotations
 
-import html
 import json
 import math
-import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from amprobe.analysis.sampling import sampling_text
 from amprobe.report.escape import escape_markdown
-from amprobe.report.sections import Section, build_sections
 from amprobe.rules.engine import Diagnosis, Finding
+
+if TYPE_CHECKING:
+    from amprobe.report.registry import Section
 
 __all__ = [
     "render_text",
     "render_json",
     "render_markdown",
-    "render_html",
-    "write_report",
     "format_value",
     "split_ref",
 ]
 
 _ICON = {"error": "E", "warning": "W", "info": "I"}
-_COLOR = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -230,113 +229,3 @@ def _frame_markdown(frame: Any, limit: int = 50) -> str:
     if len(frame) > limit:
         rows.append(f"\n({len(frame) - limit} more rows)")
     return "\n".join(rows)
-
-
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-h1{font-size:1.6em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.8em}
-.finding{border-left:6px solid #999;padding:.5em 1em;margin:1em 0;background:#fafafa}
-.badge{display:inline-block;color:#fff;border-radius:3px;padding:0 .5em;font-size:.85em;margin-right:.5em}
-table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
-.muted{color:#777} .fix{margin:.4em 0}
-"""
-
-
-def _finding_html(f: Finding) -> str:
-    e = html.escape
-    color = _COLOR[f.severity]
-    rows = "".join(
-        f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items()
-    )
-    links = []
-    for ref in f.refs:
-        label, url = split_ref(ref)
-        links.append(
-            e(label)
-            if url is None
-            else f'<a href="{e(url)}" target="_blank" rel="noopener">{e(label)}</a>'
-        )
-    refs = f"<div class='muted'>see: {' · '.join(links)}</div>" if links else ""
-    return (
-        f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
-        f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"
-        f"<b>{e(f.id)}</b> <code>{e(f.name)}</code> ({e(_heading_note(f))})</div>"
-        f"<div>{e(f.title)}</div><div class='fix'><b>Fix:</b> {e(f.fix)}</div>"
-        f"<table>{rows}</table>{refs}</div>"
-    )
-
-
-def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None = None) -> str:
-    """A self-contained HTML report (plotly.js embedded once; all run text escaped)."""
-    e = html.escape
-    sections = build_sections(run, diagnosis) if sections is None else sections
-    info = _run_summary(diagnosis)
-    parts = [
-        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>amprobe report: {e(Path(info['path']).name)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>amprobe report: {e(Path(info['path']).name)}</h1>",
-        f"<p class='muted'>status {e(_status(info))} &middot; {info['steps']} steps &middot; "
-        f"ranks {e(str(info['ranks']))} &middot; device {e(str(info['device']))}"
-        + (f" ({e(str(info['gpu_name']))})" if info.get("gpu_name") else "")
-        + (
-            f" &middot; compiled: {e(compiled_summary(info['compiled']))}"
-            if info.get("compiled")
-            else ""
-        )
-        + "</p>",
-    ]
-    for warning in info["warnings"]:
-        parts.append(f"<p class='muted'>warning: {e(warning)}</p>")
-    parts.append("<h2>Findings</h2>")
-    if not diagnosis.findings:
-        parts.append("<p>No findings.</p>")
-    parts += [_finding_html(f) for f in diagnosis.findings]
-    parts.append("<h2>Health</h2><ul>")
-    for key, metric in diagnosis.health.items():
-        parts.append(f"<li>{e(_health_line(key, dict(metric)))}</li>")
-    parts.append("</ul>")
-    if diagnosis.not_checked:
-        parts.append("<h2>Not checked</h2><ul>")
-        for n in diagnosis.not_checked:
-            parts.append(f"<li><b>{e(n.id)}</b> <code>{e(n.name)}</code>: {e(n.reason)}</li>")
-        parts.append("</ul>")
-    plotly_included = False
-    for sec in sections:
-        parts.append(f"<h2 id='{e(sec.key)}'>{e(sec.title)}</h2>")
-        if sec.missing:
-            parts.append(f"<p class='muted'>Not recorded: {e(sec.missing)}</p>")
-            continue
-        for text in sec.text:
-            parts.append(f"<p>{e(text)}</p>")
-        for fig in sec.figures:
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=not plotly_included))
-            plotly_included = True
-        for caption, frame in sec.tables:
-            parts.append(f"<h3>{e(caption)}</h3>")
-            parts.append(frame.head(500).to_html(index=False, escape=True, border=0))
-    parts.append("<p class='muted'>Generated by amprobe.</p></body></html>")
-    return "\n".join(parts)
-
-
-def write_report(run: Any, diagnosis: Diagnosis, path: str | os.PathLike[str]) -> Path:
-    """Write the report; the format follows the extension (``.html``/``.htm``, ``.md``, ``.json``).
-
-    Raises:
-        ValueError: unknown extension.
-        OSError: the file cannot be written.
-    """
-    target = Path(path)
-    suffix = target.suffix.lower()
-    if suffix in (".html", ".htm"):
-        text = render_html(run, diagnosis)
-    elif suffix in (".md", ".markdown"):
-        text = render_markdown(diagnosis, build_sections(run, diagnosis))
-    elif suffix == ".json":
-        text = render_json(diagnosis)
-    else:
-        raise ValueError(f"unknown report format {suffix or '(none)'!r}: use .html, .md or .json")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, target)
-    return target

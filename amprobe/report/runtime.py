@@ -8,7 +8,7 @@ import pandas as pd
 
 from amprobe.analysis.runtime import compute_sync_sites, gpu_unavailable_reason
 from amprobe.report.downsample import downsample
-from amprobe.report.sections import Section, section
+from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

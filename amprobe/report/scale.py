@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
-from amprobe.report.sections import Section, section
+from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

@@ -1,73 +1,33 @@
 """Report sections: what each area of a run contributes to the report, as data.
 
 Each area (loss scale, numerics, Tensor Cores, utilization, ...) registers one builder with
-:func:`section`. A builder is a pure function ``(run, diagnosis) -> Section | None`` that
-returns figures (plotly), tables (pandas) and text, or a Section whose ``missing`` says why
-the area's data was not recorded. Renderers (HTML, Markdown, the dashboard) only consume
-sections; no builder writes HTML.
+:func:`section` (:mod:`amprobe.report.registry`). A builder is a pure function
+``(run, diagnosis) -> Section | None`` that returns figures (plotly), tables (pandas) and text,
+or a Section whose ``missing`` says why the area's data was not recorded. Renderers (HTML,
+Markdown, the dashboard) only consume sections; no builder writes HTML.
+
+This module imports every builder module, so :data:`SECTIONS` is complete wherever sections
+are built or listed; ``amprobe diagnose``, which renders no section, does not import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
-import pandas as pd
-
+from amprobe.report import compute as _compute  # noqa: F401  (registers the compute section)
+from amprobe.report import numerics as _numerics  # noqa: F401  (registers the numerics section)
+from amprobe.report import ranks as _ranks  # noqa: F401  (registers the ranks section)
+from amprobe.report import runtime as _runtime  # noqa: F401  (registers the runtime section)
+from amprobe.report import scale as _scale  # noqa: F401  (registers the loss-scale section)
+from amprobe.report import whatif as _whatif  # noqa: F401  (registers the what-if section)
 from amprobe.report.escape import escape_figure_text
+from amprobe.report.registry import SECTIONS, Section, SectionSpec, section
 
 if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
 
 __all__ = ["Section", "SectionSpec", "SECTIONS", "section", "section_tabs", "build_sections"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Section:
-    """One part of a report.
-
-    Attributes:
-        key: stable identifier (used for anchors and dashboard tabs).
-        title: heading.
-        figures: plotly figures, in order.
-        tables: (caption, frame) pairs; frames are rendered escaped.
-        text: short paragraphs of plain text.
-        missing: when set, the area's data was not recorded and this says why.
-    """
-
-    key: str
-    title: str
-    figures: tuple[Any, ...] = ()
-    tables: tuple[tuple[str, pd.DataFrame], ...] = ()
-    text: tuple[str, ...] = ()
-    missing: str | None = None
-
-
-SectionBuilder = Callable[["Run", "Diagnosis"], "Section | None"]
-
-
-class SectionSpec(NamedTuple):
-    """A registered section: where it comes in a report, its builder, its tab's label."""
-
-    order: int  # lower comes first
-    build: SectionBuilder
-    tab: str  # the short label of its dashboard tab ("Tensor Cores")
-
-
-#: key -> its :class:`SectionSpec`. The HTML report and the dashboard's tabs follow this table.
-SECTIONS: dict[str, SectionSpec] = {}
-
-
-def section(key: str, order: int, tab: str) -> Callable[[SectionBuilder], SectionBuilder]:
-    """Register a section builder under ``key``; ``tab`` labels its dashboard tab."""
-
-    def register(fn: SectionBuilder) -> SectionBuilder:
-        SECTIONS[key] = SectionSpec(order, fn, tab)
-        return fn
-
-    return register
 
 
 def _in_order() -> list[tuple[str, SectionSpec]]:

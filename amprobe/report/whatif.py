@@ -15,7 +15,7 @@ from amprobe.analysis.whatif import (
     compute_whatif,
     compute_whatif_frame,
 )
-from amprobe.report.sections import Section, section
+from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go

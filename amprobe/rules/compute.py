@@ -295,12 +295,14 @@ def check_autocast_ineffective(ctx: RuleContext) -> Iterator[Finding]:
     if ops.empty:
         return
     cov = autocast_coverage(ops)
-    modules = fp32_modules(ops)
+    modules = None  # the fp32 modules, computed for the first rank that needs them
     for rank, part in cov.groupby("rank", sort=True):
         low = part["in_dtype"].isin(HALF_DTYPES) | part["in_dtype"].str.startswith("float8")
         half = float(part.loc[low, "share"].sum())
         if half >= ctx.thresholds["min_half_share"]:
             continue
+        if modules is None:
+            modules = fp32_modules(ops)
         mods = modules[modules["rank"] == rank].head(10)
         reasons = sorted(set(mods["reason"]))
         yield ctx.finding(

@@ -11,12 +11,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
-    compute_scale_hint,
-    compute_underflow,
+    compute_gradient_underflow,
     first_nonfinite_weights,
     first_overflow_step,
     last_linears,
@@ -64,19 +64,21 @@ def _out_of_range_origin(
     """
     if cast_dtype not in _CAST_RANGE:
         return None
-    outputs = rows[rows["kind"] == "output"]
-    at = outputs.loc[outputs["module"] == offender, "order"]
-    if at.empty:
+    outputs = np.flatnonzero(rows["kind"].to_numpy() == "output")
+    order = pd.to_numeric(rows["order"], errors="coerce").to_numpy(dtype=float)[outputs]
+    at = order[rows["module"].to_numpy()[outputs] == offender]
+    if not len(at) or np.isnan(at).all():
         return None
     if cast_dtype == "float16":
-        beyond = outputs["over_fp16"] > 0
+        beyond = rows["over_fp16"].to_numpy()[outputs] > 0
     else:
-        amax = pd.to_numeric(outputs["amax"], errors="coerce")
+        amax = pd.to_numeric(rows["amax"], errors="coerce").to_numpy(dtype=float)[outputs]
         beyond = amax >= _CAST_RANGE[cast_dtype][1]
-    earlier = outputs[(outputs["order"] < at.min()) & beyond]
-    if earlier.empty:
+    earlier = np.flatnonzero((order < np.nanmin(at)) & beyond)
+    if not len(earlier):
         return None
-    return earlier.sort_values("order", kind="stable").iloc[0]
+    # the first in execution order (the first of equal positions)
+    return rows.iloc[int(outputs[earlier[np.argmin(order[earlier])]])]
 
 
 # -- requirements ------------------------------------------------------------------------------
@@ -324,6 +326,28 @@ def _nonfinite_weights_finding(
     )
 
 
+def _layer_facts(grads: pd.DataFrame, keys: set[Any]) -> dict[Any, dict[str, Any]]:
+    """Per (module, kind, measure) in ``keys``: the first recorded dtype (NaN when none), the
+    loss scales and the sampled steps of its rows; one pass over the listed layers' rows."""
+    facts: dict[Any, dict[str, Any]] = {}
+    columns = ("module", "kind", "measure", "dtype", "scale", "step")
+    for module, kind, measure, dtype, scale, step in zip(
+        *(grads[c].tolist() for c in columns), strict=True
+    ):
+        key = (module, kind, measure)
+        if key not in keys:
+            continue
+        layer = facts.setdefault(key, {"dtype": None, "scales": set(), "steps": set()})
+        if layer["dtype"] is None and not pd.isna(dtype):
+            layer["dtype"] = dtype
+        layer["scales"].add(scale)
+        layer["steps"].add(step)
+    for layer in facts.values():
+        if layer["dtype"] is None:
+            layer["dtype"] = np.nan  # as a grouped first() of missing values
+    return facts
+
+
 @rule(
     "AMP-N06",
     "grad-underflow",
@@ -336,7 +360,8 @@ def _nonfinite_weights_finding(
 def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
 
-    Per (module, gradient kind) over sampled steps, see :func:`compute_underflow`. Gradients
+    Per (module, gradient kind) over sampled steps, see
+    :func:`~amprobe.analysis.numerics.compute_underflow`. Gradients
     held wider than fp16 are judged as the checklist defines the loss: nonzero values that a
     real fp16 cast at the recorded loss scale flushes to zero (scaled magnitude at most
     2**-25, half fp16's smallest subnormal; values in ``(2**-25, 2**-24)`` round up to
@@ -345,7 +370,8 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     there the share of surviving values in the subnormal range stands in for it: a layer
     with more than ``max_lost_share`` of its values there reaches the flush boundary. The
     title says which of the two it measured for the worst layer, at the recorded loss scale
-    and, by the same measure, at the hint of :func:`compute_scale_hint`.
+    and, by the same measure, at the hint of
+    :func:`~amprobe.analysis.numerics.compute_scale_hint`.
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
@@ -353,14 +379,12 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     th = ctx.thresholds
     numerics = run.table("numerics")
     for rank, frame in per_rank(numerics):
-        grads = compute_underflow(frame)
+        grads, hint, lost_at_hint = compute_gradient_underflow(frame, th["scale_margin"])
         if grads.empty:
             continue
-        hint = compute_scale_hint(frame, th["scale_margin"])
-        at_hint = compute_underflow(frame, scale=hint["hint_scale"]) if hint else grads
         grads = grads.assign(
             lost=grads["lost_share"] * grads["nonzero"],
-            lost_at_hint=at_hint["lost_share"] * grads["nonzero"],
+            lost_at_hint=lost_at_hint * grads["nonzero"],
             scale=grads["loss_scale"].where(grads["loss_scale"] > 0, 1.0).fillna(1.0),
         )
         g = grads.groupby(["module", "kind", "measure"], sort=False)
@@ -368,24 +392,25 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
         nonzero = layers["nonzero"].where(layers["nonzero"] > 0)
         layers["share"] = layers["lost"] / nonzero
         layers["share_at_hint"] = layers["lost_at_hint"] / nonzero
-        layers["dtype"] = g["dtype"].first()
-        layers["scales"] = g["scale"].agg(lambda s: sorted(set(s)))
-        layers["sampled_steps"] = g["step"].agg(lambda s: steps_list(sorted(set(s))))
         bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
         if bad.empty:
             continue
+        shown = bad.head(int(th["max_layers"]))
+        facts = _layer_facts(grads, set(shown.index))
         listed = [
             {
                 "module": m,
                 "kind": k,
                 "measure": meas,
-                "dtype": row["dtype"],
-                "share": round(float(row["share"]), 4),
-                "share_at_hint": round(float(row["share_at_hint"]), 4) if hint else None,
-                "loss_scales": [float(x) for x in row["scales"]],
-                "sampled_steps": row["sampled_steps"],
+                "dtype": facts[(m, k, meas)]["dtype"],
+                "share": round(float(share), 4),
+                "share_at_hint": round(float(at_hint), 4) if hint else None,
+                "loss_scales": [float(x) for x in sorted(facts[(m, k, meas)]["scales"])],
+                "sampled_steps": steps_list(sorted(facts[(m, k, meas)]["steps"])),
             }
-            for (m, k, meas), row in bad.head(int(th["max_layers"])).iterrows()
+            for (m, k, meas), share, at_hint in zip(
+                shown.index, shown["share"], shown["share_at_hint"], strict=True
+            )
         ]
         worst = listed[0]
         scales = worst["loss_scales"]
@@ -470,24 +495,42 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
                 bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped
                 if bad.any():
                     signals["nonfinite_loss_count"] = int(bad.sum())
-        nonfinite = frame[((frame["nan"] + frame["inf"]) > 0) & ~frame["step"].isin(absorbed)]
-        if len(nonfinite):
-            signals["nonfinite_layers"] = sorted(set(nonfinite["module"]))[:10]
+        step = frame["step"].tolist()
+        module = frame["module"].tolist()
+        hit = ((frame["nan"] + frame["inf"]) > 0).tolist()
+        nonfinite = [
+            m for m, s, h in zip(module, step, hit, strict=True) if h and s not in absorbed
+        ]
+        if nonfinite:
+            signals["nonfinite_layers"] = sorted(set(nonfinite))[:10]
         if not signals:
             continue
         last = last_linears(frame)
-        outs = frame[(frame["kind"] == "output") & frame["dtype"].isin(HALF_DTYPES)]
+        # the half-precision forward outputs per (module, type), in order of first appearance
+        groups: dict[tuple[Any, Any], dict[str, Any]] = {}
+        rows = zip(
+            module,
+            frame["module_type"].tolist(),
+            frame["kind"].tolist(),
+            frame["dtype"].tolist(),
+            step,
+            strict=True,
+        )
+        for name, mtype, kind, dtype, at in rows:
+            if kind != "output" or dtype not in HALF_DTYPES or pd.isna(name) or pd.isna(mtype):
+                continue  # (a missing key: in no group, as a groupby drops it)
+            groups.setdefault((name, mtype), {"dtype": dtype, "steps": []})["steps"].append(at)
         layers = []
-        for (module, mtype), part in outs.groupby(["module", "module_type"], sort=False):
-            is_last = any((int(s), str(module)) in last for s in part["step"])
+        for (name, mtype), group in groups.items():
+            is_last = any((int(s), str(name)) in last for s in group["steps"])
             role = module_role(mtype, is_last)
             if role in ("embedding", "output projection", "normalization"):
                 layers.append(
                     {
-                        "module": module,
+                        "module": name,
                         "module_type": mtype,
                         "role": role,
-                        "dtype": str(part["dtype"].iloc[0]),
+                        "dtype": str(group["dtype"]),
                     }
                 )
         if not layers:

@@ -76,40 +76,70 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     ``order``, ``flops_share`` (None when not recorded) and per kind of
     :data:`FP8_FORMAT_BY_KIND`: ``<kind>_lost`` (overflow + flush share of the finite nonzero
     values), ``<kind>_flush``, ``<kind>_range`` (None where the kind was not recorded) and
-    ``<kind>_nonfinite`` (NaN + inf values recorded).
+    ``<kind>_nonfinite`` (NaN + inf values recorded). Computed once per run and rank (AMP-P01
+    and AMP-P02 both read it).
     """
+    return run.cached(f"fp8_layer_table:{rank}", lambda r: _fp8_layer_table(r, rank))  # type: ignore[no-any-return]
+
+
+#: the what-if columns the fp8 layer table reads
+_FP8_COLUMNS = (
+    "module",
+    "module_type",
+    "kind",
+    "format",
+    "order",
+    "nonzero",
+    "nonfinite",
+    "lost_share",
+    "flush_share",
+    "min_exp",
+    "max_exp",
+)
+
+
+def _fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     whatif = compute_whatif(run)
     wf = whatif[(whatif["rank"] == rank) & (whatif["scaling"] == "per-tensor")]
     flops, source = matmul_flops(run, rank)
-    recorded = wf[wf["kind"] == "output"]
+    # the rank's few rows (layers x kinds x formats) as plain records: a frame lookup per layer
+    # and kind would cost more than the whole table
+    values = [wf[c].tolist() for c in _FP8_COLUMNS]
+    records = [dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)]
+    recorded = [r for r in records if r["kind"] == "output"]
     if flops is not None:
-        modules = [m for m in recorded["module"].unique() if flops.get(str(m), 0.0) > 0]
+        modules = [
+            m for m in dict.fromkeys(r["module"] for r in recorded) if flops.get(str(m), 0.0) > 0
+        ]
     else:
         modules = [
-            m
-            for m, t in zip(recorded["module"], recorded["module_type"], strict=True)
-            if _MATMUL_TYPES.search(str(t or ""))
+            r["module"] for r in recorded if _MATMUL_TYPES.search(str(r["module_type"] or ""))
         ]
+    # each module's first row, and its first row of each kind in that kind's fp8 format
+    first: dict[Any, dict[str, Any]] = {}
+    picked: dict[str, dict[Any, dict[str, Any]]] = {kind: {} for kind in FP8_FORMAT_BY_KIND}
+    for r in records:
+        first.setdefault(r["module"], r)
+        if FP8_FORMAT_BY_KIND.get(r["kind"]) == r["format"]:
+            picked[r["kind"]].setdefault(r["module"], r)
     rows = []
     for module in dict.fromkeys(modules):
-        mrows = wf[wf["module"] == module]
         row: dict[str, Any] = {
             "module": module,
-            "module_type": mrows["module_type"].iloc[0],
-            "order": int(mrows["order"].iloc[0]),
+            "module_type": first[module]["module_type"],
+            "order": int(first[module]["order"]),
             "flops_share": flops.get(str(module)) if flops is not None else None,
         }
-        for kind, fmt in FP8_FORMAT_BY_KIND.items():
-            sel = mrows[(mrows["kind"] == kind) & (mrows["format"] == fmt)]
-            if sel.empty or int(sel["nonzero"].iloc[0]) == 0:
+        for kind in FP8_FORMAT_BY_KIND:
+            sel = picked[kind].get(module)
+            if sel is None or int(sel["nonzero"]) == 0:
                 row[f"{kind}_lost"] = row[f"{kind}_flush"] = row[f"{kind}_range"] = None
-                row[f"{kind}_nonfinite"] = 0 if sel.empty else int(sel["nonfinite"].iloc[0])
+                row[f"{kind}_nonfinite"] = 0 if sel is None else int(sel["nonfinite"])
                 continue
-            r = sel.iloc[0]
-            row[f"{kind}_nonfinite"] = int(r["nonfinite"])
-            row[f"{kind}_lost"] = float(r["lost_share"])
-            row[f"{kind}_flush"] = float(r["flush_share"])
-            row[f"{kind}_range"] = exp_range(r["min_exp"], r["max_exp"])
+            row[f"{kind}_nonfinite"] = int(sel["nonfinite"])
+            row[f"{kind}_lost"] = float(sel["lost_share"])
+            row[f"{kind}_flush"] = float(sel["flush_share"])
+            row[f"{kind}_range"] = exp_range(sel["min_exp"], sel["max_exp"])
         rows.append(row)
     cols = ["module", "module_type", "order", "flops_share"] + [
         f"{k}_{c}" for k in FP8_FORMAT_BY_KIND for c in ("lost", "flush", "range", "nonfinite")

@@ -2,10 +2,23 @@
 
 The store imports nothing else of amprobe's (no config, no capture code): it raises its own
 :class:`StoreError` (a ``ValueError``) for a run directory that cannot be written.
+
+``import amprobe.store`` loads the layout only (the standard library). The names of the
+loader (``load_run``, ``Run``, ``read_table``, ``RankInfo``: pandas), of the schema
+(``SCHEMA_VERSION``, ``TABLES``: pyarrow) and of the writer (``RunWriter``) load with their
+module on first use (PEP 562's module ``__getattr__``): the capture side, which imports the
+writer and the fields of this package, never loads pandas, and a command that only looks at a
+run directory's layout loads neither.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from amprobe.store.layout import (
     NotRegularFileError,
+    RunLoadError,
     StoreError,
     check_writable,
     is_live,
@@ -14,9 +27,11 @@ from amprobe.store.layout import (
     list_runs,
     parse_rank_dirname,
 )
-from amprobe.store.loader import RankInfo, Run, RunLoadError, load_run, read_table
-from amprobe.store.schema import SCHEMA_VERSION, TABLES
-from amprobe.store.writer import RunWriter
+
+if TYPE_CHECKING:
+    from amprobe.store.loader import RankInfo, Run, load_run, read_table
+    from amprobe.store.schema import SCHEMA_VERSION, TABLES
+    from amprobe.store.writer import RunWriter
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -36,3 +51,32 @@ __all__ = [
     "parse_rank_dirname",
     "read_table",
 ]
+
+#: public names -> the module that defines them (imported on first access)
+_LAZY = {
+    "RankInfo": "amprobe.store.loader",
+    "Run": "amprobe.store.loader",
+    "load_run": "amprobe.store.loader",
+    "read_table": "amprobe.store.loader",
+    "SCHEMA_VERSION": "amprobe.store.schema",
+    "TABLES": "amprobe.store.schema",
+    "RunWriter": "amprobe.store.writer",
+}
+#: the package's modules, as attributes (``amprobe.store.schema`` once ``amprobe.store`` is
+#: imported, as when this file imported them all)
+_SUBMODULES = ("fields", "layout", "loader", "schema", "writer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute read
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

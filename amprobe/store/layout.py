@@ -46,6 +46,7 @@ __all__ = [
     "RUN_MANIFEST",
     "NotRegularFileError",
     "RankDir",
+    "RunLoadError",
     "RankListing",
     "StoreError",
     "file_kind",
@@ -91,6 +92,14 @@ class StoreError(ValueError):
 
     A subclass of :class:`ValueError`, so code that catches ``ValueError`` (or amprobe's
     ``ConfigError``, once the probe translates it) keeps working.
+    """
+
+
+class RunLoadError(Exception):
+    """A run directory that cannot be read; the message is one line that says why.
+
+    Raised by the loader (:func:`amprobe.store.loader.load_run`); defined here, with the
+    layout, so that code which only catches it (the CLI) does not load the loader and pandas.
     """
 
 
