@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from amprobe.config import ENV_RUN_DIR, Config, ConfigError
+from amprobe.lazy import lazy_names
 from amprobe.store.layout import RunLoadError
 from amprobe.version import __version__
 
@@ -69,19 +70,7 @@ _READ = {
 _SUBPACKAGES = ("analysis", "report", "rules", "store")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"amprobe.{name}")
-    module = _CAPTURE.get(name) or _READ.get(name)
-    if module is None:
-        raise AttributeError(f"module 'amprobe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access is a plain attribute read
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_CAPTURE) | set(_READ) | set(_SUBPACKAGES))
+__getattr__, __dir__ = lazy_names(__name__, {**_CAPTURE, **_READ}, _SUBPACKAGES, globals())
 
 
 # `amprobe run` (its environment names the run directory): the process is a training job, so

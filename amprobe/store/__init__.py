@@ -13,9 +13,9 @@ run directory's layout loads neither.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from amprobe.lazy import lazy_names
 from amprobe.store.layout import (
     NotRegularFileError,
     RunLoadError,
@@ -67,16 +67,4 @@ _LAZY = {
 _SUBMODULES = ("fields", "layout", "loader", "schema", "writer")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next access is a plain attribute read
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, _SUBMODULES, globals())
