@@ -127,6 +127,16 @@ enum {
 };
 enum { F_ZERO = 1, F_NAN = 2, F_OVER = 4, F_FLUSH = 8 };
 
+/* A segment's count into its column and into the special columns its flags name. */
+static inline void add_segment(int64_t *row, const int32_t *plan, int32_t col, int32_t flag,
+                               int64_t c) {
+  row[col] += c;
+  if (flag & F_ZERO) row[plan[P_ZEROS]] += c;
+  if (flag & F_NAN) row[plan[P_NAN]] += c;
+  if (flag & F_OVER) row[plan[P_OVER]] += c;
+  if (flag & F_FLUSH) row[plan[P_FLUSH]] += c;
+}
+
 /* add per-segment counts (LANES interleaved copies: cnt[segment * LANES + lane]) to the row;
    returns the count of the segments from P_BAD_FROM on */
 static int64_t add_segments(int64_t *row, const int32_t *plan, const uint32_t *cnt) {
@@ -137,11 +147,7 @@ static int64_t add_segments(int64_t *row, const int32_t *plan, const uint32_t *c
     int64_t c = 0;
     for (int l = 0; l < LANES; l++) c += cnt[s * LANES + l];
     if (!c) continue;
-    row[col[s]] += c;
-    if (flag[s] & F_ZERO) row[plan[P_ZEROS]] += c;
-    if (flag[s] & F_NAN) row[plan[P_NAN]] += c;
-    if (flag[s] & F_OVER) row[plan[P_OVER]] += c;
-    if (flag[s] & F_FLUSH) row[plan[P_FLUSH]] += c;
+    add_segment(row, plan, col[s], flag[s], c);
     if (start[s] >= plan[P_BAD_FROM]) bad += c;
   }
   return bad;
@@ -167,11 +173,7 @@ static int64_t fold_sub(int64_t *row, const int32_t *plan, const uint32_t *fbits
     for (int k = start[s]; k < start[s + 1]; k++) c += s0[k] + s1[k] + s2[k] + s3[k];
     if (!c) continue;
     last = s;
-    row[col[s]] += c;
-    if (flag[s] & F_ZERO) row[plan[P_ZEROS]] += c;
-    if (flag[s] & F_NAN) row[plan[P_NAN]] += c;
-    if (flag[s] & F_OVER) row[plan[P_OVER]] += c;
-    if (flag[s] & F_FLUSH) row[plan[P_FLUSH]] += c;
+    add_segment(row, plan, col[s], flag[s], c);
     if (start[s] >= plan[P_BAD_FROM]) bad += c;
   }
   if (last >= 0) {
