@@ -98,6 +98,9 @@ class StepStatsV1:
         if in_bad is not None:
             self._buf[slot, C_IN_BAD] += in_bad
 
+    def add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
+        self._buf[slot, C_IN_BAD] += in_bad
+
     def count_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
         return count_nonfinite_v1(x)
 

@@ -566,13 +566,14 @@ class NumericsCollector(Collector):
         x: torch.Tensor,
         grad: bool = False,
         in_bad: torch.Tensor | int | None = None,
-    ) -> None:
+    ) -> StepStats | None:
+        """Measure ``x`` into ``slot``; the step's statistics it went into (None: not measured)."""
         x = local_tensor(x)  # a DTensor (FSDP2): this rank's shard, measured where it lives
         if not x.is_floating_point() or x.numel() == 0:
-            return
+            return None
         cap = self._capture(x.device)
         if cap.device != x.device or cap.stats is None:
-            return  # one device per capture (model parallel across devices is not measured)
+            return None  # one device per capture (model parallel across devices is not measured)
         with torch.no_grad():
             scale = self._scale_tensor(cap) if grad else None
             cap.stats.add(slot, x, scale=scale, in_bad=in_bad)
@@ -581,6 +582,7 @@ class NumericsCollector(Collector):
             cap.dtypes[slot] = _dtype_name(x.dtype)
         cap.calls[slot] = cap.calls.get(slot, 0) + 1
         cap.elements[slot] = cap.elements.get(slot, 0) + x.numel()
+        return cap.stats
 
     def _scale_tensor(self, cap: _Capture) -> torch.Tensor | None:
         if cap.scale is None:
@@ -608,6 +610,9 @@ class NumericsCollector(Collector):
                 cap.grad_hooked.add(gout)
                 tensor.register_hook(self._guarded(self._bind_grad(gout)))
             return
+        # the output first: an input that is the output (an identity, Dropout(p=0)) is then
+        # counted from the histogram just taken instead of another pass
+        measured = self._measure(slots[0], tensor)
         bad: torch.Tensor | int | None = None
         for arg in args if isinstance(args, tuple) else (args,):
             if (
@@ -617,9 +622,10 @@ class NumericsCollector(Collector):
             ):
                 count = self._count_nonfinite(arg)
                 bad = count if bad is None else bad + count
-        if bad is None:
-            bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
-        self._measure(slots[0], tensor, in_bad=bad)
+        if measured is not None:
+            if bad is None:
+                bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
+            measured.add_in_bad(slots[0], bad)
         if gout is not None and tensor.requires_grad:
             self._capture(tensor.device).grad_hooked.add(gout)
             tensor.register_hook(self._guarded(self._bind_grad(gout)))

@@ -689,6 +689,10 @@ class StepStats:
                 return int(seen[3][first_nonfinite:].sum())
         return count_nonfinite(x, self.sync_free)
 
+    def add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
+        """Add ``in_bad`` (non-finite elements of the module's inputs) to ``slot``'s row."""
+        self._add_in_bad(slot, in_bad)
+
     def _add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
         if self.sync_free:
             self._extra[slot, C_IN_BAD] += in_bad
