@@ -83,6 +83,9 @@ class _NoStats:
     def add(self, *args: Any, **kwargs: Any) -> None:
         return None
 
+    def add_in_bad(self, *args: Any) -> None:
+        return None
+
     def count_nonfinite(self, x: torch.Tensor) -> int:
         return 0
 
@@ -206,6 +209,9 @@ class _Recorder:
 
     def add(self, slot, x, scale=None, in_bad=None) -> None:  # type: ignore[no-untyped-def]
         _Recorder.calls.append((slot, x.detach().clone(), scale))
+
+    def add_in_bad(self, slot: int, in_bad: Any) -> None:
+        return None
 
     def count_nonfinite(self, x: torch.Tensor) -> int:
         _Recorder.inputs.append(x.detach().clone())
