@@ -1,8 +1,9 @@
 """GradScaler and step telemetry: the loss-scale trajectory, skipped steps, AMP protocol misuse.
 
-A subscriber of the hub: it sees every GradScaler, optimizer, autocast region and clip call
-through the hub's events and never patches torch. Values stay on their device; the probe reads
-them back at flush.
+A subscriber of the hub: it sees every GradScaler, optimizer and clip call through the hub's
+events, and what each iteration did (``unscale_``/``step`` calls, optimizer steps, autocast
+settings, the scale and found-inf) through the step's ``StepFacts`` at its end; it never patches
+torch. Values stay on their device; the probe reads them back at flush.
 """
 
 from __future__ import annotations
