@@ -646,3 +646,33 @@ def test_exponent_histogram_figure_leaves_out_zeros_keeps_subnormals() -> None:
     fig = make_exponent_histogram_figure(pd.DataFrame([row]), [("fc", "output")])
     (bars,) = fig.data
     assert dict(zip(bars.x, bars.y, strict=True)) == {-149: 2, -130: 3, -127: 4, 0: 5}
+
+
+def test_a_damaged_gradient_row_is_named_when_grad_underflow_cannot_run(tmp_path):
+    """A gradient row of the numerics table missing a count (a record damaged on disk) leaves
+    AMP-N06 not checked with a reason that names the row and the counts read, not a bare
+    conversion error; the other rules still run."""
+    import shutil
+    from pathlib import Path
+
+    import amprobe
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "sample_runs" / "overflow", run_dir)
+    table = run_dir / "rank0" / "numerics.jsonl"
+    lines = table.read_text().splitlines()
+    for i, line in enumerate(lines):
+        row = json.loads(line)
+        if row.get("kind") not in ("output", "input"):
+            del row["zeros"]
+            lines[i] = json.dumps(row)
+            damaged = row
+            break
+    table.write_text("\n".join(lines) + "\n")
+    result = amprobe.diagnose(amprobe.load_run(run_dir))
+    reasons = [n.reason for n in result.not_checked if n.id == "AMP-N06"]
+    assert len(reasons) == 1, reasons
+    assert "damaged gradient row" in reasons[0]
+    assert f"module {damaged['module']}, step {damaged['step']}" in reasons[0]
+    assert "zeros" in reasons[0]
+    assert {"AMP-N02", "AMP-N05"} <= {f.id for f in result.findings}

@@ -117,6 +117,10 @@ def _below(binades: dict[int, int], bound_exp: float, scale: float) -> int:
     return sum(n for e, n in binades.items() if e <= cut)
 
 
+#: the element counts a gradient row's nonzero count is made of
+_COUNTS_READ = "one of elements, zeros, nan, inf"
+
+
 def _nonzero(frame: pd.DataFrame) -> pd.Series:
     return frame["elements"] - frame["zeros"] - frame["nan"] - frame["inf"]
 
@@ -197,12 +201,20 @@ class _Gradients:
         v = self.values
         rows = zip(v["dtype"], v["loss_scale"], v["underflow_at_scale"], v["nonzero"], strict=True)
         for i, (dtype, loss_scale, underflow, nonzero) in enumerate(rows):
+            if nonzero != nonzero:  # NaN: a count missing from the record
+                raise ValueError(
+                    f"a damaged gradient row ({self._where(i)}): {_COUNTS_READ} missing"
+                )
             share, kind = _lost_at(
                 dtype, loss_scale, self.histograms, i, underflow, int(nonzero), scale
             )
             lost.append(share)
             measure.append(kind)
         return lost, measure
+
+    def _where(self, i: int) -> str:
+        row = self.frame.iloc[i]
+        return f"module {row.get('module', '?')}, step {row.get('step', '?')}"
 
     def scale_hint(self, margin: float) -> dict[str, Any] | None:
         """:func:`compute_scale_hint` of these rows."""
