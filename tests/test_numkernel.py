@@ -162,3 +162,21 @@ def test_the_input_check_counts_in_the_kernel_as_torch_does(dtype: torch.dtype) 
     with Count():
         assert numstats.count_nonfinite(x, False) == 4
     assert calls == []  # no dispatched op: no aminmax, no detach
+
+
+def test_a_killed_builds_leftovers_are_removed_at_the_next_build(fresh: Path) -> None:
+    """A process killed while the compiler ran leaves ``.build-*`` files in the cache: the next
+    build removes those older than an hour, and never a build's that may be running now."""
+    fresh.mkdir(parents=True)
+    old_so, old_c = fresh / ".build-dead.so", fresh / ".build-dead.c"
+    young = fresh / ".build-running.so"
+    for path in (old_so, old_c, young):
+        path.write_bytes(b"")
+    hours_ago = os.path.getmtime(young) - 2 * numkernel.STALE_BUILD_S
+    for path in (old_so, old_c):
+        os.utime(path, (hours_ago, hours_ago))
+    numkernel.start_build()
+    assert numkernel.wait() is not None
+    left = sorted(p.name for p in fresh.iterdir())
+    assert ".build-dead.so" not in left and ".build-dead.c" not in left
+    assert ".build-running.so" in left

@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 __all__ = [
@@ -464,6 +465,22 @@ def _target(compiler: str) -> Path:
     return _cache_dir() / f"numstats-{digest}.so"
 
 
+#: a build's leftovers older than this are a killed process's (a build takes seconds)
+STALE_BUILD_S = 3600.0
+
+
+def _remove_stale_builds(cache: Path) -> None:
+    """Remove the temporary files of builds that never finished (a process killed while its
+    compiler ran leaves ``.build-*.so``/``.c`` behind); a build running now is younger."""
+    now = time.time()
+    for leftover in cache.glob(".build-*"):
+        try:
+            if now - leftover.stat().st_mtime > STALE_BUILD_S:
+                leftover.unlink()
+        except OSError:
+            pass
+
+
 def start_build() -> None:
     """Load the kernel from the cache, or start compiling it in a subprocess (never blocks on
     the compiler; safe to call many times: one build per process). No output on any path."""
@@ -485,6 +502,7 @@ def start_build() -> None:
                 b.kernel = Kernel(target)
                 return
             target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_builds(target.parent)
             fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=target.parent)
             os.close(fd)
             src = Path(tmp).with_suffix(".c")
