@@ -373,15 +373,15 @@ int64_t amprobe_row32(const uint32_t *x, int64_t n, int64_t *row, int64_t *keep,
   return bad;
 }
 
-/* how many of n elements are inf or NaN: kind 0 fp32, 1 fp16, 2 bf16 (one pass, no copy;
-   counted per block in narrow counters, which vectorize) */
+/* how many of n elements are inf or NaN; kind is numstats' key format (0 fp16, 1 bf16,
+   2 fp32); one pass, no copy, counted per block in narrow counters, which vectorize */
 #define NF_BLOCK 4096
 CLONES
 int64_t amprobe_nonfinite(const void *x, int64_t n, int32_t kind) {
   int64_t c = 0;
   for (int64_t i0 = 0; i0 < n; i0 += NF_BLOCK) {
     int m = n - i0 < NF_BLOCK ? (int)(n - i0) : NF_BLOCK;
-    if (kind == 0) {
+    if (kind == 2) {
       const uint32_t *u = (const uint32_t *)x + i0;
       uint32_t cc = 0;
       for (int j = 0; j < m; j += 16) __builtin_prefetch((const char *)(u + j) + AHEAD);
@@ -389,7 +389,7 @@ int64_t amprobe_nonfinite(const void *x, int64_t n, int32_t kind) {
       c += cc;
     } else {
       const uint16_t *u = (const uint16_t *)x + i0;
-      const uint16_t inf = kind == 1 ? 0x7C00 : 0x7F80;
+      const uint16_t inf = kind == 0 ? 0x7C00 : 0x7F80;
       uint16_t cc = 0;
       for (int j = 0; j < m; j += 32) __builtin_prefetch((const char *)(u + j) + AHEAD);
       for (int j = 0; j < m; j++) cc += (uint16_t)(u[j] & 0x7FFF) >= inf;

@@ -79,6 +79,7 @@ from typing import Any
 import torch
 
 from amprobe.capture.collectors import numkernel
+from amprobe.capture.collectors.sharded import PLAIN_TENSORS
 
 __all__ = [
     "C_ZEROS",
@@ -161,10 +162,6 @@ def flush_threshold(scale: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 # -- v2 ----------------------------------------------------------------------------------------
-_NONFINITE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass's data pointer may not be its values
-
-
 def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Tensor | int:
     """Non-finite elements of a floating tensor.
 
@@ -176,11 +173,10 @@ def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Ten
     if sync_free is None:
         sync_free = x.device.type != "cpu"
     if not sync_free:
-        kind = _NONFINITE_KIND.get(x.dtype)
-        if kind is not None and type(x) in _PLAIN and x.is_contiguous():
+        if x.dtype in _KERNEL_DTYPES and type(x) in PLAIN_TENSORS and x.is_contiguous():
             kern = numkernel.kernel()
             if kern is not None:
-                return int(kern.nonfinite(x.data_ptr(), x.numel(), kind))
+                return int(kern.nonfinite(x.data_ptr(), x.numel(), _key_format(x.dtype)))
     x = x.detach()
     if not sync_free:
         if x.numel() == 0:
@@ -445,7 +441,7 @@ class StepStats:
                 self._scale_f = float(scale)  # type: ignore[arg-type]
                 self._scale_one = self._scale_f == 1.0
         if in_bad is not None:
-            self._add_in_bad(slot, in_bad)
+            self.add_in_bad(slot, in_bad)
         n = x.numel()
         if n == 0:
             return
@@ -691,9 +687,6 @@ class StepStats:
 
     def add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
         """Add ``in_bad`` (non-finite elements of the module's inputs) to ``slot``'s row."""
-        self._add_in_bad(slot, in_bad)
-
-    def _add_in_bad(self, slot: int, in_bad: torch.Tensor | int) -> None:
         if self.sync_free:
             self._extra[slot, C_IN_BAD] += in_bad
         else:

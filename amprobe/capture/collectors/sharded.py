@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PLAIN_TENSORS",
     "WRAPPER_SEGMENTS",
     "local_tensor",
     "sharding_facts",
@@ -39,7 +40,9 @@ _DDP_HALF_HOOKS = {
     "bf16_compress_hook": "bfloat16",
     "bf16_compress_wrapper_hook": "bfloat16",
 }
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: tensor types that are their own values (a subclass, DTensor included, may not be: its data
+#: pointer and storage are not the values it stands for)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def local_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,7 @@ def local_tensor(x: torch.Tensor) -> torch.Tensor:
     Cost: one type check for a plain tensor; ``to_local()`` under ``no_grad`` returns the
     DTensor's local tensor as is.
     """
-    if type(x) in _PLAIN:
+    if type(x) in PLAIN_TENSORS:
         return x
     to_local = getattr(x, "to_local", None)
     if to_local is None:
