@@ -108,7 +108,5 @@ class PhaseClock:
                 self._depth[phase] = 1
                 self.end(phase, now)
         acc, events = self._acc, self._events
-        self._acc = dict.fromkeys(PHASES, 0.0)
-        self._depth = dict.fromkeys(PHASES, 0)
-        self._events = []
+        self.reset()
         return acc, events

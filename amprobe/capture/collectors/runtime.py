@@ -162,8 +162,7 @@ class RuntimeCollector(Collector):
             self._counter.mark((loss,))
 
     def _is_cuda(self) -> bool:
-        """Whether the training device is CUDA (read again at each step start, kept in
-        ``self._cuda`` for the phase timers)."""
+        """Whether the training device is CUDA (known once the first model or tensor is)."""
         device = self.probe.device
         if device is not self._device_seen:  # known once the first model or tensor is seen
             self._device_seen = device
@@ -181,7 +180,6 @@ class RuntimeCollector(Collector):
     # -- syncs: the hub's op mode on sampled steps ---------------------------------------------
     def on_step_begin(self, step: int) -> None:
         self._counter = None
-        self._is_cuda()
         device = self.probe.device
         # steps 1, 1 + N, ... (every step when N = 1), spaced by the budget by default
         if device is not None and self.probe.budget.due("syncs", step):
@@ -237,9 +235,7 @@ class RuntimeCollector(Collector):
             record["opt_s"] = phase_s["opt"]
         for phase, start, end in facts.cuda_phases:
             self._cuda_events.append((step, phase, start, end))
-        if now - self._rss_t >= RSS_PERIOD_S:  # (see _rss) no filesystem call on most steps
-            self._rss(now)
-        record["rss_bytes"] = self._rss_value
+        record["rss_bytes"] = self._rss(now)
         if self._is_cuda():
             record["peak_mem_bytes"] = self._peak_memory()
         if counter is not None:
@@ -257,8 +253,7 @@ class RuntimeCollector(Collector):
                 }
                 for (site, op, kind), n in counts.items()
             )
-        self._wait = 0.0
-        self._batches = 0
+        self._reset()
         if not self._sampler_started:
             self._maybe_start_sampler()
 
