@@ -52,7 +52,6 @@ from amprobe.capture.install import Installed, ScalerMethods
 from amprobe.capture.interceptions import Interceptions, RootModelHooks
 from amprobe.capture.modules import ModuleStack
 from amprobe.capture.opmode import OpMode
-from amprobe.capture.protocol import StepFacts
 from amprobe.capture.sites import dtype_name, user_call_site
 from amprobe.capture.sources import EngineSources
 
@@ -138,16 +137,6 @@ class Hub:
         self._pinned = False  # torch.compile is in use: the recording layer stays to close
 
     # -- state read through the hub ----------------------------------------------------------------
-    @property
-    def facts(self) -> StepFacts:
-        """The shared facts of the iteration in progress."""
-        return self.boundary.facts
-
-    @property
-    def busy(self) -> int:
-        """Non-zero while collector code runs (its own tensor ops are not the job's)."""
-        return self.dispatch.busy
-
     @property
     def compile_in_use(self) -> bool:
         """Anything was compiled since attach: no hook dynamo could trace is installed."""

@@ -300,9 +300,9 @@ class Interceptions:
 
 
 class RootModelHooks:
-    """One forward pre-hook and one forward hook per root model (the forward phase of the hub's
-    phase clock, and ``on_forward_begin``/``_end``),
-    installed in the recording window's layer (:meth:`install`; dropped with it)."""
+    """One forward pre-hook and one forward hook per root model, installed in the recording
+    window's layer (:meth:`install`; dropped with it): they time the forward phase on the hub's
+    phase clock and deliver ``on_forward_begin``/``_end``."""
 
     def __init__(
         self,
