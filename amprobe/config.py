@@ -91,6 +91,10 @@ class Config:
         syncs_every: runtime collector: count host-device syncs on every this-many-th step
             (steps 1, 1 + N, ...; 1 = every step); 0 turns sync counting off. ``None`` (the
             default): at most every 50 steps, further apart when the ``overhead_budget`` needs it.
+        phases_every: runtime collector: split the host time of every this-many-th step into
+            forward, backward and optimizer (``fwd_s``/``bwd_s``/``opt_s``; steps N-1, 2N-1, ...,
+            so not the warm-up step 0 nor the default samples' steps; 1 = every step); 0 = off.
+            Other steps record their wall time, data wait and loss as always, not the split.
         overhead_budget: the share of training time that sampled steps (per-layer numerics,
             shape capture, sync counting) may add, 0.01 = 1 %: amprobe measures what each
             sampled step costs and spaces the next samples of the default schedules so that
@@ -129,6 +133,7 @@ class Config:
     shapes_every: int | None = None
     shapes_captures: int = 3
     syncs_every: int | None = None
+    phases_every: int = 10
     overhead_budget: float = 0.01
     gpu_sample_hz: float = 10.0
     gpu_gpm: bool = True
@@ -180,6 +185,14 @@ class Config:
         ):
             raise ConfigError(
                 f"syncs_every must be a non-negative integer (0 = off), got {self.syncs_every!r}"
+            )
+        if (
+            isinstance(self.phases_every, bool)
+            or not isinstance(self.phases_every, int)
+            or self.phases_every < 0
+        ):
+            raise ConfigError(
+                f"phases_every must be a non-negative integer (0 = off), got {self.phases_every!r}"
             )
         if (
             isinstance(self.gpu_sample_hz, bool)

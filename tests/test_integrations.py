@@ -56,8 +56,9 @@ def _in_process(fn, *args, **kwargs) -> SimpleNamespace:
     return SimpleNamespace(result=result, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def _zero_code(tmp: Path, script: str, *args: str) -> SimpleNamespace:
-    """``amprobe run --out tmp/run -- python tests/scripts/<script> ARGS`` in a subprocess."""
+def _zero_code(tmp: Path, script: str, *args: str, sets: tuple[str, ...] = ()) -> SimpleNamespace:
+    """``amprobe run --out tmp/run [--set KEY=VALUE ...] -- python tests/scripts/<script> ARGS``
+    in a subprocess."""
     out = tmp / "run"
     env = {
         **os.environ,
@@ -65,7 +66,9 @@ def _zero_code(tmp: Path, script: str, *args: str) -> SimpleNamespace:
         "HF_HUB_OFFLINE": "1",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "amprobe", "run", "--out", str(out), "--", sys.executable]
+        [sys.executable, "-m", "amprobe", "run", "--out", str(out)]
+        + [arg for kv in sets for arg in ("--set", kv)]
+        + ["--", sys.executable]
         + [str(SCRIPTS / script), *args],
         cwd=tmp,
         env=env,
@@ -225,7 +228,7 @@ def test_lightning_loss_matches_logged_loss_with_accumulation(lightning_fp16):
 def test_lightning_closure_not_counted_as_optimizer_time(lightning_script, tmp_path):
     out = tmp_path / "run"
     argv = ["--precision", "bf16-mixed", "--steps", "6", "--callback", str(out)]
-    argv += ["--root", str(tmp_path), "--width", "1024"]
+    argv += ["--root", str(tmp_path), "--width", "1024", "--config", '{"phases_every": 1}']
     _in_process(lightning_script.main, argv)
     steps = amprobe.load_run(out).steps.iloc[1:]
     assert steps["fwd_s"].sum() > 0 and steps["bwd_s"].sum() > 0
@@ -356,7 +359,13 @@ def test_hf_fp16_on_cpu_not_active_is_s05(hf_script, tmp_path):
 def hf_zero_code(hf_script, tmp_path_factory):
     """`amprobe run` on the Trainer script, fp16=True on the CPU, accumulation 2."""
     tmp = tmp_path_factory.mktemp("hf_zero_code")
-    return _zero_code(tmp, "train_hf.py", "--precision", "fp16", "--steps", "5", "--accum", "2")
+    # every step's phases timed: step 0's forward time shows the root model known at step 0
+    return _zero_code(
+        tmp,
+        "train_hf.py",
+        *("--precision", "fp16", "--steps", "5", "--accum", "2"),
+        sets=("phases_every=1",),
+    )
 
 
 def test_hf_zero_code(hf_zero_code):

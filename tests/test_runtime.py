@@ -16,7 +16,12 @@ from amprobe.config import ConfigError
 from amprobe.report import build_sections
 from tests.helpers import TinyNet
 
-RUNTIME = {"collectors": ("scaler", "runtime"), "syncs_every": 1, "gpu_sample_hz": 0}
+RUNTIME = {
+    "collectors": ("scaler", "runtime"),
+    "syncs_every": 1,
+    "phases_every": 1,
+    "gpu_sample_hz": 0,
+}
 SLEEP = 0.004
 # A planted slow flush, much longer than the scheduling delays of a step's own sleeps (a loaded
 # 2-core machine wakes a 10 ms sleep tens of ms late): a step-time bound that leaves room for
@@ -273,9 +278,39 @@ def test_sampling_schedule(tmp_path):
     assert steps["syncs"].dropna().tolist() == [1, 1]
 
 
+@pytest.mark.parametrize("every, timed", [(None, [9, 19]), (4, [3, 7, 11, 15, 19]), (0, [])])
+def test_phase_split_on_the_steps_phases_every_selects(tmp_path, every, timed):
+    """The forward/backward/optimizer split is timed on steps N-1, 2N-1, ... (default N=10),
+    null on the others, whose wall time and data wait are recorded as always."""
+    config = {**RUNTIME, "syncs_every": 0}
+    if every is None:
+        del config["phases_every"]
+    else:
+        config["phases_every"] = every
+    model, opt = _model(torch.device("cpu"))
+    with amprobe.attach(model, opt, run_dir=tmp_path, config=config):
+        for _ in range(22):
+            model(torch.randn(2, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    steps = amprobe.load_run(tmp_path).steps
+    assert len(steps) == 22
+    for col in ("fwd_s", "bwd_s", "opt_s"):
+        assert steps.loc[steps[col].notna(), "step"].tolist() == timed
+        assert (steps[col].dropna() > 0).all()
+    assert steps["wall_s"].notna().all() and steps["data_wait_s"].notna().all()
+
+
 @pytest.mark.parametrize(
     "bad",
-    [{"syncs_every": -1}, {"syncs_every": 1.5}, {"gpu_sample_hz": -1}, {"gpu_sample_hz": "10"}],
+    [
+        {"syncs_every": -1},
+        {"syncs_every": 1.5},
+        {"phases_every": -1},
+        {"phases_every": True},
+        {"gpu_sample_hz": -1},
+        {"gpu_sample_hz": "10"},
+    ],
 )
 def test_config_errors(tmp_path, bad):
     with pytest.raises(ConfigError):

@@ -102,7 +102,8 @@ class StepBoundary:
         self._emit = dispatch.emit
         self._subs = dispatch.subs  # event -> its subscribers now (rebuilt in place per key)
         self.facts = StepFacts()
-        #: the forward/backward/optimizer phase clock (on when a collector asked for it)
+        #: the forward/backward/optimizer phase clock (on when a collector asked for it, on the
+        #: steps ``Config.phases_every`` selects)
         self.clock = PhaseClock()
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         # a collector asked for ops or detail events at the last step start (asked again now)
@@ -450,11 +451,14 @@ class StepBoundary:
         self.compile.check()
         dispatch = self.dispatch
         clock = self.clock
-        if clock.on != dispatch.phase_times:
-            clock.on = dispatch.phase_times
+        every = self.probe.config.phases_every
+        timed = dispatch.phase_times and every > 0 and (step + 1) % every == 0
+        if clock.on != timed:
+            clock.on = timed
             clock.reset()
-        device = self.probe.device
-        clock.cuda = device is not None and device.type == "cuda"
+            if timed:
+                device = self.probe.device
+                clock.cuda = device is not None and device.type == "cuda"
         budget = self.probe.budget
         if not self._asked and budget.quiet(step):
             # no sample can start and none ends here: the samplers are not asked

@@ -142,8 +142,9 @@ class Collector:
             collector needs only on some steps (:meth:`wants_detail` True, by default the steps
             it asks for ops): the hub delivers them on those steps only, so an unsampled step
             does not call it at all.
-        phase_times: the hub times the forward, backward and optimizer phases of every step
-            for it (:attr:`StepFacts.phase_s`; no event per phase).
+        phase_times: the hub times the forward, backward and optimizer phases for it on the
+            steps ``Config.phases_every`` selects (:attr:`StepFacts.phase_s`; no event per
+            phase).
         samples: its :meth:`on_step_begin` only decides whether to sample the step (through
             the probe's :class:`~amprobe.capture.budget.SampleBudget`): the hub skips it on the
             steps no sample can be due (``budget.quiet(step)``) unless the collector asked for

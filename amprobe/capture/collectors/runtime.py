@@ -50,7 +50,9 @@ class RuntimeCollector(Collector):
       ``torch.autograd.backward`` and inside ``optimizer.step`` (host time: on CUDA this is the
       time to launch the work; the device time is in the ``cuda_phases`` table). Phases nest:
       a forward and backward run inside ``optimizer.step(closure)`` (Lightning, LBFGS) count
-      as forward and backward, not as optimizer time.
+      as forward and backward, not as optimizer time. On the steps ``Config.phases_every``
+      selects (every 10th by default; null on others: the clock's calls are most of what an
+      unsampled step would otherwise pay for them).
     - ``peak_mem_bytes``: CUDA only, ``torch.cuda.max_memory_allocated`` over the step (the
       allocator's host-side counter, no sync); the peak is reset at every step unless
       ``Config.reset_peak_memory`` is False (then it is the peak since the start).
@@ -73,7 +75,7 @@ class RuntimeCollector(Collector):
     with ``phase_times``): no event per phase reaches this collector; it reads
     :attr:`StepFacts.phase_s` at the step's end.
 
-    Cost: two ``perf_counter`` calls per batch and per phase, one ``/proc`` read per 0.1 s;
+    Cost: two ``perf_counter`` calls per batch and per timed phase, one ``/proc`` read per 0.1 s;
     on CUDA two events per phase and a host-side allocator query. The NVML sampler runs in its
     own thread. Sync counting (the hub's op mode) costs about 10 % on sampled steps only.
     """
