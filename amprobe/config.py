@@ -91,10 +91,16 @@ class Config:
         syncs_every: runtime collector: count host-device syncs on every this-many-th step
             (steps 1, 1 + N, ...; 1 = every step); 0 turns sync counting off. ``None`` (the
             default): at most every 50 steps, further apart when the ``overhead_budget`` needs it.
-        phases_every: runtime collector: split the host time of every this-many-th step into
-            forward, backward and optimizer (``fwd_s``/``bwd_s``/``opt_s``; steps N-1, 2N-1, ...,
-            so not the warm-up step 0 nor the default samples' steps; 1 = every step); 0 = off.
-            Other steps record their wall time, data wait and loss as always, not the split.
+        details_every: the step's details are recorded on step 0 and on every this-many-th
+            step after it (steps N-1, 2N-1, ...: not the default samples' steps), and on every
+            step until the step boundary is known: the forward/backward/optimizer split of the
+            host time (``fwd_s``/``bwd_s``/``opt_s``), the autocast setting in use
+            (``autocast_dtype``), ``unscale_`` and gradient-clipping calls (``unscale_calls``,
+            ``clip_calls``, ``clip_scaled``). Null on the other steps, which record what every
+            step needs (loss, loss scale, skipped, wall time, data wait, non-finite inputs) at a
+            fraction of the cost. 1 = every step; 0 = step 0 only. New autocast settings,
+            optimizers and GradScalers are recorded whenever they are first seen on a detail
+            step (or created).
         overhead_budget: the share of training time that sampled steps (per-layer numerics,
             shape capture, sync counting) may add, 0.01 = 1 %: amprobe measures what each
             sampled step costs and spaces the next samples of the default schedules so that
@@ -133,7 +139,7 @@ class Config:
     shapes_every: int | None = None
     shapes_captures: int = 3
     syncs_every: int | None = None
-    phases_every: int = 10
+    details_every: int = 10
     overhead_budget: float = 0.01
     gpu_sample_hz: float = 10.0
     gpu_gpm: bool = True
@@ -187,12 +193,12 @@ class Config:
                 f"syncs_every must be a non-negative integer (0 = off), got {self.syncs_every!r}"
             )
         if (
-            isinstance(self.phases_every, bool)
-            or not isinstance(self.phases_every, int)
-            or self.phases_every < 0
+            isinstance(self.details_every, bool)
+            or not isinstance(self.details_every, int)
+            or self.details_every < 0
         ):
             raise ConfigError(
-                f"phases_every must be a non-negative integer (0 = off), got {self.phases_every!r}"
+                f"details_every must be a non-negative integer (0 = step 0 only), got {self.details_every!r}"
             )
         if (
             isinstance(self.gpu_sample_hz, bool)

@@ -228,7 +228,7 @@ def test_lightning_loss_matches_logged_loss_with_accumulation(lightning_fp16):
 def test_lightning_closure_not_counted_as_optimizer_time(lightning_script, tmp_path):
     out = tmp_path / "run"
     argv = ["--precision", "bf16-mixed", "--steps", "6", "--callback", str(out)]
-    argv += ["--root", str(tmp_path), "--width", "1024", "--config", '{"phases_every": 1}']
+    argv += ["--root", str(tmp_path), "--width", "1024", "--config", '{"details_every": 1}']
     _in_process(lightning_script.main, argv)
     steps = amprobe.load_run(out).steps.iloc[1:]
     assert steps["fwd_s"].sum() > 0 and steps["bwd_s"].sum() > 0
@@ -364,7 +364,7 @@ def hf_zero_code(hf_script, tmp_path_factory):
         tmp,
         "train_hf.py",
         *("--precision", "fp16", "--steps", "5", "--accum", "2"),
-        sets=("phases_every=1",),
+        sets=("details_every=1",),
     )
 
 

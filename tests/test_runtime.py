@@ -19,7 +19,7 @@ from tests.helpers import TinyNet
 RUNTIME = {
     "collectors": ("scaler", "runtime"),
     "syncs_every": 1,
-    "phases_every": 1,
+    "details_every": 1,
     "gpu_sample_hz": 0,
 }
 SLEEP = 0.004
@@ -278,15 +278,17 @@ def test_sampling_schedule(tmp_path):
     assert steps["syncs"].dropna().tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("every, timed", [(None, [9, 19]), (4, [3, 7, 11, 15, 19]), (0, [])])
-def test_phase_split_on_the_steps_phases_every_selects(tmp_path, every, timed):
-    """The forward/backward/optimizer split is timed on steps N-1, 2N-1, ... (default N=10),
-    null on the others, whose wall time and data wait are recorded as always."""
+@pytest.mark.parametrize(
+    "every, timed", [(None, [0, 9, 19]), (4, [0, 3, 7, 11, 15, 19]), (0, [0]), (1, list(range(22)))]
+)
+def test_phase_split_on_the_steps_details_every_selects(tmp_path, every, timed):
+    """The forward/backward/optimizer split is timed on step 0 and steps N-1, 2N-1, ...
+    (default N=10), null on the others, whose wall time and data wait are recorded as always."""
     config = {**RUNTIME, "syncs_every": 0}
     if every is None:
-        del config["phases_every"]
+        del config["details_every"]
     else:
-        config["phases_every"] = every
+        config["details_every"] = every
     model, opt = _model(torch.device("cpu"))
     with amprobe.attach(model, opt, run_dir=tmp_path, config=config):
         for _ in range(22):
@@ -306,8 +308,8 @@ def test_phase_split_on_the_steps_phases_every_selects(tmp_path, every, timed):
     [
         {"syncs_every": -1},
         {"syncs_every": 1.5},
-        {"phases_every": -1},
-        {"phases_every": True},
+        {"details_every": -1},
+        {"details_every": True},
         {"gpu_sample_hz": -1},
         {"gpu_sample_hz": "10"},
     ],

@@ -102,9 +102,14 @@ class StepBoundary:
         self._emit = dispatch.emit
         self._subs = dispatch.subs  # event -> its subscribers now (rebuilt in place per key)
         self.facts = StepFacts()
-        #: the forward/backward/optimizer phase clock (on when a collector asked for it, on the
-        #: steps ``Config.phases_every`` selects)
+        #: the forward/backward/optimizer phase clock (on when a collector asked for it, on
+        #: detail steps)
         self.clock = PhaseClock()
+        #: the step in progress records its details (``Config.details_every``, a sampled step,
+        #: or the boundary not known yet): the wrappers that only gather details (autocast,
+        #: ``unscale_``, ``GradScaler.step``, clipping, the optimizer pre-hook) return at once
+        #: on other steps
+        self.detail = True
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         # a collector asked for ops or detail events at the last step start (asked again now)
         self._asked = True
@@ -435,6 +440,7 @@ class StepBoundary:
             probe.end_step(self.facts)
             return
         facts, self.facts = self.facts, StepFacts()
+        facts.detail = self.detail
         taken = self.clock.take()
         if taken is not None:
             facts.phase_s, facts.cuda_phases = taken
@@ -451,8 +457,11 @@ class StepBoundary:
         self.compile.check()
         dispatch = self.dispatch
         clock = self.clock
-        every = self.probe.config.phases_every
-        timed = dispatch.phase_times and every > 0 and (step + 1) % every == 0
+        every = self.probe.config.details_every
+        self.detail = details = (
+            step == 0 or self.mode is None or (every > 0 and (step + 1) % every == 0)
+        )
+        timed = details and dispatch.phase_times
         if clock.on != timed:
             clock.on = timed
             clock.reset()
@@ -480,6 +489,8 @@ class StepBoundary:
             dispatch.set_detail(collector, on)
             detail = detail or on
         self._asked = bool(observers) or detail
+        if self._asked:
+            self.detail = True  # a sampled step: the per-call events reach their collectors
         if observers:
             if not self.compile.in_use:
                 for collector, _ in observers:
@@ -493,6 +504,7 @@ class StepBoundary:
         for collector in self.dispatch.detailed:
             self.dispatch.set_detail(collector, False)
         self._asked = True  # the next window asks everyone at its first step
+        self.detail = True  # dormant: the wrappers act as before any window
         self.clock.reset()
         self.ops.pop()
         if self.modules.active:

@@ -112,14 +112,14 @@ class Interceptions:
         def wrap_unscale(orig: Any) -> Any:
             def unscale_(self: GradScaler, optimizer: Optimizer) -> None:
                 orig(self, optimizer)
-                if probe.recording and not probe.closed:
+                if boundary.detail and probe.recording and not probe.closed:
                     safe(boundary.on_unscale, self, optimizer)
 
             return unscale_
 
         def wrap_scaler_step(orig: Any) -> Any:
             def step(self: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-                if not probe.closed:
+                if boundary.detail and not probe.closed:
                     safe(boundary.on_scaler_step, self, optimizer)
                 depth = getattr(in_scaler_step, "depth", 0)
                 in_scaler_step.depth = depth + 1
@@ -172,7 +172,7 @@ class Interceptions:
         def wrap_autocast_enter(orig: Any) -> Any:
             def __enter__(self: autocast) -> Any:
                 result = orig(self)
-                if probe.recording and not probe.closed:
+                if boundary.detail and probe.recording and not probe.closed:
                     probe.touch()
                     safe(
                         boundary.on_autocast,
@@ -186,7 +186,7 @@ class Interceptions:
 
         def wrap_autocast_exit(orig: Any) -> Any:
             def __exit__(self: autocast, *exc: Any) -> Any:
-                if probe.recording and not probe.closed:
+                if boundary.detail and probe.recording and not probe.closed:
                     safe(boundary.on_autocast_exit, str(getattr(self, "device", "?")))
                 return orig(self, *exc)
 
@@ -223,7 +223,7 @@ class Interceptions:
             def _group_tensors_by_device_and_dtype(
                 tensorlistlist: Any, *args: Any, **kwargs: Any
             ) -> Any:
-                if probe.recording and not probe.closed:
+                if boundary.detail and probe.recording and not probe.closed:
                     safe(clip, tensorlistlist)
                 return orig(tensorlistlist, *args, **kwargs)
 
@@ -248,7 +248,7 @@ class Interceptions:
             "backward": wrap_backward,
             "__next__": wrap_next,
             "group": wrap_group,
-            "opt_pre": lambda *a: safe(boundary.opt_pre, *a),
+            "opt_pre": lambda *a: safe(boundary.opt_pre, *a) if boundary.detail else None,
         }
         installed = self.installed
         installed.patch(torch, "compile", wrap_compile)

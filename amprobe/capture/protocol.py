@@ -71,6 +71,9 @@ class StepFacts:
         autocast: ``(device, dtype)`` of the last enabled autocast region entered.
         autocast_new: ``(device, dtype, enabled, site)`` of each autocast setting this probe
             had not seen before, with the user's line that entered it.
+        detail: a detail step (``Config.details_every``, a sampled step, or the boundary not
+            known yet): only then are ``phase_s``, ``unscale_calls``/``unscaled_opts``,
+            ``scaler_steps``, ``autocast``/``autocast_new`` and clipping gathered.
     """
 
     loss: torch.Tensor | float | None = None
@@ -92,6 +95,7 @@ class StepFacts:
     opt_steps: int = 0
     autocast: tuple[str, str | None] | None = None
     autocast_new: list[tuple[str, str | None, bool, str | None]] = field(default_factory=list)
+    detail: bool = True
 
 
 class FlushWriter:
@@ -143,7 +147,7 @@ class Collector:
             it asks for ops): the hub delivers them on those steps only, so an unsampled step
             does not call it at all.
         phase_times: the hub times the forward, backward and optimizer phases for it on the
-            steps ``Config.phases_every`` selects (:attr:`StepFacts.phase_s`; no event per
+            steps ``Config.details_every`` selects (:attr:`StepFacts.phase_s`; no event per
             phase).
         samples: its :meth:`on_step_begin` only decides whether to sample the step (through
             the probe's :class:`~amprobe.capture.budget.SampleBudget`): the hub skips it on the

@@ -94,7 +94,12 @@ from amprobe.capture.collectors.numstats import H0 as _H0
 from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.capture.collectors.numstats import NBINS as _NBINS
 from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
-from amprobe.capture.collectors.sharded import local_tensor, user_class_name, user_module_name
+from amprobe.capture.collectors.sharded import (
+    PLAIN_TENSORS,
+    local_tensor,
+    user_class_name,
+    user_module_name,
+)
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 
@@ -644,38 +649,42 @@ class NumericsCollector(Collector):
                 break
         if root is None:
             return
-        floats: list[torch.Tensor] = []
-        tensors = 0
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(a, torch.Tensor):
-                tensors += 1
-                if a.is_floating_point():
-                    floats.append(a)
-        if tensors and not floats and self._input_bad is None:
-            self._input_bad = 0  # integer inputs (token ids) cannot be non-finite: checked
         if root not in self._inputs_described:
-            self._inputs_described.add(root)
-            self.probe.event(
-                "model_inputs",
-                root=user_class_name(model),
-                floating=len(floats),
-                integer=tensors - len(floats),
-                dtypes=sorted(
-                    {
-                        str(t.dtype).replace("torch.", "")
-                        for t in (*args, *kwargs.values())
-                        if isinstance(t, torch.Tensor)
-                    }
-                ),
-            )
+            self._describe_inputs(root, model, args, kwargs)
         capturing = bool(self._capture_handles)
-        sync_free = self._sync_free() if floats else True
-        for i, t in enumerate(floats):
-            t = local_tensor(t)
-            count = count_nonfinite(t, sync_free)  # in the kernel (or one aminmax pass) on CPU
-            self._input_bad = count if self._input_bad is None else self._input_bad + count
+        host = self._device is not None and self._device.type == "cpu"
+        bad = self._input_bad
+        i = 0
+        for t in (*args, *kwargs.values()) if kwargs else args:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if bad is None:
+                bad = 0  # integer inputs (token ids) cannot be non-finite: checked
+            if not t.is_floating_point():
+                continue
+            if type(t) not in PLAIN_TENSORS:
+                t = local_tensor(t)
+            # in the kernel on CPU (no dispatched op), else a device count read at flush
+            bad = bad + count_nonfinite(t, not host)
             if capturing and i < _MAX_INPUTS:
                 self._measure(self._input_slots[root][i], t)
+            i += 1
+        self._input_bad = bad
+
+    def _describe_inputs(
+        self, root: int, model: torch.nn.Module, args: Any, kwargs: dict[str, Any]
+    ) -> None:
+        """The ``model_inputs`` event, once per root model."""
+        self._inputs_described.add(root)
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        floating = sum(1 for t in tensors if t.is_floating_point())
+        self.probe.event(
+            "model_inputs",
+            root=user_class_name(model),
+            floating=floating,
+            integer=len(tensors) - floating,
+            dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+        )
 
     # -- step boundary ------------------------------------------------------------------------------
     def wants_detail(self, step: int) -> bool:
@@ -736,31 +745,43 @@ class NumericsCollector(Collector):
         record["numerics_sampled"] = bool(self._capture_handles) or GRAPH_SAMPLE.on
         if GRAPH_SAMPLE.on:
             self._graph_step_end(step)
-        flags: dict[str, Any] = {"found_inf": facts.found_inf}
-        if self._input_bad is not None:
-            record["input_nonfinite"] = flags["input_nonfinite"] = self._input_bad
+        in_bad = self._input_bad
+        if in_bad is not None:
+            record["input_nonfinite"] = in_bad
             self._input_bad = None
         loss = facts.loss
-        if isinstance(loss, torch.Tensor):
-            record["loss_nonfinite"] = flags["loss_nonfinite"] = ~torch.isfinite(loss).all()
-        elif isinstance(loss, float):
-            record["loss_nonfinite"] = flags["loss_nonfinite"] = not math.isfinite(loss)
+        loss_bad: Any = None
+        if type(loss) is float:
+            loss_bad = record["loss_nonfinite"] = not math.isfinite(loss)
+        elif isinstance(loss, torch.Tensor):
+            loss_bad = record["loss_nonfinite"] = ~torch.isfinite(loss).all()
         cap = self._cur
-        if cap is not None and cap.step == step:
-            self._recycle(cap)  # fold now: the step's histograms are large; reuse the buffers
-            self._done.append(cap)
-            if cap.device.type == "cpu":  # live count at once where reading costs no sync
-                self._note_nonfinite(cap)
-                self._note_kernel()
-        self._cur = None
-        if self._device is not None and self._device.type == "cpu":
-            # reading a CPU tensor costs no device sync: arm at once
-            if _record_bad(flags):
+        if cap is not None:
+            if cap.step == step:
+                self._recycle(cap)  # fold now: the step's histograms are large; reuse buffers
+                self._done.append(cap)
+                if cap.device.type == "cpu":  # live count at once where reading costs no sync
+                    self._note_nonfinite(cap)
+                    self._note_kernel()
+            self._cur = None
+        found = facts.found_inf
+        device = self._device
+        if device is not None and device.type == "cpu":
+            # reading a CPU value costs no device sync: arm at once
+            if (
+                (in_bad is not None and in_bad > 0)
+                or (found is not None and found > 0)
+                or (loss_bad is not None and loss_bad)
+            ):
                 self._arm(step)
         else:
-            flags["step"] = step
+            flags = {"step": step, "found_inf": found}
+            if in_bad is not None:
+                flags["input_nonfinite"] = in_bad
+            if loss_bad is not None:
+                flags["loss_nonfinite"] = loss_bad
             self._watch.append(flags)  # fallback: read back at flush with the step records
-            if self._device is not None and self._device.type == "cuda":
+            if device is not None and device.type == "cuda":
                 self._watch_async(step, flags)
         if self._in_flight:
             self._poll_in_flight()

@@ -50,7 +50,7 @@ class RuntimeCollector(Collector):
       ``torch.autograd.backward`` and inside ``optimizer.step`` (host time: on CUDA this is the
       time to launch the work; the device time is in the ``cuda_phases`` table). Phases nest:
       a forward and backward run inside ``optimizer.step(closure)`` (Lightning, LBFGS) count
-      as forward and backward, not as optimizer time. On the steps ``Config.phases_every``
+      as forward and backward, not as optimizer time. On the steps ``Config.details_every``
       selects (every 10th by default; null on others: the clock's calls are most of what an
       unsampled step would otherwise pay for them).
     - ``peak_mem_bytes``: CUDA only, ``torch.cuda.max_memory_allocated`` over the step (the

@@ -44,11 +44,11 @@ class ScalerCollector(Collector):
     Per step (``steps`` table): ``scale_before`` and ``scale_after`` (the loss scale before
     and after ``update()``), ``growth_tracker``, ``found_inf`` (number of optimizer/device
     inf checks that found inf/NaN), ``skipped`` (the update was not applied), ``opt_steps``
-    (optimizer steps that ran), ``unscale_calls``, ``clip_calls``, ``clip_scaled`` (clip calls
-    that saw still-scaled gradients), ``loss`` (the sum of the losses backpropagated in the step: with gradient accumulation
-    frameworks divide each micro-batch's loss, so this is the loss they log) and
-    ``loss_dtype``, ``autocast_device`` and
-    ``autocast_dtype`` (the last autocast region entered).
+    (optimizer steps that ran), ``loss`` (the sum of the losses backpropagated in the step:
+    with gradient accumulation frameworks divide each micro-batch's loss, so this is the loss
+    they log) and ``loss_dtype``. On detail steps (``Config.details_every``; null on others):
+    ``unscale_calls``, ``clip_calls``, ``clip_scaled`` (clip calls that saw still-scaled
+    gradients), ``autocast_device`` and ``autocast_dtype`` (the last autocast region entered).
 
     Events: ``scaler_created`` (call site, init_scale, growth/backoff factors, interval),
     ``scaler_bound`` (scaler used with an optimizer), ``optimizer_seen`` (class, parameter
@@ -193,16 +193,11 @@ class ScalerCollector(Collector):
         self._it = _Iteration()  # the first recorded step starts clean at this boundary
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        if not self._framework_read:  # the framework's AMP setting, once (a callback may have)
-            self._framework_read = True
-            framework = framework_amp_facts()
-            if framework and "framework" not in self.probe.rank_manifest:
-                self.probe.annotate_manifest(**framework)
-        if not self._sharding_read and self._models:  # once a model is known (discovery: step 1)
-            self._sharding_read = True
-            self._read_sharding()
+        if not self._sharding_read:
+            self._read_once()
         it = self._it
-        self._it = _Iteration()
+        if it.clip_calls:
+            self._it = _Iteration()  # else it is still clean
         for scaler, optimizer in facts.scaler_steps:
             key = (self._id(scaler), id(optimizer))
             if key not in self._bound:
@@ -215,28 +210,43 @@ class ScalerCollector(Collector):
                 )
         for device, dtype, enabled, site in facts.autocast_new:
             self._event("autocast_seen", device=device, dtype=dtype, enabled=enabled, site=site)
-        record.update(
-            opt_steps=facts.opt_steps,
-            unscale_calls=facts.unscale_calls,
-            clip_calls=it.clip_calls,
-            clip_scaled=it.clip_scaled,
-            loss_dtype=facts.loss_dtype,
-            scaler_enabled=facts.scaler_enabled,
-            skipped=False,
-        )
-        if facts.loss is not None:
-            record["loss"] = facts.loss
-        autocast = facts.autocast
-        if autocast is None and self.probe.hub.compiled_autocast is not None:
-            # autocast inside a compiled region runs in the graph, not through __enter__
-            autocast = self.probe.hub.compiled_autocast
-        if autocast is not None:
-            record["autocast_device"], record["autocast_dtype"] = autocast
-        if facts.scale_before is not None:
-            record["scale_before"] = facts.scale_before
+        record["opt_steps"] = facts.opt_steps
+        record["loss_dtype"] = facts.loss_dtype
+        record["scaler_enabled"] = facts.scaler_enabled
+        loss = facts.loss
+        if loss is not None:
+            record["loss"] = loss
+        if facts.detail:  # the protocol's details are gathered on detail steps only
+            record["unscale_calls"] = facts.unscale_calls
+            record["clip_calls"] = it.clip_calls
+            record["clip_scaled"] = it.clip_scaled
+            autocast = facts.autocast
+            if autocast is None:
+                # autocast inside a compiled region runs in the graph, not through __enter__
+                autocast = self.probe.hub.compiled_autocast
+            if autocast is not None:
+                record["autocast_device"], record["autocast_dtype"] = autocast
+        scale = facts.scale_before
+        if scale is not None:
+            record["scale_before"] = scale
             record["scale_after"] = facts.scale_after
             if facts.growth_tracker is not None:
                 record["growth_tracker"] = facts.growth_tracker
-        if facts.found_inf is not None:
-            record["found_inf"] = facts.found_inf
-            record["skipped"] = facts.found_inf > 0
+        found = facts.found_inf
+        if found is not None:
+            record["found_inf"] = found
+            record["skipped"] = found > 0
+        else:
+            record["skipped"] = False
+
+    def _read_once(self) -> None:
+        """The framework's AMP setting at the first step's end (a callback may have set it),
+        and the sharding setting once a model is known (discovery: step 1)."""
+        if not self._framework_read:
+            self._framework_read = True
+            framework = framework_amp_facts()
+            if framework and "framework" not in self.probe.rank_manifest:
+                self.probe.annotate_manifest(**framework)
+        if self._models:
+            self._sharding_read = True
+            self._read_sharding()
