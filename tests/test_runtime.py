@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import time
 
 import pytest
@@ -376,3 +377,33 @@ def test_phase_clock_counts_the_innermost_phase_and_closes_what_is_open(monkeypa
     at(8.5)
     again = clock.take()
     assert again is not None and again[0] == {"fwd": 0.5, "bwd": 0.0, "opt": 0.0}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="Linux /proc only")
+def test_rss_reader_keeps_its_file_open_and_a_forked_child_reads_its_own():
+    from amprobe.capture.collectors.runtime import read_rss_bytes
+
+    def fresh() -> int:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    first = read_rss_bytes()
+    assert first is not None and abs(first - fresh()) < 64 << 20
+    ballast = bytearray(256 << 20)  # 256 MiB touched: the kept-open file sees it
+    ballast[::4096] = b"x" * len(range(0, len(ballast), 4096))
+    assert read_rss_bytes() - first > 200 << 20
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child drops the ballast's pages: its own reading must show that
+        try:
+            del ballast
+            import gc
+
+            gc.collect()
+            os.write(write, f"{read_rss_bytes()} {fresh()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got, want = (int(v) for v in os.read(read, 100).split())
+    os.waitpid(pid, 0)
+    assert abs(got - want) < 16 << 20, (got, want)

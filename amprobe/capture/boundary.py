@@ -210,26 +210,30 @@ class StepBoundary:
             ):
                 continue  # the engine recorded this loss, unscaled, when it announced it
             self._capture_loss(self._unscaled(root))
-        self.clock.begin("bwd")
+        if self.clock.on:
+            self.clock.begin("bwd")
         if self._subs["on_backward_begin"]:
             single = tensors if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 else None
             self._emit("on_backward_begin", single)
 
     def on_backward_end(self) -> None:
         """``torch.autograd.backward`` returned (or raised)."""
-        self.clock.end("bwd")
+        if self.clock.on:
+            self.clock.end("bwd")
         if self._subs["on_backward_end"]:
             self._emit("on_backward_end")
 
     def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
         """A root model's forward starts."""
-        self.clock.begin("fwd")
+        if self.clock.on:
+            self.clock.begin("fwd")
         if self._subs["on_forward_begin"]:
             self._emit("on_forward_begin", model, args, kwargs)
 
     def on_forward_end(self, model: torch.nn.Module) -> None:
         """A root model's forward ended (or raised)."""
-        self.clock.end("fwd")
+        if self.clock.on:
+            self.clock.end("fwd")
         if self._subs["on_forward_end"]:
             self._emit("on_forward_end", model)
 
@@ -371,7 +375,8 @@ class StepBoundary:
         if self.probe.closed:
             return
         if self.probe.recording:
-            self.clock.end("opt")
+            if self.clock.on:
+                self.clock.end("opt")
             self.facts.opt_steps += 1
             if self._subs["on_optimizer_step_end"]:
                 self._emit("on_optimizer_step_end", opt)

@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _OWN_FLAG = "GRAPH_SAMPLE"  # amprobe's guarded flag (collectors.graphstats) in a guard's text
+_NOTHING_COMPILED = {"compile_frames": 0, "compile_graphs": 0, "graph_breaks": 0, "recompiles": 0}
 _MAX_REASONS = 50  # recompile / graph-break events kept per run (the steps table has counts)
 
 
@@ -302,12 +303,17 @@ class CompileCollector(Collector):
             self._snapshot()
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        last = self._last or (0, 0, {})
         # graphs, breaks and recompiles only happen while a frame compiles: one dict read
-        # tells a step that compiled nothing (every step of a job that does not compile)
-        now = _counters() if compiled_frames() != last[0] else None
+        # tells a step that compiled nothing
+        frames = compiled_frames()
+        last = self._last
+        if last is None:
+            last = (0, 0, {})  # dynamo was not imported at attach
+        if frames == last[0]:
+            record.update(_NOTHING_COMPILED)
+            return
+        now = _counters()
         if now is None:
-            record.update(compile_frames=0, compile_graphs=0, graph_breaks=0, recompiles=0)
             return
         self._last = now
         frames = now[0] - last[0]
