@@ -241,3 +241,24 @@ def test_samplers_are_asked_only_when_a_sample_can_start_or_end(tmp_path, monkey
     assert sampled and sampled == [s for s in range(13) if s in sampled]
     assert len(sampled) >= 3, sampled
     assert sorted(set(called)) == sorted(set(sampled) | {s + 1 for s in sampled})
+
+
+def test_ranks_with_slightly_different_costs_sample_the_same_steps():
+    """Each rank has its own budget; its samples fall on a grid of the minimum period doubled
+    until the budget covers them, so ranks whose costs differ by a few percent agree (the
+    token bucket alone drifted apart: one rank's sample stalls the other at a collective)."""
+    taken = []
+    for step_s, sample_s in ((0.001, 0.05), (0.00103, 0.0497), (0.00097, 0.052)):
+        budget = SampleBudget(0.01)
+        budget.register("numerics", 100, fixed=False)
+        taken.append(_drive(budget, "numerics", 40_000, step_s=step_s, sample_s=sample_s))
+        assert budget.spent_s / budget.trained_s <= 0.0126
+    assert taken[0] == taken[1] == taken[2], taken
+    assert len(taken[0]) >= 4 and all(s % 100 == 0 for s in taken[0])
+    syncs = []
+    for step_s, sample_s in ((0.001, 0.0015), (0.00103, 0.0016)):
+        budget = SampleBudget(0.01)
+        budget.register("syncs", 50, fixed=False, first=1)
+        syncs.append(_drive(budget, "syncs", 3_000, step_s=step_s, sample_s=sample_s))
+    assert syncs[0] == syncs[1] and all((s - 1) % 200 == 0 for s in syncs[0][1:]), syncs
+    assert len(syncs[0]) >= 10

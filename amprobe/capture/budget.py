@@ -10,8 +10,11 @@ at most ``Config.overhead_budget`` (1 % by default) of the training time measure
 The rule is a token bucket. Each unsampled step earns ``fraction x its time`` of credit; a
 sampled step spends its measured cost: its time (the step, and the collectors' work at its end)
 minus a typical unsampled step's (a running median of recent unsampled steps). A kind of sample
-is due when its minimum period has passed (``numerics_every`` and friends: the schedule with no
-budget) and the credit covers its last measured cost. The first sample of each kind is taken at
+is due on a grid of steps: its minimum period (``numerics_every`` and friends: the schedule with
+no budget), doubled until what one period earns covers its last measured cost, so that the
+ranks of a distributed job, each with its own budget and about the same costs, sample the same
+steps (a sample on one rank alone stalls the others at the next collective); and not while the
+bucket is in debt (after an armed sample). The first sample of each kind is taken at
 its first due step whatever it costs (it measures the cost, and every run needs one), so the
 amortized overhead tends to the budget from above.
 
@@ -47,6 +50,13 @@ __all__ = ["ARMED_DEBT_SAMPLES", "SampleBudget"]
 _WINDOW = 64
 #: armed samples are declined while the budget owes more than this many of them
 ARMED_DEBT_SAMPLES = 10
+#: the widest spacing of a budgeted sample, in steps
+_MAX_GRANULE = 1 << 24
+
+
+def _up(step: int, first: int, g: int) -> int:
+    """The first step of the grid ``first + n * g`` at or after ``step``."""
+    return first - (first - step) // g * g
 
 
 @dataclass
@@ -110,12 +120,28 @@ class SampleBudget:
         """A problem arms samples up to step ``until`` (see :meth:`take_armed`)."""
         self._armed_until = max(self._armed_until, until)
 
-    @staticmethod
-    def _next_possible(k: _Kind) -> float:
+    def _next_possible(self, k: _Kind) -> float:
         if k.every <= 0:
             return float("inf")
-        nxt = k.first if k.last is None else max(k.first, k.last + k.every)
-        return max(nxt, k.retry)
+        if k.fixed or k.last is None:
+            nxt = k.first if k.last is None else max(k.first, k.last + k.every)
+            return max(nxt, k.retry)
+        g = self._granule(k)
+        return _up(max(k.last + g, k.retry), k.first, g)
+
+    def _granule(self, k: _Kind) -> int:
+        """The spacing of a budgeted kind's samples: its minimum period doubled until the
+        credit one period earns covers a sample's measured cost. Samples fall on the multiples
+        of it (from ``first``): every rank of a distributed job, each with its own budget and
+        about the same costs, samples the same steps (a sample on one rank alone stalls the
+        others at the next collective)."""
+        g = k.every
+        earn = self.fraction * self.typical()
+        if k.cost is None or earn <= 0:
+            return g
+        while g * earn < k.cost and g < _MAX_GRANULE:
+            g *= 2
+        return g
 
     def due(self, kind: str, step: int) -> bool:
         """Whether ``kind`` samples ``step``; the same answer however often it is asked."""
@@ -125,34 +151,44 @@ class SampleBudget:
         k = self._kinds[kind]
         if k.fixed:
             answer = due(step, k.every, k.first)
-        elif k.every <= 0 or step < k.first:
+        elif k.every <= 0 or step < k.first or (step - k.first) % k.every:
             answer = False
-        elif k.last is not None and step - k.last < k.every:
-            answer = False
-        elif k.last is None or k.cost is None or k.cost <= self.credit:
+        elif k.last is None:
+            answer = True  # the first sample measures the cost
+        elif step < k.retry or (step - k.first) % (g := self._granule(k)) or step - k.last < g:
+            answer = False  # off its grid, or too soon
+            self._quiet_until = None  # (the grid may have widened since quiet() computed it)
+            if g > k.every:
+                self._spaced(kind, k)
+        elif self.credit >= 0 or k.cost is None:
             answer = True
         else:
             answer = False
-            k.deferred += 1
-            # not asked again before the credit can cover the cost (one step at least)
+            # in debt (an armed sample, a first sample): not asked again before the credit
+            # can cover it, on the grid
             earn = self.fraction * self.typical()
-            short = (k.cost or 0.0) - self.credit
-            k.retry = step + (max(1, int(short / earn)) if earn > 0 else 1)
+            short = -self.credit
+            k.retry = _up(step + (max(1, int(short / earn)) if earn > 0 else 1), k.first, g)
             self._quiet_until = None
-            if not k.told and self._event is not None:
-                k.told = True
-                self._event(
-                    "sample_deferred",
-                    sample=kind,
-                    cost_ms=round(k.cost * 1e3, 3),
-                    step_ms=round(self.typical() * 1e3, 3),
-                    budget=self.fraction,
-                    next_period=self.period(kind),
-                )
+            self._spaced(kind, k)
         self._decided[kind] = (step, answer)
         if answer:
             self.take(kind, step)
         return answer
+
+    def _spaced(self, kind: str, k: _Kind) -> None:
+        """A due sample of ``kind`` waits for the budget: counted, and said once."""
+        k.deferred += 1
+        if not k.told and self._event is not None and k.cost is not None:
+            k.told = True
+            self._event(
+                "sample_deferred",
+                sample=kind,
+                cost_ms=round(k.cost * 1e3, 3),
+                step_ms=round(self.typical() * 1e3, 3),
+                budget=self.fraction,
+                next_period=self.period(kind),
+            )
 
     def take_armed(self, kind: str, step: int) -> bool:
         """An armed sample of ``kind`` (a problem asks for it): taken unless the budget owes
@@ -206,10 +242,9 @@ class SampleBudget:
         k = self._kinds[kind]
         if k.fixed:
             return k.every
-        step_s = self.typical()
-        if k.cost is None or step_s <= 0 or self.fraction <= 0:
+        if k.cost is None or self.typical() <= 0 or self.fraction <= 0:
             return None
-        return max(k.every, int(k.cost / (self.fraction * step_s)) + 1)
+        return self._granule(k)
 
     def end_step(self, seconds: float) -> None:
         """The step in progress took ``seconds`` (collectors' work at its end included)."""
