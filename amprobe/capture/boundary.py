@@ -307,26 +307,23 @@ class StepBoundary:
             scale = getattr(scaler, "_scale", None)
             if enabled and isinstance(scale, torch.Tensor):
                 before["scale_before"] = _host_scalar(scale)
-                found: list[torch.Tensor] = []
+                count: float | None = None  # found-inf on the host (reading it is free)
+                total: torch.Tensor | None = None  # on the device: read back at flush
                 for state in scaler._per_optimizer_states.values():
                     per_device = state.get("found_inf_per_device")
-                    if per_device:
-                        found.extend(per_device.values())
-                host = True
-                for f in found:
-                    if not _on_host(f):
-                        host = False
-                        break
-                if found and host:
-                    count = 0.0
-                    for f in found:
-                        count += f.item()
-                    before["found_inf"] = count
-                elif found:  # on the device: summed there, read back at flush (no sync)
-                    total = found[0].detach().to(scale.device, non_blocking=True).clone()
-                    for f in found[1:]:
-                        total += f.to(scale.device, non_blocking=True)
-                    before["found_inf"] = total
+                    if not per_device:
+                        continue
+                    for f in per_device.values():
+                        if f.is_cpu:
+                            count = f.item() if count is None else count + f.item()
+                        elif total is None:
+                            total = f.detach().to(scale.device, non_blocking=True).clone()
+                        else:
+                            total += f.to(scale.device, non_blocking=True)
+                if total is not None:
+                    before["found_inf"] = total if count is None else total + count
+                elif count is not None:
+                    before["found_inf"] = float(count)
         except Exception as exc:  # torch internals changed: record, keep counting steps
             self.probe.event("scaler_internals_unreadable", error=f"{type(exc).__name__}: {exc}")
         return before

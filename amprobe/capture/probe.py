@@ -349,31 +349,40 @@ class Probe:
             self._check_max_steps()
             return
         now = time.perf_counter()
-        start = self._t_step_start if self._t_step_start is not None else now
+        start = self._t_step_start
+        if start is None:
+            start = now
+        step = self.step
+        spent = self._probe_time
+        wall = now - start - spent
         record: dict[str, Any] = {
-            "step": self.step,
+            "step": step,
             "window": self.window,
             "t": now - self._t0,
-            "wall_s": max(0.0, now - start - self._probe_time),
-            "probe_s": self._probe_time,
+            "wall_s": wall if wall > 0.0 else 0.0,
+            "probe_s": spent,
         }
-        spent = self._probe_time
         self._probe_time = 0.0
-        self.hub.emit("on_step_end", self.step, record, facts)
-        self.hub.discovery.on_step_end(self.step)
+        dispatch = self.hub.dispatch
+        subs = dispatch.subs["on_step_end"]
+        if subs and not dispatch.closed:
+            dispatch.deliver(subs, (step, record, facts))
+        self.hub.discovery.on_step_end(step)
         self._pending_steps.append(record)
-        self.step += 1
-        self._t_step_start = time.perf_counter()
+        self.step = step + 1
+        self._t_step_start = end = time.perf_counter()
         # the step and the collectors' work at its end (a sampled step's folds), without
         # flushes: what a sampled step costs is measured against an unsampled one's
-        self.budget.end_step(max(0.0, self._t_step_start - start - spent))
+        took = end - start - spent
+        self.budget.end_step(took if took > 0.0 else 0.0)
         if self._window_left is not None:
             self._window_left -= 1
             if self._window_left <= 0:
                 self._stop_window("steps")
         if self._control is not None:
             self._apply_control()
-        self._check_max_steps()
+        if self.config.max_steps is not None:
+            self._check_max_steps()
         if self.recording and (
             len(self._pending_steps) >= self.config.flush_every
             or now - self._last_flush >= self.config.flush_interval_s
