@@ -655,17 +655,20 @@ _LIVE_COUNTS = frozenset({"steps", "skipped_steps"})
 
 def _fold_live(live: dict[str, float], rows: list[dict[str, Any]]) -> None:
     """Add materialized step records to the live totals (see :meth:`Probe.live_metrics`)."""
-    for row in rows:
-        live["steps"] = live.get("steps", 0) + 1
-        if row.get("skipped") is True:
-            live["skipped_steps"] = live.get("skipped_steps", 0) + 1
-        scale = row.get("scale_after")
-        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-            live["loss_scale"] = float(scale)
-            live.setdefault("skipped_steps", 0)
-        loss = row.get("loss")
-        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
-            live["loss"] = float(loss)
+    if not rows:
+        return
+    live["steps"] = live.get("steps", 0) + len(rows)
+    skipped = sum(1 for row in rows if row.get("skipped") is True)
+    if skipped:
+        live["skipped_steps"] = live.get("skipped_steps", 0) + skipped
+    for key, name in (("scale_after", "loss_scale"), ("loss", "loss")):
+        for row in reversed(rows):  # the last value recorded
+            value = row.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                live[name] = float(value)
+                if name == "loss_scale":
+                    live.setdefault("skipped_steps", 0)
+                break
 
 
 def _uncaught_exception() -> BaseException | None:

@@ -265,9 +265,13 @@ class RunWriter:
             if not queue:
                 continue
             lines = list(queue)
+            path = self.rank_dir / table_filename(table)
             try:
-                self.rank_dir.mkdir(parents=True, exist_ok=True)
-                _append_lines(self.rank_dir / table_filename(table), _encode(lines))
+                try:
+                    _append_lines(path, _encode(lines))
+                except FileNotFoundError:  # the run directory was removed: made again
+                    self.rank_dir.mkdir(parents=True, exist_ok=True)
+                    _append_lines(path, _encode(lines))
             except OSError as exc:
                 ok = False
                 message = f"{table}: {exc.strerror or exc}"

@@ -117,8 +117,8 @@ def backend_name(backend: Any) -> str:
 
 def compiled_frames() -> int:
     """Frames dynamo has been asked to compile in this process (0 when it was never imported)."""
-    utils = _dynamo_utils()
-    return int(utils.counters["frames"]["total"]) if utils is not None else 0
+    utils = _UTILS[0] if _UTILS else _dynamo_utils()
+    return utils.counters["frames"]["total"] if utils is not None else 0
 
 
 _STACK_ROOT = re.compile(r"^L\[[^\]]*\]\.?")
