@@ -35,9 +35,15 @@ class Installed:
         self._items: list[Any] = []  # Patch or RemovableHandle: both have remove()
         self.closed = False
 
-    def patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> Patch:
+    def patch(
+        self,
+        owner: Any,
+        attr: str,
+        make: Callable[[Any], Any],
+        inner_calls: set[tuple[int, str]] | None = None,
+    ) -> Patch:
         """Replace ``owner.attr`` by ``make(original)`` (see :func:`amprobe.capture.patching.patch`)."""
-        handle = patch(owner, attr, make)
+        handle = patch(owner, attr, make, inner_calls)
         self._items.append(handle)
         return handle
 
@@ -100,7 +106,9 @@ class ScalerMethods:
         entry = (installed, makers, hooked)
         self._sets.append(entry)
         for attr, make in makers.items():
-            installed.patch(GradScaler, attr, self._outermost(attr, make, base=True))
+            # GradScaler's own wrapper is never outer to another: it only looks (the patch's
+            # own check, no layer of its own)
+            installed.patch(GradScaler, attr, make, inner_calls=self._active)
         for cls in self._classes:
             self._hook(cls, entry)
 
@@ -108,30 +116,21 @@ class ScalerMethods:
         """Forget the set wrapped in ``installed`` (its owner removes the patches)."""
         self._sets = [entry for entry in self._sets if entry[0] is not installed]
 
-    def _outermost(
-        self, attr: str, make: Callable[[Any], Any], base: bool = False
-    ) -> Callable[[Any], Any]:
+    def _outermost(self, attr: str, make: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``make`` whose wrapper acts only in the outermost ``<attr>`` call on a scaler.
 
         A subclass's own ``update`` that calls ``super().update()`` reaches the wrapped base
         method too; only the outer call is the user's, so the inner one passes straight through
         (one step boundary, one ``on_unscale``). A subclass's wrapper marks its call (a set
-        insert and removal); GradScaler's own wrapper (``base``) is never outer to another, so
-        it only looks (nothing to mark while no subclass method is hooked). The mark is per
-        scaler and method, not per thread: a GradScaler is used by one thread at a time.
+        insert and removal); GradScaler's own wrapper is never outer to another, so it only
+        looks (its patch's ``inner_calls``; nothing to mark while no subclass method is
+        hooked). The mark is per scaler and method, not per thread: a GradScaler is used by
+        one thread at a time.
         """
         active = self._active
 
         def make_outermost(orig: Any) -> Any:
             inner = make(orig)
-            if base:
-
-                def outermost_base(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-                    if active and (id(scaler), attr) in active:
-                        return orig(scaler, *args, **kwargs)
-                    return inner(scaler, *args, **kwargs)
-
-                return outermost_base
 
             def outermost(scaler: Any, *args: Any, **kwargs: Any) -> Any:
                 key = (id(scaler), attr)

@@ -23,7 +23,13 @@ _LOCK = threading.Lock()
 class Patch:
     """One wrapper installed on ``owner.attr``; see :func:`patch`."""
 
-    def __init__(self, owner: Any, attr: str, make: Callable[[Any], Callable[..., Any]]) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        attr: str,
+        make: Callable[[Any], Callable[..., Any]],
+        inner_calls: set[tuple[int, str]] | None = None,
+    ) -> None:
         self.owner = owner
         self.attr = attr
         self.own = attr in getattr(owner, "__dict__", {})
@@ -32,11 +38,24 @@ class Patch:
         impl = make(self.original)
         original = self.original
 
-        @functools.wraps(impl)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self.alive:
-                return impl(*args, **kwargs)
-            return original(*args, **kwargs)
+        if inner_calls is None:
+
+            @functools.wraps(impl)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                if self.alive:
+                    return impl(*args, **kwargs)
+                return original(*args, **kwargs)
+
+        else:
+            active = inner_calls
+
+            @functools.wraps(impl)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                # a method called again inside its own wrapped call on the same object (a
+                # subclass's override calling super()) passes straight through
+                if self.alive and not (active and (id(args[0]), attr) in active):
+                    return impl(*args, **kwargs)
+                return original(*args, **kwargs)
 
         self.wrapper = wrapper
         with _LOCK:
@@ -62,6 +81,14 @@ class Patch:
                 _STACKS.pop(key, None)
 
 
-def patch(owner: Any, attr: str, make: Callable[[Any], Callable[..., Any]]) -> Patch:
-    """Replace ``owner.attr`` by ``make(original)``; return the handle whose ``remove()`` undoes it."""
-    return Patch(owner, attr, make)
+def patch(
+    owner: Any,
+    attr: str,
+    make: Callable[[Any], Callable[..., Any]],
+    inner_calls: set[tuple[int, str]] | None = None,
+) -> Patch:
+    """Replace ``owner.attr`` by ``make(original)``; return the handle whose ``remove()`` undoes it.
+
+    ``inner_calls``: ``(id(self), attr)`` of the method calls running now (kept by the caller):
+    a call whose object and method are in it passes straight to the original."""
+    return Patch(owner, attr, make, inner_calls)
