@@ -583,3 +583,17 @@ def test_no_calibration_without_a_known_init_scale():
     (n01,) = findings_of(diag(run), "AMP-N01")
     assert n01.evidence["calibration_cut_count"] == 0
     assert findings_of(diag(run), "AMP-N02")[0].evidence["calibration_step_count"] == 0
+
+
+def test_n09_counts_the_steps_that_observed_clipping():
+    """Clipping is a detail (recorded on every 10th step): the share is of the steps that
+    observed it, not of all steps."""
+    rows = scaled_steps(30, clip_calls=1, unscale_calls=1)
+    for row in rows:
+        observed = row["step"] == 0 or (row["step"] + 1) % 10 == 0
+        row["clip_scaled"] = 1 if observed else None
+        row["clip_calls"] = 1 if observed else None
+    (f,) = findings_of(diag(fake_run(steps=rows)), "AMP-N09")
+    assert f.evidence["affected_step_count"] == 4 and f.evidence["observed_step_count"] == 4
+    assert f.evidence["step_count"] == 30
+    assert f.title == "gradients clipped while still scaled in 4 of 4 steps observed"

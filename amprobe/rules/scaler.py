@@ -312,15 +312,19 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
         bad = frame[frame["clip_scaled"].fillna(0) > 0]
         if len(bad) <= ctx.thresholds["max_scaled_clips"]:
             continue
+        # clipping is a detail (Config.details_every): counted on the steps that observed it
+        observed = int(frame["clip_scaled"].notna().sum())
+        where = f"{observed} steps" + (" observed" if observed < len(frame) else "")
         events = [e for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank]
         functions = sorted({str(e["function"]) for e in events if e.get("function")})
         sites = sorted({str(e["site"]) for e in events if e.get("site")})
         yield ctx.finding(
-            title=f"gradients clipped while still scaled in {len(bad)} of {len(frame)} steps",
+            title=f"gradients clipped while still scaled in {len(bad)} of {where}",
             evidence={
                 "rank": rank,
                 "affected_step_count": len(bad),
                 "step_count": len(frame),
+                "observed_step_count": observed,
                 "clipped_steps": steps_list(bad["step"]),
                 "functions": functions,
                 "call_sites": sites,
