@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, opcodes_in  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("off", "on")
@@ -192,30 +192,9 @@ def worker_opcodes(warmup: int, steps: int, width: int, batch: int, out: str) ->
     )
     train(warmup)
     root = os.path.dirname(amprobe.__file__) + os.sep
-    per: dict[str, int] = {}
-    lines: set[tuple[str, int]] = set()
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            code = frame.f_code
-            key = f"{code.co_filename[len(root) :]}:{code.co_name}"
-            per[key] = per.get(key, 0) + 1
-        elif event == "line":
-            lines.add((frame.f_code.co_filename, frame.f_lineno))
-        return local
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(root):
-            return None
-        frame.f_trace_opcodes = True
-        return local
-
     first = probe.step
-    sys.settrace(trace)
-    try:
+    with opcodes_in(root) as (per, lines):
         train(steps)
-    finally:
-        sys.settrace(None)
     counted = probe.step - first
     probe.close()
     result = {

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
+from machine import cpu_model, opcodes_in  # noqa: E402
 
 MODES = {
     "plain": None,
@@ -122,30 +122,11 @@ def opcodes(mode: str, warmup: int = 250, steps: int = 10) -> tuple[int, int]:
         for _ in range(warmup):
             step()
         root = os.path.dirname(amprobe.__file__) + os.sep
-        count = [0]
-        lines: set[tuple[str, int]] = set()
-
-        def local(frame: Any, event: str, arg: Any) -> Any:
-            if event == "opcode":
-                count[0] += 1
-            elif event == "line":
-                lines.add((frame.f_code.co_filename, frame.f_lineno))
-            return local
-
-        def trace(frame: Any, event: str, arg: Any) -> Any:
-            if not frame.f_code.co_filename.startswith(root):
-                return None
-            frame.f_trace_opcodes = True
-            return local
-
-        sys.settrace(trace)
-        try:
+        with opcodes_in(root) as (per, lines):
             for _ in range(steps):
                 step()
-        finally:
-            sys.settrace(None)
         probe.close()
-    return count[0] // steps, len(lines)
+    return sum(per.values()) // steps, len(lines)
 
 
 def _loop() -> tuple[Any, Any, Any, Any]:

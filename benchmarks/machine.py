@@ -1,11 +1,46 @@
-"""What every benchmark prints beside its ratios: the CPU model (no torch import)."""
+"""What every benchmark prints beside its ratios: the CPU model (no torch import); and a
+count of the bytecodes a package's frames execute (deterministic, load-independent)."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["cpu_model"]
+__all__ = ["cpu_model", "opcodes_in"]
+
+
+@contextlib.contextmanager
+def opcodes_in(root: str) -> Iterator[tuple[dict[str, int], set[tuple[str, int]]]]:
+    """Count, while the block runs, the bytecode instructions executed in frames of files
+    under ``root``: yields ``(per "file:function" count, distinct (file, line) set)``, filled
+    as the block runs (``sys.settrace`` with opcode events)."""
+    per: dict[str, int] = {}
+    lines: set[tuple[str, int]] = set()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            key = f"{code.co_filename[len(root) :]}:{code.co_name}"
+            per[key] = per.get(key, 0) + 1
+        elif event == "line":
+            lines.add((frame.f_code.co_filename, frame.f_lineno))
+        return local
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if not frame.f_code.co_filename.startswith(root):
+            return None
+        frame.f_trace_opcodes = True
+        return local
+
+    sys.settrace(trace)
+    try:
+        yield per, lines
+    finally:
+        sys.settrace(None)
 
 
 def cpu_model() -> str:
