@@ -236,6 +236,32 @@ def test_numerics_every_zero_is_the_off_switch(tmp_path):
         amprobe.Config(numerics_every=-1)
 
 
+def test_a_job_that_compiles_nothing_pays_no_compiler_read_per_step(tmp_path, monkeypatch):
+    """The compile collector is not called at step ends until torch.compile is in use: its
+    columns are null (not zeros) in a job that compiles nothing."""
+    import torch
+
+    from amprobe.capture.collectors import compiled
+
+    calls = []
+    real = compiled.CompileCollector.on_step_end
+    monkeypatch.setattr(
+        compiled.CompileCollector,
+        "on_step_end",
+        lambda self, *a: (calls.append(a[0]), real(self, *a))[1],
+    )
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r"):
+        for _ in range(5):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+    steps = amprobe.load_run(tmp_path / "r").steps
+    assert len(steps) == 5 and calls == []
+    for col in ("compile_frames", "compile_graphs", "graph_breaks", "recompiles"):
+        assert steps[col].isna().all(), col
+
+
 # -- rule and graph reading on hand-built inputs (no compile) -----------------------------------
 
 COMPILED = {"compile": [{"target": "TinyGPT", "kind": "module", "backend": "inductor"}]}

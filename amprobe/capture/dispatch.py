@@ -85,6 +85,7 @@ class Dispatcher:
         #: every override, detail events included, in subscription order
         self._all: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
         self._detail_on: set[str] = set()  # collectors whose detail events are delivered now
+        self._muted: set[tuple[str, str]] = set()  # (collector, event) not delivered for now
         self.detailed: list[Collector] = []
         self.phase_times = False
         #: ``on_step_begin`` subscribers that are not samplers (asked on quiet steps too)
@@ -130,12 +131,26 @@ class Dispatcher:
         for event in collector.detail_events:
             self._rebuild(event)
 
+    def mute(self, collector: Collector, event: str, muted: bool = True) -> None:
+        """Stop (``muted``) or resume delivering ``event`` to ``collector``: for an event it
+        has nothing to do on until something happens (the compiler's counters before anything
+        compiles), so that no step pays for the call."""
+        key = (collector.name, event)
+        if (key in self._muted) == muted:
+            return
+        if muted:
+            self._muted.add(key)
+        else:
+            self._muted.discard(key)
+        self._rebuild(event)
+
     def _rebuild(self, event: str) -> None:
         self.subs[event] = [
             (c, fn)
             for c, fn in self._all[event]
             if c.name not in self._failed
             and (event not in c.detail_events or c.name in self._detail_on)
+            and (c.name, event) not in self._muted
         ]
 
     def on_failure(self, listener: Callable[[Collector], None]) -> None:

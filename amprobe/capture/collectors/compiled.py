@@ -270,7 +270,9 @@ class CompileCollector(Collector):
     compiled model attached: ``target``, ``kind`` module/method/function, ``backend``, ``mode``,
     ``dynamic``, ``fullgraph``), written by the hub.
 
-    Per step (``steps`` table; 0 in a job that compiles nothing): ``compile_frames`` (frames
+    Per step (``steps`` table; from the moment torch.compile is in use in the process,
+    null before and in a job that compiles nothing, which pays nothing per step for it):
+    ``compile_frames`` (frames
     dynamo compiled during the step, count), ``compile_graphs`` (new graphs, count),
     ``graph_breaks`` (graph breaks met while compiling, count), ``recompiles`` (compilations of
     a frame that already had compiled code, count).
@@ -278,8 +280,8 @@ class CompileCollector(Collector):
     Events: ``recompile`` (step, function, ``where`` file:line, the guard that failed as
     dynamo words it), ``graph_break`` (step, reason): the first 50 of each.
 
-    Cost: a few dict reads per step from ``torch._dynamo.utils.counters``; nothing when
-    ``torch._dynamo`` was never imported. No hook, no host-device sync.
+    Cost: a few dict reads per step from ``torch._dynamo.utils.counters`` once something is
+    compiled; no call at all before. No hook, no host-device sync.
     """
 
     name = "compile"
@@ -291,6 +293,11 @@ class CompileCollector(Collector):
         self._seen_metric: Any = None
         self._events = 0
         self._snapshot()
+        if not probe.hub.compile.in_use:  # nothing to read per step until something compiles
+            probe.hub.dispatch.mute(self, "on_step_end")
+
+    def on_compile(self) -> None:
+        self.probe.hub.dispatch.mute(self, "on_step_end", muted=False)
 
     def _snapshot(self) -> None:
         self._last = _counters()
