@@ -420,3 +420,53 @@ def test_model_passed_to_attach_and_a_second_trained_model_are_both_watched(tmp_
     rows = run.table("numerics")
     last = set(rows.loc[(rows["step"] == 2) & (rows["kind"] == "output"), "module"])
     assert last == {"first.0", "first.1", "first.2", "second.0", "second.1", "second.2"}
+
+
+def test_a_folding_collector_fills_step_records_at_flush_with_events_dated_to_the_step(
+    tmp_path, monkeypatch
+):
+    """The scaler collector (folds_at_flush) is not called at a step's end: its records are
+    filled in at the next flush, in step order, and its events carry their own step (here a
+    new autocast setting first seen at step 3, and live metrics read before any flush)."""
+    from amprobe.capture.collectors.scaler import ScalerCollector
+
+    assert ScalerCollector.folds_at_flush
+    called_at: list[tuple[int, int]] = []  # (step folded, probe's step when folded)
+    real = ScalerCollector.on_step_end
+
+    def spy(self, step, record, facts):
+        called_at.append((step, self.probe.step))
+        return real(self, step, record, facts)
+
+    monkeypatch.setattr(ScalerCollector, "on_step_end", spy)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    config = {"flush_every": 50, "details_every": 1, "collectors": ("scaler",)}
+    losses = []
+    with amprobe.attach(
+        model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path, config=config
+    ) as probe:
+        for step in range(6):
+            dtype = torch.bfloat16 if step < 3 else torch.float16
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            losses.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 4:
+                assert called_at == []  # nothing at the step ends so far
+                live = probe.live_metrics()  # a framework callback: folds what is pending
+                assert live["steps"] == 5 and live["loss"] == pytest.approx(losses[4])
+                assert [s for s, _ in called_at] == [0, 1, 2, 3, 4]
+    assert [s for s, _ in called_at] == list(range(6))
+    assert all(at > step for step, at in called_at), called_at
+    run = amprobe.load_run(tmp_path)
+    assert run.steps["loss"].tolist() == pytest.approx(losses)
+    assert run.steps["autocast_dtype"].tolist() == ["bfloat16"] * 3 + ["float16"] * 3
+    seen = {e["dtype"]: e["step"] for e in run.events_of("autocast_seen")}
+    assert seen == {"bfloat16": 0, "float16": 3}
+    assert [e["step"] for e in run.events_of("scaler_bound")] == [0]

@@ -443,6 +443,7 @@ class StepBoundary:
             return
         facts, self.facts = self.facts, StepFacts()
         facts.detail = self.detail
+        facts.scaled.clear()  # the losses scaled in the step: found its loss, held no longer
         taken = self.clock.take()
         if taken is not None:
             facts.phase_s, facts.cuda_phases = taken

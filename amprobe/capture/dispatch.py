@@ -90,6 +90,7 @@ class Dispatcher:
         self.phase_times = False
         #: ``on_step_begin`` subscribers that are not samplers (asked on quiet steps too)
         self.step_begin_always: list[tuple[Collector, Callable[..., Any]]] = []
+        self.folders: list[tuple[Collector, Callable[..., Any]]] = []
         self._failed: set[str] = set()
         self._hub_failed = False
         self._failure_listeners: list[Callable[[Collector], None]] = []
@@ -115,6 +116,12 @@ class Dispatcher:
         #: a collector (still on) asked for the phase clock
         self.phase_times = any(c.phase_times for subs in self._all.values() for c, _ in subs)
         self.step_begin_always = [(c, fn) for c, fn in self.subs["on_step_begin"] if not c.samples]
+        #: ``on_step_end`` subscribers called at flush, per step (``Collector.folds_at_flush``)
+        self.folders = [
+            (c, fn)
+            for c, fn in self._all["on_step_end"]
+            if c.folds_at_flush and c.name not in self._failed
+        ]
 
     def subscribed(self, event: str) -> bool:
         """Whether any collector overrides ``event`` (on some step, for detail events)."""
@@ -151,6 +158,7 @@ class Dispatcher:
             if c.name not in self._failed
             and (event not in c.detail_events or c.name in self._detail_on)
             and (c.name, event) not in self._muted
+            and not (event == "on_step_end" and c.folds_at_flush)
         ]
 
     def on_failure(self, listener: Callable[[Collector], None]) -> None:

@@ -9,6 +9,7 @@ them through the store at flush.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -131,6 +132,10 @@ class Probe:
         self._probe_time = 0.0
         self._last_flush = time.perf_counter()
         self._pending_steps: list[dict[str, Any]] = []
+        # steps whose records the folds_at_flush collectors have not filled in yet
+        self._unfolded: collections.deque[tuple[int, dict[str, Any], StepFacts]]
+        self._unfolded = collections.deque()
+        self._event_step: int | None = None  # events of a step folded later are dated to it
         self._pending_events: list[dict[str, Any]] = []
         # events come from other threads too (the control watcher): the flush's hand-over of
         # the list and an append must not interleave, or the appended event is lost
@@ -327,7 +332,7 @@ class Probe:
             self._dropped_events += 1
             return
         row = {
-            "step": self.step,
+            "step": self.step if self._event_step is None else self._event_step,
             "t": time.perf_counter() - self._t0,
             "kind": kind,
             "detail": json.dumps(detail, default=str, sort_keys=True),
@@ -367,6 +372,8 @@ class Probe:
         subs = dispatch.subs["on_step_end"]
         if subs and not dispatch.closed:
             dispatch.deliver(subs, (step, record, facts))
+        if dispatch.folders:
+            self._unfolded.append((step, record, facts))
         self.hub.discovery.on_step_end(step)
         self._pending_steps.append(record)
         self.step = step + 1
@@ -515,6 +522,7 @@ class Probe:
             return
         t = time.perf_counter()
         try:
+            self._fold_steps()
             rows = self._pending_steps
             self._pending_steps = []
             _materialize(rows)
@@ -536,6 +544,21 @@ class Probe:
             self._last_flush = time.perf_counter()
             self._probe_time += self._last_flush - t
 
+    def _fold_steps(self) -> None:
+        """The folds_at_flush collectors fill in the records of the steps since the last call,
+        in step order (their events dated to the step). Training thread only."""
+        unfolded = self._unfolded
+        if not unfolded:
+            return
+        deliver = self.hub.dispatch.deliver
+        try:
+            while unfolded:  # taken one by one: a step ended meanwhile is not lost
+                step, record, facts = unfolded.popleft()
+                self._event_step = step
+                deliver(self.hub.dispatch.folders, (step, record, facts))
+        finally:
+            self._event_step = None
+
     def _update_live(self, rows: list[dict[str, Any]]) -> None:
         _fold_live(self._live, rows)
         self._live_pending, self._live_pending_n = {}, 0  # those rows are flushed now
@@ -555,6 +578,7 @@ class Probe:
         """
         if self.device is None or self.device.type != "cpu":
             return dict(self._live)
+        self._fold_steps()
         pending = list(self._pending_steps)
         if len(pending) < self._live_pending_n:  # flushed since: start the pending fold afresh
             self._live_pending, self._live_pending_n = {}, 0

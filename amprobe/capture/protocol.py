@@ -71,6 +71,8 @@ class StepFacts:
         autocast: ``(device, dtype)`` of the last enabled autocast region entered.
         autocast_new: ``(device, dtype, enabled, site)`` of each autocast setting this probe
             had not seen before, with the user's line that entered it.
+        clip_calls: gradient-clipping calls; ``clip_scaled`` those on still-scaled gradients
+            (counted by the scaler collector's ``on_clip``).
         detail: a detail step (``Config.details_every``, a sampled step, or the boundary not
             known yet): only then are ``phase_s``, ``unscale_calls``/``unscaled_opts``,
             ``scaler_steps``, ``autocast``/``autocast_new`` and clipping gathered.
@@ -95,6 +97,8 @@ class StepFacts:
     opt_steps: int = 0
     autocast: tuple[str, str | None] | None = None
     autocast_new: list[tuple[str, str | None, bool, str | None]] = field(default_factory=list)
+    clip_calls: int = 0
+    clip_scaled: int = 0
     detail: bool = True
 
 
@@ -149,6 +153,11 @@ class Collector:
         phase_times: the hub times the forward, backward and optimizer phases for it on the
             steps ``Config.details_every`` selects (:attr:`StepFacts.phase_s`; no event per
             phase).
+        folds_at_flush: its :meth:`on_step_end` reads only its arguments (the record and the
+            step's facts) and its own state, never the live job: the probe calls it for each
+            step at the next flush (or when live metrics are read), in step order and with
+            events dated to their step, instead of at the step's end (run warm, in a batch,
+            where a call at each step's end costs its cold code every step).
         samples: its :meth:`on_step_begin` only decides whether to sample the step (through
             the probe's :class:`~amprobe.capture.budget.SampleBudget`): the hub skips it on the
             steps no sample can be due (``budget.quiet(step)``) unless the collector asked for
@@ -164,6 +173,7 @@ class Collector:
     track_modules: ClassVar[bool] = False
     detail_events: ClassVar[frozenset[str]] = frozenset()
     phase_times: ClassVar[bool] = False
+    folds_at_flush: ClassVar[bool] = False
     samples: ClassVar[bool] = False
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -28,16 +28,6 @@ __all__ = ["ScalerCollector"]
 _MAX_EVENTS_PER_KIND = 50  # per-step facts live in the steps table; events only sample them
 
 
-class _Iteration:
-    """The gradient clipping of one training iteration (the rest is in the hub's facts)."""
-
-    __slots__ = ("clip_calls", "clip_scaled")
-
-    def __init__(self) -> None:
-        self.clip_calls = 0
-        self.clip_scaled = 0
-
-
 class ScalerCollector(Collector):
     """Records the loss-scale trajectory, skipped steps and AMP protocol misuse.
 
@@ -58,19 +48,23 @@ class ScalerCollector(Collector):
     Step boundaries come from the hub: the ``update()`` of the first GradScaler used, else the
     ``step()`` of the first optimizer that steps. A skipped iteration is still an iteration.
 
-    Manifest (once, at the first step's end): the AMP setting of a framework in the process
+    The record of a step is filled in from its facts at the next flush (``folds_at_flush``),
+    with its events dated to it.
+
+    Manifest (once, at the first step's fold): the AMP setting of a framework in the process
     (:mod:`amprobe.capture.collectors.frameworks`) and, for an FSDP2 or DDP model, its
     ``MixedPrecisionPolicy`` and gradient reduction (:func:`amprobe.capture.collectors.sharded.sharding_facts`).
 
-    Cost: a few Python calls per iteration; the hub's three 0-d tensor clones; no sync.
+    Cost: nothing at a step's end; a few Python calls per step at flush; no sync.
     """
 
     name = "scaler"
     fields: ClassVar[tuple[Field, ...]] = fields_of("scaler")
+    # the step's record comes from its facts alone: filled in at flush, in a batch
+    folds_at_flush = True
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
-        self._it = _Iteration()
         self._ids: weakref.WeakKeyDictionary[GradScaler, int] = weakref.WeakKeyDictionary()
         self._serial = itertools.count(1)
         self._bound: set[tuple[int, int]] = set()
@@ -150,8 +144,7 @@ class ScalerCollector(Collector):
 
     # -- one iteration (what the hub saw is in its facts: read at the step's end) -----------------
     def on_clip(self, function: str, grads: list[Any], site: str | None, facts: StepFacts) -> None:
-        it = self._it
-        it.clip_calls += 1
+        facts.clip_calls += 1
         if not any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
             return
         unscaled = {
@@ -162,7 +155,7 @@ class ScalerCollector(Collector):
             if p.grad is not None
         }
         if any(id(g) not in unscaled for g in grads):
-            it.clip_scaled += 1
+            facts.clip_scaled += 1
             self._event("clip_before_unscale", function=function, site=site)
 
     def on_model(self, model: Any) -> None:
@@ -189,15 +182,9 @@ class ScalerCollector(Collector):
             self.probe.annotate_manifest(**facts)
             return
 
-    def on_recording(self, active: bool) -> None:
-        self._it = _Iteration()  # the first recorded step starts clean at this boundary
-
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         if not self._sharding_read:
             self._read_once()
-        it = self._it
-        if it.clip_calls:
-            self._it = _Iteration()  # else it is still clean
         for scaler, optimizer in facts.scaler_steps:
             key = (self._id(scaler), id(optimizer))
             if key not in self._bound:
@@ -218,8 +205,8 @@ class ScalerCollector(Collector):
             record["loss"] = loss
         if facts.detail:  # the protocol's details are gathered on detail steps only
             record["unscale_calls"] = facts.unscale_calls
-            record["clip_calls"] = it.clip_calls
-            record["clip_scaled"] = it.clip_scaled
+            record["clip_calls"] = facts.clip_calls
+            record["clip_scaled"] = facts.clip_scaled
             autocast = facts.autocast
             if autocast is None:
                 # autocast inside a compiled region runs in the graph, not through __enter__
