@@ -262,3 +262,18 @@ def test_ranks_with_slightly_different_costs_sample_the_same_steps():
         syncs.append(_drive(budget, "syncs", 3_000, step_s=step_s, sample_s=sample_s))
     assert syncs[0] == syncs[1] and all((s - 1) % 200 == 0 for s in syncs[0][1:]), syncs
     assert len(syncs[0]) >= 10
+
+
+def test_the_first_sample_does_not_wait_for_the_grid():
+    """A sampler first asked off its grid (the model discovered at step 1 under `amprobe
+    run`) samples at once: a run shorter than the period still gets its one sample."""
+    budget = SampleBudget(0.01)
+    budget.register("numerics", 100, fixed=False)
+    taken = []
+    for step in range(1, 450):
+        sampled = budget.due("numerics", step)
+        if sampled:
+            taken.append(step)
+        budget.end_step(0.01 + (0.002 if sampled else 0.0))
+    assert taken[0] == 1
+    assert taken[1:] and all(s % 100 == 0 for s in taken[1:]), taken

@@ -254,7 +254,8 @@ def test_a_failing_discovery_is_switched_off_and_reported(tmp_path, monkeypatch)
     run = amprobe.load_run(tmp_path / "r")
     assert list(run.steps["step"]) == [0, 1, 2, 3]
     errors = run.events_of("collector_error")
-    assert [(e["collector"], e["step"]) for e in errors] == [("discovery", 0)]
+    # discovery runs at the boundary after step 0: what it finds (or fails at) is step 1's
+    assert [(e["collector"], e["step"]) for e in errors] == [("discovery", 1)]
     assert "RuntimeError: discovery broke" in errors[0]["error"]
     assert not run.events_of("model_registered"), "switched off: no root was claimed"
     assert "'discovery' was switched off" in collector_errors(run)[0]

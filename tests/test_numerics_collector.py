@@ -439,3 +439,30 @@ def test_checkpoint_recomputation_is_not_a_second_call(tmp_path: Path, reentrant
     recomputed = ops[ops["phase"] == "recompute"]
     assert list(recomputed["module"]) == ["block.0"] and list(recomputed["op"]) == ["addmm"]
     assert set(ops.loc[ops["phase"] == "backward", "module"]) == {"head", "block.0", "inp"}
+
+
+def test_a_discovered_model_gets_its_first_per_layer_sample_at_once(tmp_path: Path) -> None:
+    """Zero-code attach (no model passed): discovery finds the model at the first step
+    boundary, and the first per-layer sample is the next step (before: it was spent at that
+    boundary with nothing hooked, its cost taken as the sample's, and a 130-step run had none)."""
+    import amprobe.capture.probe
+
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = {"collectors": (*amprobe.Config().collectors, "discovery")}
+    probe = amprobe.capture.probe.attach(
+        run_dir=tmp_path / "run", config=config, adoptable=True, lazy=True
+    )
+    try:
+        for x in _batches(30):
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        probe.close()
+    run = amprobe.load_run(tmp_path / "run")
+    sampled = run.steps.loc[run.steps["numerics_sampled"].fillna(False).astype(bool), "step"]
+    assert sampled.tolist()[:1] == [1]
+    numerics = run.table("numerics")
+    assert set(numerics.loc[numerics["step"] == 1, "module"]) >= {"0", "2"}

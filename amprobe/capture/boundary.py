@@ -314,7 +314,7 @@ class StepBoundary:
                     if not per_device:
                         continue
                     for f in per_device.values():
-                        if f.is_cpu:
+                        if _on_host(f):
                             count = f.item() if count is None else count + f.item()
                         elif total is None:
                             total = f.detach().to(scale.device, non_blocking=True).clone()

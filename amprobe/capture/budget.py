@@ -107,8 +107,8 @@ class SampleBudget:
         """No kind can sample ``step``: its period has not passed since its last sample (or its
         first step is later), the credit is known to be short, and nothing is armed. On such a
         step the sampling collectors are not asked (:meth:`due` would say no to each)."""
-        if step <= self._armed_until:
-            return False
+        if step <= self._armed_until or self._now:
+            return False  # armed, or a kind already samples it (taken at the boundary)
         until = self._quiet_until
         if until is None:
             until = self._quiet_until = min(
@@ -151,10 +151,12 @@ class SampleBudget:
         k = self._kinds[kind]
         if k.fixed:
             answer = due(step, k.every, k.first)
-        elif k.every <= 0 or step < k.first or (step - k.first) % k.every:
+        elif k.every <= 0 or step < k.first:
             answer = False
         elif k.last is None:
-            answer = True  # the first sample measures the cost
+            answer = True  # the first sample measures the cost: at once, on the grid or not
+        elif (step - k.first) % k.every:
+            answer = False
         elif step < k.retry or (step - k.first) % (g := self._granule(k)) or step - k.last < g:
             answer = False  # off its grid, or too soon
             self._quiet_until = None  # (the grid may have widened since quiet() computed it)

@@ -110,9 +110,14 @@ class RootModelFinder:
         except Exception as exc:
             self._fail(exc)
 
+    @property
+    def checking(self) -> bool:
+        """Candidates wait for a step boundary (:meth:`on_step_end` has work to do)."""
+        return (self._checking or self._compiled) and not self.failed and not self.hub.closed
+
     def on_step_end(self, step: int) -> None:
         """At a recorded step boundary: register the candidates an optimizer trains, or give up."""
-        if self.hub.closed or self.failed or not (self._checking or self._compiled):
+        if not self.checking:
             return
         try:
             self._check_candidates(step)

@@ -374,7 +374,6 @@ class Probe:
             dispatch.deliver(subs, (step, record, facts))
         if dispatch.folders:
             self._unfolded.append((step, record, facts))
-        self.hub.discovery.on_step_end(step)
         self._pending_steps.append(record)
         self.step = step + 1
         self._t_step_start = end = time.perf_counter()
@@ -382,6 +381,12 @@ class Probe:
         # flushes: what a sampled step costs is measured against an unsampled one's
         took = end - start - spent
         self.budget.end_step(took if took > 0.0 else 0.0)
+        # root models found at this boundary are the next step's: a sample they start (the
+        # first per-layer sample of a job whose model discovery finds) is that step's
+        discovery = self.hub.discovery
+        if discovery.checking:
+            discovery.on_step_end(step)
+            self._probe_time += time.perf_counter() - end
         if self._window_left is not None:
             self._window_left -= 1
             if self._window_left <= 0:
