@@ -439,8 +439,8 @@ class NumericsCollector(Collector):
     def _sampled(self, step: int) -> bool:
         """Whether ``step`` is measured in full: armed by a problem, or due (the budget
         spaces the default schedule; see :mod:`amprobe.capture.budget`)."""
-        if not self.probe.recording or not (self._targets or self._graph):
-            return False  # no layer known yet (discovery): the first sample waits for one
+        if not self.probe.recording or not self._roots:
+            return False  # no model known yet (discovery): the first sample waits for one
         if step <= self._armed_until and self.probe.budget.take_armed("numerics", step):
             return True
         return bool(self.probe.budget.due("numerics", step))
