@@ -35,6 +35,7 @@ JOBS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "function-plain": ("function", "plain", ()),
     "function-run": ("function", "run", ()),
     "function-attach": ("function", "compiled", ()),
+    "eager-run": ("eager", "run", ()),  # the same model and steps, not compiled
     "switch-run": ("module", "run", ("--switch-dtype-at", "5")),
     "plant-run": ("module", "run", ("--plant", "0", "--scaler")),
     "nonum-run": ("module", "run", ("--numerics-off",)),
@@ -195,6 +196,59 @@ def test_compile_is_a_recorded_fact(jobs):
     # autocast inside the compiled function runs in the graph: still the step's precision
     assert set(function.steps["autocast_dtype"]) == {"bfloat16"}
     assert "AMP-S05" not in amprobe.diagnose(function).ids()
+
+
+#: the numerics columns of an output row that the eager hooks and the in-graph statistics share
+_OUTPUT_COLUMNS = [
+    "module",
+    "module_type",
+    "dtype",
+    "calls",
+    "elements",
+    "zeros",
+    "nan",
+    "inf",
+    "finite",
+    "over_fp16",
+    "below_normal",
+    "below_subnormal",
+    "underflow_at_scale",
+    "amax",
+    "in_nonfinite",
+    "exp_hist",
+]
+
+
+def test_compiled_layers_record_the_rows_eager_layers_record(jobs):
+    """aot_eager runs the eager kernels: step 0's in-graph output rows of the compiled model,
+    exponent histogram and dtype included, equal the eager hooks' rows of the same model
+    uncompiled (the root's own output aside: its hooks run outside the compiled frame)."""
+    assert _losses(jobs["module-run"]) == _losses(jobs["eager-run"])
+
+    def outputs(job: str) -> Any:
+        numerics = amprobe.load_run(jobs[job]["run_dir"]).table("numerics")
+        rows = numerics[(numerics["kind"] == "output") & (numerics["step"] == 0)]
+        rows = rows[rows["module"] != "<root>"][_OUTPUT_COLUMNS]
+        return rows.sort_values("module").reset_index(drop=True)
+
+    compiled, eager = outputs("module-run"), outputs("eager-run")
+    assert len(compiled) == 17 and compiled["exp_hist"].notna().all()
+    assert set(compiled["dtype"]) == {"bfloat16", "float32"}  # autocast: Linear bf16, LN fp32
+    assert compiled.to_dict("records") == eager.to_dict("records")
+
+
+@pytest.mark.parametrize("job", ["module-run", "inductor-run"])
+def test_what_if_reads_the_compiled_layers_activations(jobs, job):
+    from amprobe.analysis.whatif import compute_whatif
+
+    run = amprobe.load_run(jobs[job]["run_dir"])
+    outputs = run.table("numerics").query("kind == 'output'")
+    counted = outputs["exp_hist"].map(lambda text: sum(json.loads(text).values()))
+    assert (counted == outputs["elements"]).all(), "every element in one bin"
+    whatif = compute_whatif(run)
+    acts = whatif[(whatif["kind"] == "output") & (whatif["format"] == "e4m3")]
+    assert {"blocks.0.qkv", "blocks.1.out", "head"} <= set(acts["module"])
+    assert (acts["nonzero"] > 0).all() and acts["max_exp"].notna().all()
 
 
 def test_first_nonfinite_layer_inside_a_compiled_model_is_named(jobs):

@@ -78,7 +78,9 @@ from torch.amp import GradScaler
 from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
 from amprobe.capture.collectors.graphstats import (
+    DTYPES,
     GRAPH_SAMPLE,
+    HIST0,
     first_float,
     graph_stats_hook,
     new_buffer,
@@ -386,17 +388,18 @@ class NumericsCollector(Collector):
                 values = table.cpu().tolist()
                 for index in indices:
                     (elems, nan, inf, over, amax, in_bad, order, calls) = values[index][:8]
-                    zeros, flush, below_subnormal, below_normal = values[index][8:12]
+                    zeros, flush, below_subnormal, below_normal, code = values[index][8:HIST0]
                     if not calls:
                         continue
                     slot = self._slots[index]
+                    hist = values[index][HIST0:]
                     step_rows.append(
                         {
                             "step": step,
                             "module": self._layer_name(slot),
                             "module_type": slot.module_type,
                             "kind": "output",
-                            "dtype": None,
+                            "dtype": _dtype_name(DTYPES[int(code) - 1]) if code else None,
                             "calls": int(calls),
                             "order": int(order),
                             "elements": int(elems),
@@ -410,6 +413,10 @@ class NumericsCollector(Collector):
                             "underflow_at_scale": int(flush),
                             "amax": None if nan else float(amax),
                             "in_nonfinite": int(in_bad),
+                            "exp_hist": json.dumps(
+                                {str(e + _E_MIN): int(n) for e, n in enumerate(hist) if n},
+                                separators=(",", ":"),
+                            ),
                         }
                     )
             step_rows.sort(key=lambda r: r["order"])
