@@ -1,14 +1,17 @@
-"""In-graph activation statistics (graphstats): the same counts and exponent histogram as the
-eager statistics of the same tensors, hooked eagerly and traced into a compiled graph."""
+"""Numerics of compiled layers: the in-graph activation statistics (graphstats), the same counts
+and exponent histogram as the eager statistics of the same tensors, hooked eagerly and traced
+into a compiled graph; and the output-gradient taps (gradtap) run from a compiled backward."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from amprobe.capture.collectors import graphstats, numstats
+from amprobe.capture.collectors import gradtap, graphstats, numstats
 from amprobe.capture.collectors.numerics import summarize_hist
 
 
@@ -152,3 +155,172 @@ def test_exp_hist_row_text_reads_as_the_eager_rows():
         {str(e + numstats.E_MIN): int(n) for e, n in enumerate(hist) if n}, separators=(",", ":")
     )
     assert json.loads(text)["128"] == 3 and sum(json.loads(text).values()) == x.numel()
+
+
+# -- output gradients of compiled layers (gradtap) ----------------------------------------------
+
+
+class _TwoLayers(torch.nn.Module):
+    """Linear -> in-place ReLU -> Linear; ``split`` adds a graph break, ``ckpt`` runs the first
+    two under (non-reentrant) activation checkpointing."""
+
+    def __init__(self, split: bool = False, ckpt: bool = False) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU(inplace=True)  # in place on the tapped output
+        self.b = torch.nn.Linear(8, 2)
+        self.split = split
+        self.ckpt = ckpt
+
+    def first(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.a(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ckpt:
+            h = torch.utils.checkpoint.checkpoint(self.first, x, use_reentrant=False)
+        else:
+            h = self.first(x)
+        if self.split:
+            torch._dynamo.graph_break()
+        return self.b(h)
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(x), x.sum(-1)
+
+
+def _taps(model: torch.nn.Module) -> tuple[dict[str, list[torch.Tensor]], list[int]]:
+    got: dict[str, list[torch.Tensor]] = {}
+    taps = []
+    for name in ("inner.a", "inner.b"):
+        tap = gradtap.register_tap(lambda g, name=name: got.setdefault(name, []).append(g.clone()))
+        taps.append(tap)
+        model.get_submodule(name).register_forward_hook(gradtap.grad_tap_hook(tap))
+    return got, taps
+
+
+def _train(model: torch.nn.Module, run: object, twice: bool, sampled: list[bool]) -> list:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    grads = []
+    for on in sampled:
+        graphstats.GRAPH_SAMPLE.on = on
+        try:
+            out, side = run(x)  # type: ignore[operator]
+            loss = out.square().sum() + side.sum()
+            if twice:
+                loss = loss + run(x * 2)[0].sum()  # type: ignore[operator]
+            loss.backward()
+        finally:
+            graphstats.GRAPH_SAMPLE.on = False
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize(
+    "backend, split, twice, ckpt",
+    [
+        ("aot_eager", False, False, False),
+        ("aot_eager", True, False, False),  # two graphs per forward
+        ("aot_eager", False, True, False),  # the compiled model run twice before the backward
+        ("aot_eager", False, False, True),
+        ("inductor", False, True, False),
+    ],
+)
+def test_output_gradients_reach_the_tap_from_the_compiled_backward(backend, split, twice, ckpt):
+    """Each sampled step hands every tapped layer's output gradient to its callback, once per
+    call, equal to what eager autograd computes; unsampled steps hand nothing; the model's
+    own gradients are unchanged; no graph break beyond the model's own."""
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    eager = _Pair(_TwoLayers(split, ckpt))
+    compiled = copy.deepcopy(eager)
+    want, eager_taps = _taps(eager)
+    got, compiled_taps = _taps(compiled)
+    run = torch.compile(compiled, backend=backend, fullgraph=not split)
+    counters.clear()
+    try:
+        plain = _train(eager, eager, twice, [False, True])
+        traced = _train(compiled, run, twice, [True, False, True])
+    finally:
+        for tap in eager_taps + compiled_taps:
+            gradtap.unregister_tap(tap)
+    calls = 2 if twice else 1
+    assert [len(want[n]) for n in want] == [calls, calls]  # eager: the sampled step only
+    assert [len(got[n]) for n in got] == [2 * calls, 2 * calls]  # two sampled steps of three
+    for name in ("inner.a", "inner.b"):
+        for seen in (got[name][:calls], got[name][calls:]):
+            for g, w in zip(seen, want[name], strict=True):
+                exact = backend == "aot_eager"  # the eager kernels: bit for bit
+                torch.testing.assert_close(
+                    g, w, rtol=0 if exact else None, atol=0 if exact else None
+                )
+    assert (got["inner.a"][0] == 0).any(), "the in-place ReLU's zeros reached the tap"
+    for step in traced:
+        for g, w in zip(step, plain[1], strict=True):
+            torch.testing.assert_close(g, w)
+    breaks = list(counters["graph_break"])  # the model's own graph break only
+    assert all("User-inserted graph break" in reason for reason in breaks)
+    assert bool(breaks) == split
+
+
+def test_unsampled_variant_is_the_models_graph():
+    """With the flag off the hooks return before tracing anything: the graph handed to the
+    backend is the one of the model without hooks; with it on, the tap is in the graph."""
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(str([n.target for n in gm.graph.nodes if n.op == "call_function"]))
+        return gm.forward
+
+    torch.manual_seed(0)
+    bare = _TwoLayers()
+    hooked = copy.deepcopy(bare)
+    tap = gradtap.register_tap(lambda g: None)
+    hooked.a.register_forward_hook(gradtap.grad_tap_hook(tap))
+    x = torch.randn(4, 8)
+    try:
+        torch._dynamo.reset()  # (dynamo does not guard on module hooks: one cache per model)
+        torch.compile(bare, backend=backend)(x)
+        torch._dynamo.reset()
+        run = torch.compile(hooked, backend=backend)
+        run(x)
+        graphstats.GRAPH_SAMPLE.on = True
+        run(x)  # the flag's guard fails: the sampled variant
+    finally:
+        graphstats.GRAPH_SAMPLE.on = False
+        gradtap.unregister_tap(tap)
+    assert len(graphs) == 3 and graphs[0] == graphs[1] != graphs[2]
+    assert "AutogradFunctionApply" in graphs[2]
+
+
+def test_register_hook_inside_the_graph_fails_a_second_compiled_call():
+    """Why the taps use an opaque op: a gradient hook traced into the graph (dynamo's
+    register_hook on an intermediate, torch 2.13) makes its buffer a tensor saved for backward
+    and writes it back in place, so a second compiled call before the backward fails the
+    user's backward. If torch stops doing this, README's torch.compile section is stale."""
+    torch._dynamo.reset()
+    buf = torch.zeros(2, dtype=torch.float64)
+
+    def on_grad(g: torch.Tensor) -> None:
+        with torch.no_grad():
+            buf[0].add_(g.numel())
+
+    def hook(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(on_grad)
+
+    model = torch.nn.Linear(4, 4)
+    model.register_forward_hook(hook)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4)
+    run(x).sum().backward()  # one call: traced with no graph break, and it counts
+    assert buf[0] == 8
+    loss = run(x).sum() + run(x).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
