@@ -3,7 +3,10 @@
 Usage: ``python benchmarks/bench_compile.py [--backend inductor|aot_eager] [--blocks N]
 [--steps N]``, or ``--fresh N`` for N alternating pairs of fresh processes in which amprobe
 attaches before the first compiled call (so its in-graph statistics hooks are compiled in, as
-under ``amprobe run``).
+under ``amprobe run``), or ``--sampled N`` for N fresh processes so attached with per-layer
+numerics on every other step (``numerics_every=2``, numerics only): the median step CPU time of
+sampled and of unsampled steps (the first 4 steps left out) and their ratio, the cost of a
+sampled step of a compiled model (in-graph statistics, gradient taps, parameter gradients).
 
 The benchmark's TinyGPT (4 layers, d=256) is wrapped in ``torch.compile`` and warmed up (its
 graphs compiled) before any timing; then blocks of plain steps and of steps with
@@ -36,28 +39,57 @@ from train_compiled import CALLS, counting  # noqa: E402  (the tests' counting b
 import amprobe  # noqa: E402
 
 
-def one_job(backend: str, probed: bool, steps: int) -> None:
+def one_job(backend: str, job: str, steps: int) -> None:
     """A fresh process's job (``--job``): attach (or not) before the first compiled call, so
-    the in-graph statistics hooks are compiled in; prints one JSON line with the step times."""
+    the in-graph statistics hooks are compiled in; prints one JSON line with the step times
+    (``sampled``: every step, and whether per-layer numerics sampled it)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyGPT()
     compiled = torch.compile(model, backend=counting(backend))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = {"numerics_every": 2, "collectors": ["numerics"]} if job == "sampled" else None
+    sampled: list[bool] = []
     with tempfile.TemporaryDirectory() as tmp:
-        probe = (
-            amprobe.attach(model=compiled, optimizer=opt, run_dir=tmp + "/run") if probed else None
-        )
-        times = train_steps(compiled, opt, None, torch.bfloat16, make_batch(), steps + 3)[3:]
+        probe = None
+        if job != "off":
+            probe = amprobe.attach(
+                model=compiled, optimizer=opt, run_dir=tmp + "/run", config=config
+            )
+        times = train_steps(compiled, opt, None, torch.bfloat16, make_batch(), steps + 3)
         if probe is not None:
             probe.close()
+        if job == "sampled":
+            sampled = [bool(v) for v in amprobe.load_run(tmp + "/run").steps["numerics_sampled"]]
+        else:
+            times = times[3:]
     from torch._dynamo.utils import counters
 
-    print(
-        json.dumps(
-            {"times": times, "calls": CALLS["graph_calls"], "frames": counters["frames"]["total"]}
+    out = {"times": times, "calls": CALLS["graph_calls"], "frames": counters["frames"]["total"]}
+    print(json.dumps({**out, "sampled": sampled}))
+
+
+def sampled_steps(backend: str, runs: int, steps: int) -> None:
+    """Fresh processes with numerics on every other step: sampled / unsampled step time."""
+    ratios = []
+    for run in range(runs):
+        argv = [sys.executable, __file__, "--job", "sampled", "--backend", backend]
+        out = subprocess.run(
+            [*argv, "--steps", str(steps)], capture_output=True, text=True, check=True
         )
-    )
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        pairs = list(zip(result["times"], result["sampled"], strict=True))[4:]
+        on = statistics.median(t for t, s in pairs if s)
+        off = statistics.median(t for t, s in pairs if not s)
+        ratios.append(on / off)
+        print(
+            f"run {run}: sampled {on * 1e3:.1f} ms, unsampled {off * 1e3:.1f} ms, ratio "
+            f"{ratios[-1]:.3f} ({sum(s for _, s in pairs)} / {len(pairs)} steps sampled); graph "
+            f"calls {result['calls']} in {len(result['times'])} steps, frames compiled "
+            f"{result['frames']}"
+        )
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; 1 intra-op thread; {backend}")
+    print(f"median ratio (step CPU time, sampled / unsampled): {statistics.median(ratios):.3f}")
 
 
 def fresh(backend: str, pairs: int, steps: int) -> None:
@@ -90,12 +122,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=100, help="steps per block")
     ap.add_argument("--fresh", type=int, default=0, help="N alternating pairs of fresh processes")
-    ap.add_argument("--job", choices=["off", "amprobe"], help=argparse.SUPPRESS)
+    ap.add_argument("--sampled", type=int, default=0, help="N fresh processes, numerics every 2")
+    ap.add_argument("--job", choices=["off", "amprobe", "sampled"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.job:
-        return one_job(args.backend, args.job == "amprobe", args.steps)
+        return one_job(args.backend, args.job, args.steps)
     if args.fresh:
         return fresh(args.backend, args.fresh, args.steps)
+    if args.sampled:
+        return sampled_steps(args.backend, args.sampled, args.steps)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyGPT()

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 
 import amprobe
@@ -35,6 +36,7 @@ JOBS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "function-plain": ("function", "plain", ()),
     "function-run": ("function", "run", ()),
     "function-attach": ("function", "compiled", ()),
+    "eager-run": ("eager", "run", ()),  # the same model and steps, not compiled
     "switch-run": ("module", "run", ("--switch-dtype-at", "5")),
     "plant-run": ("module", "run", ("--plant", "0", "--scaler")),
     "nonum-run": ("module", "run", ("--numerics-off",)),
@@ -153,8 +155,9 @@ def test_compiled_run_names_layers_as_written_and_records_compiled_shapes(jobs):
     assert set(ops[ops["module"] == "blocks.0.qkv"]["phase"]) == {"forward", "backward"}
     numerics = run.table("numerics")
     assert not numerics.empty and not numerics["module"].str.contains("_orig_mod").any()
-    # gradients measured outside the graph, outputs by the in-graph statistics of step 0
-    assert set(numerics["kind"]) == {"grad_param", "output"}
+    # parameter gradients measured outside the graph, outputs by the in-graph statistics of
+    # step 0, output gradients by their taps in the compiled backward
+    assert set(numerics["kind"]) == {"grad_param", "grad_output", "output"}
     outputs = numerics[numerics["kind"] == "output"]
     assert set(outputs["step"]) == {0} and "blocks.0.qkv" in set(outputs["module"])
     assert "TinyGPT" not in set(outputs["module_type"]), "the root's own hooks are not in it"
@@ -199,14 +202,76 @@ def test_compile_is_a_recorded_fact(jobs):
     assert "AMP-S05" not in amprobe.diagnose(function).ids()
 
 
+#: the numerics columns that the eager hooks and the compiled-region statistics share
+_ROW_COLUMNS = [
+    "module",
+    "module_type",
+    "dtype",
+    "calls",
+    "elements",
+    "zeros",
+    "nan",
+    "inf",
+    "finite",
+    "over_fp16",
+    "below_normal",
+    "below_subnormal",
+    "underflow_at_scale",
+    "loss_scale",
+    "amax",
+    "in_nonfinite",
+    "exp_hist",
+]
+
+
+@pytest.mark.parametrize("kind", ["output", "grad_output"])
+def test_compiled_layers_record_the_rows_eager_layers_record(jobs, kind):
+    """aot_eager runs the eager kernels: step 0's rows of the compiled model's layers (outputs
+    from the in-graph statistics, output gradients from their taps in the compiled backward)
+    equal the eager hooks' rows of the same model uncompiled, in the same execution order (the
+    root's own rows aside: its hooks run outside the compiled frame)."""
+    assert _losses(jobs["module-run"]) == _losses(jobs["eager-run"])
+
+    def rows(job: str) -> Any:
+        numerics = amprobe.load_run(jobs[job]["run_dir"]).table("numerics")
+        part = numerics[(numerics["kind"] == kind) & (numerics["step"] == 0)]
+        return part[part["module"] != "<root>"].sort_values("order")
+
+    compiled, eager = rows("module-run"), rows("eager-run")
+    assert len(compiled) == 17 and compiled["exp_hist"].notna().all()
+    assert list(compiled["module"]) == list(eager["module"]), "execution order"
+    assert set(compiled["dtype"]) == {"bfloat16", "float32"}  # autocast: Linear bf16, LN fp32
+    assert (compiled["order"].diff().dropna() > 0).all()
+    ordered = [part[_ROW_COLUMNS].reset_index(drop=True) for part in (compiled, eager)]
+    pd.testing.assert_frame_equal(*ordered)  # (null where eager writes null)
+
+
+@pytest.mark.parametrize("job", ["module-run", "inductor-run"])
+def test_what_if_reads_the_compiled_layers_activations(jobs, job):
+    from amprobe.analysis.whatif import compute_whatif
+
+    run = amprobe.load_run(jobs[job]["run_dir"])
+    outputs = run.table("numerics").query("kind == 'output'")
+    counted = outputs["exp_hist"].map(lambda text: sum(json.loads(text).values()))
+    assert (counted == outputs["elements"]).all(), "every element in one bin"
+    whatif = compute_whatif(run)
+    acts = whatif[(whatif["kind"] == "output") & (whatif["format"] == "e4m3")]
+    assert {"blocks.0.qkv", "blocks.1.out", "head"} <= set(acts["module"])
+    assert (acts["nonzero"] > 0).all() and acts["max_exp"].notna().all()
+
+
 def test_first_nonfinite_layer_inside_a_compiled_model_is_named(jobs):
     """fp16, the booster of block 0 multiplies by 1e6 on step 0: AMP-N05 names it from the
     statistics computed inside the compiled graph, with no graph break."""
     result = jobs["plant-run"]
     assert _calls(result) == [1] * STEPS and result["graph_breaks"] == 0
     run = amprobe.load_run(result["run_dir"])
-    offenders = run.table("offenders")
-    assert list(offenders["module"]) == ["blocks.0.booster"]
+    offenders = run.table("offenders").set_index("kind")
+    assert list(offenders.index) == ["forward", "backward"]
+    assert offenders.loc["forward", "module"] == "blocks.0.booster"
+    # the loss is inf: the gradient reaching the last layer is non-finite already (as eager)
+    assert offenders.loc["backward", "module"] == "<loss>"
+    assert json.loads(offenders.loc["backward", "detail"])["first_nonfinite_grad_output"] == "head"
     n05 = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-N05"]
     assert n05 and n05[0].title.startswith("blocks.0.booster (Booster) is the first module")
     numerics = run.table("numerics")
@@ -214,6 +279,11 @@ def test_first_nonfinite_layer_inside_a_compiled_model_is_named(jobs):
     assert out.loc["blocks.0.out", "inf"] == 0 and out.loc["blocks.0.booster", "inf"] > 0
     assert out.loc["blocks.1.ln1", "in_nonfinite"] > 0, "downstream layers saw it coming in"
     assert list(out["order"]) == sorted(out["order"]), "rows in execution order"
+    # output gradients from the compiled backward, unscaled by the GradScaler's scale
+    grads = numerics[(numerics["kind"] == "grad_output") & (numerics["step"] == 0)]
+    assert set(grads["loss_scale"]) == {2.0**16} and len(grads) == len(out)
+    head = grads.set_index("module").loc["head"]
+    assert head["nan"] == head["elements"] > 0 and head["order"] == 0
 
 
 def test_recompile_after_warmup_is_amp_s08_with_the_guard(jobs):

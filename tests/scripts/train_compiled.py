@@ -1,7 +1,8 @@
 """A tiny compiled transformer trained with bf16 autocast; counts how often compiled graphs run.
 
 Usage: ``python train_compiled.py OUT_JSON [--steps N] [--backend aot_eager|inductor]
-[--how module|method|function] [--attach compiled|original|none] [--scaler] [--plant STEP]``.
+[--how module|method|function|eager] [--attach compiled|original|none] [--scaler] [--plant STEP]``
+(``--how eager``: the same model and steps, not compiled).
 
 The backend is wrapped so that every call of a compiled forward graph is counted; the script
 writes, per step, the graph calls, the loss (as a float's exact repr) and torch._dynamo's own
@@ -96,7 +97,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--backend", default="aot_eager")
-    ap.add_argument("--how", default="module", choices=["module", "method", "function"])
+    ap.add_argument("--how", default="module", choices=["module", "method", "function", "eager"])
     ap.add_argument("--attach", default="none", choices=["compiled", "original", "none"])
     ap.add_argument("--scaler", action="store_true", help="fp16 + GradScaler instead of bf16")
     ap.add_argument("--plant", type=int, default=-1, help="step whose booster multiplies by 1e6")
@@ -119,7 +120,7 @@ def main() -> None:
     elif args.how == "method":
         model.compile(backend=backend)
         compiled = model
-    else:
+    else:  # a compiled function, or not compiled at all
         compiled = model
 
     current = {"dtype": dtype}

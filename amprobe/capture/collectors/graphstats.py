@@ -8,11 +8,17 @@ Python branch on a value and no host-device sync. The two settings of the flag a
 variants, each compiled once; the buffer is read at the step's end (on CPU) or at flush.
 
 Per layer and sampled step (columns of the buffer): elements, NaN, inf, finite values a real
-fp16 cast makes inf (``>= 65520``), finite amax, non-finite elements in the layer's floating
-inputs, the position of its first call among the hooked layers, its calls, and the small end of
-the range as the eager statistics define it: zeros, nonzero values a real fp16 cast makes zero
-(``|v| <= 2**-25``), nonzero values below fp16's smallest subnormal and smallest normal
-(``2**-24``, ``2**-14``). Not in the graph: the exponent histogram and output gradients.
+fp16 cast makes inf (``>= 65520``), the largest magnitude (inf when inf is present, as the eager
+statistics record it; the read side drops it when NaN is present), non-finite elements in the
+layer's floating inputs, the position of its first call among the hooked layers, its calls, the
+small end of the range as the eager statistics define it: zeros, nonzero values a real fp16 cast
+makes zero (``|v| <= 2**-25``), nonzero values below fp16's smallest subnormal and smallest
+normal (``2**-24``, ``2**-14``); the output's dtype (of its first call); and from column
+:data:`HIST0` on the exponent histogram of its fp32 magnitudes in the eager statistics' bins
+(``numstats``: exponent ``e`` in column ``HIST0 + e - E_MIN``, the zeros in the -127 bin,
+nonzero values below ``2**-133`` in the -149 bin, inf and NaN in the 128 bin), binned with
+integer and bit operations and added with one ``index_add_``. Not in the graph: output
+gradients (see README, torch.compile).
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["GRAPH_SAMPLE", "COLUMNS", "first_float", "graph_stats_hook", "new_buffer"]
+from amprobe.capture.collectors.numstats import E_MIN, NBINS
+
+__all__ = [
+    "GRAPH_SAMPLE",
+    "COLUMNS",
+    "DTYPES",
+    "HIST0",
+    "exponent_bins",
+    "first_float",
+    "graph_stats_hook",
+    "new_buffer",
+]
 
 
 class _Flag:
@@ -46,9 +63,33 @@ COLUMNS = (
     "underflow_at_scale",
     "below_subnormal",
     "below_normal",
+    "dtype",
 )
-(_ELEMS, _NAN, _INF, _OVER, _AMAX, _INBAD, _ORDER, _CALLS, _ZEROS, _UNDER, _BSUB, _BNORM) = range(
-    len(COLUMNS)
+(
+    _ELEMS,
+    _NAN,
+    _INF,
+    _OVER,
+    _AMAX,
+    _INBAD,
+    _ORDER,
+    _CALLS,
+    _ZEROS,
+    _UNDER,
+    _BSUB,
+    _BNORM,
+    _DTYPE,
+) = range(len(COLUMNS))
+#: first column of the exponent histogram (``NBINS`` columns follow, exponent ``E_MIN`` first)
+HIST0 = len(COLUMNS)
+#: the ``dtype`` column holds ``1 + `` the output dtype's index here (0: another dtype)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 )
 _FP16_OVERFLOW = 65520.0  # the smallest magnitude a round-to-nearest fp16 cast makes inf
 _FP16_FLUSH = 2.0**-25  # the largest magnitude a round-to-nearest fp16 cast makes zero
@@ -57,9 +98,33 @@ _FP16_MIN_NORMAL = 2.0**-14
 
 
 def new_buffer(slots: int, device: torch.device | None) -> torch.Tensor:
-    """A zeroed ``[slots + 1, len(COLUMNS)]`` float64 table on ``device``; the last row holds
-    the call counter (compiled graphs keep the mutations of the one buffer they read)."""
-    return torch.zeros(slots + 1, len(COLUMNS), dtype=torch.float64, device=device)
+    """A zeroed ``[slots + 1, HIST0 + NBINS]`` float64 table on ``device`` (counts are exact
+    up to 2**53); the last row holds the call counter (compiled graphs keep the mutations of
+    the one buffer they read)."""
+    return torch.zeros(slots + 1, HIST0 + NBINS, dtype=torch.float64, device=device)
+
+
+def exponent_bins(x: torch.Tensor) -> torch.Tensor:
+    """Histogram bin (``exponent - E_MIN``, int64) of each element's fp32 magnitude, as
+    ``numstats.exponent_column`` places it (minus ``H0``), with integer and bit operations only.
+
+    A normal value's bin is its biased exponent field plus 22; a subnormal's binade is that of
+    its leading mantissa bit (bit patterns in ``[2**j, 2**(j+1))``, ``j`` = 16 .. 22, are the
+    binade ``j - 149``), patterns below 2**16 (values below 2**-133) share the lump bin 0; zeros
+    go to the -127 bin, inf and NaN (exponent field 255) to the last. A bf16 tensor's fp32
+    pattern is its own shifted left by 16 (read as is: inductor vectorizes a 16-bit view better
+    than a cast and a 32-bit view).
+    """
+    if x.dtype == torch.bfloat16:
+        bits = (x.view(torch.int16).to(torch.int32) & 0x7FFF) << 16
+    else:
+        bits = x.float().abs().view(torch.int32)
+    zero_bin = -127 - E_MIN
+    normal = zero_bin + (bits >> 23)
+    lead = 16 + sum((bits >= 1 << j).to(torch.int32) for j in range(17, 23))
+    sub = torch.where(bits >= 1 << 16, lead, 0)
+    bins = torch.where(bits >= 1 << 23, normal, torch.where(bits == 0, zero_bin, sub))
+    return bins.to(torch.int64)
 
 
 def first_float(out: Any) -> torch.Tensor | None:
@@ -99,7 +164,8 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     # compared with the fp16 boundaries as the eager statistics define them (numstats)
     mag = torch.where(finite, x.float().abs(), 0.0)
     over = (mag >= _FP16_OVERFLOW).sum()
-    amax = mag.amax().to(buf.dtype)
+    # the largest magnitude as the eager statistics record it: inf when inf is present
+    amax = torch.where(inf > 0, float("inf"), mag.amax().to(buf.dtype))
     nonzero = mag > 0
     zeros = (x == 0).sum()
     flush = (nonzero & (mag <= _FP16_FLUSH)).sum()
@@ -119,4 +185,9 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     row[_CALLS].add_(1.0)
     small = torch.stack([zeros, flush, below_subnormal, below_normal]).to(buf.dtype)
     row[_ZEROS : _BNORM + 1].add_(small)
+    code = DTYPES.index(x.dtype) + 1 if x.dtype in DTYPES else 0  # a constant of the trace
+    row[_DTYPE].copy_(torch.where(row[_CALLS] == 1, code, row[_DTYPE]))  # the first call's
+    bins = exponent_bins(x).reshape(-1)
+    ones = torch.ones((), dtype=buf.dtype, device=buf.device).expand(bins.numel())
+    row[HIST0:].index_add_(0, bins, ones)
     counter.add_(1.0)

@@ -9,6 +9,12 @@ wrong) the collector installs hooks on the selected modules of every root model:
 * ``register_post_accumulate_grad_hook`` per parameter (the accumulated ``param.grad``);
 * a forward pre-hook on each root model (its floating inputs).
 
+Inside a ``torch.compile`` region (hooks installed before its first compiled call) the layers'
+outputs are reduced in the graph by :mod:`~amprobe.capture.collectors.graphstats` (the same
+counts and exponent histogram, read at the step's end) and their output gradients reach the
+measurement below from the compiled backward through
+:mod:`~amprobe.capture.collectors.gradtap`; both only on sampled steps (a graph variant).
+
 Each tensor is reduced on its device by :mod:`amprobe.capture.collectors.numstats` with no
 host-device sync: one histogram of its 16-bit magnitude patterns, folded once per step into a base-2
 exponent histogram of the fp32 ``|x|`` plus exact-zero, NaN, fp16-overflow and fp16-flush
@@ -77,8 +83,11 @@ from torch.amp import GradScaler
 
 from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
+from amprobe.capture.collectors.gradtap import grad_tap_hook, register_tap, unregister_tap
 from amprobe.capture.collectors.graphstats import (
+    DTYPES,
     GRAPH_SAMPLE,
+    HIST0,
     first_float,
     graph_stats_hook,
     new_buffer,
@@ -261,6 +270,7 @@ class NumericsCollector(Collector):
         self._graph: list[tuple[torch.Tensor, list[int]]] = []
         self._graph_handles: list[Any] = []
         self._graph_hooked: set[int] = set()  # slots with an in-graph hook
+        self._taps: list[int] = []  # output-gradient taps of compiled layers (gradtap)
         self._graph_done: list[tuple[int, list[torch.Tensor]]] = []
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -345,7 +355,9 @@ class NumericsCollector(Collector):
     # -- compiled regions: statistics inside the graph ------------------------------------------
     def _install_graph_hooks(self) -> None:
         """Compiled regions: permanent forward hooks whose statistics run inside the graph on
-        sampled steps (two graph variants, each compiled once; see graphstats)."""
+        sampled steps (two graph variants, each compiled once; see graphstats), and taps that
+        hand the layers' output gradients to the eager measurement from the compiled backward
+        (see gradtap)."""
         if self.every == 0 or self.probe.hub.compiled_before_attach:
             return  # (a late attach: adding hooks would recompile the graphs that run)
         # a root's own hooks run around its compiled frame, not inside it: not in the graph
@@ -365,6 +377,10 @@ class NumericsCollector(Collector):
                 continue
             self._graph_handles.append(mod.register_forward_hook(graph_stats_hook(buf, slots[0])))
             self._graph_hooked.add(slots[0])
+            if slots[1] is not None:
+                tap = register_tap(self._guarded(self._bind_grad(slots[1])))
+                self._taps.append(tap)
+                self._graph_handles.append(mod.register_forward_hook(grad_tap_hook(tap)))
             indices.append(slots[0])
         self._graph.append((buf, indices))
         GRAPH_SAMPLE.on = self._sampled(self.probe.step)  # a step already sampled counts
@@ -391,17 +407,18 @@ class NumericsCollector(Collector):
                 values = table.cpu().tolist()
                 for index in indices:
                     (elems, nan, inf, over, amax, in_bad, order, calls) = values[index][:8]
-                    zeros, flush, below_subnormal, below_normal = values[index][8:12]
+                    zeros, flush, below_subnormal, below_normal, code = values[index][8:HIST0]
                     if not calls:
                         continue
                     slot = self._slots[index]
+                    hist = values[index][HIST0:]
                     step_rows.append(
                         {
                             "step": step,
                             "module": self._layer_name(slot),
                             "module_type": slot.module_type,
                             "kind": "output",
-                            "dtype": None,
+                            "dtype": _dtype_name(DTYPES[int(code) - 1]) if code else None,
                             "calls": int(calls),
                             "order": int(order),
                             "elements": int(elems),
@@ -415,6 +432,10 @@ class NumericsCollector(Collector):
                             "underflow_at_scale": int(flush),
                             "amax": None if nan else float(amax),
                             "in_nonfinite": int(in_bad),
+                            "exp_hist": json.dumps(
+                                {str(e + _E_MIN): int(n) for e, n in enumerate(hist) if n},
+                                separators=(",", ":"),
+                            ),
                         }
                     )
             step_rows.sort(key=lambda r: r["order"])
@@ -455,7 +476,8 @@ class NumericsCollector(Collector):
         if self.probe.hub.compile_in_use:
             # an eager forward hook inside a compiled region is traced by dynamo: graph breaks,
             # recompiles, a changed fusion. Outputs are measured by the in-graph hooks
-            # (graphstats); gradients are read outside the graph below.
+            # (graphstats), output gradients through their taps (gradtap), parameter gradients
+            # outside the graph below.
             if not self._graph:
                 self._note_compiled()
         else:
@@ -1001,6 +1023,9 @@ class NumericsCollector(Collector):
         for handle in self._graph_handles:
             handle.remove()
         self._graph_handles.clear()
+        for tap in self._taps:
+            unregister_tap(tap)
+        self._taps.clear()
 
 
 def _to_host(watch: list[dict[str, Any]]) -> list[dict[str, Any]]:
