@@ -443,6 +443,9 @@ class StepBoundary:
             return
         facts, self.facts = self.facts, StepFacts()
         facts.detail = self.detail
+        if facts.detail and facts.autocast is None:
+            # autocast inside a compiled region runs in the graph, not through __enter__
+            facts.autocast = self.compile.autocast
         facts.scaled.clear()  # the losses scaled in the step: found its loss, held no longer
         taken = self.clock.take()
         if taken is not None:

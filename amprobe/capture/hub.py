@@ -147,11 +147,6 @@ class Hub:
         """Something was compiled before amprobe attached (no in-graph statistics)."""
         return self.compile.before_attach
 
-    @property
-    def compiled_autocast(self) -> tuple[str, str | None] | None:
-        """The (device, dtype) of the last autocast region inside a compiled graph."""
-        return self.compile.autocast
-
     # -- installation and removal ----------------------------------------------------------------
     def install(self) -> None:
         """Install the class-level interceptions (once per probe), and the recording layer

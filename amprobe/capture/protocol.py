@@ -68,14 +68,17 @@ class StepFacts:
         unscale_calls: ``GradScaler.unscale_`` calls; ``unscaled_opts`` their optimizers.
         scaler_steps: ``(scaler, optimizer)`` of each ``GradScaler.step`` call.
         opt_steps: optimizer ``step()`` calls that ran (a skipped one does not).
-        autocast: ``(device, dtype)`` of the last enabled autocast region entered.
+        autocast: ``(device, dtype)`` of the last enabled autocast region entered, else of the
+            last one inside a compiled graph (it runs in the graph, not through ``__enter__``).
         autocast_new: ``(device, dtype, enabled, site)`` of each autocast setting this probe
             had not seen before, with the user's line that entered it.
         clip_calls: gradient-clipping calls; ``clip_scaled`` those on still-scaled gradients
             (counted by the scaler collector's ``on_clip``).
         detail: a detail step (``Config.details_every``, a sampled step, or the boundary not
-            known yet): only then are ``phase_s``, ``unscale_calls``/``unscaled_opts``,
-            ``scaler_steps``, ``autocast``/``autocast_new`` and clipping gathered.
+            known yet): only then are ``unscale_calls``/``unscaled_opts``, ``scaler_steps``,
+            ``autocast``/``autocast_new`` and clipping gathered, and ``phase_s`` on the
+            schedule's detail steps (not on a step that is one because it is sampled: its hooks
+            would inflate the split).
     """
 
     loss: torch.Tensor | float | None = None

@@ -208,9 +208,6 @@ class ScalerCollector(Collector):
             record["clip_calls"] = facts.clip_calls
             record["clip_scaled"] = facts.clip_scaled
             autocast = facts.autocast
-            if autocast is None:
-                # autocast inside a compiled region runs in the graph, not through __enter__
-                autocast = self.probe.hub.compiled_autocast
             if autocast is not None:
                 record["autocast_device"], record["autocast_dtype"] = autocast
         scale = facts.scale_before
