@@ -117,11 +117,7 @@ class Dispatcher:
         self.phase_times = any(c.phase_times for subs in self._all.values() for c, _ in subs)
         self.step_begin_always = [(c, fn) for c, fn in self.subs["on_step_begin"] if not c.samples]
         #: ``on_step_end`` subscribers called at flush, per step (``Collector.folds_at_flush``)
-        self.folders = [
-            (c, fn)
-            for c, fn in self._all["on_step_end"]
-            if c.folds_at_flush and c.name not in self._failed
-        ]
+        self.folders = [(c, fn) for c, fn in self._all["on_step_end"] if c.folds_at_flush]
 
     def subscribed(self, event: str) -> bool:
         """Whether any collector overrides ``event`` (on some step, for detail events)."""

@@ -674,7 +674,7 @@ class NumericsCollector(Collector):
         if root not in self._inputs_described:
             self._describe_inputs(root, model, args, kwargs)
         capturing = bool(self._capture_handles)
-        host = self._device is not None and self._device.type == "cpu"
+        sync_free = self._sync_free()
         bad = self._input_bad
         i = 0
         for t in (*args, *kwargs.values()) if kwargs else args:
@@ -687,7 +687,7 @@ class NumericsCollector(Collector):
             if type(t) not in PLAIN_TENSORS:
                 t = local_tensor(t)
             # in the kernel on CPU (no dispatched op), else a device count read at flush
-            bad = bad + count_nonfinite(t, not host)
+            bad = bad + count_nonfinite(t, sync_free)
             if capturing and i < _MAX_INPUTS:
                 self._measure(self._input_slots[root][i], t)
             i += 1
@@ -790,11 +790,7 @@ class NumericsCollector(Collector):
         device = self._device
         if device is not None and device.type == "cpu":
             # reading a CPU value costs no device sync: arm at once
-            if (
-                (in_bad is not None and in_bad > 0)
-                or (found is not None and found > 0)
-                or (loss_bad is not None and loss_bad)
-            ):
+            if _bad(in_bad, found, loss_bad):
                 self._arm(step)
         else:
             flags = {"step": step, "found_inf": found}
@@ -1048,12 +1044,18 @@ def _pinned_flag() -> torch.Tensor:
     return torch.empty((), dtype=torch.bool, pin_memory=True)
 
 
-def _record_bad(record: dict[str, Any]) -> bool:
-    for key in ("input_nonfinite", "found_inf"):
-        value = record.get(key)
-        if value is not None and bool(value > 0):
+def _bad(input_nonfinite: Any, found_inf: Any, loss_nonfinite: Any) -> bool:
+    """A step's "something is non-finite" flags (host values or CPU tensors; None: unknown)."""
+    for count in (input_nonfinite, found_inf):
+        if count is not None and bool(count > 0):
             return True
-    return bool(record.get("loss_nonfinite") or False)
+    return bool(loss_nonfinite or False)
+
+
+def _record_bad(record: dict[str, Any]) -> bool:
+    return _bad(
+        record.get("input_nonfinite"), record.get("found_inf"), record.get("loss_nonfinite")
+    )
 
 
 def _bits_to_float(bits: int) -> float:
