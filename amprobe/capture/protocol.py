@@ -156,8 +156,10 @@ class Collector:
         phase_times: the hub times the forward, backward and optimizer phases for it on the
             steps ``Config.details_every`` selects (:attr:`StepFacts.phase_s`; no event per
             phase).
-        folds_at_flush: its :meth:`on_step_end` reads only its arguments (the record and the
-            step's facts) and its own state, never the live job: the probe calls it for each
+        folds_at_flush: its :meth:`on_step_end` fills the step's record from its arguments (the
+            record and the step's facts) and its own state alone, never from the live job (what
+            it reads once a run for the manifest, such as a framework's setting, is not a step's
+            record): the probe calls it for each
             step at the next flush (or when live metrics are read), in step order and with
             events dated to their step, instead of at the step's end (run warm, in a batch,
             where a call at each step's end costs its cold code every step).
