@@ -426,20 +426,21 @@ def test_model_passed_to_attach_and_a_second_trained_model_are_both_watched(tmp_
 def test_a_folding_collector_fills_step_records_at_flush_with_events_dated_to_the_step(
     tmp_path, monkeypatch
 ):
-    """The scaler collector (folds_at_flush) is not called at a step's end: its records are
-    filled in at the next flush, in step order, and its events carry their own step (here a
+    """The scaler collector is not called at a step's end: its records are filled in at the
+    next flush (``on_step_fold``), in step order, and its events carry their own step (here a
     new autocast setting first seen at step 3, and live metrics read before any flush)."""
     from amprobe.capture.collectors.scaler import ScalerCollector
+    from amprobe.capture.protocol import Collector
 
-    assert ScalerCollector.folds_at_flush
+    assert ScalerCollector.on_step_end is Collector.on_step_end  # nothing live
     called_at: list[tuple[int, int]] = []  # (step folded, probe's step when folded)
-    real = ScalerCollector.on_step_end
+    real = ScalerCollector.on_step_fold
 
     def spy(self, step, record, facts):
         called_at.append((step, self.probe.step))
         return real(self, step, record, facts)
 
-    monkeypatch.setattr(ScalerCollector, "on_step_end", spy)
+    monkeypatch.setattr(ScalerCollector, "on_step_fold", spy)
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

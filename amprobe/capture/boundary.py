@@ -23,6 +23,8 @@ from torch.amp import GradScaler
 from torch.optim import Optimizer
 
 from amprobe.capture.collectors.engines import EngineScaler
+from amprobe.capture.collectors.numstats import count_nonfinite
+from amprobe.capture.collectors.sharded import PLAIN_TENSORS, local_tensor, user_class_name
 from amprobe.capture.compilewatch import CompileWatch
 from amprobe.capture.dispatch import Dispatcher
 from amprobe.capture.install import ScalerMethods
@@ -62,6 +64,13 @@ def _host_scalar(t: torch.Tensor) -> Any:
     if _on_host(t):
         return t.item()
     return t.detach().clone()
+
+
+def _host_value(value: Any) -> Any:
+    """A one-element CPU tensor's value as a Python number (no sync); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and _on_host(value):
+        return value.item()
+    return value
 
 
 def _on_host(t: torch.Tensor) -> bool:
@@ -111,6 +120,9 @@ class StepBoundary:
         #: on other steps
         self.detail = True
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
+        self._inputs_described: set[int] = set()  # root models whose inputs were described
+        #: DataLoader iterators that returned a batch (``on_dataloader`` once each)
+        self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         # a collector asked for ops or detail events at the last step start (asked again now)
         self._asked = True
         self.optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
@@ -224,11 +236,50 @@ class StepBoundary:
             self._emit("on_backward_end")
 
     def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        """A root model's forward starts."""
+        """A root model's forward starts: its inputs' non-finite count (when asked), then the
+        event."""
         if self.clock.on:
             self.clock.begin("fwd")
+        if self.dispatch.checks_inputs:
+            self._check_inputs(model, (*args, *kwargs.values()) if kwargs else args)
         if self._subs["on_forward_begin"]:
             self._emit("on_forward_begin", model, args, kwargs)
+
+    def _check_inputs(self, model: torch.nn.Module, inputs: Any) -> None:
+        """Add the non-finite elements of ``inputs`` (a root model's) to the step's facts: in
+        the kernel on CPU (no dispatched op, read at once), else a device count read back at
+        flush. Integer inputs (token ids) cannot be non-finite: a step that saw only those
+        counts 0."""
+        if id(model) not in self._inputs_described:
+            self._describe_inputs(model, inputs)
+        device = self.probe.device
+        sync_free = device is None or device.type != "cpu"
+        facts = self.facts
+        bad = facts.input_nonfinite
+        for t in inputs:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if bad is None:
+                bad = 0
+            if not t.is_floating_point():
+                continue
+            if type(t) not in PLAIN_TENSORS:
+                t = local_tensor(t)
+            bad = bad + count_nonfinite(t, sync_free)
+        facts.input_nonfinite = bad
+
+    def _describe_inputs(self, model: torch.nn.Module, inputs: Any) -> None:
+        """The ``model_inputs`` event, once per root model."""
+        self._inputs_described.add(id(model))
+        tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+        floating = sum(1 for t in tensors if t.is_floating_point())
+        self.probe.event(
+            "model_inputs",
+            root=user_class_name(model),
+            floating=floating,
+            integer=len(tensors) - floating,
+            dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+        )
 
     def on_forward_end(self, model: torch.nn.Module) -> None:
         """A root model's forward ended (or raised)."""
@@ -424,9 +475,10 @@ class StepBoundary:
             facts = self.facts
             facts.scaler = scaler
             facts.scaler_enabled = scaler is not None
-            facts.scale_before = scale_before
-            facts.scale_after = scale_after
-            facts.found_inf = found_inf
+            # host values as Python numbers, as for a GradScaler (read at once: no sync)
+            facts.scale_before = _host_value(scale_before)
+            facts.scale_after = _host_value(scale_after)
+            facts.found_inf = _host_value(found_inf)
             if scaler is not None:
                 self._emit("on_scaler_update", scaler, scale_before, scale_after, found_inf)
         self.end_step()
@@ -453,14 +505,17 @@ class StepBoundary:
         self.ops.pop()
         if self.modules.active:
             self.modules.stop()
+        if self._subs["on_step_nonfinite"] and facts.host_nonfinite():
+            self._emit("on_step_nonfinite", probe.step, facts)
         probe.end_step(facts)  # dispatches on_step_end, flushes, applies control requests
         if probe.recording and not probe.closed:
             self.begin_step(probe.step)
 
     def begin_step(self, step: int) -> None:
         """Start iteration ``step``: ``on_step_begin``, then the module stack and the op mode
-        if anyone asked (the module stack never while torch.compile is in use)."""
-        self.compile.check()
+        if anyone asked (the module stack never while torch.compile is in use). A compile
+        amprobe did not see being made is looked for on the steps that may install something
+        (not quiet, or detail steps)."""
         dispatch = self.dispatch
         clock = self.clock
         every = self.probe.config.details_every
@@ -477,9 +532,12 @@ class StepBoundary:
         budget = self.probe.budget
         if not self._asked and budget.quiet(step):
             # no sample can start and none ends here: the samplers are not asked
+            if details:
+                self.compile.check()
             if dispatch.step_begin_always:
                 dispatch.deliver(dispatch.step_begin_always, (step,))
             return
+        self.compile.check()
         self._emit("on_step_begin", step)
         if not (budget.sampling or self._asked):
             return  # no sample this step nor the last: nobody asks for ops or detail

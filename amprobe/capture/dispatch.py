@@ -35,7 +35,7 @@ _EVENT_TABLE: dict[str, bool] = {
     "on_compile": True,
     "on_compiled_graph": True,
     "on_step_begin": False,
-    "on_batch": False,
+    "on_dataloader": False,
     "on_forward_begin": False,
     "on_forward_end": False,
     "on_autocast": False,
@@ -50,7 +50,9 @@ _EVENT_TABLE: dict[str, bool] = {
     "on_optimizer_step_end": False,
     "on_scaler_update": False,
     "on_op": False,
+    "on_step_nonfinite": False,
     "on_step_end": False,
+    "on_step_fold": False,
     "on_flush": True,
     "on_rows": True,
     "on_close": True,
@@ -90,7 +92,7 @@ class Dispatcher:
         self.phase_times = False
         #: ``on_step_begin`` subscribers that are not samplers (asked on quiet steps too)
         self.step_begin_always: list[tuple[Collector, Callable[..., Any]]] = []
-        self.folders: list[tuple[Collector, Callable[..., Any]]] = []
+        self.checks_inputs = False
         self._failed: set[str] = set()
         self._hub_failed = False
         self._failure_listeners: list[Callable[[Collector], None]] = []
@@ -116,8 +118,8 @@ class Dispatcher:
         #: a collector (still on) asked for the phase clock
         self.phase_times = any(c.phase_times for subs in self._all.values() for c, _ in subs)
         self.step_begin_always = [(c, fn) for c, fn in self.subs["on_step_begin"] if not c.samples]
-        #: ``on_step_end`` subscribers called at flush, per step (``Collector.folds_at_flush``)
-        self.folders = [(c, fn) for c, fn in self._all["on_step_end"] if c.folds_at_flush]
+        #: the hub counts the root models' non-finite inputs (a collector ``checks_inputs``)
+        self.checks_inputs = any(c.checks_inputs for subs in self._all.values() for c, _ in subs)
 
     def subscribed(self, event: str) -> bool:
         """Whether any collector overrides ``event`` (on some step, for detail events)."""
@@ -154,7 +156,6 @@ class Dispatcher:
             if c.name not in self._failed
             and (event not in c.detail_events or c.name in self._detail_on)
             and (c.name, event) not in self._muted
-            and not (event == "on_step_end" and c.folds_at_flush)
         ]
 
     def on_failure(self, listener: Callable[[Collector], None]) -> None:

@@ -14,7 +14,8 @@ per-step interceptions that do nothing while dormant:
 * ``GradScaler.scale``/``unscale_``/``step`` (and a subclass's overrides);
 * torch's global optimizer step pre-hook;
 * ``autocast.__enter__``/``__exit__``; ``torch.autograd.backward`` (``Tensor.backward`` calls it);
-* ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``);
+* ``DataLoader`` iteration (``_BaseDataLoaderIter.__next__``: the wait into the step's facts,
+  ``on_dataloader`` once per iterator);
 * the gradient-clipping helpers' grouping function (``clip_grad_norm_``/``clip_grad_value_``).
 
 :class:`RootModelHooks` adds, per root model and in the same layer, one forward pre-hook and
@@ -91,6 +92,11 @@ class Interceptions:
         watch = self.compile
         clip = self._maybe_clip
         in_scaler_step = boundary.in_scaler_step
+        iterators = boundary.iterators
+
+        def see_iterator(iterator: Any) -> None:
+            iterators.add(iterator)  # (a TypeError for an iterator without weak references)
+            emit("on_dataloader", iterator)
 
         def wrap_scaler_init(orig: Any) -> Any:
             def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
@@ -215,7 +221,11 @@ class Interceptions:
                     return orig(self_it)
                 finally:
                     spent = time.perf_counter() - t0 - max(0.0, probe.probe_time - p0)
-                    emit("on_batch", spent, self_it)
+                    facts = boundary.facts
+                    facts.data_wait_s += spent if spent > 0.0 else 0.0
+                    facts.batches += 1
+                    if self_it not in iterators:
+                        safe(see_iterator, self_it)
 
             return __next__
 
@@ -358,6 +368,9 @@ class RootModelHooks:
         safe = dispatch.safe
         boundary = self.boundary
 
+        clock = boundary.clock
+        subs = dispatch.subs
+
         def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             # inside a compiled region (module.compile(), a compiled train step) dynamo traces
             # this hook: it returns at once, so the graph is the one without amprobe
@@ -366,7 +379,12 @@ class RootModelHooks:
                 safe(boundary.on_forward_begin, module, args, kwargs)
 
         def post(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if probe.recording and not probe.closed and not is_compiling():
+            # is_compiling() first: what changes between steps is never read inside a graph
+            # (dynamo would guard on it); then nothing to do on most steps (no phase clock,
+            # nobody asked for the event)
+            if is_compiling() or not (clock.on or subs["on_forward_end"]):
+                return
+            if probe.recording and not probe.closed:
                 safe(boundary.on_forward_end, module)
 
         layer.hook(model.register_forward_pre_hook(pre, with_kwargs=True))

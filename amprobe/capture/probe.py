@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import math
 import os
 import socket
 import sys
@@ -30,6 +31,7 @@ import torch
 from amprobe.capture.budget import SampleBudget
 from amprobe.capture.collectors import REGISTRY, Collector, StepFacts
 from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_compiled
+from amprobe.capture.collectors.runtime import read_rss_bytes
 from amprobe.capture.collectors.sharded import user_class_name
 from amprobe.capture.discovery import DISCOVERY, find_live_training_objects, name_in_caller
 from amprobe.capture.hub import Hub
@@ -132,7 +134,10 @@ class Probe:
         self._probe_time = 0.0
         self._last_flush = time.perf_counter()
         self._pending_steps: list[dict[str, Any]] = []
-        # steps whose records the folds_at_flush collectors have not filled in yet
+        # the resident set size: read at a step's end once due (no collector asked: never)
+        self._rss_period = math.inf
+        self._rss_due = math.inf
+        # steps whose records the collectors have not folded yet (on_step_fold)
         self._unfolded: collections.deque[tuple[int, dict[str, Any], StepFacts]]
         self._unfolded = collections.deque()
         self._event_step: int | None = None  # events of a step folded later are dated to it
@@ -322,6 +327,12 @@ class Probe:
         if self._t_step_start is None:
             self._t_step_start = time.perf_counter()
 
+    def watch_rss(self, period_s: float) -> None:
+        """Read the process's resident set size into :attr:`StepFacts.rss_bytes` at a step's
+        end, at most every ``period_s`` seconds (one ``pread``; steps between read nothing)."""
+        self._rss_period = min(self._rss_period, period_s)
+        self._rss_due = 0.0
+
     def event(self, kind: str, /, **detail: Any) -> None:
         """Record an event in the current step. Cheap: no I/O until the next flush."""
         if (
@@ -368,11 +379,14 @@ class Probe:
             "probe_s": spent,
         }
         self._probe_time = 0.0
+        if now >= self._rss_due:
+            self._rss_due = now + self._rss_period
+            facts.rss_bytes = read_rss_bytes()
         dispatch = self.hub.dispatch
         subs = dispatch.subs["on_step_end"]
         if subs and not dispatch.closed:
             dispatch.deliver(subs, (step, record, facts))
-        if dispatch.folders:
+        if dispatch.subs["on_step_fold"]:
             self._unfolded.append((step, record, facts))
         self._pending_steps.append(record)
         self.step = step + 1
@@ -550,17 +564,18 @@ class Probe:
             self._probe_time += self._last_flush - t
 
     def _fold_steps(self) -> None:
-        """The folds_at_flush collectors fill in the records of the steps since the last call,
-        in step order (their events dated to the step). Training thread only."""
+        """The collectors fill in the records of the steps since the last call
+        (``on_step_fold``), in step order (their events dated to the step). Training thread
+        only."""
         unfolded = self._unfolded
         if not unfolded:
             return
-        deliver = self.hub.dispatch.deliver
+        dispatch = self.hub.dispatch
         try:
             while unfolded:  # taken one by one: a step ended meanwhile is not lost
                 step, record, facts = unfolded.popleft()
                 self._event_step = step
-                deliver(self.hub.dispatch.folders, (step, record, facts))
+                dispatch.deliver(dispatch.subs["on_step_fold"], (step, record, facts))
         finally:
             self._event_step = None
 

@@ -8,6 +8,7 @@ arguments, so the order collectors run in cannot change what they record.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -74,6 +75,13 @@ class StepFacts:
             had not seen before, with the user's line that entered it.
         clip_calls: gradient-clipping calls; ``clip_scaled`` those on still-scaled gradients
             (counted by the scaler collector's ``on_clip``).
+        input_nonfinite: non-finite elements in the floating tensors passed to the root
+            models' forward (None: no input was checked; gathered when a collector asks,
+            ``checks_inputs``): a Python int on CPU, else a device count read back at flush.
+        data_wait_s: seconds spent inside ``DataLoader`` iterators' ``__next__`` (the probe's own
+            time excluded); ``batches``: batches fetched.
+        rss_bytes: the process's resident set size read at this step's end, when a collector
+            asked for it (:meth:`Probe.watch_rss`) and its period had passed; else None.
         detail: a detail step (``Config.details_every``, a sampled step, or the boundary not
             known yet): only then are ``unscale_calls``/``unscaled_opts``, ``scaler_steps``,
             ``autocast``/``autocast_new`` and clipping gathered, and ``phase_s`` on the
@@ -102,7 +110,21 @@ class StepFacts:
     autocast_new: list[tuple[str, str | None, bool, str | None]] = field(default_factory=list)
     clip_calls: int = 0
     clip_scaled: int = 0
+    input_nonfinite: torch.Tensor | int | None = None
+    data_wait_s: float = 0.0
+    batches: int = 0
+    rss_bytes: int | None = None
     detail: bool = True
+
+    def host_nonfinite(self) -> bool:
+        """Something of the step is non-finite as far as its host values tell: found-inf, the
+        loss or the inputs (a value on an accelerator is not read: it counts as finite here)."""
+        found, loss, inputs = self.found_inf, self.loss, self.input_nonfinite
+        return (
+            (type(found) is float and found > 0)
+            or (type(loss) is float and not math.isfinite(loss))
+            or (type(inputs) is int and inputs > 0)
+        )
 
 
 class FlushWriter:
@@ -156,13 +178,8 @@ class Collector:
         phase_times: the hub times the forward, backward and optimizer phases for it on the
             steps ``Config.details_every`` selects (:attr:`StepFacts.phase_s`; no event per
             phase).
-        folds_at_flush: its :meth:`on_step_end` fills the step's record from its arguments (the
-            record and the step's facts) and its own state alone, never from the live job (what
-            it reads once a run for the manifest, such as a framework's setting, is not a step's
-            record): the probe calls it for each
-            step at the next flush (or when live metrics are read), in step order and with
-            events dated to their step, instead of at the step's end (run warm, in a batch,
-            where a call at each step's end costs its cold code every step).
+        checks_inputs: the hub counts the non-finite elements of the root models' floating
+            inputs on every step (:attr:`StepFacts.input_nonfinite`).
         samples: its :meth:`on_step_begin` only decides whether to sample the step (through
             the probe's :class:`~amprobe.capture.budget.SampleBudget`): the hub skips it on the
             steps no sample can be due (``budget.quiet(step)``) unless the collector asked for
@@ -178,7 +195,7 @@ class Collector:
     track_modules: ClassVar[bool] = False
     detail_events: ClassVar[frozenset[str]] = frozenset()
     phase_times: ClassVar[bool] = False
-    folds_at_flush: ClassVar[bool] = False
+    checks_inputs: ClassVar[bool] = False
     samples: ClassVar[bool] = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -246,8 +263,9 @@ class Collector:
     def on_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """An aten op ran (below autocast and autograd), on steps this collector asked for."""
 
-    def on_batch(self, wait_s: float, iterator: Any) -> None:
-        """A DataLoader iterator returned a batch after ``wait_s`` seconds (probe time excluded)."""
+    def on_dataloader(self, iterator: Any) -> None:
+        """A DataLoader iterator returned its first batch (its waits go into
+        :attr:`StepFacts.data_wait_s`)."""
 
     def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
         """A root model's forward starts."""
@@ -297,6 +315,20 @@ class Collector:
     ) -> None:
         """``GradScaler.update`` of the scaler that owns the step boundary ran (device tensors)."""
 
+    def on_step_nonfinite(self, step: int, facts: StepFacts) -> None:
+        """Iteration ``step`` is ending and its host values show something non-finite
+        (:meth:`StepFacts.host_nonfinite`: a CPU run; on an accelerator those values are read
+        at flush). Delivered before ``on_step_end`` and the next ``on_step_begin``."""
+
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        """Iteration ``step`` ended: add this collector's declared fields to ``record``
-        (device tensors are fine: the probe reads them back at flush)."""
+        """Iteration ``step`` ended, now: what must be read from the live job at this moment
+        (a CUDA allocator's peak, a sample's buffers) goes into ``record`` (device tensors are
+        fine: the probe reads them back at flush). Everything that follows from the step's
+        facts belongs in :meth:`on_step_fold`, which costs the step nothing."""
+
+    def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        """Fill in iteration ``step``'s record from its ``facts`` and this collector's own
+        state, never from the live job: called at the next flush (or when live metrics are
+        read) for each step, in step order, with the events it records dated to ``step``,
+        after that step's ``on_step_end``. A run's once-only readings for the manifest (a
+        framework's setting) may be made at a fold."""

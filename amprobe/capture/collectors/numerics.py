@@ -104,7 +104,6 @@ from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.capture.collectors.numstats import NBINS as _NBINS
 from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
 from amprobe.capture.collectors.sharded import (
-    PLAIN_TENSORS,
     local_tensor,
     user_class_name,
     user_module_name,
@@ -227,8 +226,10 @@ class NumericsCollector(Collector):
     name = "numerics"
     samples = True  # on_step_begin decides its samples (skipped on quiet steps)
     fields: ClassVar[tuple[Field, ...]] = fields_of("numerics")
-    # the scaler that divides the gradients matters on the steps measured in full
-    detail_events = frozenset({"on_scale"})
+    # the scaler that divides the gradients, and the root models' inputs, matter on the steps
+    # measured in full
+    detail_events = frozenset({"on_scale", "on_forward_begin"})
+    checks_inputs = True  # the hub counts the inputs' non-finite elements on every step
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -255,12 +256,10 @@ class NumericsCollector(Collector):
         self._pool: list[StepStats] = []
         self._device: torch.device | None = None
         self._ones: torch.Tensor | None = None
-        self._input_bad: torch.Tensor | int | None = None
         self._watch: list[dict[str, Any]] = []
         # CUDA: (step, pinned host flag, event) copies in flight; read once the event has passed
         self._in_flight: list[tuple[int, torch.Tensor, Any]] = []
         self._scaler: weakref.ReferenceType[GradScaler] | None = None
-        self._inputs_described: set[int] = set()
         self._nonfinite_modules: set[str] = set()
         # armed steps: (step, parameter names, device flags "holds inf/NaN") not read yet
         self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
@@ -664,6 +663,10 @@ class NumericsCollector(Collector):
         return hook
 
     def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        """On the steps measured in full: the root model's floating inputs into their slots
+        (their non-finite count on every step is the hub's, ``StepFacts.input_nonfinite``)."""
+        if not self._capture_handles:
+            return
         root = None
         for ref, r in self._roots:
             if ref() is model:
@@ -671,42 +674,15 @@ class NumericsCollector(Collector):
                 break
         if root is None:
             return
-        if root not in self._inputs_described:
-            self._describe_inputs(root, model, args, kwargs)
-        capturing = bool(self._capture_handles)
-        sync_free = self._sync_free()
-        bad = self._input_bad
+        slots = self._input_slots[root]
         i = 0
         for t in (*args, *kwargs.values()) if kwargs else args:
-            if not isinstance(t, torch.Tensor):
+            if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
                 continue
-            if bad is None:
-                bad = 0  # integer inputs (token ids) cannot be non-finite: checked
-            if not t.is_floating_point():
-                continue
-            if type(t) not in PLAIN_TENSORS:
-                t = local_tensor(t)
-            # in the kernel on CPU (no dispatched op), else a device count read at flush
-            bad = bad + count_nonfinite(t, sync_free)
-            if capturing and i < _MAX_INPUTS:
-                self._measure(self._input_slots[root][i], t)
+            if i >= _MAX_INPUTS:
+                break
+            self._measure(slots[i], t)  # (a DTensor is measured as its local shard)
             i += 1
-        self._input_bad = bad
-
-    def _describe_inputs(
-        self, root: int, model: torch.nn.Module, args: Any, kwargs: dict[str, Any]
-    ) -> None:
-        """The ``model_inputs`` event, once per root model."""
-        self._inputs_described.add(root)
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        floating = sum(1 for t in tensors if t.is_floating_point())
-        self.probe.event(
-            "model_inputs",
-            root=user_class_name(model),
-            floating=floating,
-            integer=len(tensors) - floating,
-            dtypes=sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
-        )
 
     # -- step boundary ------------------------------------------------------------------------------
     def wants_detail(self, step: int) -> bool:
@@ -714,6 +690,7 @@ class NumericsCollector(Collector):
 
     def on_step_begin(self, step: int) -> None:
         self._sampled_now = sampled = self._sampled(step)
+        self._live_step_end()
         GRAPH_SAMPLE.on = bool(self._graph) and sampled
         if sampled:
             self._install_capture()
@@ -761,22 +738,24 @@ class NumericsCollector(Collector):
     def on_recording(self, active: bool) -> None:
         if not active:
             self._remove_capture()
-        self._input_bad = None
+
+    def _live_step_end(self) -> None:
+        """Called at a step's end only when there is live work there: a step measured in
+        full, or non-finite flags on an accelerator (or a device not known yet) to copy to the
+        host; on CPU a non-finite step arms the capture through ``on_step_nonfinite``."""
+        live = self._sampled_now or self._sync_free() or bool(self._in_flight)
+        self.probe.hub.dispatch.mute(self, "on_step_end", muted=not live)
+
+    def on_step_nonfinite(self, step: int, facts: StepFacts) -> None:
+        self._arm(step)  # host values: the next steps are measured in full at once
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        record["numerics_sampled"] = bool(self._capture_handles) or GRAPH_SAMPLE.on
+        """Live (see :meth:`_live_step_end`): a sampled step's buffers, and on an accelerator
+        the step's non-finite flags."""
+        if self._capture_handles or GRAPH_SAMPLE.on:
+            record["numerics_sampled"] = True
         if GRAPH_SAMPLE.on:
             self._graph_step_end(step)
-        in_bad = self._input_bad
-        if in_bad is not None:
-            record["input_nonfinite"] = in_bad
-            self._input_bad = None
-        loss = facts.loss
-        loss_bad: Any = None
-        if type(loss) is float:
-            loss_bad = record["loss_nonfinite"] = not math.isfinite(loss)
-        elif isinstance(loss, torch.Tensor):
-            loss_bad = record["loss_nonfinite"] = ~torch.isfinite(loss).all()
         cap = self._cur
         if cap is not None:
             if cap.step == step:
@@ -786,23 +765,30 @@ class NumericsCollector(Collector):
                     self._note_nonfinite(cap)
                     self._note_kernel()
             self._cur = None
-        found = facts.found_inf
-        device = self._device
-        if device is not None and device.type == "cpu":
-            # reading a CPU value costs no device sync: arm at once
-            if _bad(in_bad, found, loss_bad):
-                self._arm(step)
-        else:
-            flags = {"step": step, "found_inf": found}
-            if in_bad is not None:
-                flags["input_nonfinite"] = in_bad
+        if self._sync_free():
+            # an accelerator's flags: read back at flush with the step records, and on CUDA
+            # copied to pinned memory at once (no sync)
+            flags: dict[str, Any] = {"step": step, "found_inf": facts.found_inf}
+            if facts.input_nonfinite is not None:
+                flags["input_nonfinite"] = facts.input_nonfinite
+            loss_bad = _loss_nonfinite(facts.loss)
             if loss_bad is not None:
-                flags["loss_nonfinite"] = loss_bad
-            self._watch.append(flags)  # fallback: read back at flush with the step records
+                flags["loss_nonfinite"] = record["loss_nonfinite"] = loss_bad
+            self._watch.append(flags)
+            device = self._device
             if device is not None and device.type == "cuda":
                 self._watch_async(step, flags)
         if self._in_flight:
             self._poll_in_flight()
+
+    def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        record.setdefault("numerics_sampled", False)
+        if facts.input_nonfinite is not None:
+            record["input_nonfinite"] = facts.input_nonfinite
+        if "loss_nonfinite" not in record:
+            loss_bad = _loss_nonfinite(facts.loss)
+            if loss_bad is not None:
+                record["loss_nonfinite"] = loss_bad
 
     def _watch_async(self, step: int, record: dict[str, Any]) -> None:
         """Copy this step's "something is non-finite" flag to pinned host memory, no sync.
@@ -1044,18 +1030,23 @@ def _pinned_flag() -> torch.Tensor:
     return torch.empty((), dtype=torch.bool, pin_memory=True)
 
 
-def _bad(input_nonfinite: Any, found_inf: Any, loss_nonfinite: Any) -> bool:
-    """A step's "something is non-finite" flags (host values or CPU tensors; None: unknown)."""
-    for count in (input_nonfinite, found_inf):
-        if count is not None and bool(count > 0):
-            return True
-    return bool(loss_nonfinite or False)
+def _loss_nonfinite(loss: Any) -> Any:
+    """Whether the step's loss is non-finite: a bool for a host number, a device bool tensor
+    otherwise (read back at flush), None when no loss was seen."""
+    if type(loss) is float:
+        return not math.isfinite(loss)
+    if isinstance(loss, torch.Tensor):
+        return ~torch.isfinite(loss).all()
+    return None
 
 
 def _record_bad(record: dict[str, Any]) -> bool:
-    return _bad(
-        record.get("input_nonfinite"), record.get("found_inf"), record.get("loss_nonfinite")
-    )
+    """A step's "something is non-finite" flags, read back (None: unknown)."""
+    for key in ("input_nonfinite", "found_inf"):
+        count = record.get(key)
+        if count is not None and bool(count > 0):
+            return True
+    return bool(record.get("loss_nonfinite") or False)
 
 
 def _bits_to_float(bits: int) -> float:

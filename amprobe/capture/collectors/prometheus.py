@@ -149,7 +149,7 @@ class PrometheusCollector(Collector):
         return f"http://{self.host}:{self.port}/metrics"
 
     # -- hot path: keep a reference, read nothing -----------------------------------------------
-    def on_step_end(self, step: int, record: dict[str, Any], facts: Any) -> None:
+    def on_step_fold(self, step: int, record: dict[str, Any], facts: Any) -> None:
         if self._pending_start:
             self._start()  # raising here switches only this collector off (dispatcher)
         self._records.append(record)

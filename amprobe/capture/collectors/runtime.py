@@ -6,6 +6,7 @@ without adding a host-device sync on the hot path.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import time
@@ -79,12 +80,15 @@ class RuntimeCollector(Collector):
     ``sync_counting_stopped``.
 
     The phases are timed by the hub's phase clock (:mod:`amprobe.capture.phases`, asked for
-    with ``phase_times``): no event per phase reaches this collector; it reads
-    :attr:`StepFacts.phase_s` at the step's end.
+    with ``phase_times``), the data wait by the hub's ``DataLoader`` wrapper and the resident
+    set size by the probe (:meth:`~amprobe.capture.probe.Probe.watch_rss`): all of them are
+    step facts, folded into the records at flush (``on_step_fold``). Only on CUDA is this
+    collector called at a step's end (the allocator's peak is live state).
 
-    Cost: two ``perf_counter`` calls per batch and per timed phase, one ``pread`` of ``/proc`` per 0.5 s;
-    on CUDA two events per phase and a host-side allocator query. The NVML sampler runs in its
-    own thread. Sync counting (the hub's op mode) costs about 10 % on sampled steps only.
+    Cost: two ``perf_counter`` calls per batch and per timed phase, one ``pread`` of ``/proc``
+    per 0.5 s; on CUDA two events per phase and a host-side allocator query at each step's end.
+    The NVML sampler runs in its own thread. Sync counting (the hub's op mode) costs about 10 %
+    on sampled steps only.
     """
 
     name = "runtime"
@@ -100,24 +104,23 @@ class RuntimeCollector(Collector):
         self._syncs_every, fixed = cfg.sample_period("syncs_every")
         every = self._syncs_every
         probe.budget.register("syncs", every, fixed=fixed, first=1 % every if every > 0 else 0)
-        self._wait = 0.0
-        self._batches = 0
         self._cuda_events: list[tuple[int, str, Any, Any]] = []
         self._sync_rows: list[dict[str, Any]] = []
         self._counter: SyncCounter | None = None
+        # the sampled steps' counters, read when their records are folded
+        self._counters: collections.deque[tuple[int, SyncCounter]] = collections.deque()
         # what a CPU run's sync counter takes as device tensors (see amprobe.capture.collectors.syncs)
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._scalers: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()
         self._sampler: GpuSampler | None = None
         self._sampler_started = False
-        self._device_seen: Any = None
-        self._cuda = False
-        self._rss_t = -RSS_PERIOD_S
+        self._device_known = False
         self._rss_value: int | None = None
         self._event_counts: dict[str, int] = defaultdict(int)
         self._loader_configs: set[tuple[Any, ...]] = set()
-        self._iterators_seen: weakref.WeakSet[Any] = weakref.WeakSet()
+        probe.watch_rss(RSS_PERIOD_S)
+        probe.hub.dispatch.mute(self, "on_step_end")  # until the device is known to be CUDA
         self._maybe_start_sampler()
 
     def on_close(self) -> None:
@@ -132,21 +135,17 @@ class RuntimeCollector(Collector):
     # -- objects ------------------------------------------------------------------------------
     def on_model(self, model: torch.nn.Module) -> None:
         self._models.add(model)
+        self._note_device()
 
     def on_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizers.add(optimizer)
+        self._note_device()
 
     def on_scaler(self, scaler: torch.amp.GradScaler, site: str | None) -> None:
         self._scalers.add(scaler)
 
     # -- data loader --------------------------------------------------------------------------
-    def on_batch(self, wait_s: float, iterator: Any) -> None:
-        self._wait += wait_s
-        self._batches += 1
-        if iterator in self._iterators_seen:
-            return
-        with contextlib.suppress(TypeError):
-            self._iterators_seen.add(iterator)
+    def on_dataloader(self, iterator: Any) -> None:
         config = (
             getattr(iterator, "_num_workers", None),
             getattr(iterator, "_prefetch_factor", None),
@@ -170,21 +169,16 @@ class RuntimeCollector(Collector):
         if self._counter is not None:
             self._counter.mark((loss,))
 
-    def _is_cuda(self) -> bool:
-        """Whether the training device is CUDA (known once the first model or tensor is)."""
+    def _note_device(self) -> None:
+        """The training device is known (first model or optimizer): on CUDA the allocator's
+        peak is read at every step's end; the GPU sampler starts."""
         device = self.probe.device
-        if device is not self._device_seen:  # known once the first model or tensor is seen
-            self._device_seen = device
-            self._cuda = device is not None and device.type == "cuda"
-        return self._cuda
-
-    def _rss(self, now: float) -> int | None:
-        """The resident set size, read from ``/proc`` at most every :data:`RSS_PERIOD_S`: a step
-        of a fast job reuses the last reading (no filesystem call per step)."""
-        if now - self._rss_t >= RSS_PERIOD_S:
-            self._rss_t = now
-            self._rss_value = read_rss_bytes()
-        return self._rss_value
+        if device is None or self._device_known:
+            return
+        self._device_known = True
+        if device.type == "cuda":
+            self.probe.hub.dispatch.mute(self, "on_step_end", muted=False)
+        self._maybe_start_sampler()
 
     # -- syncs: the hub's op mode on sampled steps ---------------------------------------------
     def on_step_begin(self, step: int) -> None:
@@ -193,6 +187,7 @@ class RuntimeCollector(Collector):
         # steps 1, 1 + N, ... (every step when N = 1), spaced by the budget by default
         if device is not None and self.probe.budget.due("syncs", step):
             self._counter = SyncCounter(device.type)
+            self._counters.append((step, self._counter))  # its counts are read at the fold
             if device.type == "cpu":
                 self._counter.mark(self._model_tensors())
 
@@ -225,18 +220,15 @@ class RuntimeCollector(Collector):
 
     def on_recording(self, active: bool) -> None:
         self._counter = None
-        self._reset()
-
-    def _reset(self) -> None:
-        self._wait = 0.0
-        self._batches = 0
 
     # -- step boundary ------------------------------------------------------------------------
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        now = time.perf_counter()
-        counter, self._counter = self._counter, None
-        record["data_wait_s"] = self._wait
-        record["batches"] = self._batches
+        """CUDA only (muted elsewhere): the allocator's peak, which a later read would lose."""
+        record["peak_mem_bytes"] = self._peak_memory()
+
+    def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        record["data_wait_s"] = facts.data_wait_s
+        record["batches"] = facts.batches
         phase_s = facts.phase_s
         if phase_s is not None:
             record["fwd_s"] = phase_s["fwd"]
@@ -244,10 +236,14 @@ class RuntimeCollector(Collector):
             record["opt_s"] = phase_s["opt"]
         for phase, start, end in facts.cuda_phases:
             self._cuda_events.append((step, phase, start, end))
-        record["rss_bytes"] = self._rss(now)
-        if self._is_cuda():
-            record["peak_mem_bytes"] = self._peak_memory()
-        if counter is not None:
+        if facts.rss_bytes is not None:
+            self._rss_value = facts.rss_bytes
+        record["rss_bytes"] = self._rss_value  # steps between two readings repeat the last
+        counters = self._counters
+        while counters and counters[0][0] < step:
+            counters.popleft()  # (a step that did not end: recording stopped inside it)
+        if counters and counters[0][0] == step:
+            counter = counters.popleft()[1]
             counts = counter.take()
             record["syncs_sampled"] = True
             record["syncs"] = sum(n for (_, _, kind), n in counts.items() if kind == "user")
@@ -262,7 +258,6 @@ class RuntimeCollector(Collector):
                 }
                 for (site, op, kind), n in counts.items()
             )
-        self._reset()
         if not self._sampler_started:
             self._maybe_start_sampler()
 

@@ -48,7 +48,7 @@ class ScalerCollector(Collector):
     Step boundaries come from the hub: the ``update()`` of the first GradScaler used, else the
     ``step()`` of the first optimizer that steps. A skipped iteration is still an iteration.
 
-    The record of a step is filled in from its facts at the next flush (``folds_at_flush``),
+    The record of a step is filled in from its facts at the next flush (``on_step_fold``),
     with its events dated to it.
 
     Manifest (once, at the first step's fold): the AMP setting of a framework in the process
@@ -60,8 +60,6 @@ class ScalerCollector(Collector):
 
     name = "scaler"
     fields: ClassVar[tuple[Field, ...]] = fields_of("scaler")
-    # the step's record comes from its facts alone: filled in at flush, in a batch
-    folds_at_flush = True
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -182,7 +180,7 @@ class ScalerCollector(Collector):
             self.probe.annotate_manifest(**facts)
             return
 
-    def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+    def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         if not self._sharding_read:
             self._read_once()
         for scaler, optimizer in facts.scaler_steps:
