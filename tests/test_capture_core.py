@@ -472,3 +472,58 @@ def test_a_folding_collector_fills_step_records_at_flush_with_events_dated_to_th
     seen = {e["dtype"]: e["step"] for e in run.events_of("autocast_seen")}
     assert seen == {"bfloat16": 0, "float16": 3}
     assert [e["step"] for e in run.events_of("scaler_bound")] == [0]
+
+
+def test_no_collector_runs_at_an_unsampled_cpu_step_end(tmp_path, monkeypatch):
+    """With the collectors of every step (scaler, runtime, numerics) on CPU, a step's end
+    calls no collector unless the step is sampled: the data wait, the inputs' non-finite count and the resident set size are step
+    facts, folded into the records at flush with the rest (here through a DataLoader, with a
+    NaN batch that must still arm the per-layer capture at once, not at the flush)."""
+    from amprobe.capture.dispatch import Dispatcher
+
+    ended: list[tuple[int, list[str]]] = []
+    real = Dispatcher.deliver
+
+    def spy(self, subs, args):
+        if subs is self.subs["on_step_end"] and subs:
+            ended.append((args[0], sorted(c.name for c, _ in subs)))
+        return real(self, subs, args)
+
+    monkeypatch.setattr(Dispatcher, "deliver", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.randn(40, 8)
+    data[4 * 7 + 1, 3] = float("nan")  # the batch of step 7
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+    config = {
+        "collectors": ["scaler", "runtime", "numerics"],
+        "numerics_every": 5,
+        "syncs_every": 0,
+        "flush_every": 100,
+    }
+    with amprobe.attach(
+        model=model, optimizer=opt, scaler=scaler, run_dir=tmp_path, config=config
+    ) as probe:
+        for step, (x,) in enumerate(loader):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if step == 7:  # armed at the step's end, before any flush
+                assert [e["kind"] for e in probe._pending_events].count("numerics_armed") == 1
+    run = amprobe.load_run(tmp_path)
+    steps = run.steps.set_index("step")
+    sampled = set(steps.index[steps["numerics_sampled"]])
+    assert {0, 5, 8, 9}.issubset(sampled) and 7 not in sampled, sampled
+    # a step's end reached a collector on the sampled steps only, and only numerics there
+    assert {s for s, _ in ended} == sampled
+    assert all(names == ["numerics"] for _, names in ended), ended
+    assert steps["input_nonfinite"].tolist() == [0] * 7 + [1] + [0] * 2
+    assert steps["loss_nonfinite"].tolist() == [False] * 7 + [True] + [False] * 2
+    assert steps["batches"].tolist() == [1] * 10
+    assert (steps["data_wait_s"] > 0).all()
+    assert steps["rss_bytes"].notna().all() and steps["rss_bytes"].iloc[0] > 0

@@ -121,6 +121,7 @@ class StepBoundary:
         self.detail = True
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         self._inputs_described: set[int] = set()  # root models whose inputs were described
+        self._dtype_names: dict[torch.dtype, str | None] = {}
         #: DataLoader iterators that returned a batch (``on_dataloader`` once each)
         self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         # a collector asked for ops or detail events at the last step start (asked again now)
@@ -159,7 +160,11 @@ class StepBoundary:
         """Add ``loss`` (a scalar backpropagated into ``.grad``, unscaled) to the step's loss."""
         facts = self.facts
         if facts.loss_dtype is None:
-            facts.loss_dtype = dtype_name(loss.dtype)
+            dtype = loss.dtype
+            name = self._dtype_names.get(dtype)
+            if name is None:
+                name = self._dtype_names[dtype] = dtype_name(dtype)
+            facts.loss_dtype = name
         if self.probe.config.capture_loss:
             value = _host_scalar(loss)
             total = facts.loss
@@ -180,9 +185,11 @@ class StepBoundary:
             return
         facts = self.facts
         if scaler not in facts.scalers_scaled:
-            self.see_scaler(scaler, None)
+            if scaler not in self.scalers:
+                self.see_scaler(scaler, None)
             facts.scalers_scaled.append(scaler)
-        self.probe.touch()
+        if self.probe.t_step_start is None:
+            self.probe.touch()
         self._scaled_this_step = True
         loss = outputs if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else None
         if loss is not None and isinstance(result, torch.Tensor):
@@ -212,7 +219,8 @@ class StepBoundary:
 
     def on_backward_begin(self, tensors: Any) -> None:
         """``torch.autograd.backward(tensors)`` starts: the step's loss, then the event."""
-        self.probe.touch()
+        if self.probe.t_step_start is None:
+            self.probe.touch()
         roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
         for root in roots:
             if not (isinstance(root, torch.Tensor) and root.numel() == 1):
@@ -357,7 +365,9 @@ class StepBoundary:
             before["enabled"] = enabled
             scale = getattr(scaler, "_scale", None)
             if enabled and isinstance(scale, torch.Tensor):
-                before["scale_before"] = _host_scalar(scale)
+                # the scale and growth tracker live together: one decision for the update
+                before["host"] = host = _on_host(scale)
+                before["scale_before"] = scale.item() if host else scale.detach().clone()
                 count: float | None = None  # found-inf on the host (reading it is free)
                 total: torch.Tensor | None = None  # on the device: read back at flush
                 for state in scaler._per_optimizer_states.values():
@@ -392,10 +402,12 @@ class StepBoundary:
             facts.scaler_enabled = bool(before.get("enabled", False))
             if "scale_before" in before:
                 facts.scale_before = before["scale_before"]
-                facts.scale_after = _host_scalar(scaler._scale)  # type: ignore[arg-type]
+                host = before["host"]  # (as _host_scalar would read them)
+                scale: Any = scaler._scale
+                facts.scale_after = scale.item() if host else scale.detach().clone()
                 tracker = getattr(scaler, "_growth_tracker", None)
                 if isinstance(tracker, torch.Tensor):
-                    facts.growth_tracker = _host_scalar(tracker)
+                    facts.growth_tracker = tracker.item() if host else tracker.detach().clone()
             facts.found_inf = before.get("found_inf")
             if self._subs["on_scaler_update"]:
                 self._emit(
@@ -413,7 +425,8 @@ class StepBoundary:
             return
         self.see_optimizer(opt)
         if self.probe.recording:
-            self.probe.touch()
+            if self.probe.t_step_start is None:
+                self.probe.touch()
             self.clock.begin("opt")
             if self._subs["on_optimizer_step_begin"]:
                 self._emit("on_optimizer_step_begin", opt)
@@ -450,7 +463,8 @@ class StepBoundary:
         """An engine backpropagates ``loss`` (unscaled) with ``scaler``'s scale (None: unscaled)."""
         if not self.probe.recording:
             return
-        self.probe.touch()
+        if self.probe.t_step_start is None:
+            self.probe.touch()
         self._scaled_this_step = True
         self._engine_scaled = True
         if loss is not None:
@@ -499,10 +513,13 @@ class StepBoundary:
             # autocast inside a compiled region runs in the graph, not through __enter__
             facts.autocast = self.compile.autocast
         facts.scaled.clear()  # the losses scaled in the step: found its loss, held no longer
-        taken = self.clock.take()
-        if taken is not None:
-            facts.phase_s, facts.cuda_phases = taken
-        self.ops.pop()
+        clock = self.clock
+        if clock.on:
+            taken = clock.take()
+            if taken is not None:
+                facts.phase_s, facts.cuda_phases = taken
+        if self.dispatch.observing or self.ops.pushed:
+            self.ops.pop()
         if self.modules.active:
             self.modules.stop()
         if self._subs["on_step_nonfinite"] and facts.host_nonfinite():

@@ -200,18 +200,20 @@ class Dispatcher:
             try:
                 return fn(*args)
             except Exception as exc:
-                self._hub_error(exc)
+                self.hub_error(exc)
                 return None
         self.busy += 1
         try:
             return fn(*args)
         except Exception as exc:
-            self._hub_error(exc)
+            self.hub_error(exc)
             return None
         finally:
             self.busy -= 1
 
-    def _hub_error(self, exc: Exception) -> None:
+    def hub_error(self, exc: Exception) -> None:
+        """A hub body failed: recorded once (``hub_error``), never raised. For the wrappers that
+        inline :meth:`safe`'s guard on the steps no op observer runs (``observing`` False)."""
         if not self._hub_failed:
             self._hub_failed = True
             self.probe.event("hub_error", error=f"{type(exc).__name__}: {exc}", where=_where(exc))

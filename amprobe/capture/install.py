@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.amp import GradScaler
 
-from amprobe.capture.patching import Patch, patch
+from amprobe.capture.patching import OPEN, Patch, patch
 
 if TYPE_CHECKING:
     from amprobe.capture.probe import Probe
@@ -39,7 +39,7 @@ class Installed:
         self,
         owner: Any,
         attr: str,
-        make: Callable[[Any], Any],
+        make: Callable[..., Any],
         inner_calls: set[tuple[int, str]] | None = None,
     ) -> Patch:
         """Replace ``owner.attr`` by ``make(original)`` (see :func:`amprobe.capture.patching.patch`)."""
@@ -99,7 +99,7 @@ class ScalerMethods:
         self._sets = []
         self._reported: set[tuple[type, str]] = set()
 
-    def wrap(self, installed: Installed, makers: dict[str, Callable[[Any], Any]]) -> None:
+    def wrap(self, installed: Installed, makers: dict[str, Callable[..., Any]]) -> None:
         """Wrap ``GradScaler.<attr>`` by each ``makers[attr]`` in ``installed``, and the
         overrides of every subclass seen so far (and of those seen while ``installed`` lives)."""
         hooked: dict[str, set[type]] = {}
@@ -116,7 +116,7 @@ class ScalerMethods:
         """Forget the set wrapped in ``installed`` (its owner removes the patches)."""
         self._sets = [entry for entry in self._sets if entry[0] is not installed]
 
-    def _outermost(self, attr: str, make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def _outermost(self, attr: str, make: Callable[..., Any]) -> Callable[[Any], Any]:
         """``make`` whose wrapper acts only in the outermost ``<attr>`` call on a scaler.
 
         A subclass's own ``update`` that calls ``super().update()`` reaches the wrapped base
@@ -130,7 +130,8 @@ class ScalerMethods:
         active = self._active
 
         def make_outermost(orig: Any) -> Any:
-            inner = make(orig)
+            # (a gated maker's wrapper: this one's patch gates it)
+            inner = make(orig, OPEN) if getattr(make, "gated", False) else make(orig)
 
             def outermost(scaler: Any, *args: Any, **kwargs: Any) -> Any:
                 key = (id(scaler), attr)

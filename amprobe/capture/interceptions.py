@@ -46,6 +46,7 @@ from amprobe.capture.collectors.compiled import is_compiled_module, is_compiling
 from amprobe.capture.compilewatch import CompileWatch
 from amprobe.capture.dispatch import Dispatcher
 from amprobe.capture.install import Installed, ScalerMethods
+from amprobe.capture.patching import gated
 from amprobe.capture.sites import dtype_name, user_call_site
 from amprobe.capture.sources import EngineSources
 
@@ -92,6 +93,14 @@ class Interceptions:
         watch = self.compile
         clip = self._maybe_clip
         in_scaler_step = boundary.in_scaler_step
+        dispatch = self.dispatch
+        hub_error = dispatch.hub_error
+        clock = boundary.clock
+        subs = dispatch.subs
+        on_scale = boundary.on_scale
+        on_backward_begin = boundary.on_backward_begin
+        update_begins = boundary.update_begins
+        after_update = boundary.after_update
         iterators = boundary.iterators
 
         def see_iterator(iterator: Any) -> None:
@@ -106,27 +115,50 @@ class Interceptions:
 
             return __init__
 
-        def wrap_scale(orig: Any) -> Any:
+        # the wrappers every step runs are gated (see amprobe.capture.patching.gated): they
+        # pass straight to the original once removed, and on a subclass's inner call
+        @gated
+        def wrap_scale(orig: Any, gate: Any) -> Any:
             def scale(self: GradScaler, outputs: Any) -> Any:
+                inner = gate.inner_calls
+                if not gate.alive or (inner and (id(self), "scale") in inner):
+                    return orig(self, outputs)
                 result = orig(self, outputs)
-                if not probe.closed:
-                    safe(boundary.on_scale, self, outputs, result)
+                if probe.closed:
+                    return result
+                if dispatch.observing:
+                    safe(on_scale, self, outputs, result)
+                else:  # safe(), inlined: every step runs this
+                    try:
+                        on_scale(self, outputs, result)
+                    except Exception as exc:
+                        hub_error(exc)
                 return result
 
             return scale
 
-        def wrap_unscale(orig: Any) -> Any:
+        @gated
+        def wrap_unscale(orig: Any, gate: Any) -> Any:
             def unscale_(self: GradScaler, optimizer: Optimizer) -> None:
+                inner = gate.inner_calls
+                if not gate.alive or (inner and (id(self), "unscale_") in inner):
+                    return orig(self, optimizer)  # type: ignore[no-any-return]
                 orig(self, optimizer)
                 if boundary.detail and probe.recording and not probe.closed:
                     safe(boundary.on_unscale, self, optimizer)
 
             return unscale_
 
-        def wrap_scaler_step(orig: Any) -> Any:
+        @gated
+        def wrap_scaler_step(orig: Any, gate: Any) -> Any:
             def step(self: GradScaler, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+                inner = gate.inner_calls
+                if not gate.alive or (inner and (id(self), "step") in inner):
+                    return orig(self, optimizer, *args, **kwargs)
                 if boundary.detail and not probe.closed:
                     safe(boundary.on_scaler_step, self, optimizer)
+                if boundary.mode is not None:  # the depth only tells an unknown boundary
+                    return orig(self, optimizer, *args, **kwargs)
                 depth = getattr(in_scaler_step, "depth", 0)
                 in_scaler_step.depth = depth + 1
                 try:
@@ -136,14 +168,30 @@ class Interceptions:
 
             return step
 
-        def wrap_update(orig: Any) -> Any:
+        @gated
+        def wrap_update(orig: Any, gate: Any) -> Any:
             def update(self: GradScaler, new_scale: Any = None) -> None:
-                before = None
-                if not probe.closed:
-                    before = safe(boundary.update_begins, self)
+                inner = gate.inner_calls
+                if not gate.alive or (inner and (id(self), "update") in inner):
+                    return orig(self, new_scale)  # type: ignore[no-any-return]
+                if probe.closed:
+                    return orig(self, new_scale)  # type: ignore[no-any-return]
+                if dispatch.observing:
+                    before = safe(update_begins, self)
+                    orig(self, new_scale)
+                    safe(after_update, self, before or {})
+                    return None
+                try:  # safe(), inlined: every step runs this
+                    before = update_begins(self)
+                except Exception as exc:
+                    hub_error(exc)
+                    before = {}
                 orig(self, new_scale)
-                if not probe.closed:  # the step boundary survives a failed read of internals
-                    safe(boundary.after_update, self, before or {})
+                try:  # the step boundary survives a failed read of internals
+                    after_update(self, before)
+                except Exception as exc:
+                    hub_error(exc)
+                return None
 
             return update
 
@@ -175,11 +223,15 @@ class Interceptions:
 
             return load_state_dict
 
-        def wrap_autocast_enter(orig: Any) -> Any:
+        @gated
+        def wrap_autocast_enter(orig: Any, gate: Any) -> Any:
             def __enter__(self: autocast) -> Any:
                 result = orig(self)
+                if not gate.alive:
+                    return result
                 if boundary.detail and probe.recording and not probe.closed:
-                    probe.touch()
+                    if probe.t_step_start is None:
+                        probe.touch()
                     safe(
                         boundary.on_autocast,
                         str(getattr(self, "device", "?")),
@@ -190,23 +242,32 @@ class Interceptions:
 
             return __enter__
 
-        def wrap_autocast_exit(orig: Any) -> Any:
+        @gated
+        def wrap_autocast_exit(orig: Any, gate: Any) -> Any:
             def __exit__(self: autocast, *exc: Any) -> Any:
-                if boundary.detail and probe.recording and not probe.closed:
+                if boundary.detail and gate.alive and probe.recording and not probe.closed:
                     safe(boundary.on_autocast_exit, str(getattr(self, "device", "?")))
                 return orig(self, *exc)
 
             return __exit__
 
-        def wrap_backward(orig: Any) -> Any:
+        @gated
+        def wrap_backward(orig: Any, gate: Any) -> Any:
             def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-                if not probe.recording or probe.closed:
+                if not gate.alive or not probe.recording or probe.closed:
                     return orig(tensors, *args, **kwargs)
-                safe(boundary.on_backward_begin, tensors)
+                if dispatch.observing:
+                    safe(on_backward_begin, tensors)
+                else:  # safe(), inlined: every step runs this
+                    try:
+                        on_backward_begin(tensors)
+                    except Exception as exc:
+                        hub_error(exc)
                 try:
                     return orig(tensors, *args, **kwargs)
                 finally:
-                    safe(boundary.on_backward_end)
+                    if clock.on or subs["on_backward_end"]:
+                        safe(boundary.on_backward_end)
 
             return backward
 
@@ -214,7 +275,8 @@ class Interceptions:
             def __next__(self_it: Any) -> Any:
                 if not probe.recording or probe.closed:
                     return orig(self_it)
-                probe.touch()
+                if probe.t_step_start is None:
+                    probe.touch()
                 t0 = time.perf_counter()
                 p0 = probe.probe_time
                 try:
@@ -268,7 +330,18 @@ class Interceptions:
         )
         installed.patch(Optimizer, "__init__", wrap_opt_init)
         installed.patch(Optimizer, "load_state_dict", wrap_opt_load)
-        installed.hook(register_optimizer_step_post_hook(lambda *a: safe(boundary.opt_post, *a)))
+        opt_post = boundary.opt_post
+
+        def post_hook(opt: Optimizer, args: Any, kwargs: Any) -> None:
+            if dispatch.observing:
+                safe(opt_post, opt, args, kwargs)
+                return
+            try:  # safe(), inlined: every step runs this
+                opt_post(opt, args, kwargs)
+            except Exception as exc:
+                hub_error(exc)
+
+        installed.hook(register_optimizer_step_post_hook(post_hook))
         self.sources.load()
 
     def install_recording(self, layer: Installed) -> None:
@@ -370,13 +443,21 @@ class RootModelHooks:
 
         clock = boundary.clock
         subs = dispatch.subs
+        on_forward_begin = boundary.on_forward_begin
 
         def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             # inside a compiled region (module.compile(), a compiled train step) dynamo traces
             # this hook: it returns at once, so the graph is the one without amprobe
             if probe.recording and not probe.closed and not is_compiling():
-                probe.touch()
-                safe(boundary.on_forward_begin, module, args, kwargs)
+                if probe.t_step_start is None:
+                    probe.touch()
+                if dispatch.observing:
+                    safe(on_forward_begin, module, args, kwargs)
+                    return
+                try:  # safe(), inlined: every step runs this
+                    on_forward_begin(module, args, kwargs)
+                except Exception as exc:
+                    dispatch.hub_error(exc)
 
         def post(module: torch.nn.Module, args: Any, out: Any) -> None:
             # is_compiling() first: what changes between steps is never read inside a graph

@@ -65,27 +65,28 @@ class OpMode:
     def __init__(self, probe: Probe, dispatch: Dispatcher) -> None:
         self.probe = probe
         self.mux = _OpMux(dispatch)
-        self._pushed = False
+        #: the mode is pushed (:meth:`pop` has work to do while this or ``observing`` is set)
+        self.pushed = False
         dispatch.on_failure(self.drop)
 
     def push(self, observers: list[tuple[Collector, Callable[..., None]]]) -> None:
         """Hand this step's ops to ``observers`` (pushes the mode unless it is pushed)."""
         self.mux.observers = observers
         self.mux.dispatch.observing = True
-        if not self._pushed:
+        if not self.pushed:
             self.mux.__enter__()
-            self._pushed = True
+            self.pushed = True
 
     def pop(self, final: bool = False) -> None:
         """Stop handing ops over; pop the mode when it is the innermost one."""
         mux = self.mux
         mux.observers = []
         mux.dispatch.observing = False
-        if not self._pushed:
+        if not self.pushed:
             return
         if _get_current_dispatch_mode() is mux:
             mux.__exit__(None, None, None)
-            self._pushed = False
+            self.pushed = False
         elif final:
             # someone pushed a mode above ours and keeps it: ours stays a pass-through
             self.probe.event("op_mode_left_inert", reason="another TorchDispatchMode is above it")

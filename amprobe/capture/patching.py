@@ -14,10 +14,31 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Patch", "patch"]
+__all__ = ["OPEN", "Patch", "gated", "patch"]
 
 _STACKS: dict[tuple[int, str], list[Patch]] = {}
 _LOCK = threading.Lock()
+
+
+def gated(make: Callable[..., Callable[..., Any]]) -> Callable[..., Callable[..., Any]]:
+    """Mark ``make`` as a maker whose wrapper checks its own patch: it is called as
+    ``make(original, patch)`` and what it returns is installed as it is (no wrapper frame
+    around it, for the wrappers every training step runs). The wrapper must pass straight to
+    ``original`` while ``not patch.alive``, and when ``patch.inner_calls`` (if not None and
+    not empty) holds ``(id(self), attr)`` of the call."""
+    make.gated = True  # type: ignore[attr-defined]
+    return make
+
+
+class _Open:
+    """The patch a gated maker is given where something else gates its wrapper."""
+
+    alive = True
+    inner_calls: set[tuple[int, str]] | None = None
+
+
+#: an always-open gate (see :func:`gated`)
+OPEN = _Open()
 
 
 class Patch:
@@ -27,7 +48,7 @@ class Patch:
         self,
         owner: Any,
         attr: str,
-        make: Callable[[Any], Callable[..., Any]],
+        make: Callable[..., Callable[..., Any]],
         inner_calls: set[tuple[int, str]] | None = None,
     ) -> None:
         self.owner = owner
@@ -35,9 +56,27 @@ class Patch:
         self.own = attr in getattr(owner, "__dict__", {})
         self.original = owner.__dict__[attr] if self.own else getattr(owner, attr)
         self.alive = True
-        impl = make(self.original)
+        self.inner_calls = inner_calls
         original = self.original
 
+        if getattr(make, "gated", False):
+            # the wrapper reads ``alive`` and ``inner_calls`` itself: one frame less per call
+            self.wrapper: Callable[..., Any] = make(original, self)
+        else:
+            self.wrapper = self._wrap(make(original), original, inner_calls, attr)
+        with _LOCK:
+            _STACKS.setdefault((id(owner), attr), []).append(self)
+            setattr(owner, attr, self.wrapper)
+
+    def _wrap(
+        self,
+        impl: Callable[..., Any],
+        original: Any,
+        inner_calls: set[tuple[int, str]] | None,
+        attr: str,
+    ) -> Callable[..., Any]:
+        """``impl`` behind a wrapper that passes to ``original`` once removed (and for inner
+        calls)."""
         if inner_calls is None:
 
             @functools.wraps(impl)
@@ -46,21 +85,18 @@ class Patch:
                     return impl(*args, **kwargs)
                 return original(*args, **kwargs)
 
-        else:
-            active = inner_calls
+            return wrapper
+        active = inner_calls
 
-            @functools.wraps(impl)
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                # a method called again inside its own wrapped call on the same object (a
-                # subclass's override calling super()) passes straight through
-                if self.alive and not (active and (id(args[0]), attr) in active):
-                    return impl(*args, **kwargs)
-                return original(*args, **kwargs)
+        @functools.wraps(impl)
+        def inner_wrapper(*args: Any, **kwargs: Any) -> Any:
+            # a method called again inside its own wrapped call on the same object (a
+            # subclass's override calling super()) passes straight through
+            if self.alive and not (active and (id(args[0]), attr) in active):
+                return impl(*args, **kwargs)
+            return original(*args, **kwargs)
 
-        self.wrapper = wrapper
-        with _LOCK:
-            _STACKS.setdefault((id(owner), attr), []).append(self)
-            setattr(owner, attr, wrapper)
+        return inner_wrapper
 
     def remove(self) -> None:
         """Stop wrapping: pass-through at once, off the attribute once nothing is stacked above."""
@@ -84,7 +120,7 @@ class Patch:
 def patch(
     owner: Any,
     attr: str,
-    make: Callable[[Any], Callable[..., Any]],
+    make: Callable[..., Callable[..., Any]],
     inner_calls: set[tuple[int, str]] | None = None,
 ) -> Patch:
     """Replace ``owner.attr`` by ``make(original)``; return the handle whose ``remove()`` undoes it.

@@ -130,7 +130,9 @@ class Probe:
         self.recording = recording
         self.closed = False
         self._t0 = time.perf_counter()
-        self._t_step_start: float | None = None
+        #: when the step in progress started (``perf_counter``); None until the first activity
+        #: after attach (:meth:`touch`; the wrappers test it before calling)
+        self.t_step_start: float | None = None
         self._probe_time = 0.0
         self._last_flush = time.perf_counter()
         self._pending_steps: list[dict[str, Any]] = []
@@ -149,6 +151,7 @@ class Probe:
         #: spaces the sampled steps of the default schedules within the overhead budget
         self.budget = SampleBudget(self.config.overhead_budget, self.event)
         self.hub = Hub(self)
+        self._subs = self.hub.dispatch.subs  # event -> its subscribers now (kept in place)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
         self._model_labels: list[str] = []  # parallel to models: the user's name for each root
         self.device: torch.device | None = None
@@ -324,8 +327,8 @@ class Probe:
     # -- recording ----------------------------------------------------------------------------
     def touch(self) -> None:
         """Mark activity in the current step (used to time the very first step)."""
-        if self._t_step_start is None:
-            self._t_step_start = time.perf_counter()
+        if self.t_step_start is None:
+            self.t_step_start = time.perf_counter()
 
     def watch_rss(self, period_s: float) -> None:
         """Read the process's resident set size into :attr:`StepFacts.rss_bytes` at a step's
@@ -365,7 +368,7 @@ class Probe:
             self._check_max_steps()
             return
         now = time.perf_counter()
-        start = self._t_step_start
+        start = self.t_step_start
         if start is None:
             start = now
         step = self.step
@@ -382,15 +385,16 @@ class Probe:
         if now >= self._rss_due:
             self._rss_due = now + self._rss_period
             facts.rss_bytes = read_rss_bytes()
-        dispatch = self.hub.dispatch
-        subs = dispatch.subs["on_step_end"]
-        if subs and not dispatch.closed:
-            dispatch.deliver(subs, (step, record, facts))
-        if dispatch.subs["on_step_fold"]:
+        subs = self._subs
+        if subs["on_step_end"]:
+            dispatch = self.hub.dispatch
+            if not dispatch.closed:
+                dispatch.deliver(subs["on_step_end"], (step, record, facts))
+        if subs["on_step_fold"]:
             self._unfolded.append((step, record, facts))
         self._pending_steps.append(record)
         self.step = step + 1
-        self._t_step_start = end = time.perf_counter()
+        self.t_step_start = end = time.perf_counter()
         # the step and the collectors' work at its end (a sampled step's folds), without
         # flushes: what a sampled step costs is measured against an unsampled one's
         took = end - start - spent
@@ -407,11 +411,12 @@ class Probe:
                 self._stop_window("steps")
         if self._control is not None:
             self._apply_control()
-        if self.config.max_steps is not None:
+        config = self.config
+        if config.max_steps is not None:
             self._check_max_steps()
         if self.recording and (
-            len(self._pending_steps) >= self.config.flush_every
-            or now - self._last_flush >= self.config.flush_interval_s
+            len(self._pending_steps) >= config.flush_every
+            or now - self._last_flush >= config.flush_interval_s
         ):
             self.flush()
 
@@ -485,7 +490,7 @@ class Probe:
         self._window_left = steps
         self._window_first = self.step
         self._probe_time = 0.0
-        self._t_step_start = time.perf_counter()
+        self.t_step_start = time.perf_counter()
         self.event(
             "window_start",
             window=self.window,

@@ -300,8 +300,10 @@ class NumericsCollector(Collector):
             for p in model.parameters():
                 self._device = p.device
                 break
-            if self.every and self._device is not None and self._device.type == "cpu":
-                numkernel.start_build()  # compiled beside the first step, not inside it
+            if self._device is not None and self._device.type == "cpu":
+                # compiled beside the first step, not inside it: the hub's input check of every
+                # step uses it too (numerics_every=0 included)
+                numkernel.start_build()
         user_model = unwrap_compiled(model)  # names as written: no torch.compile wrapper
         self._input_slots[root] = [
             self._new_slot(f"<input {root}>[{i}]", user_class_name(model), "input", root)
