@@ -570,17 +570,24 @@ class Probe:
 
     def _fold_steps(self) -> None:
         """The collectors fill in the records of the steps since the last call
-        (``on_step_fold``), in step order (their events dated to the step). Training thread
+        (``on_step_fold``): each collector the steps in step order, its events dated to the
+        step, under the guard once per collector (a batch of warm calls). Training thread
         only."""
         unfolded = self._unfolded
         if not unfolded:
             return
+        batch = list(unfolded)
+        unfolded.clear()
         dispatch = self.hub.dispatch
-        try:
-            while unfolded:  # taken one by one: a step ended meanwhile is not lost
-                step, record, facts = unfolded.popleft()
+
+        def fold(fn: Callable[..., None]) -> None:
+            for step, record, facts in batch:
                 self._event_step = step
-                dispatch.deliver(dispatch.subs["on_step_fold"], (step, record, facts))
+                fn(step, record, facts)
+
+        try:
+            for collector, fn in list(self._subs["on_step_fold"]):
+                dispatch.call(collector, fold, fn)
         finally:
             self._event_step = None
 
