@@ -527,3 +527,47 @@ def test_no_collector_runs_at_an_unsampled_cpu_step_end(tmp_path, monkeypatch):
     assert steps["batches"].tolist() == [1] * 10
     assert (steps["data_wait_s"] > 0).all()
     assert steps["rss_bytes"].notna().all() and steps["rss_bytes"].iloc[0] > 0
+
+
+@pytest.mark.parametrize("first_removed", ["gated", "plain"])
+def test_gated_and_plain_patches_stack_and_come_off_in_any_order(first_removed):
+    """A gated wrapper (no frame around it: it checks its own patch) stacks with a plain one;
+    whichever is removed first passes straight through at once, inner calls named in its
+    ``inner_calls`` pass through, and the original is back once both are gone."""
+    from amprobe.capture.patching import gated, patch
+
+    class Owner:
+        def f(self, x):
+            return [x]
+
+    original = Owner.__dict__["f"]
+    inner: set[tuple[int, str]] = set()
+
+    @gated
+    def make_gated(orig, gate):
+        def f(self, x):
+            if not gate.alive or (gate.inner_calls and (id(self), "f") in gate.inner_calls):
+                return orig(self, x)
+            return ["gated", *orig(self, x)]
+
+        return f
+
+    def make_plain(orig):
+        def f(self, x):
+            return ["plain", *orig(self, x)]
+
+        return f
+
+    handles = {"gated": patch(Owner, "f", make_gated, inner_calls=inner)}
+    handles["plain"] = patch(Owner, "f", make_plain)
+    obj = Owner()
+    assert obj.f(1) == ["plain", "gated", 1]
+    inner.add((id(obj), "f"))
+    assert obj.f(1) == ["plain", 1]  # an inner call on this object: the gated one passes
+    inner.clear()
+    handles[first_removed].remove()
+    other = "plain" if first_removed == "gated" else "gated"
+    assert obj.f(2) == [other, 2]
+    handles[other].remove()
+    assert obj.f(3) == [3]
+    assert Owner.__dict__["f"] is original

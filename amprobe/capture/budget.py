@@ -250,8 +250,10 @@ class SampleBudget:
 
     def end_step(self, seconds: float) -> None:
         """The step in progress took ``seconds`` (collectors' work at its end included)."""
-        now, self._now = self._now, []
-        if not now:
+        now = self._now
+        if now:
+            self._now = []
+        else:  # an unsampled step: the common case
             self.trained_s += seconds
             self.credit += self.fraction * seconds
             self._recent.append(seconds)

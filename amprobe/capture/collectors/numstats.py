@@ -130,6 +130,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the kernel re
 
 # formats of the 16-bit key
 _F16, _BF16, _F32 = 0, 1, 2  # _F32: upper 16 bits of an fp32 (exactly a bf16 truncation)
+_KERNEL_FORMATS = {torch.float16: _F16, torch.bfloat16: _BF16, torch.float32: _F32}
 _KEY_DTYPE = {_F16: torch.float16, _BF16: torch.bfloat16, _F32: torch.bfloat16}
 
 
@@ -173,10 +174,11 @@ def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Ten
     if sync_free is None:
         sync_free = x.device.type != "cpu"
     if not sync_free:
-        if x.dtype in _KERNEL_DTYPES and type(x) in PLAIN_TENSORS and x.is_contiguous():
+        fmt = _KERNEL_FORMATS.get(x.dtype)
+        if fmt is not None and type(x) in PLAIN_TENSORS and x.is_contiguous():
             kern = numkernel.kernel()
             if kern is not None:
-                return int(kern.nonfinite(x.data_ptr(), x.numel(), _key_format(x.dtype)))
+                return int(kern.nonfinite(x.data_ptr(), x.numel(), fmt))
     x = x.detach()
     if not sync_free:
         if x.numel() == 0:
