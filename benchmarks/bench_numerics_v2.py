@@ -63,6 +63,7 @@ from common import TinyGPT, compare_stats, make_batch, train_steps  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 import amprobe  # noqa: E402
+import amprobe.capture.boundary as boundary  # noqa: E402
 import amprobe.capture.collectors.numerics as numerics  # noqa: E402
 from amprobe.capture.collectors import numkernel, numstats  # noqa: E402
 
@@ -95,12 +96,14 @@ class _NoStats:
 
 @contextlib.contextmanager
 def _kernel(stats_cls: Any, nonfinite: Callable[..., Any]) -> Iterator[None]:
-    saved = numerics.StepStats, numerics.count_nonfinite
+    # the collector's statistics and its input counts, and the hub's input check of every step
+    saved = numerics.StepStats, numerics.count_nonfinite, boundary.count_nonfinite
     numerics.StepStats, numerics.count_nonfinite = stats_cls, nonfinite  # type: ignore[misc]
+    boundary.count_nonfinite = nonfinite  # type: ignore[assignment]
     try:
         yield
     finally:
-        numerics.StepStats, numerics.count_nonfinite = saved  # type: ignore[misc]
+        numerics.StepStats, numerics.count_nonfinite, boundary.count_nonfinite = saved  # type: ignore[misc]
 
 
 class _Probe:
