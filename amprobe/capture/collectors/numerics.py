@@ -341,6 +341,8 @@ class NumericsCollector(Collector):
             if self._capture_handles:  # a capture in progress: hook the new root's modules too
                 self._remove_capture()
             self._install_capture()
+            self._sampled_now = True
+        self._live_step_end()  # the device is known: on CPU, nothing at unsampled steps' ends
 
     def _layer_name(self, slot: _Slot) -> str:
         """A slot's layer name: its path in its root model, prefixed with the root's name when

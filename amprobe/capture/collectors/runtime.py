@@ -183,6 +183,8 @@ class RuntimeCollector(Collector):
     # -- syncs: the hub's op mode on sampled steps ---------------------------------------------
     def on_step_begin(self, step: int) -> None:
         self._counter = None
+        if not self._device_known:  # (a device noted after the objects were seen)
+            self._note_device()
         device = self.probe.device
         # steps 1, 1 + N, ... (every step when N = 1), spaced by the budget by default
         if device is not None and self.probe.budget.due("syncs", step):
@@ -258,6 +260,8 @@ class RuntimeCollector(Collector):
                 }
                 for (site, op, kind), n in counts.items()
             )
+        if not self._device_known:
+            self._note_device()
         if not self._sampler_started:
             self._maybe_start_sampler()
 
