@@ -407,3 +407,38 @@ def test_rss_reader_keeps_its_file_open_and_a_forked_child_reads_its_own():
     got, want = (int(v) for v in os.read(read, 100).split())
     os.waitpid(pid, 0)
     assert abs(got - want) < 16 << 20, (got, want)
+
+
+def test_the_step_end_is_called_only_once_the_device_is_known_to_be_cuda(tmp_path, monkeypatch):
+    """The runtime collector folds its records at flush; its live step end (the CUDA
+    allocator's peak, which a later read would lose) is muted on CPU and unmuted when the
+    training device turns out to be CUDA, noted after the objects were seen (faked here at the
+    probe's device and the allocator read)."""
+    from amprobe.capture.collectors.runtime import RuntimeCollector
+
+    monkeypatch.setattr(RuntimeCollector, "_peak_memory", lambda self: 123)
+    monkeypatch.setattr(RuntimeCollector, "_maybe_start_sampler", lambda self, force=False: None)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with amprobe.attach(
+        model, opt, run_dir=tmp_path, config={"collectors": ["runtime"], "syncs_every": 0}
+    ) as probe:
+        runtime = next(c for c in probe.collectors if isinstance(c, RuntimeCollector))
+        subs = probe.hub.dispatch.subs  # event -> its subscribers now
+        step()
+        assert not any(c is runtime for c, _ in subs["on_step_end"])  # CPU: nothing at the end
+        runtime._device_known = False
+        probe.device = torch.device("cuda", 0)  # noted late (an optimizer seen first)
+        runtime.on_step_begin(probe.step)
+        assert any(c is runtime for c, _ in subs["on_step_end"])
+        probe.device = torch.device("cpu")  # the rest of the step runs on this machine
+        step()
+    steps = amprobe.load_run(tmp_path).steps
+    assert steps["peak_mem_bytes"].isna().tolist() == [True, False]
+    assert steps["peak_mem_bytes"].iloc[1] == 123
