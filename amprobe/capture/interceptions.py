@@ -25,6 +25,7 @@ dispatcher's ``emit``/``safe`` or the step boundary directly: no layer in betwee
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import weakref
@@ -104,7 +105,8 @@ class Interceptions:
         iterators = boundary.iterators
 
         def see_iterator(iterator: Any) -> None:
-            iterators.add(iterator)  # (a TypeError for an iterator without weak references)
+            with contextlib.suppress(TypeError):  # (an iterator without weak references)
+                iterators.add(iterator)
             emit("on_dataloader", iterator)
 
         def wrap_scaler_init(orig: Any) -> Any:
