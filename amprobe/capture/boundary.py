@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from amprobe.capture.discovery import RootModelFinder
     from amprobe.capture.probe import Probe
 
-__all__ = ["StepBoundary"]
+__all__ = ["StepBoundary", "host_value"]
 
 
 def _unwrapped_scaler_step() -> tuple[bool, Any]:
@@ -66,8 +66,9 @@ def _host_scalar(t: torch.Tensor) -> Any:
     return t.detach().clone()
 
 
-def _host_value(value: Any) -> Any:
-    """A one-element CPU tensor's value as a Python number (no sync); anything else as it is."""
+def host_value(value: Any) -> Any:
+    """A one-element CPU tensor's value as a Python number or bool (no sync); anything else as
+    it is."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and _on_host(value):
         return value.item()
     return value
@@ -121,7 +122,6 @@ class StepBoundary:
         self.detail = True
         self._autocast_seen: set[tuple[str, str | None, bool]] = set()
         self._inputs_described: set[int] = set()  # root models whose inputs were described
-        self._dtype_names: dict[torch.dtype, str | None] = {}
         #: DataLoader iterators that returned a batch (``on_dataloader`` once each)
         self.iterators: weakref.WeakSet[Any] = weakref.WeakSet()
         # a collector asked for ops or detail events at the last step start (asked again now)
@@ -160,11 +160,7 @@ class StepBoundary:
         """Add ``loss`` (a scalar backpropagated into ``.grad``, unscaled) to the step's loss."""
         facts = self.facts
         if facts.loss_dtype is None:
-            dtype = loss.dtype
-            name = self._dtype_names.get(dtype)
-            if name is None:
-                name = self._dtype_names[dtype] = dtype_name(dtype)
-            facts.loss_dtype = name
+            facts.loss_dtype = dtype_name(loss.dtype)
         if self.probe.config.capture_loss:
             value = _host_scalar(loss)
             total = facts.loss
@@ -490,9 +486,9 @@ class StepBoundary:
             facts.scaler = scaler
             facts.scaler_enabled = scaler is not None
             # host values as Python numbers, as for a GradScaler (read at once: no sync)
-            facts.scale_before = _host_value(scale_before)
-            facts.scale_after = _host_value(scale_after)
-            facts.found_inf = _host_value(found_inf)
+            facts.scale_before = host_value(scale_before)
+            facts.scale_after = host_value(scale_after)
+            facts.found_inf = host_value(found_inf)
             if scaler is not None:
                 self._emit("on_scaler_update", scaler, scale_before, scale_after, found_inf)
         self.end_step()

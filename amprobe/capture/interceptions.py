@@ -174,9 +174,7 @@ class Interceptions:
         def wrap_update(orig: Any, gate: Any) -> Any:
             def update(self: GradScaler, new_scale: Any = None) -> None:
                 inner = gate.inner_calls
-                if not gate.alive or (inner and (id(self), "update") in inner):
-                    return orig(self, new_scale)  # type: ignore[no-any-return]
-                if probe.closed:
+                if not gate.alive or probe.closed or (inner and (id(self), "update") in inner):
                     return orig(self, new_scale)  # type: ignore[no-any-return]
                 if dispatch.observing:
                     before = safe(update_begins, self)

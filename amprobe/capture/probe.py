@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from amprobe.capture.boundary import host_value
 from amprobe.capture.budget import SampleBudget
 from amprobe.capture.collectors import REGISTRY, Collector, StepFacts
 from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_compiled
@@ -616,7 +617,7 @@ class Probe:
             self._live_pending, self._live_pending_n = {}, 0
         new = pending[self._live_pending_n :]
         with self.hub.own_work():  # amprobe's reads are not the job's host syncs
-            rows = [{k: _host_value(v) for k, v in r.items()} for r in new]
+            rows = [{k: host_value(v) for k, v in r.items()} for r in new]
         _fold_live(self._live_pending, rows)
         self._live_pending_n = len(pending)
         live = dict(self._live)
@@ -755,14 +756,6 @@ def _end_status(ended_by: BaseException | str | None) -> tuple[str, str | None]:
     text = str(ended_by).strip().splitlines()
     message = f"{type(ended_by).__name__}: {text[0]}" if text else type(ended_by).__name__
     return "failed", message[:300]
-
-
-def _host_value(value: Any) -> Any:
-    """A CPU tensor's value (no device sync); anything else as it is."""
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
-        item = value.item()
-        return bool(item) if value.dtype == torch.bool else item
-    return value
 
 
 def _first_param_device(obj: Any) -> torch.device | None:

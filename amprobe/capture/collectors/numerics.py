@@ -103,11 +103,7 @@ from amprobe.capture.collectors.numstats import H0 as _H0
 from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.capture.collectors.numstats import NBINS as _NBINS
 from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
-from amprobe.capture.collectors.sharded import (
-    local_tensor,
-    user_class_name,
-    user_module_name,
-)
+from amprobe.capture.collectors.sharded import local_tensor, user_class_name, user_module_name
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 

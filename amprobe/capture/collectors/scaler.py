@@ -222,7 +222,7 @@ class ScalerCollector(Collector):
             record["skipped"] = False
 
     def _read_once(self) -> None:
-        """The framework's AMP setting at the first step's end (a callback may have set it),
+        """The framework's AMP setting at the first step's fold (a callback may have set it),
         and the sharding setting once a model is known (discovery: step 1)."""
         if not self._framework_read:
             self._framework_read = True
