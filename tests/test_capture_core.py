@@ -571,3 +571,22 @@ def test_gated_and_plain_patches_stack_and_come_off_in_any_order(first_removed):
     handles[other].remove()
     assert obj.f(3) == [3]
     assert Owner.__dict__["f"] is original
+
+
+def test_step_facts_start_at_their_declared_defaults_with_lists_of_their_own():
+    """StepFacts' own constructor (one is made at every step boundary) gives each field its
+    declared default, and each instance its own lists."""
+    import dataclasses
+
+    from amprobe.capture.protocol import StepFacts
+
+    a, b = StepFacts(), StepFacts()
+    for f in dataclasses.fields(StepFacts):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        assert getattr(a, f.name) == default, f.name
+        if isinstance(default, list):
+            assert getattr(a, f.name) is not getattr(b, f.name), f.name
+    a.loss_count += 1
+    a.scaled.append(1)
+    assert (b.loss_count, b.scaled, StepFacts().loss_count) == (0, [], 0)
+    assert a != b  # (the dataclass's comparison, field by field)

@@ -36,7 +36,7 @@ def due(step: int, every: int, first: int = 0) -> bool:
     return every > 0 and step >= first and (step - first) % every == 0
 
 
-@dataclass
+@dataclass(init=False)
 class StepFacts:
     """What the hub saw of one iteration, shared with every collector at its end.
 
@@ -115,6 +115,17 @@ class StepFacts:
     batches: int = 0
     rss_bytes: int | None = None
     detail: bool = True
+
+    def __init__(self) -> None:
+        # One is made at every step boundary: the generated __init__ stored all 27 fields
+        # (about 130 bytecodes a step). The fields with a plain default are read from the
+        # class until a step sets them; only the lists are the instance's own.
+        self.scaled = []
+        self.cuda_phases = []
+        self.scalers_scaled = []
+        self.unscaled_opts = []
+        self.scaler_steps = []
+        self.autocast_new = []
 
     def host_nonfinite(self) -> bool:
         """Something of the step is non-finite as far as its host values tell: found-inf, the
