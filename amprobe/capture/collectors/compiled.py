@@ -22,6 +22,7 @@ import gc
 import math
 import re
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -51,12 +52,14 @@ _NOTHING_COMPILED = {"compile_frames": 0, "compile_graphs": 0, "graph_breaks": 0
 _MAX_REASONS = 50  # recompile / graph-break events kept per run (the steps table has counts)
 
 
-def is_compiling() -> bool:
-    """True while dynamo traces the calling code (a hook met inside a compiled region)."""
-    try:
-        return bool(torch.compiler.is_compiling())
-    except Exception:
-        return False
+def _never_compiling() -> bool:
+    return False
+
+
+#: True while dynamo traces the calling code (a hook met inside a compiled region). torch's own
+#: function, not a wrapper of it: the forward hooks call it on every step, and dynamo folds it
+#: to a constant by its identity, whatever name it is called by.
+is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", _never_compiling)
 
 
 def unwrap_compiled(module: Any) -> Any:
