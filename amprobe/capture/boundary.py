@@ -181,7 +181,7 @@ class StepBoundary:
             return
         facts = self.facts
         if scaler not in facts.scalers_scaled:
-            if scaler not in self.scalers:
+            if primary is not scaler and scaler not in self.scalers:  # (the primary was seen)
                 self.see_scaler(scaler, None)
             facts.scalers_scaled.append(scaler)
         if self.probe.t_step_start is None:
@@ -340,7 +340,9 @@ class StepBoundary:
             self.see_scaler(scaler, None)
             used = primary is not None and bool(getattr(primary, "_per_optimizer_states", None))
         if primary is None or (primary is not scaler and not used):
-            # first scaler, or the old one is no longer used (a scaler rebuilt in the loop)
+            # first scaler, or the old one is no longer used (a scaler rebuilt in the loop);
+            # seen here, so that scale() need not ask the weak set on every step
+            self.see_scaler(scaler, None)
             self._primary_scaler = weakref.ref(scaler)
 
     def update_begins(self, scaler: GradScaler) -> dict[str, Any]:
@@ -351,51 +353,58 @@ class StepBoundary:
         return self.before_update(scaler)
 
     def before_update(self, scaler: GradScaler) -> dict[str, Any]:
-        """The scale and found-inf before ``update()`` (device clones; reads torch internals)."""
-        before: dict[str, Any] = {}
+        """The scale and found-inf before ``update()`` (device clones; reads torch internals):
+        ``enabled``, and for an enabled scaler with a scale ``host`` (the scale is a CPU
+        tensor: read at once), ``scale_before`` and ``found_inf``."""
         current = self._primary_scaler
         if current is None or current() is not scaler or not self.probe.recording:
-            return before
+            return {}
+        enabled = False
         try:
-            enabled = bool(getattr(scaler, "_enabled", True))
-            before["enabled"] = enabled
-            scale = getattr(scaler, "_scale", None)
-            if enabled and isinstance(scale, torch.Tensor):
-                # the scale and growth tracker live together: one decision for the update
-                before["host"] = host = _on_host(scale)
-                before["scale_before"] = scale.item() if host else scale.detach().clone()
-                count: float | None = None  # found-inf on the host (reading it is free)
-                total: torch.Tensor | None = None  # on the device: read back at flush
-                for state in scaler._per_optimizer_states.values():
-                    per_device = state.get("found_inf_per_device")
-                    if not per_device:
-                        continue
-                    for f in per_device.values():
-                        if _on_host(f):
-                            count = f.item() if count is None else count + f.item()
-                        elif total is None:
-                            total = f.detach().to(scale.device, non_blocking=True).clone()
-                        else:
-                            total += f.to(scale.device, non_blocking=True)
-                if total is not None:
-                    before["found_inf"] = total if count is None else total + count
-                elif count is not None:
-                    before["found_inf"] = float(count)
+            enabled = bool(scaler._enabled)
+            scale = scaler._scale
+            if not (enabled and isinstance(scale, torch.Tensor)):
+                return {"enabled": enabled}
+            # the scale and growth tracker live together: one decision for the update
+            host = scale.is_cpu
+            count: float | None = None  # found-inf on the host (reading it is free)
+            total: torch.Tensor | None = None  # on the device: read back at flush
+            for state in scaler._per_optimizer_states.values():
+                per_device = state.get("found_inf_per_device")
+                if not per_device:
+                    continue
+                for f in per_device.values():
+                    if f.is_cpu:
+                        count = f.item() if count is None else count + f.item()
+                    elif total is None:
+                        total = f.detach().to(scale.device, non_blocking=True).clone()
+                    else:
+                        total += f.to(scale.device, non_blocking=True)
+            found: Any = None
+            if total is not None:
+                found = total if count is None else total + count
+            elif count is not None:
+                found = float(count)
+            return {
+                "enabled": True,
+                "host": host,
+                "scale_before": scale.item() if host else scale.detach().clone(),
+                "found_inf": found,
+            }
         except Exception as exc:  # torch internals changed: record, keep counting steps
             self.probe.event("scaler_internals_unreadable", error=f"{type(exc).__name__}: {exc}")
-        return before
+            return {"enabled": enabled}
 
     def after_update(self, scaler: GradScaler, before: dict[str, Any]) -> None:
         """``update()`` returned: the step boundary when ``scaler`` owns it."""
-        if self._primary_scaler is None or self._primary_scaler() is not scaler:
-            return
-        if self.mode != "scaler":
+        primary = self._primary_scaler
+        if primary is None or primary() is not scaler or self.mode != "scaler":
             return
         self._primary_used = False
         if self.probe.recording:
             facts = self.facts
             facts.scaler = scaler
-            facts.scaler_enabled = bool(before.get("enabled", False))
+            facts.scaler_enabled = before.get("enabled", False)
             if "scale_before" in before:
                 facts.scale_before = before["scale_before"]
                 host = before["host"]  # (as _host_scalar would read them)
@@ -404,7 +413,7 @@ class StepBoundary:
                 tracker = getattr(scaler, "_growth_tracker", None)
                 if isinstance(tracker, torch.Tensor):
                     facts.growth_tracker = tracker.item() if host else tracker.detach().clone()
-            facts.found_inf = before.get("found_inf")
+                facts.found_inf = before["found_inf"]
             if self._subs["on_scaler_update"]:
                 self._emit(
                     "on_scaler_update",
