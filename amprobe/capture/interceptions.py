@@ -447,8 +447,10 @@ class RootModelHooks:
 
         def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             # inside a compiled region (module.compile(), a compiled train step) dynamo traces
-            # this hook: it returns at once, so the graph is the one without amprobe
-            if probe.recording and not probe.closed and not is_compiling():
+            # this hook: it returns at once, so the graph is the one without amprobe; and
+            # before reading anything that changes between steps (dynamo would guard on it: a
+            # recording window opening would recompile the region)
+            if not is_compiling() and probe.recording and not probe.closed:
                 if probe.t_step_start is None:
                     probe.touch()
                 if dispatch.observing:
