@@ -590,3 +590,24 @@ def test_step_facts_start_at_their_declared_defaults_with_lists_of_their_own():
     a.scaled.append(1)
     assert (b.loss_count, b.scaled, StepFacts().loss_count) == (0, [], 0)
     assert a != b  # (the dataclass's comparison, field by field)
+
+
+@pytest.mark.parametrize(
+    "field, value, bad",
+    [
+        ("found_inf", 1.0, True),
+        ("found_inf", 2, True),  # an engine's integer found-inf count, read on the host
+        ("found_inf", 0, False),
+        ("found_inf", True, False),  # a bool is not a count
+        ("loss", float("nan"), True),
+        ("loss", 3, False),
+        ("input_nonfinite", 4, True),
+        ("found_inf", torch.tensor(1.0), False),  # on a device: not read here
+    ],
+)
+def test_host_nonfinite_reads_host_floats_and_ints(field, value, bad):
+    from amprobe.capture.protocol import StepFacts
+
+    facts = StepFacts()
+    setattr(facts, field, value)
+    assert facts.host_nonfinite() is bad

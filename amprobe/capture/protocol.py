@@ -36,6 +36,10 @@ def due(step: int, every: int, first: int = 0) -> bool:
     return every > 0 and step >= first and (step - first) % every == 0
 
 
+#: the types a host value of the step's facts has (read at once from a CPU tensor)
+_HOST_NUMBERS = (float, int)
+
+
 @dataclass(init=False)
 class StepFacts:
     """What the hub saw of one iteration, shared with every collector at its end.
@@ -129,11 +133,15 @@ class StepFacts:
 
     def host_nonfinite(self) -> bool:
         """Something of the step is non-finite as far as its host values tell: found-inf, the
-        loss or the inputs (a value on an accelerator is not read: it counts as finite here)."""
-        found, loss, inputs = self.found_inf, self.loss, self.input_nonfinite
+        loss or the inputs (a value on an accelerator is not read: it counts as finite here).
+        Host values are Python floats or ints (an engine may count found-inf in an integer
+        tensor), checked by exact type: a bool is not a count."""
+        found: Any = self.found_inf  # (narrowed by the exact-type tests below)
+        loss: Any = self.loss
+        inputs = self.input_nonfinite
         return (
-            (type(found) is float and found > 0)
-            or (type(loss) is float and not math.isfinite(loss))
+            (type(found) in _HOST_NUMBERS and found > 0)
+            or (type(loss) in _HOST_NUMBERS and not math.isfinite(loss))
             or (type(inputs) is int and inputs > 0)
         )
 
