@@ -366,7 +366,7 @@ class StepBoundary:
             if not (enabled and isinstance(scale, torch.Tensor)):
                 return {"enabled": enabled}
             # the scale and growth tracker live together: one decision for the update
-            host = scale.is_cpu
+            host = _on_host(scale)
             count: float | None = None  # found-inf on the host (reading it is free)
             total: torch.Tensor | None = None  # on the device: read back at flush
             for state in scaler._per_optimizer_states.values():
@@ -374,7 +374,7 @@ class StepBoundary:
                 if not per_device:
                     continue
                 for f in per_device.values():
-                    if f.is_cpu:
+                    if _on_host(f):
                         count = f.item() if count is None else count + f.item()
                     elif total is None:
                         total = f.detach().to(scale.device, non_blocking=True).clone()
