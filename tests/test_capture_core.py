@@ -611,3 +611,32 @@ def test_host_nonfinite_reads_host_floats_and_ints(field, value, bad):
     facts = StepFacts()
     setattr(facts, field, value)
     assert facts.host_nonfinite() is bad
+
+
+def test_scaler_first_met_at_its_update_is_announced_once(tmp_path):
+    """attach() between a step's scale() and its update(), with a GradScaler made before and
+    not passed: the scaler is announced once (found among the live objects at attach, seen
+    again when it claims the boundary at update(), which scale() now relies on), and the later
+    steps record its scale."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    probe = None
+    for i in range(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(2, 4)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        if i == 0:
+            probe = amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "run")
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    assert probe is not None
+    probe.close()
+    run = amprobe.load_run(tmp_path / "run")
+    created = run.events_of("scaler_created")
+    assert len(created) == 1 and created[0]["created_before_attach"] is True
+    steps = run.steps
+    assert list(steps["scale_before"].dropna())[-2:] == [256.0, 256.0]
+    assert steps["loss"].notna().sum() >= 3
