@@ -23,11 +23,12 @@ with the default configuration, or ``dormant=True``. Two measurements:
    why it is not the figure.
 
 3. ``--opcodes``: the Python bytecode instructions amprobe's own frames execute per recorded
-   step (``sys.settrace`` with opcode events, 10 steps after 250), and the distinct source lines
-   they touch: a count that does not depend on the machine or its load, for comparing versions
-   of the always-on path where timings differ by less than this machine's noise. (What such
-   code costs inside a training loop is mostly its cold-cache footprint, several times its cost
-   in a tight loop of its own.)
+   step (``sys.settrace`` with opcode events, 10 steps after 250), the distinct source lines
+   they touch, and what a step adds in every frame over the plain loop (torch's slower path for
+   a hooked module, generated code such as a dataclass's ``__init__``): counts that do not
+   depend on the machine or its load, for comparing versions of the always-on path where
+   timings differ by less than this machine's noise. (What such code costs inside a training
+   loop is mostly its cold-cache footprint, several times its cost in a tight loop of its own.)
 
 Targets (issue #20): <= 100 us per step amortized with the default configuration, <= 20 us for a
 dormant probe. The CPU model is printed beside the figures.
@@ -87,23 +88,32 @@ def worker_ab(mode: str, rounds: int, block: int, settle: int, run_dir: str) -> 
     return {"plain": plain, "probed": probed, "sampling": sampling}
 
 
-def opcodes(mode: str, warmup: int = 250, steps: int = 10) -> tuple[int, int]:
-    """Bytecode instructions per step executed in amprobe's frames, and distinct lines."""
+def opcodes(mode: str | None, warmup: int = 250, steps: int = 10) -> tuple[int, int, int]:
+    """Bytecode instructions per step executed in amprobe's frames, the distinct lines they
+    touch, and the instructions per step in every frame (torch's own included: what amprobe
+    makes torch run, such as a hooked module's slower call path, counts too). ``mode`` None:
+    the plain loop (every frame only)."""
     import amprobe
 
     step, model, opt, scaler = _loop()
     with tempfile.TemporaryDirectory() as tmp:
-        probe = amprobe.attach(
-            model=model, optimizer=opt, scaler=scaler, run_dir=tmp, config=MODES[mode]
-        )
+        probe = None
+        if mode is not None:
+            probe = amprobe.attach(
+                model=model, optimizer=opt, scaler=scaler, run_dir=tmp, config=MODES[mode]
+            )
         for _ in range(warmup):
             step()
         root = os.path.dirname(amprobe.__file__) + os.sep
         with opcodes_in(root) as (per, lines):
             for _ in range(steps):
                 step()
-        probe.close()
-    return sum(per.values()) // steps, len(lines)
+        with opcodes_in(None) as (every, _):
+            for _ in range(steps):
+                step()
+        if probe is not None:
+            probe.close()
+    return sum(per.values()) // steps, len(lines), sum(every.values()) // steps
 
 
 def _loop() -> tuple[Any, Any, Any, Any]:
@@ -162,9 +172,14 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); python {sys.version.split()[0]}")
     if args.opcodes:
+        plain_ops = opcodes(None)[2]
+        print(f"   {'plain':>8}: {plain_ops} bytecodes a step in all frames")
         for mode in modes:
-            ops, lines = opcodes(mode)
-            print(f"   {mode:>8}: {ops} bytecodes a step in amprobe's frames, {lines} lines")
+            ops, lines, every = opcodes(mode)
+            print(
+                f"   {mode:>8}: {ops} bytecodes a step in amprobe's frames, {lines} lines; "
+                f"{every} in all frames ({every - plain_ops:+d} on the plain loop)"
+            )
         return
     print("tiny MLP, fp16 autocast + GradScaler('cpu'), one intra-op thread, thread CPU time\n")
     with tempfile.TemporaryDirectory() as tmp:

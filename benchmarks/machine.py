@@ -14,24 +14,27 @@ __all__ = ["cpu_model", "opcodes_in"]
 
 
 @contextlib.contextmanager
-def opcodes_in(root: str) -> Iterator[tuple[dict[str, int], set[tuple[str, int]]]]:
+def opcodes_in(root: str | None) -> Iterator[tuple[dict[str, int], set[tuple[str, int]]]]:
     """Count, while the block runs, the bytecode instructions executed in frames of files
-    under ``root``: yields ``(per "file:function" count, distinct (file, line) set)``, filled
-    as the block runs (``sys.settrace`` with opcode events)."""
+    under ``root`` (every frame when None: torch's own, and generated code such as a
+    dataclass's ``__init__``, whose file is ``<string>``): yields ``(per "file:function" count,
+    distinct (file, line) set)``, filled as the block runs (``sys.settrace`` with opcode
+    events)."""
+    cut = len(root) if root is not None else 0
     per: dict[str, int] = {}
     lines: set[tuple[str, int]] = set()
 
     def local(frame: Any, event: str, arg: Any) -> Any:
         if event == "opcode":
             code = frame.f_code
-            key = f"{code.co_filename[len(root) :]}:{code.co_name}"
+            key = f"{code.co_filename[cut:]}:{code.co_name}"
             per[key] = per.get(key, 0) + 1
         elif event == "line":
             lines.add((frame.f_code.co_filename, frame.f_lineno))
         return local
 
     def trace(frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(root):
+        if root is not None and not frame.f_code.co_filename.startswith(root):
             return None
         frame.f_trace_opcodes = True
         return local
