@@ -104,16 +104,15 @@ def opcodes(mode: str | None, warmup: int = 250, steps: int = 10) -> tuple[int, 
             )
         for _ in range(warmup):
             step()
-        root = os.path.dirname(amprobe.__file__) + os.sep
-        with opcodes_in(root) as (per, lines):
-            for _ in range(steps):
-                step()
-        with opcodes_in(None) as (every, _):
+        with opcodes_in(None) as (every, lines):  # one pass: every frame, amprobe's among them
             for _ in range(steps):
                 step()
         if probe is not None:
             probe.close()
-    return sum(per.values()) // steps, len(lines), sum(every.values()) // steps
+    root = os.path.dirname(amprobe.__file__) + os.sep
+    ours = sum(n for key, n in every.items() if key.startswith(root))
+    ours_lines = sum(1 for filename, _ in lines if filename.startswith(root))
+    return ours // steps, ours_lines, sum(every.values()) // steps
 
 
 def _loop() -> tuple[Any, Any, Any, Any]:
@@ -159,7 +158,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=300, help="long blocks: untimed steps")
     parser.add_argument("--modes", default="default,dormant", help="probed modes, comma-separated")
     parser.add_argument(
-        "--opcodes", action="store_true", help="only count amprobe's bytecodes per step"
+        "--opcodes", action="store_true", help="only count bytecodes per step (amprobe's, all)"
     )
     parser.add_argument("--worker", choices=sorted(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--ab", action="store_true", help=argparse.SUPPRESS)
