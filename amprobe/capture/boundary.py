@@ -355,9 +355,10 @@ class StepBoundary:
     def before_update(self, scaler: GradScaler) -> dict[str, Any]:
         """The scale and found-inf before ``update()`` (device clones; reads torch internals):
         ``enabled``, and for an enabled scaler with a scale ``host`` (the scale is a CPU
-        tensor: read at once), ``scale_before`` and ``found_inf``."""
+        tensor: read at once), ``scale_before`` and ``found_inf``. Called by
+        :meth:`update_begins` while recording."""
         current = self._primary_scaler
-        if current is None or current() is not scaler or not self.probe.recording:
+        if current is None or current() is not scaler:
             return {}
         enabled = False
         try:
