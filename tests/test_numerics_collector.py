@@ -467,3 +467,58 @@ def test_a_discovered_model_gets_its_first_per_layer_sample_at_once(tmp_path: Pa
     assert sampled.tolist()[:1] == [1]
     numerics = run.table("numerics")
     assert set(numerics.loc[numerics["step"] == 1, "module"]) >= {"0", "2"}
+
+
+_SUBCLASS_SCRIPT = """
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+
+
+class Pair(torch.nn.Module):  # its output is a wrapper subclass: no memory of its own
+    def forward(self, x):
+        return TwoTensor(x, x * 2)
+
+
+class Unpair(torch.nn.Module):
+    def forward(self, x):
+        return x.a + x.b
+
+
+model = torch.nn.Sequential(
+    torch.nn.Linear(4, 4), Pair(), torch.nn.Linear(4, 4), Unpair(), torch.nn.Linear(4, 1)
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(0)
+for _ in range(3):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("trained")
+"""
+
+
+def test_wrapper_subclass_tensors_are_skipped_not_read_as_memory(tmp_path):
+    """A layer whose output is a wrapper tensor subclass (float8/NF4 training tensors; torch's
+    ``TwoTensor`` here) has a null data pointer: the compiled kernel read it and the training
+    process died of a segmentation fault. Such tensors are now skipped with one event, and the
+    other layers are measured."""
+    from tests.helpers import amprobe_cli
+
+    (tmp_path / "train.py").write_text(_SUBCLASS_SCRIPT)
+    proc = amprobe_cli(
+        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "trained" in proc.stdout
+    run = amprobe.load_run(tmp_path / "run")
+    assert len(run.steps) == 3
+    skipped = [e for e in run.events_of("numerics_not_checked") if e["what"] == "subclass_tensors"]
+    assert [e["tensor_type"] for e in skipped] == ["torch.testing._internal.two_tensor.TwoTensor"]
+    assert skipped[0]["first_at"] == "1"
+    assert not run.events_of("collector_error")
+    outputs = run.table("numerics").query("kind == 'output'")
+    # the plain layers are measured every step; the pair's output, and the Linear's that takes
+    # it (a TwoTensor too), are not
+    assert set(outputs["module"]) == {"0", "3", "4"}
+    assert (outputs.groupby("module")["step"].nunique() == 3).all()

@@ -80,6 +80,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch.amp import GradScaler
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
@@ -103,7 +104,12 @@ from amprobe.capture.collectors.numstats import H0 as _H0
 from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.capture.collectors.numstats import NBINS as _NBINS
 from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
-from amprobe.capture.collectors.sharded import local_tensor, user_class_name, user_module_name
+from amprobe.capture.collectors.sharded import (
+    PLAIN_TENSORS,
+    local_tensor,
+    user_class_name,
+    user_module_name,
+)
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
 
@@ -261,6 +267,7 @@ class NumericsCollector(Collector):
         self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
         self._compiled_noted = False
         self._kernel_noted = False
+        self._subclasses_noted: set[str] = set()  # wrapper subclass types met (one event each)
         # compiled regions: hooks traced into the graph, one buffer per install (see graphstats)
         self._graph: list[tuple[torch.Tensor, list[int]]] = []
         self._graph_handles: list[Any] = []
@@ -572,9 +579,46 @@ class NumericsCollector(Collector):
         """Read no value back unless the model lives on CPU (where reading costs no sync)."""
         return self._device is None or self._device.type != "cpu"
 
+    def _own_values(self, x: torch.Tensor, slot: int | None) -> torch.Tensor | None:
+        """``x`` as a tensor whose memory holds its values, or None when it has none: a DTensor
+        as its local shard; a tensor subclass backed by its own storage as a plain tensor over
+        it; a wrapper subclass (``_make_wrapper_subclass``: a float8 or NF4 tensor, torch's
+        ``TwoTensor``), whose data pointer is null and whose values live in inner tensors it
+        alone knows how to read, is not measured (an event says so once per type)."""
+        x = local_tensor(x)
+        if type(x) in PLAIN_TENSORS:
+            return x
+        if is_traceable_wrapper_subclass(x) or (x.numel() and not x.data_ptr()):
+            self._note_subclass(type(x), slot)
+            return None
+        with torch.no_grad():
+            return x.as_subclass(torch.Tensor)
+
+    def _note_subclass(self, cls: type, slot: int | None) -> None:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if name in self._subclasses_noted:
+            return
+        self._subclasses_noted.add(name)
+        where = self._layer_name(self._slots[slot]) if slot is not None else "a module input"
+        self.probe.event(
+            "numerics_not_checked",
+            what="subclass_tensors",
+            tensor_type=name,
+            first_at=where,
+            reason=(
+                f"{cls.__qualname__} is a wrapper tensor subclass: its values live in inner "
+                "tensors only it can read, so per-layer statistics skip tensors of this type "
+                f"(first: {where}); other layers are measured"
+            ),
+            step=self.probe.step,
+        )
+
     def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
         """Non-finite elements of a module input (reusing the step's measurement of it)."""
-        x = local_tensor(x)
+        own = self._own_values(x, None)
+        if own is None:
+            return 0
+        x = own
         cap = self._capture(x.device)
         if cap.stats is not None and cap.device == x.device:
             return cap.stats.count_nonfinite(x)
@@ -594,7 +638,11 @@ class NumericsCollector(Collector):
         in_bad: torch.Tensor | int | None = None,
     ) -> StepStats | None:
         """Measure ``x`` into ``slot``; the step's statistics it went into (None: not measured)."""
-        x = local_tensor(x)  # a DTensor (FSDP2): this rank's shard, measured where it lives
+        # a DTensor (FSDP2): this rank's shard, measured where it lives
+        own = x if type(x) in PLAIN_TENSORS else self._own_values(x, slot)
+        if own is None:
+            return None
+        x = own
         if not x.is_floating_point() or x.numel() == 0:
             return None
         cap = self._capture(x.device)

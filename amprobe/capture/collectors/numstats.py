@@ -509,12 +509,15 @@ class StepStats:
         t = x if x.dtype in _KERNEL_DTYPES else x.to(torch.float32)  # fp64, fp8: as fp32
         if not t.is_contiguous() and not _dense(t):
             t = t.contiguous()
+        ptr = t.data_ptr()
+        if not ptr:  # a wrapper subclass has no memory of its own: never hand C a null pointer
+            raise ValueError(f"{type(x).__name__} has no data of its own to measure")
         index = self._keep_used
         if index == self._keep.shape[0]:
             self._grow_keep()
         self._keep_used = index + 1
         keep = self._keep_ptr + index * _ROW_BYTES
-        bad = call[0](t.data_ptr(), t.numel(), row, keep, *call[1])
+        bad = call[0](ptr, t.numel(), row, keep, *call[1])
         self._seen[id(x)] = (weakref.ref(x), x._version, group, None, None, None, bad, index)
 
     def _grow_keep(self) -> None:
