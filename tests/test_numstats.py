@@ -194,6 +194,43 @@ def test_count_nonfinite(dtype: torch.dtype, mode: str) -> None:
         assert isinstance(got, torch.Tensor) == (mode == "sync-free")
 
 
+_NO_HOST_MEMORY = """
+import sys
+import torch
+from torch.testing._internal.two_tensor import TwoTensor
+from amprobe.capture.collectors import numkernel, numstats
+assert numkernel.wait() is not None
+for x in (torch.empty(8, device="meta"), TwoTensor(torch.ones(8), torch.ones(8))):
+    assert x.data_ptr() == 0
+    try:  # a Python error (or a count) is fine; a null pointer in C is not
+        numstats.count_nonfinite(x, sync_free=False)
+    except Exception:
+        pass
+    stats = numstats.StepStats(1, torch.device("cpu"))
+    try:
+        stats.add(0, x)
+    except Exception:
+        pass
+print("alive")
+"""
+
+
+def test_the_kernel_is_never_given_a_tensor_without_host_memory(tmp_path):
+    """A meta tensor, or one on an accelerator that a caller marked not sync-free, and a wrapper
+    subclass have no host memory at their data pointer (null here): the kernel read it and the
+    process died of a segmentation fault. In a subprocess, which such a crash would kill."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_HOST_MEMORY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "alive" in proc.stdout, (proc.returncode, proc.stderr[-1500:])
+
+
 class _CountScalarReads(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

@@ -175,7 +175,8 @@ def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Ten
         sync_free = x.device.type != "cpu"
     if not sync_free:
         fmt = _KERNEL_FORMATS.get(x.dtype)
-        if fmt is not None and type(x) in PLAIN_TENSORS and x.is_contiguous():
+        # (a host pointer only: a caller's sync_free=False on a device tensor costs a read)
+        if fmt is not None and type(x) in PLAIN_TENSORS and x.is_cpu and x.is_contiguous():
             kern = numkernel.kernel()
             if kern is not None:
                 return int(kern.nonfinite(x.data_ptr(), x.numel(), fmt))
