@@ -320,6 +320,35 @@ def test_flush_every_bounds_what_is_buffered(tmp_path):
     assert len((tmp_path / "r" / "rank0" / "steps.jsonl").read_text().splitlines()) == 10
 
 
+@pytest.mark.parametrize(
+    ("flush_every", "spacing", "on_disk"),
+    [
+        (None, 3600.0, 0),  # default: 100 steps, but not twice within the spacing
+        (None, 0.0, 200),  # default with nothing to wait for: every 100 steps
+        (100, 3600.0, 200),  # a value set is followed exactly, whatever the spacing
+    ],
+)
+def test_default_flush_waits_for_its_spacing_on_short_steps(
+    tmp_path, monkeypatch, flush_every, spacing, on_disk
+):
+    """Short steps (a millisecond, launch-bound) flushed every 100 steps: the flush's fixed cost
+    and, on a GPU, its host-device sync every 0.1 s. Unset, ``flush_every`` now also waits
+    ``FLUSH_MIN_SPACING_S`` since the last flush (patched here instead of timing steps)."""
+    import amprobe.config as config_module
+
+    monkeypatch.setattr(config_module, "FLUSH_MIN_SPACING_S", spacing)
+    model, opt = _setup()
+    config: dict = {"flush_interval_s": 3600}
+    if flush_every is not None:
+        config["flush_every"] = flush_every
+    probe = amprobe.attach(model=model, optimizer=opt, run_dir=tmp_path / "r", config=config)
+    train_loop(model, opt, None, 250)
+    steps = tmp_path / "r" / "rank0" / "steps.jsonl"
+    assert (len(steps.read_text().splitlines()) if steps.exists() else 0) == on_disk
+    probe.close()
+    assert len(steps.read_text().splitlines()) == 250
+
+
 def test_probe_flush_time_is_not_user_time(tmp_path, monkeypatch):
     import time as _time
 

@@ -136,6 +136,7 @@ class Probe:
         self.t_step_start: float | None = None
         self._probe_time = 0.0
         self._last_flush = time.perf_counter()
+        self._flush_steps, self._flush_spacing = config.flush_schedule()
         self._pending_steps: list[dict[str, Any]] = []
         # the resident set size: read at a step's end once due (no collector asked: never)
         self._rss_period = math.inf
@@ -416,7 +417,10 @@ class Probe:
         if config.max_steps is not None:
             self._check_max_steps()
         if self.recording and (
-            len(self._pending_steps) >= config.flush_every
+            (
+                len(self._pending_steps) >= self._flush_steps
+                and now - self._last_flush >= self._flush_spacing
+            )
             or now - self._last_flush >= config.flush_interval_s
         ):
             self.flush()
