@@ -178,11 +178,14 @@ def _configs() -> dict[str, Callable[..., Any] | None]:
 
 def end_to_end(
     use_scaler: bool, blocks: int, steps: int, only: list[str] | None = None
-) -> dict[str, float]:
-    """Median step thread-CPU seconds per configuration, interleaved in blocks."""
+) -> dict[str, tuple[float, float]]:
+    """Per configuration: the median step thread-CPU seconds over all blocks, and the median
+    over blocks of its block's median divided by the same block's ``off`` median (blocks
+    interleaved, so a pair runs seconds apart: the figure this machine's drift leaves)."""
     configs = _configs()
     if only:
         configs = {k: v for k, v in configs.items() if k == "off" or any(o in k for o in only)}
+    per_block: dict[str, list[float]] = {}
     stats = compare_stats(
         configs,
         dtype=torch.bfloat16,
@@ -192,8 +195,13 @@ def end_to_end(
         warmup=2,
         skip_first=True,
         alternate=True,
+        per_block=per_block,
     )
-    return {name: median for name, (median, _) in stats.items()}
+    off = per_block["off"]
+    return {
+        name: (median, statistics.median(b / o for b, o in zip(per_block[name], off, strict=True)))
+        for name, (median, _) in stats.items()
+    }
 
 
 class _Recorder:
@@ -323,15 +331,20 @@ def main() -> None:
     base = None
     if not args.skip_e2e:
         for use_scaler in (False, True):
-            medians = end_to_end(use_scaler, args.blocks, args.steps, args.configs)
-            base = base or medians["off"]
+            results = end_to_end(use_scaler, args.blocks, args.steps, args.configs)
+            base = base or results["off"][0]
             title = "bf16 autocast" + (" + GradScaler" if use_scaler else "")
             print(f"\nTinyGPT {title}, {args.blocks}x{args.steps} steps per configuration")
-            print(f"| {'configuration':<26} | median step (ms CPU) | ratio to off |")
-            print(f"|{'-' * 28}|---------------------|--------------|")
-            for name, value in medians.items():
-                ratio = value / medians["off"]
-                print(f"| {name:<26} | {value * 1e3:>19.1f} | {ratio:>12.3f} |")
+            print(
+                f"| {'configuration':<26} | median step (ms CPU) | ratio of medians "
+                "| median of block ratios |"
+            )
+            print(f"|{'-' * 28}|---------------------|------------------|------------------------|")
+            off = results["off"][0]
+            for name, (value, pair) in results.items():
+                print(
+                    f"| {name:<26} | {value * 1e3:>19.1f} | {value / off:>16.3f} | {pair:>22.3f} |"
+                )
     if not args.skip_replay:
         results = replay()
         print("\nReductions alone, ms CPU per step (median of 3 replays)")

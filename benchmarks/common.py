@@ -114,6 +114,7 @@ def compare_stats(
     warmup: int = 3,
     skip_first: bool = False,
     alternate: bool = False,
+    per_block: dict[str, list[float]] | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Like :func:`compare`, but returns ``(median, mean)`` per configuration.
 
@@ -121,7 +122,9 @@ def compare_stats(
     capture, sync counting) that a median hides; use blocks at least as long as the sampling
     period. ``skip_first`` leaves the first step after each attach untimed; ``alternate``
     reverses the order of the configurations every other block, so that none always runs right
-    after another.
+    after another. ``per_block``, when given, receives each configuration's median step per
+    block (for ratios of neighbouring blocks, which a machine whose speed drifts over minutes
+    leaves comparable where overall medians are not).
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -141,9 +144,10 @@ def compare_stats(
                 try:
                     if skip_first:
                         train_steps(model, opt, scaler, dtype, batch, 1)  # first step after attach
-                    samples[name].extend(
-                        train_steps(model, opt, scaler, dtype, batch, steps_per_block)
-                    )
+                    times = train_steps(model, opt, scaler, dtype, batch, steps_per_block)
+                    samples[name].extend(times)
+                    if per_block is not None:
+                        per_block.setdefault(name, []).append(statistics.median(times))
                 finally:
                     if handle is not None:
                         handle.close()
