@@ -433,8 +433,8 @@ def test_the_step_end_is_called_only_once_the_device_is_known_to_be_cuda(tmp_pat
         subs = probe.hub.dispatch.subs  # event -> its subscribers now
         step()
         assert not any(c is runtime for c, _ in subs["on_step_end"])  # CPU: nothing at the end
-        runtime._device_known = False
-        probe.device = torch.device("cuda", 0)  # noted late (an optimizer seen first)
+        runtime._noted_device = None
+        probe.device = torch.device("cuda", 0)  # noted late (after the objects were seen)
         runtime.on_step_begin(probe.step)
         assert any(c is runtime for c, _ in subs["on_step_end"])
         probe.device = torch.device("cpu")  # the rest of the step runs on this machine
@@ -442,3 +442,48 @@ def test_the_step_end_is_called_only_once_the_device_is_known_to_be_cuda(tmp_pat
     steps = amprobe.load_run(tmp_path).steps
     assert steps["peak_mem_bytes"].isna().tolist() == [True, False]
     assert steps["peak_mem_bytes"].iloc[1] == 123
+
+
+def test_a_root_models_device_replaces_an_optimizers(tmp_path, monkeypatch):
+    """An optimizer may hold CPU master copies of a model on an accelerator (ZeRO-Offload), and
+    a zero-code run can meet the optimizer before the model. The CPU then stayed the job's
+    device: the hub read the model's device values on the host every step (a sync each) and
+    the runtime collector recorded no GPU. A root model's device now replaces an optimizer's;
+    faked at the seam that reads a model's parameter device."""
+    from amprobe.capture import probe as probe_mod
+    from amprobe.capture.collectors.runtime import RuntimeCollector
+
+    started: list[torch.device | None] = []
+    monkeypatch.setattr(
+        RuntimeCollector,
+        "_maybe_start_sampler",
+        lambda self, force=False: started.append(self.probe.device),
+    )
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    accel = torch.device("cuda", 0)
+    real = probe_mod._first_param_device
+    monkeypatch.setattr(
+        probe_mod, "_first_param_device", lambda obj: accel if obj is model else real(obj)
+    )
+    probe = amprobe.attach(
+        optimizer=opt,
+        run_dir=tmp_path,
+        config={"collectors": ["runtime", "numerics"], "syncs_every": 0},
+    )
+    try:
+        runtime = next(c for c in probe.collectors if isinstance(c, RuntimeCollector))
+        numerics = next(c for c in probe.collectors if c.name == "numerics")
+        subs = probe.hub.dispatch.subs
+        assert probe.device == torch.device("cpu")
+        assert not any(c is runtime for c, _ in subs["on_step_end"])
+        probe.add_model(model)
+        assert probe.device == accel
+        assert probe.rank_manifest["device"] == "cuda:0"
+        assert any(c is runtime for c, _ in subs["on_step_end"])  # the allocator's peak
+        assert started[-1] == accel  # the GPU sampler starts for the model's device
+        assert numerics._sync_free()  # and nothing of the model's is read on the host
+        probe.note_device(torch.device("cpu"))  # another optimizer's device: no way back
+        assert probe.device == accel
+    finally:
+        probe.close()

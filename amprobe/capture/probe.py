@@ -184,9 +184,11 @@ class Probe:
             )
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ConfigError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        device = None
-        for source in (model, optimizer):
-            device = device or _first_param_device(source)
+        device = _first_param_device(model) if model is not None else None
+        #: the device came from a root model's parameters (an optimizer's gives way to it)
+        self._device_from_model = device is not None
+        if device is None:
+            device = _first_param_device(optimizer)
         self.device = device
         self._rank_manifest = {
             "rank": self.rank,
@@ -263,8 +265,8 @@ class Probe:
             parameters=sum(p.numel() for p in model.parameters()),
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         )
-        if self.device is None:
-            self.note_device(_first_param_device(model))
+        if not self._device_from_model:
+            self.note_device(_first_param_device(model), model=True)
         self.hub.watch_model(model)
         self.hub.emit("on_model", model)
 
@@ -294,9 +296,18 @@ class Probe:
             return f"{label}[{index}]"
         return label
 
-    def note_device(self, device: torch.device | None) -> None:
-        """Record the training device once it is known (first optimizer or model seen)."""
-        if device is None or self.device is not None or self.writer is None:
+    def note_device(self, device: torch.device | None, model: bool = False) -> None:
+        """Record the training device once it is known: the first root model's, else the
+        first optimizer's until a root model is seen. A model's wins over an optimizer's
+        noted before it: an optimizer may hold CPU master copies of a model on an accelerator
+        (ZeRO-Offload), and taking the CPU for the job's device would read the model's
+        device values on the host every step and record no GPU."""
+        if device is None or self.writer is None:
+            return
+        if self.device is not None and (self._device_from_model or not model):
+            return
+        self._device_from_model = model
+        if device == self.device:
             return
         self.device = device
         self.annotate_manifest(**device_facts(device))

@@ -576,8 +576,10 @@ class NumericsCollector(Collector):
         return cap
 
     def _sync_free(self) -> bool:
-        """Read no value back unless the model lives on CPU (where reading costs no sync)."""
-        return self._device is None or self._device.type != "cpu"
+        """Read no value back unless the job runs on CPU (where reading costs no sync): the
+        probe's device, which the hub's input check uses too (else the first model's)."""
+        device = self.probe.device if self.probe.device is not None else self._device
+        return device is None or device.type != "cpu"
 
     def _own_values(self, x: torch.Tensor, slot: int | None) -> torch.Tensor | None:
         """``x`` as a tensor whose memory holds its values, or None when it has none: a DTensor

@@ -115,7 +115,7 @@ class RuntimeCollector(Collector):
         self._scalers: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()
         self._sampler: GpuSampler | None = None
         self._sampler_started = False
-        self._device_known = False
+        self._noted_device: torch.device | None = None  # probe.device as last acted on
         self._rss_value: int | None = None
         self._event_counts: dict[str, int] = defaultdict(int)
         self._loader_configs: set[tuple[Any, ...]] = set()
@@ -170,20 +170,24 @@ class RuntimeCollector(Collector):
             self._counter.mark((loss,))
 
     def _note_device(self) -> None:
-        """The training device is known (first model or optimizer): on CUDA the allocator's
-        peak is read at every step's end; the GPU sampler starts."""
+        """The training device is known (first model or optimizer), or changed (a root
+        model's replaced an optimizer's): on CUDA the allocator's peak is read at every
+        step's end; the GPU sampler starts (again, for the new device)."""
         device = self.probe.device
-        if device is None or self._device_known:
+        if device is None or device == self._noted_device:
             return
-        self._device_known = True
-        if device.type == "cuda":
-            self.probe.hub.dispatch.mute(self, "on_step_end", muted=False)
+        changed = self._noted_device is not None
+        self._noted_device = device
+        self.probe.hub.dispatch.mute(self, "on_step_end", muted=device.type != "cuda")
+        if changed and self._sampler is not None:  # started for the optimizer's device
+            self._sampler.stop()
+            self._sampler, self._sampler_started = None, False
         self._maybe_start_sampler()
 
     # -- syncs: the hub's op mode on sampled steps ---------------------------------------------
     def on_step_begin(self, step: int) -> None:
         self._counter = None
-        if not self._device_known:  # (a device noted after the objects were seen)
+        if self._noted_device is None:  # (a device noted after the objects were seen)
             self._note_device()
         device = self.probe.device
         # steps 1, 1 + N, ... (every step when N = 1), spaced by the budget by default
@@ -260,7 +264,7 @@ class RuntimeCollector(Collector):
                 }
                 for (site, op, kind), n in counts.items()
             )
-        if not self._device_known:
+        if self._noted_device is None:
             self._note_device()
         if not self._sampler_started:
             self._maybe_start_sampler()
