@@ -522,3 +522,53 @@ def test_wrapper_subclass_tensors_are_skipped_not_read_as_memory(tmp_path):
     # it (a TwoTensor too), are not
     assert set(outputs["module"]) == {"0", "3", "4"}
     assert (outputs.groupby("module")["step"].nunique() == 3).all()
+
+
+_SPARSE_SCRIPT = """
+import torch
+
+model = torch.nn.Sequential(
+    torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(0)
+for _ in range(3):
+    model(torch.randint(0, 50, (4, 3))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("trained")
+"""
+
+
+def test_a_sparse_gradient_is_skipped_and_the_other_layers_measured(tmp_path):
+    """``Embedding(sparse=True)`` gives its weight a sparse COO gradient; measuring it raised
+    (``is_contiguous`` of a sparse tensor) and switched the numerics collector off at step 0:
+    no per-layer row at all for the whole job. It is now skipped with one event."""
+    from tests.helpers import amprobe_cli
+
+    (tmp_path / "train.py").write_text(_SPARSE_SCRIPT)
+    proc = amprobe_cli(
+        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = amprobe.load_run(tmp_path / "run")
+    assert not run.events_of("collector_error")
+    skipped = [e for e in run.events_of("numerics_not_checked") if e["what"] == "sparse_tensors"]
+    assert [(e["tensor_type"], e["first_at"]) for e in skipped] == [("torch.sparse_coo", "0")]
+    rows = run.table("numerics")
+    params = rows.query("kind == 'grad_param'")
+    assert set(params["module"]) == {"1", "2"}  # the embedding's sparse gradient is not
+    assert (params.groupby("module")["step"].nunique() == 3).all()
+    assert {"0", "1", "2"} <= set(rows.query("kind == 'output'")["module"])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_count_nonfinite_of_a_sparse_tensor_counts_its_stored_entries():
+    from amprobe.capture.collectors.numstats import count_nonfinite
+
+    dense = torch.zeros(6, 4)
+    dense[1, 2], dense[4, 0], dense[4, 3] = float("inf"), float("nan"), 1.0
+    for x in (dense.to_sparse(), dense.to_sparse_csr()):
+        assert int(count_nonfinite(x, sync_free=False)) == 2
+        assert int(count_nonfinite(x, sync_free=True)) == 2

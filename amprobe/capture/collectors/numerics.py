@@ -267,7 +267,7 @@ class NumericsCollector(Collector):
         self._weight_checks: list[tuple[int, list[str], torch.Tensor]] = []
         self._compiled_noted = False
         self._kernel_noted = False
-        self._subclasses_noted: set[str] = set()  # wrapper subclass types met (one event each)
+        self._unmeasured_noted: set[str] = set()  # kinds of tensor skipped (one event each)
         # compiled regions: hooks traced into the graph, one buffer per install (see graphstats)
         self._graph: list[tuple[torch.Tensor, list[int]]] = []
         self._graph_handles: list[Any] = []
@@ -582,41 +582,60 @@ class NumericsCollector(Collector):
         return device is None or device.type != "cpu"
 
     def _own_values(self, x: torch.Tensor, slot: int | None) -> torch.Tensor | None:
-        """``x`` as a tensor whose memory holds its values, or None when it has none: a DTensor
-        as its local shard; a tensor subclass backed by its own storage as a plain tensor over
-        it; a wrapper subclass (``_make_wrapper_subclass``: a float8 or NF4 tensor, torch's
-        ``TwoTensor``), whose data pointer is null and whose values live in inner tensors it
-        alone knows how to read, is not measured (an event says so once per type)."""
+        """``x`` as a strided tensor whose memory holds its values, or None when it has none
+        (an event says so once per kind): a DTensor as its local shard; a tensor subclass
+        backed by its own storage as a plain tensor over it. Not measured: a wrapper subclass
+        (``_make_wrapper_subclass``: a float8 or NF4 tensor, torch's ``TwoTensor``), whose data
+        pointer is null and whose values live in inner tensors it alone knows how to read; a
+        sparse tensor (``Embedding(sparse=True)``'s gradient), which stores only its nonzero
+        entries."""
         x = local_tensor(x)
+        if x.layout is not torch.strided:
+            self._note_unmeasured(
+                slot,
+                "sparse_tensors",
+                str(x.layout),
+                f"a {x.layout} tensor (a sparse gradient: Embedding(sparse=True), EmbeddingBag) "
+                "stores only its nonzero entries, which the per-layer histogram does not take",
+            )
+            return None
         if type(x) in PLAIN_TENSORS:
             return x
         if is_traceable_wrapper_subclass(x) or (x.numel() and not x.data_ptr()):
-            self._note_subclass(type(x), slot)
+            cls = type(x)
+            self._note_unmeasured(
+                slot,
+                "subclass_tensors",
+                f"{cls.__module__}.{cls.__qualname__}",
+                f"{cls.__qualname__} is a wrapper tensor subclass: its values live in inner "
+                "tensors only it can read",
+            )
             return None
         with torch.no_grad():
             return x.as_subclass(torch.Tensor)
 
-    def _note_subclass(self, cls: type, slot: int | None) -> None:
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if name in self._subclasses_noted:
+    def _note_unmeasured(self, slot: int | None, what: str, kind: str, why: str) -> None:
+        """One ``numerics_not_checked`` event per kind of tensor the statistics skip."""
+        if kind in self._unmeasured_noted:
             return
-        self._subclasses_noted.add(name)
+        self._unmeasured_noted.add(kind)
         where = self._layer_name(self._slots[slot]) if slot is not None else "a module input"
         self.probe.event(
             "numerics_not_checked",
-            what="subclass_tensors",
-            tensor_type=name,
+            what=what,
+            tensor_type=kind,
             first_at=where,
             reason=(
-                f"{cls.__qualname__} is a wrapper tensor subclass: its values live in inner "
-                "tensors only it can read, so per-layer statistics skip tensors of this type "
-                f"(first: {where}); other layers are measured"
+                f"{why}, so per-layer statistics skip tensors of this kind (first: {where}); "
+                "other layers are measured"
             ),
             step=self.probe.step,
         )
 
     def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
         """Non-finite elements of a module input (reusing the step's measurement of it)."""
+        if x.layout is not torch.strided:  # a sparse input: its stored entries are counted
+            return count_nonfinite(x, self._sync_free())
         own = self._own_values(x, None)
         if own is None:
             return 0
@@ -640,8 +659,12 @@ class NumericsCollector(Collector):
         in_bad: torch.Tensor | int | None = None,
     ) -> StepStats | None:
         """Measure ``x`` into ``slot``; the step's statistics it went into (None: not measured)."""
-        # a DTensor (FSDP2): this rank's shard, measured where it lives
-        own = x if type(x) in PLAIN_TENSORS else self._own_values(x, slot)
+        # (a DTensor, FSDP2's, is measured as this rank's shard, where it lives)
+        own = (
+            x
+            if type(x) in PLAIN_TENSORS and x.layout is torch.strided
+            else self._own_values(x, slot)
+        )
         if own is None:
             return None
         x = own

@@ -171,6 +171,8 @@ def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Ten
     the host whether anything is non-finite and only then counts, returning an int; otherwise
     returns a 0-d int64 tensor on ``x``'s device without reading it back.
     """
+    if x.layout is not torch.strided:  # sparse: the entries it stores (the others are zeros)
+        x = x._values() if x.layout is torch.sparse_coo else x.values()
     if sync_free is None:
         sync_free = x.device.type != "cpu"
     if not sync_free:
