@@ -572,3 +572,89 @@ def test_count_nonfinite_of_a_sparse_tensor_counts_its_stored_entries():
     for x in (dense.to_sparse(), dense.to_sparse_csr()):
         assert int(count_nonfinite(x, sync_free=False)) == 2
         assert int(count_nonfinite(x, sync_free=True)) == 2
+
+
+_KINDS_SCRIPT = """import warnings
+import torch
+warnings.simplefilter("ignore")
+
+class Kind(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+    def forward(self, x):
+        return self.fn(x)
+
+KINDS = {
+    "expanded": lambda x: x[:, :1].expand(-1, 8),
+    "fp64": lambda x: x.double(),
+    "fp8": lambda x: x.detach().to(torch.float8_e4m3fn),
+    "channels_last": lambda x: x.reshape(2, 2, 2, 4).contiguous(memory_format=torch.channels_last),
+    "empty": lambda x: x[:0],
+    "complex": lambda x: torch.complex(x.float(), x.float()),
+    "nested": lambda x: torch.nested.nested_tensor([x.detach()[:1], x.detach()[1:3]]),
+    "jagged": lambda x: torch.nested.nested_tensor([x.detach()[:1], x.detach()[1:3]], layout=torch.jagged),
+    "sparse": lambda x: x.detach().to_sparse(),
+    "integer": lambda x: x.long(),
+    "tuple": lambda x: (x * 2, x),
+    "dict": lambda x: {"a": x * 3},
+    "offset_view": lambda x: x[1:],
+    "transposed": lambda x: x.t(),
+    "nan": lambda x: x * float("nan"),
+}
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.kinds = torch.nn.ModuleDict({k: Kind(f) for k, f in KINDS.items()})
+        self.out = torch.nn.Linear(8, 1)
+    def forward(self, x):
+        h = self.inp(x)
+        total = 0.0
+        for name, mod in self.kinds.items():
+            y = mod(h)
+            if name in ("expanded", "offset_view", "tuple", "dict", "fp64", "channels_last"):
+                t = y[0] if isinstance(y, tuple) else y["a"] if isinstance(y, dict) else y
+                total = total + t.float().sum() * 1e-3
+        return self.out(h).sum() + total
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cpu")
+for _ in range(4):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8))
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+print("trained")
+"""
+
+
+def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(tmp_path):
+    """Module outputs of every layout and dtype torch makes (expanded, offset and transposed
+    views, channels_last, empty, fp64, fp8, complex, integer, NaN, nested strided and jagged,
+    sparse, in a tuple or a dict) through a bf16 GradScaler job with numerics on every step:
+    the job ends as it does alone, no collector error, the strided floating ones measured."""
+    from tests.helpers import amprobe_cli
+
+    (tmp_path / "train.py").write_text(_KINDS_SCRIPT)
+    proc = amprobe_cli(
+        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-2000:]
+    run = amprobe.load_run(tmp_path / "run")
+    assert len(run.steps) == 4
+    assert not run.events_of("collector_error") and not run.events_of("hub_error")
+    skipped = {e["tensor_type"]: e["what"] for e in run.events_of("numerics_not_checked")}
+    assert skipped == {"torch.jagged": "nested_tensors", "torch.sparse_coo": "sparse_tensors"}
+    measured = set(run.table("numerics").query("kind == 'output'")["module"])
+    kinds = {"expanded", "fp64", "fp8", "channels_last", "nested", "tuple", "offset_view"}
+    kinds |= {"transposed", "nan"}
+    assert {f"kinds.{k}" for k in kinds} <= measured
+    # nothing floating to measure (complex, integer), nothing at all (empty), not taken
+    # (a dict output; jagged and sparse: the events above)
+    assert not {f"kinds.{k}" for k in ("complex", "integer", "empty", "dict")} & measured

@@ -588,15 +588,18 @@ class NumericsCollector(Collector):
         (``_make_wrapper_subclass``: a float8 or NF4 tensor, torch's ``TwoTensor``), whose data
         pointer is null and whose values live in inner tensors it alone knows how to read; a
         sparse tensor (``Embedding(sparse=True)``'s gradient), which stores only its nonzero
-        entries."""
+        entries; a jagged nested tensor."""
         x = local_tensor(x)
         if x.layout is not torch.strided:
+            if x.layout is torch.jagged:
+                what, why = "nested tensor", "keeps its values in an inner buffer of its own"
+            else:  # a sparse gradient: Embedding(sparse=True), EmbeddingBag
+                what, why = "sparse tensor", "stores only its nonzero entries"
             self._note_unmeasured(
                 slot,
-                "sparse_tensors",
+                what.replace(" ", "_") + "s",
                 str(x.layout),
-                f"a {x.layout} tensor (a sparse gradient: Embedding(sparse=True), EmbeddingBag) "
-                "stores only its nonzero entries, which the per-layer histogram does not take",
+                f"a {what} ({x.layout}) {why}, which the per-layer histogram does not take",
             )
             return None
         if type(x) in PLAIN_TENSORS:
