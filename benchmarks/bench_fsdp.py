@@ -27,7 +27,8 @@ shape capture and sync counting at step 1), which a long job pays once and the o
 budget then spaces out; the probe's first flush, which makes the run directory (measured on
 this job: 3.0-4.4 ms of CPU and 7-16 ms wall with its fsyncs, against 1.6-3.0 ms of CPU for a
 later flush of 100 steps), is taken there too, so a timed block holds one ordinary flush, as
-100 steps of a long job do. ``--settle 0`` counts all of them in every block.
+100 steps of a long job do (the default flushes every 100 steps once 0.5 s have passed since
+the last flush: this job's 100 steps take longer; a block of shorter steps holds fewer). ``--settle 0`` counts all of them in every block.
 
 ``--opcodes`` instead counts the Python bytecodes amprobe's own frames execute per recorded
 step of this job (``sys.settrace`` with opcode events, ``--opcode-steps`` unsampled steps after

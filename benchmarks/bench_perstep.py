@@ -61,8 +61,9 @@ MODES = {
 def worker_ab(mode: str, rounds: int, block: int, settle: int, run_dir: str) -> dict[str, Any]:
     """Plain and probed blocks alternating in this one process (the same memory layout, so a
     process's own speed, which differs by up to 10 % between processes, cancels): per round, a
-    plain block, then ``attach``, ``settle`` untimed steps (an attach's one-time first samples),
-    a probed block, ``close``. Thread-CPU microseconds per step of each block."""
+    plain block, then ``attach``, ``settle`` untimed steps (an attach's one-time first samples)
+    and an untimed flush of their rows, a probed block ending in a timed flush of its own rows,
+    ``close``. Thread-CPU microseconds per step of each block."""
     import amprobe
 
     step, model, opt, scaler = _loop()

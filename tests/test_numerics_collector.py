@@ -633,12 +633,19 @@ print("trained")
 """
 
 
-def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(tmp_path):
+@pytest.mark.parametrize("reduction", ["kernel", "eager"])
+def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(
+    tmp_path, monkeypatch, reduction
+):
     """Module outputs of every layout and dtype torch makes (expanded, offset and transposed
     views, channels_last, empty, fp64, fp8, complex, integer, NaN, nested strided and jagged,
     sparse, in a tuple or a dict) through a bf16 GradScaler job with numerics on every step:
-    the job ends as it does alone, no collector error, the strided floating ones measured."""
+    the job ends as it does alone, no collector error, the strided floating ones measured;
+    with the compiled counting kernel and with the eager reduction (a GPU's, or no compiler)."""
     from tests.helpers import amprobe_cli
+
+    if reduction == "eager":
+        monkeypatch.setenv("AMPROBE_NO_KERNEL", "1")
 
     (tmp_path / "train.py").write_text(_KINDS_SCRIPT)
     proc = amprobe_cli(
@@ -650,11 +657,15 @@ def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(tm
     assert len(run.steps) == 4
     assert not run.events_of("collector_error") and not run.events_of("hub_error")
     skipped = {e["tensor_type"]: e["what"] for e in run.events_of("numerics_not_checked")}
-    assert skipped == {"torch.jagged": "nested_tensors", "torch.sparse_coo": "sparse_tensors"}
+    assert skipped == {
+        "nested torch.strided": "nested_tensors",
+        "nested torch.jagged": "nested_tensors",
+        "torch.sparse_coo": "sparse_tensors",
+    }
     measured = set(run.table("numerics").query("kind == 'output'")["module"])
-    kinds = {"expanded", "fp64", "fp8", "channels_last", "nested", "tuple", "offset_view"}
-    kinds |= {"transposed", "nan"}
-    assert {f"kinds.{k}" for k in kinds} <= measured
+    kinds = {"expanded", "fp64", "fp8", "channels_last", "tuple", "offset_view", "transposed"}
+    assert {f"kinds.{k}" for k in (*kinds, "nan")} <= measured
     # nothing floating to measure (complex, integer), nothing at all (empty), not taken
-    # (a dict output; jagged and sparse: the events above)
-    assert not {f"kinds.{k}" for k in ("complex", "integer", "empty", "dict")} & measured
+    # (a dict output; nested and sparse: the events above)
+    unmeasured = ("complex", "integer", "empty", "dict", "nested", "jagged", "sparse")
+    assert not {f"kinds.{k}" for k in unmeasured} & measured

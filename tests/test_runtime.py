@@ -444,21 +444,40 @@ def test_the_step_end_is_called_only_once_the_device_is_known_to_be_cuda(tmp_pat
     assert steps["peak_mem_bytes"].iloc[1] == 123
 
 
+class _FakeSampler:
+    """``GpuSampler`` at its constructor: what it was started for, and whether it was stopped
+    (and waited for)."""
+
+    made: list[_FakeSampler] = []
+
+    def __init__(self, indices, uuids, **kwargs):
+        self.indices, self.started, self.stopped = list(indices), False, None
+        _FakeSampler.made.append(self)
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self.stopped = timeout
+
+    def drain(self):
+        return [], []
+
+    dropped = 0
+
+
 def test_a_root_models_device_replaces_an_optimizers(tmp_path, monkeypatch):
     """An optimizer may hold CPU master copies of a model on an accelerator (ZeRO-Offload), and
     a zero-code run can meet the optimizer before the model. The CPU then stayed the job's
     device: the hub read the model's device values on the host every step (a sync each) and
-    the runtime collector recorded no GPU. A root model's device now replaces an optimizer's;
-    faked at the seam that reads a model's parameter device."""
+    the runtime collector recorded no GPU. A root model's accelerator now replaces an
+    optimizer's CPU, and the GPU sampler is restarted for it without waiting on the old one;
+    faked at the seam that reads a model's parameter device and at the sampler."""
     from amprobe.capture import probe as probe_mod
-    from amprobe.capture.collectors.runtime import RuntimeCollector
+    from amprobe.capture.collectors import runtime as runtime_mod
 
-    started: list[torch.device | None] = []
-    monkeypatch.setattr(
-        RuntimeCollector,
-        "_maybe_start_sampler",
-        lambda self, force=False: started.append(self.probe.device),
-    )
+    monkeypatch.setattr(runtime_mod, "GpuSampler", _FakeSampler)
+    monkeypatch.setattr(_FakeSampler, "made", [])
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     accel = torch.device("cuda", 0)
@@ -472,18 +491,51 @@ def test_a_root_models_device_replaces_an_optimizers(tmp_path, monkeypatch):
         config={"collectors": ["runtime", "numerics"], "syncs_every": 0},
     )
     try:
-        runtime = next(c for c in probe.collectors if isinstance(c, RuntimeCollector))
+        runtime = next(c for c in probe.collectors if isinstance(c, runtime_mod.RuntimeCollector))
         numerics = next(c for c in probe.collectors if c.name == "numerics")
         subs = probe.hub.dispatch.subs
         assert probe.device == torch.device("cpu")
         assert not any(c is runtime for c, _ in subs["on_step_end"])
+        assert [(m.indices, m.started) for m in _FakeSampler.made] == [([], True)]
         probe.add_model(model)
         assert probe.device == accel
         assert probe.rank_manifest["device"] == "cuda:0"
         assert any(c is runtime for c, _ in subs["on_step_end"])  # the allocator's peak
-        assert started[-1] == accel  # the GPU sampler starts for the model's device
+        old, new = _FakeSampler.made
+        assert old.stopped == 0.0  # stopped, not waited for (this may be the user's forward)
+        assert (new.indices, new.started, new.stopped) == ([0], True, None)
         assert numerics._sync_free()  # and nothing of the model's is read on the host
         probe.note_device(torch.device("cpu"))  # another optimizer's device: no way back
+        assert probe.device == accel
+    finally:
+        probe.close()
+
+
+def test_the_cpu_never_replaces_an_accelerator(tmp_path, monkeypatch):
+    """A model whose first parameter stays on the host (an embedding kept on the CPU) while it
+    trains on a GPU, its optimizer seen first: the device stays the accelerator, or the input
+    check would read the GPU inputs back every step. Same at attach with both objects."""
+    from amprobe.capture import probe as probe_mod
+
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    accel = torch.device("cuda", 0)
+    real = probe_mod._first_param_device
+    monkeypatch.setattr(
+        probe_mod, "_first_param_device", lambda obj: accel if obj is opt else real(obj)
+    )
+    monkeypatch.setattr(
+        "amprobe.capture.collectors.runtime.GpuSampler", _FakeSampler
+    )  # (no NVML thread on this machine)
+    config = {"collectors": ["runtime"], "syncs_every": 0}
+    probe = amprobe.attach(optimizer=opt, run_dir=tmp_path / "a", config=config)
+    try:
+        probe.add_model(model)
+        assert probe.device == accel
+    finally:
+        probe.close()
+    probe = amprobe.attach(model, opt, run_dir=tmp_path / "b", config=config)
+    try:
         assert probe.device == accel
     finally:
         probe.close()

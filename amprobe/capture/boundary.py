@@ -269,7 +269,8 @@ class StepBoundary:
                 continue
             if type(t) not in PLAIN_TENSORS:
                 t = local_tensor(t)
-            bad = bad + count_nonfinite(t, sync_free)
+            # (a tensor off the host is never read back here, whatever the job's device says)
+            bad = bad + count_nonfinite(t, sync_free or not t.is_cpu)
         facts.input_nonfinite = bad
 
     def _describe_inputs(self, model: torch.nn.Module, inputs: Any) -> None:

@@ -187,8 +187,12 @@ class Probe:
         device = _first_param_device(model) if model is not None else None
         #: the device came from a root model's parameters (an optimizer's gives way to it)
         self._device_from_model = device is not None
-        if device is None:
-            device = _first_param_device(optimizer)
+        opt_device = _first_param_device(optimizer) if optimizer is not None else None
+        # the model's, but not the CPU over the optimizer's accelerator (see note_device)
+        if opt_device is not None and (
+            device is None or (device.type == "cpu" and opt_device.type != "cpu")
+        ):
+            device = opt_device
         self.device = device
         self._rank_manifest = {
             "rank": self.rank,
@@ -298,16 +302,20 @@ class Probe:
 
     def note_device(self, device: torch.device | None, model: bool = False) -> None:
         """Record the training device once it is known: the first root model's, else the
-        first optimizer's until a root model is seen. A model's wins over an optimizer's
-        noted before it: an optimizer may hold CPU master copies of a model on an accelerator
-        (ZeRO-Offload), and taking the CPU for the job's device would read the model's
-        device values on the host every step and record no GPU."""
+        first optimizer's until a root model is seen. A model's accelerator wins over an
+        optimizer's CPU noted before it: an optimizer may hold CPU master copies of a model on
+        an accelerator (ZeRO-Offload), and taking the CPU for the job's device would read the
+        model's device values on the host every step and record no GPU. The CPU never
+        replaces an accelerator (a model whose first parameter, an embedding, stays on the
+        host while it trains on a GPU)."""
         if device is None or self.writer is None:
             return
         if self.device is not None and (self._device_from_model or not model):
             return
         self._device_from_model = model
-        if device == self.device:
+        if device == self.device or (
+            self.device is not None and device.type == "cpu" and self.device.type != "cpu"
+        ):
             return
         self.device = device
         self.annotate_manifest(**device_facts(device))

@@ -132,6 +132,10 @@ _MAX_INPUTS = 8  # floating inputs per root model given their own slot
 KINDS = ("input", "output", "grad_output", "grad_param")
 
 
+#: the sparse layouts: a tensor of one stores only its nonzero entries
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -588,18 +592,20 @@ class NumericsCollector(Collector):
         (``_make_wrapper_subclass``: a float8 or NF4 tensor, torch's ``TwoTensor``), whose data
         pointer is null and whose values live in inner tensors it alone knows how to read; a
         sparse tensor (``Embedding(sparse=True)``'s gradient), which stores only its nonzero
-        entries; a jagged nested tensor."""
+        entries; a nested tensor (strided or jagged) and any other layout."""
         x = local_tensor(x)
-        if x.layout is not torch.strided:
-            if x.layout is torch.jagged:
-                what, why = "nested tensor", "keeps its values in an inner buffer of its own"
-            else:  # a sparse gradient: Embedding(sparse=True), EmbeddingBag
-                what, why = "sparse tensor", "stores only its nonzero entries"
+        if x.is_nested or x.layout is not torch.strided:
+            if x.is_nested:
+                kind, what = f"nested {x.layout}", "nested_tensors"
+                why = f"a nested tensor ({x.layout}) keeps its components' values in a buffer"
+            elif x.layout in _SPARSE:  # a sparse gradient: Embedding(sparse=True), EmbeddingBag
+                kind, what = str(x.layout), "sparse_tensors"
+                why = f"a sparse tensor ({x.layout}) stores only its nonzero entries"
+            else:
+                kind, what = str(x.layout), "other_layouts"
+                why = f"a {x.layout} tensor keeps its values in a layout of its own"
             self._note_unmeasured(
-                slot,
-                what.replace(" ", "_") + "s",
-                str(x.layout),
-                f"a {what} ({x.layout}) {why}, which the per-layer histogram does not take",
+                slot, what, kind, f"{why}, which the per-layer histogram does not take"
             )
             return None
         if type(x) in PLAIN_TENSORS:
@@ -637,7 +643,7 @@ class NumericsCollector(Collector):
 
     def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
         """Non-finite elements of a module input (reusing the step's measurement of it)."""
-        if x.layout is not torch.strided:  # a sparse input: its stored entries are counted
+        if x.layout is not torch.strided or x.is_nested:  # counted by what it stores
             return count_nonfinite(x, self._sync_free())
         own = self._own_values(x, None)
         if own is None:
@@ -665,7 +671,7 @@ class NumericsCollector(Collector):
         # (a DTensor, FSDP2's, is measured as this rank's shard, where it lives)
         own = (
             x
-            if type(x) in PLAIN_TENSORS and x.layout is torch.strided
+            if type(x) in PLAIN_TENSORS and x.layout is torch.strided and not x.is_nested
             else self._own_values(x, slot)
         )
         if own is None:
@@ -851,7 +857,7 @@ class NumericsCollector(Collector):
             if loss_bad is not None:
                 flags["loss_nonfinite"] = record["loss_nonfinite"] = loss_bad
             self._watch.append(flags)
-            device = self._device
+            device = self.probe.device if self.probe.device is not None else self._device
             if device is not None and device.type == "cuda":
                 self._watch_async(step, flags)
         if self._in_flight:

@@ -171,8 +171,8 @@ def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Ten
     the host whether anything is non-finite and only then counts, returning an int; otherwise
     returns a 0-d int64 tensor on ``x``'s device without reading it back.
     """
-    if x.layout is not torch.strided:  # sparse: the entries it stores (the others are zeros)
-        x = x._values() if x.layout is torch.sparse_coo else x.values()
+    if x.is_nested or x.layout is not torch.strided:
+        return _count_stored_nonfinite(x, sync_free)
     if sync_free is None:
         sync_free = x.device.type != "cpu"
     if not sync_free:
@@ -191,6 +191,21 @@ def count_nonfinite(x: torch.Tensor, sync_free: bool | None = None) -> torch.Ten
             return 0
         return x.numel() - int(torch.isfinite(x).sum())
     return x.numel() - torch.isfinite(x).sum()
+
+
+def _count_stored_nonfinite(x: torch.Tensor, sync_free: bool | None) -> torch.Tensor | int:
+    """Non-finite elements of a tensor that is not one strided block: a sparse tensor's stored
+    entries (the others are zeros), a nested tensor's components, another layout densified."""
+    if x.is_nested:
+        total: torch.Tensor | int = 0
+        for part in x.unbind():
+            total = total + count_nonfinite(part, sync_free)
+        return total
+    if x.layout is torch.sparse_coo:
+        return count_nonfinite(x._values(), sync_free)
+    if x.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return count_nonfinite(x.values(), sync_free)
+    return count_nonfinite(x.to_dense(), sync_free)
 
 
 def _key_format(dtype: torch.dtype) -> int:

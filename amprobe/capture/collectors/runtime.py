@@ -180,7 +180,7 @@ class RuntimeCollector(Collector):
         self._noted_device = device
         self.probe.hub.dispatch.mute(self, "on_step_end", muted=device.type != "cuda")
         if changed and self._sampler is not None:  # started for the optimizer's device
-            self._sampler.stop()
+            self._sampler.stop(timeout=0.0)  # not waited for: this may be the user's forward
             self._sampler, self._sampler_started = None, False
         self._maybe_start_sampler()
 
