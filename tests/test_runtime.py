@@ -539,3 +539,25 @@ def test_the_cpu_never_replaces_an_accelerator(tmp_path, monkeypatch):
         assert probe.device == accel
     finally:
         probe.close()
+
+
+def test_the_phase_clock_follows_a_device_noted_after_it_started(tmp_path):
+    """With ``details_every=1`` the phase clock stays on from step 0; whether it times CUDA
+    events was decided only when it switched on, so a device noted later (a model found at its
+    first forward, an accelerator replacing an optimizer's CPU) never got device timings."""
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    probe = amprobe.attach(
+        model, opt, run_dir=tmp_path, config={"collectors": ["runtime"], "details_every": 1}
+    )
+    try:
+        boundary = probe.hub.boundary
+        assert boundary.clock.on and not boundary.clock.cuda
+        probe.device = torch.device("cuda", 0)  # noted late (faked: no step runs after this)
+        boundary.begin_step(probe.step + 1)
+        assert boundary.clock.on and boundary.clock.cuda
+        probe.device = torch.device("cpu")
+        boundary.begin_step(probe.step + 2)
+        assert not boundary.clock.cuda
+    finally:
+        probe.close()

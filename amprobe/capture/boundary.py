@@ -550,9 +550,9 @@ class StepBoundary:
         if clock.on != timed:
             clock.on = timed
             clock.reset()
-            if timed:
-                device = self.probe.device
-                clock.cuda = device is not None and device.type == "cuda"
+        if timed:  # (each detail step: the device may be noted, or change, after the first)
+            device = self.probe.device
+            clock.cuda = device is not None and device.type == "cuda"
         budget = self.probe.budget
         if not self._asked and budget.quiet(step):
             # no sample can start and none ends here: the samplers are not asked
