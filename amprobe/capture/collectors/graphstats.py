@@ -23,6 +23,7 @@ gradients (see README, torch.compile).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -80,6 +81,8 @@ COLUMNS = (
     _BNORM,
     _DTYPE,
 ) = range(len(COLUMNS))
+#: the columns a call adds to, in the order ``_accumulate`` stacks its counts
+_ADDED = (_NAN, _OVER, _ZEROS, _UNDER, _INBAD, _ELEMS, _CALLS)
 #: first column of the exponent histogram (``NBINS`` columns follow, exponent ``E_MIN`` first)
 HIST0 = len(COLUMNS)
 #: the ``dtype`` column holds ``1 + `` the output dtype's index here (0: another dtype)
@@ -95,6 +98,23 @@ _FP16_OVERFLOW = 65520.0  # the smallest magnitude a round-to-nearest fp16 cast 
 _FP16_FLUSH = 2.0**-25  # the largest magnitude a round-to-nearest fp16 cast makes zero
 _FP16_MIN_SUBNORMAL = 2.0**-24
 _FP16_MIN_NORMAL = 2.0**-14
+
+
+def read_row(values: list[float]) -> dict[str, float]:
+    """A buffer row (``buf[slot].tolist()``) as the eager statistics record it: its columns by
+    name, with what the graph leaves to the histogram read from it as ``numerics`` reads an
+    eager row's (``summarize_hist``): ``inf`` (the last bin holds inf and NaN),
+    ``below_normal`` and ``below_subnormal`` (nonzero values below 2**-14 and 2**-24: whole
+    binades, zeros sharing the -127 bin), and ``amax`` inf when inf is present."""
+    row = dict(zip(COLUMNS, values[:HIST0], strict=True))
+    hist = values[HIST0:]
+    zeros = row["zeros"]
+    row["inf"] = hist[-1] - row["nan"]
+    row["below_normal"] = sum(hist[: -14 - E_MIN]) - zeros
+    row["below_subnormal"] = sum(hist[: -24 - E_MIN]) - zeros
+    if row["inf"]:
+        row["amax"] = math.inf
+    return row
 
 
 def new_buffer(slots: int, device: torch.device | None) -> torch.Tensor:
@@ -121,7 +141,10 @@ def exponent_bins(x: torch.Tensor) -> torch.Tensor:
         bits = x.float().abs().view(torch.int32)
     zero_bin = -127 - E_MIN
     normal = zero_bin + (bits >> 23)
-    lead = 16 + sum((bits >= 1 << j).to(torch.int32) for j in range(17, 23))
+    # a subnormal pattern's leading bit: the exponent of the pattern read as an integer and
+    # converted to fp32 (exact below 2**24), four ops where comparing with each power of two
+    # took eighteen (every op of this hook is traced and compiled once per layer)
+    lead = (bits.to(torch.float32).view(torch.int32) >> 23) - 127
     sub = torch.where(bits >= 1 << 16, lead, 0)
     bins = torch.where(bits >= 1 << 23, normal, torch.where(bits == 0, zero_bin, sub))
     return bins.to(torch.int64)
@@ -157,36 +180,35 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     # the counter is taken from the buffer here, in the graph: a compiled graph keeps the
     # mutations of the buffer it reads, not those of a separate view passed in
     counter = buf[buf.shape[0] - 1, 0]
+    # What the histogram holds is read from it on the host, as the eager rows read theirs
+    # (numerics.summarize_hist): inf (its last bin holds inf and NaN), the counts below fp16's
+    # normal and subnormal ranges, and an amax of inf when inf is present. Every op left here
+    # is traced and compiled once per layer, in the sampled-step variant of the graph.
     finite = torch.isfinite(x)
     nan = torch.isnan(x).sum()
-    inf = x.numel() - finite.sum() - nan
     # fp32 magnitudes (exact for every 16-bit value; fused by inductor, never materialized),
     # compared with the fp16 boundaries as the eager statistics define them (numstats)
     mag = torch.where(finite, x.float().abs(), 0.0)
     over = (mag >= _FP16_OVERFLOW).sum()
-    # the largest magnitude as the eager statistics record it: inf when inf is present
-    amax = torch.where(inf > 0, float("inf"), mag.amax().to(buf.dtype))
-    nonzero = mag > 0
+    amax = mag.amax().to(buf.dtype)  # of the finite values
     zeros = (x == 0).sum()
-    flush = (nonzero & (mag <= _FP16_FLUSH)).sum()
-    below_subnormal = (nonzero & (mag < _FP16_MIN_SUBNORMAL)).sum()
-    below_normal = (nonzero & (mag < _FP16_MIN_NORMAL)).sum()
-    in_bad = torch.zeros((), dtype=buf.dtype, device=buf.device)
+    flush = ((mag > 0) & (mag <= _FP16_FLUSH)).sum()
+    in_bad = torch.zeros((), dtype=torch.int64, device=buf.device)
     for arg in args if isinstance(args, tuple) else (args,):
         if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.device == x.device:
-            in_bad = in_bad + (~torch.isfinite(arg.detach())).sum().to(buf.dtype)
+            in_bad = in_bad + (~torch.isfinite(arg.detach())).sum()
     row = buf[slot]
-    counts = torch.stack([nan, inf, over]).to(buf.dtype)
-    row[_ELEMS].add_(float(x.numel()))
-    row[_NAN : _OVER + 1].add_(counts)
+    first = row[_CALLS] == 0  # (read before the counts below add this call)
     row[_AMAX].copy_(torch.maximum(row[_AMAX], amax))
-    row[_INBAD].add_(in_bad)
-    row[_ORDER].copy_(torch.where(row[_CALLS] == 0, counter, row[_ORDER]))
-    row[_CALLS].add_(1.0)
-    small = torch.stack([zeros, flush, below_subnormal, below_normal]).to(buf.dtype)
-    row[_ZEROS : _BNORM + 1].add_(small)
+    row[_ORDER].copy_(torch.where(first, counter, row[_ORDER]))
     code = DTYPES.index(x.dtype) + 1 if x.dtype in DTYPES else 0  # a constant of the trace
-    row[_DTYPE].copy_(torch.where(row[_CALLS] == 1, code, row[_DTYPE]))  # the first call's
+    row[_DTYPE].copy_(torch.where(first, code, row[_DTYPE]))  # the first call's
+    # the additive columns in one index_add_ (where seven slice updates were: every op of this
+    # hook is traced and compiled once per layer)
+    counts = torch.stack([nan, over, zeros, flush, in_bad])
+    one = torch.ones((), dtype=buf.dtype, device=buf.device)
+    added = torch.cat([counts.to(buf.dtype), torch.stack([one * float(x.numel()), one])])
+    row.index_add_(0, torch.tensor(_ADDED, device=buf.device), added)
     bins = exponent_bins(x).reshape(-1)
     ones = torch.ones((), dtype=buf.dtype, device=buf.device).expand(bins.numel())
     row[HIST0:].index_add_(0, bins, ones)

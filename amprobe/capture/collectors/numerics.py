@@ -92,6 +92,7 @@ from amprobe.capture.collectors.graphstats import (
     first_float,
     graph_stats_hook,
     new_buffer,
+    read_row,
 )
 from amprobe.capture.collectors.numstats import C_AMAX as _C_AMAX
 from amprobe.capture.collectors.numstats import C_FLUSH16 as _C_FLUSH16
@@ -416,8 +417,10 @@ class NumericsCollector(Collector):
             for (_, indices), table in zip(self._graph, snapshots, strict=False):
                 values = table.cpu().tolist()
                 for index in indices:
-                    (elems, nan, inf, over, amax, in_bad, order, calls) = values[index][:8]
-                    zeros, flush, below_subnormal, below_normal, code = values[index][8:HIST0]
+                    r = read_row(values[index])
+                    calls, elems, nan, inf, code = (
+                        r[k] for k in ("calls", "elements", "nan", "inf", "dtype")
+                    )
                     if not calls:
                         continue
                     slot = self._slots[index]
@@ -430,18 +433,18 @@ class NumericsCollector(Collector):
                             "kind": "output",
                             "dtype": _dtype_name(DTYPES[int(code) - 1]) if code else None,
                             "calls": int(calls),
-                            "order": int(order),
+                            "order": int(r["order"]),
                             "elements": int(elems),
-                            "zeros": int(zeros),
+                            "zeros": int(r["zeros"]),
                             "nan": int(nan),
                             "inf": int(inf),
                             "finite": int(elems - nan - inf),
-                            "over_fp16": int(over),
-                            "below_normal": int(below_normal),
-                            "below_subnormal": int(below_subnormal),
-                            "underflow_at_scale": int(flush),
-                            "amax": None if nan else float(amax),
-                            "in_nonfinite": int(in_bad),
+                            "over_fp16": int(r["over_fp16"]),
+                            "below_normal": int(r["below_normal"]),
+                            "below_subnormal": int(r["below_subnormal"]),
+                            "underflow_at_scale": int(r["underflow_at_scale"]),
+                            "amax": None if nan else float(r["amax"]),
+                            "in_nonfinite": int(r["in_nonfinite"]),
                             "exp_hist": json.dumps(
                                 {str(e + _E_MIN): int(n) for e, n in enumerate(hist) if n},
                                 separators=(",", ":"),
