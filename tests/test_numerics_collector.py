@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -469,6 +470,20 @@ def test_a_discovered_model_gets_its_first_per_layer_sample_at_once(tmp_path: Pa
     assert set(numerics.loc[numerics["step"] == 1, "module"]) >= {"0", "2"}
 
 
+def _run_every_step(tmp_path: Path, script: str) -> tuple[Any, Any]:
+    """``script`` as ``train.py`` under ``amprobe run`` with per-layer numerics on every step:
+    (the finished process, its loaded run)."""
+    from tests.helpers import amprobe_cli
+
+    (tmp_path / "train.py").write_text(script)
+    proc = amprobe_cli(
+        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, amprobe.load_run(tmp_path / "run")
+
+
 _SUBCLASS_SCRIPT = """
 import torch
 from torch.testing._internal.two_tensor import TwoTensor
@@ -502,16 +517,8 @@ def test_wrapper_subclass_tensors_are_skipped_not_read_as_memory(tmp_path):
     ``TwoTensor`` here) has a null data pointer: the compiled kernel read it and the training
     process died of a segmentation fault. Such tensors are now skipped with one event, and the
     other layers are measured."""
-    from tests.helpers import amprobe_cli
-
-    (tmp_path / "train.py").write_text(_SUBCLASS_SCRIPT)
-    proc = amprobe_cli(
-        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, run = _run_every_step(tmp_path, _SUBCLASS_SCRIPT)
     assert "trained" in proc.stdout
-    run = amprobe.load_run(tmp_path / "run")
     assert len(run.steps) == 3
     skipped = [e for e in run.events_of("numerics_not_checked") if e["what"] == "subclass_tensors"]
     assert [e["tensor_type"] for e in skipped] == ["torch.testing._internal.two_tensor.TwoTensor"]
@@ -544,15 +551,7 @@ def test_a_sparse_gradient_is_skipped_and_the_other_layers_measured(tmp_path):
     """``Embedding(sparse=True)`` gives its weight a sparse COO gradient; measuring it raised
     (``is_contiguous`` of a sparse tensor) and switched the numerics collector off at step 0:
     no per-layer row at all for the whole job. It is now skipped with one event."""
-    from tests.helpers import amprobe_cli
-
-    (tmp_path / "train.py").write_text(_SPARSE_SCRIPT)
-    proc = amprobe_cli(
-        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    run = amprobe.load_run(tmp_path / "run")
+    _, run = _run_every_step(tmp_path, _SPARSE_SCRIPT)
     assert not run.events_of("collector_error")
     skipped = [e for e in run.events_of("numerics_not_checked") if e["what"] == "sparse_tensors"]
     assert [(e["tensor_type"], e["first_at"]) for e in skipped] == [("torch.sparse_coo", "0")]
@@ -642,18 +641,10 @@ def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(
     sparse, in a tuple or a dict) through a bf16 GradScaler job with numerics on every step:
     the job ends as it does alone, no collector error, the strided floating ones measured;
     with the compiled counting kernel and with the eager reduction (a GPU's, or no compiler)."""
-    from tests.helpers import amprobe_cli
-
     if reduction == "eager":
         monkeypatch.setenv("AMPROBE_NO_KERNEL", "1")
-
-    (tmp_path / "train.py").write_text(_KINDS_SCRIPT)
-    proc = amprobe_cli(
-        "run", "--out", "run", "--set", "numerics_every=1", "--", "python", "train.py",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stderr[-2000:]
-    run = amprobe.load_run(tmp_path / "run")
+    proc, run = _run_every_step(tmp_path, _KINDS_SCRIPT)
+    assert "trained" in proc.stdout
     assert len(run.steps) == 4
     assert not run.events_of("collector_error") and not run.events_of("hub_error")
     skipped = {e["tensor_type"]: e["what"] for e in run.events_of("numerics_not_checked")}

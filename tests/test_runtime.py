@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -444,6 +445,14 @@ def test_the_step_end_is_called_only_once_the_device_is_known_to_be_cuda(tmp_pat
     assert steps["peak_mem_bytes"].iloc[1] == 123
 
 
+def _param_device(monkeypatch, obj: Any, device: torch.device) -> None:
+    """Fake, at the probe's seam, that ``obj``'s parameters live on ``device``."""
+    from amprobe.capture import probe as probe_mod
+
+    real = probe_mod._first_param_device
+    monkeypatch.setattr(probe_mod, "_first_param_device", lambda o: device if o is obj else real(o))
+
+
 class _FakeSampler:
     """``GpuSampler`` at its constructor: what it was started for, and whether it was stopped
     (and waited for)."""
@@ -473,7 +482,6 @@ def test_a_root_models_device_replaces_an_optimizers(tmp_path, monkeypatch):
     the runtime collector recorded no GPU. A root model's accelerator now replaces an
     optimizer's CPU, and the GPU sampler is restarted for it without waiting on the old one;
     faked at the seam that reads a model's parameter device and at the sampler."""
-    from amprobe.capture import probe as probe_mod
     from amprobe.capture.collectors import runtime as runtime_mod
 
     monkeypatch.setattr(runtime_mod, "GpuSampler", _FakeSampler)
@@ -481,10 +489,7 @@ def test_a_root_models_device_replaces_an_optimizers(tmp_path, monkeypatch):
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     accel = torch.device("cuda", 0)
-    real = probe_mod._first_param_device
-    monkeypatch.setattr(
-        probe_mod, "_first_param_device", lambda obj: accel if obj is model else real(obj)
-    )
+    _param_device(monkeypatch, model, accel)
     probe = amprobe.attach(
         optimizer=opt,
         run_dir=tmp_path,
@@ -515,15 +520,10 @@ def test_the_cpu_never_replaces_an_accelerator(tmp_path, monkeypatch):
     """A model whose first parameter stays on the host (an embedding kept on the CPU) while it
     trains on a GPU, its optimizer seen first: the device stays the accelerator, or the input
     check would read the GPU inputs back every step. Same at attach with both objects."""
-    from amprobe.capture import probe as probe_mod
-
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     accel = torch.device("cuda", 0)
-    real = probe_mod._first_param_device
-    monkeypatch.setattr(
-        probe_mod, "_first_param_device", lambda obj: accel if obj is opt else real(obj)
-    )
+    _param_device(monkeypatch, opt, accel)
     monkeypatch.setattr(
         "amprobe.capture.collectors.runtime.GpuSampler", _FakeSampler
     )  # (no NVML thread on this machine)
