@@ -323,18 +323,3 @@ def test_register_hook_inside_the_graph_fails_a_second_compiled_call():
     loss = run(x).sum() + run(x).sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
-
-
-class _Subclass(torch.Tensor):
-    """A tensor subclass (as a DTensor is) that the statistics op has no rule for."""
-
-
-def test_a_subclass_output_takes_the_traced_ops_with_the_same_row():
-    """A plain tensor's statistics run as one opaque op (``amprobe::layer_stats``); a tensor
-    subclass's (a tensor-parallel DTensor activation) as the ops themselves, dispatched through
-    the subclass. Both write the same row."""
-    x = _values(torch.bfloat16)
-    plain = _hooked_row(x, None)
-    sub = _hooked_row(x.as_subclass(_Subclass), None)
-    assert torch.equal(plain, sub)
-    assert graphstats.read_row(plain.tolist())["calls"] == 1

@@ -170,86 +170,46 @@ def graph_stats_hook(buf: torch.Tensor, slot: int) -> Any:
         x = first_float(out)
         if x is None or x.device != buf.device or x.numel() == 0:
             return
-        inputs = [
-            a.detach()
-            for a in (args if isinstance(args, tuple) else (args,))
-            if isinstance(a, torch.Tensor) and a.is_floating_point() and a.device == x.device
-        ]
-        # the counter is taken from the buffer here, in the graph: a compiled graph keeps the
-        # mutations of the buffer it reads, not those of a separate view passed in
-        counter = buf[buf.shape[0] - 1, 0]
-        row = buf[slot]
-        x = x.detach()
-        if type(x) is torch.Tensor and all(type(a) is torch.Tensor for a in inputs):
-            # one opaque, functional op in the graph: the compiler neither traces nor generates
-            # code for the statistics (some forty ops a layer made the sampled variant's
-            # compile several times the model's); they run eagerly inside it, sampled steps only
-            row.copy_(torch.ops.amprobe.layer_stats(x, row, counter, inputs))
-        else:  # a subclass (a DTensor) has no rule for the op: each op dispatches through it
-            with torch.no_grad():
-                _accumulate(row, counter, x, inputs, torch.tensor(_ADDED, device=row.device))
-        counter.add_(1.0)
+        with torch.no_grad():
+            _accumulate(buf, slot, x.detach(), args)
 
     return hook
 
 
-@torch.library.custom_op("amprobe::layer_stats", mutates_args=())
-def _layer_stats(
-    x: torch.Tensor, row: torch.Tensor, counter: torch.Tensor, inputs: list[torch.Tensor]
-) -> torch.Tensor:
-    """``row`` with ``x``'s statistics (and its inputs' non-finite count) added, as a new
-    tensor (a custom op that mutated the buffer would be a higher-order op in the graph, which
-    amprobe's own dispatch mode on a sampled step could not run)."""
-    new = row.clone()
-    index = _ADDED_INDEX.get(row.device)
-    if index is None:
-        index = _ADDED_INDEX[row.device] = torch.tensor(_ADDED, device=row.device)
-    with torch.no_grad():
-        _accumulate(new, counter, x, inputs, index)
-    return new
-
-
-@_layer_stats.register_fake
-def _layer_stats_fake(
-    x: torch.Tensor, row: torch.Tensor, counter: torch.Tensor, inputs: list[torch.Tensor]
-) -> torch.Tensor:
-    return torch.empty_like(row)
-
-
-#: per device, the index of the columns a call adds to (made once: no host-to-device copy per
-#: call, which would synchronize)
-_ADDED_INDEX: dict[torch.device, torch.Tensor] = {}
-
-
-def _accumulate(
-    row: torch.Tensor, counter: torch.Tensor, x: torch.Tensor, args: Any, index: torch.Tensor
-) -> None:
-    """Add ``x``'s statistics to ``row`` (``counter``: this call's execution order; ``index``:
-    the columns the counts add to, on ``row``'s device)."""
+def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> None:
+    # the counter is taken from the buffer here, in the graph: a compiled graph keeps the
+    # mutations of the buffer it reads, not those of a separate view passed in
+    counter = buf[buf.shape[0] - 1, 0]
     # What the histogram holds is read from it on the host, as the eager rows read theirs
     # (numerics.summarize_hist): inf (its last bin holds inf and NaN), the counts below fp16's
-    # normal and subnormal ranges, and an amax of inf when inf is present.
+    # normal and subnormal ranges, and an amax of inf when inf is present. Every op left here
+    # is traced and compiled once per layer, in the sampled-step variant of the graph.
     finite = torch.isfinite(x)
     nan = torch.isnan(x).sum()
-    # fp32 magnitudes (exact for every 16-bit value),
+    # fp32 magnitudes (exact for every 16-bit value; fused by inductor, never materialized),
     # compared with the fp16 boundaries as the eager statistics define them (numstats)
     mag = torch.where(finite, x.float().abs(), 0.0)
     over = (mag >= _FP16_OVERFLOW).sum()
-    amax = mag.amax().to(row.dtype)  # of the finite values
+    amax = mag.amax().to(buf.dtype)  # of the finite values
     zeros = (x == 0).sum()
     flush = ((mag > 0) & (mag <= _FP16_FLUSH)).sum()
-    in_bad = torch.zeros((), dtype=torch.int64, device=row.device)
-    for arg in args:
-        in_bad = in_bad + (~torch.isfinite(arg)).sum()
+    in_bad = torch.zeros((), dtype=torch.int64, device=buf.device)
+    for arg in args if isinstance(args, tuple) else (args,):
+        if isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.device == x.device:
+            in_bad = in_bad + (~torch.isfinite(arg.detach())).sum()
+    row = buf[slot]
     first = row[_CALLS] == 0  # (read before the counts below add this call)
     row[_AMAX].copy_(torch.maximum(row[_AMAX], amax))
     row[_ORDER].copy_(torch.where(first, counter, row[_ORDER]))
-    code = DTYPES.index(x.dtype) + 1 if x.dtype in DTYPES else 0
+    code = DTYPES.index(x.dtype) + 1 if x.dtype in DTYPES else 0  # a constant of the trace
     row[_DTYPE].copy_(torch.where(first, code, row[_DTYPE]))  # the first call's
-    # the additive columns in one index_add_
+    # the additive columns in one index_add_ (where seven slice updates were: every op of this
+    # hook is traced and compiled once per layer)
     counts = torch.stack([nan, over, zeros, flush, in_bad])
-    one = torch.ones((), dtype=row.dtype, device=row.device)
-    added = torch.cat([counts.to(row.dtype), torch.stack([one * float(x.numel()), one])])
-    row.index_add_(0, index, added)
+    one = torch.ones((), dtype=buf.dtype, device=buf.device)
+    added = torch.cat([counts.to(buf.dtype), torch.stack([one * float(x.numel()), one])])
+    row.index_add_(0, torch.tensor(_ADDED, device=buf.device), added)
     bins = exponent_bins(x).reshape(-1)
-    row[HIST0:].index_add_(0, bins, one.expand(bins.numel()))
+    ones = torch.ones((), dtype=buf.dtype, device=buf.device).expand(bins.numel())
+    row[HIST0:].index_add_(0, bins, ones)
+    counter.add_(1.0)
