@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from amprobe.capture.collectors.numstats import E_MIN, NBINS
+from amprobe.capture.collectors.numstats import E_MIN, NBINS, counts_from_hist
 
 __all__ = [
     "GRAPH_SAMPLE",
@@ -102,16 +102,11 @@ _FP16_MIN_NORMAL = 2.0**-14
 
 def read_row(values: list[float]) -> dict[str, float]:
     """A buffer row (``buf[slot].tolist()``) as the eager statistics record it: its columns by
-    name, with what the graph leaves to the histogram read from it as ``numerics`` reads an
-    eager row's (``summarize_hist``): ``inf`` (the last bin holds inf and NaN),
-    ``below_normal`` and ``below_subnormal`` (nonzero values below 2**-14 and 2**-24: whole
-    binades, zeros sharing the -127 bin), and ``amax`` inf when inf is present."""
+    name, with what the graph leaves to the histogram read from it as an eager row's is
+    (``numstats.counts_from_hist``: ``inf``, ``below_normal``, ``below_subnormal``), and
+    ``amax`` inf when inf is present."""
     row = dict(zip(COLUMNS, values[:HIST0], strict=True))
-    hist = values[HIST0:]
-    zeros = row["zeros"]
-    row["inf"] = hist[-1] - row["nan"]
-    row["below_normal"] = sum(hist[: -14 - E_MIN]) - zeros
-    row["below_subnormal"] = sum(hist[: -24 - E_MIN]) - zeros
+    row.update(counts_from_hist(values[HIST0:], row["zeros"], row["nan"]))
     if row["inf"]:
         row["amax"] = math.inf
     return row
@@ -181,7 +176,7 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     # mutations of the buffer it reads, not those of a separate view passed in
     counter = buf[buf.shape[0] - 1, 0]
     # What the histogram holds is read from it on the host, as the eager rows read theirs
-    # (numerics.summarize_hist): inf (its last bin holds inf and NaN), the counts below fp16's
+    # (numstats.counts_from_hist): inf (its last bin holds inf and NaN), the counts below fp16's
     # normal and subnormal ranges, and an amax of inf when inf is present. Every op left here
     # is traced and compiled once per layer, in the sampled-step variant of the graph.
     finite = torch.isfinite(x)
@@ -210,6 +205,5 @@ def _accumulate(buf: torch.Tensor, slot: int, x: torch.Tensor, args: Any) -> Non
     added = torch.cat([counts.to(buf.dtype), torch.stack([one * float(x.numel()), one])])
     row.index_add_(0, torch.tensor(_ADDED, device=buf.device), added)
     bins = exponent_bins(x).reshape(-1)
-    ones = torch.ones((), dtype=buf.dtype, device=buf.device).expand(bins.numel())
-    row[HIST0:].index_add_(0, bins, ones)
+    row[HIST0:].index_add_(0, bins, one.expand(bins.numel()))
     counter.add_(1.0)

@@ -104,7 +104,12 @@ from amprobe.capture.collectors.numstats import E_MIN as _E_MIN
 from amprobe.capture.collectors.numstats import H0 as _H0
 from amprobe.capture.collectors.numstats import H_NONFINITE as _H_NONFINITE
 from amprobe.capture.collectors.numstats import NBINS as _NBINS
-from amprobe.capture.collectors.numstats import StepStats, count_nonfinite
+from amprobe.capture.collectors.numstats import (
+    SPARSE_LAYOUTS,
+    StepStats,
+    count_nonfinite,
+    counts_from_hist,
+)
 from amprobe.capture.collectors.sharded import (
     PLAIN_TENSORS,
     local_tensor,
@@ -127,14 +132,8 @@ FP16_MIN_NORMAL = 2.0**-14  # 6.1e-5
 FP16_MIN_SUBNORMAL = 2.0**-24  # 5.96e-8
 # histogram positions (exponent - E_MIN) of the value thresholds: below 2**-14 (fp16's min
 # normal), below 2**-24 (its min subnormal)
-_E_NORMAL = -14 - _E_MIN
-_E_SUBNORMAL = -24 - _E_MIN
 _MAX_INPUTS = 8  # floating inputs per root model given their own slot
 KINDS = ("input", "output", "grad_output", "grad_param")
-
-
-#: the sparse layouts: a tensor of one stores only its nonzero entries
-_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -155,13 +154,12 @@ def summarize_hist(row: Iterable[int]) -> dict[str, int]:
         ``fp16(v * scale) == 0``, i.e. ``|v| * scale <= 2**-25``).
     """
     r = list(row)
-    hist = r[_H0 : _H0 + _NBINS]
-    zeros, nan = r[_C_ZEROS], r[_C_NAN]
-    inf = hist[-1] - nan
+    zeros = r[_C_ZEROS]
+    read = counts_from_hist(r[_H0 : _H0 + _NBINS], zeros, r[_C_NAN])
     return {
-        "over_fp16": r[_C_OVER16] - inf,
-        "below_normal": sum(hist[:_E_NORMAL]) - zeros,
-        "below_subnormal": sum(hist[:_E_SUBNORMAL]) - zeros,
+        "over_fp16": r[_C_OVER16] - read["inf"],
+        "below_normal": read["below_normal"],
+        "below_subnormal": read["below_subnormal"],
         "underflow_at_scale": r[_C_FLUSH16] - zeros,
     }
 
@@ -418,11 +416,9 @@ class NumericsCollector(Collector):
                 values = table.cpu().tolist()
                 for index in indices:
                     r = read_row(values[index])
-                    calls, elems, nan, inf, code = (
-                        r[k] for k in ("calls", "elements", "nan", "inf", "dtype")
-                    )
-                    if not calls:
+                    if not r["calls"]:
                         continue
+                    elems, nan, inf, code = r["elements"], r["nan"], r["inf"], r["dtype"]
                     slot = self._slots[index]
                     hist = values[index][HIST0:]
                     step_rows.append(
@@ -432,7 +428,7 @@ class NumericsCollector(Collector):
                             "module_type": slot.module_type,
                             "kind": "output",
                             "dtype": _dtype_name(DTYPES[int(code) - 1]) if code else None,
-                            "calls": int(calls),
+                            "calls": int(r["calls"]),
                             "order": int(r["order"]),
                             "elements": int(elems),
                             "zeros": int(r["zeros"]),
@@ -582,10 +578,13 @@ class NumericsCollector(Collector):
             self._cur = cap
         return cap
 
+    def _job_device(self) -> torch.device | None:
+        """The probe's device, which the hub's input check uses too (else the first model's)."""
+        return self.probe.device if self.probe.device is not None else self._device
+
     def _sync_free(self) -> bool:
-        """Read no value back unless the job runs on CPU (where reading costs no sync): the
-        probe's device, which the hub's input check uses too (else the first model's)."""
-        device = self.probe.device if self.probe.device is not None else self._device
+        """Read no value back unless the job runs on CPU (where reading costs no sync)."""
+        device = self._job_device()
         return device is None or device.type != "cpu"
 
     def _own_values(self, x: torch.Tensor, slot: int | None) -> torch.Tensor | None:
@@ -601,7 +600,9 @@ class NumericsCollector(Collector):
             if x.is_nested:
                 kind, what = f"nested {x.layout}", "nested_tensors"
                 why = f"a nested tensor ({x.layout}) keeps its components' values in a buffer"
-            elif x.layout in _SPARSE:  # a sparse gradient: Embedding(sparse=True), EmbeddingBag
+            elif (
+                x.layout in SPARSE_LAYOUTS
+            ):  # a sparse gradient: Embedding(sparse=True), EmbeddingBag
                 kind, what = str(x.layout), "sparse_tensors"
                 why = f"a sparse tensor ({x.layout}) stores only its nonzero entries"
             else:
@@ -860,7 +861,7 @@ class NumericsCollector(Collector):
             if loss_bad is not None:
                 flags["loss_nonfinite"] = record["loss_nonfinite"] = loss_bad
             self._watch.append(flags)
-            device = self.probe.device if self.probe.device is not None else self._device
+            device = self._job_device()
             if device is not None and device.type == "cuda":
                 self._watch_async(step, flags)
         if self._in_flight:

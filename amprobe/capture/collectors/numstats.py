@@ -74,7 +74,8 @@ from __future__ import annotations
 import math
 import struct
 import weakref
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -97,8 +98,10 @@ __all__ = [
     "NBINS",
     "OVER16",
     "FLUSH16",
+    "SPARSE_LAYOUTS",
     "StepStats",
     "count_nonfinite",
+    "counts_from_hist",
     "exponent_column",
     "flush_threshold",
     "stats_v2",
@@ -110,6 +113,15 @@ _HOST_COLS = 6  # the per-slot counts before the histogram
 H0 = 6
 E_MIN = -149  # exponent of column H0: fp32's smallest subnormal binade
 NBINS = 128 - E_MIN + 1  # exponents -149 .. 128
+_N = TypeVar("_N", int, float)  # the counts of a table row: ints (eager) or floats (graph)
+#: the sparse layouts: a tensor of one stores only its nonzero entries
+SPARSE_LAYOUTS = (
+    torch.sparse_coo,
+    torch.sparse_csr,
+    torch.sparse_csc,
+    torch.sparse_bsr,
+    torch.sparse_bsc,
+)
 K = H0 + NBINS
 H_LUMP = H0  # nonzero values below 2**-133 (fp32 subnormal binades -149 .. -134)
 H_ZERO = H0 + (-127 - E_MIN)  # zeros and [2**-127, 2**-126)
@@ -203,9 +215,21 @@ def _count_stored_nonfinite(x: torch.Tensor, sync_free: bool | None) -> torch.Te
         return total
     if x.layout is torch.sparse_coo:
         return count_nonfinite(x._values(), sync_free)
-    if x.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+    if x.layout in SPARSE_LAYOUTS:  # the compressed ones
         return count_nonfinite(x.values(), sync_free)
     return count_nonfinite(x.to_dense(), sync_free)
+
+
+def counts_from_hist(hist: Sequence[_N], zeros: _N, nan: _N) -> dict[str, _N]:
+    """What a row's exponent histogram (``NBINS`` counts, exponent ``E_MIN`` first) tells
+    beyond its count columns: ``inf`` (the last bin holds inf and NaN), ``below_normal`` and
+    ``below_subnormal`` (nonzero ``|v| < 2**-14`` / ``< 2**-24``: whole binades, the zeros
+    sharing the -127 bin). Read the same way from the eager table and the in-graph buffer."""
+    return {
+        "inf": hist[-1] - nan,
+        "below_normal": sum(hist[: -14 - E_MIN]) - zeros,
+        "below_subnormal": sum(hist[: -24 - E_MIN]) - zeros,
+    }
 
 
 def _key_format(dtype: torch.dtype) -> int:
