@@ -184,15 +184,12 @@ class Probe:
             )
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ConfigError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        device = _first_param_device(model) if model is not None else None
+        device = _first_param_device(optimizer) if optimizer is not None else None
+        model_device = _first_param_device(model) if model is not None else None
         #: the device came from a root model's parameters (an optimizer's gives way to it)
-        self._device_from_model = device is not None
-        opt_device = _first_param_device(optimizer) if optimizer is not None else None
-        # the model's, but not the CPU over the optimizer's accelerator (see note_device)
-        if opt_device is not None and (
-            device is None or (device.type == "cpu" and opt_device.type != "cpu")
-        ):
-            device = opt_device
+        self._device_from_model = model_device is not None
+        if model_device is not None and _model_device_wins(device, model_device):
+            device = model_device  # (see note_device)
         self.device = device
         self._rank_manifest = {
             "rank": self.rank,
@@ -313,9 +310,7 @@ class Probe:
         if self.device is not None and (self._device_from_model or not model):
             return
         self._device_from_model = model
-        if device == self.device or (
-            self.device is not None and device.type == "cpu" and self.device.type != "cpu"
-        ):
+        if not _model_device_wins(self.device, device):
             return
         self.device = device
         self.annotate_manifest(**device_facts(device))
@@ -779,6 +774,14 @@ def _end_status(ended_by: BaseException | str | None) -> tuple[str, str | None]:
     text = str(ended_by).strip().splitlines()
     message = f"{type(ended_by).__name__}: {text[0]}" if text else type(ended_by).__name__
     return "failed", message[:300]
+
+
+def _model_device_wins(current: torch.device | None, new: torch.device) -> bool:
+    """A root model's device ``new`` becomes the job's over ``current`` (none yet, or an
+    optimizer's): unless it is the same, or the CPU over an accelerator."""
+    if current is None:
+        return True
+    return new != current and not (new.type == "cpu" and current.type != "cpu")
 
 
 def _first_param_device(obj: Any) -> torch.device | None:
