@@ -21,9 +21,13 @@ amortized overhead tends to the budget from above.
 A period the user set explicitly is followed exactly (``numerics_every=1`` samples every step);
 the budget spaces only the default schedules. Samples armed by a problem (numerics after a
 non-finite loss or gradient) are taken at once and their cost charged to the bucket, so the
-periodic samples pause until that debt is paid back; while the debt is deeper than
-:data:`ARMED_DEBT_SAMPLES` samples (a job that overflows every few steps), further armed
-samples are declined too, so that a storm of problems cannot make amprobe the job's cost.
+periodic samples pause until that debt is paid back; once :data:`ARMED_DEBT_SAMPLES` armed
+samples of a kind have been taken on credit (a job that overflows every few steps), further
+ones are declined until the bucket is out of debt, so that a storm of problems cannot make
+amprobe the job's cost. That limit counts samples, not milliseconds: a decision made from one
+sample's measured cost (noisy, split between the kinds sampled with it, sometimes read as 0)
+would differ between the ranks of a job that overflow on the same steps, and a sample taken
+on one rank alone stalls the others at the next collective.
 
 A deferred kind is not asked again before the credit can cover its cost (an estimate from the
 typical step), and a step on which no kind can be due is quiet (:meth:`SampleBudget.quiet`): the
@@ -48,7 +52,7 @@ __all__ = ["ARMED_DEBT_SAMPLES", "SampleBudget"]
 
 #: unsampled steps kept for the running median of a typical step's time
 _WINDOW = 64
-#: armed samples are declined while the budget owes more than this many of them
+#: armed samples of a kind taken on credit before further ones wait for the debt to be paid
 ARMED_DEBT_SAMPLES = 10
 #: the widest spacing of a budgeted sample, in steps
 _MAX_GRANULE = 1 << 24
@@ -69,6 +73,7 @@ class _Kind:
     samples: int = 0
     deferred: int = 0
     declined: int = 0  # armed samples declined (the budget deep in debt)
+    owed: int = 0  # armed samples taken on credit since the bucket was last out of debt
     spent: float = 0.0
     told: bool = False  # the first deferral was recorded
     retry: int = 0  # deferred: the step the credit should cover its cost again (an estimate)
@@ -193,26 +198,32 @@ class SampleBudget:
             )
 
     def take_armed(self, kind: str, step: int) -> bool:
-        """An armed sample of ``kind`` (a problem asks for it): taken unless the budget owes
-        more than :data:`ARMED_DEBT_SAMPLES` samples of it already. Fixed schedules always take
-        it. The same answer however often it is asked for one step."""
+        """An armed sample of ``kind`` (a problem asks for it): taken unless
+        :data:`ARMED_DEBT_SAMPLES` of them were taken on credit since the bucket was last out
+        of debt. Fixed schedules always take it. The same answer however often it is asked
+        for one step."""
         decided = self._decided.get(f"armed:{kind}")
         if decided is not None and decided[0] == step:
             return decided[1]
         k = self._kinds.get(kind)
         answer = True
-        if k is not None and not k.fixed and k.cost is not None:
-            answer = self.credit >= -ARMED_DEBT_SAMPLES * k.cost
-            if not answer:
+        if k is not None and not k.fixed:
+            if self.credit >= 0:
+                k.owed = 0  # the debt is paid: a new storm gets its allowance again
+            elif k.owed >= ARMED_DEBT_SAMPLES:
+                answer = False
                 k.declined += 1
                 if k.declined == 1 and self._event is not None:
                     self._event(
                         "armed_sample_declined",
                         sample=kind,
-                        cost_ms=round(k.cost * 1e3, 3),
+                        cost_ms=None if k.cost is None else round(k.cost * 1e3, 3),
                         debt_ms=round(-self.credit * 1e3, 3),
                         budget=self.fraction,
+                        taken_on_credit=k.owed,
                     )
+            else:
+                k.owed += 1
         self._decided[f"armed:{kind}"] = (step, answer)
         if answer:
             self.take(kind, step)
