@@ -305,3 +305,23 @@ def test_the_first_sample_does_not_wait_for_the_grid():
         budget.end_step(0.01 + (0.002 if sampled else 0.0))
     assert taken[0] == 1
     assert taken[1:] and all(s % 100 == 0 for s in taken[1:]), taken
+
+
+def test_a_step_asked_before_its_retry_is_declined_without_error():
+    # armed samples put the bucket in debt, a due numerics sample is deferred to a retry step,
+    # and a syncs sample on numerics' grid before that step asks it again: the hub asks every
+    # kind on a step some kind samples. This raised UnboundLocalError (the granule was never
+    # computed), and the guard switched the numerics collector off.
+    budget = SampleBudget(0.01)
+    budget.register("numerics", 100, fixed=False)
+    budget.register("syncs", 50, fixed=False)
+    taken: dict[str, list[int]] = {"numerics": [], "syncs": []}
+    for step in range(20_000):
+        armed = 150 <= step < 160 and budget.take_armed("numerics", step)
+        due = {kind: budget.due(kind, step) for kind in taken}
+        for kind, yes in due.items():
+            if yes:
+                taken[kind].append(step)
+        budget.end_step(0.001 + (0.005 if due["numerics"] or armed else 0) + 0.002 * due["syncs"])
+    assert taken["numerics"][0] == 0 and len(taken["numerics"]) >= 3, taken
+    assert budget.spent_s / budget.trained_s < 0.02

@@ -162,7 +162,9 @@ class SampleBudget:
             answer = True  # the first sample measures the cost: at once, on the grid or not
         elif (step - k.first) % k.every:
             answer = False
-        elif step < k.retry or (step - k.first) % (g := self._granule(k)) or step - k.last < g:
+        elif step < k.retry:
+            answer = False  # deferred for the debt (counted then): not before its retry step
+        elif (step - k.first) % (g := self._granule(k)) or step - k.last < g:
             answer = False  # off its grid, or too soon
             self._quiet_until = None  # (the grid may have widened since quiet() computed it)
             if g > k.every:
