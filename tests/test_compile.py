@@ -23,6 +23,7 @@ from amprobe.config import ConfigError
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_compiled.py"
 STEPS = 8
+LONG = 210
 
 # (job id) -> (how the model is compiled, how amprobe is attached, extra script args)
 JOBS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -43,6 +44,9 @@ JOBS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "inductor-plain": ("module", "plain", ("--backend", "inductor")),
     "inductor-run": ("module", "run", ("--backend", "inductor")),
     "inductor-nonum-run": ("module", "run", ("--backend", "inductor", "--numerics-off")),
+    # long enough for a second per-layer sample (one minimum period, 100 steps, after step 0)
+    "long-plain": ("module", "plain", ("--steps", str(LONG))),
+    "long-run": ("module", "run", ("--steps", str(LONG))),
 }
 
 
@@ -166,6 +170,30 @@ def test_compiled_run_names_layers_as_written_and_records_compiled_shapes(jobs):
     assert "_orig_mod" not in text
     assert "(torch.compile)" not in text, "no advice to compile a compiled model"
     assert "AMP-S08" not in diagnosis.ids()
+
+
+def test_a_compiled_job_is_sampled_again_without_recompiling(jobs):
+    """The first per-layer sample builds the sampled graph variant (seconds: a warm-up, not
+    charged to the overhead budget); the second comes one minimum period later, runs the
+    variant already built, and is charged what it really costs. Charged the build, the first
+    sample spaced the next one hundreds of thousands of steps away."""
+    probed, base = jobs["long-run"], jobs["long-plain"]
+    assert _calls(probed) == _calls(base) == [1] * LONG
+    assert probed["graph_breaks"] == 0
+    assert probed["unique_graphs"] <= base["unique_graphs"] + 1
+    assert _losses(probed) == _losses(base), "per-step losses, bit for bit"
+    run = amprobe.load_run(probed["run_dir"])
+    steps = run.steps
+    sampled = [int(s) for s in steps.loc[steps["numerics_sampled"].astype(bool), "step"]]
+    assert sampled[:2] == [0, 100], sampled
+    # the variants were compiled at steps 0 and 1; no later step compiles anything
+    assert steps.loc[steps["step"] >= 2, "compile_frames"].sum() == 0
+    assert steps["recompiles"].sum() == 0
+    outputs = run.table("numerics")
+    outputs = outputs[outputs["kind"] == "output"]
+    assert {0, 100} <= set(outputs["step"]), "the in-graph statistics of both samples"
+    numerics = run.ranks[0].end["sampling"]["kinds"]["numerics"]
+    assert numerics["warmup_ms"] > numerics["mean_cost_ms"] > 0
 
 
 def test_compile_is_a_recorded_fact(jobs):

@@ -36,6 +36,9 @@ def sampling_text(sampling: dict[str, Any]) -> str:
             text += f" (fixed: every {kind.get('min_period')})"
         elif isinstance(period, int):
             text += f" (1 every >= {period} steps)"
+        elif isinstance(kind.get("min_period"), int) and kind["min_period"] > 0:
+            # only the first sample was taken (a warm-up): its cost is not measured yet
+            text += f" (1 every >= {kind['min_period']} steps)"
         if kind.get("armed_declined"):
             text += f", {kind['armed_declined']} armed declined"
         parts.append(text)
@@ -44,4 +47,12 @@ def sampling_text(sampling: dict[str, Any]) -> str:
     head = f"budget {budget:.0%}" if isinstance(budget, (int, float)) and budget else "no budget"
     if isinstance(share, (int, float)):
         head += f", sampled steps took {share:.1%} of training time"
+    warmup = sampling.get("warmup_ms")
+    if isinstance(warmup, (int, float)) and warmup > 0:
+        # the first samples' one-time work (hooks, a compiled graph variant): not in the share
+        head += f" after {_duration(warmup)} of first-sample warm-up"
     return f"{', '.join(parts)} [{head}]"
+
+
+def _duration(ms: float) -> str:
+    return f"{ms / 1e3:.3g} s" if ms >= 1e3 else f"{ms:.3g} ms"

@@ -14,9 +14,17 @@ is due on a grid of steps: its minimum period (``numerics_every`` and friends: t
 no budget), doubled until what one period earns covers its last measured cost, so that the
 ranks of a distributed job, each with its own budget and about the same costs, sample the same
 steps (a sample on one rank alone stalls the others at the next collective); and not while the
-bucket is in debt (after an armed sample). The first sample of each kind is taken at
-its first due step whatever it costs (it measures the cost, and every run needs one), so the
-amortized overhead tends to the budget from above.
+bucket is in debt (after an armed sample).
+
+The first sample of each kind is taken at its first due step whatever it costs (every run
+needs one), and it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
+to the bucket nor taken as the kind's cost. It holds one-time work: the hooks installed, the
+compiled model's sampled graph variant built (seconds to minutes: a compiled nanoGPT's first
+sample took 80 s more than its plain first step), and often the job's own first step, whose
+warm-up the typical step leaves out. Charged, it spaced a compiled job's next sample hundreds of
+thousands of steps away: one per-layer sample per job. The second sample comes one minimum
+period later and measures the steady cost; from then on the grid follows the last measured
+cost, so the amortized overhead tends to the budget from above.
 
 A period the user set explicitly is followed exactly (``numerics_every=1`` samples every step);
 the budget spaces only the default schedules. Samples armed by a problem (numerics after a
@@ -35,8 +43,8 @@ hub does not ask the sampling collectors at its start, so an unsampled step cost
 
 What the budget chose is recorded: one ``sample_deferred`` event per kind the first time the
 budget holds a sample back (its cost, the step time, the budget), and in ``end.json``'s
-``sampling`` (per kind: samples taken, times a due sample was deferred, mean cost, period
-used).
+``sampling`` (per kind: samples taken, times a due sample was deferred, mean cost of the
+charged samples, the first sample's warm-up, period used).
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ class _Kind:
     declined: int = 0  # armed samples declined (the budget deep in debt)
     owed: int = 0  # armed samples taken on credit since the bucket was last out of debt
     spent: float = 0.0
+    charged: int = 0  # samples whose cost was charged (all but the first)
+    warmup: float | None = None  # seconds the first sample added (one-time work, not charged)
     told: bool = False  # the first deferral was recorded
     retry: int = 0  # deferred: the step the credit should cover its cost again (an estimate)
 
@@ -99,6 +109,7 @@ class SampleBudget:
         self._unresolved: list[tuple[list[str], float]] = []  # sampled before a typical step
         self.trained_s = 0.0
         self.spent_s = 0.0
+        self.warmup_s = 0.0
         self._quiet_until: float | None = 0  # no kind can be due before this step (None: ask)
         self._armed_until = -1  # an armed sample may be taken up to this step
 
@@ -283,14 +294,18 @@ class SampleBudget:
     def _charge(self, kinds: list[str], seconds: float) -> None:
         typical = self.typical()
         self.trained_s += min(seconds, typical)
-        extra = max(0.0, seconds - typical)
-        self.credit -= extra
-        self.spent_s += extra
-        share = extra / len(kinds)
+        share = max(0.0, seconds - typical) / len(kinds)
         for kind in kinds:
             k = self._kinds[kind]
+            if k.warmup is None:  # its first sample: one-time work, not what a sample costs
+                k.warmup = share
+                self.warmup_s += share
+                continue
             k.cost = share
             k.spent += share
+            k.charged += 1
+            self.credit -= share
+            self.spent_s += share
 
     def summary(self) -> dict[str, Any]:
         """What the budget chose, for ``end.json``."""
@@ -302,12 +317,14 @@ class SampleBudget:
                 "samples": k.samples,
                 "deferred": k.deferred,
                 "armed_declined": k.declined,
-                "mean_cost_ms": round(k.spent / k.samples * 1e3, 3) if k.samples else None,
+                "mean_cost_ms": round(k.spent / k.charged * 1e3, 3) if k.charged else None,
+                "warmup_ms": None if k.warmup is None else round(k.warmup * 1e3, 3),
                 "period": self.period(name),
             }
         return {
             "budget": self.fraction,
             "typical_step_ms": round(self.typical() * 1e3, 3),
             "sampled_share": round(self.spent_s / self.trained_s, 5) if self.trained_s else None,
+            "warmup_ms": round(self.warmup_s * 1e3, 3),
             "kinds": kinds,
         }
