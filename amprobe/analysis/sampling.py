@@ -36,7 +36,7 @@ def sampling_text(sampling: dict[str, Any]) -> str:
             text += f" (fixed: every {kind.get('min_period')})"
         elif isinstance(period, int):
             text += f" (1 every >= {period} steps)"
-        elif isinstance(kind.get("min_period"), int) and kind["min_period"] > 0:
+        elif kind.get("samples") and isinstance(kind.get("min_period"), int):
             # only the first sample was taken (a warm-up): its cost is not measured yet
             text += f" (1 every >= {kind['min_period']} steps)"
         if kind.get("armed_declined"):

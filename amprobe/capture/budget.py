@@ -80,7 +80,7 @@ class _Kind:
     cost: float | None = None  # seconds the last measured sample added
     samples: int = 0
     deferred: int = 0
-    declined: int = 0  # armed samples declined (the budget deep in debt)
+    declined: int = 0  # armed samples declined (ARMED_DEBT_SAMPLES taken on credit)
     owed: int = 0  # armed samples taken on credit since the bucket was last out of debt
     spent: float = 0.0
     charged: int = 0  # samples whose cost was charged (all but the first)
@@ -184,7 +184,7 @@ class SampleBudget:
             answer = True
         else:
             answer = False
-            # in debt (an armed sample, a first sample): not asked again before the credit
+            # in debt (armed samples, a second sample): not asked again before the credit
             # can cover it, on the grid
             earn = self.fraction * self.typical()
             short = -self.credit
@@ -294,18 +294,28 @@ class SampleBudget:
     def _charge(self, kinds: list[str], seconds: float) -> None:
         typical = self.typical()
         self.trained_s += min(seconds, typical)
-        share = max(0.0, seconds - typical) / len(kinds)
+        extra = max(0.0, seconds - typical)
+        if self.credit >= 0:  # out of debt until now: a new storm gets its armed allowance
+            for k in self._kinds.values():
+                k.owed = 0
+        fresh = [self._kinds[kind] for kind in kinds if self._kinds[kind].warmup is None]
+        if fresh:
+            # a first sample on this step: what the step added is one-time work, however many
+            # kinds shared it; the others' samples are counted, their cost is not re-measured
+            # (the same choice on every rank: it depends on which kinds sampled, not on time)
+            share = extra / len(fresh)
+            for k in fresh:
+                k.warmup = share
+            self.warmup_s += extra
+            return
+        share = extra / len(kinds)
         for kind in kinds:
             k = self._kinds[kind]
-            if k.warmup is None:  # its first sample: one-time work, not what a sample costs
-                k.warmup = share
-                self.warmup_s += share
-                continue
             k.cost = share
             k.spent += share
             k.charged += 1
-            self.credit -= share
-            self.spent_s += share
+        self.credit -= extra
+        self.spent_s += extra
 
     def summary(self) -> dict[str, Any]:
         """What the budget chose, for ``end.json``."""
