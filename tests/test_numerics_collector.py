@@ -638,7 +638,7 @@ def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(
 ):
     """Module outputs of every layout and dtype torch makes (expanded, offset and transposed
     views, channels_last, empty, fp64, fp8, complex, integer, NaN, nested strided and jagged,
-    sparse, in a tuple or a dict) through a bf16 GradScaler job with numerics on every step:
+    sparse, in a tuple or a dict: a Hugging Face ``ModelOutput`` is one) through a bf16 GradScaler job with numerics on every step:
     the job ends as it does alone, no collector error, the strided floating ones measured;
     with the compiled counting kernel and with the eager reduction (a GPU's, or no compiler)."""
     if reduction == "eager":
@@ -654,9 +654,101 @@ def test_every_kind_of_module_output_is_measured_or_skipped_under_amprobe_run(
         "torch.sparse_coo": "sparse_tensors",
     }
     measured = set(run.table("numerics").query("kind == 'output'")["module"])
-    kinds = {"expanded", "fp64", "fp8", "channels_last", "tuple", "offset_view", "transposed"}
-    assert {f"kinds.{k}" for k in (*kinds, "nan")} <= measured
+    kinds = {"expanded", "fp64", "fp8", "channels_last", "tuple", "dict", "offset_view"}
+    assert {f"kinds.{k}" for k in (*kinds, "transposed", "nan")} <= measured
     # nothing floating to measure (complex, integer), nothing at all (empty), not taken
-    # (a dict output; nested and sparse: the events above)
-    unmeasured = ("complex", "integer", "empty", "dict", "nested", "jagged", "sparse")
+    # (nested and sparse: the events above)
+    unmeasured = ("complex", "integer", "empty", "nested", "jagged", "sparse")
     assert not {f"kinds.{k}" for k in unmeasured} & measured
+
+
+_OWN_CODE_SCRIPT = """import torch
+from torch import nn
+
+class Attn(nn.Module):  # no parameters of its own: a container
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, gain=1.0):
+        q = self.q(x)
+        scores = (q @ q.transpose(-1, -2)) * gain  # its own code: overflows fp16 when gained
+        return self.proj(torch.softmax(scores, -1) @ x)
+
+class Boost(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = 1.0
+
+    def forward(self, x):
+        return x * self.gain
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+        self.boost = Boost()
+        self.after = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.after(self.boost(self.inner(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.attn = Attn()
+        self.block = Block()
+        self.head = nn.Linear(16, 4)
+        self.step = 0
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.step == 3:
+            h = h * 1e6  # the root's own code; the next module gets it as a keyword
+        h = self.attn(x=h, gain=1e6 if self.step == 1 else 1.0)
+        self.block.boost.gain = 1e6 if self.step == 2 else 1.0
+        return self.head(self.block(h))
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+for step in range(4):
+    model.step = step
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(2, 8, 16)).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+print("trained")
+"""
+
+
+def test_the_first_nonfinite_output_made_by_a_modules_own_code_is_named(tmp_path):
+    """A module with children and no parameters of its own (attention written as tensor ops,
+    a block, the root) is checked too: when its own code between its children makes the first
+    inf/NaN, it is the offender (AMP-N05 named nothing before: every later layer's input was
+    already non-finite). A child that overflows itself is still named before its container,
+    and a container whose keyword input was already non-finite is not named."""
+    proc, run = _run_every_step(tmp_path, _OWN_CODE_SCRIPT)
+    assert "trained" in proc.stdout
+    assert not run.events_of("collector_error")
+    offenders = run.table("offenders")
+    forward = offenders[offenders["kind"] == "forward"].set_index("step")
+    assert 0 not in forward.index
+    assert forward.loc[1, "module"] == "attn" and forward.loc[1, "module_type"] == "Attn"
+    assert json.loads(forward.loc[1, "detail"])["own_code"] is True
+    assert forward.loc[2, "module"] == "block.boost"
+    assert "own_code" not in json.loads(forward.loc[2, "detail"])
+    assert forward.loc[3, "module"] == "<root>"
+    # containers are checked, not tabled: the numerics table keeps one row per layer
+    layers = set(run.table("numerics").query("kind == 'output'")["module"])
+    assert not {"attn", "block", "<root>"} & layers
+    assert {"attn.q", "attn.proj", "block.boost", "head"} <= layers
+    n05 = next(f for f in amprobe.diagnose(run).findings if f.id == "AMP-N05")
+    assert n05.title.startswith("attn (Attn) is the first module whose output is non-finite")
+    assert "its own code" in n05.title and n05.evidence["own_code"] is True
+    assert "scaled_dot_product_attention" in n05.fix

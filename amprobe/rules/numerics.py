@@ -219,14 +219,31 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             )
         cast_dtype = _cast_dtype(run, evidence["output_dtype"])
         origin = _out_of_range_origin(rows, module, cast_dtype)
+        own = bool(detail.get("own_code"))
+        evidence["own_code"] = own
         if origin is None:
+            where = (
+                " (its own code between its child modules, not a child, produced it)" if own else ""
+            )
             yield ctx.finding(
-                title=f"{module} ({first['module_type']}){what} is the first module whose output is non-finite{when}",
+                title=(
+                    f"{module} ({first['module_type']}){what} is the first module whose output "
+                    f"is non-finite{where}{when}"
+                ),
                 evidence=evidence,
                 fix=(
                     f"Run {module} in fp32: wrap it in torch.autocast(device_type, enabled=False) "
-                    "and call .float() on its inputs. Un-normalized logits, custom normalizations "
-                    "and cosine-similarity losses are the classic cases."
+                    "and call .float() on its inputs. "
+                    + (
+                        "The tensor ops written in its forward() itself are the suspects: "
+                        "attention scores before softmax (use "
+                        "torch.nn.functional.scaled_dot_product_attention), exp/pow, sums of "
+                        "squares. "
+                        if own
+                        else ""
+                    )
+                    + "Un-normalized logits, custom normalizations and cosine-similarity losses "
+                    "are the classic cases."
                 ),
             )
             continue

@@ -146,11 +146,12 @@ def exponent_bins(x: torch.Tensor) -> torch.Tensor:
 
 
 def first_float(out: Any) -> torch.Tensor | None:
-    """A module output's first floating tensor (the output itself, or in a tuple/list)."""
+    """A module output's first floating tensor (the output itself, or in a tuple/list, or a
+    dict's values: a Hugging Face ``ModelOutput``, whose first is the loss when there is one)."""
     if isinstance(out, torch.Tensor):
         return out if out.is_floating_point() else None
-    if isinstance(out, (tuple, list)):
-        for item in out:
+    if isinstance(out, (tuple, list, dict)):
+        for item in out.values() if isinstance(out, dict) else out:
             if isinstance(item, torch.Tensor) and item.is_floating_point():
                 return item
     return None

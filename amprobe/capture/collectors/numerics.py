@@ -165,14 +165,20 @@ def summarize_hist(row: Iterable[int]) -> dict[str, int]:
 
 
 class _Slot:
-    __slots__ = ("index", "name", "module_type", "kind", "root")
+    __slots__ = ("index", "name", "module_type", "kind", "root", "container")
 
-    def __init__(self, index: int, name: str, module_type: str, kind: str, root: int) -> None:
+    def __init__(
+        self, index: int, name: str, module_type: str, kind: str, root: int, container: bool
+    ) -> None:
         self.index = index
         self.name = name
         self.module_type = module_type
         self.kind = kind
         self.root = root
+        #: the output of a module with children and no parameters of its own: measured on
+        #: eager sampled steps only to find the first non-finite output (its own code between
+        #: its children produced it); no row of its own in the ``numerics`` table
+        self.container = container
 
 
 class _Capture:
@@ -252,6 +258,7 @@ class NumericsCollector(Collector):
         self._targets: list[
             tuple[weakref.ReferenceType[torch.nn.Module], tuple[int, int | None, int | None]]
         ] = []
+        self._containers: list[tuple[weakref.ReferenceType[torch.nn.Module], int]] = []
         self._params: list[tuple[weakref.ReferenceType[torch.nn.Parameter], int]] = []
         self._capture_handles: list[Any] = []
         self._armed_until = -1
@@ -292,8 +299,10 @@ class NumericsCollector(Collector):
     def _selected(self, name: str) -> bool:
         return not self.patterns or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
-    def _new_slot(self, name: str, module_type: str, kind: str, root: int) -> int:
-        slot = _Slot(len(self._slots), name, module_type, kind, root)
+    def _new_slot(
+        self, name: str, module_type: str, kind: str, root: int, container: bool = False
+    ) -> int:
+        slot = _Slot(len(self._slots), name, module_type, kind, root, container)
         self._slots.append(slot)
         return slot.index
 
@@ -321,9 +330,17 @@ class NumericsCollector(Collector):
             own = list(mod.parameters(recurse=False))
             is_leaf = next(iter(mod.children()), None) is None
             label = user_module_name(name) or "<root>"  # as written: no wrapper segments
-            if not (is_leaf or own) or not self._selected(label):
+            if not self._selected(label):
                 continue
             mtype = user_class_name(mod)
+            if not (is_leaf or own):
+                # a container: its own code between its children (attention scores and softmax
+                # written as tensor ops, a loss computed in the root's forward) can be where the
+                # first inf/NaN appears; its output is checked on eager sampled steps
+                out = self._new_slot(label, mtype, "output", root, container=True)
+                self._module_slots[id(mod)] = (out, None, None)
+                self._containers.append((weakref.ref(mod), out))
+                continue
             out = self._new_slot(label, mtype, "output", root)
             gout = self._new_slot(label, mtype, "grad_output", root)
             gparam = (
@@ -494,6 +511,11 @@ class NumericsCollector(Collector):
                 mod = ref()
                 if mod is not None:
                     self._capture_handles.append(mod.register_forward_hook(self._bind(fwd, slots)))
+            for ref, out in self._containers:
+                mod = ref()
+                if mod is not None:
+                    hook = self._bind_container(fwd, (out, None, None))
+                    self._capture_handles.append(mod.register_forward_hook(hook, with_kwargs=True))
         for pref, slot in self._params:
             p = pref()
             if p is not None:
@@ -544,6 +566,18 @@ class NumericsCollector(Collector):
             # it is; the hooks go once compile is seen at the step boundary
             if not is_compiling():
                 fn(slots, args, out)
+
+        return hook
+
+    @staticmethod
+    def _bind_container(fn: Any, slots: tuple[int, int | None, int | None]) -> Any:
+        """As :meth:`_bind`, for a container: its keyword inputs count as inputs too (a
+        Hugging Face block is called with ``hidden_states=...``), so that one whose inputs were
+        already non-finite is never named the first to produce inf/NaN."""
+
+        def hook(mod: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+            if not is_compiling():
+                fn(slots, (*args, *kwargs.values()) if kwargs else args, out)
 
         return hook
 
@@ -951,7 +985,7 @@ class NumericsCollector(Collector):
         offenders: list[dict[str, Any]] = []
         for cap, table, scale in zip(done, stacked, scales, strict=True):
             step_rows = self._rows(cap, table, scale)
-            rows.extend(step_rows.values())
+            rows.extend(r for i, r in step_rows.items() if not self._slots[i].container)
             offenders.extend(self._offenders(cap, step_rows))
         self._nonfinite_modules.update(
             r["module"] for r in rows if r["nan"] + r["inf"] > 0 and r["kind"] != "input"
@@ -972,7 +1006,9 @@ class NumericsCollector(Collector):
         """Modules whose output or gradients held inf/NaN in this (CPU) step, for live metrics."""
         bad = (cap.buf[:, _H_NONFINITE] > 0).nonzero().flatten().tolist()  # inf and NaN
         self._nonfinite_modules.update(
-            self._layer_name(self._slots[i]) for i in bad if self._slots[i].kind != "input"
+            self._layer_name(self._slots[i])
+            for i in bad
+            if self._slots[i].kind != "input" and not self._slots[i].container
         )
         self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
 
@@ -981,8 +1017,11 @@ class NumericsCollector(Collector):
     ) -> dict[int, dict[str, Any]]:
         rows: dict[int, dict[str, Any]] = {}
         for kind in KINDS:
-            for position, index in enumerate(cap.order[kind]):
+            position = -1
+            for index in cap.order[kind]:
                 slot = self._slots[index]
+                if not slot.container:  # a container's position: that of the layer before it
+                    position += 1
                 values = table[index]
                 hist = values[_H0 : _H0 + _NBINS]
                 zeros, nan = int(values[_C_ZEROS]), int(values[_C_NAN])
@@ -998,7 +1037,7 @@ class NumericsCollector(Collector):
                     "kind": kind,
                     "dtype": cap.dtypes.get(index),
                     "calls": cap.calls.get(index, 0),
-                    "order": position,
+                    "order": max(position, 0),
                     "elements": elements,
                     "zeros": zeros,
                     "nan": nan,
@@ -1055,6 +1094,8 @@ class NumericsCollector(Collector):
                             "inf": r["inf"],
                             "elements": r["elements"],
                             "order": r["order"],
+                            # its children's outputs were finite: its own code made inf/NaN
+                            **({"own_code": True} if self._slots[index].container else {}),
                         },
                     )
                 )
