@@ -220,10 +220,8 @@ class SampleBudget:
             return decided[1]
         k = self._kinds.get(kind)
         answer = True
-        if k is not None and not k.fixed:
-            if self.credit >= 0:
-                k.owed = 0  # the debt is paid: a new storm gets its allowance again
-            elif k.owed >= ARMED_DEBT_SAMPLES:
+        if k is not None and not k.fixed and self.credit < 0:
+            if k.owed >= ARMED_DEBT_SAMPLES:
                 answer = False
                 k.declined += 1
                 if k.declined == 1 and self._event is not None:
@@ -295,7 +293,7 @@ class SampleBudget:
         typical = self.typical()
         self.trained_s += min(seconds, typical)
         extra = max(0.0, seconds - typical)
-        if self.credit >= 0:  # out of debt until now: a new storm gets its armed allowance
+        if self.credit >= 0:  # a new debt may start here: each kind's armed allowance anew
             for k in self._kinds.values():
                 k.owed = 0
         fresh = [self._kinds[kind] for kind in kinds if self._kinds[kind].warmup is None]

@@ -634,9 +634,8 @@ class NumericsCollector(Collector):
             if x.is_nested:
                 kind, what = f"nested {x.layout}", "nested_tensors"
                 why = f"a nested tensor ({x.layout}) keeps its components' values in a buffer"
-            elif (
-                x.layout in SPARSE_LAYOUTS
-            ):  # a sparse gradient: Embedding(sparse=True), EmbeddingBag
+            elif x.layout in SPARSE_LAYOUTS:
+                # a sparse gradient: Embedding(sparse=True), EmbeddingBag
                 kind, what = str(x.layout), "sparse_tensors"
                 why = f"a sparse tensor ({x.layout}) stores only its nonzero entries"
             else:
