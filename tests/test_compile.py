@@ -203,7 +203,7 @@ def test_compile_is_a_recorded_fact(jobs):
         {
             "target": "TinyGPT",
             "kind": "module",
-            "backend": "backend",
+            "backend": "aot_eager",  # the counting wrapper names what it wraps
             "mode": None,
             "dynamic": None,
             "fullgraph": False,
@@ -211,7 +211,7 @@ def test_compile_is_a_recorded_fact(jobs):
     ]
     from amprobe.report.render import render_text
 
-    assert "  compiled: TinyGPT (module, backend)\n" in render_text(amprobe.diagnose(run))
+    assert "  compiled: TinyGPT (module, aot_eager)\n" in render_text(amprobe.diagnose(run))
     steps = run.steps
     assert steps.loc[0, "compile_frames"] == 1 and steps.loc[0, "compile_graphs"] == 1
     # step 1 compiles the variant without the sampled statistics: amprobe's, not a recompile

@@ -1,159 +1,189 @@
-"""Numerics of compiled layers: the in-graph activation statistics (graphstats), the same counts
-and exponent histogram as the eager statistics of the same tensors, hooked eagerly and traced
-into a compiled graph; and the output-gradient taps (gradtap) run from a compiled backward."""
+"""Numerics of compiled layers: the in-graph hooks (graphstats) hand a sampled step's layer
+outputs and inputs to an opaque op whose run-time sink is the eager measurement, with the
+layer's identity a tensor (identical blocks compiled one by one share one graph, at any depth,
+``fullgraph=True``), and never change what the compiled model computes; and the
+output-gradient taps (gradtap) run from a compiled backward."""
 
 from __future__ import annotations
 
 import copy
-import json
+from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from amprobe.capture.collectors import gradtap, graphstats, numstats
-from amprobe.capture.collectors.numerics import summarize_hist
+from amprobe.capture.collectors import gradtap, graphstats
 
 
-def _values(dtype: torch.dtype) -> torch.Tensor:
-    """Zeros, values at and around fp16's flush, subnormal and normal boundaries, overflow,
-    fp32 subnormals (resolved binades and the lump below 2**-133), NaN and inf, and a spread of
-    ordinary values."""
-    plain = [0.0, -0.0, 2.0**-26, 2.0**-25, 1.5 * 2.0**-25, 2.0**-24, 3.0 * 2.0**-24]
-    plain += [2.0**-15, 2.0**-14, 1e-3, -0.5, 1.0, 70000.0, -65520.0, 65504.0]
-    plain += [2.0**-126, 2.0**-127, -(2.0**-130), 2.0**-133, 2.0**-134, 2.0**-149, 3e38]
-    x = torch.tensor(plain * 3, dtype=torch.float32)
-    spread = torch.randn(500, generator=torch.Generator().manual_seed(0)) * 10.0 ** torch.arange(
-        -8, 8, 16 / 500
-    )
-    x = torch.cat([x, spread, torch.tensor([float("nan"), float("inf"), -float("inf")])])
-    return x.to(dtype)
+class _Collect:
+    """A sink that keeps what the compiled layers hand over (copies), per slot."""
+
+    def __init__(self) -> None:
+        self.forward: list[tuple[int, torch.Tensor, list[torch.Tensor], int]] = []
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.ident = graphstats.register_sink(graphstats.LayerSink(self._fwd, self._grad))
+
+    def _fwd(self, slot: int, x: torch.Tensor, inputs: list[torch.Tensor], unread: int) -> None:
+        self.forward.append((slot, x.clone(), [i.clone() for i in inputs], unread))
+
+    def _grad(self, slot: int, grad: torch.Tensor) -> None:
+        self.grads.setdefault(slot, []).append(grad.clone())
+
+    def key(self, slot: int) -> torch.Tensor:
+        return graphstats.layer_key(self.ident, slot)
+
+    def close(self) -> None:
+        graphstats.unregister_sink(self.ident)
 
 
-def _hooked_row(x: torch.Tensor, backend: str | None) -> torch.Tensor:
-    buf = graphstats.new_buffer(1, x.device)
-    module = torch.nn.Identity()
-    module.register_forward_hook(graphstats.graph_stats_hook(buf, 0))
-    run = module if backend is None else torch.compile(module, backend=backend, fullgraph=True)
-    graphstats.GRAPH_SAMPLE.on = True
-    try:
-        run(x)
-    finally:
-        graphstats.GRAPH_SAMPLE.on = False
-    return buf[0]
+@pytest.fixture
+def sink():
+    collect = _Collect()
+    yield collect
+    collect.close()
+    graphstats.GRAPH_SAMPLE.on = False
 
 
-def _counts(row: torch.Tensor) -> dict[str, int]:
-    """The count columns as read (not the histogram, not ``amax``)."""
-    return {k: int(v) for k, v in graphstats.read_row(row.tolist()).items() if k != "amax"}
+def _counting(name: str, seen: Counter) -> object:
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner = lookup_backend(name)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen["graphs"] += 1
+        return inner(gm, example_inputs)
+
+    return backend
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_small_end_counts_match_the_eager_statistics(dtype):
-    x = _values(dtype)
-    got = _counts(_hooked_row(x, None))
-    row = numstats.stats_v2(x)
-    want = summarize_hist(row.tolist())
-    assert got["zeros"] == int(row[numstats.C_ZEROS]) > 0
-    for key in ("underflow_at_scale", "below_subnormal", "below_normal", "over_fp16"):
-        assert got[key] == want[key], (key, got[key], want[key])
-    if dtype is not torch.float16:  # fp16 cannot hold these values: nothing to count there
-        assert got["underflow_at_scale"] > 0 and got["below_subnormal"] > 0
-    assert got["below_normal"] > 0 and got["nan"] == 1 and got["inf"] >= 2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_exponent_histogram_and_amax_match_the_eager_statistics(dtype):
-    x = _values(dtype)
-    got = _hooked_row(x, None)
-    hist = got[graphstats.HIST0 :].to(torch.int64)
-    want = numstats.stats_v2(x)
-    assert hist.tolist() == want[numstats.H0 : numstats.H0 + numstats.NBINS].tolist()
-    assert int(hist.sum()) == x.numel()
-    assert int((hist > 0).sum()) > 20, "a spread of binades"
-    if dtype is torch.float32:  # fp32 subnormals: resolved binades and the lump both occupied
-        assert hist[numstats.H_LUMP - numstats.H0] > 0 and hist[-133 - numstats.E_MIN] > 0
-    # the largest magnitude as the eager row records it (with NaN present it is not read):
-    # inf when inf is present, else the largest finite magnitude
-    for part in (x[~torch.isnan(x)], x[torch.isfinite(x)]):
-        eager = numstats.stats_v2(part)[numstats.C_AMAX].to(torch.int32).view(torch.float32)
-        read = graphstats.read_row(_hooked_row(part, None).tolist())["amax"]
-        assert read == float(eager) == float(part.abs().max())
-    code = int(got[graphstats.COLUMNS.index("dtype")])
-    assert graphstats.DTYPES[code - 1] == dtype
-
-
-def test_exponent_bins_place_every_bit_pattern_as_the_eager_statistics():
-    """Every 16-bit upper half of an fp32 pattern with several lower halves: zeros, each
-    subnormal binade and the lump, every normal exponent, inf and NaN."""
-    upper = torch.arange(1 << 16, dtype=torch.int64) << 16
-    bits = torch.cat([upper | low for low in (0, 1, 0x7FFF, 0x8000, 0xFFFF)])
-    bits = torch.cat([bits, torch.arange(1 << 16, dtype=torch.int64)])  # the lowest patterns
-    values = bits.to(torch.int32).view(torch.float32)  # signs included: the magnitude counts
-    want = numstats.exponent_column(bits & 0x7FFFFFFF) - numstats.H0
-    assert torch.equal(graphstats.exponent_bins(values), want)
-    # bf16 (read through its own 16-bit pattern): every pattern, as its exact fp32 value
-    bf16 = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).view(torch.bfloat16)
-    want = numstats.exponent_column(bf16.float().abs().view(torch.int32).to(torch.int64))
-    assert torch.equal(graphstats.exponent_bins(bf16), want - numstats.H0)
-
-
-@pytest.mark.parametrize(
-    "backend, dtype",
-    [
-        ("aot_eager", torch.float32),
-        ("aot_eager", torch.bfloat16),
-        ("aot_eager", torch.float16),
-        ("inductor", torch.bfloat16),
-    ],
-)
-def test_compiled_hook_records_what_the_eager_hook_records(backend, dtype):
-    """Traced with fullgraph=True (a graph break would raise): the whole row, histogram
-    included, equals the eager hook's."""
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layer_hands_over_the_output_the_model_returns(sink, backend):
+    """Traced with fullgraph=True (a graph break would raise): the op receives the layer's
+    output as the compiled graph computed it (the tensor the model returns) and its input."""
     torch._dynamo.reset()
-    x = _values(dtype)
-    compiled = _hooked_row(x, backend)
-    assert compiled.tolist() == _hooked_row(x, None).tolist()
-    assert int(compiled[graphstats.HIST0 :].sum()) == x.numel()
-
-
-def test_two_calls_add_up_and_keep_the_first_calls_order_and_dtype():
-    buf = graphstats.new_buffer(2, None)
-    first, second = torch.nn.Identity(), torch.nn.Identity()
-    first.register_forward_hook(graphstats.graph_stats_hook(buf, 0))
-    second.register_forward_hook(graphstats.graph_stats_hook(buf, 1))
-    a, b = _values(torch.bfloat16), _values(torch.float32)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4)
+    layer.register_forward_hook(graphstats.graph_stats_hook(sink.key(3)))
+    run = torch.compile(layer, backend=backend, fullgraph=True)
+    x = torch.randn(5, 8)
     graphstats.GRAPH_SAMPLE.on = True
-    try:
-        second(a)
-        first(b)
-        second(b)
-    finally:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(x)
+    graphstats.GRAPH_SAMPLE.on = False
+    assert len(sink.forward) == 1
+    slot, seen, inputs, unread = sink.forward[0]
+    assert slot == 3 and unread == 0
+    assert seen.dtype == torch.bfloat16 and torch.equal(seen, out)
+    assert len(inputs) == 1 and torch.equal(inputs[0], x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run(x)  # unsampled: nothing handed over
+    assert len(sink.forward) == 1
+
+
+def test_an_input_the_op_cannot_take_is_counted_unread(sink):
+    """A wrapper tensor subclass input (torch's TwoTensor, as float8/NF4 tensors are) is not
+    handed over: the sink hears it was not read, so it is never counted as finite."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    layer = torch.nn.Identity()
+    layer.register_forward_hook(graphstats.graph_stats_hook(sink.key(0)))
+    graphstats.GRAPH_SAMPLE.on = True
+    layer(TwoTensor(torch.ones(3), torch.ones(3)))  # its output is one too: not handed over
+    assert sink.forward == []
+
+    class Mix(torch.nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a * 2
+
+    mix = Mix()
+    mix.register_forward_hook(graphstats.graph_stats_hook(sink.key(1)))
+    mix(torch.ones(3), TwoTensor(torch.ones(3), torch.ones(3)))
+    ((slot, _, inputs, unread),) = sink.forward
+    assert slot == 1 and len(inputs) == 1 and unread == 1
+
+
+def test_materialized_outputs_are_matmul_and_convolution_layers():
+    assert graphstats.materialized_output(torch.nn.Linear(2, 2))
+    assert graphstats.materialized_output(torch.nn.Conv2d(1, 1, 1))
+    assert graphstats.materialized_output(torch.nn.ConvTranspose1d(1, 1, 1))
+
+    class Conv1D(torch.nn.Module):  # Hugging Face GPT-2's addmm layer, named as transformers does
+        pass
+
+    assert graphstats.materialized_output(Conv1D())
+    for fused in (torch.nn.LayerNorm(2), torch.nn.GELU(), torch.nn.Embedding(2, 2)):
+        assert not graphstats.materialized_output(fused)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, 2 * d)
+        self.fc2 = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+def _blocks_job(
+    depth: int, backend: str, hooked: bool, dtype: torch.dtype, sink: _Collect, steps: int = 4
+) -> tuple[int, list[float]]:
+    """Each of ``depth`` identical blocks compiled on its own (``fullgraph=True``), trained a
+    few steps, every other one sampled; hooks on the matmul layers (``hooked``). Returns the
+    graphs compiled and the losses."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(depth)])
+    if hooked:
+        for i, mod in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            mod.register_forward_hook(graphstats.graph_stats_hook(sink.key(2 * i)))
+            mod.register_forward_hook(gradtap.grad_tap_hook(sink.key(2 * i + 1)))
+    seen: Counter = Counter()
+    counting = _counting(backend, seen)  # one backend for all blocks, as a user passes one
+    for block in model:
+        block.compile(backend=counting, fullgraph=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for step in range(steps):
+        graphstats.GRAPH_SAMPLE.on = hooked and step % 2 == 0
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(x).float().square().mean()
         graphstats.GRAPH_SAMPLE.on = False
-    row = _counts(buf[1])
-    assert row["calls"] == 2 and row["order"] == 0 and _counts(buf[0])["order"] == 1
-    assert graphstats.DTYPES[row["dtype"] - 1] == torch.bfloat16
-    both = numstats.stats_v2(a)[numstats.H0 : numstats.H0 + numstats.NBINS]
-    both = both + numstats.stats_v2(b)[numstats.H0 : numstats.H0 + numstats.NBINS]
-    assert buf[1, graphstats.HIST0 :].to(torch.int64).tolist() == both.tolist()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return seen["graphs"], losses
 
 
-def test_unsampled_step_adds_nothing():
-    buf = graphstats.new_buffer(1, None)
-    module = torch.nn.Identity()
-    module.register_forward_hook(graphstats.graph_stats_hook(buf, 0))
-    module(_values(torch.float32))
-    assert not buf.any()
+@pytest.mark.parametrize("depth", [2, 10, 32])
+def test_identical_blocks_compile_one_graph_and_one_sampled_variant_at_any_depth(sink, depth):
+    """The layer keys are tensors: identical blocks compiled one by one share the plain graphs
+    and one sampled variant of each, at any depth, with fullgraph=True (a per-block int made
+    each block compile its own graph and a 10-block model fail at step 0)."""
+    plain_graphs, plain = _blocks_job(depth, "aot_eager", False, torch.bfloat16, sink)
+    graphs, losses = _blocks_job(depth, "aot_eager", True, torch.bfloat16, sink)
+    assert plain_graphs <= graphs <= 2 * plain_graphs, (plain_graphs, graphs)
+    assert losses == plain
+    linears = 2 * depth
+    assert len(sink.forward) == 2 * linears  # two sampled steps
+    assert sorted({slot for slot, *_ in sink.forward}) == list(range(0, 2 * linears, 2))
+    assert sum(len(g) for g in sink.grads.values()) == 2 * linears
 
 
-def test_exp_hist_row_text_reads_as_the_eager_rows():
-    """The collector writes the histogram as the eager rows do: exponent -> count, JSON."""
-    x = _values(torch.bfloat16)
-    hist = _hooked_row(x, None)[graphstats.HIST0 :].tolist()
-    text = json.dumps(
-        {str(e + numstats.E_MIN): int(n) for e, n in enumerate(hist) if n}, separators=(",", ":")
-    )
-    assert json.loads(text)["128"] == 3 and sum(json.loads(text).values()) == x.numel()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inductor_computes_the_plain_numbers_on_sampled_steps(sink, dtype):
+    """Hooks only where inductor stores the output anyway (the matmul layers), the values read
+    by an opaque op: every loss is the unhooked job's, bit for bit, sampled steps included."""
+    plain_graphs, plain = _blocks_job(2, "inductor", False, dtype, sink)
+    graphs, losses = _blocks_job(2, "inductor", True, dtype, sink)
+    assert losses == plain
+    assert graphs <= 2 * plain_graphs
+    assert len(sink.forward) == 2 * 4
 
 
 # -- output gradients of compiled layers (gradtap) ----------------------------------------------
@@ -193,14 +223,13 @@ class _Pair(torch.nn.Module):
         return self.inner(x), x.sum(-1)
 
 
-def _taps(model: torch.nn.Module) -> tuple[dict[str, list[torch.Tensor]], list[int]]:
-    got: dict[str, list[torch.Tensor]] = {}
-    taps = []
-    for name in ("inner.a", "inner.b"):
-        tap = gradtap.register_tap(lambda g, name=name: got.setdefault(name, []).append(g.clone()))
-        taps.append(tap)
-        model.get_submodule(name).register_forward_hook(gradtap.grad_tap_hook(tap))
-    return got, taps
+def _taps(model: torch.nn.Module) -> tuple[dict[str, list[torch.Tensor]], _Collect]:
+    collect = _Collect()
+    names = ("inner.a", "inner.b")
+    for slot, name in enumerate(names):
+        model.get_submodule(name).register_forward_hook(gradtap.grad_tap_hook(collect.key(slot)))
+    got = {name: collect.grads.setdefault(slot, []) for slot, name in enumerate(names)}
+    return got, collect
 
 
 def _train(model: torch.nn.Module, run: object, twice: bool, sampled: list[bool]) -> list:
@@ -248,8 +277,8 @@ def test_output_gradients_reach_the_tap_from_the_compiled_backward(backend, spli
         plain = _train(eager, eager, twice, [False, True])
         traced = _train(compiled, run, twice, [True, False, True])
     finally:
-        for tap in eager_taps + compiled_taps:
-            gradtap.unregister_tap(tap)
+        eager_taps.close()
+        compiled_taps.close()
     calls = 2 if twice else 1
     assert [len(want[n]) for n in want] == [calls, calls]  # eager: the sampled step only
     assert [len(got[n]) for n in got] == [2 * calls, 2 * calls]  # two sampled steps of three
@@ -281,8 +310,8 @@ def test_unsampled_variant_is_the_models_graph():
     torch.manual_seed(0)
     bare = _TwoLayers()
     hooked = copy.deepcopy(bare)
-    tap = gradtap.register_tap(lambda g: None)
-    hooked.a.register_forward_hook(gradtap.grad_tap_hook(tap))
+    collect = _Collect()
+    hooked.a.register_forward_hook(gradtap.grad_tap_hook(collect.key(0)))
     x = torch.randn(4, 8)
     try:
         torch._dynamo.reset()  # (dynamo does not guard on module hooks: one cache per model)
@@ -294,7 +323,7 @@ def test_unsampled_variant_is_the_models_graph():
         run(x)  # the flag's guard fails: the sampled variant
     finally:
         graphstats.GRAPH_SAMPLE.on = False
-        gradtap.unregister_tap(tap)
+        collect.close()
     assert len(graphs) == 3 and graphs[0] == graphs[1] != graphs[2]
     assert "AutogradFunctionApply" in graphs[2]
 

@@ -10,6 +10,7 @@ at compile time, never at run time, and lists what was compiled in the run's man
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from amprobe.capture.collectors.compiled import (
     graph_facts,
     unwrap_compiled,
 )
+from amprobe.capture.collectors.graphstats import NON_FUSING_BACKENDS
 from amprobe.capture.dispatch import Dispatcher
 from amprobe.capture.install import Installed
 from amprobe.capture.modules import ModuleStack
@@ -40,6 +42,8 @@ class CompileWatch:
         before_attach: something was compiled before amprobe attached: a hook added now would
             recompile what already runs, so no in-graph statistics are installed.
         autocast: the (device, dtype) of the last autocast region inside a compiled graph.
+        functions: a function (a train step, a loss) was compiled: any module may run inside
+            a compiled region.
     """
 
     def __init__(
@@ -62,6 +66,9 @@ class CompileWatch:
         self._compiled: list[dict[str, Any]] = []
         self._compiled_ids: set[int] = set()
         self._method_compiled: set[int] = set()  # modules whose own compile() ran
+        self._modules: list[weakref.ReferenceType[torch.nn.Module]] = []  # compiled modules
+        self._backends: set[str] = set()
+        self.functions = False
         #: called when torch.compile is first seen in use (the hub pins its recording layer)
         self.on_started: Callable[[], None] | None = None
 
@@ -90,6 +97,10 @@ class CompileWatch:
             return
         self._compiled_ids.add(key)
         if module is not None:
+            self._modules.append(weakref.ref(module))
+        else:
+            self.functions = True
+        if module is not None:
             name = type(module).__name__
         else:
             code = getattr(target, "__code__", None)
@@ -108,6 +119,7 @@ class CompileWatch:
                 "fullgraph": bool(kwargs.get("fullgraph", False)),
             }
         self._compiled.append(fact)
+        self._backends.add(str(fact["backend"]))
         first = not self.in_use
         self.in_use = True
         self.probe.annotate_manifest(compile=list(self._compiled))
@@ -116,6 +128,16 @@ class CompileWatch:
         if first:
             self._started()
         self.discovery.claim_compiled_roots()
+
+    def fusing(self) -> bool:
+        """Whether a compile seen may fuse ops (any backend but ``eager``/``aot_eager``; a
+        backend amprobe could not read counts as fusing)."""
+        return bool(self._backends - NON_FUSING_BACKENDS) or not self._backends
+
+    def compiled_modules(self) -> list[torch.nn.Module]:
+        """The modules compiled since attach (``torch.compile(module)``'s original module, or
+        the module whose ``compile()`` ran), alive ones only."""
+        return [m for ref in self._modules if (m := ref()) is not None]
 
     def method_compiled(self, module: Any) -> bool:
         """Whether ``module``'s own ``compile()`` ran (its hooks run inside the compiled frame)."""

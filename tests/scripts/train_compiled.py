@@ -40,6 +40,7 @@ def counting(name: str):
 
         return run
 
+    backend.compiler_name = name  # what amprobe reads as the backend (it wraps ``name``)
     return backend
 
 

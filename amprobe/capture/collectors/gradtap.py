@@ -14,12 +14,14 @@ see README, torch.compile). The hooks here keep the buffer out of the graph inst
   backward the custom op ``amprobe::grad_tap``); on other steps it returns at once (the
   guarded flag of :mod:`~amprobe.capture.collectors.graphstats`: the unsampled graph variant
   is exactly the model's);
-* ``amprobe::grad_tap(grad, tap)`` is opaque to the compiler: at run time, inside the
-  compiled backward, it hands the gradient to the callback registered under ``tap`` (the
-  numerics collector's eager measurement: the same statistics, loss-scale division and rows
-  as eager output gradients, no host-device sync on accelerators) and returns a copy of it.
-  The callback's buffers are not graph inputs, so no saved tensor is ever mutated; the op is
-  tagged ``cudagraph_unsafe`` (a CUDA graph replay would not run the callback).
+* ``amprobe::grad_tap(grad, key)`` is opaque to the compiler: at run time, inside the
+  compiled backward, it hands the gradient to the sink registered under the layer's key
+  (:func:`~amprobe.capture.collectors.graphstats.layer_key`, a CPU tensor, so identical blocks
+  share one graph: see graphstats) — the numerics collector's eager measurement: the same
+  statistics, loss-scale division and rows as eager output gradients, no host-device sync on
+  accelerators — and returns a copy of it. The sink's buffers are not graph inputs, so no
+  saved tensor is ever mutated; the op is tagged ``cudagraph_unsafe`` (a CUDA graph replay
+  would not run the callback).
 
 Cost on a sampled step: per tapped layer a copy of its output (forward) and of its output
 gradient (backward) besides the measurement itself; nothing on other steps.
@@ -27,44 +29,26 @@ gradient (backward) besides the measurement itself; nothing on other steps.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE, first_float
+from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE, first_float, sink_of
 from amprobe.capture.collectors.sharded import PLAIN_TENSORS
 
-__all__ = ["grad_tap_hook", "register_tap", "unregister_tap"]
-
-#: tap id -> the callback that measures the gradient (ids are never reused in a process)
-_TAPS: dict[int, Callable[[torch.Tensor], None]] = {}
-_IDS = itertools.count()
-
-
-def register_tap(callback: Callable[[torch.Tensor], None]) -> int:
-    """A new tap id whose gradients go to ``callback`` (which must not raise)."""
-    tap = next(_IDS)
-    _TAPS[tap] = callback
-    return tap
-
-
-def unregister_tap(tap: int) -> None:
-    """Gradients of ``tap`` are no longer measured (a compiled graph may still call it)."""
-    _TAPS.pop(tap, None)
+__all__ = ["grad_tap_hook"]
 
 
 @torch.library.custom_op("amprobe::grad_tap", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _grad_tap(grad: torch.Tensor, tap: int) -> torch.Tensor:
-    callback = _TAPS.get(tap)
-    if callback is not None:
-        callback(grad)
+def _grad_tap(grad: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    sink, slot = sink_of(key)
+    if sink is not None:
+        sink.grad(slot, grad)
     return grad.clone()  # a custom op's output may not alias its input
 
 
 @_grad_tap.register_fake
-def _grad_tap_fake(grad: torch.Tensor, tap: int) -> torch.Tensor:
+def _grad_tap_fake(grad: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(grad)
 
 
@@ -72,19 +56,21 @@ class _Tap(torch.autograd.Function):
     """Identity whose backward hands the incoming gradient to ``amprobe::grad_tap``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tap: int) -> torch.Tensor:
-        ctx.tap = tap
+    def forward(ctx: Any, x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(key)
         # a copy, not a view: the layer's output may be modified in place downstream, which
         # autograd forbids on a view returned by a custom function
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return torch.ops.amprobe.grad_tap(grad, ctx.tap), None
+        (key,) = ctx.saved_tensors
+        return torch.ops.amprobe.grad_tap(grad, key), None
 
 
-def grad_tap_hook(tap: int) -> Any:
-    """A forward hook that, on sampled steps, routes its module's output gradient to ``tap``.
+def grad_tap_hook(key: torch.Tensor) -> Any:
+    """A forward hook that, on sampled steps, routes its module's output gradient to the sink
+    and slot of ``key`` (:func:`~amprobe.capture.collectors.graphstats.layer_key`).
 
     Only a plain tensor that requires grad is tapped (a tensor subclass such as a DTensor would
     need sharding rules for the op): the output itself, or the first floating tensor of a plain
@@ -99,7 +85,7 @@ def grad_tap_hook(tap: int) -> Any:
         x = first_float(out)
         if x is None or type(x) not in PLAIN_TENSORS or not x.requires_grad:
             return None
-        tapped = _Tap.apply(x, tap)
+        tapped = _Tap.apply(x, key)
         if out is x:
             return tapped
         items = list(out)

@@ -84,15 +84,16 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
-from amprobe.capture.collectors.gradtap import grad_tap_hook, register_tap, unregister_tap
+from amprobe.capture.collectors.gradtap import grad_tap_hook
 from amprobe.capture.collectors.graphstats import (
-    DTYPES,
     GRAPH_SAMPLE,
-    HIST0,
+    LayerSink,
     first_float,
     graph_stats_hook,
-    new_buffer,
-    read_row,
+    layer_key,
+    materialized_output,
+    register_sink,
+    unregister_sink,
 )
 from amprobe.capture.collectors.numstats import C_AMAX as _C_AMAX
 from amprobe.capture.collectors.numstats import C_FLUSH16 as _C_FLUSH16
@@ -196,6 +197,7 @@ class _Capture:
         "order",
         "bad_hint",
         "grad_hooked",
+        "inputs_unread",
     )
 
     def __init__(self, step: int, stats: StepStats) -> None:
@@ -210,6 +212,8 @@ class _Capture:
         self.order: dict[str, list[int]] = {k: [] for k in KINDS}
         self.bad_hint = False
         self.grad_hooked: set[int] = set()  # output-gradient slots hooked in this step
+        #: output slots with a floating input whose values could not be read: not checked
+        self.inputs_unread: set[int] = set()
 
     @property
     def buf(self) -> torch.Tensor:
@@ -278,12 +282,12 @@ class NumericsCollector(Collector):
         self._compiled_noted = False
         self._kernel_noted = False
         self._unmeasured_noted: set[str] = set()  # kinds of tensor skipped (one event each)
-        # compiled regions: hooks traced into the graph, one buffer per install (see graphstats)
-        self._graph: list[tuple[torch.Tensor, list[int]]] = []
+        # compiled regions: permanent hooks traced into the graph that hand sampled steps'
+        # values to this sink (see graphstats, gradtap)
+        self._sink: int | None = None
         self._graph_handles: list[Any] = []
-        self._graph_hooked: set[int] = set()  # slots with an in-graph hook
-        self._taps: list[int] = []  # output-gradient taps of compiled layers (gradtap)
-        self._graph_done: list[tuple[int, list[torch.Tensor]]] = []
+        self._graph_hooked: set[int] = set()  # output slots with an in-graph hook
+        self._fused_noted = False
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -380,107 +384,85 @@ class NumericsCollector(Collector):
 
     # -- compiled regions: statistics inside the graph ------------------------------------------
     def _install_graph_hooks(self) -> None:
-        """Compiled regions: permanent forward hooks whose statistics run inside the graph on
-        sampled steps (two graph variants, each compiled once; see graphstats), and taps that
-        hand the layers' output gradients to the eager measurement from the compiled backward
-        (see gradtap)."""
+        """Compiled regions: permanent forward hooks that, on sampled steps, hand each layer's
+        output and inputs to ``amprobe::layer_stats`` and route its output gradient through
+        ``amprobe::grad_tap`` (two graph variants per compiled code object, each compiled once;
+        see graphstats, gradtap); at run time both reach the eager measurement below. Under a
+        fusing backend (inductor) a layer inside a compiled module gets them only when the
+        graph stores its output anyway (a matmul or convolution layer): reading another would
+        change what the model computes, so it is "not checked" (one event)."""
         if self.every == 0 or self.probe.hub.compiled_before_attach:
             return  # (a late attach: adding hooks would recompile the graphs that run)
+        if self._sink is None:
+            self._sink = register_sink(
+                LayerSink(self._guarded(self._graph_forward), self._guarded(self._graph_grad))
+            )
+        watch = self.probe.hub.compile
+        fused = self._fused_modules(watch)
         # a root's own hooks run around its compiled frame, not inside it: not in the graph
         roots = {id(unwrap_compiled(ref())) for ref, _ in self._roots if ref() is not None}
-        targets = [
-            (r, slots)
-            for r, slots in self._targets
-            if slots[0] not in self._graph_hooked and id(r()) not in roots
-        ]
-        if not targets:
-            return
-        buf = new_buffer(len(self._slots), self._device)
-        indices = []
-        for ref, slots in targets:
+        skipped: list[str] = []
+        for ref, slots in self._targets:
             mod = ref()
-            if mod is None:
+            if mod is None or slots[0] in self._graph_hooked or id(mod) in roots:
                 continue
-            self._graph_handles.append(mod.register_forward_hook(graph_stats_hook(buf, slots[0])))
+            if id(mod) in fused and not materialized_output(mod):
+                skipped.append(self._slots[slots[0]].name)
+                continue
+            key = layer_key(self._sink, slots[0])
+            self._graph_handles.append(mod.register_forward_hook(graph_stats_hook(key)))
             self._graph_hooked.add(slots[0])
             if slots[1] is not None:
-                tap = register_tap(self._guarded(self._bind_grad(slots[1])))
-                self._taps.append(tap)
-                self._graph_handles.append(mod.register_forward_hook(grad_tap_hook(tap)))
-            indices.append(slots[0])
-        self._graph.append((buf, indices))
-        GRAPH_SAMPLE.on = self._sampled(self.probe.step)  # a step already sampled counts
+                gkey = layer_key(self._sink, slots[1])
+                self._graph_handles.append(mod.register_forward_hook(grad_tap_hook(gkey)))
+        if skipped:
+            self._note_fused(skipped)
+        GRAPH_SAMPLE.on = bool(self._graph_hooked) and self._sampled(self.probe.step)
 
-    def _graph_step_end(self, step: int) -> None:
-        """A sampled step ended: keep its in-graph statistics and zero the buffers."""
-        if not GRAPH_SAMPLE.on:
+    def _fused_modules(self, watch: Any) -> set[int]:
+        """Ids of the watched modules a fusing compiler compiles: those inside a compiled
+        module, or all when a function was compiled (a train step runs any module inside its
+        graph); none when every backend seen runs ops one by one (aot_eager)."""
+        if not watch.fusing():
+            return set()
+        if watch.functions:
+            return {id(ref()) for ref, _ in self._targets if ref() is not None}
+        out: set[int] = set()
+        for compiled in watch.compiled_modules():
+            out.update(id(m) for m in compiled.modules())
+        return out
+
+    def _note_fused(self, names: list[str]) -> None:
+        if self._fused_noted:
             return
-        GRAPH_SAMPLE.on = False
-        with torch.no_grad():
-            snapshots = [buf.clone() for buf, _ in self._graph]
-            for buf, _ in self._graph:
-                buf.zero_()
-        self._graph_done.append((step, snapshots))
+        self._fused_noted = True
+        self.probe.event(
+            "numerics_not_checked",
+            what="fused_activations",
+            layers=len(names),
+            first_at=names[0],
+            reason=(
+                f"not checked under inductor: the outputs of {len(names)} layer(s) inside "
+                f"compiled modules (first: {names[0]}) are fused into the kernels that read "
+                "them and never stored; reading them would make the compiler store and round "
+                "them, so the model would compute different numbers on sampled steps. Matmul "
+                "and convolution layers are measured (the graph stores their outputs), and "
+                "parameter gradients; run a diagnostic job uncompiled or with "
+                "backend='aot_eager' to see every layer"
+            ),
+            step=self.probe.step,
+        )
 
-    def _graph_rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The ``numerics`` rows (kind ``output``) and forward offenders of the in-graph samples."""
-        done, self._graph_done = self._graph_done, []
-        rows: list[dict[str, Any]] = []
-        offenders: list[dict[str, Any]] = []
-        for step, snapshots in done:
-            step_rows: list[dict[str, Any]] = []
-            for (_, indices), table in zip(self._graph, snapshots, strict=False):
-                values = table.cpu().tolist()
-                for index in indices:
-                    r = read_row(values[index])
-                    if not r["calls"]:
-                        continue
-                    elems, nan, inf, code = r["elements"], r["nan"], r["inf"], r["dtype"]
-                    slot = self._slots[index]
-                    hist = values[index][HIST0:]
-                    step_rows.append(
-                        {
-                            "step": step,
-                            "module": self._layer_name(slot),
-                            "module_type": slot.module_type,
-                            "kind": "output",
-                            "dtype": _dtype_name(DTYPES[int(code) - 1]) if code else None,
-                            "calls": int(r["calls"]),
-                            "order": int(r["order"]),
-                            "elements": int(elems),
-                            "zeros": int(r["zeros"]),
-                            "nan": int(nan),
-                            "inf": int(inf),
-                            "finite": int(elems - nan - inf),
-                            "over_fp16": int(r["over_fp16"]),
-                            "below_normal": int(r["below_normal"]),
-                            "below_subnormal": int(r["below_subnormal"]),
-                            "underflow_at_scale": int(r["underflow_at_scale"]),
-                            "amax": None if nan else float(r["amax"]),
-                            "in_nonfinite": int(r["in_nonfinite"]),
-                            "exp_hist": json.dumps(
-                                {str(e + _E_MIN): int(n) for e, n in enumerate(hist) if n},
-                                separators=(",", ":"),
-                            ),
-                        }
-                    )
-            step_rows.sort(key=lambda r: r["order"])
-            rows.extend(step_rows)
-            first = next(
-                (r for r in step_rows if r["nan"] + r["inf"] > 0 and not r["in_nonfinite"]), None
-            )
-            if first is not None:
-                detail = {k: first[k] for k in ("nan", "inf", "elements", "order")}
-                offenders.append(
-                    {
-                        "step": step,
-                        "kind": "forward",
-                        "module": first["module"],
-                        "module_type": first["module_type"],
-                        "detail": json.dumps(detail, sort_keys=True),
-                    }
-                )
-        return rows, offenders
+    def _graph_forward(
+        self, slot: int, x: torch.Tensor, inputs: list[torch.Tensor], unread: int
+    ) -> None:
+        """``amprobe::layer_stats`` at run time: a compiled layer's output, measured as an
+        eager layer's (its inputs' non-finite count beside it)."""
+        self._on_forward((slot, None, None), tuple(inputs), x, unread=unread)
+
+    def _graph_grad(self, slot: int, grad: torch.Tensor) -> None:
+        """``amprobe::grad_tap`` at run time: a compiled layer's output gradient."""
+        self._measure(slot, grad, grad=True)
 
     # -- sampling ------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
@@ -504,7 +486,7 @@ class NumericsCollector(Collector):
             # recompiles, a changed fusion. Outputs are measured by the in-graph hooks
             # (graphstats), output gradients through their taps (gradtap), parameter gradients
             # outside the graph below.
-            if not self._graph:
+            if self.probe.hub.compiled_before_attach:
                 self._note_compiled()
         else:
             for ref, slots in self._targets:
@@ -630,6 +612,11 @@ class NumericsCollector(Collector):
         sparse tensor (``Embedding(sparse=True)``'s gradient), which stores only its nonzero
         entries; a nested tensor (strided or jagged) and any other layout."""
         x = local_tensor(x)
+        if type(x).__name__ == "AsyncCollectiveTensor":
+            # a functional collective's result (RowwiseParallel's output; a DTensor's local
+            # tensor with use_local_output=False): measured as the tensor it becomes once
+            # waited on. Only sampled steps get here, where the next layer reads it anyway
+            x = x.trigger_wait()  # type: ignore[attr-defined]
         if x.is_nested or x.layout is not torch.strided:
             if x.is_nested:
                 kind, what = f"nested {x.layout}", "nested_tensors"
@@ -678,13 +665,14 @@ class NumericsCollector(Collector):
             step=self.probe.step,
         )
 
-    def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int:
-        """Non-finite elements of a module input (reusing the step's measurement of it)."""
+    def _count_nonfinite(self, x: torch.Tensor) -> torch.Tensor | int | None:
+        """Non-finite elements of a module input (reusing the step's measurement of it); None
+        when its values cannot be read (a wrapper tensor subclass): not checked, never 0."""
         if x.layout is not torch.strided or x.is_nested:  # counted by what it stores
             return count_nonfinite(x, self._sync_free())
         own = self._own_values(x, None)
         if own is None:
-            return 0
+            return None
         x = own
         cap = self._capture(x.device)
         if cap.stats is not None and cap.device == x.device:
@@ -741,7 +729,12 @@ class NumericsCollector(Collector):
                 cap.scale = torch.ones((), dtype=torch.float32, device=cap.device)
         return cap.scale
 
-    def _on_forward(self, slots: tuple[int, int | None, int | None], args: Any, out: Any) -> None:
+    def _on_forward(
+        self, slots: tuple[int, int | None, int | None], args: Any, out: Any, unread: int = 0
+    ) -> None:
+        """A layer's output into its slot, and beside it the non-finite count of its floating
+        inputs; an input whose values could not be read (``unread``, or one met here) marks
+        the row's inputs "not checked" instead of counting it as finite."""
         tensor = first_float(out)
         if tensor is None:
             return
@@ -766,7 +759,12 @@ class NumericsCollector(Collector):
                 and arg.device == tensor.device
             ):
                 count = self._count_nonfinite(arg)
+                if count is None:
+                    unread += 1
+                    continue
                 bad = count if bad is None else bad + count
+        if unread and measured is not None:
+            self._capture(tensor.device).inputs_unread.add(slots[0])
         if measured is not None:
             if bad is None:
                 bad = torch.zeros((), dtype=torch.int64, device=tensor.device)
@@ -810,7 +808,7 @@ class NumericsCollector(Collector):
     def on_step_begin(self, step: int) -> None:
         self._sampled_now = sampled = self._sampled(step)
         self._live_step_end()
-        GRAPH_SAMPLE.on = bool(self._graph) and sampled
+        GRAPH_SAMPLE.on = bool(self._graph_hooked) and sampled
         if sampled:
             self._install_capture()
             if step <= self._armed_until:
@@ -873,8 +871,7 @@ class NumericsCollector(Collector):
         the step's non-finite flags."""
         if self._capture_handles or GRAPH_SAMPLE.on:
             record["numerics_sampled"] = True
-        if GRAPH_SAMPLE.on:
-            self._graph_step_end(step)
+        GRAPH_SAMPLE.on = False  # (a forward between steps, an evaluation, is not sampled)
         cap = self._cur
         if cap is not None:
             if cap.step == step:
@@ -961,12 +958,6 @@ class NumericsCollector(Collector):
         for flags in _to_host(watch):  # device flags: one transfer per device, at flush
             if _record_bad(flags):
                 self._arm(int(flags["step"]))
-        if self._graph_done:
-            graph_rows, graph_offenders = self._graph_rows()
-            self._nonfinite_modules.update(r["module"] for r in graph_rows if r["nan"] + r["inf"])
-            writer.append("numerics", graph_rows)
-            if graph_offenders:
-                writer.append("offenders", graph_offenders)
         done, self._done = self._done, []
         if not done:
             return
@@ -1045,7 +1036,11 @@ class NumericsCollector(Collector):
                     **counts,
                     "loss_scale": scale if grad else None,
                     "amax": None if nan else _bits_to_float(amax_bits),
-                    "in_nonfinite": int(values[_C_IN_BAD]) if kind == "output" else None,
+                    "in_nonfinite": (
+                        int(values[_C_IN_BAD])
+                        if kind == "output" and index not in cap.inputs_unread
+                        else None
+                    ),
                     "exp_hist": json.dumps(
                         {str(e + _E_MIN): int(n) for e, n in enumerate(hist) if n},
                         separators=(",", ":"),
@@ -1082,6 +1077,12 @@ class NumericsCollector(Collector):
                 )
         forward = cap.order["output"]
         for index in forward:
+            if index in cap.inputs_unread:
+                # inputs not checked: it cannot be named the first to produce inf/NaN, and
+                # a later layer could only be named from a finite output of this one
+                if bad(index):
+                    break
+                continue
             if bad(index) and not rows[index]["in_nonfinite"]:
                 r = rows[index]
                 out.append(
@@ -1131,9 +1132,9 @@ class NumericsCollector(Collector):
         for handle in self._graph_handles:
             handle.remove()
         self._graph_handles.clear()
-        for tap in self._taps:
-            unregister_tap(tap)
-        self._taps.clear()
+        if self._sink is not None:
+            unregister_sink(self._sink)
+            self._sink = None
 
 
 def _to_host(watch: list[dict[str, Any]]) -> list[dict[str, Any]]:
