@@ -640,3 +640,28 @@ def test_scaler_first_met_at_its_update_is_announced_once(tmp_path):
     steps = run.steps
     assert list(steps["scale_before"].dropna())[-2:] == [256.0, 256.0]
     assert steps["loss"].notna().sum() >= 3
+
+
+def test_the_op_mode_runs_higher_order_operators_as_they_are():
+    """A compiled graph runs higher-order operators (inductor's ``run_and_save_rng_state``
+    under activation checkpointing, ``auto_functionalized``): with amprobe's mode pushed they
+    run as without it, where torch raised NotImplementedError into the user's step."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    from amprobe.capture.opmode import _OpMux
+
+    class _Dispatch:
+        busy = False
+        observing = False
+
+    mux = _OpMux(_Dispatch())  # type: ignore[arg-type]
+    seen: list[object] = []
+    mux.observers = [(None, lambda *a: seen.append(a))]  # type: ignore[list-item]
+    torch.manual_seed(0)
+    _, want = run_and_save_rng_state(torch.ops.aten.rand.default, [3], device=torch.device("cpu"))
+    torch.manual_seed(0)
+    with mux:
+        _, got = run_and_save_rng_state(
+            torch.ops.aten.rand.default, [3], device=torch.device("cpu")
+        )
+    assert torch.equal(got, want) and mux.delivered == 0

@@ -410,6 +410,13 @@ class RootModelHooks:
             return
         if is_compiled_module(model):
             self.compile.note(model, model, None)
+        for sub in model.modules():
+            # blocks compiled one by one before attach (torchtitan's per-block compile): no
+            # frame has compiled yet, so dynamo's counters do not tell; a global module hook
+            # installed now would be traced into each block's graph (a graph break, and a
+            # crash with fullgraph=True)
+            if sub is not model and is_compiled_module(sub):
+                self.compile.note(sub, sub, None)
         if self.compile.method_compiled(model):
             # Module.compile(): the module's own hooks run inside the compiled frame, and adding
             # them after it compiled would recompile it; its forward is not timed

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from amprobe.capture.dispatch import Dispatcher
@@ -29,6 +30,11 @@ class _OpMux(TorchDispatchMode):
     op between them share a stamp).
     """
 
+    #: higher-order operators reach ``__torch_dispatch__`` (else torch raises for each one a
+    #: compiled graph runs: inductor's ``run_and_save_rng_state`` under activation
+    #: checkpointing killed a torchtitan-shaped job at its first captured step)
+    supports_higher_order_operators = True
+
     def __init__(self, dispatch: Dispatcher) -> None:
         super().__init__()
         self.dispatch = dispatch
@@ -46,6 +52,9 @@ class _OpMux(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # run as it is (the mode is popped meanwhile): the ops inside it are not handed over
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         dispatch = self.dispatch
         if self.observers and not dispatch.busy:
