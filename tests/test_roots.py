@@ -241,6 +241,19 @@ def test_root_of_a_block_is_the_lowest_container_holding_every_trained_parameter
     assert root_of(block, lambda p: id(p) in only, lambda: live) is model.layers
 
 
+def test_root_of_a_block_compiled_before_it_is_put_back():
+    """`layers[i] = torch.compile(block)` with the optimizer made first: torch.compile is seen
+    before the assignment, when nothing holds the wrapper yet and the block is still in place."""
+    model = _blocks_module().Transformer()
+    trained = {id(p) for p in model.parameters()}
+    wrapper = torch.compile(model.layers[0], backend="eager")  # compiles nothing until called
+    live = [wrapper, *model.modules()]
+    assert root_of(wrapper, lambda p: id(p) in trained, lambda: live) is model
+    model.layers[0] = wrapper  # then the assignment: the same root, through the wrapper
+    live = [*model.modules()]
+    assert root_of(wrapper, lambda p: id(p) in trained, lambda: live) is model
+
+
 def test_root_of_a_module_holding_every_trained_parameter_costs_no_scan():
     model = _blocks_module().Transformer()
     trained = {id(p) for p in model.parameters()}

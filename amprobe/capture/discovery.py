@@ -50,6 +50,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from amprobe.capture.collectors.compiled import is_compiling
+from amprobe.capture.collectors.sharded import wrapped_module
 
 if TYPE_CHECKING:
     from amprobe.capture.hub import Hub
@@ -458,8 +459,13 @@ def root_of(
         for m in modules():
             for child in m.children():
                 parents.setdefault(id(child), []).append(m)
-        chain = [module]
-        seen = {id(module)}
+        start = module
+        while id(start) not in parents and (inner := wrapped_module(start)) is not None:
+            # `layers[i] = torch.compile(block)` compiles before it assigns: the block is
+            # still where the wrapper will be
+            start = inner
+        chain = [module] if start is module else [module, start]
+        seen = {id(module), id(start)}
         while True:
             ups = [p for p in parents.get(id(chain[-1]), ()) if id(p) not in seen]
             if not ups:
