@@ -8,7 +8,7 @@ AMP-N04). Wrappers add no prefix (DDP's ``module.``). Where the optimizer's para
 module (Megatron's fp32 main parameters, flattened partitions), discovery falls back in a stated
 order and says "root unknown" when all fail.
 
-The ``amprobe run`` jobs (tests/scripts/train_blocks.py, tests/scripts/train_megatron.py) start
+The ``amprobe run`` jobs (tests/scripts/train_roots.py, tests/scripts/train_megatron.py) start
 together in a pool of two; the rest runs in process on tiny models.
 """
 
@@ -43,7 +43,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PLANT = "0,1,2"  # block 0's booster multiplies by 1e6 on these steps (fp16: an overflow)
 BOOSTER = "layers.0.mlp.booster"
 
-# (job id) -> the script's arguments (tests/scripts/train_blocks.py), or "megatron"
+# (job id) -> the script's arguments (tests/scripts/train_roots.py), or "megatron"
 JOBS: dict[str, tuple[str, ...]] = {
     "method": ("--how", "method", "--plant", PLANT, "--scaler"),  # block.compile()
     "module": ("--how", "module", "--plant", PLANT, "--scaler"),  # layers[i] = compile(block)
@@ -53,7 +53,7 @@ JOBS: dict[str, tuple[str, ...]] = {
 
 
 def _blocks_module() -> Any:
-    spec = importlib.util.spec_from_file_location("train_blocks", SCRIPTS / "train_blocks.py")
+    spec = importlib.util.spec_from_file_location("train_roots", SCRIPTS / "train_roots.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -71,7 +71,7 @@ def _run_job(root: Path, job: str) -> Path:
         command = torchrun_argv("train_megatron.py", nproc=1)
         env.update(ATTACH="0", CONFIGS="dynamic:scale_loss")
     else:
-        command = [sys.executable, str(SCRIPTS / "train_blocks.py"), *JOBS[job]]
+        command = [sys.executable, str(SCRIPTS / "train_roots.py"), *JOBS[job]]
     argv = [sys.executable, "-m", "amprobe", "run", "--out", str(out), "--", *command]
     proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{job}: {proc.stdout[-2000:]}{proc.stderr[-4000:]}"

@@ -1,6 +1,6 @@
 """A tiny transformer whose blocks are compiled one by one, as large-model recipes do.
 
-Usage: ``python train_blocks.py [--how method|module|eager] [--steps N] [--plant 0,1,2]
+Usage: ``python train_roots.py [--how method|module|eager] [--steps N] [--plant 0,1,2]
 [--scaler] [--backend aot_eager] [--ddp]``
 
 ``--how method`` calls ``block.compile()`` on each block, ``--how module`` replaces each block
