@@ -30,6 +30,8 @@ __all__ = [
     "layer_overflow_evidence",
     "nonfinite_input_steps",
     "first_overflow_step",
+    "numerics_missing_reason",
+    "root_missing_reason",
 ]
 
 FP16_MAX = 65504.0
@@ -356,6 +358,41 @@ def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
     out["zero_share"] = out["zeros"] / out["elements"].where(out["elements"] > 0)
     out["nonfinite"] = out["nan"] + out["inf"]
     return out.reset_index()
+
+
+def root_missing_reason(run: Run) -> str | None:
+    """Why no root model was registered (``None`` when one was): the ``discovery_failed``
+    reason, which starts with "root unknown" in runs that tried every way of finding one."""
+    if run.events_of("model_registered"):
+        return None
+    failed = [str(e.get("reason")) for e in run.events_of("discovery_failed") if e.get("reason")]
+    unknown = [r for r in failed if r.startswith("root unknown")]
+    if unknown or failed:
+        return (unknown or failed)[0]
+    return "root unknown: no root model was registered"
+
+
+def numerics_missing_reason(run: Run) -> str:
+    """Why a run holds no per-layer numerics, in one line (rules' skip reasons, the report).
+
+    In this order: the collector was not in ``Config.collectors``; it was switched off
+    (``numerics_every=0``); no root model was known (:func:`root_missing_reason`); else no
+    sampled step measured a layer.
+    """
+    configs: list[dict[str, Any]] = [
+        c for r in run.ranks if isinstance(c := r.manifest.get("config"), dict)
+    ]
+    collectors: list[list[Any]] = [
+        names for c in configs if isinstance(names := c.get("collectors"), list)
+    ]
+    if collectors and not any("numerics" in c for c in collectors):
+        return "per-layer numerics were not recorded (add 'numerics' to Config.collectors)"
+    if configs and all(c.get("numerics_every") == 0 for c in configs):
+        return "per-layer numerics were not recorded (switched off: numerics_every=0)"
+    root = root_missing_reason(run)
+    if root is not None:
+        return f"per-layer numerics were not recorded: no root model was known ({root})"
+    return "per-layer numerics were not recorded: no sampled step measured a layer"
 
 
 def layer_summary(run: Run, rank: int | None = None) -> pd.DataFrame:

@@ -31,7 +31,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils._pytree import tree_flatten
 
-from amprobe.capture.collectors.compiled import unwrap_compiled
+from amprobe.capture.collectors.sharded import user_model, wrapped_module
 from amprobe.capture.opmode import OpMode
 
 if TYPE_CHECKING:
@@ -111,7 +111,8 @@ class ModuleStack:
                 continue
             name = probe.root_name(model)
             if name is not None:
-                self._known[unwrap_compiled(model)] = name
+                self._known[model] = name
+                self._known[user_model(model)] = name
 
     # -- read by the collectors -----------------------------------------------------------------
     def name_of(self, module: Any) -> str | None:
@@ -143,10 +144,15 @@ class ModuleStack:
         if name is None:
             name = known[module] = type(module).__name__
         if module not in self._seen:
+            self._seen.add(module)
+            inner = wrapped_module(module)
+            if inner is not None:  # DDP, torch.compile's wrapper: the user's model goes by its name
+                known[inner] = name
+                self._name(inner)
+                return name
             for child_name, child in module.named_children():
                 known[child] = f"{name}.{child_name}"
                 self._name(child)
-            self._seen.add(module)
         return name
 
     def _enter(self, name: str, backward: bool = False, *grads: Any) -> None:

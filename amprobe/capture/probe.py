@@ -33,7 +33,7 @@ from amprobe.capture.budget import SampleBudget
 from amprobe.capture.collectors import REGISTRY, Collector, StepFacts
 from amprobe.capture.collectors.compiled import compiled_wrapper_of, unwrap_compiled
 from amprobe.capture.collectors.runtime import read_rss_bytes
-from amprobe.capture.collectors.sharded import user_class_name
+from amprobe.capture.collectors.sharded import user_class_name, user_model, wrapper_classes
 from amprobe.capture.discovery import DISCOVERY, find_live_training_objects, name_in_caller
 from amprobe.capture.hub import Hub
 from amprobe.capture.protocol import FlushWriter
@@ -245,9 +245,15 @@ class Probe:
         elif isinstance(obj, torch.amp.GradScaler):
             self.hub.see_scaler(obj, None)
 
-    def add_model(self, model: torch.nn.Module) -> None:
+    def add_model(self, model: torch.nn.Module, found_by: str = "attach") -> None:
         """Register a root model (the attach argument, or one found by discovery); an engine's
-        wrapper (``DeepSpeedEngine``) is registered as the user's model inside it."""
+        wrapper (``DeepSpeedEngine``) is registered as the user's model inside it.
+
+        The module registered is the one the job calls (its hooks check the model's inputs);
+        its layers are named from the user's model inside its wrappers
+        (:func:`~amprobe.capture.collectors.sharded.user_model`: no ``module.`` of DDP, no
+        ``_orig_mod.`` of torch.compile). ``found_by`` says how the root was found (the
+        ``model_registered`` event's field; see :mod:`amprobe.capture.discovery`)."""
         model = self.hub.unwrap(model)
         # the job calls torch.compile's wrapper: its hooks run outside the compiled frame
         wrapper = compiled_wrapper_of(model)
@@ -255,8 +261,8 @@ class Probe:
             model = wrapper
         if any(ref() is model for ref in self.models):
             return
-        user_model = unwrap_compiled(model)
-        label = name_in_caller(model, user_model) or user_class_name(model)
+        inner = user_model(model)
+        label = name_in_caller(model, inner, unwrap_compiled(model)) or user_class_name(model)
         self.models.append(weakref.ref(model))
         self._model_labels.append(label)
         self.event(
@@ -265,6 +271,9 @@ class Probe:
             name=label,
             parameters=sum(p.numel() for p in model.parameters()),
             trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+            found_by=found_by,
+            # layers are named from the user's model inside these (older runs: names as recorded)
+            wrappers=wrapper_classes(model),
         )
         if not self._device_from_model:
             self.note_device(_first_param_device(model), model=True)
@@ -286,7 +295,8 @@ class Probe:
             (
                 i
                 for i, ref in enumerate(self.models)
-                if (m := ref()) is not None and (m is model or unwrap_compiled(m) is model)
+                if (m := ref()) is not None
+                and (m is model or unwrap_compiled(m) is model or user_model(m) is model)
             ),
             None,
         )
@@ -486,8 +496,8 @@ class Probe:
                     self._window_left = steps
                 result = "already recording"
             else:
-                for model in models:
-                    self.add_model(model)
+                for model in models:  # found live by their optimizers' parameters
+                    self.add_model(model, found_by="optimizer")
                 self._start_window(steps, source)
                 result = "recording"
         else:

@@ -7,7 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from amprobe.analysis.numerics import compute_layer_summary, compute_scale_hint, layer_summary
+from amprobe.analysis.numerics import (
+    compute_layer_summary,
+    compute_scale_hint,
+    layer_summary,
+    numerics_missing_reason,
+)
 from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
@@ -142,7 +147,7 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
         return Section(
             key="numerics",
             title=title,
-            missing="per-layer numerics were not recorded (add 'numerics' to Config.collectors)",
+            missing=numerics_missing_reason(run),
         )
     summary = layer_summary(run)
     tables: list[tuple[str, pd.DataFrame]] = [

@@ -20,6 +20,7 @@ from amprobe.analysis.frames import (
     scaler_steps,
     steps_list,
 )
+from amprobe.analysis.numerics import numerics_missing_reason
 from amprobe.rules.engine import requirement
 from amprobe.store.loader import Run
 
@@ -86,4 +87,4 @@ def _has_device_facts(run: Run) -> str | None:
 def _has_numerics(run: Run) -> str | None:
     if not run.table("numerics").empty:
         return None
-    return "per-layer numerics were not recorded (add 'numerics' to Config.collectors)"
+    return numerics_missing_reason(run)

@@ -22,6 +22,7 @@ from amprobe.analysis.numerics import (
     last_linears,
     module_role,
     nonfinite_input_steps,
+    root_missing_reason,
 )
 from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
@@ -99,11 +100,9 @@ def _has_input_check(run: Run) -> str | None:
     steps = run.steps
     if len(steps) and "input_nonfinite" in steps and steps["input_nonfinite"].notna().any():
         return None
-    if not run.events_of("model_registered"):
-        return (
-            "model inputs were not checked: no root model was known (pass model= to attach, "
-            "or record with `amprobe run`, which finds it)"
-        )
+    root = root_missing_reason(run)
+    if root is not None:
+        return f"model inputs were not checked: no root model was known ({root})"
     return "model inputs were not checked (the 'numerics' collector was off)"
 
 

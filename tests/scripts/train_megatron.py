@@ -12,7 +12,9 @@ so only the attribute those methods read is set). The unscale/all-reduce/skip fo
 Environment: CONFIGS: comma-separated ``scaler:mode`` with scaler ``dynamic``/``constant`` and
 mode ``scale_loss`` (Megatron's ``grad_scale_func``) or ``hand`` (the loop multiplies the loss
 by ``grad_scaler.scale`` itself); each is recorded by ``amprobe.attach(model=...)`` into
-``$AMPROBE_OUT/<scaler>-<mode>``. STEPS (default 10), PLANT (default 3,4,5).
+``$AMPROBE_OUT/<scaler>-<mode>``. STEPS (default 10), PLANT (default 3,4,5). ATTACH=0: no
+``amprobe.attach`` in the script (run it under ``amprobe run``, one config: nothing names the
+model, whose fp16 parameters the optimizer holds only as fp32 copies).
 """
 
 import contextlib
@@ -34,7 +36,8 @@ from _planted import BlowNet  # noqa: E402
 
 STEPS = int(os.environ.get("STEPS", 10))
 PLANT = {int(s) for s in os.environ.get("PLANT", "3,4,5").split(",") if s}
-OUT = os.environ["AMPROBE_OUT"]
+ATTACH = os.environ.get("ATTACH", "1") != "0"
+OUT = os.environ["AMPROBE_OUT"] if ATTACH else ""
 
 
 @contextlib.contextmanager
@@ -59,7 +62,7 @@ def train(kind: str, mode: str) -> None:
     model = BlowNet().half()
     main = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     opt = torch.optim.SGD(main, lr=0.01)
-    probe = amprobe.attach(model=model, run_dir=f"{OUT}/{kind}-{mode}")
+    probe = amprobe.attach(model=model, run_dir=f"{OUT}/{kind}-{mode}") if ATTACH else None
     with cuda_as_cpu():
         if kind == "dynamic":
             scaler = gs.DynamicGradScaler(
@@ -98,7 +101,8 @@ def train(kind: str, mode: str) -> None:
                     p.copy_(m)
         opt.zero_grad()
         model.zero_grad()
-    probe.close()
+    if probe is not None:
+        probe.close()
 
 
 dist.init_process_group("gloo")

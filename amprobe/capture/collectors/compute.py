@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-from amprobe.capture.collectors.compiled import unwrap_compiled
-from amprobe.capture.collectors.sharded import user_class_name, user_module_name
+from amprobe.capture.collectors.sharded import user_class_name, user_model, user_module_name
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.capture.sites import dtype_name
 
@@ -273,7 +272,7 @@ class ComputeCollector(Collector):
     def on_model(self, model: Any) -> None:
         if not isinstance(model, torch.nn.Module):
             return
-        model = unwrap_compiled(model)  # the user's module and names, not torch's wrapper
+        model = user_model(model)  # the user's module and names, not a wrapper's (DDP, compile)
         params = trainable = 0
         dtypes: dict[str, int] = defaultdict(int)
         for p in model.parameters():

@@ -115,7 +115,9 @@ from amprobe.capture.collectors.sharded import (
     PLAIN_TENSORS,
     local_tensor,
     user_class_name,
+    user_model,
     user_module_name,
+    wrapped_module,
 )
 from amprobe.capture.protocol import Collector, StepFacts
 from amprobe.store.fields import Field, fields_of
@@ -323,15 +325,18 @@ class NumericsCollector(Collector):
                 # compiled beside the first step, not inside it: the hub's input check of every
                 # step uses it too (numerics_every=0 included)
                 numkernel.start_build()
-        user_model = unwrap_compiled(model)  # names as written: no torch.compile wrapper
+        # names as written: from the user's model inside its wrappers (DDP, torch.compile)
+        inner = user_model(model)
         self._input_slots[root] = [
             self._new_slot(f"<input {root}>[{i}]", user_class_name(model), "input", root)
             for i in range(_MAX_INPUTS)
         ]
-        for name, mod in user_model.named_modules():
+        for name, mod in inner.named_modules():
             if id(mod) in self._module_slots:
                 continue
             own = list(mod.parameters(recurse=False))
+            if not own and wrapped_module(mod) is not None:
+                continue  # a wrapper inside the model (a compiled block): its module has the name
             is_leaf = next(iter(mod.children()), None) is None
             label = user_module_name(name) or "<root>"  # as written: no wrapper segments
             if not self._selected(label):

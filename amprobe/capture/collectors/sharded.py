@@ -6,6 +6,9 @@ method, DTensors by their ``to_local`` method, DDP by its ``_comm_hooks`` list.
 
 * :func:`local_tensor`: a DTensor's local shard, where its data lives (no communication), so
   per-layer numerics measure the shard each rank holds;
+* :func:`user_model`: the user's model inside the wrappers around it (DDP's ``module``, FSDP1's
+  ``_fsdp_wrapped_module``, torch.compile's ``_orig_mod``, ...): layers are named from it, so a
+  layer has the same name on every engine (``blocks.1.mlp``, never ``module.blocks.1.mlp``);
 * :func:`user_module_name`: a module's qualified name without the wrapper segments that FSDP1
   and activation checkpointing insert (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``);
 * :func:`sharding_facts`: the ``MixedPrecisionPolicy`` of an FSDP2 model (or a DDP model's
@@ -26,13 +29,28 @@ __all__ = [
     "local_tensor",
     "sharding_facts",
     "user_class_name",
+    "user_model",
     "user_module_name",
+    "wrapped_module",
+    "wrapper_classes",
 ]
 
 #: name segments that module wrappers insert between the user's module and its parent
 WRAPPER_SEGMENTS = frozenset(
     {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_offload_wrapped_module", "_orig_mod"}
 )
+#: module wrappers that hold the user's model as one child, by class name (any class in the MRO):
+#: the child's attribute. Recognised by name, so no engine is imported to tell them.
+WRAPPER_ATTRS = {
+    "DistributedDataParallel": "module",  # torch's and Megatron-core's
+    "DataParallel": "module",
+    "Float16Module": "module",  # Megatron-core
+    "DeepSpeedEngine": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",  # FSDP1
+    "ActivationWrapper": "_checkpoint_wrapped_module",  # checkpoint and offload wrappers
+    "OptimizedModule": "_orig_mod",  # torch.compile(module)
+}
+_MAX_WRAPPERS = 8  # wrappers around wrappers: never more than a few
 #: DDP communication hooks that reduce gradients in half precision (name -> dtype)
 _DDP_HALF_HOOKS = {
     "fp16_compress_hook": "float16",
@@ -61,6 +79,42 @@ def local_tensor(x: torch.Tensor) -> torch.Tensor:
     return local
 
 
+def wrapped_module(module: Any) -> torch.nn.Module | None:
+    """The module a wrapper (:data:`WRAPPER_ATTRS`) holds; ``None`` when ``module`` is none."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for cls in type(module).__mro__:
+        attr = WRAPPER_ATTRS.get(cls.__name__)
+        if attr is not None:
+            inner = module._modules.get(attr)
+            return inner if isinstance(inner, torch.nn.Module) else None
+    return None
+
+
+def user_model(module: Any) -> Any:
+    """The user's model inside the wrappers around ``module`` (``DDP(torch.compile(net))`` ->
+    ``net``); ``module`` itself when it wraps nothing. Its ``named_modules()`` are the layer
+    names as the user's code writes them."""
+    for _ in range(_MAX_WRAPPERS):
+        inner = wrapped_module(module)
+        if inner is None:
+            break
+        module = inner
+    return module
+
+
+def wrapper_classes(module: Any) -> list[str]:
+    """The classes of the wrappers around the user's model, outermost first (``[]``: none)."""
+    names: list[str] = []
+    for _ in range(_MAX_WRAPPERS):
+        inner = wrapped_module(module)
+        if inner is None:
+            break
+        names.append(type(module).__name__)
+        module = inner
+    return names
+
+
 def user_module_name(name: str) -> str:
     """``"layers.0._checkpoint_wrapped_module.attn"`` -> ``"layers.0.attn"`` (also drops
     torch.compile's ``_orig_mod``)."""
@@ -71,12 +125,10 @@ def user_module_name(name: str) -> str:
 
 def user_class_name(module: Any) -> str:
     """The class the user wrote: ``fully_shard`` swaps a module's class for a generated
-    ``FSDP<Name>(FSDPModule, <Name>)``; that one is named by ``<Name>``. torch.compile's
-    ``OptimizedModule`` is named by the module it wraps."""
-    inner = getattr(module, "_orig_mod", None)
-    if isinstance(module, torch.nn.Module) and isinstance(inner, torch.nn.Module):
-        module = inner
-    cls = type(module)
+    ``FSDP<Name>(FSDPModule, <Name>)``; that one is named by ``<Name>``. A wrapper (DDP,
+    torch.compile's ``OptimizedModule``, :data:`WRAPPER_ATTRS`) is named by the module it
+    wraps."""
+    cls = type(user_model(module))
     mro = cls.__mro__
     if len(mro) > 2 and mro[1].__name__ == "FSDPModule" and hasattr(cls, "_get_fsdp_state"):
         return mro[2].__name__

@@ -164,7 +164,7 @@ class DeepSpeedSource(StepSource):
         by trained parameters cannot find it); the user's module inside, as the user named it."""
         self._models.add(id(engine))
         if isinstance(getattr(engine, "module", None), torch.nn.Module):
-            self.hub.probe.add_model(engine.module)
+            self.hub.probe.add_model(engine.module, found_by="engine")
 
     def _on_backward_call(self, engine: Any, loss: Any, kwargs: dict[str, Any]) -> None:
         if not self._mine(engine) or not isinstance(loss, torch.Tensor) or loss.numel() != 1:
