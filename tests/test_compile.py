@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ from amprobe.config import ConfigError
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_compiled.py"
 STEPS = 8
 LONG = 210
+#: How long one job may run (inductor builds C++; minutes on a slow CPU).
+JOB_TIMEOUT_S = 600
 
 # (job id) -> (how the model is compiled, how amprobe is attached, extra script args)
 JOBS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -65,7 +68,7 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
     else:
         config = json.dumps({"collectors": ["scaler", "numerics", "compute", "runtime"]})
         argv = [*script, "--attach", attach, "--config", config]
-    proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert proc.returncode == 0, f"{job}: {proc.stderr[-3000:]}"
     result = json.loads(out.read_text())
     result["stderr"] = proc.stderr
@@ -73,12 +76,68 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
     return result
 
 
+def _job_failure(job: str, exc: Exception) -> str:
+    """What a test that reads ``job`` says when the job gave no result."""
+    if isinstance(exc, subprocess.TimeoutExpired):
+        err = exc.stderr or b""
+        err = err.decode(errors="replace") if isinstance(err, bytes) else err
+        return (
+            f"compile job {job!r} ran past its {exc.timeout:g} s timeout (JOB_TIMEOUT_S) and was "
+            f"killed; the end of its stderr: {err[-2000:]!r}"
+        )
+    return f"compile job {job!r} failed: {type(exc).__name__}: {exc}"
+
+
+class _Jobs(Mapping[str, dict[str, Any]]):
+    """The jobs' results by id. Reading a job that failed or ran out of time fails the reading
+    test with that job's message: the tests that read other jobs still run."""
+
+    def __init__(self, results: dict[str, dict[str, Any] | str]) -> None:
+        self._results = results  # a str: why the job gave no result
+
+    def __getitem__(self, job: str) -> dict[str, Any]:
+        result = self._results[job]
+        if isinstance(result, str):
+            pytest.fail(result, pytrace=False)
+        return result
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._results)
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Mapping[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("compile")
+    results: dict[str, dict[str, Any] | str] = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {job: pool.submit(_run_job, root, job) for job in JOBS}
-        return {job: future.result() for job, future in futures.items()}
+        for job, future in futures.items():
+            try:
+                results[job] = future.result()
+            except Exception as exc:  # reported by each test that reads this job
+                results[job] = _job_failure(job, exc)
+    return _Jobs(results)
+
+
+def test_a_job_that_failed_fails_only_the_tests_that_read_it():
+    timed_out = subprocess.TimeoutExpired(["python", "job.py"], JOB_TIMEOUT_S, stderr=b"inductor")
+    jobs = _Jobs(
+        {
+            "inductor-plain": _job_failure("inductor-plain", timed_out),
+            "module-plain": {"steps": []},
+            "broken": _job_failure("broken", AssertionError("broken: Traceback")),
+        }
+    )
+    assert jobs["module-plain"] == {"steps": []}
+    timeout = f"compile job 'inductor-plain' ran past its {JOB_TIMEOUT_S} s timeout"
+    with pytest.raises(pytest.fail.Exception, match=timeout) as info:
+        jobs["inductor-plain"]
+    assert "'inductor'" in str(info.value)
+    with pytest.raises(pytest.fail.Exception, match="compile job 'broken' failed: Assertion"):
+        jobs["broken"]
 
 
 def _calls(result: dict[str, Any]) -> list[int]:

@@ -433,16 +433,33 @@ def test_readme_says_the_dashboard_has_no_authentication_and_shows_a_tunnel() ->
 # -- 16: Markdown and plotly figures escape HTML from module names ---------------------------
 
 
+#: hostile-named layer -> the step at which its output is made inf (HOSTILE_NAMES[2]: never)
+_PLANTED = {HOSTILE_NAMES[1]: 2, HOSTILE_NAMES[0]: 4}
+
+
 @pytest.fixture(scope="module")
 def hostile_names_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real recording whose layers are named like HTML, one of them overflowing."""
+    """A real recording whose layers are named like HTML, two of them overflowing.
+
+    The same on every CPU: fp32 with a GradScaler (no fp16/bf16 kernel whose rounding or speed
+    depends on the CPU, and no finding that depends on the CPU's bf16 support, as AMP-N11 does),
+    every step sampled, and the overflows planted as an inf factor on a layer's output, so
+    AMP-N05 names the layers."""
     import torch
+
+    class Planted(torch.nn.Linear):
+        def __init__(self, d_in: int, d_out: int) -> None:
+            super().__init__(d_in, d_out)
+            self.register_buffer("factor", torch.ones(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * self.factor
 
     run_dir = tmp_path_factory.mktemp("evil") / "run"
     torch.manual_seed(0)
     model = torch.nn.Sequential()
-    model.add_module(HOSTILE_NAMES[0], torch.nn.Linear(4, 4))
-    model.add_module(HOSTILE_NAMES[1], torch.nn.Linear(4, 4))
+    model.add_module(HOSTILE_NAMES[0], Planted(4, 4))
+    model.add_module(HOSTILE_NAMES[1], Planted(4, 4))
     model.add_module(HOSTILE_NAMES[2], torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
@@ -451,14 +468,13 @@ def hostile_names_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         opt,
         scaler,
         run_dir=run_dir,
-        config={"collectors": ["scaler", "numerics"], "flush_every": 1},
+        config={"collectors": ["scaler", "numerics"], "flush_every": 1, "numerics_every": 1},
     )
     try:
-        for i in range(4):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(2, 4)).float().mean()
-            if i == 2:
-                loss = loss * float("inf")
+        for i in range(6):
+            for name, step in _PLANTED.items():
+                getattr(model, name).factor.fill_(float("inf") if i == step else 1.0)
+            loss = model(torch.randn(2, 4)).mean()
             opt.zero_grad()
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -478,6 +494,10 @@ def test_markdown_report_and_diagnose_escape_html_from_module_names(
 ) -> None:
     from amprobe.cli import main as cli_main
 
+    diagnosis = amprobe.diagnose(amprobe.load_run(hostile_names_run))
+    (n05,) = [f for f in diagnosis.findings if f.id == "AMP-N05"]
+    assert n05.evidence["module"] == HOSTILE_NAMES[1], "the planted overflow is named"
+    assert n05.evidence["offending_modules"] == sorted(_PLANTED)
     out = tmp_path / "report.md"
     assert cli_main(["report", str(hostile_names_run), "-o", str(out)]) == 0
     text = out.read_text()
@@ -500,7 +520,8 @@ def test_markdown_report_and_diagnose_escape_html_from_module_names(
         env={**os.environ, "PYTHONPATH": str(REPO)},
         cwd=REPO,
     )
-    assert "&lt;script&gt;" in proc.stdout or "&lt;img" in proc.stdout, proc.stdout + proc.stderr
+    assert "&lt;img src=x onerror=alert(1)&gt;" in proc.stdout, proc.stdout + proc.stderr
+    assert "&lt;b&gt;bold&lt;/b&gt;" in proc.stdout, proc.stdout
     _assert_no_raw_html(proc.stdout)
 
 

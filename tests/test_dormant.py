@@ -31,6 +31,9 @@ from tests.helpers import amprobe_cli
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_dormant.py"
 PACKAGE_PARENT = str(Path(amprobe.__file__).resolve().parent.parent)
+#: The subprocess job's own bound (it trains until the test's stop file appears): longer than
+#: the test's deadlines add up to, so a loaded machine does not end the job before its detach.
+TRAIN_FOR_S = 900
 
 
 def _train_module():
@@ -52,6 +55,27 @@ def _wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+#: Deadlines of the subprocess job's conditions: generous, as a loaded machine (load 7-10 on 2
+#: cores) delays the job's start (importing torch), its steps and the CLI alike.
+JOB_WAIT_S = 120
+
+
+def _windows_recorded(run_dir: Path) -> set[int]:
+    """The recording windows of the step records on disk so far (a line being written is
+    skipped)."""
+    windows = set()
+    try:
+        lines = (run_dir / "rank0" / "steps.jsonl").read_text().splitlines()
+    except OSError:
+        return windows
+    for line in lines:
+        try:
+            windows.add(json.loads(line).get("window"))
+        except ValueError:
+            continue
+    return windows
 
 
 def _ack(run_dir: Path) -> dict:
@@ -78,6 +102,8 @@ def test_dormant_job_attach_window_detach(tmp_path, capsys):
             "--dormant",
             "--set",
             "control_poll_s=0.1",
+            "--set",
+            "flush_every=1",  # each step on disk at once, for the wait on window 2
             "--out",
             str(run_dir),
             "--",
@@ -90,30 +116,37 @@ def test_dormant_job_attach_window_detach(tmp_path, capsys):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": PACKAGE_PARENT},
+        env={
+            **os.environ,
+            "PYTHONPATH": PACKAGE_PARENT,
+            "TRAIN_DORMANT_MAX_S": str(TRAIN_FOR_S),
+        },
     )
     try:
-        _wait_for(lambda: _ack(run_dir).get("pid"), 30, "the dormant rank to announce itself")
+        _wait_for(
+            lambda: _ack(run_dir).get("pid"), JOB_WAIT_S, "the dormant rank to announce itself"
+        )
         assert not (run_dir / "rank0" / "steps.jsonl").exists(), "a dormant probe recorded steps"
 
-        first = _cli("attach", str(run_dir), "--steps", "10", "--wait", "15", cwd=tmp_path)
+        wait = str(JOB_WAIT_S)
+        first = _cli(
+            "attach", str(run_dir), "--steps", "10", "--wait", wait, cwd=tmp_path, timeout=300
+        )
         assert first.returncode == 0, first.stderr
         assert "recording from step" in first.stdout and "window 1" in first.stdout
         _wait_for(
             lambda: _ack(run_dir).get("window") == 1 and not _ack(run_dir).get("recording"),
-            20,
+            JOB_WAIT_S,
             "the 10-step window to close",
         )
 
-        assert (
-            cli_main(["attach", str(run_dir), "--wait", "15"]) == 0
-        )  # the same command, in-process
+        assert cli_main(["attach", str(run_dir), "--wait", wait]) == 0  # the same, in-process
         assert "window 2" in capsys.readouterr().out
-        time.sleep(0.3)
-        assert cli_main(["detach", str(run_dir), "--wait", "15"]) == 0
+        _wait_for(lambda: 2 in _windows_recorded(run_dir), JOB_WAIT_S, "window 2's first step")
+        assert cli_main(["detach", str(run_dir), "--wait", wait]) == 0
         assert "stopped recording" in capsys.readouterr().out
         stop.touch()
-        job.wait(timeout=60)
+        job.wait(timeout=JOB_WAIT_S)
     finally:
         if job.poll() is None:
             job.kill()

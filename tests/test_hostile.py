@@ -689,8 +689,22 @@ import time  # noqa: E402
 
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[1])
 
+#: The signals the tests below send to amprobe run and its job, by a terminal or by kill.
+_SENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP)
+
+#: The first lines of a job script: the job prints which of the signals the tests send it it was
+#: started with ignored or blocked; the tests below expect none.
+_REPORT_DISPOSITIONS = f"""
+import signal as _signal
+_sent = [_signal.Signals(n) for n in {[int(s) for s in _SENT_SIGNALS]}]
+_ignored = [s.name for s in _sent if _signal.getsignal(s) == _signal.SIG_IGN]
+_blocked = [s.name for s in _sent if s in _signal.pthread_sigmask(_signal.SIG_BLOCK, [])]
+print(f"job started with ignored={{_ignored}} blocked={{_blocked}}", flush=True)
+"""
+_DEFAULT_DISPOSITIONS = "job started with ignored=[] blocked=[]"
+
 #: A training job that saves a checkpoint on Ctrl-C: a second SIGINT during the save breaks it.
-CHECKPOINT_SCRIPT = """
+CHECKPOINT_SCRIPT = f"""{_REPORT_DISPOSITIONS}
 import sys, time
 try:
     print("ready", flush=True)
@@ -702,7 +716,7 @@ except KeyboardInterrupt:
     sys.exit(0)
 """
 
-SLEEPER_SCRIPT = """
+SLEEPER_SCRIPT = f"""{_REPORT_DISPOSITIONS}
 import os, signal, sys, time
 if len(sys.argv) > 2 and sys.argv[2] == "hup-handler":
     signal.signal(signal.SIGHUP, lambda *a: (print("got SIGHUP", flush=True), sys.exit(0)))
@@ -719,6 +733,19 @@ def _amprobe_run_argv(out: Path, *command: str) -> list[str]:
 
 def _env() -> dict:
     return {**os.environ, "PYTHONPATH": PACKAGE_PARENT}
+
+
+def _default_signals() -> None:
+    """Run in a child before it execs amprobe run: give it, and so the job, which inherits them,
+    the default disposition of each signal the tests send, unblocked.
+
+    A test runner started under ``nohup`` or as a non-interactive shell's ``cmd &`` (as some CI
+    runners are) ignores SIGHUP or SIGINT, and an ignored signal stays ignored through exec, on
+    through amprobe run to the job, as it would without amprobe: the job would then sleep through
+    the signal a test sends it. The tests must not depend on how their runner was started."""
+    for sig in _SENT_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SENT_SIGNALS)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -763,6 +790,7 @@ def _in_pty(argv: list[str], env: dict[str, str]) -> tuple[int, int]:
     pid, master = pty.fork()
     if pid == 0:
         try:
+            _default_signals()
             os.execvpe(argv[0], argv, env)
         finally:
             os._exit(127)
@@ -813,12 +841,14 @@ def _run_in_terminal(tmp_path: Path, script: str) -> tuple[int, str]:
 
 def test_ctrl_c_arrives_once(tmp_path):
     code, out = _run_in_terminal(tmp_path, CHECKPOINT_SCRIPT)
+    assert _DEFAULT_DISPOSITIONS in out, out
     assert "checkpoint saved" in out, out
     assert code == 0, out
 
 
 def test_uncaught_keyboard_interrupt_exits_130(tmp_path):
     code, out = _run_in_terminal(tmp_path, SLEEPER_SCRIPT)
+    assert _DEFAULT_DISPOSITIONS in out, out
     assert code == 130, out
 
 
@@ -834,9 +864,11 @@ def test_signals_to_amprobe_run_reach_the_child_and_its_status_passes_through(
         stderr=subprocess.DEVNULL,
         env=_env(),
         start_new_session=True,
+        preexec_fn=_default_signals,
     )
     try:
-        _read_until(proc.stdout, "ready", timeout=120)
+        out = _read_until(proc.stdout, "ready", timeout=120)
+        assert _DEFAULT_DISPOSITIONS in out, out
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == expected
     finally:
@@ -853,6 +885,7 @@ def test_sighup_is_delivered_to_a_child_that_handles_it(tmp_path):
         stderr=subprocess.DEVNULL,
         env=_env(),
         start_new_session=True,
+        preexec_fn=_default_signals,
     )
     try:
         out = _read_until(proc.stdout, "ready", timeout=120)
@@ -863,6 +896,76 @@ def test_sighup_is_delivered_to_a_child_that_handles_it(tmp_path):
     finally:
         _kill_group(proc)
         proc.stdout.close()
+
+
+def _ignore_sigint_and_sighup() -> None:
+    """What ``nohup`` (SIGHUP) and a non-interactive shell's ``cmd &`` (SIGINT) do to a command
+    before they exec it, as some CI runners are started."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_amprobe_run_passes_ignored_signals_on_to_the_job_as_a_plain_launch_does(tmp_path):
+    """An ignored disposition is the launcher's choice (``nohup``): the job inherits it through
+    amprobe run as it would were it started without amprobe."""
+    job = _REPORT_DISPOSITIONS
+    done = subprocess.run(
+        _amprobe_run_argv(tmp_path / "run", sys.executable, "-c", job),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        start_new_session=True,
+        preexec_fn=_ignore_sigint_and_sighup,
+    )
+    assert done.returncode == 0, done.stderr
+    plain = subprocess.run(
+        [sys.executable, "-c", job],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_ignore_sigint_and_sighup,
+    )
+    expected = "job started with ignored=['SIGINT', 'SIGHUP'] blocked=[]"
+    assert expected in plain.stdout, plain.stdout
+    assert expected in done.stdout, done.stdout
+
+
+#: The tests above that send a signal the job leaves at its default disposition.
+_DEFAULT_DISPOSITION_TESTS = (
+    "test_ctrl_c_arrives_once",
+    "test_uncaught_keyboard_interrupt_exits_130",
+    "test_signals_to_amprobe_run_reach_the_child_and_its_status_passes_through",
+)
+
+
+@pytest.mark.slow
+def test_signal_tests_pass_when_pytest_starts_with_sigint_and_sighup_ignored(tmp_path):
+    """The signal tests do not depend on how their runner was started: run under ``nohup`` or as
+    a non-interactive shell's ``cmd &``, they still pass (the job slept through the signal)."""
+    here = Path(__file__).resolve()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(tmp_path / "inner"),  # not the outer run's numbered folders
+            *(f"{here}::{name}" for name in _DEFAULT_DISPOSITION_TESTS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=PACKAGE_PARENT,
+        env=_env(),
+        start_new_session=True,
+        preexec_fn=_ignore_sigint_and_sighup,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout, done.stdout[-6000:]
 
 
 #: A job whose handler for the signal named in argv[1] counts deliveries and takes a while, as a
@@ -918,6 +1021,7 @@ def _deliveries(tmp_path: Path, sig: signal.Signals, how: str) -> tuple[int, str
         stderr=subprocess.DEVNULL,
         env=_env(),
         start_new_session=True,  # no controlling terminal
+        preexec_fn=_default_signals,
     )
     try:
         out = _read_until(proc.stdout, "ready", timeout=120)
@@ -1010,6 +1114,7 @@ def test_child_does_not_outlive_a_killed_amprobe_run(tmp_path):
         stderr=subprocess.DEVNULL,
         env=_env(),
         start_new_session=True,
+        preexec_fn=_default_signals,
     )
     child = None
     try:

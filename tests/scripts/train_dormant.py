@@ -4,8 +4,9 @@ Usage: python train_dormant.py WEIGHTS_OUT STOP_FILE [STEPS]
 
 fp16 autocast + GradScaler on CPU; an inf is planted in the input of every iteration i with
 i % 7 == 3, so those iterations are skipped by the scaler (a recorded window can be checked
-against the true iteration numbers). Trains until STOP_FILE exists (bounded: 60 s, 20000
-steps), or exactly STEPS iterations when given; then saves {"state": state_dict, "steps": n}.
+against the true iteration numbers). Trains until STOP_FILE exists (bounded: 20000 steps, and
+60 s or the seconds in the environment's TRAIN_DORMANT_MAX_S), or exactly STEPS iterations when
+given; then saves {"state": state_dict, "steps": n}.
 """
 
 import os
@@ -21,7 +22,7 @@ def main(weights, stop_file, steps=None):
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=5)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + float(os.environ.get("TRAIN_DORMANT_MAX_S", "60"))
     i = 0
     while (
         (i < steps)
