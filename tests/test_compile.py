@@ -252,7 +252,9 @@ def test_a_compiled_job_is_sampled_again_without_recompiling(jobs):
     outputs = outputs[outputs["kind"] == "output"]
     assert {0, 100} <= set(outputs["step"]), "the in-graph statistics of both samples"
     numerics = run.ranks[0].end["sampling"]["kinds"]["numerics"]
-    assert numerics["warmup_ms"] > numerics["mean_cost_ms"] > 0
+    # charged (not None), and at most the warm-up; the steady cost of a sample may be within
+    # the step time's noise (the op hands a few small layers to the eager measurement)
+    assert numerics["warmup_ms"] > numerics["mean_cost_ms"] >= 0
 
 
 def test_compile_is_a_recorded_fact(jobs):

@@ -213,13 +213,15 @@ def main() -> None:
     wall = time.perf_counter() - t_start
     if probe is not None:
         probe.close()
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     result = {
         "steps": steps,
         "wall_s": wall,
         "graphs_compiled": CALLS["graphs_compiled"],
         "backend_s": COMPILE_S["backend_s"],
+        # dynamo's own compile times: every frame's tracing and its backend compile
+        "dynamo_compile_s": sum(compilation_time_metrics.get("_compile.compile_inner", [])),
         "unique_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
         "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from amprobe.capture.collectors.compiled import is_compiling
 from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE, first_float, sink_of
 from amprobe.capture.collectors.sharded import PLAIN_TENSORS
 
@@ -68,17 +69,18 @@ class _Tap(torch.autograd.Function):
         return torch.ops.amprobe.grad_tap(grad, key), None
 
 
-def grad_tap_hook(key: torch.Tensor) -> Any:
+def grad_tap_hook(key: torch.Tensor, eager_only: bool = False) -> Any:
     """A forward hook that, on sampled steps, routes its module's output gradient to the sink
     and slot of ``key`` (:func:`~amprobe.capture.collectors.graphstats.layer_key`).
 
     Only a plain tensor that requires grad is tapped (a tensor subclass such as a DTensor would
     need sharding rules for the op): the output itself, or the first floating tensor of a plain
     tuple or list output, as the eager hooks take it (other containers are left as they are).
+    ``eager_only``: as for :func:`~amprobe.capture.collectors.graphstats.graph_stats_hook`.
     """
 
     def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
-        if not GRAPH_SAMPLE.on:
+        if not GRAPH_SAMPLE.on or (eager_only and is_compiling()):
             return None
         if not isinstance(out, torch.Tensor) and type(out) not in (tuple, list):
             return None

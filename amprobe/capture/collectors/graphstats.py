@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.fx.node
 
+from amprobe.capture.collectors.compiled import is_compiling
 from amprobe.capture.collectors.sharded import PLAIN_TENSORS
 
 __all__ = [
@@ -179,13 +180,18 @@ def _layer_stats_fake(
 torch.fx.node.has_side_effect(torch.ops.amprobe.layer_stats.default)
 
 
-def graph_stats_hook(key: torch.Tensor) -> Any:
+def graph_stats_hook(key: torch.Tensor, eager_only: bool = False) -> Any:
     """A forward hook that, on sampled steps, hands its module's output and floating inputs
     (detached; a DTensor as its local shard) to ``amprobe::layer_stats`` under ``key``, with
-    the number of floating inputs it could not hand over (another tensor subclass)."""
+    the number of floating inputs it could not hand over (another tensor subclass).
+
+    ``eager_only``: return at once where dynamo traces it (a layer whose output a fusing
+    compiler does not store: reading it would change the model's numbers), and measure it where
+    it runs eagerly. Identical blocks' hooks carry the same value, so they share their graphs.
+    """
 
     def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-        if not GRAPH_SAMPLE.on:
+        if not GRAPH_SAMPLE.on or (eager_only and is_compiling()):
             return
         x = first_float(out)
         if x is None:

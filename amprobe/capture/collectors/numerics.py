@@ -83,7 +83,7 @@ from torch.amp import GradScaler
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from amprobe.capture.collectors import numkernel
-from amprobe.capture.collectors.compiled import is_compiling, unwrap_compiled
+from amprobe.capture.collectors.compiled import is_compiled_module, is_compiling, unwrap_compiled
 from amprobe.capture.collectors.gradtap import grad_tap_hook
 from amprobe.capture.collectors.graphstats import (
     GRAPH_SAMPLE,
@@ -393,9 +393,10 @@ class NumericsCollector(Collector):
         output and inputs to ``amprobe::layer_stats`` and route its output gradient through
         ``amprobe::grad_tap`` (two graph variants per compiled code object, each compiled once;
         see graphstats, gradtap); at run time both reach the eager measurement below. Under a
-        fusing backend (inductor) a layer inside a compiled module gets them only when the
-        graph stores its output anyway (a matmul or convolution layer): reading another would
-        change what the model computes, so it is "not checked" (one event)."""
+        fusing backend (inductor) a layer whose output the graph does not store (not a matmul
+        or convolution layer) is measured only where it runs eagerly: reading it inside a
+        compiled region would change what the model computes, so there it is "not checked"
+        (one event). Containers get an eager-only check of their own code, as on eager steps."""
         if self.every == 0 or self.probe.hub.compiled_before_attach:
             return  # (a late attach: adding hooks would recompile the graphs that run)
         if self._sink is None:
@@ -403,57 +404,77 @@ class NumericsCollector(Collector):
                 LayerSink(self._guarded(self._graph_forward), self._guarded(self._graph_grad))
             )
         watch = self.probe.hub.compile
-        fused = self._fused_modules(watch)
-        # a root's own hooks run around its compiled frame, not inside it: not in the graph
-        roots = {id(unwrap_compiled(ref())) for ref, _ in self._roots if ref() is not None}
+        fusing = watch.fusing()
+        inside = self._compiled_ids(watch)
+        # a compiled root's own hooks run around its compiled frame, not inside it: not in the
+        # graph; nor a compiled module's own (block.compile(): its _call_impl calls them under the
+        # compile context, where dynamo compiles each as a frame of its own)
+        roots = {
+            id(unwrap_compiled(root))
+            for ref, _ in self._roots
+            if (root := ref()) is not None and is_compiled_module(root)
+        }
+        roots.update(id(m) for m in watch.compiled_modules())
         skipped: list[str] = []
         for ref, slots in self._targets:
             mod = ref()
             if mod is None or slots[0] in self._graph_hooked or id(mod) in roots:
                 continue
-            if id(mod) in fused and not materialized_output(mod):
+            eager_only = fusing and not materialized_output(mod)
+            if eager_only and (inside is None or id(mod) in inside):
                 skipped.append(self._slots[slots[0]].name)
-                continue
             key = layer_key(self._sink, slots[0])
-            self._graph_handles.append(mod.register_forward_hook(graph_stats_hook(key)))
+            hook = graph_stats_hook(key, eager_only)
+            self._graph_handles.append(mod.register_forward_hook(hook))
             self._graph_hooked.add(slots[0])
             if slots[1] is not None:
                 gkey = layer_key(self._sink, slots[1])
-                self._graph_handles.append(mod.register_forward_hook(grad_tap_hook(gkey)))
+                tap = grad_tap_hook(gkey, eager_only)
+                self._graph_handles.append(mod.register_forward_hook(tap))
+        fwd = self._guarded(self._on_forward)
+        for ref, out in self._containers:
+            mod = ref()
+            if mod is None or out in self._graph_hooked or id(mod) in roots:
+                continue
+            hook = self._bind_container(fwd, (out, None, None), permanent=True)
+            self._graph_handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+            self._graph_hooked.add(out)
         if skipped:
-            self._note_fused(skipped)
+            self._note_fused(skipped, inside is None)
         GRAPH_SAMPLE.on = bool(self._graph_hooked) and self._sampled(self.probe.step)
 
-    def _fused_modules(self, watch: Any) -> set[int]:
-        """Ids of the watched modules a fusing compiler compiles: those inside a compiled
-        module, or all when a function was compiled (a train step runs any module inside its
-        graph); none when every backend seen runs ops one by one (aot_eager)."""
-        if not watch.fusing():
-            return set()
+    def _compiled_ids(self, watch: Any) -> set[int] | None:
+        """Ids of the modules inside a compiled module (None: a function was compiled, and a
+        compiled train step may run any module inside its graph)."""
         if watch.functions:
-            return {id(ref()) for ref, _ in self._targets if ref() is not None}
+            return None
         out: set[int] = set()
         for compiled in watch.compiled_modules():
             out.update(id(m) for m in compiled.modules())
         return out
 
-    def _note_fused(self, names: list[str]) -> None:
+    def _note_fused(self, names: list[str], maybe: bool) -> None:
         if self._fused_noted:
             return
         self._fused_noted = True
+        where = (
+            "that run inside a compiled function"
+            if maybe
+            else f"inside compiled modules (first: {names[0]})"
+        )
         self.probe.event(
             "numerics_not_checked",
             what="fused_activations",
             layers=len(names),
             first_at=names[0],
             reason=(
-                f"not checked under inductor: the outputs of {len(names)} layer(s) inside "
-                f"compiled modules (first: {names[0]}) are fused into the kernels that read "
-                "them and never stored; reading them would make the compiler store and round "
-                "them, so the model would compute different numbers on sampled steps. Matmul "
-                "and convolution layers are measured (the graph stores their outputs), and "
-                "parameter gradients; run a diagnostic job uncompiled or with "
-                "backend='aot_eager' to see every layer"
+                f"not checked under inductor: the outputs of {len(names)} layer(s) {where} are "
+                "fused into the kernels that read them and never stored; reading them would "
+                "make the compiler store and round them, so the model would compute different "
+                "numbers on sampled steps. Matmul and convolution layers are measured (the "
+                "graph stores their outputs), and so are parameter gradients and layers that "
+                "run eagerly; run a diagnostic job uncompiled or with backend='aot_eager' to "
+                "see every layer"
             ),
             step=self.probe.step,
         )
@@ -557,12 +578,18 @@ class NumericsCollector(Collector):
         return hook
 
     @staticmethod
-    def _bind_container(fn: Any, slots: tuple[int, int | None, int | None]) -> Any:
+    def _bind_container(
+        fn: Any, slots: tuple[int, int | None, int | None], permanent: bool = False
+    ) -> Any:
         """As :meth:`_bind`, for a container: its keyword inputs count as inputs too (a
         Hugging Face block is called with ``hidden_states=...``), so that one whose inputs were
-        already non-finite is never named the first to produce inf/NaN."""
+        already non-finite is never named the first to produce inf/NaN. ``permanent``: left
+        installed while compile is in use, it measures on sampled steps only, and only where
+        the container runs eagerly (traced by dynamo it returns at once)."""
 
         def hook(mod: torch.nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+            if permanent and not GRAPH_SAMPLE.on:
+                return
             if not is_compiling():
                 fn(slots, (*args, *kwargs.values()) if kwargs else args, out)
 
