@@ -24,7 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.testing._internal.two_tensor import TwoTensor
 
 import amprobe
 from tests.helpers import torchrun_argv
@@ -157,3 +162,127 @@ def test_n05_names_the_rowwise_parallel_layer_not_head(tp_jobs, dtype, local):
     offenders = run.table("offenders")
     forward = offenders[offenders["kind"] == "forward"]
     assert sorted(forward["rank"]) == [0, 1] and set(forward["module"]) == {"mlp.fc2"}
+
+
+# -- in one process, no process group ------------------------------------------------------------
+class _Pending(torch.autograd.Function):
+    """Identity whose result is an ``AsyncCollectiveTensor`` not yet waited on, as a functional
+    all-reduce returns it (waiting on a tensor no collective wrote returns it at once)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return AsyncCollectiveTensor(x.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Reduced(nn.Linear):
+    """Stands for ``RowwiseParallel``: its output an all-reduce still in flight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Pending.apply(super().forward(x))
+
+
+class _PendingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.red = _Reduced(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.red(torch.relu(self.inp(x))))
+
+
+def test_async_collective_output_is_measured_and_waited_on_sampled_steps_only(tmp_path):
+    torch.manual_seed(0)
+    model = _PendingNet()
+    seen: list[tuple[bool, float]] = []
+
+    def look(module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0]
+        assert type(x) is AsyncCollectiveTensor
+        seen.append((x.completed, x.elem.abs().max().item()))  # .elem: no wait
+
+    model.head.register_forward_pre_hook(look)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amprobe.attach(model, opt, run_dir=tmp_path / "r", config={"numerics_every": 2}):
+        for _ in range(4):
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    # waited on by the measurement on sampled steps (0, 2); left to the reader on the others
+    assert [done for done, _ in seen] == [True, False, True, False]
+    run = amprobe.load_run(tmp_path / "r")
+    assert not run.events_of("numerics_not_checked") and not run.events_of("collector_error")
+    numerics = run.table("numerics")
+    red = numerics[(numerics["module"] == "red") & (numerics["kind"] == "output")]
+    assert red["step"].tolist() == [0, 2]
+    assert red["elements"].tolist() == [24, 24]
+    assert red["amax"].tolist() == pytest.approx([seen[0][1], seen[2][1]])
+    head = numerics[(numerics["module"] == "head") & (numerics["kind"] == "output")]
+    assert head["in_nonfinite"].tolist() == [0, 0]  # its pending input was read, not skipped
+
+
+class _Pair(nn.Module):
+    """Output a wrapper tensor subclass (a float8/NF4 stand-in) whose values amprobe cannot read."""
+
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach()
+        return TwoTensor(x, x) if self.wrap else x
+
+
+class _Blowup(nn.Module):
+    """Makes inf/NaN from whatever it is given."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = x.a if isinstance(x, TwoTensor) else x
+        return plain * float("inf")
+
+
+class _UnreadNet(nn.Module):
+    def __init__(self, wrap: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.pair = _Pair(wrap)
+        self.blowup = _Blowup()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blowup(self.pair(self.inp(x))))
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_a_layer_whose_input_was_not_read_is_never_named_the_first_offender(tmp_path, wrap):
+    """``blowup`` turns its input non-finite. With a plain input (the control) it is the first
+    offender; with a ``TwoTensor`` input, whose values amprobe cannot read, its inputs are
+    'not checked' (``in_nonfinite`` null, never 0), so it is not named, and neither is ``head``,
+    whose input was read and non-finite."""
+    torch.manual_seed(0)
+    model = _UnreadNet(wrap)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with amprobe.attach(model, opt, run_dir=tmp_path / "r", config={"numerics_every": 1}):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    run = amprobe.load_run(tmp_path / "r")
+    assert not run.events_of("collector_error")
+    numerics = run.table("numerics")
+    rows = numerics[(numerics["kind"] == "output") & (numerics["step"] == 0)].set_index("module")
+    assert rows.loc["blowup", "nan"] + rows.loc["blowup", "inf"] == 4 * 3
+    assert rows.loc["head", "in_nonfinite"] == 12
+    offenders = run.table("offenders")
+    named = offenders.loc[offenders["kind"] == "forward", "module"].tolist()
+    n05 = [f.evidence["module"] for f in amprobe.diagnose(run).findings if f.id == "AMP-N05"]
+    if wrap:
+        assert pd.isna(rows.loc["blowup", "in_nonfinite"])
+        assert named == [] and n05 == []
+    else:
+        assert rows.loc["blowup", "in_nonfinite"] == 0
+        assert named == ["blowup"] and n05 == ["blowup"]
