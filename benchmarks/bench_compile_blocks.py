@@ -4,8 +4,10 @@ Usage: ``python benchmarks/bench_compile_blocks.py [--depths 2,10,32] [--backend
 [--steps 3]``.
 
 For each depth, tests/scripts/train_blocks.py (a transformer whose blocks are each compiled
-with ``fullgraph=True``, fp16 autocast and a ``GradScaler("cpu")``) runs in fresh processes,
-plain and under ``amprobe run`` in its default configuration (per-layer numerics sample step 0),
+with ``fullgraph=True``, bf16 autocast) runs in fresh processes, plain and under ``amprobe run``
+in its default configuration (per-layer numerics sample step 0: the sampled variant is
+compiled at step 0, the plain graph at step 1; an fp16 job's initial scale calibration would
+arm samples on every early step and compile the sampled variant only),
 first with an empty inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR`` per job), then warm (the
 same directory again). It prints, side by side: the first step's wall time, dynamo's total
 compile time (``_compile.compile_inner``: every frame's tracing and backend compile, the whole
@@ -32,7 +34,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "train_bloc
 def job(probed: bool, depth: int, backend: str, steps: int, cache: str, work: Path) -> dict:
     out = work / f"{'probed' if probed else 'plain'}-{depth}-{len(os.listdir(work))}.json"
     script = [sys.executable, str(SCRIPT), str(out), "--blocks", str(depth), "--fullgraph"]
-    script += ["--backend", backend, "--steps", str(steps), "--dtype", "fp16"]
+    script += ["--backend", backend, "--steps", str(steps), "--dtype", "bf16"]
     argv = script
     if probed:
         run_dir = work / f"run-{out.stem}"
@@ -50,7 +52,7 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    print(f"CPU: {cpu_model()}; backend {args.backend}; {args.steps} steps; fp16 + GradScaler")
+    print(f"CPU: {cpu_model()}; backend {args.backend}; {args.steps} steps; bf16 autocast")
     head = (
         f"{'blocks':>6} {'cache':>5} | {'first step s':>21} {'ratio':>5} | "
         f"{'dynamo compile s':>21} {'ratio':>5} | {'graphs':>7} | losses equal"

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 import amprobe
+from tests.helpers import torchrun_argv
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_blocks.py"
 TIMEOUT_S = 420
@@ -37,6 +38,14 @@ _SHAPES: dict[str, tuple[str, ...]] = {
     "mlp-fp16-inductor": (
         "--model", "mlp", "--backend", "inductor", "--steps", "26", "--overflow-at", "20",
     ),
+    # torchtitan's order on 2 gloo ranks: activation checkpointing, each block compiled
+    # (fullgraph), then fully_shard of each block and the root; fp16 params with a
+    # ShardedGradScaler and a planted overflow, and bf16
+    "titan-fp16": (
+        "--fsdp", "--ac", "--blocks", "2", "--fullgraph", "--dtype", "fp16", "--plant", "2",
+        "--steps", "6",
+    ),
+    "titan-bf16": ("--fsdp", "--ac", "--blocks", "2", "--fullgraph", "--dtype", "bf16"),
 }  # fmt: skip
 JOBS: dict[str, tuple[str, tuple[str, ...]]] = {}
 for _shape, _args in _SHAPES.items():
@@ -50,6 +59,8 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
     out = root / f"{job}.json"
     run_dir = root / f"{job}-run"
     script = [sys.executable, str(SCRIPT), str(out), *args]
+    if "--fsdp" in args:  # two ranks; each writes its own file
+        script = [*torchrun_argv(SCRIPT.name), str(out), *args]
     if how == "run":
         argv = [sys.executable, "-m", "amprobe", "run", "--out", str(run_dir), "--", *script]
     elif how == "attach":
@@ -62,7 +73,11 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
         return {"error": f"{job}: ran past {TIMEOUT_S} s ({' '.join(argv[-len(args) :])})"}
     if proc.returncode != 0:
         return {"error": f"{job}: exit {proc.returncode}: {proc.stderr[-3000:]}"}
-    result = json.loads(out.read_text())
+    if "--fsdp" in args:
+        ranks = [json.loads(out.with_name(f"{job}-r{r}.json").read_text()) for r in (0, 1)]
+        result = dict(ranks[0], steps=ranks[0]["steps"] + ranks[1]["steps"])
+    else:
+        result = json.loads(out.read_text())
     result["stderr"] = proc.stderr
     result["run_dir"] = run_dir
     return result
@@ -106,7 +121,9 @@ def test_probed_job_computes_and_compiles_what_the_plain_job_does(jobs, job, pla
         assert phrase not in probed["stderr"], (phrase, probed["stderr"][-2000:])
 
 
-@pytest.mark.parametrize("shape", ["deep10", "deep32", "ac-fp16-inductor", "mlp-fp16-inductor"])
+@pytest.mark.parametrize(
+    "shape", ["deep10", "deep32", "ac-fp16-inductor", "mlp-fp16-inductor", "titan-fp16"]
+)
 def test_every_compiled_matmul_layer_has_rows_on_sampled_steps(jobs, shape):
     result = _job(jobs, f"{shape}-run")
     run = amprobe.load_run(result["run_dir"])
@@ -117,7 +134,8 @@ def test_every_compiled_matmul_layer_has_rows_on_sampled_steps(jobs, shape):
     if shape == "mlp-fp16-inductor":
         assert sorted(first["module"]) == ["fc1", "fc2"]
     else:
-        blocks = int(_SHAPES[shape][1])
+        args = _SHAPES[shape]
+        blocks = int(args[args.index("--blocks") + 1])
         per_block = ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2", "mlp.booster")
         assert len(first) >= blocks * len(per_block)
         for i in range(blocks):
@@ -150,8 +168,9 @@ def test_armed_steps_after_an_overflow_are_sampled_and_compute_the_plain_numbers
     assert all(loss != "nan" for loss in _losses(probed)[21:])
 
 
-def test_planted_overflow_in_a_compiled_block_is_named(jobs):
-    result = _job(jobs, "deep10-run")
+@pytest.mark.parametrize("shape", ["deep10", "titan-fp16"])
+def test_planted_overflow_in_a_compiled_block_is_named(jobs, shape):
+    result = _job(jobs, f"{shape}-run")
     run = amprobe.load_run(result["run_dir"])
     report = amprobe.diagnose(run)
     n05 = [f for f in report.findings if f.id == "AMP-N05"]
@@ -161,3 +180,5 @@ def test_planted_overflow_in_a_compiled_block_is_named(jobs):
     forward = offenders[offenders["kind"] == "forward"]
     assert set(forward["step"]) >= {3, 4}  # armed by the overflow at step 2
     assert set(forward["module"]) == {"layers.0.mlp.booster"}  # the user's model path
+    assert set(forward["rank"]) == {0, 1} if shape.startswith("titan") else {0}
+    assert not [f for f in report.findings if f.id == "AMP-N04"], "no false non-finite input"

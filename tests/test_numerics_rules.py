@@ -676,3 +676,23 @@ def test_a_damaged_gradient_row_is_named_when_grad_underflow_cannot_run(tmp_path
     assert f"module {damaged['module']}, step {damaged['step']}" in reasons[0]
     assert "zeros" in reasons[0]
     assert {"AMP-N02", "AMP-N05"} <= {f.id for f in result.findings}
+
+
+def test_a_layer_whose_inputs_were_not_read_is_not_an_overflow_origin() -> None:
+    """``in_nonfinite`` null on an output row: an input could not be read (a wrapper tensor
+    subclass). Its non-finite output is not counted as made there; a layer whose inputs were
+    finite is."""
+    from amprobe.analysis.numerics import layer_overflow_evidence
+
+    def row(module: str, order: int, nan: int, in_bad: int | None) -> dict[str, Any]:
+        return {
+            "step": 3, "module": module, "module_type": "Linear", "kind": "output",
+            "dtype": "float16", "order": order, "elements": 8, "nan": nan, "inf": 0,
+            "over_fp16": 0, "in_nonfinite": in_bad,
+        }  # fmt: skip
+
+    unread = fake_run(tables={"numerics": [row("a", 0, 8, None), row("b", 1, 8, 8)]})
+    assert layer_overflow_evidence(unread, 0).get("overflowing_layers", []) == []
+    read = fake_run(tables={"numerics": [row("a", 0, 8, 0), row("b", 1, 8, 8)]})
+    layers = layer_overflow_evidence(read, 0)["overflowing_layers"]
+    assert [layer["module"] for layer in layers] == ["a"]

@@ -499,7 +499,8 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     """Per-layer overflow evidence for ``rank``: the layers where non-finite or >65504 values arose.
 
     Algorithm: a forward output row counts when its module's inputs were finite
-    (``in_nonfinite`` 0, or not recorded); a gradient row counts on steps whose forward
+    (``in_nonfinite`` 0; null means an input could not be read, a wrapper tensor subclass:
+    not checked, never counted as finite); a gradient row counts on steps whose forward
     outputs were all finite. Values that only carried an earlier overflow downstream (the
     NaNs every later layer and every gradient hold once one layer overflowed) are left out:
     counted by size they would push the layer that overflowed off the list. Layers are
@@ -526,7 +527,7 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     step = col["step"]
     broken = set(step[outputs & (nonfinite > 0)].tolist())
     is_broken = pd.Series(step).isin(broken).to_numpy()
-    inputs_finite = pd.isna(col["in_nonfinite"]) | (col["in_nonfinite"] == 0)
+    inputs_finite = col["in_nonfinite"] == 0  # (null: not checked, never finite)
     origin = np.flatnonzero(hit & ((outputs & inputs_finite) | (~outputs & ~is_broken)))
     # in order of first overflow: step, forward before backward, execution order (stable)
     values = {c: col[c][origin].tolist() for c in ("step", "order", "module", "dtype", "over_fp16")}

@@ -18,36 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-CALLS = Counter()
-COMPILE_S = Counter()
-
-
-def counting(name: str):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    inner = lookup_backend(name)
-
-    def backend(gm, example_inputs):
-        t0 = time.perf_counter()
-        compiled = inner(gm, example_inputs)
-        COMPILE_S["backend_s"] += time.perf_counter() - t0
-        CALLS["graphs_compiled"] += 1
-
-        def run(*args):
-            CALLS["graph_calls"] += 1
-            return compiled(*args)
-
-        return run
-
-    backend.compiler_name = name  # what amprobe reads as the backend (it wraps ``name``)
-    return backend
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imported by path too
+from train_compiled import CALLS, counting, dynamo_counts  # noqa: E402  (this script's folder)
 
 
 class Attention(nn.Module):
@@ -134,13 +114,32 @@ def main() -> None:
     ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
     ap.add_argument("--attach", action="store_true", help="amprobe.attach() in the script")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun (gloo): fully_shard each block after its compile, then the root "
+        "(torchtitan's order), param dtype fp16/bf16 with fp32 reduce, no autocast; each rank "
+        "writes OUT_JSON with -r<rank> before .json",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    rank = 0
+    if args.fsdp:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        args.out = args.out.replace(".json", f"-r{rank}.json")
     torch.manual_seed(0)
     model: nn.Module = TinyGPT(args.blocks) if args.model == "gpt" else TwoLayerMLP()
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    scaler = torch.amp.GradScaler("cpu", enabled=args.dtype == "fp16")
+    if args.fsdp:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler("cpu", enabled=args.dtype == "fp16")
+    else:
+        scaler = torch.amp.GradScaler("cpu", enabled=args.dtype == "fp16")
     backend = counting(args.backend)
     kw = {"backend": backend, "fullgraph": args.fullgraph}
     if args.model == "gpt":
@@ -154,6 +153,13 @@ def main() -> None:
                 model.layers[name] = block
             if args.compile == "blocks":
                 block.compile(**kw)
+            if args.fsdp:
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+                policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+                fully_shard(block, mp_policy=policy)
+        if args.fsdp:
+            fully_shard(model, mp_policy=policy)
     if args.compile == "root":
         model.compile(**kw)
     elif args.model == "mlp" and args.compile == "blocks":
@@ -166,7 +172,7 @@ def main() -> None:
 
         probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler)
 
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)
     if args.model == "gpt":
         data = [
             (torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g))
@@ -191,7 +197,7 @@ def main() -> None:
             with torch.no_grad():
                 booster.weight.mul_(1e6)
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype, enabled=not args.fsdp):
             logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
         scaler.scale(loss).backward()
@@ -213,21 +219,9 @@ def main() -> None:
     wall = time.perf_counter() - t_start
     if probe is not None:
         probe.close()
-    from torch._dynamo.utils import compilation_time_metrics, counters
-
-    result = {
-        "steps": steps,
-        "wall_s": wall,
-        "graphs_compiled": CALLS["graphs_compiled"],
-        "backend_s": COMPILE_S["backend_s"],
-        # dynamo's own compile times: every frame's tracing and its backend compile
-        "dynamo_compile_s": sum(compilation_time_metrics.get("_compile.compile_inner", [])),
-        "unique_graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
-        "frames_ok": counters["frames"]["ok"],
-        "frames_total": counters["frames"]["total"],
-    }
+    if args.fsdp:
+        dist.destroy_process_group()
+    result = {"steps": steps, "wall_s": wall, **dynamo_counts()}
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(f"trained {args.steps} steps")

@@ -27,12 +27,17 @@ CALLS = Counter()
 
 
 def counting(name: str):
+    """``name``'s backend, counting the graphs it compiles (``CALLS["graphs_compiled"]``, the
+    seconds it took in ``CALLS["backend_ms"]``) and every call of one (``graph_calls``)."""
     from torch._dynamo.backends.registry import lookup_backend
 
     inner = lookup_backend(name)
 
     def backend(gm, example_inputs):
+        t0 = time.perf_counter()
         compiled = inner(gm, example_inputs)
+        CALLS["backend_ms"] += round((time.perf_counter() - t0) * 1e3)
+        CALLS["graphs_compiled"] += 1
 
         def run(*args):
             CALLS["graph_calls"] += 1
@@ -42,6 +47,24 @@ def counting(name: str):
 
     backend.compiler_name = name  # what amprobe reads as the backend (it wraps ``name``)
     return backend
+
+
+def dynamo_counts() -> dict:
+    """What the compiler did in this process: dynamo's own counters and compile time, and the
+    counting backend's graphs."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
+        "frames_ok": counters["frames"]["ok"],
+        "frames_total": counters["frames"]["total"],
+        "graphs_compiled": CALLS["graphs_compiled"],
+        "backend_s": CALLS["backend_ms"] / 1e3,
+        # every frame's tracing and its backend compile
+        "dynamo_compile_s": sum(compilation_time_metrics.get("_compile.compile_inner", [])),
+    }
 
 
 class Booster(nn.Module):
@@ -169,16 +192,7 @@ def main() -> None:
         )
     if probe is not None:
         probe.close()
-    from torch._dynamo.utils import counters
-
-    result = {
-        "steps": steps,
-        "unique_graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0,
-        "frames_ok": counters["frames"]["ok"],
-        "frames_total": counters["frames"]["total"],
-    }
+    result = {"steps": steps, **dynamo_counts()}
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(f"trained {args.steps} steps")

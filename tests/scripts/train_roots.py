@@ -18,21 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Booster(nn.Module):
-    """Multiplies its input by ``factor`` (1e6 on the planted steps: a forward overflow)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("factor", torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.factor
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # imported by path too
+from train_compiled import Booster  # noqa: E402  (this script's folder)
 
 
 class Attention(nn.Module):
