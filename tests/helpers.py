@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,6 +28,8 @@ __all__ = [
     "train_loop",
     "free_port",
     "torchrun_argv",
+    "GLOO_EXIT_ABORT",
+    "run_gloo_job",
 ]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -69,6 +72,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: torch's, not amprobe's: after ``destroy_process_group`` the gloo group that functional
+#: collectives used stays alive, and now and then (on a loaded machine, plain jobs as well) a
+#: gloo worker thread frees its last all-reduce's tensors while the interpreter is finalizing
+#: and aborts the rank (``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
+#: ``decref_pyobject`` -> ``take_gil`` -> ``std::terminate``). Such a job is run again.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def run_gloo_job(
+    cmd: list[str], out: Path | None = None, tries: int = 3, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)``, run again from
+    scratch (``out`` removed) when a rank died of :data:`GLOO_EXIT_ABORT` at exit."""
+    for _ in range(tries):
+        proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+        if proc.returncode == 0 or GLOO_EXIT_ABORT not in proc.stderr:
+            break
+        if out is not None:
+            shutil.rmtree(out, ignore_errors=True)
+    return proc
 
 
 def torchrun_argv(script: str = "ddp_gloo.py", nproc: int = 2) -> list[str]:

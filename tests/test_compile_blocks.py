@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import amprobe
-from tests.helpers import torchrun_argv
+from tests.helpers import run_gloo_job, torchrun_argv
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_blocks.py"
 TIMEOUT_S = 420
@@ -68,7 +68,7 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
     else:
         argv = script
     try:
-        proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=TIMEOUT_S)
+        proc = run_gloo_job(argv, run_dir, cwd=root, timeout=TIMEOUT_S)  # (torch's exit abort)
     except subprocess.TimeoutExpired:
         return {"error": f"{job}: ran past {TIMEOUT_S} s ({' '.join(argv[-len(args) :])})"}
     if proc.returncode != 0:

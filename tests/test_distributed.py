@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import socket
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -27,7 +26,7 @@ from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.report.ranks import build_ranks_section
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
 from amprobe.store import writer as store_writer
-from tests.helpers import TinyNet, fake_run, free_port, torchrun_argv, train_loop
+from tests.helpers import TinyNet, fake_run, free_port, run_gloo_job, torchrun_argv, train_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -528,9 +527,7 @@ def _torchrun(tmp_path: Path, name: str, env: dict[str, str], *extra: str) -> am
         *torchrun_argv(),
     ]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    proc = subprocess.run(
-        cmd, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=240
-    )
+    proc = run_gloo_job(cmd, out, cwd=tmp_path, env=full_env, timeout=240)  # (torch's abort)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = amprobe.load_run(out)
     assert [r.rank for r in run.ranks] == [0, 1]

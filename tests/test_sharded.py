@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import nn
 
 import amprobe
 from amprobe.capture.collectors.sharded import local_tensor, sharding_facts, user_module_name
-from tests.helpers import fake_run, torchrun_argv
+from tests.helpers import fake_run, run_gloo_job, torchrun_argv
 from tests.test_analysis import _check_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,9 +28,7 @@ def _record(out: Path, env: dict[str, str], *extra: str) -> amprobe.Run:
     cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out), *extra, "--"]
     cmd += torchrun_argv("fsdp_gloo.py")
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    proc = subprocess.run(
-        cmd, cwd=out.parent, env=full_env, capture_output=True, text=True, timeout=240
-    )
+    proc = run_gloo_job(cmd, out, cwd=out.parent, env=full_env, timeout=240)  # (torch's abort)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = amprobe.load_run(out)
     assert [r.rank for r in run.ranks] == [0, 1]

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +30,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.testing._internal.two_tensor import TwoTensor
 
 import amprobe
-from tests.helpers import torchrun_argv
+from tests.helpers import run_gloo_job, torchrun_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"inp", "mlp.fc1", "mlp.fc2", "head"}
@@ -58,12 +56,6 @@ DTYPES: dict[str, dict[str, Any]] = {
     },
 }
 CASES = [(dtype, local) for dtype in DTYPES for local in ("1", "0")]
-#: torch's, not amprobe's: after ``destroy_process_group`` the gloo group that functional
-#: collectives used stays alive, and now and then (on a loaded machine, plain jobs as well) a
-#: gloo worker thread frees its last all-reduce's tensors while the interpreter is finalizing
-#: and aborts the rank (``ProcessGroupGloo::runLoop`` -> ``~AsyncAllreduceWork`` ->
-#: ``decref_pyobject`` -> ``take_gil`` -> ``std::terminate``). Such a job is run again.
-EXIT_ABORT = "terminate called without an active exception"
 
 
 def _job(base: Path, dtype: str, local: str, probed: bool) -> dict[str, Any]:
@@ -84,11 +76,7 @@ def _job(base: Path, dtype: str, local: str, probed: bool) -> dict[str, Any]:
     if probed:
         cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out)]
         cmd += [*DTYPES[dtype]["sets"], "--", *torchrun_argv("tp_gloo.py")]
-    for _ in range(3):
-        proc = subprocess.run(cmd, cwd=base, env=env, capture_output=True, text=True, timeout=240)
-        if proc.returncode == 0 or EXIT_ABORT not in proc.stderr:
-            break
-        shutil.rmtree(out, ignore_errors=True)  # run again from scratch
+    proc = run_gloo_job(cmd, out, cwd=base, env=env, timeout=240)  # (torch's exit abort)
     assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
     records = [json.loads(Path(f"{losses}.{rank}.json").read_text()) for rank in (0, 1)]
     return {"records": records, "run": amprobe.load_run(out) if probed else None}
