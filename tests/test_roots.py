@@ -368,8 +368,13 @@ def test_the_megatron_job_under_amprobe_run_finds_its_root(runs):
     models = run.events_of("model_registered")
     assert [(m["model_class"], m["found_by"]) for m in models] == [("BlowNet", "optimizer_copies")]
     assert {"embed", "head"} <= set(run.table("numerics")["module"])
-    reasons = [n.reason for n in amprobe.diagnose(run).not_checked]
+    report = amprobe.diagnose(run)
+    reasons = [n.reason for n in report.not_checked]
     assert not any("Config.collectors" in r or ROOT_UNKNOWN in r for r in reasons), reasons
+    # BlowNet overflows in its own forward (h * 1e6 between embed and head): the root runs
+    # eagerly (only Megatron's fused functions are compiled), so its own-code check names it
+    (n05,) = [f for f in report.findings if f.id == "AMP-N05"]
+    assert n05.title.startswith("<root> (BlowNet)") and "its own code" in n05.title
 
 
 # -- what the diagnosis says when numerics are missing --------------------------------------------
