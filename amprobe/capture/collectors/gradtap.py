@@ -62,8 +62,8 @@ def grad_tap_hook(key: torch.Tensor, eager_only: bool = False) -> Any:
     and slot of ``key`` (:func:`~amprobe.capture.collectors.graphstats.layer_key`).
 
     Only a plain tensor that requires grad is tapped (a tensor subclass such as a DTensor would
-    need sharding rules for the op): the output itself, or the first floating tensor of a plain
-    tuple or list output, as the eager hooks take it (other containers are left as they are).
+    need sharding rules for the op): the output itself, or the first floating tensor of a
+    tuple, list or dict output, as the eager hooks take it (the output is returned as it is).
     ``eager_only``: as for :func:`~amprobe.capture.collectors.graphstats.graph_stats_hook`.
     """
 

@@ -20,11 +20,13 @@ here are written for that:
 * Nothing is computed in the graph. An in-graph reader of a value makes the compiler store it:
   under inductor a fused half-precision intermediate that the model's kernels keep in fp32 is
   then rounded, and the model computes different numbers on sampled steps (an fp16 loss turned
-  NaN; issue 31). So a fusing backend gets hooks only on layers whose output the compiled
-  graph stores anyway (:func:`materialized_output`: matmul and convolution layers, computed by
-  extern kernels); other layers there are "not checked under inductor". The op's inputs are
-  then buffers the graph already holds, and it is opaque, so no kernel of the model changes.
-  With ``aot_eager`` or ``eager`` (no fusion) every layer is hooked.
+  NaN; issue 31). So under a fusing backend a hook reads, inside a compiled region, only a
+  layer whose output the compiled graph stores anyway (:func:`materialized_output`: matmul and
+  convolution layers, computed by extern kernels); another layer's hook is ``eager_only``: it
+  returns at once where dynamo traces it ("not checked under inductor") and measures where the
+  layer runs eagerly. The op's inputs are then buffers the graph already holds, and it is
+  opaque, so no kernel of the model changes. With ``aot_eager`` or ``eager`` (no fusion)
+  every layer is read.
 
 Output gradients: :mod:`~amprobe.capture.collectors.gradtap`, the same keys and sinks.
 """
