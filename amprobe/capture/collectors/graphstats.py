@@ -41,7 +41,7 @@ import torch
 import torch.fx.node
 
 from amprobe.capture.collectors.compiled import is_compiling
-from amprobe.capture.collectors.sharded import PLAIN_TENSORS
+from amprobe.capture.collectors.sharded import PLAIN_TENSORS, local_tensor
 
 __all__ = [
     "GRAPH_SAMPLE",
@@ -150,13 +150,8 @@ def first_float(out: Any) -> torch.Tensor | None:
 def plain_local(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as a plain tensor the op can take: itself, a DTensor's local shard (a tensor
     parallel layer's output), or None for another tensor subclass."""
-    if type(x) in PLAIN_TENSORS:
-        return x
-    to_local = getattr(x, "to_local", None)
-    if to_local is not None and type(x).__name__ == "DTensor":
-        local = to_local()
-        return local if isinstance(local, torch.Tensor) else None
-    return None
+    local = local_tensor(x)
+    return local if local is not x or type(x) in PLAIN_TENSORS else None
 
 
 @torch.library.custom_op(

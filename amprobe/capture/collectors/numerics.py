@@ -405,7 +405,10 @@ class NumericsCollector(Collector):
             )
         watch = self.probe.hub.compile
         fusing = watch.fusing()
-        inside = self._compiled_ids(watch)
+        compiled = watch.compiled_modules()
+        # ids of the modules inside a compiled module (None: a function was compiled, and a
+        # compiled train step may run any module inside its graph)
+        inside = None if watch.functions else {id(m) for c in compiled for m in c.modules()}
         # a compiled root's own hooks run around its compiled frame, not inside it: not in the
         # graph; nor a compiled module's own (block.compile(): its _call_impl calls them under the
         # compile context, where dynamo compiles each as a frame of its own)
@@ -414,7 +417,7 @@ class NumericsCollector(Collector):
             for ref, _ in self._roots
             if (root := ref()) is not None and is_compiled_module(root)
         }
-        roots.update(id(m) for m in watch.compiled_modules())
+        roots.update(id(m) for m in compiled)
         skipped: list[str] = []
         for ref, slots in self._targets:
             mod = ref()
@@ -442,16 +445,6 @@ class NumericsCollector(Collector):
         if skipped:
             self._note_fused(skipped, inside is None)
         GRAPH_SAMPLE.on = bool(self._graph_hooked) and self._sampled(self.probe.step)
-
-    def _compiled_ids(self, watch: Any) -> set[int] | None:
-        """Ids of the modules inside a compiled module (None: a function was compiled, and a
-        compiled train step may run any module inside its graph)."""
-        if watch.functions:
-            return None
-        out: set[int] = set()
-        for compiled in watch.compiled_modules():
-            out.update(id(m) for m in compiled.modules())
-        return out
 
     def _note_fused(self, names: list[str], maybe: bool) -> None:
         if self._fused_noted:
