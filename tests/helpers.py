@@ -8,12 +8,14 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pyarrow as pa
+import pytest
 import torch
 from torch import nn
 
@@ -28,6 +30,9 @@ __all__ = [
     "train_loop",
     "free_port",
     "torchrun_argv",
+    "JobResults",
+    "job_failure",
+    "run_jobs",
     "GLOO_EXIT_ABORT",
     "run_gloo_job",
 ]
@@ -94,6 +99,52 @@ def run_gloo_job(
         if out is not None:
             shutil.rmtree(out, ignore_errors=True)
     return proc
+
+
+def job_failure(job: str, exc: Exception) -> str:
+    """What a test that reads ``job`` says when the subprocess job gave no result."""
+    if isinstance(exc, subprocess.TimeoutExpired):
+        err = exc.stderr or b""
+        err = err.decode(errors="replace") if isinstance(err, bytes) else err
+        return (
+            f"compile job {job!r} ran past its {exc.timeout:g} s timeout and was killed; the "
+            f"end of its stderr: {err[-2000:]!r}"
+        )
+    return f"compile job {job!r} failed: {type(exc).__name__}: {exc}"
+
+
+class JobResults(Mapping[str, dict[str, Any]]):
+    """Subprocess jobs' results by id. Reading a job that failed or ran out of time fails the
+    reading test with that job's message: the tests that read other jobs still run."""
+
+    def __init__(self, results: dict[str, dict[str, Any] | str]) -> None:
+        self._results = results  # a str: why the job gave no result
+
+    def __getitem__(self, job: str) -> dict[str, Any]:
+        result = self._results[job]
+        if isinstance(result, str):
+            pytest.fail(result, pytrace=False)
+        return result
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._results)
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+
+def run_jobs(jobs: Iterable[str], run: Callable[[str], dict[str, Any]]) -> JobResults:
+    """``run(job)`` for every job, two at a time (compiling is the slow part); a job that
+    raises (a failed assertion, a timeout) is recorded as its :func:`job_failure`."""
+    results: dict[str, dict[str, Any] | str] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {job: pool.submit(run, job) for job in jobs}
+        for job, future in futures.items():
+            try:
+                results[job] = future.result()
+            except Exception as exc:  # reported by each test that reads this job
+                results[job] = job_failure(job, exc)
+    return JobResults(results)
 
 
 def torchrun_argv(script: str = "ddp_gloo.py", nproc: int = 2) -> list[str]:

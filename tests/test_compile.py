@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 
 import amprobe
 from amprobe.config import ConfigError
+from tests.helpers import JobResults, job_failure, run_jobs
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_compiled.py"
 STEPS = 8
@@ -76,59 +76,19 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
     return result
 
 
-def _job_failure(job: str, exc: Exception) -> str:
-    """What a test that reads ``job`` says when the job gave no result."""
-    if isinstance(exc, subprocess.TimeoutExpired):
-        err = exc.stderr or b""
-        err = err.decode(errors="replace") if isinstance(err, bytes) else err
-        return (
-            f"compile job {job!r} ran past its {exc.timeout:g} s timeout (JOB_TIMEOUT_S) and was "
-            f"killed; the end of its stderr: {err[-2000:]!r}"
-        )
-    return f"compile job {job!r} failed: {type(exc).__name__}: {exc}"
-
-
-class _Jobs(Mapping[str, dict[str, Any]]):
-    """The jobs' results by id. Reading a job that failed or ran out of time fails the reading
-    test with that job's message: the tests that read other jobs still run."""
-
-    def __init__(self, results: dict[str, dict[str, Any] | str]) -> None:
-        self._results = results  # a str: why the job gave no result
-
-    def __getitem__(self, job: str) -> dict[str, Any]:
-        result = self._results[job]
-        if isinstance(result, str):
-            pytest.fail(result, pytrace=False)
-        return result
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._results)
-
-    def __len__(self) -> int:
-        return len(self._results)
-
-
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Mapping[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("compile")
-    results: dict[str, dict[str, Any] | str] = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {job: pool.submit(_run_job, root, job) for job in JOBS}
-        for job, future in futures.items():
-            try:
-                results[job] = future.result()
-            except Exception as exc:  # reported by each test that reads this job
-                results[job] = _job_failure(job, exc)
-    return _Jobs(results)
+    return run_jobs(JOBS, lambda job: _run_job(root, job))
 
 
 def test_a_job_that_failed_fails_only_the_tests_that_read_it():
     timed_out = subprocess.TimeoutExpired(["python", "job.py"], JOB_TIMEOUT_S, stderr=b"inductor")
-    jobs = _Jobs(
+    jobs = JobResults(
         {
-            "inductor-plain": _job_failure("inductor-plain", timed_out),
+            "inductor-plain": job_failure("inductor-plain", timed_out),
             "module-plain": {"steps": []},
-            "broken": _job_failure("broken", AssertionError("broken: Traceback")),
+            "broken": job_failure("broken", AssertionError("broken: Traceback")),
         }
     )
     assert jobs["module-plain"] == {"steps": []}

@@ -13,16 +13,15 @@ tests that read it, with its own message, not the whole module.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import amprobe
-from tests.helpers import run_gloo_job, torchrun_argv
+from tests.helpers import run_gloo_job, run_jobs, torchrun_argv
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "train_blocks.py"
 TIMEOUT_S = 420
@@ -67,12 +66,8 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
         argv = [*script, "--attach"]
     else:
         argv = script
-    try:
-        proc = run_gloo_job(argv, run_dir, cwd=root, timeout=TIMEOUT_S)  # (torch's exit abort)
-    except subprocess.TimeoutExpired:
-        return {"error": f"{job}: ran past {TIMEOUT_S} s ({' '.join(argv[-len(args) :])})"}
-    if proc.returncode != 0:
-        return {"error": f"{job}: exit {proc.returncode}: {proc.stderr[-3000:]}"}
+    proc = run_gloo_job(argv, run_dir, cwd=root, timeout=TIMEOUT_S)  # (torch's exit abort)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
     if "--fsdp" in args:
         ranks = [json.loads(out.with_name(f"{job}-r{r}.json").read_text()) for r in (0, 1)]
         result = dict(ranks[0], steps=ranks[0]["steps"] + ranks[1]["steps"])
@@ -84,18 +79,9 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Mapping[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("blocks")
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {job: pool.submit(_run_job, root, job) for job in JOBS}
-        return {job: future.result() for job, future in futures.items()}
-
-
-def _job(jobs: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
-    result = jobs[name]
-    if "error" in result:
-        pytest.fail(result["error"], pytrace=False)
-    return result
+    return run_jobs(JOBS, lambda job: _run_job(root, job))
 
 
 def _losses(result: dict[str, Any]) -> list[str]:
@@ -108,7 +94,7 @@ PAIRS.append(("deep10-attach", "deep10-plain"))
 
 @pytest.mark.parametrize("job, plain", PAIRS)
 def test_probed_job_computes_and_compiles_what_the_plain_job_does(jobs, job, plain):
-    probed, base = _job(jobs, job), _job(jobs, plain)
+    probed, base = jobs[job], jobs[plain]
     assert len(probed["steps"]) == len(base["steps"]), "every step ran"
     assert _losses(probed) == _losses(base), "per-step losses, bit for bit"
     assert [s["scale"] for s in probed["steps"]] == [s["scale"] for s in base["steps"]]
@@ -125,7 +111,7 @@ def test_probed_job_computes_and_compiles_what_the_plain_job_does(jobs, job, pla
     "shape", ["deep10", "deep32", "ac-fp16-inductor", "mlp-fp16-inductor", "titan-fp16"]
 )
 def test_every_compiled_matmul_layer_has_rows_on_sampled_steps(jobs, shape):
-    result = _job(jobs, f"{shape}-run")
+    result = jobs[f"{shape}-run"]
     run = amprobe.load_run(result["run_dir"])
     rows = run.table("numerics")
     out = rows[rows["kind"] == "output"]
@@ -147,7 +133,7 @@ def test_every_compiled_matmul_layer_has_rows_on_sampled_steps(jobs, shape):
 
 
 def test_layers_inductor_fuses_are_said_to_be_not_checked(jobs):
-    result = _job(jobs, "mlp-fp16-inductor-run")
+    result = jobs["mlp-fp16-inductor-run"]
     run = amprobe.load_run(result["run_dir"])
     events = run.events
     fused = events[events["kind"] == "numerics_not_checked"]
@@ -160,7 +146,7 @@ def test_layers_inductor_fuses_are_said_to_be_not_checked(jobs):
 def test_armed_steps_after_an_overflow_are_sampled_and_compute_the_plain_numbers(jobs):
     """The fp16 inductor job overflows at step 20: the next steps are sampled (armed), and
     their losses are plain's (once NaN where plain's was finite)."""
-    probed, base = _job(jobs, "mlp-fp16-inductor-run"), _job(jobs, "mlp-fp16-inductor-plain")
+    probed, base = jobs["mlp-fp16-inductor-run"], jobs["mlp-fp16-inductor-plain"]
     run = amprobe.load_run(probed["run_dir"])
     steps = set(run.table("numerics")["step"])
     assert 0 in steps and {21, 22} <= steps
@@ -170,7 +156,7 @@ def test_armed_steps_after_an_overflow_are_sampled_and_compute_the_plain_numbers
 
 @pytest.mark.parametrize("shape", ["deep10", "titan-fp16"])
 def test_planted_overflow_in_a_compiled_block_is_named(jobs, shape):
-    result = _job(jobs, f"{shape}-run")
+    result = jobs[f"{shape}-run"]
     run = amprobe.load_run(result["run_dir"])
     report = amprobe.diagnose(run)
     n05 = [f for f in report.findings if f.id == "AMP-N05"]
