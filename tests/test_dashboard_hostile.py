@@ -424,8 +424,8 @@ def test_serving_beyond_loopback_warns_that_anyone_can_read_every_run(
         assert str(tmp_path) in err and "ssh -L 8050:127.0.0.1:8050" in err
 
 
-def test_readme_says_the_dashboard_has_no_authentication_and_shows_a_tunnel() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_docs_say_the_dashboard_has_no_authentication_and_shows_a_tunnel() -> None:
+    readme = (REPO / "docs" / "dashboard.md").read_text()
     assert "no authentication" in readme
     assert "ssh -L 8050:127.0.0.1:8050" in readme
 
