@@ -53,8 +53,8 @@ _KIND_SUFFIX = {"output": "", "grad_output": " · output grad", "grad_param": " 
 _MIN_LOG_SHARE = -6.0
 #: the lost share up to which the headline says a layer keeps its values
 KEEP_LOSS = 0.001
-#: not-judged layers named per headline line
-MAX_NAMED = 6
+#: not-judged layers named per group of steps in the headline (the rest are counted)
+MAX_NAMED = 8
 #: what a lost % cell of a layer that held inf/NaN says
 NOT_JUDGED = "not judged"
 MISSING = "no per-layer exponent histogram was recorded (the numerics table is empty)"
@@ -398,8 +398,9 @@ def whatif_table(whatif: pd.DataFrame) -> pd.DataFrame:
 def _names(modules: list[str]) -> str:
     """``a, b and c``, at most :data:`MAX_NAMED` named."""
     shown = modules[:MAX_NAMED]
-    if len(modules) > MAX_NAMED:
+    if len(modules) > MAX_NAMED + 1:  # "and 1 more" would be longer than the name
         return ", ".join(shown) + f" and {len(modules) - MAX_NAMED} more"
+    shown = modules
     return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
 
 
