@@ -74,6 +74,8 @@ __all__ = [
     "compute_whatif",
     "compute_whatif_frame",
     "whatif_records",
+    "steps_text",
+    "not_judged_text",
     "compute_whatif_rows",
     "compute_exponent_shares",
     "compute_fp16_gradient_fit",
@@ -144,6 +146,8 @@ WHATIF_COLUMNS = [
     "steps",
     "nonzero",
     "nonfinite",
+    "judged",
+    "nonfinite_steps",
     "min_exp",
     "max_exp",
     "amax",
@@ -450,11 +454,13 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
     Returns:
         One row per (rank, module, kind, format, scaling) with :data:`WHATIF_COLUMNS`:
         ``order`` is the module's forward execution position, ``nonfinite`` the NaN + inf
-        values (left out of every share), ``min_exp``/``max_exp`` the
+        values, ``judged`` False when there were any (the layer's range is then not known:
+        every ``*_share`` is null, the counts are those of its finite values) and
+        ``nonfinite_steps`` the sorted sampled steps at which it held them, ``min_exp``/``max_exp`` the
         range of nonzero finite values in powers of two (``2**min_exp`` .. ``2**(max_exp+1)``),
         ``amax`` the largest magnitude over the steps, ``scale_exp`` the per-tensor scale
         exponent of the last sampled step (0 for ``none``), counts summed over steps and shares
-        of ``nonzero``; ``lost_share`` = overflow + flush, ``edge_share`` = values the
+        of ``nonzero`` (null where not judged); ``lost_share`` = overflow + flush, ``edge_share`` = values the
         histogram cannot classify exactly (the tolerance, see the module docstring).
 
     The rows of :func:`compute_whatif_rows` are summed per layer as arrays, one group index
@@ -502,6 +508,12 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
     steps = np.bincount(pairs // width, minlength=n_layers)
     nonfinite = np.zeros(n_layers, dtype=np.int64)
     np.add.at(nonfinite, g_rows, base["nonfinite"][grouped])
+    # the sampled steps at which each layer held inf/NaN: such a layer is not judged
+    bad = stepped & (base["nonfinite"] > 0)
+    bad_steps: list[list[int]] = [[] for _ in range(n_layers)]
+    for pair in np.unique(codes[bad] * width + step_codes[bad]).tolist():
+        bad_steps[pair // width].append(int(step_values[pair % width]))
+    judged = nonfinite == 0
     has = grouped & (base["nonzero"] > 0)
     min_exp = np.full(n_layers, np.inf)
     max_exp = np.full(n_layers, -np.inf)
@@ -548,6 +560,8 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
     combo = np.tile(np.arange(len(combos)), n_layers)
     counts = {name: sums[name][combo, each] for name in _COUNTS}
     denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
+    # a layer that held inf/NaN gets no share: its range is not known (null, not 0)
+    unjudged = ~judged[each]
     out = pd.DataFrame(
         {
             "rank": ranks[each],
@@ -559,6 +573,8 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
             "steps": steps[each],
             "nonzero": nonzero[each],
             "nonfinite": nonfinite[each],
+            "judged": judged[each],
+            "nonfinite_steps": pd.Series([sorted(bad_steps[i]) for i in each], dtype=object),
             "min_exp": pd.array(
                 np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
             ),
@@ -570,11 +586,37 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
             "scaling": np.array([combos[c][1] for c in combo], dtype=object),
             "scale_exp": scale_exp[combo, each],
             **counts,
-            **{f"{name}_share": np.nan_to_num(counts[name] / denom, nan=0.0) for name in _COUNTS},
+            **{f"{name}_share": _share(counts[name], denom, unjudged) for name in _COUNTS},
         }
     )
-    out["lost_share"] = np.nan_to_num((counts["overflow"] + counts["flush"]) / denom, nan=0.0)
+    out["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
     return out[WHATIF_COLUMNS]
+
+
+def _share(count: np.ndarray, denom: np.ndarray, unjudged: np.ndarray) -> np.ndarray:
+    """``count / denom`` (0 where nothing nonzero was recorded), NaN for not-judged rows."""
+    return np.where(unjudged, np.nan, np.nan_to_num(count / denom, nan=0.0))
+
+
+def steps_text(steps: Iterable[int]) -> str:
+    """Steps as ranges: ``[17, 18, 19, 23]`` -> ``17–19, 23``."""
+    values = sorted({int(s) for s in steps})
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def not_judged_text(module: Any, steps: Iterable[int]) -> str:
+    """``booster: not judged, held inf/NaN at steps 120–129`` (``step`` for one step)."""
+    values = sorted({int(s) for s in steps})
+    word = "step" if len(values) == 1 else "steps"
+    return f"{module}: not judged, held inf/NaN at {word} {steps_text(values)}"
 
 
 def compute_whatif(run: Any) -> pd.DataFrame:
@@ -589,7 +631,10 @@ def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     object-dtype copy of the frame.
     """
     columns = [
-        [None if value is None or pd.isna(value) else value for value in frame[name].tolist()]
+        [
+            value if isinstance(value, list) else None if value is None or pd.isna(value) else value
+            for value in frame[name].tolist()
+        ]
         for name in frame.columns
     ]
     names = list(frame.columns)

@@ -11,9 +11,13 @@ import pandas as pd
 from amprobe.analysis.whatif import (
     FORMATS,
     KINDS,
+    SCALINGS,
     compute_exponent_shares,
     compute_whatif,
     compute_whatif_frame,
+    layer_order,
+    not_judged_text,
+    steps_text,
 )
 from amprobe.report.registry import Section, section
 
@@ -29,6 +33,7 @@ __all__ = [
     "FORMAT_COLORS",
     "make_exponent_heatmap",
     "whatif_table",
+    "whatif_headline",
     "build_whatif_section",
 ]
 
@@ -46,6 +51,12 @@ FORMAT_COLORS: dict[str, tuple[str, str]] = {
 }
 _KIND_SUFFIX = {"output": "", "grad_output": " · output grad", "grad_param": " · param grad"}
 _MIN_LOG_SHARE = -6.0
+#: the lost share up to which the headline says a layer keeps its values
+KEEP_LOSS = 0.001
+#: not-judged layers named per group of steps in the headline (the rest are counted)
+MAX_NAMED = 8
+#: what a lost % cell of a layer that held inf/NaN says
+NOT_JUDGED = "not judged"
 MISSING = "no per-layer exponent histogram was recorded (the numerics table is empty)"
 TOLERANCE = (
     "Shares come from exponent-only histograms and classify values as a round-to-nearest cast "
@@ -64,28 +75,98 @@ def _labels(frame: pd.DataFrame) -> pd.Series:
     return frame["module"].astype(str) + frame["kind"].map(_KIND_SUFFIX).fillna("")
 
 
+#: what a missing row of a kind says on hover (the layer's other kinds were recorded)
+NOT_MEASURED: dict[str, str] = {
+    "output": "no activation histogram was recorded for this layer at any sampled step",
+    "grad_output": "no output-gradient histogram was recorded for this layer at any sampled "
+    "step (no gradient reached its output, or its backward was not hooked)",
+}
+#: cell colours of the rows that are not drawn by share
+GREY = "#9e9e9e"
+LIGHT_GREY = "#d9d9d9"
+RED = "#c62828"
+
+
+def _layer_facts(numerics: pd.DataFrame, wf: pd.DataFrame, kinds: tuple[str, ...]) -> pd.DataFrame:
+    """Per (module, kind) the heatmap could show, in forward execution order: ``status``
+    (``judged``, ``not judged``, ``zeros`` or ``not measured``), ``nonfinite``,
+    ``nonfinite_steps``, ``nonzero`` and, for ``not measured``, ``reason``.
+
+    A kind is expected for a layer when it was recorded for it, or (``output``) when the layer
+    was recorded at all, or (``grad_output``) when its output was recorded; parameter gradients
+    only where recorded (a layer without parameters has none).
+    """
+    order = layer_order(numerics)
+    seen = set(zip(numerics["module"].astype(str), numerics["kind"].astype(str), strict=True))
+    per = wf.drop_duplicates(["rank", "module", "kind"])
+    per = per.assign(module=per["module"].astype(str), kind=per["kind"].astype(str))
+    facts = per.groupby(["module", "kind"], sort=False).agg(
+        nonfinite=("nonfinite", "sum"),
+        nonzero=("nonzero", "sum"),
+        nonfinite_steps=("nonfinite_steps", lambda s: sorted({x for v in s for x in v})),
+    )
+    rows = []
+    for module in order:
+        for kind in kinds:
+            if (module, kind) in facts.index:
+                f = facts.loc[(module, kind)]
+                status = (
+                    "not judged"
+                    if f["nonfinite"] > 0
+                    else ("judged" if f["nonzero"] > 0 else "zeros")
+                )
+                rows.append((module, kind, status, int(f["nonfinite"]), f["nonfinite_steps"], ""))
+                continue
+            expected = (kind == "output" and (module, kind) not in seen) or (
+                kind == "grad_output" and (module, "output") in seen
+            )
+            if expected and kind in NOT_MEASURED:
+                rows.append((module, kind, "not measured", 0, [], NOT_MEASURED[kind]))
+    cols = ["module", "kind", "status", "nonfinite", "nonfinite_steps", "reason"]
+    out = pd.DataFrame(rows, columns=cols)
+    return out.assign(label=_labels(out).map(html.escape))
+
+
+def _flat(color: str) -> list[list[Any]]:
+    return [[0, color], [1, color]]
+
+
 def make_exponent_heatmap(
     numerics: pd.DataFrame, group: str = "activations", whatif: pd.DataFrame | None = None
 ) -> go.Figure:
     """Layers (execution order) x base-2 exponent, colour = share of the layer's values.
 
+    Shares are of each layer's nonzero finite values summed over the sampled steps (named in
+    the title); a cell with no values is white. Rows not drawn by share: a layer and kind that
+    held inf/NaN is not judged (its finite values in grey, the hover names the steps), a kind
+    that was not recorded for a layer whose other kinds were is "not measured" (a light grey
+    row, the reason on hover), one that held only zeros says so on hover. A last column,
+    ``inf/NaN``, is red for every row that held inf/NaN.
+
     Outlined on top: the representable windows (min subnormal .. max) of fp16, bf16, e4m3 and
-    e5m2 cast as-is, with a dotted line at each min normal; per row, a black segment marks the
-    fp8 window (e4m3 for activations, e5m2 for gradients) after that layer's per-tensor scale
-    (last sampled step). Layer names are HTML-escaped in axis and hover text.
+    e5m2 cast as-is, with a dotted line at each min normal; per judged row, a black segment
+    marks the fp8 window (e4m3 for activations, e5m2 for gradients) after that layer's
+    per-tensor scale (last sampled step). Layer names are HTML-escaped in axis and hover text.
 
     Args:
         numerics: a ``numerics`` table.
         group: a :data:`HEATMAP_GROUPS` key.
         whatif: :func:`amprobe.analysis.whatif.compute_whatif_frame` of ``numerics`` (computed
-            when not given), for the per-row scaled windows.
+            when not given), for the per-row scaled windows and the inf/NaN of each row.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
     title, kinds, scaled_fmt = HEATMAP_GROUPS[group]
     shares = compute_exponent_shares(numerics, kinds)
+    wf = whatif if whatif is not None else compute_whatif_frame(numerics)
+    picked = wf[wf["kind"].isin(list(kinds))] if len(wf) else wf
+    facts = (
+        _layer_facts(numerics, picked, kinds)
+        if len(picked)
+        else pd.DataFrame(columns=["label", "status"])
+    )
     fig = go.Figure()
-    if shares.empty:
+    if shares.empty and (facts.empty or (facts["status"] == "not measured").all()):
         fig.update_layout(
             title=f"Exponent range of {title}: not recorded",
             annotations=[
@@ -101,18 +182,30 @@ def make_exponent_heatmap(
         )
         return fig
     shares = shares.assign(label=_labels(shares).map(html.escape))
-    rows = list(dict.fromkeys(shares["label"]))
-    lo = int(min(shares["exponent"].min(), -26)) - 1
-    hi = int(max(shares["exponent"].max(), 16)) + 1
+    rows = list(dict.fromkeys([*facts["label"], *shares["label"]]))
+    status = dict(zip(facts["label"], facts["status"], strict=True))
+    lo = int(min(shares["exponent"].min(), -26)) - 1 if len(shares) else -27
+    hi = int(max(shares["exponent"].max(), 16)) + 1 if len(shares) else 17
     exps = list(range(lo, hi + 1))
     z = pd.DataFrame(float("nan"), index=rows, columns=exps)
+    grey = pd.DataFrame(float("nan"), index=rows, columns=exps)
     text = pd.DataFrame("", index=rows, columns=exps)
+    held = {
+        r.label: not_judged_text(r.label, r.nonfinite_steps) + f" ({r.nonfinite:,} inf/NaN values)"
+        for r in facts.itertuples()
+        if r.status == "not judged"
+    }
     for r in shares.itertuples():
-        z.loc[r.label, r.exponent] = math.log10(r.share) if r.share > 0 else _MIN_LOG_SHARE
-        text.loc[r.label, r.exponent] = (
+        cell = (
             f"{r.label}<br>2^{r.exponent} ≤ |x| < 2^{r.exponent + 1}<br>"
             f"{r.share:.3%} of values ({r.count:,})"
         )
+        if r.label in held:
+            grey.loc[r.label, r.exponent] = 1.0
+            text.loc[r.label, r.exponent] = f"{held[r.label]}<br>of its finite values:<br>{cell}"
+            continue
+        z.loc[r.label, r.exponent] = math.log10(r.share) if r.share > 0 else _MIN_LOG_SHARE
+        text.loc[r.label, r.exponent] = cell
     ticks = list(range(int(_MIN_LOG_SHARE), 1))
     fig.add_trace(
         go.Heatmap(
@@ -132,8 +225,53 @@ def make_exponent_heatmap(
             name="share of values",
         )
     )
-    # per-row scaled fp8 window
-    wf = whatif if whatif is not None else compute_whatif_frame(numerics)
+    # rows not drawn by share: not judged (grey, over its finite values), not measured and
+    # zeros-only (a whole row, light grey or white)
+    for label, s in status.items():
+        if s == "not measured" or s == "zeros":
+            grey.loc[label, :] = 0.0 if s == "not measured" else -1.0
+            reason = facts.loc[facts["label"] == label, "reason"].iloc[0]
+            text.loc[label, :] = (
+                f"{label}: not measured, {reason}"
+                if s == "not measured"
+                else f"{label}: every recorded value was exactly 0 (nothing to cast)"
+            )
+        elif s == "not judged" and grey.loc[label].isna().all():
+            grey.loc[label, :] = 0.0  # only inf/NaN recorded: no finite value to place
+            text.loc[label, :] = held[label]
+    if grey.notna().any().any():
+        fig.add_trace(
+            go.Heatmap(
+                z=grey.to_numpy(),
+                x=exps,
+                y=rows,
+                text=text.to_numpy(),
+                hoverinfo="text",
+                colorscale=[[0, "white"], [0.5, LIGHT_GREY], [1, GREY]],
+                zmin=-1,
+                zmax=1,
+                showscale=False,
+                name="not judged (held inf/NaN) or not measured",
+            )
+        )
+    # the inf/NaN column, right of the exponents
+    bad = [held.get(label) for label in rows]
+    inf_x = hi + 2
+    fig.add_trace(
+        go.Heatmap(
+            z=[[1.0] if b else [float("nan")] for b in bad],
+            x=[inf_x],
+            y=rows,
+            text=[[b or ""] for b in bad],
+            hoverinfo="text",
+            colorscale=_flat(RED),
+            zmin=0,
+            zmax=1,
+            showscale=False,
+            name="held inf/NaN",
+        )
+    )
+    # per-row scaled fp8 window, for the rows judged
     fmt = FORMATS[scaled_fmt]
     sel = wf[
         wf["kind"].isin(list(kinds))
@@ -146,7 +284,7 @@ def make_exponent_heatmap(
         xs: list[Any] = []
         ys: list[Any] = []
         for label, k in zip(labels, sel["scale_exp"], strict=True):
-            if label in rows:
+            if status.get(label, "judged") == "judged" and label in rows:
                 xs += [fmt.min_subnormal_exp - int(k) - 0.5, fmt.top_exp - int(k) + 0.5, None]
                 ys += [label, label, None]
         fig.add_trace(
@@ -199,10 +337,23 @@ def make_exponent_heatmap(
                 ),
             )
         )
+    sampled = numerics.loc[numerics["kind"].isin(list(kinds)), "step"].dropna().unique()
+    step_word = "step" if len(sampled) == 1 else "steps"
+    tickvals = [e for e in exps if e % 8 == 0] + [inf_x]
     fig.update_layout(
-        title={"text": f"Exponent range of {title} per layer, with each format's window"},
-        xaxis_title="base-2 exponent of |x| (bin e holds 2^e ≤ |x| < 2^(e+1))",
+        title={
+            "text": f"Exponent range of {title} per layer, with each format's window"
+            f"<br><sup>summed over sampled {step_word} {steps_text(sampled)}; grey: not judged "
+            "(held inf/NaN) or not measured</sup>"
+        },
+        xaxis={
+            "title": "base-2 exponent of |x| (bin e holds 2^e ≤ |x| < 2^(e+1))",
+            "tickvals": tickvals,
+            "ticktext": [str(e) for e in tickvals[:-1]] + ["inf/NaN"],
+            "range": [lo - 0.5, inf_x + 0.5],
+        },
         yaxis={"autorange": "reversed", "type": "category"},
+        plot_bgcolor="white",
         height=max(360, 22 * len(rows) + 260),
         margin={"t": 160},
         legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
@@ -211,22 +362,94 @@ def make_exponent_heatmap(
 
 
 def whatif_table(whatif: pd.DataFrame) -> pd.DataFrame:
-    """One row per layer and kind: range and lost (overflow + flush) % per format and scaling."""
+    """One row per layer and kind: range and lost (overflow + flush) % per format and scaling.
+
+    A layer and kind that held inf/NaN is not judged: its lost % cells say ``not judged`` and
+    its ``inf/NaN`` cell names the sampled steps at which it held them.
+    """
     if whatif.empty:
         return pd.DataFrame()
     keys = ["rank", "module", "kind"]
-    base = whatif.drop_duplicates(keys)[[*keys, "dtype", "min_exp", "max_exp", "nonzero"]]
-    wide = whatif.assign(col=whatif["format"] + " " + whatif["scaling"] + " lost %").pivot_table(
-        index=keys, columns="col", values="lost_share", sort=False
+    facts = ["dtype", "min_exp", "max_exp", "nonzero", "judged", "nonfinite", "nonfinite_steps"]
+    base = whatif.drop_duplicates(keys)[[*keys, *facts]].reset_index(drop=True)
+    # unstack keeps the null shares of layers not judged (pivot_table would drop them)
+    wide = (
+        whatif.assign(col=whatif["format"] + " " + whatif["scaling"] + " lost %")
+        .drop_duplicates([*keys, "col"])
+        .set_index([*keys, "col"])["lost_share"]
+        .unstack("col")
     )
-    wide = (wide * 100).round(4)
-    cols = [f"{f} {s} lost %" for f in FORMATS for s in ("none", "per-tensor")]
-    wide = wide[[c for c in cols if c in wide.columns]].reset_index()
-    out = base.merge(wide, on=keys, how="left")
+    wide = (wide * 100).round(4).reindex(pd.MultiIndex.from_frame(base[keys]))
+    cols = [c for c in (f"{f} {s} lost %" for f in FORMATS for s in SCALINGS) if c in wide]
+    wide = wide[cols].reset_index(drop=True).astype(object)
+    judged = base["judged"].astype(bool).to_numpy()
+    wide.loc[~judged, :] = NOT_JUDGED
+    out = pd.concat([base[[*keys, "dtype", "min_exp", "max_exp", "nonzero"]], wide], axis=1)
+    out["inf/NaN"] = [
+        "0" if ok else f"{int(n):,} at {_steps_word(steps)}: not judged"
+        for ok, n, steps in zip(judged, base["nonfinite"], base["nonfinite_steps"], strict=True)
+    ]
     out["kind"] = out["kind"].map(KINDS).fillna(out["kind"])
     if out["rank"].nunique() == 1:
         out = out.drop(columns="rank")
     return out
+
+
+def _names(modules: list[str]) -> str:
+    """``a, b and c``, at most :data:`MAX_NAMED` named."""
+    shown = modules[:MAX_NAMED]
+    if len(modules) > MAX_NAMED + 1:  # "and 1 more" would be longer than the name
+        return ", ".join(shown) + f" and {len(modules) - MAX_NAMED} more"
+    shown = modules
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+
+
+def _steps_word(steps: Any) -> str:
+    values = list(steps) if isinstance(steps, (list, tuple)) else []
+    return ("step " if len(values) == 1 else "steps ") + steps_text(values)
+
+
+def whatif_headline(whatif: pd.DataFrame) -> list[str]:
+    """Per fp8 kind: how many judged layers keep their values; the not-judged layers, named.
+
+    A layer and kind that held inf/NaN is left out of the count and named with the sampled
+    steps at which it held them (``booster: not judged, held inf/NaN at steps 120–129``).
+    """
+    text = []
+    scaled = whatif[whatif["scaling"] == "per-tensor"]
+    for kind, fmt in (("output", "e4m3"), ("grad_output", "e5m2")):
+        rows = scaled[(scaled["kind"] == kind) & (scaled["format"] == fmt)]
+        if not len(rows):
+            continue
+        # one entry per layer over the ranks: judged on every rank, its worst loss, every step
+        part = rows.groupby("module", sort=False).agg(
+            judged=("judged", "all"),
+            lost_share=("lost_share", "max"),
+            nonfinite_steps=("nonfinite_steps", lambda s: sorted({x for v in s for x in v})),
+        )
+        part = part.reset_index()
+        judged = part[part["judged"].astype(bool)]
+        skipped = part[~part["judged"].astype(bool)]
+        what = f"{KINDS[kind]}s in {FORMATS[fmt].label} with per-tensor scaling"
+        if len(judged):
+            fit = int((judged["lost_share"] <= KEEP_LOSS + 1e-12).sum())
+            of = f"{len(judged)} judged" if len(skipped) else f"{len(part)}"
+            line = f"{fit} of {of} layers keep ≥ {(1 - KEEP_LOSS) * 100:.3g} % of their {what}."
+        else:
+            line = (
+                f"No layer's {KINDS[kind]}s can be judged for {FORMATS[fmt].label}: every one "
+                "held inf/NaN."
+            )
+        if len(skipped):
+            # layers that held inf/NaN at the same steps are named together
+            by_steps: dict[tuple[int, ...], list[str]] = {}
+            for m, steps in zip(skipped["module"], skipped["nonfinite_steps"], strict=True):
+                by_steps.setdefault(tuple(steps), []).append(str(m))
+            named = [not_judged_text(_names(ms), steps) for steps, ms in by_steps.items()]
+            left = f" Left out, {len(skipped)} of {len(part)}: " if len(judged) else " "
+            line += left + "; ".join(named) + "."
+        text.append(line)
+    return text
 
 
 @section("whatif", order=35, tab="Precision what-if")
@@ -237,16 +460,7 @@ def build_whatif_section(run: Run, diagnosis: Diagnosis) -> Section:
     whatif = compute_whatif(run)
     if whatif.empty:
         return Section(key="whatif", title=title, missing=MISSING)
-    text = []
-    scaled = whatif[whatif["scaling"] == "per-tensor"]
-    for kind, fmt in (("output", "e4m3"), ("grad_output", "e5m2")):
-        part = scaled[(scaled["kind"] == kind) & (scaled["format"] == fmt)]
-        if len(part):
-            fit = int((part["lost_share"] <= 0.001).sum())
-            text.append(
-                f"{fit} of {len(part)} layers keep ≥ 99.9 % of their {KINDS[kind]}s in "
-                f"{FORMATS[fmt].label} with per-tensor scaling."
-            )
+    text = whatif_headline(whatif)
     text.append(TOLERANCE)
     figures = tuple(
         make_exponent_heatmap(numerics, group, whatif)

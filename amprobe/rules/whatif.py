@@ -21,6 +21,7 @@ from amprobe.analysis.whatif import (
     KINDS,
     compute_fp16_gradient_fit,
     compute_whatif,
+    not_judged_text,
 )
 from amprobe.rules.data import autocast_dtypes, per_rank
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
@@ -75,8 +76,9 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     whose type looks like a matmul (Linear, Conv, ...). Columns: ``module``, ``module_type``,
     ``order``, ``flops_share`` (None when not recorded) and per kind of
     :data:`FP8_FORMAT_BY_KIND`: ``<kind>_lost`` (overflow + flush share of the finite nonzero
-    values), ``<kind>_flush``, ``<kind>_range`` (None where the kind was not recorded) and
-    ``<kind>_nonfinite`` (NaN + inf values recorded). Computed once per run and rank (AMP-P01
+    values), ``<kind>_flush``, ``<kind>_range`` (None where the kind was not recorded or held
+    inf/NaN: not judged), ``<kind>_nonfinite`` (NaN + inf values recorded) and
+    ``<kind>_nonfinite_steps`` (the sampled steps at which it held them). Computed once per run and rank (AMP-P01
     and AMP-P02 both read it).
     """
     return run.cached(f"fp8_layer_table:{rank}", lambda r: _fp8_layer_table(r, rank))  # type: ignore[no-any-return]
@@ -91,6 +93,7 @@ _FP8_COLUMNS = (
     "order",
     "nonzero",
     "nonfinite",
+    "nonfinite_steps",
     "lost_share",
     "flush_share",
     "min_exp",
@@ -132,17 +135,20 @@ def _fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
         }
         for kind in FP8_FORMAT_BY_KIND:
             sel = picked[kind].get(module)
-            if sel is None or int(sel["nonzero"]) == 0:
+            row[f"{kind}_nonfinite"] = 0 if sel is None else int(sel["nonfinite"])
+            row[f"{kind}_nonfinite_steps"] = [] if sel is None else list(sel["nonfinite_steps"])
+            if sel is None or int(sel["nonzero"]) == 0 or int(sel["nonfinite"]) > 0:
+                # not recorded, nothing nonzero, or held inf/NaN: not judged
                 row[f"{kind}_lost"] = row[f"{kind}_flush"] = row[f"{kind}_range"] = None
-                row[f"{kind}_nonfinite"] = 0 if sel is None else int(sel["nonfinite"])
                 continue
-            row[f"{kind}_nonfinite"] = int(sel["nonfinite"])
             row[f"{kind}_lost"] = float(sel["lost_share"])
             row[f"{kind}_flush"] = float(sel["flush_share"])
             row[f"{kind}_range"] = exp_range(sel["min_exp"], sel["max_exp"])
         rows.append(row)
     cols = ["module", "module_type", "order", "flops_share"] + [
-        f"{k}_{c}" for k in FP8_FORMAT_BY_KIND for c in ("lost", "flush", "range", "nonfinite")
+        f"{k}_{c}"
+        for k in FP8_FORMAT_BY_KIND
+        for c in ("lost", "flush", "range", "nonfinite", "nonfinite_steps")
     ]
     table = pd.DataFrame(rows, columns=cols).sort_values("order", kind="stable")
     if flops is None:
@@ -157,6 +163,24 @@ def _ranks(run: Run) -> list[int]:
 
 def _pct(share: float) -> str:
     return f"{share * 100:.3g} %"
+
+
+def _not_judged(table: pd.DataFrame, per_kind: bool = False) -> list[str]:
+    """``proj: not judged, held inf/NaN at steps 17–23`` for each layer of an fp8 layer table
+    whose activations or output gradients held inf/NaN (the steps of both kinds); with
+    ``per_kind``, one entry per kind (``proj output gradients: not judged, ...``)."""
+    out = []
+    for r in table.to_dict("records"):
+        held = [kind for kind in FP8_FORMAT_BY_KIND if r[f"{kind}_nonfinite"]]
+        if per_kind:
+            out += [
+                not_judged_text(f"{r['module']} {KINDS[k]}s", r[f"{k}_nonfinite_steps"])
+                for k in held
+            ]
+        elif held:
+            steps = {s for kind in held for s in r[f"{kind}_nonfinite_steps"]}
+            out.append(not_judged_text(r["module"], steps))
+    return out
 
 
 # -- requirement --------------------------------------------------------------------------------
@@ -189,7 +213,8 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
     step. A layer is a candidate when both are at least ``min_representable_share``; a layer
     without a recorded output gradient is not a candidate (not measured), nor is one whose
     recorded activations or output gradients held NaN/inf (its range cannot be judged; listed
-    in ``not_judged_nonfinite``). FLOPs shares come from ``compute_ops`` (last captured step)
+    in ``not_judged_nonfinite``, and in the title and ``not_judged`` with the sampled steps at
+    which it held them). FLOPs shares come from ``compute_ops`` (last captured step)
     when recorded.
     """
     th = ctx.thresholds
@@ -210,6 +235,7 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
         good = table[ok]
         if good.empty:
             continue
+        not_judged = _not_judged(table)
         flops_known = table["flops_share"].notna().any()
         share = float(good["flops_share"].fillna(0).sum()) if flops_known else None
         names = [str(m) for m in good["module"]]
@@ -219,11 +245,14 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
             if share is not None
             else "; their matmul FLOPs were not recorded"
         )
+        judged = len(table) - int(nonfinite.sum())
+        of = f"{judged} judged" if not_judged else f"{len(table)}"
         yield ctx.finding(
             title=(
-                f"{len(good)} of {len(table)} matmul layer(s) keep ≥ "
+                f"{len(good)} of {of} matmul layer(s) keep ≥ "
                 f"{_pct(th['min_representable_share'])} of their values in fp8 with per-tensor "
                 f"scaling (e4m3 activations, e5m2 gradients): {shown}{flops_text}"
+                + "".join(f"; {text}" for text in not_judged)
             ),
             evidence={
                 "rank": rank,
@@ -242,6 +271,7 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
                 "candidate_flops_share": None if share is None else round(share, 4),
                 "matmul_layers": len(table),
                 "not_judged_nonfinite": [str(m) for m in table.loc[nonfinite, "module"]],
+                "not_judged": not_judged,
                 "flops_source": source,
                 "min_representable_share": th["min_representable_share"],
                 "scaling": "per-tensor power of two from each step's amax",
@@ -271,7 +301,9 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
     nonzero activations (e4m3) or output gradients (e5m2) would flush to zero or saturate with
     the amax-based per-tensor scale (with that scale nothing saturates, so what is lost is the
     small values: the range below ``amax`` is wider than the format's). The title names the
-    worst layer and its measured range in powers of two.
+    worst layer and its measured range in powers of two. A layer's activations or output
+    gradients that held inf/NaN are not judged; the title and ``not_judged`` name them with the
+    sampled steps at which they held them.
     """
     th = ctx.thresholds
     run = ctx.run
@@ -300,6 +332,7 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
                     )
         if not found:
             continue
+        not_judged = _not_judged(table, per_kind=True)
         found.sort(key=lambda x: -x["lost_share"])
         worst = found[0]
         what = (
@@ -311,12 +344,13 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
             title=(
                 f"{worst['module']} {worst['tensor']}s span {worst['range']}: "
                 f"{_pct(worst['lost_share'])} would {what} in {worst['format']} even with "
-                f"per-tensor scaling{more}"
+                f"per-tensor scaling{more}" + "".join(f"; {text}" for text in not_judged)
             ),
             evidence={
                 "rank": rank,
                 "layers": found[: int(th["max_layers"])],
                 "layers_affected": len(layers),
+                "not_judged": not_judged,
                 "max_lost_share": th["max_lost_share"],
                 "flops_source": source,
                 "scaling": "per-tensor power of two from each step's amax",
@@ -362,6 +396,9 @@ def check_fp16_range(ctx: RuleContext) -> Iterator[Finding]:
       step (the largest power of two keeping the step's largest gradient under 65504, see
       :func:`amprobe.analysis.whatif.compute_fp16_gradient_fit`) the share of nonzero gradients
       that would still flush to zero > ``max_underflow_share``: no loss scale keeps both ends.
+
+    A layer's tensor kind that held inf/NaN at a sampled step is not judged: left out of both
+    checks and named, with those steps, in the title and ``not_judged``.
     """
     run = ctx.run
     if not _is_bf16_run(run):
@@ -371,6 +408,21 @@ def check_fp16_range(ctx: RuleContext) -> Iterator[Finding]:
     numerics = run.table("numerics")
     for rank, frame in per_rank(numerics):
         wf = whatif[(whatif["rank"] == rank) & (whatif["format"] == "fp16")]
+        # layers and kinds that held inf/NaN are not judged: left out of both checks
+        held = wf[(wf["scaling"] == "none") & ~wf["judged"].astype(bool)]
+        not_judged = [
+            not_judged_text(f"{m} {KINDS.get(str(k), str(k))}s", steps)
+            for m, k, steps in zip(
+                held["module"], held["kind"], held["nonfinite_steps"], strict=True
+            )
+        ]
+        skip = set(zip(held["module"], held["kind"], strict=True))
+        if skip:
+            keys = pd.Series(
+                list(zip(frame["module"], frame["kind"], strict=True)), index=frame.index
+            )
+            frame = frame[~keys.isin(skip)]
+        wf = wf[wf["judged"].astype(bool)]
         acts = wf[(wf["kind"] == "output") & (wf["scaling"] == "none")]
         act_total = int(acts["nonzero"].sum())
         act_over = int(acts["overflow"].sum())
@@ -419,9 +471,10 @@ def check_fp16_range(ctx: RuleContext) -> Iterator[Finding]:
                 f"65504 (2^{scale_exp}) {_pct(grad_share)} would still flush to zero in fp16"
             )
         yield ctx.finding(
-            title="this bf16 run would not fit fp16: " + "; ".join(parts),
+            title="this bf16 run would not fit fp16: " + "; ".join(parts + not_judged),
             evidence={
                 "rank": rank,
+                "not_judged": not_judged,
                 "activation_overflow_share": round(over_share, 6),
                 "overflowing_layers": [
                     {
