@@ -118,3 +118,33 @@ def test_hand_written_pages_link_to_the_reference_instead_of_repeating_it() -> N
     assert not re.search(r"^\| AMP-N0\d \|", findings, flags=re.MULTILINE)
     assert "reference/configuration.md" in (DOCS / "configuration.md").read_text()
     assert "reference/recorded.md" in (DOCS / "recorded.md").read_text()
+
+
+# -- README: the page a user reads first ------------------------------------------------------
+
+
+def test_readme_is_short_and_links_every_docs_page() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) < 250
+    links = set(re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme))
+    local = {link for link in links if not re.match(r"[a-z]+://", link)}
+    assert [link for link in local if not (REPO / link).exists()] == [], "broken links in README"
+    pages = {
+        str(p.relative_to(REPO))
+        for p in DOCS.rglob("*.md")
+        if "_build" not in p.parts and p.name != "index.md"
+    }
+    assert pages - local == set(), "docs pages README does not link"
+
+
+def test_readme_quick_start_commands_are_what_ci_runs() -> None:
+    """The two quick-start commands are kept verbatim; `.ci/run` ends in the same test command."""
+    readme = (REPO / "README.md").read_text()
+    install = (
+        'python -c "import torch" 2>/dev/null || pip install torch==2.13.0; pip install -e ".[dev]"'
+    )
+    assert f"{install} && amprobe demo\n" in readme
+    assert f"{install} && python -m pytest\n" in readme
+    ci = (REPO / ".ci" / "run").read_text()
+    assert 'pip install --quiet -e ".[dev]"' in ci
+    assert ci.rstrip().endswith('"$PY" -m pytest')
