@@ -44,12 +44,17 @@ _CODE = re.compile(r"(``[^`]+``|`[^`]+`)")
 _URL = re.compile(r"https?://\S+")
 
 
-def _markdown(text: str) -> str:
+def _markdown(text: str, constants: dict[str, Any] | None = None) -> str:
     """A Google-style docstring's text as Markdown: RST roles and literals become code spans,
-    and characters Markdown would read as markup outside code are escaped."""
+    and characters Markdown would read as markup outside code are escaped. ``:data:`` roles
+    naming a number or string in ``constants`` become its value."""
 
     def role(match: re.Match[str]) -> str:  # :func:`~a.b.c` -> `c`, :mod:`a.b` -> `a.b`
         target = match.group(2)
+        value = (constants or {}).get(target.rsplit(".", 1)[-1])
+        if match.group(0).startswith(":data:") and isinstance(value, (int, float, str)):
+            unit = " s" if target.endswith("_S") else ""  # FLUSH_MIN_SPACING_S: seconds
+            return (f"{value:g}" if isinstance(value, float) else str(value)) + unit
         return f"``{target.rsplit('.', 1)[-1] if match.group(1) else target}``"
 
     text = _ROLE.sub(role, text)
@@ -76,8 +81,12 @@ def _doc(obj: Any) -> str:
 
 
 def _cell(text: str) -> str:
-    """One table cell: a single line, pipes escaped."""
-    return " ".join(_markdown(text).split())
+    """One table cell: a single line, pipes escaped (inside code spans too, as tables need)."""
+    return _pipes(" ".join(_markdown(text).split()))
+
+
+def _pipes(text: str) -> str:
+    return re.sub(r"(?<!\\)\|", r"\\|", text)
 
 
 def _slug(text: str) -> str:
@@ -318,6 +327,7 @@ def _default(field: dataclasses.Field[Any]) -> str:
 
 def render_config() -> str:
     """docs/reference/configuration.md: every ``amprobe.Config`` key, its type, default, doc."""
+    from amprobe import config as config_module
     from amprobe.config import LIST_KEYS, Config
 
     docs = _attribute_docs(Config.__doc__ or "")
@@ -337,10 +347,13 @@ def render_config() -> str:
     )
     out.append("| key | type | default |\n|---|---|---|\n")
     for f in fields:
-        out.append(f"| [`{f.name}`](#{_slug(f.name)}) | `{f.type}` | {_default(f)} |\n")
+        out.append(
+            f"| [`{f.name}`](#{_slug(f.name)}) | {_pipes(f'`{f.type}`')} | {_default(f)} |\n"
+        )
     for f in fields:
         out.append(f"\n## {f.name}\n\n")
-        out.append(f"Type `{f.type}`, default {_default(f)}.\n\n{_markdown(docs[f.name])}\n")
+        text = _markdown(docs[f.name], vars(config_module))
+        out.append(f"Type `{f.type}`, default {_default(f)}.\n\n{text[:1].upper()}{text[1:]}\n")
     return "".join(out)
 
 
