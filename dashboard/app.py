@@ -42,10 +42,21 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         Output(ids.RUN_LIST_PAGES, "children"),
         Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
         Input(ids.RUN_LIST_TABLE, "page_current"),
+        Input(ids.RUN_LIST_TABLE, "sort_by"),
+        Input(ids.RUN_LIST_SEARCH, "value"),
         prevent_initial_call=True,
     )
-    def _run_list(n, page_current):  # type: ignore[no-untyped-def]
-        return callbacks.refresh_run_list(ctx, n, page_current)
+    def _run_list(n, page_current, sort_by, search):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_run_list(ctx, n, page_current, sort_by, search)
+
+    @app.callback(
+        Output(ids.RUN_LIST_TABLE, "page_current"),
+        Input(ids.RUN_LIST_SEARCH, "value"),
+        Input(ids.RUN_LIST_TABLE, "sort_by"),
+        prevent_initial_call=True,
+    )
+    def _run_list_first_page(search, sort_by):  # type: ignore[no-untyped-def]
+        return callbacks.first_page(search, sort_by)
 
     @app.callback(
         Output(ids.FINDINGS, "children"),
@@ -107,6 +118,16 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
     )
     def _compare(a, b):  # type: ignore[no-untyped-def]
         return callbacks.compare_runs(ctx, a, b)
+
+    @app.callback(
+        Output(ids.COMPARE_NUMBERS, "children"),
+        Output(ids.COMPARE_GRAPH, "style"),
+        Output(ids.COMPARE_URL, "search"),
+        Input(ids.COMPARE_A, "value"),
+        Input(ids.COMPARE_B, "value"),
+    )
+    def _compare_numbers(a, b):  # type: ignore[no-untyped-def]
+        return callbacks.compare_numbers(ctx, a, b)
 
     app.server.config["AMPROBE_ROOT"] = str(base)
     return app
