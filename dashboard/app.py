@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from dash import MATCH, Dash, Input, Output, State
+from dash import ctx as dash_ctx
 
 from dashboard import callbacks, ids, layout
 
@@ -120,14 +121,18 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         return callbacks.compare_runs(ctx, a, b)
 
     @app.callback(
+        Output(ids.COMPARE_A, "value"),
+        Output(ids.COMPARE_B, "value"),
         Output(ids.COMPARE_NUMBERS, "children"),
         Output(ids.COMPARE_GRAPH, "style"),
         Output(ids.COMPARE_URL, "search"),
         Input(ids.COMPARE_A, "value"),
         Input(ids.COMPARE_B, "value"),
+        Input(ids.COMPARE_URL, "search"),
     )
-    def _compare_numbers(a, b):  # type: ignore[no-untyped-def]
-        return callbacks.compare_numbers(ctx, a, b)
+    def _compare_state(a, b, search):  # type: ignore[no-untyped-def]
+        from_url = dash_ctx.triggered_id == ids.COMPARE_URL
+        return callbacks.compare_state(ctx, a, b, search, from_url)
 
     app.server.config["AMPROBE_ROOT"] = str(base)
     return app

@@ -39,6 +39,7 @@ __all__ = [
     "export_report",
     "compare_runs",
     "compare_numbers",
+    "compare_state",
     "first_page",
     "whatif_heatmap",
 ]
@@ -246,3 +247,22 @@ def compare_numbers(ctx: Context, a: str | None, b: str | None) -> tuple[Any, di
     except (RunAccessError, amprobe.RunLoadError):
         return None, layout.HIDDEN, search  # the note says why (compare_runs)
     return layout.build_compare_numbers(comparison, (a, b)), {}, search
+
+
+def compare_state(
+    ctx: Context, a: str | None, b: str | None, search: str | None, from_url: bool
+) -> tuple[Any, ...]:
+    """The compare page's choices, numbers, graph style and URL, kept in step both ways.
+
+    A choice in a dropdown goes to the URL (``from_url`` False); a URL that changed under the
+    page (the browser's back and forward buttons, ``from_url`` True) sets the dropdowns.
+    Returns ``(a, b, numbers, graph style, URL search)``, ``no_update`` where nothing changes.
+    """
+    if not from_url:
+        return (no_update, no_update, *compare_numbers(ctx, a, b))
+    query = parse_qs((search or "").lstrip("?"))
+    url_a, url_b = (query.get(k, [None])[0] for k in ("a", "b"))
+    numbers, style, _ = compare_numbers(ctx, url_a, url_b)
+    if (url_a, url_b) == (a, b):  # the page's own URL, read as the page mounts
+        return (no_update, no_update, numbers, style, no_update)
+    return (url_a, url_b, numbers, style, no_update)

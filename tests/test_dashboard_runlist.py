@@ -195,6 +195,21 @@ def test_compare_page_hides_the_graph_until_two_runs_are_chosen(ctx: callbacks.C
     assert find(page, ids.COMPARE_GRAPH).style == {}
 
 
+def test_compare_choices_and_url_follow_each_other(ctx: callbacks.Context) -> None:
+    from dash import no_update
+
+    # a dropdown changed: the URL follows
+    out = callbacks.compare_state(ctx, "healthy", "bf16", "?a=healthy", from_url=False)
+    assert out[:2] == (no_update, no_update) and out[3:] == ({}, "?a=healthy&b=bf16")
+    # the URL changed (back, forward): the dropdowns follow, the URL is left alone
+    out = callbacks.compare_state(ctx, "healthy", "bf16", "?a=healthy", from_url=True)
+    assert out[:2] == ("healthy", None) and out[3:] == (layout.HIDDEN, no_update)
+    # the page's own URL read as it mounts: the numbers, nothing else changes
+    out = callbacks.compare_state(ctx, "healthy", "bf16", "?a=healthy&b=bf16", from_url=True)
+    assert out[:2] == (no_update, no_update) and out[3:] == ({}, no_update)
+    assert "A (baseline): healthy" in texts(out[2])
+
+
 # -- ranks ----------------------------------------------------------------------------------------
 def test_ranks_legend_is_in_words_one_colour_per_rank(tmp_path: Path) -> None:
     run_dir = tmp_path / "two-ranks"
@@ -269,6 +284,15 @@ def test_compare_url_state_and_run_list_sort_search_in_chromium(root: Path) -> N
                 amprobe.load_run(root / "healthy"), amprobe.load_run(root / "bf16")
             )["speedup"]
             assert f"speedup {speedup:.2f}x" in text(ids.COMPARE_NUMBERS)
+            # back and forward follow the URL
+            driver.back()
+            wait.until(lambda d: d.execute_script("return window.location.search") == "?a=healthy")
+            wait.until(lambda d: "bf16" not in text(ids.COMPARE_B))
+            wait.until(lambda d: not d.find_element(By.ID, ids.COMPARE_GRAPH).is_displayed())
+            assert "speedup" not in text(ids.COMPARE_NUMBERS)
+            driver.forward()
+            wait.until(lambda d: "bf16" in text(ids.COMPARE_B))
+            wait.until(lambda d: f"speedup {speedup:.2f}x" in text(ids.COMPARE_NUMBERS))
             # the URL brings the same choice back
             driver.get(driver.current_url)
             wait.until(lambda d: f"speedup {speedup:.2f}x" in text(ids.COMPARE_NUMBERS))
