@@ -176,7 +176,7 @@ RUN_COLUMNS = (
 #: column widths at 1440 px: the name and the worst finding take what is left
 _RUN_COLUMN_WIDTHS = {
     "status": "125px",
-    "started": "175px",
+    "started": "200px",
     "duration": "130px",
     "steps": "70px",
     "device": "150px",
