@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from dash import MATCH, Dash, Input, Output, State
+from dash import ctx as dash_ctx
 
 from dashboard import callbacks, ids, layout
 
@@ -42,10 +43,21 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         Output(ids.RUN_LIST_PAGES, "children"),
         Input(ids.RUN_LIST_INTERVAL, "n_intervals"),
         Input(ids.RUN_LIST_TABLE, "page_current"),
+        Input(ids.RUN_LIST_TABLE, "sort_by"),
+        Input(ids.RUN_LIST_SEARCH, "value"),
         prevent_initial_call=True,
     )
-    def _run_list(n, page_current):  # type: ignore[no-untyped-def]
-        return callbacks.refresh_run_list(ctx, n, page_current)
+    def _run_list(n, page_current, sort_by, search):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_run_list(ctx, n, page_current, sort_by, search)
+
+    @app.callback(
+        Output(ids.RUN_LIST_TABLE, "page_current"),
+        Input(ids.RUN_LIST_SEARCH, "value"),
+        Input(ids.RUN_LIST_TABLE, "sort_by"),
+        prevent_initial_call=True,
+    )
+    def _run_list_first_page(search, sort_by):  # type: ignore[no-untyped-def]
+        return callbacks.first_page(search, sort_by)
 
     @app.callback(
         Output(ids.FINDINGS, "children"),
@@ -107,6 +119,20 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
     )
     def _compare(a, b):  # type: ignore[no-untyped-def]
         return callbacks.compare_runs(ctx, a, b)
+
+    @app.callback(
+        Output(ids.COMPARE_A, "value"),
+        Output(ids.COMPARE_B, "value"),
+        Output(ids.COMPARE_NUMBERS, "children"),
+        Output(ids.COMPARE_GRAPH, "style"),
+        Output(ids.COMPARE_URL, "search"),
+        Input(ids.COMPARE_A, "value"),
+        Input(ids.COMPARE_B, "value"),
+        Input(ids.COMPARE_URL, "search"),
+    )
+    def _compare_state(a, b, search):  # type: ignore[no-untyped-def]
+        from_url = dash_ctx.triggered_id == ids.COMPARE_URL
+        return callbacks.compare_state(ctx, a, b, search, from_url)
 
     app.server.config["AMPROBE_ROOT"] = str(base)
     return app

@@ -9,7 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlencode
 
 import plotly.graph_objects as go
 from dash import dcc, no_update
@@ -17,6 +17,7 @@ from dash import dcc, no_update
 import amprobe
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report import render_html
+from amprobe.rules.compare import compare_runs as compare_pair
 from amprobe.store.loader import empty_frame
 from dashboard import layout
 from dashboard.figures import (
@@ -37,6 +38,9 @@ __all__ = [
     "page_table",
     "export_report",
     "compare_runs",
+    "compare_numbers",
+    "compare_state",
+    "first_page",
     "whatif_heatmap",
 ]
 
@@ -91,15 +95,35 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
 
 
 def refresh_run_list(
-    ctx: Context, _n: int | None, page_current: int | None = 0
+    ctx: Context,
+    _n: int | None,
+    page_current: int | None = 0,
+    sort_by: list[dict[str, str]] | None = None,
+    search: str | None = None,
 ) -> tuple[list[dict[str, str]], int, str]:
     """Page ``page_current`` (0-based, the table's own) of the run list, re-read.
+
+    Args:
+        sort_by: the table's ``sort_by`` (``[{"column_id": .., "direction": "asc"|"desc"}]``;
+            empty: by name).
+        search: keep the runs whose name holds this text.
 
     Only runs whose files changed are read again. Returns ``(table data, page count,
     "M runs" text)``.
     """
-    listing = ctx.cache.page((page_current or 0) + 1)
+    order: dict[str, str] = sort_by[0] if sort_by else {}
+    listing = ctx.cache.page(
+        (page_current or 0) + 1,
+        sort=order.get("column_id"),
+        descending=order.get("direction") == "desc",
+        search=search,
+    )
     return layout.run_rows(listing.rows), listing.pages, layout.pages_text(listing)
+
+
+def first_page(_search: str | None, _sort_by: Any) -> int:
+    """The run list's page (0-based) after its search or sort changed: the first."""
+    return 0
 
 
 def filter_findings(
@@ -191,9 +215,10 @@ def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple
 
 
 def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure, str]:
-    """Two runs overlaid (step time, loss, scale), or a note saying what is missing."""
+    """Two runs overlaid (step time, loss, scale), or a note saying what is missing (the graph
+    is hidden then: :func:`compare_numbers`)."""
     if not a or not b:
-        return make_compare_figure(_no_steps(), _no_steps()), "choose two runs"
+        return make_compare_figure(_no_steps(), _no_steps()), layout.COMPARE_CHOOSE
     try:
         run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
     except (RunAccessError, amprobe.RunLoadError) as exc:
@@ -203,3 +228,41 @@ def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure,
 
 def _no_steps() -> Any:
     return empty_frame("steps")
+
+
+def compare_numbers(ctx: Context, a: str | None, b: str | None) -> tuple[Any, dict[str, str], str]:
+    """What the compare page shows besides the curves, for runs ``a`` (baseline) and ``b``.
+
+    Returns ``(numbers, graph style, URL search)``: the numbers of ``amprobe compare``
+    (:func:`amprobe.rules.compare.compare_runs`, as
+    :func:`~amprobe.report.compare.comparison_rows`) or nothing; the graph's style, hidden
+    unless both runs are chosen and readable; ``?a=..&b=..`` for the runs chosen.
+    """
+    search = "?" + urlencode({k: v for k, v in (("a", a), ("b", b)) if v}) if a or b else ""
+    if not a or not b:
+        return None, layout.HIDDEN, search
+    try:
+        run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
+        comparison = compare_pair(run_a, run_b)
+    except (RunAccessError, amprobe.RunLoadError):
+        return None, layout.HIDDEN, search  # the note says why (compare_runs)
+    return layout.build_compare_numbers(comparison, (a, b)), {}, search
+
+
+def compare_state(
+    ctx: Context, a: str | None, b: str | None, search: str | None, from_url: bool
+) -> tuple[Any, ...]:
+    """The compare page's choices, numbers, graph style and URL, kept in step both ways.
+
+    A choice in a dropdown goes to the URL (``from_url`` False); a URL that changed under the
+    page (the browser's back and forward buttons, ``from_url`` True) sets the dropdowns.
+    Returns ``(a, b, numbers, graph style, URL search)``, ``no_update`` where nothing changes.
+    """
+    if not from_url:
+        return (no_update, no_update, *compare_numbers(ctx, a, b))
+    query = parse_qs((search or "").lstrip("?"))
+    url_a, url_b = (query.get(k, [None])[0] for k in ("a", "b"))
+    numbers, style, _ = compare_numbers(ctx, url_a, url_b)
+    if (url_a, url_b) == (a, b):  # the page's own URL, read as the page mounts
+        return (no_update, no_update, numbers, style, no_update)
+    return (url_a, url_b, numbers, style, no_update)

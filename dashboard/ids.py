@@ -12,6 +12,7 @@ RUN_LIST = "run-list"
 RUN_LIST_TABLE = "run-list-table"  # a DataTable, paged on the server
 RUN_LIST_INTERVAL = "run-list-interval"
 RUN_LIST_PAGES = "run-list-pages"  # "M runs, 50 a page"
+RUN_LIST_SEARCH = "run-list-search"  # a text input: keep the runs whose name holds it
 
 # one run
 RUN_NAME = "run-name"  # dcc.Store holding the run's name relative to ROOT
@@ -46,3 +47,5 @@ COMPARE_A = "compare-a"
 COMPARE_B = "compare-b"
 COMPARE_GRAPH = "compare-graph"
 COMPARE_NOTE = "compare-note"
+COMPARE_URL = "compare-url"  # a dcc.Location (refresh off) that keeps ?a=..&b=.. in the URL
+COMPARE_NUMBERS = "compare-numbers"  # the table of amprobe compare's numbers

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import math
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import pandas as pd
 from dash import dash_table, dcc, html
 
 from amprobe.analysis.whatif import compute_whatif
+from amprobe.report.compare import comparison_rows
 from amprobe.report.downsample import thin_figure
 from amprobe.report.escape import escape_markdown
 from amprobe.report.render import split_ref
@@ -43,6 +45,7 @@ __all__ = [
     "build_run_table",
     "run_rows",
     "pages_text",
+    "format_duration",
     "build_run_page",
     "build_health",
     "build_findings",
@@ -52,6 +55,7 @@ __all__ = [
     "build_table",
     "table_rows",
     "build_compare_page",
+    "build_compare_numbers",
     "build_error",
     "run_href",
     "format_health_value",
@@ -130,15 +134,54 @@ def _steps_cell(steps: int | None) -> str:
     return PENDING if steps is None else str(steps)
 
 
+def _started_cell(started: float | None) -> str:
+    if started is None:
+        return "not recorded"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started))
+
+
+def format_duration(seconds: float) -> str:
+    """``42.1 s``, ``3 min 05 s``, ``2 h 07 min``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(round(seconds))
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+
+
+def _duration_cell(s: RunSummary) -> str:
+    if s.duration_s is None:
+        if s.duration_open and s.pending:
+            return PENDING  # the last step's time comes with the diagnosis
+        return "not recorded"
+    text = format_duration(s.duration_s)
+    if not s.duration_open:
+        return text
+    return f"{text} so far" if s.status == "live" else f"{text} to the last step"
+
+
 #: The run list's columns: (column id, heading). ``run`` is a Markdown link to the run's page.
+#: Every column sorts (:data:`dashboard.runs.SORT_KEYS`).
 RUN_COLUMNS = (
     ("run", "run"),
     ("status", "status"),
+    ("started", "started (UTC)"),
+    ("duration", "duration"),
+    ("steps", "steps"),
     ("device", "device"),
     ("dtype", "autocast dtype"),
-    ("steps", "steps"),
     ("worst", "worst finding"),
 )
+#: column widths at 1440 px: the name and the worst finding take what is left
+_RUN_COLUMN_WIDTHS = {
+    "status": "125px",
+    "started": "200px",
+    "duration": "130px",
+    "steps": "70px",
+    "device": "150px",
+    "dtype": "110px",
+}
 
 
 def run_rows(summaries: Sequence[RunSummary]) -> list[dict[str, str]]:
@@ -150,19 +193,17 @@ def run_rows(summaries: Sequence[RunSummary]) -> list[dict[str, str]]:
     """
     rows = []
     for s in summaries:
-        if s.error:
-            worst = f"unreadable: {s.error}"
-        else:
-            worst = s.worst
         rows.append(
             {
                 "name": s.name,
                 "run": f"[{escape_markdown(s.name)}]({run_href(s.name)})",
                 "status": s.status,
+                "started": _started_cell(s.started),
+                "duration": "" if s.error else _duration_cell(s),
                 "device": s.device,
                 "dtype": s.dtype,
                 "steps": "" if s.error else _steps_cell(s.steps),
-                "worst": worst,
+                "worst": f"unreadable: {s.error}" if s.error else s.worst,
             }
         )
     return rows
@@ -194,7 +235,8 @@ def _run_table_styles() -> list[dict[str, Any]]:
 
 
 def build_run_table(listing: RunPage) -> Any:
-    """The run list's table: one page of runs, paged on the server (``page_action="custom"``).
+    """The run list's table: one page of runs, paged and sorted on the server
+    (``page_action`` and ``sort_action`` ``"custom"``: :meth:`RunCache.page` does both).
 
     One DataTable, not a component per cell, so the browser paints a page of runs at once
     (1,000 runs: 1.0-1.8 s to the first rows in headless Chromium on a loaded 2-core machine,
@@ -219,8 +261,12 @@ def _run_data_table(listing: RunPage) -> Any:
         page_current=listing.page - 1,
         page_size=PAGE_ROWS,
         page_count=listing.pages,
+        sort_action="custom",
+        sort_mode="single",
+        sort_by=[],
         markdown_options={"link_target": "_self", "html": False},
         style_as_list_view=True,
+        style_table={"overflowX": "auto"},
         style_cell={
             "textAlign": "left",
             "padding": "4px 10px",
@@ -229,6 +275,11 @@ def _run_data_table(listing: RunPage) -> Any:
             "height": "auto",
             "maxWidth": "520px",
         },
+        style_cell_conditional=[
+            {"if": {"column_id": key}, "width": width, "minWidth": width, "maxWidth": width}
+            for key, width in _RUN_COLUMN_WIDTHS.items()
+        ]
+        + [{"if": {"column_id": "run"}, "minWidth": "180px", "maxWidth": "320px"}],
         style_header={"fontWeight": "bold", "backgroundColor": "white"},
         style_data_conditional=_run_table_styles(),
         css=[{"selector": "p", "rule": "margin: 0"}],
@@ -238,15 +289,35 @@ def _run_data_table(listing: RunPage) -> Any:
 def pages_text(listing: RunPage) -> str:
     if not listing.total:
         return "No amprobe run directory under this root yet."
+    if listing.matched is not None and listing.search:
+        if not listing.matched:
+            return f"No run name holds {listing.search!r} ({listing.total} runs)."
+        return (
+            f"{listing.matched} of {listing.total} runs match {listing.search!r}, "
+            f"{PAGE_ROWS} a page"
+        )
     return f"{listing.total} runs, {PAGE_ROWS} a page"
 
 
 def build_run_list(listing: RunPage, refresh_ms: int) -> html.Div:
-    """The home page: one page of the runs under ROOT, refreshed while runs are being written."""
+    """The home page: a name search, then one page of the runs under ROOT (sorted by the
+    column headings' arrows), refreshed while runs are being written."""
     return html.Div(
         [
             html.H2("Runs"),
-            html.P(pages_text(listing), id=ids.RUN_LIST_PAGES, style={"color": "#777"}),
+            html.Div(
+                [
+                    dcc.Input(
+                        id=ids.RUN_LIST_SEARCH,
+                        type="search",
+                        placeholder="search run names",
+                        debounce=0.4,
+                        style={"width": "320px", "marginRight": "14px"},
+                    ),
+                    html.Span(pages_text(listing), id=ids.RUN_LIST_PAGES, style={"color": "#777"}),
+                ],
+                style={"margin": "6px 0 10px"},
+            ),
             build_run_table(listing),
             dcc.Interval(id=ids.RUN_LIST_INTERVAL, interval=max(refresh_ms, 1000) * 2),
         ],
@@ -637,11 +708,21 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
     )
 
 
+#: the compare page's note while fewer than two runs are chosen
+COMPARE_CHOOSE = "choose two runs"
+#: the compare graph's style while it is hidden (fewer than two runs chosen, or one unreadable)
+HIDDEN = {"display": "none"}
+
+
 def build_compare_page(names: Sequence[str], a: str | None, b: str | None) -> html.Div:
-    """Two runs overlaid; the choices are the runs under ROOT."""
+    """Two runs side by side: the numbers of ``amprobe compare`` on them, then their curves
+    overlaid. The choices are the runs under ROOT; they are kept in the URL
+    (``/compare?a=..&b=..``) without reloading the page."""
     options = [{"label": n, "value": n} for n in names]
+    chosen = a in names and b in names
     return html.Div(
         [
+            dcc.Location(id=ids.COMPARE_URL, refresh=False),
             html.H2("Compare two runs"),
             html.Div(
                 [
@@ -662,7 +743,70 @@ def build_compare_page(names: Sequence[str], a: str | None, b: str | None) -> ht
                 ],
                 style={"display": "flex"},
             ),
-            html.P(id=ids.COMPARE_NOTE, style={"color": "#777"}),
-            dcc.Graph(id=ids.COMPARE_GRAPH),
+            html.P(
+                "" if chosen else COMPARE_CHOOSE,
+                id=ids.COMPARE_NOTE,
+                style={"color": "#777", "margin": "10px 0"},
+            ),
+            html.Div(id=ids.COMPARE_NUMBERS),
+            dcc.Graph(id=ids.COMPARE_GRAPH, style={} if chosen else HIDDEN),
         ]
     )
+
+
+def build_compare_numbers(comparison: Any, names: tuple[str, str]) -> html.Div:
+    """The numbers ``amprobe compare`` prints for runs A (baseline) and B (candidate), as a
+    small table (:func:`amprobe.report.compare.comparison_rows`), then the pairing warnings and
+    AMP-S06's finding when the pair gives it.
+
+    Args:
+        comparison: a :class:`amprobe.rules.compare.Comparison` of A (baseline) and B.
+        names: the two runs' names, A first.
+    """
+    cell = {"padding": "3px 12px 3px 0", "borderBottom": "1px solid #eee", "textAlign": "left"}
+    heads = (
+        "",
+        f"A (baseline): {names[0]}",
+        f"B (candidate): {names[1]}",
+        "B vs A",
+        "steps compared",
+    )
+    rows = comparison_rows(comparison.metrics)
+    table = html.Table(
+        [
+            html.Thead(html.Tr([html.Th(h, style=cell) for h in heads])),
+            html.Tbody(
+                [
+                    html.Tr(
+                        [
+                            html.Td(v, style={**cell, "fontWeight": "bold"} if i == 3 else cell)
+                            for i, v in enumerate(row)
+                        ],
+                        className="compare-row",
+                    )
+                    for row in rows
+                ]
+            ),
+        ],
+        style={"borderCollapse": "collapse", "margin": "6px 0 12px"},
+    )
+    notes: list[Any] = [
+        html.P(w, className="compare-warning", style={"color": "#a15c00", "margin": "2px 0"})
+        for w in comparison.metrics.get("warnings") or ()
+    ]
+    for f in comparison.findings:
+        notes.append(
+            html.P(
+                [
+                    html.Code(f.id),
+                    " ",
+                    _badge(f.severity, _SEVERITY_COLORS.get(f.severity, "#555")),
+                    f.title,
+                    ". ",
+                    f.fix,
+                ],
+                className="compare-finding",
+                style={"margin": "2px 0"},
+            )
+        )
+    return html.Div([table, *notes])

@@ -25,6 +25,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -32,10 +33,12 @@ import pandas as pd
 
 import amprobe
 from amprobe.report.sections import build_sections
+from amprobe.rules.engine import Severity
 from amprobe.store import read_table
 from amprobe.store.layout import (
     END_MARKER,
     RANK_MANIFEST,
+    RUN_MANIFEST,
     STATUS_ORDER,
     TABLE_SUFFIX,
     file_kind,
@@ -60,6 +63,7 @@ __all__ = [
     "inspect_run",
     "discover_runs",
     "PENDING",
+    "SORT_KEYS",
 ]
 
 #: How deep under ROOT run directories are looked for.
@@ -281,6 +285,10 @@ class RunSummary:
 
     ``steps`` is None and ``worst`` is :data:`PENDING` while the row's diagnosis runs;
     ``error`` says why a run is unreadable (``status`` is then ``"unreadable"``).
+    ``started`` is the Unix time its first rank started (the rank manifests' ``start_unix``, else
+    the run manifest's ``created_unix``); ``duration_s`` runs from there to the last rank's end
+    (``end_unix`` of the end markers), or, while a rank has not ended (``duration_open``), to the
+    last step recorded so far; None when not recorded.
     """
 
     name: str
@@ -288,19 +296,78 @@ class RunSummary:
     device: str
     dtype: str
     steps: int | None
-    worst: str  # "error AMP-N03", "none", PENDING, or "" when the run could not be read
+    worst: str  # "error AMP-N05 forward-overflow (+2 more)", "none", PENDING, or "" if unreadable
     error: str | None = None
+    started: float | None = None
+    duration_s: float | None = None
+    duration_open: bool = False
+    #: the worst finding's severity rank (0 the most severe, one past the last for "none"),
+    #: None while pending or unreadable: the run list sorts by it
+    worst_rank: int | None = None
 
     @property
     def pending(self) -> bool:
         return self.worst == PENDING
 
 
-def _unreadable(name: str, why: str) -> RunSummary:
+def _unreadable(
+    name: str, why: str, started: float | None = None, duration_s: float | None = None
+) -> RunSummary:
     why = " ".join(str(why).split())
     if len(why) > _MAX_REASON_CHARS:
         why = why[: _MAX_REASON_CHARS - 1] + "\u2026"
-    return RunSummary(name, "unreadable", "", "", 0, "", error=why)
+    return RunSummary(
+        name, "unreadable", "", "", 0, "", error=why, started=started, duration_s=duration_s
+    )
+
+
+def _unix(obj: Any, key: str) -> float | None:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def _run_times(
+    run_manifest: Any, ranks: list[tuple[Any, Any, float | None]]
+) -> tuple[float | None, float | None, bool]:
+    """``(started, duration_s, open)`` of a run from its manifests and end markers.
+
+    ``ranks`` holds per rank ``(manifest, end marker or None, seconds from the rank's start to
+    its last recorded step or None)``. A run whose every rank ended lasts to the last
+    ``end_unix``; otherwise (``open``) to the last step recorded so far, if any.
+    """
+    starts = [s for s in (_unix(m, "start_unix") for m, _, _ in ranks) if s is not None]
+    started = min(starts) if starts else _unix(run_manifest, "created_unix")
+    if started is None:
+        return None, None, False
+    ends = [_unix(end, "end_unix") for _, end, _ in ranks]
+    if ranks and all(e is not None for e in ends):
+        return started, max(0.0, max(e for e in ends if e is not None) - started), False
+    lasts = [
+        start + last
+        for start, last in ((_unix(m, "start_unix"), t) for m, _, t in ranks)
+        if start is not None and last is not None
+    ]
+    return started, (max(0.0, max(lasts) - started) if lasts else None), True
+
+
+def _lost_steps(run: amprobe.Run) -> list[str]:
+    """Why a run that recorded no readable step is garbage, or [] when it may truly have none:
+    the loader skipped step records it could not read, or an end marker counts steps that
+    ``steps.jsonl`` does not hold."""
+    filename = table_filename("steps")
+    reasons = [w for w in run.warnings if f" {filename}" in w]  # not compute_steps.jsonl
+    if reasons:
+        return reasons
+    for info in run.ranks:
+        claimed = (info.end or {}).get("steps")
+        if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > 0:
+            reasons.append(
+                f"rank {info.rank}: its end marker counts {claimed} steps but {filename} "
+                "holds none that can be read"
+            )
+    return reasons
 
 
 def _internal_error(exc: BaseException) -> str:
@@ -318,6 +385,25 @@ class RunPage:
     page: int  # 1-based, clamped to 1..pages
     pages: int
     total: int  # runs under ROOT
+    matched: int | None = None  # runs whose name holds ``search`` (None: every run)
+    search: str = ""  # the search text, as matched (casefolded)
+
+
+def _text_key(value: str) -> str | None:
+    return None if not value or value in (PENDING, "not recorded") else value.casefold()
+
+
+#: How the run list can be sorted: column -> the row's sort value (None: not known, sorts last).
+SORT_KEYS: dict[str, Callable[[RunSummary], Any]] = {
+    "run": lambda r: r.name,
+    "status": lambda r: STATUS_ORDER.index(r.status) if r.status in STATUS_ORDER else None,
+    "started": lambda r: r.started,
+    "duration": lambda r: r.duration_s,
+    "steps": lambda r: None if r.error else r.steps,
+    "device": lambda r: _text_key(r.device),
+    "dtype": lambda r: _text_key(r.dtype),
+    "worst": lambda r: None if r.worst_rank is None else (r.worst_rank, r.worst),
+}
 
 
 def _autocast_dtype(run: amprobe.Run) -> str:
@@ -333,15 +419,34 @@ def _autocast_dtype(run: amprobe.Run) -> str:
 
 
 def summarize(name: str, loaded: LoadedRun) -> RunSummary:
-    """The run list's row of a loaded, diagnosed run."""
+    """The run list's row of a loaded, diagnosed run.
+
+    A run that recorded no readable step although it wrote step records (or its end marker
+    counts steps) is unreadable, with the loader's reason, not "finished, 0 steps".
+    """
     run, diagnosis = loaded.run, loaded.diagnosis
     steps = run.steps
+    last_t: dict[int, float] = {}
+    if len(steps) and "t" in steps.columns:
+        last_t = {int(r): float(t) for r, t in steps.groupby("rank")["t"].max().dropna().items()}
+    started, duration, still_open = _run_times(
+        run.manifest, [(i.manifest, i.end, last_t.get(i.rank)) for i in run.ranks]
+    )
+    if not len(steps):
+        lost = _lost_steps(run)
+        if lost:
+            return _unreadable(name, "no readable step record: " + "; ".join(lost), started)
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
+    worst_rank = None
     if diagnosis.findings:
-        first = diagnosis.findings[0]
-        worst = f"{first.severity} {first.id}"
+        # the most severe finding, the first of them in the diagnosis's order
+        first = min(diagnosis.findings, key=lambda f: Severity(f.severity).rank)
+        more = len(diagnosis.findings) - 1
+        worst = f"{first.severity} {first.id} {first.name}" + (f" (+{more} more)" if more else "")
+        worst_rank = Severity(first.severity).rank
     else:
         worst = "none"
+        worst_rank = len(Severity)
     return RunSummary(
         name=name,
         status=run.status,
@@ -349,14 +454,18 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
         dtype=_autocast_dtype(run),
         steps=int(steps["step"].nunique()) if len(steps) else 0,
         worst=worst,
+        started=started,
+        duration_s=duration,
+        duration_open=still_open,
+        worst_rank=worst_rank,
     )
 
 
 def peek_run(name: str, path: Path) -> RunSummary:
     """A run list row from manifests, end markers and one line of steps: no full load.
 
-    The run must have passed :func:`inspect_run`. Status, device and autocast dtype come from
-    small reads; the step count (when no end marker gives it) and the worst finding wait for
+    The run must have passed :func:`inspect_run`. Status, device, autocast dtype, start time and
+    (for an ended run) duration come from small reads; the step count (when no end marker gives it) and the worst finding wait for
     the background diagnosis (:data:`PENDING`).
 
     Raises:
@@ -379,10 +488,12 @@ def peek_run(name: str, path: Path) -> RunSummary:
     statuses = set()
     device = dtype = None
     steps: int | None = None
+    times: list[tuple[Any, Any, float | None]] = []
     for i, (_, folder) in enumerate(ranks):
         ended = (folder / END_MARKER).exists()
         manifest = _read_small_json(folder / RANK_MANIFEST)
         end = (_read_small_json(folder / END_MARKER) or {}) if ended else None
+        times.append((manifest, end, None))
         if i == 0:
             device = _text_field(manifest, "gpu_name", "device")
             dtype = _text_field(_first_record(folder / table_filename("steps")), "autocast_dtype")
@@ -392,6 +503,7 @@ def peek_run(name: str, path: Path) -> RunSummary:
         # as the loader does: a rank of another host or a gone process reads as interrupted
         statuses.add(status_of(manifest or {}, end))
     status = next(s for s in STATUS_ORDER if s in statuses)
+    started, duration, still_open = _run_times(_read_small_json(path / RUN_MANIFEST), times)
     return RunSummary(
         name=name,
         status=status,
@@ -399,6 +511,9 @@ def peek_run(name: str, path: Path) -> RunSummary:
         dtype=dtype or PENDING,
         steps=None if status == "live" else steps,
         worst=PENDING,
+        started=started,
+        duration_s=duration,
+        duration_open=still_open,
     )
 
 
@@ -486,14 +601,46 @@ class RunCache:
         """Every run under ROOT (see :func:`discover_runs`)."""
         return discover_runs(self.root)
 
-    def page(self, page: int | None = 1, page_size: int = PAGE_ROWS) -> RunPage:
+    def page(
+        self,
+        page: int | None = 1,
+        page_size: int = PAGE_ROWS,
+        sort: str | None = None,
+        descending: bool = False,
+        search: str | None = None,
+    ) -> RunPage:
         """One page of the run list, from manifests; its rows' diagnoses are queued.
+
+        Args:
+            page: 1-based, clamped to the pages there are.
+            page_size: runs per page.
+            sort: a key of :data:`SORT_KEYS` (None: by name). Sorting by another column reads
+                every matching run's manifests (cached by signature); a row whose value is not
+                known yet (pending, unreadable, not recorded) sorts last either way.
+            descending: sort the other way round.
+            search: keep the runs whose name holds this text (case-insensitive).
 
         When only a few rows wait, waits up to ``first_wait_s`` for their diagnoses, so a small
         root shows finished rows at once; a large one shows :data:`PENDING` rows at once, which
         the next refresh fills in.
         """
-        names = self.names()
+        every = self.names()
+        needle = (search or "").strip().casefold()
+        names = [n for n in every if needle in n.casefold()] if needle else every
+        if descending and sort in (None, "run"):
+            names = names[::-1]
+        elif sort in SORT_KEYS and sort != "run":
+            key = SORT_KEYS[sort]
+            known: list[tuple[Any, str]] = []
+            unknown: list[str] = []
+            for name in names:
+                value = key(self._row(name, queue_job=False))
+                if value is None:
+                    unknown.append(name)
+                else:
+                    known.append((value, name))
+            known.sort(key=lambda pair: pair[0], reverse=descending)
+            names = [name for _, name in known] + unknown
         pages = max(1, -(-len(names) // page_size))
         number = min(max(int(page or 1), 1), pages)
         shown = names[(number - 1) * page_size : number * page_size]
@@ -506,7 +653,14 @@ class RunCache:
                 self._row(name, queue_job=False) if r.pending else r
                 for name, r in zip(shown, rows, strict=True)
             ]
-        return RunPage(rows=rows, page=number, pages=pages, total=len(names))
+        return RunPage(
+            rows=rows,
+            page=number,
+            pages=pages,
+            total=len(every),
+            matched=len(names),
+            search=needle,
+        )
 
     def _row(self, name: str, queue_job: bool = True) -> RunSummary:
         try:

@@ -221,8 +221,8 @@ def test_run_list_shows_every_run_with_status_and_worst_finding(ctx: callbacks.C
     assert "amp" in words and "group/synthetic" in words and "secret" not in " ".join(words)
     assert "finished" in words and "float16" in words
     diagnosis = amprobe.diagnose(amprobe.load_run(ctx.root / "amp"))
-    first = diagnosis.findings[0]
-    assert f"{first.severity} {first.id}" in words
+    first = min(diagnosis.findings, key=lambda f: layout.SEVERITIES.index(f.severity))
+    assert any(w.startswith(f"{first.severity} {first.id} {first.name}") for w in words)
 
 
 def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> None:
@@ -522,7 +522,7 @@ def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: 
     from dashboard.app import create_app
 
     app = create_app(root)
-    assert len(app.callback_map) == 8
+    assert len(app.callback_map) == 10
     assert any(ids.WHATIF_HEATMAP in key for key in app.callback_map)
     with pytest.raises(NotADirectoryError):
         create_app(tmp_path / "missing")

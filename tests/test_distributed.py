@@ -317,7 +317,11 @@ def test_ranks_section_series_and_spread():
     assert table["rank"].tolist() == [0, 1]
     assert table["median step (ms)"].tolist() == [50.0, 200.0]
     names = {t.name for t in section.figures[0].data}
-    assert {"r0 scale_after", "r1 wall_s", "wall_s min-max across ranks"} <= names
+    assert {
+        "rank 0 loss scale",
+        "rank 1 step time (ms)",
+        "step time (ms) min-max across ranks",
+    } <= names
     assert any("differs between ranks at 12 of 12" in t for t in section.text)
 
 

@@ -69,6 +69,11 @@ def _timed(steps: pd.DataFrame) -> pd.DataFrame:
     return steps.iloc[skip:] if len(steps) > skip + 2 else steps
 
 
+def _step_range(steps: Any) -> tuple[int, int]:
+    """The first and last of a column or index of step numbers."""
+    return int(min(steps)), int(max(steps))
+
+
 def _peak_memory(run: Run) -> tuple[float | None, str | None]:
     steps = run.steps
     for column, label in (("peak_mem_bytes", "device"), ("rss_bytes", "host RSS")):
@@ -109,7 +114,11 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
     """Side-by-side metrics of two runs (checklist section C).
 
     Throughput uses the median step wall time after warm-up (``WARMUP_SHARE``), so the first
-    steps and the probe's own flushes do not count. A metric of :data:`COMPARED_METRICS` that
+    steps and the probe's own flushes do not count; ``timed_step_ranges`` holds the first and
+    last timed step of each run (the lowest rank's). The loss is compared at the steps both runs
+    recorded one (``shared_loss_steps``, ``shared_loss_step_range``); the final losses are the
+    mean over the last 10 of those (``final_loss_step_range``) and ``loss_diff`` is candidate
+    minus baseline there. A metric of :data:`COMPARED_METRICS` that
     cannot be measured is ``None`` and ``notes[metric]`` says why; so is a run's scaler success
     rate (``scaler_success_rate_baseline`` / ``_candidate``) without an enabled GradScaler, with
     the note of the health metric (:func:`~amprobe.analysis.scaler.success_rate_metric`).
@@ -130,6 +139,7 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
             steps_per_s_candidate=sps_b,
             speedup=sps_b / sps_a,
             timed_steps=(len(a), len(b)),
+            timed_step_ranges=(_step_range(a["step"]), _step_range(b["step"])),
         )
     else:
         out["speedup"] = None
@@ -154,6 +164,8 @@ def compute_comparison(baseline: Run, candidate: Run) -> dict[str, Any]:
         tail = shared[-min(10, len(shared)) :]
         out.update(
             shared_loss_steps=len(shared),
+            shared_loss_step_range=_step_range(shared),
+            final_loss_step_range=_step_range(tail),
             loss_mean_abs_diff=float(diff.mean()),
             final_loss_baseline=float(la.loc[tail].mean()),
             final_loss_candidate=float(lb.loc[tail].mean()),

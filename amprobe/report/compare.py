@@ -4,11 +4,103 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from amprobe.rules.compare import Comparison
 
-__all__ = ["render_comparison_text", "render_comparison_json"]
+__all__ = [
+    "COMPARISON_COLUMNS",
+    "comparison_rows",
+    "render_comparison_text",
+    "render_comparison_json",
+]
+
+#: the columns of :func:`comparison_rows`
+COMPARISON_COLUMNS = ("measure", "baseline", "candidate", "candidate vs baseline", "steps")
+
+
+def _steps(pair: Sequence[int] | None) -> str:
+    if not pair:
+        return "not recorded"
+    first, last = pair
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+def comparison_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The metrics of :func:`~amprobe.analysis.compare.compute_comparison` as a small table:
+    one ``(measure, baseline, candidate, candidate vs baseline, steps)`` row of text each (see
+    :data:`COMPARISON_COLUMNS`), with the numbers ``amprobe compare`` prints and the steps they
+    cover. A metric that was not measured says why in its row."""
+    c = metrics
+    notes = c.get("notes") or {}
+    rows: list[tuple[str, str, str, str, str]] = []
+    if c.get("speedup") is not None:
+        ranges = c.get("timed_step_ranges") or (None, None)
+        counts = c.get("timed_steps") or ("?", "?")
+        rows.append(
+            (
+                "step time (median after warm-up)",
+                f"{1e3 / c['steps_per_s_baseline']:.1f} ms",
+                f"{1e3 / c['steps_per_s_candidate']:.1f} ms",
+                f"speedup {c['speedup']:.2f}x",
+                f"baseline {_steps(ranges[0])} ({counts[0]} timed), "
+                f"candidate {_steps(ranges[1])} ({counts[1]} timed)",
+            )
+        )
+    else:
+        rows.append(_missing("step time", notes.get("speedup")))
+    if c.get("memory_ratio") is not None:
+        rows.append(
+            (
+                f"peak memory ({c['memory_kind']})",
+                _mib(c["peak_memory_baseline"]),
+                _mib(c["peak_memory_candidate"]),
+                f"ratio {c['memory_ratio']:.2f}",
+                "all recorded steps",
+            )
+        )
+    else:
+        rows.append(_missing("peak memory", notes.get("memory_ratio")))
+    if c.get("loss_diff") is not None:
+        rows.append(
+            (
+                "final loss (mean over the last shared steps)",
+                f"{c['final_loss_baseline']:.4g}",
+                f"{c['final_loss_candidate']:.4g}",
+                f"difference {c['loss_diff']:+.4g}",
+                _steps(c.get("final_loss_step_range")),
+            )
+        )
+        rows.append(
+            (
+                "loss, mean |candidate - baseline|",
+                "",
+                "",
+                f"{c['loss_mean_abs_diff']:.4g}",
+                f"{c['shared_loss_steps']} steps with a loss in both runs, within "
+                f"{_steps(c.get('shared_loss_step_range'))}",
+            )
+        )
+    else:
+        rows.append(_missing("loss difference", notes.get("loss_diff")))
+
+    def rate(side: str) -> str:
+        value = c.get(f"scaler_success_rate_{side}")
+        if value is None:
+            return str(notes.get(f"scaler_success_rate_{side}", "not recorded"))
+        return f"{value:.1%}"
+
+    rows.append(("scaler success rate", rate("baseline"), rate("candidate"), "", "all steps"))
+    return rows
+
+
+def _missing(measure: str, note: str | None) -> tuple[str, str, str, str, str]:
+    return (measure, "", "", f"not measured: {note or 'not recorded'}", "")
 
 
 def render_comparison_text(comparison: Comparison) -> str:
@@ -20,6 +112,12 @@ def render_comparison_text(comparison: Comparison) -> str:
         lines.append(
             f"throughput: {c['steps_per_s_baseline']:.2f} -> {c['steps_per_s_candidate']:.2f} "
             f"steps/s, speedup {c['speedup']:.2f}x"
+            + (
+                f" (median step time, baseline {_steps(c['timed_step_ranges'][0])}, "
+                f"candidate {_steps(c['timed_step_ranges'][1])})"
+                if c.get("timed_step_ranges")
+                else ""
+            )
         )
     else:
         lines.append(f"throughput: not measured: {notes.get('speedup', 'not recorded')}")
@@ -35,6 +133,7 @@ def render_comparison_text(comparison: Comparison) -> str:
             f"loss over {c['shared_loss_steps']} shared steps: mean |diff| "
             f"{c['loss_mean_abs_diff']:.4g}, final {c['final_loss_baseline']:.4g} -> "
             f"{c['final_loss_candidate']:.4g}"
+            + (f" ({_steps(c['final_loss_step_range'])})" if c.get("final_loss_step_range") else "")
         )
 
     def rate(side: str) -> str:

@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 __all__ = ["compute_rank_summary", "compute_rank_spread", "make_ranks_figure"]
 
 MAX_RANK_TRACES = 16  # ranks drawn one by one; beyond this the figure shows the spread only
+#: what the figure's two series are called in its legend and hover text
+SERIES_LABELS = {"scale_after": "loss scale", "wall_s": "step time (ms)"}
+#: one colour per rank, the same in both panels (as many colours as ranks drawn one by one)
+RANK_COLORS = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#7b4173", "#3182bd",
+)  # fmt: skip
 
 
 def compute_rank_summary(steps: pd.DataFrame) -> pd.DataFrame:
@@ -54,7 +61,9 @@ def compute_rank_spread(steps: pd.DataFrame, column: str) -> pd.DataFrame:
 
 
 def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
-    """Loss scale and step time per step: one line per rank (up to 16), min-max band across ranks.
+    """Loss scale and step time per step: one line per rank (up to 16, each rank in its own
+    colour in both panels), min-max band across ranks. Legend entries are in words
+    (``rank 0 step time (ms)``, :data:`SERIES_LABELS`).
 
     Args:
         steps: the run's ``steps`` frame (``rank``, ``step``, ``scale_after``, ``wall_s``).
@@ -72,6 +81,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     ranks = sorted(steps["rank"].unique())
     draw_each = len(ranks) <= MAX_RANK_TRACES
     for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
+        label = SERIES_LABELS[column]
         values = steps[steps[column].notna()]
         if values.empty:
             continue
@@ -82,7 +92,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
                 y=spread["max"] * scale,
                 mode="lines",
                 line={"width": 0},
-                name=f"{column} max across ranks",
+                name=f"{label} max across ranks",
                 showlegend=False,
             ),
             row=row,
@@ -96,7 +106,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
                 line={"width": 0},
                 fill="tonexty",
                 fillcolor="rgba(100,100,100,0.2)",
-                name=f"{column} min-max across ranks",
+                name=f"{label} min-max across ranks",
             ),
             row=row,
             col=1,
@@ -107,7 +117,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
                 y=spread["median"] * scale,
                 mode="lines",
                 line={"dash": "dot", "color": "black"},
-                name=f"{column} median of ranks",
+                name=f"{label} median of ranks",
             ),
             row=row,
             col=1,
@@ -120,9 +130,12 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
                         x=shown["step"],
                         y=shown[column] * scale,
                         mode="lines",
-                        line={"shape": "hv"} if row == 1 else {},
-                        name=f"r{rank} {column}",
-                        legendgroup=f"r{rank}",
+                        line={
+                            "color": RANK_COLORS[ranks.index(rank) % len(RANK_COLORS)],
+                            **({"shape": "hv"} if row == 1 else {}),
+                        },
+                        name=f"rank {rank} {label}",
+                        legendgroup=f"rank {rank}",
                     ),
                     row=row,
                     col=1,
