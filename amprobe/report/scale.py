@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,11 +27,32 @@ __all__ = [
     "split_ranks",
     "thin_series",
     "cap_rows",
+    "rank_color",
+    "gaps_as_null",
+    "LossSpan",
+    "nonfinite_loss_spans",
+    "add_loss_bands",
 ]
 
 _SKIP_COLOR = "#d62728"
 _GROW_COLOR = "#2ca02c"
 _CUT_COLOR = "#ff7f0e"
+#: one colour per rank, none of them the markers' red, green or orange
+_RANK_COLORS = (
+    "#1f77b4",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#7f7f7f",
+    "#bcbd22",
+    "#393b79",
+    "#637939",
+    "#843c39",
+)
+_BAND_COLOR = "#d62728"
+#: loss NaN stretches drawn as bands, at most (the rest are named in one note)
+MAX_BANDS = 20
 
 
 def empty_figure(message: str) -> go.Figure:
@@ -58,13 +80,151 @@ def scaler_rows(steps: pd.DataFrame) -> pd.DataFrame:
     return sort_steps(steps[enabled & steps["scale_before"].notna()])
 
 
-def thin_series(frame: pd.DataFrame, column: str, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """Steps and values of ``column`` (non-null), min/max-thinned to ``max_points``."""
-    part = frame[frame[column].notna()]
+def thin_series(
+    frame: pd.DataFrame, column: str, max_points: int, keep_gaps: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and values of ``column``, min/max-thinned to ``max_points``.
+
+    Rows whose value is null are left out, unless ``keep_gaps``: then they stay as NaN (and
+    an inf value becomes NaN), so that a plotted line breaks there instead of running
+    straight across steps that have no finite value (a NaN loss); thinning keeps the breaks.
+    """
+    part = frame if keep_gaps else frame[frame[column].notna()]
     x = part["step"].to_numpy()
     y = part[column].to_numpy(dtype="float64")
+    if keep_gaps:
+        y = np.where(np.isfinite(y), y, np.nan)
     keep = minmax_indices(y, max_points)
     return x[keep], y[keep]
+
+
+def gaps_as_null(y: np.ndarray) -> list[float | None]:
+    """``y`` as a list with ``None`` for each NaN: serialised as JSON null, which every plotly
+    draws as a gap (a binary NaN array depends on how the browser side decodes it)."""
+    return [None if v != v else float(v) for v in y.tolist()]
+
+
+def rank_color(rank: int, ranks: int) -> str:
+    """The colour of ``rank``'s lines in a run of ``ranks`` ranks: one of ten for up to ten
+    ranks, else evenly spaced hues (each rank its own)."""
+    if ranks <= len(_RANK_COLORS):
+        return _RANK_COLORS[rank % len(_RANK_COLORS)]
+    return f"hsl({round(360 * (rank % ranks) / ranks)}, 65%, 42%)"
+
+
+@dataclass(frozen=True)
+class LossSpan:
+    """Consecutive steps whose loss was non-finite: ``first``..``last``, the ranks where it
+    was, and ``label`` ("loss NaN", "loss inf" or "loss NaN/inf")."""
+
+    first: int
+    last: int
+    ranks: tuple[int, ...]
+    label: str
+
+    def text(self, prefix: str = "", all_ranks: int = 1) -> str:
+        """``"loss NaN, steps 80–119"`` (with the ranks when not every rank's loss was)."""
+        where = (
+            f"step {self.first}" if self.first == self.last else f"steps {self.first}–{self.last}"
+        )
+        on = ""
+        if all_ranks > 1 and len(self.ranks) < all_ranks:
+            shown = ", ".join(str(r) for r in self.ranks[:8]) + (
+                ", …" if len(self.ranks) > 8 else ""
+            )
+            on = f" on rank {shown}" if len(self.ranks) == 1 else f" on ranks {shown}"
+        return f"{prefix}{self.label}, {where}{on}"
+
+
+def nonfinite_loss_spans(steps: pd.DataFrame) -> list[LossSpan]:
+    """Stretches of consecutive steps whose loss was NaN or inf on some rank, in step order.
+
+    A step counts when its ``loss_nonfinite`` flag is set or its recorded loss is inf (a null
+    loss without the flag was not recorded, which is not the same).
+    """
+    if steps.empty or "step" not in steps or "loss" not in steps:
+        return []
+    loss = steps["loss"].to_numpy(dtype="float64")
+    bad = np.isinf(loss)
+    if "loss_nonfinite" in steps:
+        bad |= steps["loss_nonfinite"].fillna(False).astype(bool).to_numpy()
+    if not bad.any():
+        return []
+    ranks = steps["rank"].to_numpy() if "rank" in steps else np.zeros(len(steps), dtype=int)
+    rows = pd.DataFrame(
+        {"step": steps["step"].to_numpy()[bad], "rank": ranks[bad], "nan": np.isnan(loss[bad])}
+    )
+    per_step = rows.groupby("step", sort=True).agg(
+        ranks=("rank", lambda r: frozenset(int(v) for v in r)),
+        nan=("nan", "all"),
+        inf=("nan", lambda v: not v.any()),
+    )
+    step = per_step.index.to_numpy()
+    starts = np.flatnonzero(np.diff(step, prepend=step[0] - 2) != 1)
+    ends = np.append(starts[1:], len(step))
+    spans: list[LossSpan] = []
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        part = per_step.iloc[a:b]
+        label = (
+            "loss NaN" if part["nan"].all() else "loss inf" if part["inf"].all() else "loss NaN/inf"
+        )
+        ranks_in = sorted(frozenset().union(*part["ranks"]))
+        spans.append(LossSpan(int(step[a]), int(step[b - 1]), tuple(ranks_in), label))
+    return spans
+
+
+def add_loss_bands(
+    fig: go.Figure,
+    steps: pd.DataFrame,
+    row: int,
+    rows: tuple[int, ...] = (),
+    prefix: str = "",
+    color: str = _BAND_COLOR,
+    position: str = "top left",
+) -> list[LossSpan]:
+    """Shade the steps whose loss was NaN/inf (:func:`nonfinite_loss_spans`) on subplot
+    ``row`` with a labelled band ("loss NaN, steps 80–119"), and unlabelled on ``rows``.
+
+    The loss line has gaps there; a gap alone is easy to miss. At most :data:`MAX_BANDS`
+    bands; the rest are counted in a note. Returns the spans.
+    """
+    spans = nonfinite_loss_spans(steps)
+    n_ranks = int(steps["rank"].nunique()) if "rank" in steps and not steps.empty else 1
+    for span in spans[:MAX_BANDS]:
+        x0, x1 = span.first - 0.5, span.last + 0.5
+        for other in rows:
+            fig.add_vrect(
+                x0=x0, x1=x1, fillcolor=color, opacity=0.1, line_width=0, row=other, col=1
+            )
+        fig.add_vrect(
+            x0=x0,
+            x1=x1,
+            fillcolor=color,
+            opacity=0.15,
+            line_width=0,
+            row=row,
+            col=1,
+            annotation_text=span.text(prefix, n_ranks),
+            annotation_position=position,
+            annotation_font={"size": 11, "color": color},
+        )
+    if len(spans) > MAX_BANDS:
+        rest = spans[MAX_BANDS:]
+        fig.add_annotation(
+            text=(
+                f"{prefix}{len(rest)} more loss NaN/inf stretches, steps "
+                f"{rest[0].first}–{rest[-1].last} (gaps in the line)"
+            ),
+            showarrow=False,
+            xref="paper",
+            yref="paper",
+            x=1,
+            y=1.02,
+            xanchor="right",
+            yanchor="bottom",
+            font={"size": 11, "color": color},
+        )
+    return spans
 
 
 def split_ranks(frame: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
@@ -108,6 +268,9 @@ def scale_events(steps: pd.DataFrame) -> pd.DataFrame:
 def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
     """Loss scale per step on a log axis (skipped steps, growth and backoff marked), loss beneath.
 
+    Each rank has its own colour (its scale and loss lines). Steps whose loss was NaN/inf
+    are gaps in the loss line, shaded and labelled ("loss NaN, steps 80–119").
+
     Args:
         steps: the run's steps frame.
         max_points: points kept per drawn series.
@@ -116,7 +279,11 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     from plotly.subplots import make_subplots
 
     rows = scaler_rows(steps)
-    has_loss = not steps.empty and "loss" in steps and steps["loss"].notna().any()
+    has_loss = (
+        not steps.empty
+        and "loss" in steps
+        and (steps["loss"].notna().any() or bool(nonfinite_loss_spans(steps)))
+    )
     if rows.empty and not has_loss:
         return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
     fig = make_subplots(
@@ -127,12 +294,22 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
         row_heights=[0.6, 0.4],
         subplot_titles=("loss scale (log)", "loss"),
     )
-    multi = "rank" in steps and steps["rank"].nunique() > 1
+    n_ranks = int(steps["rank"].nunique()) if "rank" in steps else 1
+    multi = n_ranks > 1
     for rank, part in split_ranks(rows):
         suffix = f" (rank {rank})" if multi else ""
         x, y = thin_series(part, "scale_before", max_points)
         fig.add_trace(
-            go.Scatter(x=x, y=y, mode="lines", name=f"scale{suffix}", line_shape="hv"), 1, 1
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name=f"scale{suffix}",
+                legendgroup=f"rank {rank}",
+                line={"shape": "hv", "color": rank_color(rank, n_ranks)},
+            ),
+            1,
+            1,
         )
         skipped = (
             part[part["skipped"].fillna(False).astype(bool)]
@@ -183,18 +360,21 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
         )
     if has_loss:
         for rank, part in split_ranks(sort_steps(steps)):
-            x, y = thin_series(part, "loss", max_points)
+            x, y = thin_series(part, "loss", max_points, keep_gaps=True)
             fig.add_trace(
                 go.Scatter(
                     x=x,
-                    y=y,
+                    y=gaps_as_null(y),
                     mode="lines",
                     name=f"loss (rank {rank})" if multi else "loss",
-                    line={"color": "#444"},
+                    legendgroup=f"rank {rank}",
+                    line={"color": rank_color(rank, n_ranks)},
+                    connectgaps=False,
                 ),
                 2,
                 1,
             )
+        add_loss_bands(fig, steps, row=2, rows=(1,))
     else:
         fig.add_annotation(
             text="not recorded: no loss value (capture_loss off?)",
@@ -215,6 +395,37 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     return fig
 
 
+def _scaler_counts(part: pd.DataFrame) -> tuple[int, int, int, int, float]:
+    """Scaled steps, skipped steps, backoffs, growths and the last scale of one rank's rows."""
+    part = part.sort_values("step", kind="stable")
+    return (
+        int(part["step"].nunique()),
+        int(part["skipped"].fillna(False).astype(bool).sum()),
+        int((part["scale_after"] < part["scale_before"]).sum()),
+        int((part["scale_after"] > part["scale_before"]).sum()),
+        float(part["scale_after"].iloc[-1]),
+    )
+
+
+def _scaled_steps_text(scaled: pd.DataFrame) -> str:
+    """The scaler summary, counting steps (per rank in a run of several ranks, never
+    rank-steps added up)."""
+    counts = {rank: _scaler_counts(part) for rank, part in split_ranks(scaled)}
+
+    def sentence(c: tuple[int, int, int, int, float], each: str) -> str:
+        n, skipped, cuts, grows, final = c
+        return (
+            f"{n} scaled steps{each}: {skipped} skipped, {cuts} scale cuts (backoff), "
+            f"{grows} growth events; final scale {final:g}"
+        )
+
+    if len(counts) == 1:
+        return sentence(next(iter(counts.values())), "") + "."
+    if len(set(counts.values())) == 1:
+        return sentence(next(iter(counts.values())), f" on each of {len(counts)} ranks") + "."
+    return "; ".join(f"rank {r}: " + sentence(c, "") for r, c in counts.items()) + "."
+
+
 @section("scale", order=10, tab="Loss scale")
 def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     steps = run.steps
@@ -230,11 +441,5 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
         text.append("No enabled GradScaler was used in this run: only the loss is shown.")
     scaled = steps[steps["scale_after"].notna()]
     if len(scaled):
-        skipped = int(scaled["skipped"].fillna(False).astype(bool).sum())
-        cuts = int((scaled["scale_after"] < scaled["scale_before"]).sum())
-        grows = int((scaled["scale_after"] > scaled["scale_before"]).sum())
-        text.append(
-            f"{len(scaled)} scaled steps: {skipped} skipped, {cuts} scale cuts (backoff), "
-            f"{grows} growth events; final scale {scaled['scale_after'].iloc[-1]:g}."
-        )
+        text.append(_scaled_steps_text(scaled))
     return Section("scale", title, figures=(make_loss_scale_figure(steps),), text=tuple(text))
