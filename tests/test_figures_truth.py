@@ -330,6 +330,10 @@ def test_nan_loss_gap_survives_the_dashboard_thinning(demo: Any) -> None:
     fig = thin_figure(copy.deepcopy(section.figures[0]), max_points=30)
     loss = next(t for t in fig.data if t.name == "loss")
     kept = dict(zip((int(x) for x in _array(loss.x)), loss.y, strict=True))
+    assert len(kept) <= 30  # thinned (a copied figure's binary arrays were left whole)
+    recorded = demo.steps.set_index("step")["loss"]
+    for step, value in kept.items():  # each kept point is still at its own step
+        assert value is None if step in nan else value == pytest.approx(recorded[step])
     assert any(s in kept for s in nan) and all(kept[s] is None for s in nan if s in kept)
     assert any("loss NaN, steps 80–119" in t for _, _, t in _bands(fig))
 
