@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 import amprobe
 from amprobe.analysis.numerics import COUNT_COLUMNS
@@ -94,27 +95,38 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from amprobe.demo import train
 
     run_dir = tmp_path_factory.mktemp("demo") / "run"
-    train(run_dir, steps=200, device=__import__("torch").device("cpu"))
+    train(run_dir, steps=200, device=torch.device("cpu"))
     return amprobe.load_run(run_dir)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``sample_runs/overflow``'s steps written by amprobe's writer as ranks 0 and 1 of one
-    2-rank run (rank 1's loss 0.25 higher, so that the two lines differ)."""
+    """``sample_runs/overflow``'s steps and numerics written by amprobe's writer as ranks 0
+    and 1 of one 2-rank run: rank 1's loss 0.25 higher (so that the two lines differ), its
+    counts doubled, and its step 0 not sampled."""
     root = tmp_path_factory.mktemp("ranks") / "run"
-    rows = [
-        json.loads(line)
-        for line in (SAMPLES / "overflow" / "rank0" / "steps.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+
+    def rows(table: str) -> list[dict[str, Any]]:
+        text = (SAMPLES / "overflow" / "rank0" / f"{table}.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    steps, numerics = rows("steps"), rows("numerics")
     for rank in (0, 1):
-        writer = RunWriter(root, rank, 2, {"device": "cpu"}, max_buffered_rows=10_000)
+        writer = RunWriter(root, rank, 2, {"device": "cpu"}, max_buffered_rows=100_000)
         mine = [
             {**r, "loss": r["loss"] + 0.25 * rank if r.get("loss") is not None else None}
-            for r in rows
+            for r in steps
         ]
         writer.append("steps", mine)
+        counts = ("nan", "inf", "over_fp16", "below_subnormal")
+        writer.append(
+            "numerics",
+            [
+                {**r, **{c: r[c] * (1 + rank) for c in counts}}
+                for r in numerics
+                if not (rank == 1 and r["step"] == 0)
+            ],
+        )
         writer.close({"status": "finished", "steps": len(mine)})
     return amprobe.load_run(root)
 
@@ -221,7 +233,6 @@ def unmeasured(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A real recorded run whose second layer outputs a wrapper tensor subclass (as float8
     and NF4 training tensors are): the collector cannot read it, records a
     ``numerics_not_checked`` event, and the layer after it has its inputs unread."""
-    import torch
     from torch.testing._internal.two_tensor import TwoTensor
 
     class Pair(torch.nn.Module):
@@ -396,3 +407,21 @@ def test_two_ranks_have_two_colours_and_steps_are_not_doubled(two_ranks: Any) ->
     (text,) = build_scale_section(two_ranks, None).text
     assert text.startswith("200 scaled steps on each of 2 ranks: 40 skipped")
     assert "400" not in text
+
+
+def test_two_ranks_heatmap_rows_are_per_rank_never_summed(two_ranks: Any) -> None:
+    """Each rank has its own rows, each cell that rank's recorded count (the ranks' counts
+    were added up in one row); the step rank 1 did not sample is grey, not 0."""
+    numerics = two_ranks.table("numerics")
+    fig = _heatmaps(two_ranks)["nonfinite"]
+    trace = _value_trace(fig, "nonfinite")
+    z = _cells(trace)
+    rows = {layer: i for i, layer in enumerate(trace.y)}
+    cols = {int(s): j for j, s in enumerate(trace.x)}
+    for rank, module, kind, step, nan, inf in zip(
+        *(numerics[c] for c in ("rank", "module", "kind", "step", "nan", "inf")), strict=True
+    ):
+        assert z[rows[f"r{rank} · {module} · {kind}"]][cols[int(step)]] == nan + inf
+    grey = _grey_cells(fig)
+    assert grey and {(cell[1], cell[2]) for cell in grey} == {(0, "rank 1 did not sample step 0")}
+    assert {cell[0].split(" · ")[0] for cell in grey} == {"r1"}

@@ -543,7 +543,7 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
         f"{frame['step'].nunique()} sampled step(s), {summary['module'].nunique()} module(s) "
         "recorded.",
         "Totals table, summed over sampled steps"
-        + (" and ranks" if frame["rank"].nunique() > 1 else "")
+        + (" and ranks" if "rank" in frame and frame["rank"].nunique() > 1 else "")
         + f": {_COLUMN_NOTES}",
     ]
     hint = compute_scale_hint(frame)
