@@ -103,7 +103,7 @@ def make_compare_figure(
         subplot_titles=("step time (ms)", "loss", "loss scale (log)"),
     )
     colors = ("#1f77b4", "#d62728")
-    positions = ("top left", "bottom left")
+    positions = ("top", "bottom")
     for frame, name, color, position in zip((a, b), names, colors, positions, strict=True):
         if frame.empty:
             continue

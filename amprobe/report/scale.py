@@ -151,26 +151,31 @@ def nonfinite_loss_spans(steps: pd.DataFrame) -> list[LossSpan]:
     if not bad.any():
         return []
     ranks = steps["rank"].to_numpy() if "rank" in steps else np.zeros(len(steps), dtype=int)
-    rows = pd.DataFrame(
-        {"step": steps["step"].to_numpy()[bad], "rank": ranks[bad], "nan": np.isnan(loss[bad])}
+    step = steps["step"].to_numpy()[bad].astype(np.int64)
+    order = np.argsort(step, kind="stable")
+    step, rank, nan = step[order], ranks[bad][order], np.isnan(loss[bad])[order]
+    unique = np.unique(step)
+    # a new stretch wherever a step does not follow the previous bad step
+    starts = unique[np.flatnonzero(np.diff(unique, prepend=unique[0] - 2) != 1)]
+    span_of = np.searchsorted(starts, step, side="right") - 1
+    rows = pd.DataFrame({"span": span_of, "step": step, "rank": rank, "nan": nan})
+    per = rows.groupby("span", sort=True).agg(
+        first=("step", "min"), last=("step", "max"), nan=("nan", "all"), any_nan=("nan", "any")
     )
-    per_step = rows.groupby("step", sort=True).agg(
-        ranks=("rank", lambda r: frozenset(int(v) for v in r)),
-        nan=("nan", "all"),
-        inf=("nan", lambda v: not v.any()),
-    )
-    step = per_step.index.to_numpy()
-    starts = np.flatnonzero(np.diff(step, prepend=step[0] - 2) != 1)
-    ends = np.append(starts[1:], len(step))
+    span_ranks = rows.drop_duplicates(["span", "rank"]).groupby("span")["rank"].agg(list)
     spans: list[LossSpan] = []
-    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        part = per_step.iloc[a:b]
-        label = (
-            "loss NaN" if part["nan"].all() else "loss inf" if part["inf"].all() else "loss NaN/inf"
-        )
-        ranks_in = sorted(frozenset().union(*part["ranks"]))
-        spans.append(LossSpan(int(step[a]), int(step[b - 1]), tuple(ranks_in), label))
+    for i, first, last, all_nan, any_nan in zip(
+        per.index, per["first"], per["last"], per["nan"], per["any_nan"], strict=True
+    ):
+        label = "loss NaN" if all_nan else "loss NaN/inf" if any_nan else "loss inf"
+        ranks_in = tuple(sorted(int(r) for r in span_ranks[i]))
+        spans.append(LossSpan(int(first), int(last), ranks_in, label))
     return spans
+
+
+def _axis_refs(row: int) -> tuple[str, str]:
+    """The x axis and y-axis domain references of subplot ``row`` (one column)."""
+    return ("x", "y domain") if row == 1 else (f"x{row}", f"y{row} domain")
 
 
 def add_loss_bands(
@@ -180,50 +185,76 @@ def add_loss_bands(
     rows: tuple[int, ...] = (),
     prefix: str = "",
     color: str = _BAND_COLOR,
-    position: str = "top left",
+    position: str = "top",
 ) -> list[LossSpan]:
     """Shade the steps whose loss was NaN/inf (:func:`nonfinite_loss_spans`) on subplot
     ``row`` with a labelled band ("loss NaN, steps 80–119"), and unlabelled on ``rows``.
 
     The loss line has gaps there; a gap alone is easy to miss. At most :data:`MAX_BANDS`
-    bands; the rest are counted in a note. Returns the spans.
+    bands, the longest stretches; the others are counted in a note. ``position`` puts the
+    labels at the ``top`` or ``bottom`` of the band. Returns every span.
     """
     spans = nonfinite_loss_spans(steps)
     n_ranks = int(steps["rank"].nunique()) if "rank" in steps and not steps.empty else 1
-    for span in spans[:MAX_BANDS]:
+    banded = sorted(spans, key=lambda s: (s.first - s.last, s.first))[:MAX_BANDS]
+    banded.sort(key=lambda s: s.first)
+    shapes: list[dict[str, object]] = []
+    notes: list[dict[str, object]] = []
+    for span in banded:
         x0, x1 = span.first - 0.5, span.last + 0.5
-        for other in rows:
-            fig.add_vrect(
-                x0=x0, x1=x1, fillcolor=color, opacity=0.1, line_width=0, row=other, col=1
+        for where, opacity in [(r, 0.1) for r in rows] + [(row, 0.15)]:
+            xref, yref = _axis_refs(where)
+            shapes.append(
+                {
+                    "type": "rect",
+                    "xref": xref,
+                    "yref": yref,
+                    "x0": x0,
+                    "x1": x1,
+                    "y0": 0,
+                    "y1": 1,
+                    "fillcolor": color,
+                    "opacity": opacity,
+                    "line": {"width": 0},
+                    "layer": "below",
+                }
             )
-        fig.add_vrect(
-            x0=x0,
-            x1=x1,
-            fillcolor=color,
-            opacity=0.15,
-            line_width=0,
-            row=row,
-            col=1,
-            annotation_text=span.text(prefix, n_ranks),
-            annotation_position=position,
-            annotation_font={"size": 11, "color": color},
+        xref, yref = _axis_refs(row)
+        notes.append(
+            {
+                "text": span.text(prefix, n_ranks),
+                "xref": xref,
+                "yref": yref,
+                "x": x0,
+                "y": 1 if position == "top" else 0,
+                "xanchor": "left",
+                "yanchor": "top" if position == "top" else "bottom",
+                "showarrow": False,
+                "font": {"size": 11, "color": color},
+            }
         )
-    if len(spans) > MAX_BANDS:
-        rest = spans[MAX_BANDS:]
-        fig.add_annotation(
-            text=(
-                f"{prefix}{len(rest)} more loss NaN/inf stretches, steps "
-                f"{rest[0].first}–{rest[-1].last} (gaps in the line)"
-            ),
-            showarrow=False,
-            xref="paper",
-            yref="paper",
-            x=1,
-            y=1.02,
-            xanchor="right",
-            yanchor="bottom",
-            font={"size": 11, "color": color},
+    if len(spans) > len(banded):
+        rest = [s for s in spans if s not in banded]
+        notes.append(
+            {
+                "text": (
+                    f"{prefix}{len(rest)} more loss NaN/inf stretches (gaps in the line, not "
+                    f"shaded) between steps {rest[0].first} and {rest[-1].last}"
+                ),
+                "showarrow": False,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 1,
+                "y": 1.02 if position == "top" else 1.06,
+                "xanchor": "right",
+                "yanchor": "bottom",
+                "font": {"size": 11, "color": color},
+            }
         )
+    # one layout update: plotly's add_vrect re-validates every shape at each call
+    fig.update_layout(
+        shapes=[*fig.layout.shapes, *shapes], annotations=[*fig.layout.annotations, *notes]
+    )
     return spans
 
 
