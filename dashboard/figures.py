@@ -13,10 +13,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from amprobe.report.downsample import MAX_POINTS
-from amprobe.report.escape import escape_figure_text
+from amprobe.report.escape import escape_figure_text, escape_plotly_text
 from amprobe.report.scale import (
+    add_loss_bands,
     empty_figure,
+    gaps_as_null,
     make_loss_scale_figure,
+    rank_color,
     scale_events,
     scaler_rows,
     sort_steps,
@@ -37,20 +40,37 @@ __all__ = [
 
 
 def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
-    """Wall time of each step and the probe's own share of it, in milliseconds."""
+    """Wall time of each step and the probe's own share of it, in milliseconds (one colour
+    per rank: step time solid, probe time dotted)."""
     if steps.empty or "wall_s" not in steps or not steps["wall_s"].notna().any():
         return empty_figure("not recorded: no step time")
     fig = go.Figure()
-    multi = "rank" in steps and steps["rank"].nunique() > 1
+    n_ranks = int(steps["rank"].nunique()) if "rank" in steps else 1
+    multi = n_ranks > 1
     for rank, part in split_ranks(sort_steps(steps)):
         suffix = f" (rank {rank})" if multi else ""
+        color = rank_color(rank, n_ranks)
         x, y = thin_series(part, "wall_s", max_points)
-        fig.add_trace(go.Scatter(x=x, y=y * 1e3, mode="lines", name=f"step time{suffix}"))
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=y * 1e3,
+                mode="lines",
+                name=f"step time{suffix}",
+                legendgroup=f"rank {rank}",
+                line={"color": color},
+            )
+        )
         if "probe_s" in part and part["probe_s"].fillna(0).gt(0).any():
             x, y = thin_series(part, "probe_s", max_points)
             fig.add_trace(
                 go.Scatter(
-                    x=x, y=y * 1e3, mode="lines", name=f"probe time{suffix}", line={"dash": "dot"}
+                    x=x,
+                    y=y * 1e3,
+                    mode="lines",
+                    name=f"probe time{suffix}",
+                    legendgroup=f"rank {rank}",
+                    line={"dash": "dot", "color": color},
                 )
             )
     fig.update_layout(
@@ -69,7 +89,12 @@ def make_compare_figure(
     names: tuple[str, str] = ("A", "B"),
     max_points: int = MAX_POINTS,
 ) -> go.Figure:
-    """Two runs overlaid: step time, loss and loss scale (log) against step."""
+    """Two runs overlaid: step time, loss and loss scale (log) against step.
+
+    Each run's lowest rank is drawn (named so when the run has several). Steps whose loss
+    was NaN/inf are gaps in that run's loss line, shaded in its colour and labelled
+    ("A: loss NaN, steps 80–119").
+    """
     fig = make_subplots(
         rows=3,
         cols=1,
@@ -78,28 +103,42 @@ def make_compare_figure(
         subplot_titles=("step time (ms)", "loss", "loss scale (log)"),
     )
     colors = ("#1f77b4", "#d62728")
-    for frame, name, color in zip((a, b), names, colors, strict=True):
+    positions = ("top", "bottom")
+    for frame, name, color, position in zip((a, b), names, colors, positions, strict=True):
         if frame.empty:
             continue
         first = frame[frame["rank"] == frame["rank"].min()] if "rank" in frame else frame
         first = first.sort_values("step")
+        label = name
+        if "rank" in frame and frame["rank"].nunique() > 1:
+            label = f"{name} (rank {int(frame['rank'].min())})"
         for row, column, scale in ((1, "wall_s", 1e3), (2, "loss", 1.0), (3, "scale_before", 1.0)):
             if column not in first or not first[column].notna().any():
                 continue
-            x, y = thin_series(first, column, max_points)
+            x, y = thin_series(first, column, max_points, keep_gaps=column == "loss")
             fig.add_trace(
                 go.Scatter(
                     x=x,
-                    y=y * scale,
+                    y=gaps_as_null(y * scale),
                     mode="lines",
-                    name=name,
+                    name=label,
                     legendgroup=name,
                     showlegend=row == 1,
                     line={"color": color},
+                    connectgaps=False,
                 ),
                 row,
                 1,
             )
+        # the band's label is layout text, not escaped with the traces: escape the name here
+        add_loss_bands(
+            fig,
+            first,
+            row=2,
+            prefix=f"{escape_plotly_text(label)}: ",
+            color=color,
+            position=position,
+        )
     escape_figure_text(fig)  # run names are folder names: drawn as text, never as HTML
     fig.update_yaxes(type="log", row=3, col=1)
     fig.update_xaxes(title_text="step", row=3, col=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from amprobe.store.loader import Run
 __all__ = [
     "FP16_MAX",
     "GRAD_KINDS",
+    "COUNT_COLUMNS",
     "ROLE_LABELS",
     "module_role",
     "last_linears",
@@ -36,6 +38,21 @@ __all__ = [
 
 FP16_MAX = 65504.0
 GRAD_KINDS = ("grad_output", "grad_param")
+#: per-layer counts shown both as totals (:func:`compute_layer_summary`) and per sampled step
+#: (the report's heatmaps), one definition each: column -> (what it counts, function of a
+#: frame with the ``numerics`` count columns). Each is a sum of counts, so it gives a row's
+#: count and, applied to summed rows, their total.
+COUNT_COLUMNS: dict[str, tuple[str, Callable[[pd.DataFrame], pd.Series]]] = {
+    "nonfinite": ("non-finite values (NaN + inf)", lambda f: f["nan"] + f["inf"]),
+    "fp16_inf": (
+        "values an fp16 cast makes inf (over_fp16: finite values >= 65520; plus inf)",
+        lambda f: f["over_fp16"] + f["inf"],
+    ),
+    "below_subnormal": (
+        "nonzero values below the fp16 min subnormal 2**-24 (gradients unscaled)",
+        lambda f: f["below_subnormal"],
+    ),
+}
 ROLE_LABELS = {
     "normalization": "a normalization layer",
     "softmax": "a softmax / attention",
@@ -227,10 +244,9 @@ class _Gradients:
             return None
         peak = float(amax.max())
         hint = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
-        scales = grads["loss_scale"].dropna()
-        current = (
-            float(grads.sort_values("step")["loss_scale"].dropna().iloc[-1]) if len(scales) else 1.0
-        )
+        scaled = grads[grads["loss_scale"].notna()].sort_values("step", kind="stable")
+        current = float(scaled["loss_scale"].iloc[-1]) if len(scaled) else 1.0
+        current_step = int(scaled["step"].iloc[-1]) if len(scaled) else None
         wide = (
             [i for i, d in enumerate(self.values["dtype"]) if d != "float16"]
             if "dtype" in grads
@@ -252,6 +268,7 @@ class _Gradients:
             "margin": margin,
             "hint_scale": hint,
             "current_scale": current,
+            "current_step": current_step,
             "underflow_share_at_current": share(current),
             "underflow_share_at_hint": share(hint),
         }
@@ -298,7 +315,9 @@ def compute_scale_hint(frame: pd.DataFrame, margin: float = 8.0) -> dict[str, An
     exponent histograms of the gradients held wider than fp16: nonzero gradients whose binade
     times the scale lies wholly at or below 2**-25 (what a real fp16 cast flushes; a tie at
     exactly 2**-25 is not resolved), over their nonzero values, at the current scale (the
-    last recorded one) and at the hint. Gradients held in fp16 are left out: their
+    last recorded one: ``current_scale``, the scale of the last sampled step with a gradient
+    row, ``current_step``, which need not be the run's final scale; ``None`` as the step when
+    no row carries a scale, the scale then 1) and at the hint. Gradients held in fp16 are left out: their
     flushed values are zeros already, indistinguishable from true zeros (see
     :func:`compute_underflow` for what is measured there). With no wider gradient the shares
     are ``None``.
@@ -336,7 +355,8 @@ def compute_gradient_underflow(
 
 
 def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (module, kind): totals over sampled steps and shares."""
+    """One row per (module, kind): totals over sampled steps (and ranks) and shares, with the
+    :data:`COUNT_COLUMNS`."""
     if frame.empty:
         return pd.DataFrame()
     sums = [
@@ -356,7 +376,8 @@ def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
     out["amax"] = g["amax"].max()
     out["steps"] = g["step"].nunique()
     out["zero_share"] = out["zeros"] / out["elements"].where(out["elements"] > 0)
-    out["nonfinite"] = out["nan"] + out["inf"]
+    for column, (_, count) in COUNT_COLUMNS.items():
+        out[column] = count(out)
     return out.reset_index()
 
 

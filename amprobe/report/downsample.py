@@ -7,6 +7,7 @@ them. It is vectorised (one reshape) and costs a few milliseconds for 100,000 po
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,9 @@ def minmax_indices(values: Any, max_points: int = MAX_POINTS) -> np.ndarray:
     """Indices of the points to draw from ``values`` (sorted, first and last always kept).
 
     Args:
-        values: the series' y values, in x order; NaN counts as neither low nor high.
+        values: the series' y values, in x order; NaN counts as neither low nor high, but a
+            bucket that holds one keeps its first NaN, so a gap in the series (a NaN loss)
+            stays a gap in the thinned series.
         max_points: the most points to return (at least 4).
 
     Returns:
@@ -34,21 +37,40 @@ def minmax_indices(values: Any, max_points: int = MAX_POINTS) -> np.ndarray:
     n = len(y)
     if n <= max_points:
         return np.arange(n)
-    buckets = max(max_points // 2 - 1, 1)
+    gaps = bool(np.isnan(y).any())
+    buckets = max(max_points // (3 if gaps else 2) - 1, 1)
     size = -(-n // buckets)
     padded = np.full(buckets * size, np.nan)
     padded[:n] = y
     grid = padded.reshape(buckets, size)
-    low = np.where(np.isnan(grid), np.inf, grid).argmin(axis=1)
-    high = np.where(np.isnan(grid), -np.inf, grid).argmax(axis=1)
+    nan = np.isnan(grid)
+    low = np.where(nan, np.inf, grid).argmin(axis=1)
+    high = np.where(nan, -np.inf, grid).argmax(axis=1)
     base = np.arange(buckets) * size
-    keep = np.concatenate([base + low, base + high, [0, n - 1]])
+    parts = [base + low, base + high, np.array([0, n - 1])]
+    if gaps:
+        has = nan.any(axis=1)
+        parts.append((base + nan.argmax(axis=1))[has])
+    keep = np.concatenate(parts)
     keep = keep[keep < n]
     return np.unique(keep)
 
 
+def _values(value: Any) -> Any:
+    """A trace array as plotly holds it, as an array: plotly 6+ stores a numpy array it has
+    copied (``copy.deepcopy`` of a figure) as a binary ``{"dtype", "bdata"[, "shape"]}`` dict,
+    which ``np.asarray`` cannot read; a list or tuple is returned as it is."""
+    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
+        data = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+        shape = value.get("shape")
+        if shape:
+            data = data.reshape([int(n) for n in str(shape).split(",")])
+        return data
+    return value
+
+
 def _thin_heatmap(trace: Any, max_columns: int) -> None:
-    z = trace.z
+    z = _values(trace.z)
     if z is None:
         return
     try:
@@ -67,8 +89,9 @@ def _thin_heatmap(trace: Any, max_columns: int) -> None:
     # max keeps "something happened in this span" visible; an all-NaN span stays NaN
     reduced = np.where(empty, np.nan, np.where(np.isnan(pooled), -np.inf, pooled).max(axis=2))
     update: dict[str, Any] = {"z": reduced}
-    if trace.x is not None and len(trace.x) == cols:
-        update["x"] = [trace.x[i * size] for i in range(groups)]
+    x = _values(trace.x)
+    if x is not None and len(x) == cols:
+        update["x"] = [x[i * size] for i in range(groups)]
     trace.update(**update)
 
 
@@ -82,18 +105,22 @@ def thin_figure(fig: Any, max_points: int = MAX_POINTS, max_columns: int = MAX_C
     for trace in getattr(fig, "data", ()):
         kind = getattr(trace, "type", None)
         if kind in ("scatter", "scattergl"):
-            y = trace.y
+            y = _values(trace.y)
             if y is None or len(y) <= max_points:
                 continue
             try:
                 keep = minmax_indices(np.asarray(y, dtype="float64"), max_points)
             except (TypeError, ValueError):
                 continue
-            update: dict[str, Any] = {"y": np.asarray(y)[keep]}
-            if trace.x is not None and len(trace.x) == len(y):
-                update["x"] = np.asarray(trace.x)[keep]
+            kept = np.asarray(y, dtype=object if isinstance(y, (list, tuple)) else None)[keep]
+            # a list keeps its None (a gap: JSON null); an array keeps its NaN
+            update: dict[str, Any] = {"y": kept.tolist() if isinstance(y, (list, tuple)) else kept}
+            x = _values(trace.x)
+            if x is None or len(x) != len(y):
+                continue  # x and y could no longer be paired: leave the trace whole
+            update["x"] = np.asarray(x)[keep]
             for key in ("text", "customdata", "hovertext"):
-                value = getattr(trace, key, None)
+                value = _values(getattr(trace, key, None))
                 if value is not None and not isinstance(value, str) and len(value) == len(y):
                     update[key] = np.asarray(value)[keep]
             trace.update(**update)

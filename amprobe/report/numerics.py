@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.analysis.numerics import (
+    COUNT_COLUMNS,
     compute_layer_summary,
     compute_scale_hint,
     layer_summary,
     numerics_missing_reason,
 )
+from amprobe.report.downsample import MAX_COLUMNS
+from amprobe.report.escape import escape_plotly_text
 from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
@@ -30,17 +35,12 @@ __all__ = [
     "build_numerics_section",
 ]
 
-#: heatmap name -> (title, function of a numerics frame giving the per-row count)
-HEATMAP_METRICS: dict[str, tuple[str, Any]] = {
-    "nonfinite": ("non-finite values (NaN + inf)", lambda f: f["nan"] + f["inf"]),
-    "overflow": (
-        "values an fp16 cast makes inf (finite >= 65520, plus inf)",
-        lambda f: f["over_fp16"] + f["inf"],
-    ),
-    "underflow": (
-        "nonzero values below the fp16 min subnormal (gradients unscaled)",
-        lambda f: f["below_subnormal"],
-    ),
+#: heatmap name -> the :data:`~amprobe.analysis.numerics.COUNT_COLUMNS` column it draws per
+#: sampled step (the per-layer totals table shows the same column summed)
+HEATMAP_METRICS: dict[str, str] = {
+    "nonfinite": "nonfinite",
+    "overflow": "fp16_inf",
+    "underflow": "below_subnormal",
 }
 #: fp16 limits drawn on the exponent histograms: label -> base-2 exponent
 FP16_LIMITS = {"fp16 min subnormal": -24, "fp16 min normal": -14, "fp16 max": 16}
@@ -53,42 +53,374 @@ _TABLE_COLUMNS = [
     "elements",
     "nonfinite",
     "over_fp16",
+    "fp16_inf",
     "below_normal",
     "below_subnormal",
     "zero_share",
     "amax",
 ]
+#: what each count column of the totals table holds (one definition: the heatmaps' too)
+_COLUMN_NOTES = (
+    "nonfinite = NaN + inf; over_fp16 = finite values >= 65520 (an fp16 cast makes them inf); "
+    "fp16_inf = over_fp16 + inf (every value an fp16 cast makes inf); below_normal / "
+    "below_subnormal = nonzero values below 2**-14 / 2**-24. The heatmaps draw nonfinite, "
+    "fp16_inf and below_subnormal per sampled step."
+)
+#: zero is white; any count (1 and up) at least a visible pink, then darker up to the largest
+_WHITE, _LOW, _HIGH = "#ffffff", "#fcae91", "#a50f15"
+_NOT_MEASURED = "#bdbdbd"
+_GAP_LINE = "#969696"
+#: unsampled stretches labelled above the heatmap, at most (more: the dashed lines only)
+_MAX_GAP_LABELS = 12
+#: hover detail (the parts of each count) only up to this many cells: it is text per cell
+_MAX_DETAIL_CELLS = 20_000
+#: numerics_not_checked kinds that leave every layer's activations unmeasured
+_ACTIVATION_KINDS = ("output", "grad_output")
 
 
-def _label(frame: pd.DataFrame) -> pd.Series:
-    return frame["module"].astype(str) + " · " + frame["kind"].astype(str)
+def _label(frame: pd.DataFrame, with_rank: bool = False) -> pd.Series:
+    label = frame["module"].astype(str) + " · " + frame["kind"].astype(str)
+    if with_rank:
+        label = "r" + frame["rank"].astype(int).astype(str) + " · " + label
+    return label
 
 
-def make_numerics_heatmap_figure(frame: pd.DataFrame, metric: str) -> go.Figure:
-    """Layer (module · kind) x step heatmap of one :data:`HEATMAP_METRICS` count."""
+def _ranges(steps: list[int], limit: int = 8) -> str:
+    """``[0, 81, 82, 83]`` as ``"0, 81–83"`` (the first ``limit`` ranges, then "…")."""
+    spans: list[tuple[int, int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], s)
+        else:
+            spans.append((s, s))
+    text = [f"{a}" if a == b else f"{a}–{b}" for a, b in spans[:limit]]
+    if len(spans) > limit:
+        text.append("…")
+    return ", ".join(text)
+
+
+def _colorscale(zmax: float) -> list[list[Any]]:
+    """A scale from 0: zero white, a count of 1 already visibly coloured."""
+    if zmax <= 1:
+        return [[0.0, _WHITE], [1.0, _HIGH]]
+    return [[0.0, _WHITE], [1.0 / zmax, _LOW], [1.0, _HIGH]]
+
+
+def _missing_rows(
+    frame: pd.DataFrame, not_checked: Sequence[Mapping[str, Any]]
+) -> dict[tuple[int, str, str], str]:
+    """(rank, module, kind) -> why (short), for layers that ``numerics_not_checked`` events say
+    were not measured and that have no row of that kind (kind ``"?"``: the event names no
+    kind): every module with parameter gradients but no activations when the activations
+    were not measured (a compiled region), the first layer an event names when it has no row
+    at all (a tensor subclass)."""
+    out: dict[tuple[int, str, str], str] = {}
+    for rank, part in frame.groupby("rank", sort=True):
+        seen = set(zip(part["module"].astype(str), part["kind"].astype(str), strict=True))
+        modules = set(part["module"].astype(str))
+        for event in not_checked:
+            if "rank" in event and event.get("rank") != rank:
+                continue
+            # the full reason is the note under the figure (once, not in every cell)
+            reason = f"{event.get('what', 'not measured')}: see the note under the figure"
+            if event.get("what") == "activations":
+                with_params = part.loc[part["kind"] == "grad_param", "module"].astype(str)
+                for module in dict.fromkeys(with_params):
+                    for kind in _ACTIVATION_KINDS:
+                        if (module, kind) not in seen:
+                            out[(int(rank), module, kind)] = reason
+            first = event.get("first_at")
+            if isinstance(first, str) and first not in modules:
+                out[(int(rank), first, "?")] = reason
+    return out
+
+
+def _pool(steps: list[int], max_columns: int) -> list[list[int]]:
+    """Sampled steps in at most ``max_columns`` runs of consecutive samples (one each if few)."""
+    if len(steps) <= max_columns:
+        return [[s] for s in steps]
+    size = -(-len(steps) // max_columns)
+    return [steps[i : i + size] for i in range(0, len(steps), size)]
+
+
+def make_numerics_heatmap_figure(
+    frame: pd.DataFrame,
+    metric: str,
+    steps: pd.DataFrame | None = None,
+    not_checked: Sequence[Mapping[str, Any]] = (),
+    max_columns: int = MAX_COLUMNS,
+) -> go.Figure:
+    """Layer (module · kind) x sampled step heatmap of one :data:`HEATMAP_METRICS` count.
+
+    One column per sampled step, at that step (a categorical axis: the columns are the steps
+    the ``numerics`` table holds, nothing in between), dashed lines labelled with the steps
+    where unsampled steps lie (between two columns, and before the first or after the last
+    when the run has steps there); each cell is the recorded count of that layer at that
+    step, its parts on hover (up to 20,000 cells). The
+    colour scale starts at 0 (white): a run with no count anywhere has no coloured cell.
+    Cells that were not measured (a layer without a row at a sampled step, a rank that did
+    not sample the step, a layer that ``numerics_not_checked`` names) are grey with the
+    reason on hover, never 0. In a run of several ranks each rank has its own rows.
+
+    Args:
+        frame: the run's ``numerics`` table.
+        metric: a :data:`HEATMAP_METRICS` key.
+        steps: the run's steps frame, to say which steps were not sampled (optional).
+        not_checked: the run's ``numerics_not_checked`` events.
+        max_columns: more sampled steps than this are pooled into columns of consecutive
+            samples (each the largest count of its samples), labelled with their step range.
+    """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
-    title, fn = HEATMAP_METRICS[metric]
-    data = frame.assign(layer=_label(frame), value=fn(frame))
-    pivot = data.pivot_table(
-        index="layer", columns="step", values="value", aggfunc="sum", sort=False
+    column = HEATMAP_METRICS[metric]
+    what, count = COUNT_COLUMNS[column]
+    if "rank" not in frame:
+        frame = frame.assign(rank=0)
+    multi = frame["rank"].nunique() > 1
+    data = frame.assign(layer=_label(frame, multi), value=count(frame))
+    sampled = sorted({int(s) for s in data["step"].dropna()})
+    grid = _Grid(data, sampled)
+    for (rank, module, kind), reason in _missing_rows(frame, not_checked).items():
+        label = f"{module} · {kind}" if kind != "?" else f"{module} · (not measured)"
+        grid.add_unmeasured_row(f"r{rank} · {label}" if multi else label, reason)
+    columns = _pool(sampled, max_columns)
+    pooled = len(columns) < len(sampled)
+    x: list[Any] = (
+        [f"{c[0]}–{c[-1]}" if len(c) > 1 else str(c[0]) for c in columns]
+        if pooled
+        else list(sampled)
     )
-    fig = go.Figure(
+    z, why = grid.pooled(columns)
+    text: list[list[str]] | None = None
+    if pooled:
+        text = [[f"largest of sampled steps {x[j]}" for j in range(len(columns))] for _ in z]
+    elif len(grid.layers) * len(sampled) <= _MAX_DETAIL_CELLS:
+        detail = _cell_detail(data, column)
+        text = [[detail.get((layer, s), "") for s in sampled] for layer in grid.layers]
+    # NaN: no cell in this trace (a binary array, which plotly draws as a gap)
+    unmeasured = np.array([[r is not None for r in row] for row in why], dtype=bool)
+    grey = np.where(unmeasured, 1.0, np.nan)
+    layers = grid.layers
+    zmax = max(1.0, float(np.nanmax(z))) if (~np.isnan(z)).any() else 1.0
+    fig = go.Figure()
+    if unmeasured.any():
+        fig.add_trace(
+            go.Heatmap(
+                z=grey,
+                x=x,
+                y=layers,
+                text=why,
+                zmin=0,
+                zmax=1,
+                colorscale=[[0.0, _NOT_MEASURED], [1.0, _NOT_MEASURED]],
+                showscale=False,
+                hoverongaps=False,
+                xgap=1 if len(x) <= 200 else 0,
+                ygap=1 if len(layers) <= 200 else 0,
+                name="not measured",
+                hovertemplate="%{y}<br>step %{x}: not measured<br>%{text}<extra></extra>",
+            )
+        )
+    fig.add_trace(
         go.Heatmap(
-            z=pivot.to_numpy(),
-            x=[int(s) for s in pivot.columns],
-            y=list(pivot.index),
-            colorscale="Reds",
-            colorbar={"title": "count"},
+            z=z,
+            x=x,
+            y=layers,
+            text=text,
+            zmin=0,
+            zmax=zmax,
+            colorscale=_colorscale(zmax),
+            colorbar={"title": "count<br>(0: white)"},
+            xgap=1 if len(x) <= 200 else 0,
+            ygap=1 if len(layers) <= 200 else 0,
+            hoverongaps=False,
+            name=column,
+            hovertemplate=f"%{{y}}<br>step %{{x}}<br>{column}: %{{z}}"
+            + ("<br>%{text}" if text is not None else "")
+            + "<extra></extra>",
         )
     )
+    notes = [_sampling_note(sampled, steps, pooled, len(columns))]
+    if unmeasured.any():
+        notes.append("grey: not measured (hover for why), never 0")
+    if not pooled:
+        _mark_gaps(fig, sampled, steps)
+    for i, event in enumerate(not_checked):
+        fig.add_annotation(
+            text=escape_plotly_text(f"not measured: {event.get('what', '?')} (hover for why)"),
+            hovertext=escape_plotly_text(str(event.get("reason", ""))),
+            showarrow=False,
+            xref="paper",
+            yref="paper",
+            x=0,
+            y=0,
+            yshift=-62 - 16 * i,  # below the axis title
+            xanchor="left",
+            yanchor="top",
+            font={"size": 11, "color": "#555"},
+        )
     fig.update_layout(
-        title=f"Per-layer {title}",
-        xaxis_title="step",
-        yaxis_title="layer",
-        height=max(300, 18 * len(pivot.index) + 120),
+        title={"text": f"Per-layer {column}: {what}<br><sup>{'; '.join(notes)}</sup>"},
+        xaxis={"title": "sampled step", "type": "category"},
+        yaxis={"title": "layer", "autorange": "reversed"},
+        height=max(320, 18 * len(layers) + 180 + 16 * len(not_checked)),
+        margin={"t": 110, "b": 70 + 16 * len(not_checked)},
+        plot_bgcolor="#e8e8e8",  # shows between the cells: a white (0) cell stays visible
     )
     return fig
+
+
+class _Grid:
+    """A heatmap's layers x sampled steps: the recorded counts, and why a cell has none."""
+
+    def __init__(self, data: pd.DataFrame, sampled: list[int]) -> None:
+        self.layers: list[str] = list(dict.fromkeys(data["layer"]))
+        index = pd.Index(sampled)
+        cells = data.groupby(["layer", "step"], sort=False)["value"]
+        self.values = (
+            cells.sum(min_count=1).unstack("step").reindex(index=self.layers, columns=index)
+        ).to_numpy(dtype="float64")
+        present = cells.size().unstack("step").reindex(index=self.layers, columns=index)
+        self.present = present.notna().to_numpy()
+        ranks = (
+            data.drop_duplicates("layer").set_index("layer")["rank"].reindex(self.layers)
+        ).to_numpy(dtype=int)
+        steps = np.asarray(sampled, dtype=int)
+        by_rank = {
+            int(r): np.isin(steps, p["step"].to_numpy(dtype=int)) for r, p in data.groupby("rank")
+        }
+        rank_sampled = np.array([by_rank[int(r)] for r in ranks]).reshape(self.values.shape)
+        first = (
+            data.groupby("layer", sort=False)["step"].min().reindex(self.layers).to_numpy(dtype=int)
+        )
+        why = np.full(self.values.shape, None, dtype=object)
+        absent = rank_sampled & ~self.present
+        early = absent & (steps[None, :] < first[:, None])
+        null = self.present & np.isnan(self.values)
+        why[absent] = (
+            "no record of this layer at this sampled step (it did not run, or was not measured)"
+        )
+        for i, j in zip(*np.nonzero(early), strict=True):
+            why[i, j] = f"not yet measured: this layer's first record is at step {first[i]}"
+        why[null] = "this count was not recorded in the layer's row"
+        for i, j in zip(*np.nonzero(~rank_sampled), strict=True):
+            why[i, j] = f"rank {ranks[i]} did not sample step {steps[j]}"
+        self.why: list[list[str | None]] = why.tolist()
+
+    def add_unmeasured_row(self, label: str, reason: str) -> None:
+        """A layer with no record at all (named by a ``numerics_not_checked`` event)."""
+        self.layers.append(label)
+        n = self.values.shape[1]
+        self.values = np.vstack([self.values, np.full((1, n), np.nan)])
+        self.why.append([reason] * n)
+
+    def pooled(self, columns: list[list[int]]) -> tuple[np.ndarray, list[list[str | None]]]:
+        """Counts (the largest of each column's samples; NaN: none measured) and the reason
+        for each cell without one."""
+        if all(len(group) == 1 for group in columns):  # one column per sample: as recorded
+            return self.values, self.why
+        z = np.full((len(self.layers), len(columns)), np.nan)
+        why: list[list[str | None]] = []
+        for i in range(len(self.layers)):
+            wrow: list[str | None] = []
+            j = 0
+            for c, group in enumerate(columns):
+                part = self.values[i, j : j + len(group)]
+                known = part[~np.isnan(part)]
+                if len(known):
+                    z[i, c] = known.max()
+                wrow.append(None if len(known) else self.why[i][j])
+                j += len(group)
+            why.append(wrow)
+        return z, why
+
+
+def _cell_detail(data: pd.DataFrame, column: str) -> dict[tuple[str, int], str]:
+    """Hover detail per (layer, step): the parts of the count and, for forward outputs,
+    whether the layer's inputs were read."""
+    parts = {
+        "nonfinite": ("nan", "inf"),
+        "fp16_inf": ("over_fp16", "inf"),
+        "below_subnormal": ("elements",),  # "of N values"
+    }[column]
+    out: dict[tuple[str, int], str] = {}
+    kinds = data["kind"].tolist()
+    inputs = data["in_nonfinite"].tolist() if "in_nonfinite" in data else [None] * len(data)
+    values = {p: data[p].tolist() for p in parts}
+    for i, (layer, step) in enumerate(zip(data["layer"], data["step"], strict=True)):
+        bits = [f"{p} {_count(values[p][i])}" for p in parts]
+        if parts == ("elements",):
+            bits = [f"of {_count(values['elements'][i])} values"]
+        if kinds[i] == "output":
+            bits.append(
+                "inputs not read (e.g. a tensor subclass): not checked"
+                if pd.isna(inputs[i])
+                else f"inputs: {_count(inputs[i])} non-finite"
+            )
+        out[(layer, int(step))] = ", ".join(bits)
+    return out
+
+
+def _count(value: Any) -> str:
+    return "not recorded" if pd.isna(value) else f"{int(value):,}"
+
+
+def _sampling_note(
+    sampled: list[int], steps: pd.DataFrame | None, pooled: bool, columns: int
+) -> str:
+    """Which steps the columns are, and which steps of the run were not sampled."""
+    note = f"{len(sampled)} sampled step(s): {_ranges(sampled)}"
+    if pooled:
+        note += f", pooled into {columns} columns (each the largest of its samples)"
+    else:
+        note += "; one column each, dashed lines where unsampled steps lie (labelled above)"
+    if steps is not None and not steps.empty and "step" in steps and sampled:
+        first, last = int(steps["step"].min()), int(steps["step"].max())
+        if first < sampled[0]:
+            note += f"; nothing sampled before step {sampled[0]}"
+        if last > sampled[-1]:
+            note += f"; nothing sampled after step {sampled[-1]} (last step {last})"
+    return note
+
+
+def _mark_gaps(fig: go.Figure, sampled: list[int], steps: pd.DataFrame | None) -> None:
+    """A dashed line where unsampled steps lie: between two columns whose steps are not
+    consecutive, and before the first / after the last column when the run has steps there;
+    labelled with those steps (when there are few such gaps)."""
+    gaps = [
+        (i + 0.5, sampled[i] + 1, sampled[i + 1] - 1)
+        for i in range(len(sampled) - 1)
+        if sampled[i + 1] - sampled[i] > 1
+    ]
+    if steps is not None and not steps.empty and "step" in steps and sampled:
+        first, last = int(steps["step"].min()), int(steps["step"].max())
+        if first < sampled[0]:
+            gaps.insert(0, (-0.5, first, sampled[0] - 1))
+        if last > sampled[-1]:
+            gaps.append((len(sampled) - 0.5, sampled[-1] + 1, last))
+    for at, a, b in gaps:
+        fig.add_shape(
+            type="line",
+            xref="x",
+            yref="paper",
+            x0=at,
+            x1=at,
+            y0=0,
+            y1=1,
+            line={"color": _GAP_LINE, "dash": "dash", "width": 1.5},
+        )
+        if len(gaps) <= _MAX_GAP_LABELS:
+            fig.add_annotation(
+                text=f"{a}" if a == b else f"{a}–{b}",
+                hovertext=f"step {a} not sampled" if a == b else f"steps {a}–{b} not sampled",
+                xref="x",
+                yref="paper",
+                x=at,
+                y=1.0,
+                yanchor="bottom",
+                showarrow=False,
+                font={"size": 9, "color": "#555"},
+            )
 
 
 def worst_layers(
@@ -138,6 +470,52 @@ def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, 
     return fig
 
 
+def _final_scales(steps: pd.DataFrame) -> str:
+    """The run's last recorded loss scale, per rank where ranks differ."""
+    if steps.empty or "scale_after" not in steps:
+        return ""
+    scaled = steps[steps["scale_after"].notna()].sort_values("step", kind="stable")
+    if scaled.empty:
+        return ""
+    ranks = scaled["rank"] if "rank" in scaled else pd.Series(0, index=scaled.index)
+    last = scaled.groupby(ranks)[["step", "scale_after"]].last()
+    if last["scale_after"].nunique() == 1:
+        return (
+            f"the run's final scale, at step {int(last['step'].max())}, is "
+            f"{last['scale_after'].iloc[0]:g}"
+        )
+    return "the run's final scales are " + ", ".join(
+        f"{v:g} on rank {r} (step {int(s)})"
+        for r, s, v in zip(last.index, last["step"], last["scale_after"], strict=True)
+    )
+
+
+def _hint_text(hint: Mapping[str, Any], steps: pd.DataFrame) -> str:
+    """The loss-scale hint as a sentence that says which step each scale is from."""
+    line = (
+        f"Loss-scale hint: {hint['hint_scale']:g} is the largest power of two keeping the largest "
+        f"gradient ({hint['grad_amax']:.3g}) under 65504/{hint['margin']:g}"
+    )
+    if hint["underflow_share_at_current"] is None:
+        return line + (
+            "; every measured gradient is held in fp16, where values flushed to zero cannot "
+            "be told from true zeros (AMP-N06 measures their subnormal share instead)."
+        )
+    step = hint.get("current_step")
+    where = (
+        f"at step {step}'s scale {hint['current_scale']:g} (the last sampled step with gradients"
+        if step is not None
+        else f"at scale {hint['current_scale']:g} (no gradient row recorded a scale"
+    )
+    final = _final_scales(steps)
+    where += f"; {final})" if final else ")"
+    return line + (
+        f"; {where}, {hint['underflow_share_at_current']:.2%} of the nonzero gradients held "
+        f"wider than fp16 would flush to zero in fp16 ({hint['underflow_share_at_hint']:.2%} "
+        "at the hint)."
+    )
+
+
 @section("numerics", order=30, tab="Numerics")
 def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     """Per-layer numerics, or why they are missing."""
@@ -162,28 +540,20 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
             )
         )
     text = [
-        f"{frame['step'].nunique()} sampled step(s), {summary['module'].nunique()} module(s) recorded."
+        f"{frame['step'].nunique()} sampled step(s), {summary['module'].nunique()} module(s) "
+        "recorded.",
+        "Totals table, summed over sampled steps"
+        + (" and ranks" if "rank" in frame and frame["rank"].nunique() > 1 else "")
+        + f": {_COLUMN_NOTES}",
     ]
     hint = compute_scale_hint(frame)
     if hint is not None:
-        line = (
-            f"Loss-scale hint: {hint['hint_scale']:g} is the largest power of two keeping the largest "
-            f"gradient ({hint['grad_amax']:.3g}) under 65504/{hint['margin']:g}"
-        )
-        if hint["underflow_share_at_current"] is None:
-            line += (
-                "; every measured gradient is held in fp16, where values flushed to zero cannot "
-                "be told from true zeros (AMP-N06 measures their subnormal share instead)."
-            )
-        else:
-            line += (
-                f"; at the current scale {hint['current_scale']:g}, "
-                f"{hint['underflow_share_at_current']:.2%} of the nonzero gradients held wider "
-                f"than fp16 would flush to zero in fp16 ({hint['underflow_share_at_hint']:.2%} "
-                "at the hint)."
-            )
-        text.append(line)
-    figures = [make_numerics_heatmap_figure(frame, metric) for metric in HEATMAP_METRICS]
+        text.append(_hint_text(hint, run.steps))
+    not_checked = run.events_of("numerics_not_checked")
+    figures = [
+        make_numerics_heatmap_figure(frame, metric, run.steps, not_checked)
+        for metric in HEATMAP_METRICS
+    ]
     layers = worst_layers(frame, summary=summary)
     if layers:
         figures.append(make_exponent_histogram_figure(frame, layers))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,11 +27,32 @@ __all__ = [
     "split_ranks",
     "thin_series",
     "cap_rows",
+    "rank_color",
+    "gaps_as_null",
+    "LossSpan",
+    "nonfinite_loss_spans",
+    "add_loss_bands",
 ]
 
 _SKIP_COLOR = "#d62728"
 _GROW_COLOR = "#2ca02c"
 _CUT_COLOR = "#ff7f0e"
+#: one colour per rank, none of them the markers' red, green or orange
+_RANK_COLORS = (
+    "#1f77b4",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#7f7f7f",
+    "#bcbd22",
+    "#393b79",
+    "#637939",
+    "#843c39",
+)
+_BAND_COLOR = "#d62728"
+#: loss NaN stretches drawn as bands, at most (the rest are named in one note)
+MAX_BANDS = 20
 
 
 def empty_figure(message: str) -> go.Figure:
@@ -58,13 +80,182 @@ def scaler_rows(steps: pd.DataFrame) -> pd.DataFrame:
     return sort_steps(steps[enabled & steps["scale_before"].notna()])
 
 
-def thin_series(frame: pd.DataFrame, column: str, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """Steps and values of ``column`` (non-null), min/max-thinned to ``max_points``."""
-    part = frame[frame[column].notna()]
+def thin_series(
+    frame: pd.DataFrame, column: str, max_points: int, keep_gaps: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and values of ``column``, min/max-thinned to ``max_points``.
+
+    Rows whose value is null are left out, unless ``keep_gaps``: then they stay as NaN (and
+    an inf value becomes NaN), so that a plotted line breaks there instead of running
+    straight across steps that have no finite value (a NaN loss); thinning keeps the breaks.
+    """
+    part = frame if keep_gaps else frame[frame[column].notna()]
     x = part["step"].to_numpy()
     y = part[column].to_numpy(dtype="float64")
+    if keep_gaps:
+        y = np.where(np.isfinite(y), y, np.nan)
     keep = minmax_indices(y, max_points)
     return x[keep], y[keep]
+
+
+def gaps_as_null(y: np.ndarray) -> list[float | None]:
+    """``y`` as a list with ``None`` for each NaN: serialised as JSON null, which every plotly
+    draws as a gap (a binary NaN array depends on how the browser side decodes it)."""
+    return [None if v != v else float(v) for v in y.tolist()]
+
+
+def rank_color(rank: int, ranks: int) -> str:
+    """The colour of ``rank``'s lines in a run of ``ranks`` ranks: one of ten for up to ten
+    ranks, else evenly spaced hues (each rank its own)."""
+    if ranks <= len(_RANK_COLORS):
+        return _RANK_COLORS[rank % len(_RANK_COLORS)]
+    return f"hsl({round(360 * (rank % ranks) / ranks)}, 65%, 42%)"
+
+
+@dataclass(frozen=True)
+class LossSpan:
+    """Consecutive steps whose loss was non-finite: ``first``..``last``, the ranks where it
+    was, and ``label`` ("loss NaN", "loss inf" or "loss NaN/inf")."""
+
+    first: int
+    last: int
+    ranks: tuple[int, ...]
+    label: str
+
+    def text(self, prefix: str = "", all_ranks: int = 1) -> str:
+        """``"loss NaN, steps 80–119"`` (with the ranks when not every rank's loss was)."""
+        where = (
+            f"step {self.first}" if self.first == self.last else f"steps {self.first}–{self.last}"
+        )
+        on = ""
+        if all_ranks > 1 and len(self.ranks) < all_ranks:
+            shown = ", ".join(str(r) for r in self.ranks[:8]) + (
+                ", …" if len(self.ranks) > 8 else ""
+            )
+            on = f" on rank {shown}" if len(self.ranks) == 1 else f" on ranks {shown}"
+        return f"{prefix}{self.label}, {where}{on}"
+
+
+def nonfinite_loss_spans(steps: pd.DataFrame) -> list[LossSpan]:
+    """Stretches of consecutive steps whose loss was NaN or inf on some rank, in step order.
+
+    A step counts when its ``loss_nonfinite`` flag is set or its recorded loss is inf (a null
+    loss without the flag was not recorded, which is not the same).
+    """
+    if steps.empty or "step" not in steps or "loss" not in steps:
+        return []
+    loss = steps["loss"].to_numpy(dtype="float64")
+    bad = np.isinf(loss)
+    if "loss_nonfinite" in steps:
+        bad |= steps["loss_nonfinite"].fillna(False).astype(bool).to_numpy()
+    if not bad.any():
+        return []
+    ranks = steps["rank"].to_numpy() if "rank" in steps else np.zeros(len(steps), dtype=int)
+    step = steps["step"].to_numpy()[bad].astype(np.int64)
+    order = np.argsort(step, kind="stable")
+    step, rank, nan = step[order], ranks[bad][order], np.isnan(loss[bad])[order]
+    unique = np.unique(step)
+    # a new stretch wherever a step does not follow the previous bad step
+    starts = unique[np.flatnonzero(np.diff(unique, prepend=unique[0] - 2) != 1)]
+    span_of = np.searchsorted(starts, step, side="right") - 1
+    rows = pd.DataFrame({"span": span_of, "step": step, "rank": rank, "nan": nan})
+    per = rows.groupby("span", sort=True).agg(
+        first=("step", "min"), last=("step", "max"), nan=("nan", "all"), any_nan=("nan", "any")
+    )
+    span_ranks = rows.drop_duplicates(["span", "rank"]).groupby("span")["rank"].agg(list)
+    spans: list[LossSpan] = []
+    for i, first, last, all_nan, any_nan in zip(
+        per.index, per["first"], per["last"], per["nan"], per["any_nan"], strict=True
+    ):
+        label = "loss NaN" if all_nan else "loss NaN/inf" if any_nan else "loss inf"
+        ranks_in = tuple(sorted(int(r) for r in span_ranks[i]))
+        spans.append(LossSpan(int(first), int(last), ranks_in, label))
+    return spans
+
+
+def _axis_refs(row: int) -> tuple[str, str]:
+    """The x axis and y-axis domain references of subplot ``row`` (one column)."""
+    return ("x", "y domain") if row == 1 else (f"x{row}", f"y{row} domain")
+
+
+def add_loss_bands(
+    fig: go.Figure,
+    steps: pd.DataFrame,
+    row: int,
+    rows: tuple[int, ...] = (),
+    prefix: str = "",
+    color: str = _BAND_COLOR,
+    position: str = "top",
+) -> list[LossSpan]:
+    """Shade the steps whose loss was NaN/inf (:func:`nonfinite_loss_spans`) on subplot
+    ``row`` with a labelled band ("loss NaN, steps 80–119"), and unlabelled on ``rows``.
+
+    The loss line has gaps there; a gap alone is easy to miss. At most :data:`MAX_BANDS`
+    bands, the longest stretches; the others are counted in a note. ``position`` puts the
+    labels at the ``top`` or ``bottom`` of the band. Returns every span.
+    """
+    spans = nonfinite_loss_spans(steps)
+    n_ranks = int(steps["rank"].nunique()) if "rank" in steps and not steps.empty else 1
+    banded = sorted(spans, key=lambda s: (s.first - s.last, s.first))[:MAX_BANDS]
+    banded.sort(key=lambda s: s.first)
+    shapes: list[dict[str, object]] = []
+    notes: list[dict[str, object]] = []
+    for span in banded:
+        x0, x1 = span.first - 0.5, span.last + 0.5
+        for where, opacity in [(r, 0.1) for r in rows] + [(row, 0.15)]:
+            xref, yref = _axis_refs(where)
+            shapes.append(
+                {
+                    "type": "rect",
+                    "xref": xref,
+                    "yref": yref,
+                    "x0": x0,
+                    "x1": x1,
+                    "y0": 0,
+                    "y1": 1,
+                    "fillcolor": color,
+                    "opacity": opacity,
+                    "line": {"width": 0},
+                    "layer": "below",
+                }
+            )
+        xref, yref = _axis_refs(row)
+        notes.append(
+            {
+                "text": span.text(prefix, n_ranks),
+                "xref": xref,
+                "yref": yref,
+                "x": x0,
+                "y": 1 if position == "top" else 0,
+                "xanchor": "left",
+                "yanchor": "top" if position == "top" else "bottom",
+                "showarrow": False,
+                "font": {"size": 11, "color": color},
+            }
+        )
+    if len(spans) > len(banded):
+        rest = [s for s in spans if s not in banded]
+        notes.append(
+            {
+                "text": (
+                    f"{prefix}{len(rest)} more loss NaN/inf stretches (gaps in the line, not "
+                    f"shaded) between steps {rest[0].first} and {rest[-1].last}"
+                ),
+                "showarrow": False,
+                "xref": "paper",
+                "yref": "paper",
+                "x": 1,
+                "y": 1.02 if position == "top" else 1.06,
+                "xanchor": "right",
+                "yanchor": "bottom",
+                "font": {"size": 11, "color": color},
+            }
+        )
+    # one layout update: plotly's add_vrect re-validates every shape at each call
+    fig.update_layout(
+        shapes=[*fig.layout.shapes, *shapes], annotations=[*fig.layout.annotations, *notes]
+    )
+    return spans
 
 
 def split_ranks(frame: pd.DataFrame) -> list[tuple[int, pd.DataFrame]]:
@@ -108,6 +299,9 @@ def scale_events(steps: pd.DataFrame) -> pd.DataFrame:
 def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
     """Loss scale per step on a log axis (skipped steps, growth and backoff marked), loss beneath.
 
+    Each rank has its own colour (its scale and loss lines). Steps whose loss was NaN/inf
+    are gaps in the loss line, shaded and labelled ("loss NaN, steps 80–119").
+
     Args:
         steps: the run's steps frame.
         max_points: points kept per drawn series.
@@ -116,7 +310,11 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     from plotly.subplots import make_subplots
 
     rows = scaler_rows(steps)
-    has_loss = not steps.empty and "loss" in steps and steps["loss"].notna().any()
+    has_loss = (
+        not steps.empty
+        and "loss" in steps
+        and (steps["loss"].notna().any() or bool(nonfinite_loss_spans(steps)))
+    )
     if rows.empty and not has_loss:
         return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
     fig = make_subplots(
@@ -127,12 +325,22 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
         row_heights=[0.6, 0.4],
         subplot_titles=("loss scale (log)", "loss"),
     )
-    multi = "rank" in steps and steps["rank"].nunique() > 1
+    n_ranks = int(steps["rank"].nunique()) if "rank" in steps else 1
+    multi = n_ranks > 1
     for rank, part in split_ranks(rows):
         suffix = f" (rank {rank})" if multi else ""
         x, y = thin_series(part, "scale_before", max_points)
         fig.add_trace(
-            go.Scatter(x=x, y=y, mode="lines", name=f"scale{suffix}", line_shape="hv"), 1, 1
+            go.Scatter(
+                x=x,
+                y=y,
+                mode="lines",
+                name=f"scale{suffix}",
+                legendgroup=f"rank {rank}",
+                line={"shape": "hv", "color": rank_color(rank, n_ranks)},
+            ),
+            1,
+            1,
         )
         skipped = (
             part[part["skipped"].fillna(False).astype(bool)]
@@ -183,18 +391,21 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
         )
     if has_loss:
         for rank, part in split_ranks(sort_steps(steps)):
-            x, y = thin_series(part, "loss", max_points)
+            x, y = thin_series(part, "loss", max_points, keep_gaps=True)
             fig.add_trace(
                 go.Scatter(
                     x=x,
-                    y=y,
+                    y=gaps_as_null(y),
                     mode="lines",
                     name=f"loss (rank {rank})" if multi else "loss",
-                    line={"color": "#444"},
+                    legendgroup=f"rank {rank}",
+                    line={"color": rank_color(rank, n_ranks)},
+                    connectgaps=False,
                 ),
                 2,
                 1,
             )
+        add_loss_bands(fig, steps, row=2, rows=(1,))
     else:
         fig.add_annotation(
             text="not recorded: no loss value (capture_loss off?)",
@@ -215,6 +426,37 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     return fig
 
 
+def _scaler_counts(part: pd.DataFrame) -> tuple[int, int, int, int, float]:
+    """Scaled steps, skipped steps, backoffs, growths and the last scale of one rank's rows."""
+    part = part.sort_values("step", kind="stable")
+    return (
+        int(part["step"].nunique()),
+        int(part["skipped"].fillna(False).astype(bool).sum()),
+        int((part["scale_after"] < part["scale_before"]).sum()),
+        int((part["scale_after"] > part["scale_before"]).sum()),
+        float(part["scale_after"].iloc[-1]),
+    )
+
+
+def _scaled_steps_text(scaled: pd.DataFrame) -> str:
+    """The scaler summary, counting steps (per rank in a run of several ranks, never
+    rank-steps added up)."""
+    counts = {rank: _scaler_counts(part) for rank, part in split_ranks(scaled)}
+
+    def sentence(c: tuple[int, int, int, int, float], each: str) -> str:
+        n, skipped, cuts, grows, final = c
+        return (
+            f"{n} scaled steps{each}: {skipped} skipped, {cuts} scale cuts (backoff), "
+            f"{grows} growth events; final scale {final:g}"
+        )
+
+    if len(counts) == 1:
+        return sentence(next(iter(counts.values())), "") + "."
+    if len(set(counts.values())) == 1:
+        return sentence(next(iter(counts.values())), f" on each of {len(counts)} ranks") + "."
+    return "; ".join(f"rank {r}: " + sentence(c, "") for r, c in counts.items()) + "."
+
+
 @section("scale", order=10, tab="Loss scale")
 def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     steps = run.steps
@@ -230,11 +472,5 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
         text.append("No enabled GradScaler was used in this run: only the loss is shown.")
     scaled = steps[steps["scale_after"].notna()]
     if len(scaled):
-        skipped = int(scaled["skipped"].fillna(False).astype(bool).sum())
-        cuts = int((scaled["scale_after"] < scaled["scale_before"]).sum())
-        grows = int((scaled["scale_after"] > scaled["scale_before"]).sum())
-        text.append(
-            f"{len(scaled)} scaled steps: {skipped} skipped, {cuts} scale cuts (backoff), "
-            f"{grows} growth events; final scale {scaled['scale_after'].iloc[-1]:g}."
-        )
+        text.append(_scaled_steps_text(scaled))
     return Section("scale", title, figures=(make_loss_scale_figure(steps),), text=tuple(text))
