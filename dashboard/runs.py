@@ -338,7 +338,8 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
     steps = run.steps
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
     if diagnosis.findings:
-        first = diagnosis.findings[0]
+        # findings are listed cause first: the most severe need not be the first
+        first = min(diagnosis.findings, key=lambda f: f.severity.rank)
         worst = f"{first.severity} {first.id}"
     else:
         worst = "none"

@@ -306,7 +306,8 @@ def rule(
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-    """The result of :func:`diagnose`: findings (most severe first), skipped rules, health."""
+    """The result of :func:`diagnose`: findings (cause first, :func:`order_cause_first`),
+    skipped rules, health."""
 
     run: Run
     findings: tuple[Finding, ...]
@@ -314,7 +315,8 @@ class Diagnosis:
     health: Mapping[str, Mapping[str, Any]]
 
     def worst(self) -> Severity | None:
-        return self.findings[0].severity if self.findings else None
+        """The most severe finding's severity (findings are listed cause first, not by it)."""
+        return min((f.severity for f in self.findings), key=lambda s: s.rank, default=None)
 
     def ids(self) -> list[str]:
         return [f.id for f in self.findings]
