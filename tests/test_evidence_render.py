@@ -35,7 +35,7 @@ _RAW = [
     (re.compile(r"\b(?:true|false|True|False)\b"), "a JSON/Python boolean"),
     (re.compile(r"[{}]"), "a dict or JSON object"),
     (re.compile(r"\\u[0-9a-fA-F]{4}"), "a \\u escape"),
-    (re.compile(r"\d\.\d{5,}"), "a long float repr"),
+    (re.compile(r"\d\.\d{6,}"), "a long float repr"),
     (re.compile(r"(?<![\w.,^-])\d{5,}(?![\w,])"), "a large number without separators"),
     (re.compile(r"\b[a-z]+_[a-z_]+\b"), "a snake_case key"),
 ]

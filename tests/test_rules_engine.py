@@ -95,6 +95,19 @@ def test_order_cause_first_puts_each_root_above_its_symptoms():
     assert by_id["AMP-N05"].to_dict()["explains"] == ["AMP-N02", "AMP-N03", "AMP-N01"]
 
 
+def test_a_symptom_of_several_causes_comes_after_the_last_of_them():
+    findings = [
+        _finding("AMP-N02", "error"),
+        _finding("AMP-N10", "warning"),
+        _finding("AMP-N05", "error"),
+        _finding("AMP-N03", "error"),
+    ]
+    ordered = order_cause_first(findings)
+    # N02 is explained by N05 and N10: both stand above it; N03 only by N05
+    assert [f.id for f in ordered] == ["AMP-N05", "AMP-N03", "AMP-N10", "AMP-N02"]
+    assert ordered[-1].explained_by == ("AMP-N05", "AMP-N10")
+
+
 def test_a_symptom_without_its_cause_stays_in_severity_order():
     ordered = order_cause_first([_finding("AMP-N01", "warning"), _finding("AMP-N02", "error")])
     assert [f.id for f in ordered] == ["AMP-N02", "AMP-N01"]

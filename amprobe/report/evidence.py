@@ -95,6 +95,7 @@ class EvidenceView:
             the keys it reads are absent (the generic facts then say it all).
         said: keys the sentence already says, left out of the facts when it is shown.
         counts: ``*_steps`` key -> the key of its count, where it is not ``<prefix>_count``.
+        codes: keys whose value is a code word (``nonfinite_weights``), shown as words.
     """
 
     percent: tuple[str, ...] = ()
@@ -102,6 +103,7 @@ class EvidenceView:
     sentence: Callable[[Mapping[str, Any]], str | None] | None = None
     said: tuple[str, ...] = ()
     counts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    codes: tuple[str, ...] = ()
 
 
 #: label of a key wherever it appears (its words, with units and abbreviations, read badly)
@@ -188,6 +190,7 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
             said=("success_rate", "step_count", "skipped_count"),
         ),
         "AMP-N05": EvidenceView(
+            codes=("cause",),
             sentence=_n05_sentence,
             said=(
                 "module",
@@ -201,6 +204,14 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
             ),
         ),
         "AMP-S04": EvidenceView(percent=("min_tile_efficiency",)),
+        "AMP-N06": EvidenceView(
+            percent=(
+                "share",
+                "share_at_hint",
+                "underflow_share_at_current",
+                "underflow_share_at_hint",
+            )
+        ),
         "AMP-P01": EvidenceView(percent=("activation_lost_e4m3", "gradient_lost_e5m2")),
         "AMP-S07": EvidenceView(labels={"threshold": "tensor activity below (%)"}),
         "AMP-N01": EvidenceView(labels={"threshold": "cuts per growth interval, frequent above"}),
@@ -417,6 +428,8 @@ def format_value(
             return str(int(value))
         return format_number(value)
     if isinstance(value, str):
+        if view is not None and key in view.codes:
+            return value.replace("_", " ")
         return _short(value)
     if isinstance(value, Mapping):
         if "module" in value:
@@ -447,7 +460,10 @@ def _table(
 ) -> Table:
     columns: list[str] = [first] if first else []
     for row in rows:
-        columns += [str(k) for k in row if str(k) not in columns]
+        # a row's *_step_ranges are read with its *_steps, not shown as a column of their own
+        columns += [
+            str(k) for k in row if str(k) not in columns and not str(k).endswith("_step_ranges")
+        ]
     shown = rows[:_MAX_ROWS]
     cells = tuple(
         tuple(

@@ -15,7 +15,8 @@ first (:func:`order_cause_first`) and records on each finding which present find
 explained by and which it explains.
 
 Evidence keys follow one vocabulary, documented in ``docs/evidence.md``: ``*_steps`` are
-lists of step numbers (at most the first 20), counts end in ``_count``, ``rank`` is the rank
+lists of step numbers (at most the first 20) and ``*_step_ranges`` the runs of all of them
+(``[[120, 179]]``), counts end in ``_count``, ``rank`` is the rank
 a finding is about (``ranks`` when several), and a threshold is reported under its own name.
 """
 
@@ -466,10 +467,10 @@ def order_cause_first(findings: Iterable[Finding]) -> list[Finding]:
     A finding is explained by the present findings whose IDs its rule declares in
     ``explained_by`` (:func:`rule`); a root is a finding that none explains. Roots come in
     severity order (most severe first, then by ID), each followed by the findings it explains,
-    directly or through another symptom, in severity order too; a symptom with several causes
-    is listed once, under the first of them. Symptoms of a cycle of causes (none a root) follow
-    in severity order. Every finding gets ``explained_by`` and ``explains``: the IDs of the
-    present findings that cause it and that it causes.
+    in severity order too. A symptom with several present causes comes after the last of them,
+    so that every cause stands above its symptoms. Findings caught in a cycle of causes (none
+    a root) follow in severity order. Every finding gets ``explained_by`` and ``explains``: the
+    IDs of the present findings that cause it and that it causes.
     """
     ordered = sorted(findings, key=_severity_key)
     present = {f.id for f in ordered}
@@ -492,21 +493,21 @@ def order_cause_first(findings: Iterable[Finding]) -> list[Finding]:
     placed: set[str] = set()
 
     def place(rid: str) -> None:
-        if rid in placed:
-            return
         placed.add(rid)
         out.extend(
             dataclasses.replace(f, explained_by=causes[rid], explains=tuple(effects[rid]))
             for f in by_id[rid]
         )
         for symptom in effects[rid]:
-            place(symptom)
+            if symptom not in placed and all(c in placed for c in causes[symptom]):
+                place(symptom)
 
     for f in ordered:
-        if not causes[f.id]:
+        if f.id not in placed and not causes[f.id]:
             place(f.id)
     for f in ordered:  # a cycle of causes has no root: keep severity order
-        place(f.id)
+        if f.id not in placed:
+            place(f.id)
     return out
 
 
