@@ -232,3 +232,55 @@ def test_merged_rank_findings_render_their_differences_as_a_table(demo: Any) -> 
     words = "".join(_texts(evidence))
     assert "ranks: 0-1" in words and "values that differ by rank" in words
     assert not _raw_parts(" ".join(_texts(evidence))), words
+
+
+@pytest.mark.parametrize(
+    ("listed", "ranges", "count", "expected"),
+    [
+        (list(range(120, 140)), [[120, 179]], 60, "120\u2013179 (60)"),
+        (list(range(120, 140)), [[120, 179]], None, "120\u2013179 (60)"),  # complete runs
+        ([25, 50, 60], None, None, "25, 50, 60 (3)"),  # under the cap: the whole list
+        (list(range(20)), None, 60, "0\u201319, \u2026 (60; first 20 shown)"),
+        (list(range(20)), None, None, "0\u201319, \u2026 (first 20 shown)"),
+        ([7], None, None, "7"),
+        ([], None, None, "none"),
+        (
+            list(range(0, 40, 2)),
+            [[s, s] for s in range(0, 40, 2)],
+            None,
+            ", ".join(str(s) for s in range(0, 40, 2)) + ", \u2026 (first 20 runs of steps shown)",
+        ),
+    ],
+)
+def test_step_lists_say_their_range_and_true_count(listed, ranges, count, expected) -> None:
+    from amprobe.report.evidence import format_steps
+
+    assert format_steps(listed, ranges, count) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("min_scale", 2.2737367544323206e-13, "2^-42 (2.27e-13)"),
+        ("init_scale", 65536.0, "65,536"),
+        ("skipped_share", 0.2, "20.0 %"),
+        ("lost_share", 0.041321, "4.13 %"),
+        ("wall_s_median", 0.031, "31 ms"),
+        ("steps_per_s_fp32", 50.0, "50"),  # a rate, not seconds
+        ("matmul_flops", 9175040.0, "9,175,040"),
+        ("flops_per_byte", 9.132, "9.13"),
+        ("inf_count", 6777, "6,777"),
+        ("own_code", False, "no"),
+        ("role", None, None),
+        ("ranks", [0, 1, 2, 3, 7], "0-3, 7"),
+        (
+            "first_forward_offender",
+            {"module": "booster", "module_type": "Booster", "step": 81},
+            "booster (Booster), step 81",
+        ),
+    ],
+)
+def test_evidence_values_read_with_units(key, value, expected) -> None:
+    from amprobe.report.evidence import format_value
+
+    assert format_value(key, value) == expected

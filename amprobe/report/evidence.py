@@ -9,7 +9,7 @@ blocks of :func:`render_evidence` into their own markup. The keys follow the voc
   matching count (``*_count``, ``*_step_count``): ``120–179 (60)``; where the steps left out
   are not known, the text says how many were shown;
 - ``*_count``: an integer with thousands separators; ``*_share``: a percentage;
-  ``*_pct``: already a percentage; ``*_s``: seconds (``31.0 ms``, ``1.20 s``);
+  ``*_pct``: already a percentage; ``*_s``: seconds (``31 ms``, ``1.25 s``);
 - a loss scale (``*scale*``): a power of two far from 1 as ``2^-42 (2.27e-13)``;
 - ``rank`` / ``ranks``: ``ranks 0-3``; ``module``, ``module_type`` and a dict naming a
   ``module`` (``first_forward_offender``): ``booster (Booster), step 81``;
@@ -96,6 +96,7 @@ class EvidenceView:
         said: keys the sentence already says, left out of the facts when it is shown.
         counts: ``*_steps`` key -> the key of its count, where it is not ``<prefix>_count``.
         codes: keys whose value is a code word (``nonfinite_weights``), shown as words.
+        percent_points: keys whose number is already a percentage (0-100).
     """
 
     percent: tuple[str, ...] = ()
@@ -104,6 +105,7 @@ class EvidenceView:
     said: tuple[str, ...] = ()
     counts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     codes: tuple[str, ...] = ()
+    percent_points: tuple[str, ...] = ()
 
 
 #: label of a key wherever it appears (its words, with units and abbreviations, read badly)
@@ -135,6 +137,8 @@ _LABELS: Mapping[str, str] = MappingProxyType(
         "not_judged_nonfinite": "not judged (held inf/NaN)",
         "dims": "dimensions",
         "wall_s_median": "median step time",
+        "wall_s": "step time",
+        "data_wait_s": "data wait",
         "data_wait_s_median": "median data wait",
         "step_s": "step time",
         "median_of_ranks_s": "median over ranks",
@@ -213,7 +217,12 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
             )
         ),
         "AMP-P01": EvidenceView(percent=("activation_lost_e4m3", "gradient_lost_e5m2")),
-        "AMP-S07": EvidenceView(labels={"threshold": "tensor activity below (%)"}),
+        "AMP-S07": EvidenceView(
+            labels={"threshold": "tensor activity below"}, percent_points=("threshold",)
+        ),
+        "AMP-S03": EvidenceView(labels={"threshold": "syncs per step above"}),
+        "AMP-D02": EvidenceView(codes=("metric",)),
+        "AMP-P03": EvidenceView(percent=("gradient_flush_share_at_best_scale",)),
         "AMP-N01": EvidenceView(labels={"threshold": "cuts per growth interval, frequent above"}),
         "AMP-N09": EvidenceView(counts={"clipped_steps": "affected_step_count"}),
         "AMP-N13": EvidenceView(counts={"half_loss_steps": "affected_step_count"}),
@@ -275,7 +284,7 @@ def _scale(value: float) -> str:
     """A loss scale: a power of two far from 1 as ``2^-42 (2.27e-13)``."""
     if value > 0 and math.isfinite(value):
         exponent = math.log2(value)
-        if exponent.is_integer() and not -10 <= exponent <= 20:
+        if exponent.is_integer() and not -6 <= exponent <= 20:
             return f"2^{int(exponent)} ({format_number(value)})"
     return format_number(value)
 
@@ -393,6 +402,14 @@ def _is_percent(key: str, view: EvidenceView | None) -> bool:
     return key.endswith(("_share", "_fraction_share")) or (view is not None and key in view.percent)
 
 
+#: a key in seconds: ``*_s``, or ``*_s_median`` and the like (not ``steps_per_s_fp32``)
+_SECONDS = re.compile(r"(?<!per)_s(?:_(?:median|mean|min|max|total|p\d+))?$")
+
+
+def _is_seconds(key: str) -> bool:
+    return bool(_SECONDS.search(key))
+
+
 def format_value(
     key: str,
     value: Any,
@@ -418,9 +435,13 @@ def format_value(
     if isinstance(value, int | float):
         if _is_percent(key, view):
             return _percent(float(value))
-        if key.endswith("_pct") or key in _PERCENT_POINTS:
+        if (
+            key.endswith("_pct")
+            or key in _PERCENT_POINTS
+            or (view is not None and key in view.percent_points)
+        ):
             return _percent_points(float(value))
-        if key.endswith("_s") or "_s_" in key:
+        if _is_seconds(key):
             return _seconds(float(value))
         if "scale" in key and "count" not in key and "exp" not in key and isinstance(value, float):
             return _scale(value)
@@ -429,15 +450,18 @@ def format_value(
         return format_number(value)
     if isinstance(value, str):
         if view is not None and key in view.codes:
-            return value.replace("_", " ")
+            return _label(value)
         return _short(value)
     if isinstance(value, Mapping):
         if "module" in value:
             return _layer_text(value)
         if key == "dims":
             return ", ".join(f"{k} \u2192 {format_number(v)}" for k, v in value.items())
+        if _is_seconds(key):  # {rank: seconds}
+            parts = [f"{k}: {_seconds(float(v))}" for k, v in value.items() if _is_number(v)]
+            return "; ".join(parts) or "none"
         parts = [
-            f"{_label(str(k), view)} {text}"
+            f"{_label(str(k), view)}: {text}"
             for k, v in value.items()
             if (text := format_value(str(k), v, value, view)) is not None
         ]
@@ -483,12 +507,34 @@ def _table(
     )
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _threshold_keys(finding_id: str, evidence: Mapping[str, Any]) -> set[str]:
-    """Evidence keys holding the rule's thresholds: a threshold's name, unless the evidence
-    reports the threshold as ``<name>_threshold`` (the name then holds the measured value)."""
+    """Evidence keys holding the rule's thresholds: ``threshold``, ``*_threshold`` and a
+    registered threshold's name with a number, unless the evidence reports that threshold
+    apart (a ``threshold`` key, or ``<prefix>_threshold`` for a name starting with the prefix:
+    the name then holds the measured value, as ``min_scale`` beside ``min_scale_threshold``)."""
     spec = REGISTRY.get(finding_id)
     names = set(spec.thresholds) if spec is not None else set()
-    return {n for n in names if f"{n}_threshold" not in evidence} | {"threshold"}
+    apart = [k[: -len("_threshold")] for k in evidence if k.endswith("_threshold")]
+    out = {k for k in evidence if k == "threshold" or k.endswith("_threshold")}
+    if "threshold" in evidence:
+        return out
+    return out | {
+        n for n in names if _is_number(evidence.get(n)) and not any(n.startswith(p) for p in apart)
+    }
+
+
+def _threshold_text(key: str, value: Any, evidence: Mapping[str, Any], view: Any) -> str | None:
+    """A ``<prefix>_threshold`` in the unit of the measured value it is compared with."""
+    if key.endswith("_threshold") and key not in (view.percent if view else ()):
+        prefix = key[: -len("_threshold")]
+        measured = [k for k in evidence if k != key and k.startswith(prefix)]
+        if measured:
+            return format_value(measured[0], value, evidence, view)
+    return format_value(key, value, evidence, view)
 
 
 def render_evidence(finding: Finding) -> list[Block]:
@@ -521,12 +567,13 @@ def render_evidence(finding: Finding) -> list[Block]:
         if isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
             tables.append(_table(key, value, view))
             continue
-        text = format_value(key, value, evidence, view)
-        if text is None:
+        if key in thresholds:
+            text = _threshold_text(key, value, evidence, view)
+            if text is not None:
+                limits.append(f"{_label(key, view)} {text}")
             continue
-        if key in thresholds or key.endswith("_threshold"):
-            limits.append(f"{_label(key, view)} {text}")
-        else:
+        text = format_value(key, value, evidence, view)
+        if text is not None:
             facts.append((_label(key, view), text))
     if facts:
         blocks.append(Facts(tuple(facts)))
