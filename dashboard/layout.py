@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import time
 import warnings
@@ -23,6 +22,16 @@ from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.compare import comparison_rows
 from amprobe.report.downsample import thin_figure
 from amprobe.report.escape import escape_markdown
+from amprobe.report.evidence import (
+    Block,
+    Facts,
+    Table,
+    Text,
+    finding_anchors,
+    finding_layer,
+    finding_step,
+    render_evidence,
+)
 from amprobe.report.render import split_ref
 from amprobe.report.sections import section_tabs
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
@@ -49,6 +58,8 @@ __all__ = [
     "build_run_page",
     "build_health",
     "build_findings",
+    "build_finding",
+    "finding_view_href",
     "build_refs",
     "build_section",
     "build_whatif",
@@ -71,6 +82,8 @@ SCALE_SECTION = "scale"
 WHATIF_SECTION = "whatif"
 #: the runtime tab shows the live step-time figure above the section
 RUNTIME_SECTION = "runtime"
+#: the numerics tab: a finding links to its layer there (``?tab=numerics&layer=...``)
+NUMERICS_SECTION = "numerics"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {
@@ -84,7 +97,6 @@ _STATUS_COLORS = {
 LOSS_SCALE_TABLE = "loss-scale/0"
 _FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 TABLE_PAGE_ROWS = 25
-_MAX_EVIDENCE_CHARS = 400
 
 
 def run_href(name: str) -> str:
@@ -356,9 +368,42 @@ def build_health(health: Mapping[str, Mapping[str, Any]]) -> html.Div:
     return html.Div([html.H3("Health"), html.Table(html.Tbody(rows))], id=ids.HEALTH)
 
 
-def _evidence_text(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= _MAX_EVIDENCE_CHARS else text[: _MAX_EVIDENCE_CHARS - 1] + "…"
+def _evidence_text(blocks: Sequence[Block]) -> list[Any]:
+    """Evidence blocks (:func:`amprobe.report.evidence.render_evidence`, shared with the HTML
+    report) as components: a sentence, labelled values, small tables. All of it plain text."""
+    out: list[Any] = []
+    for block in blocks:
+        if isinstance(block, Text):
+            out.append(html.P(block.text, className="evidence-text", style={"margin": "4px 0"}))
+        elif isinstance(block, Facts):
+            out.append(
+                html.Ul(
+                    [
+                        html.Li([html.Span(f"{k}: ", style={"color": "#555"}), v])
+                        for k, v in block.items
+                    ],
+                    className="evidence-facts",
+                    style={"margin": "4px 0"},
+                )
+            )
+        elif isinstance(block, Table):
+            cell = {"padding": "1px 8px", "borderBottom": "1px solid #eee", "textAlign": "left"}
+            out.append(
+                html.Table(
+                    [
+                        html.Caption(block.caption, style={"textAlign": "left", "color": "#555"}),
+                        html.Thead(html.Tr([html.Th(c, style=cell) for c in block.columns])),
+                        html.Tbody(
+                            [html.Tr([html.Td(c, style=cell) for c in row]) for row in block.rows]
+                        ),
+                    ],
+                    className="evidence-table",
+                    style={"borderCollapse": "collapse", "fontSize": "0.9em", "margin": "4px 0"},
+                )
+            )
+            if block.note:
+                out.append(html.Small(block.note, style={"color": "#777"}))
+    return out
 
 
 def build_refs(refs: Sequence[str]) -> html.Small:
@@ -372,12 +417,77 @@ def build_refs(refs: Sequence[str]) -> html.Small:
     return html.Small(parts, style={"color": "#666"})
 
 
-def build_finding(index: int, finding: Any) -> html.Div:
-    """One finding: ID, severity, category, title, evidence, fix and references."""
+def _finding_links(ids_: Sequence[str]) -> list[Any]:
+    """Links to other findings of the page (``#finding-AMP-N05``), comma-separated."""
+    parts: list[Any] = []
+    for i, rid in enumerate(ids_):
+        if i:
+            parts.append(", ")
+        parts.append(html.A(rid, href=f"#{ids.FINDING_PREFIX}{rid}", className="finding-ref"))
+    return parts
+
+
+def finding_view_href(run_name: str | None, tab: str, key: str, value: Any) -> str:
+    """``/run/<name>?tab=<tab>&<key>=<value>`` (the name and value url-quoted); relative to the
+    current run page (``?tab=...``) when the run's name is not known."""
+    query = f"?tab={quote(tab, safe='')}&{key}={quote(str(value), safe='')}"
+    return (run_href(run_name) if run_name else "") + query
+
+
+def _where(finding: Any, run_name: str | None) -> html.Small | None:
+    """Links to the finding's first step on the loss-scale chart and its layer's numerics."""
+    links: list[Any] = []
+    step = finding_step(finding)
+    if step is not None:
+        links.append(
+            dcc.Link(
+                f"step {step} on the loss-scale chart",
+                href=finding_view_href(run_name, SCALE_SECTION, "step", step),
+                className="finding-step-link",
+            )
+        )
+    layer = finding_layer(finding)
+    if layer is not None:
+        if links:
+            links.append(" · ")
+        links.append(
+            dcc.Link(
+                f"layer {layer} in the numerics view",
+                href=finding_view_href(run_name, NUMERICS_SECTION, "layer", layer),
+                className="finding-layer-link",
+            )
+        )
+    return html.Small(["look at: ", *links], style={"color": "#666"}) if links else None
+
+
+def build_finding(
+    index: int, finding: Any, anchor: str | None = None, run_name: str | None = None
+) -> html.Div:
+    """One finding: ID, severity, category, title, its causes, evidence, fix and references.
+
+    Args:
+        index: its place in the list (the anchor's fallback).
+        anchor: its element ID, ``finding-AMP-N05`` (the target of cross-references).
+        run_name: the run's name, for the links to its step and layer views.
+    """
     color = _SEVERITY_COLORS.get(finding.severity, "#555")
-    evidence = [
-        html.Li([html.Code(str(k)), ": ", _evidence_text(v)]) for k, v in finding.evidence.items()
-    ]
+    cause: list[Any] = []
+    if finding.explained_by:
+        cause.append(
+            html.Div(
+                ["Explained by ", *_finding_links(finding.explained_by), "."],
+                className="finding-cause",
+                style={"margin": "2px 0"},
+            )
+        )
+    if finding.explains:
+        cause.append(
+            html.Div(
+                ["Explains ", *_finding_links(finding.explains), "."],
+                className="finding-explains",
+                style={"margin": "2px 0", "color": "#666"},
+            )
+        )
     return html.Div(
         [
             html.Div(
@@ -392,11 +502,14 @@ def build_finding(index: int, finding: Any) -> html.Div:
                     html.Span(finding.title),
                 ]
             ),
-            html.Ul(evidence, style={"margin": "4px 0"}) if evidence else None,
+            *cause,
+            html.Div(_evidence_text(render_evidence(finding)), className="evidence"),
             html.P(["Fix: ", finding.fix], style={"margin": "4px 0"}),
+            _where(finding, run_name),
+            html.Br() if finding.refs else None,
             build_refs(finding.refs) if finding.refs else None,
         ],
-        id=f"{ids.FINDING_PREFIX}{index}",
+        id=anchor or f"{ids.FINDING_PREFIX}{index}",
         className=f"finding severity-{finding.severity}",
         style={"borderLeft": f"4px solid {color}", "padding": "4px 10px", "margin": "8px 0"},
     )
@@ -406,15 +519,22 @@ def build_findings(
     findings: Iterable[Any],
     severities: Iterable[str] | None = None,
     categories: Iterable[str] | None = None,
+    run_name: str | None = None,
 ) -> list[Any]:
-    """Findings (already most severe first) kept by the severity and category filters."""
+    """Findings (already cause first) kept by the severity and category filters.
+
+    Each finding's element ID is ``finding-<ID>`` (``finding-<ID>-2`` for a second one), so a
+    cross-reference (``#finding-AMP-N05``) lands on it.
+    """
     sev = set(SEVERITIES if severities is None else severities)
     cat = None if categories is None else set(categories)
     kept = [f for f in findings if f.severity in sev and (cat is None or f.category in cat)]
     if not kept:
         return [html.P("No finding matches these filters.", id=ids.FINDINGS_COUNT)]
+    anchors = finding_anchors(kept, prefix=ids.FINDING_PREFIX)
     return [html.P(f"{len(kept)} finding(s)", id=ids.FINDINGS_COUNT)] + [
-        build_finding(i, f) for i, f in enumerate(kept)
+        build_finding(i, f, anchor, run_name)
+        for i, (f, anchor) in enumerate(zip(kept, anchors, strict=True))
     ]
 
 

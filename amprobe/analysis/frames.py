@@ -19,6 +19,7 @@ __all__ = [
     "scaler_configs",
     "autocast_dtypes",
     "steps_list",
+    "step_ranges",
     "forced_fp32",
     "FORCED_FP32",
 ]
@@ -32,6 +33,23 @@ FORCED_FP32 = "the FP32 leg of `amprobe baseline` (amprobe forced fp32)"
 def steps_list(steps: pd.Series | list[int] | Any, limit: int = MAX_LISTED_STEPS) -> list[int]:
     """The first ``limit`` step numbers, for evidence."""
     return [int(s) for s in list(steps)[:limit]]
+
+
+def step_ranges(
+    steps: pd.Series | list[int] | Any, limit: int = MAX_LISTED_STEPS
+) -> list[list[int]]:
+    """Every step as ``[first, last]`` runs of consecutive step numbers, ascending, for evidence.
+
+    Beside a ``*_steps`` list (the first ``limit`` steps), the runs say which steps the list
+    left out: ``[[120, 179]]`` for 60 consecutive skipped steps. At most the first ``limit`` runs.
+    """
+    values = np.unique(np.asarray(list(steps), dtype=np.int64))
+    if not len(values):
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    starts = np.concatenate(([0], breaks + 1))[:limit]
+    ends = np.concatenate((breaks, [len(values) - 1]))[:limit]
+    return [[int(values[a]), int(values[b])] for a, b in zip(starts, ends, strict=True)]
 
 
 def per_rank(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:

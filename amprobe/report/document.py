@@ -11,6 +11,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from amprobe.report.evidence import (
+    FINDING_ANCHOR_PREFIX,
+    Block,
+    Facts,
+    Table,
+    Text,
+    finding_anchors,
+    finding_layer,
+    finding_step,
+    render_evidence,
+)
 from amprobe.report.registry import Section
 from amprobe.report.render import (
     _heading_note,
@@ -18,7 +29,6 @@ from amprobe.report.render import (
     _run_summary,
     _status,
     compiled_summary,
-    format_value,
     render_json,
     render_markdown,
     split_ref,
@@ -36,16 +46,64 @@ h1{font-size:1.6em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-t
 .finding{border-left:6px solid #999;padding:.5em 1em;margin:1em 0;background:#fafafa}
 .badge{display:inline-block;color:#fff;border-radius:3px;padding:0 .5em;font-size:.85em;margin-right:.5em}
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
-.muted{color:#777} .fix{margin:.4em 0}
+.muted{color:#777} .fix{margin:.4em 0} .cause{margin:.3em 0} .evidence{margin:.4em 0}
+table.facts th{font-weight:normal;color:#555} caption{text-align:left;color:#555;font-size:.9em}
 """
 
+#: report sections a finding links to: its step on the loss-scale chart, its layer's numerics
+SCALE_SECTION = "scale"
+NUMERICS_SECTION = "numerics"
 
-def _finding_html(f: Finding) -> str:
+
+def evidence_html(blocks: list[Block]) -> str:
+    """Evidence blocks (:func:`~amprobe.report.evidence.render_evidence`) as escaped HTML."""
+    e = html.escape
+    out = []
+    for block in blocks:
+        if isinstance(block, Text):
+            out.append(f"<p class='evidence'>{e(block.text)}</p>")
+        elif isinstance(block, Facts):
+            rows = "".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in block.items)
+            out.append(f"<table class='facts'>{rows}</table>")
+        elif isinstance(block, Table):
+            head = "".join(f"<th>{e(c)}</th>" for c in block.columns)
+            body = "".join(
+                "<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in block.rows
+            )
+            note = f"<p class='muted'>{e(block.note)}</p>" if block.note else ""
+            out.append(
+                f"<table><caption>{e(block.caption)}</caption><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table>{note}"
+            )
+    return "".join(out)
+
+
+def _id_links(ids: tuple[str, ...]) -> str:
+    e = html.escape
+    return ", ".join(f"<a href='#{FINDING_ANCHOR_PREFIX}{e(i)}'>{e(i)}</a>" for i in ids)
+
+
+def _where_html(f: Finding, sections: set[str]) -> str:
+    """Links to the report sections that show the finding's step and layer."""
+    e = html.escape
+    parts = []
+    step = finding_step(f)
+    if step is not None and SCALE_SECTION in sections:
+        parts.append(f"<a href='#{SCALE_SECTION}'>step {step} on the loss-scale chart</a>")
+    layer = finding_layer(f)
+    if layer is not None and NUMERICS_SECTION in sections:
+        parts.append(f"<a href='#{NUMERICS_SECTION}'>layer {e(layer)} in the numerics view</a>")
+    return f"<div class='muted'>look at: {' · '.join(parts)}</div>" if parts else ""
+
+
+def _finding_html(f: Finding, anchor: str = "", sections: set[str] | None = None) -> str:
     e = html.escape
     color = _COLOR[f.severity]
-    rows = "".join(
-        f"<tr><th>{e(str(k))}</th><td>{e(format_value(v))}</td></tr>" for k, v in f.evidence.items()
-    )
+    cause = ""
+    if f.explained_by:
+        cause += f"<div class='cause'>Explained by {_id_links(f.explained_by)}.</div>"
+    if f.explains:
+        cause += f"<div class='cause muted'>Explains {_id_links(f.explains)}.</div>"
     links = []
     for ref in f.refs:
         label, url = split_ref(ref)
@@ -56,11 +114,12 @@ def _finding_html(f: Finding) -> str:
         )
     refs = f"<div class='muted'>see: {' · '.join(links)}</div>" if links else ""
     return (
-        f"<div class='finding' id='{e(f.id)}' style='border-left-color:{color}'>"
+        f"<div class='finding' id='{e(anchor or FINDING_ANCHOR_PREFIX + f.id)}' "
+        f"style='border-left-color:{color}'>"
         f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"
         f"<b>{e(f.id)}</b> <code>{e(f.name)}</code> ({e(_heading_note(f))})</div>"
-        f"<div>{e(f.title)}</div><div class='fix'><b>Fix:</b> {e(f.fix)}</div>"
-        f"<table>{rows}</table>{refs}</div>"
+        f"<div>{e(f.title)}</div>{cause}<div class='fix'><b>Fix:</b> {e(f.fix)}</div>"
+        f"{evidence_html(render_evidence(f))}{_where_html(f, sections or set())}{refs}</div>"
     )
 
 
@@ -88,7 +147,12 @@ def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None =
     parts.append("<h2>Findings</h2>")
     if not diagnosis.findings:
         parts.append("<p>No findings.</p>")
-    parts += [_finding_html(f) for f in diagnosis.findings]
+    shown = {sec.key for sec in sections if not sec.missing}
+    anchors = finding_anchors(diagnosis.findings)
+    parts += [
+        _finding_html(f, anchor, shown)
+        for f, anchor in zip(diagnosis.findings, anchors, strict=True)
+    ]
     parts.append("<h2>Health</h2><ul>")
     for key, metric in diagnosis.health.items():
         parts.append(f"<li>{e(_health_line(key, dict(metric)))}</li>")

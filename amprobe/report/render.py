@@ -15,6 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from amprobe.analysis.sampling import sampling_text
 from amprobe.report.escape import escape_markdown
+from amprobe.report.evidence import (
+    FINDING_ANCHOR_PREFIX,
+    Facts,
+    Table,
+    Text,
+    evidence_lines,
+    finding_anchors,
+    render_evidence,
+)
 from amprobe.rules.engine import Diagnosis, Finding
 
 if TYPE_CHECKING:
@@ -116,11 +125,15 @@ def render_text(diagnosis: Diagnosis, verbose: bool = False) -> str:
         lines.append("No findings.")
     for f in diagnosis.findings:
         lines.append(f"[{_ICON[f.severity]}] {f.id} {f.name} ({f.severity}): {f.title}")
+        if f.explained_by:
+            lines.append(f"    explained by {', '.join(f.explained_by)}")
         lines.append(f"    fix: {f.fix}")
         if verbose:
+            if f.explains:
+                lines.append(f"    explains {', '.join(f.explains)}")
             lines.append(f"    category: {f.category_label}")
-            for key, value in f.evidence.items():
-                lines.append(f"    {key}: {format_value(value)}")
+            for line in evidence_lines(f):
+                lines.append(f"    {line}")
             for ref in f.refs:
                 lines.append(f"    see: {ref}")
     lines.append("")
@@ -178,17 +191,21 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
     out += ["", "## Findings", ""]
     if not diagnosis.findings:
         out.append("No findings.")
-    for f in diagnosis.findings:
+    for f, anchor in zip(diagnosis.findings, finding_anchors(diagnosis.findings), strict=True):
+        out.append(f'<a id="{anchor}"></a>')
+        out.append("")
         out.append(f"### {_md_escape(f.id)} `{f.name}` ({_md_escape(_heading_note(f))})")
         out.append("")
         out.append(_md_escape(f.title))
         out.append("")
+        if f.explained_by:
+            out.append(f"Explained by {_md_links(f.explained_by)}.")
+            out.append("")
+        if f.explains:
+            out.append(f"Explains {_md_links(f.explains)}.")
+            out.append("")
         out.append(f"**Fix:** {_md_escape(f.fix)}")
-        out.append("")
-        out.append("| evidence | value |")
-        out.append("|---|---|")
-        for key, value in f.evidence.items():
-            out.append(f"| {_md_escape(key)} | {_md_escape(format_value(value))} |")
+        out += _evidence_markdown(f)
         if f.refs:
             out.append("")
             out.append("See:")
@@ -219,6 +236,30 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
             out += ["", f"**{_md_escape(caption)}**", ""]
             out.append(_frame_markdown(frame))
     return "\n".join(out) + "\n"
+
+
+def _md_links(ids: tuple[str, ...]) -> str:
+    return ", ".join(f"[{_md_escape(i)}](#{FINDING_ANCHOR_PREFIX}{i})" for i in ids)
+
+
+def _evidence_markdown(f: Finding) -> list[str]:
+    """The finding's evidence blocks as Markdown: paragraphs and tables, every cell escaped."""
+    out: list[str] = []
+    for block in render_evidence(f):
+        out.append("")
+        if isinstance(block, Text):
+            out.append(_md_escape(block.text))
+        elif isinstance(block, Facts):
+            out += ["| evidence | value |", "|---|---|"]
+            out += [f"| {_md_escape(k)} | {_md_escape(v)} |" for k, v in block.items]
+        elif isinstance(block, Table):
+            out += [f"**{_md_escape(block.caption)}**", ""]
+            out.append("| " + " | ".join(_md_escape(c) for c in block.columns) + " |")
+            out.append("|" + "---|" * len(block.columns))
+            out += ["| " + " | ".join(_md_escape(c) for c in row) + " |" for row in block.rows]
+            if block.note:
+                out += ["", _md_escape(f"({block.note})")]
+    return out
 
 
 def _frame_markdown(frame: Any, limit: int = 50) -> str:

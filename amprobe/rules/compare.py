@@ -57,6 +57,7 @@ def _has_baseline(run: Run) -> str | None:
     thresholds={"min_speedup": 1.1},
     refs=(AMP_DOCS, TUNING_GUIDE, MATMUL_GUIDE),
     after=SPEED_RULES,
+    explained_by=SPEED_RULES,
 )
 def check_no_speedup(ctx: RuleContext) -> Iterator[Finding]:
     """A measured FP32-vs-AMP comparison gives a speedup under ``min_speedup``.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from amprobe.analysis.compiled import compile_steps, is_compiled, recompile_reasons
-from amprobe.rules.data import steps_list
+from amprobe.rules.data import step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import COMPILE_GRAPH_BREAKS, COMPILE_RECOMPILES
 from amprobe.store.loader import Run
@@ -79,6 +79,7 @@ def check_recompile_storm(ctx: RuleContext) -> Iterator[Finding]:
         evidence={
             "recompiles_after_warmup": recompiles,
             "recompile_steps": steps_list(steps),
+            "recompile_step_ranges": step_ranges(steps),
             "graph_breaks": breaks,
             "warmup_steps": int(th["warmup_steps"]),
             "recompile_reasons": [

@@ -18,6 +18,7 @@ from amprobe.analysis.frames import (
     per_rank,
     scaler_configs,
     scaler_steps,
+    step_ranges,
     steps_list,
 )
 from amprobe.analysis.numerics import numerics_missing_reason
@@ -31,6 +32,7 @@ __all__ = [
     "scaler_configs",
     "autocast_dtypes",
     "steps_list",
+    "step_ranges",
 ]
 
 

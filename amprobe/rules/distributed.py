@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from amprobe.analysis.ranks import compute_rank_grid, compute_rank_medians, compute_reduce_peaks
-from amprobe.rules.data import scaler_configs, scaler_steps, steps_list
+from amprobe.rules.data import scaler_configs, scaler_steps, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
 from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
 from amprobe.store.loader import Run
@@ -110,8 +110,10 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
         "compared_step_count": len(steps),
         "scale_divergent_step_count": len(scale_rows),
         "scale_divergent_steps": steps_list(steps[scale_rows]),
+        "scale_divergent_step_ranges": step_ranges(steps[scale_rows]),
         "skip_divergent_step_count": len(skip_rows),
         "skip_divergent_steps": steps_list(steps[skip_rows]),
+        "skip_divergent_step_ranges": step_ranges(steps[skip_rows]),
         "found_inf_synchronized": synchronized,
         "found_inf_note": sync_note,
         "min_divergent_steps": ctx.thresholds["min_divergent_steps"],
@@ -352,6 +354,7 @@ def check_half_reduce(ctx: RuleContext) -> Iterator[Finding]:
                 "nonfinite_after_reduce": bool(part["nonfinite"].any()),
                 "ranks": sorted(int(r) for r in part["rank"].unique()),
                 "exceeded_steps": steps_list(np.unique(part["step"].to_numpy())),
+                "exceeded_step_ranges": step_ranges(part["step"]),
             }
         )
     layers.sort(key=lambda d: (not d["nonfinite_after_reduce"], -(d["peak_in_reduction"] or 0)))
@@ -371,6 +374,7 @@ def check_half_reduce(ctx: RuleContext) -> Iterator[Finding]:
             "layers": layers[:MAX_LISTED],
             "layer_count": len(layers),
             "exceeded_steps": steps_list(np.unique(over["step"].to_numpy())),
+            "exceeded_step_ranges": step_ranges(over["step"]),
             "sum_factor": factor,
             "fp16_max": th["fp16_max"],
             "range_fraction": th["range_fraction"],

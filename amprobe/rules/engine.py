@@ -8,8 +8,15 @@ A rule may name other rules in ``after``: it then runs once they have, and reads
 findings in :attr:`RuleContext.prior` (AMP-S06 lists which speed findings explain a missing
 speedup this way). No rule calls :func:`diagnose`.
 
+A rule may also declare ``explained_by``: the rules whose findings, when present in the same
+diagnosis, are the cause of which this rule's finding is a symptom (AMP-N02's skipped steps
+are explained by AMP-N05's overflowing layer). :func:`diagnose` then lists findings cause
+first (:func:`order_cause_first`) and records on each finding which present findings it is
+explained by and which it explains.
+
 Evidence keys follow one vocabulary, documented in ``docs/evidence.md``: ``*_steps`` are
-lists of step numbers (at most the first 20), counts end in ``_count``, ``rank`` is the rank
+lists of step numbers (at most the first 20) and ``*_step_ranges`` the runs of all of them
+(``[[120, 179]]``), counts end in ``_count``, ``rank`` is the rank
 a finding is about (``ranks`` when several), and a threshold is reported under its own name.
 """
 
@@ -46,6 +53,7 @@ __all__ = [
     "ThresholdError",
     "format_ranks",
     "group_rank_findings",
+    "order_cause_first",
 ]
 
 
@@ -98,6 +106,9 @@ class Finding:
         fix: what the user should do.
         refs: the checklist item (``NaN checklist #9 (AMP-N09): unscale_ before clipping``)
             first, then links to the PyTorch / NVIDIA documentation that explain the fix.
+        explained_by: IDs of the findings of the same diagnosis that cause this one (its rule's
+            ``explained_by`` that fired), set by :func:`diagnose`; empty for a root cause.
+        explains: IDs of the findings of the same diagnosis that this one causes.
     """
 
     id: str
@@ -108,6 +119,8 @@ class Finding:
     evidence: Mapping[str, Any]
     fix: str
     refs: tuple[str, ...] = ()
+    explained_by: tuple[str, ...] = ()
+    explains: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +130,8 @@ class Finding:
         object.__setattr__(self, "severity", severity)
         object.__setattr__(self, "evidence", MappingProxyType(dict(self.evidence)))
         object.__setattr__(self, "refs", tuple(self.refs))
+        object.__setattr__(self, "explained_by", tuple(self.explained_by))
+        object.__setattr__(self, "explains", tuple(self.explains))
 
     @property
     def category_label(self) -> str:
@@ -133,6 +148,8 @@ class Finding:
             "evidence": dict(self.evidence),
             "fix": self.fix,
             "refs": list(self.refs),
+            "explained_by": list(self.explained_by),
+            "explains": list(self.explains),
         }
 
 
@@ -165,6 +182,8 @@ class RuleSpec:
     fn: RuleFn
     doc: str
     after: tuple[str, ...] = ()  # rules whose findings this one reads (RuleContext.prior)
+    #: rules whose findings, present in the same diagnosis, cause this rule's (a symptom of them)
+    explained_by: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +252,7 @@ def rule(
     thresholds: Mapping[str, float] | None = None,
     refs: Iterable[str] = (),
     after: Iterable[str] = (),
+    explained_by: Iterable[str] = (),
 ) -> Callable[[RuleFn], RuleFn]:
     """Register a rule function under its checklist ID.
 
@@ -241,16 +261,21 @@ def rule(
         refs: documentation links for the fix; the checklist item
             (:func:`~amprobe.rules.refs.checklist_ref`) is put first automatically.
         after: rule IDs whose findings this rule reads from :attr:`RuleContext.prior`.
+        explained_by: rule IDs whose findings, when any fired in the same run, are the cause
+            of this rule's finding (it is their symptom); reports list the cause first.
 
     Raises:
         ValueError: at registration (import time): the ID is registered twice, the severity is
             unknown, or a name in ``requires`` is not a registered requirement.
     """
     needs = tuple(requires)
+    causes = tuple(explained_by)
 
     def register(fn: RuleFn) -> RuleFn:
         if id in REGISTRY:
             raise ValueError(f"rule {id} registered twice")
+        if id in causes:
+            raise ValueError(f"rule {id} names itself in explained_by")
         unknown = [name for name in needs if name not in REQUIREMENTS]
         if unknown:
             raise ValueError(
@@ -273,6 +298,7 @@ def rule(
             fn=fn,
             doc=(fn.__doc__ or "").strip(),
             after=tuple(after),
+            explained_by=causes,
         )
         return fn
 
@@ -281,7 +307,8 @@ def rule(
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-    """The result of :func:`diagnose`: findings (most severe first), skipped rules, health."""
+    """The result of :func:`diagnose`: findings (cause first, :func:`order_cause_first`),
+    skipped rules, health."""
 
     run: Run
     findings: tuple[Finding, ...]
@@ -289,7 +316,8 @@ class Diagnosis:
     health: Mapping[str, Mapping[str, Any]]
 
     def worst(self) -> Severity | None:
-        return self.findings[0].severity if self.findings else None
+        """The most severe finding's severity (findings are listed cause first, not by it)."""
+        return min((f.severity for f in self.findings), key=lambda s: s.rank, default=None)
 
     def ids(self) -> list[str]:
         return [f.id for f in self.findings]
@@ -429,6 +457,60 @@ def group_rank_findings(findings: list[Finding], name_rank: bool = False) -> lis
     return out
 
 
+def _severity_key(finding: Finding) -> tuple[int, str]:
+    return finding.severity.rank, finding.id
+
+
+def order_cause_first(findings: Iterable[Finding]) -> list[Finding]:
+    """Findings ordered cause first, each carrying its present causes and symptoms.
+
+    A finding is explained by the present findings whose IDs its rule declares in
+    ``explained_by`` (:func:`rule`); a root is a finding that none explains. Roots come in
+    severity order (most severe first, then by ID), each followed by the findings it explains,
+    in severity order too. A symptom with several present causes comes after the last of them,
+    so that every cause stands above its symptoms. Findings caught in a cycle of causes (none
+    a root) follow in severity order. Every finding gets ``explained_by`` and ``explains``: the
+    IDs of the present findings that cause it and that it causes.
+    """
+    ordered = sorted(findings, key=_severity_key)
+    present = {f.id for f in ordered}
+    causes = {
+        f.id: tuple(
+            c
+            for c in (REGISTRY[f.id].explained_by if f.id in REGISTRY else ())
+            if c in present and c != f.id
+        )
+        for f in ordered
+    }
+    effects: dict[str, list[str]] = {rid: [] for rid in present}
+    for rid in dict.fromkeys(f.id for f in ordered):  # severity order, one per ID
+        for cause in causes[rid]:
+            effects[cause].append(rid)
+    by_id: dict[str, list[Finding]] = {}
+    for f in ordered:
+        by_id.setdefault(f.id, []).append(f)
+    out: list[Finding] = []
+    placed: set[str] = set()
+
+    def place(rid: str) -> None:
+        placed.add(rid)
+        out.extend(
+            dataclasses.replace(f, explained_by=causes[rid], explains=tuple(effects[rid]))
+            for f in by_id[rid]
+        )
+        for symptom in effects[rid]:
+            if symptom not in placed and all(c in placed for c in causes[symptom]):
+                place(symptom)
+
+    for f in ordered:
+        if f.id not in placed and not causes[f.id]:
+            place(f.id)
+    for f in ordered:  # a cycle of causes has no root: keep severity order
+        if f.id not in placed:
+            place(f.id)
+    return out
+
+
 def _rank_count(run: Run) -> int:
     """How many ranks the run has: its rank folders, or the ranks its steps came from."""
     steps = run.steps
@@ -519,7 +601,7 @@ def diagnose(
                     )
                 )
     findings = [f for rid in REGISTRY if rid in report for f in by_rule.get(rid, ())]
-    findings.sort(key=lambda f: (f.severity.rank, f.id))
+    findings = order_cause_first(findings)
     skipped.sort(key=lambda n: list(REGISTRY).index(n.id))
     return Diagnosis(
         run=run,

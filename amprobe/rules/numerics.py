@@ -25,7 +25,14 @@ from amprobe.analysis.numerics import (
     root_missing_reason,
 )
 from amprobe.analysis.scaler import calibration_steps
-from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
+from amprobe.rules.data import (
+    HALF_DTYPES,
+    autocast_dtypes,
+    per_rank,
+    scaler_steps,
+    step_ranges,
+    steps_list,
+)
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
@@ -129,6 +136,7 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
             evidence={
                 "rank": rank,
                 "nonfinite_steps": steps_list(bad["step"]),
+                "nonfinite_step_ranges": step_ranges(bad["step"]),
                 "affected_step_count": len(bad),
                 "nonfinite_elements": [int(v) for v in bad["input_nonfinite"].iloc[:20]],
                 "inputs": inputs,
@@ -201,6 +209,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             "role": role,
             "step": step,
             "offender_steps": steps_list(part["step"]),
+            "offender_step_ranges": step_ranges(part["step"]),
             "offending_modules": sorted(set(part["module"])),
             "nan_count": detail.get("nan"),
             "inf_count": detail.get("inf"),
@@ -372,6 +381,8 @@ def _layer_facts(grads: pd.DataFrame, keys: set[Any]) -> dict[Any, dict[str, Any
     requires=("amp_as_written", "numerics", "autocast"),
     thresholds={"max_lost_share": 0.01, "scale_margin": 8.0, "max_layers": 10},
     refs=(GRADIENT_SCALING,),
+    # gradients underflow when no scaler scales them, or when the scale collapsed
+    explained_by=("AMP-N12", "AMP-N03"),
 )
 def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     """In fp16, a layer's gradients lose more than ``max_lost_share`` of nonzero values.
@@ -423,6 +434,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
                 "share_at_hint": round(float(at_hint), 4) if hint else None,
                 "loss_scales": [float(x) for x in sorted(facts[(m, k, meas)]["scales"])],
                 "sampled_steps": steps_list(sorted(facts[(m, k, meas)]["steps"])),
+                "sampled_step_ranges": step_ranges(facts[(m, k, meas)]["steps"]),
             }
             for (m, k, meas), share, at_hint in zip(
                 shown.index, shown["share"], shown["share_at_hint"], strict=True
@@ -480,6 +492,8 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     requires=("numerics",),
     thresholds={"min_scale_cuts": 2},
     refs=(AUTOCAST_OPS,),
+    # the instability it points at is explained once an overflowing layer or bad batch is named
+    explained_by=("AMP-N05", "AMP-N04"),
 )
 def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     """Embedding / output-projection / normalization layers run in half and the run is unstable.

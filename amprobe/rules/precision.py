@@ -6,7 +6,14 @@ from collections.abc import Iterator
 
 from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
 from amprobe.analysis.scaler import calibration_steps
-from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, scaler_steps, steps_list
+from amprobe.rules.data import (
+    HALF_DTYPES,
+    autocast_dtypes,
+    per_rank,
+    scaler_steps,
+    step_ranges,
+    steps_list,
+)
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, GRADIENT_SCALING, TYPICAL_EXAMPLE
 
@@ -21,6 +28,8 @@ __all__: list[str] = []
     requires=("amp_as_written", "scaler", "autocast", "device_facts"),
     thresholds={"warn_skip_share": 0.05},
     refs=(AMP_DOCS,),
+    # the overflow it reads comes from these; bf16 is the alternative to fixing them
+    explained_by=("AMP-N05", "AMP-N08", "AMP-N10"),
 )
 def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     """An fp16 run with overflow cuts or NaN on hardware that supports bf16.
@@ -62,6 +71,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
                 "scale_cut_count": cuts,
                 "skipped_share": round(share, 4),
                 "skipped_steps": steps_list(frame.loc[skipped, "step"]),
+                "skipped_step_ranges": step_ranges(frame.loc[skipped, "step"]),
                 "calibration_step_count": len(calibration),
                 "device": device,
                 "warn_skip_share": ctx.thresholds["warn_skip_share"],
@@ -123,6 +133,7 @@ def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
                 "affected_step_count": len(half),
                 "step_count": len(frame),
                 "half_loss_steps": steps_list(half["step"]),
+                "half_loss_step_ranges": step_ranges(half["step"]),
             },
             fix="Compute the loss in fp32: cast the logits with .float() before the loss function.",
         )

@@ -12,7 +12,7 @@ from amprobe.analysis.runtime import (
     gpu_unavailable_reason,
     training_samples,
 )
-from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, steps_list
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, per_rank, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, DATA_LOADING, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
@@ -174,6 +174,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
                     "syncs_per_step": per_step,
                     "threshold": th["syncs_per_step"],
                     "sampled_steps": steps_list(sampled["step"]),
+                    "sampled_step_ranges": step_ranges(sampled["step"]),
                     "top_sites": top,
                     "counted_on": f"cpu ({CPU_SYNC_NOTE})" if on_cpu else ",".join(sorted(devices)),
                     "gradscaler_checks_per_step": scaler_checks,
@@ -196,6 +197,7 @@ def host_sync(ctx: RuleContext) -> list[Finding]:
     requires=("amp_as_written", "gpm", "autocast"),
     thresholds={"tensor_active_pct": 1.0, "busy_gpu_util": 50.0, "skip_steps": 1},
     refs=(AUTOCAST_OPS, MATMUL_GUIDE),
+    explained_by=("AMP-S05", "AMP-S04"),  # matmuls outside autocast, or misaligned
 )
 def tensor_core_idle(ctx: RuleContext) -> list[Finding]:
     """Tensor Cores stay near idle while AMP is on and the GPU is busy.

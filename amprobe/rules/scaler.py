@@ -15,7 +15,7 @@ from amprobe.analysis.scaler import (
     longest_run,
     scale_events,
 )
-from amprobe.rules.data import per_rank, scaler_configs, scaler_steps, steps_list
+from amprobe.rules.data import per_rank, scaler_configs, scaler_steps, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import (
     AUTOCAST_OPS,
@@ -36,6 +36,8 @@ __all__: list[str] = []
     requires=("amp_as_written", "scaler"),
     thresholds={"frequent_cuts_per_interval": 1.0},
     refs=(GRADIENT_SCALING,),
+    # the cuts follow a forward overflow, a bad batch, or a scaler that restarts at init_scale
+    explained_by=("AMP-N05", "AMP-N04", "AMP-N08", "AMP-N10"),
 )
 def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     """The loss scale was cut because gradients held inf/NaN.
@@ -68,6 +70,7 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
                 "calibration_cut_count": calibration,
                 "step_count": len(frame),
                 "cut_steps": steps_list(cuts["step"]),
+                "cut_step_ranges": step_ranges(cuts["step"]),
                 "cuts_per_growth_interval": round(per_interval, 3),
                 "growth_interval": interval,
                 "threshold": ctx.thresholds["frequent_cuts_per_interval"],
@@ -94,6 +97,8 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     requires=("amp_as_written", "scaler"),
     thresholds={"warn_below": 0.95, "error_below": 0.90, "min_steps": 10},
     refs=(GRADIENT_SCALING,),
+    # a step is skipped when its gradients overflowed: the same causes as the scale cuts
+    explained_by=("AMP-N05", "AMP-N04", "AMP-N08", "AMP-N10"),
 )
 def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     """Scaler success rate = iterations whose optimizer update was applied / all iterations.
@@ -127,6 +132,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
                 "step_count": len(frame),
                 "calibration_step_count": len(calibration),
                 "skipped_steps": steps_list(skipped["step"]),
+                "skipped_step_ranges": step_ranges(skipped["step"]),
                 "warn_below": th["warn_below"],
                 "error_below": th["error_below"],
             },
@@ -146,6 +152,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     requires=("amp_as_written", "scaler"),
     thresholds={"min_scale": 1.0, "max_consecutive_cuts": 16},
     refs=(AUTOCAST_OPS,),
+    explained_by=("AMP-N05", "AMP-N04"),  # an op overflows at any scale, or the data is bad
 )
 def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     """The scale keeps halving to a tiny value.
@@ -259,12 +266,14 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
         repeated = {site: n for site, n in sites.items() if n > th["max_instances_per_site"]}
         init = init_scale(ctx.run, rank)
         resets: list[int] = []
+        reset_steps: list[int] = []
         if init is not None:
             before = frame["scale_before"].to_numpy()
             after_prev = np.roll(frame["scale_after"].to_numpy(), 1)
             mask = (before == init) & (after_prev != init)
             mask[0] = False
-            resets = steps_list(frame["step"].to_numpy()[mask])
+            reset_steps = [int(s) for s in frame["step"].to_numpy()[mask]]
+            resets = steps_list(reset_steps)
         if not repeated and len(resets) <= th["max_scale_resets"]:
             continue
         site, count = (
@@ -283,7 +292,9 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
                 "site": site,
                 "site_instance_count": count,
                 "created_at_steps": steps_list(created_steps),
+                "created_at_step_ranges": step_ranges(created_steps),
                 "scale_reset_steps": resets,
+                "scale_reset_step_ranges": step_ranges(reset_steps),
                 "init_scale": init,
             },
             fix=(
@@ -326,6 +337,7 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
                 "step_count": len(frame),
                 "observed_step_count": observed,
                 "clipped_steps": steps_list(bad["step"]),
+                "clipped_step_ranges": step_ranges(bad["step"]),
                 "functions": functions,
                 "call_sites": sites,
             },
