@@ -48,6 +48,7 @@ h1{font-size:1.6em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-t
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
 .muted{color:#777} .fix{margin:.4em 0} .cause{margin:.3em 0} .evidence{margin:.4em 0}
 table.facts th{font-weight:normal;color:#555} caption{text-align:left;color:#555;font-size:.9em}
+.notchecked{background:#f4f4f4;border:1px solid #ddd;padding:.4em 1em;font-size:.9em} .notchecked ul{margin:.2em 0}
 """
 
 #: report sections a finding links to: its step on the loss-scale chart, its layer's numerics
@@ -144,6 +145,14 @@ def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None =
     ]
     for warning in info["warnings"]:
         parts.append(f"<p class='muted'>warning: {e(warning)}</p>")
+    if diagnosis.not_checked:  # on the first screen: not checked is not healthy
+        parts.append(
+            f"<div class='notchecked' id='not-checked'><b>Not checked "
+            f"({len(diagnosis.not_checked)})</b>, so these findings cannot appear below:<ul>"
+        )
+        for n in diagnosis.not_checked:
+            parts.append(f"<li><b>{e(n.id)}</b> <code>{e(n.name)}</code>: {e(n.reason)}</li>")
+        parts.append("</ul></div>")
     parts.append("<h2>Findings</h2>")
     if not diagnosis.findings:
         parts.append("<p>No findings.</p>")
@@ -157,11 +166,6 @@ def render_html(run: Any, diagnosis: Diagnosis, sections: list[Section] | None =
     for key, metric in diagnosis.health.items():
         parts.append(f"<li>{e(_health_line(key, dict(metric)))}</li>")
     parts.append("</ul>")
-    if diagnosis.not_checked:
-        parts.append("<h2>Not checked</h2><ul>")
-        for n in diagnosis.not_checked:
-            parts.append(f"<li><b>{e(n.id)}</b> <code>{e(n.name)}</code>: {e(n.reason)}</li>")
-        parts.append("</ul>")
     plotly_included = False
     for sec in sections:
         parts.append(f"<h2 id='{e(sec.key)}'>{e(sec.title)}</h2>")
