@@ -887,8 +887,10 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int, query: RunQuery | None = 
             dcc.Loading(
                 html.Div(body, id=ids.RUN_TAB_BODY, style={"paddingTop": "6px"}),
                 type="circle",
-                delay_show=300,  # a live page's quick re-render does not flash a spinner
-                overlay_style={"visibility": "visible", "opacity": 0.6},
+                # a live page's quick redraw does not flash a spinner; a slower one, or a tab
+                # being built, dims what is shown under the spinner
+                delay_show=300,
+                overlay_style={"visibility": "visible", "opacity": 0.35},
             ),
             # loads plotly.js once the findings are drawn, so that a chart tab opens drawn
             dcc.Graph(id=ids.PLOTLY_PRELOAD, style={"display": "none"}),

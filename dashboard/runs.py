@@ -72,8 +72,8 @@ LIVE_RELOAD_S = 10.0
 #: A live run's page: its run is loaded and diagnosed again, when its files changed, at most
 #: this often by default (:class:`dashboard.callbacks.Context` ties it to the refresh interval) ...
 LIVE_REDIAGNOSE_S = 2.0
-#: ... and no sooner than this many times the last load and diagnosis took, so that one live
-#: run's page keeps at most about a third of a core busy however large the run grows.
+#: ... and no sooner than this many times the last load, diagnosis and page build took, so that
+#: one live run's page keeps at most about a third of a core busy however large the run grows.
 LIVE_COST_FACTOR = 3.0
 #: Manifests and end markers are small; a larger one is not amprobe's and is not read.
 MAX_JSON_BYTES = 1 << 20
@@ -310,6 +310,8 @@ class LoadedRun:
     diagnosis: amprobe.Diagnosis
     version: int = dataclasses.field(default_factory=lambda: next(_VERSIONS))
     builds: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: seconds spent building pieces of this version (a live run's next load waits for it too)
+    build_s: float = 0.0
     _sections: dict[str, Section | None] = dataclasses.field(default_factory=dict, repr=False)
     _parts: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
     _locks: dict[Hashable, threading.Lock] = dataclasses.field(default_factory=dict, repr=False)
@@ -329,10 +331,12 @@ class LoadedRun:
             with self._lock:
                 if key in self._parts:
                     return self._parts[key]  # type: ignore[no-any-return]
+            start = time.monotonic()
             value = build()
             with self._lock:
                 self._parts[key] = value
                 self.builds[_part_name(key)] += 1
+                self.build_s += time.monotonic() - start
         return value
 
     def section(self, key: str) -> Section | None:
@@ -488,7 +492,8 @@ class RunCache:
     Loaded runs are kept least recently used first out (``max_entries``). A finished run is
     loaded again only when its files change. A live run changes at every flush: its page loads
     and diagnoses it again when its files changed, at most every ``live_reload_s`` seconds and
-    no sooner than :data:`LIVE_COST_FACTOR` times its last load took; at once when it is no
+    no sooner than :data:`LIVE_COST_FACTOR` times what its last version cost (load, diagnosis,
+    the pieces of its page built); at once when it is no
     longer live (it finished, or its process is gone). Run list rows are diagnosed by
     ``workers`` daemon threads, the rows of the page asked for last first; rows of pages paged
     away from are not diagnosed.
@@ -537,7 +542,8 @@ class RunCache:
             return hit.signature == sig
         # a live run: unchanged files, or changed within the wait, while it is still live
         if hit.signature != sig:
-            wait = max(self.live_reload_s, LIVE_COST_FACTOR * hit.cost_s)
+            cost = hit.cost_s + hit.loaded.build_s  # the load, the diagnosis, the page built
+            wait = max(self.live_reload_s, LIVE_COST_FACTOR * cost)
             if time.monotonic() - hit.loaded_at >= wait:
                 return False
         try:  # manifests and end markers only: has the run ended (or its process gone)?

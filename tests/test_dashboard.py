@@ -503,7 +503,9 @@ def test_run_tabs_follow_the_report_section_registry(
         *sections_mod.section_tabs(),
     ]
     memory_tab = next(t for t in tabs if t.value == "memory")
-    assert memory_tab.label == "Memory" and "peak 1.5 GiB" in texts(open_tab(fresh, "amp", "memory"))
+    assert memory_tab.label == "Memory" and "peak 1.5 GiB" in texts(
+        open_tab(fresh, "amp", "memory")
+    )
     labels = dict(sections_mod.section_tabs())
     assert list(labels)[:2] == ["scale", "memory"] and labels["compute"] == "Tensor Cores"
 

@@ -365,11 +365,11 @@ def test_demo_page_shows_a_placeholder_then_findings_and_keeps_its_tab_in_the_ur
                 "processes "
                 + "; ".join(f"{t.get('placeholder', -1):.0f}, {t['findings']:.0f}" for t in times)
             )
-            best = min(times, key=lambda t: t["findings"])
-            # a placeholder shows before the findings, and soon; the findings within seconds
+            # a placeholder shows before the findings, and soon; the findings within 1.5 s (the
+            # best of three visits: the machine's other work delays any one of them)
             assert all("placeholder" in t and t["placeholder"] < t["findings"] for t in times)
-            assert best["placeholder"] < 1000
-            assert best["findings"] < 3000
+            assert min(t["placeholder"] for t in times) < 1000
+            assert min(t["findings"] for t in times) < 1500
 
             # ?tab= opens that tab; clicking a tab writes the URL; the back button follows
             driver.get(server.url + "/run/demo?tab=scale&step=150")
