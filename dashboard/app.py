@@ -54,19 +54,18 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         Input(ids.RUN_VERSION, "data"),
         Input(ids.RUN_FOCUS, "data"),
         State(ids.RUN_NAME, "data"),
-        State(ids.URL, "search"),
+        State(ids.RUN_URL, "search"),
         State(ids.RUN_TAB_SHOWN, "data"),
     )
     def _tab(tab, _version, focus, name, search, shown):  # type: ignore[no-untyped-def]
         return callbacks.render_tab(ctx, name, tab, focus, search, shown)
 
-    # The URL's search is written by two callbacks (tabs, filters) and perhaps by other pages:
-    # each writes it as a duplicate output.
+    # A run page's query is written by two callbacks (tabs, filters): the second as a duplicate.
     @app.callback(
-        Output(ids.URL, "search", allow_duplicate=True),
+        Output(ids.RUN_URL, "search"),
         Output(ids.RUN_TABS, "value"),
         Output(ids.RUN_FOCUS, "data"),
-        Input(ids.URL, "search"),
+        Input(ids.RUN_URL, "search"),
         Input(ids.RUN_TABS, "value"),
         prevent_initial_call=True,
     )
@@ -76,11 +75,11 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
 
     @app.callback(
         Output(ids.FINDINGS, "children"),
-        Output(ids.URL, "search", allow_duplicate=True),
+        Output(ids.RUN_URL, "search", allow_duplicate=True),
         Input(ids.SEVERITY_FILTER, "value"),
         Input(ids.CATEGORY_FILTER, "value"),
         State(ids.RUN_NAME, "data"),
-        State(ids.URL, "search"),
+        State(ids.RUN_URL, "search"),
         prevent_initial_call=True,
     )
     def _findings(severities, categories, name, search):  # type: ignore[no-untyped-def]

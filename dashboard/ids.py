@@ -40,6 +40,7 @@ TABLE_BODY = "table-body"
 EXPORT_BUTTON = "export-button"
 EXPORT_DOWNLOAD = "export-download"
 EXPORT_STATUS = "export-status"
+RUN_URL = "run-url"  # the run page's own dcc.Location: its tab and filters are in the query
 RUN_VERSION = "run-version"  # dcc.Store: the version of the loaded run the page shows
 RUN_TAB_BODY = "run-tab-body"  # the open tab's body, built when the tab is opened
 RUN_TAB_SHOWN = "run-tab-shown"  # dcc.Store: {tab, version, focus} the tab body shows

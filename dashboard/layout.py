@@ -118,9 +118,7 @@ def build_frame() -> html.Div:
     """The page frame: URL, navigation and the page container that routing fills."""
     return html.Div(
         [
-            # refresh=False: a callback that writes the URL (the tab, the filters) only pushes
-            # it to the history; the page is not reloaded
-            dcc.Location(id=ids.URL, refresh=False),
+            dcc.Location(id=ids.URL),
             html.Div(
                 [
                     html.Strong("amprobe", style={"marginRight": "18px", "fontSize": "1.2em"}),
@@ -873,6 +871,9 @@ def build_run_page(loaded: LoadedRun, refresh_ms: int, query: RunQuery | None = 
     live = loaded.run.status == "live"
     return html.Div(
         [
+            # the page's own location (refresh=False: written, it only pushes the history), so
+            # that the tab and filters follow the URL only while a run page is open
+            dcc.Location(id=ids.RUN_URL, refresh=False),
             dcc.Store(id=ids.RUN_NAME, data=loaded.name),
             dcc.Store(id=ids.RUN_VERSION, data=loaded.version),
             dcc.Store(id=ids.RUN_TAB_SHOWN, data=shown),

@@ -402,7 +402,7 @@ def test_demo_page_shows_a_placeholder_then_findings_and_keeps_its_tab_in_the_ur
             wait.until(lambda d: d.find_elements(By.ID, ids.LAYER_NOTE), "the layer note")
             assert "Layer booster: outlined on" in driver.find_element(By.ID, ids.LAYER_NOTE).text
             errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-            assert not errors, errors
+            assert not errors, "\n".join(e["message"][100:400] for e in errors)
     finally:
         driver.quit()
 
