@@ -121,6 +121,8 @@ def test_a_run_page_opens_on_a_placeholder_for_a_chart_tab() -> None:
     assert body.children.className == ids.LOADING and "Loss scale" in body.children.children
     assert find(page, ids.RUN_TAB_SHOWN).data is None  # the tab callback builds it
     assert not ctx.cache.get("overflow").builds.get("section/scale")
+    refused, shown = callbacks.render_tab(ctx, "../overflow", "scale", {}, "", None)
+    assert "Cannot open this page" in texts(refused) and shown is None
 
 
 # -- 11: the tab, the filters, the step and the layer are in the URL -------------------------------
