@@ -59,6 +59,8 @@ class Context:
     tail: LiveTail = dataclasses.field(default_factory=LiveTail)
     #: consecutive failed live reads per run name (a read may fail once while a rank closes)
     live_failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: consecutive failed diagnoses of a live run's new steps per run name
+    diagnose_failures: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -205,7 +207,6 @@ def refresh_live(
         return (str(exc), no_update, no_update, True)
     try:
         update = ctx.tail.poll(path)
-        loaded = ctx.cache.get(key)
     except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
         # a live run can be caught between two writes: keep polling a few times before giving up
         failures = ctx.live_failures[key] = ctx.live_failures.get(key, 0) + 1
@@ -217,8 +218,21 @@ def refresh_live(
             failures >= LIVE_READ_ATTEMPTS,
         )
     ctx.live_failures.pop(key, None)
+    steps_text = layout._steps_text(update.steps)
+    try:
+        loaded = ctx.cache.get(key)
+    except Exception as exc:  # the steps still follow; the page says its findings are older
+        text = str(exc) if isinstance(exc, amprobe.RunLoadError) else f"{type(exc).__name__}: {exc}"
+        failed = ctx.diagnose_failures[key] = ctx.diagnose_failures.get(key, 0) + 1
+        return (
+            f"{steps_text}; the findings shown are older: cannot diagnose the new steps ({text})",
+            layout.build_status(update.status),
+            no_update,
+            update.status != "live" and failed >= LIVE_READ_ATTEMPTS,
+        )
+    ctx.diagnose_failures.pop(key, None)
     return (
-        layout._steps_text(update.steps),
+        steps_text,
         layout.build_status(update.status),
         loaded.version if loaded.version != version else no_update,
         update.status != "live",

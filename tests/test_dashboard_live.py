@@ -272,6 +272,30 @@ def test_a_live_run_is_diagnosed_again_no_more_often_than_allowed(
     assert len(calls) == 3 and ctx.cache.get("live").run.status == "finished"
 
 
+def test_a_live_page_whose_new_steps_cannot_be_diagnosed_says_so(
+    tmp_path: Path, live: LiveTraining, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dashboard.runs as runs_mod
+
+    monkeypatch.setattr(runs_mod, "LIVE_COST_FACTOR", 0.0)
+    live.train(3)
+    ctx = callbacks.Context(root=tmp_path, refresh_ms=0)
+    version = find(callbacks.render_page(ctx, "/run/live"), ids.RUN_VERSION).data
+
+    def broken(run: Any) -> Any:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(amprobe, "diagnose", broken)
+    live.train(2)
+    text, _, new_version, disabled = callbacks.refresh_live(ctx, 1, "live", version)
+    assert text.startswith("5 steps") and "the findings shown are older" in text
+    assert "KeyError" in text and new_version is dash.no_update and disabled is False
+    live.close()  # ended, and still not diagnosable: polling stops after a few tries in a row
+    results = [callbacks.refresh_live(ctx, 2 + i, "live", version)[3] for i in range(5)]
+    tries = callbacks.LIVE_READ_ATTEMPTS - 1  # one failed already while the run was live
+    assert results == [False] * (tries - 1) + [True] * (5 - tries + 1)
+
+
 # -- in the browser ----------------------------------------------------------------------------------
 
 #: Records, from the first byte of each page, when each selector first matched
