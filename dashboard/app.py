@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dash import MATCH, Dash, Input, Output, State
+from dash import MATCH, Dash, Input, Output, State, callback_context
 from dash import ctx as dash_ctx
 
 from dashboard import callbacks, ids, layout
@@ -60,27 +60,58 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         return callbacks.first_page(search, sort_by)
 
     @app.callback(
+        Output(ids.RUN_TAB_BODY, "children"),
+        Output(ids.RUN_TAB_SHOWN, "data"),
+        Input(ids.RUN_TABS, "value"),
+        Input(ids.RUN_VERSION, "data"),
+        Input(ids.RUN_FOCUS, "data"),
+        State(ids.RUN_NAME, "data"),
+        State(ids.RUN_URL, "search"),
+        State(ids.RUN_TAB_SHOWN, "data"),
+    )
+    def _tab(tab, _version, focus, name, search, shown):  # type: ignore[no-untyped-def]
+        return callbacks.render_tab(ctx, name, tab, focus, search, shown)
+
+    # A run page's query is written by two callbacks (tabs, filters): the second as a duplicate.
+    @app.callback(
+        Output(ids.RUN_URL, "search"),
+        Output(ids.RUN_TABS, "value"),
+        Output(ids.RUN_FOCUS, "data"),
+        Input(ids.RUN_URL, "search"),
+        Input(ids.RUN_TABS, "value"),
+        prevent_initial_call=True,
+    )
+    def _url(search, tab):  # type: ignore[no-untyped-def]
+        trigger = "tab" if callback_context.triggered_id == ids.RUN_TABS else "url"
+        return callbacks.sync_url(search, tab, trigger)
+
+    @app.callback(
         Output(ids.FINDINGS, "children"),
+        Output(ids.RUN_URL, "search", allow_duplicate=True),
         Input(ids.SEVERITY_FILTER, "value"),
         Input(ids.CATEGORY_FILTER, "value"),
         State(ids.RUN_NAME, "data"),
+        State(ids.RUN_URL, "search"),
         prevent_initial_call=True,
     )
-    def _findings(severities, categories, name):  # type: ignore[no-untyped-def]
-        return callbacks.filter_findings(ctx, name, severities, categories)
+    def _findings(severities, categories, name, search):  # type: ignore[no-untyped-def]
+        return (
+            callbacks.filter_findings(ctx, name, severities, categories),
+            callbacks.filters_search(search, severities, categories),
+        )
 
     @app.callback(
         Output(ids.RUN_STEPS, "children"),
         Output(ids.RUN_STATUS, "children"),
-        Output(ids.LOSS_SCALE_GRAPH, "figure"),
-        Output(ids.STEP_TIME_GRAPH, "figure"),
+        Output(ids.RUN_VERSION, "data"),
         Output(ids.LIVE_INTERVAL, "disabled"),
         Input(ids.LIVE_INTERVAL, "n_intervals"),
         State(ids.RUN_NAME, "data"),
+        State(ids.RUN_VERSION, "data"),
         prevent_initial_call=True,
     )
-    def _live(n, name):  # type: ignore[no-untyped-def]
-        return callbacks.refresh_live(ctx, n, name)
+    def _live(n, name, version):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_live(ctx, n, name, version)
 
     @app.callback(
         Output({"type": ids.TABLE_BODY, "key": MATCH}, "children"),

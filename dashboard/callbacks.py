@@ -22,8 +22,6 @@ from amprobe.store.loader import empty_frame
 from dashboard import layout
 from dashboard.figures import (
     make_compare_figure,
-    make_loss_scale_figure,
-    make_step_time_figure,
     make_whatif_figure,
     scale_events,
 )
@@ -32,6 +30,9 @@ from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs
 __all__ = [
     "Context",
     "render_page",
+    "render_tab",
+    "sync_url",
+    "filters_search",
     "refresh_run_list",
     "filter_findings",
     "refresh_live",
@@ -47,6 +48,9 @@ __all__ = [
 
 #: Consecutive failed reads of a live run after which its page stops polling.
 LIVE_READ_ATTEMPTS = 5
+#: A live run's page re-runs the diagnosis at most once per this share of its refresh interval
+#: (when the run's files changed), so a new finding shows within two intervals.
+LIVE_REDIAGNOSE_SHARE = 0.75
 
 
 @dataclasses.dataclass
@@ -59,10 +63,14 @@ class Context:
     tail: LiveTail = dataclasses.field(default_factory=LiveTail)
     #: consecutive failed live reads per run name (a read may fail once while a rank closes)
     live_failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: consecutive failed diagnoses of a live run's new steps per run name
+    diagnose_failures: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
-        self.cache = RunCache(self.root)
+        self.cache = RunCache(
+            self.root, live_reload_s=LIVE_REDIAGNOSE_SHARE * max(self.refresh_ms, 0) / 1000
+        )
 
 
 def render_page(ctx: Context, pathname: str | None, search: str | None = None) -> Any:
@@ -77,7 +85,7 @@ def render_page(ctx: Context, pathname: str | None, search: str | None = None) -
         except (RunAccessError, amprobe.RunLoadError) as exc:
             return layout.build_error(str(exc))
         try:
-            return layout.build_run_page(loaded, ctx.refresh_ms)
+            return layout.build_run_page(loaded, ctx.refresh_ms, layout.RunQuery.parse(search))
         except Exception as exc:  # one run's odd data fails its own page, nothing else
             return layout.build_error(
                 f"amprobe failed while drawing this run ({type(exc).__name__}: {exc})"
@@ -126,6 +134,72 @@ def first_page(_search: str | None, _sort_by: Any) -> int:
     return 0
 
 
+def render_tab(
+    ctx: Context,
+    name: str | None,
+    tab: str | None,
+    focus: dict[str, Any] | None = None,
+    search: str | None = None,
+    shown: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """The body of run ``name``'s tab ``tab``, built once per run version (and step or layer).
+
+    Called when a tab is opened, when a live run's version changes and when the URL's step or
+    layer changes (``focus``); the findings filters come from the URL (``search``). Returns
+    ``(body, what it shows)``, or ``no_update`` twice when the page already shows that
+    (``shown``): a live tick that changed nothing sends nothing.
+    """
+    if not tab:
+        return no_update, no_update
+    try:
+        loaded = ctx.cache.get(name or "")
+    except (RunAccessError, amprobe.RunLoadError) as exc:
+        return layout.build_error(str(exc)), None
+    focus = focus or {}
+    query = dataclasses.replace(
+        layout.RunQuery.parse(search), tab=tab, step=focus.get("step"), layer=focus.get("layer")
+    ).on_tab(tab)
+    target = layout.shown_tab(loaded, query)
+    if shown == target:
+        return no_update, no_update
+    try:
+        return layout.build_tab_body(loaded, query), target
+    except Exception as exc:  # one tab's odd data fails that tab, nothing else
+        return layout.build_error(
+            f"amprobe failed while drawing this tab ({type(exc).__name__}: {exc})"
+        ), None
+
+
+def sync_url(search: str | None, tab: str | None, trigger: str | None) -> tuple[Any, Any, Any]:
+    """Keep a run page's tab and its URL in step, both ways.
+
+    ``trigger`` says which changed: ``"tab"`` (a tab was clicked: the URL follows, keeping the
+    filters, and the step or layer only on their tab) or the URL (a link or the back button:
+    the tab, the step and the layer follow). Returns ``(URL search, tab, focus)``, each
+    ``no_update`` where nothing changes.
+    """
+    if not tab:
+        return no_update, no_update, no_update
+    query = layout.RunQuery.parse(search)
+    if trigger == "tab":
+        if query.tab == tab:
+            return no_update, no_update, no_update
+        moved = query.on_tab(tab)
+        return moved.search(), no_update, moved.focus()
+    return no_update, (query.tab if query.tab != tab else no_update), query.focus()
+
+
+def filters_search(
+    search: str | None, severities: list[str] | None, categories: list[str] | None
+) -> Any:
+    """The URL query string with the findings filters set (``no_update`` when unchanged)."""
+    query = layout.RunQuery.parse(search)
+    new = dataclasses.replace(
+        query, severities=tuple(severities or ()), categories=tuple(categories or ())
+    ).search()
+    return no_update if new == query.search() else new
+
+
 def filter_findings(
     ctx: Context, name: str | None, severities: list[str] | None, categories: list[str] | None
 ) -> Any:
@@ -137,16 +211,24 @@ def filter_findings(
     return layout.build_findings(loaded.diagnosis.findings, severities or [], categories or [])
 
 
-def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, ...]:
-    """New steps of a live run: read from the kept byte offsets, figures redrawn in place.
+def refresh_live(
+    ctx: Context, _n: int | None, name: str | None, version: int | None = None
+) -> tuple[Any, ...]:
+    """A live run's tick: new steps read from the kept byte offsets, the run diagnosed again.
 
-    Returns ``(steps text, status badge, loss-scale figure, step-time figure, interval disabled)``.
+    The step count and status follow the tail at every tick. The run is loaded and diagnosed
+    again when its files changed (at most as often as :class:`RunCache` allows, and once more
+    when it stops being live); when that gives a version other than the page's ``version``,
+    the new version is returned, and the open tab (findings, health, loss-scale text and
+    chart) is drawn again from it by :func:`render_tab`.
+
+    Returns ``(steps text, status badge, new version or no_update, interval disabled)``.
     """
     key = name or ""
     try:
         path, _ = ctx.cache.check(key)
     except RunAccessError as exc:  # outside the root, not a run: asking again cannot help
-        return (str(exc), no_update, no_update, no_update, True)
+        return (str(exc), no_update, no_update, True)
     try:
         update = ctx.tail.poll(path)
     except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
@@ -157,18 +239,27 @@ def refresh_live(ctx: Context, _n: int | None, name: str | None) -> tuple[Any, .
             f"cannot read this run: {text}",
             no_update,
             no_update,
-            no_update,
             failures >= LIVE_READ_ATTEMPTS,
         )
     ctx.live_failures.pop(key, None)
-    steps = update.steps
-    done = update.status != "live"
+    steps_text = layout._steps_text(update.steps)
+    try:
+        loaded = ctx.cache.get(key)
+    except Exception as exc:  # the steps still follow; the page says its findings are older
+        text = str(exc) if isinstance(exc, amprobe.RunLoadError) else f"{type(exc).__name__}: {exc}"
+        failed = ctx.diagnose_failures[key] = ctx.diagnose_failures.get(key, 0) + 1
+        return (
+            f"{steps_text}; the findings shown are older: cannot diagnose the new steps ({text})",
+            layout.build_status(update.status),
+            no_update,
+            update.status != "live" and failed >= LIVE_READ_ATTEMPTS,
+        )
+    ctx.diagnose_failures.pop(key, None)
     return (
-        layout._steps_text(steps),
+        steps_text,
         layout.build_status(update.status),
-        make_loss_scale_figure(steps),
-        make_step_time_figure(steps),
-        done,
+        loaded.version if loaded.version != version else no_update,
+        update.status != "live",
     )
 
 
@@ -194,7 +285,7 @@ def page_table(ctx: Context, name: str | None, table_key: str, page: int | None)
         frame = scale_events(loaded.run.steps)
     else:
         key, _, index = table_key.rpartition("/")
-        section = next((s for s in loaded.sections if s.key == key), None)
+        section = loaded.section(key)
         if section is None or not index.isdigit() or int(index) >= len(section.tables):
             return [layout.build_error(f"no table {table_key!r} in this run")]
         frame = section.tables[int(index)][1]

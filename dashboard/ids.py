@@ -41,6 +41,16 @@ TABLE_BODY = "table-body"
 EXPORT_BUTTON = "export-button"
 EXPORT_DOWNLOAD = "export-download"
 EXPORT_STATUS = "export-status"
+RUN_URL = "run-url"  # the run page's own dcc.Location: its tab and filters are in the query
+RUN_VERSION = "run-version"  # dcc.Store: the version of the loaded run the page shows
+RUN_TAB_BODY = "run-tab-body"  # the open tab's body, built when the tab is opened
+RUN_TAB_SHOWN = "run-tab-shown"  # dcc.Store: {tab, version, focus} the tab body shows
+RUN_FOCUS = "run-focus"  # dcc.Store: the URL's step / layer, which the tab body marks
+OVERVIEW_PANEL = "overview-panel"  # the overview tab's body: health, findings, checks not run
+PLOTLY_PRELOAD = "plotly-preload"  # a hidden graph: plotly.js loads once the findings show
+STEP_NOTE = "step-note"  # "Step N is marked on the chart ..." (?step=)
+LAYER_NOTE = "layer-note"  # "Layer X: outlined on N chart(s)" (?layer=)
+LOADING = "loading-placeholder"  # class of the text shown while a page or tab is built
 
 # compare
 COMPARE_A = "compare-a"

@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlencode
 
 import pandas as pd
 from dash import dash_table, dcc, html
@@ -21,7 +21,7 @@ from dash import dash_table, dcc, html
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.compare import comparison_rows
 from amprobe.report.downsample import thin_figure
-from amprobe.report.escape import escape_markdown
+from amprobe.report.escape import escape_markdown, escape_plotly_text
 from amprobe.report.evidence import (
     Block,
     Facts,
@@ -70,6 +70,14 @@ __all__ = [
     "build_error",
     "run_href",
     "format_health_value",
+    "OVERVIEW",
+    "RunQuery",
+    "run_tabs",
+    "build_overview",
+    "build_not_checked",
+    "build_tab_body",
+    "shown_tab",
+    "loading_placeholder",
 ]
 
 SEVERITIES = tuple(severity.value for severity in Severity)
@@ -82,8 +90,10 @@ SCALE_SECTION = "scale"
 WHATIF_SECTION = "whatif"
 #: the runtime tab shows the live step-time figure above the section
 RUNTIME_SECTION = "runtime"
-#: the numerics tab: a finding links to its layer there (``?tab=numerics&layer=...``)
+#: the numerics tab outlines the layer a link names (``?layer=``)
 NUMERICS_SECTION = "numerics"
+#: the colour of what a link marks (a step, a layer)
+_MARK_COLOR = "#6a1b9a"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {
@@ -132,10 +142,17 @@ def build_frame() -> html.Div:
                 id=ids.NAV,
                 style={"padding": "10px 18px", "borderBottom": "1px solid #ddd"},
             ),
-            html.Div(id=ids.PAGE, style={"padding": "12px 18px"}),
+            html.Div(
+                loading_placeholder("Loading\u2026"), id=ids.PAGE, style={"padding": "12px 18px"}
+            ),
         ],
         style={"fontFamily": _FONT, "color": "#222"},
     )
+
+
+def loading_placeholder(text: str) -> html.P:
+    """What shows while a page or a tab is being built (class :data:`ids.LOADING`)."""
+    return html.P(text, className=ids.LOADING, style={"color": "#777", "fontStyle": "italic"})
 
 
 def build_error(message: str) -> html.Div:
@@ -606,8 +623,12 @@ def build_table(caption: str, frame: pd.DataFrame, table_key: str) -> html.Div:
     )
 
 
-def build_section(section: Any, key: str | None = None) -> html.Div:
-    """A report section: its text, figures (thinned for display), tables, or why it is missing."""
+def build_section(section: Any, key: str | None = None, layer: str | None = None) -> html.Div:
+    """A report section: its text, figures (thinned for display), tables, or why it is missing.
+
+    With ``layer`` (a module name, from the page's ``?layer=``), that layer's rows are outlined
+    on the section's heatmaps and its bars kept opaque, and a line says whether it was found.
+    """
     key = key or section.key
     children: list[Any] = [html.H3(section.title)]
     if section.missing:
@@ -615,12 +636,57 @@ def build_section(section: Any, key: str | None = None) -> html.Div:
             html.P(_missing_text(section.missing), className="missing", style={"color": "#777"})
         )
     children.extend(html.P(t) for t in section.text)
-    for i, fig in enumerate(section.figures):
-        shown = thin_figure(copy.deepcopy(fig))
+    figures = [thin_figure(copy.deepcopy(fig)) for fig in section.figures]
+    if layer:
+        found = sum(_highlight_layer(fig, layer) for fig in figures)
+        children.insert(
+            1,
+            html.P(
+                f"Layer {layer}: outlined on {found} chart(s) below."
+                if found
+                else f"Layer {layer} is not drawn on this tab's charts (not recorded here).",
+                id=ids.LAYER_NOTE,
+                style={"color": _MARK_COLOR},
+            ),
+        )
+    for i, shown in enumerate(figures):
         children.append(dcc.Graph(figure=shown, id=f"{ids.SECTION_PREFIX}{key}-fig{i}"))
     for i, (caption, frame) in enumerate(section.tables):
         children.append(build_table(caption, frame, f"{key}/{i}"))
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
+
+
+def _layer_of(label: Any) -> str:
+    """The module of a numerics row label (``"module · kind"``), or the label itself."""
+    return str(label).split(" \u00b7 ")[0]
+
+
+def _highlight_layer(fig: Any, layer: str) -> bool:
+    """Outline ``layer``'s rows on ``fig``'s heatmaps and dim other layers' bars, in place."""
+    target = escape_plotly_text(layer)  # the figures' labels are escaped (escape_figure_text)
+    found = False
+    for trace in fig.data:
+        if trace.type == "heatmap" and trace.y is not None:
+            for i, label in enumerate(trace.y):
+                if _layer_of(label) == target:
+                    found = True
+                    fig.add_shape(
+                        type="rect",
+                        xref=f"{trace.xaxis or 'x'} domain",
+                        x0=0,
+                        x1=1,
+                        yref=trace.yaxis or "y",
+                        y0=i - 0.5,
+                        y1=i + 0.5,
+                        line={"color": _MARK_COLOR, "width": 3},
+                    )
+        elif trace.type == "bar" and trace.name is not None:
+            if _layer_of(trace.name) == target:
+                found = True
+                trace.opacity = 0.9
+            else:
+                trace.opacity = 0.2
+    return found
 
 
 def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -> html.Div:
@@ -690,8 +756,44 @@ def build_status(status: str) -> html.Span:
     return _badge(status, _STATUS_COLORS.get(status, "#555"))
 
 
-def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
-    """The loss-scale tab: the live figure, the report's ``scale`` section text, the events."""
+def _mark_step(fig: Any, steps: pd.DataFrame, step: int) -> str:
+    """Mark ``step`` on the loss-scale figure, in place, zoomed around it; says what was done."""
+    recorded = pd.to_numeric(steps["step"], errors="coerce").dropna() if len(steps) else None
+    if recorded is None or recorded.empty:
+        return f"Step {step} cannot be marked: no step was recorded."
+    first, last = int(recorded.min()), int(recorded.max())
+    if not first <= step <= last:
+        return f"Step {step} was not recorded (the recorded steps are {first}\u2013{last})."
+    line = {"color": _MARK_COLOR, "width": 2, "dash": "dot"}
+    if getattr(fig, "_grid_ref", None) is not None:  # the loss scale over the loss
+        fig.add_vline(x=step, line=line, row="all", col=1)
+    else:
+        fig.add_vline(x=step, line=line)
+    fig.add_annotation(
+        x=step,
+        y=1,
+        xref="x",
+        yref="paper",
+        text=f"step {step}",
+        showarrow=False,
+        xanchor="left",
+        yanchor="bottom",
+        font={"color": _MARK_COLOR},
+    )
+    half = max(10, (last - first) // 20)
+    lo, hi = max(first, step - half), min(last, step + half)
+    fig.update_xaxes(range=[lo - 0.5, hi + 0.5])
+    return (
+        f"Step {step} is marked on the chart, zoomed to steps {lo}\u2013{hi} "
+        "(double-click the chart to see every step)."
+    )
+
+
+def build_loss_scale(steps: pd.DataFrame, section: Any = None, step: int | None = None) -> html.Div:
+    """The loss-scale tab: the figure, the report's ``scale`` section text, the events.
+
+    With ``step`` (the page's ``?step=``), that step is marked and the chart zoomed to it.
+    """
     events = scale_events(steps)
     notes: list[Any] = []
     if section is not None:
@@ -706,10 +808,15 @@ def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
         if len(events)
         else "no change of the loss scale recorded"
     )
+    figure = make_loss_scale_figure(steps)
+    if step is not None:
+        notes.append(
+            html.P(_mark_step(figure, steps, step), id=ids.STEP_NOTE, style={"color": _MARK_COLOR})
+        )
     return html.Div(
         [
             *notes,
-            dcc.Graph(figure=make_loss_scale_figure(steps), id=ids.LOSS_SCALE_GRAPH),
+            dcc.Graph(figure=figure, id=ids.LOSS_SCALE_GRAPH),
             html.H4("Growth and backoff events"),
             html.P(summary),
             html.Div(
@@ -720,110 +827,270 @@ def build_loss_scale(steps: pd.DataFrame, section: Any = None) -> html.Div:
     )
 
 
-def build_section_tab(run: Any, key: str, label: str, section: Any) -> Any:
-    """The body of report section ``key``'s tab: the section (``None``: it built nothing for
-    this run), with the live parts of the loss-scale, what-if and runtime tabs."""
+def build_section_tab(
+    loaded: LoadedRun, key: str, label: str, query: RunQuery | None = None
+) -> Any:
+    """The body of report section ``key``'s tab (a section that has nothing for this run says
+    so), with the live parts of the loss-scale, what-if and runtime tabs; ``query`` gives the
+    step to mark on the loss-scale tab and the layer to outline on the numerics tab."""
+    run = loaded.run
+    query = query or RunQuery()
+    section = loaded.section(key)
     if key == SCALE_SECTION:
-        return build_loss_scale(run.steps, section)
+        return build_loss_scale(run.steps, section, query.step)
     if key == WHATIF_SECTION:
         return _whatif_tab(run, section, label)
-    body = build_section(section, key) if section is not None else _absent_section(key, label)
+    layer = query.layer if key == NUMERICS_SECTION else None
+    body = (
+        build_section(section, key, layer) if section is not None else _absent_section(key, label)
+    )
     if key != RUNTIME_SECTION:
         return body
     live = html.Div(
         [
-            html.H3("Step time and the probe's own time (live)"),
+            html.H3("Step time and the probe's own time"),
             dcc.Graph(figure=make_step_time_figure(run.steps), id=ids.STEP_TIME_GRAPH),
         ]
     )
     return html.Div([live, body])
 
 
-def build_run_page(loaded: LoadedRun, refresh_ms: int) -> html.Div:
-    """One run: status, health and findings, loss scale, and a tab per report section."""
-    run, diagnosis = loaded.run, loaded.diagnosis
-    steps = run.steps
-    sections = {s.key: s for s in loaded.sections}
-    tabs = [
-        dcc.Tab(
-            label="Overview",
-            value="overview",
-            children=html.Div(
-                [
-                    build_health(diagnosis.health),
-                    html.H3("Findings"),
-                    html.Div(
-                        [
-                            dcc.Checklist(
-                                id=ids.SEVERITY_FILTER,
-                                options=list(SEVERITIES),
-                                value=list(SEVERITIES),
-                                inline=True,
-                                inputStyle={"marginRight": "4px", "marginLeft": "10px"},
-                            ),
-                            dcc.Checklist(
-                                id=ids.CATEGORY_FILTER,
-                                options=[{"label": lbl, "value": v} for v, lbl in CATEGORIES],
-                                value=[v for v, _ in CATEGORIES],
-                                inline=True,
-                                inputStyle={"marginRight": "4px", "marginLeft": "10px"},
-                            ),
-                        ]
-                    ),
-                    html.Div(build_findings(diagnosis.findings), id=ids.FINDINGS),
-                    html.Details(
-                        [
-                            html.Summary(f"{len(diagnosis.not_checked)} check(s) not run"),
-                            html.Ul(
-                                [
-                                    html.Li([html.Code(n.id), f" {n.name}: {n.reason}"])
-                                    for n in diagnosis.not_checked
-                                ]
-                            ),
-                        ],
-                        id=ids.NOT_CHECKED,
-                    ),
-                ]
-            ),
-        ),
-    ]
-    for key, label in section_tabs():
-        tabs.append(
-            dcc.Tab(
-                label=label,
-                value=key,
-                children=build_section_tab(run, key, label, sections.get(key)),
-            )
+# -- the run page's state in its URL ------------------------------------------------------------
+
+#: the first tab of a run page: health, findings, checks not run
+OVERVIEW = "overview"
+
+
+def run_tabs() -> list[tuple[str, str]]:
+    """``(key, label)`` of a run page's tabs: the overview, then one per report section."""
+    return [(OVERVIEW, "Overview"), *section_tabs()]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunQuery:
+    """What a run page's URL asks for: ``?tab=&sev=&cat=&step=&layer=``.
+
+    ``severities``/``categories`` are None when the URL leaves them out (all kept); ``step``
+    is marked on the loss-scale tab, ``layer`` outlined on the numerics tab.
+    """
+
+    tab: str = OVERVIEW
+    severities: tuple[str, ...] | None = None
+    categories: tuple[str, ...] | None = None
+    step: int | None = None
+    layer: str | None = None
+
+    @classmethod
+    def parse(cls, search: str | None) -> RunQuery:
+        """Read a URL's query string; unknown tabs, severities and categories are dropped."""
+        query = parse_qs((search or "").lstrip("?"), keep_blank_values=True)
+
+        def first(key: str) -> str | None:
+            values = query.get(key)
+            return values[0] if values else None
+
+        def kept(key: str, known: Iterable[str]) -> tuple[str, ...] | None:
+            value = first(key)
+            if value is None:
+                return None
+            allowed = set(known)
+            return tuple(v for v in value.split(",") if v in allowed)
+
+        tab = first("tab") or OVERVIEW
+        if tab not in dict(run_tabs()):
+            tab = OVERVIEW
+        step_text = (first("step") or "").strip()
+        step = int(step_text) if step_text.lstrip("-").isdigit() and len(step_text) < 19 else None
+        return cls(
+            tab=tab,
+            severities=kept("sev", SEVERITIES),
+            categories=kept("cat", (v for v, _ in CATEGORIES)),
+            step=step,
+            layer=first("layer") or None,
         )
-    warnings = [html.Li(w) for w in run.warnings]
+
+    def search(self) -> str:
+        """The query string (``""`` or ``"?..."``) that :meth:`parse` reads back as this query.
+
+        Defaults are left out: the overview tab, every severity, every category.
+        """
+        params: list[tuple[str, str]] = []
+        if self.tab != OVERVIEW:
+            params.append(("tab", self.tab))
+        if self.severities is not None and set(self.severities) != set(SEVERITIES):
+            params.append(("sev", ",".join(self.severities)))
+        all_categories = {v for v, _ in CATEGORIES}
+        if self.categories is not None and set(self.categories) != all_categories:
+            params.append(("cat", ",".join(self.categories)))
+        if self.step is not None:
+            params.append(("step", str(self.step)))
+        if self.layer:
+            params.append(("layer", self.layer))
+        return "?" + urlencode(params, safe=",") if params else ""
+
+    def on_tab(self, tab: str) -> RunQuery:
+        """This query on tab ``tab``: the filters kept, the step and layer only on their tabs."""
+        return dataclasses.replace(
+            self,
+            tab=tab,
+            step=self.step if tab == SCALE_SECTION else None,
+            layer=self.layer if tab == NUMERICS_SECTION else None,
+        )
+
+    @property
+    def shown_severities(self) -> list[str]:
+        return list(SEVERITIES if self.severities is None else self.severities)
+
+    @property
+    def shown_categories(self) -> list[str]:
+        return [v for v, _ in CATEGORIES] if self.categories is None else list(self.categories)
+
+    def focus(self) -> dict[str, Any]:
+        """What of this query changes the body of its tab (beyond the run version)."""
+        if self.tab == SCALE_SECTION:
+            return {"step": self.step}
+        if self.tab == NUMERICS_SECTION:
+            return {"layer": self.layer}
+        return {}
+
+
+# -- the run page ---------------------------------------------------------------------------------
+
+
+def build_not_checked(not_checked: Sequence[Any]) -> html.Details:
+    """The checks that did not run, each with why: open, above the findings (not checked is not
+    healthy, so a short list of findings must not read as a clean bill)."""
+    return html.Details(
+        [
+            html.Summary(
+                f"{len(not_checked)} check(s) not run, so their findings cannot appear below"
+                if not_checked
+                else "every check ran"
+            ),
+            html.Ul([html.Li([html.Code(n.id), f" {n.name}: {n.reason}"]) for n in not_checked]),
+        ],
+        id=ids.NOT_CHECKED,
+        open=bool(not_checked),
+        style={"background": "#f6f6f6", "padding": "4px 10px", "fontSize": "0.9em"},
+    )
+
+
+def build_overview(loaded: LoadedRun, query: RunQuery | None = None) -> html.Div:
+    """The overview tab: health, the findings (filtered as ``query`` says), checks not run."""
+    query = query or RunQuery()
+    diagnosis = loaded.diagnosis
+    severities, categories = query.shown_severities, query.shown_categories
     return html.Div(
         [
-            dcc.Store(id=ids.RUN_NAME, data=loaded.name),
-            html.H2(loaded.name, id=ids.RUN_TITLE),
+            build_health(diagnosis.health),
+            build_not_checked(diagnosis.not_checked),
+            html.H3("Findings"),
             html.Div(
                 [
-                    html.Span(build_status(run.status), id=ids.RUN_STATUS),
-                    html.Span(_steps_text(steps), id=ids.RUN_STEPS, style={"marginRight": "14px"}),
-                    html.Span(
-                        f"device: {run.rank_manifest.get('gpu_name') or run.rank_manifest.get('device') or 'not recorded'}",
-                        style={"marginRight": "14px"},
+                    dcc.Checklist(
+                        id=ids.SEVERITY_FILTER,
+                        options=list(SEVERITIES),
+                        value=severities,
+                        inline=True,
+                        inputStyle={"marginRight": "4px", "marginLeft": "10px"},
                     ),
-                    html.Button("Download HTML report", id=ids.EXPORT_BUTTON),
-                    html.Span(id=ids.EXPORT_STATUS, style={"marginLeft": "8px", "color": "#777"}),
-                    dcc.Download(id=ids.EXPORT_DOWNLOAD),
+                    dcc.Checklist(
+                        id=ids.CATEGORY_FILTER,
+                        options=[{"label": lbl, "value": v} for v, lbl in CATEGORIES],
+                        value=categories,
+                        inline=True,
+                        inputStyle={"marginRight": "4px", "marginLeft": "10px"},
+                    ),
                 ]
             ),
-            html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"})
-            if warnings
-            else html.Div(id=ids.RUN_WARNINGS),
-            html.P(
-                "live: findings are as of page load; reload to re-run the rules"
-                if run.status == "live"
-                else "",
-                style={"color": "#777"},
+            html.Div(build_findings(diagnosis.findings, severities, categories), id=ids.FINDINGS),
+        ],
+        id=ids.OVERVIEW_PANEL,
+    )
+
+
+def build_tab_body(loaded: LoadedRun, query: RunQuery) -> Any:
+    """The body of tab ``query.tab`` of a run, built once per run version and query."""
+    if query.tab == OVERVIEW:
+        filters = (query.shown_severities, query.shown_categories)
+        key: tuple[Any, ...] = (OVERVIEW, tuple(map(tuple, filters)))
+        return loaded.part(key, lambda: build_overview(loaded, query))
+    label = dict(run_tabs()).get(query.tab, query.tab)
+    focus = tuple(sorted(query.focus().items()))
+    return loaded.part(
+        ("tab", query.tab, focus), lambda: build_section_tab(loaded, query.tab, label, query)
+    )
+
+
+def shown_tab(loaded: LoadedRun, query: RunQuery) -> dict[str, Any]:
+    """What a run page's tab body shows: the tab, the run version, the tab's focus."""
+    return {"tab": query.tab, "version": loaded.version, **query.focus()}
+
+
+def _build_header(loaded: LoadedRun) -> list[Any]:
+    run = loaded.run
+    device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device") or "not recorded"
+    warnings = [html.Li(w) for w in run.warnings]
+    return [
+        html.H2(loaded.name, id=ids.RUN_TITLE),
+        html.Div(
+            [
+                html.Span(build_status(run.status), id=ids.RUN_STATUS),
+                html.Span(_steps_text(run.steps), id=ids.RUN_STEPS, style={"marginRight": "14px"}),
+                html.Span(f"device: {device}", style={"marginRight": "14px"}),
+                html.Button("Download HTML report", id=ids.EXPORT_BUTTON),
+                html.Span(id=ids.EXPORT_STATUS, style={"marginLeft": "8px", "color": "#777"}),
+                dcc.Download(id=ids.EXPORT_DOWNLOAD),
+            ]
+        ),
+        html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"})
+        if warnings
+        else html.Div(id=ids.RUN_WARNINGS),
+    ]
+
+
+def build_run_page(loaded: LoadedRun, refresh_ms: int, query: RunQuery | None = None) -> html.Div:
+    """One run: its header, then its tabs, the overview (health and findings) first.
+
+    Only the tab that ``query`` opens is built, and only when it is the overview (ready as
+    soon as the run is diagnosed); any other tab shows a placeholder that the tab callback
+    (:func:`dashboard.callbacks.render_tab`) replaces. Built pieces are kept per run version
+    (:meth:`LoadedRun.part`), so a second visit builds nothing again.
+    """
+    query = query or RunQuery()
+    header = loaded.part("header", lambda: _build_header(loaded))
+    if query.tab == OVERVIEW:
+        body, shown = build_tab_body(loaded, query), shown_tab(loaded, query)
+    else:
+        label = dict(run_tabs()).get(query.tab, query.tab)
+        body, shown = loading_placeholder(f"Loading the {label} tab\u2026"), None
+    live = loaded.run.status == "live"
+    return html.Div(
+        [
+            # the page's own location (refresh=False: written, it only pushes the history), so
+            # that the tab and filters follow the URL only while a run page is open
+            dcc.Location(id=ids.RUN_URL, refresh=False),
+            dcc.Store(id=ids.RUN_NAME, data=loaded.name),
+            dcc.Store(id=ids.RUN_VERSION, data=loaded.version),
+            dcc.Store(id=ids.RUN_TAB_SHOWN, data=shown),
+            dcc.Store(id=ids.RUN_FOCUS, data=query.focus()),
+            *header,
+            dcc.Interval(id=ids.LIVE_INTERVAL, interval=refresh_ms, disabled=not live),
+            dcc.Tabs(
+                id=ids.RUN_TABS,
+                value=query.tab,
+                children=[dcc.Tab(label=label, value=key) for key, label in run_tabs()],
             ),
-            dcc.Interval(id=ids.LIVE_INTERVAL, interval=refresh_ms, disabled=run.status != "live"),
-            dcc.Tabs(id=ids.RUN_TABS, value="overview", children=tabs),
+            dcc.Loading(
+                html.Div(body, id=ids.RUN_TAB_BODY, style={"paddingTop": "6px"}),
+                type="circle",
+                # a live page's quick redraw does not flash a spinner; a slower one, or a tab
+                # being built, dims what is shown under the spinner
+                delay_show=300,
+                overlay_style={"visibility": "visible", "opacity": 0.35},
+            ),
+            # loads plotly.js once the findings are drawn, so that a chart tab opens drawn
+            dcc.Graph(id=ids.PLOTLY_PRELOAD, style={"display": "none"}),
         ]
     )
 

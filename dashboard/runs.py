@@ -18,21 +18,23 @@ the rows shown runs in background threads, cached by the files' sizes and mtimes
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import queue
 import stat
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 
 import amprobe
-from amprobe.report.sections import build_sections
+from amprobe.report.escape import escape_figure_text
+from amprobe.report.sections import SECTIONS, Section, section_tabs
 from amprobe.rules.engine import Severity
 from amprobe.store import read_table
 from amprobe.store.layout import (
@@ -68,8 +70,14 @@ __all__ = [
 
 #: How deep under ROOT run directories are looked for.
 MAX_DEPTH = 3
-#: A live run's load and diagnosis are reused for this long (its page follows the live tail).
+#: A live run's run list row is diagnosed again at most this often.
 LIVE_RELOAD_S = 10.0
+#: A live run's page: its run is loaded and diagnosed again, when its files changed, at most
+#: this often by default (:class:`dashboard.callbacks.Context` ties it to the refresh interval) ...
+LIVE_REDIAGNOSE_S = 2.0
+#: ... and no sooner than this many times the last load, diagnosis and page build took, so that
+#: one live run's page keeps at most about a third of a core busy however large the run grows.
+LIVE_COST_FACTOR = 3.0
 #: Manifests and end markers are small; a larger one is not amprobe's and is not read.
 MAX_JSON_BYTES = 1 << 20
 #: The largest table file (``*.jsonl``) the dashboard loads; ``amprobe diagnose`` reads any size.
@@ -262,21 +270,86 @@ def _text_field(obj: dict[str, Any] | None, *keys: str) -> str | None:
     return None
 
 
+_T = TypeVar("_T")
+#: LoadedRun versions: a run loaded again gets a new one (a live page re-renders on a change)
+_VERSIONS = itertools.count(1)
+
+
+def build_section(key: str, run: amprobe.Run, diagnosis: amprobe.Diagnosis) -> Section | None:
+    """Report section ``key`` of a run, as :func:`amprobe.report.sections.build_sections`
+    builds it (a failing builder becomes a section saying so; figure text escaped), alone."""
+    spec = SECTIONS.get(key)
+    if spec is None:
+        return None
+    try:
+        result = spec.build(run, diagnosis)
+    except Exception as exc:
+        result = Section(
+            key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
+        )
+    if result is not None:
+        for fig in result.figures:
+            escape_figure_text(fig)  # layer and run names are drawn as text, not HTML
+    return result
+
+
+def _part_name(key: Hashable) -> str:
+    if isinstance(key, tuple):
+        return "/".join(_part_name(k) for k in key)
+    return str(key)
+
+
 @dataclasses.dataclass
 class LoadedRun:
-    """A run as the dashboard shows it: the loaded run, its diagnosis, its report sections."""
+    """A run as the dashboard shows it: the loaded run, its diagnosis, its report sections.
+
+    One LoadedRun is one version of a run (``version`` is new at every load), so what is built
+    from it is kept on it: :meth:`section` builds a report section when first asked for, and
+    :meth:`part` keeps any built piece of the page. ``builds`` counts what was built, by key.
+    """
 
     name: str
     run: amprobe.Run
     diagnosis: amprobe.Diagnosis
-    _sections: list[Any] | None = None
+    version: int = dataclasses.field(default_factory=lambda: next(_VERSIONS))
+    builds: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: seconds spent building pieces of this version (a live run's next load waits for it too)
+    build_s: float = 0.0
+    _sections: dict[str, Section | None] = dataclasses.field(default_factory=dict, repr=False)
+    _parts: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
+    _locks: dict[Hashable, threading.Lock] = dataclasses.field(default_factory=dict, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def part(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """The piece ``key`` of this run version, built by ``build()`` the first time only.
+
+        Pieces are built one at a time per key (two requests for one piece build it once);
+        different pieces build side by side.
+        """
+        with self._lock:
+            if key in self._parts:
+                return self._parts[key]  # type: ignore[no-any-return]
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            with self._lock:
+                if key in self._parts:
+                    return self._parts[key]  # type: ignore[no-any-return]
+            start = time.monotonic()
+            value = build()
+            with self._lock:
+                self._parts[key] = value
+                self.builds[_part_name(key)] += 1
+                self.build_s += time.monotonic() - start
+        return value
+
+    def section(self, key: str) -> Section | None:
+        """Report section ``key`` (None: it builds nothing for this run), built once."""
+        return self.part(("section", key), lambda: build_section(key, self.run, self.diagnosis))
 
     @property
-    def sections(self) -> list[Any]:
-        """The registered report sections, built once per load."""
-        if self._sections is None:
-            self._sections = build_sections(self.run, self.diagnosis)
-        return self._sections
+    def sections(self) -> list[Section]:
+        """Every registered report section that has something for this run, in report order."""
+        return [s for key, _ in section_tabs() if (s := self.section(key)) is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,12 +590,25 @@ def peek_run(name: str, path: Path) -> RunSummary:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """A kept load: the files' signature it read, the run, when it was loaded, what it cost."""
+
+    signature: tuple[Any, ...]
+    loaded: LoadedRun
+    loaded_at: float
+    cost_s: float
+
+
 class RunCache:
     """Runs under ROOT: the paged run list and loaded, diagnosed runs, kept until they change.
 
-    Loaded runs are kept least recently used first out (``max_entries``). A live run changes at
-    every flush; it is loaded and diagnosed again at most every :data:`LIVE_RELOAD_S` seconds
-    (its page's figures follow :class:`LiveTail` meanwhile). Run list rows are diagnosed by
+    Loaded runs are kept least recently used first out (``max_entries``). A finished run is
+    loaded again only when its files change. A live run changes at every flush: its page loads
+    and diagnoses it again when its files changed, at most every ``live_reload_s`` seconds and
+    no sooner than :data:`LIVE_COST_FACTOR` times what its last version cost (load, diagnosis,
+    the pieces of its page built); at once when it is no
+    longer live (it finished, or its process is gone). Run list rows are diagnosed by
     ``workers`` daemon threads, the rows of the page asked for last first; rows of pages paged
     away from are not diagnosed.
     """
@@ -534,13 +620,15 @@ class RunCache:
         workers: int = DIAGNOSE_WORKERS,
         max_table_bytes: int = MAX_TABLE_BYTES,
         first_wait_s: float = FIRST_WAIT_S,
+        live_reload_s: float = LIVE_REDIAGNOSE_S,
     ) -> None:
         self.root = Path(root)
         self.max_entries = max_entries
         self.workers = workers
         self.max_table_bytes = max_table_bytes
         self.first_wait_s = first_wait_s
-        self._entries: OrderedDict[Path, tuple[tuple[Any, ...], LoadedRun, float]] = OrderedDict()
+        self.live_reload_s = live_reload_s
+        self._entries: OrderedDict[Path, _Entry] = OrderedDict()
         #: name -> (signature, row, when): rows of diagnosed runs
         self._rows: dict[str, tuple[tuple[Any, ...], RunSummary, float]] = {}
         #: name -> (signature, row): rows read from manifests only
@@ -562,6 +650,21 @@ class RunCache:
         path = resolve_run(self.root, name)
         return path, inspect_run(self.root, path, self.max_table_bytes)
 
+    def _reusable(self, path: Path, sig: tuple[Any, ...], hit: _Entry) -> bool:
+        """Whether the kept load of ``path`` still shows what the run holds, or may for now."""
+        if hit.loaded.run.status != "live":
+            return hit.signature == sig
+        # a live run: unchanged files, or changed within the wait, while it is still live
+        if hit.signature != sig:
+            cost = hit.cost_s + hit.loaded.build_s  # the load, the diagnosis, the page built
+            wait = max(self.live_reload_s, LIVE_COST_FACTOR * cost)
+            if time.monotonic() - hit.loaded_at >= wait:
+                return False
+        try:  # manifests and end markers only: has the run ended (or its process gone)?
+            return amprobe.load_run(path).status == "live"
+        except Exception:
+            return False  # the full load says why
+
     def get(self, name: str) -> LoadedRun:
         """Load (or reuse) run ``name``.
 
@@ -573,12 +676,12 @@ class RunCache:
         path, sig = self.check(name)
         with self._lock:
             hit = self._entries.get(path)
-            if hit is not None:
-                live = hit[1].run.status == "live"
-                fresh = time.monotonic() - hit[2] < LIVE_RELOAD_S
-                if (hit[0] == sig and not live) or (live and fresh):
+        if hit is not None and self._reusable(path, sig, hit):
+            with self._lock:
+                if path in self._entries:
                     self._entries.move_to_end(path)
-                    return hit[1]
+            return hit.loaded
+        start = time.monotonic()
         try:
             run = amprobe.load_run(path)
             loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
@@ -589,7 +692,7 @@ class RunCache:
             raise RunAccessError(_internal_error(exc)) from None
         now = time.monotonic()
         with self._lock:
-            self._entries[path] = (sig, loaded, now)
+            self._entries[path] = _Entry(sig, loaded, now, now - start)
             self._entries.move_to_end(path)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'amprobe[dashboard]')")
 
+import dash  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
 import amprobe  # noqa: E402
@@ -67,6 +68,14 @@ def find(component: Any, component_id: Any) -> Any:
         if children is not None and not isinstance(children, str)
         else None
     )
+
+
+def open_tab(ctx: callbacks.Context, name: str, tab: str, search: str = "") -> Any:
+    """The body of run ``name``'s tab ``tab``, as the tab callback builds it when opened."""
+    focus = layout.RunQuery.parse(search).on_tab(tab).focus()
+    body, shown = callbacks.render_tab(ctx, name, tab, focus, search, None)
+    assert shown is None or shown["tab"] == tab
+    return body
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +243,7 @@ def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> No
         assert any(finding.fix in w for w in words)
     assert any("loss-scale success rate" in w for w in words)
     for key in ("numerics", "compute", "runtime"):
-        panel = find(page, f"{ids.SECTION_PREFIX}{key}")
+        panel = find(open_tab(ctx, "amp", key), f"{ids.SECTION_PREFIX}{key}")
         assert panel is not None
         if key not in {s.key for s in ctx.cache.get("amp").sections}:
             assert any(w.startswith("not recorded") for w in texts(panel))
@@ -242,7 +251,7 @@ def test_run_page_shows_findings_health_and_panels(ctx: callbacks.Context) -> No
 
 
 def test_whatif_tab_shows_the_heatmap_and_switches_groups(ctx: callbacks.Context) -> None:
-    page = callbacks.render_page(ctx, "/run/amp")
+    page = open_tab(ctx, "amp", "whatif")
     panel = find(page, ids.WHATIF_PANEL)
     assert panel is not None
     radio = find(page, ids.WHATIF_GROUP)
@@ -262,7 +271,7 @@ def test_whatif_tab_shows_the_heatmap_and_switches_groups(ctx: callbacks.Context
     refused = callbacks.whatif_heatmap(ctx, "../amp", "activations")
     assert "not a run under the dashboard's root" in refused.layout.title.text
     # a run without per-layer numerics says why
-    page = callbacks.render_page(ctx, "/run/group/synthetic")
+    page = open_tab(ctx, "group/synthetic", "whatif")
     words = texts(find(page, ids.WHATIF_PANEL))
     assert any("no per-layer exponent histogram was recorded" in w for w in words)
 
@@ -317,7 +326,8 @@ def test_section_panels_render_registered_sections_and_missing(
     monkeypatch.setitem(
         sections_mod.SECTIONS, "compute", sections_mod.SectionSpec(60, compute, "C")
     )
-    page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
+    fresh = callbacks.Context(root=ctx.root)
+    page = open_tab(fresh, "amp", "numerics")
     graph = find(page, f"{ids.SECTION_PREFIX}numerics-fig0")
     assert len(graph.figure.data[0].y) <= 2000
     body = find(page, {"type": ids.TABLE_BODY, "key": "numerics/0"})
@@ -326,7 +336,7 @@ def test_section_panels_render_registered_sections_and_missing(
         "3",
     ]
     assert "not recorded: no CUDA device: op shapes not traced" in texts(
-        find(page, f"{ids.SECTION_PREFIX}compute")
+        find(open_tab(fresh, "amp", "compute"), f"{ids.SECTION_PREFIX}compute")
     )
 
 
@@ -346,8 +356,10 @@ def test_live_refresh_reads_only_new_lines(tmp_path: Path) -> None:
     ctx = callbacks.Context(root=tmp_path)
     page = callbacks.render_page(ctx, "/run/live")
     assert find(page, ids.LIVE_INTERVAL).disabled is False
-    text, status, fig, step_fig, disabled = callbacks.refresh_live(ctx, 1, "live")
+    version = find(page, ids.RUN_VERSION).data
+    text, status, new_version, disabled = callbacks.refresh_live(ctx, 1, "live", version)
     assert text.startswith("10 steps") and disabled is False and "live" in texts(status)
+    assert new_version is dash.no_update  # nothing new: the open tab is not drawn again
     path = (tmp_path / "live").resolve()
     first = ctx.tail.offsets(path)[0]
     assert first == (tmp_path / "live" / "rank0" / "steps.jsonl").stat().st_size
@@ -364,8 +376,12 @@ def test_live_refresh_reads_only_new_lines(tmp_path: Path) -> None:
             ', "t": 1.0, "wall_s": 0.05, "scaler_enabled": true, "scale_before": 8.0, "scale_after": 8.0}\n'
         )
     live.close()
-    text, status, fig, _, disabled = callbacks.refresh_live(ctx, 3, "live")
+    text, status, new_version, disabled = callbacks.refresh_live(ctx, 3, "live", version)
     assert text.startswith("16 steps") and disabled is True and "finished" in texts(status)
+    # the finished run is diagnosed once more: the open tab is drawn again from it
+    assert new_version != version and ctx.cache.get("live").run.status == "finished"
+    body = open_tab(ctx, "live", "scale")
+    fig = find(body, ids.LOSS_SCALE_GRAPH).figure
     assert max(fig.data[0].x) == 15
 
 
@@ -397,7 +413,7 @@ def test_long_tables_are_paged(ctx: callbacks.Context) -> None:
     steps = ctx.cache.get("group/synthetic").run.steps
     events = scale_events(steps)
     assert len(events) > layout.TABLE_PAGE_ROWS
-    page = callbacks.render_page(ctx, "/run/group/synthetic")
+    page = open_tab(ctx, "group/synthetic", "scale")
     first = find(page, {"type": ids.TABLE_BODY, "key": layout.LOSS_SCALE_TABLE})
     assert len(first.children[1].children) == layout.TABLE_PAGE_ROWS
     assert find(page, {"type": ids.TABLE_PAGE, "key": layout.LOSS_SCALE_TABLE}) is not None
@@ -459,11 +475,12 @@ def test_scale_section_text_joins_the_loss_scale_tab(
     monkeypatch.setitem(
         sections_mod.SECTIONS, "scale", sections_mod.SectionSpec(10, scale, "Loss scale")
     )
-    page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
+    fresh = callbacks.Context(root=ctx.root)
+    page = callbacks.render_page(fresh, "/run/amp")
     tabs = find(page, ids.RUN_TABS).children
     assert [t.label for t in tabs][:2] == ["Overview", "Loss scale"]
     assert "Loss scale and loss" not in [t.label for t in tabs]
-    assert "30 scaled steps: 2 skipped" in texts(tabs[1])
+    assert "30 scaled steps: 2 skipped" in texts(open_tab(fresh, "amp", tabs[1].value))
 
 
 def test_run_tabs_follow_the_report_section_registry(
@@ -478,14 +495,17 @@ def test_run_tabs_follow_the_report_section_registry(
     monkeypatch.setitem(
         sections_mod.SECTIONS, "memory", sections_mod.SectionSpec(20, memory, "Memory")
     )
-    page = callbacks.render_page(callbacks.Context(root=ctx.root), "/run/amp")
+    fresh = callbacks.Context(root=ctx.root)
+    page = callbacks.render_page(fresh, "/run/amp")
     tabs = find(page, ids.RUN_TABS).children
     assert [(t.value, t.label) for t in tabs] == [
         ("overview", "Overview"),
         *sections_mod.section_tabs(),
     ]
     memory_tab = next(t for t in tabs if t.value == "memory")
-    assert memory_tab.label == "Memory" and "peak 1.5 GiB" in texts(memory_tab)
+    assert memory_tab.label == "Memory" and "peak 1.5 GiB" in texts(
+        open_tab(fresh, "amp", "memory")
+    )
     labels = dict(sections_mod.section_tabs())
     assert list(labels)[:2] == ["scale", "memory"] and labels["compute"] == "Tensor Cores"
 
@@ -542,11 +562,13 @@ def test_live_run_is_rediagnosed_at_most_every_live_reload_s(
     import dashboard.runs as runs_mod
 
     live = SyntheticLiveRun(tmp_path / "live", steps=5)
-    cache = runs_mod.RunCache(tmp_path)
+    cache = runs_mod.RunCache(tmp_path, live_reload_s=60.0)
     first = cache.get("live")
+    assert cache.get("live") is first  # nothing changed
     live.append(5)
-    assert cache.get("live") is first
-    monkeypatch.setattr(runs_mod, "LIVE_RELOAD_S", 0.0)
+    assert cache.get("live") is first  # changed, within the wait
+    cache.live_reload_s = 0.0
+    monkeypatch.setattr(runs_mod, "LIVE_COST_FACTOR", 0.0)
     again = cache.get("live")
     assert again is not first and len(again.run.steps) == 10
     live.close()

@@ -580,8 +580,14 @@ def _graphs(component: Any) -> list[Any]:
 
 def test_dashboard_run_page_figures_escape_layer_names(hostile_names_run: Path) -> None:
     ctx = callbacks.Context(root=hostile_names_run.parent)
-    page = callbacks.render_page(ctx, "/run/run")
-    figures = _graphs(page)
+    callbacks.render_page(ctx, "/run/run")
+    from dashboard.layout import run_tabs
+
+    # each tab is built when it is opened
+    tabs = [key for key, _ in run_tabs()]
+    figures = [
+        fig for tab in tabs for fig in _graphs(callbacks.render_tab(ctx, "run", tab, {}, "")[0])
+    ]
     assert len(figures) >= 3
     strings = [s for fig in figures for s in _figure_strings(fig)]
     assert any("&lt;b&gt;bold&lt;/b&gt;" in s for s in strings)
