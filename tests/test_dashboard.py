@@ -542,7 +542,7 @@ def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: 
     from dashboard.app import create_app
 
     app = create_app(root)
-    assert len(app.callback_map) == 10
+    assert len(app.callback_map) == 12
     assert any(ids.WHATIF_HEATMAP in key for key in app.callback_map)
     with pytest.raises(NotADirectoryError):
         create_app(tmp_path / "missing")
