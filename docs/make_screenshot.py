@@ -88,7 +88,9 @@ def _wait_for_content(driver: Any, key: str) -> None:
                 )
             )
     except TimeoutException:
-        print(f"  {key}: content not drawn after {WAIT_S} s; taking the screenshot anyway")
+        raise SystemExit(
+            f"{key}: content not drawn after {WAIT_S} s; no screenshot taken"
+        ) from None
     time.sleep(1.0)  # plotly's transitions and web fonts settle
 
 
@@ -111,7 +113,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="amprobe-shot-") as tmp:
         root = Path(tmp)
         print("recording the demo (300 steps on the CPU) ...")
-        train(root / "demo", steps=300, device=torch.device("cpu"))
+        # as `amprobe demo` records it: the default sampling periods exactly
+        train(root / "demo", steps=300, device=torch.device("cpu"), config={"overhead_budget": 0})
         shutil.copytree(REPO / "sample_runs" / "healthy", root / "healthy")
         run = amprobe.load_run(root / "demo")
         report = write_report(run, amprobe.diagnose(run), root / "report.html")
