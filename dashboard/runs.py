@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 import amprobe
-from amprobe.report.escape import escape_figure_text
-from amprobe.report.sections import SECTIONS, Section, section_tabs
+from amprobe.report.sections import Section, build_section, section_tabs
 from amprobe.rules.engine import Severity
 from amprobe.store import read_table
 from amprobe.store.layout import (
@@ -275,24 +274,6 @@ _T = TypeVar("_T")
 _VERSIONS = itertools.count(1)
 
 
-def build_section(key: str, run: amprobe.Run, diagnosis: amprobe.Diagnosis) -> Section | None:
-    """Report section ``key`` of a run, as :func:`amprobe.report.sections.build_sections`
-    builds it (a failing builder becomes a section saying so; figure text escaped), alone."""
-    spec = SECTIONS.get(key)
-    if spec is None:
-        return None
-    try:
-        result = spec.build(run, diagnosis)
-    except Exception as exc:
-        result = Section(
-            key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
-        )
-    if result is not None:
-        for fig in result.figures:
-            escape_figure_text(fig)  # layer and run names are drawn as text, not HTML
-    return result
-
-
 def _part_name(key: Hashable) -> str:
     if isinstance(key, tuple):
         return "/".join(_part_name(k) for k in key)
@@ -510,13 +491,13 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
         if lost:
             return _unreadable(name, "no readable step record: " + "; ".join(lost), started)
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
-    worst_rank = None
-    if diagnosis.findings:
-        # the most severe finding, the first of them in the diagnosis's order
-        first = min(diagnosis.findings, key=lambda f: Severity(f.severity).rank)
+    severity = diagnosis.worst()
+    if severity is not None:
+        # the most severe finding, the first of them in the diagnosis's (cause-first) order
+        first = next(f for f in diagnosis.findings if f.severity == severity)
         more = len(diagnosis.findings) - 1
         worst = f"{first.severity} {first.id} {first.name}" + (f" (+{more} more)" if more else "")
-        worst_rank = Severity(first.severity).rank
+        worst_rank = Severity(severity).rank
     else:
         worst = "none"
         worst_rank = len(Severity)
