@@ -316,16 +316,22 @@ def _run_data_table(listing: RunPage) -> Any:
 
 
 def pages_text(listing: RunPage) -> str:
+    """The run list's count line; while a sort waits for diagnoses, how many runs it lacks."""
     if not listing.total:
         return "No amprobe run directory under this root yet."
+    waiting = (
+        f"; {listing.undiagnosed} run(s) not yet diagnosed, sorted last until they are"
+        if listing.undiagnosed
+        else ""
+    )
     if listing.matched is not None and listing.search:
         if not listing.matched:
             return f"No run name holds {listing.search!r} ({listing.total} runs)."
         return (
             f"{listing.matched} of {listing.total} runs match {listing.search!r}, "
-            f"{PAGE_ROWS} a page"
+            f"{PAGE_ROWS} a page{waiting}"
         )
-    return f"{listing.total} runs, {PAGE_ROWS} a page"
+    return f"{listing.total} runs, {PAGE_ROWS} a page{waiting}"
 
 
 def build_run_list(listing: RunPage, refresh_ms: int) -> html.Div:

@@ -441,6 +441,9 @@ class RunPage:
     total: int  # runs under ROOT
     matched: int | None = None  # runs whose name holds ``search`` (None: every run)
     search: str = ""  # the search text, as matched (casefolded)
+    #: matching runs not diagnosed yet when a sort needs their diagnosis (they sort last until
+    #: their diagnosis, queued, comes)
+    undiagnosed: int = 0
 
 
 def _text_key(value: str) -> str | None:
@@ -711,6 +714,7 @@ class RunCache:
         every = self.names()
         needle = (search or "").strip().casefold()
         names = [n for n in every if needle in n.casefold()] if needle else every
+        undiagnosed: list[str] = []  # pending rows the sort needs the diagnosis of
         if descending and sort in (None, "run"):
             names = names[::-1]
         elif sort in SORT_KEYS and sort != "run":
@@ -718,9 +722,12 @@ class RunCache:
             known: list[tuple[Any, str]] = []
             unknown: list[str] = []
             for name in names:
-                value = key(self._row(name, queue_job=False))
+                row = self._row(name, queue_job=False)
+                value = key(row)
                 if value is None:
                     unknown.append(name)
+                    if row.pending:
+                        undiagnosed.append(name)
                 else:
                     known.append((value, name))
             known.sort(key=lambda pair: pair[0], reverse=descending)
@@ -728,7 +735,13 @@ class RunCache:
         pages = max(1, -(-len(names) // page_size))
         number = min(max(int(page or 1), 1), pages)
         shown = names[(number - 1) * page_size : number * page_size]
-        self._wanted = frozenset(shown)
+        # the sort is not complete until every row is diagnosed: queue the rows it lacks (the
+        # one background queue, after the page's own rows: it serves the last queued first)
+        on_page = set(shown)
+        self._wanted = frozenset(shown) | frozenset(undiagnosed)
+        for name in undiagnosed:
+            if name not in on_page:
+                self._row(name)
         rows = [self._row(name) for name in shown]
         pending = sum(r.pending for r in rows)
         if self.first_wait_s > 0 and 0 < pending <= _FIRST_WAIT_ROWS:
@@ -744,6 +757,8 @@ class RunCache:
             total=len(every),
             matched=len(names),
             search=needle,
+            undiagnosed=sum(n not in on_page for n in undiagnosed)
+            + sum(r.pending for r in rows if r.name in set(undiagnosed)),
         )
 
     def _row(self, name: str, queue_job: bool = True) -> RunSummary:
