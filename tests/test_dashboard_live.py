@@ -470,9 +470,10 @@ def test_demo_page_shows_a_placeholder_then_findings_and_keeps_its_tab_in_the_ur
             wait.until(lambda d: d.find_elements(By.ID, f"{ids.SECTION_PREFIX}numerics"))
             _tab(driver, "Overview").click()
             wait.until(lambda d: d.current_url.endswith("/run/demo"), "the URL without a tab")
-            driver.find_element(
-                By.XPATH, f"//*[@id='{ids.SEVERITY_FILTER}']//label[normalize-space()='info']"
-            ).click()
+            info = f"//*[@id='{ids.SEVERITY_FILTER}']//label[normalize-space()='info']"
+            # the URL changes before the overview is drawn again (a loaded machine: seconds)
+            wait.until(lambda d: d.find_elements(By.XPATH, info), "the overview's filters")
+            driver.find_element(By.XPATH, info).click()
             wait.until(lambda d: d.current_url.endswith("?sev=error,warning"), "the filter")
             assert marker.text == "demo"
             driver.back()
