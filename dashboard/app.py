@@ -114,6 +114,16 @@ def create_app(root: str | os.PathLike[str], refresh_ms: int = 2000) -> Dash:
         return callbacks.refresh_live(ctx, n, name, version)
 
     @app.callback(
+        Output(ids.RUN_DEVICE, "children"),
+        Output(ids.RUN_WARNINGS, "children"),
+        Input(ids.RUN_VERSION, "data"),
+        State(ids.RUN_NAME, "data"),
+        prevent_initial_call=True,
+    )
+    def _header(version, name):  # type: ignore[no-untyped-def]
+        return callbacks.refresh_header(ctx, name, version)
+
+    @app.callback(
         Output({"type": ids.TABLE_BODY, "key": MATCH}, "children"),
         Input({"type": ids.TABLE_PAGE, "key": MATCH}, "value"),
         State({"type": ids.TABLE_PAGE, "key": MATCH}, "id"),

@@ -43,6 +43,7 @@ __all__ = [
     "compare_state",
     "first_page",
     "whatif_heatmap",
+    "refresh_header",
 ]
 
 
@@ -222,6 +223,9 @@ def refresh_live(
     the new version is returned, and the open tab (findings, health, loss-scale text and
     chart) is drawn again from it by :func:`render_tab`.
 
+    While the run is live, the steps text also says which step the findings shown were made
+    from (``"; findings as of step N"``).
+
     Returns ``(steps text, status badge, new version or no_update, interval disabled)``.
     """
     key = name or ""
@@ -242,7 +246,7 @@ def refresh_live(
             failures >= LIVE_READ_ATTEMPTS,
         )
     ctx.live_failures.pop(key, None)
-    steps_text = layout._steps_text(update.steps)
+    steps_text = layout.steps_text(update.steps)
     try:
         loaded = ctx.cache.get(key)
     except Exception as exc:  # the steps still follow; the page says its findings are older
@@ -255,6 +259,10 @@ def refresh_live(
             update.status != "live" and failed >= LIVE_READ_ATTEMPTS,
         )
     ctx.diagnose_failures.pop(key, None)
+    # the diagnosis is redone only every so often: say which step the findings shown are from
+    steps_text = layout.steps_text(
+        update.steps, layout.last_step(loaded.run.steps), live=update.status == "live"
+    )
     return (
         steps_text,
         layout.build_status(update.status),
@@ -263,16 +271,39 @@ def refresh_live(
     )
 
 
-def whatif_heatmap(ctx: Context, name: str | None, group: str | None) -> go.Figure:
-    """The what-if tab's exponent-range heatmap for ``group`` (activations or gradients)."""
+def refresh_header(ctx: Context, name: str | None, version: int | None) -> tuple[Any, Any]:
+    """A run page header's device text and warnings, drawn again when the page's run version
+    changes (a live run diagnosed again). Returns ``(device text, warnings)``."""
+    try:
+        loaded = ctx.cache.get(name or "")
+    except Exception:  # the tick that changed the version says why; keep what is shown
+        return no_update, no_update
+    if version is not None and loaded.version != version:
+        return no_update, no_update  # an older version than the cache holds: the next tick
+    return layout.header_details(loaded)
 
+
+def _failed(what: str, exc: BaseException) -> str:
+    """What a callback shows in the page instead of raising into Dash."""
+    if isinstance(exc, (RunAccessError, amprobe.RunLoadError)):
+        return str(exc)  # one line that says why already
+    return f"amprobe failed while {what} ({type(exc).__name__}: {exc})"
+
+
+def _message_figure(text: str) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=text)
+    return fig
+
+
+def whatif_heatmap(ctx: Context, name: str | None, group: str | None) -> go.Figure:
+    """The what-if tab's exponent-range heatmap for ``group`` (activations or gradients); a
+    failure is the figure's title, never an exception into Dash."""
     try:
         run = ctx.cache.get(name or "").run
-    except (RunAccessError, amprobe.RunLoadError) as exc:
-        fig = go.Figure()
-        fig.update_layout(title=str(exc))
-        return fig
-    return make_whatif_figure(run.table("numerics"), compute_whatif(run), group or "")
+        return make_whatif_figure(run.table("numerics"), compute_whatif(run), group or "")
+    except Exception as exc:  # one run's odd data fails this figure, nothing else
+        return _message_figure(_failed("drawing this heatmap", exc))
 
 
 def page_table(ctx: Context, name: str | None, table_key: str, page: int | None) -> Any:
@@ -298,9 +329,9 @@ def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple
         return no_update, ""
     try:
         loaded = ctx.cache.get(name or "")
-    except (RunAccessError, amprobe.RunLoadError) as exc:
-        return no_update, str(exc)
-    text = render_html(loaded.run, loaded.diagnosis)
+        text = render_html(loaded.run, loaded.diagnosis)
+    except Exception as exc:  # said next to the button, never an exception into Dash
+        return no_update, _failed("writing the report", exc)
     filename = re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("._") or "run"
     return dcc.send_string(text, filename=f"{filename}-report.html", type="text/html"), ""
 
@@ -312,9 +343,9 @@ def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure,
         return make_compare_figure(_no_steps(), _no_steps()), layout.COMPARE_CHOOSE
     try:
         run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
-    except (RunAccessError, amprobe.RunLoadError) as exc:
-        return make_compare_figure(_no_steps(), _no_steps()), str(exc)
-    return make_compare_figure(run_a.steps, run_b.steps, (a, b)), ""
+        return make_compare_figure(run_a.steps, run_b.steps, (a, b)), ""
+    except Exception as exc:  # the note says why, never an exception into Dash
+        return make_compare_figure(_no_steps(), _no_steps()), _failed("comparing these runs", exc)
 
 
 def _no_steps() -> Any:
@@ -335,9 +366,12 @@ def compare_numbers(ctx: Context, a: str | None, b: str | None) -> tuple[Any, di
     try:
         run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
         comparison = compare_pair(run_a, run_b)
+        numbers = layout.build_compare_numbers(comparison, (a, b))
     except (RunAccessError, amprobe.RunLoadError):
         return None, layout.HIDDEN, search  # the note says why (compare_runs)
-    return layout.build_compare_numbers(comparison, (a, b)), {}, search
+    except Exception as exc:  # in the page, never an exception into Dash
+        return layout.build_error(_failed("comparing these runs", exc)), layout.HIDDEN, search
+    return numbers, {}, search
 
 
 def compare_state(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -78,6 +79,9 @@ __all__ = [
     "build_tab_body",
     "shown_tab",
     "loading_placeholder",
+    "steps_text",
+    "last_step",
+    "header_details",
 ]
 
 SEVERITIES = tuple(severity.value for severity in Severity)
@@ -316,16 +320,22 @@ def _run_data_table(listing: RunPage) -> Any:
 
 
 def pages_text(listing: RunPage) -> str:
+    """The run list's count line; while a sort waits for diagnoses, how many runs it lacks."""
     if not listing.total:
         return "No amprobe run directory under this root yet."
+    waiting = (
+        f"; {listing.undiagnosed} run(s) not yet diagnosed, sorted last until they are"
+        if listing.undiagnosed
+        else ""
+    )
     if listing.matched is not None and listing.search:
         if not listing.matched:
             return f"No run name holds {listing.search!r} ({listing.total} runs)."
         return (
             f"{listing.matched} of {listing.total} runs match {listing.search!r}, "
-            f"{PAGE_ROWS} a page"
+            f"{PAGE_ROWS} a page{waiting}"
         )
-    return f"{listing.total} runs, {PAGE_ROWS} a page"
+    return f"{listing.total} runs, {PAGE_ROWS} a page{waiting}"
 
 
 def build_run_list(listing: RunPage, refresh_ms: int) -> html.Div:
@@ -623,11 +633,41 @@ def build_table(caption: str, frame: pd.DataFrame, table_key: str) -> html.Div:
     )
 
 
-def build_section(section: Any, key: str | None = None, layer: str | None = None) -> html.Div:
+def _layer_note(layer: str, figures: Sequence[Any], recorded: bool | None) -> str:
+    """Outline ``layer`` on ``figures`` (in place) and say where it is drawn, and where not."""
+    shown = [_highlight_layer(fig, layer) for fig in figures]
+    heatmaps = sum(h for h, _ in shown)
+    histograms = [b for fig, (_, b) in zip(figures, shown, strict=True) if _has_bars(fig)]
+    if not heatmaps and not any(histograms):
+        if recorded is False:
+            return (
+                f"Layer {layer} is not drawn on this tab's charts: this run's numerics hold "
+                "no row of it."
+            )
+        return f"Layer {layer} is not drawn on this tab's charts." + (
+            " It is recorded in this run's numerics." if recorded else ""
+        )
+    where = [f"outlined on {heatmaps} heatmap(s)"] if heatmaps else []
+    if any(histograms):
+        where.append("its bars are the bright ones on the exponent histogram")
+    text = f"Layer {layer}: " + "; ".join(where) + " below."
+    if histograms and not any(histograms):
+        text += " The exponent histogram draws only the worst layers, and this is not one of them."
+    return text
+
+
+def _has_bars(fig: Any) -> bool:
+    return any(t.type == "bar" for t in fig.data)
+
+
+def build_section(
+    section: Any, key: str | None = None, layer: str | None = None, recorded: bool | None = None
+) -> html.Div:
     """A report section: its text, figures (thinned for display), tables, or why it is missing.
 
     With ``layer`` (a module name, from the page's ``?layer=``), that layer's rows are outlined
-    on the section's heatmaps and its bars kept opaque, and a line says whether it was found.
+    on the section's heatmaps and its bars kept opaque, and a line says where it is drawn;
+    ``recorded`` says whether the run's numerics hold the layer (None: not known).
     """
     key = key or section.key
     children: list[Any] = [html.H3(section.title)]
@@ -638,13 +678,10 @@ def build_section(section: Any, key: str | None = None, layer: str | None = None
     children.extend(html.P(t) for t in section.text)
     figures = [thin_figure(copy.deepcopy(fig)) for fig in section.figures]
     if layer:
-        found = sum(_highlight_layer(fig, layer) for fig in figures)
         children.insert(
             1,
             html.P(
-                f"Layer {layer}: outlined on {found} chart(s) below."
-                if found
-                else f"Layer {layer} is not drawn on this tab's charts (not recorded here).",
+                _layer_note(layer, figures, recorded),
                 id=ids.LAYER_NOTE,
                 style={"color": _MARK_COLOR},
             ),
@@ -656,20 +693,39 @@ def build_section(section: Any, key: str | None = None, layer: str | None = None
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
 
 
-def _layer_of(label: Any) -> str:
-    """The module of a numerics row label (``"module · kind"``), or the label itself."""
-    return str(label).split(" \u00b7 ")[0]
+#: a numerics row label's rank prefix in a run of several ranks: ``"r1 · module · kind"``
+_RANK_PREFIX = re.compile(r"r[0-9]+ \u00b7 ")
 
 
-def _highlight_layer(fig: Any, layer: str) -> bool:
-    """Outline ``layer``'s rows on ``fig``'s heatmaps and dim other layers' bars, in place."""
+def _is_layer(label: Any, target: str, ranked: bool) -> bool:
+    """Whether a numerics row label (``"module · kind"``, ``"rN · module · kind"`` when
+    ``ranked``) or a histogram bar's name (``"module · kind"``) is of module ``target``.
+
+    The kind is the last part (a module name may itself hold " · "), the rank the first.
+    """
+    module = str(label).rpartition(" \u00b7 ")[0]
+    if ranked:
+        prefix = _RANK_PREFIX.match(module)
+        module = module[prefix.end() :] if prefix else module
+    return module == target
+
+
+def _highlight_layer(fig: Any, layer: str) -> tuple[int, int]:
+    """Outline ``layer``'s rows on ``fig``'s heatmaps and dim other layers' bars, in place.
+
+    Returns how many heatmaps and how many histogram bars show it.
+    """
     target = escape_plotly_text(layer)  # the figures' labels are escaped (escape_figure_text)
-    found = False
+    heatmap = bars = 0
     for trace in fig.data:
         if trace.type == "heatmap" and trace.y is not None:
-            for i, label in enumerate(trace.y):
-                if _layer_of(label) == target:
-                    found = True
+            labels = [str(y) for y in trace.y]
+            # a run of several ranks labels every row "rN · ..." (amprobe.report.numerics._label)
+            ranked = bool(labels) and all(_RANK_PREFIX.match(y) for y in labels)
+            outlined = False
+            for i, label in enumerate(labels):
+                if _is_layer(label, target, ranked):
+                    outlined = True
                     fig.add_shape(
                         type="rect",
                         xref=f"{trace.xaxis or 'x'} domain",
@@ -680,13 +736,14 @@ def _highlight_layer(fig: Any, layer: str) -> bool:
                         y1=i + 0.5,
                         line={"color": _MARK_COLOR, "width": 3},
                     )
+            heatmap += outlined
         elif trace.type == "bar" and trace.name is not None:
-            if _layer_of(trace.name) == target:
-                found = True
+            if _is_layer(trace.name, target, ranked=False):
+                bars += 1
                 trace.opacity = 0.9
             else:
                 trace.opacity = 0.2
-    return found
+    return heatmap, bars
 
 
 def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -> html.Div:
@@ -746,10 +803,24 @@ def _absent_section(key: str, title: str) -> html.Div:
     )
 
 
-def _steps_text(steps: pd.DataFrame) -> str:
+def last_step(steps: pd.DataFrame) -> int | None:
+    """The highest step recorded (any rank), None when none was."""
+    return int(steps["step"].max()) if len(steps) else None
+
+
+def steps_text(steps: pd.DataFrame, findings_step: int | None = None, live: bool = False) -> str:
+    """``"120 steps (last step 119)"``; while ``live``, what the findings shown were made
+    from: ``"; findings as of step 100"`` (``findings_step``, the diagnosed run's last step)."""
     n = int(steps["step"].nunique()) if len(steps) else 0
-    last = int(steps["step"].max()) if len(steps) else None
-    return f"{n} steps" + (f" (last step {last})" if last is not None else "")
+    last = last_step(steps)
+    text = f"{n} steps" + (f" (last step {last})" if last is not None else "")
+    if live:
+        text += (
+            "; no finding yet: no step diagnosed"
+            if findings_step is None
+            else f"; findings as of step {findings_step}"
+        )
+    return text
 
 
 def build_status(status: str) -> html.Span:
@@ -789,6 +860,28 @@ def _mark_step(fig: Any, steps: pd.DataFrame, step: int) -> str:
     )
 
 
+def _events_text(events: pd.DataFrame) -> str:
+    """How many growths and backoffs, per rank (as the ``scale`` section counts them): each rank
+    updates its own scaler, so a 2-rank run's events are not added up."""
+    if not len(events):
+        return "no change of the loss scale recorded"
+
+    def counted(part: pd.DataFrame) -> tuple[int, int]:
+        return int((part["event"] == "growth").sum()), int((part["event"] == "backoff").sum())
+
+    ranks = {int(r): counted(part) for r, part in events.groupby("rank", sort=True)}
+    if len(ranks) == 1:
+        ((_, (grows, cuts)),) = ranks.items()
+        return f"{grows} growth, {cuts} backoff event(s)"
+    if len(set(ranks.values())) == 1:
+        grows, cuts = next(iter(ranks.values()))
+        return (
+            f"{grows} growth, {cuts} backoff event(s) on each of {len(ranks)} ranks "
+            "(the table lists each rank's)"
+        )
+    return "; ".join(f"rank {r}: {g} growth, {c} backoff event(s)" for r, (g, c) in ranks.items())
+
+
 def build_loss_scale(steps: pd.DataFrame, section: Any = None, step: int | None = None) -> html.Div:
     """The loss-scale tab: the figure, the report's ``scale`` section text, the events.
 
@@ -802,12 +895,7 @@ def build_loss_scale(steps: pd.DataFrame, section: Any = None, step: int | None 
                 html.P(_missing_text(section.missing), className="missing", style={"color": "#777"})
             )
         notes.extend(html.P(t) for t in section.text)
-    counts = events["event"].value_counts().to_dict() if len(events) else {}
-    summary = (
-        f"{counts.get('growth', 0)} growth, {counts.get('backoff', 0)} backoff event(s)"
-        if len(events)
-        else "no change of the loss scale recorded"
-    )
+    summary = _events_text(events)
     figure = make_loss_scale_figure(steps)
     if step is not None:
         notes.append(
@@ -841,8 +929,14 @@ def build_section_tab(
     if key == WHATIF_SECTION:
         return _whatif_tab(run, section, label)
     layer = query.layer if key == NUMERICS_SECTION else None
+    recorded = None
+    if layer:
+        numerics = run.table("numerics")
+        recorded = "module" in numerics and bool((numerics["module"].astype(str) == layer).any())
     body = (
-        build_section(section, key, layer) if section is not None else _absent_section(key, label)
+        build_section(section, key, layer, recorded)
+        if section is not None
+        else _absent_section(key, label)
     )
     if key != RUNTIME_SECTION:
         return body
@@ -864,6 +958,10 @@ OVERVIEW = "overview"
 def run_tabs() -> list[tuple[str, str]]:
     """``(key, label)`` of a run page's tabs: the overview, then one per report section."""
     return [(OVERVIEW, "Overview"), *section_tabs()]
+
+
+#: a ``?step=``: ASCII digits only (``str.isdigit`` also takes "²"), short enough for an int64
+_STEP_RE = re.compile(r"[0-9]{1,18}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -899,8 +997,8 @@ class RunQuery:
         tab = first("tab") or OVERVIEW
         if tab not in dict(run_tabs()):
             tab = OVERVIEW
-        step_text = (first("step") or "").strip()
-        step = int(step_text) if step_text.lstrip("-").isdigit() and len(step_text) < 19 else None
+        step_text = first("step") or ""
+        step = int(step_text) if _STEP_RE.fullmatch(step_text) else None
         return cls(
             tab=tab,
             severities=kept("sev", SEVERITIES),
@@ -975,6 +1073,23 @@ def build_not_checked(not_checked: Sequence[Any]) -> html.Details:
     )
 
 
+def _findings_as_of(loaded: LoadedRun) -> html.P | None:
+    """While a run is live: the step its findings were made from (they are made again as it
+    grows, not at every new step)."""
+    run = loaded.run
+    if run.status != "live":
+        return None
+    last = last_step(run.steps)
+    return html.P(
+        "No step diagnosed yet."
+        if last is None
+        else f"Findings as of step {last}: the run is live, and they are made again as it grows "
+        "(the step count above follows every step).",
+        id=ids.FINDINGS_AS_OF,
+        style={"color": "#777", "margin": "2px 0"},
+    )
+
+
 def build_overview(loaded: LoadedRun, query: RunQuery | None = None) -> html.Div:
     """The overview tab: health, the findings (filtered as ``query`` says), checks not run."""
     query = query or RunQuery()
@@ -985,6 +1100,7 @@ def build_overview(loaded: LoadedRun, query: RunQuery | None = None) -> html.Div
             build_health(diagnosis.health),
             build_not_checked(diagnosis.not_checked),
             html.H3("Findings"),
+            _findings_as_of(loaded),
             html.Div(
                 [
                     dcc.Checklist(
@@ -1027,25 +1143,34 @@ def shown_tab(loaded: LoadedRun, query: RunQuery) -> dict[str, Any]:
     return {"tab": query.tab, "version": loaded.version, **query.focus()}
 
 
-def _build_header(loaded: LoadedRun) -> list[Any]:
+def header_details(loaded: LoadedRun) -> tuple[str, list[Any]]:
+    """A run page header's device text and warnings (drawn again when a live run's version
+    changes: :func:`dashboard.callbacks.refresh_header`)."""
     run = loaded.run
     device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device") or "not recorded"
-    warnings = [html.Li(w) for w in run.warnings]
+    return f"device: {device}", [html.Li(w) for w in run.warnings]
+
+
+def _build_header(loaded: LoadedRun) -> list[Any]:
+    run = loaded.run
+    device, warnings = header_details(loaded)
     return [
         html.H2(loaded.name, id=ids.RUN_TITLE),
         html.Div(
             [
                 html.Span(build_status(run.status), id=ids.RUN_STATUS),
-                html.Span(_steps_text(run.steps), id=ids.RUN_STEPS, style={"marginRight": "14px"}),
-                html.Span(f"device: {device}", style={"marginRight": "14px"}),
+                html.Span(
+                    steps_text(run.steps, last_step(run.steps), run.status == "live"),
+                    id=ids.RUN_STEPS,
+                    style={"marginRight": "14px"},
+                ),
+                html.Span(device, id=ids.RUN_DEVICE, style={"marginRight": "14px"}),
                 html.Button("Download HTML report", id=ids.EXPORT_BUTTON),
                 html.Span(id=ids.EXPORT_STATUS, style={"marginLeft": "8px", "color": "#777"}),
                 dcc.Download(id=ids.EXPORT_DOWNLOAD),
             ]
         ),
-        html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"})
-        if warnings
-        else html.Div(id=ids.RUN_WARNINGS),
+        html.Ul(warnings, id=ids.RUN_WARNINGS, style={"color": "#a15c00"}),
     ]
 
 

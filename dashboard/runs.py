@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 import amprobe
-from amprobe.report.escape import escape_figure_text
-from amprobe.report.sections import SECTIONS, Section, section_tabs
+from amprobe.report.sections import Section, build_section, section_tabs
 from amprobe.rules.engine import Severity
 from amprobe.store import read_table
 from amprobe.store.layout import (
@@ -275,24 +274,6 @@ _T = TypeVar("_T")
 _VERSIONS = itertools.count(1)
 
 
-def build_section(key: str, run: amprobe.Run, diagnosis: amprobe.Diagnosis) -> Section | None:
-    """Report section ``key`` of a run, as :func:`amprobe.report.sections.build_sections`
-    builds it (a failing builder becomes a section saying so; figure text escaped), alone."""
-    spec = SECTIONS.get(key)
-    if spec is None:
-        return None
-    try:
-        result = spec.build(run, diagnosis)
-    except Exception as exc:
-        result = Section(
-            key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
-        )
-    if result is not None:
-        for fig in result.figures:
-            escape_figure_text(fig)  # layer and run names are drawn as text, not HTML
-    return result
-
-
 def _part_name(key: Hashable) -> str:
     if isinstance(key, tuple):
         return "/".join(_part_name(k) for k in key)
@@ -460,6 +441,9 @@ class RunPage:
     total: int  # runs under ROOT
     matched: int | None = None  # runs whose name holds ``search`` (None: every run)
     search: str = ""  # the search text, as matched (casefolded)
+    #: matching runs not diagnosed yet when a sort needs their diagnosis (they sort last until
+    #: their diagnosis, queued, comes)
+    undiagnosed: int = 0
 
 
 def _text_key(value: str) -> str | None:
@@ -510,13 +494,13 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
         if lost:
             return _unreadable(name, "no readable step record: " + "; ".join(lost), started)
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
-    worst_rank = None
-    if diagnosis.findings:
-        # the most severe finding, the first of them in the diagnosis's order
-        first = min(diagnosis.findings, key=lambda f: Severity(f.severity).rank)
+    severity = diagnosis.worst()
+    if severity is not None:
+        # the most severe finding, the first of them in the diagnosis's (cause-first) order
+        first = next(f for f in diagnosis.findings if f.severity == severity)
         more = len(diagnosis.findings) - 1
         worst = f"{first.severity} {first.id} {first.name}" + (f" (+{more} more)" if more else "")
-        worst_rank = Severity(first.severity).rank
+        worst_rank = Severity(severity).rank
     else:
         worst = "none"
         worst_rank = len(Severity)
@@ -730,6 +714,7 @@ class RunCache:
         every = self.names()
         needle = (search or "").strip().casefold()
         names = [n for n in every if needle in n.casefold()] if needle else every
+        undiagnosed: list[str] = []  # pending rows the sort needs the diagnosis of
         if descending and sort in (None, "run"):
             names = names[::-1]
         elif sort in SORT_KEYS and sort != "run":
@@ -737,9 +722,12 @@ class RunCache:
             known: list[tuple[Any, str]] = []
             unknown: list[str] = []
             for name in names:
-                value = key(self._row(name, queue_job=False))
+                row = self._row(name, queue_job=False)
+                value = key(row)
                 if value is None:
                     unknown.append(name)
+                    if row.pending:
+                        undiagnosed.append(name)
                 else:
                     known.append((value, name))
             known.sort(key=lambda pair: pair[0], reverse=descending)
@@ -747,7 +735,13 @@ class RunCache:
         pages = max(1, -(-len(names) // page_size))
         number = min(max(int(page or 1), 1), pages)
         shown = names[(number - 1) * page_size : number * page_size]
-        self._wanted = frozenset(shown)
+        # the sort is not complete until every row is diagnosed: queue the rows it lacks (the
+        # one background queue, after the page's own rows: it serves the last queued first)
+        on_page = set(shown)
+        self._wanted = frozenset(shown) | frozenset(undiagnosed)
+        for name in undiagnosed:
+            if name not in on_page:
+                self._row(name)
         rows = [self._row(name) for name in shown]
         pending = sum(r.pending for r in rows)
         if self.first_wait_s > 0 and 0 < pending <= _FIRST_WAIT_ROWS:
@@ -763,6 +757,8 @@ class RunCache:
             total=len(every),
             matched=len(names),
             search=needle,
+            undiagnosed=sum(n not in on_page for n in undiagnosed)
+            + sum(r.pending for r in rows if r.name in set(undiagnosed)),
         )
 
     def _row(self, name: str, queue_job: bool = True) -> RunSummary:

@@ -78,6 +78,26 @@ def open_tab(ctx: callbacks.Context, name: str, tab: str, search: str = "") -> A
     return body
 
 
+def write_two_ranks(run_dir: Path) -> Path:
+    """``sample_runs/overflow``'s steps and numerics written by amprobe's writer as ranks 0
+    and 1 of one 2-rank run (as ``tests/test_figures_truth.py`` builds it)."""
+    import json
+
+    from amprobe.store.writer import RunWriter
+
+    def rows(table: str) -> list[dict[str, Any]]:
+        text = (SAMPLE_RUNS / "overflow" / "rank0" / f"{table}.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    steps, numerics = rows("steps"), rows("numerics")
+    for rank in (0, 1):
+        writer = RunWriter(run_dir, rank, 2, {"device": "cpu"}, max_buffered_rows=100_000)
+        writer.append("steps", steps)
+        writer.append("numerics", numerics)
+        writer.close({"status": "finished", "steps": len(steps)})
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("runs")
@@ -542,8 +562,9 @@ def test_create_app_registers_callbacks_and_loads_nothing(root: Path, tmp_path: 
     from dashboard.app import create_app
 
     app = create_app(root)
-    assert len(app.callback_map) == 12
+    assert len(app.callback_map) == 13
     assert any(ids.WHATIF_HEATMAP in key for key in app.callback_map)
+    assert any(ids.RUN_WARNINGS in key for key in app.callback_map)  # redrawn on a new version
     with pytest.raises(NotADirectoryError):
         create_app(tmp_path / "missing")
 
@@ -610,3 +631,36 @@ def test_live_page_keeps_polling_through_a_failed_read(ctx: callbacks.Context, m
     fail["left"] = callbacks.LIVE_READ_ATTEMPTS
     results = [callbacks.refresh_live(ctx, 3 + i, "group/synthetic")[-1] for i in range(5)]
     assert results == [False] * (callbacks.LIVE_READ_ATTEMPTS - 1) + [True]
+
+
+@pytest.mark.skipif(not SAMPLE_RUNS.is_dir(), reason="no sample_runs/ in this checkout")
+def test_two_rank_scale_events_are_counted_per_rank_as_the_section_says(tmp_path: Path) -> None:
+    """Each rank updates its own scaler: the tab's event count is per rank, like the section
+    text above it (it added the ranks' events up: "4 growth, 80 backoff")."""
+    write_two_ranks(tmp_path / "two-ranks")
+    one = callbacks.Context(root=SAMPLE_RUNS)
+    single = texts(open_tab(one, "overflow", "scale"))
+    section = next(t for t in single if "scaled steps" in t)
+    cuts, grows = (int(section.split(f" {w}")[0].split()[-1]) for w in ("scale cuts", "growth"))
+    assert f"{grows} growth, {cuts} backoff event(s)" in single
+    ctx = callbacks.Context(root=tmp_path)
+    words = texts(open_tab(ctx, "two-ranks", "scale"))
+    assert any(t.startswith("200 scaled steps on each of 2 ranks") for t in words), words
+    each = f"{grows} growth, {cuts} backoff event(s) on each of 2 ranks"
+    assert any(t.startswith(each) for t in words), words
+    assert not any(f"{2 * cuts} backoff" in t for t in words), words
+
+
+def test_sections_are_built_by_amprobe_not_a_dashboard_copy() -> None:
+    """One builder of a single section, in amprobe: the dashboard had its own copy of
+    build_sections' error handling and escaping."""
+    import dashboard.runs as runs_mod
+    from amprobe.report import sections
+
+    assert runs_mod.build_section is sections.build_section
+    run = amprobe.load_run(SAMPLE_RUNS / "overflow")
+    diagnosis = amprobe.diagnose(run)
+    assert [s.key for s in sections.build_sections(run, diagnosis)] == [
+        k for k, _ in sections.section_tabs() if sections.build_section(k, run, diagnosis)
+    ]
+    assert sections.build_section("no-such-section", run, diagnosis) is None

@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'amprobe[dashboard]')")
 
+import dash  # noqa: E402
+
 import amprobe  # noqa: E402
 import dashboard.runs as runs_mod  # noqa: E402
 from dashboard import callbacks, ids  # noqa: E402
@@ -22,6 +24,7 @@ from dashboard.demo import write_synthetic_run  # noqa: E402
 from dashboard.runs import PENDING, RunAccessError, RunCache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+SAMPLE_RUNS = REPO / "sample_runs"
 HOSTILE_NAMES = ("<b>bold</b>", "<img src=x onerror=alert(1)>", "<script>alert(1)</script>")
 
 
@@ -594,3 +597,62 @@ def test_dashboard_run_page_figures_escape_layer_names(hostile_names_run: Path) 
     for s in strings:
         assert "<b>" not in s and "<img" not in s and "<script" not in s, s
     assert ids.RUN_TITLE
+
+
+@pytest.mark.parametrize(
+    "value", ["\u00b2", "-1", "1e9", "99999999999999999999999", "%00", "\x00", " 5", "\u0665"]
+)
+def test_a_hostile_step_in_the_url_is_ignored_never_raised(value: str) -> None:
+    """``?step=²`` passed ``str.isdigit`` and raised ValueError in int() inside the callbacks."""
+    from urllib.parse import quote
+
+    from dashboard import layout
+
+    for search in (f"?tab=scale&step={quote(value)}", f"?tab=scale&step={value}"):
+        assert layout.RunQuery.parse(search).step is None
+        _, tab, focus = callbacks.sync_url(search, "overview", "url")
+        assert (tab, focus) == ("scale", {"step": None})
+    assert layout.RunQuery.parse("?step=120").step == 120
+
+
+@pytest.mark.skipif(not (SAMPLE_RUNS / "overflow").is_dir(), reason="no sample_runs/")
+def test_a_failing_callback_says_so_in_the_page_never_raises_into_dash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The what-if heatmap, the report download and the compare page had no catch-all: an
+    unexpected failure went into Dash as an exception (a blank or stuck part of the page)."""
+    import dashboard.callbacks as callbacks_mod
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        raise ZeroDivisionError("odd data")
+
+    ctx = callbacks.Context(root=SAMPLE_RUNS)
+    monkeypatch.setattr(callbacks_mod, "compute_whatif", broken)
+    fig = callbacks.whatif_heatmap(ctx, "overflow", "activations")
+    assert "ZeroDivisionError: odd data" in fig.layout.title.text
+    monkeypatch.setattr(callbacks_mod, "render_html", broken)
+    download, note = callbacks.export_report(ctx, 1, "overflow")
+    assert download is dash.no_update and "ZeroDivisionError: odd data" in note
+    monkeypatch.setattr(callbacks_mod, "compare_pair", broken)
+    numbers, style, search = callbacks.compare_numbers(ctx, "healthy", "overflow")
+    assert "ZeroDivisionError: odd data" in " ".join(texts(numbers)) and style == {
+        "display": "none"
+    }
+    assert search == "?a=healthy&b=overflow"
+    monkeypatch.setattr(callbacks_mod, "make_compare_figure", _fails_once(broken))
+    _, note = callbacks.compare_runs(ctx, "healthy", "overflow")
+    assert "ZeroDivisionError: odd data" in note
+
+
+def _fails_once(broken: Any) -> Any:
+    """``broken`` the first call, then the real :func:`make_compare_figure` (the empty figure
+    drawn with the note)."""
+    from dashboard.figures import make_compare_figure
+
+    calls: list[int] = []
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return broken(*args) if len(calls) == 1 else make_compare_figure(*args, **kwargs)
+
+    return once

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import amprobe  # noqa: E402
 from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.browser import ServerThread, browser_missing, chromium_driver  # noqa: E402
-from tests.test_dashboard import find, texts  # noqa: E402
+from tests.test_dashboard import find, texts, write_two_ranks  # noqa: E402
 
 SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"
 _MISSING = browser_missing()
@@ -154,7 +154,7 @@ def test_run_query_reads_and_writes_the_url() -> None:
 
 
 @pytest.mark.skipif(not SAMPLE_RUNS.is_dir(), reason="no sample_runs/ in this checkout")
-def test_step_and_layer_from_the_url_are_marked() -> None:
+def test_step_and_layer_from_the_url_are_marked(tmp_path: Path) -> None:
     ctx = callbacks.Context(root=SAMPLE_RUNS)
     body = open_tab(ctx, "overflow", "scale", "?tab=scale&step=90")
     fig = find(body, ids.LOSS_SCALE_GRAPH).figure
@@ -184,7 +184,27 @@ def test_step_and_layer_from_the_url_are_marked() -> None:
             marked = sorted(round(s.y0 + 0.5) for s in fig.layout.shapes if s.type == "rect")
             assert rows and marked == rows
     missing = open_tab(ctx, "overflow", "numerics", "?tab=numerics&layer=<b>nope</b>")
-    assert "Layer <b>nope</b> is not drawn" in find(missing, ids.LAYER_NOTE).children
+    note = find(missing, ids.LAYER_NOTE).children
+    assert note.startswith("Layer <b>nope</b> is not drawn") and "hold no row of it" in note
+    # a recorded layer that the exponent histogram (the worst layers only) leaves out
+    head = find(open_tab(ctx, "overflow", "numerics", "?layer=head"), ids.LAYER_NOTE).children
+    assert head.startswith("Layer head: outlined on 3 heatmap(s) below.")
+    assert "this is not one of them" in head and "not recorded" not in head
+
+    # a run of several ranks labels its heatmap rows "r0 · module · kind"
+    write_two_ranks(tmp_path / "two-ranks")
+    ranked = callbacks.Context(root=tmp_path)
+    body = open_tab(ranked, "two-ranks", "numerics", "?layer=booster")
+    note = find(body, ids.LAYER_NOTE).children
+    assert note.startswith("Layer booster: outlined on 3 heatmap(s)"), note
+    for fig in (g.figure for g in _graphs(body)):
+        heat = [t for t in fig.data if t.type == "heatmap"]
+        if not heat:
+            continue
+        rows = [i for i, y in enumerate(heat[-1].y) if str(y).split(" \u00b7 ")[1] == "booster"]
+        assert {str(heat[-1].y[i])[:3] for i in rows} == {"r0 ", "r1 "}
+        marked = sorted(round(s.y0 + 0.5) for s in fig.layout.shapes if s.type == "rect")
+        assert rows and marked == rows
 
 
 def _graphs(component: Any) -> list[Any]:
@@ -239,7 +259,9 @@ def test_a_live_tick_rediagnoses_and_the_open_tab_equals_a_reload(
     assert ctx.cache.get("live").run.status == "finished"
     done = open_tab(ctx, "live", "overview")
     assert health_texts(done) == health_texts(callbacks.render_page(reload, "/run/live"))
-    assert "live: findings are as of page load" not in " ".join(texts(page))
+    # while live, the findings said which step they were made from; once finished, no note
+    assert find(overview, ids.FINDINGS_AS_OF).children.startswith("Findings as of step 15:")
+    assert find(done, ids.FINDINGS_AS_OF) is None and "findings as of" not in text
 
 
 def test_a_live_run_is_diagnosed_again_no_more_often_than_allowed(
@@ -257,20 +279,54 @@ def test_a_live_run_is_diagnosed_again_no_more_often_than_allowed(
         return real(run)
 
     monkeypatch.setattr(amprobe, "diagnose", counting)
-    version = find(callbacks.render_page(ctx, "/run/live"), ids.RUN_VERSION).data
+    page = callbacks.render_page(ctx, "/run/live")
+    version = find(page, ids.RUN_VERSION).data
+    assert find(page, ids.RUN_STEPS).children == "3 steps (last step 2); findings as of step 2"
     for i in range(5):
         live.train(1)
-        assert callbacks.refresh_live(ctx, i, "live", version)[2] is dash.no_update
+        text, _, same, _ = callbacks.refresh_live(ctx, i, "live", version)
+        assert same is dash.no_update
     assert len(calls) == 1  # changed files, within the wait: not diagnosed again
+    # the steps follow every tick; the findings shown are older, and the page says from when
+    diagnosed = int(ctx.cache.get("live").diagnosis.run.steps["step"].max())
+    assert diagnosed == 2
+    assert text == f"8 steps (last step 7); findings as of step {diagnosed}"
     monkeypatch.setattr(runs_mod, "LIVE_COST_FACTOR", 0.0)
     ctx.cache.live_reload_s = 0.0
-    assert isinstance(callbacks.refresh_live(ctx, 9, "live", version)[2], int)
-    assert len(calls) == 2
+    text, _, new_version, _ = callbacks.refresh_live(ctx, 9, "live", version)
+    assert isinstance(new_version, int) and len(calls) == 2
+    assert text == "8 steps (last step 7); findings as of step 7"
     live.close()  # ended: diagnosed once more, at once, whatever the wait
     ctx.cache.live_reload_s = 60.0
     monkeypatch.setattr(runs_mod, "LIVE_COST_FACTOR", 3.0)
     assert callbacks.refresh_live(ctx, 10, "live", version)[3] is True
     assert len(calls) == 3 and ctx.cache.get("live").run.status == "finished"
+
+
+def test_a_live_page_redraws_its_header_warnings_with_a_new_version(
+    tmp_path: Path, live: LiveTraining, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header's device and warnings were drawn once, at page load: a warning that a later
+    diagnosis of the live run gives must show too."""
+    import dashboard.runs as runs_mod
+
+    monkeypatch.setattr(runs_mod, "LIVE_COST_FACTOR", 0.0)
+    live.train(3)
+    ctx = callbacks.Context(root=tmp_path, refresh_ms=0)
+    page = callbacks.render_page(ctx, "/run/live")
+    version = find(page, ids.RUN_VERSION).data
+    assert not find(page, ids.RUN_WARNINGS).children
+    assert find(page, ids.RUN_DEVICE).children == "device: cpu"
+    with open(tmp_path / "live" / "rank0" / "steps.jsonl", "a") as fh:
+        fh.write("{not a record}\n")
+    live.train(2)
+    _, _, new_version, _ = callbacks.refresh_live(ctx, 1, "live", version)
+    assert isinstance(new_version, int)
+    device, warnings = callbacks.refresh_header(ctx, "live", new_version)
+    shown = [w.children for w in warnings]
+    assert shown == ctx.cache.get("live").run.warnings and device == "device: cpu"
+    assert any("unreadable record" in w for w in shown), shown
+    assert callbacks.refresh_header(ctx, "live", version) == (dash.no_update, dash.no_update)
 
 
 def test_a_live_page_whose_new_steps_cannot_be_diagnosed_says_so(
@@ -414,9 +470,10 @@ def test_demo_page_shows_a_placeholder_then_findings_and_keeps_its_tab_in_the_ur
             wait.until(lambda d: d.find_elements(By.ID, f"{ids.SECTION_PREFIX}numerics"))
             _tab(driver, "Overview").click()
             wait.until(lambda d: d.current_url.endswith("/run/demo"), "the URL without a tab")
-            driver.find_element(
-                By.XPATH, f"//*[@id='{ids.SEVERITY_FILTER}']//label[normalize-space()='info']"
-            ).click()
+            info = f"//*[@id='{ids.SEVERITY_FILTER}']//label[normalize-space()='info']"
+            # the URL changes before the overview is drawn again (a loaded machine: seconds)
+            wait.until(lambda d: d.find_elements(By.XPATH, info), "the overview's filters")
+            driver.find_element(By.XPATH, info).click()
             wait.until(lambda d: d.current_url.endswith("?sev=error,warning"), "the filter")
             assert marker.text == "demo"
             driver.back()
@@ -470,7 +527,8 @@ def test_live_page_raises_a_new_finding_within_two_refresh_intervals(
             wait.until(lambda d: "live" in text_of(ids.RUN_STATUS), "the status 'live'")
             wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#{ids.FINDINGS} .finding"))
             assert "AMP-N02" not in text_of(ids.FINDINGS)
-            assert "findings are as of page load" not in driver.page_source
+            # the findings say which step they were made from, and follow each re-diagnosis
+            assert text_of(ids.FINDINGS_AS_OF).startswith("Findings as of step 9:")
             marker = driver.find_element(By.ID, ids.RUN_TITLE)  # survives only without a reload
             # the browser notes when AMP-N02 is first drawn (ms since the epoch, as time.time())
             driver.execute_script(_WATCH_TEXT, f"#{ids.FINDINGS}", "AMP-N02")
@@ -486,6 +544,10 @@ def test_live_page_raises_a_new_finding_within_two_refresh_intervals(
             )
             assert 0 < elapsed < 2 * refresh_ms / 1000
             assert marker.text == "live"
+            wait.until(
+                lambda d: text_of(ids.FINDINGS_AS_OF).startswith("Findings as of step 15:"),
+                "the findings' step to follow the re-diagnosis",
+            )
             time.sleep(3 * refresh_ms / 1000)  # the run is idle: the page settles
             live_view = shown()
             driver.refresh()

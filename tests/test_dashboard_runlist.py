@@ -3,6 +3,7 @@ numbers and URL state, and the Ranks legend (issue 32, items 9 and 11), over the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -104,11 +105,55 @@ def test_garbage_run_is_unreadable_with_the_reason(ctx: callbacks.Context) -> No
 def test_worst_finding_names_severity_id_and_rule(ctx: callbacks.Context) -> None:
     rows = {r["name"]: r for r in _rows(ctx)}
     for name in SAMPLES:
-        findings = amprobe.diagnose(amprobe.load_run(ctx.root / name)).findings
-        worst = min(findings, key=lambda f: Severity(f.severity).rank)
-        more = f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""
-        assert rows[name]["worst"] == f"{worst.severity} {worst.id} {worst.name}{more}"
-    assert rows["overflow"]["worst"].startswith("error AMP-N")
+        diagnosis = amprobe.diagnose(amprobe.load_run(ctx.root / name))
+        worst = diagnosis.worst()
+        assert worst is not None
+        named = [
+            f"{worst.value} {f.id} {f.name}" for f in diagnosis.findings if f.severity == worst
+        ]
+        more = f" (+{len(diagnosis.findings) - 1} more)" if len(diagnosis.findings) > 1 else ""
+        assert rows[name]["worst"] == named[0] + more
+    assert rows["overflow"]["worst"] == "error AMP-N05 forward-overflow (+7 more)"
+    assert rows["healthy"]["worst"] == "info AMP-P01 fp8-candidates (+2 more)"
+
+
+def test_worst_finding_is_the_most_severe_not_the_first_cause() -> None:
+    """Findings are listed cause first, and a root cause can be less severe than its symptom:
+    the run list's worst finding is the error, not the first finding (a warning)."""
+    from amprobe.rules.engine import Diagnosis
+    from dashboard.runs import LoadedRun, summarize
+
+    run = amprobe.load_run(SAMPLE_RUNS / "overflow")
+    real = {f.id: f for f in amprobe.diagnose(run).findings}
+    cause = dataclasses.replace(real["AMP-N01"], explains=("AMP-N02",), explained_by=())
+    symptom = dataclasses.replace(real["AMP-N02"], explained_by=("AMP-N01",), explains=())
+    assert (cause.severity, symptom.severity) == ("warning", "error")
+    diagnosis = Diagnosis(run=run, findings=(cause, symptom), not_checked=(), health={})
+    row = summarize("hand-built", LoadedRun("hand-built", run, diagnosis))
+    assert row.worst == f"error AMP-N02 {symptom.name} (+1 more)"
+    assert row.worst_rank == Severity.ERROR.rank
+
+
+def test_sorting_by_worst_finding_queues_every_run_and_says_how_many_wait(
+    tmp_path: Path,
+) -> None:
+    """Sorting needs every run's diagnosis: the runs off the page were never queued, so they
+    stayed last ("diagnosing…") for good, an error run among them."""
+    from dashboard.runs import RunCache
+
+    for name in SAMPLES:
+        shutil.copytree(SAMPLE_RUNS / name, tmp_path / name)
+    cache = RunCache(tmp_path, first_wait_s=0)
+    first = cache.page(1, page_size=2, sort="worst")
+    assert first.undiagnosed == len(SAMPLES)
+    assert layout.pages_text(first).endswith(
+        f"; {len(SAMPLES)} run(s) not yet diagnosed, sorted last until they are"
+    )
+    assert cache.wait_idle(300)
+    done = cache.page(1, page_size=2, sort="worst")
+    assert done.undiagnosed == 0 and "not yet diagnosed" not in layout.pages_text(done)
+    assert [r.worst.split()[0] for r in done.rows] == ["error", "error"]
+    assert {r.name for r in done.rows} == {"overflow", "misuse"}
 
 
 def test_started_and_duration_come_from_the_manifests_and_steps(

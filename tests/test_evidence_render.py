@@ -212,10 +212,20 @@ def test_demo_lists_the_cause_first_and_links_it(demo: Any) -> None:
 
 def test_worst_finding_is_the_most_severe_not_the_first(demo: Any) -> None:
     """Cause first is not severity first: the run's worst severity is still its most severe."""
+    import dataclasses
+
+    from amprobe.rules.engine import Diagnosis
+
     _, diagnosis = demo
     assert diagnosis.worst() == "error"
-    overflow = amprobe.diagnose(amprobe.load_run(SAMPLES / "overflow"))
-    assert overflow.worst() == min((f.severity for f in overflow.findings), key=lambda s: s.rank)
+    # a warning root cause listed before the error it explains: the worst is the error
+    run = amprobe.load_run(SAMPLES / "overflow")
+    real = {f.id: f for f in amprobe.diagnose(run).findings}
+    cause = dataclasses.replace(real["AMP-N01"], explains=("AMP-N02",), explained_by=())
+    symptom = dataclasses.replace(real["AMP-N02"], explained_by=("AMP-N01",), explains=())
+    hand = Diagnosis(run=run, findings=(cause, symptom), not_checked=(), health={})
+    assert hand.findings[0].severity == "warning" and hand.worst() == "error"
+    assert Diagnosis(run=run, findings=(), not_checked=(), health={}).worst() is None
 
 
 def test_merged_rank_findings_render_their_differences_as_a_table(demo: Any) -> None:

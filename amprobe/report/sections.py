@@ -27,7 +27,15 @@ if TYPE_CHECKING:
     from amprobe.rules.engine import Diagnosis
     from amprobe.store.loader import Run
 
-__all__ = ["Section", "SectionSpec", "SECTIONS", "section", "section_tabs", "build_sections"]
+__all__ = [
+    "Section",
+    "SectionSpec",
+    "SECTIONS",
+    "section",
+    "section_tabs",
+    "build_section",
+    "build_sections",
+]
 
 
 def _in_order() -> list[tuple[str, SectionSpec]]:
@@ -39,22 +47,27 @@ def section_tabs() -> list[tuple[str, str]]:
     return [(key, spec.tab) for key, spec in _in_order()]
 
 
-def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
-    """Build every registered section; a failing builder becomes a section saying so.
+def build_section(key: str, run: Run, diagnosis: Diagnosis) -> Section | None:
+    """Build section ``key`` alone (None: no such section, or it has nothing for this run).
 
-    The sections' figures draw the run's strings (layer names, dtypes) as text: see
-    :func:`~amprobe.report.escape.escape_figure_text`.
+    A failing builder becomes a section saying so; the section's figures draw the run's strings
+    (layer names, dtypes) as text: see :func:`~amprobe.report.escape.escape_figure_text`.
     """
-    out: list[Section] = []
-    for key, spec in _in_order():
-        try:
-            result = spec.build(run, diagnosis)
-        except Exception as exc:
-            result = Section(
-                key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
-            )
-        if result is not None:
-            for fig in result.figures:
-                escape_figure_text(fig)  # layer and run names are drawn as text, not HTML
-            out.append(result)
-    return out
+    spec = SECTIONS.get(key)
+    if spec is None:
+        return None
+    try:
+        result = spec.build(run, diagnosis)
+    except Exception as exc:
+        result = Section(
+            key=key, title=key, missing=f"could not be built: {type(exc).__name__}: {exc}"
+        )
+    if result is not None:
+        for fig in result.figures:
+            escape_figure_text(fig)  # layer and run names are drawn as text, not HTML
+    return result
+
+
+def build_sections(run: Run, diagnosis: Diagnosis) -> list[Section]:
+    """Build every registered section, in report order (:func:`build_section` each)."""
+    return [s for key, _ in _in_order() if (s := build_section(key, run, diagnosis)) is not None]
