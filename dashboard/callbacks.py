@@ -312,15 +312,20 @@ def page_table(ctx: Context, name: str | None, table_key: str, page: int | None)
         loaded = ctx.cache.get(name or "")
     except (RunAccessError, amprobe.RunLoadError) as exc:
         return [layout.build_error(str(exc))]
-    if table_key == layout.LOSS_SCALE_TABLE:
-        frame = scale_events(loaded.run.steps)
-    else:
-        key, _, index = table_key.rpartition("/")
-        section = loaded.section(key)
-        if section is None or not index.isdigit() or int(index) >= len(section.tables):
-            return [layout.build_error(f"no table {table_key!r} in this run")]
-        frame = section.tables[int(index)][1]
-    return layout.table_rows(frame, page or 1)
+    try:
+        if table_key == layout.LOSS_SCALE_TABLE:
+            frame = scale_events(loaded.run.steps)
+        else:
+            key, _, index = str(table_key).rpartition("/")
+            section = loaded.section(key)
+            if section is None or not re.fullmatch(r"[0-9]{1,6}", index):
+                return [layout.build_error(f"no table {table_key!r} in this run")]
+            if int(index) >= len(section.tables):
+                return [layout.build_error(f"no table {table_key!r} in this run")]
+            frame = section.tables[int(index)][1]
+        return layout.table_rows(frame, page or 1)
+    except Exception as exc:  # one table's odd data fails that table, nothing else
+        return [layout.build_error(_failed("drawing this table", exc))]
 
 
 def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple[Any, str]:

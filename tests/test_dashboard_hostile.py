@@ -19,7 +19,7 @@ import dash  # noqa: E402
 
 import amprobe  # noqa: E402
 import dashboard.runs as runs_mod  # noqa: E402
-from dashboard import callbacks, ids  # noqa: E402
+from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.demo import write_synthetic_run  # noqa: E402
 from dashboard.runs import PENDING, RunAccessError, RunCache  # noqa: E402
 
@@ -642,6 +642,11 @@ def test_a_failing_callback_says_so_in_the_page_never_raises_into_dash(
     monkeypatch.setattr(callbacks_mod, "make_compare_figure", _fails_once(broken))
     _, note = callbacks.compare_runs(ctx, "healthy", "overflow")
     assert "ZeroDivisionError: odd data" in note
+    monkeypatch.setattr(callbacks_mod, "scale_events", broken)
+    rows = callbacks.page_table(ctx, "overflow", layout.LOSS_SCALE_TABLE, 1)
+    assert "ZeroDivisionError: odd data" in " ".join(texts(rows))
+    for key in ("numerics/\u00b2", "numerics/99999999", "nosuch/0"):  # a client sends any id
+        assert "no table" in " ".join(texts(callbacks.page_table(ctx, "overflow", key, 1)))
 
 
 def _fails_once(broken: Any) -> Any:
