@@ -20,6 +20,7 @@ from amprobe.report.scale import (
     gaps_as_null,
     make_loss_scale_figure,
     rank_color,
+    run_ranks,
     scale_events,
     scaler_rows,
     sort_steps,
@@ -45,11 +46,11 @@ def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> 
     if steps.empty or "wall_s" not in steps or not steps["wall_s"].notna().any():
         return empty_figure("not recorded: no step time")
     fig = go.Figure()
-    n_ranks = int(steps["rank"].nunique()) if "rank" in steps else 1
-    multi = n_ranks > 1
+    ranks = run_ranks(steps)
+    multi = len(ranks) > 1
     for rank, part in split_ranks(sort_steps(steps)):
         suffix = f" (rank {rank})" if multi else ""
-        color = rank_color(rank, n_ranks)
+        color = rank_color(rank, ranks)
         x, y = thin_series(part, "wall_s", max_points)
         fig.add_trace(
             go.Scatter(

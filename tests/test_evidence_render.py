@@ -294,3 +294,51 @@ def test_evidence_values_read_with_units(key, value, expected) -> None:
     from amprobe.report.evidence import format_value
 
     assert format_value(key, value) == expected
+
+
+def test_overflow_counts_say_what_they_count_as_the_numerics_tab_does() -> None:
+    """AMP-N11 on ``overflow``: booster's table showed "over fp16 count 0" beside "nonfinite
+    264,340", read as "no overflow". Each count column is labelled by its one definition
+    (over_fp16 counts finite values only), the same words as the numerics tab's notes."""
+    from amprobe.analysis.numerics import COUNT_DEFINITIONS
+    from amprobe.report.evidence import Table, render_evidence
+
+    run = amprobe.load_run(SAMPLES / "overflow")
+    diagnosis = amprobe.diagnose(run)
+    (n11,) = [f for f in diagnosis.findings if f.id == "AMP-N11"]
+    (table,) = [b for b in render_evidence(n11) if isinstance(b, Table)]
+    over = f"over_fp16 ({COUNT_DEFINITIONS['over_fp16']})"
+    nonfinite = f"nonfinite ({COUNT_DEFINITIONS['nonfinite']})"
+    assert over in table.columns and nonfinite in table.columns
+    assert "finite" in COUNT_DEFINITIONS["over_fp16"] and "65,520" in over
+    rows = [dict(zip(table.columns, row, strict=True)) for row in table.rows]
+    booster = next(r for r in rows if r["layer"] == "booster")
+    assert booster[over] == "0" and booster[nonfinite] != "0"  # the numbers as recorded
+    (numerics,) = [s for s in build_sections(run, diagnosis) if s.key == "numerics"]
+    notes = " ".join(numerics.text)
+    for column in ("nonfinite", "over_fp16", "fp16_inf"):
+        assert f"{column} = {COUNT_DEFINITIONS[column]}" in notes  # the same words there
+
+
+def test_one_step_range_writing_everywhere() -> None:
+    """Steps as runs are written by one function, with an en dash: the comparison table wrote
+    ``steps 5-9`` where every other view writes ``steps 5–9``; and one name means one thing
+    (``format_value`` was two different functions)."""
+    from amprobe.analysis.frames import range_text, steps_text
+    from amprobe.report import evidence, render
+    from amprobe.report.compare import comparison_rows
+
+    assert steps_text([83, 0, 81, 82, 82]) == "0, 81–83"
+    assert steps_text([1, 3, 5, 7], limit=2) == "1, 3, …"
+    assert steps_text([4], word=True) == "step 4" and steps_text([4, 5], word=True) == "steps 4–5"
+    assert range_text(5, 9, word=True) == "steps 5–9" and range_text(5, 5) == "5"
+    metrics = {
+        "speedup": 0.41,
+        "steps_per_s_baseline": 10.0,
+        "steps_per_s_candidate": 4.1,
+        "timed_step_ranges": [[5, 9], [5, 5]],
+        "timed_steps": [5, 1],
+    }
+    row = next(r for r in comparison_rows(metrics) if r[0].startswith("step time"))
+    assert row[4] == "baseline steps 5–9 (5 timed), candidate step 5 (1 timed)"
+    assert hasattr(evidence, "format_value") and not hasattr(render, "format_value")

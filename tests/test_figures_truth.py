@@ -179,17 +179,6 @@ def test_heatmap_cells_are_the_recorded_counts_at_the_sampled_steps(name: str) -
         assert _cells(thinned) == z
 
 
-def _drawn_span(fig: Any, trace: Any, j: int) -> tuple[float, float]:
-    """The steps column ``j`` of a heatmap covers as drawn: its own step on a categorical
-    axis; on a numeric axis plotly stretches a cell halfway to its neighbours."""
-    x = [int(v) for v in trace.x]
-    if fig.layout.xaxis.type == "category":
-        return float(x[j]), float(x[j])
-    left = (x[j - 1] + x[j]) / 2 if j > 0 else x[j] - (x[1] - x[0]) / 2
-    right = (x[j] + x[j + 1]) / 2 if j + 1 < len(x) else x[j] + (x[j] - x[j - 1]) / 2
-    return left, right
-
-
 def test_overflow_is_drawn_at_the_step_it_was_recorded() -> None:
     """``overflow``: the loss is NaN from step 80; the numerics sampled next, at step 81, hold
     the first non-finite values. The first coloured cell covers step 81 and nothing before it
@@ -203,8 +192,13 @@ def test_overflow_is_drawn_at_the_step_it_was_recorded() -> None:
     z = _cells(trace)
     coloured = [j for j in range(len(trace.x)) if any((row[j] or 0) > 0 for row in z)]
     assert int(trace.x[coloured[0]]) == first_bad
-    assert _drawn_span(fig, trace, coloured[0]) == (first_bad, first_bad)
-    assert _drawn_span(fig, trace, 0)[0] >= 0  # no negative step
+    # a cell covers its own step only: the axis holds the sampled steps as categories, in
+    # order, and nothing else (a numeric axis stretched each cell halfway to the next sample,
+    # and began at a negative step)
+    assert fig.layout.xaxis.type == "category"
+    sampled = sorted(int(s) for s in numerics["step"].unique())
+    assert [int(s) for s in trace.x] == sampled and sampled[0] >= 0
+    assert int(trace.x[coloured[0] - 1]) < first_bad  # the column before is an earlier sample
 
 
 def test_heatmap_says_which_steps_were_not_sampled(demo: Any) -> None:
@@ -425,3 +419,104 @@ def test_two_ranks_heatmap_rows_are_per_rank_never_summed(two_ranks: Any) -> Non
     grey = _grey_cells(fig)
     assert grey and {(cell[1], cell[2]) for cell in grey} == {(0, "rank 1 did not sample step 0")}
     assert {cell[0].split(" · ")[0] for cell in grey} == {"r1"}
+
+
+def _rank_colours(fig: Any, prefix: str) -> dict[int, str]:
+    """rank -> line colour of the traces named ``<prefix> (rank r)`` / ``rank r <prefix>``."""
+    out: dict[int, str] = {}
+    for t in fig.data:
+        m = re.fullmatch(rf"{prefix} \(rank (\d+)\)|rank (\d+) {prefix}", t.name or "")
+        if m:
+            out[int(m.group(1) or m.group(2))] = t.line.color
+    return out
+
+
+@pytest.mark.parametrize("relabel", [{}, {1: 10}], ids=["ranks-0-1", "ranks-0-10"])
+def test_a_rank_has_one_colour_of_its_own_on_every_tab(two_ranks: Any, relabel: Any) -> None:
+    """Ranks 0 and 10 of a two-rank run have two colours (the palette was indexed by rank % 10);
+    a rank's colour is the same on the loss-scale, step-time and Ranks tabs (the Ranks tab had
+    a palette of its own: rank 1 purple on one tab, orange on the other), and no rank is drawn
+    in the colour of a marker (skipped step, growth, backoff, loss NaN band)."""
+    from amprobe.report.ranks import make_ranks_figure
+    from dashboard.figures import make_step_time_figure
+
+    steps = two_ranks.steps.assign(rank=two_ranks.steps["rank"].replace(relabel))
+    ranks = sorted(int(r) for r in steps["rank"].unique())
+    scale = make_loss_scale_figure(steps)
+    tabs = {
+        "loss": _rank_colours(scale, "loss"),
+        "scale": _rank_colours(scale, "scale"),
+        "step time": _rank_colours(make_step_time_figure(steps), "step time"),
+        "ranks: loss scale": _rank_colours(make_ranks_figure(steps), "loss scale"),
+        "ranks: step time": _rank_colours(make_ranks_figure(steps), r"step time \(ms\)"),
+    }
+    for tab, colours in tabs.items():
+        assert sorted(colours) == ranks, tab
+        assert colours == tabs["loss"], tab  # the same colour per rank everywhere
+    assert len(set(tabs["loss"].values())) == len(ranks)  # each rank its own
+    markers = {t.marker.color for t in scale.data if t.mode == "markers"}
+    markers |= {s.fillcolor for s in scale.layout.shapes}
+    drawn = {t.name.split(" (rank")[0] for t in scale.data if t.mode == "markers"}
+    assert drawn == {"skipped step", "growth", "backoff"}
+    assert markers and not markers & set(tabs["loss"].values())
+
+
+@pytest.fixture(scope="module")
+def all_loss_nan(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``sample_runs/fp8-whatif`` (bf16, no GradScaler) written again by amprobe's writer with
+    every step's loss NaN, as the collector records it (NaN, ``loss_nonfinite``)."""
+    root = tmp_path_factory.mktemp("nanloss") / "run"
+    text = (SAMPLES / "fp8-whatif" / "rank0" / "steps.jsonl").read_text()
+    steps = [json.loads(line) for line in text.splitlines() if line.strip()]
+    writer = RunWriter(root, 0, 1, {"device": "cpu"}, max_buffered_rows=100_000)
+    writer.append("steps", [{**r, "loss": float("nan"), "loss_nonfinite": True} for r in steps])
+    writer.close({"status": "finished", "steps": len(steps)})
+    return amprobe.load_run(root)
+
+
+def test_a_run_whose_every_loss_was_nan_shows_the_nan_not_no_loss(all_loss_nan: Any) -> None:
+    """No GradScaler and a NaN loss at every step: the loss was recorded (as NaN), so the
+    section draws the gap and its band instead of saying no loss tensor was seen."""
+    steps = all_loss_nan.steps
+    assert steps["loss"].isna().all() and steps["loss_nonfinite"].all()
+    assert steps["scale_after"].isna().all() if "scale_after" in steps else True
+    section = build_scale_section(all_loss_nan, None)
+    assert not section.missing
+    (fig,) = section.figures
+    points = _loss_points(fig)
+    assert sorted(points) == sorted(int(s) for s in steps["step"])
+    assert all(v is None for v in points.values())
+    first, last = int(steps["step"].min()), int(steps["step"].max())
+    assert any(f"loss NaN, steps {first}–{last}" in t for _, _, t in _bands(fig))
+    assert any("only the loss is shown" in t for t in section.text)
+
+
+def test_a_pooled_column_with_unmeasured_samples_says_so(tmp_path: Path) -> None:
+    """Over 1,000 sampled steps are pooled into columns: a column of a layer whose samples were
+    partly not measured says how many on hover and is marked (it was drawn as its measured
+    samples alone: white for measured zeros), and one with none measured is grey."""
+    from amprobe.report.numerics import make_numerics_heatmap_figure
+
+    healthy = _load("healthy").table("numerics")
+    first = healthy[healthy["step"] == healthy["step"].min()]
+    frame = pd.concat([first.assign(step=s) for s in range(1100)], ignore_index=True)
+    layer = (str(first["module"].iloc[0]), str(first["kind"].iloc[0]))
+    gone = (frame["module"] == layer[0]) & (frame["kind"] == layer[1])
+    frame = frame[~(gone & frame["step"].isin([11, 20, 21]))]  # step 11 alone; 20 and 21 both
+    fig = make_numerics_heatmap_figure(frame, "nonfinite")
+    trace = _value_trace(fig, "nonfinite")
+    x = list(trace.x)
+    assert len(x) == 550 and x[5] == "10–11" and x[10] == "20–21"  # two samples a column
+    row = list(trace.y).index(f"{layer[0]} · {layer[1]}")
+    z = _cells(trace)
+    assert z[row][5] == 0  # step 10 measured 0
+    assert "1 of its 2 samples not measured" in trace.text[row][5]
+    assert all("not measured" not in t for j, t in enumerate(trace.text[row]) if j not in (5, 10))
+    from amprobe.report.numerics import PARTLY_NOT_MEASURED
+
+    (marks,) = [t for t in fig.data if t.name == PARTLY_NOT_MEASURED]
+    assert list(zip(marks.x, marks.y, strict=True)) == [("10–11", f"{layer[0]} · {layer[1]}")]
+    assert z[row][10] is None  # none measured: no count drawn ...
+    grey = {(cell[0], cell[1]): cell[2] for cell in _grey_cells(fig)}
+    assert set(grey) == {(f"{layer[0]} · {layer[1]}", "20–21")}  # ... but grey
+    assert "none of its 2 samples" in grey[(f"{layer[0]} · {layer[1]}", "20–21")]

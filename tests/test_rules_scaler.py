@@ -475,15 +475,23 @@ def test_a_raising_rule_becomes_not_checked(monkeypatch):
     assert "AMP-N01" in d.ids()  # the other rules still ran
 
 
-def test_findings_sorted_most_severe_first_and_serialisable():
-    rows = scaled_steps(100, cuts=range(0, 40, 2), clip_scaled=1)
-    d = diag(fake_run(steps=rows, events=[scaler_event(growth_interval=10)]))
+def test_findings_listed_cause_first_and_serialisable():
+    """A scaler built anew restarts the scale (AMP-N08, error): it explains the cuts (N01),
+    the skipped steps (N02, error) and the overflow (N11), so it comes before them, though by
+    severity and ID N02 would come first; the findings without a cause are in severity order."""
+    events = [scaler_event(site="t.py:5", step=0)]
+    d = diag(fake_run(steps=_resetting_steps(30, [10, 20]), events=events))
+    ids = d.ids()
+    assert {"AMP-N01", "AMP-N02", "AMP-N08"} <= set(ids)
+    assert ids.index("AMP-N08") < ids.index("AMP-N02") < ids.index("AMP-N01")
+    for i, f in enumerate(d.findings):  # every present cause stands above its symptom
+        assert all(ids.index(c) < i for c in f.explained_by), f.id
+    assert d.findings[ids.index("AMP-N02")].explained_by == ("AMP-N08",)
     order = {"error": 0, "warning": 1, "info": 2}
-    ranks = [order[f.severity] for f in d.findings]
-    assert ranks == sorted(ranks) and d.worst() == "error"
+    roots = [order[f.severity] for f in d.findings if not f.explained_by]
+    assert roots == sorted(roots) and d.worst() == "error"
     payload = d.to_dict()
-    assert [f["id"] for f in payload["findings"]] == d.ids()
-    assert {"AMP-N01", "AMP-N02", "AMP-N09"} <= set(d.ids())
+    assert [f["id"] for f in payload["findings"]] == ids
 
 
 #: the rules that judge the script's own AMP setup (autocast regions, GradScaler): on the FP32

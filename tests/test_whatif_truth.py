@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 import amprobe
-from amprobe.analysis.whatif import compute_whatif
+from amprobe.analysis.frames import steps_text
+from amprobe.analysis.whatif import compute_exponent_shares, compute_whatif
 from amprobe.report import build_sections
-from amprobe.report.whatif import make_exponent_heatmap, whatif_table
+from amprobe.report.whatif import HEATMAP_GROUPS, make_exponent_heatmap, whatif_table
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
 DEMO_STEPS = 40  # the booster multiplies by 1e6 at steps 16..23
@@ -42,17 +43,6 @@ def _held(numerics: pd.DataFrame, module: str, kind: str) -> list[int]:
     rows = numerics[(numerics["module"] == module) & (numerics["kind"] == kind)]
     bad = rows[rows["nan"].fillna(0) + rows["inf"].fillna(0) > 0]
     return sorted(int(s) for s in bad["step"].unique())
-
-
-def steps_text(steps: list[int]) -> str:
-    """``17–23`` / ``0, 17–26``: consecutive steps as one range (how the page names them)."""
-    parts: list[list[int]] = []
-    for s in steps:
-        if parts and s == parts[-1][-1] + 1:
-            parts[-1].append(s)
-        else:
-            parts.append([s])
-    return ", ".join(str(p[0]) if len(p) == 1 else f"{p[0]}–{p[-1]}" for p in parts)
 
 
 def _section_text(run: Any) -> tuple[str, ...]:
@@ -259,7 +249,15 @@ def test_heatmap_of_a_clean_run_has_no_grey_or_red_cell(name: str) -> None:
         assert (main.zmin, main.zmax) == (-6.0, 0)
         assert all(t.name != "not judged (held inf/NaN) or not measured" for t in fig.data)
         assert all(math.isnan(v[0]) for v in _heat(fig, "held inf/NaN").z)
-        assert not any(math.isnan(v) for v in main.x)
+        # one column per binade, none left out, and a share drawn exactly in the binades that
+        # hold recorded values
+        x = [int(v) for v in main.x]
+        assert x == list(range(x[0], x[-1] + 1))
+        recorded = set(
+            compute_exponent_shares(run.table("numerics"), HEATMAP_GROUPS[group][1])["exponent"]
+        )
+        drawn = {x[j] for row in main.z for j, v in enumerate(row) if not math.isnan(v)}
+        assert recorded and drawn == recorded
 
 
 def test_heatmap_draws_a_kind_not_recorded_as_not_measured(tmp_path: Path) -> None:
@@ -276,3 +274,17 @@ def test_heatmap_draws_a_kind_not_recorded_as_not_measured(tmp_path: Path) -> No
     hover = grey.text[rows.index("pre · output grad")][0]
     assert hover.startswith("pre · output grad: not measured, no output-gradient histogram")
     assert all(math.isnan(v) for v in _heat(fig).z[rows.index("pre · output grad")])
+
+
+def test_headline_judges_by_the_threshold_the_diagnosis_ran_with() -> None:
+    """ "Keeps its values" in the headline is AMP-P01's ``min_representable_share``: a configured
+    threshold changes the finding and the headline alike (the headline kept 99.9 %)."""
+    run = amprobe.load_run(SAMPLES / "fp8-whatif")
+    for share, words in ((None, "≥ 99.9 %"), (0.9, "≥ 90 %")):
+        thresholds = {} if share is None else {"AMP-P01": {"min_representable_share": share}}
+        diagnosis = amprobe.diagnose(run, thresholds=thresholds)
+        (p01,) = [f for f in diagnosis.findings if f.id == "AMP-P01"]
+        assert words in p01.title
+        (section,) = [s for s in build_sections(run, diagnosis) if s.key == "whatif"]
+        headline = [t for t in section.text if "layers keep" in t]
+        assert len(headline) == 2 and all(words in t for t in headline), headline

@@ -20,11 +20,15 @@ __all__ = [
     "autocast_dtypes",
     "steps_list",
     "step_ranges",
+    "range_text",
+    "steps_text",
+    "RANGE_DASH",
     "forced_fp32",
     "FORCED_FP32",
 ]
 
 HALF_DTYPES = ("float16", "bfloat16")
+RANGE_DASH = "\u2013"  # en dash, between the first and last step of a run
 MAX_LISTED_STEPS = 20  # step numbers spelled out in a ``*_steps`` evidence list
 #: what a run forced to fp32 is, in the words of "not checked" reasons and health notes
 FORCED_FP32 = "the FP32 leg of `amprobe baseline` (amprobe forced fp32)"
@@ -36,12 +40,13 @@ def steps_list(steps: pd.Series | list[int] | Any, limit: int = MAX_LISTED_STEPS
 
 
 def step_ranges(
-    steps: pd.Series | list[int] | Any, limit: int = MAX_LISTED_STEPS
+    steps: pd.Series | list[int] | Any, limit: int | None = MAX_LISTED_STEPS
 ) -> list[list[int]]:
     """Every step as ``[first, last]`` runs of consecutive step numbers, ascending, for evidence.
 
     Beside a ``*_steps`` list (the first ``limit`` steps), the runs say which steps the list
-    left out: ``[[120, 179]]`` for 60 consecutive skipped steps. At most the first ``limit`` runs.
+    left out: ``[[120, 179]]`` for 60 consecutive skipped steps. At most the first ``limit`` runs
+    (every run when ``limit`` is None).
     """
     values = np.unique(np.asarray(list(steps), dtype=np.int64))
     if not len(values):
@@ -50,6 +55,34 @@ def step_ranges(
     starts = np.concatenate(([0], breaks + 1))[:limit]
     ends = np.concatenate((breaks, [len(values) - 1]))[:limit]
     return [[int(values[a]), int(values[b])] for a, b in zip(starts, ends, strict=True)]
+
+
+def range_text(first: int, last: int, word: bool = False) -> str:
+    """A run of steps as every view writes it: ``81–83`` (en dash), ``81`` for one step; with
+    ``word``, ``steps 81–83`` / ``step 81``."""
+    text = str(first) if first == last else f"{first}{RANGE_DASH}{last}"
+    if not word:
+        return text
+    return ("step " if first == last else "steps ") + text
+
+
+def steps_text(
+    steps: pd.Series | list[int] | Any, limit: int | None = None, word: bool = False
+) -> str:
+    """Step numbers as runs: ``[0, 81, 82, 83]`` -> ``0, 81–83`` (:func:`range_text` each).
+
+    Args:
+        steps: step numbers, in any order, repeats allowed.
+        limit: the first ``limit`` runs, then ``…`` (every run when None).
+        word: start with ``step`` (one step) or ``steps``.
+    """
+    runs = step_ranges(steps, limit=None)
+    text = ", ".join(range_text(a, b) for a, b in runs[:limit])
+    if limit is not None and len(runs) > limit:
+        text += ", \u2026"
+    if not word:
+        return text
+    return ("step " if len(runs) == 1 and runs[0][0] == runs[0][1] else "steps ") + text
 
 
 def per_rank(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:

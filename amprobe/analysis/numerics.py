@@ -20,6 +20,7 @@ __all__ = [
     "FP16_MAX",
     "GRAD_KINDS",
     "COUNT_COLUMNS",
+    "COUNT_DEFINITIONS",
     "ROLE_LABELS",
     "module_role",
     "last_linears",
@@ -38,18 +39,31 @@ __all__ = [
 
 FP16_MAX = 65504.0
 GRAD_KINDS = ("grad_output", "grad_param")
+#: what each per-layer count column counts, one definition each, in the words every view uses
+#: (the totals table's notes, the heatmaps' titles, the findings' evidence labels)
+COUNT_DEFINITIONS: dict[str, str] = {
+    "nonfinite": "NaN + inf",
+    "over_fp16": "finite values \u2265 65,520",
+    "fp16_inf": "over_fp16 + inf",
+    "below_normal": "nonzero values below 2**-14",
+    "below_subnormal": "nonzero values below 2**-24",
+}
 #: per-layer counts shown both as totals (:func:`compute_layer_summary`) and per sampled step
 #: (the report's heatmaps), one definition each: column -> (what it counts, function of a
 #: frame with the ``numerics`` count columns). Each is a sum of counts, so it gives a row's
 #: count and, applied to summed rows, their total.
 COUNT_COLUMNS: dict[str, tuple[str, Callable[[pd.DataFrame], pd.Series]]] = {
-    "nonfinite": ("non-finite values (NaN + inf)", lambda f: f["nan"] + f["inf"]),
+    "nonfinite": (
+        f"non-finite values ({COUNT_DEFINITIONS['nonfinite']})",
+        lambda f: f["nan"] + f["inf"],
+    ),
     "fp16_inf": (
-        "values an fp16 cast makes inf (over_fp16: finite values >= 65520; plus inf)",
+        f"values an fp16 cast makes inf ({COUNT_DEFINITIONS['fp16_inf']}; "
+        f"over_fp16: {COUNT_DEFINITIONS['over_fp16']})",
         lambda f: f["over_fp16"] + f["inf"],
     ),
     "below_subnormal": (
-        "nonzero values below the fp16 min subnormal 2**-24 (gradients unscaled)",
+        f"{COUNT_DEFINITIONS['below_subnormal']} (the fp16 min subnormal; gradients unscaled)",
         lambda f: f["below_subnormal"],
     ),
 }

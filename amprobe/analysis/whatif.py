@@ -65,6 +65,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.frames import steps_text
+
 __all__ = [
     "FloatFormat",
     "FORMATS",
@@ -74,7 +76,6 @@ __all__ = [
     "compute_whatif",
     "compute_whatif_frame",
     "whatif_records",
-    "steps_text",
     "not_judged_text",
     "compute_whatif_rows",
     "compute_exponent_shares",
@@ -598,25 +599,9 @@ def _share(count: np.ndarray, denom: np.ndarray, unjudged: np.ndarray) -> np.nda
     return np.where(unjudged, np.nan, np.nan_to_num(count / denom, nan=0.0))
 
 
-def steps_text(steps: Iterable[int]) -> str:
-    """Steps as ranges: ``[17, 18, 19, 23]`` -> ``17–19, 23``."""
-    values = sorted({int(s) for s in steps})
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}–{values[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
 def not_judged_text(module: Any, steps: Iterable[int]) -> str:
     """``booster: not judged, held inf/NaN at steps 120–129`` (``step`` for one step)."""
-    values = sorted({int(s) for s in steps})
-    word = "step" if len(values) == 1 else "steps"
-    return f"{module}: not judged, held inf/NaN at {word} {steps_text(values)}"
+    return f"{module}: not judged, held inf/NaN at {steps_text(steps, word=True)}"
 
 
 def compute_whatif(run: Any) -> pd.DataFrame:

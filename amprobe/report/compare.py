@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from amprobe.analysis.frames import range_text
 from amprobe.rules.compare import Comparison
 
 __all__ = [
@@ -24,7 +25,7 @@ def _steps(pair: Sequence[int] | None) -> str:
     if not pair:
         return "not recorded"
     first, last = pair
-    return f"step {first}" if first == last else f"steps {first}-{last}"
+    return range_text(int(first), int(last), word=True)
 
 
 def _mib(value: float) -> str:

@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS
+from amprobe.analysis.frames import MAX_LISTED_STEPS, range_text, steps_text
+from amprobe.analysis.numerics import COUNT_DEFINITIONS
 from amprobe.rules.engine import REGISTRY, Finding, format_ranks
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "STEP_VIEW_CATEGORIES",
 ]
 
-_DASH = "\u2013"  # en dash, between the ends of a range of steps
 _MAX_TEXT = 300  # characters of one text value before it is cut at a word
 _MAX_ROWS = 50  # rows of an evidence table
 
@@ -135,6 +135,10 @@ _LABELS: Mapping[str, str] = MappingProxyType(
         "inf_count": "inf values",
         "element_count": "values",
         "not_judged_nonfinite": "not judged (held inf/NaN)",
+        # the per-layer counts, by their column's one definition (the numerics tab's too)
+        "nonfinite_count": f"nonfinite ({COUNT_DEFINITIONS['nonfinite']})",
+        "over_fp16_count": f"over_fp16 ({COUNT_DEFINITIONS['over_fp16']})",
+        "origin_over_fp16_count": f"origin over_fp16 ({COUNT_DEFINITIONS['over_fp16']})",
         "dims": "dimensions",
         "wall_s_median": "median step time",
         "wall_s": "step time",
@@ -292,21 +296,6 @@ def _scale(value: float) -> str:
 # -- steps ------------------------------------------------------------------------------------
 
 
-def _runs(steps: Sequence[int]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for s in sorted(set(steps)):
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
-
-
-def _run_text(run: Sequence[int]) -> str:
-    first, last = int(run[0]), int(run[1])
-    return str(first) if first == last else f"{first}{_DASH}{last}"
-
-
 def format_steps(
     listed: Sequence[int],
     ranges: Sequence[Sequence[int]] | None = None,
@@ -325,7 +314,7 @@ def format_steps(
         in_runs = sum(b - a + 1 for a, b in runs)
         complete = len(runs) < limit or (count is not None and count == in_runs)
         total = count if count is not None else (in_runs if complete else None)
-        text = ", ".join(_run_text(r) for r in runs)
+        text = ", ".join(range_text(a, b) for a, b in runs)
         if not complete:
             text += ", \u2026"
         if total is None:
@@ -334,7 +323,7 @@ def format_steps(
     steps = [int(s) for s in listed]
     if not steps:
         return "none"
-    text = ", ".join(_run_text(r) for r in _runs(steps))
+    text = steps_text(steps)
     if count is not None and count == len(steps) or count is None and len(steps) < limit:
         total = len(steps)
         return text if total == 1 else f"{text} ({format_number(total)})"

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.frames import range_text, steps_text
 from amprobe.analysis.numerics import (
     COUNT_COLUMNS,
+    COUNT_DEFINITIONS,
     compute_layer_summary,
     compute_scale_hint,
     layer_summary,
@@ -61,14 +63,18 @@ _TABLE_COLUMNS = [
 ]
 #: what each count column of the totals table holds (one definition: the heatmaps' too)
 _COLUMN_NOTES = (
-    "nonfinite = NaN + inf; over_fp16 = finite values >= 65520 (an fp16 cast makes them inf); "
-    "fp16_inf = over_fp16 + inf (every value an fp16 cast makes inf); below_normal / "
-    "below_subnormal = nonzero values below 2**-14 / 2**-24. The heatmaps draw nonfinite, "
-    "fp16_inf and below_subnormal per sampled step."
+    "; ".join(
+        f"{column} = {COUNT_DEFINITIONS[column]}"
+        for column in ("nonfinite", "over_fp16", "fp16_inf", "below_normal", "below_subnormal")
+    )
+    + ". An fp16 cast makes the over_fp16 and inf values inf: fp16_inf counts every value it "
+    "makes inf. The heatmaps draw nonfinite, fp16_inf and below_subnormal per sampled step."
 )
 #: zero is white; any count (1 and up) at least a visible pink, then darker up to the largest
 _WHITE, _LOW, _HIGH = "#ffffff", "#fcae91", "#a50f15"
 _NOT_MEASURED = "#bdbdbd"
+#: the name of the markers on pooled cells some of whose samples were not measured
+PARTLY_NOT_MEASURED = "partly not measured"
 _GAP_LINE = "#969696"
 #: unsampled stretches labelled above the heatmap, at most (more: the dashed lines only)
 _MAX_GAP_LABELS = 12
@@ -83,20 +89,6 @@ def _label(frame: pd.DataFrame, with_rank: bool = False) -> pd.Series:
     if with_rank:
         label = "r" + frame["rank"].astype(int).astype(str) + " · " + label
     return label
-
-
-def _ranges(steps: list[int], limit: int = 8) -> str:
-    """``[0, 81, 82, 83]`` as ``"0, 81–83"`` (the first ``limit`` ranges, then "…")."""
-    spans: list[tuple[int, int]] = []
-    for s in steps:
-        if spans and s == spans[-1][1] + 1:
-            spans[-1] = (spans[-1][0], s)
-        else:
-            spans.append((s, s))
-    text = [f"{a}" if a == b else f"{a}–{b}" for a, b in spans[:limit]]
-    if len(spans) > limit:
-        text.append("…")
-    return ", ".join(text)
 
 
 def _colorscale(zmax: float) -> list[list[Any]]:
@@ -168,7 +160,8 @@ def make_numerics_heatmap_figure(
         steps: the run's steps frame, to say which steps were not sampled (optional).
         not_checked: the run's ``numerics_not_checked`` events.
         max_columns: more sampled steps than this are pooled into columns of consecutive
-            samples (each the largest count of its samples), labelled with their step range.
+            samples (each the largest count of its measured samples, a grey dot where some
+            were not measured), labelled with their step range.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
@@ -185,15 +178,24 @@ def make_numerics_heatmap_figure(
         grid.add_unmeasured_row(f"r{rank} · {label}" if multi else label, reason)
     columns = _pool(sampled, max_columns)
     pooled = len(columns) < len(sampled)
-    x: list[Any] = (
-        [f"{c[0]}–{c[-1]}" if len(c) > 1 else str(c[0]) for c in columns]
-        if pooled
-        else list(sampled)
-    )
-    z, why = grid.pooled(columns)
+    x: list[Any] = [range_text(c[0], c[-1]) for c in columns] if pooled else list(sampled)
+    z, why, missing = grid.pooled(columns)
+    # pooled cells with a count that some of their samples were not measured for
+    partly = pooled & ~np.isnan(z) & (missing > 0)
     text: list[list[str]] | None = None
     if pooled:
-        text = [[f"largest of sampled steps {x[j]}" for j in range(len(columns))] for _ in z]
+        text = [
+            [
+                f"largest of sampled steps {x[j]}"
+                + (
+                    f"; {missing[i, j]} of its {len(columns[j])} samples not measured"
+                    if partly[i, j]
+                    else ""
+                )
+                for j in range(len(columns))
+            ]
+            for i in range(len(z))
+        ]
     elif len(grid.layers) * len(sampled) <= _MAX_DETAIL_CELLS:
         detail = _cell_detail(data, column)
         text = [[detail.get((layer, s), "") for s in sampled] for layer in grid.layers]
@@ -203,46 +205,65 @@ def make_numerics_heatmap_figure(
     layers = grid.layers
     zmax = max(1.0, float(np.nanmax(z))) if (~np.isnan(z)).any() else 1.0
     fig = go.Figure()
+    # what both heatmaps share: the cells' places and the lines between them
+    cells: dict[str, Any] = {
+        "x": x,
+        "y": layers,
+        "xgap": 1 if len(x) <= 200 else 0,
+        "ygap": 1 if len(layers) <= 200 else 0,
+        "hoverongaps": False,
+    }
     if unmeasured.any():
         fig.add_trace(
             go.Heatmap(
                 z=grey,
-                x=x,
-                y=layers,
                 text=why,
                 zmin=0,
                 zmax=1,
                 colorscale=[[0.0, _NOT_MEASURED], [1.0, _NOT_MEASURED]],
                 showscale=False,
-                hoverongaps=False,
-                xgap=1 if len(x) <= 200 else 0,
-                ygap=1 if len(layers) <= 200 else 0,
                 name="not measured",
                 hovertemplate="%{y}<br>step %{x}: not measured<br>%{text}<extra></extra>",
+                **cells,
             )
         )
     fig.add_trace(
         go.Heatmap(
             z=z,
-            x=x,
-            y=layers,
             text=text,
             zmin=0,
             zmax=zmax,
             colorscale=_colorscale(zmax),
             colorbar={"title": "count<br>(0: white)"},
-            xgap=1 if len(x) <= 200 else 0,
-            ygap=1 if len(layers) <= 200 else 0,
-            hoverongaps=False,
             name=column,
             hovertemplate=f"%{{y}}<br>step %{{x}}<br>{column}: %{{z}}"
             + ("<br>%{text}" if text is not None else "")
             + "<extra></extra>",
+            **cells,
         )
     )
+    if partly.any():
+        rows, cols = np.nonzero(partly)
+        fig.add_trace(
+            go.Scatter(
+                x=[x[j] for j in cols],
+                y=[layers[i] for i in rows],
+                mode="markers",
+                marker={"symbol": "circle", "size": 5, "color": _NOT_MEASURED},
+                text=[
+                    f"{missing[i, j]} of its {len(columns[j])} samples not measured"
+                    for i, j in zip(rows, cols, strict=True)
+                ],
+                name=PARTLY_NOT_MEASURED,
+                hovertemplate="%{y}<br>steps %{x}: %{text}<extra></extra>",
+                showlegend=False,
+            )
+        )
     notes = [_sampling_note(sampled, steps, pooled, len(columns))]
     if unmeasured.any():
         notes.append("grey: not measured (hover for why), never 0")
+    if partly.any():
+        notes.append("grey dot: some samples of the column not measured (its count is of the rest)")
     if not pooled:
         _mark_gaps(fig, sampled, steps)
     for i, event in enumerate(not_checked):
@@ -314,25 +335,37 @@ class _Grid:
         self.values = np.vstack([self.values, np.full((1, n), np.nan)])
         self.why.append([reason] * n)
 
-    def pooled(self, columns: list[list[int]]) -> tuple[np.ndarray, list[list[str | None]]]:
-        """Counts (the largest of each column's samples; NaN: none measured) and the reason
-        for each cell without one."""
+    def pooled(
+        self, columns: list[list[int]]
+    ) -> tuple[np.ndarray, list[list[str | None]], np.ndarray]:
+        """Counts (the largest of each column's measured samples; NaN: none measured), the
+        reason for each cell without one, and how many of each cell's samples were not
+        measured (a pooled cell can hold measured and unmeasured samples: its count says
+        nothing of the unmeasured ones)."""
+        unread = np.array([[r is not None for r in row] for row in self.why], dtype=bool)
         if all(len(group) == 1 for group in columns):  # one column per sample: as recorded
-            return self.values, self.why
+            return self.values, self.why, unread.astype(int)
         z = np.full((len(self.layers), len(columns)), np.nan)
+        missing = np.zeros((len(self.layers), len(columns)), dtype=int)
         why: list[list[str | None]] = []
         for i in range(len(self.layers)):
             wrow: list[str | None] = []
             j = 0
             for c, group in enumerate(columns):
                 part = self.values[i, j : j + len(group)]
-                known = part[~np.isnan(part)]
-                if len(known):
-                    z[i, c] = known.max()
-                wrow.append(None if len(known) else self.why[i][j])
+                measured = ~unread[i, j : j + len(group)] & ~np.isnan(part)
+                missing[i, c] = len(group) - int(measured.sum())
+                if measured.any():
+                    z[i, c] = part[measured].max()
+                    wrow.append(None)
+                else:
+                    first = next(r for r in self.why[i][j : j + len(group)] if r is not None)
+                    wrow.append(
+                        first if len(group) == 1 else f"none of its {len(group)} samples: {first}"
+                    )
                 j += len(group)
             why.append(wrow)
-        return z, why
+        return z, why, missing
 
 
 def _cell_detail(data: pd.DataFrame, column: str) -> dict[tuple[str, int], str]:
@@ -369,9 +402,9 @@ def _sampling_note(
     sampled: list[int], steps: pd.DataFrame | None, pooled: bool, columns: int
 ) -> str:
     """Which steps the columns are, and which steps of the run were not sampled."""
-    note = f"{len(sampled)} sampled step(s): {_ranges(sampled)}"
+    note = f"{len(sampled)} sampled step(s): {steps_text(sampled, limit=8)}"
     if pooled:
-        note += f", pooled into {columns} columns (each the largest of its samples)"
+        note += f", pooled into {columns} columns (each the largest of its measured samples)"
     else:
         note += "; one column each, dashed lines where unsampled steps lie (labelled above)"
     if steps is not None and not steps.empty and "step" in steps and sampled:
@@ -398,21 +431,31 @@ def _mark_gaps(fig: go.Figure, sampled: list[int], steps: pd.DataFrame | None) -
             gaps.insert(0, (-0.5, first, sampled[0] - 1))
         if last > sampled[-1]:
             gaps.append((len(sampled) - 0.5, sampled[-1] + 1, last))
+    line = {"color": _GAP_LINE, "dash": "dash", "width": 1.5}
+    # one layout update: add_shape re-validates every shape at each call (up to 1,000 gaps)
+    fig.update_layout(
+        shapes=[
+            *fig.layout.shapes,
+            *(
+                {
+                    "type": "line",
+                    "xref": "x",
+                    "yref": "paper",
+                    "x0": at,
+                    "x1": at,
+                    "y0": 0,
+                    "y1": 1,
+                    "line": line,
+                }
+                for at, _, _ in gaps
+            ),
+        ]
+    )
     for at, a, b in gaps:
-        fig.add_shape(
-            type="line",
-            xref="x",
-            yref="paper",
-            x0=at,
-            x1=at,
-            y0=0,
-            y1=1,
-            line={"color": _GAP_LINE, "dash": "dash", "width": 1.5},
-        )
         if len(gaps) <= _MAX_GAP_LABELS:
             fig.add_annotation(
-                text=f"{a}" if a == b else f"{a}–{b}",
-                hovertext=f"step {a} not sampled" if a == b else f"steps {a}–{b} not sampled",
+                text=range_text(a, b),
+                hovertext=f"{range_text(a, b, word=True)} not sampled",
                 xref="x",
                 yref="paper",
                 x=at,

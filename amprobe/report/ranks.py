@@ -8,6 +8,7 @@ import pandas as pd
 
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
+from amprobe.report.scale import rank_color, run_ranks
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -21,11 +22,6 @@ __all__ = ["compute_rank_summary", "compute_rank_spread", "make_ranks_figure"]
 MAX_RANK_TRACES = 16  # ranks drawn one by one; beyond this the figure shows the spread only
 #: what the figure's two series are called in its legend and hover text
 SERIES_LABELS = {"scale_after": "loss scale", "wall_s": "step time (ms)"}
-#: one colour per rank, the same in both panels (as many colours as ranks drawn one by one)
-RANK_COLORS = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#7b4173", "#3182bd",
-)  # fmt: skip
 
 
 def compute_rank_summary(steps: pd.DataFrame) -> pd.DataFrame:
@@ -62,7 +58,7 @@ def compute_rank_spread(steps: pd.DataFrame, column: str) -> pd.DataFrame:
 
 def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     """Loss scale and step time per step: one line per rank (up to 16, each rank in its own
-    colour in both panels), min-max band across ranks. Legend entries are in words
+    colour in both panels and on the loss-scale tab: :func:`~amprobe.report.scale.rank_color`), min-max band across ranks. Legend entries are in words
     (``rank 0 step time (ms)``, :data:`SERIES_LABELS`).
 
     Args:
@@ -78,7 +74,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
         vertical_spacing=0.08,
         subplot_titles=("loss scale per rank (log)", "step time per rank (ms)"),
     )
-    ranks = sorted(steps["rank"].unique())
+    ranks = run_ranks(steps)
     draw_each = len(ranks) <= MAX_RANK_TRACES
     for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
         label = SERIES_LABELS[column]
@@ -131,7 +127,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
                         y=shown[column] * scale,
                         mode="lines",
                         line={
-                            "color": RANK_COLORS[ranks.index(rank) % len(RANK_COLORS)],
+                            "color": rank_color(int(rank), ranks),
                             **({"shape": "hv"} if row == 1 else {}),
                         },
                         name=f"rank {rank} {label}",

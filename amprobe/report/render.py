@@ -33,7 +33,7 @@ __all__ = [
     "render_text",
     "render_json",
     "render_markdown",
-    "format_value",
+    "format_cell",
     "split_ref",
 ]
 
@@ -51,8 +51,9 @@ def split_ref(ref: str) -> tuple[str, str | None]:
     return label or url, url
 
 
-def format_value(value: Any) -> str:
-    """Short human form of an evidence value."""
+def format_cell(value: Any) -> str:
+    """A table cell or health value in short form (an evidence value is
+    :func:`amprobe.report.evidence.format_value`'s)."""
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
@@ -60,11 +61,11 @@ def format_value(value: Any) -> str:
             return f"{value:.3g}"
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
-        items = [format_value(v) for v in value[:12]]
+        items = [format_cell(v) for v in value[:12]]
         more = f", ... (+{len(value) - 12})" if len(value) > 12 else ""
         return "[" + ", ".join(items) + more + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {format_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k}: {format_cell(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 
@@ -82,7 +83,7 @@ def _health_line(key: str, metric: dict[str, Any]) -> str:
         return f"{label}: {value:.1%}"
     if metric.get("unit") == "x":
         return f"{label}: {value:.2f}x"
-    return f"{label}: {format_value(value)}"
+    return f"{label}: {format_cell(value)}"
 
 
 def _run_summary(diagnosis: Diagnosis) -> dict[str, Any]:
@@ -266,7 +267,7 @@ def _frame_markdown(frame: Any, limit: int = 50) -> str:
     cols = [str(c) for c in frame.columns]
     rows = ["| " + " | ".join(_md_escape(c) for c in cols) + " |", "|" + "---|" * len(cols)]
     for record in frame.head(limit).itertuples(index=False):
-        rows.append("| " + " | ".join(_md_escape(format_value(v)) for v in record) + " |")
+        rows.append("| " + " | ".join(_md_escape(format_cell(v)) for v in record) + " |")
     if len(frame) > limit:
         rows.append(f"\n({len(frame) - limit} more rows)")
     return "\n".join(rows)

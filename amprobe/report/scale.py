@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.frames import range_text
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
 from amprobe.report.registry import Section, section
 
@@ -28,7 +30,10 @@ __all__ = [
     "thin_series",
     "cap_rows",
     "rank_color",
+    "run_ranks",
+    "RANK_COLORS",
     "gaps_as_null",
+    "loss_recorded",
     "LossSpan",
     "nonfinite_loss_spans",
     "add_loss_bands",
@@ -37,19 +42,26 @@ __all__ = [
 _SKIP_COLOR = "#d62728"
 _GROW_COLOR = "#2ca02c"
 _CUT_COLOR = "#ff7f0e"
-#: one colour per rank, none of them the markers' red, green or orange
-_RANK_COLORS = (
+#: one colour per rank, by the rank's position among the run's ranks (:func:`rank_color`), the
+#: same on every tab; none is a marker's red, green or orange (skipped step, growth, backoff,
+#: loss NaN band), black (the median of ranks) or grey (the spread, not measured)
+RANK_COLORS = (
     "#1f77b4",
     "#9467bd",
     "#8c564b",
     "#e377c2",
     "#17becf",
-    "#7f7f7f",
     "#bcbd22",
     "#393b79",
-    "#637939",
-    "#843c39",
+    "#a55194",
+    "#8c6d31",
+    "#6b6ecf",
+    "#c49c94",
+    "#aec7e8",
 )
+#: hues (degrees) of the colours beyond :data:`RANK_COLORS`: cyan to purple, away from the
+#: markers' red, orange and green
+_HUES = (170, 320)
 _BAND_COLOR = "#d62728"
 #: loss NaN stretches drawn as bands, at most (the rest are named in one note)
 MAX_BANDS = 20
@@ -104,12 +116,24 @@ def gaps_as_null(y: np.ndarray) -> list[float | None]:
     return [None if v != v else float(v) for v in y.tolist()]
 
 
-def rank_color(rank: int, ranks: int) -> str:
-    """The colour of ``rank``'s lines in a run of ``ranks`` ranks: one of ten for up to ten
-    ranks, else evenly spaced hues (each rank its own)."""
-    if ranks <= len(_RANK_COLORS):
-        return _RANK_COLORS[rank % len(_RANK_COLORS)]
-    return f"hsl({round(360 * (rank % ranks) / ranks)}, 65%, 42%)"
+def run_ranks(frame: pd.DataFrame) -> list[int]:
+    """The ranks of a frame's rows, ascending (``[0]`` for a frame without ranks)."""
+    if "rank" not in frame or frame.empty:
+        return [0]
+    return sorted(int(r) for r in frame["rank"].dropna().unique())
+
+
+def rank_color(rank: int, ranks: Sequence[int]) -> str:
+    """The colour of ``rank``'s lines, among the run's ``ranks`` (:func:`run_ranks`): picked by
+    the rank's position among them, so that every rank has its own (ranks 0 and 10 of a
+    two-rank run too) and the same one on every tab. :data:`RANK_COLORS` for up to 12 ranks,
+    else evenly spaced hues in :data:`_HUES`."""
+    ordered = sorted(set(ranks))
+    at = ordered.index(rank)
+    if len(ordered) <= len(RANK_COLORS):
+        return RANK_COLORS[at]
+    low, high = _HUES
+    return f"hsl({round(low + (high - low) * at / (len(ordered) - 1))}, 65%, {42 + 12 * (at % 2)}%)"
 
 
 @dataclass(frozen=True)
@@ -124,9 +148,7 @@ class LossSpan:
 
     def text(self, prefix: str = "", all_ranks: int = 1) -> str:
         """``"loss NaN, steps 80–119"`` (with the ranks when not every rank's loss was)."""
-        where = (
-            f"step {self.first}" if self.first == self.last else f"steps {self.first}–{self.last}"
-        )
+        where = range_text(self.first, self.last, word=True)
         on = ""
         if all_ranks > 1 and len(self.ranks) < all_ranks:
             shown = ", ".join(str(r) for r in self.ranks[:8]) + (
@@ -296,6 +318,16 @@ def scale_events(steps: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)[columns]
 
 
+def loss_recorded(steps: pd.DataFrame) -> bool:
+    """Whether any step recorded a loss: a value, or a NaN/inf loss (stored as NaN, flagged
+    ``loss_nonfinite``), which is recorded too."""
+    return (
+        not steps.empty
+        and "loss" in steps
+        and (steps["loss"].notna().any() or bool(nonfinite_loss_spans(steps)))
+    )
+
+
 def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
     """Loss scale per step on a log axis (skipped steps, growth and backoff marked), loss beneath.
 
@@ -310,11 +342,7 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     from plotly.subplots import make_subplots
 
     rows = scaler_rows(steps)
-    has_loss = (
-        not steps.empty
-        and "loss" in steps
-        and (steps["loss"].notna().any() or bool(nonfinite_loss_spans(steps)))
-    )
+    has_loss = loss_recorded(steps)
     if rows.empty and not has_loss:
         return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
     fig = make_subplots(
@@ -325,8 +353,8 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
         row_heights=[0.6, 0.4],
         subplot_titles=("loss scale (log)", "loss"),
     )
-    n_ranks = int(steps["rank"].nunique()) if "rank" in steps else 1
-    multi = n_ranks > 1
+    ranks = run_ranks(steps)
+    multi = len(ranks) > 1
     for rank, part in split_ranks(rows):
         suffix = f" (rank {rank})" if multi else ""
         x, y = thin_series(part, "scale_before", max_points)
@@ -337,7 +365,7 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
                 mode="lines",
                 name=f"scale{suffix}",
                 legendgroup=f"rank {rank}",
-                line={"shape": "hv", "color": rank_color(rank, n_ranks)},
+                line={"shape": "hv", "color": rank_color(rank, ranks)},
             ),
             1,
             1,
@@ -399,7 +427,7 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
                     mode="lines",
                     name=f"loss (rank {rank})" if multi else "loss",
                     legendgroup=f"rank {rank}",
-                    line={"color": rank_color(rank, n_ranks)},
+                    line={"color": rank_color(rank, ranks)},
                     connectgaps=False,
                 ),
                 2,
@@ -464,7 +492,7 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     if steps.empty:
         return Section("scale", title, missing="no training step was recorded")
     has_scale = steps["scale_after"].notna().any()
-    has_loss = steps["loss"].notna().any()
+    has_loss = loss_recorded(steps)
     if not has_scale and not has_loss:
         return Section("scale", title, missing="no GradScaler and no loss tensor were seen")
     text = []

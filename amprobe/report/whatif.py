@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from amprobe.analysis.frames import steps_text
 from amprobe.analysis.whatif import (
     FORMATS,
     KINDS,
@@ -17,9 +18,9 @@ from amprobe.analysis.whatif import (
     compute_whatif_frame,
     layer_order,
     not_judged_text,
-    steps_text,
 )
 from amprobe.report.registry import Section, section
+from amprobe.rules.engine import REGISTRY
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -51,8 +52,8 @@ FORMAT_COLORS: dict[str, tuple[str, str]] = {
 }
 _KIND_SUFFIX = {"output": "", "grad_output": " · output grad", "grad_param": " · param grad"}
 _MIN_LOG_SHARE = -6.0
-#: the lost share up to which the headline says a layer keeps its values
-KEEP_LOSS = 0.001
+#: the rule whose threshold says what "a layer keeps its values" means in the headline
+KEEP_RULE, KEEP_THRESHOLD = "AMP-P01", "min_representable_share"
 #: not-judged layers named per group of steps in the headline (the rest are counted)
 MAX_NAMED = 8
 #: what a lost % cell of a layer that held inf/NaN says
@@ -302,27 +303,15 @@ def make_exponent_heatmap(
         color, dash = FORMAT_COLORS[name]
         x0 = max(f.min_subnormal_exp - 0.5, lo - 0.5)
         x1 = min(f.top_exp + 0.5, hi + 0.5)
-        fig.add_shape(
-            type="rect",
-            xref="x",
-            yref="paper",
+        fig.add_vrect(
             x0=x0,
             x1=x1,
-            y0=0,
-            y1=1,
             line={"color": color, "dash": dash, "width": 2},
             fillcolor="rgba(0,0,0,0)",
         )
         if lo < f.min_normal_exp - 0.5 < hi:
-            fig.add_shape(
-                type="line",
-                xref="x",
-                yref="paper",
-                x0=f.min_normal_exp - 0.5,
-                x1=f.min_normal_exp - 0.5,
-                y0=0,
-                y1=1,
-                line={"color": color, "dash": "dot", "width": 1},
+            fig.add_vline(
+                x=f.min_normal_exp - 0.5, line={"color": color, "dash": "dot", "width": 1}
             )
         clipped = " (beyond the axis)" if x0 > f.min_subnormal_exp - 0.5 else ""
         fig.add_trace(  # a legend entry naming the window drawn by the shapes
@@ -338,12 +327,11 @@ def make_exponent_heatmap(
             )
         )
     sampled = numerics.loc[numerics["kind"].isin(list(kinds)), "step"].dropna().unique()
-    step_word = "step" if len(sampled) == 1 else "steps"
     tickvals = [e for e in exps if e % 8 == 0] + [inf_x]
     fig.update_layout(
         title={
             "text": f"Exponent range of {title} per layer, with each format's window"
-            f"<br><sup>summed over sampled {step_word} {steps_text(sampled)}; grey: not judged "
+            f"<br><sup>summed over sampled {steps_text(sampled, word=True)}; grey: not judged "
             "(held inf/NaN) or not measured</sup>"
         },
         xaxis={
@@ -386,7 +374,7 @@ def whatif_table(whatif: pd.DataFrame) -> pd.DataFrame:
     wide.loc[~judged, :] = NOT_JUDGED
     out = pd.concat([base[[*keys, "dtype", "min_exp", "max_exp", "nonzero"]], wide], axis=1)
     out["inf/NaN"] = [
-        "0" if ok else f"{int(n):,} at {_steps_word(steps)}: not judged"
+        "0" if ok else f"{int(n):,} at {steps_text(steps, word=True)}: not judged"
         for ok, n, steps in zip(judged, base["nonfinite"], base["nonfinite_steps"], strict=True)
     ]
     out["kind"] = out["kind"].map(KINDS).fillna(out["kind"])
@@ -397,24 +385,29 @@ def whatif_table(whatif: pd.DataFrame) -> pd.DataFrame:
 
 def _names(modules: list[str]) -> str:
     """``a, b and c``, at most :data:`MAX_NAMED` named."""
-    shown = modules[:MAX_NAMED]
     if len(modules) > MAX_NAMED + 1:  # "and 1 more" would be longer than the name
-        return ", ".join(shown) + f" and {len(modules) - MAX_NAMED} more"
-    shown = modules
-    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+        return ", ".join(modules[:MAX_NAMED]) + f" and {len(modules) - MAX_NAMED} more"
+    return modules[0] if len(modules) == 1 else ", ".join(modules[:-1]) + " and " + modules[-1]
 
 
-def _steps_word(steps: Any) -> str:
-    values = list(steps) if isinstance(steps, (list, tuple)) else []
-    return ("step " if len(values) == 1 else "steps ") + steps_text(values)
+def keep_share(diagnosis: Diagnosis | None = None) -> float:
+    """The share of its values a layer must keep in fp8 to count as keeping them: AMP-P01's
+    ``min_representable_share``, as the diagnosis ran it (a configured value) or registered."""
+    if diagnosis is not None and KEEP_RULE in diagnosis.thresholds:
+        return float(diagnosis.thresholds[KEEP_RULE][KEEP_THRESHOLD])
+    return float(REGISTRY[KEEP_RULE].thresholds[KEEP_THRESHOLD])
 
 
-def whatif_headline(whatif: pd.DataFrame) -> list[str]:
+def whatif_headline(whatif: pd.DataFrame, keep: float | None = None) -> list[str]:
     """Per fp8 kind: how many judged layers keep their values; the not-judged layers, named.
 
-    A layer and kind that held inf/NaN is left out of the count and named with the sampled
-    steps at which it held them (``booster: not judged, held inf/NaN at steps 120–129``).
+    A layer keeps its values when it keeps at least ``keep`` of them (AMP-P01's threshold,
+    :func:`keep_share`, when not given). A layer and kind that held inf/NaN is left out of the
+    count and named with the sampled steps at which it held them (``booster: not judged, held
+    inf/NaN at steps 120–129``).
     """
+    keep = keep_share() if keep is None else keep
+    lost = 1.0 - keep
     text = []
     scaled = whatif[whatif["scaling"] == "per-tensor"]
     for kind, fmt in (("output", "e4m3"), ("grad_output", "e5m2")):
@@ -432,9 +425,9 @@ def whatif_headline(whatif: pd.DataFrame) -> list[str]:
         skipped = part[~part["judged"].astype(bool)]
         what = f"{KINDS[kind]}s in {FORMATS[fmt].label} with per-tensor scaling"
         if len(judged):
-            fit = int((judged["lost_share"] <= KEEP_LOSS + 1e-12).sum())
+            fit = int((judged["lost_share"] <= lost + 1e-12).sum())
             of = f"{len(judged)} judged" if len(skipped) else f"{len(part)}"
-            line = f"{fit} of {of} layers keep ≥ {(1 - KEEP_LOSS) * 100:.3g} % of their {what}."
+            line = f"{fit} of {of} layers keep ≥ {keep * 100:.3g} % of their {what}."
         else:
             line = (
                 f"No layer's {KINDS[kind]}s can be judged for {FORMATS[fmt].label}: every one "
@@ -460,7 +453,7 @@ def build_whatif_section(run: Run, diagnosis: Diagnosis) -> Section:
     whatif = compute_whatif(run)
     if whatif.empty:
         return Section(key="whatif", title=title, missing=MISSING)
-    text = whatif_headline(whatif)
+    text = whatif_headline(whatif, keep_share(diagnosis))
     text.append(TOLERANCE)
     figures = tuple(
         make_exponent_heatmap(numerics, group, whatif)

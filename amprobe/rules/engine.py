@@ -308,12 +308,14 @@ def rule(
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
     """The result of :func:`diagnose`: findings (cause first, :func:`order_cause_first`),
-    skipped rules, health."""
+    skipped rules, health, and the thresholds each rule ran with (registered defaults merged
+    with the overrides), so that a view judging by a rule's threshold uses the same one."""
 
     run: Run
     findings: tuple[Finding, ...]
     not_checked: tuple[NotChecked, ...]
     health: Mapping[str, Mapping[str, Any]]
+    thresholds: Mapping[str, Mapping[str, float]] = dataclasses.field(default_factory=dict)
 
     def worst(self) -> Severity | None:
         """The most severe finding's severity (findings are listed cause first, not by it)."""
@@ -608,4 +610,5 @@ def diagnose(
         findings=tuple(findings),
         not_checked=tuple(skipped),
         health=compute_health(run),
+        thresholds=MappingProxyType({rid: MappingProxyType(v) for rid, v in merged.items()}),
     )
