@@ -223,9 +223,9 @@ def test_compare_page_shows_the_numbers_of_amprobe_compare(
     assert f"ratio {c['memory_ratio']:.2f}" in shown
     assert f"difference {c['loss_diff']:+.4g}" in shown
     first, last = c["timed_step_ranges"][1]
-    assert any(f"candidate steps {first}-{last}" in t for t in shown)
+    assert any(f"candidate steps {first}–{last}" in t for t in shown)
     first, last = c["final_loss_step_range"]
-    assert f"steps {first}-{last}" in shown
+    assert f"steps {first}–{last}" in shown
     assert "A (baseline): healthy" in shown and "B (candidate): overflow" in shown
 
 
