@@ -520,3 +520,22 @@ def test_a_pooled_column_with_unmeasured_samples_says_so(tmp_path: Path) -> None
     grey = {(cell[0], cell[1]): cell[2] for cell in _grey_cells(fig)}
     assert set(grey) == {(f"{layer[0]} · {layer[1]}", "20–21")}  # ... but grey
     assert "none of its 2 samples" in grey[(f"{layer[0]} · {layer[1]}", "20–21")]
+
+
+def test_unsampled_stretch_labels_are_not_drawn_over_each_other(tmp_path: Path) -> None:
+    """Two close unsampled stretches ("1-99" and "101-120" on `amprobe demo`'s run, which
+    samples steps 0, 100 and 121-182) had their labels drawn on one row, one over the other:
+    close labels take alternate rows."""
+    from amprobe.demo import run_demo
+    from amprobe.report.numerics import make_numerics_heatmap_figure
+
+    demo = amprobe.load_run(run_demo(tmp_path, progress=False))
+    fig = make_numerics_heatmap_figure(demo.table("numerics"), "nonfinite", steps=demo.steps)
+    columns = len(fig.data[0].x)
+    labels = [a for a in fig.layout.annotations if a.hovertext and "not sampled" in a.hovertext]
+    assert len(labels) >= 2
+    width = 5.5 * columns / 1000  # a 9 px character's width in columns of a 1,000 px plot
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            if (a.yshift or 0) == (b.yshift or 0):
+                assert abs(a.x - b.x) >= (len(a.text) + len(b.text)) / 2 * width, (a.text, b.text)

@@ -78,6 +78,12 @@ PARTLY_NOT_MEASURED = "partly not measured"
 _GAP_LINE = "#969696"
 #: unsampled stretches labelled above the heatmap, at most (more: the dashed lines only)
 _MAX_GAP_LABELS = 12
+#: gap labels: rows above the plot, their height, a character's width and the plot's width that
+#: the spacing assumes (px; the dashboard and report draw the heatmap about this wide)
+_GAP_LABEL_ROWS = 2
+_GAP_LABEL_ROW_PX = 11
+_GAP_LABEL_CHAR_PX = 5.5
+_GAP_LABEL_AXIS_PX = 1000
 #: hover detail (the parts of each count) only up to this many cells: it is text per cell
 _MAX_DETAIL_CELLS = 20_000
 #: numerics_not_checked kinds that leave every layer's activations unmeasured
@@ -451,19 +457,31 @@ def _mark_gaps(fig: go.Figure, sampled: list[int], steps: pd.DataFrame | None) -
             ),
         ]
     )
+    if len(gaps) > _MAX_GAP_LABELS:
+        return
+    # labels of close gaps go on alternate rows above the plot, so that none is drawn over
+    # another ("1–99" beside "101–120"); a label with no free row is left out (its line stays)
+    columns = max(len(sampled), 1)
+    row_end = [-float("inf")] * _GAP_LABEL_ROWS  # the x where each row's last label ends
     for at, a, b in gaps:
-        if len(gaps) <= _MAX_GAP_LABELS:
-            fig.add_annotation(
-                text=range_text(a, b),
-                hovertext=f"{range_text(a, b, word=True)} not sampled",
-                xref="x",
-                yref="paper",
-                x=at,
-                y=1.0,
-                yanchor="bottom",
-                showarrow=False,
-                font={"size": 9, "color": "#555"},
-            )
+        text = range_text(a, b)
+        half = len(text) * _GAP_LABEL_CHAR_PX / 2 * columns / _GAP_LABEL_AXIS_PX  # in columns
+        row = next((r for r, end in enumerate(row_end) if at - half > end), None)
+        if row is None:
+            continue
+        row_end[row] = at + half
+        fig.add_annotation(
+            text=text,
+            hovertext=f"{range_text(a, b, word=True)} not sampled",
+            xref="x",
+            yref="paper",
+            x=at,
+            y=1.0,
+            yanchor="bottom",
+            yshift=row * _GAP_LABEL_ROW_PX,
+            showarrow=False,
+            font={"size": 9, "color": "#555"},
+        )
 
 
 def worst_layers(
