@@ -35,6 +35,8 @@ __all__ = [
     "run_jobs",
     "GLOO_EXIT_ABORT",
     "run_gloo_job",
+    "component_texts",
+    "recorded_rows",
 ]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -267,3 +269,27 @@ def train_loop(
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     return [float(v) for v in losses]
+
+
+def component_texts(component: Any) -> list[str]:
+    """Every string in a Dash component tree (children and labels, a DataTable's rows), depth
+    first."""
+    if component is None:
+        return []
+    if isinstance(component, str):
+        return [component]
+    if isinstance(component, (list, tuple)):
+        return [t for c in component for t in component_texts(c)]
+    out: list[str] = []
+    for prop in ("children", "label"):
+        out.extend(component_texts(getattr(component, prop, None)))
+    data = getattr(component, "data", None)
+    if isinstance(data, list):  # a DataTable's rows
+        out.extend(v for row in data if isinstance(row, dict) for v in row.values())
+    return out
+
+
+def recorded_rows(run_dir: Path, table: str, rank: int = 0) -> list[dict[str, Any]]:
+    """The rows one rank of a recorded run wrote to ``table`` (its JSON-lines file), as written."""
+    text = (Path(run_dir) / f"rank{rank}" / f"{table}.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -27,6 +27,7 @@ from dashboard.figures import (  # noqa: E402
     scale_events,
 )
 from dashboard.runs import LiveTail, RunAccessError, discover_runs, resolve_run  # noqa: E402
+from tests.helpers import recorded_rows  # noqa: E402
 
 
 def texts(component: Any) -> list[str]:
@@ -81,15 +82,11 @@ def open_tab(ctx: callbacks.Context, name: str, tab: str, search: str = "") -> A
 def write_two_ranks(run_dir: Path) -> Path:
     """``sample_runs/overflow``'s steps and numerics written by amprobe's writer as ranks 0
     and 1 of one 2-rank run (as ``tests/test_figures_truth.py`` builds it)."""
-    import json
 
     from amprobe.store.writer import RunWriter
 
-    def rows(table: str) -> list[dict[str, Any]]:
-        text = (SAMPLE_RUNS / "overflow" / "rank0" / f"{table}.jsonl").read_text()
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-    steps, numerics = rows("steps"), rows("numerics")
+    steps = recorded_rows(SAMPLE_RUNS / "overflow", "steps")
+    numerics = recorded_rows(SAMPLE_RUNS / "overflow", "numerics")
     for rank in (0, 1):
         writer = RunWriter(run_dir, rank, 2, {"device": "cpu"}, max_buffered_rows=100_000)
         writer.append("steps", steps)

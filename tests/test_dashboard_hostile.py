@@ -22,28 +22,11 @@ import dashboard.runs as runs_mod  # noqa: E402
 from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.demo import write_synthetic_run  # noqa: E402
 from dashboard.runs import PENDING, RunAccessError, RunCache  # noqa: E402
+from tests.helpers import component_texts as texts  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_RUNS = REPO / "sample_runs"
 HOSTILE_NAMES = ("<b>bold</b>", "<img src=x onerror=alert(1)>", "<script>alert(1)</script>")
-
-
-def texts(component: Any) -> list[str]:
-    """Every string in a component tree (children and string props), depth first."""
-    if component is None:
-        return []
-    if isinstance(component, str):
-        return [component]
-    if isinstance(component, (list, tuple)):
-        return [t for c in component for t in texts(c)]
-    out: list[str] = []
-    for prop in ("children", "label"):
-        value = getattr(component, prop, None)
-        out.extend(texts(value))
-    data = getattr(component, "data", None)
-    if isinstance(data, list):  # a DataTable's rows
-        out.extend(v for row in data if isinstance(row, dict) for v in row.values())
-    return out
 
 
 def _find(component: Any, component_id: str) -> Any:

@@ -23,22 +23,12 @@ from amprobe.rules.engine import Severity  # noqa: E402
 from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.browser import ServerThread, browser_missing, chromium_driver  # noqa: E402
 from dashboard.runs import PENDING  # noqa: E402
+from tests.helpers import component_texts as texts  # noqa: E402
 
 SAMPLE_RUNS = Path(__file__).resolve().parents[1] / "sample_runs"
 SAMPLES = ("healthy", "overflow", "misuse", "bf16", "fp8-whatif")
 #: how long one condition may take to hold in the browser (the machine is loaded)
 WAIT_S = 120
-
-
-def texts(component: Any) -> list[str]:
-    """Every string in a component tree (children), depth first."""
-    if component is None:
-        return []
-    if isinstance(component, str):
-        return [component]
-    if isinstance(component, (list, tuple)):
-        return [t for c in component for t in texts(c)]
-    return texts(getattr(component, "children", None))
 
 
 def find(component: Any, component_id: str) -> Any:

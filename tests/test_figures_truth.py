@@ -26,6 +26,7 @@ from amprobe.report.downsample import thin_figure
 from amprobe.report.numerics import HEATMAP_METRICS, build_numerics_section
 from amprobe.report.scale import build_scale_section, make_loss_scale_figure
 from amprobe.store.writer import RunWriter
+from tests.helpers import recorded_rows
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_runs"
 
@@ -106,11 +107,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
     counts doubled, and its step 0 not sampled."""
     root = tmp_path_factory.mktemp("ranks") / "run"
 
-    def rows(table: str) -> list[dict[str, Any]]:
-        text = (SAMPLES / "overflow" / "rank0" / f"{table}.jsonl").read_text()
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-    steps, numerics = rows("steps"), rows("numerics")
+    steps = recorded_rows(SAMPLES / "overflow", "steps")
+    numerics = recorded_rows(SAMPLES / "overflow", "numerics")
     for rank in (0, 1):
         writer = RunWriter(root, rank, 2, {"device": "cpu"}, max_buffered_rows=100_000)
         mine = [
