@@ -48,6 +48,7 @@ h1{font-size:1.6em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-t
 table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
 .muted{color:#777} .fix{margin:.4em 0} .cause{margin:.3em 0} .evidence{margin:.4em 0}
 table.facts th{font-weight:normal;color:#555} caption{text-align:left;color:#555;font-size:.9em}
+table.dataframe{display:block;max-width:100%;overflow-x:auto}
 .notchecked{background:#f4f4f4;border:1px solid #ddd;padding:.4em 1em;font-size:.9em} .notchecked ul{margin:.2em 0}
 """
 
