@@ -5,23 +5,24 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
 
 1. Records a real 2-rank DDP fp16 job on CPU (gloo) with the default collectors through
    ``amprobe run -- torchrun`` (a small MLP, ``GradScaler("cpu")``, an overflow planted on
-   every rank for four steps from the middle one), or reuses ``--source``. The rank whose
+   every rank for four steps from the middle one), or reuses ``--source``. The lowest rank whose
    record files are all there and non-empty (steps, events, numerics, offenders, compute and
    syncs) is the template; none such stops the benchmark.
 2. For each N, builds an N-rank run from that template rank: every rank's files are hard
-   links to the template's (the loader refuses symlinks), except each rank's ``manifest.json``, which
-   names the rank and is a real copy; the run manifest says ``world_size`` N. About 1 % of the
+   links to the template's (the loader refuses symlinks), except each rank's ``manifest.json``,
+   a real copy naming the rank, its local rank and a host per 8 ranks; the run manifest says
+   ``world_size`` N. About 1 % of the
    ranks (at least 3) are real copies made to diverge, in turn: a doubled ``init_scale`` (its
    whole scale trajectory and its ``scaler_created`` event), a rank-local overflow three
-   quarters in (the step skipped, the scale halved from there, offender rows added as the
-   planted step's), and a 3x slower rank (every step time and the clock scaled).
+   quarters in (the step skipped, the scale halved from there, the offender rows and events
+   of the template's first offending step copied to that step), and a 3x slower rank (every step time and the clock scaled).
 3. Times ``amprobe diagnose --format json`` and ``amprobe report -o x.html`` in a child
    process each and prints, side by side: wall seconds, CPU seconds (user + system) and peak
    RSS of the child (``os.wait4``'s rusage of that one child), per rank, the output size, and
    which planted ranks AMP-D01 and AMP-D02 named.
 
-The disk a run needs is one copy of rank 0 plus a manifest per rank plus the diverging copies;
-the benchmark prints it, measured by inode, and stops before building when the disk has less.
+The disk a run needs is one copy of the template rank, a manifest per rank and the diverging
+copies; the benchmark prints it, measured by inode, and skips an N the free disk cannot hold.
 """
 
 from __future__ import annotations
