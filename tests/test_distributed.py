@@ -26,7 +26,15 @@ from amprobe.capture.collectors import REGISTRY, Collector
 from amprobe.report.ranks import build_ranks_section
 from amprobe.rules.engine import Finding, format_ranks, group_rank_findings
 from amprobe.store import writer as store_writer
-from tests.helpers import TinyNet, fake_run, free_port, run_gloo_job, torchrun_argv, train_loop
+from tests.helpers import (
+    TinyNet,
+    fake_run,
+    free_port,
+    recorded_rows,
+    run_gloo_job,
+    torchrun_argv,
+    train_loop,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -127,7 +135,10 @@ def test_d01_names_init_scale_difference_in_fix():
     [
         ((0.05, 0.05, 0.05, 0.20), None, ("wall_s", [3])),
         ((0.05, 0.051, 0.049, 0.052), None, None),  # noise
-        ((0.001, 0.001, 0.004), None, None),  # 4x slower but only 3 ms: below min_excess_s
+        # 4x slower but only 6 us: below min_excess_s, the floor under timer noise (this case
+        # was (0.001, 0.001, 0.004), 3 ms, under the old machine-tuned 10 ms floor)
+        ((2e-06, 2e-06, 8e-06), None, None),
+        ((0.10, 0.10, 0.10), (0.001, 0.001, 0.004), None),  # a 4x wait, 3 % of a step
         ((0.10, 0.10, 0.10), (0.0, 0.0, 0.06), ("data_wait_s", [2])),
     ],
 )
@@ -146,6 +157,81 @@ def test_d02_straggler(walls, waits, expect):
         assert len(found) == 1
         assert (found[0].evidence["metric"], found[0].evidence["ranks"]) == expect
         assert found[0].severity == "info"
+
+
+HEALTHY = ROOT / "sample_runs" / "healthy"
+
+
+def _recorded_ranks(root: Path, n: int, median_s: float, slow: dict[int, Any]) -> amprobe.Run:
+    """``sample_runs/healthy``'s recorded step rows written by amprobe's writer as ranks 0 to
+    ``n - 1`` of one run: ``wall_s`` rescaled so that the median step takes ``median_s``, rank
+    ``r`` 0.5 % x r slower than rank 0 (so the ranks are not identical), and the ranks in
+    ``slow`` slower again by ``slow[r](step)``."""
+    rows = recorded_rows(HEALTHY, "steps")
+    scale = median_s / float(np.median([r["wall_s"] for r in rows]))
+    for rank in range(n):
+        factor = slow.get(rank, lambda step: 1.0)
+        writer = store_writer.RunWriter(root, rank, n, {"device": "cpu"}, max_buffered_rows=10_000)
+        mine = [
+            {**r, "wall_s": r["wall_s"] * scale * (1 + 0.005 * rank) * factor(r["step"])}
+            for r in rows
+        ]
+        writer.append("steps", mine)
+        writer.close({"status": "finished", "steps": len(mine)})
+    return amprobe.load_run(root)
+
+
+def _always(factor: float) -> Any:
+    return lambda step: factor
+
+
+@pytest.mark.parametrize(
+    ("n", "median_s", "slow", "named"),
+    [
+        # 3x on every step of 2.7 ms steps (issue #33: a fast machine's 3x rank; the old
+        # absolute 10 ms floor missed it)
+        (4, 2.7e-3, {3: _always(3.0)}, [3]),
+        (2, 2.7e-3, {1: _always(3.0)}, [1]),
+        # half the ranks 3x: each is 3x the median of the other three
+        (4, 2.7e-3, {2: _always(3.0), 3: _always(3.0)}, [2, 3]),
+        # a one-off stall: 3x on 5 of 150 steps
+        (4, 2.7e-3, {3: lambda step: 3.0 if 40 <= step < 45 else 1.0}, None),
+        (4, 2.7e-3, {2: _always(1.2)}, None),  # within 1.2x
+        (4, 50e-6, {1: _always(3.0)}, [1]),  # ~50 us steps, 3x on every step
+        # ~50 us steps, 3x on 3 steps of 4: the median is 1.8x the others', but slower on only
+        # 75 % of the steps
+        (4, 50e-6, {1: lambda step: 3.0 if step % 4 else 1.0}, None),
+    ],
+)
+def test_d02_straggler_on_recorded_steps(tmp_path, n, median_s, slow, named):
+    run = _recorded_ranks(tmp_path / "run", n, median_s, slow)
+    found = [f for f in amprobe.diagnose(run, only=["AMP-D02"]).findings if f.id == "AMP-D02"]
+    if named is None:
+        assert found == []
+        return
+    (f,) = found
+    ev = f.evidence
+    # of equally slow ranks, the highest is the slowest (0.5 % x rank)
+    assert (ev["metric"], ev["ranks"], ev["slowest_rank"]) == ("wall_s", named, named[-1])
+    # healthy's 150 steps less the 2 warmup steps, all measured on every rank
+    assert ev["compared_step_count"] == 148 and ev["compared_step_ranges"] == [[2, 149]]
+    assert ev["compared_rank_count"] == n
+    assert ev["slower_step_share"] == 1.0 and ev["slower_step_count"] == 148
+    assert ev["ratio"] == pytest.approx(3.0, rel=0.02)
+    assert ev["median_of_other_ranks_s"] == pytest.approx(median_s, rel=0.02)
+    assert "slower on 148 of 148 steps compared" in f.title and "(3.0x" in f.title
+
+
+def test_d02_inconsistent_rank_is_named_only_below_the_consistency_threshold(tmp_path):
+    """The 3-of-4-steps rank above passes the ratio and the floor; its 75 % share of slower
+    steps alone keeps it from being named."""
+    run = _recorded_ranks(tmp_path / "run", 4, 50e-6, {1: lambda step: 3.0 if step % 4 else 1.0})
+    (f,) = amprobe.diagnose(
+        run, thresholds={"AMP-D02": {"min_consistent_share": 0.7}}, only=["AMP-D02"]
+    ).findings
+    assert f.evidence["ranks"] == [1] and f.evidence["ratio"] == pytest.approx(1.78, abs=0.02)
+    assert (f.evidence["slower_step_count"], f.evidence["compared_step_count"]) == (111, 148)
+    assert f.evidence["slower_step_share"] == 0.75
 
 
 def test_cross_rank_rules_not_checked_on_single_rank():

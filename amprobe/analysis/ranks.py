@@ -1,11 +1,17 @@
-"""The ranks of one job side by side: step x rank grids and per-rank medians."""
+"""The ranks of one job side by side: step x rank grids, per-rank medians and the median of the
+other ranks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["compute_rank_grid", "compute_rank_medians", "compute_reduce_peaks"]
+__all__ = [
+    "compute_others_median",
+    "compute_rank_grid",
+    "compute_rank_medians",
+    "compute_reduce_peaks",
+]
 
 
 def compute_rank_grid(
@@ -30,6 +36,38 @@ def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) ->
     """Median of ``column`` per rank over the steps after ``warmup_steps`` (NaN rows ignored)."""
     body = steps.loc[steps["step"].to_numpy() >= warmup_steps, ["rank", column]]
     return body.groupby("rank", sort=True)[column].median().dropna()
+
+
+def compute_others_median(grid: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+    """Per row of ``grid`` (no NaN, at least 2 columns), the median of the row without column ``j``.
+
+    Returns an array of shape ``(rows, len(columns))`` (every column when ``columns`` is None):
+    ``out[i, c]`` is the median of ``grid[i]`` with ``grid[i, columns[c]]`` left out. It needs
+    only two or three order statistics of each row (``np.partition``, taken in blocks of rows
+    so that memory stays a few MB), not a sort per left-out column: with the row sorted as
+    ``s`` and ``m = n - 1`` values left, the left-out value ``x`` shifts each order statistic
+    ``s[k]`` of the rest to ``s[k + 1]`` when ``x <= s[k]`` (ties leave the same values).
+    """
+    rows, n = grid.shape
+    if n < 2:
+        raise ValueError("the median of the other columns needs at least 2 columns")
+    picked = np.arange(n) if columns is None else np.asarray(columns, dtype=int)
+    out = np.empty((rows, len(picked)))
+    m = n - 1
+    k2 = m // 2
+    kth = [k2, k2 + 1] if m % 2 else [k2 - 1, k2, k2 + 1]
+    block = max(1, 1_000_000 // n)
+    for start in range(0, rows, block):
+        part = grid[start : start + block]
+        stats = np.partition(part, kth, axis=1)
+        x = part[:, picked]
+        upper = np.where(x <= stats[:, [k2]], stats[:, [k2 + 1]], stats[:, [k2]])
+        if m % 2:
+            out[start : start + block] = upper
+        else:
+            lower = np.where(x <= stats[:, [k2 - 1]], stats[:, [k2]], stats[:, [k2 - 1]])
+            out[start : start + block] = (lower + upper) / 2
+    return out
 
 
 def compute_reduce_peaks(

@@ -11,7 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from amprobe.analysis.ranks import compute_rank_grid, compute_rank_medians, compute_reduce_peaks
+from amprobe.analysis.ranks import (
+    compute_others_median,
+    compute_rank_grid,
+    compute_rank_medians,
+    compute_reduce_peaks,
+)
 from amprobe.rules.data import scaler_configs, scaler_steps, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
 from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
@@ -174,18 +179,33 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     "info",
     "distributed",
     requires=("steps", "multi_rank"),
-    thresholds={"slow_factor": 1.5, "min_excess_s": 0.01, "warmup_steps": 2, "min_steps": 5},
+    thresholds={
+        "slow_factor": 1.5,
+        "min_consistent_share": 0.8,
+        "min_excess_s": 2e-05,
+        "min_wait_step_share": 0.05,
+        "warmup_steps": 2,
+        "min_steps": 5,
+    },
     refs=(DATA_LOADING,),
 )
 def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     """One rank's step time or data wait is far above the other ranks'.
 
-    Algorithm: per rank, the median of ``wall_s`` (and of ``data_wait_s`` when recorded) over
-    the steps after ``warmup_steps``; ranks with fewer than ``min_steps`` such steps are left
-    out. A rank is a straggler when its median exceeds ``slow_factor`` x the median of all
-    ranks' medians and the excess is at least ``min_excess_s`` seconds (so microsecond noise
-    never counts). With two ranks the median of ranks is their mean, so a straggler must be
-    more than 3x the other at the default factor. One finding per metric lists every
+    Algorithm: ranks with fewer than ``min_steps`` steps after ``warmup_steps`` are left out;
+    per metric (``wall_s``, and ``data_wait_s`` when recorded), the steps compared are those
+    after the warmup that every remaining rank measured, and a metric with fewer than
+    ``min_steps`` of them is not judged. A rank is a straggler when (1) its median over
+    the steps compared is at least ``slow_factor`` x the median of the other ranks' medians,
+    (2) it is slower than the median of the other ranks, paired step by step, on at least
+    ``min_consistent_share`` of the steps compared (so a few stalls, or a rank slow on
+    alternate steps, are not a straggler), and (3) its median exceeds the others' by at least
+    ``min_excess_s``; for the data wait, also by at least ``min_wait_step_share`` of the other
+    ranks' median step time (a wait that adds a few percent to a step holds nothing up). The
+    judgment is a ratio, so a 3x rank is named on a fast machine as on a slow one;
+    ``min_excess_s`` is only a floor under timer noise (``wall_s`` comes from
+    ``time.perf_counter``, which resolves nanoseconds, but timing a step from Python jitters by
+    microseconds), not a machine-tuned step time. One finding per metric lists every
     straggler. Under DDP the gradient all-reduce makes every rank wait for the slowest, so a
     slow input pipeline usually shows in the data wait rather than in the step time.
     """
@@ -195,48 +215,84 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     metrics = [("wall_s", "step time")]
     if "data_wait_s" in steps.columns:
         metrics.append(("data_wait_s", "data-loader wait"))
-    body = steps.loc[steps["step"].to_numpy() >= th["warmup_steps"], ["rank"]]
+    body = steps.loc[steps["step"].to_numpy() >= th["warmup_steps"]]
     counts = body.groupby("rank", sort=True).size()
-    eligible = set(counts[counts >= th["min_steps"]].index)
+    eligible = counts[counts >= th["min_steps"]].index
+    body = body.loc[body["rank"].isin(eligible)]
+    walls = compute_rank_medians(body, "wall_s", 0)
     for column, label in metrics:
-        medians = compute_rank_medians(steps, column, int(th["warmup_steps"]))
-        medians = medians[medians.index.isin(eligible)]
-        if len(medians) < 2:
+        step_ids, ranks, (grid,) = compute_rank_grid(body, column)
+        complete = ~np.isnan(grid).any(axis=1) if len(ranks) >= 2 else np.zeros(0, dtype=bool)
+        if int(complete.sum()) < max(1, th["min_steps"]):
             continue
-        reference = float(medians.median())
-        slow = medians[
-            (medians > th["slow_factor"] * reference) & (medians - reference >= th["min_excess_s"])
-        ]
-        if slow.empty:
+        step_ids, grid = step_ids[complete], grid[complete]
+        medians = np.median(grid, axis=0)
+        others = compute_others_median(medians[None, :])[0]
+        excess = medians - others
+        floor = np.full(len(ranks), float(th["min_excess_s"]))
+        wall_medians = walls.reindex(ranks).to_numpy(dtype=float)
+        if column != "wall_s" and not np.isnan(wall_medians).any():
+            step_time = compute_others_median(wall_medians[None, :])[0]
+            floor = np.maximum(floor, th["min_wait_step_share"] * step_time)
+        candidates = np.flatnonzero((medians >= th["slow_factor"] * others) & (excess >= floor))
+        if not len(candidates):
             continue
-        slow = slow.sort_values(ascending=False)
-        worst_rank, worst = int(slow.index[0]), float(slow.iloc[0])
+        slower = grid[:, candidates] > compute_others_median(grid, candidates)
+        shares = slower.mean(axis=0)
+        keep = shares >= th["min_consistent_share"]
+        if not keep.any():
+            continue
+        slow = candidates[keep]
+        slow = slow[np.argsort(-medians[slow], kind="stable")]
+        share_of = dict(zip(candidates.tolist(), shares.tolist(), strict=True))
+        slower_of = dict(zip(candidates.tolist(), slower.sum(axis=0).tolist(), strict=True))
+        j = int(slow[0])
+        worst_rank, worst, reference = int(ranks[j]), float(medians[j]), float(others[j])
         ratio = worst / reference if reference > 0 else None
+        listed = slow[:MAX_LISTED]
         yield ctx.finding(
             title=(
                 f"rank {worst_rank}"
                 + (f" ({hosts.get(worst_rank)})" if hosts.get(worst_rank) else "")
-                + f" median {label} {worst * 1e3:.1f} ms vs {reference * 1e3:.1f} ms median of {len(medians)} ranks"
-                + (f" ({ratio:.1f}x)" if ratio else "")
+                + f" median {label} {_ms(worst)} vs {_ms(reference)} median of the other "
+                f"{len(ranks) - 1} rank(s)"
+                + f" ({f'{ratio:.1f}x, ' if ratio else ''}slower on {slower_of[j]:,} of "
+                f"{len(step_ids):,} steps compared)"
                 + (
-                    f"; {len(slow)} straggler ranks: {format_ranks(slow.index)}"
+                    f"; {len(slow)} straggler ranks: {format_ranks(ranks[slow])}"
                     if len(slow) > 1
                     else ""
                 )
             ),
             evidence={
                 "metric": column,
-                "ranks": sorted(int(r) for r in slow.index),
+                "ranks": sorted(int(r) for r in ranks[slow]),
                 "slowest_rank": worst_rank,
                 "hostname": hosts.get(worst_rank),
-                "rank_medians_s": {
-                    int(r): round(float(v), 6) for r, v in slow.iloc[:MAX_LISTED].items()
-                },
-                "median_of_ranks_s": round(reference, 6),
+                "rank_medians_s": {int(ranks[i]): round(float(medians[i]), 7) for i in listed},
+                "median_of_ranks_s": round(float(np.median(medians)), 7),
+                "median_of_other_ranks_s": round(reference, 7),
                 "ratio": round(ratio, 3) if ratio else None,
-                "compared_rank_count": len(medians),
+                "rank_ratios": {
+                    int(ranks[i]): (
+                        round(float(medians[i] / others[i]), 3) if others[i] > 0 else None
+                    )
+                    for i in listed
+                },
+                "slower_step_count": int(slower_of[j]),
+                "slower_step_share": round(float(share_of[j]), 4),
+                "rank_slower_step_shares": {
+                    int(ranks[i]): round(float(share_of[int(i)]), 4) for i in listed
+                },
+                "compared_rank_count": len(ranks),
+                "compared_step_count": len(step_ids),
+                "compared_step_ranges": step_ranges(step_ids),
                 "slow_factor": th["slow_factor"],
+                "min_consistent_share": th["min_consistent_share"],
                 "min_excess_s": th["min_excess_s"],
+                **(
+                    {"min_wait_step_share": th["min_wait_step_share"]} if column != "wall_s" else {}
+                ),
             },
             fix=(
                 "The slowest rank sets the pace of every synchronized step: look at its input "
@@ -244,6 +300,12 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
                 "device (thermal throttling, a different GPU model)."
             ),
         )
+
+
+def _ms(seconds: float) -> str:
+    """A step time in ms, with enough digits for microsecond steps."""
+    ms = seconds * 1e3
+    return f"{ms:.1f} ms" if ms >= 1 else f"{ms:.3f} ms"
 
 
 # -- AMP-D03 half-reduce -------------------------------------------------------------------------
