@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from amprobe.analysis.compiled import compiled_targets
+from amprobe.analysis.frames import step_ranges
 from amprobe.analysis.health import compute_health
 from amprobe.analysis.sampling import sampling_summary
 from amprobe.rules.refs import checklist_ref
@@ -351,17 +352,9 @@ _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
-    """Ranks as compact ranges: ``0-3, 7, 9-10``."""
-    parts: list[str] = []
-    ordered = sorted(set(ranks))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ", ".join(parts)
+    """Ranks as compact ranges: ``0-3, 7, 9-10`` (the runs of :func:`step_ranges`, written with
+    a hyphen as finding titles have always named ranks)."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in step_ranges(ranks, limit=None))
 
 
 def _rank_of(finding: Finding) -> int | None:
