@@ -246,25 +246,25 @@ def refresh_live(
             failures >= LIVE_READ_ATTEMPTS,
         )
     ctx.live_failures.pop(key, None)
-    steps_text = layout.steps_text(update.steps)
+    count_text = layout.step_count_text(update.steps)
     try:
         loaded = ctx.cache.get(key)
     except Exception as exc:  # the steps still follow; the page says its findings are older
         text = str(exc) if isinstance(exc, amprobe.RunLoadError) else f"{type(exc).__name__}: {exc}"
         failed = ctx.diagnose_failures[key] = ctx.diagnose_failures.get(key, 0) + 1
         return (
-            f"{steps_text}; the findings shown are older: cannot diagnose the new steps ({text})",
+            f"{count_text}; the findings shown are older: cannot diagnose the new steps ({text})",
             layout.build_status(update.status),
             no_update,
             update.status != "live" and failed >= LIVE_READ_ATTEMPTS,
         )
     ctx.diagnose_failures.pop(key, None)
     # the diagnosis is redone only every so often: say which step the findings shown are from
-    steps_text = layout.steps_text(
+    count_text = layout.step_count_text(
         update.steps, layout.last_step(loaded.run.steps), live=update.status == "live"
     )
     return (
-        steps_text,
+        count_text,
         layout.build_status(update.status),
         loaded.version if loaded.version != version else no_update,
         update.status != "live",

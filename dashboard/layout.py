@@ -79,7 +79,7 @@ __all__ = [
     "build_tab_body",
     "shown_tab",
     "loading_placeholder",
-    "steps_text",
+    "step_count_text",
     "last_step",
     "header_details",
 ]
@@ -808,7 +808,9 @@ def last_step(steps: pd.DataFrame) -> int | None:
     return int(steps["step"].max()) if len(steps) else None
 
 
-def steps_text(steps: pd.DataFrame, findings_step: int | None = None, live: bool = False) -> str:
+def step_count_text(
+    steps: pd.DataFrame, findings_step: int | None = None, live: bool = False
+) -> str:
     """``"120 steps (last step 119)"``; while ``live``, what the findings shown were made
     from: ``"; findings as of step 100"`` (``findings_step``, the diagnosed run's last step)."""
     n = int(steps["step"].nunique()) if len(steps) else 0
@@ -1160,7 +1162,7 @@ def _build_header(loaded: LoadedRun) -> list[Any]:
             [
                 html.Span(build_status(run.status), id=ids.RUN_STATUS),
                 html.Span(
-                    steps_text(run.steps, last_step(run.steps), run.status == "live"),
+                    step_count_text(run.steps, last_step(run.steps), run.status == "live"),
                     id=ids.RUN_STEPS,
                     style={"marginRight": "14px"},
                 ),
