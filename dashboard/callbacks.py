@@ -334,7 +334,8 @@ def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple
         return no_update, ""
     try:
         loaded = ctx.cache.get(name or "")
-        text = render_html(loaded.run, loaded.diagnosis)
+        # the sections this run version's tabs built already, not built a second time
+        text = render_html(loaded.run, loaded.diagnosis, loaded.sections)
     except Exception as exc:  # said next to the button, never an exception into Dash
         return no_update, _failed("writing the report", exc)
     filename = re.sub(r"[^A-Za-z0-9._-]+", "_", name or "run").strip("._") or "run"

@@ -13,11 +13,14 @@ import pytest
 
 pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'amprobe[dashboard]')")
 
+import re  # noqa: E402
+
 import dash  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
 import amprobe  # noqa: E402
 from amprobe.report.downsample import minmax_indices, thin_figure  # noqa: E402
+from amprobe.report.sections import section_tabs  # noqa: E402
 from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.demo import SyntheticLiveRun, record_amp_run, write_synthetic_run  # noqa: E402
 from dashboard.figures import (  # noqa: E402
@@ -455,6 +458,22 @@ def test_export_report_downloads_html(ctx: callbacks.Context) -> None:
     data, message = callbacks.export_report(ctx, 1, "amp")
     assert message == "" and data["filename"] == "amp-report.html"
     assert "<html" in data["content"].lower()
+
+
+def test_export_report_reuses_the_sections_the_tabs_built(ctx: callbacks.Context) -> None:
+    """The download is the report of the run version the page shows: the sections its tabs
+    built are not built a second time, and it is the report `amprobe report` writes."""
+    from amprobe.report import render_html
+
+    loaded = ctx.cache.get("amp")
+    callbacks.render_tab(ctx, "amp", "numerics", None, "?tab=numerics", None)
+    assert loaded.builds["section/numerics"] == 1
+    data, _ = callbacks.export_report(ctx, 1, "amp")
+    keys = [key for key, _ in section_tabs()]
+    assert all(loaded.builds[f"section/{key}"] == 1 for key in keys), loaded.builds
+    div_id = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+    fresh = render_html(loaded.run, loaded.diagnosis)  # each figure's div gets a new random id
+    assert div_id.sub("ID", data["content"]) == div_id.sub("ID", fresh)
 
 
 def test_export_refuses_names_outside_root(ctx: callbacks.Context) -> None:
