@@ -217,10 +217,10 @@ def test_cut_last_line_of_a_cleanly_closed_run_is_reported(tmp_path):
 
 
 def test_oversize_line_is_skipped_without_holding_it(tmp_path, monkeypatch):
-    from amprobe.store import load_run, loader
+    from amprobe.store import jsonl, load_run
 
-    monkeypatch.setattr(loader, "MAX_RECORD_BYTES", 1000)
-    monkeypatch.setattr(loader, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(jsonl, "MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr(jsonl, "READ_CHUNK_BYTES", 4096)
     run_dir = _write_run(tmp_path / "run")
     path = run_dir / "rank0" / "steps.jsonl"
     good = path.read_bytes()
@@ -232,10 +232,10 @@ def test_oversize_line_is_skipped_without_holding_it(tmp_path, monkeypatch):
 
 
 def test_unterminated_oversize_tail_is_not_reread(tmp_path, monkeypatch):
-    from amprobe.store import loader, read_table
+    from amprobe.store import jsonl, read_table
 
-    monkeypatch.setattr(loader, "MAX_RECORD_BYTES", 1000)
-    monkeypatch.setattr(loader, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(jsonl, "MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr(jsonl, "READ_CHUNK_BYTES", 4096)
     path = tmp_path / "steps.jsonl"
     path.write_bytes(b'{"step": 1}\n{"step": 2, "pad": "' + b"x" * 20_000)
     frame, offset, dropped = read_table(path, "steps")
@@ -273,7 +273,7 @@ print(json.dumps({"growth": peak() - before, "rows": rows, "warnings": warnings}
 def test_a_complete_oversize_line_costs_no_more_memory_than_the_cap(tmp_path, length):
     import subprocess
 
-    from amprobe.store import loader
+    from amprobe.store import jsonl
 
     clean = _write_run(tmp_path / "clean")
     hostile = _write_run(tmp_path / "hostile")
@@ -298,7 +298,7 @@ def test_a_complete_oversize_line_costs_no_more_memory_than_the_cap(tmp_path, le
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["rows"] == 24
-    cap = loader.MAX_RECORD_BYTES
+    cap = jsonl.MAX_RECORD_BYTES
     assert any(f"1 record(s) longer than {cap} bytes skipped" in w for w in result["warnings"])
     # a few buffers of the cap's size at once (the chunk read, the chunk joined to the rest of
     # the line before it), never the line: 198 MB for either line before the fix
