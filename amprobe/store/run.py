@@ -20,6 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from amprobe.store import jsonl, schema
+from amprobe.store import sections as _sections  # noqa: F401  (registers the sections)
 from amprobe.store.jsonl import (
     _read_rank_table,
     _TableRead,
@@ -35,6 +36,7 @@ from amprobe.store.layout import (
     status_of,
     table_filename,
 )
+from amprobe.store.summary import summarize_tables
 
 __all__ = ["Run", "RankInfo", "RunLoadError", "NewerSchemaError", "load_run"]
 
@@ -183,6 +185,11 @@ class Run:
             self._events_cache[kind] = out
         return [dict(e) for e in self._events_cache[kind]]
 
+    def summaries(self) -> dict[int, dict[str, Any]]:
+        """Each rank's summary (:mod:`amprobe.store.summary`): rank -> section name -> facts,
+        computed once per run."""
+        return self.cached("summaries", _summaries)
+
     def cached(self, key: str, compute: Callable[[Run], Any]) -> Any:
         """``compute(self)``, computed once per run and key (for frames derived by several rules)."""
         if key not in self._derived:
@@ -203,6 +210,21 @@ class Run:
     def last_step(self) -> int | None:
         steps = self.steps
         return int(steps["step"].max()) if len(steps) else None
+
+
+def _summaries(run: Run) -> dict[int, dict[str, Any]]:
+    """Every rank summarized from its record files (no ``summary.jsonl`` is read yet)."""
+    out: dict[int, dict[str, Any]] = {}
+    for info in run.ranks:
+
+        def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
+            got = _read_rank_table(info.path / table_filename(table), table)
+            if isinstance(got, RunLoadError) or got.table is None:
+                return []
+            return got.table.to_pylist()
+
+        out[info.rank] = summarize_tables(read)
+    return out
 
 
 def _read_warnings(info: RankInfo, filename: str, read: _TableRead | RunLoadError) -> list[str]:
