@@ -118,7 +118,7 @@ class Run:
                 parts = [_read_rank_table(p, name) for p in paths]
             tables = []
             for info, read in zip(self.ranks, parts, strict=True):
-                self.warnings.extend(_read_warnings(info, table_filename(name), read))
+                self._warn(_read_warnings(info, table_filename(name), read))
                 part = read.table if isinstance(read, _TableRead) else None
                 if part is not None and part.num_rows:
                     ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
@@ -129,6 +129,12 @@ class Run:
             self._tables[name] = frame
         return self._tables[name]
 
+    def _warn(self, lines: str | list[str]) -> None:
+        """Add loading warnings once each (a rank's file may be read alone, then with all)."""
+        for line in [lines] if isinstance(lines, str) else lines:
+            if line not in self.warnings:
+                self.warnings.append(line)
+
     def _unique_steps(self, frame: pd.DataFrame) -> pd.DataFrame:
         """One row per (rank, window, step): a row without a valid step, or repeated (a retried
         write, a copied file), is dropped and counted in a warning."""
@@ -136,14 +142,14 @@ class Run:
             return frame
         invalid = frame["step"].isna()
         if invalid.any():
-            self.warnings.append(
+            self._warn(
                 f"steps: {int(invalid.sum())} record(s) without a valid integer step dropped"
             )
             frame = frame[~invalid]
         keys = [c for c in ("rank", "window", "step") if c in frame.columns]
         repeated = frame.duplicated(subset=keys, keep="first")
         if repeated.any():
-            self.warnings.append(
+            self._warn(
                 f"steps: {int(repeated.sum())} repeated record(s) of the same (rank, window, "
                 "step) dropped; the first of each was kept"
             )
@@ -184,6 +190,30 @@ class Run:
                     out.append({"rank": rank, "step": step, "t": t, **detail})
             self._events_cache[kind] = out
         return [dict(e) for e in self._events_cache[kind]]
+
+    def rank_table(self, name: str, rank: int) -> pd.DataFrame:
+        """One rank's rows of table ``name`` (with a ``rank`` column), read from that rank's
+        file alone and kept: the detail of the few ranks a finding names, without reading the
+        others. The merged frame is used instead when :meth:`table` read it already."""
+        if name in self._tables:
+            frame = self._tables[name]
+            return frame[frame["rank"] == rank] if len(frame) else frame
+        key = f"rank_table:{name}:{rank}"
+        if key not in self._derived:
+            info = next((i for i in self.ranks if i.rank == rank), None)
+            tables = []
+            if info is not None:
+                read = _read_rank_table(info.path / table_filename(name), name)
+                self._warn(_read_warnings(info, table_filename(name), read))
+                part = read.table if isinstance(read, _TableRead) else None
+                if part is not None and part.num_rows:
+                    ranks = pa.array(np.full(part.num_rows, rank, dtype=np.int64))
+                    tables.append(part.add_column(0, "rank", ranks))
+            frame = _to_frame(tables, name)
+            if name == "steps":
+                frame = self._unique_steps(frame)
+            self._derived[key] = frame
+        return self._derived[key]
 
     def summaries(self) -> dict[int, dict[str, Any]]:
         """Each rank's summary (:mod:`amprobe.store.summary`): rank -> section name -> facts,
