@@ -357,8 +357,9 @@ class RunWriter:
         """Append all queued rows to their files. Returns False if some rows stay queued.
 
         When every queued row was written, the summary of the rows given since the last record
-        is appended to ``summary.jsonl`` as one record (after the rows, all or nothing); when
-        some stay queued, no record is written and the next flush's record covers them too.
+        is appended to ``summary.jsonl`` as one record (after the rows, all or nothing; none
+        when no row of a table a section reads was given since); when some rows stay queued,
+        no record is written and the next flush's record covers them too.
 
         A lazy writer creates its files only once a training step has been queued, so a
         process that never trains (a launcher, a helper script) leaves nothing behind.
