@@ -7,9 +7,11 @@ read runs only through it (and :func:`amprobe.store.jsonl.read_table` for increm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +24,7 @@ import pyarrow as pa
 from amprobe.store import jsonl, schema
 from amprobe.store import sections as _sections  # noqa: F401  (registers the sections)
 from amprobe.store.jsonl import (
+    _read_arrow,
     _read_rank_table,
     _TableRead,
     _to_frame,
@@ -32,13 +35,30 @@ from amprobe.store.layout import (
     RunLoadError,
     is_run_dir,
     list_ranks,
+    open_regular,
     read_json_file,
     status_of,
     table_filename,
 )
-from amprobe.store.summary import summarize_tables
+from amprobe.store.summary import (
+    SECTIONS,
+    SUMMARY_FILE,
+    SUMMARY_VERSION,
+    Accumulator,
+    make_record,
+    merge_sections,
+    parse_record,
+    summary_tables,
+)
 
-__all__ = ["Run", "RankInfo", "RunLoadError", "NewerSchemaError", "load_run"]
+__all__ = [
+    "Run",
+    "RankInfo",
+    "RunLoadError",
+    "NewerSchemaError",
+    "load_run",
+    "write_rank_summary",
+]
 
 
 class NewerSchemaError(RunLoadError):
@@ -217,8 +237,23 @@ class Run:
 
     def summaries(self) -> dict[int, dict[str, Any]]:
         """Each rank's summary (:mod:`amprobe.store.summary`): rank -> section name -> facts,
-        computed once per run."""
+        computed once per run.
+
+        A rank's chunk records (``summary.jsonl``, appended by the writer at each flush) are
+        merged, and only the rows after the last record's offsets are summarized from the
+        record files; a rank without usable records is summarized from its files. A rank
+        whose files cannot be read gets an empty summary (a missing section: no rows) and a
+        warning. :meth:`summary_sources` says which way each rank went.
+        """
         return self.cached("summaries", _summaries)
+
+    def summary_sources(self) -> dict[int, str]:
+        """Where each rank's summary came from: ``"records"`` (the writer's records alone),
+        ``"records+tail"`` (records, and the rows after them read from the files),
+        ``"files"`` (the record files alone: no summary file, an older amprobe, or records
+        that were not trusted) or ``"unreadable"`` (an empty summary)."""
+        self.summaries()
+        return dict(self._derived["summary_sources"])
 
     def cached(self, key: str, compute: Callable[[Run], Any]) -> Any:
         """``compute(self)``, computed once per run and key (for frames derived by several rules)."""
@@ -242,19 +277,214 @@ class Run:
         return int(steps["step"].max()) if len(steps) else None
 
 
+#: Largest summary.jsonl read (a rank's records are a few hundred kilobytes); a larger one is
+#: not trusted and the rank is summarized from its record files.
+MAX_SUMMARY_BYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class _RankSummary:
+    summary: dict[str, Any]
+    source: str  # records, records+tail, files, unreadable
+    warnings: list[str]
+    other_version: int = 0  # records of another summary_version ignored
+
+
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
-    """Every rank summarized from its record files (no ``summary.jsonl`` is read yet)."""
+    """Every rank's summary, the ranks read in parallel threads (see :meth:`Run.summaries`)."""
+    infos = list(run.ranks)
+    if len(infos) > 1:
+        workers = min(len(infos), os.cpu_count() or 1, 16)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            parts = list(pool.map(_summarize_rank, infos))
+    else:
+        parts = [_summarize_rank(info) for info in infos]
     out: dict[int, dict[str, Any]] = {}
-    for info in run.ranks:
-
-        def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
-            got = _read_rank_table(info.path / table_filename(table), table)
-            if isinstance(got, RunLoadError) or got.table is None:
-                return []
-            return got.table.to_pylist()
-
-        out[info.rank] = summarize_tables(read)
+    sources: dict[int, str] = {}
+    other = 0
+    for info, part in zip(infos, parts, strict=True):
+        run._warn(part.warnings)
+        out[info.rank] = part.summary
+        sources[info.rank] = part.source
+        other += part.other_version > 0
+    if other:
+        run._warn(
+            f"summary records of another summary_version (this amprobe reads {SUMMARY_VERSION}) "
+            f"ignored on {other} rank(s); those ranks were summarized from their record files"
+        )
+    run._derived["summary_sources"] = sources
     return out
+
+
+def _summarize_rank(info: RankInfo) -> _RankSummary:
+    """One rank's summary: its records merged, then the rows no record covers (never raises)."""
+    who = f"rank {info.rank}"
+    try:
+        records, warnings, other = _read_records(info)
+        names = {cls.name for cls in SECTIONS}
+        if any(not names <= r["sections"].keys() for r in records):
+            records = []  # written with fewer sections (an older amprobe): not a damage
+        tables = sorted(summary_tables())
+        offsets: dict[str, int] = {}
+        if records:
+            why = _distrust(info.path, records, tables)
+            if why:
+                warnings.append(
+                    f"{who}: {SUMMARY_FILE} does not match the record files ({why}); "
+                    "the rank was summarized from its record files"
+                )
+                records = []
+            else:
+                offsets = records[-1]["offsets"]
+        merged = merge_sections(r["sections"] for r in records) if records else {}
+        acc = Accumulator()
+        tail = 0
+        for table in tables:
+            name = table_filename(table)
+            read = _read_arrow(info.path / name, table, offsets.get(name, 0))
+            warnings.extend(_read_warnings(info, name, read))
+            if read.table is not None and read.table.num_rows:
+                rows = read.table.to_pylist()
+                acc.add(table, rows)
+                tail += len(rows)
+        if not records:
+            return _RankSummary(acc.take(), "files", warnings, other)
+        if not tail:
+            return _RankSummary(merged, "records", warnings, other)
+        return _RankSummary(merge_sections([merged, acc.take()]), "records+tail", warnings, other)
+    except RunLoadError as exc:
+        return _RankSummary({}, "unreadable", [f"{who}: summary not computed: {exc}"])
+    except Exception as exc:  # a section that fails on this rank's rows or records
+        return _RankSummary(
+            {}, "unreadable", [f"{who}: summary not computed ({type(exc).__name__}: {exc})"]
+        )
+
+
+def _read_records(info: RankInfo) -> tuple[list[dict[str, Any]], list[str], int]:
+    """The rank's usable summary records: those of this ``summary_version``, chunk 0, 1, ...
+    in file order up to the first missing chunk or the final record. Returns them, the
+    warnings, and how many records of another version were ignored."""
+    who = f"rank {info.rank}"
+    path = info.path / SUMMARY_FILE
+    try:
+        with open_regular(path) as fh:
+            data = fh.read(MAX_SUMMARY_BYTES + 1)
+    except FileNotFoundError:
+        return [], [], 0
+    except OSError as exc:
+        why = f"not read ({exc.strerror or exc})"
+        return [], [f"{who}: {SUMMARY_FILE} {why}; the rank was summarized from its files"], 0
+    if len(data) > MAX_SUMMARY_BYTES:
+        why = f"is larger than {MAX_SUMMARY_BYTES} bytes"
+        return [], [f"{who}: {SUMMARY_FILE} {why}; the rank was summarized from its files"], 0
+    warnings: list[str] = []
+    lines = data.split(b"\n")
+    cut = lines.pop()  # after the last newline: empty, or a record cut by a crash
+    if cut.strip() and info.end is not None:
+        warnings.append(
+            f"{who}: {SUMMARY_FILE} ends in a cut record ({len(cut)} bytes without a newline) "
+            "although the rank closed cleanly; it was ignored"
+        )
+    found: list[dict[str, Any]] = []
+    damaged = other = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = parse_record(json.loads(line))
+        except (ValueError, RecursionError):
+            record = None
+        if record is None:
+            damaged += 1
+        elif record["summary_version"] != SUMMARY_VERSION:
+            other += 1
+        else:
+            found.append(record)
+    if damaged:
+        warnings.append(f"{who}: {damaged} damaged record(s) skipped in {SUMMARY_FILE}")
+    records: list[dict[str, Any]] = []
+    for record in found:
+        if record["chunk"] != len(records):
+            break
+        records.append(record)
+        if record["final"]:
+            break
+    if len(records) < len(found):
+        warnings.append(
+            f"{who}: {len(found) - len(records)} record(s) of {SUMMARY_FILE} after a missing "
+            "chunk or the final one not used; the rows after the last one used were "
+            "summarized from the record files"
+        )
+    return records, warnings, other
+
+
+def _distrust(rank_dir: Path, records: list[dict[str, Any]], tables: list[str]) -> str:
+    """Why the records cannot describe the record files as they are now ('' if they can):
+    offsets going backwards, or a table file shorter than (or not ending a line at) the last
+    record's offset, which happens when a file was truncated or replaced."""
+    seen: dict[str, int] = {}
+    for record in records:
+        offsets = record["offsets"]
+        for name in seen.keys() | offsets.keys():
+            if offsets.get(name, 0) < seen.get(name, 0):
+                return f"the offsets of {name} go backwards at chunk {record['chunk']}"
+        seen = offsets
+    for table in tables:
+        name = table_filename(table)
+        offset = seen.get(name, 0)
+        if offset == 0:
+            continue
+        try:
+            with open_regular(rank_dir / name) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                last = os.pread(fh.fileno(), 1, offset - 1) if size >= offset else b""
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as exc:
+            raise RunLoadError(f"cannot read {rank_dir / name}: {exc.strerror or exc}") from None
+        if size < offset:
+            return f"{name} has {size} bytes, fewer than the {offset} summarized"
+        if last != b"\n":
+            return f"{name} has no line end at the summarized offset {offset}"
+    return ""
+
+
+def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """(Re)write a rank's ``summary.jsonl`` from its record files as one final record (the
+    compaction step): the file is replaced atomically (a reader sees the old or the new one).
+    The record's offsets are where each table's complete lines end, so rows appended later
+    are summarized by the reader as a tail. Returns the record written.
+
+    Raises:
+        RunLoadError: a table file cannot be read.
+        OSError: the summary cannot be written.
+    """
+    folder = Path(rank_dir)
+    acc = Accumulator()
+    offsets: dict[str, int] = {}
+    rows: dict[str, int] = {}
+    for table in sorted(summary_tables()):
+        name = table_filename(table)
+        read = _read_arrow(folder / name, table)
+        offsets[name] = read.next_offset
+        got = read.table
+        rows[table] = got.num_rows if got is not None else 0
+        if got is not None and got.num_rows:
+            acc.add(table, got.to_pylist())
+    record = make_record(0, True, offsets, rows, acc.take())
+    path = folder / SUMMARY_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, default=str, separators=(", ", ": ")) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return record
 
 
 def _read_warnings(info: RankInfo, filename: str, read: _TableRead | RunLoadError) -> list[str]:

@@ -29,6 +29,9 @@ __all__ = [
     "section",
     "Accumulator",
     "merge_sections",
+    "summary_tables",
+    "make_record",
+    "parse_record",
 ]
 
 SUMMARY_FILE = "summary.jsonl"
@@ -88,6 +91,10 @@ class Accumulator:
                 self._by_table.setdefault(table, []).append(sec)
         self.rows = 0
 
+    def reads(self, table: str) -> bool:
+        """Whether some section reads ``table`` (the writer feeds only those rows)."""
+        return table in self._by_table
+
     def add(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
         readers = self._by_table.get(table)
         if not readers:
@@ -117,11 +124,66 @@ def merge_sections(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def summary_tables() -> set[str]:
+    """The tables some registered section reads."""
+    return {t for cls in SECTIONS for t in cls.tables}
+
+
+def make_record(
+    chunk: int,
+    final: bool,
+    offsets: Mapping[str, int],
+    rows: Mapping[str, int],
+    sections: Mapping[str, Any],
+) -> dict[str, Any]:
+    """One line of ``summary.jsonl``: the sections of the rows of one flushed chunk.
+
+    ``offsets`` maps each table file name to its size in bytes once the chunk's rows were
+    written (the rows a reader summarizes itself start there); ``rows`` counts the chunk's rows
+    per table summarized; ``final`` marks the record ``close`` wrote (nothing follows it).
+    """
+    return {
+        "summary_version": SUMMARY_VERSION,
+        "chunk": chunk,
+        "final": final,
+        "offsets": dict(offsets),
+        "rows": dict(rows),
+        "sections": dict(sections),
+    }
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_record(obj: Any) -> dict[str, Any] | None:
+    """``obj`` (one parsed line of ``summary.jsonl``) if it is a well-formed record of any
+    ``summary_version`` (the caller compares it), else None. Only the envelope is checked:
+    the sections' dicts are their own classes' to read."""
+    if not isinstance(obj, dict) or not _count(obj.get("summary_version")):
+        return None
+    if obj["summary_version"] != SUMMARY_VERSION:
+        return obj  # another layout: the caller ignores it without reading further
+    offsets, rows, sections = obj.get("offsets"), obj.get("rows"), obj.get("sections")
+    if not (
+        _count(obj.get("chunk"))
+        and isinstance(obj.get("final"), bool)
+        and isinstance(offsets, dict)
+        and all(isinstance(k, str) and _count(v) for k, v in offsets.items())
+        and isinstance(rows, dict)
+        and all(isinstance(k, str) and _count(v) for k, v in rows.items())
+        and isinstance(sections, dict)
+        and all(isinstance(k, str) and isinstance(v, dict) for k, v in sections.items())
+    ):
+        return None
+    return obj
+
+
 def summarize_tables(read: Any, tables: Iterable[str] | None = None) -> dict[str, Any]:
     """Summarize one rank from its record files: ``read(table)`` returns the table's rows as
     dicts in file order (an empty list when the file is missing). Reads only the tables some
     section reads (``tables`` narrows them further)."""
-    wanted = {t for cls in SECTIONS for t in cls.tables}
+    wanted = summary_tables()
     if tables is not None:
         wanted &= set(tables)
     acc = Accumulator()

@@ -1,4 +1,9 @@
-"""Append-only, crash-safe writer for one rank of a run directory."""
+"""Append-only, crash-safe writer for one rank of a run directory.
+
+Besides the rows, the writer keeps the rank's summary (:mod:`amprobe.store.summary`): the rows
+it is given feed an accumulator, and each flush that writes every pending row appends one
+record of those rows' summary to ``rankN/summary.jsonl`` (see :meth:`RunWriter.flush`).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from amprobe.store import schema
+from amprobe.store import sections as _sections  # noqa: F401  (registers the sections)
 from amprobe.store.layout import StoreError, has_format_marker, table_filename
+from amprobe.store.summary import (
+    SECTIONS,
+    SUMMARY_FILE,
+    Accumulator,
+    make_record,
+    merge_sections,
+)
 from amprobe.version import __version__
 
 #: Space set aside in each rank's folder at start and released at close, so that the clean
@@ -101,6 +114,13 @@ class RunWriter:
     be written (removed, disk full, read-only), rows stay in a bounded in-memory buffer and are
     retried at the next flush; rows pushed out of that buffer are counted as lost, with the
     first and last step they covered, and the count is written to ``end.json``.
+
+    The summary (``summary.jsonl``) never claims a row that is not in the files: a record is
+    appended, after the rows, only by a flush that wrote every pending row, and it covers the
+    rows given since the last record (a flush that left rows queued adds its rows to the next
+    record's; a record that could not be written is merged into the next one). Once a row is
+    counted as lost, or a section raises (recorded once in ``write_errors``), the rank writes
+    no more records: the reader summarizes the rows after the last record from the files.
     """
 
     def __init__(
@@ -121,6 +141,12 @@ class RunWriter:
         self.lost_rows: dict[str, int] = {}
         self.lost_steps: list[int] = []
         self.write_errors: list[str] = []
+        # the summary of the rows given since the last record (None: summaries off)
+        self._summary: Accumulator | None = Accumulator() if SECTIONS else None
+        self._summary_rows: dict[str, int] = {}  # rows fed since the last record, per table
+        self._unwritten: dict[str, Any] | None = None  # sections of a record not written yet
+        self._chunk = 0  # the next record's number
+        self._sizes: dict[str, int] = {}  # table file name -> its size after our last write
         self._setup = (world_size, dict(rank_manifest), overwrite)
         # the manifest may be annotated from another thread (live attach) while the training
         # thread prepares the directory: one lock, so no fact is written over by an older copy
@@ -211,6 +237,16 @@ class RunWriter:
     # -- hot-ish path (never raises) ---------------------------------------------------------
     def append(self, table: str, rows: Iterable[Mapping[str, Any]]) -> None:
         """Queue rows for ``table``; they reach disk at the next :meth:`flush`."""
+        summary = self._summary
+        if summary is not None and summary.reads(table):
+            if not isinstance(rows, (list, tuple)):
+                rows = list(rows)
+            try:
+                summary.add(table, rows)
+            except Exception as exc:
+                self._summary_failed(exc)
+            else:
+                self._summary_rows[table] = self._summary_rows.get(table, 0) + len(rows)
         queue = self._pending.setdefault(table, deque())
         for row in rows:
             # NaN / Infinity are written as such: pyarrow's JSON reader reads them back
@@ -222,6 +258,8 @@ class RunWriter:
                 self._count_lost(table, dropped)
 
     def _count_lost(self, table: str, line: str) -> None:
+        # the accumulator holds this row, which never reaches the files: no record may claim it
+        self._summary_off()
         self.lost_rows[table] = self.lost_rows.get(table, 0) + 1
         try:
             step = json.loads(line).get("step")
@@ -268,18 +306,67 @@ class RunWriter:
         lines = list(queue)
         if not lines:
             return
+        name = table_filename(table)
         try:
-            _append_lines(self.rank_dir / table_filename(table), _encode(lines))
+            self._sizes[name] = _append_lines(self.rank_dir / name, _encode(lines))
         except OSError:
             return
         queue.clear()
 
+    # -- the summary ------------------------------------------------------------------------
+    def _summary_off(self) -> None:
+        """Write no more summary records (the reader summarizes the rest from the files)."""
+        self._summary = None
+        self._unwritten = None
+        self._summary_rows = {}
+
+    def _summary_failed(self, exc: BaseException) -> None:
+        message = f"summary: {type(exc).__name__}: {exc} (summaries off for this rank)"
+        if message not in self.write_errors:
+            self.write_errors.append(message)
+        self._summary_off()
+
+    def _write_summary(self, final: bool) -> None:
+        """Append the record of the rows given since the last one (all of them are in the
+        files now). A record that cannot be written is merged into the next one."""
+        summary = self._summary
+        if summary is None or not (final or self._summary_rows):
+            return
+        try:
+            sections = summary.take()
+            if self._unwritten is not None:
+                sections = merge_sections([self._unwritten, sections])
+            record = make_record(self._chunk, final, self._sizes, self._summary_rows, sections)
+            data = _encode([_ENCODE(record)])
+        except Exception as exc:
+            self._summary_failed(exc)
+            return
+        self._unwritten = sections  # until written
+        try:
+            _append_lines(self.rank_dir / SUMMARY_FILE, data)
+        except OSError as exc:
+            message = f"{SUMMARY_FILE}: {exc.strerror or exc}"
+            if message not in self.write_errors:
+                self.write_errors.append(message)
+            return
+        self._unwritten = None
+        self._summary_rows = {}
+        self._chunk += 1
+
     def flush(self) -> bool:
         """Append all queued rows to their files. Returns False if some rows stay queued.
+
+        When every queued row was written, the summary of the rows given since the last record
+        is appended to ``summary.jsonl`` as one record (after the rows, all or nothing; none
+        when no row of a table a section reads was given since); when some rows stay queued,
+        no record is written and the next flush's record covers them too.
 
         A lazy writer creates its files only once a training step has been queued, so a
         process that never trains (a launcher, a helper script) leaves nothing behind.
         """
+        return self._flush(final=False)
+
+    def _flush(self, final: bool) -> bool:
         if not self.ready:
             if not self._pending.get("steps"):
                 return True
@@ -295,13 +382,14 @@ class RunWriter:
             if not queue:
                 continue
             lines = list(queue)
-            path = self.rank_dir / table_filename(table)
+            name = table_filename(table)
+            path = self.rank_dir / name
             try:
                 try:
-                    _append_lines(path, _encode(lines))
+                    self._sizes[name] = _append_lines(path, _encode(lines))
                 except FileNotFoundError:  # the run directory was removed: made again
                     self.rank_dir.mkdir(parents=True, exist_ok=True)
-                    _append_lines(path, _encode(lines))
+                    self._sizes[name] = _append_lines(path, _encode(lines))
             except OSError as exc:
                 ok = False
                 message = f"{table}: {exc.strerror or exc}"
@@ -310,6 +398,8 @@ class RunWriter:
                 continue
             for _ in lines:
                 queue.popleft()
+        if ok:
+            self._write_summary(final)
         return ok
 
     def close(self, end: Mapping[str, Any]) -> None:
@@ -318,7 +408,7 @@ class RunWriter:
         When the disk is full, the space reserved at start is released first so that the
         newest events and ``end.json`` (with the count of rows lost and why) still reach disk.
         """
-        ok = self.flush()
+        ok = self._flush(final=True)  # the summary's last record is marked final
         if not self.ready:
             return  # a lazy writer of a process that never trained writes nothing
         if not ok:
@@ -343,8 +433,8 @@ def _encode(lines: list[str]) -> bytes:
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
-def _append_lines(path: Path, data: bytes) -> None:
-    """Append whole lines to ``path``, all or nothing.
+def _append_lines(path: Path, data: bytes) -> int:
+    """Append whole lines to ``path``, all or nothing; returns the file's size after them.
 
     A write cut short (disk full) is truncated back to where it started, so that retrying the
     same rows later cannot duplicate the ones that made it. A file that does not end in a
@@ -370,3 +460,4 @@ def _append_lines(path: Path, data: bytes) -> None:
             with contextlib.suppress(OSError):
                 fh.truncate(start)
             raise
+        return start + done
