@@ -364,10 +364,11 @@ def disk_needed(n: int, per_rank: int) -> tuple[int, int, int]:
     return records, per_rank * n, OUTPUT_BYTES_PER_RANK * n
 
 
-def timed(cmd: list[str], stdout: Path, stderr: Path) -> dict[str, float]:
-    """Run ``cmd`` as a child, stdout and stderr to files: wall s, CPU s and peak RSS of that
-    child."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def timed(cmd: list[str], stdout: Path, stderr: Path, cache: Path) -> dict[str, float]:
+    """Run ``cmd`` as a child, stdout and stderr to files, ``cache`` as its user cache
+    (``XDG_CACHE_HOME``, where derived files of a read-only run would go): wall s, CPU s and
+    peak RSS of that child."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cache)}
     with stdout.open("wb") as out, stderr.open("wb") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
@@ -494,6 +495,13 @@ def measure(
     py = sys.executable
     diagnose = [py, "-m", "amprobe", "diagnose", "--format", "json", str(run)]
     derived = run / DERIVED
+    cache = work / "xdg-cache"  # the children's user cache, emptied with derived/ when cold
+
+    def cold() -> None:
+        shutil.rmtree(derived, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir()
+
     rows = []
     docs: dict[str, dict[str, Any]] = {}
 
@@ -501,7 +509,7 @@ def measure(
 
     def one(case: str, cmd: list[str], out: Path, label: str, size_of: Path) -> None:
         err = out.with_suffix(".err")
-        t = timed(cmd, out, err)
+        t = timed(cmd, out, err, cache)
         rows.append(_row(n, case, label, t, size_of.stat().st_size))
         if not label.startswith("diagnose"):
             return
@@ -513,20 +521,24 @@ def measure(
         for line in checks[case]:
             print(f"  {n} ranks, {case}: {line}")
 
-    def derived_size(after: str) -> None:
+    def derived_size(after: str) -> bool:
+        """Print what the runs derived so far (in ``RUN/derived`` or the user cache); whether
+        there is any."""
+        cached = any(cache.iterdir())
         print(
             f"  {n} ranks: {DERIVED}/ after the {after} run: "
             + (f"{_unique_bytes(derived) / 1e6:.1f} MB" if derived.exists() else "none")
+            + (f"; user cache {_unique_bytes(cache) / 1e6:.1f} MB" if cached else "")
         )
+        return derived.exists() or cached
 
-    shutil.rmtree(derived, ignore_errors=True)
+    cold()
     out = work / f"diagnose{n}-cold.json"
     one("cold", diagnose, out, "diagnose --format json", out)
-    derived_size("cold")
+    if not derived_size("cold"):
+        print(f"  {n} ranks: nothing derived (no derived store yet): warm runs as cold did")
     out = work / f"diagnose{n}-warm.json"
     one("warm", diagnose, out, "diagnose --format json", out)
-    if not derived.exists():
-        print(f"  {n} ranks: no {DERIVED}/ made (no derived store yet): warm ran as cold did")
     same = docs["cold"]["findings"] == docs["warm"]["findings"]
     print(f"  {n} ranks: cold and warm findings the same: {'yes' if same else 'NO'}")
     html = work / f"report{n}.html"
@@ -534,7 +546,7 @@ def measure(
     one("warm", report, work / f"report{n}.log", "report -o x.html", html)
     derived_size("report")
     print(f"  {n} ranks: crashed variant: {crash(run)}")
-    shutil.rmtree(derived, ignore_errors=True)
+    cold()
     out = work / f"diagnose{n}-crashed.json"
     one("cold, no rank closed", diagnose, out, "diagnose --format json", out)
     before = {(f["id"], f["title"]) for f in docs["cold"]["findings"]}
