@@ -1,7 +1,7 @@
 """The read side at cluster scale, on runs built from a real recording (issue #33).
 
 Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4096]
-[--steps 2000] [--source RUN] [--work DIR] [--keep]``.
+[--steps 10000] [--source RUN] [--work DIR] [--keep] [--plan]``.
 
 1. Records a real 2-rank DDP fp16 job on CPU (gloo) with the default collectors through
    ``amprobe run -- torchrun`` (a small MLP, ``GradScaler("cpu")``, an overflow planted on
@@ -11,18 +11,34 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
 2. For each N, builds an N-rank run from that template rank: every rank's files are hard
    links to the template's (the loader refuses symlinks), except each rank's ``manifest.json``,
    a real copy naming the rank, its local rank and a host per 8 ranks; the run manifest says
-   ``world_size`` N. About 1 % of the
-   ranks (at least 3) are real copies made to diverge, in turn: a doubled ``init_scale`` (its
-   whole scale trajectory and its ``scaler_created`` event), a rank-local overflow three
-   quarters in (the step skipped, the scale halved from there, the offender rows and events
-   of the template's first offending step copied to that step), and a 3x slower rank (every step time and the clock scaled).
-3. Times ``amprobe diagnose --format json`` and ``amprobe report -o x.html`` in a child
-   process each and prints, side by side: wall seconds, CPU seconds (user + system) and peak
-   RSS of the child (``os.wait4``'s rusage of that one child), per rank, the output size, and
-   which planted ranks AMP-D01 and AMP-D02 named.
+   ``world_size`` N. About 1 % of the ranks (at least 3) are real copies made to diverge, in
+   turn: a doubled ``init_scale`` (its whole scale trajectory and its ``scaler_created``
+   event), a rank-local overflow three quarters in (the step skipped, the scale halved from
+   there, the offender rows and events of the template's first offending step copied to that
+   step), and a 3x slower rank (every step time and the clock scaled). Two more real copies
+   are damaged: a truncated rank (``steps.jsonl`` cut in the middle of the record after its
+   half, ``end.json`` removed) and a corrupt rank (lines of garbage bytes in ``steps.jsonl``
+   and ``numerics.jsonl``). A copy the benchmark edits gets a summary consistent with its
+   files: ``amprobe.store.summary.write_rank_summary(rank_dir)`` rewrites its
+   ``summary.jsonl`` where that function exists; otherwise the copy's ``summary.jsonl`` is
+   deleted and the reader summarizes that rank from its files (the output says which).
+3. Times, each in a child process: ``amprobe diagnose --format json`` cold (no ``RUN/derived``
+   folder), warm (a second run, with whatever derived files the first left), ``amprobe report
+   -o x.html`` warm, and ``diagnose`` cold on the crashed variant of the run (every rank's
+   ``end.json`` removed and any ``final`` summary record dropped: no rank closed). It prints,
+   side by side: wall seconds, CPU seconds (user + system) and peak RSS of the child
+   (``os.wait4``'s rusage of that one child), per rank, and the output size.
+4. Checks that each diagnosis names the planted ranks apart from the agreeing group (a finding
+   on at most half the ranks: AMP-D01 for the init scale, AMP-D02 for the slow rank, AMP-D01,
+   N01, N05 or N11 for the overflow rank): ``named: yes/no`` per planted kind; and that a load
+   warning names the truncated and the corrupt rank (the JSON's ``run.warnings``, which the CLI
+   also prints on stderr; stderr is read when the JSON carries none): ``reported: yes/no``,
+   with the findings that name a damaged rank apart.
 
-The disk a run needs is one copy of the template rank, a manifest per rank and the diverging
-copies; the benchmark prints it, measured by inode, and skips an N the free disk cannot hold.
+The disk a run needs is one copy of the template rank, a folder and a manifest per rank and the
+real copies (measured by inode after the build), plus the derived folder and the outputs; the
+benchmark prints them (``--plan`` prints them alone and builds nothing) and skips an N the free
+disk cannot hold.
 """
 
 from __future__ import annotations
@@ -30,22 +46,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's amprobe, as the timed children get it
 GLOO_EXIT_ABORT = "terminate called without an active exception"  # torch's exit race, retried
 KINDS = ("scale", "overflow", "slow")
+DAMAGES = ("truncated", "corrupt")
 SLOW_FACTOR = 3.0
+#: A corrupt line: every byte value but the line breaks (NUL, invalid UTF-8, stray braces).
+GARBAGE = bytes(b for b in range(256) if b not in (10, 13))
+GARBAGE_LINES = 3  # per corrupted file
+SUMMARY = "summary.jsonl"
+DERIVED = "derived"
 
 TRAIN_SCRIPT = '''"""2-rank DDP fp16 on CPU (gloo); an overflow planted on every rank at steps PLANT_AT to
 PLANT_AT + 3 (several steps, so that the numerics capture armed by the first catches the offender
@@ -113,12 +136,19 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _write_own(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file at ``path``: an existing file is unlinked first, so that a
+    hard link's inode (shared with the source recording) is never written."""
+    path.unlink(missing_ok=True)
+    path.write_bytes(data)
+
+
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _write_own(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
 
 def _diverge(rank_dir: Path, kind: str) -> None:
-    """Edit a real copy of rank 0's records so that the rank diverges as ``kind`` says."""
+    """Edit a real copy of the template's records so that the rank diverges as ``kind`` says."""
     steps = _rows(rank_dir / "steps.jsonl")
     events = _rows(rank_dir / "events.jsonl")
     if kind == "scale":  # built with init_scale x2: every scale of its trajectory is doubled
@@ -158,11 +188,41 @@ def _diverge(rank_dir: Path, kind: str) -> None:
     _write_rows(rank_dir / "events.jsonl", events)
 
 
+def _truncate(rank_dir: Path) -> None:
+    """A rank whose writer died mid-record: ``steps.jsonl`` cut 17 bytes into the record after
+    its half, no ``end.json``."""
+    path = rank_dir / "steps.jsonl"
+    data = path.read_bytes()
+    start = data.index(b"\n", len(data) // 2) + 1
+    cut = start + 17
+    if b"\n" in data[start:cut]:
+        raise SystemExit(f"cannot cut {path} mid-record: records shorter than 17 bytes")
+    _write_own(path, data[:cut])
+    (rank_dir / "end.json").unlink(missing_ok=True)
+
+
+def _corrupt(rank_dir: Path) -> None:
+    """A rank whose disk damaged records: :data:`GARBAGE_LINES` lines of garbage bytes put
+    between the records of ``steps.jsonl`` and ``numerics.jsonl``, spread over each file."""
+    for name in ("steps.jsonl", "numerics.jsonl"):
+        path = rank_dir / name
+        lines = path.read_bytes().split(b"\n")
+        for i in range(GARBAGE_LINES, 0, -1):  # from the end, so the indexes hold
+            lines.insert((i * (len(lines) - 1)) // (GARBAGE_LINES + 1), GARBAGE)
+        _write_own(path, b"\n".join(lines))
+
+
 def planted(n: int) -> dict[int, str]:
     """About 1 % of ``n`` ranks (at least 3), spread evenly, never rank 0: rank -> kind."""
     count = max(3, round(n / 100))
     ranks = sorted({1 + (i * (n - 1)) // count for i in range(count)})
     return {r: KINDS[i % len(KINDS)] for i, r in enumerate(ranks)}
+
+
+def damaged(n: int, divergent: dict[int, str]) -> dict[int, str]:
+    """The truncated and the corrupt rank: the highest ranks not planted, never rank 0."""
+    free = [r for r in range(n - 1, 0, -1) if r not in divergent]
+    return dict(zip(free, DAMAGES, strict=False))
 
 
 def _unique_bytes(root: Path) -> int:
@@ -199,8 +259,33 @@ def template_rank(source: Path) -> Path:
     raise SystemExit(f"no rank of {source} has every record file non-empty: {RECORD_FILES}")
 
 
-def build(source: Path, n: int, dest: Path) -> dict[int, str]:
-    """An ``n``-rank run in ``dest`` from ``source``'s template rank (see the module docstring)."""
+def _resummarize(edited: list[Path]) -> str:
+    """Make the edited copies' ``summary.jsonl`` agree with their files; say how."""
+    with_summary = [d for d in edited if (d / SUMMARY).exists()]
+    if not with_summary:
+        return f"the template rank has no {SUMMARY}: every rank is summarized from its files"
+    from amprobe.store import summary
+
+    write = getattr(summary, "write_rank_summary", None)
+    if write is not None:
+        for d in with_summary:
+            write(d)
+        return (
+            f"{SUMMARY} of the {len(with_summary)} edited copies rewritten by "
+            "amprobe.store.summary.write_rank_summary; the other ranks keep the recorded one"
+        )
+    for d in with_summary:
+        (d / SUMMARY).unlink()
+    return (
+        f"{SUMMARY} of the {len(with_summary)} edited copies deleted (amprobe.store.summary has "
+        "no write_rank_summary): the reader summarizes those ranks from their files"
+    )
+
+
+def build(source: Path, n: int, dest: Path) -> tuple[dict[int, str], dict[int, str], str]:
+    """An ``n``-rank run in ``dest`` from ``source``'s template rank (see the module docstring):
+    the planted ranks (rank -> kind), the damaged ranks (rank -> damage) and how the edited
+    copies' summaries were made consistent."""
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     top = json.loads((source / "manifest.json").read_text())
@@ -210,11 +295,12 @@ def build(source: Path, n: int, dest: Path) -> dict[int, str]:
     base_manifest = json.loads((base / "manifest.json").read_text())
     files = [p for p in sorted(base.iterdir()) if p.is_file() and p.name != "manifest.json"]
     divergent = planted(n)
+    broken = damaged(n, divergent)
     for r in range(n):
         rank_dir = dest / f"rank{r}"
         rank_dir.mkdir()
         for p in files:
-            if r in divergent:
+            if r in divergent or r in broken:
                 shutil.copyfile(p, rank_dir / p.name)
             else:
                 os.link(p, rank_dir / p.name)
@@ -223,22 +309,75 @@ def build(source: Path, n: int, dest: Path) -> dict[int, str]:
         (rank_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
         if r in divergent:
             _diverge(rank_dir, divergent[r])
-    return divergent
+        elif broken.get(r) == "truncated":
+            _truncate(rank_dir)
+        elif broken.get(r) == "corrupt":
+            _corrupt(rank_dir)
+    how = _resummarize([dest / f"rank{r}" for r in sorted({*divergent, *broken})])
+    return divergent, broken, how
 
 
-def timed(cmd: list[str], stdout: Path) -> dict[str, float]:
-    """Run ``cmd`` as a child, stdout to a file: wall s, CPU s and peak RSS of that child."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with stdout.open("wb") as out, tempfile.TemporaryFile() as err:
+def _is_final(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("final") is True
+
+
+def crash(dest: Path) -> str:
+    """Make ``dest`` a run no rank closed: every ``end.json`` removed, and the ``final``
+    record a rank's ``summary.jsonl`` gets at close dropped (in a new file: a hard link's inode
+    stays as recorded)."""
+    ends = finals = 0
+    for rank_dir in dest.glob("rank*"):
+        if (rank_dir / "end.json").exists():
+            (rank_dir / "end.json").unlink()
+            ends += 1
+        path = rank_dir / SUMMARY
+        if path.exists():
+            lines = path.read_bytes().splitlines(keepends=True)
+            kept = [line for line in lines if not _is_final(line)]
+            if len(kept) < len(lines):
+                _write_own(path, b"".join(kept))
+                finals += 1
+    return f"{ends} end.json removed, {finals} final summary records dropped"
+
+
+#: Bytes of output per rank (three diagnoses' JSON and one report's HTML), measured: 0.41 MB
+#: per rank at 256 ranks of a 10,000-step recording (2026-12-05), rounded up.
+OUTPUT_BYTES_PER_RANK = 500_000
+
+
+def _copied(n: int) -> set[int]:
+    """The ranks built as real copies: the planted and the damaged ones."""
+    divergent = planted(n)
+    return {*divergent, *damaged(n, divergent)}
+
+
+def disk_needed(n: int, per_rank: int) -> tuple[int, int, int]:
+    """Bytes an ``n``-rank run needs from a template rank of ``per_rank`` bytes on disk: its
+    records (one rank, the real copies, a folder and a manifest of 4 KiB blocks per rank), a
+    bound on its derived folder (the Parquet of the same rows is smaller than their JSON text,
+    ``n`` ranks of it) and its outputs."""
+    records = per_rank * (1 + len(_copied(n))) + 8192 * n
+    return records, per_rank * n, OUTPUT_BYTES_PER_RANK * n
+
+
+def timed(cmd: list[str], stdout: Path, stderr: Path, cache: Path) -> dict[str, float]:
+    """Run ``cmd`` as a child, stdout and stderr to files, ``cache`` as its user cache
+    (``XDG_CACHE_HOME``, where derived files of a read-only run would go): wall s, CPU s and
+    peak RSS of that child."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CACHE_HOME": str(cache)}
+    with stdout.open("wb") as out, stderr.open("wb") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         _pid, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        tail = err.read()[-2000:].decode(errors="replace")
-    if proc.returncode not in (0, 1):  # 1: findings at --fail-on severity (not used here)
-        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+    code = os.waitstatus_to_exitcode(status)
+    if code not in (0, 1):  # 1: findings at --fail-on severity (not used here)
+        tail = stderr.read_bytes()[-2000:].decode(errors="replace")
+        raise SystemExit(f"{' '.join(cmd)} exited {code}:\n{tail}")
     return {
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,
@@ -246,83 +385,227 @@ def timed(cmd: list[str], stdout: Path) -> dict[str, float]:
     }
 
 
-def _named(findings: list[dict[str, Any]], rule: str) -> set[int]:
-    ranks: set[int] = set()
+_RANKS_TEXT = re.compile(r"\branks? ((?:\d+(?:-\d+)?)(?:, \d+(?:-\d+)?)*)")
+
+
+def _ranks_in(text: str) -> set[int]:
+    """The ranks a text names as ``rank 5`` or ``ranks 0-2, 4, 9-12``."""
+    out: set[int] = set()
+    for match in _RANKS_TEXT.finditer(text):
+        for part in match.group(1).split(", "):
+            a, _, b = part.partition("-")
+            out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def _ranks_of(finding: dict[str, Any]) -> set[int]:
+    """The ranks a finding holds on: its evidence's ``ranks`` (a group's members) or else its
+    ``rank``, and the ranks its title names."""
+    ev = finding.get("evidence") or {}
+    ranks = {r for r in ev.get("ranks") or [] if isinstance(r, int)}
+    if not ranks and isinstance(ev.get("rank"), int):
+        ranks.add(ev["rank"])
+    return ranks | _ranks_in(finding.get("title") or "")
+
+
+def _singled(
+    findings: list[dict[str, Any]], rules: tuple[str, ...] | None, n: int
+) -> dict[int, set[str]]:
+    """Rank -> the rules (among ``rules``; all when None) with a finding that names it apart
+    from the majority: a finding on at most half the ranks (not the group that agrees)."""
+    named: dict[int, set[str]] = {}
     for f in findings:
-        if f["id"] == rule:
-            ev = f.get("evidence") or {}
-            ranks.update(int(r) for r in ev.get("ranks") or [])
-    return ranks
+        if rules is not None and f["id"] not in rules:
+            continue
+        ranks = _ranks_of(f)
+        if len(ranks) <= n // 2:
+            for r in ranks:
+                named.setdefault(r, set()).add(f["id"])
+    return named
 
 
-def measure(run: Path, n: int, divergent: dict[int, str], work: Path) -> Iterator[list[str]]:
-    """Time diagnose and report on one run; yield table rows."""
-    py = sys.executable
-    out = work / f"diagnose{n}.json"
-    d = timed([py, "-m", "amprobe", "diagnose", "--format", "json", str(run)], out)
-    html = work / f"report{n}.html"
-    r = timed([py, "-m", "amprobe", "report", str(run), "-o", str(html)], work / f"report{n}.log")
-    for label, t, size in (
-        ("diagnose --format json", d, out.stat().st_size),
-        ("report -o x.html", r, html.stat().st_size),
-    ):
-        yield [
-            str(n),
-            label,
-            f"{t['wall_s']:.1f}",
-            f"{t['cpu_s']:.1f}",
-            f"{t['rss_mb']:.0f}",
-            f"{1000 * t['cpu_s'] / n:.0f}",
-            f"{t['rss_mb'] / n:.2f}",
-            f"{size / 1e6:.1f}",
-        ]
-    findings = json.loads(out.read_text())["findings"]
-    ids = sorted({f["id"] for f in findings})
-    print(f"  {n} ranks: findings {', '.join(ids)}")
-    for rule, kinds in (("AMP-D01", ("scale", "overflow")), ("AMP-D02", ("slow",))):
-        want = {r for r, k in divergent.items() if k in kinds}
-        got = _named(findings, rule)
-        print(
-            f"  {rule}: planted {sorted(want)} ({'/'.join(kinds)}); named {sorted(got) or 'none'}"
-            f"{'' if want <= got else '  <- MISSED ' + str(sorted(want - got))}"
+#: The rules whose findings name a planted rank of each kind (the overflow rank: its own scale
+#: cuts, its non-finite, or D01's skip divergence).
+NAMING = {
+    "scale": ("AMP-D01",),
+    "overflow": ("AMP-D01", "AMP-N01", "AMP-N05", "AMP-N11"),
+    "slow": ("AMP-D02",),
+}
+
+
+def check(
+    doc: dict[str, Any], stderr: str, n: int, divergent: dict[int, str], broken: dict[int, str]
+) -> list[str]:
+    """Lines saying whether a diagnosis names every planted rank (a finding of the kind's rules
+    on that rank apart from the majority) and reports the damaged ones (a load warning naming
+    the rank: in the JSON's ``run.warnings``, or on stderr when the JSON carries none)."""
+    findings = doc["findings"]
+    lines = [f"findings {', '.join(sorted({f['id'] for f in findings}))}"]
+    for kind in KINDS:
+        want = sorted(r for r, k in divergent.items() if k == kind)
+        named = _singled(findings, NAMING[kind], n)
+        missed = [r for r in want if r not in named]
+        by = sorted({rule for r in want for rule in named.get(r, ())})
+        lines.append(
+            f"{kind} {want}: named: {'no' if missed else 'yes'}"
+            + (f" (by {', '.join(by)})" if by else "")
+            + (f"; missed {missed}" if missed and len(missed) < len(want) else "")
         )
+    warnings = list(doc["run"].get("warnings") or [])
+    source = "run.warnings"
+    if not warnings and stderr.strip():
+        warnings, source = stderr.strip().splitlines(), "stderr"
+    alone = _singled(findings, None, n)
+    for rank, damage in sorted(broken.items()):
+        said = [w for w in warnings if rank in _ranks_in(w)]
+        lines.append(
+            f"{damage} rank {rank}: reported: {'yes' if said else 'no'}"
+            + (f" ({source}: {'; '.join(said)})" if said else "")
+            + (
+                f"; findings naming it apart: {', '.join(sorted(alone[rank]))}"
+                if rank in alone
+                else ""
+            )
+        )
+    general = [w for w in warnings if not _ranks_in(w)]
+    if general:
+        lines.append(f"run warnings naming no rank: {'; '.join(general)}")
+    return lines
+
+
+def _row(n: int, case: str, command: str, t: dict[str, float], size: int) -> list[str]:
+    return [
+        str(n),
+        case,
+        command,
+        f"{t['wall_s']:.1f}",
+        f"{t['cpu_s']:.1f}",
+        f"{t['rss_mb']:.0f}",
+        f"{1000 * t['cpu_s'] / n:.0f}",
+        f"{t['rss_mb'] / n:.2f}",
+        f"{size / 1e6:.1f}",
+    ]
+
+
+def measure(
+    run: Path, n: int, divergent: dict[int, str], broken: dict[int, str], work: Path
+) -> list[list[str]]:
+    """Time diagnose (cold, warm, cold with no rank closed) and report; print the checks; return
+    the table rows."""
+    py = sys.executable
+    diagnose = [py, "-m", "amprobe", "diagnose", "--format", "json", str(run)]
+    derived = run / DERIVED
+    cache = work / "xdg-cache"  # the children's user cache, emptied with derived/ when cold
+
+    def cold() -> None:
+        shutil.rmtree(derived, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir()
+
+    rows = []
+    docs: dict[str, dict[str, Any]] = {}
+
+    checks: dict[str, list[str]] = {}
+
+    def one(case: str, cmd: list[str], out: Path, label: str, size_of: Path) -> None:
+        err = out.with_suffix(".err")
+        t = timed(cmd, out, err, cache)
+        rows.append(_row(n, case, label, t, size_of.stat().st_size))
+        if not label.startswith("diagnose"):
+            return
+        docs[case] = json.loads(out.read_text())
+        checks[case] = check(docs[case], err.read_text(errors="replace"), n, divergent, broken)
+        if case != "cold" and checks[case] == checks["cold"]:
+            print(f"  {n} ranks, {case}: the same checks as cold")
+            return
+        for line in checks[case]:
+            print(f"  {n} ranks, {case}: {line}")
+
+    def derived_size(after: str) -> bool:
+        """Print what the runs derived so far (in ``RUN/derived`` or the user cache); whether
+        there is any."""
+        cached = any(cache.iterdir())
+        print(
+            f"  {n} ranks: {DERIVED}/ after the {after} run: "
+            + (f"{_unique_bytes(derived) / 1e6:.1f} MB" if derived.exists() else "none")
+            + (f"; user cache {_unique_bytes(cache) / 1e6:.1f} MB" if cached else "")
+        )
+        return derived.exists() or cached
+
+    cold()
+    out = work / f"diagnose{n}-cold.json"
+    one("cold", diagnose, out, "diagnose --format json", out)
+    if not derived_size("cold"):
+        print(f"  {n} ranks: nothing derived (no derived store yet): warm runs as cold did")
+    out = work / f"diagnose{n}-warm.json"
+    one("warm", diagnose, out, "diagnose --format json", out)
+    same = docs["cold"]["findings"] == docs["warm"]["findings"]
+    print(f"  {n} ranks: cold and warm findings the same: {'yes' if same else 'NO'}")
+    html = work / f"report{n}.html"
+    report = [py, "-m", "amprobe", "report", str(run), "-o", str(html)]
+    one("warm", report, work / f"report{n}.log", "report -o x.html", html)
+    derived_size("report")
+    print(f"  {n} ranks: crashed variant: {crash(run)}")
+    cold()
+    out = work / f"diagnose{n}-crashed.json"
+    one("cold, no rank closed", diagnose, out, "diagnose --format json", out)
+    before = {(f["id"], f["title"]) for f in docs["cold"]["findings"]}
+    after = {(f["id"], f["title"]) for f in docs["cold, no rank closed"]["findings"]}
+    for sign, diff in (("-", before - after), ("+", after - before)):
+        for rule, title in sorted(diff):
+            print(f"  {n} ranks, no rank closed vs cold: {sign} {rule}: {title}")
+    return rows
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--ranks", default="64,256,1024,4096", help="comma-separated rank counts")
-    p.add_argument("--steps", type=int, default=2000, help="steps of the recording")
+    p.add_argument("--steps", type=int, default=10000, help="steps of the recording")
     p.add_argument("--source", type=Path, default=None, help="reuse this 2-rank recording")
     p.add_argument("--work", type=Path, default=None, help="folder for the runs (default: temp)")
     p.add_argument("--keep", action="store_true", help="keep the built runs")
+    p.add_argument("--plan", action="store_true", help="print the disk each N needs; build none")
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="amprobe-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); work folder {work}")
+    cpu = f"{cpu_model()} ({os.cpu_count()} cores)"
+    print(f"CPU: {cpu}; load average {os.getloadavg()[0]:.1f}; work folder {work}")
     source = args.source or record(work, args.steps)
     base = template_rank(source)
     per_rank = _unique_bytes(base)
+    steps = sum(1 for _ in (base / "steps.jsonl").open("rb"))
     print(
-        f"source: {source}, template {base.name} holds {per_rank / 1e6:.2f} MB in "
+        f"source: {source}, template {base.name}: {steps} steps, {per_rank / 1e6:.2f} MB in "
         f"{', '.join(p.name for p in sorted(base.iterdir()))}"
     )
-    header = ["ranks", "command", "wall s", "CPU s", "peak RSS MB", "CPU ms/rank"]
+    header = ["ranks", "case", "command", "wall s", "CPU s", "peak RSS MB", "CPU ms/rank"]
     header += ["MB RSS/rank", "output MB"]
     rows: list[list[str]] = []
     for n in (int(x) for x in args.ranks.split(",")):
         dest = work / f"ranks{n}"
-        need = per_rank * (1 + len(planted(n))) + 8192 * n
+        records, derived, outputs = disk_needed(n, per_rank)
         free = shutil.disk_usage(work).free
-        if need > free:
-            print(f"{n} ranks: needs ~{need / 1e6:.0f} MB, {free / 1e6:.0f} MB free; skipped")
+        print(
+            f"{n} ranks: needs ~{records / 1e6:.0f} MB of records (one rank, "
+            f"{len(_copied(n))} real copies, a folder and a manifest per rank) + up to "
+            f"{derived / 1e6:.0f} MB for {DERIVED}/ (n x a rank's JSON text, a bound) + "
+            f"~{outputs / 1e6:.0f} MB of outputs; {free / 1e6:.0f} MB free"
+        )
+        if args.plan:
             continue
-        divergent = build(source, n, dest)
-        used = _unique_bytes(dest)
+        if records + derived + outputs > free:
+            print(f"{n} ranks: skipped (the disk cannot hold it)")
+            continue
+        divergent, broken, how = build(source, n, dest)
         kinds = {k: sorted(r for r, v in divergent.items() if v == k) for k in KINDS}
-        print(f"{n} ranks: {used / 1e6:.1f} MB on disk; diverging {kinds}")
-        rows.extend(measure(dest, n, divergent, work))
+        print(f"{n} ranks: {_unique_bytes(dest) / 1e6:.1f} MB on disk; diverging {kinds}")
+        print(f"  damaged {broken}; summaries: {how}")
+        rows.extend(measure(dest, n, divergent, broken, work))
         if not args.keep:
             shutil.rmtree(dest)
+    if args.plan:
+        return
+    print(f"CPU: {cpu}; load average {os.getloadavg()[0]:.1f} at the end")
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:

@@ -1,0 +1,143 @@
+"""benchmarks/bench_cluster_read.py builds its runs as it says (issue #33): replicas share the
+source's inodes and the source is never written, the planted and damaged ranks are real copies
+edited as documented, the edited copies' summaries are made consistent, the crashed variant
+closes no rank, and its checks tell a named rank from one the majority group merely includes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # its `from machine import cpu_model`
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_cluster_read", BENCH / "bench_cluster_read.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def _lines(rows: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _source(root: Path, summary: bool = False) -> Path:
+    """A 1-rank source whose every record file is non-empty (40 steps, an offender at 20)."""
+    rank = root / "source" / "rank0"
+    rank.mkdir(parents=True)
+    (root / "source" / "manifest.json").write_text(json.dumps({"world_size": 1}))
+    (rank / "manifest.json").write_text(json.dumps({"rank": 0, "hostname": "h"}))
+    steps = [
+        {"step": i, "t": 1.0 + 0.01 * (i + 1), "wall_s": 0.01, "scale_before": 2.0**16}
+        | {"scale_after": 2.0**16, "growth_tracker": i, "pad": "x" * 40}
+        for i in range(40)
+    ]
+    (rank / "steps.jsonl").write_text(_lines(steps))
+    events = [
+        {"kind": "scaler_created", "step": 0, "detail": json.dumps({"init_scale": 65536.0})},
+        {"kind": "numerics_offender", "step": 20, "detail": "{}"},
+    ]
+    (rank / "events.jsonl").write_text(_lines(events))
+    (rank / "numerics.jsonl").write_text(_lines([{"step": i, "amax": 1.0} for i in range(8)]))
+    (rank / "offenders.jsonl").write_text(_lines([{"step": 20, "module": "fc"}]))
+    for name in ("compute_ops", "compute_steps", "syncs"):
+        (rank / f"{name}.jsonl").write_text(_lines([{"step": 0}]))
+    (rank / "end.json").write_text(json.dumps({"status": "finished"}))
+    if summary:
+        (rank / "summary.jsonl").write_text(_lines([{"offsets": {}}, {"final": True}]))
+    return root / "source"
+
+
+def _snapshot(source: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(source.rglob("*")) if p.is_file()}
+
+
+def test_build_links_replicas_and_edits_real_copies(bench: ModuleType, tmp_path: Path) -> None:
+    source = _source(tmp_path)
+    before = _snapshot(source)
+    divergent, broken, how = bench.build(source, 12, tmp_path / "run")
+    assert sorted(divergent.values()) == ["overflow", "scale", "slow"]
+    assert broken == {11: "truncated", 10: "corrupt"}
+    assert "no summary.jsonl" in how
+    base = source / "rank0" / "steps.jsonl"
+    for r in range(12):
+        steps = tmp_path / "run" / f"rank{r}" / "steps.jsonl"
+        assert steps.samefile(base) == (r not in divergent and r not in broken)
+    truncated = tmp_path / "run" / "rank11"
+    data = (truncated / "steps.jsonl").read_bytes()
+    assert not data.endswith(b"\n") and 0.4 < len(data) / base.stat().st_size < 0.6
+    assert not (truncated / "end.json").exists()
+    for name in ("steps.jsonl", "numerics.jsonl"):
+        lines = (tmp_path / "run" / "rank10" / name).read_bytes().split(b"\n")
+        assert lines.count(bench.GARBAGE) == bench.GARBAGE_LINES
+    assert _snapshot(source) == before  # the source recording is never written
+
+
+def test_edited_summaries_and_the_crashed_variant(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from amprobe.store import summary
+
+    source = _source(tmp_path, summary=True)
+    before = _snapshot(source)
+    monkeypatch.delattr(summary, "write_rank_summary", raising=False)
+    divergent, broken, how = bench.build(source, 12, tmp_path / "a")
+    assert "deleted" in how
+    edited = {*divergent, *broken}
+    for r in range(12):
+        assert (tmp_path / "a" / f"rank{r}" / "summary.jsonl").exists() == (r not in edited)
+
+    calls: list[Path] = []
+    monkeypatch.setattr(summary, "write_rank_summary", calls.append, raising=False)
+    _, _, how = bench.build(source, 12, tmp_path / "b")
+    assert "write_rank_summary" in how and "rewritten" in how
+    assert sorted(calls) == sorted(tmp_path / "b" / f"rank{r}" for r in edited)
+
+    said = bench.crash(tmp_path / "a")
+    assert said == "11 end.json removed, 7 final summary records dropped"
+    assert not list((tmp_path / "a").glob("rank*/end.json"))
+    assert (tmp_path / "a" / "rank0" / "summary.jsonl").read_text() == '{"offsets": {}}\n'
+    assert _snapshot(source) == before
+
+
+def test_checks_name_apart_from_the_majority(bench: ModuleType) -> None:
+    def finding(rule: str, title: str, **evidence: Any) -> dict[str, Any]:
+        return {"id": rule, "title": title, "evidence": evidence}
+
+    group = finding("AMP-N16", "a layer on ranks 0-15", rank=0, ranks=list(range(16)))
+    doc = {
+        "run": {"warnings": ["rank 14: 3 unreadable record(s) skipped in steps.jsonl"]},
+        "findings": [
+            group,
+            finding("AMP-D01", "ranks 1, 6 disagree", ranks=[1, 6]),
+            finding("AMP-D02", "rank 11 is slow", ranks=[11]),
+        ],
+    }
+    planted = {1: "scale", 6: "overflow", 11: "slow"}
+    lines = bench.check(doc, "", 16, planted, {15: "truncated", 14: "corrupt"})
+    assert lines[1:4] == [
+        "scale [1]: named: yes (by AMP-D01)",
+        "overflow [6]: named: yes (by AMP-D01)",
+        "slow [11]: named: yes (by AMP-D02)",
+    ]
+    assert lines[4].startswith("corrupt rank 14: reported: yes (run.warnings: rank 14: 3")
+    assert lines[5] == "truncated rank 15: reported: no"  # in the group of 16, not reported
+
+    doc["findings"] = [group]  # the planted ranks only inside the agreeing group: not named
+    lines = bench.check(doc, "", 16, planted, {})
+    assert [line.split(": named: ")[1] for line in lines[1:]] == ["no", "no", "no"]
