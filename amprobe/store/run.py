@@ -220,6 +220,19 @@ class Run:
         computed once per run."""
         return self.cached("summaries", _summaries)
 
+    def relation(self, name: str) -> Any:
+        """A lazy DuckDB relation over table ``name`` (or ``"summaries"``) of the run's derived
+        Parquet store (:mod:`amprobe.store.derived`), built or refreshed first when missing or
+        stale. It reads nothing until a result is asked for (``.arrow()``, ``.df()``,
+        ``.fetchall()``) and runs again at each such call: keep a shared result with
+        :meth:`cached`. One connection per run (all cores, a memory limit, spilling to the
+        user cache); ``duckdb`` is imported only here."""
+        from amprobe.store import derived
+
+        if "duckdb" not in self._derived:
+            self._derived["duckdb"] = derived.connect()
+        return derived.relation(self, name, self._derived["duckdb"])
+
     def cached(self, key: str, compute: Callable[[Run], Any]) -> Any:
         """``compute(self)``, computed once per run and key (for frames derived by several rules)."""
         if key not in self._derived:
