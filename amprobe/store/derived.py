@@ -18,8 +18,12 @@ docs/design/read-side.md for why.
   failure while building leaves the old store as it was (or none).
 - **Stale** when the manifest is missing or unreadable, of another :data:`DERIVED_VERSION`, or
   when a source file (the run manifest, the rank manifests and end markers, every ``*.jsonl``
-  of a rank) changed size or mtime, appeared or disappeared. A stale store is rebuilt whole
-  (a live run's appends rebuild every file; no delta files yet).
+  of a rank) changed size or mtime, appeared or disappeared. A stale store is rebuilt, every
+  file of it, but not from scratch: a rank file that only grew since the last build (a live
+  run's appends) is parsed from the offset that build stopped at (recorded in the manifest with
+  the bytes before it, which an append keeps and a file written anew does not), and its
+  earlier rows are copied from the earlier Parquet file. No delta files: the Parquet files are
+  rewritten at each refresh (cheap next to parsing JSON).
 
 ``duckdb`` is imported only by :func:`connect` (a relation asked for): loading a run and the
 rules that read frames never import it.
@@ -47,7 +51,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from amprobe.store import schema
-from amprobe.store.jsonl import _read_rank_table, _TableRead
+from amprobe.store.jsonl import _read_arrow, _read_rank_table, _TableRead
 from amprobe.store.layout import TABLE_SUFFIX, RunLoadError, table_filename
 from amprobe.version import __version__
 
@@ -274,7 +278,7 @@ def _unique_steps(part: pa.Table) -> pa.Table:
     first = indexed.group_by(keys, use_threads=False).aggregate([("__i", "min")])["__i_min"]
     if len(first) == n:
         return part
-    return part.take(pc.sort_indices(first))
+    return part.take(pa.array(np.sort(first.to_numpy()), type=pa.int64()))
 
 
 def _sorted_by_step(part: pa.Table) -> pa.Table:
@@ -285,44 +289,117 @@ def _sorted_by_step(part: pa.Table) -> pa.Table:
     if steps.null_count == 0 and bool(np.all(values[1:] >= values[:-1])):
         return part
     # a stable sort: rows of one step stay in recording order; rows without a step go last
-    return part.take(
-        pc.sort_indices(part, sort_keys=[("step", "ascending")], null_placement="at_end")
-    )
+    return part.take(pc.sort_indices(part, sort_keys=[("step", "ascending")]))
 
 
-def _read_ranks(run: Run, table: str) -> Iterator[tuple[int, _TableRead | RunLoadError]]:
-    """Each rank's read of ``table``, in rank order, a few ranks ahead in parallel threads
-    (the JSON parser releases the GIL), never more than a window of ranks in memory."""
-    paths = [(info.rank, info.path / table_filename(table)) for info in run.ranks]
-    workers = max(1, min(len(paths), _cores(), 16))
+_FINGERPRINT_BYTES = 64
+
+
+def _fingerprint(path: Path, offset: int) -> str:
+    """The bytes just before ``offset`` in ``path`` (hex): an append keeps them, a file
+    written anew in its place (``overwrite``) almost surely does not."""
+    if offset <= 0:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, offset - _FINGERPRINT_BYTES))
+            return fh.read(min(offset, _FINGERPRINT_BYTES)).hex()
+    except OSError:
+        return "unreadable"
+
+
+def _read_from(path: Path, table: str, offset: int) -> _TableRead | RunLoadError:
+    """One rank's file of ``table`` from byte ``offset`` (0: the whole file)."""
+    if offset == 0:
+        return _read_rank_table(path, table)
+    try:
+        return _read_arrow(path, table, offset)
+    except RunLoadError as exc:
+        return exc
+
+
+def _read_ranks(
+    jobs: list[tuple[int, Path, int]], table: str
+) -> Iterator[tuple[int, _TableRead | RunLoadError]]:
+    """Each ``(rank, path, offset)``'s read of ``table``, in order, a few ranks ahead in
+    parallel threads (the JSON parser releases the GIL), never more than a window of ranks in
+    memory."""
+    workers = max(1, min(len(jobs), _cores(), 16))
     if workers == 1:
-        for rank, path in paths:
-            yield rank, _read_rank_table(path, table)
+        for rank, path, offset in jobs:
+            yield rank, _read_from(path, table, offset)
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         pending: deque[tuple[int, Future[_TableRead | RunLoadError]]] = deque()
-        todo = iter(paths)
-        for rank, path in todo:
-            pending.append((rank, pool.submit(_read_rank_table, path, table)))
+        todo = iter(jobs)
+        for rank, path, offset in todo:
+            pending.append((rank, pool.submit(_read_from, path, table, offset)))
             if len(pending) >= 2 * workers:
                 break
         while pending:
             rank, future = pending.popleft()
             nxt = next(todo, None)
             if nxt is not None:
-                pending.append((nxt[0], pool.submit(_read_rank_table, nxt[1], table)))
+                pending.append((nxt[0], pool.submit(_read_from, nxt[1], table, nxt[2])))
             yield rank, future.result()
 
 
+class _OldRows:
+    """The rows of an earlier build's file of a table, rank by rank (ranks asked in order):
+    row groups are found by their ``rank`` statistics and the last one read is kept."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = pq.ParquetFile(path)
+        meta = self.file.metadata
+        index = meta.schema.to_arrow_schema().get_field_index("rank")
+        self.groups: list[tuple[int, int]] = []
+        for i in range(meta.num_row_groups):
+            stats = meta.row_group(i).column(index).statistics
+            if stats is None or not stats.has_min_max:
+                raise ValueError(f"{path}: row group {i} has no rank statistics")
+            self.groups.append((int(stats.min), int(stats.max)))
+        self._last: tuple[int, pa.Table] | None = None
+
+    def rows_of(self, rank: int) -> pa.Table:
+        parts = []
+        for i, (lo, hi) in enumerate(self.groups):
+            if lo <= rank <= hi:
+                if self._last is None or self._last[0] != i:
+                    self._last = (i, self.file.read_row_group(i))
+                group = self._last[1]
+                parts.append(group.filter(pc.equal(group.column("rank"), rank)))
+        if not parts:
+            return self.file.schema_arrow.empty_table()
+        return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
 def _write_table(
-    run: Run, table: str, job: dict[str, Any], out: Path, stats: dict[int, _RankStats]
+    run: Run,
+    table: str,
+    job: dict[str, Any],
+    out: Path,
+    stats: dict[int, _RankStats],
+    previous: _Previous | None,
+    parsed: dict[str, tuple[int, str]],
 ) -> dict[str, Any]:
-    """Write ``table`` of every rank to ``out``; fill ``stats`` from the steps table."""
+    """Write ``table`` of every rank to ``out``; fill ``stats`` from the steps table and
+    ``parsed`` with how far each rank file was parsed.
+
+    With ``previous`` (an earlier build of the same job and version), a rank whose file only
+    grew since is not parsed again: its earlier rows are taken from the earlier file and only
+    the bytes appended since are parsed."""
     from amprobe.store.run import _read_warnings
 
     file_schema = _file_schema(table)
     infos = {info.rank: info for info in run.ranks}
-    rows = groups = 0
+    old = previous.rows(table) if previous is not None else None
+    jobs: list[tuple[int, Path, int]] = []
+    for info in run.ranks:
+        path = info.path / table_filename(table)
+        name = f"{info.path.name}/{table_filename(table)}"
+        offset = previous.offset(name, path) if previous is not None and old is not None else 0
+        jobs.append((info.rank, path, offset))
+    rows = groups = appended = 0
     block: list[pa.Table] = []
     with pq.ParquetWriter(out, file_schema, compression=_COMPRESSION) as writer:
 
@@ -334,9 +411,16 @@ def _write_table(
                 groups += 1
                 block.clear()
 
-        for rank, read in _read_ranks(run, table):
+        for (rank, read), (_, path, offset) in zip(_read_ranks(jobs, table), jobs, strict=True):
             run._warn(_read_warnings(infos[rank], table_filename(table), read))
+            if isinstance(read, _TableRead):
+                name = f"{infos[rank].path.name}/{table_filename(table)}"
+                parsed[name] = (read.next_offset, _fingerprint(path, read.next_offset))
             part = read.table if isinstance(read, _TableRead) else None
+            if offset and old is not None and isinstance(read, _TableRead):
+                appended += 1
+                earlier = old.rows_of(rank).drop_columns([*JOB_COLUMNS, "rank"])
+                part = pa.concat_tables([earlier, part]) if part is not None else earlier
             if part is None or not part.num_rows:
                 continue
             if table == "steps":
@@ -363,7 +447,54 @@ def _write_table(
                     flush()
             rows += n
         flush()
-    return {"rows": rows, "row_groups": groups}
+    return {"rows": rows, "row_groups": groups, "ranks_appended": appended}
+
+
+class _Previous:
+    """An earlier build in the folder being rebuilt, usable for an incremental rebuild: the
+    same derived version and job values, and its record of how far each file was parsed."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
+        self.folder = folder
+        self.tables = manifest.get("tables") or {}
+        self.parsed: dict[str, Any] = manifest.get("parsed") or {}
+
+    @classmethod
+    def of(cls, folder: Path, job: dict[str, Any]) -> _Previous | None:
+        manifest = _read_manifest(folder)
+        if (
+            manifest is None
+            or manifest.get("format") != DERIVED_FORMAT
+            or manifest.get("derived_version") != DERIVED_VERSION
+            or manifest.get("job") != job
+            or not isinstance(manifest.get("parsed"), dict)
+            or not isinstance(manifest.get("tables"), dict)
+        ):
+            return None
+        return cls(folder, manifest)
+
+    def rows(self, table: str) -> _OldRows | None:
+        entry = self.tables.get(table)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return _OldRows(self.folder / str(entry.get("file")))
+        except (OSError, ValueError, pa.ArrowException):
+            return None
+
+    def offset(self, name: str, path: Path) -> int:
+        """Where to resume reading ``path``: the offset parsed before when the file still
+        holds those bytes (it only grew), else 0 (parse it whole)."""
+        got = self.parsed.get(name)
+        if not isinstance(got, list) or len(got) != 2 or not isinstance(got[0], int):
+            return 0
+        offset, fingerprint = got
+        try:
+            if path.stat().st_size < offset:
+                return 0
+        except OSError:
+            return 0
+        return offset if offset > 0 and _fingerprint(path, offset) == fingerprint else 0
 
 
 def _json_safe(value: Any) -> Any:
@@ -406,9 +537,18 @@ def _tables_present(run: Run, sources: dict[str, tuple[int, int]]) -> list[str]:
     return [t for t in schema.TABLES if table_filename(t) in names]
 
 
-def build(run: Run, folder: Path, sources: dict[str, tuple[int, int]] | None = None) -> Path:
+def build(
+    run: Run,
+    folder: Path,
+    sources: dict[str, tuple[int, int]] | None = None,
+    incremental: bool = True,
+) -> Path:
     """Build the derived store of ``run`` in ``folder`` (created if missing), replacing what is
     there only once every file is written. Returns ``folder``.
+
+    With ``incremental``, an earlier build in ``folder`` of the same job and version is reused:
+    a rank file that only grew since is parsed from where that build stopped, its earlier rows
+    read from the earlier Parquet file (a live run's refresh parses only what was appended).
 
     Raises:
         OSError: the folder or a file cannot be written (nothing of the old store is replaced).
@@ -417,6 +557,9 @@ def build(run: Run, folder: Path, sources: dict[str, tuple[int, int]] | None = N
         sources = source_files(run)
     folder.mkdir(parents=True, exist_ok=True)
     job = _job_values(run)
+    job_entry = {**job, "start_unix": run.manifest.get("created_unix")}
+    previous = _Previous.of(folder, job_entry) if incremental else None
+    parsed: dict[str, tuple[int, str]] = {}
     tag = f".{os.getpid()}.{time.monotonic_ns()}.tmp"
     written: dict[str, Path] = {}
     entries: dict[str, dict[str, Any]] = {}
@@ -427,7 +570,7 @@ def build(run: Run, folder: Path, sources: dict[str, tuple[int, int]] | None = N
             written[table] = tmp
             entries[table] = {
                 "file": f"{table}.parquet",
-                **_write_table(run, table, job, tmp, stats),
+                **_write_table(run, table, job, tmp, stats, previous, parsed),
             }
         tmp = folder / f".{SUMMARIES}.parquet{tag}"
         written[SUMMARIES] = tmp
@@ -441,8 +584,11 @@ def build(run: Run, folder: Path, sources: dict[str, tuple[int, int]] | None = N
             "amprobe_version": __version__,
             "run": str(run.path.resolve()),
             "built_unix": time.time(),
-            "job": {**job, "start_unix": run.manifest.get("created_unix")},
+            "job": job_entry,
             "tables": entries,
+            # per rank file: the offset parsed up to and the bytes before it (an append since
+            # is parsed from there at the next build)
+            "parsed": {k: list(v) for k, v in sorted(parsed.items())},
             "sources": {k: list(v) for k, v in sorted(sources.items())},
         }
         tmp_manifest = folder / f".{MANIFEST}{tag}"
