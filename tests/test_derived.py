@@ -230,7 +230,10 @@ def test_refresh_parses_only_what_was_appended(
     run.relation("steps")
     assert ("rank1/steps.jsonl", size) in reads
     assert all(offset > 0 for _, offset in reads), reads  # no file parsed whole again
-    assert _manifest(folder)["tables"]["steps"]["ranks_appended"] == 2
+    tables = _manifest(folder)["tables"]
+    assert tables["steps"]["ranks_appended"] == 2 and not tables["steps"].get("kept")
+    # the tables no rank appended to are kept as they are, their files not read at all
+    assert tables["numerics"]["kept"] and not any("numerics" in name for name, _ in reads)
 
     # the same files as a build from scratch
     def same_as_scratch() -> None:

@@ -19,11 +19,12 @@ docs/design/read-side.md for why.
 - **Stale** when the manifest is missing or unreadable, of another :data:`DERIVED_VERSION`, or
   when a source file (the run manifest, the rank manifests and end markers, every ``*.jsonl``
   of a rank) changed size or mtime, appeared or disappeared. A stale store is rebuilt, every
-  file of it, but not from scratch: a rank file that only grew since the last build (a live
+  but not from scratch: a rank file that only grew since the last build (a live
   run's appends) is parsed from the offset that build stopped at (recorded in the manifest with
   the bytes before it, which an append keeps and a file written anew does not), and its
-  earlier rows are copied from the earlier Parquet file. No delta files: the Parquet files are
-  rewritten at each refresh (cheap next to parsing JSON).
+  earlier rows are copied from the earlier Parquet file; a table none of whose files changed
+  keeps its Parquet file. No delta files: a table that grew is rewritten whole (cheap next to
+  parsing JSON).
 
 ``duckdb`` is imported only by :func:`connect` (a relation asked for): loading a run and the
 rules that read frames never import it.
@@ -238,9 +239,8 @@ def _job_arrays(job: dict[str, Any], n: int) -> list[pa.Array]:
             out.append(pa.array(np.full(n, value, dtype=np.int64)).cast(kind))
         elif kind == pa.int64():
             out.append(pa.array(np.full(n, value, dtype=np.int64)))
-        else:
-            # dictionary-encoded in the file; a plain repeated string in memory is cheap enough
-            out.append(pa.array([value] * n, type=kind))
+        else:  # dictionary-encoded in the file: a few bytes per row group
+            out.append(pa.repeat(pa.scalar(value, type=kind), n))
     return out
 
 
@@ -458,6 +458,7 @@ class _Previous:
         self.folder = folder
         self.tables = manifest.get("tables") or {}
         self.parsed: dict[str, Any] = manifest.get("parsed") or {}
+        self.sources: dict[str, Any] = manifest.get("sources") or {}
 
     @classmethod
     def of(cls, folder: Path, job: dict[str, Any]) -> _Previous | None:
@@ -472,6 +473,45 @@ class _Previous:
         ):
             return None
         return cls(folder, manifest)
+
+    def unchanged(
+        self, table: str, run: Run, sources: dict[str, tuple[int, int]]
+    ) -> dict[str, tuple[int, str]] | None:
+        """How far the files of ``table`` were parsed, when no rank's file of it changed since
+        this build (the same files, each as long as parsed and still holding those bytes), so
+        its Parquet file is kept as it is; else None."""
+        entry = self.tables.get(table)
+        if not isinstance(entry, dict) or not (self.folder / str(entry.get("file"))).is_file():
+            return None
+        suffix = "/" + table_filename(table)
+        now = {n: run.path / n for n in sources if n.endswith(suffix)}
+        before = {n for n in self.parsed if n.endswith(suffix) and n in self.sources}
+        if set(now) != before:
+            return None
+        kept: dict[str, tuple[int, str]] = {}
+        for name, path in now.items():
+            offset = self.offset(name, path)
+            if offset != sources[name][0] or offset != self.parsed[name][0]:
+                return None
+            kept[name] = (offset, str(self.parsed[name][1]))
+        return kept
+
+    def steps_stats(self, stats: dict[int, _RankStats]) -> bool:
+        """Fill ``stats`` from this build's summaries (for a steps table kept as it is)."""
+        entry = self.tables.get(SUMMARIES)
+        if not isinstance(entry, dict):
+            return False
+        columns = ["rank", "steps", "skipped_steps", "first_step", "last_step"]
+        try:
+            rows = pq.read_table(self.folder / str(entry.get("file")), columns=columns)
+        except (OSError, pa.ArrowException):
+            return False
+        for rank, steps, skipped, first, last in zip(
+            *(rows.column(c).to_pylist() for c in columns), strict=True
+        ):
+            if steps:
+                stats[rank] = _RankStats(steps=steps, skipped=skipped, first=first, last=last)
+        return True
 
     def rows(self, table: str) -> _OldRows | None:
         entry = self.tables.get(table)
@@ -566,6 +606,13 @@ def build(
     try:
         stats: dict[int, _RankStats] = {}
         for table in _tables_present(run, sources):
+            if previous is not None:
+                # no rank file of the table changed: its Parquet file is kept as it is
+                kept = previous.unchanged(table, run, sources)
+                if kept is not None and (table != "steps" or previous.steps_stats(stats)):
+                    entries[table] = {**previous.tables[table], "kept": True}
+                    parsed.update(kept)
+                    continue
             tmp = folder / f".{table}.parquet{tag}"
             written[table] = tmp
             entries[table] = {
