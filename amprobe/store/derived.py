@@ -18,10 +18,10 @@ docs/design/read-side.md for why.
   failure while building leaves the old store as it was (or none).
 - **Stale** when the manifest is missing or unreadable, of another :data:`DERIVED_VERSION`, or
   when a source file (the run manifest, the rank manifests and end markers, every ``*.jsonl``
-  of a rank) changed size or mtime, appeared or disappeared. A stale store is rebuilt, every
-  but not from scratch: a rank file that only grew since the last build (a live
-  run's appends) is parsed from the offset that build stopped at (recorded in the manifest with
-  the bytes before it, which an append keeps and a file written anew does not), and its
+  of a rank) changed size or mtime, appeared or disappeared. A stale store is rebuilt, but
+  not from scratch: a rank file that only grew since the last build (a live run's appends) is
+  parsed from the offset that build stopped at (recorded in the manifest with the bytes before
+  it, which an append keeps and a file written anew does not), and its
   earlier rows are copied from the earlier Parquet file; a table none of whose files changed
   keeps its Parquet file. No delta files: a table that grew is rewritten whole (cheap next to
   parsing JSON).
