@@ -26,8 +26,9 @@ docs/design/read-side.md for why.
   keeps its Parquet file. No delta files: a table that grew is rewritten whole (cheap next to
   parsing JSON).
 
-``duckdb`` is imported only by :func:`connect` (a relation asked for): loading a run and the
-rules that read frames never import it.
+This module (and with it ``duckdb``, 0.13 s to import) is loaded only when a relation is asked
+for (:meth:`Run.relation` reaches it through the store package's lazy attributes): loading a
+run and the rules that read frames never import it.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -57,9 +59,10 @@ from amprobe.store.layout import TABLE_SUFFIX, RunLoadError, table_filename
 from amprobe.version import __version__
 
 if TYPE_CHECKING:
-    import duckdb
+    from amprobe.store.run import RankInfo, Run
 
-    from amprobe.store.run import Run
+#: Called with each rank's read of a table file (the loader turns it into warnings)
+OnRead = Callable[["RankInfo", str, "_TableRead | RunLoadError"], None]
 
 __all__ = [
     "DERIVED_VERSION",
@@ -381,6 +384,7 @@ def _write_table(
     stats: dict[int, _RankStats],
     previous: _Previous | None,
     parsed: dict[str, tuple[int, str]],
+    on_read: OnRead | None,
 ) -> dict[str, Any]:
     """Write ``table`` of every rank to ``out``; fill ``stats`` from the steps table and
     ``parsed`` with how far each rank file was parsed.
@@ -388,8 +392,6 @@ def _write_table(
     With ``previous`` (an earlier build of the same job and version), a rank whose file only
     grew since is not parsed again: its earlier rows are taken from the earlier file and only
     the bytes appended since are parsed."""
-    from amprobe.store.run import _read_warnings
-
     file_schema = _file_schema(table)
     infos = {info.rank: info for info in run.ranks}
     old = previous.rows(table) if previous is not None else None
@@ -412,7 +414,8 @@ def _write_table(
                 block.clear()
 
         for (rank, read), (_, path, offset) in zip(_read_ranks(jobs, table), jobs, strict=True):
-            run._warn(_read_warnings(infos[rank], table_filename(table), read))
+            if on_read is not None:
+                on_read(infos[rank], table_filename(table), read)
             if isinstance(read, _TableRead):
                 name = f"{infos[rank].path.name}/{table_filename(table)}"
                 parsed[name] = (read.next_offset, _fingerprint(path, read.next_offset))
@@ -582,6 +585,7 @@ def build(
     folder: Path,
     sources: dict[str, tuple[int, int]] | None = None,
     incremental: bool = True,
+    on_read: OnRead | None = None,
 ) -> Path:
     """Build the derived store of ``run`` in ``folder`` (created if missing), replacing what is
     there only once every file is written. Returns ``folder``.
@@ -617,7 +621,7 @@ def build(
             written[table] = tmp
             entries[table] = {
                 "file": f"{table}.parquet",
-                **_write_table(run, table, job, tmp, stats, previous, parsed),
+                **_write_table(run, table, job, tmp, stats, previous, parsed, on_read),
             }
         tmp = folder / f".{SUMMARIES}.parquet{tag}"
         written[SUMMARIES] = tmp
@@ -668,7 +672,7 @@ class Store:
         return self.folder / entry["file"] if entry else None
 
 
-def ensure(run: Run) -> Store:
+def ensure(run: Run, on_read: OnRead | None = None) -> Store:
     """The run's derived store, built or rebuilt first when missing or stale.
 
     Raises:
@@ -680,7 +684,7 @@ def ensure(run: Run) -> Store:
         if not _writable(folder):
             folder = cache_dir() / DERIVED_DIR / _cache_key(run)
         if not is_fresh(folder, sources):
-            build(run, folder, sources)
+            build(run, folder, sources, on_read=on_read)
     manifest = _read_manifest(folder) or {}
     return Store(folder=folder, tables=dict(manifest.get("tables") or {}))
 
@@ -697,8 +701,6 @@ def connect() -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with amprobe's settings: ``threads`` = the cores this
     process may use, ``memory_limit`` = :data:`MEMORY_LIMIT` (or ``AMPROBE_DUCKDB_MEMORY``),
     ``temp_directory`` (where it spills) in the user cache."""
-    import duckdb  # lazily: only a relation asked for loads the engine
-
     spill = cache_dir() / "duckdb-tmp"
     spill.mkdir(parents=True, exist_ok=True)
     return duckdb.connect(
@@ -711,7 +713,9 @@ def connect() -> duckdb.DuckDBPyConnection:
     )
 
 
-def relation(run: Run, table: str, con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyRelation:
+def relation(
+    run: Run, table: str, con: duckdb.DuckDBPyConnection, on_read: OnRead | None = None
+) -> duckdb.DuckDBPyRelation:
     """A lazy relation over ``table`` of the run's derived store (built or refreshed first);
     an empty relation with the table's columns when no rank recorded it.
 
@@ -720,7 +724,7 @@ def relation(run: Run, table: str, con: duckdb.DuckDBPyConnection) -> duckdb.Duc
     """
     if table != SUMMARIES and table not in schema.TABLES:
         raise KeyError(f"no such table: {table!r} (known: {', '.join(schema.TABLES)}, summaries)")
-    store = ensure(run)
+    store = ensure(run, on_read)
     path = store.path(table)
     if path is None:
         return con.from_arrow(_file_schema(table).empty_table())

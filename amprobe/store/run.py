@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+import amprobe.store
 from amprobe.store import jsonl, schema
 from amprobe.store import sections as _sections  # noqa: F401  (registers the sections)
 from amprobe.store.jsonl import (
@@ -227,11 +228,13 @@ class Run:
         ``.fetchall()``) and runs again at each such call: keep a shared result with
         :meth:`cached`. One connection per run (all cores, a memory limit, spilling to the
         user cache); ``duckdb`` is imported only here."""
-        from amprobe.store import derived
-
+        derived = amprobe.store.derived  # loaded on first use (with duckdb), not with the run
         if "duckdb" not in self._derived:
             self._derived["duckdb"] = derived.connect()
-        return derived.relation(self, name, self._derived["duckdb"])
+        return derived.relation(self, name, self._derived["duckdb"], self._read_warned)
+
+    def _read_warned(self, info: RankInfo, filename: str, read: _TableRead | RunLoadError) -> None:
+        self._warn(_read_warnings(info, filename, read))
 
     def cached(self, key: str, compute: Callable[[Run], Any]) -> Any:
         """``compute(self)``, computed once per run and key (for frames derived by several rules)."""
