@@ -322,6 +322,16 @@ def test_failed_build_leaves_the_old_store_or_none(
     assert run.relation("steps").aggregate("max(step)").fetchall() == [(900,)]
 
 
+def test_damaged_records_are_reported_as_the_loader_does(tmp_path: Path, cache: Path) -> None:
+    path = _two_ranks(tmp_path / "run")
+    with open(path / "rank1" / "events.jsonl", "a") as fh:
+        fh.write("not json\n")
+    run = load_run(path)
+    rows = run.relation("events").aggregate("count(*)").fetchall()[0][0]
+    assert rows == len(run.table("events"))  # the damaged line is skipped by both
+    assert run.warnings.count("rank 1: 1 unreadable record(s) skipped in events.jsonl") == 1
+
+
 def test_loader_ignores_the_derived_folder(tmp_path: Path, cache: Path) -> None:
     path = _two_ranks(tmp_path / "runs" / "run")
     load_run(path).relation("summaries")
