@@ -702,7 +702,10 @@ def connect() -> duckdb.DuckDBPyConnection:
     process may use, ``memory_limit`` = :data:`MEMORY_LIMIT` (or ``AMPROBE_DUCKDB_MEMORY``),
     ``temp_directory`` (where it spills) in the user cache."""
     spill = cache_dir() / "duckdb-tmp"
-    spill.mkdir(parents=True, exist_ok=True)
+    try:
+        spill.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home: the system's temporary folder
+        spill = Path(tempfile.gettempdir()) / f"amprobe-duckdb-{os.getuid()}"
     return duckdb.connect(
         ":memory:",
         config={
