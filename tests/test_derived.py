@@ -260,6 +260,22 @@ def test_refresh_parses_only_what_was_appended(
     same_as_scratch()
 
 
+@pytest.mark.parametrize("damage", ["not json", '{"format": "amprobe-derived"}', "sources"])
+def test_damaged_manifest_is_stale(tmp_path: Path, cache: Path, damage: str) -> None:
+    path = _copy_sample("overflow", tmp_path / "run")
+    run = load_run(path)
+    run.relation("steps")
+    manifest = path / derived.DERIVED_DIR / derived.MANIFEST
+    if damage == "sources":
+        broken = {**_manifest(manifest.parent), "sources": [1], "tables": {"steps": 3}}
+        manifest.write_text(json.dumps(broken))
+    else:
+        manifest.write_text(damage)
+    assert not derived.is_fresh(manifest.parent, derived.source_files(run))
+    assert run.relation("steps").aggregate("count(*)").fetchall() == [(200,)]
+    assert derived.is_fresh(manifest.parent, derived.source_files(run))
+
+
 def test_read_only_run_folder_uses_the_user_cache(
     tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

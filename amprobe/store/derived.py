@@ -55,7 +55,13 @@ import pyarrow.parquet as pq
 
 from amprobe.store import schema
 from amprobe.store.jsonl import _read_arrow, _read_rank_table, _TableRead
-from amprobe.store.layout import TABLE_SUFFIX, RunLoadError, table_filename
+from amprobe.store.layout import (
+    TABLE_SUFFIX,
+    RunLoadError,
+    open_regular,
+    read_json_file,
+    table_filename,
+)
 from amprobe.version import __version__
 
 if TYPE_CHECKING:
@@ -90,6 +96,8 @@ DERIVED_DIR = "derived"
 #: is never taken for a run.
 DERIVED_FORMAT = "amprobe-derived"
 MANIFEST = "manifest.json"
+#: the derived manifest lists every source file (a few hundred bytes per rank)
+_MANIFEST_MAX_BYTES = 256 << 20
 #: The per-rank table of summaries (``summaries.parquet``), next to the record tables.
 SUMMARIES = "summaries"
 #: Ranks with fewer rows than this share a row group with the ranks after them (a table of a
@@ -169,12 +177,11 @@ def source_files(run: Run) -> dict[str, tuple[int, int]]:
 
 
 def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The derived manifest, or None when missing or unreadable (never blocks on a FIFO)."""
     try:
-        with open(folder / MANIFEST, encoding="utf-8") as fh:
-            manifest = json.load(fh)
+        return read_json_file(folder / MANIFEST, max_bytes=_MANIFEST_MAX_BYTES)
     except (OSError, ValueError):
         return None
-    return manifest if isinstance(manifest, dict) else None
 
 
 def is_fresh(folder: Path, sources: dict[str, tuple[int, int]]) -> bool:
@@ -184,13 +191,12 @@ def is_fresh(folder: Path, sources: dict[str, tuple[int, int]]) -> bool:
         return False
     if manifest.get("derived_version") != DERIVED_VERSION:
         return False
-    built = manifest.get("sources")
-    if not isinstance(built, dict) or {k: tuple(v) for k, v in built.items()} != sources:
+    try:
+        built = {k: tuple(v) for k, v in manifest["sources"].items()}
+        files = [folder / str(entry["file"]) for entry in manifest["tables"].values()]
+    except (KeyError, TypeError, AttributeError):  # a damaged manifest
         return False
-    tables = manifest.get("tables")
-    return isinstance(tables, dict) and all(
-        (folder / str(entry.get("file"))).is_file() for entry in tables.values()
-    )
+    return built == sources and all(path.is_file() for path in files)
 
 
 # -- job columns -----------------------------------------------------------------------------
@@ -295,20 +301,21 @@ def _sorted_by_step(part: pa.Table) -> pa.Table:
     return part.take(pc.sort_indices(part, sort_keys=[("step", "ascending")]))
 
 
-_FINGERPRINT_BYTES = 64
+_FINGERPRINT_BYTES = 256
 
 
 def _fingerprint(path: Path, offset: int) -> str:
-    """The bytes just before ``offset`` in ``path`` (hex): an append keeps them, a file
+    """A hash of the bytes just before ``offset`` in ``path``: an append keeps them, a file
     written anew in its place (``overwrite``) almost surely does not."""
     if offset <= 0:
         return ""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             fh.seek(max(0, offset - _FINGERPRINT_BYTES))
-            return fh.read(min(offset, _FINGERPRINT_BYTES)).hex()
+            data = fh.read(min(offset, _FINGERPRINT_BYTES))
     except OSError:
         return "unreadable"
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 def _read_from(path: Path, table: str, offset: int) -> _TableRead | RunLoadError:
@@ -493,10 +500,12 @@ class _Previous:
             return None
         kept: dict[str, tuple[int, str]] = {}
         for name, path in now.items():
-            offset = self.offset(name, path)
-            if offset != sources[name][0] or offset != self.parsed[name][0]:
+            got = self.parsed[name]
+            if not isinstance(got, list) or len(got) != 2 or got[0] != sources[name][0]:
                 return None
-            kept[name] = (offset, str(self.parsed[name][1]))
+            if got[0] and self.offset(name, path) != got[0]:
+                return None
+            kept[name] = (got[0], str(got[1]))
         return kept
 
     def steps_stats(self, stats: dict[int, _RankStats]) -> bool:
