@@ -29,6 +29,7 @@ from amprobe.store.layout import (
 )
 
 if TYPE_CHECKING:
+    from amprobe.store import derived as derived
     from amprobe.store.loader import RankInfo, Run, load_run, read_table
     from amprobe.store.schema import SCHEMA_VERSION, TABLES
     from amprobe.store.writer import RunWriter
@@ -64,7 +65,7 @@ _LAZY = {
 }
 #: the package's modules, as attributes (``amprobe.store.schema`` once ``amprobe.store`` is
 #: imported, as when this file imported them all)
-_SUBMODULES = ("fields", "layout", "loader", "schema", "writer")
+_SUBMODULES = ("derived", "fields", "layout", "loader", "schema", "writer")
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, _SUBMODULES, globals())

@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+import amprobe.store
 from amprobe.store import jsonl, schema
 from amprobe.store import sections as _sections  # noqa: F401  (registers the sections)
 from amprobe.store.jsonl import (
@@ -254,6 +255,21 @@ class Run:
         that were not trusted) or ``"unreadable"`` (an empty summary)."""
         self.summaries()
         return dict(self._derived["summary_sources"])
+
+    def relation(self, name: str) -> Any:
+        """A lazy DuckDB relation over table ``name`` (or ``"summaries"``) of the run's derived
+        Parquet store (:mod:`amprobe.store.derived`), built or refreshed first when missing or
+        stale. It reads nothing until a result is asked for (``.arrow()``, ``.df()``,
+        ``.fetchall()``) and runs again at each such call: keep a shared result with
+        :meth:`cached`. One connection per run (all cores, a memory limit, spilling to the
+        user cache); ``duckdb`` is imported only here."""
+        derived = amprobe.store.derived  # loaded on first use (with duckdb), not with the run
+        if "duckdb" not in self._derived:
+            self._derived["duckdb"] = derived.connect()
+        return derived.relation(self, name, self._derived["duckdb"], self._read_warned)
+
+    def _read_warned(self, info: RankInfo, filename: str, read: _TableRead | RunLoadError) -> None:
+        self._warn(_read_warnings(info, filename, read))
 
     def cached(self, key: str, compute: Callable[[Run], Any]) -> Any:
         """``compute(self)``, computed once per run and key (for frames derived by several rules)."""
