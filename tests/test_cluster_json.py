@@ -142,3 +142,20 @@ def test_records_equal_on_every_rank_are_one_record(cluster: Any) -> None:
 def test_a_one_rank_run_keeps_its_records() -> None:
     frame = compute_whatif(amprobe.load_run(SOURCE))
     assert whatif_json(frame) == whatif_records(frame)
+
+
+def test_bounded_evidence_renders_as_words() -> None:
+    """``rank_ranges``, ``by_rank_left_off`` and ``by_rank_range`` read as text, not JSON."""
+    from amprobe.report.evidence import evidence_lines
+    from amprobe.rules.engine import Finding, group_rank_findings
+
+    def cut(rank: int) -> Finding:
+        evidence = {"rank": rank, "cut_count": rank, "min_scale": 2048.0 if rank == 5 else 1024.0}
+        return Finding("AMP-N01", "x", "info", "nan", f"cut {rank} time(s)", evidence, "fix")
+
+    (merged,) = group_rank_findings([cut(r) for r in range(RANKS)], True, range(RANKS))
+    lines = evidence_lines(merged)
+    assert f"ranks: 0-{RANKS - 1} ({RANKS} ranks)" in lines
+    assert f"  ({RANKS - 16} more sets of values, on {RANKS - 16} ranks, not shown)" in lines
+    assert "  min scale | 1,024 | 0-4, 6-299 | 2,048 | 5" in lines
+    assert not any("[" in line or "{" in line or "_" in line for line in lines), lines
