@@ -17,7 +17,7 @@ import pytest
 import amprobe
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.report import render_json
-from amprobe.report.whatif_json import whatif_json
+from amprobe.report.whatif_json import verdict_of, whatif_json
 
 SOURCE = Path(__file__).resolve().parents[1] / "sample_runs" / "fp8-whatif"
 RANKS = 300
@@ -123,6 +123,9 @@ def test_the_diverging_ranks_are_named(cluster: Any) -> None:
     )
     (row,) = head["rows"]
     assert row["rank"] == WIDE and row["verdict"] == "flushes" and row["flush_share"] > 0.4
+    assert verdict_of(row, 0.001) == "flushes" and verdict_of({**row, "judged": False}, 0) == (
+        "not judged"
+    )
     assert head["spread"]["flush_share"]["max_ranks"] == str(WIDE)
     assert head["spread"]["amax"]["max"] == 5000.0
 

@@ -52,43 +52,52 @@ def verdict_of(record: Mapping[str, Any], threshold: float) -> str:
     return "loses" if (record.get("lost_share") or 0.0) > threshold else "keeps"
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    return value
+def _verdicts(part: pd.DataFrame, threshold: float) -> np.ndarray:
+    """:func:`verdict_of` of every row of ``part``, in numpy."""
+
+    def share(name: str) -> np.ndarray:
+        values = part[name].to_numpy(dtype=float, na_value=np.nan)
+        return np.nan_to_num(values, nan=0.0) > threshold
+
+    judged = part["judged"].fillna(False).to_numpy(dtype=bool)
+    over, flush, lost = share("overflow_share"), share("flush_share"), share("lost_share")
+    out = np.where(lost, "loses", "keeps").astype(object)
+    out[over & ~flush] = "overflows"
+    out[flush & ~over] = "flushes"
+    out[over & flush] = "overflows, flushes"
+    out[~judged] = "not judged"
+    return out
 
 
-def _number(values: list[Any]) -> bool:
-    return all(
-        v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values
-    )
+def _numbers(column: pd.Series) -> bool:
+    return pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column)
 
 
-def _spread(values: list[Any], ranks: list[int]) -> dict[str, Any]:
+def _spread(column: pd.Series, ranks: np.ndarray) -> dict[str, Any]:
     """One differing column over the ranks: its range and median, or its distinct values."""
-    if _number(values):
-        pairs = [(float(v), r) for v, r in zip(values, ranks, strict=True) if v is not None]
-        out: dict[str, Any] = (
-            {"missing_rank_count": len(values) - len(pairs)} if (len(pairs) < len(values)) else {}
-        )
-        if not pairs:
+    if _numbers(column):
+        values = column.to_numpy(dtype=float, na_value=np.nan)
+        known = ~np.isnan(values)
+        missing = int((~known).sum())
+        out: dict[str, Any] = {"missing_rank_count": missing} if missing else {}
+        if not known.any():
             return out
-        numbers = np.array([v for v, _ in pairs])
-        lo, hi = float(numbers.min()), float(numbers.max())
-        whole = all(isinstance(v, int) for v in values if v is not None)
+        lo, hi = float(values[known].min()), float(values[known].max())
+        whole = pd.api.types.is_integer_dtype(column)
         return {
             "min": int(lo) if whole else lo,
-            "median": float(np.median(numbers)),
+            "median": float(np.median(values[known])),
             "max": int(hi) if whole else hi,
-            "min_ranks": name_ranks(r for v, r in pairs if v == lo),
-            "max_ranks": name_ranks(r for v, r in pairs if v == hi),
+            "min_ranks": name_ranks(ranks[known & (values == lo)].tolist()),
+            "max_ranks": name_ranks(ranks[known & (values == hi)].tolist()),
             **out,
         }
     by_value: dict[str, tuple[Any, list[int]]] = {}
-    for v, r in zip(values, ranks, strict=True):
-        by_value.setdefault(repr(v), (v, []))[1].append(r)
+    for v, r in zip(column.tolist(), ranks.tolist(), strict=True):
+        plain = list(v) if isinstance(v, list | tuple | np.ndarray) else v
+        if plain is not None and not isinstance(plain, list) and pd.isna(plain):
+            plain = None
+        by_value.setdefault(repr(plain), (plain, []))[1].append(r)
     ordered = sorted(by_value.values(), key=lambda vr: (-len(vr[1]), vr[1][0]))
     listed = [
         {"value": v, "ranks": name_ranks(rs), "rank_count": len(rs)}
@@ -98,36 +107,29 @@ def _spread(values: list[Any], ranks: list[int]) -> dict[str, Any]:
     return {"values": listed, **({"other_rank_count": left} if left else {})}
 
 
-def _merged(records: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
-    """One record for the rows of one (layer, kind, format, scaling) over the ranks."""
-    ranks = [int(r["rank"]) for r in records]
-    columns = [c for c in records[0] if c != "rank"]
-    same: dict[str, Any] = {}
-    differ: list[str] = []
-    for c in columns:
-        first = records[0][c]
-        if all(r[c] == first for r in records[1:]):
-            same[c] = first
-        else:
-            differ.append(c)
-    out: dict[str, Any] = {
-        **same,
-        "ranks": format_ranks(ranks),
-        "rank_count": len(ranks),
-    }
+def _merged(
+    part: pd.DataFrame, first: dict[str, Any], differ: list[str], threshold: float
+) -> dict[str, Any]:
+    """One record for the rows ``part`` of one (layer, kind, format, scaling) over the ranks:
+    ``first`` (a row's record) gives the columns in ``differ`` the ranks do not agree on."""
+    ranks = part["rank"].to_numpy(dtype=np.int64)
+    out: dict[str, Any] = {k: v for k, v in first.items() if k != "rank" and k not in differ}
+    out["ranks"] = format_ranks(ranks.tolist())
+    out["rank_count"] = len(ranks)
     if not differ:
         return out
-    out["spread"] = {c: _spread([r[c] for r in records], ranks) for c in differ}
-    verdicts = [verdict_of(r, threshold) for r in records]
-    counts: dict[str, int] = {}
-    for v in verdicts:
-        counts[v] = counts.get(v, 0) + 1
-    major = max(counts, key=lambda v: counts[v])  # the first most common
+    out["spread"] = {c: _spread(part[c], ranks) for c in differ}
+    verdicts = _verdicts(part, threshold)
+    names, counts = np.unique(verdicts.astype(str), return_counts=True)
+    # the most common verdict; a tie goes to the one the lowest rank has
+    best = counts.max()
+    tied = {str(n) for n, c in zip(names, counts, strict=True) if c == best}
+    major = next(str(v) for v in verdicts if v in tied)
+    agree = verdicts == major
     out["verdict"] = major
-    out["verdict_ranks"] = name_ranks(r for r, v in zip(ranks, verdicts, strict=True) if v == major)
-    out["rows"] = [
-        {**r, "verdict": v} for r, v in zip(records, verdicts, strict=True) if v != major
-    ]
+    out["verdict_ranks"] = name_ranks(ranks[agree].tolist())
+    rows = whatif_records(part.iloc[np.flatnonzero(~agree)])
+    out["rows"] = [{**r, "verdict": str(v)} for r, v in zip(rows, verdicts[~agree], strict=True)]
     return out
 
 
@@ -154,25 +156,20 @@ def whatif_json(
         if hashable[c].dtype == object:  # lists (nonfinite_steps) compared as tuples
             hashable[c] = hashable[c].map(lambda v: tuple(v) if isinstance(v, list) else v)
     codes = keyed.groupby(_KEY, sort=False, dropna=False).ngroup().to_numpy()
-    constant = (hashable.groupby(codes).nunique(dropna=False) <= 1).all(axis=1)
     order = np.argsort(codes, kind="stable")
     bounds = np.flatnonzero(np.diff(codes[order])) + 1
+    unique = hashable.groupby(codes).nunique(dropna=False)
     rank_of = keyed["rank"].to_numpy(dtype=np.int64)
-    firsts = [int(rows[0]) for rows in np.split(order, bounds)]
-    first_records = whatif_records(keyed.iloc[firsts])
+    groups = np.split(order, bounds)
+    first_records = whatif_records(keyed.iloc[[int(rows[0]) for rows in groups]])
     out: list[dict[str, Any]] = []
-    for rows, record in zip(np.split(order, bounds), first_records, strict=True):
+    for rows, record in zip(groups, first_records, strict=True):
         code = int(codes[rows[0]])
-        if constant.get(code, False):
-            ranks = rank_of[rows].tolist()
-            record.pop("rank", None)
-            out.append(
-                {
-                    **record,
-                    "ranks": format_ranks(ranks),
-                    "rank_count": len(ranks),
-                }
-            )
-        else:
-            out.append(_merged(whatif_records(keyed.iloc[rows]), threshold))
+        differ = [c for c in columns if unique.at[code, c] > 1]
+        if differ:
+            out.append(_merged(keyed.iloc[rows], record, differ, threshold))
+            continue
+        record.pop("rank", None)
+        ranks = rank_of[rows].tolist()
+        out.append({**record, "ranks": format_ranks(ranks), "rank_count": len(ranks)})
     return out
