@@ -12,12 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 
 import amprobe
 from amprobe.analysis.whatif import compute_whatif, whatif_records
 from amprobe.report import render_json
-from amprobe.report.whatif_json import verdict_of, whatif_json
+from amprobe.report.whatif_json import PER_RANK_UP_TO, verdict_of, whatif_json
 
 SOURCE = Path(__file__).resolve().parents[1] / "sample_runs" / "fp8-whatif"
 RANKS = 300
@@ -142,9 +143,15 @@ def test_records_equal_on_every_rank_are_one_record(cluster: Any) -> None:
     ] == [{k: v for k, v in r.items() if k != "rank"} for r in single]
 
 
-def test_a_one_rank_run_keeps_its_records() -> None:
+def test_a_run_of_one_node_keeps_its_records() -> None:
+    """Up to 8 ranks the per-rank records are smaller than their summary: kept as they were."""
     frame = compute_whatif(amprobe.load_run(SOURCE))
     assert whatif_json(frame) == whatif_records(frame)
+    other = frame.assign(rank=1, amax=frame["amax"] * 2)
+    two = pd.concat([frame, other], ignore_index=True)
+    assert whatif_json(two) == whatif_records(two)
+    nine = pd.concat([frame.assign(rank=r) for r in range(PER_RANK_UP_TO + 1)], ignore_index=True)
+    assert len(whatif_json(nine)) == len(frame)
 
 
 def test_bounded_evidence_renders_as_words() -> None:

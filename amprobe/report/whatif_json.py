@@ -1,9 +1,11 @@
 """The precision what-if as ``amprobe diagnose --format json`` writes it, bounded at any rank count.
 
-A run of one rank keeps one record per (layer, kind, format, scaling), the rows of
-:func:`~amprobe.analysis.whatif.compute_whatif` as :func:`~amprobe.analysis.whatif.whatif_records`
-writes them. A run of several ranks has one record per (layer, kind, format, scaling) for all
-its ranks, so the JSON grows with the diverging ranks, not with the rank count:
+A run of up to :data:`PER_RANK_UP_TO` ranks (one node) keeps one record per (rank, layer,
+kind, format, scaling), the rows of :func:`~amprobe.analysis.whatif.compute_whatif` as
+:func:`~amprobe.analysis.whatif.whatif_records` writes them: there, a few ranks' records are
+smaller than their summary would be. A run of more ranks has one record per (layer, kind,
+format, scaling) for all its ranks, so the JSON grows with the diverging ranks, not with the
+rank count:
 
 - the columns every rank agrees on, as in a one-rank record, without ``rank``; the ranks as
   ``ranks`` (ranges text, as finding titles write them: ``"0-21, 23-63"``) and
@@ -29,12 +31,15 @@ import pandas as pd
 from amprobe.analysis.whatif import whatif_records
 from amprobe.rules.engine import REGISTRY, format_ranks, name_ranks
 
-__all__ = ["VERDICT_RULE", "VERDICT_THRESHOLD", "verdict_of", "whatif_json"]
+__all__ = ["PER_RANK_UP_TO", "VERDICT_RULE", "VERDICT_THRESHOLD", "verdict_of", "whatif_json"]
 
 #: the rule whose threshold a verdict compares each lost share with (``--threshold`` applies)
 VERDICT_RULE, VERDICT_THRESHOLD = "AMP-P02", "max_lost_share"
 #: the record's identity: one record per these, over every rank
 _KEY = ["module", "kind", "format", "scaling"]
+#: runs of at most this many ranks keep one record per rank (a 2-rank run's per-rank records
+#: are 157 KB where the merged ones, every record differing a little, were 232 KB)
+PER_RANK_UP_TO = 8
 #: distinct values of a non-numeric column listed in ``spread`` (the rest counted)
 MAX_VALUES = 8
 
@@ -136,15 +141,15 @@ def _merged(
 def whatif_json(
     frame: pd.DataFrame, thresholds: Mapping[str, Mapping[str, float]] | None = None
 ) -> list[dict[str, Any]]:
-    """The what-if table's JSON records: per rank for a run of one rank, merged over the ranks
-    otherwise (the module docstring gives the layout).
+    """The what-if table's JSON records: per rank for a run of up to :data:`PER_RANK_UP_TO`
+    ranks, merged over the ranks otherwise (the module docstring gives the layout).
 
     Args:
         frame: :func:`~amprobe.analysis.whatif.compute_whatif`'s table.
         thresholds: the diagnosis's thresholds (``Diagnosis.thresholds``), for the verdicts;
             the registered defaults when absent.
     """
-    if not len(frame) or frame["rank"].nunique() <= 1:
+    if not len(frame) or frame["rank"].nunique() <= PER_RANK_UP_TO:
         return whatif_records(frame)
     registered = REGISTRY[VERDICT_RULE].thresholds if VERDICT_RULE in REGISTRY else {}
     merged = {**registered, **dict((thresholds or {}).get(VERDICT_RULE, {}))}
