@@ -278,13 +278,15 @@ def _load(path: str) -> Any:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from amprobe.analysis.whatif import compute_whatif, whatif_records
+    from amprobe.analysis.whatif import compute_whatif
     from amprobe.report import render_json, render_markdown, render_text
+    from amprobe.report.whatif_json import whatif_json
 
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     if args.format == "json":
-        sys.stdout.write(render_json(diagnosis, {"whatif": whatif_records(compute_whatif(run))}))
+        whatif = whatif_json(compute_whatif(run), diagnosis.thresholds)
+        sys.stdout.write(render_json(diagnosis, {"whatif": whatif}))
     elif args.format == "markdown":
         sys.stdout.write(render_markdown(diagnosis))
     else:

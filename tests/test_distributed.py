@@ -262,17 +262,75 @@ def test_group_rank_findings_merges_identical_ranks():
 
 
 def test_group_rank_findings_merges_one_kind_with_the_range_of_its_numbers():
-    """Issue: per-rank findings differing only in their numbers were listed once per rank."""
-    grouped = group_rank_findings([_finding(0, 2), _finding(1, 2), _finding(2, 5), _finding(3, 2)])
+    """Issue: per-rank findings differing only in their numbers were listed once per rank.
+
+    With no majority of ranks agreeing, the title gives each number's range, and ``by_rank``
+    one row per distinct set of values, keyed by its ranks."""
+    grouped = group_rank_findings([_finding(0, 2), _finding(1, 5), _finding(2, 5), _finding(3, 2)])
     (merged,) = grouped
     assert merged.title == "loss scale cut 2 to 5 time(s) on ranks 0-3"
     assert merged.evidence["ranks"] == [0, 1, 2, 3] and merged.evidence["cuts"] == 2
-    assert merged.evidence["by_rank"] == {
-        "0": {"cuts": 2},
-        "1": {"cuts": 2},
-        "2": {"cuts": 5},
-        "3": {"cuts": 2},
+    assert merged.evidence["by_rank"] == {"0, 3": {"cuts": 2}, "1-2": {"cuts": 5}}
+
+
+def test_group_rank_findings_names_the_ranks_that_differ_from_most():
+    """#33: "on 1,020 of 1,024 ranks; ranks 17, 301 differ: ...", bounded evidence."""
+    findings = [_finding(r, 7 if r in (17, 301) else 5) for r in range(1024) if r not in (555, 880)]
+    (merged,) = group_rank_findings(findings, name_rank=True, run_ranks=range(1024))
+    assert merged.title == (
+        "loss scale cut 5 time(s) on 1,020 of 1,024 ranks; ranks 17, 301 differ: "
+        "loss scale cut 7 time(s); ranks 555, 880 differ"
+    )
+    evidence = merged.evidence
+    assert evidence["rank"] == 0 and evidence["cuts"] == 5 and evidence["rank_count"] == 1022
+    assert evidence["ranks"] == list(range(20))
+    assert evidence["rank_ranges"] == [[0, 554], [556, 879], [881, 1023]]
+    assert evidence["by_rank"] == {
+        "0-16, 18-300, 302-554, 556-879, 881-1023": {"cuts": 5},
+        "17, 301": {"cuts": 7},
     }
+    assert len(json.dumps(dict(evidence))) < 1000
+
+
+def test_group_rank_findings_bounds_by_rank_when_every_rank_differs():
+    findings = [_finding(r, r) for r in range(300)]
+    (merged,) = group_rank_findings(findings, run_ranks=range(300))
+    assert merged.title == "loss scale cut 0 to 299 time(s) on ranks 0-299"
+    evidence = merged.evidence
+    assert len(evidence["by_rank"]) == 16
+    assert evidence["by_rank_left_off"] == {"row_count": 284, "rank_count": 284}
+    assert evidence["by_rank_range"]["cuts"] == {
+        "min": 0,
+        "min_ranks": "0",
+        "max": 299,
+        "max_ranks": "299",
+    }
+    assert len(json.dumps(dict(evidence))) < 2000
+
+
+def test_group_rank_findings_merges_titles_that_differ_by_a_layer_name():
+    """#33: groups split when their titles differed only by a layer name."""
+
+    def first(rank: int, module: str) -> Finding:
+        return _plain(rank, f"{module} output overflows", module=module, rows=[{"module": module}])
+
+    findings = [first(r, "blocks.attn" if r == 22 else "blocks.mlp") for r in range(64)]
+    (merged,) = group_rank_findings(findings, name_rank=True, run_ranks=range(64))
+    assert merged.title == (
+        "blocks.mlp output overflows on 63 of 64 ranks; rank 22 differs: blocks.attn output "
+        "overflows"
+    )
+    assert merged.evidence["by_rank"] == {
+        "0-21, 23-63": {"module": "blocks.mlp", "rows": [{"module": "blocks.mlp"}]},
+        "22": {"module": "blocks.attn", "rows": [{"module": "blocks.attn"}]},
+    }
+    # a rank holding two of them (one per layer) keeps the layers apart, each merged
+    twice = [first(r, "blocks.mlp") for r in range(4)] + [first(2, "blocks.attn")]
+    titles = [f.title for f in group_rank_findings(twice, name_rank=True, run_ranks=range(4))]
+    assert titles == [
+        "blocks.mlp output overflows on ranks 0-3",
+        "blocks.attn output overflows on rank 2",
+    ]
 
 
 def _plain(rank: int, title: str, fix: str = "fix", **evidence: Any) -> Finding:

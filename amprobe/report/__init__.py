@@ -57,6 +57,7 @@ _SUBMODULES = (
     "sections",
     "summary",
     "whatif",
+    "whatif_json",
 )
 
 

@@ -420,6 +420,11 @@ def format_value(
             value, ranges if isinstance(ranges, list) else None, _count_for(prefix, siblings, view)
         )
     if key in ("ranks",) and isinstance(value, list | tuple):
+        runs = siblings.get("rank_ranges")
+        if isinstance(runs, list) and runs:  # more ranks than the list holds: every one, as runs
+            joined = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+            count = siblings.get("rank_count")
+            return f"{joined} ({count:,} ranks)" if isinstance(count, int) else joined
         return format_ranks(int(v) for v in value)
     if isinstance(value, int | float):
         if _is_percent(key, view):
@@ -548,10 +553,37 @@ def render_evidence(finding: Finding) -> list[Block]:
     for key, value in evidence.items():
         if key in said or key.endswith("_step_ranges") or (key == "rank" and "ranks" in evidence):
             continue
+        if key in ("rank_ranges", "rank_count", "by_rank_left_off") and "ranks" in evidence:
+            continue  # read with ``ranks`` and ``by_rank``
         if key == "by_rank" and isinstance(value, Mapping):
             rows = [{"": r, **dict(v)} for r, v in value.items() if isinstance(v, Mapping)]
             table = _table(key, rows, view, first="")
-            tables.append(dataclasses.replace(table, caption="values that differ by rank"))
+            left = evidence.get("by_rank_left_off")
+            note = table.note
+            if isinstance(left, Mapping):
+                note = (
+                    f"{left.get('row_count', 0):,} more sets of values, on "
+                    f"{left.get('rank_count', 0):,} ranks, not shown"
+                )
+            columns = table.columns
+            if columns and columns[0] == "rank" and any(not str(r).isdigit() for r in value):
+                columns = ("ranks", *columns[1:])
+            tables.append(
+                dataclasses.replace(
+                    table, caption="values that differ by rank", columns=columns, note=note
+                )
+            )
+            continue
+        if key == "by_rank_range" and isinstance(value, Mapping):
+            rows = [
+                {"": _label(str(k), view), **dict(v)}
+                for k, v in value.items()
+                if isinstance(v, Mapping)
+            ]
+            table = _table(key, rows, view, first="")
+            if table.columns[:1] == ("rank",):
+                table = dataclasses.replace(table, columns=("value", *table.columns[1:]))
+            tables.append(dataclasses.replace(table, caption="range over the ranks"))
             continue
         if isinstance(value, list | tuple) and value and all(isinstance(v, Mapping) for v in value):
             tables.append(_table(key, value, view))

@@ -87,7 +87,11 @@ def _health_line(key: str, metric: dict[str, Any]) -> str:
 
 
 def _run_summary(diagnosis: Diagnosis) -> dict[str, Any]:
-    return diagnosis.to_dict()["run"]
+    run = diagnosis.to_dict()["run"]
+    if "rank_ranges" in run:  # more ranks than the JSON lists: say them all, as ranges
+        runs = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in run["rank_ranges"])
+        run["ranks"] = f"{runs} ({run['rank_count']:,} ranks)"
+    return run
 
 
 def compiled_summary(targets: list[dict[str, Any]]) -> str:

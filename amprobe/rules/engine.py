@@ -53,6 +53,8 @@ __all__ = [
     "diagnose",
     "ThresholdError",
     "format_ranks",
+    "name_ranks",
+    "rank_fields",
     "group_rank_findings",
     "order_cause_first",
 ]
@@ -332,7 +334,7 @@ class Diagnosis:
                 "path": str(run.path),
                 "status": run.status,
                 "end_reason": run.end_reason,
-                "ranks": [r.rank for r in run.ranks],
+                **rank_fields(r.rank for r in run.ranks),
                 "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0,
                 "device": run.rank_manifest.get("device") or "not recorded",
                 "gpu_name": run.rank_manifest.get("gpu_name"),
@@ -349,12 +351,47 @@ class Diagnosis:
 # a number standing alone in a text (not part of a name such as fc1 or blocks.3): 20, 27,152,
 # 5.0%, 2.27e-13, -4
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:e[+-]?\d+)?%?(?!\w)")
+#: a merged finding's ``ranks`` lists at most this many; ``rank_ranges`` then holds them all
+MAX_LISTED_RANKS = 20
+#: runs of ranks a title names one by one where it says which ranks differ (then a count)
+MAX_NAMED_RANKS = 16
+#: rows of a merged finding's ``by_rank`` (one per distinct set of values; the rest counted)
+MAX_RANK_ROWS = 16
+#: layer names a merged title lists where the ranks named different layers
+MAX_NAMED_LAYERS = 3
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
     """Ranks as compact ranges: ``0-3, 7, 9-10`` (the runs of :func:`step_ranges`, written with
     a hyphen as finding titles have always named ranks)."""
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in step_ranges(ranks, limit=None))
+
+
+def name_ranks(ranks: Iterable[int], limit: int = MAX_NAMED_RANKS) -> str:
+    """Ranks as :func:`format_ranks` writes them, at most ``limit`` runs of them, then how many
+    ranks there are in all: ``1, 22`` or ``3, 5-7, 9, … (40 ranks)``."""
+    values = sorted(set(ranks))
+    runs = step_ranges(values, limit=None)
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
+    return text if len(runs) <= limit else f"{text}, … ({len(values):,} ranks)"
+
+
+def rank_fields(ranks: Iterable[int]) -> dict[str, Any]:
+    """The evidence (and run) fields naming a set of ranks, bounded at any rank count.
+
+    ``{"ranks": [...]}`` with every rank when there are at most :data:`MAX_LISTED_RANKS`; else
+    ``ranks`` holds the first of them, ``rank_ranges`` every rank as ``[first, last]`` runs (as
+    ``*_step_ranges`` do for steps: a few runs when only a few ranks are left out) and
+    ``rank_count`` how many there are.
+    """
+    values = sorted(set(ranks))
+    if len(values) <= MAX_LISTED_RANKS:
+        return {"ranks": values}
+    return {
+        "ranks": values[:MAX_LISTED_RANKS],
+        "rank_ranges": step_ranges(values, limit=None),
+        "rank_count": len(values),
+    }
 
 
 def _rank_of(finding: Finding) -> int | None:
@@ -365,46 +402,135 @@ def _rank_of(finding: Finding) -> int | None:
     return rank
 
 
-def _template(text: str) -> tuple[str, list[str]]:
-    """``text`` with every standalone number replaced by a placeholder, and the numbers."""
-    return _NUMBER.sub("\0", text), _NUMBER.findall(text)
+def _layer_names(value: Any, key: str = "") -> set[str]:
+    """The layer names in a finding's evidence: every ``module`` string at any depth, and the
+    strings of ``*_modules`` lists (``offending_modules``)."""
+    names: set[str] = set()
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            names |= _layer_names(v, str(k))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            if isinstance(v, str) and key.endswith("modules"):
+                names.add(v)
+            else:
+                names |= _layer_names(v, key)
+    elif isinstance(value, str) and key == "module" and value:
+        names.add(value)
+    return names
+
+
+def _template(text: str, names: Iterable[str] = ()) -> tuple[str, list[str]]:
+    """``text`` with every standalone number and every layer name in ``names`` replaced by a
+    placeholder, and the replaced words in order."""
+    words = sorted({n for n in names if n}, key=len, reverse=True)
+    if not words:
+        return _NUMBER.sub("\0", text), _NUMBER.findall(text)
+    names_re = "|".join(re.escape(n) for n in words)
+    pattern = re.compile(rf"(?<![\w.])(?:{names_re})(?![\w.])|{_NUMBER.pattern}")
+    return pattern.sub("\0", text), [m.group(0) for m in pattern.finditer(text)]
 
 
 def _number_value(text: str) -> float:
     return float(text.replace(",", "").rstrip("%"))
 
 
+def _is_number(text: str) -> bool:
+    return _NUMBER.fullmatch(text) is not None
+
+
 def _merge_numbers(template: str, numbers: list[list[str]]) -> str:
-    """Fill ``template``'s placeholders: a number shared by every rank as is, else its range."""
+    """Fill ``template``'s placeholders: a word shared by every rank as is, a number that
+    differs as its range, layer names that differ as the first few of them."""
     parts = template.split("\0")
     out = [parts[0]]
     for i, rest in enumerate(parts[1:]):
         values = [nums[i] for nums in numbers]
         if len(set(values)) == 1:
             out.append(values[0])
-        else:
+        elif all(_is_number(v) for v in values):
             lo = min(values, key=_number_value)
             hi = max(values, key=_number_value)
             out.append(lo if _number_value(lo) == _number_value(hi) else f"{lo} to {hi}")
+        else:
+            distinct = list(dict.fromkeys(values))
+            shown = distinct[:MAX_NAMED_LAYERS]
+            out.append(" / ".join(shown) + (" / …" if len(distinct) > len(shown) else ""))
         out.append(rest)
     return "".join(out)
 
 
-def group_rank_findings(findings: list[Finding], name_rank: bool = False) -> list[Finding]:
+def _differ_text(ranks: list[int]) -> str:
+    word = "rank" if len(ranks) == 1 else "ranks"
+    verb = "differs" if len(ranks) == 1 else "differ"
+    return f"{word} {name_ranks(ranks)} {verb}"
+
+
+def _by_rank(group: list[Finding], ranks: list[int], differ: list[str]) -> dict[str, Any]:
+    """``by_rank`` and what bounds it: one row per distinct set of the differing values, keyed
+    by its ranks (``"0-21, 23-63"``), largest first; past :data:`MAX_RANK_ROWS` rows the rest
+    are counted in ``by_rank_left_off`` and each numeric key's range over all ranks, with the
+    ranks holding its extremes, is in ``by_rank_range``."""
+    rows: dict[str, tuple[list[int], dict[str, Any]]] = {}
+    for rank, f in zip(ranks, group, strict=True):
+        values = {k: f.evidence.get(k) for k in differ}
+        key = json.dumps(values, sort_keys=True, default=str)
+        rows.setdefault(key, ([], values))[0].append(rank)
+    ordered = sorted(rows.values(), key=lambda row: (-len(row[0]), row[0][0]))
+    out: dict[str, Any] = {
+        "by_rank": {format_ranks(rs): values for rs, values in ordered[:MAX_RANK_ROWS]}
+    }
+    if len(ordered) > MAX_RANK_ROWS:
+        rest = [r for rs, _ in ordered[MAX_RANK_ROWS:] for r in rs]
+        out["by_rank_left_off"] = {
+            "row_count": len(ordered) - MAX_RANK_ROWS,
+            "rank_count": len(rest),
+        }
+        spans: dict[str, Any] = {}
+        for k in differ:
+            pairs = [
+                (v, r)
+                for r, f in zip(ranks, group, strict=True)
+                if isinstance(v := f.evidence.get(k), int | float) and not isinstance(v, bool)
+            ]
+            if not pairs:
+                continue
+            lo = min(v for v, _ in pairs)
+            hi = max(v for v, _ in pairs)
+            spans[k] = {
+                "min": lo,
+                "min_ranks": name_ranks(r for v, r in pairs if v == lo),
+                "max": hi,
+                "max_ranks": name_ranks(r for v, r in pairs if v == hi),
+            }
+        if spans:
+            out["by_rank_range"] = spans
+    return out
+
+
+def group_rank_findings(
+    findings: list[Finding], name_rank: bool = False, run_ranks: Iterable[int] | None = None
+) -> list[Finding]:
     """Merge the per-rank findings of one kind into one finding naming the ranks.
 
     A job of hundreds of ranks whose ranks all overflow at the same steps would otherwise list
     the same finding hundreds of times. The rank a finding is about is a field of its
     evidence (``evidence["rank"]``), never read from its title: rules write titles without
     the rank and this function says where. Findings are of one kind when their ID and severity
-    agree and their titles and fixes agree once every standalone number is set aside. The
-    merged finding keeps the lowest rank's evidence, with that rank in ``evidence["rank"]``
-    and every rank in ``evidence["ranks"]``, and its title ends with "on ranks 0-255". Where
-    the ranks measured different numbers, the title gives each number's range over the ranks
-    ("cut 2 to 5 time(s)") and ``evidence["by_rank"]`` holds, per rank, the evidence values
-    that differ. A kind only one rank reported keeps its finding, its title ending with
-    "on rank N" when ``name_rank`` (a run of several ranks). Findings without a ``rank`` in
-    their evidence, or that already name their ``ranks``, are returned unchanged.
+    agree and their titles and fixes agree once every standalone number and every layer name
+    of their evidence (``module``, ``*_modules``) is set aside. The merged finding names its
+    ranks in ``evidence["ranks"]`` (bounded: :func:`rank_fields`) and its title ends with "on
+    ranks 0-255". Where the ranks measured different numbers, the title gives each number's
+    range over the ranks ("cut 2 to 5 time(s)"), layer names that differ are listed ("fc1 /
+    fc2"), and ``evidence["by_rank"]`` holds the evidence values that differ, one row per
+    distinct set of them keyed by its ranks (:func:`_by_rank`). When more than half of the
+    run's ranks (``run_ranks``, else the group's) agree on every number and name but not all
+    of them, the title is theirs and names the others: "... on 1,020 of 1,024 ranks; ranks
+    17, 301 differ: cut 6 time(s) ...; ranks 555, 880 differ" (first the ranks of this kind
+    with other numbers, then the ranks without this finding); the evidence is then that of
+    the lowest agreeing rank. A kind only one rank reported keeps its finding, its title
+    ending with "on rank N" when ``name_rank`` (a run of several ranks). Findings without a
+    ``rank`` in their evidence, or that already name their ``ranks``, are returned unchanged.
     """
     groups: dict[tuple[Any, ...], list[Finding]] = {}
     order: list[tuple[Any, ...] | int] = []
@@ -412,44 +538,84 @@ def group_rank_findings(findings: list[Finding], name_rank: bool = False) -> lis
         if _rank_of(f) is None:
             order.append(i)
             continue
-        key = (f.id, f.severity, _template(f.title)[0], _template(f.fix)[0])
+        names = _layer_names(f.evidence)
+        key = (f.id, f.severity, _template(f.title, names)[0], _template(f.fix, names)[0])
         if key not in groups:
             groups[key] = []
             order.append(key)
         groups[key].append(f)
+    every = sorted(set(run_ranks)) if run_ranks is not None else None
     out: list[Finding] = []
     for item in order:
         if isinstance(item, int):
             out.append(findings[item])
             continue
-        group = sorted(groups[item], key=lambda f: _rank_of(f) or 0)
-        ranks = [_rank_of(f) or 0 for f in group]
-        if len(group) == 1 or len(set(ranks)) < len(ranks):
-            # one rank, or several of one kind on a rank (not per-rank copies): each its own
-            out.extend(
-                dataclasses.replace(f, title=f"{f.title} on rank {_rank_of(f)}") if name_rank else f
-                for f in groups[item]
-            )
+        group = groups[item]
+        ranks = [_rank_of(f) for f in group]
+        if len(set(ranks)) == len(ranks):
+            out += _merge_group(group, True, name_rank, every)
             continue
-        first = group[0]
-        title = _merge_numbers(item[2], [_template(f.title)[1] for f in group])
-        title += f" on ranks {format_ranks(ranks)}"
-        fix = _merge_numbers(item[3], [_template(f.fix)[1] for f in group])
-        evidence: dict[str, Any] = {**first.evidence, "rank": ranks[0], "ranks": ranks}
-        keys = [k for k in first.evidence if k != "rank"]
-        keys += [k for f in group for k in f.evidence if k != "rank" and k not in keys]
-        differ = [
-            k
-            for k in dict.fromkeys(keys)
-            if len({json.dumps(f.evidence.get(k), sort_keys=True, default=str) for f in group}) > 1
-        ]
-        if differ:
-            evidence["by_rank"] = {
-                str(rank): {k: f.evidence.get(k) for k in differ}
-                for rank, f in zip(ranks, group, strict=True)
-            }
-        out.append(dataclasses.replace(first, title=title, fix=fix, evidence=evidence))
+        # a rank with several of this kind (one per layer): merge only the same layers' findings
+        split: dict[tuple[str, str], list[Finding]] = {}
+        for f in group:
+            split.setdefault((_template(f.title)[0], _template(f.fix)[0]), []).append(f)
+        for part in split.values():
+            out += _merge_group(part, False, name_rank, every)
     return out
+
+
+def _merge_group(
+    group: list[Finding], by_name: bool, name_rank: bool, every: list[int] | None
+) -> list[Finding]:
+    """:func:`group_rank_findings` for one kind: ``group`` holds findings of one template (with
+    the layer names set aside when ``by_name``)."""
+    members = []
+    title_t = fix_t = ""
+    for f in sorted(group, key=lambda f: _rank_of(f) or 0):
+        names = _layer_names(f.evidence) if by_name else ()
+        title_t, title_words = _template(f.title, names)
+        fix_t, fix_words = _template(f.fix, names)
+        members.append((f, title_words, fix_words))
+    ranks = [_rank_of(f) or 0 for f, _, _ in members]
+    if len(group) == 1 or len(set(ranks)) < len(ranks):
+        # one rank, or several of one kind on a rank (not per-rank copies): each its own
+        return [
+            dataclasses.replace(f, title=f"{f.title} on rank {_rank_of(f)}") if name_rank else f
+            for f in group
+        ]
+    variants: dict[tuple[str, ...], list[int]] = {}
+    for i, (_, words, _) in enumerate(members):
+        variants.setdefault(tuple(words), []).append(i)
+    major = max(variants.values(), key=len)  # the first largest: its lowest rank first
+    total = sorted(set(every) | set(ranks)) if every is not None else ranks
+    if len(major) * 2 > len(total) and len(major) < len(total):
+        first = members[major[0]][0]
+        title = _merge_numbers(title_t, [members[major[0]][1]])
+        title += f" on {len(major):,} of {len(total):,} ranks"
+        others = [i for i in range(len(members)) if i not in set(major)]
+        if others:
+            title += f"; {_differ_text([ranks[i] for i in others])}: "
+            title += _merge_numbers(title_t, [members[i][1] for i in others])
+        absent = sorted(set(total) - set(ranks))
+        if absent:
+            title += f"; {_differ_text(absent)}"
+    else:
+        first = members[0][0]
+        title = _merge_numbers(title_t, [words for _, words, _ in members])
+        title += f" on ranks {format_ranks(ranks)}"
+    fix = _merge_numbers(fix_t, [words for _, _, words in members])
+    found = [f for f, _, _ in members]
+    evidence: dict[str, Any] = {**first.evidence, "rank": _rank_of(first), **rank_fields(ranks)}
+    keys = [k for k in first.evidence if k != "rank"]
+    keys += [k for f in found for k in f.evidence if k != "rank" and k not in keys]
+    differ = [
+        k
+        for k in dict.fromkeys(keys)
+        if len({json.dumps(f.evidence.get(k), sort_keys=True, default=str) for f in found}) > 1
+    ]
+    if differ:
+        evidence.update(_by_rank(found, ranks, differ))
+    return [dataclasses.replace(first, title=title, fix=fix, evidence=evidence)]
 
 
 def _severity_key(finding: Finding) -> tuple[int, str]:
@@ -568,6 +734,7 @@ def diagnose(
     skipped: list[NotChecked] = []
     cache: dict[str, str | None] = {}
     several_ranks = _rank_count(run) > 1
+    run_ranks = [r.rank for r in run.ranks]
     for rid in order:
         spec = REGISTRY[rid]
         reason = None
@@ -584,7 +751,9 @@ def diagnose(
         prior = tuple(f for r in spec.after for f in by_rule.get(r, ()))
         ctx = RuleContext(run=run, spec=spec, thresholds=MappingProxyType(merged[rid]), prior=prior)
         try:
-            by_rule[rid] = group_rank_findings(list(spec.fn(ctx)), name_rank=several_ranks)
+            by_rule[rid] = group_rank_findings(
+                list(spec.fn(ctx)), name_rank=several_ranks, run_ranks=run_ranks or None
+            )
         except Exception as exc:  # a rule bug must not hide the other findings
             where = traceback.extract_tb(exc.__traceback__)[-1]
             if rid in report:
