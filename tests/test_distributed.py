@@ -279,7 +279,7 @@ def test_group_rank_findings_names_the_ranks_that_differ_from_most():
     (merged,) = group_rank_findings(findings, name_rank=True, run_ranks=range(1024))
     assert merged.title == (
         "loss scale cut 5 time(s) on 1,020 of 1,024 ranks; ranks 17, 301 differ: "
-        "loss scale cut 7 time(s); ranks 555, 880 differ"
+        "loss scale cut 7 time(s); not on ranks 555, 880"
     )
     evidence = merged.evidence
     assert evidence["rank"] == 0 and evidence["cuts"] == 5 and evidence["rank_count"] == 1022

@@ -598,7 +598,10 @@ def _merge_group(
             title += _merge_numbers(title_t, [members[i][1] for i in others])
         absent = sorted(set(total) - set(ranks))
         if absent:
-            title += f"; {_differ_text(absent)}"
+            # a rank without this finding is not known to differ (the rule may not have
+            # judged it there): say only that the finding is not on it
+            word = "rank" if len(absent) == 1 else "ranks"
+            title += f"; not on {word} {name_ranks(absent)}"
     else:
         first = members[0][0]
         title = _merge_numbers(title_t, [words for _, words, _ in members])
