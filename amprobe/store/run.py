@@ -248,6 +248,11 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
     for info in run.ranks:
 
         def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
+            if table in run._tables:  # a run held in memory (tests): its rows of this rank
+                frame = run._tables[table]
+                mine = frame[frame["rank"] == info.rank] if len(frame) else frame
+                rows = mine.drop(columns=["rank"]).to_dict("records")
+                return [{k: (None if v is pd.NA else v) for k, v in r.items()} for r in rows]
             got = _read_rank_table(info.path / table_filename(table), table)
             if isinstance(got, RunLoadError) or got.table is None:
                 return []
