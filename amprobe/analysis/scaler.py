@@ -182,16 +182,29 @@ def rank_scaler(run: Run, rank: int) -> dict[str, Any]:
 
 def _rank_scaler_from_rows(run: Run, rank: int, facts: dict[str, Any]) -> dict[str, Any]:
     frame = run.rank_table("steps", rank)
-    section = ScalerSection(cap=None)
+    section = ScalerSection(uncapped=True)
     if len(frame):
         frame = frame.sort_values("step", kind="stable").drop(columns=["rank"])
         for row in frame.to_dict("records"):
             section.add("steps", {k: (None if v is pd.NA else v) for k, v in row.items()})
     steps = section.to_json()
-    keep = ("autocast_dtypes", "created", "disabled", "sites", "sites_complete", "init_scale")
-    keep += ("growth_interval", "optimizer_loads", "scaler_loads", "scaler_loads_nonempty")
-    steps.update({k: facts[k] for k in keep})
+    steps.update({k: facts[k] for k in _EVENT_FACTS})
     return steps
+
+
+#: the section's facts that come from events (a rank's rows re-read give only the steps')
+_EVENT_FACTS = (
+    "autocast_dtypes",
+    "created",
+    "disabled",
+    "sites",
+    "sites_complete",
+    "init_scale",
+    "growth_interval",
+    "optimizer_loads",
+    "scaler_loads",
+    "scaler_loads_nonempty",
+)
 
 
 def expand_runs(runs: list[list[int]], limit: int | None = None) -> list[int]:

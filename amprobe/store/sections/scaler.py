@@ -113,8 +113,9 @@ class ScalerSection(Section):
     name: ClassVar[str] = "scaler"
     tables: ClassVar[tuple[str, ...]] = ("steps", "events")
 
-    def __init__(self, cap: int | None = CAP) -> None:
-        self.cap = cap  # None: keep every change point (a reader's section of one rank's rows)
+    def __init__(self, uncapped: bool = False) -> None:
+        #: None: keep every change point (a reader's section of one rank's rows)
+        self.cap: int | None = None if uncapped else CAP
         self.rows = 0  # steps rows with a valid step
         self.all_runs: list[list[int]] = []
         self.n = 0
