@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -50,18 +51,27 @@ MAX_SITES = 64
 
 def _number(value: Any) -> float | None:
     """A float, or None for a missing, non-numeric or NaN value."""
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if type(value) is float:  # the common case, without the ABC check
+        return None if value != value else value
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     value = float(value)
     return None if math.isnan(value) else value
 
 
 def _step(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
         return None
     if isinstance(value, float) and (math.isnan(value) or not value.is_integer()):
         return None
     return int(value)
+
+
+def _flag(value: Any) -> bool:
+    """A boolean column's value: None and NaN (a frame's missing value) are false."""
+    return bool(value) and value == value
 
 
 def _extend_runs(runs: list[list[int]], step: int, cap: int | None = CAP) -> bool:
@@ -164,14 +174,14 @@ class ScalerSection(Section):
         dtype = row.get("autocast_dtype")
         if dtype and dtype == dtype:  # not None, "" or NaN (a pandas frame's missing value)
             self.dtypes.add(str(dtype))
-        if not row.get("scaler_enabled"):
+        if not _flag(row.get("scaler_enabled")):
             return
         before = _number(row.get("scale_before"))
         if before is None:
             return
         raw_after = row.get("scale_after")
         after = _number(raw_after)
-        skipped = bool(row.get("skipped"))
+        skipped = _flag(row.get("skipped"))
         index = self.n
         if index == 0:
             self.first_before = before
