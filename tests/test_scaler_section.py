@@ -129,3 +129,28 @@ def test_d01_names_the_diverging_rank_with_the_grid_evidence(cap: int, monkeypat
     (found,) = [f for f in amprobe.diagnose(run).findings if f.id == "AMP-D01"]
     assert {k: found.evidence[k] for k in found.evidence} == D01_EVIDENCE
     assert found.title.startswith("rank 2 disagrees with the other ranks on the loss scale at 9")
+
+
+def test_odd_rows_are_skipped_not_raised() -> None:
+    # the section runs inside the training process: a damaged or odd row must not raise
+    sec = ScalerSection()
+    for row in (
+        {"kind": "scaler_created", "detail": '{"growth_interval": Infinity, "site": 3}'},
+        {"kind": "scaler_created", "detail": "[1]"},
+        {"kind": "autocast_seen", "detail": "not json"},
+        {"kind": None},
+    ):
+        sec.add("events", row)
+    for row in (
+        {"step": 1.5},
+        {"step": None},
+        {"step": "x"},
+        {"step": 2, "scaler_enabled": True, "scale_before": "a"},
+        {"step": 3, "scaler_enabled": True, "scale_before": 8.0, "skipped": float("nan")},
+        {"step": 4, "scaler_enabled": float("nan"), "scale_before": 8.0},
+    ):
+        sec.add("steps", row)
+    facts = sec.to_json()
+    assert (facts["rows"], facts["n"], facts["skipped"]) == (3, 1, 0)
+    assert facts["created"] == 2 and facts["growth_interval"] is None
+    assert facts["sites"] == {"3": 1}

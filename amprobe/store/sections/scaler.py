@@ -250,7 +250,7 @@ class ScalerSection(Section):
             if isinstance(init, (int, float)):
                 self.init_scale = float(init)
             interval = detail.get("growth_interval")
-            if isinstance(interval, (int, float)) and interval > 0:
+            if isinstance(interval, (int, float)) and 0 < interval < math.inf:
                 self.growth_interval = int(interval)
         elif kind == "optimizer_state_loaded":
             self.optimizer_loads += 1
