@@ -248,7 +248,8 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
     for info in run.ranks:
 
         def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
-            if table in run._tables:  # a run held in memory (tests): its rows of this rank
+            if table in run._tables and not info.path.is_dir():
+                # a run held in memory (tests' fake_run), no rank folder: its rows of this rank
                 frame = run._tables[table]
                 mine = frame[frame["rank"] == info.rank] if len(frame) else frame
                 rows = mine.drop(columns=["rank"]).to_dict("records")
