@@ -127,16 +127,13 @@ def scaler_configs(run: Run) -> list[dict[str, Any]]:
 
 
 def autocast_dtypes(run: Run) -> set[str]:
-    """The dtypes of enabled autocast regions seen in the run (computed once per run)."""
-    return set(run.cached("autocast_dtypes", _autocast_dtypes))
-
-
-def _autocast_dtypes(run: Run) -> frozenset[str]:
-    dtypes = {e.get("dtype") for e in run.events_of("autocast_seen") if e.get("enabled")}
-    steps = run.steps
-    if not steps.empty:
-        dtypes |= set(steps["autocast_dtype"].dropna().unique())
-    return frozenset(str(d) for d in dtypes if d)
+    """The dtypes of enabled autocast regions seen in the run: the ``autocast_seen`` events and
+    the steps' ``autocast_dtype``, from each rank's ``scaler`` summary section."""
+    return {
+        str(d)
+        for parts in run.summaries().values()
+        for d in parts.get("scaler", {}).get("autocast_dtypes", ())
+    }
 
 
 def forced_fp32(run: Run) -> bool:

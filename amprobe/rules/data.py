@@ -22,6 +22,7 @@ from amprobe.analysis.frames import (
     steps_list,
 )
 from amprobe.analysis.numerics import numerics_missing_reason
+from amprobe.analysis.scaler import scaler_summaries
 from amprobe.rules.engine import requirement
 from amprobe.store.loader import Run
 
@@ -43,9 +44,10 @@ def _has_steps(run: Run) -> str | None:
 
 @requirement("scaler")
 def _has_scaler(run: Run) -> str | None:
-    if not len(run.steps):
+    facts = scaler_summaries(run).values()
+    if not any(f["rows"] for f in facts):
         return "no training step was recorded"
-    if len(scaler_steps(run)):
+    if any(f["n"] for f in facts):
         return None
     return "no enabled GradScaler was used (bf16/fp32 run, scaler disabled or absent)"
 

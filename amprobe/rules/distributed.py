@@ -17,7 +17,8 @@ from amprobe.analysis.ranks import (
     compute_rank_medians,
     compute_reduce_peaks,
 )
-from amprobe.rules.data import scaler_configs, scaler_steps, step_ranges, steps_list
+from amprobe.analysis.scaler import scale_trajectory_classes, scaler_summaries
+from amprobe.rules.data import step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
 from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
 from amprobe.store.loader import Run
@@ -41,6 +42,23 @@ def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[
     return {int(ranks[j]): float(row[j]) for j in picked}
 
 
+def _weighted_median(
+    values: np.ndarray, present: np.ndarray, weight: np.ndarray, count: np.ndarray
+) -> np.ndarray:
+    """Per row, the median of the present values, each counted ``weight`` times: what
+    ``np.nanmedian`` gives on the row with every class's column repeated per rank."""
+    keyed = np.where(present, values, np.inf)
+    order = np.argsort(keyed, axis=1, kind="stable")
+    ordered = np.take_along_axis(keyed, order, axis=1)
+    cumulative = np.cumsum(
+        np.where(present, weight[None, :], 0)[np.arange(len(values))[:, None], order], axis=1
+    )
+    rows = np.arange(len(values))
+    low = ordered[rows, np.argmax(cumulative > ((count - 1) // 2)[:, None], axis=1)]
+    high = ordered[rows, np.argmax(cumulative > (count // 2)[:, None], axis=1)]
+    return np.where(count % 2 == 1, low, (low + high) / 2)
+
+
 @rule(
     "AMP-D01",
     "rank-scale-divergence",
@@ -53,8 +71,11 @@ def _first_values(ranks: np.ndarray, row: np.ndarray, mask: np.ndarray) -> dict[
 def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     """Ranks of one job disagree on the loss scale or on which steps were skipped.
 
-    Algorithm: pivot ``scale_before`` and ``skipped`` to a step x rank grid over the steps
-    that at least two ranks recorded. A step diverges on the scale when the ranks' scales are
+    Algorithm: compare ``scale_before`` and ``skipped`` step by step over the steps that at
+    least two ranks recorded. The ranks are read from their ``scaler`` summaries and grouped
+    into classes of equal trajectories
+    (:func:`~amprobe.analysis.scaler.scale_trajectory_classes`): one step x class grid, each
+    class counted once per rank, the same findings as a step x rank grid. A step diverges on the scale when the ranks' scales are
     not all equal; the ranks named are those whose scale differs from the median of the ranks
     at that step (with two ranks, or no majority, every rank differs from the median and all
     are named). A step diverges on skipping when some ranks skipped it and others did not; the
@@ -62,25 +83,25 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     same steps (as DDP's gradient all-reduce makes it); a ``GradScaler`` never synchronizes
     found-inf by itself. A finding needs at least ``min_divergent_steps`` divergent steps.
     """
-    frame = scaler_steps(ctx.run)
-    steps, ranks, (scales, skipped) = compute_rank_grid(frame, "scale_before", "skipped")
-    present = ~np.isnan(scales)
-    shared = present.sum(axis=1) >= 2
+    ranks, class_of, steps, present, scales, skipped = scale_trajectory_classes(ctx.run)
+    weight = np.bincount(class_of, minlength=present.shape[1])  # ranks per class
+    n_present = present.astype(np.int64) @ weight
+    shared = n_present >= 2
     if not shared.any():
         return
-    steps, scales, skipped, present = (
+    steps, scales, skipped, present, n_present = (
         steps[shared],
         scales[shared],
         skipped[shared],
         present[shared],
+        n_present[shared],
     )
-    reference = np.nanmedian(scales, axis=1)
+    reference = _weighted_median(scales, present, weight, n_present)
     scale_dev = present & (scales != reference[:, None])
     scale_rows = np.flatnonzero(scale_dev.any(axis=1))
-    n_present = present.sum(axis=1)
-    n_skipped = np.nansum(skipped, axis=1)
+    is_skipped = present & skipped
+    n_skipped = is_skipped.astype(np.int64) @ weight
     skip_rows = np.flatnonzero((n_skipped > 0) & (n_skipped < n_present))
-    is_skipped = present & (skipped == 1)
     minority = np.where(
         (n_skipped < n_present - n_skipped)[:, None],
         is_skipped,
@@ -94,7 +115,7 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
         or divergent == 0
     ):
         return
-    named = sorted(int(r) for r in ranks[(scale_dev | skip_dev).any(axis=0)])
+    named = sorted(int(r) for r in ranks[(scale_dev | skip_dev).any(axis=0)[class_of]])
     any_skip = bool(is_skipped.any())
     synchronized: bool | None = (len(skip_rows) == 0) if any_skip else None
     if synchronized is None:
@@ -126,16 +147,20 @@ def check_rank_scale_divergence(ctx: RuleContext) -> Iterator[Finding]:
     if len(scale_rows):
         i = scale_rows[0]
         evidence["median_scale_at_first_divergence"] = float(reference[i])
-        evidence["scales_at_first_divergence"] = _first_values(ranks, scales[i], scale_dev[i])
+        evidence["scales_at_first_divergence"] = _first_values(
+            ranks, scales[i][class_of], scale_dev[i][class_of]
+        )
     if len(skip_rows):
         i = skip_rows[0]
         evidence["skipped_at_first_divergence"] = {
-            int(ranks[j]): bool(skipped[i, j] == 1) for j in np.flatnonzero(present[i])[:MAX_LISTED]
+            int(ranks[j]): bool(skipped[i, class_of[j]])
+            for j in np.flatnonzero(present[i][class_of])[:MAX_LISTED]
         }
-    inits: dict[int, float] = {}
-    for config in scaler_configs(ctx.run):
-        if isinstance(config.get("init_scale"), (int, float)) and config.get("rank") is not None:
-            inits[int(config["rank"])] = float(config["init_scale"])
+    inits = {
+        rank: float(facts["init_scale"])
+        for rank, facts in scaler_summaries(ctx.run).items()
+        if facts["init_scale"] is not None
+    }
     if len(set(inits.values())) > 1:
         evidence["init_scales"] = {r: inits[r] for r in sorted(inits)[:MAX_LISTED]}
     parts = []

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
-from amprobe.analysis.scaler import calibration_steps
+from amprobe.analysis.scaler import calibration_steps, scaler_summaries
 from amprobe.rules.data import (
     HALF_DTYPES,
     autocast_dtypes,
@@ -16,6 +17,7 @@ from amprobe.rules.data import (
 )
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, GRADIENT_SCALING, TYPICAL_EXAMPLE
+from amprobe.store.loader import Run
 
 __all__: list[str] = []
 
@@ -97,24 +99,48 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
 def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
     """fp16 autocast with no enabled GradScaler: small gradients underflow to zero."""
     run = ctx.run
-    if "float16" not in autocast_dtypes(run) or len(scaler_steps(run)):
+    dtypes = autocast_dtypes(run)
+    facts = scaler_summaries(run)
+    if "float16" not in dtypes or any(f["n"] for f in facts.values()):
         return
-    scalers = run.events_of("scaler_created")
-    disabled = [s for s in scalers if not s.get("enabled", True)]
+    scaler_count = sum(f["created"] for f in facts.values())
+    disabled = sum(f["disabled"] for f in facts.values())
     yield ctx.finding(
         title="fp16 autocast without a GradScaler"
         + (" (the scaler is disabled)" if disabled else ""),
         evidence={
-            "autocast_dtypes": sorted(autocast_dtypes(run)),
-            "scaler_count": len(scalers),
-            "disabled_scaler_count": len(disabled),
-            "step_count": int(run.steps["step"].nunique()),
+            "autocast_dtypes": sorted(dtypes),
+            "scaler_count": scaler_count,
+            "disabled_scaler_count": disabled,
+            "step_count": _distinct_step_count(run, facts),
         },
         fix=(
             "Use torch.amp.GradScaler: scaler.scale(loss).backward(); scaler.step(opt); "
             "scaler.update(). Unscaled fp16 gradients below 6e-8 become zero."
         ),
     )
+
+
+def _distinct_step_count(run: Run, facts: dict[int, dict[str, Any]]) -> int:
+    """How many distinct step numbers the ranks recorded, from each rank's runs of steps (its
+    rows, read alone, for a rank whose summary capped them)."""
+    runs: list[list[int]] = []
+    for rank, rank_facts in facts.items():
+        if rank_facts["complete"]:
+            runs.extend(rank_facts["all_runs"])
+        else:
+            steps = run.rank_table("steps", rank)["step"].unique()
+            runs.extend([int(s), int(s)] for s in steps)
+    count, end = 0, None
+    for first, last in sorted(runs):
+        if end is not None and first <= end:
+            if last > end:
+                count += last - end
+                end = last
+            continue
+        count += last - first + 1
+        end = last
+    return count
 
 
 @rule("AMP-N13", "half-loss", "warning", "nan", requires=("loss",), refs=(AUTOCAST_OPS,))
@@ -181,7 +207,7 @@ def check_bf16_needless_scaler(ctx: RuleContext) -> Iterator[Finding]:
         title="GradScaler used with bf16 autocast",
         evidence={
             "autocast_dtypes": sorted(dtypes),
-            "scaled_step_count": len(scaler_steps(ctx.run)),
+            "scaled_step_count": sum(f["n"] for f in scaler_summaries(ctx.run).values()),
         },
         fix="bf16 has fp32's range: drop the GradScaler (or construct it with enabled=False).",
     )

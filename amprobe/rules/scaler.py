@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
-import numpy as np
-
+from amprobe.analysis.frames import MAX_LISTED_STEPS
 from amprobe.analysis.numerics import offender_evidence
 from amprobe.analysis.scaler import (
     calibration_steps,
+    cut_steps,
+    expand_runs,
     growth_interval,
     init_scale,
     longest_run,
+    nth_step,
+    rank_scaler,
+    runs_without,
     scale_events,
+    scaler_ranks,
 )
-from amprobe.rules.data import per_rank, scaler_configs, scaler_steps, step_ranges, steps_list
+from amprobe.rules.data import per_rank, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import (
     AUTOCAST_OPS,
@@ -24,8 +31,14 @@ from amprobe.rules.refs import (
     GRADIENT_SCALING,
     TYPICAL_EXAMPLE,
 )
+from amprobe.store.loader import Run
 
 __all__: list[str] = []
+
+
+def _scale(value: float | None) -> float:
+    """A scale from a summary as the frame's ``float(...)`` gave it (None: NaN, no value)."""
+    return float("nan") if value is None else float(value)
 
 
 @rule(
@@ -48,14 +61,16 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     interval = later cuts / max(steps / growth_interval, 1); above the threshold the finding is
     a warning (the scaler cannot settle), else info.
     """
-    for rank, frame in per_rank(scale_events(ctx.run)):
-        cuts = frame[frame["backoff"]]
-        if cuts.empty:
+    for rank in scaler_ranks(ctx.run):
+        facts = rank_scaler(ctx.run, rank)
+        cuts = cut_steps(facts)
+        if not cuts:
             continue
+        step_count = facts["n"]
         interval = growth_interval(ctx.run, rank)
         calibration = len(calibration_steps(ctx.run, rank))
         later = len(cuts) - calibration
-        per_interval = later / max(len(frame) / interval, 1.0)
+        per_interval = later / max(step_count / interval, 1.0)
         frequent = per_interval > ctx.thresholds["frequent_cuts_per_interval"]
         note = ""
         if calibration and not later:
@@ -63,19 +78,19 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
         elif frequent:
             note = f" ({per_interval:.1f} cuts per growth interval of {interval})"
         yield ctx.finding(
-            title=f"loss scale cut {len(cuts)} time(s) in {len(frame)} steps{note}",
+            title=f"loss scale cut {len(cuts)} time(s) in {step_count} steps{note}",
             evidence={
                 "rank": rank,
                 "cut_count": len(cuts),
                 "calibration_cut_count": calibration,
-                "step_count": len(frame),
-                "cut_steps": steps_list(cuts["step"]),
-                "cut_step_ranges": step_ranges(cuts["step"]),
+                "step_count": step_count,
+                "cut_steps": steps_list(cuts),
+                "cut_step_ranges": step_ranges(cuts),
                 "cuts_per_growth_interval": round(per_interval, 3),
                 "growth_interval": interval,
                 "threshold": ctx.thresholds["frequent_cuts_per_interval"],
-                "min_scale": float(frame["scale_after"].min()),
-                "max_scale": float(frame["scale_after"].max()),
+                "min_scale": _scale(facts["min_after"]),
+                "max_scale": _scale(facts["max_after"]),
             },
             fix=(
                 "Gradients overflowed at these steps. Look at the loss-scale history first when "
@@ -109,30 +124,36 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     ``warn_below``, error below ``error_below``.
     """
     th = ctx.thresholds
-    for rank, frame in per_rank(scaler_steps(ctx.run)):
+    for rank in scaler_ranks(ctx.run):
+        facts = rank_scaler(ctx.run, rank)
         calibration = calibration_steps(ctx.run, rank)
-        frame = frame[~frame["step"].isin(calibration)]
-        if len(frame) < th["min_steps"]:
+        step_count = facts["n"] - len(calibration)
+        if step_count < th["min_steps"]:
             continue
-        skipped = frame[frame["skipped"].fillna(False).astype(bool)]
-        rate = 1.0 - len(skipped) / len(frame)
+        left_out = set(calibration)
+        calibration_skipped = sum(
+            1 for step, skipped in facts["head"] if skipped and step in left_out
+        )
+        skipped_count = facts["skipped"] - calibration_skipped
+        rate = 1.0 - skipped_count / step_count
         if rate >= th["warn_below"]:
             continue
+        skipped_runs = runs_without(facts["skipped_runs"], left_out)
         severity = "error" if rate < th["error_below"] else "warning"
         calibrated = (
             f"; {len(calibration)} step(s) of initial calibration not judged" if calibration else ""
         )
         yield ctx.finding(
-            title=f"only {rate:.1%} of {len(frame)} steps applied their update "
-            f"({len(skipped)} skipped{calibrated})",
+            title=f"only {rate:.1%} of {step_count} steps applied their update "
+            f"({skipped_count} skipped{calibrated})",
             evidence={
                 "rank": rank,
                 "success_rate": round(rate, 4),
-                "skipped_count": len(skipped),
-                "step_count": len(frame),
+                "skipped_count": skipped_count,
+                "step_count": step_count,
                 "calibration_step_count": len(calibration),
-                "skipped_steps": steps_list(skipped["step"]),
-                "skipped_step_ranges": step_ranges(skipped["step"]),
+                "skipped_steps": expand_runs(skipped_runs, MAX_LISTED_STEPS),
+                "skipped_step_ranges": [list(r) for r in skipped_runs[:MAX_LISTED_STEPS]],
                 "warn_below": th["warn_below"],
                 "error_below": th["error_below"],
             },
@@ -210,16 +231,24 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
     scale at most ``init_scale / below_init_factor``.
     """
     th = ctx.thresholds
-    for rank, frame in per_rank(scale_events(ctx.run)):
+    for rank in scaler_ranks(ctx.run):
+        facts = rank_scaler(ctx.run, rank)
         interval = growth_interval(ctx.run, rank)
         window = int(th["min_intervals"] * interval)
-        if len(frame) < window:
+        n = facts["n"]
+        if n < window:
             continue
-        tail = frame.iloc[-window:]
-        init = init_scale(ctx.run, rank) or float(frame["scale_before"].iloc[0])
-        final = float(frame["scale_after"].iloc[-1])
-        if tail["growth"].any() or final > init / th["below_init_factor"]:
+        init = init_scale(ctx.run, rank) or float(facts["first_before"])
+        final = _scale(facts["last_after"])
+        # the tail is the last `window` scaler steps: rows n - window .. n - 1
+        if facts["last_growth"] >= n - window or final > init / th["below_init_factor"]:
             continue
+        tail_start = nth_step(facts["step_runs"], n - window) if window > 0 else None
+        tail_cuts = (
+            sum(1 for step in cut_steps(facts) if step >= tail_start)
+            if tail_start is not None
+            else 0
+        )
         yield ctx.finding(
             title=(
                 f"loss scale stuck at {final:g}, {init / final:.0f}x below init_scale {init:g}, "
@@ -231,7 +260,7 @@ def check_scale_chronically_low(ctx: RuleContext) -> Iterator[Finding]:
                 "init_scale": init,
                 "no_growth_step_count": window,
                 "growth_interval": interval,
-                "window_cut_count": int(tail["backoff"].sum()),
+                "window_cut_count": tail_cuts,
                 "min_intervals": th["min_intervals"],
                 "below_init_factor": th["below_init_factor"],
             },
@@ -260,25 +289,27 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
     """
     th = ctx.thresholds
     run = ctx.run
-    for rank, frame in per_rank(scaler_steps(run)):
-        created = [c for c in scaler_configs(run) if c.get("rank") == rank]
-        sites = Counter(c.get("site") for c in created if c.get("site") not in (None, "?"))
+    for rank in scaler_ranks(run):
+        facts = rank_scaler(run, rank)
+        sites = Counter(facts["sites"])
+        if not facts["sites_complete"]:  # more call sites than the summary counts one by one
+            sites = Counter(
+                c.get("site") for c in _created(run, rank) if c.get("site") not in (None, "?")
+            )
         repeated = {site: n for site, n in sites.items() if n > th["max_instances_per_site"]}
         init = init_scale(ctx.run, rank)
         resets: list[int] = []
         reset_steps: list[int] = []
         if init is not None:
-            before = frame["scale_before"].to_numpy()
-            after_prev = np.roll(frame["scale_after"].to_numpy(), 1)
-            mask = (before == init) & (after_prev != init)
-            mask[0] = False
-            reset_steps = [int(s) for s in frame["step"].to_numpy()[mask]]
+            # a reset: a step that starts at init_scale from a previous step that ended elsewhere
+            reset_steps = [int(j[0]) for j in facts["jumps"] if j[2] == init]
             resets = steps_list(reset_steps)
         if not repeated and len(resets) <= th["max_scale_resets"]:
             continue
         site, count = (
-            max(repeated.items(), key=lambda kv: kv[1]) if repeated else (None, len(created))
+            max(repeated.items(), key=lambda kv: kv[1]) if repeated else (None, facts["created"])
         )
+        created = _created(run, rank) if site else []
         created_steps = [c.get("step") for c in created if c.get("site") == site] if site else []
         yield ctx.finding(
             title=(
@@ -288,7 +319,7 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
             ),
             evidence={
                 "rank": rank,
-                "instance_count": len(created),
+                "instance_count": facts["created"],
                 "site": site,
                 "site_instance_count": count,
                 "created_at_steps": steps_list(created_steps),
@@ -302,6 +333,23 @@ def check_scaler_recreated(ctx: RuleContext) -> Iterator[Finding]:
                 "calibrated scale and restarts at init_scale every time."
             ),
         )
+
+
+def _created(run: Run, rank: int) -> list[dict[str, Any]]:
+    """``rank``'s ``scaler_created`` events, from its own events file (for a finding's detail)."""
+    frame = run.rank_table("events", rank)
+    if not len(frame):
+        return []
+    out = []
+    for step, kind, raw in zip(frame["step"], frame["kind"], frame["detail"], strict=True):
+        if kind != "scaler_created":
+            continue
+        try:
+            detail = json.loads(raw) if isinstance(raw, str) else {}
+        except ValueError:
+            detail = {}
+        out.append({"rank": rank, "step": step, **(detail if isinstance(detail, dict) else {})})
+    return out
 
 
 @rule(
@@ -365,20 +413,18 @@ def check_scaler_not_restored(ctx: RuleContext) -> Iterator[Finding]:
     while it re-calibrates.
     """
     run = ctx.run
-    for rank, frame in per_rank(scaler_steps(run)):
-        opt_loads = [e for e in run.events_of("optimizer_state_loaded") if e.get("rank") == rank]
-        scaler_loads = [e for e in run.events_of("scaler_state_loaded") if e.get("rank") == rank]
-        if not opt_loads or any(not e.get("empty") for e in scaler_loads):
+    for rank in scaler_ranks(run):
+        facts = rank_scaler(run, rank)
+        if not facts["optimizer_loads"] or facts["scaler_loads_nonempty"]:
             continue
-        first = frame.iloc[:20]
-        skipped = int(first["skipped"].fillna(False).astype(bool).sum())
+        skipped = sum(1 for _, was_skipped in facts["head"][:20] if was_skipped)
         yield ctx.finding(
             title="optimizer state was restored but the GradScaler state was not",
             evidence={
                 "rank": rank,
-                "optimizer_load_count": len(opt_loads),
-                "scaler_load_count": len(scaler_loads),
-                "first_scale": float(frame["scale_before"].iloc[0]),
+                "optimizer_load_count": facts["optimizer_loads"],
+                "scaler_load_count": facts["scaler_loads"],
+                "first_scale": float(facts["first_before"]),
                 "init_scale": init_scale(ctx.run, rank),
                 "early_skipped_count": skipped,  # among the first 20 steps
             },

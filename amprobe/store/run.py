@@ -49,6 +49,7 @@ from amprobe.store.summary import (
     make_record,
     merge_sections,
     parse_record,
+    summarize_tables,
     summary_tables,
 )
 
@@ -308,6 +309,8 @@ class _RankSummary:
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
     """Every rank's summary, the ranks read in parallel threads (see :meth:`Run.summaries`)."""
+    if run._tables and not any(info.path.is_dir() for info in run.ranks):
+        return _summaries_in_memory(run)
     infos = list(run.ranks)
     if len(infos) > 1:
         workers = min(len(infos), os.cpu_count() or 1, 16)
@@ -329,6 +332,25 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
             f"ignored on {other} rank(s); those ranks were summarized from their record files"
         )
     run._derived["summary_sources"] = sources
+    return out
+
+
+def _summaries_in_memory(run: Run) -> dict[int, dict[str, Any]]:
+    """A run held in memory (the tests' ``fake_run``: frames, no rank folder): each rank
+    summarized from its rows of the frames."""
+    out: dict[int, dict[str, Any]] = {}
+    for info in run.ranks:
+
+        def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
+            frame = run._tables.get(table)
+            if frame is None or not len(frame):
+                return []
+            mine = frame[frame["rank"] == info.rank].drop(columns=["rank"])
+            rows = mine.to_dict("records")
+            return [{k: (None if v is pd.NA else v) for k, v in r.items()} for r in rows]
+
+        out[info.rank] = summarize_tables(read)
+    run._derived["summary_sources"] = {info.rank: "files" for info in run.ranks}
     return out
 
 
