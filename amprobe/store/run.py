@@ -238,16 +238,36 @@ class Run:
 
     @property
     def last_step(self) -> int | None:
-        steps = self.steps
-        return int(steps["step"].max()) if len(steps) else None
+        """The highest step any rank recorded (from the ranks' ``steps`` summaries), or None."""
+        lasts = [
+            s["steps"]["last"]
+            for s in self.summaries().values()
+            if s.get("steps") and s["steps"].get("last") is not None
+        ]
+        return int(max(lasts)) if lasts else None
 
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
-    """Every rank summarized from its record files (no ``summary.jsonl`` is read yet)."""
+    """Every rank summarized from its record files (no ``summary.jsonl`` is read yet).
+
+    A table the run already holds in memory (a run built by hand in a test, or a table read
+    before) is summarized from that frame's rows of the rank instead (missing values as None).
+    """
     out: dict[int, dict[str, Any]] = {}
+    held: dict[str, tuple[pd.DataFrame, dict[Any, Any]]] = {}
+    for name, frame in run._tables.items():
+        if "rank" in frame.columns:
+            held[name] = (frame, frame.groupby("rank", sort=False).indices if len(frame) else {})
     for info in run.ranks:
 
         def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
+            if table in held:
+                frame, where = held[table]
+                rows = where.get(info.rank)
+                if rows is None:
+                    return []
+                part = frame.iloc[rows].drop(columns="rank")
+                return pa.Table.from_pandas(part, preserve_index=False).to_pylist()
             got = _read_rank_table(info.path / table_filename(table), table)
             if isinstance(got, RunLoadError) or got.table is None:
                 return []
