@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from amprobe.store.sections.runtime import BUCKETS_PER_OCTAVE
+from amprobe.analysis.runtime import hist_quantiles
 
 __all__ = [
     "QUANTILES",
@@ -47,27 +47,15 @@ QUANTILES = (np.arange(200) + 0.5) / 200
 def compute_hist_quantiles(
     hists: Sequence[Mapping[str, Any]], qs: np.ndarray = QUANTILES
 ) -> np.ndarray:
-    """``out[i, j]``: quantile ``qs[i]`` of histogram ``hists[j]`` (a summary's log-bucket
-    histogram, :mod:`amprobe.store.sections.runtime`), the order statistic of rank
-    ``round(q * (n - 1))`` as :func:`~amprobe.store.sections.runtime.hist_quantile` reads it
-    (within 0.27 %); NaN for an empty histogram. A quantile x rank grid of a few hundred rows
-    replaces the step x rank grid when ranks are compared from summaries."""
+    """``out[i, j]``: quantile ``qs[i]`` of histogram ``hists[j]`` (as
+    :func:`~amprobe.analysis.runtime.timed_hist` returns them), the order statistic of rank
+    ``round(q * (n - 1))`` (within 0.27 %); NaN for an empty histogram. A quantile x rank grid
+    of a few hundred rows replaces the step x rank grid when ranks are compared from summaries."""
     out = np.full((len(qs), len(hists)), np.nan)
     for j, hist in enumerate(hists):
         n = int(hist["n"])
-        if not n:
-            continue
-        ks = np.rint(qs * (n - 1)).astype(np.int64)
-        items = sorted((int(k), c) for k, c in hist["b"].items() if c)
-        keys = np.asarray([k for k, _ in items], dtype=float)
-        ends = int(hist["zero"]) + np.cumsum([c for _, c in items], dtype=np.int64)
-        values = np.zeros(len(ks))
-        positive = ks >= int(hist["zero"])
-        where = np.searchsorted(ends, ks[positive], side="right")
-        mids = np.exp2((keys[np.minimum(where, len(keys) - 1)] + 0.5) / BUCKETS_PER_OCTAVE)
-        values[positive] = np.clip(mids, float(hist["min"]), float(hist["max"]))
-        values[~positive] = min(0.0, float(hist["min"]))
-        out[:, j] = values
+        if n:
+            out[:, j] = hist_quantiles(hist, np.rint(qs * (n - 1)).astype(np.int64))
     return out
 
 

@@ -19,6 +19,7 @@ from amprobe.analysis.ranks import (
     compute_reduce_peaks,
 )
 from amprobe.analysis.runtime import (
+    median_of,
     rank_runtime,
     rank_step_counts,
     step_rows_from,
@@ -29,7 +30,7 @@ from amprobe.rules.data import scaler_configs, scaler_steps, step_ranges, steps_
 from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
 from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
 from amprobe.store.loader import Run
-from amprobe.store.sections.runtime import Ranges, hist_median
+from amprobe.store.sections.runtime import Ranges
 
 __all__: list[str] = []
 
@@ -250,19 +251,20 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     if len(eligible) < 2:
         return
     ranks = np.asarray(eligible)
-    walls = np.asarray([_median_or_nan(timed_hist(runtimes[r], "wall", warmup)) for r in eligible])
+    hists_of = {m: [timed_hist(runtimes[r], m, warmup) for r in eligible] for m in ("wall", "wait")}
+    walls = np.asarray([_median_or_nan(h) for h in hists_of["wall"]])
     for column, metric, label in (
         ("wall_s", "wall", "step time"),
         ("data_wait_s", "wait", "data-loader wait"),
     ):
-        hists = [timed_hist(runtimes[r], metric, warmup) for r in eligible]
+        hists = hists_of[metric]
         if any(not h["n"] for h in hists):
             continue
         shared = _shared_steps([runtimes[r][f"{metric}_steps"] for r in eligible], warmup)
         shared_count = sum(b - a + 1 for a, b in shared)
         if shared_count < max(1, th["min_steps"]):
             continue
-        medians = np.asarray([hist_median(h) for h in hists], dtype=float)
+        medians = np.asarray([median_of(h) for h in hists], dtype=float)
         others = compute_others_median(medians[None, :])[0]
         excess = medians - others
         floor = np.full(len(ranks), float(th["min_excess_s"]))
@@ -339,7 +341,7 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
 
 
 def _median_or_nan(hist: dict[str, Any]) -> float:
-    median = hist_median(hist)
+    median = median_of(hist)
     return float("nan") if median is None else median
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "RuntimeSection",
     "hist_add",
     "hist_merge",
+    "hist_buckets",
     "hist_quantile",
     "hist_median",
     "hist_count_above",
@@ -75,12 +76,13 @@ def _num(value: Any) -> float | None:
 # -- histograms ----------------------------------------------------------------------------------
 def new_hist() -> dict[str, Any]:
     """An empty histogram: ``n``, ``sum``, ``min``, ``max``, ``zero`` (values <= 0) and ``b``
-    (bucket index -> count; bucket ``i`` holds ``[2**(i/128), 2**((i+1)/128))``)."""
+    (bucket index -> count; bucket ``i`` holds ``[2**(i/128), 2**((i+1)/128))``; in JSON
+    ``[indexes ascending, counts]``)."""
     return {"n": 0, "sum": 0.0, "min": None, "max": None, "zero": 0, "b": {}}
 
 
 def hist_add(hist: dict[str, Any], x: float) -> None:
-    """Add one value (in place). Buckets are int-keyed in memory, str-keyed in JSON."""
+    """Add one value (in place, to the in-memory form of :func:`new_hist`)."""
     hist["n"] += 1
     hist["sum"] += x
     if hist["min"] is None or x < hist["min"]:
@@ -98,13 +100,23 @@ def hist_add(hist: dict[str, Any], x: float) -> None:
 
 
 def _hist_json(hist: Mapping[str, Any]) -> dict[str, Any]:
-    return {**hist, "b": {str(k): v for k, v in sorted(hist["b"].items())}}
+    """The JSON form: ``b`` as ``[bucket indexes ascending, their counts]``."""
+    items = sorted(hist_buckets(hist).items())
+    return {**hist, "b": [[k for k, _ in items], [c for _, c in items]]}
+
+
+def hist_buckets(hist: Mapping[str, Any]) -> dict[int, int]:
+    """Bucket index -> count of a histogram in either form."""
+    b = hist["b"]
+    if isinstance(b, dict):
+        return b
+    return dict(zip(b[0], b[1], strict=True)) if b else {}
 
 
 def _hist_load(hist: Mapping[str, Any] | None) -> dict[str, Any]:
     if not hist:
         return new_hist()
-    return {**hist, "b": {int(k): v for k, v in hist["b"].items()}}
+    return {**hist, "b": dict(hist_buckets(hist))}
 
 
 def hist_merge(first: Mapping[str, Any] | None, second: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -128,7 +140,7 @@ def hist_merge(first: Mapping[str, Any] | None, second: Mapping[str, Any] | None
 
 
 def _ordered(hist: Mapping[str, Any]) -> list[tuple[int, int]]:
-    return sorted((int(k), v) for k, v in hist["b"].items() if v)
+    return sorted((k, v) for k, v in hist_buckets(hist).items() if v)
 
 
 def hist_quantile(hist: Mapping[str, Any], k: int) -> float:
