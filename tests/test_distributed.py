@@ -198,9 +198,7 @@ def _always(factor: float) -> Any:
         (4, 2.7e-3, {3: lambda step: 3.0 if 40 <= step < 45 else 1.0}, None),
         (4, 2.7e-3, {2: _always(1.2)}, None),  # within 1.2x
         (4, 50e-6, {1: _always(3.0)}, [1]),  # ~50 us steps, 3x on every step
-        # ~50 us steps, 3x on 3 steps of 4: the median is 1.8x the others', but slower on only
-        # 75 % of the steps
-        (4, 50e-6, {1: lambda step: 3.0 if step % 4 else 1.0}, None),
+        # (a rank 3x slower on 3 steps of 4: test_d02_inconsistent_rank_... below)
     ],
 )
 def test_d02_straggler_on_recorded_steps(tmp_path, n, median_s, slow, named):
@@ -223,15 +221,19 @@ def test_d02_straggler_on_recorded_steps(tmp_path, n, median_s, slow, named):
 
 
 def test_d02_inconsistent_rank_is_named_only_below_the_consistency_threshold(tmp_path):
-    """The 3-of-4-steps rank above passes the ratio and the floor; its 75 % share of slower
-    steps alone keeps it from being named."""
+    """~50 us steps, rank 1 3x slower on 3 steps of 4: its median is 1.8x the others' (the
+    ratio and the floor pass), and the consistency share alone decides. From summaries the
+    steps are paired by quantile, not by step: the share is about 0.82 here (0.75 when the
+    steps were paired step by step), so it is named at a 0.8 threshold, not at 0.9."""
     run = _recorded_ranks(tmp_path / "run", 4, 50e-6, {1: lambda step: 3.0 if step % 4 else 1.0})
-    (f,) = amprobe.diagnose(
-        run, thresholds={"AMP-D02": {"min_consistent_share": 0.7}}, only=["AMP-D02"]
-    ).findings
-    assert f.evidence["ranks"] == [1] and f.evidence["ratio"] == pytest.approx(1.78, abs=0.02)
-    assert (f.evidence["slower_step_count"], f.evidence["compared_step_count"]) == (111, 148)
-    assert f.evidence["slower_step_share"] == 0.75
+    strict = {"AMP-D02": {"min_consistent_share": 0.9}}
+    assert not amprobe.diagnose(run, thresholds=strict, only=["AMP-D02"]).findings
+    (f,) = amprobe.diagnose(run, only=["AMP-D02"]).findings
+    ev = f.evidence
+    assert ev["ranks"] == [1] and ev["ratio"] == pytest.approx(1.78, abs=0.02)
+    assert 0.8 <= ev["slower_step_share"] < 0.9
+    assert ev["slower_step_count"] == round(ev["slower_step_share"] * 148)
+    assert ev["compared_step_count"] == 148
 
 
 def test_cross_rank_rules_not_checked_on_single_rank():

@@ -116,8 +116,8 @@ def _from_files(rank_dir: Path) -> dict[str, Any]:
 
 
 def _read(run: Path) -> tuple[dict[str, Any], str, list[str]]:
+    _Counts.fed = 0  # load_run summarizes already (the last step of an unclosed run)
     loaded = load_run(run)
-    _Counts.fed = 0
     summary = loaded.summaries()[0].get(NAME)
     return summary, loaded.summary_sources()[0], loaded.warnings
 

@@ -260,8 +260,7 @@ def _mfu(run: Run) -> dict[str, Any]:
         }
     rank = int(csteps["rank"].min())
     row = csteps[csteps["rank"] == rank].iloc[0]
-    steps = run.steps
-    steps = steps[steps["rank"] == rank] if len(steps) else steps
+    steps = run.rank_table("steps", rank)  # the one rank's rows, not every rank's
     captured_steps = run.table("compute_steps")
     captured = set(captured_steps.loc[captured_steps["rank"] == rank, "step"].astype(int))
     plain = steps[~steps["step"].isin(captured)] if len(steps) else steps

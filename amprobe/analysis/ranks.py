@@ -3,10 +3,17 @@ other ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.runtime import hist_quantiles
+
 __all__ = [
+    "QUANTILES",
+    "compute_hist_quantiles",
     "compute_others_median",
     "compute_rank_grid",
     "compute_rank_medians",
@@ -30,6 +37,26 @@ def compute_rank_grid(
         grid[step_idx, rank_idx] = frame[column].to_numpy(dtype=float, na_value=np.nan)
         grids.append(grid)
     return steps_u, ranks_u, grids
+
+
+#: The quantiles at which ranks' step-time distributions are paired (AMP-D02): 200, evenly
+#: spaced, so a share of them is read to 0.5 %.
+QUANTILES = (np.arange(200) + 0.5) / 200
+
+
+def compute_hist_quantiles(
+    hists: Sequence[Mapping[str, Any]], qs: np.ndarray = QUANTILES
+) -> np.ndarray:
+    """``out[i, j]``: quantile ``qs[i]`` of histogram ``hists[j]`` (as
+    :func:`~amprobe.analysis.runtime.timed_hist` returns them), the order statistic of rank
+    ``round(q * (n - 1))`` (within 0.27 %); NaN for an empty histogram. A quantile x rank grid
+    of a few hundred rows replaces the step x rank grid when ranks are compared from summaries."""
+    out = np.full((len(qs), len(hists)), np.nan)
+    for j, hist in enumerate(hists):
+        n = int(hist["n"])
+        if n:
+            out[:, j] = hist_quantiles(hist, np.rint(qs * (n - 1)).astype(np.int64))
+    return out
 
 
 def compute_rank_medians(steps: pd.DataFrame, column: str, warmup_steps: int) -> pd.Series:

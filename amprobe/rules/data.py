@@ -22,6 +22,7 @@ from amprobe.analysis.frames import (
     steps_list,
 )
 from amprobe.analysis.numerics import numerics_missing_reason
+from amprobe.analysis.runtime import rank_runtime, rank_step_counts
 from amprobe.analysis.scaler import scaler_summaries
 from amprobe.rules.engine import requirement
 from amprobe.store.loader import Run
@@ -39,7 +40,7 @@ __all__ = [
 
 @requirement("steps")
 def _has_steps(run: Run) -> str | None:
-    return None if len(run.steps) else "no training step was recorded"
+    return None if rank_step_counts(run) else "no training step was recorded"
 
 
 @requirement("scaler")
@@ -74,8 +75,7 @@ def _has_optimizer(run: Run) -> str | None:
 
 @requirement("loss")
 def _has_loss(run: Run) -> str | None:
-    steps = run.steps
-    if len(steps) and steps["loss_dtype"].notna().any():
+    if any(runtime["loss_dtypes"] for runtime in rank_runtime(run).values()):
         return None
     return "no loss tensor was seen (no backward() or scaler.scale() call recorded)"
 

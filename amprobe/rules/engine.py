@@ -677,8 +677,8 @@ def order_cause_first(findings: Iterable[Finding]) -> list[Finding]:
 
 def _rank_count(run: Run) -> int:
     """How many ranks the run has: its rank folders, or the ranks its steps came from."""
-    steps = run.steps
-    return max(len(run.ranks), int(steps["rank"].nunique()) if len(steps) else 0)
+    with_steps = sum(1 for s in run.summaries().values() if (s.get("steps") or {}).get("rows"))
+    return max(len(run.ranks), with_steps)
 
 
 def resolve_thresholds(

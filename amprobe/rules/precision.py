@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from amprobe.analysis.frames import MAX_LISTED_STEPS
 from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
+from amprobe.analysis.runtime import expand_steps, rank_runtime, rank_step_counts, summary_steps
 from amprobe.analysis.scaler import calibration_steps, scaler_summaries
 from amprobe.rules.data import (
     HALF_DTYPES,
@@ -145,21 +147,29 @@ def _distinct_step_count(run: Run, facts: dict[int, dict[str, Any]]) -> int:
 
 @rule("AMP-N13", "half-loss", "warning", "nan", requires=("loss",), refs=(AUTOCAST_OPS,))
 def check_half_loss(ctx: RuleContext) -> Iterator[Finding]:
-    """The loss tensor handed to backward (or scaler.scale) is fp16/bf16."""
-    for rank, frame in per_rank(ctx.run.steps):
-        half = frame[frame["loss_dtype"].isin(HALF_DTYPES)]
-        if half.empty:
+    """The loss tensor handed to backward (or scaler.scale) is fp16/bf16.
+
+    From each rank's summary (the steps of each loss dtype as ranges); the first rank with a
+    half-precision loss gives the finding. The dtype named is the most frequent half one.
+    """
+    for rank, runtime in rank_runtime(ctx.run).items():
+        dtypes = runtime["loss_dtypes"]
+        half = {d: dtypes[d] for d in HALF_DTYPES if d in dtypes and dtypes[d]["n"]}
+        if not half:
             continue
-        dtype = str(half["loss_dtype"].mode().iloc[0])
+        dtype = max(sorted(half), key=lambda d: half[d]["n"])
+        count = sum(int(r["n"]) for r in half.values())
+        total = rank_step_counts(ctx.run)[rank]
+        runs = summary_steps(*half.values())
         yield ctx.finding(
-            title=f"the loss is computed in {dtype} in {len(half)} of {len(frame)} steps",
+            title=f"the loss is computed in {dtype} in {count} of {total} steps",
             evidence={
                 "rank": rank,
                 "loss_dtype": dtype,
-                "affected_step_count": len(half),
-                "step_count": len(frame),
-                "half_loss_steps": steps_list(half["step"]),
-                "half_loss_step_ranges": step_ranges(half["step"]),
+                "affected_step_count": count,
+                "step_count": total,
+                "half_loss_steps": expand_steps(runs, MAX_LISTED_STEPS),
+                "half_loss_step_ranges": runs[:MAX_LISTED_STEPS],
             },
             fix="Compute the loss in fp32: cast the logits with .float() before the loss function.",
         )

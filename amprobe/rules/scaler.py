@@ -9,6 +9,7 @@ from typing import Any
 
 from amprobe.analysis.frames import MAX_LISTED_STEPS
 from amprobe.analysis.numerics import offender_evidence
+from amprobe.analysis.runtime import expand_steps, rank_runtime, rank_step_counts, summary_steps
 from amprobe.analysis.scaler import (
     calibration_steps,
     cut_steps,
@@ -365,27 +366,32 @@ def check_clip_before_unscale(ctx: RuleContext) -> Iterator[Finding]:
     """``clip_grad_norm_`` / ``clip_grad_value_`` ran on gradients still multiplied by the scale.
 
     The collector flags a clip call when a GradScaler scaled the loss this iteration and the
-    clipped gradients do not all belong to optimizers that ``unscale_`` was called on.
+    clipped gradients do not all belong to optimizers that ``unscale_`` was called on. Read
+    from each rank's summary (the steps with ``clip_scaled`` > 0 as ranges).
     """
-    for rank, frame in per_rank(ctx.run.steps):
-        bad = frame[frame["clip_scaled"].fillna(0) > 0]
-        if len(bad) <= ctx.thresholds["max_scaled_clips"]:
+    counts = rank_step_counts(ctx.run)
+    for rank, runtime in rank_runtime(ctx.run).items():
+        clip = runtime["clip"]
+        bad_count = int(clip["scaled"]["n"])
+        if bad_count <= ctx.thresholds["max_scaled_clips"]:
             continue
         # clipping is a detail (Config.details_every): counted on the steps that observed it
-        observed = int(frame["clip_scaled"].notna().sum())
-        where = f"{observed} steps" + (" observed" if observed < len(frame) else "")
+        observed = int(clip["observed"])
+        total = counts[rank]
+        where = f"{observed} steps" + (" observed" if observed < total else "")
+        bad = summary_steps(clip["scaled"])
         events = [e for e in ctx.run.events_of("clip_before_unscale") if e.get("rank") == rank]
         functions = sorted({str(e["function"]) for e in events if e.get("function")})
         sites = sorted({str(e["site"]) for e in events if e.get("site")})
         yield ctx.finding(
-            title=f"gradients clipped while still scaled in {len(bad)} of {where}",
+            title=f"gradients clipped while still scaled in {bad_count} of {where}",
             evidence={
                 "rank": rank,
-                "affected_step_count": len(bad),
-                "step_count": len(frame),
+                "affected_step_count": bad_count,
+                "step_count": total,
                 "observed_step_count": observed,
-                "clipped_steps": steps_list(bad["step"]),
-                "clipped_step_ranges": step_ranges(bad["step"]),
+                "clipped_steps": expand_steps(bad, MAX_LISTED_STEPS),
+                "clipped_step_ranges": bad[:MAX_LISTED_STEPS],
                 "functions": functions,
                 "call_sites": sites,
             },

@@ -290,8 +290,13 @@ class Run:
 
     @property
     def last_step(self) -> int | None:
-        steps = self.steps
-        return int(steps["step"].max()) if len(steps) else None
+        """The highest step any rank recorded (from the ranks' ``steps`` summaries), or None."""
+        lasts = [
+            s["steps"]["last"]
+            for s in self.summaries().values()
+            if s.get("steps") and s["steps"].get("last") is not None
+        ]
+        return int(max(lasts)) if lasts else None
 
 
 #: Largest summary.jsonl read (a rank's records are a few hundred kilobytes); a larger one is
@@ -339,15 +344,23 @@ def _summaries_in_memory(run: Run) -> dict[int, dict[str, Any]]:
     """A run held in memory (the tests' ``fake_run``: frames, no rank folder): each rank
     summarized from its rows of the frames."""
     out: dict[int, dict[str, Any]] = {}
+    held: dict[str, tuple[pd.DataFrame, dict[Any, Any]]] = {}
+    for name, frame in run._tables.items():
+        if "rank" in frame.columns:
+            held[name] = (frame, frame.groupby("rank", sort=False).indices if len(frame) else {})
     for info in run.ranks:
 
         def read(table: str, info: RankInfo = info) -> list[dict[str, Any]]:
-            frame = run._tables.get(table)
-            if frame is None or not len(frame):
+            held_table = held.get(table)
+            if held_table is None:
                 return []
-            mine = frame[frame["rank"] == info.rank].drop(columns=["rank"])
-            rows = mine.to_dict("records")
-            return [{k: (None if v is pd.NA else v) for k, v in r.items()} for r in rows]
+            frame, where = held_table
+            rows = where.get(info.rank)
+            if rows is None:
+                return []
+            records = frame.iloc[rows].drop(columns=["rank"]).to_dict("records")
+            # missing values as None (NaN stays NaN: a non-finite loss is a value)
+            return [{k: (None if v is pd.NA else v) for k, v in r.items()} for r in records]
 
         out[info.rank] = summarize_tables(read)
     run._derived["summary_sources"] = {info.rank: "files" for info in run.ranks}

@@ -6,4 +6,7 @@ build an :class:`~amprobe.store.summary.Accumulator`.
 
 from __future__ import annotations
 
-from amprobe.store.sections import scaler  # noqa: F401
+from amprobe.store.sections import (
+    runtime,  # noqa: F401
+    scaler,  # noqa: F401
+)
