@@ -566,3 +566,21 @@ def test_row_encoder_writes_what_json_writes(row: dict):
 
     row = {**row, "path": Path("a/b"), "tuple": (1, 2.5)}  # default=str; tuples as lists
     assert _ENCODE(row) == json.JSONEncoder(default=str, check_circular=False).encode(row)
+
+
+def test_an_unclosed_rank_that_ends_early_is_named(tmp_path: Path):
+    """#33: a truncated rank among many is reported as such, not only by its own findings."""
+    root = tmp_path / "run"
+    for rank, steps in [(0, 400), (1, 400), (2, 150), (3, 340)]:
+        write_run(root, steps=steps, rank=rank, world_size=4, close=False)
+    run = load_run(root)
+    lagging = [w for w in run.warnings if "stopped early" in w]
+    # rank 3 is 59 steps behind: within one flush of the others, not named
+    assert lagging == [
+        "rank 2: records end at step 149, 250 steps before the last step of the run (399), "
+        "with no clean close: the rank stopped early or its files were cut"
+    ]
+    closed = tmp_path / "closed"
+    for rank, steps in [(0, 400), (1, 150)]:
+        write_run(closed, steps=steps, rank=rank, world_size=2, close=True)
+    assert not [w for w in load_run(closed).warnings if "stopped early" in w]

@@ -748,4 +748,41 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         last = run.last_step
         where = f" at step {last}" if last is not None else " before its first flushed step"
         run.warnings.append(f"run ended abruptly{where} (no clean close recorded)")
+        run.warnings.extend(_lagging_ranks(run))
     return run
+
+
+#: A rank killed with the others may have flushed up to one chunk less (``flush_every``'s
+#: default is 100 steps): only a rank further behind than this is said to have stopped early.
+LAGGING_STEPS = 100
+
+
+def _lagging_ranks(run: Run) -> list[str]:
+    """One warning per unclosed rank whose records end well before the other ranks' (a rank
+    that stopped early, or whose files were cut): otherwise only its own findings, if any,
+    would show that a truncated rank among thousands is not like the others."""
+    summaries = run.summaries()
+    lasts = {
+        info.rank: summaries.get(info.rank, {}).get("steps", {}).get("last") for info in run.ranks
+    }
+    known = {r: v for r, v in lasts.items() if isinstance(v, int)}
+    if len(known) < 2:
+        return []
+    top = max(known.values())
+    behind = sorted(
+        (r for r, v in known.items() if top - v > LAGGING_STEPS and _unclosed(run, r)),
+        key=lambda r: (known[r], r),
+    )
+    lines = [
+        f"rank {r}: records end at step {known[r]}, {top - known[r]} steps before the last "
+        f"step of the run ({top}), with no clean close: the rank stopped early or its files "
+        "were cut"
+        for r in behind[:8]
+    ]
+    if len(behind) > 8:
+        lines.append(f"{len(behind) - 8} more rank(s) end more than {LAGGING_STEPS} steps early")
+    return lines
+
+
+def _unclosed(run: Run, rank: int) -> bool:
+    return any(i.rank == rank and i.end is None and i.status != "live" for i in run.ranks)
