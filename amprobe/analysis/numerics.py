@@ -449,11 +449,9 @@ def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
 
 
 def _nonfinite_inputs(run: Run, rank: int) -> frozenset[int]:
-    steps = run.steps
-    if steps.empty or "input_nonfinite" not in steps:
-        return frozenset()
-    bad = (steps["rank"].to_numpy() == rank) & (steps["input_nonfinite"].fillna(0).to_numpy() > 0)
-    return frozenset(int(s) for s in steps["step"].to_numpy()[bad].tolist())
+    """From the ``offenders`` summary section: every such step while the runs were not capped
+    (more than :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs keep the first ones)."""
+    return frozenset(s for a, b in nonfinite_input_runs(run, rank) for s in range(a, b + 1))
 
 
 def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
@@ -613,3 +611,130 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
         "propagated_layer_count": len(propagated),
         **offender_evidence(run, rank),
     }
+
+
+# -- from the per-rank summaries (amprobe.store.sections.numerics) -------------------------------
+def numerics_section(run: Run, rank: int) -> dict[str, Any]:
+    """The ``numerics`` summary section of ``rank`` (an empty one when it has none)."""
+    return run.summaries().get(rank, {}).get("numerics") or {"rows": 0, "layers": []}
+
+
+def offenders_section(run: Run, rank: int) -> dict[str, Any]:
+    """The ``offenders`` summary section of ``rank`` (an empty one when it has none)."""
+    empty = {"kinds": {}, "inputs": {"count": 0, "runs": {"runs": []}, "checked": 0}}
+    return run.summaries().get(rank, {}).get("offenders") or empty
+
+
+def has_numerics(run: Run) -> bool:
+    """Whether any rank recorded a numerics row."""
+    return any(numerics_section(run, r.rank)["rows"] for r in run.ranks)
+
+
+def _measure(dtype: Any) -> str:
+    return "subnormal" if dtype == "float16" else "flushed"
+
+
+def _group_dtype(key: str) -> str | None:
+    """The dtype part of a histogram or scale group's key (None when it was missing)."""
+    dtype = key.split("|", 1)[0]
+    return None if dtype == "None" else dtype
+
+
+def gradient_underflow_layers(
+    section: dict[str, Any], margin: float = 8.0
+) -> tuple[pd.DataFrame, dict[str, Any] | None, dict[Any, dict[str, Any]]]:
+    """:func:`compute_gradient_underflow` summed per (module, kind, measure), from a rank's
+    ``numerics`` summary section (AMP-N06).
+
+    Exact: the lost counts at the rows' own scales are summed in the section per loss scale,
+    and the counts at the hint, linear in the histograms, come from the histograms summed per
+    dtype. A layer's listed steps come from the section's step runs (the first
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs per loss scale).
+
+    Returns:
+        ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
+        first appearance with ``lost``, ``lost_at_hint`` and ``nonzero``; the
+        :func:`compute_scale_hint` dict or ``None``; per index the first ``dtype``, the loss
+        ``scales`` and the sampled ``steps``. An empty frame when no gradient was recorded.
+    """
+    grads = [x for x in section.get("layers", []) if x["kind"] in GRAD_KINDS]
+    columns = ["lost", "lost_at_hint", "nonzero"]
+    if not grads:
+        return pd.DataFrame(columns=columns), None, {}
+    for layer in grads:
+        for group in layer["scale"].values():
+            if group["damaged"] is not None:
+                raise ValueError(
+                    f"a damaged gradient row (module {layer['module']}, step "
+                    f"{group['damaged']}): {_COUNTS_READ} missing"
+                )
+    # the scale hint: the largest finite amax, the last recorded scale, wide histograms
+    peak = None
+    merged: dict[int, int] = {}
+    for layer in grads:
+        for key, group in layer["hist"].items():
+            cls = key.split("|")[1]
+            if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
+                peak = group["amax"] if peak is None else max(peak, group["amax"])
+            if _group_dtype(key) != "float16":
+                for e, n in group["bins"].items():
+                    merged[int(e)] = merged.get(int(e), 0) + n
+    hint: dict[str, Any] | None = None
+    if peak is not None:
+        hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+        last = section.get("grad_scale")
+        total = sum(merged.values())
+
+        def share(scale: float) -> float | None:
+            return round(_below(merged, -25, scale) / total, 6) if total else None
+
+        current = float(last[1]) if last else 1.0
+        hint = {
+            "grad_amax": float(peak),
+            "margin": margin,
+            "hint_scale": hint_scale,
+            "current_scale": current,
+            "current_step": int(last[0]) if last else None,
+            "underflow_share_at_current": share(current),
+            "underflow_share_at_hint": share(hint_scale),
+        }
+    index: list[tuple[Any, Any, str]] = []
+    rows: list[list[float]] = []
+    facts: dict[Any, dict[str, Any]] = {}
+    for layer in grads:
+        by_measure: dict[str, list[float]] = {}
+        for group in layer["scale"].values():
+            measure = _measure(group["dtype"])
+            sums = by_measure.setdefault(measure, [0.0, 0.0, 0.0])
+            sums[0] += group["lost"]
+            sums[2] += group["nonzero"]
+            key = (layer["module"], layer["kind"], measure)
+            fact = facts.setdefault(key, {"dtype": np.nan, "scales": set(), "steps": set()})
+            fact["scales"].add(float(group["scale"]))
+            for a, b in group["runs"]["runs"]:
+                fact["steps"].update(range(int(a), int(b) + 1))
+        if hint is not None:
+            for key, group in layer["hist"].items():
+                dtype = _group_dtype(key)
+                bound = -14 if dtype == "float16" else -25
+                counts = {int(e): n for e, n in group["bins"].items()}
+                if _measure(dtype) in by_measure:
+                    by_measure[_measure(dtype)][1] += _below(counts, bound, hint["hint_scale"])
+        else:
+            for sums in by_measure.values():
+                sums[1] = sums[0]
+        for dtype in layer["dtypes"]:
+            found = facts.get((layer["module"], layer["kind"], _measure(dtype)))
+            if found is not None and found["dtype"] is np.nan:
+                found["dtype"] = dtype
+        for measure, sums in by_measure.items():
+            index.append((layer["module"], layer["kind"], measure))
+            rows.append(sums)
+    frame = pd.DataFrame(rows, columns=columns, index=pd.MultiIndex.from_tuples(index))
+    return frame, hint, facts
+
+
+def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:
+    """The runs of steps of ``rank`` whose root-model inputs held inf/NaN (the first
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS`)."""
+    return [list(x) for x in offenders_section(run, rank)["inputs"]["runs"]["runs"]]

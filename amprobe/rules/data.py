@@ -21,7 +21,7 @@ from amprobe.analysis.frames import (
     step_ranges,
     steps_list,
 )
-from amprobe.analysis.numerics import numerics_missing_reason
+from amprobe.analysis.numerics import has_numerics, numerics_missing_reason
 from amprobe.rules.engine import requirement
 from amprobe.store.loader import Run
 
@@ -87,6 +87,6 @@ def _has_device_facts(run: Run) -> str | None:
 
 @requirement("numerics")
 def _has_numerics(run: Run) -> str | None:
-    if not run.table("numerics").empty:
+    if has_numerics(run):
         return None
     return numerics_missing_reason(run)

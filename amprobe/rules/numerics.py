@@ -16,12 +16,16 @@ import pandas as pd
 
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
-    compute_gradient_underflow,
     first_nonfinite_weights,
     first_overflow_step,
+    gradient_underflow_layers,
+    has_numerics,
     last_linears,
     module_role,
+    nonfinite_input_runs,
     nonfinite_input_steps,
+    numerics_section,
+    offenders_section,
     root_missing_reason,
 )
 from amprobe.analysis.scaler import calibration_steps
@@ -93,19 +97,18 @@ def _out_of_range_origin(
 @requirement("activations")
 def _has_activations(run: Run) -> str | None:
     """Met when per-layer outputs were measured; a compiled job says why they were not."""
-    numerics = run.table("numerics")
-    if not numerics.empty and (numerics["kind"] == "output").any():
+    layers = [x for r in run.ranks for x in numerics_section(run, r.rank)["layers"]]
+    if any(x["kind"] == "output" for x in layers):
         return None
     skipped = [e for e in run.events_of("numerics_not_checked") if e.get("what") == "activations"]
     if skipped:
         return str(skipped[0].get("reason"))
-    return None if numerics.empty else "no per-layer output was measured"
+    return None if not has_numerics(run) else "no per-layer output was measured"
 
 
 @requirement("input_check")
 def _has_input_check(run: Run) -> str | None:
-    steps = run.steps
-    if len(steps) and "input_nonfinite" in steps and steps["input_nonfinite"].notna().any():
+    if any(offenders_section(run, r.rank)["inputs"]["checked"] for r in run.ranks):
         return None
     root = root_missing_reason(run)
     if root is not None:
@@ -122,24 +125,22 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
     every step. Input rows of the ``numerics`` table (sampled steps) name the argument.
     """
     run = ctx.run
-    offenders = run.table("offenders")
-    for rank, frame in per_rank(run.steps):
-        bad = frame[frame["input_nonfinite"].fillna(0) > 0]
-        if bad.empty:
+    for rank in sorted(run.summaries()):
+        inputs = offenders_section(run, rank)["inputs"]
+        if not inputs["count"]:
             continue
-        inputs: list[str] = []
-        if not offenders.empty:
-            part = offenders[(offenders["rank"] == rank) & (offenders["kind"] == "input")]
-            inputs = sorted(set(part["module"]))
+        runs = nonfinite_input_runs(run, rank)
+        steps = [s for a, b in runs for s in range(a, b + 1)]
+        part = offenders_section(run, rank)["kinds"].get("input")
         yield ctx.finding(
-            title=f"non-finite values in the model input at {len(bad)} step(s), first at step {int(bad['step'].iloc[0])}",
+            title=f"non-finite values in the model input at {inputs['count']} step(s), first at step {runs[0][0]}",
             evidence={
                 "rank": rank,
-                "nonfinite_steps": steps_list(bad["step"]),
-                "nonfinite_step_ranges": step_ranges(bad["step"]),
-                "affected_step_count": len(bad),
-                "nonfinite_elements": [int(v) for v in bad["input_nonfinite"].iloc[:20]],
-                "inputs": inputs,
+                "nonfinite_steps": steps_list(steps),
+                "nonfinite_step_ranges": step_ranges(steps),
+                "affected_step_count": inputs["count"],
+                "nonfinite_elements": list(inputs["first_counts"]),
+                "inputs": sorted(set(part["modules"])) if part else [],
             },
             fix=(
                 "This is a data problem, not AMP: the batch already holds NaN/inf and would break "
@@ -351,28 +352,6 @@ def _nonfinite_weights_finding(
     )
 
 
-def _layer_facts(grads: pd.DataFrame, keys: set[Any]) -> dict[Any, dict[str, Any]]:
-    """Per (module, kind, measure) in ``keys``: the first recorded dtype (NaN when none), the
-    loss scales and the sampled steps of its rows; one pass over the listed layers' rows."""
-    facts: dict[Any, dict[str, Any]] = {}
-    columns = ("module", "kind", "measure", "dtype", "scale", "step")
-    for module, kind, measure, dtype, scale, step in zip(
-        *(grads[c].tolist() for c in columns), strict=True
-    ):
-        key = (module, kind, measure)
-        if key not in keys:
-            continue
-        layer = facts.setdefault(key, {"dtype": None, "scales": set(), "steps": set()})
-        if layer["dtype"] is None and not pd.isna(dtype):
-            layer["dtype"] = dtype
-        layer["scales"].add(scale)
-        layer["steps"].add(step)
-    for layer in facts.values():
-        if layer["dtype"] is None:
-            layer["dtype"] = np.nan  # as a grouped first() of missing values
-    return facts
-
-
 @rule(
     "AMP-N06",
     "grad-underflow",
@@ -404,26 +383,20 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     if "float16" not in autocast_dtypes(run):
         return
     th = ctx.thresholds
-    numerics = run.table("numerics")
-    for rank, frame in per_rank(numerics):
-        grads, hint, lost_at_hint = compute_gradient_underflow(frame, th["scale_margin"])
-        if grads.empty:
+    for rank in sorted(run.summaries()):
+        section = numerics_section(run, rank)
+        layers, hint, facts = gradient_underflow_layers(section, th["scale_margin"])
+        if layers.empty:
             continue
-        grads = grads.assign(
-            lost=grads["lost_share"] * grads["nonzero"],
-            lost_at_hint=lost_at_hint * grads["nonzero"],
-            scale=grads["loss_scale"].where(grads["loss_scale"] > 0, 1.0).fillna(1.0),
-        )
-        g = grads.groupby(["module", "kind", "measure"], sort=False)
-        layers = g[["lost", "lost_at_hint", "nonzero"]].sum()
         nonzero = layers["nonzero"].where(layers["nonzero"] > 0)
         layers["share"] = layers["lost"] / nonzero
         layers["share_at_hint"] = layers["lost_at_hint"] / nonzero
-        bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
+        bad = layers[layers["share"] > th["max_lost_share"]].sort_values(
+            "share", ascending=False, kind="stable"
+        )
         if bad.empty:
             continue
         shown = bad.head(int(th["max_layers"]))
-        facts = _layer_facts(grads, set(shown.index))
         listed = [
             {
                 "module": m,

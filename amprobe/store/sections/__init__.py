@@ -5,4 +5,5 @@ build an :class:`~amprobe.store.summary.Accumulator`.
 """
 
 from __future__ import annotations
+
 from amprobe.store.sections import numerics  # noqa: F401

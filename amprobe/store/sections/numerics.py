@@ -286,12 +286,10 @@ class NumericsSection(Section):
         if scale_v is not None and (self.grad_scale is None or step >= self.grad_scale[0]):
             self.grad_scale = [step, scale_v]
         own = scale_v if scale_v and scale_v > 0 else 1.0
-        counts = [row.get(c) for c in ("elements", "zeros", "nan", "inf")]
-        nz = (
-            None
-            if any(_num(c) is None for c in counts)
-            else int(counts[0] - counts[1] - counts[2] - counts[3])
-        )
+        counts = [_num(row.get(c)) for c in ("elements", "zeros", "nan", "inf")]
+        nz = None
+        if all(c is not None for c in counts):
+            nz = int(sum(c or 0.0 for c in counts[:1]) - sum(c or 0.0 for c in counts[1:]))
         fp16 = dtype == "float16"
         s = layer["scale"].setdefault(
             f"{dtype}|{own!r}",
@@ -433,7 +431,12 @@ class OffendersSection(Section):
 
     def __init__(self) -> None:
         self.kinds: dict[str, dict[str, Any]] = {}
-        self.inputs = {"count": 0, "runs": _runs_new(), "first_counts": [], "checked": 0}
+        self.inputs: dict[str, Any] = {
+            "count": 0,
+            "runs": _runs_new(),
+            "first_counts": [],
+            "checked": 0,
+        }
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         step = row.get("step")
