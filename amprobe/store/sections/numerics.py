@@ -114,29 +114,28 @@ def amax_class(amax: Any) -> str:
     return f"{e - 1}:{s}:{o}"
 
 
-def nonzero_binades(text: Any, zeros: int) -> dict[int, int]:
-    """An ``exp_hist`` JSON text as top binade -> nonzero finite count: the zeros taken out of
-    bin -127, inf/NaN left out, the lump below 2**-133 keyed by its top binade -134 (a text
-    that is not a JSON object of integers raises)."""
+def nonzero_binades(text: Any, zeros: int) -> dict[str, int]:
+    """An ``exp_hist`` JSON text as top binade (the exponent as text, as JSON keys it) ->
+    nonzero finite count: the zeros taken out of bin -127, inf/NaN (128) left out, the lump
+    (-149: the values below 2**-133) keyed by its top binade -134. A text that is not a JSON
+    object of counts raises."""
     if not isinstance(text, str) or not text:
         return {}
-    out: dict[int, int] = {}
-    for k, n in json.loads(text).items():
-        e, n = int(k), int(n)
-        if e >= 128:
-            continue
-        if e == -127:
-            n -= zeros
-        if n > 0:
-            key = _LUMP_TOP if e <= _LUMP else e
-            out[key] = out.get(key, 0) + n
+    out: dict[str, int] = json.loads(text)
+    out.pop("128", None)
+    if "-127" in out:
+        out["-127"] -= zeros
+    if "-149" in out:
+        out["-134"] = out.get("-134", 0) + out.pop("-149")
+    if out and min(out.values()) <= 0:
+        out = {e: n for e, n in out.items() if n > 0}
     return out
 
 
-def _below(binades: Mapping[int, int], bound_exp: float, scale: float) -> int:
+def _below(binades: Mapping[str, int], bound_exp: float, scale: float) -> int:
     """Values of the binades wholly at or below ``2**bound_exp`` once multiplied by ``scale``."""
     cut = bound_exp - math.log2(scale) - 1
-    return sum(n for e, n in binades.items() if e <= cut)
+    return sum(n for e, n in binades.items() if int(e) <= cut)
 
 
 # -- step runs --------------------------------------------------------------------------------
@@ -205,8 +204,8 @@ def _layer_new(module_type: Any) -> dict[str, Any]:
     }
 
 
-def _top(binades: Mapping[int, int]) -> int | None:
-    return max(binades) if binades else None
+def _top(binades: Mapping[str, int]) -> int | None:
+    return max(map(int, binades)) if binades else None
 
 
 @section
@@ -266,9 +265,10 @@ class NumericsSection(Section):
             _runs_add(layer["nonfinite_runs"], step)
         zeros = row.get("zeros") or 0
         binades = nonzero_binades(row.get("exp_hist"), int(zeros))
+        top = _top(binades)
         if layer["last"] is None or step >= layer["last"][0]:
-            layer["last"] = [step, amax if amax is not None else None, _top(binades)]
-        hkey = f"{dtype}|{amax_class(row.get('amax'))}|{_top(binades)}"
+            layer["last"] = [step, amax, top]
+        hkey = f"{dtype}|{amax_class(amax)}|{top}"
         h = layer["hist"].setdefault(hkey, {"rows": 0, "amax": None, "bins": {}})
         h["rows"] += 1
         if amax is not None and (h["amax"] is None or amax > h["amax"]):
