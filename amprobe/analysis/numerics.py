@@ -463,29 +463,36 @@ def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
     a full capture from the next step, so the module that overflowed is seen one step or more
     after the first overflow. Steps with a non-finite model input (AMP-N04's) are left out.
     ``None`` when no such step overflowed.
+
+    From the ``offenders`` summary section's overflow step runs (exact while they were not
+    capped: the first :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs are kept) and
+    ``rank``'s own numerics file (:meth:`Run.rank_table`: the rules name one rank).
     """
-    steps = run.steps
-    if steps.empty:
+    runs = offenders_section(run, rank).get("overflow", {}).get("runs", [])
+    if not runs:
         return None
-    numerics = run.table("numerics")
+    numerics = run.rank_table("numerics", rank)
     since = -1
     if not numerics.empty:
         recorded = numerics["step"].to_numpy()
         earlier = recorded[(numerics["rank"].to_numpy() == rank) & (recorded < captured_step)]
         since = int(earlier.max()) if len(earlier) else -1
-    step = steps["step"].to_numpy()
-    window = np.flatnonzero(
-        (steps["rank"].to_numpy() == rank) & (step > since) & (step <= captured_step)
-    )
-    overflowed = np.zeros(len(window), dtype=bool)
-    for column in ("found_inf", "skipped", "loss_nonfinite"):
-        if column in steps:
-            values = steps[column].iloc[window]
-            flags = values.fillna(0) > 0 if column == "found_inf" else values.fillna(False)
-            overflowed |= flags.astype(bool).to_numpy()
     excluded = nonfinite_input_steps(run, rank)
-    found = [s for s in step[window][overflowed].tolist() if s not in excluded]
-    return int(min(found)) if found else None
+    found = [
+        s
+        for first, last in runs
+        for s in range(max(int(first), since + 1), min(int(last), captured_step) + 1)
+        if s not in excluded
+    ]
+    return min(found) if found else None
+
+
+def loss_nonfinite_before(run: Run, rank: int, step: int) -> int | None:
+    """The last step of ``rank`` before ``step`` whose loss was non-finite (from the
+    ``offenders`` summary section's runs), or ``None``."""
+    runs = offenders_section(run, rank).get("loss_nonfinite", {}).get("runs", [])
+    before = [min(int(last), step - 1) for first, last in runs if int(first) < step]
+    return max(before) if before else None
 
 
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
@@ -500,20 +507,18 @@ def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
 
 
 def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
-    """First forward / backward offenders of ``rank`` as evidence fields (empty if not recorded)."""
-    offenders = run.table("offenders")
-    if offenders.empty:
-        return {}
-    part = offenders[offenders["rank"] == rank].sort_values("step")
-    kinds = part["kind"].tolist()
+    """First forward / backward / input offenders of ``rank`` as evidence fields (empty if not
+    recorded), from the ``offenders`` summary section: per kind the offender of the smallest
+    step (the first in the file among offenders of one kind at one step)."""
+    kinds = offenders_section(run, rank)["kinds"]
     out: dict[str, Any] = {}
     for kind in ("forward", "backward", "input"):
-        if kind in kinds:
-            first = kinds.index(kind)
+        first = (kinds.get(kind) or {}).get("first")
+        if first is not None:
             out[f"first_{kind}_offender"] = {
-                "module": part["module"].iloc[first],
-                "module_type": part["module_type"].iloc[first],
-                "step": int(part["step"].iloc[first]),
+                "module": first["module"],
+                "module_type": first["module_type"],
+                "step": int(first["step"]),
             }
     return out
 
@@ -541,9 +546,10 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     execution order); ``propagated_layer_count`` counts the (layer, kind) pairs that were
     non-finite only downstream of an overflow.
 
-    Returns an empty dict when per-layer numerics were not recorded.
+    Returns an empty dict when per-layer numerics were not recorded. Reads the rank's own
+    numerics file (:meth:`Run.rank_table`): AMP-N11 names one rank.
     """
-    numerics = run.table("numerics")
+    numerics = run.rank_table("numerics", rank)
     if numerics.empty:
         return {}
     # the columns as arrays, the rank's rows picked once (frame operations per mask cost more

@@ -21,6 +21,7 @@ from amprobe.analysis.numerics import (
     gradient_underflow_layers,
     has_numerics,
     last_linears,
+    loss_nonfinite_before,
     module_role,
     nonfinite_input_runs,
     nonfinite_input_steps,
@@ -177,11 +178,12 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     overflow arms the capture) is ``first_overflow_step``, and the title gives both.
     """
     run = ctx.run
-    offenders = run.table("offenders")
-    numerics = run.table("numerics")
-    if offenders.empty:
-        return
-    for rank, part in per_rank(offenders[offenders["kind"] == "forward"]):
+    for rank in sorted(run.summaries()):
+        if not (offenders_section(run, rank)["kinds"].get("forward") or {}).get("count"):
+            continue
+        # the detail of a rank with forward offenders: its own files
+        offenders = run.rank_table("offenders", rank)
+        part = offenders[offenders["kind"] == "forward"]
         excluded = nonfinite_input_steps(run, rank)
         part = part[~part["step"].isin(excluded)]
         if part.empty:
@@ -197,6 +199,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             part = before
         first = part.iloc[0]
         step, module = int(first["step"]), str(first["module"])
+        numerics = run.rank_table("numerics", rank)
         rows = numerics[(numerics["rank"] == rank) & (numerics["step"] == step)]
         is_last = (step, module) in last_linears(rows)
         role = module_role(first["module_type"], is_last)
@@ -302,15 +305,8 @@ def _nonfinite_weights_finding(
     ctx: RuleContext, rank: int, weights: dict[str, Any], first: pd.Series
 ) -> Finding:
     """AMP-N05 when the weights were already non-finite: name the update, not a layer."""
-    steps = ctx.run.steps
     at = int(weights["at_step"])
-    mine = steps[(steps["rank"] == rank) & (steps["step"] < at)] if not steps.empty else steps
-    bad = (
-        mine[mine["loss_nonfinite"].fillna(False).astype(bool)]
-        if "loss_nonfinite" in mine
-        else mine.iloc[0:0]
-    )
-    applied = int(bad["step"].max()) if len(bad) else None
+    applied = loss_nonfinite_before(ctx.run, rank, at)
     scaled_steps = scaler_steps(ctx.run)
     scaled = not scaled_steps.empty and bool(
         ((scaled_steps["rank"] == rank) & (scaled_steps["step"] < at)).any()

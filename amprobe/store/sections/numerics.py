@@ -24,7 +24,9 @@ count it if it held it twice.
 ``offenders``: per offender kind (forward, backward, input) the first offender (smallest step,
 first in file order among equal steps) with its detail, the offender steps as runs, the
 offending modules (capped); and the steps whose model input held inf/NaN (the steps table's
-``input_nonfinite``) as runs with their count and the first elements counts.
+``input_nonfinite``) as runs with their count and the first elements counts; the steps that
+overflowed (``found_inf`` > 0, ``skipped`` or ``loss_nonfinite``) and those with a non-finite
+loss, as runs.
 """
 
 from __future__ import annotations
@@ -437,6 +439,10 @@ class OffendersSection(Section):
             "first_counts": [],
             "checked": 0,
         }
+        # steps that overflowed (found_inf > 0, skipped or a non-finite loss), and those
+        # whose loss was non-finite
+        self.overflow = _runs_new()
+        self.loss_nonfinite = _runs_new()
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         step = row.get("step")
@@ -444,6 +450,11 @@ class OffendersSection(Section):
             return
         step = int(step)
         if table == "steps":
+            loss_bad = bool(row.get("loss_nonfinite"))
+            if loss_bad:
+                _runs_add(self.loss_nonfinite, step)
+            if loss_bad or (row.get("found_inf") or 0) > 0 or row.get("skipped"):
+                _runs_add(self.overflow, step)
             bad = row.get("input_nonfinite")
             if bad is None:
                 return
@@ -475,7 +486,16 @@ class OffendersSection(Section):
                 k["modules_more"] = True
 
     def to_json(self) -> dict[str, Any]:
-        return json.loads(json.dumps({"kinds": self.kinds, "inputs": self.inputs}))
+        return json.loads(
+            json.dumps(
+                {
+                    "kinds": self.kinds,
+                    "inputs": self.inputs,
+                    "overflow": self.overflow,
+                    "loss_nonfinite": self.loss_nonfinite,
+                }
+            )
+        )
 
     @classmethod
     def merge(cls, first: Mapping[str, Any], second: Mapping[str, Any]) -> dict[str, Any]:
@@ -503,4 +523,6 @@ class OffendersSection(Section):
         ai["checked"] += bi["checked"]
         ai["runs"] = _runs_merge(ai["runs"], bi["runs"])
         ai["first_counts"] = (ai["first_counts"] + bi["first_counts"])[:MAX_INPUT_COUNTS]
+        for name in ("overflow", "loss_nonfinite"):
+            out[name] = _runs_merge(out[name], second[name])
         return out
