@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
+from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
 
 __all__ = [
     "FP16_MAX",
@@ -629,6 +630,12 @@ def offenders_section(run: Run, rank: int) -> dict[str, Any]:
     """The ``offenders`` summary section of ``rank`` (an empty one when it has none)."""
     empty = {"kinds": {}, "inputs": {"count": 0, "runs": {"runs": []}, "checked": 0}}
     return run.summaries().get(rank, {}).get("offenders") or empty
+
+
+def last_linear_half(state: dict[str, Any]) -> set[str]:
+    """The modules that were the last Linear of a sampled step's forward with a half output
+    there (a ``numerics`` section's ``last_linear``)."""
+    return _last_linear_half(state)
 
 
 def has_numerics(run: Run) -> bool:

@@ -20,6 +20,7 @@ from amprobe.analysis.numerics import (
     first_overflow_step,
     gradient_underflow_layers,
     has_numerics,
+    last_linear_half,
     last_linears,
     loss_nonfinite_before,
     module_role,
@@ -33,7 +34,6 @@ from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import (
     HALF_DTYPES,
     autocast_dtypes,
-    per_rank,
     scaler_steps,
     step_ranges,
     steps_list,
@@ -50,6 +50,11 @@ _CAST_RANGE = {
     "float16": ("fp16", 65520.0),
     "bfloat16": ("bf16", float.fromhex("0x1.ffp127")),
 }
+
+
+def _run_steps(runs: dict[str, Any]) -> set[int]:
+    """The steps of a summary section's step runs (the kept runs)."""
+    return {s for a, b in runs["runs"] for s in range(int(a), int(b) + 1)}
 
 
 def _cast_dtype(run: Run, offender_dtype: Any) -> str | None:
@@ -474,63 +479,46 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     now and then is dynamic loss scaling working, not instability.
     """
     run = ctx.run
-    numerics = run.table("numerics")
-    steps = run.steps
     min_cuts = ctx.thresholds["min_scale_cuts"]
-    for rank, frame in per_rank(numerics):
-        srows = steps[steps["rank"] == rank] if len(steps) else steps
+    for rank in sorted(run.summaries()):
+        section = numerics_section(run, rank)
+        if not section["rows"]:
+            continue
+        scaling = offenders_section(run, rank).get("scaling")
         signals: dict[str, Any] = {}
         absorbed: set[int] = set()  # steps whose update the scaler skipped
-        if len(srows):
-            judged = ~srows["step"].isin(calibration_steps(run, rank))
-            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).astype(bool)
-            if int((cuts & judged).sum()) >= min_cuts:
-                signals["scale_cut_count"] = int((cuts & judged).sum())
-            skipped = srows["skipped"].fillna(False).astype(bool)
-            absorbed = {int(s) for s in srows.loc[skipped, "step"]}
-            if int((skipped & judged).sum()) >= min_cuts:
-                signals["skipped_count"] = int(skipped.sum())
-            if "loss_nonfinite" in srows:
-                bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped
-                if bad.any():
-                    signals["nonfinite_loss_count"] = int(bad.sum())
-        step = frame["step"].tolist()
-        module = frame["module"].tolist()
-        hit = ((frame["nan"] + frame["inf"]) > 0).tolist()
+        if scaling is not None:
+            calibration = set(calibration_steps(run, rank))
+            cut_steps = _run_steps(scaling["cuts"])
+            cuts = scaling["cut_count"] - len(cut_steps & calibration)
+            if cuts >= min_cuts:
+                signals["scale_cut_count"] = cuts
+            absorbed = _run_steps(scaling["skipped"])
+            if scaling["skipped_count"] - len(absorbed & calibration) >= min_cuts:
+                signals["skipped_count"] = scaling["skipped_count"]
+            if scaling["loss_nonfinite_kept"]:
+                signals["nonfinite_loss_count"] = scaling["loss_nonfinite_kept"]
         nonfinite = [
-            m for m, s, h in zip(module, step, hit, strict=True) if h and s not in absorbed
+            str(layer["module"])
+            for layer in section["layers"]
+            if _run_steps(layer["nonfinite_runs"]) - absorbed
         ]
         if nonfinite:
             signals["nonfinite_layers"] = sorted(set(nonfinite))[:10]
         if not signals:
             continue
-        last = last_linears(frame)
+        last = last_linear_half(section["last_linear"])
         # the half-precision forward outputs per (module, type), in order of first appearance
-        groups: dict[tuple[Any, Any], dict[str, Any]] = {}
-        rows = zip(
-            module,
-            frame["module_type"].tolist(),
-            frame["kind"].tolist(),
-            frame["dtype"].tolist(),
-            step,
-            strict=True,
-        )
-        for name, mtype, kind, dtype, at in rows:
-            if kind != "output" or dtype not in HALF_DTYPES or pd.isna(name) or pd.isna(mtype):
-                continue  # (a missing key: in no group, as a groupby drops it)
-            groups.setdefault((name, mtype), {"dtype": dtype, "steps": []})["steps"].append(at)
         layers = []
-        for (name, mtype), group in groups.items():
-            is_last = any((int(s), str(name)) in last for s in group["steps"])
-            role = module_role(mtype, is_last)
+        for layer in section["layers"]:
+            half = [d for d in layer["dtypes"] if d in HALF_DTYPES]
+            name, mtype = layer["module"], layer["module_type"]
+            if layer["kind"] != "output" or not half or name is None or mtype is None:
+                continue
+            role = module_role(mtype, str(name) in last)
             if role in ("embedding", "output projection", "normalization"):
                 layers.append(
-                    {
-                        "module": name,
-                        "module_type": mtype,
-                        "role": role,
-                        "dtype": str(group["dtype"]),
-                    }
+                    {"module": name, "module_type": mtype, "role": role, "dtype": str(half[0])}
                 )
         if not layers:
             continue

@@ -222,6 +222,10 @@ class NumericsSection(Section):
         self.outputs: dict[str, Any] = {}  # module -> min output order, by first appearance
         self.grad_scale: list[Any] | None = None  # [step, loss scale] of the last scaled grad row
         self.rows = 0
+        # the last Linear of each step's forward (execution order, missing orders last): the
+        # modules that were, with a half output there, and the candidates of the chunk's first
+        # and last steps, which a neighbouring chunk may continue
+        self.last_linear: dict[str, Any] = {"half": [], "edges": []}
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         module, kind, step = row.get("module"), row.get("kind"), row.get("step")
@@ -246,6 +250,11 @@ class NumericsSection(Section):
                 self.outputs[module] = int(order)
             elif module not in self.outputs:
                 self.outputs[module] = None
+        if kind == "output" and isinstance(mtype, str) and "Linear" in mtype:
+            _last_linear_add(
+                self.last_linear,
+                [step, order is None, 0 if order is None else order, module, dtype in _HALF],
+            )
         counts, missing = layer["counts"], layer["missing"]
         for c in COUNTS:
             v = row.get(c)
@@ -337,6 +346,7 @@ class NumericsSection(Section):
             "layers": layers,
             "outputs": [[m, o] for m, o in self.outputs.items()],
             "grad_scale": self.grad_scale,
+            "last_linear": json.loads(json.dumps(self.last_linear)),
         }
 
     @classmethod
@@ -355,12 +365,46 @@ class NumericsSection(Section):
                 outputs[m] = o
         g1, g2 = first.get("grad_scale"), second.get("grad_scale")
         grad = g2 if g2 is not None and (g1 is None or g2[0] >= g1[0]) else g1
+        last_linear = json.loads(json.dumps(first["last_linear"]))
+        for cand in second["last_linear"]["edges"]:
+            _last_linear_add(last_linear, list(cand))
+        for m in second["last_linear"]["half"]:
+            if m not in last_linear["half"]:
+                last_linear["half"].append(m)
+        last_linear["half"].sort()
         return {
             "rows": first["rows"] + second["rows"],
             "layers": list(layers.values()),
             "outputs": [[m, o] for m, o in outputs.items()],
             "grad_scale": grad,
+            "last_linear": last_linear,
         }
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def _last_linear_add(state: dict[str, Any], cand: list[Any]) -> None:
+    """Add a Linear output ``[step, order missing, order, module, half]`` (in file order): it
+    replaces its step's candidate when it comes later in execution order (ties: the later
+    row); a new step settles the previous last step's candidate unless that is the chunk's
+    first step."""
+    edges = state["edges"]
+    if edges and edges[-1][0] == cand[0]:
+        if (cand[1], cand[2]) >= (edges[-1][1], edges[-1][2]):
+            edges[-1] = cand
+        return
+    if len(edges) == 2:
+        settled = edges.pop()
+        if settled[4] and settled[3] not in state["half"]:
+            state["half"].append(settled[3])
+            state["half"].sort()
+    edges.append(cand)
+
+
+def last_linear_half(state: dict[str, Any]) -> set[str]:
+    """The modules that were the last Linear of a step's forward with a half output there."""
+    return {str(m) for m in state["half"]} | {str(c[3]) for c in state["edges"] if c[4]}
 
 
 def _merge_layer(a: dict[str, Any], b: Mapping[str, Any]) -> None:
@@ -443,6 +487,15 @@ class OffendersSection(Section):
         # whose loss was non-finite
         self.overflow = _runs_new()
         self.loss_nonfinite = _runs_new()
+        # loss-scale cuts (scale_after < scale_before) and skipped updates as runs and counts,
+        # and the non-finite losses of steps whose update was not skipped (AMP-N16)
+        self.scaling: dict[str, Any] = {
+            "cuts": _runs_new(),
+            "cut_count": 0,
+            "skipped": _runs_new(),
+            "skipped_count": 0,
+            "loss_nonfinite_kept": 0,
+        }
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         step = row.get("step")
@@ -453,8 +506,19 @@ class OffendersSection(Section):
             loss_bad = bool(row.get("loss_nonfinite"))
             if loss_bad:
                 _runs_add(self.loss_nonfinite, step)
-            if loss_bad or (row.get("found_inf") or 0) > 0 or row.get("skipped"):
+            skipped = bool(row.get("skipped"))
+            if loss_bad or (row.get("found_inf") or 0) > 0 or skipped:
                 _runs_add(self.overflow, step)
+                sc = self.scaling
+                if skipped:
+                    _runs_add(sc["skipped"], step)
+                    sc["skipped_count"] += 1
+                elif loss_bad:
+                    sc["loss_nonfinite_kept"] += 1
+            before, after = row.get("scale_before"), row.get("scale_after")
+            if before is not None and after is not None and after < before:
+                _runs_add(self.scaling["cuts"], step)
+                self.scaling["cut_count"] += 1
             bad = row.get("input_nonfinite")
             if bad is None:
                 return
@@ -493,6 +557,7 @@ class OffendersSection(Section):
                     "inputs": self.inputs,
                     "overflow": self.overflow,
                     "loss_nonfinite": self.loss_nonfinite,
+                    "scaling": self.scaling,
                 }
             )
         )
@@ -525,4 +590,9 @@ class OffendersSection(Section):
         ai["first_counts"] = (ai["first_counts"] + bi["first_counts"])[:MAX_INPUT_COUNTS]
         for name in ("overflow", "loss_nonfinite"):
             out[name] = _runs_merge(out[name], second[name])
+        a_sc, b_sc = out["scaling"], second["scaling"]
+        for name in ("cuts", "skipped"):
+            a_sc[name] = _runs_merge(a_sc[name], b_sc[name])
+        for name in ("cut_count", "skipped_count", "loss_nonfinite_kept"):
+            a_sc[name] += b_sc[name]
         return out
