@@ -68,3 +68,19 @@ def test_whatif_from_summaries_equals_the_rows(name: str) -> None:
     summed = compute_whatif_summaries(run.summaries())
     assert len(rows) and rows["judged"].any()
     pd.testing.assert_frame_equal(rows.reset_index(drop=True), summed.reset_index(drop=True))
+
+
+def test_capped_step_runs_merge_to_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    from amprobe.store.sections import numerics as sec
+
+    monkeypatch.setattr(sec, "MAX_RUNS", 3)
+    steps = [1, 2, 3, 5, 6, 9, 11, 12, 13, 20, 21]
+    data = [("steps", {"step": s, "input_nonfinite": 1, "skipped": s % 2 == 0}) for s in steps]
+    whole = _section(OffendersSection, data)
+    assert whole["inputs"]["runs"]["runs"] == [[1, 3], [5, 6], [9, 9]]
+    assert whole["inputs"]["runs"]["left_out"] == 2 and whole["inputs"]["count"] == len(steps)
+    for cut in range(1, len(data)):
+        merged = OffendersSection.merge(
+            _section(OffendersSection, data[:cut]), _section(OffendersSection, data[cut:])
+        )
+        assert merged == whole, cut
