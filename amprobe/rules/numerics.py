@@ -129,6 +129,8 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
 
     The always-on check counts non-finite elements in the root models' floating inputs on
     every step. Input rows of the ``numerics`` table (sampled steps) name the argument.
+    Read from the ``offenders`` summary section: the steps as runs (the first
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS`), their count, the first 20 counts.
     """
     run = ctx.run
     for rank in sorted(run.summaries()):
@@ -181,6 +183,9 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     names the module; the first step that overflowed since the previous sampled step
     (:func:`~amprobe.analysis.numerics.first_overflow_step`, usually the step before: an
     overflow arms the capture) is ``first_overflow_step``, and the title gives both.
+
+    The ranks with forward offenders come from the ``offenders`` summary section; the detail
+    of each from its own ``offenders`` and ``numerics`` files (:meth:`Run.rank_table`).
     """
     run = ctx.run
     for rank in sorted(run.summaries()):
@@ -379,6 +384,11 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     title says which of the two it measured for the worst layer, at the recorded loss scale
     and, by the same measure, at the hint of
     :func:`~amprobe.analysis.numerics.compute_scale_hint`.
+
+    Read from each rank's ``numerics`` summary section
+    (:func:`~amprobe.analysis.numerics.gradient_underflow_layers`): the same counts as the
+    rows give; a layer's listed sampled steps come from step runs kept up to
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS` per loss scale.
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
@@ -477,6 +487,10 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     (:func:`~amprobe.analysis.scaler.compute_calibration`), or a non-finite loss or non-finite values
     in a recorded layer on a step the GradScaler did not skip. An overflow the scaler absorbed
     now and then is dynamic loss scaling working, not instability.
+
+    Read from the ``numerics`` and ``offenders`` summary sections (the skipped steps and a
+    layer's non-finite steps as runs, exact up to
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs each).
     """
     run = ctx.run
     min_cuts = ctx.thresholds["min_scale_cuts"]
