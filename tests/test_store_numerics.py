@@ -84,3 +84,10 @@ def test_capped_step_runs_merge_to_the_whole(monkeypatch: pytest.MonkeyPatch) ->
             _section(OffendersSection, data[:cut]), _section(OffendersSection, data[cut:])
         )
         assert merged == whole, cut
+
+
+def test_listed_runs_cover_the_evidence_lists() -> None:
+    from amprobe.analysis.frames import MAX_LISTED_STEPS
+    from amprobe.store.sections.numerics import MAX_LISTED
+
+    assert MAX_LISTED >= MAX_LISTED_STEPS

@@ -661,8 +661,9 @@ def gradient_underflow_layers(
 
     Exact: the lost counts at the rows' own scales are summed in the section per loss scale,
     and the counts at the hint, linear in the histograms, come from the histograms summed per
-    dtype. A layer's listed steps come from the section's step runs (the first
-    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs per loss scale).
+    dtype. A layer's listed steps come from the section's first
+    :data:`~amprobe.store.sections.numerics.MAX_LISTED` runs of its sampled steps per measure:
+    they hold the first 20 steps and runs the evidence lists.
 
     Returns:
         ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
@@ -724,7 +725,7 @@ def gradient_underflow_layers(
             key = (layer["module"], layer["kind"], measure)
             fact = facts.setdefault(key, {"dtype": np.nan, "scales": set(), "steps": set()})
             fact["scales"].add(float(group["scale"]))
-            for a, b in group["runs"]["runs"]:
+            for a, b in layer["grad_steps"].get(measure, {}).get("runs", []):
                 fact["steps"].update(range(int(a), int(b) + 1))
         if hint is not None:
             for key, group in layer["hist"].items():

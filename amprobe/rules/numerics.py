@@ -387,8 +387,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
 
     Read from each rank's ``numerics`` summary section
     (:func:`~amprobe.analysis.numerics.gradient_underflow_layers`): the same counts as the
-    rows give; a layer's listed sampled steps come from step runs kept up to
-    :data:`~amprobe.store.sections.numerics.MAX_RUNS` per loss scale.
+    rows give, the listed sampled steps included (the section keeps the first 20 runs).
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):

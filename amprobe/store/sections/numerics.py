@@ -6,17 +6,18 @@ the per-layer totals, the gradient underflow (AMP-N06) and the what-if table exa
 - counts summed over the rows (:data:`COUNTS`), ``amax`` max, the dtypes seen, the first
   recorded ``module_type``, the first output ``order``;
 - the sampled steps: how many (distinct consecutive step numbers: a repeated row of the same
-  step counts once when it follows its step, a row out of step order counts again), first,
-  last and their runs (capped at :data:`MAX_RUNS`, ``runs_left_out`` counts the rest); the
-  steps holding NaN/inf as runs (same cap);
+  step counts once when it follows its step, a row out of step order counts again), first
+  and last; the steps holding NaN/inf as runs (the first :data:`MAX_RUNS`, ``left_out``
+  counts the rest); a gradient layer's sampled steps per measure as runs (the first
+  :data:`MAX_LISTED`: what its evidence lists);
 - ``hist``: per (dtype, amax class) the nonzero finite exponent histograms summed (zeros
   taken out of bin -127, inf/NaN left out, the lump below 2**-133 keyed -134, the top binade
   of its range) with the row count. The amax class (:func:`amax_class`) holds every row whose
   ``amax`` a per-tensor scale and an overflow check of the what-if formats treat alike, so the
   what-if classification of the summed histogram equals the sum of the rows' classifications;
 - ``scale``: per (dtype, loss scale) of gradient rows: nonzero values (elements - zeros - nan
-  - inf), the values lost at the row's own scale (fp16-held: binades wholly below 2**-14 once
-  scaled; wider: ``underflow_at_scale``) and the loss scales seen per measure with their steps.
+  - inf) and the values lost at the row's own scale (fp16-held: binades wholly below 2**-14
+  once scaled; wider: ``underflow_at_scale``).
 
 A repeated row (same step, module and kind) is counted twice, as the loader's frame would
 count it if it held it twice.
@@ -66,6 +67,9 @@ COUNTS = (
 )
 #: step runs kept per list (the first ones); the rest is counted
 MAX_RUNS = 256
+#: runs kept of a gradient layer's sampled steps: the evidence lists the first 20 steps and
+#: runs (``amprobe.analysis.frames.MAX_LISTED_STEPS``), and the first 20 runs hold them
+MAX_LISTED = 20
 #: modules kept per offender kind
 MAX_MODULES = 64
 
@@ -145,7 +149,7 @@ def _runs_new() -> dict[str, Any]:
     return {"runs": [], "left_out": 0, "last": None}
 
 
-def _runs_add(r: dict[str, Any], step: int) -> None:
+def _runs_add(r: dict[str, Any], step: int, cap: int = 0) -> None:
     """Add a step, in file order: a step equal to the last one added is ignored, the next
     step number extends the last run, any other starts a run (counted in ``left_out`` once
     :data:`MAX_RUNS` are kept)."""
@@ -157,17 +161,17 @@ def _runs_add(r: dict[str, Any], step: int) -> None:
         if not r["left_out"]:
             r["runs"][-1][1] = step
         return
-    if len(r["runs"]) < MAX_RUNS:
+    if len(r["runs"]) < (cap or MAX_RUNS):
         r["runs"].append([step, step])
     else:
         r["left_out"] += 1
 
 
-def _runs_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+def _runs_merge(a: Mapping[str, Any], b: Mapping[str, Any], cap: int = 0) -> dict[str, Any]:
     """The runs of ``a``'s steps followed by ``b``'s."""
     out = {"runs": [list(x) for x in a["runs"]], "left_out": a["left_out"], "last": a["last"]}
     for first, last in b["runs"]:
-        _runs_add(out, first)
+        _runs_add(out, first, cap)
         if last != first:
             if not out["left_out"]:
                 out["runs"][-1][1] = last
@@ -192,13 +196,15 @@ def _layer_new(module_type: Any) -> dict[str, Any]:
         "dtypes": [],
         "order": None,
         "counts": dict.fromkeys(COUNTS, 0),
-        "missing": dict.fromkeys(COUNTS, 0),
+        "missing": {},  # count column -> rows without it (only those with some)
         "amax": None,
         "rows": 0,
         "steps": 0,
         "first_step": None,
         "last_step": None,
-        "step_runs": _runs_new(),
+        "file_first": None,  # the first and last step in file order (to count steps)
+        "file_last": None,
+        "grad_steps": {},  # gradient measure -> its sampled steps' first MAX_LISTED runs
         "nonfinite_runs": _runs_new(),
         "last": None,  # [step, amax, top exponent] of the last row in step order
         "hist": {},  # "dtype|amax class" -> {"rows": n, "bins": {exp: count}}
@@ -259,19 +265,21 @@ class NumericsSection(Section):
         for c in COUNTS:
             v = row.get(c)
             if v is None:
-                missing[c] += 1
+                missing[c] = missing.get(c, 0) + 1
             else:
                 counts[c] += int(v)
         amax = _num(row.get("amax"))
         if amax is not None and (layer["amax"] is None or amax > layer["amax"]):
             layer["amax"] = amax
         layer["rows"] += 1
-        if layer["step_runs"]["last"] != step:
+        if layer["file_last"] != step:
             layer["steps"] += 1
+        if layer["file_first"] is None:
+            layer["file_first"] = step
+        layer["file_last"] = step
         if layer["first_step"] is None or step < layer["first_step"]:
             layer["first_step"] = step
         layer["last_step"] = step if layer["last_step"] is None else max(step, layer["last_step"])
-        _runs_add(layer["step_runs"], step)
         if (row.get("nan") or 0) + (row.get("inf") or 0) > 0:
             _runs_add(layer["nonfinite_runs"], step)
         zeros = row.get("zeros") or 0
@@ -304,11 +312,13 @@ class NumericsSection(Section):
         fp16 = dtype == "float16"
         s = layer["scale"].setdefault(
             f"{dtype}|{own!r}",
-            {"dtype": dtype, "scale": own, "nonzero": 0, "lost": 0, "damaged": None, "runs": None},
+            {"dtype": dtype, "scale": own, "nonzero": 0, "lost": 0, "damaged": None},
         )
-        if s["runs"] is None:
-            s["runs"] = _runs_new()
-        _runs_add(s["runs"], step)
+        measure = "subnormal" if fp16 else "flushed"
+        runs = layer["grad_steps"].get(measure)
+        if runs is None:
+            runs = layer["grad_steps"][measure] = _runs_new()
+        _runs_add(runs, step, MAX_LISTED)
         if nz is None:
             if s["damaged"] is None:
                 s["damaged"] = step
@@ -413,11 +423,12 @@ def _merge_layer(a: dict[str, Any], b: Mapping[str, Any]) -> None:
     a["dtypes"] = _union(a["dtypes"], b["dtypes"])
     for c in COUNTS:
         a["counts"][c] += b["counts"][c]
-        a["missing"][c] += b["missing"][c]
+        if c in b["missing"]:
+            a["missing"][c] = a["missing"].get(c, 0) + b["missing"][c]
     if b["amax"] is not None and (a["amax"] is None or b["amax"] > a["amax"]):
         a["amax"] = b["amax"]
     a["rows"] += b["rows"]
-    joined = a["step_runs"]["last"] is not None and a["step_runs"]["last"] == _first_in_order(b)
+    joined = a["file_last"] is not None and a["file_last"] == b["file_first"]
     a["steps"] += b["steps"] - (1 if joined else 0)
     if b["first_step"] is not None:
         a["first_step"] = (
@@ -426,7 +437,14 @@ def _merge_layer(a: dict[str, Any], b: Mapping[str, Any]) -> None:
         a["last_step"] = (
             b["last_step"] if a["last_step"] is None else max(a["last_step"], b["last_step"])
         )
-    a["step_runs"] = _runs_merge(a["step_runs"], b["step_runs"])
+    if b["file_last"] is not None:
+        a["file_first"] = a["file_first"] if a["file_first"] is not None else b["file_first"]
+        a["file_last"] = b["file_last"]
+    for measure, runs in b["grad_steps"].items():
+        mine_runs = a["grad_steps"].get(measure)
+        a["grad_steps"][measure] = (
+            runs if mine_runs is None else _runs_merge(mine_runs, runs, MAX_LISTED)
+        )
     a["nonfinite_runs"] = _runs_merge(a["nonfinite_runs"], b["nonfinite_runs"])
     if b["last"] is not None and (a["last"] is None or b["last"][0] >= a["last"][0]):
         a["last"] = b["last"]
@@ -449,13 +467,6 @@ def _merge_layer(a: dict[str, Any], b: Mapping[str, Any]) -> None:
         mine["lost"] += s["lost"]
         if mine["damaged"] is None:
             mine["damaged"] = s["damaged"]
-        mine["runs"] = _runs_merge(mine["runs"], s["runs"])
-
-
-def _first_in_order(layer: Mapping[str, Any]) -> int | None:
-    """The first step a chunk's layer saw in file order (its first run's start)."""
-    runs = layer["step_runs"]["runs"]
-    return runs[0][0] if runs else None
 
 
 # -- offenders ----------------------------------------------------------------------------------
