@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from amprobe.store import schema
+from amprobe.store import sections as _sections  # noqa: F401  (registers the summary sections)
 from amprobe.store.loader import RankInfo, Run
+from amprobe.store.summary import summarize_tables
 
 __all__ = [
     "amprobe_cli",
@@ -205,7 +207,7 @@ def fake_run(
     built = {"steps": _frame("steps", steps), "events": _frame("events", event_rows)}
     for name, rows in (tables or {}).items():
         built[name] = _frame(name, rows)
-    return Run(
+    run = Run(
         path=Path("/nonexistent"),
         manifest={},
         ranks=infos,
@@ -213,6 +215,33 @@ def fake_run(
         warnings=[],
         _tables=built,
     )
+    # no record files: each rank's summary is made from the frames held in memory
+    run.cached(
+        "summaries",
+        lambda _: {r: summarize_tables(_rank_rows(built, r)) for r in [i.rank for i in infos]},
+    )
+    return run
+
+
+def _rank_rows(built: Mapping[str, pd.DataFrame], rank: int) -> Any:
+    """``read(table)`` for :func:`summarize_tables`: one rank's rows of in-memory frames as
+    plain dicts (missing values None, numpy scalars as Python ones)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (list, dict, str)):
+            return value
+        if value is None or pd.isna(value):
+            return None
+        return value.item() if hasattr(value, "item") else value
+
+    def read(table: str) -> list[dict[str, Any]]:
+        frame = built.get(table)
+        if frame is None or frame.empty:
+            return []
+        part = frame[frame["rank"] == rank] if "rank" in frame else frame
+        return [{k: plain(v) for k, v in row.items()} for row in part.to_dict("records")]
+
+    return read
 
 
 class TinyNet(nn.Module):

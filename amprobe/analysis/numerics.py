@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
+from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
 
 __all__ = [
     "FP16_MAX",
@@ -449,11 +450,9 @@ def nonfinite_input_steps(run: Run, rank: int) -> set[int]:
 
 
 def _nonfinite_inputs(run: Run, rank: int) -> frozenset[int]:
-    steps = run.steps
-    if steps.empty or "input_nonfinite" not in steps:
-        return frozenset()
-    bad = (steps["rank"].to_numpy() == rank) & (steps["input_nonfinite"].fillna(0).to_numpy() > 0)
-    return frozenset(int(s) for s in steps["step"].to_numpy()[bad].tolist())
+    """From the ``offenders`` summary section: every such step while the runs were not capped
+    (more than :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs keep the first ones)."""
+    return frozenset(s for a, b in nonfinite_input_runs(run, rank) for s in range(a, b + 1))
 
 
 def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
@@ -465,29 +464,36 @@ def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
     a full capture from the next step, so the module that overflowed is seen one step or more
     after the first overflow. Steps with a non-finite model input (AMP-N04's) are left out.
     ``None`` when no such step overflowed.
+
+    From the ``offenders`` summary section's overflow step runs (exact while they were not
+    capped: the first :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs are kept) and
+    ``rank``'s own numerics file (:meth:`Run.rank_table`: the rules name one rank).
     """
-    steps = run.steps
-    if steps.empty:
+    runs = offenders_section(run, rank).get("overflow", {}).get("runs", [])
+    if not runs:
         return None
-    numerics = run.table("numerics")
+    numerics = run.rank_table("numerics", rank)
     since = -1
     if not numerics.empty:
         recorded = numerics["step"].to_numpy()
         earlier = recorded[(numerics["rank"].to_numpy() == rank) & (recorded < captured_step)]
         since = int(earlier.max()) if len(earlier) else -1
-    step = steps["step"].to_numpy()
-    window = np.flatnonzero(
-        (steps["rank"].to_numpy() == rank) & (step > since) & (step <= captured_step)
-    )
-    overflowed = np.zeros(len(window), dtype=bool)
-    for column in ("found_inf", "skipped", "loss_nonfinite"):
-        if column in steps:
-            values = steps[column].iloc[window]
-            flags = values.fillna(0) > 0 if column == "found_inf" else values.fillna(False)
-            overflowed |= flags.astype(bool).to_numpy()
     excluded = nonfinite_input_steps(run, rank)
-    found = [s for s in step[window][overflowed].tolist() if s not in excluded]
-    return int(min(found)) if found else None
+    found = [
+        s
+        for first, last in runs
+        for s in range(max(int(first), since + 1), min(int(last), captured_step) + 1)
+        if s not in excluded
+    ]
+    return min(found) if found else None
+
+
+def loss_nonfinite_before(run: Run, rank: int, step: int) -> int | None:
+    """The last step of ``rank`` before ``step`` whose loss was non-finite (from the
+    ``offenders`` summary section's runs), or ``None``."""
+    runs = offenders_section(run, rank).get("loss_nonfinite", {}).get("runs", [])
+    before = [min(int(last), step - 1) for first, last in runs if int(first) < step]
+    return max(before) if before else None
 
 
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
@@ -502,20 +508,18 @@ def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
 
 
 def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
-    """First forward / backward offenders of ``rank`` as evidence fields (empty if not recorded)."""
-    offenders = run.table("offenders")
-    if offenders.empty:
-        return {}
-    part = offenders[offenders["rank"] == rank].sort_values("step")
-    kinds = part["kind"].tolist()
+    """First forward / backward / input offenders of ``rank`` as evidence fields (empty if not
+    recorded), from the ``offenders`` summary section: per kind the offender of the smallest
+    step (the first in the file among offenders of one kind at one step)."""
+    kinds = offenders_section(run, rank)["kinds"]
     out: dict[str, Any] = {}
     for kind in ("forward", "backward", "input"):
-        if kind in kinds:
-            first = kinds.index(kind)
+        first = (kinds.get(kind) or {}).get("first")
+        if first is not None:
             out[f"first_{kind}_offender"] = {
-                "module": part["module"].iloc[first],
-                "module_type": part["module_type"].iloc[first],
-                "step": int(part["step"].iloc[first]),
+                "module": first["module"],
+                "module_type": first["module_type"],
+                "step": int(first["step"]),
             }
     return out
 
@@ -543,9 +547,10 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     execution order); ``propagated_layer_count`` counts the (layer, kind) pairs that were
     non-finite only downstream of an overflow.
 
-    Returns an empty dict when per-layer numerics were not recorded.
+    Returns an empty dict when per-layer numerics were not recorded. Reads the rank's own
+    numerics file (:meth:`Run.rank_table`): AMP-N11 names one rank.
     """
-    numerics = run.table("numerics")
+    numerics = run.rank_table("numerics", rank)
     if numerics.empty:
         return {}
     # the columns as arrays, the rank's rows picked once (frame operations per mask cost more
@@ -613,3 +618,137 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
         "propagated_layer_count": len(propagated),
         **offender_evidence(run, rank),
     }
+
+
+# -- from the per-rank summaries (amprobe.store.sections.numerics) -------------------------------
+def numerics_section(run: Run, rank: int) -> dict[str, Any]:
+    """The ``numerics`` summary section of ``rank`` (an empty one when it has none)."""
+    return run.summaries().get(rank, {}).get("numerics") or {"rows": 0, "layers": []}
+
+
+def offenders_section(run: Run, rank: int) -> dict[str, Any]:
+    """The ``offenders`` summary section of ``rank`` (an empty one when it has none)."""
+    empty = {"kinds": {}, "inputs": {"count": 0, "runs": {"runs": []}, "checked": 0}}
+    return run.summaries().get(rank, {}).get("offenders") or empty
+
+
+def last_linear_half(state: dict[str, Any]) -> set[str]:
+    """The modules that were the last Linear of a sampled step's forward with a half output
+    there (a ``numerics`` section's ``last_linear``)."""
+    return _last_linear_half(state)
+
+
+def has_numerics(run: Run) -> bool:
+    """Whether any rank recorded a numerics row."""
+    return any(numerics_section(run, r.rank)["rows"] for r in run.ranks)
+
+
+def _measure(dtype: Any) -> str:
+    return "subnormal" if dtype == "float16" else "flushed"
+
+
+def _group_dtype(key: str) -> str | None:
+    """The dtype part of a histogram or scale group's key (None when it was missing)."""
+    dtype = key.split("|", 1)[0]
+    return None if dtype == "None" else dtype
+
+
+def gradient_underflow_layers(
+    section: dict[str, Any], margin: float = 8.0
+) -> tuple[pd.DataFrame, dict[str, Any] | None, dict[Any, dict[str, Any]]]:
+    """:func:`compute_gradient_underflow` summed per (module, kind, measure), from a rank's
+    ``numerics`` summary section (AMP-N06).
+
+    Exact: the lost counts at the rows' own scales are summed in the section per loss scale,
+    and the counts at the hint, linear in the histograms, come from the histograms summed per
+    dtype. A layer's listed steps come from the section's first
+    :data:`~amprobe.store.sections.numerics.MAX_LISTED` runs of its sampled steps per measure:
+    they hold the first 20 steps and runs the evidence lists.
+
+    Returns:
+        ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
+        first appearance with ``lost``, ``lost_at_hint`` and ``nonzero``; the
+        :func:`compute_scale_hint` dict or ``None``; per index the first ``dtype``, the loss
+        ``scales`` and the sampled ``steps``. An empty frame when no gradient was recorded.
+    """
+    grads = [x for x in section.get("layers", []) if x["kind"] in GRAD_KINDS]
+    columns = ["lost", "lost_at_hint", "nonzero"]
+    if not grads:
+        return pd.DataFrame(columns=columns), None, {}
+    for layer in grads:
+        for group in layer["scale"].values():
+            if group["damaged"] is not None:
+                raise ValueError(
+                    f"a damaged gradient row (module {layer['module']}, step "
+                    f"{group['damaged']}): {_COUNTS_READ} missing"
+                )
+    # the scale hint: the largest finite amax, the last recorded scale, wide histograms
+    peak = None
+    merged: dict[int, int] = {}
+    for layer in grads:
+        for key, group in layer["hist"].items():
+            cls = key.split("|")[1]
+            if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
+                peak = group["amax"] if peak is None else max(peak, group["amax"])
+            if _group_dtype(key) != "float16":
+                for e, n in group["bins"].items():
+                    merged[int(e)] = merged.get(int(e), 0) + n
+    hint: dict[str, Any] | None = None
+    if peak is not None:
+        hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+        last = section.get("grad_scale")
+        total = sum(merged.values())
+
+        def share(scale: float) -> float | None:
+            return round(_below(merged, -25, scale) / total, 6) if total else None
+
+        current = float(last[1]) if last else 1.0
+        hint = {
+            "grad_amax": float(peak),
+            "margin": margin,
+            "hint_scale": hint_scale,
+            "current_scale": current,
+            "current_step": int(last[0]) if last else None,
+            "underflow_share_at_current": share(current),
+            "underflow_share_at_hint": share(hint_scale),
+        }
+    index: list[tuple[Any, Any, str]] = []
+    rows: list[list[float]] = []
+    facts: dict[Any, dict[str, Any]] = {}
+    for layer in grads:
+        by_measure: dict[str, list[float]] = {}
+        for group in layer["scale"].values():
+            measure = _measure(group["dtype"])
+            sums = by_measure.setdefault(measure, [0.0, 0.0, 0.0])
+            sums[0] += group["lost"]
+            sums[2] += group["nonzero"]
+            key = (layer["module"], layer["kind"], measure)
+            fact = facts.setdefault(key, {"dtype": np.nan, "scales": set(), "steps": set()})
+            fact["scales"].add(float(group["scale"]))
+            for a, b in layer["grad_steps"].get(measure, {}).get("runs", []):
+                fact["steps"].update(range(int(a), int(b) + 1))
+        if hint is not None:
+            for key, group in layer["hist"].items():
+                dtype = _group_dtype(key)
+                bound = -14 if dtype == "float16" else -25
+                counts = {int(e): n for e, n in group["bins"].items()}
+                if _measure(dtype) in by_measure:
+                    by_measure[_measure(dtype)][1] += _below(counts, bound, hint["hint_scale"])
+        else:
+            for sums in by_measure.values():
+                sums[1] = sums[0]
+        for dtype in layer["dtypes"]:
+            found = facts.get((layer["module"], layer["kind"], _measure(dtype)))
+            if found is not None and found["dtype"] is np.nan:
+                found["dtype"] = dtype
+        for measure, sums in by_measure.items():
+            index.append((layer["module"], layer["kind"], measure))
+            rows.append(sums)
+    frame = pd.DataFrame(rows, columns=columns, index=pd.MultiIndex.from_tuples(index))
+    return frame, hint, facts
+
+
+def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:
+    """The runs of steps of ``rank`` whose root-model inputs held inf/NaN (the first
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS`)."""
+    return [list(x) for x in offenders_section(run, rank)["inputs"]["runs"]["runs"]]

@@ -332,10 +332,15 @@ def _base(frame: pd.DataFrame, counter: _Counter) -> dict[str, Any]:
 
 
 def _classify(
-    counter: _Counter, amax: np.ndarray, top: np.ndarray
+    counter: _Counter, amax: np.ndarray, top: np.ndarray, weight: np.ndarray | None = None
 ) -> Iterable[tuple[FloatFormat, str, dict[str, np.ndarray]]]:
     """Per format and scaling (:data:`FORMATS` x :data:`SCALINGS`, in that order), per row:
-    ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``."""
+    ``scale_exp`` and the counts ``overflow``, ``flush``, ``subnormal``, ``edge``.
+
+    ``weight``: the number of recorded rows each row stands for (summed histograms of rows
+    whose ``amax`` and top binade classify alike, :func:`amprobe.store.sections.numerics.amax_class`):
+    the ``amax`` counted as overflowing counts once per row."""
+    ones = np.ones(len(amax), dtype=np.int64) if weight is None else weight
     for fmt in FORMATS.values():
         t, emin, m = fmt.top_exp, fmt.min_normal_exp, fmt.min_subnormal_exp
         for scaling in SCALINGS:
@@ -353,8 +358,9 @@ def _classify(
             amax_over = (
                 np.isfinite(scaled_amax) & (scaled_amax >= bound) & (top + k == t) & (top_bin > 0)
             )
-            overflow = above + amax_over.astype(np.int64)
-            top_open = np.where(known_fit, 0, top_bin - amax_over.astype(np.int64))
+            over = amax_over.astype(np.int64) * ones
+            overflow = above + over
+            top_open = np.where(known_fit, 0, top_bin - over)
             flush = counter.between(-(10**6), m - 2, k)
             subnormal = counter.between(m - 1, emin - 1, k)
             exact = [(-math.inf, m - 2), (m, emin - 2), (emin, t - 1), (t + 1, math.inf)]
@@ -605,8 +611,156 @@ def not_judged_text(module: Any, steps: Iterable[int]) -> str:
 
 
 def compute_whatif(run: Any) -> pd.DataFrame:
-    """:func:`compute_whatif_frame` of a loaded run's ``numerics`` table, computed once per run."""
-    return run.cached("whatif", lambda r: compute_whatif_frame(r.table("numerics")))  # type: ignore[no-any-return]
+    """The what-if table of a loaded run, from its per-rank summaries
+    (:func:`compute_whatif_summaries`), computed once per run."""
+    return run.cached("whatif", lambda r: compute_whatif_summaries(r.summaries()))  # type: ignore[no-any-return]
+
+
+def _steps_of(runs: dict[str, Any]) -> list[int]:
+    """The steps of a section's step runs (the kept runs: a capped list is cut)."""
+    return [s for a, b in runs["runs"] for s in range(int(a), int(b) + 1)]
+
+
+def summary_layer_order(summaries: dict[int, dict[str, Any]]) -> dict[str, int]:
+    """:func:`layer_order` of the ranks' ``numerics`` sections (ranks in ascending order, as
+    the merged table holds them)."""
+    first: dict[str, float] = {}
+    for rank in sorted(summaries):
+        sec = summaries[rank].get("numerics") or {}
+        for module, order in sec.get("outputs", []):
+            value = np.nan if order is None else float(order)
+            known = first.get(module)
+            first[module] = value if known is None else float(np.fmin(known, value))
+    names = list(first)
+    positions = np.array([first[m] for m in names], dtype=float)
+    order = {names[i]: n for n, i in enumerate(np.argsort(positions, kind="stable"))}
+    for rank in sorted(summaries):
+        sec = summaries[rank].get("numerics") or {}
+        for layer in sec.get("layers", []):
+            if layer["kind"] != "input":
+                order.setdefault(str(layer["module"]), len(order))
+    return order
+
+
+def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame:
+    """:func:`compute_whatif_frame` from the ranks' ``numerics`` summary sections
+    (:mod:`amprobe.store.sections.numerics`): the same frame, built from each layer's
+    histograms summed per (dtype, amax class, top binade) instead of from every sampled row.
+
+    Exact: rows of one amax class and top binade get the same per-tensor scale and the same
+    overflow verdict for ``amax`` in every format, so classifying their summed histogram (the
+    amax counted once per row) sums their classifications. Two bounds: a layer's sampled steps
+    are counted as distinct consecutive step numbers (the rows of a rank's file are in step
+    order), and ``nonfinite_steps`` holds the first
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs of such steps only.
+    """
+    layers: list[tuple[int, dict[str, Any]]] = [
+        (rank, layer)
+        for rank in sorted(summaries)
+        for layer in (summaries[rank].get("numerics") or {}).get("layers", [])
+        if layer["kind"] in KINDS
+    ]
+    if not layers:
+        return pd.DataFrame(columns=WHATIF_COLUMNS)
+    # one pseudo-row per (layer, histogram group)
+    g_layer: list[int] = []
+    g_amax: list[float] = []
+    g_rows: list[int] = []
+    cells: list[tuple[int, int, int]] = []
+    for i, (_, layer) in enumerate(layers):
+        for group in layer["hist"].values():
+            row = len(g_layer)
+            g_layer.append(i)
+            g_amax.append(np.nan if group["amax"] is None else float(group["amax"]))
+            g_rows.append(int(group["rows"]))
+            for e, n in group["bins"].items():
+                cells.append((row, max(int(e) - _E_LO, 0), int(n)))
+    n_layers, n_groups = len(layers), len(g_layer)
+    hist = np.zeros((n_groups, _NBINS), dtype=np.int64)
+    if cells:
+        c = np.array(cells, dtype=np.int64)
+        np.add.at(hist, (c[:, 0], c[:, 1]), c[:, 2])
+    counter = _Counter(hist, np.zeros(n_groups, dtype=np.int64))
+    owner = np.array(g_layer, dtype=np.int64)
+    amax_g = np.array(g_amax, dtype=float)
+    top_g = _top_exp(counter.has)
+    combos = [(fmt.name, scaling) for fmt in FORMATS.values() for scaling in SCALINGS]
+    sums = {name: np.zeros((len(combos), n_layers), dtype=np.int64) for name in _COUNTS}
+    weight = np.array(g_rows, dtype=np.int64)
+    for c_i, (_, _, counts) in enumerate(_classify(counter, amax_g, top_g, weight)):
+        for name in _COUNTS:
+            np.add.at(sums[name][c_i], owner, counts[name])
+    nonzero = np.zeros(n_layers, dtype=np.int64)
+    np.add.at(nonzero, owner, counter.prefix[:, -1])
+    has = counter.prefix[:, -1] > 0
+    min_exp = np.full(n_layers, np.inf)
+    max_exp = np.full(n_layers, -np.inf)
+    np.minimum.at(min_exp, owner[has], _low_exp(counter.has)[has])
+    np.maximum.at(max_exp, owner[has], top_g[has])
+    # the per-tensor scale of each layer's last sampled row
+    last_amax = np.array(
+        [np.nan if (x := layer["last"][1]) is None else float(x) for _, layer in layers]
+    )
+    last_top = np.array(
+        [_NONE if (x := layer["last"][2]) is None else int(x) for _, layer in layers],
+        dtype=np.int64,
+    )
+    scale_exp = np.zeros((len(combos), n_layers), dtype=np.int64)
+    for c_i, (fmt_name, scaling) in enumerate(combos):
+        if scaling != "none":
+            scale_exp[c_i] = _scale_exps(last_amax, last_top, FORMATS[fmt_name])
+    counts_of = [layer["counts"] for _, layer in layers]
+    nonfinite = np.array([c["nan"] + c["inf"] for c in counts_of], dtype=np.int64)
+    judged = nonfinite == 0
+    order_of = summary_layer_order(summaries)
+    ranks = np.array([rank for rank, _ in layers], dtype=np.int64)
+    modules = np.array([layer["module"] for _, layer in layers], dtype=object)
+    kinds = np.array([layer["kind"] for _, layer in layers], dtype=object)
+    layer_pos = np.array([order_of.get(str(m), len(order_of)) for m in modules], dtype=np.int64)
+    kind_rank = {k: i for i, k in enumerate(KINDS)}
+    ordered = np.lexsort((np.array([kind_rank[k] for k in kinds]), layer_pos, ranks))
+    each = np.repeat(ordered, len(combos))
+    combo = np.tile(np.arange(len(combos)), n_layers)
+    counts = {name: sums[name][combo, each] for name in _COUNTS}
+    denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
+    unjudged = ~judged[each]
+    dtypes = [
+        ",".join(sorted(layer["dtypes"])) if layer["dtypes"] else np.nan for _, layer in layers
+    ]
+    module_types = np.array([layer["module_type"] for _, layer in layers], dtype=object)
+    amax = np.array([np.nan if layer["amax"] is None else layer["amax"] for _, layer in layers])
+    steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
+    bad_steps = [_steps_of(layer["nonfinite_runs"]) for _, layer in layers]
+    out = pd.DataFrame(
+        {
+            "rank": ranks[each],
+            # (the dtypes pandas infers, as for the table's columns)
+            "module": pd.Series(modules[each].tolist()),
+            "module_type": pd.Series(module_types[each].tolist()),
+            "kind": pd.Series(kinds[each].tolist()),
+            "order": layer_pos[each],
+            "dtype": pd.Series([dtypes[i] for i in each]),
+            "steps": steps[each],
+            "nonzero": nonzero[each],
+            "nonfinite": nonfinite[each],
+            "judged": judged[each],
+            "nonfinite_steps": pd.Series([sorted(bad_steps[i]) for i in each], dtype=object),
+            "min_exp": pd.array(
+                np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
+            ),
+            "max_exp": pd.array(
+                np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64"
+            ),
+            "amax": amax[each],
+            "format": np.array([combos[c][0] for c in combo], dtype=object),
+            "scaling": np.array([combos[c][1] for c in combo], dtype=object),
+            "scale_exp": scale_exp[combo, each],
+            **counts,
+            **{f"{name}_share": _share(counts[name], denom, unjudged) for name in _COUNTS},
+        }
+    )
+    out["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
+    return out[WHATIF_COLUMNS]
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:

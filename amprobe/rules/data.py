@@ -21,7 +21,7 @@ from amprobe.analysis.frames import (
     step_ranges,
     steps_list,
 )
-from amprobe.analysis.numerics import numerics_missing_reason
+from amprobe.analysis.numerics import has_numerics, numerics_missing_reason
 from amprobe.analysis.runtime import rank_runtime, rank_step_counts
 from amprobe.analysis.scaler import scaler_summaries
 from amprobe.rules.engine import requirement
@@ -89,6 +89,6 @@ def _has_device_facts(run: Run) -> str | None:
 
 @requirement("numerics")
 def _has_numerics(run: Run) -> str | None:
-    if not run.table("numerics").empty:
+    if has_numerics(run):
         return None
     return numerics_missing_reason(run)

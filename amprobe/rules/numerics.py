@@ -16,19 +16,24 @@ import pandas as pd
 
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
-    compute_gradient_underflow,
     first_nonfinite_weights,
     first_overflow_step,
+    gradient_underflow_layers,
+    has_numerics,
+    last_linear_half,
     last_linears,
+    loss_nonfinite_before,
     module_role,
+    nonfinite_input_runs,
     nonfinite_input_steps,
+    numerics_section,
+    offenders_section,
     root_missing_reason,
 )
 from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import (
     HALF_DTYPES,
     autocast_dtypes,
-    per_rank,
     scaler_steps,
     step_ranges,
     steps_list,
@@ -45,6 +50,11 @@ _CAST_RANGE = {
     "float16": ("fp16", 65520.0),
     "bfloat16": ("bf16", float.fromhex("0x1.ffp127")),
 }
+
+
+def _run_steps(runs: dict[str, Any]) -> set[int]:
+    """The steps of a summary section's step runs (the kept runs)."""
+    return {s for a, b in runs["runs"] for s in range(int(a), int(b) + 1)}
 
 
 def _cast_dtype(run: Run, offender_dtype: Any) -> str | None:
@@ -93,19 +103,18 @@ def _out_of_range_origin(
 @requirement("activations")
 def _has_activations(run: Run) -> str | None:
     """Met when per-layer outputs were measured; a compiled job says why they were not."""
-    numerics = run.table("numerics")
-    if not numerics.empty and (numerics["kind"] == "output").any():
+    layers = [x for r in run.ranks for x in numerics_section(run, r.rank)["layers"]]
+    if any(x["kind"] == "output" for x in layers):
         return None
     skipped = [e for e in run.events_of("numerics_not_checked") if e.get("what") == "activations"]
     if skipped:
         return str(skipped[0].get("reason"))
-    return None if numerics.empty else "no per-layer output was measured"
+    return None if not has_numerics(run) else "no per-layer output was measured"
 
 
 @requirement("input_check")
 def _has_input_check(run: Run) -> str | None:
-    steps = run.steps
-    if len(steps) and "input_nonfinite" in steps and steps["input_nonfinite"].notna().any():
+    if any(offenders_section(run, r.rank)["inputs"]["checked"] for r in run.ranks):
         return None
     root = root_missing_reason(run)
     if root is not None:
@@ -120,26 +129,26 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
 
     The always-on check counts non-finite elements in the root models' floating inputs on
     every step. Input rows of the ``numerics`` table (sampled steps) name the argument.
+    Read from the ``offenders`` summary section: the steps as runs (the first
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS`), their count, the first 20 counts.
     """
     run = ctx.run
-    offenders = run.table("offenders")
-    for rank, frame in per_rank(run.steps):
-        bad = frame[frame["input_nonfinite"].fillna(0) > 0]
-        if bad.empty:
+    for rank in sorted(run.summaries()):
+        inputs = offenders_section(run, rank)["inputs"]
+        if not inputs["count"]:
             continue
-        inputs: list[str] = []
-        if not offenders.empty:
-            part = offenders[(offenders["rank"] == rank) & (offenders["kind"] == "input")]
-            inputs = sorted(set(part["module"]))
+        runs = nonfinite_input_runs(run, rank)
+        steps = [s for a, b in runs for s in range(a, b + 1)]
+        part = offenders_section(run, rank)["kinds"].get("input")
         yield ctx.finding(
-            title=f"non-finite values in the model input at {len(bad)} step(s), first at step {int(bad['step'].iloc[0])}",
+            title=f"non-finite values in the model input at {inputs['count']} step(s), first at step {runs[0][0]}",
             evidence={
                 "rank": rank,
-                "nonfinite_steps": steps_list(bad["step"]),
-                "nonfinite_step_ranges": step_ranges(bad["step"]),
-                "affected_step_count": len(bad),
-                "nonfinite_elements": [int(v) for v in bad["input_nonfinite"].iloc[:20]],
-                "inputs": inputs,
+                "nonfinite_steps": steps_list(steps),
+                "nonfinite_step_ranges": step_ranges(steps),
+                "affected_step_count": inputs["count"],
+                "nonfinite_elements": list(inputs["first_counts"]),
+                "inputs": sorted(set(part["modules"])) if part else [],
             },
             fix=(
                 "This is a data problem, not AMP: the batch already holds NaN/inf and would break "
@@ -174,13 +183,17 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     names the module; the first step that overflowed since the previous sampled step
     (:func:`~amprobe.analysis.numerics.first_overflow_step`, usually the step before: an
     overflow arms the capture) is ``first_overflow_step``, and the title gives both.
+
+    The ranks with forward offenders come from the ``offenders`` summary section; the detail
+    of each from its own ``offenders`` and ``numerics`` files (:meth:`Run.rank_table`).
     """
     run = ctx.run
-    offenders = run.table("offenders")
-    numerics = run.table("numerics")
-    if offenders.empty:
-        return
-    for rank, part in per_rank(offenders[offenders["kind"] == "forward"]):
+    for rank in sorted(run.summaries()):
+        if not (offenders_section(run, rank)["kinds"].get("forward") or {}).get("count"):
+            continue
+        # the detail of a rank with forward offenders: its own files
+        offenders = run.rank_table("offenders", rank)
+        part = offenders[offenders["kind"] == "forward"]
         excluded = nonfinite_input_steps(run, rank)
         part = part[~part["step"].isin(excluded)]
         if part.empty:
@@ -196,6 +209,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             part = before
         first = part.iloc[0]
         step, module = int(first["step"]), str(first["module"])
+        numerics = run.rank_table("numerics", rank)
         rows = numerics[(numerics["rank"] == rank) & (numerics["step"] == step)]
         is_last = (step, module) in last_linears(rows)
         role = module_role(first["module_type"], is_last)
@@ -301,15 +315,8 @@ def _nonfinite_weights_finding(
     ctx: RuleContext, rank: int, weights: dict[str, Any], first: pd.Series
 ) -> Finding:
     """AMP-N05 when the weights were already non-finite: name the update, not a layer."""
-    steps = ctx.run.steps
     at = int(weights["at_step"])
-    mine = steps[(steps["rank"] == rank) & (steps["step"] < at)] if not steps.empty else steps
-    bad = (
-        mine[mine["loss_nonfinite"].fillna(False).astype(bool)]
-        if "loss_nonfinite" in mine
-        else mine.iloc[0:0]
-    )
-    applied = int(bad["step"].max()) if len(bad) else None
+    applied = loss_nonfinite_before(ctx.run, rank, at)
     scaled_steps = scaler_steps(ctx.run)
     scaled = not scaled_steps.empty and bool(
         ((scaled_steps["rank"] == rank) & (scaled_steps["step"] < at)).any()
@@ -351,28 +358,6 @@ def _nonfinite_weights_finding(
     )
 
 
-def _layer_facts(grads: pd.DataFrame, keys: set[Any]) -> dict[Any, dict[str, Any]]:
-    """Per (module, kind, measure) in ``keys``: the first recorded dtype (NaN when none), the
-    loss scales and the sampled steps of its rows; one pass over the listed layers' rows."""
-    facts: dict[Any, dict[str, Any]] = {}
-    columns = ("module", "kind", "measure", "dtype", "scale", "step")
-    for module, kind, measure, dtype, scale, step in zip(
-        *(grads[c].tolist() for c in columns), strict=True
-    ):
-        key = (module, kind, measure)
-        if key not in keys:
-            continue
-        layer = facts.setdefault(key, {"dtype": None, "scales": set(), "steps": set()})
-        if layer["dtype"] is None and not pd.isna(dtype):
-            layer["dtype"] = dtype
-        layer["scales"].add(scale)
-        layer["steps"].add(step)
-    for layer in facts.values():
-        if layer["dtype"] is None:
-            layer["dtype"] = np.nan  # as a grouped first() of missing values
-    return facts
-
-
 @rule(
     "AMP-N06",
     "grad-underflow",
@@ -399,31 +384,29 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     title says which of the two it measured for the worst layer, at the recorded loss scale
     and, by the same measure, at the hint of
     :func:`~amprobe.analysis.numerics.compute_scale_hint`.
+
+    Read from each rank's ``numerics`` summary section
+    (:func:`~amprobe.analysis.numerics.gradient_underflow_layers`): the same counts as the
+    rows give, the listed sampled steps included (the section keeps the first 20 runs).
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
         return
     th = ctx.thresholds
-    numerics = run.table("numerics")
-    for rank, frame in per_rank(numerics):
-        grads, hint, lost_at_hint = compute_gradient_underflow(frame, th["scale_margin"])
-        if grads.empty:
+    for rank in sorted(run.summaries()):
+        section = numerics_section(run, rank)
+        layers, hint, facts = gradient_underflow_layers(section, th["scale_margin"])
+        if layers.empty:
             continue
-        grads = grads.assign(
-            lost=grads["lost_share"] * grads["nonzero"],
-            lost_at_hint=lost_at_hint * grads["nonzero"],
-            scale=grads["loss_scale"].where(grads["loss_scale"] > 0, 1.0).fillna(1.0),
-        )
-        g = grads.groupby(["module", "kind", "measure"], sort=False)
-        layers = g[["lost", "lost_at_hint", "nonzero"]].sum()
         nonzero = layers["nonzero"].where(layers["nonzero"] > 0)
         layers["share"] = layers["lost"] / nonzero
         layers["share_at_hint"] = layers["lost_at_hint"] / nonzero
-        bad = layers[layers["share"] > th["max_lost_share"]].sort_values("share", ascending=False)
+        bad = layers[layers["share"] > th["max_lost_share"]].sort_values(
+            "share", ascending=False, kind="stable"
+        )
         if bad.empty:
             continue
         shown = bad.head(int(th["max_layers"]))
-        facts = _layer_facts(grads, set(shown.index))
         listed = [
             {
                 "module": m,
@@ -503,65 +486,52 @@ def check_sensitive_layers_half(ctx: RuleContext) -> Iterator[Finding]:
     (:func:`~amprobe.analysis.scaler.compute_calibration`), or a non-finite loss or non-finite values
     in a recorded layer on a step the GradScaler did not skip. An overflow the scaler absorbed
     now and then is dynamic loss scaling working, not instability.
+
+    Read from the ``numerics`` and ``offenders`` summary sections (the skipped steps and a
+    layer's non-finite steps as runs, exact up to
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs each).
     """
     run = ctx.run
-    numerics = run.table("numerics")
-    steps = run.steps
     min_cuts = ctx.thresholds["min_scale_cuts"]
-    for rank, frame in per_rank(numerics):
-        srows = steps[steps["rank"] == rank] if len(steps) else steps
+    for rank in sorted(run.summaries()):
+        section = numerics_section(run, rank)
+        if not section["rows"]:
+            continue
+        scaling = offenders_section(run, rank).get("scaling")
         signals: dict[str, Any] = {}
         absorbed: set[int] = set()  # steps whose update the scaler skipped
-        if len(srows):
-            judged = ~srows["step"].isin(calibration_steps(run, rank))
-            cuts = (srows["scale_after"] < srows["scale_before"]).fillna(False).astype(bool)
-            if int((cuts & judged).sum()) >= min_cuts:
-                signals["scale_cut_count"] = int((cuts & judged).sum())
-            skipped = srows["skipped"].fillna(False).astype(bool)
-            absorbed = {int(s) for s in srows.loc[skipped, "step"]}
-            if int((skipped & judged).sum()) >= min_cuts:
-                signals["skipped_count"] = int(skipped.sum())
-            if "loss_nonfinite" in srows:
-                bad = srows["loss_nonfinite"].fillna(False).astype(bool) & ~skipped
-                if bad.any():
-                    signals["nonfinite_loss_count"] = int(bad.sum())
-        step = frame["step"].tolist()
-        module = frame["module"].tolist()
-        hit = ((frame["nan"] + frame["inf"]) > 0).tolist()
+        if scaling is not None:
+            calibration = set(calibration_steps(run, rank))
+            cut_steps = _run_steps(scaling["cuts"])
+            cuts = scaling["cut_count"] - len(cut_steps & calibration)
+            if cuts >= min_cuts:
+                signals["scale_cut_count"] = cuts
+            absorbed = _run_steps(scaling["skipped"])
+            if scaling["skipped_count"] - len(absorbed & calibration) >= min_cuts:
+                signals["skipped_count"] = scaling["skipped_count"]
+            if scaling["loss_nonfinite_kept"]:
+                signals["nonfinite_loss_count"] = scaling["loss_nonfinite_kept"]
         nonfinite = [
-            m for m, s, h in zip(module, step, hit, strict=True) if h and s not in absorbed
+            str(layer["module"])
+            for layer in section["layers"]
+            if _run_steps(layer["nonfinite_runs"]) - absorbed
         ]
         if nonfinite:
             signals["nonfinite_layers"] = sorted(set(nonfinite))[:10]
         if not signals:
             continue
-        last = last_linears(frame)
+        last = last_linear_half(section["last_linear"])
         # the half-precision forward outputs per (module, type), in order of first appearance
-        groups: dict[tuple[Any, Any], dict[str, Any]] = {}
-        rows = zip(
-            module,
-            frame["module_type"].tolist(),
-            frame["kind"].tolist(),
-            frame["dtype"].tolist(),
-            step,
-            strict=True,
-        )
-        for name, mtype, kind, dtype, at in rows:
-            if kind != "output" or dtype not in HALF_DTYPES or pd.isna(name) or pd.isna(mtype):
-                continue  # (a missing key: in no group, as a groupby drops it)
-            groups.setdefault((name, mtype), {"dtype": dtype, "steps": []})["steps"].append(at)
         layers = []
-        for (name, mtype), group in groups.items():
-            is_last = any((int(s), str(name)) in last for s in group["steps"])
-            role = module_role(mtype, is_last)
+        for layer in section["layers"]:
+            half = [d for d in layer["dtypes"] if d in HALF_DTYPES]
+            name, mtype = layer["module"], layer["module_type"]
+            if layer["kind"] != "output" or not half or name is None or mtype is None:
+                continue
+            role = module_role(mtype, str(name) in last)
             if role in ("embedding", "output projection", "normalization"):
                 layers.append(
-                    {
-                        "module": name,
-                        "module_type": mtype,
-                        "role": role,
-                        "dtype": str(group["dtype"]),
-                    }
+                    {"module": name, "module_type": mtype, "role": role, "dtype": str(half[0])}
                 )
         if not layers:
             continue

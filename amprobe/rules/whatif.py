@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from amprobe.analysis.numerics import has_numerics, numerics_section
 from amprobe.analysis.whatif import (
     FORMATS,
     KINDS,
@@ -186,10 +187,10 @@ def _not_judged(table: pd.DataFrame, per_kind: bool = False) -> list[str]:
 # -- requirement --------------------------------------------------------------------------------
 @requirement("numerics_ranges")
 def _has_ranges(run: Run) -> str | None:
-    numerics = run.table("numerics")
-    if numerics.empty:
+    if not has_numerics(run):
         return "no per-layer exponent histogram was recorded (the numerics table is empty)"
-    if not numerics["kind"].isin(list(KINDS)).any():
+    layers = [x for r in run.ranks for x in numerics_section(run, r.rank)["layers"]]
+    if not any(x["kind"] in KINDS for x in layers):
         return "the numerics table holds only model inputs: no activation or gradient histogram"
     return None
 

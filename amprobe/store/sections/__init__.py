@@ -7,6 +7,7 @@ build an :class:`~amprobe.store.summary.Accumulator`.
 from __future__ import annotations
 
 from amprobe.store.sections import (
+    numerics,  # noqa: F401
     runtime,  # noqa: F401
     scaler,  # noqa: F401
 )
