@@ -7,11 +7,10 @@ read runs only through it (and :func:`amprobe.store.jsonl.read_table` for increm
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import uuid
+import stat
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ from amprobe.store.layout import (
     BASELINE_LEGS,
     STATUS_ORDER,
     RunLoadError,
+    file_kind,
     is_run_dir,
     list_ranks,
     open_regular,
@@ -45,10 +45,12 @@ from amprobe.store.summary import (
     SUMMARY_FILE,
     SUMMARY_VERSION,
     Accumulator,
+    encode_record,
     make_record,
     merge_sections,
     parse_record,
     summary_tables,
+    write_record,
 )
 
 __all__ = [
@@ -239,19 +241,20 @@ class Run:
         """Each rank's summary (:mod:`amprobe.store.summary`): rank -> section name -> facts,
         computed once per run.
 
-        A rank's chunk records (``summary.jsonl``, appended by the writer at each flush) are
-        merged, and only the rows after the last record's offsets are summarized from the
-        record files; a rank without usable records is summarized from its files. A rank
-        whose files cannot be read gets an empty summary (a missing section: no rows) and a
-        warning. :meth:`summary_sources` says which way each rank went.
+        A rank's record (``summary.json``, replaced by the writer at each flush) is read,
+        its offsets are checked against the table files' sizes, and only the rows after them
+        are summarized from the record files and merged in; a rank without a usable record
+        is summarized from its files. A rank whose files cannot be read gets an empty summary
+        (a missing section: no rows) and a warning. :meth:`summary_sources` says which way
+        each rank went.
         """
         return self.cached("summaries", _summaries)
 
     def summary_sources(self) -> dict[int, str]:
-        """Where each rank's summary came from: ``"records"`` (the writer's records alone),
-        ``"records+tail"`` (records, and the rows after them read from the files),
-        ``"files"`` (the record files alone: no summary file, an older amprobe, or records
-        that were not trusted) or ``"unreadable"`` (an empty summary)."""
+        """Where each rank's summary came from: ``"records"`` (the writer's record alone),
+        ``"records+tail"`` (the record, and the rows after it read from the files),
+        ``"files"`` (the record files alone: no summary file, an older amprobe, or a record
+        that was damaged or not trusted) or ``"unreadable"`` (an empty summary)."""
         self.summaries()
         return dict(self._derived["summary_sources"])
 
@@ -277,7 +280,7 @@ class Run:
         return int(steps["step"].max()) if len(steps) else None
 
 
-#: Largest summary.jsonl read (a rank's records are a few hundred kilobytes); a larger one is
+#: Largest summary.json read (a record is a few to a few hundred kilobytes); a larger one is
 #: not trusted and the rank is summarized from its record files.
 MAX_SUMMARY_BYTES = 64 << 20
 
@@ -287,7 +290,7 @@ class _RankSummary:
     summary: dict[str, Any]
     source: str  # records, records+tail, files, unreadable
     warnings: list[str]
-    other_version: int = 0  # records of another summary_version ignored
+    other_version: bool = False  # a record of another summary_version was ignored
 
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
@@ -306,7 +309,7 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
         run._warn(part.warnings)
         out[info.rank] = part.summary
         sources[info.rank] = part.source
-        other += part.other_version > 0
+        other += part.other_version
     if other:
         run._warn(
             f"summary records of another summary_version (this amprobe reads {SUMMARY_VERSION}) "
@@ -317,143 +320,130 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
 
 
 def _summarize_rank(info: RankInfo) -> _RankSummary:
-    """One rank's summary: its records merged, then the rows no record covers (never raises)."""
+    """One rank's summary: its record, and the rows it does not cover (never raises)."""
     who = f"rank {info.rank}"
     try:
-        records, warnings, other = _read_records(info)
-        names = {cls.name for cls in SECTIONS}
-        if any(not names <= r["sections"].keys() for r in records):
-            records = []  # written with fewer sections (an older amprobe): not a damage
+        record, warnings, other = _read_record(info)
+        names = [cls.name for cls in SECTIONS]
+        if record is not None and not all(name in record["sections"] for name in names):
+            record = None  # written with fewer sections (an older amprobe): not a damage
         tables = sorted(summary_tables())
-        offsets: dict[str, int] = {}
-        if records:
-            why = _distrust(info.path, records, tables)
+        starts: dict[str, int] | None = None  # where the rows no record covers start
+        if record is not None:
+            starts, why = _tail_starts(info.path, record["offsets"], tables)
             if why:
                 warnings.append(
                     f"{who}: {SUMMARY_FILE} does not match the record files ({why}); "
                     "the rank was summarized from its record files"
                 )
-                records = []
-            else:
-                offsets = records[-1]["offsets"]
-        merged = merge_sections(r["sections"] for r in records) if records else {}
+                record, starts = None, None
         acc = Accumulator()
-        tail = 0
         for table in tables:
             name = table_filename(table)
-            read = _read_arrow(info.path / name, table, offsets.get(name, 0))
+            if starts is not None and name not in starts:
+                continue  # the record covers the whole file: not opened
+            read = _read_arrow(info.path / name, table, starts[name] if starts else 0)
             warnings.extend(_read_warnings(info, name, read))
             if read.table is not None and read.table.num_rows:
-                rows = read.table.to_pylist()
-                acc.add(table, rows)
-                tail += len(rows)
-        if not records:
-            return _RankSummary(acc.take(), "files", warnings, other)
-        if not tail:
-            return _RankSummary(merged, "records", warnings, other)
-        return _RankSummary(merge_sections([merged, acc.take()]), "records+tail", warnings, other)
+                acc.add(table, read.table.to_pylist())
+        if record is None:
+            return _RankSummary(acc.snapshot(), "files", warnings, other)
+        if not acc.rows:
+            sections = record["sections"]
+            return _RankSummary({n: sections[n] for n in names}, "records", warnings, other)
+        merged = merge_sections([record["sections"], acc.snapshot()])
+        return _RankSummary(merged, "records+tail", warnings, other)
     except RunLoadError as exc:
         return _RankSummary({}, "unreadable", [f"{who}: summary not computed: {exc}"])
-    except Exception as exc:  # a section that fails on this rank's rows or records
+    except Exception as exc:  # a section that fails on this rank's rows or record
         return _RankSummary(
             {}, "unreadable", [f"{who}: summary not computed ({type(exc).__name__}: {exc})"]
         )
 
 
-def _read_records(info: RankInfo) -> tuple[list[dict[str, Any]], list[str], int]:
-    """The rank's usable summary records: those of this ``summary_version``, chunk 0, 1, ...
-    in file order up to the first missing chunk or the final record. Returns them, the
-    warnings, and how many records of another version were ignored."""
-    who = f"rank {info.rank}"
+def _read_record(info: RankInfo) -> tuple[dict[str, Any] | None, list[str], bool]:
+    """The rank's summary record if it has a usable one (None if not), the warnings, and
+    whether a record of another ``summary_version`` was ignored."""
     path = info.path / SUMMARY_FILE
     try:
         with open_regular(path) as fh:
             data = fh.read(MAX_SUMMARY_BYTES + 1)
     except FileNotFoundError:
-        return [], [], 0
+        return None, [], False
     except OSError as exc:
         why = f"not read ({exc.strerror or exc})"
-        return [], [f"{who}: {SUMMARY_FILE} {why}; the rank was summarized from its files"], 0
-    if len(data) > MAX_SUMMARY_BYTES:
-        why = f"is larger than {MAX_SUMMARY_BYTES} bytes"
-        return [], [f"{who}: {SUMMARY_FILE} {why}; the rank was summarized from its files"], 0
-    warnings: list[str] = []
-    lines = data.split(b"\n")
-    cut = lines.pop()  # after the last newline: empty, or a record cut by a crash
-    if cut.strip() and info.end is not None:
-        warnings.append(
-            f"{who}: {SUMMARY_FILE} ends in a cut record ({len(cut)} bytes without a newline) "
-            "although the rank closed cleanly; it was ignored"
-        )
-    found: list[dict[str, Any]] = []
-    damaged = other = 0
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            record = parse_record(json.loads(line))
-        except (ValueError, RecursionError):
-            record = None
-        if record is None:
-            damaged += 1
-        elif record["summary_version"] != SUMMARY_VERSION:
-            other += 1
+    else:
+        if len(data) > MAX_SUMMARY_BYTES:
+            why = f"larger than {MAX_SUMMARY_BYTES} bytes"
         else:
-            found.append(record)
-    if damaged:
-        warnings.append(f"{who}: {damaged} damaged record(s) skipped in {SUMMARY_FILE}")
-    records: list[dict[str, Any]] = []
-    for record in found:
-        if record["chunk"] != len(records):
-            break
-        records.append(record)
-        if record["final"]:
-            break
-    if len(records) < len(found):
-        warnings.append(
-            f"{who}: {len(found) - len(records)} record(s) of {SUMMARY_FILE} after a missing "
-            "chunk or the final one not used; the rows after the last one used were "
-            "summarized from the record files"
-        )
-    return records, warnings, other
+            try:
+                record = parse_record(json.loads(data))
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                why = "not valid JSON" if data.strip() else "empty"
+            else:
+                if record is None:
+                    why = "not a summary record"
+                elif record["summary_version"] != SUMMARY_VERSION:
+                    return None, [], True
+                else:
+                    return record, [], False
+    # a machine crash before the page cache reached the disk can leave an empty or cut file
+    warning = f"rank {info.rank}: {SUMMARY_FILE} is {why}; the rank was summarized from its files"
+    return None, [warning], False
 
 
-def _distrust(rank_dir: Path, records: list[dict[str, Any]], tables: list[str]) -> str:
-    """Why the records cannot describe the record files as they are now ('' if they can):
-    offsets going backwards, or a table file shorter than (or not ending a line at) the last
-    record's offset, which happens when a file was truncated or replaced."""
-    seen: dict[str, int] = {}
-    for record in records:
-        offsets = record["offsets"]
-        for name in seen.keys() | offsets.keys():
-            if offsets.get(name, 0) < seen.get(name, 0):
-                return f"the offsets of {name} go backwards at chunk {record['chunk']}"
-        seen = offsets
+def _tail_starts(
+    rank_dir: Path, offsets: Mapping[str, int], tables: list[str]
+) -> tuple[dict[str, int], str]:
+    """Where the rows a record does not cover start, per table file that has some (a file
+    that ends at the record's offset is not listed), and why the record cannot describe the
+    files as they are now ('' if it can): a file shorter than the offset, or not ending a line
+    there, which happens when a file was truncated or replaced.
+
+    One ``stat`` per table file; a file is opened only when it grew past its offset.
+
+    Raises:
+        RunLoadError: a table file is not a regular file or cannot be read.
+    """
+    starts: dict[str, int] = {}
     for table in tables:
         name = table_filename(table)
-        offset = seen.get(name, 0)
-        if offset == 0:
-            continue
+        path = rank_dir / name
+        offset = offsets.get(name, 0)
         try:
-            with open_regular(rank_dir / name) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                last = os.pread(fh.fileno(), 1, offset - 1) if size >= offset else b""
+            st = os.stat(path)
         except FileNotFoundError:
-            return f"{name} is missing"
+            if offset:
+                return {}, f"{name} is missing"
+            continue
         except OSError as exc:
-            raise RunLoadError(f"cannot read {rank_dir / name}: {exc.strerror or exc}") from None
-        if size < offset:
-            return f"{name} has {size} bytes, fewer than the {offset} summarized"
-        if last != b"\n":
-            return f"{name} has no line end at the summarized offset {offset}"
-    return ""
+            raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise RunLoadError(
+                f"cannot read {path}: is {file_kind(st.st_mode)}, not a regular file"
+            )
+        if st.st_size < offset:
+            return {}, f"{name} has {st.st_size} bytes, fewer than the {offset} summarized"
+        if st.st_size == offset:
+            continue
+        if offset:
+            try:
+                with open_regular(path) as fh:
+                    last = os.pread(fh.fileno(), 1, offset - 1)
+            except OSError as exc:
+                raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+            if last != b"\n":
+                return {}, f"{name} has no line end at the summarized offset {offset}"
+        starts[name] = offset
+    return starts, ""
 
 
 def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """(Re)write a rank's ``summary.jsonl`` from its record files as one final record (the
-    compaction step): the file is replaced atomically (a reader sees the old or the new one).
-    The record's offsets are where each table's complete lines end, so rows appended later
-    are summarized by the reader as a tail. Returns the record written.
+    """(Re)write a rank's ``summary.json`` from its record files as a final record (the
+    compaction step, for a rank whose record is missing or stale): the file is replaced
+    atomically (a reader sees the old or the new one) and synced. The record's offsets are
+    where each table's complete lines end, so rows appended later are summarized by the
+    reader as a tail. Returns the record written.
 
     Raises:
         RunLoadError: a table file cannot be read.
@@ -471,19 +461,8 @@ def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
         rows[table] = got.num_rows if got is not None else 0
         if got is not None and got.num_rows:
             acc.add(table, got.to_pylist())
-    record = make_record(0, True, offsets, rows, acc.take())
-    path = folder / SUMMARY_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, default=str, separators=(", ", ": ")) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    record = make_record(True, offsets, rows, acc.snapshot())
+    write_record(folder, encode_record(record), durable=True)
     return record
 
 
