@@ -260,6 +260,17 @@ def test_a_damaged_record_is_rebuilt_from_the_files_with_a_warning(
     assert f"rank 0: {SUMMARY_FILE} is {why}; the rank was summarized from its files" in warnings
 
 
+def test_a_record_that_is_not_a_regular_file_is_not_read(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10])
+    w.close({"status": "finished"})
+    (w.rank_dir / SUMMARY_FILE).unlink()
+    (w.rank_dir / SUMMARY_FILE).mkdir()
+    summary, source, warnings = _read(tmp_path / "r")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
+    assert any(x.startswith(f"rank 0: {SUMMARY_FILE} is not read (") for x in warnings)
+
+
 def test_a_record_of_another_summary_version_is_ignored(tmp_path: Path) -> None:
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 10, 20])
