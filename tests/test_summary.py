@@ -478,3 +478,23 @@ def test_a_copied_rank_keeps_its_record(tmp_path: Path) -> None:
     _chunks(w, [0, 10, 15])
     shutil.copytree(tmp_path / "r", tmp_path / "copy")
     assert _read(tmp_path / "copy")[:2] == _read(tmp_path / "r")[:2]
+
+
+def test_a_crashed_run_is_loaded_without_reading_every_steps_row(tmp_path: Path) -> None:
+    """load_run's "ended abruptly at step N" takes N from the end of each steps file: a
+    crashed 4,096-rank run is not read whole before its summaries are."""
+    for rank, end in ((0, 30), (1, 25)):
+        w = RunWriter(tmp_path / "r", rank, 2, {}, max_buffered_rows=100)
+        _chunks(w, [0, 10, end])  # never closed
+    steps = tmp_path / "r" / "rank1" / "steps.jsonl"
+    with steps.open("ab") as fh:
+        fh.write(b'{"step": 40, "wi')  # cut by the kill: the loader leaves it
+    loaded = load_run(tmp_path / "r")
+    assert "run ended abruptly at step 29 (no clean close recorded)" in loaded.warnings
+    assert "steps" not in loaded._tables
+    # a damaged last row: not guessed at, the table is read as before
+    with steps.open("ab") as fh:
+        fh.write(b'\n{"step": 41, "window": 0, "t": 1.0}\n{"step": "x"}\n')
+    loaded = load_run(tmp_path / "r")
+    assert "run ended abruptly at step 41 (no clean close recorded)" in loaded.warnings
+    assert "steps" in loaded._tables
