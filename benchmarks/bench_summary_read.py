@@ -12,7 +12,8 @@ Run: ``nice -n 19 python benchmarks/bench_summary_read.py [--ranks 4096] [--sour
    per (module, kind) counters and a 16-bucket exponent histogram), about 3-4 kB of JSON.
 2. Builds an N-rank run in ``WORK/run``: every rank's files are hard links to that copy's
    (``summary.json`` included), except each rank's ``manifest.json``, a real copy naming the
-   rank; the run manifest says ``world_size`` N.
+   rank (and ``end.json`` with ``--crashed``: a run killed before any rank closed); the run
+   manifest says ``world_size`` N.
 3. In a fresh child process per repetition (page cache warm: the files were just written),
    times ``load_run`` and then ``summaries()``, each wall and CPU seconds, and prints the peak
    RSS after the imports and after ``summaries()`` (``ru_maxrss``). ``--profile`` prints the top of a
@@ -157,9 +158,10 @@ print(json.dumps({
 """
 
 
-def build(source: Path, n: int, work: Path) -> tuple[Path, int]:
+def build(source: Path, n: int, work: Path, crashed: bool = False) -> tuple[Path, int]:
     """``work/src`` (a copy of ``source``'s rank 0 with its summary) and the ``n``-rank
-    ``work/run`` of hard links to it; returns the run and the size of one summary.json."""
+    ``work/run`` of hard links to it (without ``end.json`` when ``crashed``: no rank closed);
+    returns the run and the size of one summary.json."""
     src = work / "src"
     shutil.rmtree(src, ignore_errors=True)
     (src).mkdir(parents=True)
@@ -181,7 +183,8 @@ def build(source: Path, n: int, work: Path) -> tuple[Path, int]:
     top["world_size"] = n
     (dest / "manifest.json").write_text(json.dumps(top, indent=2))
     base_manifest = json.loads((base / "manifest.json").read_text())
-    files = [p for p in sorted(base.iterdir()) if p.is_file() and p.name != "manifest.json"]
+    skip = {"manifest.json", "end.json"} if crashed else {"manifest.json"}
+    files = [p for p in sorted(base.iterdir()) if p.is_file() and p.name not in skip]
     for r in range(n):
         rank_dir = dest / f"rank{r}"
         rank_dir.mkdir()
@@ -201,6 +204,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rebuild", type=int, default=4, help="ranks also summarized from files")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--crashed", action="store_true", help="no rank has end.json")
     ap.add_argument("--no-build", action="store_true", help="reuse WORK/run as it is")
     args = ap.parse_args()
     if args.work.resolve().is_relative_to(args.source.resolve()):
@@ -210,7 +214,7 @@ def main() -> None:
         run = args.work / "run"
         size = (run / "rank0" / "summary.json").stat().st_size
     else:
-        run, size = build(args.source, args.ranks, args.work)
+        run, size = build(args.source, args.ranks, args.work, args.crashed)
     print(f"{args.ranks} ranks in {run} ({time.perf_counter() - t0:.1f} s); summary.json {size} B")
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
