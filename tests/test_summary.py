@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from amprobe.store import run as run_mod
 from amprobe.store import writer as writer_mod
 from amprobe.store.jsonl import _read_arrow
 from amprobe.store.run import load_run, write_rank_summary
@@ -269,6 +270,21 @@ def test_a_record_that_is_not_a_regular_file_is_not_read(tmp_path: Path) -> None
     summary, source, warnings = _read(tmp_path / "r")
     assert (source, summary) == ("files", _from_files(w.rank_dir))
     assert any(x.startswith(f"rank 0: {SUMMARY_FILE} is not read (") for x in warnings)
+
+
+def test_a_record_over_the_size_limit_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10])
+    w.close({"status": "finished"})
+    size = (w.rank_dir / SUMMARY_FILE).stat().st_size
+    monkeypatch.setattr(run_mod, "MAX_SUMMARY_BYTES", size)
+    assert _read(tmp_path / "r")[1] == "records"  # at the limit: read
+    monkeypatch.setattr(run_mod, "MAX_SUMMARY_BYTES", size - 1)
+    summary, source, warnings = _read(tmp_path / "r")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
+    assert any(f"is larger than {size - 1} bytes" in x for x in warnings)
 
 
 def test_a_record_of_another_summary_version_is_ignored(tmp_path: Path) -> None:

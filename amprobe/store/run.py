@@ -407,12 +407,16 @@ def _read_record(rank: int, folder: str) -> tuple[dict[str, Any] | None, list[st
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, f"{file_kind(st.st_mode)}, not a regular file")
-            data = b""
-            while len(data) <= MAX_SUMMARY_BYTES:  # usually one read: the file is small
-                more = os.read(fd, max(st.st_size + 1 - len(data), 1 << 16))
+            chunks: list[bytes] = []
+            got = 0
+            while got <= MAX_SUMMARY_BYTES:  # usually one read and the end: the file is small
+                want = min(MAX_SUMMARY_BYTES + 1 - got, max(st.st_size + 1 - got, 4096))
+                more = os.read(fd, want)
                 if not more:
                     break
-                data += more
+                chunks.append(more)
+                got += len(more)
+            data = b"".join(chunks)
         except OSError as exc:
             why, data = f"not read ({exc.strerror or exc})", None
         finally:
