@@ -308,7 +308,7 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
             # threads overlap the file system's waits (a cold cache, a network file system)
             workers = min(len(infos), os.cpu_count() or 1, 16)
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                parts = list(pool.map(one, infos, chunksize=64))
+                parts = list(pool.map(one, infos))
         else:
             parts = [one(info) for info in infos]
     out: dict[int, dict[str, Any]] = {}
