@@ -1,11 +1,13 @@
-"""Per-rank summaries written as the run goes (issue #33): the writer's chunk records in
-``rankN/summary.jsonl`` and the reader that merges them and summarizes only what no record
-covers. Fed by a private test section (registered for each test, never left in SECTIONS)."""
+"""Per-rank summaries written as the run goes (issue #33): the writer's cumulative record in
+``rankN/summary.json``, replaced at each flush, and the reader that reads it and summarizes
+only the rows it does not cover. Fed by a private test section (registered for each test, never
+left in SECTIONS)."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from amprobe.store import run as run_mod
 from amprobe.store import writer as writer_mod
 from amprobe.store.jsonl import _read_arrow
 from amprobe.store.run import load_run, write_rank_summary
@@ -20,6 +23,7 @@ from amprobe.store.summary import (
     SECTIONS,
     SUMMARY_FILE,
     SUMMARY_VERSION,
+    Accumulator,
     Section,
     summarize_tables,
 )
@@ -55,6 +59,7 @@ class _Counts(Section):
             self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
     def to_json(self) -> dict[str, Any]:
+        # shares its own list and dict, as Section allows: the caller encodes it at once
         return {"steps": self.steps, "kinds": self.kinds, "loss_max": self.loss_max}
 
     @classmethod
@@ -101,8 +106,8 @@ def _chunks(w: RunWriter, bounds: list[int]) -> None:
         assert w.flush()
 
 
-def _records(rank_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (rank_dir / SUMMARY_FILE).read_text().splitlines()]
+def _record(rank_dir: Path) -> dict[str, Any]:
+    return json.loads((rank_dir / SUMMARY_FILE).read_bytes())
 
 
 def _from_files(rank_dir: Path) -> dict[str, Any]:
@@ -122,36 +127,48 @@ def _read(run: Path) -> tuple[dict[str, Any], str, list[str]]:
     return summary, loaded.summary_sources()[0], loaded.warnings
 
 
-def test_a_record_per_flush_and_a_final_one_at_close(tmp_path: Path) -> None:
+def test_a_snapshot_leaves_the_sections_as_they_are() -> None:
+    acc = Accumulator()
+    acc.add("steps", _steps(0, 3))
+    acc.add("gpu", [{"t": 1.0}])  # no section reads it: not counted
+    first = json.dumps(acc.snapshot())
+    assert json.dumps(acc.snapshot()) == first
+    acc.add("steps", _steps(3, 5))
+    assert acc.snapshot()[NAME]["steps"] == [0, 1, 2, 3, 4]
+    assert (acc.counts, acc.rows) == ({"steps": 5}, 5)
+    assert acc.take()[NAME]["steps"] == [0, 1, 2, 3, 4]
+    assert acc.snapshot()[NAME]["steps"] == [] and acc.rows == 0
+
+
+def test_each_flush_replaces_one_cumulative_record_and_close_marks_it_final(
+    tmp_path: Path,
+) -> None:
     w = _writer(tmp_path / "r")
     rank_dir = w.rank_dir
-    sizes = []
     for a, b in [(0, 10), (10, 25), (25, 30)]:
         _chunks(w, [a, b])
-        sizes.append((rank_dir / "steps.jsonl").stat().st_size)
-    w.append("gpu", [{"t": 1.0}])  # a table no section reads: no record of its own
+        record = _record(rank_dir)
+        assert record["summary_version"] == SUMMARY_VERSION and record["final"] is False
+        assert record["offsets"]["steps.jsonl"] == (rank_dir / "steps.jsonl").stat().st_size
+        assert record["offsets"]["events.jsonl"] == (rank_dir / "events.jsonl").stat().st_size
+        assert record["rows"] == {"steps": b, "events": b}
+        assert record["sections"][NAME]["steps"] == list(range(b))
+    assert "chunk" not in record
+    inode = (rank_dir / SUMMARY_FILE).stat().st_ino
+    w.append("gpu", [{"t": 1.0}])  # a table no section reads: the record is not rewritten
     assert w.flush()
-    assert len(_records(rank_dir)) == 3
+    assert (rank_dir / SUMMARY_FILE).stat().st_ino == inode
     w.close({"status": "finished"})
-    records = _records(rank_dir)
-    assert [r["chunk"] for r in records] == [0, 1, 2, 3]
-    assert [r["final"] for r in records] == [False, False, False, True]
-    assert all(r["summary_version"] == SUMMARY_VERSION for r in records)
-    assert [r["offsets"]["steps.jsonl"] for r in records[:3]] == sizes
-    assert records[3]["offsets"]["steps.jsonl"] == sizes[-1]
-    assert records[3]["offsets"]["gpu.jsonl"] == (rank_dir / "gpu.jsonl").stat().st_size
-    assert [r["rows"] for r in records] == [
-        {"steps": 10, "events": 10},
-        {"steps": 15, "events": 15},
-        {"steps": 5, "events": 5},
-        {},
-    ]
-    assert records[1]["sections"][NAME]["steps"] == list(range(10, 25))
-    assert records[3]["sections"][NAME] == {"steps": [], "kinds": {}, "loss_max": None}
+    record = _record(rank_dir)
+    assert record["final"] is True
+    assert record["offsets"]["gpu.jsonl"] == (rank_dir / "gpu.jsonl").stat().st_size
+    assert record["rows"] == {"steps": 30, "events": 30}
+    assert record["sections"][NAME] == _from_files(rank_dir)
+    assert sorted(p.name for p in rank_dir.iterdir() if "summary" in p.name) == [SUMMARY_FILE]
     assert json.loads((rank_dir / "end.json").read_text())["write_errors"] == []
 
 
-def test_merged_records_equal_the_files_summary_read_from_records_alone(tmp_path: Path) -> None:
+def test_a_closed_rank_is_read_from_its_record_alone(tmp_path: Path) -> None:
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 7, 40, 41, 100])
     w.close({"status": "finished"})
@@ -166,24 +183,24 @@ def test_merged_records_equal_the_files_summary_read_from_records_alone(tmp_path
     assert _read(tmp_path / "r")[:2] == (summary, "files")
 
 
-def test_a_crashed_rank_reads_every_flushed_chunk_and_rebuilds_only_the_tail(
-    tmp_path: Path,
-) -> None:
+def test_a_crashed_rank_keeps_its_last_record_and_rebuilds_only_the_tail(tmp_path: Path) -> None:
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 10, 20, 30])
-    # the job is killed while writing the last chunk's record: rows in, record cut
+    path = w.rank_dir / SUMMARY_FILE
+    last = path.read_bytes()
+    # the job is killed after the next flush's rows were written, before its record replaced
+    # the last one (and it never closes)
     w.append("steps", _steps(30, 45))
     w.append("events", _events(30, 45))
     assert w.flush()
-    path = w.rank_dir / SUMMARY_FILE
-    data = path.read_bytes()
-    path.write_bytes(data[: data.rstrip(b"\n").rfind(b"\n") + 1 + 25])  # no close either
+    path.write_bytes(last)
+    assert _record(w.rank_dir)["rows"] == {"steps": 30, "events": 30}
     summary, source, warnings = _read(tmp_path / "r")
     assert source == "records+tail"
-    assert _Counts.fed == 30  # the 15 steps and 15 events rows after the third record only
+    assert _Counts.fed == 30  # the 15 steps and 15 events rows after the record only
     assert summary == _from_files(w.rank_dir)
     assert summary["steps"] == list(range(45))
-    assert not [x for x in warnings if SUMMARY_FILE in x]  # a cut last line of a crash: silent
+    assert not [x for x in warnings if SUMMARY_FILE in x]  # an expected state after a crash
 
 
 def test_a_truncated_table_file_is_summarized_from_the_files_with_a_warning(
@@ -200,63 +217,87 @@ def test_a_truncated_table_file_is_summarized_from_the_files_with_a_warning(
     assert loaded.summary_sources() == {3: "files"}
     assert summary == _from_files(w.rank_dir) and summary["steps"] == list(range(25))
     [line] = [x for x in loaded.warnings if SUMMARY_FILE in x]
-    assert line.startswith("rank 3: ") and "steps.jsonl" in line
-    # a file replaced by one as long, whose summarized offset falls inside a line
+    assert line.startswith("rank 3: ") and "steps.jsonl has" in line
+    # a file replaced by a longer one, whose summarized offset falls inside a line
     _chunks(w := _writer(tmp_path / "s", overwrite=True), [0, 20])
     w.close({"status": "finished"})
     steps = w.rank_dir / "steps.jsonl"
-    steps.write_bytes(b" " + steps.read_bytes()[:-1] + b"\n")
-    assert _read(tmp_path / "s")[1] == "files"
+    steps.write_bytes(b" " + steps.read_bytes()[:-1] + b"\n\n")
+    summary, source, warnings = _read(tmp_path / "s")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
+    assert any("no line end at the summarized offset" in x for x in warnings)
 
 
-def test_offsets_going_backwards_are_not_trusted(tmp_path: Path) -> None:
+def test_a_table_file_the_record_counts_that_is_missing_is_not_trusted(tmp_path: Path) -> None:
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 5, 10])
-    path = w.rank_dir / SUMMARY_FILE
-    first, second = _records(w.rank_dir)
-    second["offsets"]["steps.jsonl"] = first["offsets"]["steps.jsonl"] - 1
-    path.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
-    summary, source, warnings = _read(tmp_path / "r")
-    assert (source, summary["steps"]) == ("files", list(range(10)))
-    assert any(x.startswith("rank 0: ") and "backwards" in x for x in warnings)
-
-
-def test_a_corrupt_summary_line_is_skipped_with_a_warning(tmp_path: Path) -> None:
-    w = _writer(tmp_path / "r")
-    _chunks(w, [0, 10, 20, 30, 40])
     w.close({"status": "finished"})
-    path = w.rank_dir / SUMMARY_FILE
-    lines = path.read_text().splitlines(keepends=True)
-    lines[3] = "{not json\n"  # the last chunk with rows
-    lines.append('["an array"]\n')
-    path.write_text("".join(lines))
-    _Counts.fed = 0
+    (w.rank_dir / "events.jsonl").unlink()
     summary, source, warnings = _read(tmp_path / "r")
-    assert (source, _Counts.fed) == ("records+tail", 20)
-    assert summary == _from_files(w.rank_dir) and summary["steps"] == list(range(40))
-    assert "rank 0: 2 damaged record(s) skipped in summary.jsonl" in warnings
-    # a middle record lost: the records after it are not merged (their chunk would be missing)
-    lines[1] = "\0\0\0\n"
-    path.write_text("".join(lines))
-    summary, source, warnings = _read(tmp_path / "r")
-    assert (source, _Counts.fed) == ("records+tail", 60)
-    assert summary["steps"] == list(range(40))
-    assert any("after a missing chunk" in x for x in warnings)
+    assert (source, summary["steps"], summary["kinds"]) == ("files", list(range(10)), {})
+    assert any(x.startswith("rank 0: ") and "events.jsonl is missing" in x for x in warnings)
 
 
-def test_records_of_another_summary_version_are_ignored(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"", "empty"),  # a machine crash before the page cache reached the disk
+        (b'{"summary_version": 1, "final": tr', "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+        (b'["an array"]', "not a summary record"),
+        (b'{"summary_version": 1, "final": true, "offsets": [], "rows": {}, "sections": {}}',
+         "not a summary record"),
+    ],
+)  # fmt: skip
+def test_a_damaged_record_is_rebuilt_from_the_files_with_a_warning(
+    tmp_path: Path, content: bytes, why: str
+) -> None:
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 10, 20])
-    path = w.rank_dir / SUMMARY_FILE
-    future = {"summary_version": SUMMARY_VERSION + 1, "layout": ["something", "else"]}
-    with path.open("a") as fh:
-        fh.write(json.dumps(future) + "\n")
+    w.close({"status": "finished"})
+    (w.rank_dir / SUMMARY_FILE).write_bytes(content)
     summary, source, warnings = _read(tmp_path / "r")
-    assert (source, summary["steps"]) == ("records", list(range(20)))
-    assert any("another summary_version" in x for x in warnings)
-    path.write_text(json.dumps(future) + "\n")  # only future records: from the files
-    summary, source, _ = _read(tmp_path / "r")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
+    assert f"rank 0: {SUMMARY_FILE} is {why}; the rank was summarized from its files" in warnings
+
+
+def test_a_record_that_is_not_a_regular_file_is_not_read(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10])
+    w.close({"status": "finished"})
+    (w.rank_dir / SUMMARY_FILE).unlink()
+    (w.rank_dir / SUMMARY_FILE).mkdir()
+    summary, source, warnings = _read(tmp_path / "r")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
+    assert any(x.startswith(f"rank 0: {SUMMARY_FILE} is not read (") for x in warnings)
+
+
+def test_a_record_over_the_size_limit_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10])
+    w.close({"status": "finished"})
+    size = (w.rank_dir / SUMMARY_FILE).stat().st_size
+    monkeypatch.setattr(run_mod, "MAX_SUMMARY_BYTES", size)
+    assert _read(tmp_path / "r")[1] == "records"  # at the limit: read
+    monkeypatch.setattr(run_mod, "MAX_SUMMARY_BYTES", size - 1)
+    summary, source, warnings = _read(tmp_path / "r")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
+    assert any(f"is larger than {size - 1} bytes" in x for x in warnings)
+
+
+def test_a_record_of_another_summary_version_is_ignored(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10, 20])
+    future = {"summary_version": SUMMARY_VERSION + 1, "layout": ["something", "else"]}
+    (w.rank_dir / SUMMARY_FILE).write_text(json.dumps(future))
+    summary, source, warnings = _read(tmp_path / "r")
     assert (source, summary["steps"]) == ("files", list(range(20)))
+    assert [x for x in warnings if "summary" in x] == [
+        f"summary records of another summary_version (this amprobe reads {SUMMARY_VERSION}) "
+        "ignored on 1 rank(s); those ranks were summarized from their record files"
+    ]
 
 
 def test_a_section_that_raises_never_stops_the_rows(tmp_path: Path) -> None:
@@ -266,7 +307,8 @@ def test_a_section_that_raises_never_stops_the_rows(tmp_path: Path) -> None:
     _chunks(w, [10, 20, 30])  # never raises
     w.close({"status": "finished"})
     _Counts.explode_at = None
-    assert len(_records(w.rank_dir)) == 1  # summaries off after the error
+    record = _record(w.rank_dir)  # summaries off after the error: the first flush's record
+    assert (record["final"], record["rows"]) == (False, {"steps": 10, "events": 10})
     errors = json.loads((w.rank_dir / "end.json").read_text())["write_errors"]
     assert [e for e in errors if "summary" in e] == [
         "summary: ZeroDivisionError: a section's bug (summaries off for this rank)"
@@ -300,11 +342,11 @@ def test_rows_not_written_are_never_in_a_written_summary(
     w.append("steps", _steps(10, 20))
     w.append("events", _events(10, 20))
     assert not w.flush()
-    assert len(_records(w.rank_dir)) == 1
+    assert _record(w.rank_dir)["rows"] == {"steps": 10, "events": 10}
     _chunks(w, [20, 25])
-    second = _records(w.rank_dir)[1]
-    assert second["rows"] == {"steps": 15, "events": 15}
-    assert second["sections"][NAME]["steps"] == list(range(10, 25))
+    record = _record(w.rank_dir)
+    assert record["rows"] == {"steps": 25, "events": 25}
+    assert record["sections"][NAME]["steps"] == list(range(25))
     # the disk stays full for events: rows pushed out of the buffer are lost, and from then on
     # no record is written (the rows lost were already summarized)
     _failing_for(monkeypatch, "events.jsonl", 10**6)
@@ -316,9 +358,7 @@ def test_rows_not_written_are_never_in_a_written_summary(
     monkeypatch.undo()
     _chunks(w, [65, 70])
     w.close({"status": "finished"})
-    assert len(_records(w.rank_dir)) == 2
-    claimed = {t: sum(r["rows"].get(t, 0) for r in _records(w.rank_dir)) for t in ("steps", "events")}  # fmt: skip
-    assert claimed == {"steps": 25, "events": 25}
+    assert _record(w.rank_dir) == record
     summary, source, _ = _read(tmp_path / "r")
     assert source == "records+tail"
     assert summary == _from_files(w.rank_dir)
@@ -326,21 +366,77 @@ def test_rows_not_written_are_never_in_a_written_summary(
     assert sum(summary["kinds"].values()) == 70 - 15  # the lost events are in no summary
 
 
-def test_a_record_that_cannot_be_written_goes_into_the_next(
+def test_a_record_that_cannot_be_written_leaves_the_last_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 10])
-    _failing_for(monkeypatch, SUMMARY_FILE, 1)
+    real = writer_mod.write_record
+    calls: list[bool] = []
+
+    def full(rank_dir: Path, data: bytes, durable: bool) -> None:
+        calls.append(durable)
+        if len(calls) == 1:
+            tmp = rank_dir / f".{SUMMARY_FILE}.partial.tmp"
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+        real(rank_dir, data, durable)
+
+    monkeypatch.setattr(writer_mod, "write_record", full)
     _chunks(w, [10, 20])  # rows written, record not: flush still reports the rows written
-    assert len(_records(w.rank_dir)) == 1
+    assert _record(w.rank_dir)["rows"] == {"steps": 10, "events": 10}
+    w.append("gpu", [{"t": 1.0}])  # no new row a section reads, but a record to write
+    assert w.flush()
+    assert _record(w.rank_dir)["rows"] == {"steps": 20, "events": 20}
     _chunks(w, [20, 30])
-    records = _records(w.rank_dir)
-    assert [r["chunk"] for r in records] == [0, 1]
-    assert records[1]["rows"] == {"steps": 20, "events": 20}
-    assert records[1]["sections"][NAME]["steps"] == list(range(10, 30))
+    w.close({"status": "finished"})
+    assert calls == [False, False, False, True]  # synced at close only
+    assert _record(w.rank_dir)["rows"] == {"steps": 30, "events": 30}
     assert _read(tmp_path / "r")[:2] == (_from_files(w.rank_dir), "records")
-    assert any(SUMMARY_FILE in e for e in w.write_errors)
+    assert any(e.startswith(f"{SUMMARY_FILE}: ") for e in w.write_errors)
+
+
+def test_a_disk_full_while_writing_the_record_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10])
+    before = (w.rank_dir / SUMMARY_FILE).read_bytes()
+
+    def replace(src: Any, dst: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", replace)
+    _chunks(w, [10, 20])
+    monkeypatch.undo()
+    assert (w.rank_dir / SUMMARY_FILE).read_bytes() == before
+    assert f"{SUMMARY_FILE}: No space left on device" in w.write_errors
+    assert [p.name for p in w.rank_dir.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_table_file_changed_under_the_writer_stops_the_records(tmp_path: Path) -> None:
+    w = _writer(tmp_path / "r")
+    _chunks(w, [0, 10])
+    manifest = (w.rank_dir / "manifest.json").read_bytes()
+    shutil.rmtree(w.rank_dir)  # removed mid-run: the writer makes the folder again
+    _chunks(w, [10, 20])
+    (w.rank_dir / "manifest.json").write_bytes(manifest)
+    w.close({"status": "finished"})
+    assert not (w.rank_dir / SUMMARY_FILE).exists()  # a record would claim steps 0-9
+    summary, source, _ = _read(tmp_path / "r")
+    assert (source, summary["steps"]) == ("files", list(range(10, 20)))
+    # a table file emptied and written again as long as before: the record goes with it
+    w = _writer(tmp_path / "s")
+    _chunks(w, [0, 10])
+    events = w.rank_dir / "events.jsonl"
+    old = events.read_bytes()
+    events.write_bytes(b"")
+    w.append("events", _events(0, 10))
+    assert w.flush() and events.read_bytes() == old  # the record's offsets would match it
+    _chunks(w, [10, 20])
+    w.close({"status": "finished"})
+    assert not (w.rank_dir / SUMMARY_FILE).exists()
+    summary, source, _ = _read(tmp_path / "s")
+    assert (source, summary) == ("files", _from_files(w.rank_dir))
 
 
 def test_write_rank_summary_compacts_a_rank_into_one_final_record(tmp_path: Path) -> None:
@@ -349,10 +445,14 @@ def test_write_rank_summary_compacts_a_rank_into_one_final_record(tmp_path: Path
     steps = w.rank_dir / "steps.jsonl"
     with steps.open("ab") as fh:
         fh.write(b'{"step": 99, "wind')  # a cut last line: not summarized, not covered
+    (w.rank_dir / SUMMARY_FILE).write_bytes(b"")  # a record lost to a machine crash
     record = write_rank_summary(w.rank_dir)
-    assert _records(w.rank_dir) == [record]
-    assert record["final"] and record["chunk"] == 0
-    assert record["rows"] == {"steps": 20, "events": 20}
+    assert _record(w.rank_dir) == record
+    # tables no row was read from (other sections' tables) count 0
+    assert record["final"] and {k: n for k, n in record["rows"].items() if n} == {
+        "steps": 20,
+        "events": 20,
+    }
     assert record["offsets"]["steps.jsonl"] == steps.stat().st_size - len(b'{"step": 99, "wind')
     assert not list(w.rank_dir.glob(".*.tmp"))
     summary, source, _ = _read(tmp_path / "r")
@@ -360,19 +460,21 @@ def test_write_rank_summary_compacts_a_rank_into_one_final_record(tmp_path: Path
 
 
 def test_an_unreadable_rank_gets_an_empty_summary_and_hides_no_other(tmp_path: Path) -> None:
-    for rank in (0, 1):
-        w = RunWriter(tmp_path / "r", rank, 2, {}, max_buffered_rows=100)
+    for rank in (0, 1, 2):
+        w = RunWriter(tmp_path / "r", rank, 3, {}, max_buffered_rows=100)
         _chunks(w, [0, 10])
         w.close({"status": "finished"})
-    bad = tmp_path / "r" / "rank1"
-    (bad / "events.jsonl").unlink()
-    (bad / "events.jsonl").mkdir()  # not a regular file
-    (bad / SUMMARY_FILE).unlink()
+    for rank in (1, 2):  # without its record, and with it
+        bad = tmp_path / "r" / f"rank{rank}"
+        (bad / "events.jsonl").unlink()
+        (bad / "events.jsonl").mkdir()  # not a regular file
+    (tmp_path / "r" / "rank1" / SUMMARY_FILE).unlink()
     loaded = load_run(tmp_path / "r")
     summaries = loaded.summaries()
-    assert summaries[1] == {} and summaries[0][NAME]["steps"] == list(range(10))
-    assert loaded.summary_sources() == {0: "records", 1: "unreadable"}
-    assert any(x.startswith("rank 1: summary not computed") for x in loaded.warnings)
+    assert summaries[1] == summaries[2] == {} and summaries[0][NAME]["steps"] == list(range(10))
+    assert loaded.summary_sources() == {0: "records", 1: "unreadable", 2: "unreadable"}
+    for rank in (1, 2):
+        assert any(x.startswith(f"rank {rank}: summary not computed") for x in loaded.warnings)
 
 
 def test_without_sections_the_writer_writes_no_summary(
@@ -390,9 +492,30 @@ def test_without_sections_the_writer_writes_no_summary(
         SECTIONS.append(counts)
 
 
-def test_a_copied_rank_keeps_its_records(tmp_path: Path) -> None:
-    """The records describe the files by offset, so a copy of the rank reads the same."""
+def test_a_copied_rank_keeps_its_record(tmp_path: Path) -> None:
+    """The record describes the files by offset, so a copy of the rank reads the same."""
     w = _writer(tmp_path / "r")
     _chunks(w, [0, 10, 15])
     shutil.copytree(tmp_path / "r", tmp_path / "copy")
     assert _read(tmp_path / "copy")[:2] == _read(tmp_path / "r")[:2]
+
+
+def test_a_crashed_run_is_loaded_without_reading_every_steps_row(tmp_path: Path) -> None:
+    """load_run's "ended abruptly at step N" takes N from the end of each steps file: a
+    crashed 4,096-rank run is not read whole before its summaries are."""
+    for rank, end in ((0, 30), (1, 25)):
+        w = RunWriter(tmp_path / "r", rank, 2, {}, max_buffered_rows=100)
+        _chunks(w, [0, 10, end])  # never closed
+    steps = tmp_path / "r" / "rank1" / "steps.jsonl"
+    with steps.open("ab") as fh:
+        fh.write(b'{"step": 40, "wi')  # cut by the kill: the loader leaves it
+    loaded = load_run(tmp_path / "r")
+    assert "run ended abruptly at step 29 (no clean close recorded)" in loaded.warnings
+    assert "steps" not in loaded._tables
+    assert "summaries" not in loaded._derived
+    # a damaged last row: not guessed at, the ranks' summaries say (as Run.last_step does)
+    with steps.open("ab") as fh:
+        fh.write(b'\n{"step": 41, "window": 0, "t": 1.0}\n{"step": "x"}\n')
+    loaded = load_run(tmp_path / "r")
+    assert "run ended abruptly at step 41 (no clean close recorded)" in loaded.warnings
+    assert "summaries" in loaded._derived and "steps" not in loaded._tables

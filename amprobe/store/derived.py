@@ -550,8 +550,11 @@ class _Previous:
 
 
 def _json_safe(value: Any) -> Any:
+    """``value`` as standard JSON (which Spark, Dask and DuckDB's JSON functions read): a
+    non-finite float (an infinite amax, a NaN loss) as the string ``"Infinity"``,
+    ``"-Infinity"`` or ``"NaN"``, not as null, which would read as "not recorded"."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
         return {str(k): _json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -562,7 +565,7 @@ def _json_safe(value: Any) -> Any:
 def _write_summaries(
     run: Run, job: dict[str, Any], out: Path, stats: dict[int, _RankStats]
 ) -> dict[str, Any]:
-    summaries = run.summaries()
+    summaries = run.summaries(refresh=True)  # the ranks' files changed since the run read them
     ranks = [info.rank for info in run.ranks]
     n = len(ranks)
     got = [stats.get(r, _RankStats()) for r in ranks]

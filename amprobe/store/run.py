@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import functools
+import gc
 import json
 import os
-import uuid
-from collections.abc import Callable, Mapping
+import stat
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from amprobe.store.layout import (
     BASELINE_LEGS,
     STATUS_ORDER,
     RunLoadError,
+    file_kind,
     is_run_dir,
     list_ranks,
     open_regular,
@@ -46,11 +50,13 @@ from amprobe.store.summary import (
     SUMMARY_FILE,
     SUMMARY_VERSION,
     Accumulator,
+    encode_record,
     make_record,
     merge_sections,
     parse_record,
     summarize_tables,
     summary_tables,
+    write_record,
 )
 
 __all__ = [
@@ -237,23 +243,26 @@ class Run:
             self._derived[key] = frame
         return self._derived[key]
 
-    def summaries(self) -> dict[int, dict[str, Any]]:
+    def summaries(self, refresh: bool = False) -> dict[int, dict[str, Any]]:
         """Each rank's summary (:mod:`amprobe.store.summary`): rank -> section name -> facts,
         computed once per run.
 
-        A rank's chunk records (``summary.jsonl``, appended by the writer at each flush) are
-        merged, and only the rows after the last record's offsets are summarized from the
-        record files; a rank without usable records is summarized from its files. A rank
-        whose files cannot be read gets an empty summary (a missing section: no rows) and a
-        warning. :meth:`summary_sources` says which way each rank went.
+        A rank's record (``summary.json``, replaced by the writer at each flush) is read,
+        its offsets are checked against the table files' sizes, and only the rows after them
+        are summarized from the record files and merged in; a rank without a usable record
+        is summarized from its files. A rank whose files cannot be read gets an empty summary
+        (a missing section: no rows) and a warning. :meth:`summary_sources` says which way
+        each rank went.
         """
+        if refresh:  # the files grew (a live run): read them again, for every later reader
+            self._derived.pop("summaries", None)
         return self.cached("summaries", _summaries)
 
     def summary_sources(self) -> dict[int, str]:
-        """Where each rank's summary came from: ``"records"`` (the writer's records alone),
-        ``"records+tail"`` (records, and the rows after them read from the files),
-        ``"files"`` (the record files alone: no summary file, an older amprobe, or records
-        that were not trusted) or ``"unreadable"`` (an empty summary)."""
+        """Where each rank's summary came from: ``"records"`` (the writer's record alone),
+        ``"records+tail"`` (the record, and the rows after it read from the files),
+        ``"files"`` (the record files alone: no summary file, an older amprobe, or a record
+        that was damaged or not trusted) or ``"unreadable"`` (an empty summary)."""
         self.summaries()
         return dict(self._derived["summary_sources"])
 
@@ -299,7 +308,7 @@ class Run:
         return int(max(lasts)) if lasts else None
 
 
-#: Largest summary.jsonl read (a rank's records are a few hundred kilobytes); a larger one is
+#: Largest summary.json read (a record is a few to a few hundred kilobytes); a larger one is
 #: not trusted and the rank is summarized from its record files.
 MAX_SUMMARY_BYTES = 64 << 20
 
@@ -309,7 +318,7 @@ class _RankSummary:
     summary: dict[str, Any]
     source: str  # records, records+tail, files, unreadable
     warnings: list[str]
-    other_version: int = 0  # records of another summary_version ignored
+    other_version: bool = False  # a record of another summary_version was ignored
 
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
@@ -317,20 +326,26 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
     if run._tables and not any(info.path.is_dir() for info in run.ranks):
         return _summaries_in_memory(run)
     infos = list(run.ranks)
-    if len(infos) > 1:
-        workers = min(len(infos), os.cpu_count() or 1, 16)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            parts = list(pool.map(_summarize_rank, infos))
-    else:
-        parts = [_summarize_rank(info) for info in infos]
+    names = [cls.name for cls in SECTIONS]
+    files = [(table, table_filename(table)) for table in sorted(summary_tables())]
+    one = functools.partial(_summarize_rank, names=names, files=files)
+    with _gc_paused():
+        if len(infos) > 1:
+            # threads overlap the file system's waits (a cold cache, a network file system)
+            workers = min(len(infos), os.cpu_count() or 1, 16)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                parts = list(pool.map(one, infos))
+        else:
+            parts = [one(info) for info in infos]
     out: dict[int, dict[str, Any]] = {}
     sources: dict[int, str] = {}
     other = 0
     for info, part in zip(infos, parts, strict=True):
-        run._warn(part.warnings)
+        if part.warnings:
+            run._warn(part.warnings)
         out[info.rank] = part.summary
         sources[info.rank] = part.source
-        other += part.other_version > 0
+        other += part.other_version
     if other:
         run._warn(
             f"summary records of another summary_version (this amprobe reads {SUMMARY_VERSION}) "
@@ -367,144 +382,170 @@ def _summaries_in_memory(run: Run) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _summarize_rank(info: RankInfo) -> _RankSummary:
-    """One rank's summary: its records merged, then the rows no record covers (never raises)."""
-    who = f"rank {info.rank}"
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: reading thousands of records allocates hundreds
+    of thousands of small acyclic containers, and the collections they set off traverse every
+    record read before (a third of the CPU time at 4,096 ranks). Nothing read is cyclic."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        records, warnings, other = _read_records(info)
-        names = {cls.name for cls in SECTIONS}
-        if any(not names <= r["sections"].keys() for r in records):
-            records = []  # written with fewer sections (an older amprobe): not a damage
-        tables = sorted(summary_tables())
-        offsets: dict[str, int] = {}
-        if records:
-            why = _distrust(info.path, records, tables)
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _summarize_rank(info: RankInfo, names: list[str], files: list[tuple[str, str]]) -> _RankSummary:
+    """One rank's summary: its record, and the rows it does not cover (never raises).
+    ``names`` are the registered sections' names, ``files`` the (table, file name) pairs of
+    the tables they read."""
+    who = f"rank {info.rank}"
+    folder = str(info.path)
+    try:
+        record, warnings, other = _read_record(info.rank, folder)
+        if record is not None and not all(name in record["sections"] for name in names):
+            record = None  # written with fewer sections (an older amprobe): not a damage
+        starts: dict[str, int] | None = None  # where the rows no record covers start
+        if record is not None:
+            starts, why = _tail_starts(folder, record["offsets"], files)
             if why:
                 warnings.append(
                     f"{who}: {SUMMARY_FILE} does not match the record files ({why}); "
                     "the rank was summarized from its record files"
                 )
-                records = []
-            else:
-                offsets = records[-1]["offsets"]
-        merged = merge_sections(r["sections"] for r in records) if records else {}
-        acc = Accumulator()
-        tail = 0
-        for table in tables:
-            name = table_filename(table)
-            read = _read_arrow(info.path / name, table, offsets.get(name, 0))
+                record, starts = None, None
+        acc: Accumulator | None = None
+        for table, name in files:
+            if starts is not None and name not in starts:
+                continue  # the record covers the whole file: not opened
+            read = _read_arrow(info.path / name, table, starts[name] if starts else 0)
             warnings.extend(_read_warnings(info, name, read))
             if read.table is not None and read.table.num_rows:
-                rows = read.table.to_pylist()
-                acc.add(table, rows)
-                tail += len(rows)
-        if not records:
-            return _RankSummary(acc.take(), "files", warnings, other)
-        if not tail:
-            return _RankSummary(merged, "records", warnings, other)
-        return _RankSummary(merge_sections([merged, acc.take()]), "records+tail", warnings, other)
+                acc = acc or Accumulator()
+                acc.add(table, read.table.to_pylist())
+        if record is None:
+            return _RankSummary((acc or Accumulator()).snapshot(), "files", warnings, other)
+        sections = record["sections"]
+        if acc is None:
+            return _RankSummary({n: sections[n] for n in names}, "records", warnings, other)
+        merged = merge_sections([sections, acc.snapshot()])
+        return _RankSummary(merged, "records+tail", warnings, other)
     except RunLoadError as exc:
         return _RankSummary({}, "unreadable", [f"{who}: summary not computed: {exc}"])
-    except Exception as exc:  # a section that fails on this rank's rows or records
+    except Exception as exc:  # a section that fails on this rank's rows or record
         return _RankSummary(
             {}, "unreadable", [f"{who}: summary not computed ({type(exc).__name__}: {exc})"]
         )
 
 
-def _read_records(info: RankInfo) -> tuple[list[dict[str, Any]], list[str], int]:
-    """The rank's usable summary records: those of this ``summary_version``, chunk 0, 1, ...
-    in file order up to the first missing chunk or the final record. Returns them, the
-    warnings, and how many records of another version were ignored."""
-    who = f"rank {info.rank}"
-    path = info.path / SUMMARY_FILE
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _read_record(rank: int, folder: str) -> tuple[dict[str, Any] | None, list[str], bool]:
+    """The rank's summary record if it has a usable one (None if not), the warnings, and
+    whether a record of another ``summary_version`` was ignored.
+
+    Read with bare descriptors (as :func:`~amprobe.store.layout.open_regular` checks: opened
+    non-blocking, a regular file by ``fstat``), thousands of ranks being read in a row."""
+    path = f"{folder}/{SUMMARY_FILE}"
     try:
-        with open_regular(path) as fh:
-            data = fh.read(MAX_SUMMARY_BYTES + 1)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
-        return [], [], 0
+        return None, [], False
     except OSError as exc:
         why = f"not read ({exc.strerror or exc})"
-        return [], [f"{who}: {SUMMARY_FILE} {why}; the rank was summarized from its files"], 0
-    if len(data) > MAX_SUMMARY_BYTES:
-        why = f"is larger than {MAX_SUMMARY_BYTES} bytes"
-        return [], [f"{who}: {SUMMARY_FILE} {why}; the rank was summarized from its files"], 0
-    warnings: list[str] = []
-    lines = data.split(b"\n")
-    cut = lines.pop()  # after the last newline: empty, or a record cut by a crash
-    if cut.strip() and info.end is not None:
-        warnings.append(
-            f"{who}: {SUMMARY_FILE} ends in a cut record ({len(cut)} bytes without a newline) "
-            "although the rank closed cleanly; it was ignored"
-        )
-    found: list[dict[str, Any]] = []
-    damaged = other = 0
-    for line in lines:
-        if not line.strip():
-            continue
+    else:
         try:
-            record = parse_record(json.loads(line))
-        except (ValueError, RecursionError):
-            record = None
-        if record is None:
-            damaged += 1
-        elif record["summary_version"] != SUMMARY_VERSION:
-            other += 1
-        else:
-            found.append(record)
-    if damaged:
-        warnings.append(f"{who}: {damaged} damaged record(s) skipped in {SUMMARY_FILE}")
-    records: list[dict[str, Any]] = []
-    for record in found:
-        if record["chunk"] != len(records):
-            break
-        records.append(record)
-        if record["final"]:
-            break
-    if len(records) < len(found):
-        warnings.append(
-            f"{who}: {len(found) - len(records)} record(s) of {SUMMARY_FILE} after a missing "
-            "chunk or the final one not used; the rows after the last one used were "
-            "summarized from the record files"
-        )
-    return records, warnings, other
-
-
-def _distrust(rank_dir: Path, records: list[dict[str, Any]], tables: list[str]) -> str:
-    """Why the records cannot describe the record files as they are now ('' if they can):
-    offsets going backwards, or a table file shorter than (or not ending a line at) the last
-    record's offset, which happens when a file was truncated or replaced."""
-    seen: dict[str, int] = {}
-    for record in records:
-        offsets = record["offsets"]
-        for name in seen.keys() | offsets.keys():
-            if offsets.get(name, 0) < seen.get(name, 0):
-                return f"the offsets of {name} go backwards at chunk {record['chunk']}"
-        seen = offsets
-    for table in tables:
-        name = table_filename(table)
-        offset = seen.get(name, 0)
-        if offset == 0:
-            continue
-        try:
-            with open_regular(rank_dir / name) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                last = os.pread(fh.fileno(), 1, offset - 1) if size >= offset else b""
-        except FileNotFoundError:
-            return f"{name} is missing"
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{file_kind(st.st_mode)}, not a regular file")
+            chunks: list[bytes] = []
+            got = 0
+            while got <= MAX_SUMMARY_BYTES:  # usually one read and the end: the file is small
+                want = min(MAX_SUMMARY_BYTES + 1 - got, max(st.st_size + 1 - got, 4096))
+                more = os.read(fd, want)
+                if not more:
+                    break
+                chunks.append(more)
+                got += len(more)
+            data = b"".join(chunks)
         except OSError as exc:
-            raise RunLoadError(f"cannot read {rank_dir / name}: {exc.strerror or exc}") from None
-        if size < offset:
-            return f"{name} has {size} bytes, fewer than the {offset} summarized"
-        if last != b"\n":
-            return f"{name} has no line end at the summarized offset {offset}"
-    return ""
+            why, data = f"not read ({exc.strerror or exc})", None
+        finally:
+            os.close(fd)
+        if data is None:
+            pass
+        elif len(data) > MAX_SUMMARY_BYTES:
+            why = f"larger than {MAX_SUMMARY_BYTES} bytes"
+        else:
+            try:
+                record = parse_record(json.loads(data))
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                why = "not valid JSON" if data.strip() else "empty"
+            else:
+                if record is None:
+                    why = "not a summary record"
+                elif record["summary_version"] != SUMMARY_VERSION:
+                    return None, [], True
+                else:
+                    return record, [], False
+    # a machine crash before the page cache reached the disk can leave an empty or cut file
+    warning = f"rank {rank}: {SUMMARY_FILE} is {why}; the rank was summarized from its files"
+    return None, [warning], False
+
+
+def _tail_starts(
+    folder: str, offsets: Mapping[str, int], files: list[tuple[str, str]]
+) -> tuple[dict[str, int], str]:
+    """Where the rows a record does not cover start, per table file that has some (a file
+    that ends at the record's offset is not listed), and why the record cannot describe the
+    files as they are now ('' if it can): a file shorter than the offset, or not ending a line
+    there, which happens when a file was truncated or replaced.
+
+    One ``stat`` per table file; a file is opened only when it grew past its offset.
+
+    Raises:
+        RunLoadError: a table file is not a regular file or cannot be read.
+    """
+    starts: dict[str, int] = {}
+    for _table, name in files:
+        path = f"{folder}/{name}"
+        offset = offsets.get(name, 0)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if offset:
+                return {}, f"{name} is missing"
+            continue
+        except OSError as exc:
+            raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise RunLoadError(
+                f"cannot read {path}: is {file_kind(st.st_mode)}, not a regular file"
+            )
+        if st.st_size < offset:
+            return {}, f"{name} has {st.st_size} bytes, fewer than the {offset} summarized"
+        if st.st_size == offset:
+            continue
+        if offset:
+            try:
+                with open_regular(path) as fh:
+                    last = os.pread(fh.fileno(), 1, offset - 1)
+            except OSError as exc:
+                raise RunLoadError(f"cannot read {path}: {exc.strerror or exc}") from None
+            if last != b"\n":
+                return {}, f"{name} has no line end at the summarized offset {offset}"
+        starts[name] = offset
+    return starts, ""
 
 
 def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """(Re)write a rank's ``summary.jsonl`` from its record files as one final record (the
-    compaction step): the file is replaced atomically (a reader sees the old or the new one).
-    The record's offsets are where each table's complete lines end, so rows appended later
-    are summarized by the reader as a tail. Returns the record written.
+    """(Re)write a rank's ``summary.json`` from its record files as a final record (the
+    compaction step, for a rank whose record is missing or stale): the file is replaced
+    atomically (a reader sees the old or the new one) and synced. The record's offsets are
+    where each table's complete lines end, so rows appended later are summarized by the
+    reader as a tail. Returns the record written.
 
     Raises:
         RunLoadError: a table file cannot be read.
@@ -522,19 +563,8 @@ def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
         rows[table] = got.num_rows if got is not None else 0
         if got is not None and got.num_rows:
             acc.add(table, got.to_pylist())
-    record = make_record(0, True, offsets, rows, acc.take())
-    path = folder / SUMMARY_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, default=str, separators=(", ", ": ")) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    record = make_record(True, offsets, rows, acc.snapshot())
+    write_record(folder, encode_record(record), durable=True)
     return record
 
 
@@ -659,6 +689,59 @@ def _not_a_run(root: Path) -> str:
     return f"not an amprobe run directory (no manifest.json): {root}"
 
 
+#: How much of the end of a steps file is read for its last step (a steps row is under 1 kB).
+_LAST_STEP_BYTES = 8 << 10
+
+
+def _rank_last_steps(run: Run) -> dict[int, int] | None:
+    """Each rank's last step without reading every rank's steps: the step of its last complete
+    row, read from the end of its file (the probe writes a rank's steps in increasing order).
+    None when a rank's file end holds a line the loader would drop, or no valid row in the
+    bytes read: that is not guessed at (the caller reads the summaries then)."""
+    lasts: dict[int, int] = {}
+    for info in run.ranks:
+        path = info.path / table_filename("steps")
+        try:
+            with open_regular(path) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                start = max(0, size - _LAST_STEP_BYTES)
+                data = os.pread(fh.fileno(), size - start, start)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        lines = data.split(b"\n")
+        lines.pop()  # after the last line end: nothing, or a cut line the loader leaves
+        if start:
+            lines.pop(0)  # may begin inside a line
+        step = None
+        for line in reversed(lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                row = None
+            step = row.get("step") if isinstance(row, dict) else None
+            break
+        if type(step) is not int:
+            if any(line.strip() for line in lines) or start:
+                return None  # a damaged or odd last row: the loader decides
+            continue  # no row at all
+        lasts[info.rank] = step
+    return lasts
+
+
+def _summary_last_steps(run: Run) -> dict[int, int]:
+    """Each rank's last step from its ``steps`` summary (what :attr:`Run.last_step` reads)."""
+    out = {}
+    for rank, summary in run.summaries().items():
+        last = (summary.get("steps") or {}).get("last")
+        if isinstance(last, int):
+            out[rank] = last
+    return out
+
+
 def load_run(path: str | os.PathLike[str]) -> Run:
     """Load a run directory.
 
@@ -745,10 +828,13 @@ def load_run(path: str | os.PathLike[str]) -> Run:
     status = next((s for s in STATUS_ORDER if s in statuses), "finished")
     run = Run(path=root, manifest=manifest, ranks=ranks, status=status, warnings=warnings)
     if any(r.end is None and r.status != "live" for r in ranks):
-        last = run.last_step
+        lasts = _rank_last_steps(run)
+        if lasts is None:
+            lasts = _summary_last_steps(run)
+        last = max(lasts.values()) if lasts else None
         where = f" at step {last}" if last is not None else " before its first flushed step"
         run.warnings.append(f"run ended abruptly{where} (no clean close recorded)")
-        run.warnings.extend(_lagging_ranks(run))
+        run.warnings.extend(_lagging_ranks(run, lasts))
     return run
 
 
@@ -757,20 +843,17 @@ def load_run(path: str | os.PathLike[str]) -> Run:
 LAGGING_STEPS = 100
 
 
-def _lagging_ranks(run: Run) -> list[str]:
+def _lagging_ranks(run: Run, known: dict[int, int]) -> list[str]:
     """One warning per unclosed rank whose records end well before the other ranks' (a rank
     that stopped early, or whose files were cut): otherwise only its own findings, if any,
-    would show that a truncated rank among thousands is not like the others."""
-    summaries = run.summaries()
-    lasts = {
-        info.rank: summaries.get(info.rank, {}).get("steps", {}).get("last") for info in run.ranks
-    }
-    known = {r: v for r, v in lasts.items() if isinstance(v, int)}
+    would show that a truncated rank among thousands is not like the others. ``known``: each
+    rank's last step."""
     if len(known) < 2:
         return []
     top = max(known.values())
+    unclosed = {i.rank for i in run.ranks if i.end is None and i.status != "live"}
     behind = sorted(
-        (r for r, v in known.items() if top - v > LAGGING_STEPS and _unclosed(run, r)),
+        (r for r, v in known.items() if top - v > LAGGING_STEPS and r in unclosed),
         key=lambda r: (known[r], r),
     )
     lines = [
@@ -782,7 +865,3 @@ def _lagging_ranks(run: Run) -> list[str]:
     if len(behind) > 8:
         lines.append(f"{len(behind) - 8} more rank(s) end more than {LAGGING_STEPS} steps early")
     return lines
-
-
-def _unclosed(run: Run, rank: int) -> bool:
-    return any(i.rank == rank and i.end is None and i.status != "live" for i in run.ranks)

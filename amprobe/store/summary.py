@@ -4,13 +4,14 @@ A rank's summary is made of **sections**, one per kind of fact (the scale trajec
 times, numerics aggregates, ...). A section is fed the rows of the tables it reads, one row at
 a time, as plain dicts (the writer's rows before they are encoded, or the loader's rows when a
 rank is summarized at read time), and turns them into a small JSON-safe dict. The dicts of two
-consecutive chunks of rows merge into the dict of their union (:meth:`Section.merge`), so:
+consecutive runs of rows merge into the dict of their union (:meth:`Section.merge`), so:
 
-- the writer appends one record per flushed chunk to ``rankN/summary.jsonl`` (a killed job
-  keeps the summaries of every chunk it flushed), and a last one marked ``final`` at close;
-- a reader merges a rank's chunk records in one pass, and summarizes from the record files
-  only what no record covers (the rows after the last record's ``offsets``, a rank without a
-  summary file).
+- the writer keeps one accumulator for the whole run and, at each flush that wrote every
+  pending row, replaces ``rankN/summary.json`` with one cumulative record (a killed job keeps
+  the record of its last such flush): a reader reads one small file per rank;
+- a reader summarizes from the record files only what the record does not cover (the rows
+  after its ``offsets``, or the whole rank when it has no usable record) and merges that tail
+  into the record's sections.
 
 This module imports nothing above ``store`` and neither pandas nor torch: the writer runs it in
 the training process. Sections register with :func:`section`; see docs/design/read-side.md.
@@ -18,7 +19,13 @@ the training process. Sections register with :func:`section`; see docs/design/re
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import os
+import uuid
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 __all__ = [
@@ -32,22 +39,30 @@ __all__ = [
     "summary_tables",
     "make_record",
     "parse_record",
+    "write_record",
+    "encode_record",
 ]
 
-SUMMARY_FILE = "summary.jsonl"
-#: Version of the summary record's layout; a reader rebuilds records of another version from
-#: the record files instead of merging them.
+#: A rank's summary record, replaced whole at each flush (``rankN/summary.json``).
+SUMMARY_FILE = "summary.json"
+#: Version of the summary record's layout; a reader rebuilds a record of another version from
+#: the record files instead of reading it.
 SUMMARY_VERSION = 1
 
 
 class Section:
-    """One kind of fact of a rank, accumulated from rows and merged across chunks.
+    """One kind of fact of a rank, accumulated from rows and merged with other runs of rows.
 
     Subclasses set :attr:`name` (the key in a summary record) and :attr:`tables` (the tables
     whose rows they read), and implement :meth:`add`, :meth:`to_json` and :meth:`merge`.
     ``merge`` must be associative and agree with accumulation: the merge of the ``to_json`` of
     rows ``A`` and of rows ``B`` (``A`` before ``B`` in the file) equals the ``to_json`` of a
     section fed ``A`` then ``B``. Missing keys and ``None`` values of a row mean the same.
+
+    ``to_json`` must not change the section: the writer calls it at every flush and goes on
+    adding rows to the same section for the whole run. Its dict may share the section's own
+    lists and dicts (the caller encodes or merges it before adding more rows), and ``merge``
+    must not change its arguments.
     """
 
     name: ClassVar[str] = ""
@@ -57,6 +72,7 @@ class Section:
         raise NotImplementedError
 
     def to_json(self) -> dict[str, Any]:
+        """The facts of every row added so far (leaves the section as it is)."""
         raise NotImplementedError
 
     @classmethod
@@ -78,7 +94,12 @@ def section(cls: type[Section]) -> type[Section]:
 
 
 class Accumulator:
-    """Every registered section of one rank, fed rows; :meth:`take` empties it into a dict."""
+    """Every registered section of one rank, fed rows.
+
+    :meth:`snapshot` reads the sections of every row added so far (the writer's cumulative
+    record); :meth:`take` reads them and starts afresh. :attr:`counts` counts the rows added
+    per table (those of tables no section reads are not counted).
+    """
 
     def __init__(self) -> None:
         self._fresh()
@@ -89,7 +110,12 @@ class Accumulator:
         for sec in self.sections:
             for table in sec.tables:
                 self._by_table.setdefault(table, []).append(sec)
-        self.rows = 0
+        self.counts: dict[str, int] = {}
+
+    @property
+    def rows(self) -> int:
+        """Rows added in all (of the tables some section reads)."""
+        return sum(self.counts.values())
 
     def reads(self, table: str) -> bool:
         """Whether some section reads ``table`` (the writer feeds only those rows)."""
@@ -99,21 +125,28 @@ class Accumulator:
         readers = self._by_table.get(table)
         if not readers:
             return
+        n = 0
         for row in rows:
-            self.rows += 1
+            n += 1
             for sec in readers:
                 sec.add(table, row)
+        self.counts[table] = self.counts.get(table, 0) + n
+
+    def snapshot(self) -> dict[str, Any]:
+        """The sections' dicts of every row added so far; the sections are left as they are."""
+        return {sec.name: sec.to_json() for sec in self.sections}
 
     def take(self) -> dict[str, Any]:
         """The sections' dicts of the rows added since the last ``take``; starts afresh."""
-        out = {sec.name: sec.to_json() for sec in self.sections}
+        out = self.snapshot()
         self._fresh()
         return out
 
 
 def merge_sections(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The merge, in order, of several chunks' section dicts (as :meth:`Accumulator.take`
-    returns them). A section missing from a part is one with no rows there."""
+    """The merge, in order, of several runs of rows' section dicts (as
+    :meth:`Accumulator.snapshot` returns them). A section missing from a part is one with no
+    rows there."""
     merged: dict[str, Any] = {}
     for part in parts:
         for cls in SECTIONS:
@@ -130,21 +163,19 @@ def summary_tables() -> set[str]:
 
 
 def make_record(
-    chunk: int,
     final: bool,
     offsets: Mapping[str, int],
     rows: Mapping[str, int],
     sections: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """One line of ``summary.jsonl``: the sections of the rows of one flushed chunk.
+    """The content of ``summary.json``: the sections of every row of the rank up to ``offsets``.
 
-    ``offsets`` maps each table file name to its size in bytes once the chunk's rows were
-    written (the rows a reader summarizes itself start there); ``rows`` counts the chunk's rows
-    per table summarized; ``final`` marks the record ``close`` wrote (nothing follows it).
+    ``offsets`` maps each table file name to its size in bytes once the summarized rows were
+    written (the rows a reader summarizes itself start there); ``rows`` counts the rows
+    summarized per table; ``final`` marks the record ``close`` wrote (no row follows it).
     """
     return {
         "summary_version": SUMMARY_VERSION,
-        "chunk": chunk,
         "final": final,
         "offsets": dict(offsets),
         "rows": dict(rows),
@@ -157,7 +188,7 @@ def _count(value: Any) -> bool:
 
 
 def parse_record(obj: Any) -> dict[str, Any] | None:
-    """``obj`` (one parsed line of ``summary.jsonl``) if it is a well-formed record of any
+    """``obj`` (the parsed ``summary.json``) if it is a well-formed record of any
     ``summary_version`` (the caller compares it), else None. Only the envelope is checked:
     the sections' dicts are their own classes' to read."""
     if not isinstance(obj, dict) or not _count(obj.get("summary_version")):
@@ -166,8 +197,7 @@ def parse_record(obj: Any) -> dict[str, Any] | None:
         return obj  # another layout: the caller ignores it without reading further
     offsets, rows, sections = obj.get("offsets"), obj.get("rows"), obj.get("sections")
     if not (
-        _count(obj.get("chunk"))
-        and isinstance(obj.get("final"), bool)
+        isinstance(obj.get("final"), bool)
         and isinstance(offsets, dict)
         and all(isinstance(k, str) and _count(v) for k, v in offsets.items())
         and isinstance(rows, dict)
@@ -177,6 +207,47 @@ def parse_record(obj: Any) -> dict[str, Any] | None:
     ):
         return None
     return obj
+
+
+def write_record(rank_dir: Path, data: bytes, durable: bool) -> None:
+    """Replace ``rank_dir/summary.json`` by ``data`` (one encoded record) atomically: a reader
+    sees the old record or the new one, never a mix (a temporary file in the same folder,
+    then ``os.replace``).
+
+    ``durable`` asks for an ``fsync`` before the rename (``close`` and the compaction ask;
+    each flush does not): a killed process loses nothing written, the page cache keeps it, so
+    only a machine crash can leave an empty or cut ``summary.json``, and the reader then
+    rebuilds the rank from its record files; an ``fsync`` at every flush would cost the
+    training loop a disk round trip for no gain in what a reader can know.
+
+    Raises:
+        OSError: the record could not be written (the old one, if any, is left as it was).
+    """
+    path = rank_dir / SUMMARY_FILE
+    # unique per writer (process, call): two writers never share a temporary file
+    tmp = rank_dir / f".{SUMMARY_FILE}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        with open(tmp, "wb", buffering=0) as fh:
+            view = memoryview(data)
+            done = 0
+            while done < len(data):
+                n = fh.write(view[done:])
+                if not n:
+                    raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+                done += n
+            if durable:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def encode_record(record: Mapping[str, Any]) -> bytes:
+    """``record`` as the bytes of ``summary.json`` (compact JSON, one line; NaN and infinity
+    written as JavaScript's, which Python's ``json`` reads back)."""
+    return (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode("utf-8")
 
 
 def summarize_tables(read: Any, tables: Iterable[str] | None = None) -> dict[str, Any]:
@@ -189,4 +260,4 @@ def summarize_tables(read: Any, tables: Iterable[str] | None = None) -> dict[str
     acc = Accumulator()
     for table in sorted(wanted):
         acc.add(table, read(table))
-    return acc.take()
+    return acc.snapshot()

@@ -1,8 +1,9 @@
 """Append-only, crash-safe writer for one rank of a run directory.
 
 Besides the rows, the writer keeps the rank's summary (:mod:`amprobe.store.summary`): the rows
-it is given feed an accumulator, and each flush that writes every pending row appends one
-record of those rows' summary to ``rankN/summary.jsonl`` (see :meth:`RunWriter.flush`).
+it is given feed one accumulator for the whole run, and each flush that writes every pending
+row replaces ``rankN/summary.json`` with the summary of every row so far (see
+:meth:`RunWriter.flush`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from amprobe.store.summary import (
     SECTIONS,
     SUMMARY_FILE,
     Accumulator,
+    encode_record,
     make_record,
-    merge_sections,
+    write_record,
 )
 from amprobe.version import __version__
 
@@ -115,12 +117,14 @@ class RunWriter:
     retried at the next flush; rows pushed out of that buffer are counted as lost, with the
     first and last step they covered, and the count is written to ``end.json``.
 
-    The summary (``summary.jsonl``) never claims a row that is not in the files: a record is
-    appended, after the rows, only by a flush that wrote every pending row, and it covers the
-    rows given since the last record (a flush that left rows queued adds its rows to the next
-    record's; a record that could not be written is merged into the next one). Once a row is
-    counted as lost, or a section raises (recorded once in ``write_errors``), the rank writes
-    no more records: the reader summarizes the rows after the last record from the files.
+    The summary (``summary.json``) never claims a row that is not in the files: it is
+    replaced, after the rows, only by a flush that wrote every pending row, and it covers every
+    row given so far (a flush that left rows queued writes no record; the next full flush's
+    covers those rows too; a record that could not be written leaves the last one in place).
+    Once a row is counted as lost, a table file is not as this writer left it (its folder was
+    removed, it was truncated or written by someone else), or a section raises (recorded once
+    in ``write_errors``), the rank writes no more records: the reader summarizes the rows after
+    the last record from the files.
     """
 
     def __init__(
@@ -141,11 +145,9 @@ class RunWriter:
         self.lost_rows: dict[str, int] = {}
         self.lost_steps: list[int] = []
         self.write_errors: list[str] = []
-        # the summary of the rows given since the last record (None: summaries off)
+        # the summary of every row given so far (None: summaries off)
         self._summary: Accumulator | None = Accumulator() if SECTIONS else None
-        self._summary_rows: dict[str, int] = {}  # rows fed since the last record, per table
-        self._unwritten: dict[str, Any] | None = None  # sections of a record not written yet
-        self._chunk = 0  # the next record's number
+        self._summary_dirty = False  # rows fed since the last record written
         self._sizes: dict[str, int] = {}  # table file name -> its size after our last write
         self._setup = (world_size, dict(rank_manifest), overwrite)
         # the manifest may be annotated from another thread (live attach) while the training
@@ -246,7 +248,7 @@ class RunWriter:
             except Exception as exc:
                 self._summary_failed(exc)
             else:
-                self._summary_rows[table] = self._summary_rows.get(table, 0) + len(rows)
+                self._summary_dirty = True
         queue = self._pending.setdefault(table, deque())
         for row in rows:
             # NaN / Infinity are written as such: pyarrow's JSON reader reads them back
@@ -306,19 +308,38 @@ class RunWriter:
         lines = list(queue)
         if not lines:
             return
-        name = table_filename(table)
         try:
-            self._sizes[name] = _append_lines(self.rank_dir / name, _encode(lines))
+            self._append(table_filename(table), _encode(lines))
         except OSError:
             return
         queue.clear()
 
+    def _append(self, name: str, data: bytes) -> None:
+        """Append ``data`` (whole lines) to table file ``name`` and note the file's size.
+
+        Raises:
+            OSError: see :func:`_append_lines`.
+        """
+        end = _append_lines(self.rank_dir / name, data)
+        if end != self._sizes.get(name, 0) + len(data):
+            # the file is not as this writer left it (removed, truncated, appended to by
+            # another process, or ending in a cut line): rows the accumulator holds may not be
+            # in it, and the last record may describe a file that is gone
+            self._summary_off(drop_record=True)
+        self._sizes[name] = end
+
     # -- the summary ------------------------------------------------------------------------
-    def _summary_off(self) -> None:
-        """Write no more summary records (the reader summarizes the rest from the files)."""
+    def _summary_off(self, drop_record: bool = False) -> None:
+        """Write no more summary records (the reader summarizes the rest from the files).
+
+        The last record written stays (it claims only rows that are in the files) unless
+        ``drop_record``: then it is removed, best effort (a file it describes was changed by
+        someone else; the reader would catch most such changes by size, not all)."""
+        if drop_record and self._summary is not None:
+            with contextlib.suppress(OSError):
+                (self.rank_dir / SUMMARY_FILE).unlink()
         self._summary = None
-        self._unwritten = None
-        self._summary_rows = {}
+        self._summary_dirty = False
 
     def _summary_failed(self, exc: BaseException) -> None:
         message = f"summary: {type(exc).__name__}: {exc} (summaries off for this rank)"
@@ -327,39 +348,35 @@ class RunWriter:
         self._summary_off()
 
     def _write_summary(self, final: bool) -> None:
-        """Append the record of the rows given since the last one (all of them are in the
-        files now). A record that cannot be written is merged into the next one."""
+        """Replace ``summary.json`` by the summary of every row given so far (all of them are
+        in the files now). A record that cannot be written leaves the last one in place; the
+        next flush tries again."""
         summary = self._summary
-        if summary is None or not (final or self._summary_rows):
+        if summary is None or not (final or self._summary_dirty):
             return
         try:
-            sections = summary.take()
-            if self._unwritten is not None:
-                sections = merge_sections([self._unwritten, sections])
-            record = make_record(self._chunk, final, self._sizes, self._summary_rows, sections)
-            data = _encode([_ENCODE(record)])
+            record = make_record(final, self._sizes, summary.counts, summary.snapshot())
+            data = encode_record(record)
         except Exception as exc:
             self._summary_failed(exc)
             return
-        self._unwritten = sections  # until written
         try:
-            _append_lines(self.rank_dir / SUMMARY_FILE, data)
+            # fsync only at close: see write_record
+            write_record(self.rank_dir, data, durable=final)
         except OSError as exc:
             message = f"{SUMMARY_FILE}: {exc.strerror or exc}"
             if message not in self.write_errors:
                 self.write_errors.append(message)
             return
-        self._unwritten = None
-        self._summary_rows = {}
-        self._chunk += 1
+        self._summary_dirty = False
 
     def flush(self) -> bool:
         """Append all queued rows to their files. Returns False if some rows stay queued.
 
-        When every queued row was written, the summary of the rows given since the last record
-        is appended to ``summary.jsonl`` as one record (after the rows, all or nothing; none
-        when no row of a table a section reads was given since); when some rows stay queued,
-        no record is written and the next flush's record covers them too.
+        When every queued row was written, ``summary.json`` is replaced (after the rows,
+        atomically) by the summary of every row given so far (it is left as it is when no row
+        of a table a section reads was given since); when some rows stay queued, it is left as
+        it is and the next full flush's record covers them too.
 
         A lazy writer creates its files only once a training step has been queued, so a
         process that never trains (a launcher, a helper script) leaves nothing behind.
@@ -383,13 +400,13 @@ class RunWriter:
                 continue
             lines = list(queue)
             name = table_filename(table)
-            path = self.rank_dir / name
             try:
                 try:
-                    self._sizes[name] = _append_lines(path, _encode(lines))
+                    self._append(name, _encode(lines))
                 except FileNotFoundError:  # the run directory was removed: made again
+                    self._summary_off()  # the rows written before went with it (and the record)
                     self.rank_dir.mkdir(parents=True, exist_ok=True)
-                    self._sizes[name] = _append_lines(path, _encode(lines))
+                    self._append(name, _encode(lines))
             except OSError as exc:
                 ok = False
                 message = f"{table}: {exc.strerror or exc}"
@@ -408,7 +425,7 @@ class RunWriter:
         When the disk is full, the space reserved at start is released first so that the
         newest events and ``end.json`` (with the count of rows lost and why) still reach disk.
         """
-        ok = self._flush(final=True)  # the summary's last record is marked final
+        ok = self._flush(final=True)  # the summary's last record is marked final (and synced)
         if not self.ready:
             return  # a lazy writer of a process that never trained writes nothing
         if not ok:
