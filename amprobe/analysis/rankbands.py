@@ -1,0 +1,382 @@
+"""Per-step series of many ranks reduced on the server for drawing: bands, outliers, a matrix.
+
+A run of hundreds of ranks cannot be drawn one line per rank (the page would carry every
+rank's series). Instead each rank's series is binned by step, the bins are summarized across
+ranks (min, p10, median, p90, max: :func:`compute_rank_bands`), the ranks that stray from the
+others are named (:class:`OutlierRule`), and a rank x step-bin matrix of each rank's deviation
+from the median of ranks is kept for a heatmap, its rows bucketed by rank order when there are
+many ranks (:func:`compute_rank_matrix`; a bucket shows its rank that deviates most, never an
+average, so one diverging rank is never hidden).
+
+Binning: the steps are cut into at most ``max_bins`` bins of equal width in steps (one bin per
+step when there are fewer steps); a rank's value in a bin is the ``reduce`` of its values there
+(``"min"`` for the loss scale, so that a drop is never hidden; ``"median"`` for step times;
+``"mean"`` for the loss). Pure numpy/pandas.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "MAX_BINS",
+    "MAX_ROWS",
+    "OutlierRule",
+    "SERIES_RULES",
+    "StepBins",
+    "Outlier",
+    "RankBands",
+    "RankMatrix",
+    "compute_step_bins",
+    "compute_rank_bands",
+    "compute_rank_matrix",
+    "bucket_ranks",
+    "rank_range_text",
+    "rule_for",
+]
+
+#: step bins of a band, at most
+MAX_BINS = 1000
+#: rows of a rank x step heatmap, at most (more ranks are bucketed by rank order)
+MAX_ROWS = 512
+_REDUCERS = ("min", "max", "mean", "median", "last")
+
+
+@dataclass(frozen=True)
+class OutlierRule:
+    """When a rank is named as an outlier of a series.
+
+    A rank's value in a bin is *out* when it differs from the median of all ranks in that bin
+    by more than ``(ratio - 1) * |median|`` and by more than ``floor`` (the series' unit). A
+    rank is named when it is out in at least ``min_share`` of the bins it has a value in (and
+    in one bin at least); the named are ordered by that share, then by their largest relative
+    deviation, and at most ``max_named`` are named (the rest are counted).
+    """
+
+    ratio: float
+    floor: float
+    min_share: float
+    max_named: int = 8
+    #: how a rank's steps in one bin are reduced to one value (one of min, max, mean, median, last)
+    reduce: str = "median"
+
+    def describe(self) -> str:
+        """The rule in words, for a figure's note."""
+        dev = (
+            "differs from the median of ranks"
+            if self.ratio <= 1.0
+            else f"is more than {self.ratio - 1:.0%} away from the median of ranks"
+        )
+        share = (
+            "in any bin" if self.min_share <= 0 else f"in at least {self.min_share:.0%} of its bins"
+        )
+        return f"a rank is named when its value {dev} {share}"
+
+
+#: series (a steps column) -> its binning and outlier rule; declared once, for every figure
+SERIES_RULES: dict[str, OutlierRule] = {
+    # powers of two: any difference is a different scale; a drop in one step must show
+    "scale_before": OutlierRule(ratio=1.0, floor=0.0, min_share=0.0, reduce="min"),
+    "scale_after": OutlierRule(ratio=1.0, floor=0.0, min_share=0.0, reduce="min"),
+    # 20 µs: AMP-D02's floor under timer noise; 20 % of bins: consistent, not one hiccup
+    "wall_s": OutlierRule(ratio=1.5, floor=20e-6, min_share=0.2, reduce="median"),
+    "probe_s": OutlierRule(ratio=2.0, floor=20e-6, min_share=0.2, reduce="median"),
+    "data_wait_s": OutlierRule(ratio=2.0, floor=1e-3, min_share=0.2, reduce="median"),
+    # ranks see other data: only a loss far from the others' (and not for one bin) is named
+    "loss": OutlierRule(ratio=1.5, floor=0.0, min_share=0.2, reduce="mean"),
+    "gpu_util": OutlierRule(ratio=1.5, floor=10.0, min_share=0.2, reduce="mean"),
+    "tensor_any": OutlierRule(ratio=1.5, floor=10.0, min_share=0.2, reduce="mean"),
+}
+_DEFAULT_RULE = OutlierRule(ratio=1.5, floor=0.0, min_share=0.2, reduce="median")
+
+
+def rule_for(column: str) -> OutlierRule:
+    """The :data:`SERIES_RULES` entry of ``column`` (a median-binned 50 % rule if none)."""
+    return SERIES_RULES.get(column, _DEFAULT_RULE)
+
+
+@dataclass(frozen=True)
+class StepBins:
+    """Step bins: bin ``i`` holds the steps ``first[i]..last[i]`` (inclusive, ascending)."""
+
+    first: np.ndarray
+    last: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    @property
+    def single(self) -> bool:
+        """Whether every bin is one step (the series as recorded)."""
+        return bool(np.array_equal(self.first, self.last))
+
+    def of(self, steps: np.ndarray) -> np.ndarray:
+        """The bin index of each step (steps are within the bins' range)."""
+        return np.searchsorted(self.first, steps, side="right") - 1
+
+    def width(self) -> int:
+        """The largest number of steps a bin spans."""
+        return int((self.last - self.first).max()) + 1 if len(self) else 0
+
+
+def compute_step_bins(steps: np.ndarray | pd.Series, max_bins: int = MAX_BINS) -> StepBins:
+    """At most ``max_bins`` bins of equal width (in steps) over ``steps``; bins with no step
+    are dropped and each bin's bounds are its first and last recorded step."""
+    unique = np.unique(np.asarray(steps, dtype=np.int64))
+    if len(unique) <= max_bins:
+        return StepBins(unique, unique.copy())
+    lo, hi = int(unique[0]), int(unique[-1])
+    width = -(-(hi - lo + 1) // max_bins)
+    code = (unique - lo) // width
+    starts = np.flatnonzero(np.diff(code, prepend=-1))
+    ends = np.append(starts[1:], len(unique)) - 1
+    return StepBins(unique[starts], unique[ends])
+
+
+def _rank_bin_matrix(
+    frame: pd.DataFrame, column: str, bins: StepBins, reduce: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks (ascending) and their ranks x bins matrix of ``reduce`` of ``column`` (NaN: no
+    finite value of that rank in that bin)."""
+    if reduce not in _REDUCERS:
+        raise ValueError(f"reduce must be one of {_REDUCERS}, not {reduce!r}")
+    ranks_col = frame["rank"].to_numpy() if "rank" in frame else np.zeros(len(frame), dtype=int)
+    values = frame[column].to_numpy(dtype="float64")
+    keep = np.isfinite(values)
+    steps = frame["step"].to_numpy(dtype=np.int64)[keep]
+    ranks, rank_code = np.unique(ranks_col[keep].astype(np.int64), return_inverse=True)
+    values = values[keep]
+    matrix = np.full((len(ranks), len(bins)), np.nan)
+    if not len(values):
+        return ranks, matrix
+    bin_code = bins.of(steps)
+    if bins.single:  # one step per bin: each rank's value as recorded
+        matrix[rank_code, bin_code] = values
+        return ranks, matrix
+    grouped = pd.Series(values).groupby([rank_code, bin_code], sort=False)
+    if reduce == "last":
+        order = np.lexsort((steps, bin_code, rank_code))
+        grouped = pd.Series(values[order]).groupby([rank_code[order], bin_code[order]], sort=False)
+    agg = getattr(grouped, reduce)()
+    r = agg.index.get_level_values(0).to_numpy()
+    b = agg.index.get_level_values(1).to_numpy()
+    matrix[r, b] = agg.to_numpy()
+    return ranks, matrix
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """A named rank: the share of its bins that are out, its largest deviation from the median
+    of ranks (relative to the median; signed) and the first step of the bin it is in."""
+
+    rank: int
+    share: float
+    bins_out: int
+    worst: float
+    worst_step: int
+
+
+def _nanquantiles(matrix: np.ndarray, qs: tuple[float, ...]) -> list[np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN bin: NaN, said by count
+        return [np.nanquantile(matrix, q, axis=0) for q in qs]
+
+
+@dataclass(frozen=True)
+class RankBands:
+    """Bands across ranks of one per-step series, per step bin (arrays of ``len(bins)``).
+
+    ``values`` is the ranks x bins matrix each band is taken from (row ``i`` is ``ranks[i]``);
+    ``min_rank``/``max_rank`` the rank at the band's edges (-1: no rank in the bin).
+    """
+
+    column: str
+    rule: OutlierRule
+    bins: StepBins
+    ranks: np.ndarray
+    values: np.ndarray
+    count: np.ndarray
+    low: np.ndarray
+    p10: np.ndarray
+    median: np.ndarray
+    p90: np.ndarray
+    high: np.ndarray
+    min_rank: np.ndarray
+    max_rank: np.ndarray
+    outliers: tuple[Outlier, ...] = ()
+    #: ranks that the rule found but that were not named (over ``rule.max_named``)
+    more: int = 0
+    deviation: np.ndarray = field(default_factory=lambda: np.empty((0, 0)), repr=False)
+
+    def series(self, rank: int) -> np.ndarray:
+        """``rank``'s value per bin (NaN where it has none)."""
+        return self.values[int(np.searchsorted(self.ranks, rank))]
+
+    def binning_text(self) -> str:
+        """How the steps were binned and what a bin's value is, in words."""
+        if self.bins.single:
+            return "one point per step"
+        return (
+            f"{len(self.bins):,} bins of up to {self.bins.width():,} steps; a rank's value in a "
+            f"bin is the {self.rule.reduce} of its steps there"
+        )
+
+    def outliers_text(self) -> str:
+        """The named ranks, or that none strays, and the rule."""
+        if not self.outliers:
+            return f"no rank named ({self.rule.describe()})"
+        named = ", ".join(str(o.rank) for o in self.outliers)
+        more = f" and {self.more} more" if self.more else ""
+        return f"named: rank{'s' if len(self.outliers) > 1 else ''} {named}{more} ({self.rule.describe()})"
+
+
+def compute_rank_bands(
+    frame: pd.DataFrame,
+    column: str,
+    max_bins: int = MAX_BINS,
+    rule: OutlierRule | None = None,
+) -> RankBands:
+    """Min, p10, median, p90 and max across ranks of ``column`` per step bin, and the ranks
+    that stray from the others (:class:`OutlierRule`; :data:`SERIES_RULES` by default).
+
+    Args:
+        frame: rows with ``rank``, ``step`` and ``column`` (``Run.steps``); non-finite values
+            are left out (a NaN loss is drawn by its own bands).
+        column: the series.
+        max_bins: the most step bins.
+        rule: the binning reducer and the outlier rule.
+    """
+    rule = rule or rule_for(column)
+    finite = frame[np.isfinite(frame[column].to_numpy(dtype="float64"))]
+    bins = compute_step_bins(finite["step"], max_bins)
+    ranks, matrix = _rank_bin_matrix(finite, column, bins, rule.reduce)
+    present = ~np.isnan(matrix)
+    count = present.sum(axis=0)
+    low, p10, median, p90, high = _nanquantiles(matrix, (0.0, 0.1, 0.5, 0.9, 1.0))
+    any_rank = count > 0
+    min_rank = np.where(
+        any_rank, ranks[np.where(present, matrix, np.inf).argmin(axis=0)] if len(ranks) else -1, -1
+    )
+    max_rank = np.where(
+        any_rank, ranks[np.where(present, matrix, -np.inf).argmax(axis=0)] if len(ranks) else -1, -1
+    )
+    deviation = matrix - median[None, :]
+    allowed = np.maximum(rule.floor, (rule.ratio - 1.0) * np.abs(median))[None, :]
+    with np.errstate(invalid="ignore"):
+        out = present & (np.abs(deviation) > allowed + 1e-12 * np.abs(median)[None, :])
+    bins_out = out.sum(axis=1)
+    has = present.sum(axis=1)
+    share = np.divide(bins_out, has, out=np.zeros(len(ranks)), where=has > 0)
+    scale = np.where(np.abs(median) > 0, np.abs(median), 1.0)[None, :]
+    relative = np.where(out, deviation / scale, 0.0)
+    worst_at = np.abs(relative).argmax(axis=1) if len(bins) else np.zeros(len(ranks), dtype=int)
+    worst = relative[np.arange(len(ranks)), worst_at] if len(bins) else np.zeros(len(ranks))
+    found = np.flatnonzero((bins_out > 0) & (share >= rule.min_share))
+    order = found[np.lexsort((-np.abs(worst[found]), -share[found]))]
+    named = tuple(
+        Outlier(
+            rank=int(ranks[i]),
+            share=float(share[i]),
+            bins_out=int(bins_out[i]),
+            worst=float(worst[i]),
+            worst_step=int(bins.first[worst_at[i]]),
+        )
+        for i in order[: rule.max_named]
+    )
+    return RankBands(
+        column=column,
+        rule=rule,
+        bins=bins,
+        ranks=ranks,
+        values=matrix,
+        count=count,
+        low=low,
+        p10=p10,
+        median=median,
+        p90=p90,
+        high=high,
+        min_rank=min_rank,
+        max_rank=max_rank,
+        outliers=named,
+        more=max(0, len(order) - rule.max_named),
+        deviation=deviation,
+    )
+
+
+def bucket_ranks(ranks: np.ndarray | list[int], max_rows: int = MAX_ROWS) -> list[np.ndarray]:
+    """``ranks`` (ascending) cut into at most ``max_rows`` buckets of consecutive ranks, of
+    equal size but the last; one rank each when there are few."""
+    ranks = np.asarray(sorted(set(int(r) for r in ranks)), dtype=np.int64)
+    if len(ranks) <= max_rows:
+        return [ranks[i : i + 1] for i in range(len(ranks))]
+    size = -(-len(ranks) // max_rows)
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
+def rank_range_text(bucket: np.ndarray) -> str:
+    """``"r7"`` for one rank, ``"r0–7"`` for consecutive ranks, ``"r0…9 (8 ranks)"`` else."""
+    if len(bucket) == 1:
+        return f"r{int(bucket[0])}"
+    first, last = int(bucket[0]), int(bucket[-1])
+    if last - first + 1 == len(bucket):
+        return f"r{first}\u2013{last}"
+    return f"r{first}\u2026{last} ({len(bucket)} ranks)"
+
+
+@dataclass(frozen=True)
+class RankMatrix:
+    """A rank x step-bin matrix for a heatmap: ``z[row, bin]`` is the deviation from the median
+    of ranks (``relative``: divided by the median) of the rank ``rank_at[row, bin]``, the rank
+    of row ``row``'s bucket that deviates most in that bin (NaN / -1: none has a value).
+    ``labels`` names each row's ranks (``"r0–7"``)."""
+
+    bands: RankBands
+    buckets: list[np.ndarray]
+    labels: list[str]
+    z: np.ndarray
+    rank_at: np.ndarray
+    relative: bool
+
+    @property
+    def bucketed(self) -> bool:
+        return any(len(b) > 1 for b in self.buckets)
+
+
+def compute_rank_matrix(
+    bands: RankBands, max_rows: int = MAX_ROWS, relative: bool = True
+) -> RankMatrix:
+    """Each rank's deviation from the median of ranks per bin of ``bands``, its rows bucketed
+    by rank order (:func:`bucket_ranks`) when there are more than ``max_rows`` ranks: a
+    bucket's cell is its rank with the largest absolute deviation there (its signed value),
+    so a single diverging rank shows in full, never averaged with the others."""
+    dev = bands.deviation
+    if relative:
+        scale = np.where(np.abs(bands.median) > 0, np.abs(bands.median), np.nan)[None, :]
+        dev = dev / scale
+    buckets = bucket_ranks(bands.ranks, max_rows)
+    z = np.full((len(buckets), len(bands.bins)), np.nan)
+    rank_at = np.full(z.shape, -1, dtype=np.int64)
+    row = 0
+    for i, bucket in enumerate(buckets):
+        part = dev[row : row + len(bucket)]
+        row += len(bucket)
+        has = ~np.isnan(part)
+        if not has.any():
+            continue
+        at = np.where(has, np.abs(part), -1.0).argmax(axis=0)
+        cols = np.arange(part.shape[1])
+        any_has = has.any(axis=0)
+        z[i] = np.where(any_has, part[at, cols], np.nan)
+        rank_at[i] = np.where(any_has, bucket[at], -1)
+    return RankMatrix(
+        bands=bands,
+        buckets=buckets,
+        labels=[rank_range_text(b) for b in buckets],
+        z=z,
+        rank_at=rank_at,
+        relative=relative,
+    )
