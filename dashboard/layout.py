@@ -34,6 +34,7 @@ from amprobe.report.evidence import (
     render_evidence,
 )
 from amprobe.report.render import split_ref
+from amprobe.report.scale import many_ranks, rank_groups_text
 from amprobe.report.sections import section_tabs
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
 from dashboard import ids
@@ -881,6 +882,8 @@ def _events_text(events: pd.DataFrame) -> str:
             f"{grows} growth, {cuts} backoff event(s) on each of {len(ranks)} ranks "
             "(the table lists each rank's)"
         )
+    if many_ranks(list(ranks)):
+        return rank_groups_text(ranks, lambda gc: f"{gc[0]} growth, {gc[1]} backoff event(s)")
     return "; ".join(f"rank {r}: {g} growth, {c} backoff event(s)" for r, (g, c) in ranks.items())
 
 

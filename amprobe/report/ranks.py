@@ -8,7 +8,14 @@ import pandas as pd
 
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import rank_color, run_ranks
+from amprobe.report.scale import (
+    MAX_RANK_LINES,
+    add_rank_bands,
+    bands_note,
+    many_ranks,
+    rank_color,
+    run_ranks,
+)
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -19,7 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["compute_rank_summary", "compute_rank_spread", "make_ranks_figure"]
 
-MAX_RANK_TRACES = 16  # ranks drawn one by one; beyond this the figure shows the spread only
+#: ranks drawn one by one; beyond this the figure shows bands across ranks and the outliers
+MAX_RANK_TRACES = MAX_RANK_LINES
 #: what the figure's two series are called in its legend and hover text
 SERIES_LABELS = {"scale_after": "loss scale", "wall_s": "step time (ms)"}
 
@@ -75,6 +83,32 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
         subplot_titles=("loss scale per rank (log)", "step time per rank (ms)"),
     )
     ranks = run_ranks(steps)
+    if many_ranks(ranks):
+        notes = []
+        for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
+            label = SERIES_LABELS[column]
+            if steps[column].notna().any():
+                bands = add_rank_bands(
+                    fig,
+                    steps,
+                    column,
+                    label,
+                    lambda r, lb=label: f"rank {r} {lb}",
+                    ranks,
+                    row,
+                    scale,
+                    shape="hv" if row == 1 else None,
+                )
+                notes.append(bands_note(label, bands))
+        fig.update_yaxes(type="log", row=1, col=1)
+        fig.update_xaxes(title_text="step", row=2, col=1)
+        fig.update_layout(
+            height=560 + 14 * len(notes),
+            title={"text": "<br>".join(notes), "font": {"size": 11}},
+            margin={"l": 50, "r": 20, "t": 60 + 16 * len(notes), "b": 40},
+            legend={"orientation": "h", "y": -0.15},
+        )
+        return fig
     draw_each = len(ranks) <= MAX_RANK_TRACES
     for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
         label = SERIES_LABELS[column]
