@@ -694,8 +694,10 @@ def build_section(
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
 
 
-#: a numerics row label's rank prefix in a run of several ranks: ``"r1 · module · kind"``
-_RANK_PREFIX = re.compile(r"r[0-9]+ \u00b7 ")
+#: a numerics row label's rank prefix in a run of several ranks: ``"r1 · module · kind"``, or
+#: the ranks that share the row in a run of many (``"r0–3 · ..."``, ``"r0…9 (8 ranks) · ..."``:
+#: :func:`amprobe.analysis.rankbands.rank_range_text`)
+_RANK_PREFIX = re.compile(r"r[0-9]+(?:[\u2013\u2026][0-9]+(?: \([0-9]+ ranks\))?)? \u00b7 ")
 
 
 def _is_layer(label: Any, target: str, ranked: bool) -> bool:
