@@ -123,7 +123,8 @@ def test_many_rank_figures_are_bounded_and_name_the_outliers(many: pd.DataFrame)
     scale = _figures(many)["loss scale"]
     assert {t.name for t in scale.data} >= {"scale (rank 71)", "growth", "backoff"}
     assert (
-        f"rank {DROP}" in scale.layout.title.text and "min of its steps" in scale.layout.title.text
+        f"rank {DROP}" in scale.layout.title.text
+        and "rank's min in a bin" in scale.layout.title.text
     )
     # twice the ranks, the same payload (within the outliers' lines and the legend's words)
     double = _steps(ranks=200)

@@ -64,16 +64,16 @@ class OutlierRule:
     reduce: str = "median"
 
     def describe(self) -> str:
-        """The rule in words, for a figure's note."""
-        dev = (
-            "differs from the median of ranks"
+        """The rule in words, short enough for a figure's note."""
+        off = (
+            "off the median of ranks"
             if self.ratio <= 1.0
-            else f"is more than {self.ratio - 1:.0%} away from the median of ranks"
+            else f">{self.ratio - 1:.0%} off the median of ranks"
         )
         share = (
-            "in any bin" if self.min_share <= 0 else f"in at least {self.min_share:.0%} of its bins"
+            "in any bin" if self.min_share <= 0 else f"in \u2265{self.min_share:.0%} of its bins"
         )
-        return f"a rank is named when its value {dev} {share}"
+        return f"{off} {share}"
 
 
 #: series (a steps column) -> its binning and outlier rule; declared once, for every figure
@@ -234,17 +234,17 @@ class RankBands:
         if self.bins.single:
             return "one point per step"
         return (
-            f"{len(self.bins):,} bins of up to {self.bins.width():,} steps; a rank's value in a "
-            f"bin is the {self.rule.reduce} of its steps there"
+            f"{len(self.bins):,} bins of \u2264{self.bins.width():,} steps, each rank's "
+            f"{self.rule.reduce} in a bin"
         )
 
     def outliers_text(self) -> str:
         """The named ranks, or that none strays, and the rule."""
         if not self.outliers:
-            return f"no rank named ({self.rule.describe()})"
+            return f"no rank named (rule: {self.rule.describe()})"
         named = ", ".join(str(o.rank) for o in self.outliers)
         more = f" and {self.more} more" if self.more else ""
-        return f"named: rank{'s' if len(self.outliers) > 1 else ''} {named}{more} ({self.rule.describe()})"
+        return f"named: rank{'s' if len(self.outliers) > 1 else ''} {named}{more} (rule: {self.rule.describe()})"
 
 
 def compute_rank_bands(

@@ -22,6 +22,7 @@ from amprobe.analysis.rankbands import bucket_ranks, rank_range_text
 from amprobe.report.downsample import MAX_COLUMNS
 from amprobe.report.escape import escape_plotly_text
 from amprobe.report.registry import Section, section
+from amprobe.report.scale import many_ranks, rank_groups_text
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -237,6 +238,10 @@ def make_numerics_heatmap_figure(
     # NaN: no cell in this trace (a binary array, which plotly draws as a gap)
     unmeasured = np.array([[r is not None for r in row] for row in why], dtype=bool)
     grey = np.where(unmeasured, 1.0, np.nan)
+    if buckets is not None:  # many ranks: compact binary arrays (float32 holds counts < 2**24)
+        grey = grey.astype("float32")
+        if not (z >= 2**24).any():
+            z = z.astype("float32")
     layers = grid.layers
     zmax = max(1.0, float(np.nanmax(z))) if (~np.isnan(z)).any() else 1.0
     fig = go.Figure()
@@ -266,6 +271,8 @@ def make_numerics_heatmap_figure(
     hover_rank = ""
     if buckets is not None and not pooled:
         custom = _bucket_customdata(data, grid.layers, sampled)
+        if custom.max(initial=0) < 2**15:
+            custom = custom.astype(np.int16)
         hover_rank = (
             "<br>the largest of the row's ranks: rank %{customdata[0]} "
             "(%{customdata[1]} of its ranks measured)"
@@ -305,11 +312,12 @@ def make_numerics_heatmap_figure(
             )
         )
     notes = [_sampling_note(sampled, steps, pooled, len(columns))]
+    bucket_note = ""
     if buckets is not None:
         size = max(len(b) for b in buckets)
-        notes.append(
-            f"{frame['rank'].nunique()} ranks, up to {size} consecutive ranks a row: "
-            "each cell the largest count of its ranks (the rank on hover), never a sum"
+        bucket_note = (
+            f"<br><sup>{frame['rank'].nunique()} ranks, up to {size} consecutive ranks a row: "
+            "each cell the largest count of its ranks (the rank on hover), never a sum</sup>"
         )
     if unmeasured.any():
         notes.append("grey: not measured (hover for why), never 0")
@@ -332,7 +340,7 @@ def make_numerics_heatmap_figure(
             font={"size": 11, "color": "#555"},
         )
     fig.update_layout(
-        title={"text": f"Per-layer {column}: {what}<br><sup>{'; '.join(notes)}</sup>"},
+        title={"text": f"Per-layer {column}: {what}<br><sup>{'; '.join(notes)}</sup>{bucket_note}"},
         xaxis={"title": "sampled step", "type": "category"},
         yaxis={"title": "layer", "autorange": "reversed"},
         height=max(320, 18 * len(layers) + 180 + 16 * len(not_checked)),
@@ -658,6 +666,14 @@ def _final_scales(steps: pd.DataFrame) -> str:
         return (
             f"the run's final scale, at step {int(last['step'].max())}, is "
             f"{last['scale_after'].iloc[0]:g}"
+        )
+    if many_ranks(list(last.index)):
+        per = {
+            int(r): (float(v), int(s))
+            for r, s, v in zip(last.index, last["step"], last["scale_after"], strict=True)
+        }
+        return "the run's final scales are " + rank_groups_text(
+            per, lambda vs: f"{vs[0]:g} (step {vs[1]})"
         )
     return "the run's final scales are " + ", ".join(
         f"{v:g} on rank {r} (step {int(s)})"

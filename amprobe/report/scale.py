@@ -210,7 +210,7 @@ def rank_groups_text(per_rank: dict[int, Any], sentence: Any) -> str:
 def bands_note(what: str, bands: RankBands) -> str:
     """One line that says how ``what``'s bands were made and which ranks are drawn alone."""
     return (
-        f"{what}: {len(bands.ranks)} ranks drawn as bands ({bands.binning_text()}); "
+        f"{what}: {len(bands.ranks)} ranks as bands ({bands.binning_text()}); "
         f"{bands.outliers_text()}"
     )
 
