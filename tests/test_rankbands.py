@@ -177,3 +177,18 @@ def test_many_rank_heatmap_rows_take_the_largest_rank_never_the_sum() -> None:
     assert list(np.asarray(trace.customdata)[i][j]) == [DROP, int(last) - int(first) + 1]
     assert "never a sum" in fig.layout.title.text
     assert len(json.loads(fig.to_json())["data"]) <= 3
+
+
+def test_rank_heatmap_shows_each_rank_against_the_median(many: pd.DataFrame) -> None:
+    from amprobe.report.ranks import make_rank_heatmap_figure
+
+    (time,) = make_rank_heatmap_figure(many, "wall_s").data
+    z = np.asarray(time.z, dtype=float)
+    assert len(time.y) == 100 and z.shape[1] <= 200
+    assert time.y[SLOW] == f"r{SLOW}" and (z[SLOW] > 150).all()  # 3x: +200 %, noise aside
+    assert (np.abs(np.delete(z, SLOW, axis=0)) < 50).all() and time.zmid == 0
+    (scale,) = make_rank_heatmap_figure(many, "scale_before").data
+    z = np.asarray(scale.z, dtype=float)
+    (hot,) = zip(*np.nonzero(z != 0), strict=True)
+    assert hot[0] == DROP and z[hot] == -50.0
+    assert scale.x[hot[1]] <= DROP_STEP < scale.x[hot[1] + 1]
