@@ -242,7 +242,7 @@ def make_rank_heatmap_figure(steps: pd.DataFrame, column: str) -> go.Figure:
         },
         xaxis={"title": "step"},
         yaxis={"title": rows, "autorange": "reversed", "type": "category"},
-        height=max(300, min(900, 4 * len(matrix.labels) + 160)),
+        height=max(300, min(900, 6 * len(matrix.labels) + 160)),
         margin={"l": 70, "r": 20, "t": 70, "b": 40},
         plot_bgcolor="#e8e8e8",  # a cell without a value stays grey, never white (= the median)
     )
