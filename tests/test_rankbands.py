@@ -192,3 +192,28 @@ def test_rank_heatmap_shows_each_rank_against_the_median(many: pd.DataFrame) -> 
     (hot,) = zip(*np.nonzero(z != 0), strict=True)
     assert hot[0] == DROP and z[hot] == -50.0
     assert scale.x[hot[1]] <= DROP_STEP < scale.x[hot[1] + 1]
+
+
+@pytest.mark.parametrize("reduce", ["median", "mean", "min", "max"])
+def test_the_dense_fast_path_reduces_as_the_grouped_one(
+    reduce: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks with missing steps, NaN values, a gap in the steps (bins of several widths)."""
+    import amprobe.analysis.rankbands as rankbands
+
+    rng = np.random.default_rng(3)
+    rank, step = np.repeat(np.arange(30), 2500), np.tile(np.arange(2500), 30)
+    value = rng.random(len(rank))
+    value[rng.random(len(rank)) < 0.1] = np.nan
+    keep = rng.random(len(rank)) > 0.05
+    frame = pd.DataFrame(
+        {"rank": rank[keep] * 3, "step": step[keep] + (step[keep] > 1200) * 300, "x": value[keep]}
+    )
+    finite = frame[np.isfinite(frame["x"])]
+    bins = compute_step_bins(finite["step"], 700)
+    assert len(set((bins.last - bins.first).tolist())) > 1
+    ranks, fast = rankbands._rank_bin_matrix(finite, "x", bins, reduce)
+    monkeypatch.setattr(rankbands, "_DENSE_CELLS", 0)
+    same, grouped = rankbands._rank_bin_matrix(finite, "x", bins, reduce)
+    assert ranks.tolist() == same.tolist() == list(range(0, 90, 3))
+    assert np.allclose(fast, grouped, equal_nan=True)

@@ -136,6 +136,21 @@ def compute_step_bins(steps: np.ndarray | pd.Series, max_bins: int = MAX_BINS) -
     return StepBins(unique[starts], unique[ends])
 
 
+def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for integers, by a lookup table when their
+    range is small (no sort of every value: the sort was most of a band's cost)."""
+    if not len(values):
+        return np.unique(values, return_inverse=True)  # type: ignore[return-value]
+    low, high = int(values.min()), int(values.max())
+    if high - low > 4 * len(values) + 1_000_000:
+        return np.unique(values, return_inverse=True)  # type: ignore[return-value]
+    seen = np.zeros(high - low + 1, dtype=bool)
+    seen[values - low] = True
+    unique = np.flatnonzero(seen) + low
+    table = np.cumsum(seen) - 1
+    return unique, table[values - low]
+
+
 def _rank_bin_matrix(
     frame: pd.DataFrame, column: str, bins: StepBins, reduce: str
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -147,7 +162,7 @@ def _rank_bin_matrix(
     values = frame[column].to_numpy(dtype="float64")
     keep = np.isfinite(values)
     steps = frame["step"].to_numpy(dtype=np.int64)[keep]
-    ranks, rank_code = np.unique(ranks_col[keep].astype(np.int64), return_inverse=True)
+    ranks, rank_code = _codes(ranks_col[keep].astype(np.int64))
     values = values[keep]
     matrix = np.full((len(ranks), len(bins)), np.nan)
     if not len(values):
@@ -156,6 +171,9 @@ def _rank_bin_matrix(
     if bins.single:  # one step per bin: each rank's value as recorded
         matrix[rank_code, bin_code] = values
         return ranks, matrix
+    dense = _dense_reduce(rank_code, steps, values, len(ranks), bins, reduce)
+    if dense is not None:
+        return ranks, dense
     grouped = pd.Series(values).groupby([rank_code, bin_code], sort=False)
     if reduce == "last":
         order = np.lexsort((steps, bin_code, rank_code))
@@ -165,6 +183,56 @@ def _rank_bin_matrix(
     b = agg.index.get_level_values(1).to_numpy()
     matrix[r, b] = agg.to_numpy()
     return ranks, matrix
+
+
+#: cells of the dense rank x step grid of the fast path, at most (8 bytes each)
+_DENSE_CELLS = 40_000_000
+
+
+def _dense_reduce(
+    rank_code: np.ndarray,
+    steps: np.ndarray,
+    values: np.ndarray,
+    n_ranks: int,
+    bins: StepBins,
+    reduce: str,
+) -> np.ndarray | None:
+    """The ranks x bins matrix from a dense rank x step grid, bins of one width reduced at
+    once (a sort for the median): 10x faster than a grouped median. None (use the grouped
+    path) when a (rank, step) holds several rows, the grid would be too large, or for
+    ``last``."""
+    if reduce == "last":
+        return None
+    unique, step_code = _codes(steps)
+    cells = n_ranks * len(unique)
+    if cells > _DENSE_CELLS:
+        return None
+    key = rank_code * len(unique) + step_code
+    if np.bincount(key, minlength=cells).max(initial=0) > 1:
+        return None
+    flat = np.full(cells, np.nan)
+    flat[key] = values
+    grid = flat.reshape(n_ranks, len(unique))
+    starts = np.searchsorted(unique, bins.first)
+    widths = np.diff(np.append(starts, len(unique)))
+    out = np.full((n_ranks, len(bins)), np.nan)
+    for width in np.unique(widths):
+        which = np.flatnonzero(widths == width)
+        cube = grid[:, starts[which][:, None] + np.arange(width)[None, :]]  # ranks x bins x w
+        if reduce == "median":
+            (out[:, which],) = _nanquantiles(cube, (0.5,), axis=2)
+            continue
+        present = ~np.isnan(cube)
+        has = present.any(axis=2)
+        if reduce == "mean":
+            total = np.where(present, cube, 0.0).sum(axis=2)
+            value = total / np.maximum(present.sum(axis=2), 1)
+        elif reduce == "min":
+            value = np.where(present, cube, np.inf).min(axis=2)
+        else:
+            value = np.where(present, cube, -np.inf).max(axis=2)
+        out[:, which] = np.where(has, value, np.nan)
+    return out
 
 
 @dataclass(frozen=True)
@@ -179,23 +247,23 @@ class Outlier:
     worst_step: int
 
 
-def _nanquantiles(matrix: np.ndarray, qs: tuple[float, ...]) -> list[np.ndarray]:
-    """Quantiles ``qs`` of each column of ``matrix`` over its non-NaN values (linear
-    interpolation, as ``np.nanquantile``; NaN for a column without any), in one sort:
+def _nanquantiles(matrix: np.ndarray, qs: tuple[float, ...], axis: int = 0) -> list[np.ndarray]:
+    """Quantiles ``qs`` along ``axis`` of ``matrix`` over its non-NaN values (linear
+    interpolation, as ``np.nanquantile``; NaN where there is none), in one sort:
     ``np.nanquantile`` walks the columns one by one in Python when a NaN is present."""
-    ordered = np.sort(matrix, axis=0)  # NaN sorts last
-    count = (~np.isnan(matrix)).sum(axis=0)
-    cols = np.arange(matrix.shape[1])
+    ordered = np.moveaxis(np.sort(matrix, axis=axis), axis, -1)  # NaN sorts last
+    count = (~np.isnan(ordered)).sum(axis=-1, keepdims=True)
     out = []
     for q in qs:
         at = q * np.maximum(count - 1, 0)
         low = np.floor(at).astype(np.int64)
         high = np.minimum(low + 1, np.maximum(count - 1, 0))
         frac = at - low
-        value = ordered[low, cols] * (1 - frac) + ordered[high, cols] * frac
-        # frac 0 at an edge: keep the value exact (inf * 0 and rounding)
-        value = np.where(frac == 0, ordered[low, cols], value)
-        out.append(np.where(count > 0, value, np.nan))
+        lo = np.take_along_axis(ordered, low, axis=-1)
+        hi = np.take_along_axis(ordered, high, axis=-1)
+        # frac 0: the value itself, exact (no inf * 0, no rounding)
+        value = np.where(frac == 0, lo, lo * (1 - frac) + hi * frac)
+        out.append(np.where(count > 0, value, np.nan)[..., 0])
     return out
 
 
