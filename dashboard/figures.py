@@ -12,6 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from amprobe.analysis.rankbands import compute_rank_bands
 from amprobe.report.downsample import MAX_POINTS
 from amprobe.report.escape import escape_figure_text, escape_plotly_text
 from amprobe.report.scale import (
@@ -97,8 +98,6 @@ def _step_time_bands(fig: go.Figure, steps: pd.DataFrame, ranks: list[int]) -> g
     )
     notes = [bands_note("step time", bands)]
     if "probe_s" in steps and steps["probe_s"].fillna(0).gt(0).any():
-        from amprobe.analysis.rankbands import compute_rank_bands
-
         probe = compute_rank_bands(steps, "probe_s")
         fig.add_trace(
             go.Scatter(

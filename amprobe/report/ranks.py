@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.rankbands import compute_rank_bands, compute_rank_matrix
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
 from amprobe.report.scale import (
@@ -200,8 +201,6 @@ def make_rank_heatmap_figure(steps: pd.DataFrame, column: str) -> go.Figure:
     never their average, so a single diverging rank shows in full.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
-
-    from amprobe.analysis.rankbands import compute_rank_bands, compute_rank_matrix
 
     bands = compute_rank_bands(steps, column, max_bins=HEATMAP_BINS)
     matrix = compute_rank_matrix(bands, max_rows=HEATMAP_ROWS, relative=True)
