@@ -12,13 +12,17 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from amprobe.analysis.rankbands import compute_rank_bands
 from amprobe.report.downsample import MAX_POINTS
 from amprobe.report.escape import escape_figure_text, escape_plotly_text
 from amprobe.report.scale import (
     add_loss_bands,
+    add_rank_bands,
+    bands_note,
     empty_figure,
     gaps_as_null,
     make_loss_scale_figure,
+    many_ranks,
     rank_color,
     run_ranks,
     scale_events,
@@ -48,6 +52,8 @@ def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> 
     fig = go.Figure()
     ranks = run_ranks(steps)
     multi = len(ranks) > 1
+    if many_ranks(ranks):
+        return _step_time_bands(fig, steps, ranks)
     for rank, part in split_ranks(sort_steps(steps)):
         suffix = f" (rank {rank})" if multi else ""
         color = rank_color(rank, ranks)
@@ -80,6 +86,36 @@ def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> 
         xaxis_title="step",
         yaxis_title="ms",
         margin={"t": 30, "b": 40, "l": 60, "r": 20},
+    )
+    return fig
+
+
+def _step_time_bands(fig: go.Figure, steps: pd.DataFrame, ranks: list[int]) -> go.Figure:
+    """:func:`make_step_time_figure` for many ranks: step time as bands across ranks (each
+    rank's median in a bin) with the outlier ranks alone; probe time as its median of ranks."""
+    bands = add_rank_bands(
+        fig, steps, "wall_s", "step time", lambda r: f"step time (rank {r})", ranks, scale=1e3
+    )
+    notes = [bands_note("step time", bands)]
+    if "probe_s" in steps and steps["probe_s"].fillna(0).gt(0).any():
+        probe = compute_rank_bands(steps, "probe_s")
+        fig.add_trace(
+            go.Scatter(
+                x=probe.bins.first.astype("int32"),
+                y=gaps_as_null(probe.median * 1e3),
+                mode="lines",
+                line={"dash": "dot", "color": "#555"},
+                connectgaps=False,
+                name="probe time: median of ranks",
+            )
+        )
+    fig.update_layout(
+        height=340,
+        template="plotly_white",
+        xaxis_title="step",
+        yaxis_title="ms",
+        title={"text": "<br>".join(notes), "font": {"size": 11}},
+        margin={"t": 60, "b": 40, "l": 60, "r": 20},
     )
     return fig
 

@@ -34,6 +34,7 @@ from amprobe.report.evidence import (
     render_evidence,
 )
 from amprobe.report.render import split_ref
+from amprobe.report.scale import many_ranks, rank_groups_text
 from amprobe.report.sections import section_tabs
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
 from dashboard import ids
@@ -693,8 +694,10 @@ def build_section(
     return html.Div(children, id=f"{ids.SECTION_PREFIX}{key}", className="section")
 
 
-#: a numerics row label's rank prefix in a run of several ranks: ``"r1 · module · kind"``
-_RANK_PREFIX = re.compile(r"r[0-9]+ \u00b7 ")
+#: a numerics row label's rank prefix in a run of several ranks: ``"r1 · module · kind"``, or
+#: the ranks that share the row in a run of many (``"r0–3 · ..."``, ``"r0…9 (8 ranks) · ..."``:
+#: :func:`amprobe.analysis.rankbands.rank_range_text`)
+_RANK_PREFIX = re.compile(r"r[0-9]+(?:[\u2013\u2026][0-9]+(?: \([0-9]+ ranks\))?)? \u00b7 ")
 
 
 def _is_layer(label: Any, target: str, ranked: bool) -> bool:
@@ -881,6 +884,8 @@ def _events_text(events: pd.DataFrame) -> str:
             f"{grows} growth, {cuts} backoff event(s) on each of {len(ranks)} ranks "
             "(the table lists each rank's)"
         )
+    if many_ranks(list(ranks)):
+        return rank_groups_text(ranks, lambda gc: f"{gc[0]} growth, {gc[1]} backoff event(s)")
     return "; ".join(f"rank {r}: {g} growth, {c} backoff event(s)" for r, (g, c) in ranks.items())
 
 

@@ -18,9 +18,11 @@ from amprobe.analysis.numerics import (
     layer_summary,
     numerics_missing_reason,
 )
+from amprobe.analysis.rankbands import bucket_ranks, rank_range_text
 from amprobe.report.downsample import MAX_COLUMNS
 from amprobe.report.escape import escape_plotly_text
 from amprobe.report.registry import Section, section
+from amprobe.report.scale import many_ranks, rank_groups_text
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -35,6 +37,7 @@ __all__ = [
     "make_exponent_histogram_figure",
     "worst_layers",
     "build_numerics_section",
+    "MAX_HEATMAP_ROWS",
 ]
 
 #: heatmap name -> the :data:`~amprobe.analysis.numerics.COUNT_COLUMNS` column it draws per
@@ -86,6 +89,9 @@ _GAP_LABEL_CHAR_PX = 5.5
 _GAP_LABEL_AXIS_PX = 1000
 #: hover detail (the parts of each count) only up to this many cells: it is text per cell
 _MAX_DETAIL_CELLS = 20_000
+#: heatmap rows, at most, in a run of several ranks: beyond, consecutive ranks share a row
+#: (each cell the largest count of the bucket's ranks, the rank named on hover)
+MAX_HEATMAP_ROWS = 256
 #: numerics_not_checked kinds that leave every layer's activations unmeasured
 _ACTIVATION_KINDS = ("output", "grad_output")
 
@@ -113,9 +119,19 @@ def _missing_rows(
     were not measured (a compiled region), the first layer an event names when it has no row
     at all (a tensor subclass)."""
     out: dict[tuple[int, str, str], str] = {}
-    for rank, part in frame.groupby("rank", sort=True):
-        seen = set(zip(part["module"].astype(str), part["kind"].astype(str), strict=True))
-        modules = set(part["module"].astype(str))
+    if not not_checked:
+        return out
+    # plain object arrays: iterating arrow-backed strings costs ~7 µs a value
+    plain = pd.DataFrame(
+        {
+            "rank": frame["rank"].to_numpy(),
+            "module": frame["module"].astype(str).to_numpy(dtype=object),
+            "kind": frame["kind"].astype(str).to_numpy(dtype=object),
+        }
+    )
+    for rank, part in plain.groupby("rank", sort=True):
+        seen = set(zip(part["module"], part["kind"], strict=True))
+        modules = set(part["module"])
         for event in not_checked:
             if "rank" in event and event.get("rank") != rank:
                 continue
@@ -178,10 +194,22 @@ def make_numerics_heatmap_figure(
     multi = frame["rank"].nunique() > 1
     data = frame.assign(layer=_label(frame, multi), value=count(frame))
     sampled = sorted({int(s) for s in data["step"].dropna()})
-    grid = _Grid(data, sampled)
-    for (rank, module, kind), reason in _missing_rows(frame, not_checked).items():
+    buckets = _rank_buckets(frame) if multi else None
+    rank_names = None
+    if buckets is not None:
+        data, rank_names = _bucketed(data, buckets)
+    grid = _Grid(data, sampled, rank_names)
+    missing_rows = _missing_rows(frame, not_checked)
+    for (rank, module, kind), reason in missing_rows.items():
         label = f"{module} · {kind}" if kind != "?" else f"{module} · (not measured)"
-        grid.add_unmeasured_row(f"r{rank} · {label}" if multi else label, reason)
+        if buckets is not None:
+            bucket = next(b for b in buckets if rank in b)
+            label = f"{rank_range_text(bucket)} · {label}"
+            if label in grid.layers:
+                continue
+        elif multi:
+            label = f"r{rank} · {label}"
+        grid.add_unmeasured_row(label, reason)
     columns = _pool(sampled, max_columns)
     pooled = len(columns) < len(sampled)
     x: list[Any] = [range_text(c[0], c[-1]) for c in columns] if pooled else list(sampled)
@@ -202,12 +230,18 @@ def make_numerics_heatmap_figure(
             ]
             for i in range(len(z))
         ]
+    elif buckets is not None:
+        text = None  # the rank holding each cell's count is in customdata (compact, binary)
     elif len(grid.layers) * len(sampled) <= _MAX_DETAIL_CELLS:
         detail = _cell_detail(data, column)
         text = [[detail.get((layer, s), "") for s in sampled] for layer in grid.layers]
     # NaN: no cell in this trace (a binary array, which plotly draws as a gap)
     unmeasured = np.array([[r is not None for r in row] for row in why], dtype=bool)
     grey = np.where(unmeasured, 1.0, np.nan)
+    if buckets is not None:  # many ranks: compact binary arrays (float32 holds counts < 2**24)
+        grey = grey.astype("float32")
+        if not (z >= 2**24).any():
+            z = z.astype("float32")
     layers = grid.layers
     zmax = max(1.0, float(np.nanmax(z))) if (~np.isnan(z)).any() else 1.0
     fig = go.Figure()
@@ -233,10 +267,21 @@ def make_numerics_heatmap_figure(
                 **cells,
             )
         )
+    custom = None
+    hover_rank = ""
+    if buckets is not None and not pooled:
+        custom = _bucket_customdata(data, grid.layers, sampled)
+        if custom.max(initial=0) < 2**15:
+            custom = custom.astype(np.int16)
+        hover_rank = (
+            "<br>the largest of the row's ranks: rank %{customdata[0]} "
+            "(%{customdata[1]} of its ranks measured)"
+        )
     fig.add_trace(
         go.Heatmap(
             z=z,
             text=text,
+            customdata=custom,
             zmin=0,
             zmax=zmax,
             colorscale=_colorscale(zmax),
@@ -244,6 +289,7 @@ def make_numerics_heatmap_figure(
             name=column,
             hovertemplate=f"%{{y}}<br>step %{{x}}<br>{column}: %{{z}}"
             + ("<br>%{text}" if text is not None else "")
+            + hover_rank
             + "<extra></extra>",
             **cells,
         )
@@ -266,6 +312,13 @@ def make_numerics_heatmap_figure(
             )
         )
     notes = [_sampling_note(sampled, steps, pooled, len(columns))]
+    bucket_note = ""
+    if buckets is not None:
+        size = max(len(b) for b in buckets)
+        bucket_note = (
+            f"<br><sup>{frame['rank'].nunique()} ranks, up to {size} consecutive ranks a row: "
+            "each cell the largest count of its ranks (the rank on hover), never a sum</sup>"
+        )
     if unmeasured.any():
         notes.append("grey: not measured (hover for why), never 0")
     if partly.any():
@@ -287,7 +340,7 @@ def make_numerics_heatmap_figure(
             font={"size": 11, "color": "#555"},
         )
     fig.update_layout(
-        title={"text": f"Per-layer {column}: {what}<br><sup>{'; '.join(notes)}</sup>"},
+        title={"text": f"Per-layer {column}: {what}<br><sup>{'; '.join(notes)}</sup>{bucket_note}"},
         xaxis={"title": "sampled step", "type": "category"},
         yaxis={"title": "layer", "autorange": "reversed"},
         height=max(320, 18 * len(layers) + 180 + 16 * len(not_checked)),
@@ -297,10 +350,78 @@ def make_numerics_heatmap_figure(
     return fig
 
 
+def _rank_buckets(frame: pd.DataFrame) -> list[np.ndarray] | None:
+    """Consecutive ranks that share a heatmap row, when a row per rank and layer would make
+    more than :data:`MAX_HEATMAP_ROWS` rows (None: a row per rank, as recorded)."""
+    ranks = frame["rank"].dropna().astype(int).unique()
+    layers = len(frame[["module", "kind"]].drop_duplicates())
+    if len(ranks) * max(layers, 1) <= MAX_HEATMAP_ROWS:
+        return None
+    return bucket_ranks(ranks, max(1, MAX_HEATMAP_ROWS // max(layers, 1)))
+
+
+def _bucketed(data: pd.DataFrame, buckets: list[np.ndarray]) -> tuple[pd.DataFrame, list[str]]:
+    """``data`` (one row per rank, layer and step) with one row per bucket of ranks, layer and
+    step: its ``value`` the largest of the bucket's ranks (``rank_at``: which), ``n_ranks`` how
+    many of them have a row; ``rank`` becomes the bucket's index, ``layer`` its label."""
+    names = [rank_range_text(b) for b in buckets]
+    bucket_of = np.full(int(max(int(b[-1]) for b in buckets)) + 1, -1, dtype=np.int64)
+    for i, bucket in enumerate(buckets):
+        bucket_of[bucket] = i
+    plain = _label(data)  # "module · kind", in the order the rows came
+    codes, layers = pd.factorize(plain)
+    per = (
+        pd.DataFrame(
+            {
+                "rank": data["rank"].to_numpy(dtype=np.int64),
+                "code": codes,
+                "step": data["step"].to_numpy(),
+                "value": data["value"].to_numpy(dtype="float64"),
+            }
+        )
+        .groupby(["rank", "code", "step"], sort=False)["value"]
+        .sum(min_count=1)
+        .reset_index()
+    )
+    per["bucket"] = bucket_of[per["rank"].to_numpy()]
+    keys = ["bucket", "code", "step"]
+    counted = per.groupby(keys, sort=False)["rank"].size().rename("n_ranks")
+    top = (
+        per.sort_values(["value", "rank"], ascending=[False, True], na_position="last")
+        .drop_duplicates(keys)
+        .rename(columns={"rank": "rank_at"})
+        .join(counted, on=keys)
+        .sort_values(["bucket", "code", "step"], kind="stable")
+    )
+    bucket_names = np.asarray(names, dtype=object)[top["bucket"].to_numpy()]
+    layer_names = np.asarray(layers, dtype=object)[top["code"].to_numpy()]
+    label = [f"{b} · {layer}" for b, layer in zip(bucket_names, layer_names, strict=True)]
+    return top.assign(rank=top["bucket"], layer=label).reset_index(drop=True), names
+
+
+def _bucket_customdata(data: pd.DataFrame, layers: list[str], sampled: list[int]) -> np.ndarray:
+    """rows x columns x (the rank holding the cell's count, how many ranks have a row there);
+    -1 and 0 where no rank has."""
+    index = pd.Index(sampled)
+    cells = data.set_index(["layer", "step"])
+    out = np.zeros((len(layers), len(sampled), 2), dtype=np.int32)
+    for k, col in enumerate(("rank_at", "n_ranks")):
+        grid = (
+            cells[col]
+            .unstack("step")
+            .reindex(index=layers, columns=index)
+            .to_numpy(dtype="float64")
+        )
+        out[:, :, k] = np.where(np.isnan(grid), -1 if k == 0 else 0, grid).astype(np.int32)
+    return out
+
+
 class _Grid:
     """A heatmap's layers x sampled steps: the recorded counts, and why a cell has none."""
 
-    def __init__(self, data: pd.DataFrame, sampled: list[int]) -> None:
+    def __init__(
+        self, data: pd.DataFrame, sampled: list[int], rank_names: Sequence[str] | None = None
+    ) -> None:
         self.layers: list[str] = list(dict.fromkeys(data["layer"]))
         index = pd.Index(sampled)
         cells = data.groupby(["layer", "step"], sort=False)["value"]
@@ -331,7 +452,8 @@ class _Grid:
             why[i, j] = f"not yet measured: this layer's first record is at step {first[i]}"
         why[null] = "this count was not recorded in the layer's row"
         for i, j in zip(*np.nonzero(~rank_sampled), strict=True):
-            why[i, j] = f"rank {ranks[i]} did not sample step {steps[j]}"
+            who = f"rank {ranks[i]}" if rank_names is None else f"ranks {rank_names[ranks[i]]}"
+            why[i, j] = f"{who} did not sample step {steps[j]}"
         self.why: list[list[str | None]] = why.tolist()
 
     def add_unmeasured_row(self, label: str, reason: str) -> None:
@@ -544,6 +666,14 @@ def _final_scales(steps: pd.DataFrame) -> str:
         return (
             f"the run's final scale, at step {int(last['step'].max())}, is "
             f"{last['scale_after'].iloc[0]:g}"
+        )
+    if many_ranks(list(last.index)):
+        per = {
+            int(r): (float(v), int(s))
+            for r, s, v in zip(last.index, last["step"], last["scale_after"], strict=True)
+        }
+        return "the run's final scales are " + rank_groups_text(
+            per, lambda vs: f"{vs[0]:g} (step {vs[1]})"
         )
     return "the run's final scales are " + ", ".join(
         f"{v:g} on rank {r} (step {int(s)})"

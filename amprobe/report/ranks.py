@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
+from amprobe.analysis.rankbands import compute_rank_bands, compute_rank_matrix
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import rank_color, run_ranks
+from amprobe.report.scale import (
+    MAX_RANK_LINES,
+    add_rank_bands,
+    bands_note,
+    many_ranks,
+    rank_color,
+    run_ranks,
+)
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -17,9 +26,21 @@ if TYPE_CHECKING:
     from amprobe.store.loader import Run
 
 
-__all__ = ["compute_rank_summary", "compute_rank_spread", "make_ranks_figure"]
+__all__ = [
+    "compute_rank_summary",
+    "compute_rank_spread",
+    "make_ranks_figure",
+    "make_rank_heatmap_figure",
+]
 
-MAX_RANK_TRACES = 16  # ranks drawn one by one; beyond this the figure shows the spread only
+#: ranks drawn one by one; beyond this the figure shows bands across ranks and the outliers
+MAX_RANK_TRACES = MAX_RANK_LINES
+#: a rank x step heatmap's columns (step bins) and rows (ranks; more share a row), at most
+HEATMAP_BINS = 200
+HEATMAP_ROWS = 256
+#: a rank x step heatmap's colours: faster or lower than the median of ranks blue, equal white,
+#: slower or higher red
+_DIVERGING = [[0.0, "#2166ac"], [0.5, "#ffffff"], [1.0, "#b2182b"]]
 #: what the figure's two series are called in its legend and hover text
 SERIES_LABELS = {"scale_after": "loss scale", "wall_s": "step time (ms)"}
 
@@ -75,6 +96,32 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
         subplot_titles=("loss scale per rank (log)", "step time per rank (ms)"),
     )
     ranks = run_ranks(steps)
+    if many_ranks(ranks):
+        notes = []
+        for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
+            label = SERIES_LABELS[column]
+            if steps[column].notna().any():
+                bands = add_rank_bands(
+                    fig,
+                    steps,
+                    column,
+                    label,
+                    lambda r, lb=label: f"rank {r} {lb}",
+                    ranks,
+                    row,
+                    scale,
+                    shape="hv" if row == 1 else None,
+                )
+                notes.append(bands_note(label, bands))
+        fig.update_yaxes(type="log", row=1, col=1)
+        fig.update_xaxes(title_text="step", row=2, col=1)
+        fig.update_layout(
+            height=560 + 14 * len(notes),
+            title={"text": "<br>".join(notes), "font": {"size": 11}},
+            margin={"l": 50, "r": 20, "t": 60 + 16 * len(notes), "b": 40},
+            legend={"orientation": "h", "y": -0.15},
+        )
+        return fig
     draw_each = len(ranks) <= MAX_RANK_TRACES
     for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
         label = SERIES_LABELS[column]
@@ -146,6 +193,61 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def make_rank_heatmap_figure(steps: pd.DataFrame, column: str) -> go.Figure:
+    """Rank x step heatmap of ``column``'s deviation from the median of ranks (%), per step
+    bin (:func:`~amprobe.analysis.rankbands.compute_rank_matrix`): white where a rank is the
+    median, red above, blue below. With more than :data:`HEATMAP_ROWS` ranks, consecutive
+    ranks share a row and each cell is the one of them that deviates most (named on hover),
+    never their average, so a single diverging rank shows in full.
+    """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    bands = compute_rank_bands(steps, column, max_bins=HEATMAP_BINS)
+    matrix = compute_rank_matrix(bands, max_rows=HEATMAP_ROWS, relative=True)
+    z = matrix.z * 100
+    finite = z[np.isfinite(z)]
+    cap = max(1.0, float(np.abs(finite).max())) if len(finite) else 1.0
+    label = SERIES_LABELS.get(column, column)
+    size = max(len(b) for b in matrix.buckets) if matrix.buckets else 1
+    rows = "rank" if size == 1 else f"ranks ({size} consecutive a row: the one that deviates most)"
+    width = bands.bins.width()
+    fig = go.Figure(
+        go.Heatmap(
+            x=bands.bins.first.astype("int32"),
+            y=matrix.labels,
+            z=z.astype("float32"),
+            customdata=matrix.rank_at.astype(
+                "int16" if bands.ranks.max(initial=0) < 2**15 else "int32"
+            ),
+            zmid=0,
+            zmin=-cap,
+            zmax=cap,
+            colorscale=_DIVERGING,
+            colorbar={"title": "% off the<br>median"},
+            hoverongaps=False,
+            hovertemplate=(
+                "%{y}, "
+                + ("step %{x}" if width == 1 else f"{width} steps from step %{{x}}")
+                + f"<br>rank %{{customdata}}: {label} %{{z:+.1f}}% off the median of ranks"
+                "<extra></extra>"
+            ),
+        )
+    )
+    fig.update_layout(
+        title={
+            "text": f"{label}: each rank against the median of ranks<br><sup>"
+            f"{bands.binning_text()}; {bands.outliers_text()}</sup>",
+            "font": {"size": 13},
+        },
+        xaxis={"title": "step"},
+        yaxis={"title": rows, "autorange": "reversed", "type": "category"},
+        height=max(300, min(900, 6 * len(matrix.labels) + 160)),
+        margin={"l": 70, "r": 20, "t": 70, "b": 40},
+        plot_bgcolor="#e8e8e8",  # a cell without a value stays grey, never white (= the median)
+    )
+    return fig
+
+
 @section("ranks", order=80, tab="Ranks")
 def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Ranks"
@@ -175,14 +277,22 @@ def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
             else f"Loss scale differs between ranks at {differ} of {len(per_step)} steps (see AMP-D01)."
         )
     if n > MAX_RANK_TRACES:
-        text.append("The figure shows the spread across ranks; the table lists every rank.")
+        text.append(
+            "The figures show the spread across ranks and each rank against the median of "
+            "ranks; the table lists every rank."
+        )
     d_findings = [f for f in diagnosis.findings if f.category == "distributed"]
     for f in d_findings:
         text.append(f"{f.id} {f.name}: {f.title}")
+    figures = [make_ranks_figure(steps)]
+    if n > MAX_RANK_TRACES:
+        for column in ("wall_s", "scale_after"):
+            if steps[column].notna().any():
+                figures.append(make_rank_heatmap_figure(steps, column))
     return Section(
         "ranks",
         title,
-        figures=(make_ranks_figure(steps),),
+        figures=tuple(figures),
         tables=(("per-rank summary", summary),),
         text=tuple(text),
     )

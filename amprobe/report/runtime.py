@@ -9,6 +9,7 @@ import pandas as pd
 from amprobe.analysis.runtime import compute_sync_sites, gpu_unavailable_reason
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
+from amprobe.report.scale import add_rank_bands, bands_note, many_ranks, run_ranks
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -43,6 +44,10 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
         row_heights=[0.55, 0.45] if has_gpu else None,
     )
     multi = steps["rank"].nunique() > 1 if len(steps) else False
+    ranks = run_ranks(steps)
+    if many_ranks(ranks):
+        _runtime_bands(fig, steps, gpu, ranks, has_gpu)
+        return fig
     for rank, part in steps.groupby("rank", sort=True):
         part = downsample(part.sort_values("step"))
         suffix = f" r{rank}" if multi else ""
@@ -101,6 +106,39 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
         legend={"orientation": "h", "y": -0.15},
     )
     return fig
+
+
+def _runtime_bands(
+    fig: go.Figure, steps: pd.DataFrame, gpu: pd.DataFrame, ranks: list[int], has_gpu: bool
+) -> None:
+    """:func:`make_runtime_figure` for many ranks: step time and data wait (each rank's median
+    in a bin), GPU and Tensor Core utilization (each rank's mean in a bin, its GPUs together)
+    as bands across ranks, the outlier ranks drawn alone."""
+    notes = []
+    bands = add_rank_bands(
+        fig, steps, "wall_s", "step time (ms)", lambda r: f"step time r{r}", ranks, 1, scale=1e3
+    )
+    notes.append(bands_note("step time", bands))
+    if steps["data_wait_s"].notna().any():
+        bands = add_rank_bands(
+            fig, steps, "data_wait_s", "data wait (ms)", lambda r: f"data wait r{r}", ranks, 1, 1e3
+        )
+        notes.append(bands_note("data wait", bands))
+    if has_gpu:
+        for column, label in (("gpu_util", "GPU util"), ("tensor_any", "Tensor Core activity")):
+            if column in gpu and gpu[column].notna().any():
+                bands = add_rank_bands(
+                    fig, gpu, column, label, lambda r, lb=label: f"{lb} r{r}", ranks, 2
+                )
+                notes.append(bands_note(label, bands))
+        fig.update_yaxes(range=[0, 100], row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2 if has_gpu else 1, col=1)
+    fig.update_layout(
+        height=(520 if has_gpu else 340) + 14 * len(notes),
+        title={"text": "<br>".join(notes), "font": {"size": 11}},
+        margin={"l": 50, "r": 20, "t": 60 + 16 * len(notes), "b": 40},
+        legend={"orientation": "h", "y": -0.15},
+    )
 
 
 def make_sync_table(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:

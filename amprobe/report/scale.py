@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import range_text
+from amprobe.analysis.frames import range_text, steps_text
+from amprobe.analysis.rankbands import RankBands, compute_rank_bands
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
 from amprobe.report.registry import Section, section
 
@@ -37,6 +38,11 @@ __all__ = [
     "LossSpan",
     "nonfinite_loss_spans",
     "add_loss_bands",
+    "MAX_RANK_LINES",
+    "many_ranks",
+    "add_rank_bands",
+    "bands_note",
+    "rank_groups_text",
 ]
 
 _SKIP_COLOR = "#d62728"
@@ -65,6 +71,148 @@ _HUES = (170, 320)
 _BAND_COLOR = "#d62728"
 #: loss NaN stretches drawn as bands, at most (the rest are named in one note)
 MAX_BANDS = 20
+#: ranks drawn one line each; a run of more ranks is drawn as bands across ranks (min-max,
+#: p10-p90, the median) with one line per outlier rank (:func:`add_rank_bands`)
+MAX_RANK_LINES = 8
+_SPREAD_FILL = "rgba(100,100,100,0.18)"
+_INNER_FILL = "rgba(100,100,100,0.32)"
+
+
+def many_ranks(ranks: Sequence[int]) -> bool:
+    """Whether a run of ``ranks`` is drawn as bands rather than a line per rank."""
+    return len(ranks) > MAX_RANK_LINES
+
+
+def _ys(y: np.ndarray) -> Any:
+    """A band's y values for plotly: float32 (binary, 4 bytes a point) when every value is
+    finite, else a list with JSON null at each gap (:func:`gaps_as_null`)."""
+    y = np.asarray(y, dtype="float64")
+    if np.isfinite(y).all():
+        return y.astype("float32")
+    return gaps_as_null(np.where(np.isfinite(y), y, np.nan))
+
+
+def add_rank_bands(
+    fig: go.Figure,
+    frame: pd.DataFrame,
+    column: str,
+    label: str,
+    name_of: Any,
+    ranks: Sequence[int],
+    row: int | None = None,
+    scale: float = 1.0,
+    shape: str | None = None,
+    legendgroup: str | None = None,
+) -> RankBands:
+    """Draw ``column`` across ranks on ``fig`` (subplot ``row``) as bands computed on the server
+    (:func:`~amprobe.analysis.rankbands.compute_rank_bands`): min-max filled light grey, p10-p90
+    darker, the median of ranks a black dotted line, and one line per named outlier rank in its
+    own colour (:func:`rank_color`), named ``name_of(rank)``. Hover on the band gives the bin's
+    steps and the ranks at its edges. Returns the bands (their text says how they were made).
+    """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    bands = compute_rank_bands(frame, column)
+    where: dict[str, Any] = {"row": row, "col": 1} if row is not None else {}
+    x = bands.bins.first.astype("int32")
+    last = bands.bins.last.astype("int32")
+    line = {"width": 0, **({"shape": shape} if shape else {})}
+    group = legendgroup or f"{label} bands"
+    steps_hover = "steps %{x}\u2013%{customdata[0]}" if not bands.bins.single else "step %{x}"
+    n = len(bands.ranks)
+    edges = (
+        ("max", bands.high, bands.max_rank, None, None),
+        ("min", bands.low, bands.min_rank, "tonexty", _SPREAD_FILL),
+        ("p90", bands.p90, None, None, None),
+        ("p10", bands.p10, None, "tonexty", _INNER_FILL),
+    )
+    for edge, values, at, fill, color in edges:
+        # hover data: the bin's last step (when a bin holds several), the rank at an edge
+        parts = ([] if bands.bins.single else [last]) + ([at] if at is not None else [])
+        custom = np.stack(parts, axis=1).astype("int32") if parts else None
+        hover = steps_hover
+        if at is not None:
+            hover += f"<br>{edge} %{{y:.4g}} (rank %{{customdata[{len(parts) - 1}]}})"
+        else:
+            hover += f"<br>{edge} %{{y:.4g}}"
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=_ys(values * scale),
+                customdata=custom,
+                mode="lines",
+                line=line,
+                fill=fill,
+                fillcolor=color,
+                connectgaps=False,
+                name=(
+                    f"{label}: min\u2013max of {n} ranks"
+                    if edge == "min"
+                    else f"{label}: p10\u2013p90 of ranks"
+                    if edge == "p10"
+                    else f"{label} {edge} across ranks"
+                ),
+                showlegend=edge in ("min", "p10"),
+                legendgroup=group,
+                hovertemplate=hover + "<extra></extra>",
+            ),
+            **where,
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=_ys(bands.median * scale),
+            mode="lines",
+            line={"dash": "dot", "color": "black", **({"shape": shape} if shape else {})},
+            connectgaps=False,
+            name=f"{label}: median of ranks",
+            legendgroup=group,
+        ),
+        **where,
+    )
+    for outlier in bands.outliers:
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=_ys(bands.series(outlier.rank) * scale),
+                mode="lines",
+                line={
+                    "color": rank_color(outlier.rank, ranks),
+                    **({"shape": shape} if shape else {}),
+                },
+                connectgaps=False,
+                name=name_of(outlier.rank),
+                legendgroup=f"rank {outlier.rank}",
+            ),
+            **where,
+        )
+    return bands
+
+
+def rank_groups_text(per_rank: dict[int, Any], sentence: Any) -> str:
+    """``sentence(value)`` once per distinct value of ``per_rank`` (rank -> value), with the
+    ranks it holds on, the most common first: ``"on 62 of 64 ranks (0, 2–21, 23–63): ...;
+    rank 1: ..."`` (a run of many ranks, where a sentence per rank would be a wall of text)."""
+    groups: dict[Any, list[int]] = {}
+    for rank, value in sorted(per_rank.items()):
+        groups.setdefault(value, []).append(rank)
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    parts = []
+    for value, members in ordered:
+        where = steps_text(members, limit=12)
+        if len(members) == 1:
+            parts.append(f"rank {where}: {sentence(value)}")
+        else:
+            parts.append(f"on {len(members)} of {len(per_rank)} ranks ({where}): {sentence(value)}")
+    return "; ".join(parts)
+
+
+def bands_note(what: str, bands: RankBands) -> str:
+    """One line that says how ``what``'s bands were made and which ranks are drawn alone."""
+    return (
+        f"{what}: {len(bands.ranks)} ranks as bands ({bands.binning_text()}); "
+        f"{bands.outliers_text()}"
+    )
 
 
 def empty_figure(message: str) -> go.Figure:
@@ -355,6 +503,9 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     )
     ranks = run_ranks(steps)
     multi = len(ranks) > 1
+    if many_ranks(ranks):
+        _loss_scale_bands(fig, steps, rows, has_loss, ranks, max_points)
+        return fig
     for rank, part in split_ranks(rows):
         suffix = f" (rank {rank})" if multi else ""
         x, y = thin_series(part, "scale_before", max_points)
@@ -454,6 +605,107 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     return fig
 
 
+def _loss_scale_bands(
+    fig: go.Figure,
+    steps: pd.DataFrame,
+    rows: pd.DataFrame,
+    has_loss: bool,
+    ranks: list[int],
+    max_points: int,
+) -> None:
+    """:func:`make_loss_scale_figure` for a run of many ranks: the scale (each rank's lowest
+    in a bin, so a drop is never hidden) and the loss (each rank's mean in a bin) as bands
+    across ranks with the outlier ranks drawn alone; skipped steps and scale changes once per
+    step with how many ranks had them."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    notes = []
+    if len(rows):
+        bands = add_rank_bands(
+            fig, rows, "scale_before", "scale", lambda r: f"scale (rank {r})", ranks, 1, shape="hv"
+        )
+        notes.append(bands_note("scale", bands))
+        skipped = (
+            rows[rows["skipped"].fillna(False).astype(bool)] if "skipped" in rows else rows[:0]
+        )
+        if len(skipped):
+            per = skipped.groupby("step", sort=True).agg(
+                scale=("scale_before", "min"), ranks=("rank", "nunique")
+            )
+            per = cap_rows(per.reset_index(), max_points)
+            fig.add_trace(
+                go.Scatter(
+                    x=per["step"].to_numpy(dtype="int32"),
+                    y=per["scale"].to_numpy(dtype="float32"),
+                    customdata=per["ranks"].to_numpy(dtype="int32"),
+                    mode="markers",
+                    name="skipped step",
+                    marker={"symbol": "x", "color": _SKIP_COLOR, "size": 8},
+                    hovertemplate="step %{x}: skipped on %{customdata} rank(s)<br>"
+                    "lowest scale before %{y:.4g}<extra></extra>",
+                ),
+                1,
+                1,
+            )
+        events = scale_events(rows)
+        for kind, color, symbol in (
+            ("growth", _GROW_COLOR, "triangle-up"),
+            ("backoff", _CUT_COLOR, "triangle-down"),
+        ):
+            part = events[events["event"] == kind]
+            if not len(part):
+                continue
+            per = part.groupby(["step", "scale_after"], sort=True)["rank"].nunique()
+            per = cap_rows(per.rename("ranks").reset_index(), max_points)
+            fig.add_trace(
+                go.Scatter(
+                    x=per["step"].to_numpy(dtype="int32"),
+                    y=per["scale_after"].to_numpy(dtype="float32"),
+                    customdata=per["ranks"].to_numpy(dtype="int32"),
+                    mode="markers",
+                    name=kind,
+                    marker={"symbol": symbol, "color": color, "size": 7},
+                    hovertemplate=f"step %{{x}}: {kind} to %{{y:.4g}} on %{{customdata}} "
+                    "rank(s)<extra></extra>",
+                ),
+                1,
+                1,
+            )
+    else:
+        fig.add_annotation(
+            text="not recorded: no enabled GradScaler",
+            showarrow=False,
+            xref="x domain",
+            yref="y domain",
+            x=0.5,
+            y=0.5,
+            row=1,
+            col=1,
+        )
+    if has_loss:
+        bands = add_rank_bands(fig, steps, "loss", "loss", lambda r: f"loss (rank {r})", ranks, 2)
+        notes.append(bands_note("loss", bands) + "; NaN/inf losses left out, shaded below")
+        add_loss_bands(fig, steps, row=2, rows=(1,))
+    else:
+        fig.add_annotation(
+            text="not recorded: no loss value (capture_loss off?)",
+            showarrow=False,
+            xref="x2 domain",
+            yref="y2 domain",
+            x=0.5,
+            y=0.5,
+        )
+    fig.update_yaxes(type="log", row=1, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_layout(
+        height=560 + 14 * len(notes),
+        template="plotly_white",
+        title={"text": "<br>".join(notes), "font": {"size": 11}},
+        margin={"t": 50 + 16 * len(notes), "b": 40, "l": 60, "r": 20},
+        legend={"orientation": "h", "y": -0.15},
+    )
+
+
 def _scaler_counts(part: pd.DataFrame) -> tuple[int, int, int, int, float]:
     """Scaled steps, skipped steps, backoffs, growths and the last scale of one rank's rows."""
     part = part.sort_values("step", kind="stable")
@@ -482,6 +734,8 @@ def _scaled_steps_text(scaled: pd.DataFrame) -> str:
         return sentence(next(iter(counts.values())), "") + "."
     if len(set(counts.values())) == 1:
         return sentence(next(iter(counts.values())), f" on each of {len(counts)} ranks") + "."
+    if many_ranks(list(counts)):
+        return rank_groups_text(counts, lambda c: sentence(c, "")) + "."
     return "; ".join(f"rank {r}: " + sentence(c, "") for r, c in counts.items()) + "."
 
 

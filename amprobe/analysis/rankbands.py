@@ -1,0 +1,463 @@
+"""Per-step series of many ranks reduced on the server for drawing: bands, outliers, a matrix.
+
+A run of hundreds of ranks cannot be drawn one line per rank (the page would carry every
+rank's series). Instead each rank's series is binned by step, the bins are summarized across
+ranks (min, p10, median, p90, max: :func:`compute_rank_bands`), the ranks that stray from the
+others are named (:class:`OutlierRule`), and a rank x step-bin matrix of each rank's deviation
+from the median of ranks is kept for a heatmap, its rows bucketed by rank order when there are
+many ranks (:func:`compute_rank_matrix`; a bucket shows its rank that deviates most, never an
+average, so one diverging rank is never hidden).
+
+Binning: the steps are cut into at most ``max_bins`` bins of equal width in steps (one bin per
+step when there are fewer steps); a rank's value in a bin is the ``reduce`` of its values there
+(``"min"`` for the loss scale, so that a drop is never hidden; ``"median"`` for step times;
+``"mean"`` for the loss). Pure numpy/pandas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "MAX_BINS",
+    "MAX_ROWS",
+    "OutlierRule",
+    "SERIES_RULES",
+    "StepBins",
+    "Outlier",
+    "RankBands",
+    "RankMatrix",
+    "compute_step_bins",
+    "compute_rank_bands",
+    "compute_rank_matrix",
+    "bucket_ranks",
+    "rank_range_text",
+    "rule_for",
+]
+
+#: step bins of a band, at most
+MAX_BINS = 1000
+#: rows of a rank x step heatmap, at most (more ranks are bucketed by rank order)
+MAX_ROWS = 512
+_REDUCERS = ("min", "max", "mean", "median", "last")
+
+
+@dataclass(frozen=True)
+class OutlierRule:
+    """When a rank is named as an outlier of a series.
+
+    A rank's value in a bin is *out* when it differs from the median of all ranks in that bin
+    by more than ``(ratio - 1) * |median|`` and by more than ``floor`` (the series' unit). A
+    rank is named when it is out in at least ``min_share`` of the bins it has a value in (and
+    in one bin at least); the named are ordered by that share, then by their largest relative
+    deviation, and at most ``max_named`` are named (the rest are counted).
+    """
+
+    ratio: float
+    floor: float
+    min_share: float
+    max_named: int = 8
+    #: how a rank's steps in one bin are reduced to one value (one of min, max, mean, median, last)
+    reduce: str = "median"
+
+    def describe(self) -> str:
+        """The rule in words, short enough for a figure's note."""
+        off = (
+            "off the median of ranks"
+            if self.ratio <= 1.0
+            else f">{self.ratio - 1:.0%} off the median of ranks"
+        )
+        share = (
+            "in any bin" if self.min_share <= 0 else f"in \u2265{self.min_share:.0%} of its bins"
+        )
+        return f"{off} {share}"
+
+
+#: series (a steps column) -> its binning and outlier rule; declared once, for every figure
+SERIES_RULES: dict[str, OutlierRule] = {
+    # powers of two: any difference is a different scale; a drop in one step must show
+    "scale_before": OutlierRule(ratio=1.0, floor=0.0, min_share=0.0, reduce="min"),
+    "scale_after": OutlierRule(ratio=1.0, floor=0.0, min_share=0.0, reduce="min"),
+    # 20 µs: AMP-D02's floor under timer noise; 20 % of bins: consistent, not one hiccup
+    "wall_s": OutlierRule(ratio=1.5, floor=20e-6, min_share=0.2, reduce="median"),
+    "probe_s": OutlierRule(ratio=2.0, floor=20e-6, min_share=0.2, reduce="median"),
+    "data_wait_s": OutlierRule(ratio=2.0, floor=1e-3, min_share=0.2, reduce="median"),
+    # ranks see other data: only a loss far from the others' (and not for one bin) is named
+    "loss": OutlierRule(ratio=1.5, floor=0.0, min_share=0.2, reduce="mean"),
+    "gpu_util": OutlierRule(ratio=1.5, floor=10.0, min_share=0.2, reduce="mean"),
+    "tensor_any": OutlierRule(ratio=1.5, floor=10.0, min_share=0.2, reduce="mean"),
+}
+_DEFAULT_RULE = OutlierRule(ratio=1.5, floor=0.0, min_share=0.2, reduce="median")
+
+
+def rule_for(column: str) -> OutlierRule:
+    """The :data:`SERIES_RULES` entry of ``column`` (a median-binned 50 % rule if none)."""
+    return SERIES_RULES.get(column, _DEFAULT_RULE)
+
+
+@dataclass(frozen=True)
+class StepBins:
+    """Step bins: bin ``i`` holds the steps ``first[i]..last[i]`` (inclusive, ascending)."""
+
+    first: np.ndarray
+    last: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+    @property
+    def single(self) -> bool:
+        """Whether every bin is one step (the series as recorded)."""
+        return bool(np.array_equal(self.first, self.last))
+
+    def of(self, steps: np.ndarray) -> np.ndarray:
+        """The bin index of each step (steps are within the bins' range)."""
+        return np.searchsorted(self.first, steps, side="right") - 1
+
+    def width(self) -> int:
+        """The largest number of steps a bin spans."""
+        return int((self.last - self.first).max()) + 1 if len(self) else 0
+
+
+def compute_step_bins(steps: np.ndarray | pd.Series, max_bins: int = MAX_BINS) -> StepBins:
+    """At most ``max_bins`` bins of equal width (in steps) over ``steps``; bins with no step
+    are dropped and each bin's bounds are its first and last recorded step."""
+    unique = np.unique(np.asarray(steps, dtype=np.int64))
+    if len(unique) <= max_bins:
+        return StepBins(unique, unique.copy())
+    lo, hi = int(unique[0]), int(unique[-1])
+    width = -(-(hi - lo + 1) // max_bins)
+    code = (unique - lo) // width
+    starts = np.flatnonzero(np.diff(code, prepend=-1))
+    ends = np.append(starts[1:], len(unique)) - 1
+    return StepBins(unique[starts], unique[ends])
+
+
+def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for integers, by a lookup table when their
+    range is small (no sort of every value: the sort was most of a band's cost)."""
+    if not len(values):
+        return np.unique(values, return_inverse=True)  # type: ignore[return-value]
+    low, high = int(values.min()), int(values.max())
+    if high - low > 4 * len(values) + 1_000_000:
+        return np.unique(values, return_inverse=True)  # type: ignore[return-value]
+    seen = np.zeros(high - low + 1, dtype=bool)
+    seen[values - low] = True
+    unique = np.flatnonzero(seen) + low
+    table = np.cumsum(seen) - 1
+    return unique, table[values - low]
+
+
+def _rank_bin_matrix(
+    frame: pd.DataFrame, column: str, bins: StepBins, reduce: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks (ascending) and their ranks x bins matrix of ``reduce`` of ``column`` (NaN: no
+    finite value of that rank in that bin)."""
+    if reduce not in _REDUCERS:
+        raise ValueError(f"reduce must be one of {_REDUCERS}, not {reduce!r}")
+    ranks_col = frame["rank"].to_numpy() if "rank" in frame else np.zeros(len(frame), dtype=int)
+    values = frame[column].to_numpy(dtype="float64")
+    keep = np.isfinite(values)
+    steps = frame["step"].to_numpy(dtype=np.int64)[keep]
+    ranks, rank_code = _codes(ranks_col[keep].astype(np.int64))
+    values = values[keep]
+    matrix = np.full((len(ranks), len(bins)), np.nan)
+    if not len(values):
+        return ranks, matrix
+    bin_code = bins.of(steps)
+    if bins.single:  # one step per bin: each rank's value as recorded
+        matrix[rank_code, bin_code] = values
+        return ranks, matrix
+    dense = _dense_reduce(rank_code, steps, values, len(ranks), bins, reduce)
+    if dense is not None:
+        return ranks, dense
+    grouped = pd.Series(values).groupby([rank_code, bin_code], sort=False)
+    if reduce == "last":
+        order = np.lexsort((steps, bin_code, rank_code))
+        grouped = pd.Series(values[order]).groupby([rank_code[order], bin_code[order]], sort=False)
+    agg = getattr(grouped, reduce)()
+    r = agg.index.get_level_values(0).to_numpy()
+    b = agg.index.get_level_values(1).to_numpy()
+    matrix[r, b] = agg.to_numpy()
+    return ranks, matrix
+
+
+#: cells of the dense rank x step grid of the fast path, at most (8 bytes each)
+_DENSE_CELLS = 40_000_000
+
+
+def _dense_reduce(
+    rank_code: np.ndarray,
+    steps: np.ndarray,
+    values: np.ndarray,
+    n_ranks: int,
+    bins: StepBins,
+    reduce: str,
+) -> np.ndarray | None:
+    """The ranks x bins matrix from a dense rank x step grid, bins of one width reduced at
+    once (a sort for the median): 10x faster than a grouped median. None (use the grouped
+    path) when a (rank, step) holds several rows, the grid would be too large, or for
+    ``last``."""
+    if reduce == "last":
+        return None
+    unique, step_code = _codes(steps)
+    cells = n_ranks * len(unique)
+    if cells > _DENSE_CELLS:
+        return None
+    key = rank_code * len(unique) + step_code
+    if np.bincount(key, minlength=cells).max(initial=0) > 1:
+        return None
+    flat = np.full(cells, np.nan)
+    flat[key] = values
+    grid = flat.reshape(n_ranks, len(unique))
+    starts = np.searchsorted(unique, bins.first)
+    widths = np.diff(np.append(starts, len(unique)))
+    out = np.full((n_ranks, len(bins)), np.nan)
+    for width in np.unique(widths):
+        which = np.flatnonzero(widths == width)
+        cube = grid[:, starts[which][:, None] + np.arange(width)[None, :]]  # ranks x bins x w
+        if reduce == "median":
+            (out[:, which],) = _nanquantiles(cube, (0.5,), axis=2)
+            continue
+        present = ~np.isnan(cube)
+        has = present.any(axis=2)
+        if reduce == "mean":
+            total = np.where(present, cube, 0.0).sum(axis=2)
+            value = total / np.maximum(present.sum(axis=2), 1)
+        elif reduce == "min":
+            value = np.where(present, cube, np.inf).min(axis=2)
+        else:
+            value = np.where(present, cube, -np.inf).max(axis=2)
+        out[:, which] = np.where(has, value, np.nan)
+    return out
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """A named rank: the share of its bins that are out, its largest deviation from the median
+    of ranks (relative to the median; signed) and the first step of the bin it is in."""
+
+    rank: int
+    share: float
+    bins_out: int
+    worst: float
+    worst_step: int
+
+
+def _nanquantiles(matrix: np.ndarray, qs: tuple[float, ...], axis: int = 0) -> list[np.ndarray]:
+    """Quantiles ``qs`` along ``axis`` of ``matrix`` over its non-NaN values (linear
+    interpolation, as ``np.nanquantile``; NaN where there is none), in one sort:
+    ``np.nanquantile`` walks the columns one by one in Python when a NaN is present."""
+    ordered = np.moveaxis(np.sort(matrix, axis=axis), axis, -1)  # NaN sorts last
+    count = (~np.isnan(ordered)).sum(axis=-1, keepdims=True)
+    out = []
+    for q in qs:
+        at = q * np.maximum(count - 1, 0)
+        low = np.floor(at).astype(np.int64)
+        high = np.minimum(low + 1, np.maximum(count - 1, 0))
+        frac = at - low
+        lo = np.take_along_axis(ordered, low, axis=-1)
+        hi = np.take_along_axis(ordered, high, axis=-1)
+        # frac 0: the value itself, exact (no inf * 0, no rounding)
+        value = np.where(frac == 0, lo, lo * (1 - frac) + hi * frac)
+        out.append(np.where(count > 0, value, np.nan)[..., 0])
+    return out
+
+
+@dataclass(frozen=True)
+class RankBands:
+    """Bands across ranks of one per-step series, per step bin (arrays of ``len(bins)``).
+
+    ``values`` is the ranks x bins matrix each band is taken from (row ``i`` is ``ranks[i]``);
+    ``min_rank``/``max_rank`` the rank at the band's edges (-1: no rank in the bin).
+    """
+
+    column: str
+    rule: OutlierRule
+    bins: StepBins
+    ranks: np.ndarray
+    values: np.ndarray
+    count: np.ndarray
+    low: np.ndarray
+    p10: np.ndarray
+    median: np.ndarray
+    p90: np.ndarray
+    high: np.ndarray
+    min_rank: np.ndarray
+    max_rank: np.ndarray
+    outliers: tuple[Outlier, ...] = ()
+    #: ranks that the rule found but that were not named (over ``rule.max_named``)
+    more: int = 0
+    deviation: np.ndarray = field(default_factory=lambda: np.empty((0, 0)), repr=False)
+
+    def series(self, rank: int) -> np.ndarray:
+        """``rank``'s value per bin (NaN where it has none)."""
+        return self.values[int(np.searchsorted(self.ranks, rank))]
+
+    def binning_text(self) -> str:
+        """How the steps were binned and what a bin's value is, in words."""
+        if self.bins.single:
+            return "one point per step"
+        return (
+            f"{len(self.bins):,} bins of \u2264{self.bins.width():,} steps, each rank's "
+            f"{self.rule.reduce} in a bin"
+        )
+
+    def outliers_text(self) -> str:
+        """The named ranks, or that none strays, and the rule."""
+        if not self.outliers:
+            return f"no rank named (rule: {self.rule.describe()})"
+        named = ", ".join(str(o.rank) for o in self.outliers)
+        more = f" and {self.more} more" if self.more else ""
+        return f"named: rank{'s' if len(self.outliers) > 1 else ''} {named}{more} (rule: {self.rule.describe()})"
+
+
+def compute_rank_bands(
+    frame: pd.DataFrame,
+    column: str,
+    max_bins: int = MAX_BINS,
+    rule: OutlierRule | None = None,
+) -> RankBands:
+    """Min, p10, median, p90 and max across ranks of ``column`` per step bin, and the ranks
+    that stray from the others (:class:`OutlierRule`; :data:`SERIES_RULES` by default).
+
+    Args:
+        frame: rows with ``rank``, ``step`` and ``column`` (``Run.steps``); non-finite values
+            are left out (a NaN loss is drawn by its own bands).
+        column: the series.
+        max_bins: the most step bins.
+        rule: the binning reducer and the outlier rule.
+    """
+    rule = rule or rule_for(column)
+    finite = frame[np.isfinite(frame[column].to_numpy(dtype="float64"))]
+    bins = compute_step_bins(finite["step"], max_bins)
+    ranks, matrix = _rank_bin_matrix(finite, column, bins, rule.reduce)
+    present = ~np.isnan(matrix)
+    count = present.sum(axis=0)
+    low, p10, median, p90, high = _nanquantiles(matrix, (0.0, 0.1, 0.5, 0.9, 1.0))
+    any_rank = count > 0
+    min_rank = np.where(
+        any_rank, ranks[np.where(present, matrix, np.inf).argmin(axis=0)] if len(ranks) else -1, -1
+    )
+    max_rank = np.where(
+        any_rank, ranks[np.where(present, matrix, -np.inf).argmax(axis=0)] if len(ranks) else -1, -1
+    )
+    deviation = matrix - median[None, :]
+    allowed = np.maximum(rule.floor, (rule.ratio - 1.0) * np.abs(median))[None, :]
+    with np.errstate(invalid="ignore"):
+        out = present & (np.abs(deviation) > allowed + 1e-12 * np.abs(median)[None, :])
+    bins_out = out.sum(axis=1)
+    has = present.sum(axis=1)
+    share = np.divide(bins_out, has, out=np.zeros(len(ranks)), where=has > 0)
+    scale = np.where(np.abs(median) > 0, np.abs(median), 1.0)[None, :]
+    relative = np.where(out, deviation / scale, 0.0)
+    worst_at = np.abs(relative).argmax(axis=1) if len(bins) else np.zeros(len(ranks), dtype=int)
+    worst = relative[np.arange(len(ranks)), worst_at] if len(bins) else np.zeros(len(ranks))
+    found = np.flatnonzero((bins_out > 0) & (share >= rule.min_share))
+    order = found[np.lexsort((-np.abs(worst[found]), -share[found]))]
+    named = tuple(
+        Outlier(
+            rank=int(ranks[i]),
+            share=float(share[i]),
+            bins_out=int(bins_out[i]),
+            worst=float(worst[i]),
+            worst_step=int(bins.first[worst_at[i]]),
+        )
+        for i in order[: rule.max_named]
+    )
+    return RankBands(
+        column=column,
+        rule=rule,
+        bins=bins,
+        ranks=ranks,
+        values=matrix,
+        count=count,
+        low=low,
+        p10=p10,
+        median=median,
+        p90=p90,
+        high=high,
+        min_rank=min_rank,
+        max_rank=max_rank,
+        outliers=named,
+        more=max(0, len(order) - rule.max_named),
+        deviation=deviation,
+    )
+
+
+def bucket_ranks(ranks: np.ndarray | list[int], max_rows: int = MAX_ROWS) -> list[np.ndarray]:
+    """``ranks`` (ascending) cut into at most ``max_rows`` buckets of consecutive ranks, of
+    equal size but the last; one rank each when there are few."""
+    ranks = np.asarray(sorted(set(int(r) for r in ranks)), dtype=np.int64)
+    if len(ranks) <= max_rows:
+        return [ranks[i : i + 1] for i in range(len(ranks))]
+    size = -(-len(ranks) // max_rows)
+    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+
+
+def rank_range_text(bucket: np.ndarray) -> str:
+    """``"r7"`` for one rank, ``"r0–7"`` for consecutive ranks, ``"r0…9 (8 ranks)"`` else."""
+    if len(bucket) == 1:
+        return f"r{int(bucket[0])}"
+    first, last = int(bucket[0]), int(bucket[-1])
+    if last - first + 1 == len(bucket):
+        return f"r{first}\u2013{last}"
+    return f"r{first}\u2026{last} ({len(bucket)} ranks)"
+
+
+@dataclass(frozen=True)
+class RankMatrix:
+    """A rank x step-bin matrix for a heatmap: ``z[row, bin]`` is the deviation from the median
+    of ranks (``relative``: divided by the median) of the rank ``rank_at[row, bin]``, the rank
+    of row ``row``'s bucket that deviates most in that bin (NaN / -1: none has a value).
+    ``labels`` names each row's ranks (``"r0–7"``)."""
+
+    bands: RankBands
+    buckets: list[np.ndarray]
+    labels: list[str]
+    z: np.ndarray
+    rank_at: np.ndarray
+    relative: bool
+
+    @property
+    def bucketed(self) -> bool:
+        return any(len(b) > 1 for b in self.buckets)
+
+
+def compute_rank_matrix(
+    bands: RankBands, max_rows: int = MAX_ROWS, relative: bool = True
+) -> RankMatrix:
+    """Each rank's deviation from the median of ranks per bin of ``bands``, its rows bucketed
+    by rank order (:func:`bucket_ranks`) when there are more than ``max_rows`` ranks: a
+    bucket's cell is its rank with the largest absolute deviation there (its signed value),
+    so a single diverging rank shows in full, never averaged with the others."""
+    dev = bands.deviation
+    if relative:
+        scale = np.where(np.abs(bands.median) > 0, np.abs(bands.median), np.nan)[None, :]
+        dev = dev / scale
+    buckets = bucket_ranks(bands.ranks, max_rows)
+    z = np.full((len(buckets), len(bands.bins)), np.nan)
+    rank_at = np.full(z.shape, -1, dtype=np.int64)
+    row = 0
+    for i, bucket in enumerate(buckets):
+        part = dev[row : row + len(bucket)]
+        row += len(bucket)
+        has = ~np.isnan(part)
+        if not has.any():
+            continue
+        at = np.where(has, np.abs(part), -1.0).argmax(axis=0)
+        cols = np.arange(part.shape[1])
+        any_has = has.any(axis=0)
+        z[i] = np.where(any_has, part[at, cols], np.nan)
+        rank_at[i] = np.where(any_has, bucket[at], -1)
+    return RankMatrix(
+        bands=bands,
+        buckets=buckets,
+        labels=[rank_range_text(b) for b in buckets],
+        z=z,
+        rank_at=rank_at,
+        relative=relative,
+    )
