@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import amprobe
-from amprobe.analysis.scaler import rank_scaler, rank_scaler_rows
+from amprobe.analysis.scaler import rank_scaler, rank_scaler_rows, scaled_before
 from amprobe.rules import precision, scaler
 from amprobe.store.writer import RunWriter
 from tests.helpers import fake_run
@@ -63,6 +63,7 @@ def test_diagnose_of_a_multi_rank_run_reads_no_merged_steps(tmp_path: Path) -> N
     assert (n11["rank"], n11["scale_cut_count"], n11["skipped_steps"]) == (0, 1, [30])
     assert n11["skipped_share"] == round(1 / 60, 4)
     assert out["run"]["steps"] == 60
+    assert (scaled_before(run, 2, 0), scaled_before(run, 2, 1)) == (False, True)  # for AMP-N05
     assert "steps" not in run._tables  # no rule, requirement, health metric or count read it
     assert "numerics" not in run._tables
 

@@ -243,7 +243,12 @@ def scaled_before(run: Run, rank: int, step: int) -> bool:
 def distinct_step_count(run: Run) -> int:
     """How many distinct step numbers the ranks recorded (``run.steps["step"].nunique()``),
     from each rank's runs of steps in its ``scaler`` section (its rows, read alone, for a rank
-    whose summary capped them)."""
+    whose summary capped them). Computed once per run."""
+    count: int = run.cached("distinct_step_count", _distinct_step_count)
+    return count
+
+
+def _distinct_step_count(run: Run) -> int:
     runs: list[list[int]] = []
     for rank, facts in scaler_summaries(run).items():
         if facts["complete"]:

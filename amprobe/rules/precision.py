@@ -48,6 +48,10 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     (:func:`~amprobe.analysis.scaler.compute_calibration`) and steps with a non-finite model input
     (AMP-N04's) are left out of both. bf16 support comes from the rank manifest (CUDA capability
     >= 8.0, or a CPU with AVX512-BF16/AMX).
+
+    Read from each rank's ``scaler`` summary (cuts from its change points, skipped steps from
+    its runs, the steps left out taken out of both); a rank whose step numbers repeat is judged
+    from its own rows. The first rank that overflowed gives the finding.
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):

@@ -186,6 +186,10 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     Triggers when the scale after any update falls below ``min_scale`` or the longest run of
     consecutive cuts reaches ``max_consecutive_cuts``. Halving the scale cannot help then: a
     forward op produces inf/NaN whatever the scale.
+
+    Read from each rank's ``scaler`` summary (:func:`~amprobe.analysis.scaler.rank_scaler`):
+    the cuts, their row positions among the scaler steps and the change points give the same
+    values as the rows; a rank whose step numbers repeat is judged from its own rows.
     """
     th = ctx.thresholds
     for rank in scaler_ranks(ctx.run):
