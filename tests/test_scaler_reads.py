@@ -110,3 +110,21 @@ def test_summary_measures_equal_the_rows_measures(seed: int) -> None:
         assert precision._overflow_facts(facts, left_out) == precision._overflow_rows(
             frame, left_out
         )
+
+
+def test_a_rank_whose_steps_repeat_is_judged_from_its_rows() -> None:
+    # two windows counting steps from 0: the runs of steps cannot place the rows, so N03 and
+    # N11 read the rank's rows in step order (stable), as per_rank(scaler_steps) gave them
+    rows = scaled_steps(20, cuts=range(20), window=0) + scaled_steps(20, window=1)
+    run = fake_run(steps=rows, events=[scaler_event()])
+    assert not rank_scaler(run, 0)["ordered"]
+    found = {f.id: f.evidence for f in amprobe.diagnose(run).findings}
+    n03 = found["AMP-N03"]
+    assert (n03["min_scale"], n03["consecutive_cut_count"], n03["first_step_below_min"]) == (
+        65536.0 / 2**20,
+        1,  # window 1's uncut step 0 follows window 0's cut step 0
+        16,
+    )
+    n11 = found["AMP-N11"]  # step 0 is the calibration: both its rows left out
+    assert (n11["scale_cut_count"], n11["skipped_share"]) == (19, 0.5)
+    assert n11["skipped_step_ranges"] == [[1, 19]]
