@@ -3,12 +3,15 @@
 The per-rank facts come from the ``scaler`` summary section
 (:mod:`amprobe.store.sections.scaler`); :func:`rank_scaler` gives one rank's section with every
 change point listed, reading that rank's rows alone when its summary's lists were capped or
-its steps are not in ascending order. :func:`scale_events` (a frame of every rank's scaler
-steps) stays for the readers not moved to summaries.
+its steps are not in ascending order; :func:`rank_scaler_rows` gives one rank's scaler steps as
+rows, for a rank whose steps repeat a step number (the summary's runs of steps cannot say which
+row is which there). :func:`scale_events` (a frame of every rank's scaler steps, read from the
+merged ``steps`` frame) stays for notebooks; ``diagnose`` no longer calls it.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from typing import Any
 
@@ -33,8 +36,13 @@ __all__ = [
     "scaler_summaries",
     "rank_scaler",
     "scaler_ranks",
+    "rank_scaler_rows",
+    "row_indices",
+    "distinct_step_count",
+    "scaled_before",
     "run_autocast_dtypes",
     "cut_steps",
+    "count_in_runs",
     "expand_runs",
     "runs_without",
     "nth_step",
@@ -190,6 +198,75 @@ def _rank_scaler_from_rows(run: Run, rank: int, facts: dict[str, Any]) -> dict[s
     steps = section.to_json()
     steps.update({k: facts[k] for k in _EVENT_FACTS})
     return steps
+
+
+def rank_scaler_rows(run: Run, rank: int) -> pd.DataFrame:
+    """``rank``'s scaler steps (enabled GradScaler, known ``scale_before``) from its own rows
+    (:meth:`Run.rank_table`), sorted by step stably: the rows ``per_rank(scaler_steps(run))``
+    gave for that rank, without reading the other ranks."""
+    frame = run.rank_table("steps", rank)
+    if not len(frame):
+        return frame
+    mask = frame["scaler_enabled"].fillna(False).astype(bool) & frame["scale_before"].notna()
+    return frame[mask].sort_values("step", kind="stable")
+
+
+def row_indices(step_runs: list[list[int]], steps: list[int]) -> list[int]:
+    """The row index (from 0) of each of ``steps`` (ascending, each in ``step_runs``) among the
+    steps of ``step_runs`` (ascending ``[first, last]`` runs of distinct steps)."""
+    out: list[int] = []
+    run, before = 0, 0  # the run searched and the rows of the runs before it
+    for step in steps:
+        while step > step_runs[run][1]:
+            before += step_runs[run][1] - step_runs[run][0] + 1
+            run += 1
+        out.append(before + step - step_runs[run][0])
+    return out
+
+
+def count_in_runs(step_runs: list[list[int]], steps: set[int]) -> int:
+    """How many of ``steps`` lie in ``[first, last]`` runs (ascending, disjoint)."""
+    firsts = [r[0] for r in step_runs]
+    count = 0
+    for s in steps:
+        i = bisect.bisect_right(firsts, s) - 1
+        count += i >= 0 and s <= step_runs[i][1]
+    return count
+
+
+def scaled_before(run: Run, rank: int, step: int) -> bool:
+    """Whether ``rank`` recorded a scaler step (an enabled GradScaler) before ``step``."""
+    facts = rank_scaler(run, rank)
+    return bool(facts["n"]) and bool(facts["step_runs"]) and facts["step_runs"][0][0] < step
+
+
+def distinct_step_count(run: Run) -> int:
+    """How many distinct step numbers the ranks recorded (``run.steps["step"].nunique()``),
+    from each rank's runs of steps in its ``scaler`` section (its rows, read alone, for a rank
+    whose summary capped them). Computed once per run."""
+    count: int = run.cached("distinct_step_count", _distinct_step_count)
+    return count
+
+
+def _distinct_step_count(run: Run) -> int:
+    runs: list[list[int]] = []
+    for rank, facts in scaler_summaries(run).items():
+        if facts["complete"]:
+            runs.extend(facts["all_runs"])
+        else:
+            steps = run.rank_table("steps", rank)
+            if len(steps):
+                runs.extend([int(s), int(s)] for s in steps["step"].unique())
+    count, end = 0, None
+    for first, last in sorted(runs):
+        if end is not None and first <= end:
+            if last > end:
+                count += last - end
+                end = last
+            continue
+        count += last - first + 1
+        end = last
+    return count
 
 
 #: the section's facts that come from events (a rank's rows re-read give only the steps')

@@ -35,6 +35,7 @@ from amprobe.analysis.compiled import compiled_targets
 from amprobe.analysis.frames import step_ranges
 from amprobe.analysis.health import compute_health
 from amprobe.analysis.sampling import sampling_summary
+from amprobe.analysis.scaler import distinct_step_count
 from amprobe.rules.refs import checklist_ref
 from amprobe.store.loader import Run
 
@@ -335,7 +336,7 @@ class Diagnosis:
                 "status": run.status,
                 "end_reason": run.end_reason,
                 **rank_fields(r.rank for r in run.ranks),
-                "steps": int(run.steps["step"].nunique()) if len(run.steps) else 0,
+                "steps": distinct_step_count(run),
                 "device": run.rank_manifest.get("device") or "not recorded",
                 "gpu_name": run.rank_manifest.get("gpu_name"),
                 "compiled": compiled_targets(run),

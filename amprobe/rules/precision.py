@@ -5,21 +5,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import pandas as pd
+
 from amprobe.analysis.frames import MAX_LISTED_STEPS
 from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
 from amprobe.analysis.runtime import expand_steps, rank_runtime, rank_step_counts, summary_steps
-from amprobe.analysis.scaler import calibration_steps, scaler_summaries
-from amprobe.rules.data import (
-    HALF_DTYPES,
-    autocast_dtypes,
-    per_rank,
-    scaler_steps,
-    step_ranges,
-    steps_list,
+from amprobe.analysis.scaler import (
+    calibration_steps,
+    count_in_runs,
+    cut_steps,
+    distinct_step_count,
+    expand_runs,
+    rank_scaler,
+    rank_scaler_rows,
+    runs_without,
+    scaler_ranks,
+    scaler_summaries,
 )
+from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, GRADIENT_SCALING, TYPICAL_EXAMPLE
-from amprobe.store.loader import Run
 
 __all__: list[str] = []
 
@@ -43,6 +48,10 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     (:func:`~amprobe.analysis.scaler.compute_calibration`) and steps with a non-finite model input
     (AMP-N04's) are left out of both. bf16 support comes from the rank manifest (CUDA capability
     >= 8.0, or a CPU with AVX512-BF16/AMX).
+
+    Read from each rank's ``scaler`` summary (cuts from its change points, skipped steps from
+    its runs, the steps left out taken out of both); a rank whose step numbers repeat is judged
+    from its own rows. The first rank that overflowed gives the finding.
     """
     run = ctx.run
     if "float16" not in autocast_dtypes(run):
@@ -50,17 +59,19 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     supported = [r.rank for r in run.ranks if r.manifest.get("bf16_supported")]
     if not supported:
         return
-    for rank, frame in per_rank(scaler_steps(run)):
+    for rank in scaler_ranks(run):
         calibration = calibration_steps(run, rank)
         left_out = set(nonfinite_input_steps(run, rank)) | set(calibration)  # bad data: AMP-N04
-        frame = frame[~frame["step"].isin(left_out)]
-        if frame.empty:
+        facts = rank_scaler(run, rank)
+        if facts["ordered"]:
+            counts = _overflow_facts(facts, left_out)
+        else:  # a step number repeats: the runs of steps cannot place its rows
+            counts = _overflow_rows(rank_scaler_rows(run, rank), left_out)
+        if counts is None:
             continue
-        skipped = frame["skipped"].fillna(False).astype(bool)
-        cuts = int((frame["scale_after"] < frame["scale_before"]).sum())
-        if cuts == 0 and not skipped.any():
+        cuts, skipped_count, share, skipped_steps, skipped_ranges = counts
+        if cuts == 0 and not skipped_count:
             continue
-        share = float(skipped.mean())
         device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device")
         yield ctx.finding(
             title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped"
@@ -74,8 +85,8 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
                 "rank": rank,
                 "scale_cut_count": cuts,
                 "skipped_share": round(share, 4),
-                "skipped_steps": steps_list(frame.loc[skipped, "step"]),
-                "skipped_step_ranges": step_ranges(frame.loc[skipped, "step"]),
+                "skipped_steps": skipped_steps,
+                "skipped_step_ranges": skipped_ranges,
                 "calibration_step_count": len(calibration),
                 "device": device,
                 "warn_skip_share": ctx.thresholds["warn_skip_share"],
@@ -88,6 +99,35 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
             severity="warning" if share > ctx.thresholds["warn_skip_share"] else "info",
         )
         return
+
+
+_Overflow = tuple[int, int, float, list[int], list[list[int]]]
+
+
+def _overflow_facts(facts: dict[str, Any], left_out: set[int]) -> _Overflow | None:
+    """AMP-N11's counts from a rank's scaler section (every change point listed, steps
+    ascending), the steps in ``left_out`` not counted: scale cuts, skipped steps, their share of
+    the steps counted, the first skipped steps and runs (:data:`MAX_LISTED_STEPS` each); None
+    when no step is left to count."""
+    kept = facts["n"] - count_in_runs(facts["step_runs"], left_out)
+    if kept <= 0:
+        return None
+    cuts = sum(1 for step in cut_steps(facts) if step not in left_out)
+    skipped_runs = runs_without(facts["skipped_runs"], left_out)
+    skipped = sum(last - first + 1 for first, last in skipped_runs)
+    listed = expand_runs(skipped_runs, MAX_LISTED_STEPS)
+    return cuts, skipped, skipped / kept, listed, [list(r) for r in skipped_runs[:MAX_LISTED_STEPS]]
+
+
+def _overflow_rows(frame: pd.DataFrame, left_out: set[int]) -> _Overflow | None:
+    """:func:`_overflow_facts` from one rank's scaler-step rows in step order."""
+    frame = frame[~frame["step"].isin(left_out)] if len(frame) else frame
+    if frame.empty:
+        return None
+    skipped = frame["skipped"].fillna(False).astype(bool)
+    cuts = int((frame["scale_after"] < frame["scale_before"]).sum())
+    steps = frame.loc[skipped, "step"]
+    return cuts, int(skipped.sum()), float(skipped.mean()), steps_list(steps), step_ranges(steps)
 
 
 @rule(
@@ -114,35 +154,13 @@ def check_fp16_without_scaler(ctx: RuleContext) -> Iterator[Finding]:
             "autocast_dtypes": sorted(dtypes),
             "scaler_count": scaler_count,
             "disabled_scaler_count": disabled,
-            "step_count": _distinct_step_count(run, facts),
+            "step_count": distinct_step_count(run),
         },
         fix=(
             "Use torch.amp.GradScaler: scaler.scale(loss).backward(); scaler.step(opt); "
             "scaler.update(). Unscaled fp16 gradients below 6e-8 become zero."
         ),
     )
-
-
-def _distinct_step_count(run: Run, facts: dict[int, dict[str, Any]]) -> int:
-    """How many distinct step numbers the ranks recorded, from each rank's runs of steps (its
-    rows, read alone, for a rank whose summary capped them)."""
-    runs: list[list[int]] = []
-    for rank, rank_facts in facts.items():
-        if rank_facts["complete"]:
-            runs.extend(rank_facts["all_runs"])
-        else:
-            steps = run.rank_table("steps", rank)["step"].unique()
-            runs.extend([int(s), int(s)] for s in steps)
-    count, end = 0, None
-    for first, last in sorted(runs):
-        if end is not None and first <= end:
-            if last > end:
-                count += last - end
-                end = last
-            continue
-        count += last - first + 1
-        end = last
-    return count
 
 
 @rule("AMP-N13", "half-loss", "warning", "nan", requires=("loss",), refs=(AUTOCAST_OPS,))

@@ -7,11 +7,14 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import pandas as pd
+
 from amprobe.analysis.frames import MAX_LISTED_STEPS
 from amprobe.analysis.numerics import offender_evidence
 from amprobe.analysis.runtime import expand_steps, rank_runtime, rank_step_counts, summary_steps
 from amprobe.analysis.scaler import (
     calibration_steps,
+    compute_scale_events,
     cut_steps,
     expand_runs,
     growth_interval,
@@ -19,11 +22,12 @@ from amprobe.analysis.scaler import (
     longest_run,
     nth_step,
     rank_scaler,
+    rank_scaler_rows,
+    row_indices,
     runs_without,
-    scale_events,
     scaler_ranks,
 )
-from amprobe.rules.data import per_rank, step_ranges, steps_list
+from amprobe.rules.data import step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import (
     AUTOCAST_OPS,
@@ -182,22 +186,28 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
     Triggers when the scale after any update falls below ``min_scale`` or the longest run of
     consecutive cuts reaches ``max_consecutive_cuts``. Halving the scale cannot help then: a
     forward op produces inf/NaN whatever the scale.
+
+    Read from each rank's ``scaler`` summary (:func:`~amprobe.analysis.scaler.rank_scaler`):
+    the cuts, their row positions among the scaler steps and the change points give the same
+    values as the rows; a rank whose step numbers repeat is judged from its own rows.
     """
     th = ctx.thresholds
-    for rank, frame in per_rank(scale_events(ctx.run)):
-        indexed = frame.reset_index(drop=True)
-        run_len, start = longest_run(indexed["backoff"])
-        min_scale = float(indexed["scale_after"].min())
+    for rank in scaler_ranks(ctx.run):
+        facts = rank_scaler(ctx.run, rank)
+        if facts["ordered"]:
+            min_scale, run_len, first_step, below_step = _collapse_facts(facts, th["min_scale"])
+        else:  # a step number repeats: the runs of steps cannot place its rows
+            min_scale, run_len, first_step, below_step = _collapse_rows(
+                rank_scaler_rows(ctx.run, rank), th["min_scale"]
+            )
         if min_scale >= th["min_scale"] and run_len < th["max_consecutive_cuts"]:
             continue
-        first_step = int(indexed.loc[start, "step"]) if start is not None else None
-        below = indexed[indexed["scale_after"] < th["min_scale"]]
         evidence = {
             "rank": rank,
             "min_scale": min_scale,
             "consecutive_cut_count": run_len,
             "cut_run_starts_at_step": first_step,
-            "first_step_below_min": int(below["step"].iloc[0]) if len(below) else None,
+            "first_step_below_min": below_step,
             "min_scale_threshold": th["min_scale"],
             "max_consecutive_cuts": th["max_consecutive_cuts"],
         }
@@ -214,6 +224,46 @@ def check_scale_collapse(ctx: RuleContext) -> Iterator[Finding]:
                 "batch (AMP-N04); pin that op to fp32 or fix the data."
             ),
         )
+
+
+def _collapse_facts(
+    facts: dict[str, Any], threshold: float
+) -> tuple[float, int, int | None, int | None]:
+    """AMP-N03's measures from a rank's scaler section (every change point listed, steps
+    ascending): the lowest scale after an update (NaN when none is known, as a frame's
+    ``min`` of NaNs), the longest run of consecutive cuts (rows, not step numbers) and the
+    step it starts at, and the first step whose scale after its update is below
+    ``threshold``. A row's scale after is its update's when it has one, else its scale before:
+    the first row's, a jump's, or the previous row's scale after, so the first row below
+    ``threshold`` is the first row, an update or a jump."""
+    cuts = cut_steps(facts)
+    run_len, first_step = 0, None
+    if cuts:
+        rows = row_indices(facts["step_runs"], cuts)
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                if i - start > run_len:  # the first of the longest runs
+                    run_len, first_step = i - start, cuts[start]
+                start = i
+    after = {int(u[0]): _scale(u[2]) for u in facts["updates"]}
+    changes = {int(j[0]): float(j[2]) for j in facts["jumps"]}
+    changes[int(facts["step_runs"][0][0])] = float(facts["first_before"])
+    changes.update(after)  # a step's update sets its scale after
+    below = [step for step, scale in changes.items() if scale < threshold]
+    return _scale(facts["min_after"]), run_len, first_step, min(below) if below else None
+
+
+def _collapse_rows(
+    frame: pd.DataFrame, threshold: float
+) -> tuple[float, int, int | None, int | None]:
+    """:func:`_collapse_facts` from one rank's scaler-step rows in step order."""
+    indexed = compute_scale_events(frame).reset_index(drop=True)
+    run_len, start = longest_run(indexed["backoff"])
+    first_step = int(indexed.loc[start, "step"]) if start is not None else None
+    below = indexed[indexed["scale_after"] < threshold]
+    below_step = int(below["step"].iloc[0]) if len(below) else None
+    return float(indexed["scale_after"].min()), run_len, first_step, below_step
 
 
 @rule(
