@@ -358,9 +358,10 @@ def crash(dest: Path) -> str:
     return f"{ends} end.json removed, {finals} summary.json rewritten with final: false"
 
 
-#: Bytes of output per rank (three diagnoses' JSON and one report's HTML), measured: 0.41 MB
-#: per rank at 256 ranks of a 10,000-step recording (2026-12-05), rounded up.
-OUTPUT_BYTES_PER_RANK = 500_000
+#: Bytes of output per rank (three diagnoses' JSON and one report's HTML), a bound: measured
+#: 7.7 MB in all at 256 ranks of a 10,000-step recording (31 KB per rank; the JSON is bounded,
+#: 0.1 MB at 64 and 256 ranks alike, the HTML 6.7 and 7.4 MB) on 2026-12-05.
+OUTPUT_BYTES_PER_RANK = 100_000
 
 
 def _copied(n: int) -> set[int]:
