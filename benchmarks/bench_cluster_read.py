@@ -17,17 +17,25 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
    there, the offender rows and events of the template's first offending step copied to that
    step), and a 3x slower rank (every step time and the clock scaled). Two more real copies
    are damaged: a truncated rank (``steps.jsonl`` cut in the middle of the record after its
-   half, ``end.json`` removed) and a corrupt rank (lines of garbage bytes in ``steps.jsonl``
-   and ``numerics.jsonl``). A copy the benchmark edits gets a summary consistent with its
-   files: ``amprobe.store.summary.write_rank_summary(rank_dir)`` rewrites its
-   ``summary.jsonl`` where that function exists; otherwise the copy's ``summary.jsonl`` is
-   deleted and the reader summarizes that rank from its files (the output says which).
+   half, ``end.json`` removed) and a corrupt rank (lines of ``steps.jsonl`` and
+   ``numerics.jsonl`` overwritten in place by garbage bytes of the same length, as a damaged
+   disk leaves them: the files keep their sizes and line ends). A diverging copy gets a
+   ``summary.json`` consistent with its files, written by
+   ``amprobe.store.run.write_rank_summary(rank_dir)`` (a new file renamed over the copy's,
+   never written through a hard link); the damaged copies keep the recorded ``summary.json``,
+   as a crashed job or a damaged disk leaves it: the truncated rank's offsets point past its
+   cut file (the reader rebuilds it from its files), the corrupt rank's still describe its
+   files (the reader trusts it, so its garbage lines are read, and reported, only by what reads
+   the rows themselves).
 3. Times, each in a child process: ``amprobe diagnose --format json`` cold (no ``RUN/derived``
    folder), warm (a second run, with whatever derived files the first left), ``amprobe report
    -o x.html`` warm, and ``diagnose`` cold on the crashed variant of the run (every rank's
-   ``end.json`` removed and any ``final`` summary record dropped: no rank closed). It prints,
-   side by side: wall seconds, CPU seconds (user + system) and peak RSS of the child
-   (``os.wait4``'s rusage of that one child), per rank, and the output size.
+   ``end.json`` removed and its ``summary.json`` replaced by a new file saying ``final:
+   false``: no rank closed). It prints, side by side: wall seconds, CPU seconds (user +
+   system) and peak RSS of the child (``os.wait4``'s rusage of that one child), per rank, and
+   the output size; and, from another child after each cold diagnosis, where each rank's
+   summary came from (``Run.summary_sources()``: records, records+tail, files, unreadable),
+   counted, with the source of each edited rank.
 4. Checks that each diagnosis names the planted ranks apart from the agreeing group (a finding
    on at most half the ranks: AMP-D01 for the init scale, AMP-D02 for the slow rank, AMP-D01,
    N01, N05 or N11 for the overflow rank): ``named: yes/no`` per planted kind; and that a load
@@ -60,6 +68,9 @@ from machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's amprobe, as the timed children get it
+from amprobe.store.run import write_rank_summary  # noqa: E402
+from amprobe.store.summary import SUMMARY_FILE  # noqa: E402
+
 GLOO_EXIT_ABORT = "terminate called without an active exception"  # torch's exit race, retried
 KINDS = ("scale", "overflow", "slow")
 DAMAGES = ("truncated", "corrupt")
@@ -67,7 +78,7 @@ SLOW_FACTOR = 3.0
 #: A corrupt line: every byte value but the line breaks (NUL, invalid UTF-8, stray braces).
 GARBAGE = bytes(b for b in range(256) if b not in (10, 13))
 GARBAGE_LINES = 3  # per corrupted file
-SUMMARY = "summary.jsonl"
+SUMMARY = SUMMARY_FILE
 DERIVED = "derived"
 
 TRAIN_SCRIPT = '''"""2-rank DDP fp16 on CPU (gloo); an overflow planted on every rank at steps PLANT_AT to
@@ -202,13 +213,17 @@ def _truncate(rank_dir: Path) -> None:
 
 
 def _corrupt(rank_dir: Path) -> None:
-    """A rank whose disk damaged records: :data:`GARBAGE_LINES` lines of garbage bytes put
-    between the records of ``steps.jsonl`` and ``numerics.jsonl``, spread over each file."""
+    """A rank whose disk damaged records: :data:`GARBAGE_LINES` records of ``steps.jsonl`` and
+    ``numerics.jsonl``, spread over each file, overwritten in place by garbage bytes of the
+    same length. Sizes and line ends stay, so the recorded ``summary.json`` still describes the
+    files (its offsets fall on line ends): the damage lies inside the summarized bytes."""
     for name in ("steps.jsonl", "numerics.jsonl"):
         path = rank_dir / name
         lines = path.read_bytes().split(b"\n")
-        for i in range(GARBAGE_LINES, 0, -1):  # from the end, so the indexes hold
-            lines.insert((i * (len(lines) - 1)) // (GARBAGE_LINES + 1), GARBAGE)
+        for i in range(1, GARBAGE_LINES + 1):
+            at = (i * (len(lines) - 1)) // (GARBAGE_LINES + 1)
+            size = len(lines[at])
+            lines[at] = (GARBAGE * (size // len(GARBAGE) + 1))[:size]
         _write_own(path, b"\n".join(lines))
 
 
@@ -260,25 +275,18 @@ def template_rank(source: Path) -> Path:
 
 
 def _resummarize(edited: list[Path]) -> str:
-    """Make the edited copies' ``summary.jsonl`` agree with their files; say how."""
+    """Make the diverging copies' ``summary.json`` agree with their files; say how.
+    ``write_rank_summary`` writes a temporary file and renames it over the old one, so the
+    copy's file (a real copy already) is replaced, never written through."""
     with_summary = [d for d in edited if (d / SUMMARY).exists()]
     if not with_summary:
         return f"the template rank has no {SUMMARY}: every rank is summarized from its files"
-    from amprobe.store import summary
-
-    write = getattr(summary, "write_rank_summary", None)
-    if write is not None:
-        for d in with_summary:
-            write(d)
-        return (
-            f"{SUMMARY} of the {len(with_summary)} edited copies rewritten by "
-            "amprobe.store.summary.write_rank_summary; the other ranks keep the recorded one"
-        )
     for d in with_summary:
-        (d / SUMMARY).unlink()
+        write_rank_summary(d)
     return (
-        f"{SUMMARY} of the {len(with_summary)} edited copies deleted (amprobe.store.summary has "
-        "no write_rank_summary): the reader summarizes those ranks from their files"
+        f"{SUMMARY} of the {len(with_summary)} diverging copies rewritten by "
+        "amprobe.store.run.write_rank_summary; every other rank, the damaged ones included, "
+        "keeps the recorded one"
     )
 
 
@@ -313,40 +321,47 @@ def build(source: Path, n: int, dest: Path) -> tuple[dict[int, str], dict[int, s
             _truncate(rank_dir)
         elif broken.get(r) == "corrupt":
             _corrupt(rank_dir)
-    how = _resummarize([dest / f"rank{r}" for r in sorted({*divergent, *broken})])
+    how = _resummarize([dest / f"rank{r}" for r in sorted(divergent)])
     return divergent, broken, how
 
 
-def _is_final(line: bytes) -> bool:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return False
-    return isinstance(record, dict) and record.get("final") is True
-
-
 def crash(dest: Path) -> str:
-    """Make ``dest`` a run no rank closed: every ``end.json`` removed, and the ``final``
-    record a rank's ``summary.jsonl`` gets at close dropped (in a new file: a hard link's inode
-    stays as recorded)."""
+    """Make ``dest`` a run no rank closed: every ``end.json`` removed, and every rank's
+    ``summary.json`` replaced by a new file saying ``final: false`` (as the writer's last
+    flush before a kill leaves it). The ranks sharing one inode (hard links to the template's
+    record) get one new file, linked to each of them: the recorded inode is never written."""
     ends = finals = 0
-    for rank_dir in dest.glob("rank*"):
+    made: dict[tuple[int, int], Path] = {}  # recorded inode -> its final: false replacement
+    for rank_dir in sorted(dest.glob("rank*")):
         if (rank_dir / "end.json").exists():
             (rank_dir / "end.json").unlink()
             ends += 1
         path = rank_dir / SUMMARY
-        if path.exists():
-            lines = path.read_bytes().splitlines(keepends=True)
-            kept = [line for line in lines if not _is_final(line)]
-            if len(kept) < len(lines):
-                _write_own(path, b"".join(kept))
-                finals += 1
-    return f"{ends} end.json removed, {finals} final summary records dropped"
+        if not path.exists():
+            continue
+        st = path.stat()
+        done = made.get((st.st_dev, st.st_ino))
+        if done is not None:
+            path.unlink()
+            os.link(done, path)
+        else:
+            try:
+                record = json.loads(path.read_bytes())
+            except ValueError:
+                continue  # not a record: the reader rebuilds that rank anyway
+            if not isinstance(record, dict) or record.get("final") is not True:
+                continue
+            _write_own(path, (json.dumps({**record, "final": False}) + "\n").encode())
+            if st.st_nlink > 1:
+                made[(st.st_dev, st.st_ino)] = path
+        finals += 1
+    return f"{ends} end.json removed, {finals} summary.json rewritten with final: false"
 
 
-#: Bytes of output per rank (three diagnoses' JSON and one report's HTML), measured: 0.41 MB
-#: per rank at 256 ranks of a 10,000-step recording (2026-12-05), rounded up.
-OUTPUT_BYTES_PER_RANK = 500_000
+#: Bytes of output per rank (three diagnoses' JSON and one report's HTML), a bound: measured
+#: 7.7 MB in all at 256 ranks of a 10,000-step recording (31 KB per rank; the JSON is bounded,
+#: 0.1 MB at 64 and 256 ranks alike, the HTML 6.7 and 7.4 MB) on 2026-12-05.
+OUTPUT_BYTES_PER_RANK = 100_000
 
 
 def _copied(n: int) -> set[int]:
@@ -383,6 +398,33 @@ def timed(cmd: list[str], stdout: Path, stderr: Path, cache: Path) -> dict[str, 
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "rss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
     }
+
+
+#: The child that says where each rank's summary came from (rank -> source, as JSON).
+_SOURCES_CHILD = (
+    "import json, sys; from amprobe.store.run import load_run; "
+    "print(json.dumps(load_run(sys.argv[1]).summary_sources()))"
+)
+
+
+def summary_sources(run: Path, edited: dict[int, str]) -> str:
+    """Where each rank's summary came from (``Run.summary_sources()``, read in a child, after
+    the timed runs): the count of each source, and the source of each rank in ``edited``
+    (rank -> what was done to it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", _SOURCES_CHILD, str(run)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return f"not known (the child exited {proc.returncode}: {proc.stderr.strip()[-300:]})"
+    sources = {int(r): s for r, s in json.loads(proc.stdout).items()}
+    counts: dict[str, int] = {}
+    for s in sources.values():
+        counts[s] = counts.get(s, 0) + 1
+    order = ("records", "records+tail", "files", "unreadable")
+    rank_of = {k: i for i, k in enumerate(order)}
+    said = [f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: (rank_of.get(k, 9), k))]
+    ranks = [f"{r} ({what}): {sources.get(r, 'absent')}" for r, what in sorted(edited.items())]
+    return f"{', '.join(said)}; " + "; ".join(ranks)
 
 
 _RANKS_TEXT = re.compile(r"\branks? ((?:\d+(?:-\d+)?)(?:, \d+(?:-\d+)?)*)")
@@ -532,9 +574,11 @@ def measure(
         )
         return derived.exists() or cached
 
+    edited = {**divergent, **broken}
     cold()
     out = work / f"diagnose{n}-cold.json"
     one("cold", diagnose, out, "diagnose --format json", out)
+    print(f"  {n} ranks, cold: summary sources: {summary_sources(run, edited)}")
     if not derived_size("cold"):
         print(f"  {n} ranks: nothing derived (no derived store yet): warm runs as cold did")
     out = work / f"diagnose{n}-warm.json"
@@ -549,6 +593,7 @@ def measure(
     cold()
     out = work / f"diagnose{n}-crashed.json"
     one("cold, no rank closed", diagnose, out, "diagnose --format json", out)
+    print(f"  {n} ranks, no rank closed: summary sources: {summary_sources(run, edited)}")
     before = {(f["id"], f["title"]) for f in docs["cold"]["findings"]}
     after = {(f["id"], f["title"]) for f in docs["cold, no rank closed"]["findings"]}
     for sign, diff in (("-", before - after), ("+", after - before)):

@@ -1,7 +1,8 @@
 """benchmarks/bench_cluster_read.py builds its runs as it says (issue #33): replicas share the
 source's inodes and the source is never written, the planted and damaged ranks are real copies
-edited as documented, the edited copies' summaries are made consistent, the crashed variant
-closes no rank, and its checks tell a named rank from one the majority group merely includes."""
+edited as documented, the diverging copies' summaries are made consistent while the damaged ones
+keep the recorded record, the crashed variant closes no rank, the summary sources are read, and
+its checks tell a named rank from one the majority group merely includes."""
 
 from __future__ import annotations
 
@@ -40,8 +41,11 @@ def _source(root: Path, summary: bool = False) -> Path:
     """A 1-rank source whose every record file is non-empty (40 steps, an offender at 20)."""
     rank = root / "source" / "rank0"
     rank.mkdir(parents=True)
-    (root / "source" / "manifest.json").write_text(json.dumps({"world_size": 1}))
-    (rank / "manifest.json").write_text(json.dumps({"rank": 0, "hostname": "h"}))
+    top = {"format": "amprobe-run", "schema_version": 1, "world_size": 1}
+    (root / "source" / "manifest.json").write_text(json.dumps(top))
+    (rank / "manifest.json").write_text(
+        json.dumps({"schema_version": 1, "rank": 0, "hostname": "h"})
+    )
     steps = [
         {"step": i, "t": 1.0 + 0.01 * (i + 1), "wall_s": 0.01, "scale_before": 2.0**16}
         | {"scale_after": 2.0**16, "growth_tracker": i, "pad": "x" * 40}
@@ -59,7 +63,9 @@ def _source(root: Path, summary: bool = False) -> Path:
         (rank / f"{name}.jsonl").write_text(_lines([{"step": 0}]))
     (rank / "end.json").write_text(json.dumps({"status": "finished"}))
     if summary:
-        (rank / "summary.jsonl").write_text(_lines([{"offsets": {}}, {"final": True}]))
+        from amprobe.store.run import write_rank_summary
+
+        write_rank_summary(rank)  # the writer's final record, as close leaves it
     return root / "source"
 
 
@@ -73,7 +79,7 @@ def test_build_links_replicas_and_edits_real_copies(bench: ModuleType, tmp_path:
     divergent, broken, how = bench.build(source, 12, tmp_path / "run")
     assert sorted(divergent.values()) == ["overflow", "scale", "slow"]
     assert broken == {11: "truncated", 10: "corrupt"}
-    assert "no summary.jsonl" in how
+    assert "no summary.json:" in how
     base = source / "rank0" / "steps.jsonl"
     for r in range(12):
         steps = tmp_path / "run" / f"rank{r}" / "steps.jsonl"
@@ -82,37 +88,50 @@ def test_build_links_replicas_and_edits_real_copies(bench: ModuleType, tmp_path:
     data = (truncated / "steps.jsonl").read_bytes()
     assert not data.endswith(b"\n") and 0.4 < len(data) / base.stat().st_size < 0.6
     assert not (truncated / "end.json").exists()
-    for name in ("steps.jsonl", "numerics.jsonl"):
-        lines = (tmp_path / "run" / "rank10" / name).read_bytes().split(b"\n")
-        assert lines.count(bench.GARBAGE) == bench.GARBAGE_LINES
+    for name in ("steps.jsonl", "numerics.jsonl"):  # overwritten in place: same line ends
+        got = (tmp_path / "run" / "rank10" / name).read_bytes().split(b"\n")
+        was = (source / "rank0" / name).read_bytes().split(b"\n")
+        assert [len(x) for x in got] == [len(x) for x in was]
+        changed = [g for g, w in zip(got, was, strict=True) if g != w]
+        assert len(changed) == bench.GARBAGE_LINES
+        assert all(g == (bench.GARBAGE * 2)[: len(g)] for g in changed)
     assert _snapshot(source) == before  # the source recording is never written
 
 
-def test_edited_summaries_and_the_crashed_variant(
-    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from amprobe.store import summary
-
+def test_edited_summaries_and_the_crashed_variant(bench: ModuleType, tmp_path: Path) -> None:
     source = _source(tmp_path, summary=True)
+    recorded = json.loads((source / "rank0" / "summary.json").read_text())
     before = _snapshot(source)
-    monkeypatch.delattr(summary, "write_rank_summary", raising=False)
     divergent, broken, how = bench.build(source, 12, tmp_path / "a")
-    assert "deleted" in how
-    edited = {*divergent, *broken}
+    assert "3 diverging copies rewritten by amprobe.store.run.write_rank_summary" in how
+    run = tmp_path / "a"
+    template = source / "rank0" / "summary.json"
     for r in range(12):
-        assert (tmp_path / "a" / f"rank{r}" / "summary.jsonl").exists() == (r not in edited)
+        path = run / f"rank{r}" / "summary.json"
+        record = json.loads(path.read_text())
+        assert path.samefile(template) == (r not in divergent and r not in broken)
+        if r in divergent:  # consistent with the edited files: every offset is a file's size
+            assert record["final"] is True
+            for name, offset in record["offsets"].items():
+                assert (run / f"rank{r}" / name).stat().st_size == offset
+        else:  # the recorded record, the damaged ranks included
+            assert record == recorded
+    cut = (run / "rank11" / "steps.jsonl").stat().st_size
+    assert cut < recorded["offsets"]["steps.jsonl"]  # the truncated rank's offsets point past
 
-    calls: list[Path] = []
-    monkeypatch.setattr(summary, "write_rank_summary", calls.append, raising=False)
-    _, _, how = bench.build(source, 12, tmp_path / "b")
-    assert "write_rank_summary" in how and "rewritten" in how
-    assert sorted(calls) == sorted(tmp_path / "b" / f"rank{r}" for r in edited)
+    said = bench.summary_sources(run, {11: "truncated", 10: "corrupt"})
+    assert said == "records 11, files 1; 10 (corrupt): records; 11 (truncated): files"
 
-    said = bench.crash(tmp_path / "a")
-    assert said == "11 end.json removed, 7 final summary records dropped"
-    assert not list((tmp_path / "a").glob("rank*/end.json"))
-    assert (tmp_path / "a" / "rank0" / "summary.jsonl").read_text() == '{"offsets": {}}\n'
-    assert _snapshot(source) == before
+    said = bench.crash(run)
+    assert said == "11 end.json removed, 12 summary.json rewritten with final: false"
+    assert not list(run.glob("rank*/end.json"))
+    finals = [json.loads((run / f"rank{r}" / "summary.json").read_text()) for r in range(12)]
+    assert [f["final"] for f in finals] == [False] * 12
+    assert all({**f, "final": True} == recorded for r, f in enumerate(finals) if r not in divergent)
+    linked = [run / f"rank{r}" / "summary.json" for r in range(12) if r not in {*divergent, 10, 11}]
+    assert all(p.samefile(linked[0]) for p in linked)  # one new file for the replicas
+    assert not linked[0].samefile(template)
+    assert _snapshot(source) == before  # the recorded inodes were never written
 
 
 def test_checks_name_apart_from_the_majority(bench: ModuleType) -> None:
