@@ -33,6 +33,12 @@ from typing import Any, TypeVar
 import pandas as pd
 
 import amprobe
+from amprobe.analysis.overview import (
+    autocast_dtype_text,
+    distinct_step_count,
+    lost_steps,
+    open_rank_last_times,
+)
 from amprobe.report.sections import Section, build_section, section_tabs
 from amprobe.rules.engine import Severity
 from amprobe.store import read_table
@@ -406,24 +412,6 @@ def _run_times(
     return started, (max(0.0, max(lasts) - started) if lasts else None), True
 
 
-def _lost_steps(run: amprobe.Run) -> list[str]:
-    """Why a run that recorded no readable step is garbage, or [] when it may truly have none:
-    the loader skipped step records it could not read, or an end marker counts steps that
-    ``steps.jsonl`` does not hold."""
-    filename = table_filename("steps")
-    reasons = [w for w in run.warnings if f" {filename}" in w]  # not compute_steps.jsonl
-    if reasons:
-        return reasons
-    for info in run.ranks:
-        claimed = (info.end or {}).get("steps")
-        if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > 0:
-            reasons.append(
-                f"rank {info.rank}: its end marker counts {claimed} steps but {filename} "
-                "holds none that can be read"
-            )
-    return reasons
-
-
 def _internal_error(exc: BaseException) -> str:
     return (
         f"amprobe failed while reading this run ({type(exc).__name__}: {exc}); "
@@ -463,34 +451,22 @@ SORT_KEYS: dict[str, Callable[[RunSummary], Any]] = {
 }
 
 
-def _autocast_dtype(run: amprobe.Run) -> str:
-    steps = run.steps
-    if len(steps) and "autocast_dtype" in steps:
-        values = steps["autocast_dtype"].dropna().unique()
-        if len(values):
-            return ", ".join(sorted(str(v) for v in values))
-    for event in run.events_of("autocast_seen"):
-        if event.get("enabled") and event.get("dtype"):
-            return str(event["dtype"])
-    return "not recorded"
-
-
 def summarize(name: str, loaded: LoadedRun) -> RunSummary:
     """The run list's row of a loaded, diagnosed run.
 
-    A run that recorded no readable step although it wrote step records (or its end marker
-    counts steps) is unreadable, with the loader's reason, not "finished, 0 steps".
+    Read from the run's per-rank summaries and manifests, and the end of each open rank's
+    steps file (:mod:`amprobe.analysis.overview`), never every rank's steps table. A run that
+    recorded no readable step although it wrote step records (or its end marker counts steps)
+    is unreadable, with the reason, not "finished, 0 steps".
     """
     run, diagnosis = loaded.run, loaded.diagnosis
-    steps = run.steps
-    last_t: dict[int, float] = {}
-    if len(steps) and "t" in steps.columns:
-        last_t = {int(r): float(t) for r, t in steps.groupby("rank")["t"].max().dropna().items()}
+    last_t = open_rank_last_times(run)
     started, duration, still_open = _run_times(
         run.manifest, [(i.manifest, i.end, last_t.get(i.rank)) for i in run.ranks]
     )
-    if not len(steps):
-        lost = _lost_steps(run)
+    steps = distinct_step_count(run)
+    if not steps:
+        lost = lost_steps(run)
         if lost:
             return _unreadable(name, "no readable step record: " + "; ".join(lost), started)
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
@@ -508,8 +484,8 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
         name=name,
         status=run.status,
         device=device,
-        dtype=_autocast_dtype(run),
-        steps=int(steps["step"].nunique()) if len(steps) else 0,
+        dtype=autocast_dtype_text(run),
+        steps=steps,
         worst=worst,
         started=started,
         duration_s=duration,

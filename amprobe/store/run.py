@@ -15,7 +15,7 @@ import gc
 import json
 import os
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ __all__ = [
     "NewerSchemaError",
     "load_run",
     "write_rank_summary",
+    "rank_last_rows",
 ]
 
 
@@ -693,6 +694,50 @@ def _not_a_run(root: Path) -> str:
 _LAST_STEP_BYTES = 8 << 10
 
 
+def _last_row(path: Path) -> tuple[dict[str, Any] | None, bool]:
+    """The last complete row of a table file, read from its last :data:`_LAST_STEP_BYTES`, and
+    whether that read can be trusted: ``(None, True)`` for a missing or empty file,
+    ``(None, False)`` when the bytes read hold no row that parses (a damaged last line, or a
+    row longer than the bytes read) or the file cannot be read."""
+    try:
+        with open_regular(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            start = max(0, size - _LAST_STEP_BYTES)
+            data = os.pread(fh.fileno(), size - start, start)
+    except FileNotFoundError:
+        return None, True
+    except OSError:
+        return None, False
+    lines = data.split(b"\n")
+    lines.pop()  # after the last line end: nothing, or a cut line the loader leaves
+    if start:
+        lines.pop(0)  # may begin inside a line
+    for line in reversed(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            return None, False
+        return (row, True) if isinstance(row, dict) else (None, False)
+    return None, not start  # no row at all, or none whole in the bytes read
+
+
+def rank_last_rows(
+    run: Run, table: str = "steps", ranks: Iterable[int] | None = None
+) -> dict[int, dict[str, Any] | None]:
+    """Each rank's (of ``ranks``, default all) last complete row of ``table``, read from the
+    end of its file (a few kB a rank, never the whole table): the row as a dict, or None when
+    the rank has no row or its last line does not parse (the loader decides about that one)."""
+    name = table_filename(table)
+    wanted = None if ranks is None else set(ranks)
+    return {
+        info.rank: _last_row(info.path / name)[0]
+        for info in run.ranks
+        if wanted is None or info.rank in wanted
+    }
+
+
 def _rank_last_steps(run: Run) -> dict[int, int] | None:
     """Each rank's last step without reading every rank's steps: the step of its last complete
     row, read from the end of its file (the probe writes a rank's steps in increasing order).
@@ -700,34 +745,14 @@ def _rank_last_steps(run: Run) -> dict[int, int] | None:
     bytes read: that is not guessed at (the caller reads the summaries then)."""
     lasts: dict[int, int] = {}
     for info in run.ranks:
-        path = info.path / table_filename("steps")
-        try:
-            with open_regular(path) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                start = max(0, size - _LAST_STEP_BYTES)
-                data = os.pread(fh.fileno(), size - start, start)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-        lines = data.split(b"\n")
-        lines.pop()  # after the last line end: nothing, or a cut line the loader leaves
-        if start:
-            lines.pop(0)  # may begin inside a line
-        step = None
-        for line in reversed(lines):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError):
-                row = None
-            step = row.get("step") if isinstance(row, dict) else None
-            break
-        if type(step) is not int:
-            if any(line.strip() for line in lines) or start:
-                return None  # a damaged or odd last row: the loader decides
+        row, ok = _last_row(info.path / table_filename("steps"))
+        if row is None:
+            if not ok:
+                return None
             continue  # no row at all
+        step = row.get("step")
+        if type(step) is not int:
+            return None  # a damaged or odd last row: the loader decides
         lasts[info.rank] = step
     return lasts
 
