@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import gc
 import json
 import os
@@ -255,9 +254,23 @@ class Run:
         (a missing section: no rows) and a warning. :meth:`summary_sources` says which way
         each rank went.
         """
-        if refresh:  # the files grew (a live run): read them again, for every later reader
+        if refresh:  # the files grew (a live run): read what was appended, for every reader
             self._derived.pop("summaries", None)
         return self.cached("summaries", _summaries)
+
+    def adopt_summaries(self, earlier: Run) -> None:
+        """Take the per-rank summaries ``earlier`` (a load of the same run folder before this
+        one) read, with where in each file they end, so that this run's :meth:`summaries`
+        reads only the rows appended since (a live run loaded again, issue #33). A rank whose
+        files no longer match (truncated, replaced) is read again as :meth:`summaries` says."""
+        parts = earlier._derived.get("summary_parts")
+        if parts and "summaries" not in self._derived:
+            paths = {info.rank: info.path for info in earlier.ranks}
+            self._derived["summary_parts"] = {
+                info.rank: parts[info.rank]
+                for info in self.ranks
+                if info.rank in parts and paths.get(info.rank) == info.path
+            }
 
     def summary_sources(self) -> dict[int, str]:
         """Where each rank's summary came from: ``"records"`` (the writer's record alone),
@@ -320,16 +333,26 @@ class _RankSummary:
     source: str  # records, records+tail, files, unreadable
     warnings: list[str]
     other_version: bool = False  # a record of another summary_version was ignored
+    #: table file name -> the byte offset the summary covers it to (None: not known)
+    ends: dict[str, int] | None = None
 
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
-    """Every rank's summary, the ranks read in parallel threads (see :meth:`Run.summaries`)."""
+    """Every rank's summary, the ranks read in parallel threads (see :meth:`Run.summaries`).
+
+    A rank read before (by this run, or by the run it adopted them from) continues from where
+    that read ended, unless its record now covers more: refreshing a live run reads only what
+    was appended."""
     if run._tables and not any(info.path.is_dir() for info in run.ranks):
         return _summaries_in_memory(run)
     infos = list(run.ranks)
     names = [cls.name for cls in SECTIONS]
     files = [(table, table_filename(table)) for table in sorted(summary_tables())]
-    one = functools.partial(_summarize_rank, names=names, files=files)
+    before: dict[int, _RankSummary] = run._derived.get("summary_parts") or {}
+
+    def one(info: RankInfo) -> _RankSummary:
+        return _summarize_rank(info, names, files, before.get(info.rank))
+
     with _gc_paused():
         if len(infos) > 1:
             # threads overlap the file system's waits (a cold cache, a network file system)
@@ -353,6 +376,7 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
             f"ignored on {other} rank(s); those ranks were summarized from their record files"
         )
     run._derived["summary_sources"] = sources
+    run._derived["summary_parts"] = dict(zip((i.rank for i in infos), parts, strict=True))
     return out
 
 
@@ -397,18 +421,37 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _summarize_rank(info: RankInfo, names: list[str], files: list[tuple[str, str]]) -> _RankSummary:
+def _summarize_rank(
+    info: RankInfo,
+    names: list[str],
+    files: list[tuple[str, str]],
+    before: _RankSummary | None = None,
+) -> _RankSummary:
     """One rank's summary: its record, and the rows it does not cover (never raises).
     ``names`` are the registered sections' names, ``files`` the (table, file name) pairs of
-    the tables they read."""
+    the tables they read; ``before``: this rank's summary read earlier, which is continued
+    from its ends when the record does not cover more of every file."""
     who = f"rank {info.rank}"
     folder = str(info.path)
     try:
         record, warnings, other = _read_record(info.rank, folder)
         if record is not None and not all(name in record["sections"] for name in names):
             record = None  # written with fewer sections (an older amprobe): not a damage
-        starts: dict[str, int] | None = None  # where the rows no record covers start
-        if record is not None:
+        base: dict[str, Any] | None = None  # the sections the rows after ``offsets`` extend
+        offsets: Mapping[str, int] = {}
+        source = "files"
+        starts: dict[str, int] | None = None  # where the rows no summary covers start
+        if before is not None and before.ends is not None and before.source != "unreadable":
+            ahead = record is not None and all(
+                record["offsets"].get(name, 0) >= before.ends.get(name, 0) for _, name in files
+            )
+            if not ahead:  # what was read before covers more than the record: go on from it
+                tail, why = _tail_starts(folder, before.ends, files)
+                if not why:
+                    base, offsets, source = before.summary, before.ends, before.source
+                    record, starts = None, tail
+                    warnings = [*before.warnings, *warnings]  # what its rows showed still holds
+        if base is None and record is not None:
             starts, why = _tail_starts(folder, record["offsets"], files)
             if why:
                 warnings.append(
@@ -416,22 +459,28 @@ def _summarize_rank(info: RankInfo, names: list[str], files: list[tuple[str, str
                     "the rank was summarized from its record files"
                 )
                 record, starts = None, None
+            else:
+                base, offsets, source = record["sections"], record["offsets"], "records"
         acc: Accumulator | None = None
+        ends: dict[str, int] = {}
         for table, name in files:
             if starts is not None and name not in starts:
-                continue  # the record covers the whole file: not opened
+                ends[name] = offsets.get(name, 0)
+                continue  # the summary covers the whole file: not opened
             read = _read_arrow(info.path / name, table, starts[name] if starts else 0)
+            ends[name] = read.next_offset
             warnings.extend(_read_warnings(info, name, read))
             if read.table is not None and read.table.num_rows:
                 acc = acc or Accumulator()
                 acc.add(table, read.table.to_pylist())
-        if record is None:
-            return _RankSummary((acc or Accumulator()).snapshot(), "files", warnings, other)
-        sections = record["sections"]
+        if base is None:
+            return _RankSummary((acc or Accumulator()).snapshot(), "files", warnings, other, ends)
         if acc is None:
-            return _RankSummary({n: sections[n] for n in names}, "records", warnings, other)
-        merged = merge_sections([sections, acc.snapshot()])
-        return _RankSummary(merged, "records+tail", warnings, other)
+            return _RankSummary({n: base[n] for n in names}, source, warnings, other, ends)
+        merged = merge_sections([base, acc.snapshot()])
+        if source == "records":
+            source = "records+tail"
+        return _RankSummary(merged, source, warnings, other, ends)
     except RunLoadError as exc:
         return _RankSummary({}, "unreadable", [f"{who}: summary not computed: {exc}"])
     except Exception as exc:  # a section that fails on this rank's rows or record

@@ -1,0 +1,122 @@
+"""A live run read again reads only what was appended (issue #33): ``Run.summaries(refresh=True)``
+and a later load that adopts them continue each rank from where the last read ended, and the
+dashboard's live tick reads no table beyond that."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import amprobe
+import amprobe.store.run as store_run
+from amprobe.store.run import write_rank_summary
+
+pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'amprobe[dashboard]')")
+
+from dashboard.demo import SyntheticLiveRun, _step_rows, write_synthetic_run  # noqa: E402
+
+RANKS = 3
+
+
+def _live_run(path: Path, steps: int = 20) -> SyntheticLiveRun:
+    """A live run of ``RANKS`` ranks (copies of one), each with a ``summary.json``."""
+    live = SyntheticLiveRun(path, steps=steps)
+    for rank in range(1, RANKS):
+        shutil.copytree(path / "rank0", path / f"rank{rank}")
+    for rank in range(RANKS):
+        write_rank_summary(path / f"rank{rank}")
+    return live
+
+
+def _append(path: Path, rank: int, first: int, count: int) -> None:
+    import numpy as np
+
+    lines = _step_rows(first, count, np.random.default_rng(first))
+    with open(path / f"rank{rank}" / "steps.jsonl", "a", encoding="utf-8") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+@pytest.fixture()
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Every table read the summaries make: (rank folder/file, offset)."""
+    got: list[tuple[str, int]] = []
+    real = store_run._read_arrow
+
+    def spy(path: Path, table: str, offset: int = 0) -> Any:
+        got.append((f"{Path(path).parent.name}/{Path(path).name}", offset))
+        return real(path, table, offset)
+
+    monkeypatch.setattr(store_run, "_read_arrow", spy)
+    return got
+
+
+def _rows(run: amprobe.Run) -> dict[int, int]:
+    return {r: s["steps"]["rows"] for r, s in run.summaries().items()}
+
+
+def test_refresh_reads_only_the_bytes_appended_since_the_last_read(
+    tmp_path: Path, reads: list[tuple[str, int]]
+) -> None:
+    path = tmp_path / "live"
+    _live_run(path)
+    reads.clear()  # writing the records read the files
+    run = amprobe.load_run(path)
+    assert run.status == "live" and _rows(run) == {0: 20, 1: 20, 2: 20}
+    assert reads == []  # every rank's record covers its files
+    steps = path / "rank1" / "steps.jsonl"
+    size = steps.stat().st_size
+    _append(path, 1, 20, 5)
+    run.summaries(refresh=True)
+    assert reads == [("rank1/steps.jsonl", size)]
+    assert _rows(run) == {0: 20, 1: 25, 2: 20}
+    # the record still ends where it did: the next refresh goes on from the last read's end,
+    # not from the record's offset (which would read the first 5 rows again)
+    reads.clear()
+    grown = steps.stat().st_size
+    _append(path, 1, 25, 3)
+    run.summaries(refresh=True)
+    assert reads == [("rank1/steps.jsonl", grown)]
+    assert _rows(run) == {0: 20, 1: 28, 2: 20}
+    # the same summary as a fresh read of the files
+    reads.clear()
+    fresh = amprobe.load_run(path).summaries()
+    assert fresh[1] == run.summaries()[1]
+    # a record that now covers more than was read is taken as it is: nothing read
+    write_rank_summary(path / "rank1")
+    reads.clear()
+    run.summaries(refresh=True)
+    assert reads == [] and _rows(run) == {0: 20, 1: 28, 2: 20}
+
+
+def test_a_run_loaded_again_adopts_the_summaries_read_before(
+    tmp_path: Path, reads: list[tuple[str, int]]
+) -> None:
+    """No record at all (an older writer, or none flushed yet): the first read reads every
+    file once; a later load of the run adopting those summaries reads only the new bytes."""
+    path = tmp_path / "live"
+    write_synthetic_run(path, 20, live=True)
+    shutil.copytree(path / "rank0", path / "rank1")
+    first = amprobe.load_run(path)
+    first.summaries()
+    assert {name for name, offset in reads if offset == 0} >= {
+        "rank0/steps.jsonl",
+        "rank1/steps.jsonl",
+    }
+    size = (path / "rank0" / "steps.jsonl").stat().st_size
+    _append(path, 0, 20, 4)
+    reads.clear()
+    again = amprobe.load_run(path)
+    again.adopt_summaries(first)
+    assert {r: s["steps"]["rows"] for r, s in again.summaries().items()} == {0: 24, 1: 20}
+    assert reads == [("rank0/steps.jsonl", size)]
+    assert first.summaries()[0]["steps"]["rows"] == 20  # the earlier run is left as it was
+    # a truncated file is not continued from past its end: the rank is read again in full
+    (path / "rank1" / "steps.jsonl").write_text("")
+    reads.clear()
+    third = amprobe.load_run(path)
+    third.adopt_summaries(again)
+    assert third.summaries()[1]["steps"]["rows"] == 0
+    assert ("rank1/steps.jsonl", 0) in reads
