@@ -30,8 +30,6 @@ from collections.abc import Callable, Hashable
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-import pandas as pd
-
 import amprobe
 from amprobe.analysis.overview import (
     autocast_dtype_text,
@@ -41,7 +39,6 @@ from amprobe.analysis.overview import (
 )
 from amprobe.report.sections import Section, build_section, section_tabs
 from amprobe.rules.engine import Severity
-from amprobe.store import read_table
 from amprobe.store.layout import (
     END_MARKER,
     RANK_MANIFEST,
@@ -581,8 +578,11 @@ class RunCache:
         max_table_bytes: int = MAX_TABLE_BYTES,
         first_wait_s: float = FIRST_WAIT_S,
         live_reload_s: float = LIVE_REDIAGNOSE_S,
+        tail: LiveTail | None = None,
     ) -> None:
         self.root = Path(root)
+        #: the live runs' polls: a live run loaded again takes its summaries from there
+        self.tail = tail
         self.max_entries = max_entries
         self.workers = workers
         self.max_table_bytes = max_table_bytes
@@ -610,8 +610,11 @@ class RunCache:
         path = resolve_run(self.root, name)
         return path, inspect_run(self.root, path, self.max_table_bytes)
 
-    def _reusable(self, path: Path, sig: tuple[Any, ...], hit: _Entry) -> bool:
-        """Whether the kept load of ``path`` still shows what the run holds, or may for now."""
+    def _reusable(
+        self, path: Path, sig: tuple[Any, ...], hit: _Entry, status: str | None = None
+    ) -> bool:
+        """Whether the kept load of ``path`` still shows what the run holds, or may for now.
+        ``status``: the run's status as just polled (None: read from its manifests)."""
         if hit.loaded.run.status != "live":
             return hit.signature == sig
         # a live run: unchanged files, or changed within the wait, while it is still live
@@ -620,13 +623,18 @@ class RunCache:
             wait = max(self.live_reload_s, LIVE_COST_FACTOR * cost)
             if time.monotonic() - hit.loaded_at >= wait:
                 return False
+        if status is not None:
+            return status == "live"
         try:  # manifests and end markers only: has the run ended (or its process gone)?
             return amprobe.load_run(path).status == "live"
         except Exception:
             return False  # the full load says why
 
-    def get(self, name: str) -> LoadedRun:
-        """Load (or reuse) run ``name``.
+    def get(self, name: str, status: str | None = None) -> LoadedRun:
+        """Load (or reuse) run ``name``. ``status``: its status as a live tick just polled it.
+
+        A live run loaded again reads only what was appended since the last read of it (the
+        live tick's, else the kept load's): :meth:`amprobe.Run.adopt_summaries`.
 
         Raises:
             RunAccessError: the name is not a run under ROOT, the run is refused, or amprobe
@@ -636,7 +644,7 @@ class RunCache:
         path, sig = self.check(name)
         with self._lock:
             hit = self._entries.get(path)
-        if hit is not None and self._reusable(path, sig, hit):
+        if hit is not None and self._reusable(path, sig, hit, status):
             with self._lock:
                 if path in self._entries:
                     self._entries.move_to_end(path)
@@ -644,6 +652,9 @@ class RunCache:
         start = time.monotonic()
         try:
             run = amprobe.load_run(path)
+            if hit is not None and hit.loaded.run.status == "live":
+                polled = self.tail.run_of(path) if self.tail is not None else None
+                run.adopt_summaries(polled or hit.loaded.run)
             loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
             row = summarize(name, loaded)
         except (amprobe.RunLoadError, RunAccessError):
@@ -822,62 +833,85 @@ class RunCache:
 class TailUpdate:
     """What one poll of a live run found."""
 
-    steps: pd.DataFrame  # every step read so far, all ranks, with a ``rank`` column
-    new_rows: int
+    steps: int  # distinct steps recorded so far, all ranks
+    last_step: int | None  # the highest step any rank recorded, None before the first
     status: str
-
-
-@dataclasses.dataclass
-class _TailState:
-    offsets: dict[int, int]
-    frames: list[pd.DataFrame]
+    run: amprobe.Run  # the run as polled (its summaries read to the files' ends)
 
 
 class LiveTail:
-    """Reads only the new lines of each rank's ``steps.jsonl`` of the runs being watched.
+    """Follows the runs being watched through their per-rank summaries, reading only what was
+    appended.
 
-    Per run it keeps a byte offset per rank; a poll reads from there with
-    :func:`amprobe.store.read_table` (which leaves an unterminated last line for the next
-    poll), so a run is read once in full, at its first poll, and then only by its growth.
+    Per run it keeps the :class:`amprobe.Run` of its last poll. A poll reads each rank's
+    ``summary.json`` (one small record a rank) and only the bytes of the table files past what
+    the last poll read (:meth:`amprobe.Run.adopt_summaries`; an unterminated last line waits
+    for the next poll), so a run is read once, at its first poll, and then only by its growth.
+    Manifests are read again only when a rank ended or a rank folder came or went; otherwise
+    an open rank's status is its process's (``status_of``).
     """
-
-    TABLE = "steps"
 
     def __init__(self, max_runs: int = 16) -> None:
         self.max_runs = max_runs
-        self._state: OrderedDict[Path, _TailState] = OrderedDict()
+        self._runs: OrderedDict[Path, amprobe.Run] = OrderedDict()
         self._lock = threading.Lock()
 
-    def offsets(self, path: Path) -> dict[int, int]:
-        """The byte offsets kept for run ``path`` (rank -> offset)."""
-        state = self._state.get(Path(path))
-        return dict(state.offsets) if state else {}
+    def run_of(self, path: Path) -> amprobe.Run | None:
+        """The run as the last poll of ``path`` read it, or None."""
+        with self._lock:
+            return self._runs.get(Path(path))
+
+    def offsets(self, path: Path, table: str = "steps") -> dict[int, int]:
+        """Per rank, the byte offset up to which the last poll of run ``path`` read ``table``."""
+        run = self.run_of(path)
+        if run is None:
+            return {}
+        name = table_filename(table)
+        return {rank: ends[name] for rank, ends in run.summary_offsets().items() if name in ends}
 
     def poll(self, path: Path) -> TailUpdate:
-        """Read the steps appended to run ``path`` since the last poll.
+        """Read what was appended to run ``path`` since the last poll.
 
         Raises:
             amprobe.RunLoadError: the run can no longer be read.
         """
         path = Path(path)
-        run = amprobe.load_run(path)  # manifests and end markers only: tables load lazily
+        before = self.run_of(path)
+        if before is None or _ranks_changed(path, before):
+            run = amprobe.load_run(path)  # manifests and end markers only: tables load lazily
+        else:  # a new Run over the same ranks: no derived value of the last poll carries over
+            statuses = {
+                info.status if info.end is not None else status_of(info.manifest, None)
+                for info in before.ranks
+            }
+            run = amprobe.Run(
+                path=before.path,
+                manifest=before.manifest,
+                ranks=before.ranks,
+                status=next((s for s in STATUS_ORDER if s in statuses), "finished"),
+                warnings=list(before.warnings),
+            )
+        if before is not None:
+            run.adopt_summaries(before)
+        run.summaries()
+        update = TailUpdate(
+            steps=distinct_step_count(run), last_step=run.last_step, status=run.status, run=run
+        )
         with self._lock:
-            state = self._state.setdefault(path, _TailState(offsets={}, frames=[]))
-            self._state.move_to_end(path)
-            while len(self._state) > self.max_runs:
-                self._state.popitem(last=False)
-            new_rows = 0
-            for info in run.ranks:
-                start = state.offsets.get(info.rank, 0)
-                frame, nxt, _ = read_table(
-                    info.path / table_filename(self.TABLE), self.TABLE, start
-                )
-                state.offsets[info.rank] = nxt
-                if len(frame):
-                    frame.insert(0, "rank", info.rank)
-                    state.frames.append(frame)
-                    new_rows += len(frame)
-            if len(state.frames) > 1:
-                state.frames = [pd.concat(state.frames, ignore_index=True)]
-            steps = state.frames[0] if state.frames else pd.DataFrame(columns=["rank", "step"])
-        return TailUpdate(steps=steps, new_rows=new_rows, status=run.status)
+            self._runs[path] = run
+            self._runs.move_to_end(path)
+            while len(self._runs) > self.max_runs:
+                self._runs.popitem(last=False)
+        return update
+
+
+def _ranks_changed(path: Path, run: amprobe.Run) -> bool:
+    """Whether run ``path`` has other rank folders than ``run`` read, or an open rank of it
+    wrote its end marker since (one listing and a ``stat`` per open rank)."""
+    try:
+        names = {e.name for e in os.scandir(path) if parse_rank_dirname(e.name) is not None}
+    except OSError:
+        return True
+    if names != {info.path.name for info in run.ranks}:
+        return True
+    return any(info.end is None and (info.path / END_MARKER).exists() for info in run.ranks)

@@ -16,6 +16,8 @@ from amprobe.store.run import write_rank_summary
 
 pytest.importorskip("dash", reason="the dashboard needs dash (pip install 'amprobe[dashboard]')")
 
+import dash  # noqa: E402
+
 from dashboard.demo import SyntheticLiveRun, _step_rows, write_synthetic_run  # noqa: E402
 
 RANKS = 3
@@ -120,3 +122,36 @@ def test_a_run_loaded_again_adopts_the_summaries_read_before(
     third.adopt_summaries(again)
     assert third.summaries()[1]["steps"]["rows"] == 0
     assert ("rank1/steps.jsonl", 0) in reads
+
+
+def test_a_live_tick_and_the_rediagnosis_read_only_the_appended_bytes(
+    tmp_path: Path, reads: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dashboard's live tick polls the summaries (each rank's record, and the bytes past
+    the last poll), and the run diagnosed again adopts what the tick read: appending rows to
+    one rank of a live run reads that rank's new bytes once, and nothing else."""
+    from dashboard import callbacks, runs
+
+    monkeypatch.setattr(runs, "LIVE_COST_FACTOR", 0.0)  # diagnose again at every change
+    path = tmp_path / "live"
+    _live_run(path)
+    ctx = callbacks.Context(root=tmp_path, refresh_ms=0)
+    callbacks.render_page(ctx, "/run/live")
+    version = ctx.cache.get("live").version
+    text, *_ = callbacks.refresh_live(ctx, 1, "live", version)
+    assert text.startswith("20 steps (last step 19)")
+    size = (path / "rank1" / "steps.jsonl").stat().st_size
+    _append(path, 1, 20, 5)
+    reads.clear()
+    text, _, new_version, disabled = callbacks.refresh_live(ctx, 2, "live", version)
+    assert text.startswith("25 steps (last step 24); findings as of step 24"), text
+    assert new_version not in (version, dash.no_update) and disabled is False
+    assert reads == [("rank1/steps.jsonl", size)]
+    assert ctx.tail.offsets(path.resolve())[1] == (path / "rank1" / "steps.jsonl").stat().st_size
+    # the record still ends where it did: the next tick goes on from where this one ended
+    grown = (path / "rank1" / "steps.jsonl").stat().st_size
+    _append(path, 1, 25, 3)
+    reads.clear()
+    text, *_ = callbacks.refresh_live(ctx, 3, "live", new_version)
+    assert text.startswith("28 steps (last step 27); findings as of step 27"), text
+    assert reads == [("rank1/steps.jsonl", grown)]

@@ -272,6 +272,13 @@ class Run:
                 if info.rank in parts and paths.get(info.rank) == info.path
             }
 
+    def summary_offsets(self) -> dict[int, dict[str, int]]:
+        """Per rank, the byte offset up to which its summary covers each table file it read
+        (``{"steps.jsonl": 4559810, ...}``; a rank whose files could not be read is left out)."""
+        self.summaries()
+        parts = self._derived.get("summary_parts") or {}
+        return {rank: dict(part.ends) for rank, part in parts.items() if part.ends is not None}
+
     def summary_sources(self) -> dict[int, str]:
         """Where each rank's summary came from: ``"records"`` (the writer's record alone),
         ``"records+tail"`` (the record, and the rows after it read from the files),
