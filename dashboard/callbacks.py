@@ -237,7 +237,7 @@ def refresh_live(
     except RunAccessError as exc:  # outside the root, not a run: asking again cannot help
         return (str(exc), no_update, no_update, True)
     try:
-        update = ctx.tail.poll(path)
+        update = ctx.tail.poll(path, earlier=ctx.cache.loaded(path))
     except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
         # a live run can be caught between two writes: keep polling a few times before giving up
         failures = ctx.live_failures[key] = ctx.live_failures.get(key, 0) + 1

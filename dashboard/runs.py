@@ -630,6 +630,12 @@ class RunCache:
         except Exception:
             return False  # the full load says why
 
+    def loaded(self, path: Path) -> amprobe.Run | None:
+        """The run kept for folder ``path`` (resolved), as last loaded, unchecked; or None."""
+        with self._lock:
+            hit = self._entries.get(Path(path))
+        return hit.loaded.run if hit is not None else None
+
     def get(self, name: str, status: str | None = None) -> LoadedRun:
         """Load (or reuse) run ``name``. ``status``: its status as a live tick just polled it.
 
@@ -869,8 +875,9 @@ class LiveTail:
         name = table_filename(table)
         return {rank: ends[name] for rank, ends in run.summary_offsets().items() if name in ends}
 
-    def poll(self, path: Path) -> TailUpdate:
-        """Read what was appended to run ``path`` since the last poll.
+    def poll(self, path: Path, earlier: amprobe.Run | None = None) -> TailUpdate:
+        """Read what was appended to run ``path`` since the last poll (at the first poll: since
+        ``earlier``, a load of the run whose summaries were read, when given).
 
         Raises:
             amprobe.RunLoadError: the run can no longer be read.
@@ -891,8 +898,9 @@ class LiveTail:
                 status=next((s for s in STATUS_ORDER if s in statuses), "finished"),
                 warnings=list(before.warnings),
             )
-        if before is not None:
-            run.adopt_summaries(before)
+        read_before = before if before is not None else earlier
+        if read_before is not None:
+            run.adopt_summaries(read_before)
         run.summaries()
         update = TailUpdate(
             steps=distinct_step_count(run), last_step=run.last_step, status=run.status, run=run

@@ -634,11 +634,11 @@ def test_live_page_keeps_polling_through_a_failed_read(ctx: callbacks.Context, m
     real = ctx.tail.poll
     fail = {"left": 1}
 
-    def flaky(path):
+    def flaky(path, **kwargs):
         if fail["left"]:
             fail["left"] -= 1
             raise amprobe.RunLoadError("manifest.json is not valid JSON")
-        return real(path)
+        return real(path, **kwargs)
 
     monkeypatch.setattr(ctx.tail, "poll", flaky)
     text, *_, disabled = callbacks.refresh_live(ctx, 1, "group/synthetic")

@@ -138,8 +138,10 @@ def test_a_live_tick_and_the_rediagnosis_read_only_the_appended_bytes(
     ctx = callbacks.Context(root=tmp_path, refresh_ms=0)
     callbacks.render_page(ctx, "/run/live")
     version = ctx.cache.get("live").version
+    reads.clear()
     text, *_ = callbacks.refresh_live(ctx, 1, "live", version)
     assert text.startswith("20 steps (last step 19)")
+    assert reads == []  # the first tick goes on from the summaries the page's load read
     size = (path / "rank1" / "steps.jsonl").stat().st_size
     _append(path, 1, 20, 5)
     reads.clear()
@@ -155,3 +157,28 @@ def test_a_live_tick_and_the_rediagnosis_read_only_the_appended_bytes(
     text, *_ = callbacks.refresh_live(ctx, 3, "live", new_version)
     assert text.startswith("28 steps (last step 27); findings as of step 27"), text
     assert reads == [("rank1/steps.jsonl", grown)]
+
+
+def test_a_rank_whose_record_does_not_match_goes_on_from_its_last_read(
+    tmp_path: Path, reads: list[tuple[str, int]]
+) -> None:
+    """A rank whose summary.json claims more than its files hold (a truncated rank, a copied
+    record) is summarized from its files once, and then continued like the others, not read
+    in full again at every refresh."""
+    path = tmp_path / "live"
+    _live_run(path, steps=30)
+    shutil.copyfile(path / "rank0" / "summary.json", path / "rank2" / "summary.json")
+    with open(path / "rank2" / "steps.jsonl", "r+b") as fh:  # cut after 10 whole rows
+        data = fh.read()
+        fh.seek(0)
+        fh.truncate()
+        fh.write(b"".join(line + b"\n" for line in data.split(b"\n")[:10]))
+    reads.clear()
+    run = amprobe.load_run(path)
+    assert _rows(run)[2] == 10 and run.summary_sources()[2] == "files"
+    assert any("rank 2: summary.json does not match" in w for w in run.warnings)
+    size = (path / "rank2" / "steps.jsonl").stat().st_size
+    _append(path, 2, 10, 2)
+    reads.clear()
+    run.summaries(refresh=True)
+    assert reads == [("rank2/steps.jsonl", size)] and _rows(run)[2] == 12

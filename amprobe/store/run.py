@@ -448,26 +448,29 @@ def _summarize_rank(
         offsets: Mapping[str, int] = {}
         source = "files"
         starts: dict[str, int] | None = None  # where the rows no summary covers start
+        # what to go on from: the record, and the summary read before (first when it covers
+        # more of some file than the record); the first that still matches the files
+        candidates: list[tuple[bool, str, dict[str, Any], Mapping[str, int]]] = []
+        if record is not None:
+            candidates.append((True, "records", record["sections"], record["offsets"]))
         if before is not None and before.ends is not None and before.source != "unreadable":
             ahead = record is not None and all(
                 record["offsets"].get(name, 0) >= before.ends.get(name, 0) for _, name in files
             )
-            if not ahead:  # what was read before covers more than the record: go on from it
-                tail, why = _tail_starts(folder, before.ends, files)
-                if not why:
-                    base, offsets, source = before.summary, before.ends, before.source
-                    record, starts = None, tail
+            earlier = (False, before.source, before.summary, before.ends)
+            candidates.insert(1 if ahead else 0, earlier)
+        for is_record, kind, sections, covered in candidates:
+            tail, why = _tail_starts(folder, covered, files)
+            if not why:
+                base, offsets, source, starts = sections, covered, kind, tail
+                if not is_record and before is not None:
                     warnings = [*before.warnings, *warnings]  # what its rows showed still holds
-        if base is None and record is not None:
-            starts, why = _tail_starts(folder, record["offsets"], files)
-            if why:
+                break
+            if is_record:
                 warnings.append(
                     f"{who}: {SUMMARY_FILE} does not match the record files ({why}); "
                     "the rank was summarized from its record files"
                 )
-                record, starts = None, None
-            else:
-                base, offsets, source = record["sections"], record["offsets"], "records"
         acc: Accumulator | None = None
         ends: dict[str, int] = {}
         for table, name in files:
