@@ -623,6 +623,8 @@ class RunCache:
             wait = max(self.live_reload_s, LIVE_COST_FACTOR * cost)
             if time.monotonic() - hit.loaded_at >= wait:
                 return False
+        if status is None and self.tail is not None:  # the live tick's poll, when recent
+            status = self.tail.status(path, max(self.live_reload_s, 1.0))
         if status is not None:
             return status == "live"
         try:  # manifests and end markers only: has the run ended (or its process gone)?
@@ -860,12 +862,21 @@ class LiveTail:
     def __init__(self, max_runs: int = 16) -> None:
         self.max_runs = max_runs
         self._runs: OrderedDict[Path, amprobe.Run] = OrderedDict()
+        self._polled: dict[Path, float] = {}  # when each run was last polled (monotonic)
         self._lock = threading.Lock()
 
     def run_of(self, path: Path) -> amprobe.Run | None:
         """The run as the last poll of ``path`` read it, or None."""
         with self._lock:
             return self._runs.get(Path(path))
+
+    def status(self, path: Path, max_age_s: float) -> str | None:
+        """Run ``path``'s status as a poll at most ``max_age_s`` seconds ago found it, or None."""
+        with self._lock:
+            run, when = self._runs.get(Path(path)), self._polled.get(Path(path))
+        if run is None or when is None or time.monotonic() - when > max_age_s:
+            return None
+        return run.status
 
     def offsets(self, path: Path, table: str = "steps") -> dict[int, int]:
         """Per rank, the byte offset up to which the last poll of run ``path`` read ``table``."""
@@ -907,9 +918,11 @@ class LiveTail:
         )
         with self._lock:
             self._runs[path] = run
+            self._polled[path] = time.monotonic()
             self._runs.move_to_end(path)
             while len(self._runs) > self.max_runs:
-                self._runs.popitem(last=False)
+                gone, _ = self._runs.popitem(last=False)
+                self._polled.pop(gone, None)
         return update
 
 

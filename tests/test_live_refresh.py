@@ -157,6 +157,9 @@ def test_a_live_tick_and_the_rediagnosis_read_only_the_appended_bytes(
     text, *_ = callbacks.refresh_live(ctx, 3, "live", new_version)
     assert text.startswith("28 steps (last step 27); findings as of step 27"), text
     assert reads == [("rank1/steps.jsonl", grown)]
+    # the tab and header callbacks that follow a tick take its status: no manifest re-read
+    monkeypatch.setattr(amprobe, "load_run", lambda *_: pytest.fail("manifests read again"))
+    assert ctx.cache.get("live").run.status == "live"
 
 
 def test_a_rank_whose_record_does_not_match_goes_on_from_its_last_read(
