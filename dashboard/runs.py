@@ -35,7 +35,8 @@ from amprobe.analysis.overview import (
     autocast_dtype_text,
     distinct_step_count,
     lost_steps,
-    open_rank_last_times,
+    run_period,
+    run_times,
 )
 from amprobe.report.sections import Section, build_section, section_tabs
 from amprobe.rules.engine import Severity
@@ -378,37 +379,6 @@ def _unreadable(
     )
 
 
-def _unix(obj: Any, key: str) -> float | None:
-    value = obj.get(key) if isinstance(obj, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return None
-
-
-def _run_times(
-    run_manifest: Any, ranks: list[tuple[Any, Any, float | None]]
-) -> tuple[float | None, float | None, bool]:
-    """``(started, duration_s, open)`` of a run from its manifests and end markers.
-
-    ``ranks`` holds per rank ``(manifest, end marker or None, seconds from the rank's start to
-    its last recorded step or None)``. A run whose every rank ended lasts to the last
-    ``end_unix``; otherwise (``open``) to the last step recorded so far, if any.
-    """
-    starts = [s for s in (_unix(m, "start_unix") for m, _, _ in ranks) if s is not None]
-    started = min(starts) if starts else _unix(run_manifest, "created_unix")
-    if started is None:
-        return None, None, False
-    ends = [_unix(end, "end_unix") for _, end, _ in ranks]
-    if ranks and all(e is not None for e in ends):
-        return started, max(0.0, max(e for e in ends if e is not None) - started), False
-    lasts = [
-        start + last
-        for start, last in ((_unix(m, "start_unix"), t) for m, _, t in ranks)
-        if start is not None and last is not None
-    ]
-    return started, (max(0.0, max(lasts) - started) if lasts else None), True
-
-
 def _internal_error(exc: BaseException) -> str:
     return (
         f"amprobe failed while reading this run ({type(exc).__name__}: {exc}); "
@@ -457,10 +427,7 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
     is unreadable, with the reason, not "finished, 0 steps".
     """
     run, diagnosis = loaded.run, loaded.diagnosis
-    last_t = open_rank_last_times(run)
-    started, duration, still_open = _run_times(
-        run.manifest, [(i.manifest, i.end, last_t.get(i.rank)) for i in run.ranks]
-    )
+    started, duration, still_open = run_period(run)
     steps = distinct_step_count(run)
     if not steps:
         lost = lost_steps(run)
@@ -533,7 +500,7 @@ def peek_run(name: str, path: Path) -> RunSummary:
         # as the loader does: a rank of another host or a gone process reads as interrupted
         statuses.add(status_of(manifest or {}, end))
     status = next(s for s in STATUS_ORDER if s in statuses)
-    started, duration, still_open = _run_times(_read_small_json(path / RUN_MANIFEST), times)
+    started, duration, still_open = run_times(_read_small_json(path / RUN_MANIFEST), times)
     return RunSummary(
         name=name,
         status=status,

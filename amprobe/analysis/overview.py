@@ -1,6 +1,6 @@
-"""A run at a glance, for a listing or a page header: how many steps, the last one, the
-autocast dtypes, when each open rank recorded its last step, and why a run that wrote step
-records has none that can be read.
+"""A run at a glance, for a listing or a page header: how many steps, the autocast dtypes,
+when it started and how long it ran (to each rank's end marker, or an open rank's last step),
+and why a run that wrote step records has none that can be read.
 
 Read from the per-rank summaries (:meth:`amprobe.store.run.Run.summaries`: one small record a
 rank) and the end of each open rank's steps file, never from every rank's steps table, so that a
@@ -12,6 +12,7 @@ steps are read alone to count the distinct steps.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from amprobe.analysis.scaler import run_autocast_dtypes, scaler_summaries
 from amprobe.store.layout import table_filename
@@ -22,6 +23,8 @@ __all__ = [
     "autocast_dtype_text",
     "open_rank_last_times",
     "lost_steps",
+    "run_times",
+    "run_period",
 ]
 
 
@@ -102,3 +105,41 @@ def lost_steps(run: Run) -> list[str]:
                 "holds none that can be read"
             )
     return reasons
+
+
+def _unix(obj: Any, key: str) -> float | None:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def run_times(
+    run_manifest: Any, ranks: list[tuple[Any, Any, float | None]]
+) -> tuple[float | None, float | None, bool]:
+    """``(started, duration_s, open)`` of a run from its manifests and end markers.
+
+    ``ranks`` holds per rank ``(manifest, end marker or None, seconds from the rank's start to
+    its last recorded step or None)``. A run whose every rank ended lasts to the last
+    ``end_unix``; otherwise (``open``) to the last step recorded so far, if any.
+    """
+    starts = [s for s in (_unix(m, "start_unix") for m, _, _ in ranks) if s is not None]
+    started = min(starts) if starts else _unix(run_manifest, "created_unix")
+    if started is None:
+        return None, None, False
+    ends = [_unix(end, "end_unix") for _, end, _ in ranks]
+    if ranks and all(e is not None for e in ends):
+        return started, max(0.0, max(e for e in ends if e is not None) - started), False
+    lasts = [
+        start + last
+        for start, last in ((_unix(m, "start_unix"), t) for m, _, t in ranks)
+        if start is not None and last is not None
+    ]
+    return started, (max(0.0, max(lasts) - started) if lasts else None), True
+
+
+def run_period(run: Run) -> tuple[float | None, float | None, bool]:
+    """:func:`run_times` of a loaded run: ``(started, duration_s, open)``, an open rank's last
+    step time read from the end of its steps file."""
+    last_t = open_rank_last_times(run)
+    return run_times(run.manifest, [(i.manifest, i.end, last_t.get(i.rank)) for i in run.ranks])
