@@ -86,8 +86,26 @@ def test_refresh_reads_only_the_bytes_appended_since_the_last_read(
     reads.clear()
     fresh = amprobe.load_run(path).summaries()
     assert fresh[1] == run.summaries()[1]
-    # a record that now covers more than was read is taken as it is: nothing read
-    write_rank_summary(path / "rank1")
+    # a record not replaced since it was read is not read again (one stat a rank)
+    opened: list[int] = []
+    real_record = store_run._read_record
+
+    def record_spy(rank: int, folder: str) -> Any:
+        opened.append(rank)
+        return real_record(rank, folder)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(store_run, "_read_record", record_spy)
+    try:
+        run.summaries(refresh=True)
+        assert opened == [] and _rows(run) == {0: 20, 1: 28, 2: 20}
+        # a record that now covers more than was read is taken as it is: nothing else read
+        write_rank_summary(path / "rank1")
+        reads.clear()
+        run.summaries(refresh=True)
+        assert opened == [1] and reads == []
+    finally:
+        mp.undo()
     reads.clear()
     run.summaries(refresh=True)
     assert reads == [] and _rows(run) == {0: 20, 1: 28, 2: 20}

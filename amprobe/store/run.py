@@ -342,6 +342,18 @@ class _RankSummary:
     other_version: bool = False  # a record of another summary_version was ignored
     #: table file name -> the byte offset the summary covers it to (None: not known)
     ends: dict[str, int] | None = None
+    #: ``summary.json``'s (size, mtime_ns, inode) when it was read (None: there was none)
+    record_key: tuple[int, int, int] | None = None
+
+
+def _record_key(folder: str) -> tuple[int, int, int] | None:
+    """``summary.json``'s (size, mtime_ns, inode), None when missing or not readable: the
+    writer replaces the file at each flush, so an equal key means the same record."""
+    try:
+        st = os.stat(f"{folder}/{SUMMARY_FILE}")
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
@@ -441,7 +453,14 @@ def _summarize_rank(
     who = f"rank {info.rank}"
     folder = str(info.path)
     try:
-        record, warnings, other = _read_record(info.rank, folder)
+        key = _record_key(folder)
+        usable = before is not None and before.ends is not None and before.source != "unreadable"
+        if usable and before is not None and key == before.record_key:
+            # the record read before, unchanged: not read again; the files past what was read
+            record, other = None, False
+            warnings: list[str] = []
+        else:
+            record, warnings, other = _read_record(info.rank, folder)
         if record is not None and not all(name in record["sections"] for name in names):
             record = None  # written with fewer sections (an older amprobe): not a damage
         base: dict[str, Any] | None = None  # the sections the rows after ``offsets`` extend
@@ -453,17 +472,19 @@ def _summarize_rank(
         candidates: list[tuple[bool, str, dict[str, Any], Mapping[str, int]]] = []
         if record is not None:
             candidates.append((True, "records", record["sections"], record["offsets"]))
-        if before is not None and before.ends is not None and before.source != "unreadable":
+        if usable and before is not None and before.ends is not None:
             ahead = record is not None and all(
                 record["offsets"].get(name, 0) >= before.ends.get(name, 0) for _, name in files
             )
             earlier = (False, before.source, before.summary, before.ends)
             candidates.insert(1 if ahead else 0, earlier)
+        continued = False  # going on from ``before``
         for is_record, kind, sections, covered in candidates:
             tail, why = _tail_starts(folder, covered, files)
             if not why:
                 base, offsets, source, starts = sections, covered, kind, tail
-                if not is_record and before is not None:
+                continued = not is_record
+                if continued and before is not None:
                     warnings = [*before.warnings, *warnings]  # what its rows showed still holds
                 break
             if is_record:
@@ -471,6 +492,8 @@ def _summarize_rank(
                     f"{who}: {SUMMARY_FILE} does not match the record files ({why}); "
                     "the rank was summarized from its record files"
                 )
+        if continued and before is not None and not starts:
+            return dataclasses.replace(before, record_key=key)  # nothing appended since
         acc: Accumulator | None = None
         ends: dict[str, int] = {}
         for table, name in files:
@@ -484,13 +507,14 @@ def _summarize_rank(
                 acc = acc or Accumulator()
                 acc.add(table, read.table.to_pylist())
         if base is None:
-            return _RankSummary((acc or Accumulator()).snapshot(), "files", warnings, other, ends)
+            summary = (acc or Accumulator()).snapshot()
+            return _RankSummary(summary, "files", warnings, other, ends, key)
         if acc is None:
-            return _RankSummary({n: base[n] for n in names}, source, warnings, other, ends)
+            return _RankSummary({n: base[n] for n in names}, source, warnings, other, ends, key)
         merged = merge_sections([base, acc.snapshot()])
         if source == "records":
             source = "records+tail"
-        return _RankSummary(merged, source, warnings, other, ends)
+        return _RankSummary(merged, source, warnings, other, ends, key)
     except RunLoadError as exc:
         return _RankSummary({}, "unreadable", [f"{who}: summary not computed: {exc}"])
     except Exception as exc:  # a section that fails on this rank's rows or record
