@@ -70,7 +70,9 @@ class Context:
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         self.cache = RunCache(
-            self.root, live_reload_s=LIVE_REDIAGNOSE_SHARE * max(self.refresh_ms, 0) / 1000
+            self.root,
+            live_reload_s=LIVE_REDIAGNOSE_SHARE * max(self.refresh_ms, 0) / 1000,
+            tail=self.tail,
         )
 
 
@@ -215,7 +217,8 @@ def filter_findings(
 def refresh_live(
     ctx: Context, _n: int | None, name: str | None, version: int | None = None
 ) -> tuple[Any, ...]:
-    """A live run's tick: new steps read from the kept byte offsets, the run diagnosed again.
+    """A live run's tick: each rank's summary read again, and of its files only the bytes
+    appended since the last tick (:class:`dashboard.runs.LiveTail`); the run diagnosed again.
 
     The step count and status follow the tail at every tick. The run is loaded and diagnosed
     again when its files changed (at most as often as :class:`RunCache` allows, and once more
@@ -234,7 +237,7 @@ def refresh_live(
     except RunAccessError as exc:  # outside the root, not a run: asking again cannot help
         return (str(exc), no_update, no_update, True)
     try:
-        update = ctx.tail.poll(path)
+        update = ctx.tail.poll(path, earlier=ctx.cache.loaded(path))
     except Exception as exc:  # a run amprobe fails on stops its own page's polling, nothing else
         # a live run can be caught between two writes: keep polling a few times before giving up
         failures = ctx.live_failures[key] = ctx.live_failures.get(key, 0) + 1
@@ -246,9 +249,9 @@ def refresh_live(
             failures >= LIVE_READ_ATTEMPTS,
         )
     ctx.live_failures.pop(key, None)
-    count_text = layout.step_count_text(update.steps)
+    count_text = layout.step_count_text(update.steps, update.last_step)
     try:
-        loaded = ctx.cache.get(key)
+        loaded = ctx.cache.get(key, status=update.status)
     except Exception as exc:  # the steps still follow; the page says its findings are older
         text = str(exc) if isinstance(exc, amprobe.RunLoadError) else f"{type(exc).__name__}: {exc}"
         failed = ctx.diagnose_failures[key] = ctx.diagnose_failures.get(key, 0) + 1
@@ -261,7 +264,7 @@ def refresh_live(
     ctx.diagnose_failures.pop(key, None)
     # the diagnosis is redone only every so often: say which step the findings shown are from
     count_text = layout.step_count_text(
-        update.steps, layout.last_step(loaded.run.steps), live=update.status == "live"
+        update.steps, update.last_step, loaded.run.last_step, live=update.status == "live"
     )
     return (
         count_text,

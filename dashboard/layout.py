@@ -19,6 +19,7 @@ from urllib.parse import parse_qs, quote, urlencode
 import pandas as pd
 from dash import dash_table, dcc, html
 
+from amprobe.analysis.overview import distinct_step_count
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.compare import comparison_rows
 from amprobe.report.downsample import thin_figure
@@ -81,7 +82,6 @@ __all__ = [
     "shown_tab",
     "loading_placeholder",
     "step_count_text",
-    "last_step",
     "header_details",
 ]
 
@@ -806,19 +806,13 @@ def _absent_section(key: str, title: str) -> html.Div:
     )
 
 
-def last_step(steps: pd.DataFrame) -> int | None:
-    """The highest step recorded (any rank), None when none was."""
-    return int(steps["step"].max()) if len(steps) else None
-
-
 def step_count_text(
-    steps: pd.DataFrame, findings_step: int | None = None, live: bool = False
+    steps: int, last: int | None, findings_step: int | None = None, live: bool = False
 ) -> str:
-    """``"120 steps (last step 119)"``; while ``live``, what the findings shown were made
-    from: ``"; findings as of step 100"`` (``findings_step``, the diagnosed run's last step)."""
-    n = int(steps["step"].nunique()) if len(steps) else 0
-    last = last_step(steps)
-    text = f"{n} steps" + (f" (last step {last})" if last is not None else "")
+    """``"120 steps (last step 119)"`` (``steps`` distinct steps, the highest ``last``); while
+    ``live``, what the findings shown were made from: ``"; findings as of step 100"``
+    (``findings_step``, the diagnosed run's last step)."""
+    text = f"{steps} steps" + (f" (last step {last})" if last is not None else "")
     if live:
         text += (
             "; no finding yet: no step diagnosed"
@@ -1086,7 +1080,7 @@ def _findings_as_of(loaded: LoadedRun) -> html.P | None:
     run = loaded.run
     if run.status != "live":
         return None
-    last = last_step(run.steps)
+    last = run.last_step  # from the ranks' summaries, not their steps tables
     return html.P(
         "No step diagnosed yet."
         if last is None
@@ -1167,7 +1161,12 @@ def _build_header(loaded: LoadedRun) -> list[Any]:
             [
                 html.Span(build_status(run.status), id=ids.RUN_STATUS),
                 html.Span(
-                    step_count_text(run.steps, last_step(run.steps), run.status == "live"),
+                    step_count_text(
+                        distinct_step_count(run),
+                        run.last_step,
+                        run.last_step,
+                        run.status == "live",
+                    ),
                     id=ids.RUN_STEPS,
                     style={"marginRight": "14px"},
                 ),

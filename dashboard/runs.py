@@ -30,12 +30,16 @@ from collections.abc import Callable, Hashable
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-import pandas as pd
-
 import amprobe
+from amprobe.analysis.overview import (
+    autocast_dtype_text,
+    distinct_step_count,
+    lost_steps,
+    run_period,
+    run_times,
+)
 from amprobe.report.sections import Section, build_section, section_tabs
 from amprobe.rules.engine import Severity
-from amprobe.store import read_table
 from amprobe.store.layout import (
     END_MARKER,
     RANK_MANIFEST,
@@ -375,55 +379,6 @@ def _unreadable(
     )
 
 
-def _unix(obj: Any, key: str) -> float | None:
-    value = obj.get(key) if isinstance(obj, dict) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return None
-
-
-def _run_times(
-    run_manifest: Any, ranks: list[tuple[Any, Any, float | None]]
-) -> tuple[float | None, float | None, bool]:
-    """``(started, duration_s, open)`` of a run from its manifests and end markers.
-
-    ``ranks`` holds per rank ``(manifest, end marker or None, seconds from the rank's start to
-    its last recorded step or None)``. A run whose every rank ended lasts to the last
-    ``end_unix``; otherwise (``open``) to the last step recorded so far, if any.
-    """
-    starts = [s for s in (_unix(m, "start_unix") for m, _, _ in ranks) if s is not None]
-    started = min(starts) if starts else _unix(run_manifest, "created_unix")
-    if started is None:
-        return None, None, False
-    ends = [_unix(end, "end_unix") for _, end, _ in ranks]
-    if ranks and all(e is not None for e in ends):
-        return started, max(0.0, max(e for e in ends if e is not None) - started), False
-    lasts = [
-        start + last
-        for start, last in ((_unix(m, "start_unix"), t) for m, _, t in ranks)
-        if start is not None and last is not None
-    ]
-    return started, (max(0.0, max(lasts) - started) if lasts else None), True
-
-
-def _lost_steps(run: amprobe.Run) -> list[str]:
-    """Why a run that recorded no readable step is garbage, or [] when it may truly have none:
-    the loader skipped step records it could not read, or an end marker counts steps that
-    ``steps.jsonl`` does not hold."""
-    filename = table_filename("steps")
-    reasons = [w for w in run.warnings if f" {filename}" in w]  # not compute_steps.jsonl
-    if reasons:
-        return reasons
-    for info in run.ranks:
-        claimed = (info.end or {}).get("steps")
-        if isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > 0:
-            reasons.append(
-                f"rank {info.rank}: its end marker counts {claimed} steps but {filename} "
-                "holds none that can be read"
-            )
-    return reasons
-
-
 def _internal_error(exc: BaseException) -> str:
     return (
         f"amprobe failed while reading this run ({type(exc).__name__}: {exc}); "
@@ -463,34 +418,19 @@ SORT_KEYS: dict[str, Callable[[RunSummary], Any]] = {
 }
 
 
-def _autocast_dtype(run: amprobe.Run) -> str:
-    steps = run.steps
-    if len(steps) and "autocast_dtype" in steps:
-        values = steps["autocast_dtype"].dropna().unique()
-        if len(values):
-            return ", ".join(sorted(str(v) for v in values))
-    for event in run.events_of("autocast_seen"):
-        if event.get("enabled") and event.get("dtype"):
-            return str(event["dtype"])
-    return "not recorded"
-
-
 def summarize(name: str, loaded: LoadedRun) -> RunSummary:
     """The run list's row of a loaded, diagnosed run.
 
-    A run that recorded no readable step although it wrote step records (or its end marker
-    counts steps) is unreadable, with the loader's reason, not "finished, 0 steps".
+    Read from the run's per-rank summaries and manifests, and the end of each open rank's
+    steps file (:mod:`amprobe.analysis.overview`), never every rank's steps table. A run that
+    recorded no readable step although it wrote step records (or its end marker counts steps)
+    is unreadable, with the reason, not "finished, 0 steps".
     """
     run, diagnosis = loaded.run, loaded.diagnosis
-    steps = run.steps
-    last_t: dict[int, float] = {}
-    if len(steps) and "t" in steps.columns:
-        last_t = {int(r): float(t) for r, t in steps.groupby("rank")["t"].max().dropna().items()}
-    started, duration, still_open = _run_times(
-        run.manifest, [(i.manifest, i.end, last_t.get(i.rank)) for i in run.ranks]
-    )
-    if not len(steps):
-        lost = _lost_steps(run)
+    started, duration, still_open = run_period(run)
+    steps = distinct_step_count(run)
+    if not steps:
+        lost = lost_steps(run)
         if lost:
             return _unreadable(name, "no readable step record: " + "; ".join(lost), started)
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
@@ -508,8 +448,8 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
         name=name,
         status=run.status,
         device=device,
-        dtype=_autocast_dtype(run),
-        steps=int(steps["step"].nunique()) if len(steps) else 0,
+        dtype=autocast_dtype_text(run),
+        steps=steps,
         worst=worst,
         started=started,
         duration_s=duration,
@@ -560,7 +500,7 @@ def peek_run(name: str, path: Path) -> RunSummary:
         # as the loader does: a rank of another host or a gone process reads as interrupted
         statuses.add(status_of(manifest or {}, end))
     status = next(s for s in STATUS_ORDER if s in statuses)
-    started, duration, still_open = _run_times(_read_small_json(path / RUN_MANIFEST), times)
+    started, duration, still_open = run_times(_read_small_json(path / RUN_MANIFEST), times)
     return RunSummary(
         name=name,
         status=status,
@@ -605,8 +545,11 @@ class RunCache:
         max_table_bytes: int = MAX_TABLE_BYTES,
         first_wait_s: float = FIRST_WAIT_S,
         live_reload_s: float = LIVE_REDIAGNOSE_S,
+        tail: LiveTail | None = None,
     ) -> None:
         self.root = Path(root)
+        #: the live runs' polls: a live run loaded again takes its summaries from there
+        self.tail = tail
         self.max_entries = max_entries
         self.workers = workers
         self.max_table_bytes = max_table_bytes
@@ -634,8 +577,11 @@ class RunCache:
         path = resolve_run(self.root, name)
         return path, inspect_run(self.root, path, self.max_table_bytes)
 
-    def _reusable(self, path: Path, sig: tuple[Any, ...], hit: _Entry) -> bool:
-        """Whether the kept load of ``path`` still shows what the run holds, or may for now."""
+    def _reusable(
+        self, path: Path, sig: tuple[Any, ...], hit: _Entry, status: str | None = None
+    ) -> bool:
+        """Whether the kept load of ``path`` still shows what the run holds, or may for now.
+        ``status``: the run's status as just polled (None: read from its manifests)."""
         if hit.loaded.run.status != "live":
             return hit.signature == sig
         # a live run: unchanged files, or changed within the wait, while it is still live
@@ -644,13 +590,26 @@ class RunCache:
             wait = max(self.live_reload_s, LIVE_COST_FACTOR * cost)
             if time.monotonic() - hit.loaded_at >= wait:
                 return False
+        if status is None and self.tail is not None:  # the live tick's poll, when recent
+            status = self.tail.status(path, max(self.live_reload_s, 1.0))
+        if status is not None:
+            return status == "live"
         try:  # manifests and end markers only: has the run ended (or its process gone)?
             return amprobe.load_run(path).status == "live"
         except Exception:
             return False  # the full load says why
 
-    def get(self, name: str) -> LoadedRun:
-        """Load (or reuse) run ``name``.
+    def loaded(self, path: Path) -> amprobe.Run | None:
+        """The run kept for folder ``path`` (resolved), as last loaded, unchecked; or None."""
+        with self._lock:
+            hit = self._entries.get(Path(path))
+        return hit.loaded.run if hit is not None else None
+
+    def get(self, name: str, status: str | None = None) -> LoadedRun:
+        """Load (or reuse) run ``name``. ``status``: its status as a live tick just polled it.
+
+        A live run loaded again reads only what was appended since the last read of it (the
+        live tick's, else the kept load's): :meth:`amprobe.Run.adopt_summaries`.
 
         Raises:
             RunAccessError: the name is not a run under ROOT, the run is refused, or amprobe
@@ -660,7 +619,7 @@ class RunCache:
         path, sig = self.check(name)
         with self._lock:
             hit = self._entries.get(path)
-        if hit is not None and self._reusable(path, sig, hit):
+        if hit is not None and self._reusable(path, sig, hit, status):
             with self._lock:
                 if path in self._entries:
                     self._entries.move_to_end(path)
@@ -668,6 +627,9 @@ class RunCache:
         start = time.monotonic()
         try:
             run = amprobe.load_run(path)
+            if hit is not None and hit.loaded.run.status == "live":
+                polled = self.tail.run_of(path) if self.tail is not None else None
+                run.adopt_summaries(polled or hit.loaded.run)
             loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
             row = summarize(name, loaded)
         except (amprobe.RunLoadError, RunAccessError):
@@ -846,62 +808,98 @@ class RunCache:
 class TailUpdate:
     """What one poll of a live run found."""
 
-    steps: pd.DataFrame  # every step read so far, all ranks, with a ``rank`` column
-    new_rows: int
+    steps: int  # distinct steps recorded so far, all ranks
+    last_step: int | None  # the highest step any rank recorded, None before the first
     status: str
-
-
-@dataclasses.dataclass
-class _TailState:
-    offsets: dict[int, int]
-    frames: list[pd.DataFrame]
+    run: amprobe.Run  # the run as polled (its summaries read to the files' ends)
 
 
 class LiveTail:
-    """Reads only the new lines of each rank's ``steps.jsonl`` of the runs being watched.
+    """Follows the runs being watched through their per-rank summaries, reading only what was
+    appended.
 
-    Per run it keeps a byte offset per rank; a poll reads from there with
-    :func:`amprobe.store.read_table` (which leaves an unterminated last line for the next
-    poll), so a run is read once in full, at its first poll, and then only by its growth.
+    Per run it keeps the :class:`amprobe.Run` of its last poll. A poll reads each rank's
+    ``summary.json`` (one small record a rank) and only the bytes of the table files past what
+    the last poll read (:meth:`amprobe.Run.adopt_summaries`; an unterminated last line waits
+    for the next poll), so a run is read once, at its first poll, and then only by its growth.
+    Manifests are read again only when a rank ended or a rank folder came or went; otherwise
+    an open rank's status is its process's (``status_of``).
     """
-
-    TABLE = "steps"
 
     def __init__(self, max_runs: int = 16) -> None:
         self.max_runs = max_runs
-        self._state: OrderedDict[Path, _TailState] = OrderedDict()
+        self._runs: OrderedDict[Path, amprobe.Run] = OrderedDict()
+        self._polled: dict[Path, float] = {}  # when each run was last polled (monotonic)
         self._lock = threading.Lock()
 
-    def offsets(self, path: Path) -> dict[int, int]:
-        """The byte offsets kept for run ``path`` (rank -> offset)."""
-        state = self._state.get(Path(path))
-        return dict(state.offsets) if state else {}
+    def run_of(self, path: Path) -> amprobe.Run | None:
+        """The run as the last poll of ``path`` read it, or None."""
+        with self._lock:
+            return self._runs.get(Path(path))
 
-    def poll(self, path: Path) -> TailUpdate:
-        """Read the steps appended to run ``path`` since the last poll.
+    def status(self, path: Path, max_age_s: float) -> str | None:
+        """Run ``path``'s status as a poll at most ``max_age_s`` seconds ago found it, or None."""
+        with self._lock:
+            run, when = self._runs.get(Path(path)), self._polled.get(Path(path))
+        if run is None or when is None or time.monotonic() - when > max_age_s:
+            return None
+        return run.status
+
+    def offsets(self, path: Path, table: str = "steps") -> dict[int, int]:
+        """Per rank, the byte offset up to which the last poll of run ``path`` read ``table``."""
+        run = self.run_of(path)
+        if run is None:
+            return {}
+        name = table_filename(table)
+        return {rank: ends[name] for rank, ends in run.summary_offsets().items() if name in ends}
+
+    def poll(self, path: Path, earlier: amprobe.Run | None = None) -> TailUpdate:
+        """Read what was appended to run ``path`` since the last poll (at the first poll: since
+        ``earlier``, a load of the run whose summaries were read, when given).
 
         Raises:
             amprobe.RunLoadError: the run can no longer be read.
         """
         path = Path(path)
-        run = amprobe.load_run(path)  # manifests and end markers only: tables load lazily
+        before = self.run_of(path)
+        if before is None or _ranks_changed(path, before):
+            run = amprobe.load_run(path)  # manifests and end markers only: tables load lazily
+        else:  # a new Run over the same ranks: no derived value of the last poll carries over
+            statuses = {
+                info.status if info.end is not None else status_of(info.manifest, None)
+                for info in before.ranks
+            }
+            run = amprobe.Run(
+                path=before.path,
+                manifest=before.manifest,
+                ranks=before.ranks,
+                status=next((s for s in STATUS_ORDER if s in statuses), "finished"),
+                warnings=list(before.warnings),
+            )
+        read_before = before if before is not None else earlier
+        if read_before is not None:
+            run.adopt_summaries(read_before)
+        run.summaries()
+        update = TailUpdate(
+            steps=distinct_step_count(run), last_step=run.last_step, status=run.status, run=run
+        )
         with self._lock:
-            state = self._state.setdefault(path, _TailState(offsets={}, frames=[]))
-            self._state.move_to_end(path)
-            while len(self._state) > self.max_runs:
-                self._state.popitem(last=False)
-            new_rows = 0
-            for info in run.ranks:
-                start = state.offsets.get(info.rank, 0)
-                frame, nxt, _ = read_table(
-                    info.path / table_filename(self.TABLE), self.TABLE, start
-                )
-                state.offsets[info.rank] = nxt
-                if len(frame):
-                    frame.insert(0, "rank", info.rank)
-                    state.frames.append(frame)
-                    new_rows += len(frame)
-            if len(state.frames) > 1:
-                state.frames = [pd.concat(state.frames, ignore_index=True)]
-            steps = state.frames[0] if state.frames else pd.DataFrame(columns=["rank", "step"])
-        return TailUpdate(steps=steps, new_rows=new_rows, status=run.status)
+            self._runs[path] = run
+            self._polled[path] = time.monotonic()
+            self._runs.move_to_end(path)
+            while len(self._runs) > self.max_runs:
+                gone, _ = self._runs.popitem(last=False)
+                self._polled.pop(gone, None)
+        return update
+
+
+def _ranks_changed(path: Path, run: amprobe.Run) -> bool:
+    """Whether run ``path`` has other rank folders than ``run`` read, or an open rank of it
+    wrote its end marker since (one listing and a ``stat`` per open rank)."""
+    try:
+        names = {e.name for e in os.scandir(path) if parse_rank_dirname(e.name) is not None}
+    except OSError:
+        return True
+    if names != {info.path.name for info in run.ranks}:
+        return True
+    return any(info.end is None and (info.path / END_MARKER).exists() for info in run.ranks)

@@ -389,7 +389,7 @@ def test_live_refresh_reads_only_new_lines(tmp_path: Path) -> None:
     text, *_ = callbacks.refresh_live(ctx, 2, "live")
     assert text.startswith("15 steps")
     update = ctx.tail.poll(path)
-    assert update.new_rows == 0 and len(update.steps) == 15
+    assert update.steps == 15 and update.last_step == 14
     assert ctx.tail.offsets(path)[0] > first
     with open(tmp_path / "live" / "rank0" / "steps.jsonl", "a") as fh:
         fh.write(
@@ -408,20 +408,21 @@ def test_live_refresh_reads_only_new_lines(tmp_path: Path) -> None:
 def test_live_tail_reads_from_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     live = SyntheticLiveRun(tmp_path / "live", steps=4)
     calls: list[int] = []
-    import dashboard.runs as runs_mod
+    import amprobe.store.run as store_run
 
-    real = runs_mod.read_table
+    real = store_run._read_arrow
 
     def spy(path: Path, table: str, offset: int = 0) -> Any:
-        calls.append(offset)
+        if Path(path).name == "steps.jsonl":
+            calls.append(offset)
         return real(path, table, offset)
 
-    monkeypatch.setattr(runs_mod, "read_table", spy)
+    monkeypatch.setattr(store_run, "_read_arrow", spy)
     tail = LiveTail()
     tail.poll(tmp_path / "live")
     live.append(3)
     update = tail.poll(tmp_path / "live")
-    assert calls[0] == 0 and calls[1] > 0 and update.new_rows == 3
+    assert len(calls) == 2 and calls[0] == 0 and calls[1] > 0 and update.steps == 7
 
 
 def test_live_refresh_refuses_names_outside_root(ctx: callbacks.Context) -> None:
@@ -633,11 +634,11 @@ def test_live_page_keeps_polling_through_a_failed_read(ctx: callbacks.Context, m
     real = ctx.tail.poll
     fail = {"left": 1}
 
-    def flaky(path):
+    def flaky(path, **kwargs):
         if fail["left"]:
             fail["left"] -= 1
             raise amprobe.RunLoadError("manifest.json is not valid JSON")
-        return real(path)
+        return real(path, **kwargs)
 
     monkeypatch.setattr(ctx.tail, "poll", flaky)
     text, *_, disabled = callbacks.refresh_live(ctx, 1, "group/synthetic")

@@ -85,7 +85,7 @@ def test_garbage_run_is_unreadable_with_the_reason(ctx: callbacks.Context) -> No
     for name in ("garbage-records", "garbage-missing"):
         assert rows[name]["status"] == "unreadable", rows[name]
         assert rows[name]["steps"] == "", rows[name]  # not "0 steps"
-    assert "unreadable record(s) skipped in steps.jsonl" in rows["garbage-records"]["worst"]
+    assert "steps.jsonl holds 4,000 bytes but no step record" in rows["garbage-records"]["worst"]
     assert rows["garbage-missing"]["worst"].startswith("unreadable: no readable step record")
     assert "end marker counts 150 steps" in rows["garbage-missing"]["worst"]
     for name in SAMPLES:  # the sample runs stay readable
@@ -163,6 +163,34 @@ def test_started_and_duration_come_from_the_manifests_and_steps(
     assert layout.format_duration(42.14) == "42.1 s"
     assert layout.format_duration(185) == "3 min 05 s"
     assert layout.format_duration(7620) == "2 h 07 min"
+
+
+def test_run_list_row_reads_summaries_not_the_steps_tables(tmp_path: Path) -> None:
+    """A row's step count, dtype and duration come from the per-rank summaries, the manifests
+    and the end of an open rank's steps file: no table file is parsed (issue #33: at 4,096
+    ranks every rank's steps.jsonl is gigabytes)."""
+    from unittest import mock
+
+    from amprobe.store import jsonl
+    from amprobe.store.run import write_rank_summary
+    from dashboard.runs import LoadedRun, summarize
+
+    run_dir = tmp_path / "two"
+    shutil.copytree(SAMPLE_RUNS / "overflow", run_dir)
+    shutil.copytree(run_dir / "rank0", run_dir / "rank1")
+    (run_dir / "rank1" / "end.json").unlink()  # rank 1 stopped without closing
+    for rank in ("rank0", "rank1"):
+        write_rank_summary(run_dir / rank)
+    run = amprobe.load_run(run_dir)
+    run.summaries()
+    diagnosis = amprobe.diagnose(amprobe.load_run(SAMPLE_RUNS / "overflow"))
+    with mock.patch.object(jsonl, "_read_arrow", side_effect=AssertionError("a table read")):
+        row = summarize("two", LoadedRun("two", run, diagnosis))
+    steps = amprobe.load_run(run_dir).steps
+    assert row.steps == steps["step"].nunique() == 200
+    assert row.dtype == "float16" and row.status == "interrupted" and row.duration_open
+    start = run.ranks[1].manifest["start_unix"] - row.started  # type: ignore[operator]
+    assert row.duration_s == pytest.approx(start + steps["t"].max())
 
 
 def test_run_list_sorts_on_the_server(ctx: callbacks.Context, root: Path) -> None:

@@ -10,12 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import functools
 import gc
 import json
 import os
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -66,6 +65,7 @@ __all__ = [
     "NewerSchemaError",
     "load_run",
     "write_rank_summary",
+    "rank_last_rows",
 ]
 
 
@@ -254,9 +254,30 @@ class Run:
         (a missing section: no rows) and a warning. :meth:`summary_sources` says which way
         each rank went.
         """
-        if refresh:  # the files grew (a live run): read them again, for every later reader
+        if refresh:  # the files grew (a live run): read what was appended, for every reader
             self._derived.pop("summaries", None)
         return self.cached("summaries", _summaries)
+
+    def adopt_summaries(self, earlier: Run) -> None:
+        """Take the per-rank summaries ``earlier`` (a load of the same run folder before this
+        one) read, with where in each file they end, so that this run's :meth:`summaries`
+        reads only the rows appended since (a live run loaded again, issue #33). A rank whose
+        files no longer match (truncated, replaced) is read again as :meth:`summaries` says."""
+        parts = earlier._derived.get("summary_parts")
+        if parts and "summaries" not in self._derived:
+            paths = {info.rank: info.path for info in earlier.ranks}
+            self._derived["summary_parts"] = {
+                info.rank: parts[info.rank]
+                for info in self.ranks
+                if info.rank in parts and paths.get(info.rank) == info.path
+            }
+
+    def summary_offsets(self) -> dict[int, dict[str, int]]:
+        """Per rank, the byte offset up to which its summary covers each table file it read
+        (``{"steps.jsonl": 4559810, ...}``; a rank whose files could not be read is left out)."""
+        self.summaries()
+        parts = self._derived.get("summary_parts") or {}
+        return {rank: dict(part.ends) for rank, part in parts.items() if part.ends is not None}
 
     def summary_sources(self) -> dict[int, str]:
         """Where each rank's summary came from: ``"records"`` (the writer's record alone),
@@ -319,16 +340,38 @@ class _RankSummary:
     source: str  # records, records+tail, files, unreadable
     warnings: list[str]
     other_version: bool = False  # a record of another summary_version was ignored
+    #: table file name -> the byte offset the summary covers it to (None: not known)
+    ends: dict[str, int] | None = None
+    #: ``summary.json``'s (size, mtime_ns, inode) when it was read (None: there was none)
+    record_key: tuple[int, int, int] | None = None
+
+
+def _record_key(folder: str) -> tuple[int, int, int] | None:
+    """``summary.json``'s (size, mtime_ns, inode), None when missing or not readable: the
+    writer replaces the file at each flush, so an equal key means the same record."""
+    try:
+        st = os.stat(f"{folder}/{SUMMARY_FILE}")
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def _summaries(run: Run) -> dict[int, dict[str, Any]]:
-    """Every rank's summary, the ranks read in parallel threads (see :meth:`Run.summaries`)."""
+    """Every rank's summary, the ranks read in parallel threads (see :meth:`Run.summaries`).
+
+    A rank read before (by this run, or by the run it adopted them from) continues from where
+    that read ended, unless its record now covers more: refreshing a live run reads only what
+    was appended."""
     if run._tables and not any(info.path.is_dir() for info in run.ranks):
         return _summaries_in_memory(run)
     infos = list(run.ranks)
     names = [cls.name for cls in SECTIONS]
     files = [(table, table_filename(table)) for table in sorted(summary_tables())]
-    one = functools.partial(_summarize_rank, names=names, files=files)
+    before: dict[int, _RankSummary] = run._derived.get("summary_parts") or {}
+
+    def one(info: RankInfo) -> _RankSummary:
+        return _summarize_rank(info, names, files, before.get(info.rank))
+
     with _gc_paused():
         if len(infos) > 1:
             # threads overlap the file system's waits (a cold cache, a network file system)
@@ -352,6 +395,7 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
             f"ignored on {other} rank(s); those ranks were summarized from their record files"
         )
     run._derived["summary_sources"] = sources
+    run._derived["summary_parts"] = dict(zip((i.rank for i in infos), parts, strict=True))
     return out
 
 
@@ -396,41 +440,81 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _summarize_rank(info: RankInfo, names: list[str], files: list[tuple[str, str]]) -> _RankSummary:
+def _summarize_rank(
+    info: RankInfo,
+    names: list[str],
+    files: list[tuple[str, str]],
+    before: _RankSummary | None = None,
+) -> _RankSummary:
     """One rank's summary: its record, and the rows it does not cover (never raises).
     ``names`` are the registered sections' names, ``files`` the (table, file name) pairs of
-    the tables they read."""
+    the tables they read; ``before``: this rank's summary read earlier, which is continued
+    from its ends when the record does not cover more of every file."""
     who = f"rank {info.rank}"
     folder = str(info.path)
     try:
-        record, warnings, other = _read_record(info.rank, folder)
+        key = _record_key(folder)
+        usable = before is not None and before.ends is not None and before.source != "unreadable"
+        if usable and before is not None and key == before.record_key:
+            # the record read before, unchanged: not read again; the files past what was read
+            record, other = None, False
+            warnings: list[str] = []
+        else:
+            record, warnings, other = _read_record(info.rank, folder)
         if record is not None and not all(name in record["sections"] for name in names):
             record = None  # written with fewer sections (an older amprobe): not a damage
-        starts: dict[str, int] | None = None  # where the rows no record covers start
+        base: dict[str, Any] | None = None  # the sections the rows after ``offsets`` extend
+        offsets: Mapping[str, int] = {}
+        source = "files"
+        starts: dict[str, int] | None = None  # where the rows no summary covers start
+        # what to go on from: the record, and the summary read before (first when it covers
+        # more of some file than the record); the first that still matches the files
+        candidates: list[tuple[bool, str, dict[str, Any], Mapping[str, int]]] = []
         if record is not None:
-            starts, why = _tail_starts(folder, record["offsets"], files)
-            if why:
+            candidates.append((True, "records", record["sections"], record["offsets"]))
+        if usable and before is not None and before.ends is not None:
+            ahead = record is not None and all(
+                record["offsets"].get(name, 0) >= before.ends.get(name, 0) for _, name in files
+            )
+            earlier = (False, before.source, before.summary, before.ends)
+            candidates.insert(1 if ahead else 0, earlier)
+        continued = False  # going on from ``before``
+        for is_record, kind, sections, covered in candidates:
+            tail, why = _tail_starts(folder, covered, files)
+            if not why:
+                base, offsets, source, starts = sections, covered, kind, tail
+                continued = not is_record
+                if continued and before is not None:
+                    warnings = [*before.warnings, *warnings]  # what its rows showed still holds
+                break
+            if is_record:
                 warnings.append(
                     f"{who}: {SUMMARY_FILE} does not match the record files ({why}); "
                     "the rank was summarized from its record files"
                 )
-                record, starts = None, None
+        if continued and before is not None and not starts:
+            return dataclasses.replace(before, record_key=key)  # nothing appended since
         acc: Accumulator | None = None
+        ends: dict[str, int] = {}
         for table, name in files:
             if starts is not None and name not in starts:
-                continue  # the record covers the whole file: not opened
+                ends[name] = offsets.get(name, 0)
+                continue  # the summary covers the whole file: not opened
             read = _read_arrow(info.path / name, table, starts[name] if starts else 0)
+            ends[name] = read.next_offset
             warnings.extend(_read_warnings(info, name, read))
             if read.table is not None and read.table.num_rows:
                 acc = acc or Accumulator()
                 acc.add(table, read.table.to_pylist())
-        if record is None:
-            return _RankSummary((acc or Accumulator()).snapshot(), "files", warnings, other)
-        sections = record["sections"]
+        if base is None:
+            summary = (acc or Accumulator()).snapshot()
+            return _RankSummary(summary, "files", warnings, other, ends, key)
         if acc is None:
-            return _RankSummary({n: sections[n] for n in names}, "records", warnings, other)
-        merged = merge_sections([sections, acc.snapshot()])
-        return _RankSummary(merged, "records+tail", warnings, other)
+            return _RankSummary({n: base[n] for n in names}, source, warnings, other, ends, key)
+        merged = merge_sections([base, acc.snapshot()])
+        if source == "records":
+            source = "records+tail"
+        return _RankSummary(merged, source, warnings, other, ends, key)
     except RunLoadError as exc:
         return _RankSummary({}, "unreadable", [f"{who}: summary not computed: {exc}"])
     except Exception as exc:  # a section that fails on this rank's rows or record
@@ -693,6 +777,50 @@ def _not_a_run(root: Path) -> str:
 _LAST_STEP_BYTES = 8 << 10
 
 
+def _last_row(path: Path) -> tuple[dict[str, Any] | None, bool]:
+    """The last complete row of a table file, read from its last :data:`_LAST_STEP_BYTES`, and
+    whether that read can be trusted: ``(None, True)`` for a missing or empty file,
+    ``(None, False)`` when the bytes read hold no row that parses (a damaged last line, or a
+    row longer than the bytes read) or the file cannot be read."""
+    try:
+        with open_regular(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            start = max(0, size - _LAST_STEP_BYTES)
+            data = os.pread(fh.fileno(), size - start, start)
+    except FileNotFoundError:
+        return None, True
+    except OSError:
+        return None, False
+    lines = data.split(b"\n")
+    lines.pop()  # after the last line end: nothing, or a cut line the loader leaves
+    if start:
+        lines.pop(0)  # may begin inside a line
+    for line in reversed(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
+            return None, False
+        return (row, True) if isinstance(row, dict) else (None, False)
+    return None, not start  # no row at all, or none whole in the bytes read
+
+
+def rank_last_rows(
+    run: Run, table: str = "steps", ranks: Iterable[int] | None = None
+) -> dict[int, dict[str, Any] | None]:
+    """Each rank's (of ``ranks``, default all) last complete row of ``table``, read from the
+    end of its file (a few kB a rank, never the whole table): the row as a dict, or None when
+    the rank has no row or its last line does not parse (the loader decides about that one)."""
+    name = table_filename(table)
+    wanted = None if ranks is None else set(ranks)
+    return {
+        info.rank: _last_row(info.path / name)[0]
+        for info in run.ranks
+        if wanted is None or info.rank in wanted
+    }
+
+
 def _rank_last_steps(run: Run) -> dict[int, int] | None:
     """Each rank's last step without reading every rank's steps: the step of its last complete
     row, read from the end of its file (the probe writes a rank's steps in increasing order).
@@ -700,34 +828,14 @@ def _rank_last_steps(run: Run) -> dict[int, int] | None:
     bytes read: that is not guessed at (the caller reads the summaries then)."""
     lasts: dict[int, int] = {}
     for info in run.ranks:
-        path = info.path / table_filename("steps")
-        try:
-            with open_regular(path) as fh:
-                size = os.fstat(fh.fileno()).st_size
-                start = max(0, size - _LAST_STEP_BYTES)
-                data = os.pread(fh.fileno(), size - start, start)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-        lines = data.split(b"\n")
-        lines.pop()  # after the last line end: nothing, or a cut line the loader leaves
-        if start:
-            lines.pop(0)  # may begin inside a line
-        step = None
-        for line in reversed(lines):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError):
-                row = None
-            step = row.get("step") if isinstance(row, dict) else None
-            break
-        if type(step) is not int:
-            if any(line.strip() for line in lines) or start:
-                return None  # a damaged or odd last row: the loader decides
+        row, ok = _last_row(info.path / table_filename("steps"))
+        if row is None:
+            if not ok:
+                return None
             continue  # no row at all
+        step = row.get("step")
+        if type(step) is not int:
+            return None  # a damaged or odd last row: the loader decides
         lasts[info.rank] = step
     return lasts
 

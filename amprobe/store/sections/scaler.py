@@ -88,8 +88,8 @@ def _extend_runs(runs: list[list[int]], step: int, cap: int | None = CAP) -> boo
 
 def _merge_runs(a: list[list[int]], b: list[list[int]]) -> tuple[list[list[int]], bool]:
     out = [list(r) for r in a]
-    for i, run in enumerate(b):
-        if i == 0 and out and out[-1][0] <= run[0] <= out[-1][1] + 1:
+    for run in b:  # as _extend_runs adds its steps one by one: a run that joins the last grows it
+        if out and out[-1][0] <= run[0] <= out[-1][1] + 1:
             out[-1][1] = max(out[-1][1], run[1])
         elif len(out) >= CAP:
             return out, False
