@@ -31,9 +31,12 @@ __all__ = [
     "compute_underflow",
     "compute_gradient_underflow",
     "offender_evidence",
+    "gradient_underflow_rows",
+    "fact_steps",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
     "first_overflow_step",
+    "first_overflow_since",
     "numerics_missing_reason",
     "root_missing_reason",
 ]
@@ -467,17 +470,27 @@ def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
 
     From the ``offenders`` summary section's overflow step runs (exact while they were not
     capped: the first :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs are kept) and
-    ``rank``'s own numerics file (:meth:`Run.rank_table`: the rules name one rank).
+    ``rank``'s own numerics file (:meth:`Run.rank_table`: the rules name one rank); see
+    :func:`first_overflow_since` to give the previous sampled step instead.
     """
-    runs = offenders_section(run, rank).get("overflow", {}).get("runs", [])
-    if not runs:
+    if not offenders_section(run, rank).get("overflow", {}).get("runs", []):
         return None
     numerics = run.rank_table("numerics", rank)
-    since = -1
+    since = None
     if not numerics.empty:
         recorded = numerics["step"].to_numpy()
         earlier = recorded[(numerics["rank"].to_numpy() == rank) & (recorded < captured_step)]
-        since = int(earlier.max()) if len(earlier) else -1
+        since = int(earlier.max()) if len(earlier) else None
+    return first_overflow_since(run, rank, captured_step, since)
+
+
+def first_overflow_since(run: Run, rank: int, captured_step: int, since: int | None) -> int | None:
+    """:func:`first_overflow_step` given ``since``, the last step of ``rank`` before
+    ``captured_step`` with recorded numerics (None: none); reads no file."""
+    runs = offenders_section(run, rank).get("overflow", {}).get("runs", [])
+    if not runs:
+        return None
+    since = -1 if since is None else since
     excluded = nonfinite_input_steps(run, rank)
     found = [
         s
@@ -657,7 +670,39 @@ def gradient_underflow_layers(
     section: dict[str, Any], margin: float = 8.0
 ) -> tuple[pd.DataFrame, dict[str, Any] | None, dict[Any, dict[str, Any]]]:
     """:func:`compute_gradient_underflow` summed per (module, kind, measure), from a rank's
-    ``numerics`` summary section (AMP-N06).
+    ``numerics`` summary section (AMP-N06): :func:`gradient_underflow_rows` as a frame.
+
+    Returns:
+        ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
+        first appearance with ``lost``, ``lost_at_hint`` and ``nonzero``; the
+        :func:`compute_scale_hint` dict or ``None``; per index the first ``dtype``, the loss
+        ``scales`` and the sampled ``steps``. An empty frame when no gradient was recorded.
+    """
+    rows, hint, facts = gradient_underflow_rows(section, margin)
+    columns = ["lost", "lost_at_hint", "nonzero"]
+    if not rows:
+        return pd.DataFrame(columns=columns), hint, {}
+    frame = pd.DataFrame(
+        [r[1:] for r in rows],
+        columns=columns,
+        index=pd.MultiIndex.from_tuples([r[0] for r in rows]),
+    )
+    return frame, hint, {key: fact_steps(fact) for key, fact in facts.items()}
+
+
+def fact_steps(fact: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`gradient_underflow_rows` fact with its sampled ``steps`` as a set (from the
+    kept ``runs``)."""
+    steps = {s for a, b in fact["runs"] for s in range(int(a), int(b) + 1)}
+    return {"dtype": fact["dtype"], "scales": fact["scales"], "steps": steps}
+
+
+def gradient_underflow_rows(
+    section: dict[str, Any], margin: float = 8.0
+) -> tuple[list[tuple[Any, float, float, float]], dict[str, Any] | None, dict[Any, dict[str, Any]]]:
+    """:func:`compute_gradient_underflow` summed per (module, kind, measure), from a rank's
+    ``numerics`` summary section (AMP-N06), as plain values (no frame: a rule reads it for
+    every rank).
 
     Exact: the lost counts at the rows' own scales are summed in the section per loss scale,
     and the counts at the hint, linear in the histograms, come from the histograms summed per
@@ -666,15 +711,14 @@ def gradient_underflow_layers(
     they hold the first 20 steps and runs the evidence lists.
 
     Returns:
-        ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
-        first appearance with ``lost``, ``lost_at_hint`` and ``nonzero``; the
-        :func:`compute_scale_hint` dict or ``None``; per index the first ``dtype``, the loss
-        ``scales`` and the sampled ``steps``. An empty frame when no gradient was recorded.
+        ``(rows, hint, facts)``: ``rows`` as ``((module, kind, measure), lost, lost_at_hint,
+        nonzero)`` in order of first appearance; the :func:`compute_scale_hint` dict or
+        ``None``; per (module, kind, measure) the first ``dtype``, the loss ``scales`` and the
+        ``runs`` of its sampled steps (:func:`fact_steps` makes them a set).
     """
     grads = [x for x in section.get("layers", []) if x["kind"] in GRAD_KINDS]
-    columns = ["lost", "lost_at_hint", "nonzero"]
     if not grads:
-        return pd.DataFrame(columns=columns), None, {}
+        return [], None, {}
     for layer in grads:
         for group in layer["scale"].values():
             if group["damaged"] is not None:
@@ -712,8 +756,7 @@ def gradient_underflow_layers(
             "underflow_share_at_current": share(current),
             "underflow_share_at_hint": share(hint_scale),
         }
-    index: list[tuple[Any, Any, str]] = []
-    rows: list[list[float]] = []
+    rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
     for layer in grads:
         by_measure: dict[str, list[float]] = {}
@@ -723,17 +766,20 @@ def gradient_underflow_layers(
             sums[0] += group["lost"]
             sums[2] += group["nonzero"]
             key = (layer["module"], layer["kind"], measure)
-            fact = facts.setdefault(key, {"dtype": np.nan, "scales": set(), "steps": set()})
+            fact = facts.get(key)
+            if fact is None:
+                runs = layer["grad_steps"].get(measure, {}).get("runs", [])
+                fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
             fact["scales"].add(float(group["scale"]))
-            for a, b in layer["grad_steps"].get(measure, {}).get("runs", []):
-                fact["steps"].update(range(int(a), int(b) + 1))
         if hint is not None:
             for key, group in layer["hist"].items():
                 dtype = _group_dtype(key)
-                bound = -14 if dtype == "float16" else -25
-                counts = {int(e): n for e, n in group["bins"].items()}
                 if _measure(dtype) in by_measure:
-                    by_measure[_measure(dtype)][1] += _below(counts, bound, hint["hint_scale"])
+                    # binades wholly at or below 2**bound once scaled by the hint
+                    cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
+                    by_measure[_measure(dtype)][1] += sum(
+                        n for e, n in group["bins"].items() if int(e) <= cut
+                    )
         else:
             for sums in by_measure.values():
                 sums[1] = sums[0]
@@ -742,10 +788,8 @@ def gradient_underflow_layers(
             if found is not None and found["dtype"] is np.nan:
                 found["dtype"] = dtype
         for measure, sums in by_measure.items():
-            index.append((layer["module"], layer["kind"], measure))
-            rows.append(sums)
-    frame = pd.DataFrame(rows, columns=columns, index=pd.MultiIndex.from_tuples(index))
-    return frame, hint, facts
+            rows.append(((layer["module"], layer["kind"], measure), sums[0], sums[1], sums[2]))
+    return rows, hint, facts
 
 
 def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:

@@ -50,6 +50,7 @@ __all__ = [
     "nonzero_binades",
     "NumericsSection",
     "OffendersSection",
+    "step_facts",
 ]
 
 #: the numerics count columns summed per (module, kind)
@@ -232,12 +233,17 @@ class NumericsSection(Section):
         # modules that were, with a half output there, and the candidates of the chunk's first
         # and last steps, which a neighbouring chunk may continue
         self.last_linear: dict[str, Any] = {"half": [], "edges": []}
+        # the facts of steps with a non-finite output (AMP-N05's detail, see _step_facts_add)
+        self.step_facts: dict[str, Any] = _facts_new()
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         module, kind, step = row.get("module"), row.get("kind"), row.get("step")
-        if module is None or kind is None or step is None:
+        if step is None:
             return
         step = int(step)
+        _facts_add(self.step_facts, step, row if kind == "output" and module is not None else None)
+        if module is None or kind is None:
+            return
         self.rows += 1
         key = f"{kind}\x00{module}"
         layer = self.layers.get(key)
@@ -357,6 +363,7 @@ class NumericsSection(Section):
             "outputs": [[m, o] for m, o in self.outputs.items()],
             "grad_scale": self.grad_scale,
             "last_linear": json.loads(json.dumps(self.last_linear)),
+            "step_facts": json.loads(json.dumps(self.step_facts)),
         }
 
     @classmethod
@@ -382,16 +389,182 @@ class NumericsSection(Section):
             if m not in last_linear["half"]:
                 last_linear["half"].append(m)
         last_linear["half"].sort()
+        facts = _facts_merge(first.get("step_facts"), second.get("step_facts"))
         return {
             "rows": first["rows"] + second["rows"],
             "layers": list(layers.values()),
             "outputs": [[m, o] for m, o in outputs.items()],
             "grad_scale": grad,
             "last_linear": last_linear,
+            "step_facts": facts,
         }
 
 
 _HALF = ("float16", "bfloat16")
+
+
+# -- the facts of a step with a non-finite output (AMP-N05) --------------------------------------
+#: steps with a non-finite output whose facts are kept between a chunk's first and last step
+MAX_FACT_STEPS = 2
+#: bf16's overflow bound: a cast to bf16 makes inf every amax at or above it
+BF16_OVERFLOW = float.fromhex("0x1.ffp127")
+
+
+def _facts_new() -> dict[str, Any]:
+    """``edges``: the facts of the chunk's first and last step (every output module's, which a
+    neighbouring chunk may continue); ``kept``: those of the first :data:`MAX_FACT_STEPS`
+    steps in between with a non-finite output (the modules with one only: ``trimmed``);
+    ``ordered``: whether the rows' steps never went down in file order (else the facts'
+    ``prev`` are not the previous sampled steps and a reader must not use them)."""
+    return {"ordered": True, "edges": [], "kept": []}
+
+
+def _fact_new(step: int, prev: int | None) -> dict[str, Any]:
+    return {
+        "step": step,
+        "prev": prev,  # the previous step with a numerics row (file order)
+        "bad": False,  # some output row held NaN/inf
+        "out": {},  # module -> [smallest order, first dtype, held NaN/inf] of its output rows
+        "linear": None,  # [order missing, order, module] of the last Linear output
+        "fp16": None,  # the first output (execution order) with values >= 65520
+        "bf16": None,  # the first output with amax >= bf16's overflow bound
+        "trimmed": False,
+    }
+
+
+def _origin(row: Mapping[str, Any], order: Any) -> dict[str, Any]:
+    return {
+        "order": order,
+        "module": row.get("module"),
+        "module_type": row.get("module_type"),
+        "amax": _num(row.get("amax")),
+        "over_fp16": row.get("over_fp16"),
+        "elements": row.get("elements"),
+        "dtype": row.get("dtype"),
+    }
+
+
+def _fact_row(fact: dict[str, Any], row: Mapping[str, Any]) -> None:
+    """Add one output row of the fact's step."""
+    module, order, dtype = row.get("module"), row.get("order"), row.get("dtype")
+    bad = (row.get("nan") or 0) + (row.get("inf") or 0) > 0
+    entry = fact["out"].get(module)
+    if entry is None:
+        fact["out"][module] = [order, dtype, bad]
+    else:
+        if order is not None and (entry[0] is None or order < entry[0]):
+            entry[0] = order
+        entry[2] = entry[2] or bad
+    fact["bad"] = fact["bad"] or bad
+    mtype = row.get("module_type")
+    if isinstance(mtype, str) and "Linear" in mtype:
+        _fact_linear(fact, [order is None, 0 if order is None else order, module])
+    if order is None:
+        return
+    over = row.get("over_fp16")
+    if over is not None and over > 0:
+        _fact_origin(fact, "fp16", _origin(row, order))
+    amax = _num(row.get("amax"))
+    if amax is not None and amax >= BF16_OVERFLOW:
+        _fact_origin(fact, "bf16", _origin(row, order))
+
+
+def _fact_linear(fact: dict[str, Any], cand: list[Any] | None) -> None:
+    """The later in execution order wins (missing orders last; ties: the later row)."""
+    old = fact["linear"]
+    if cand is not None and (old is None or (cand[0], cand[1]) >= (old[0], old[1])):
+        fact["linear"] = cand
+
+
+def _fact_origin(fact: dict[str, Any], key: str, cand: dict[str, Any] | None) -> None:
+    """The first in execution order wins (ties: the earlier row)."""
+    old = fact[key]
+    if cand is not None and (old is None or cand["order"] < old["order"]):
+        fact[key] = cand
+
+
+def _fact_join(a: dict[str, Any], b: Mapping[str, Any]) -> None:
+    """``a`` becomes the facts of its step's rows followed by ``b``'s (the same step)."""
+    for module, (order, dtype, bad) in b["out"].items():
+        entry = a["out"].get(module)
+        if entry is None:
+            a["out"][module] = [order, dtype, bad]
+            continue
+        if order is not None and (entry[0] is None or order < entry[0]):
+            entry[0] = order
+        entry[2] = entry[2] or bad
+    a["bad"] = a["bad"] or b["bad"]
+    _fact_linear(a, b["linear"])
+    _fact_origin(a, "fp16", b["fp16"])
+    _fact_origin(a, "bf16", b["bf16"])
+
+
+def _fact_settle(state: dict[str, Any], fact: dict[str, Any]) -> None:
+    """A step between the chunk's edges is complete: keep it (its non-finite modules only)
+    when it held a non-finite output and fewer than :data:`MAX_FACT_STEPS` are kept."""
+    if fact["bad"] and len(state["kept"]) < MAX_FACT_STEPS:
+        kept = dict(fact)
+        kept["out"] = {m: e for m, e in fact["out"].items() if e[2]}
+        kept["trimmed"] = True
+        state["kept"].append(kept)
+
+
+def _facts_step(state: dict[str, Any], fact: dict[str, Any]) -> None:
+    """Make ``fact`` (a new step's) the chunk's last step."""
+    edges = state["edges"]
+    if edges and fact["step"] < edges[-1]["step"]:
+        state["ordered"] = False
+    if len(edges) == 2:
+        _fact_settle(state, edges.pop())
+    edges.append(fact)
+
+
+def _facts_add(state: dict[str, Any], step: int, row: Mapping[str, Any] | None) -> None:
+    """Add a numerics row of ``step`` (``row``: an output row, else None)."""
+    edges = state["edges"]
+    if not edges or edges[-1]["step"] != step:
+        _facts_step(state, _fact_new(step, edges[-1]["step"] if edges else None))
+    if row is not None:
+        _fact_row(edges[-1], row)
+
+
+def _facts_merge(
+    first: Mapping[str, Any] | None, second: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The step facts of ``first``'s rows followed by ``second``'s; None when either has none
+    (a record of an amprobe that did not keep them: the facts of the union are not known)."""
+    if first is None or second is None:
+        return None
+    out: dict[str, Any] = json.loads(json.dumps(first))
+    b = json.loads(json.dumps(second))
+    out["ordered"] = out["ordered"] and b["ordered"]
+    if not b["edges"]:
+        return out
+    head = b["edges"][0]
+    edges = out["edges"]
+    if edges and edges[-1]["step"] == head["step"]:
+        _fact_join(edges[-1], head)
+    else:
+        head["prev"] = edges[-1]["step"] if edges else head["prev"]
+        _facts_step(out, head)
+    if len(b["edges"]) == 2:
+        if len(edges) == 2:
+            _fact_settle(out, edges.pop())
+        out["kept"].extend(b["kept"][: MAX_FACT_STEPS - len(out["kept"])])
+        edges.append(b["edges"][1])
+    return out
+
+
+def step_facts(section: Mapping[str, Any], step: int) -> dict[str, Any] | None:
+    """The facts of ``step`` in a rank's ``numerics`` section (None when they were not kept or
+    the rows' steps went down in file order)."""
+    state = section.get("step_facts")
+    if not state or not state["ordered"]:
+        return None
+    for fact in (*state["edges"], *state["kept"]):
+        if fact["step"] == step:
+            return dict(fact)
+    return None
 
 
 def _last_linear_add(state: dict[str, Any], cand: list[Any]) -> None:
