@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
+from amprobe.store.sections.numerics import decode_bins
 from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
 
 __all__ = [
@@ -735,8 +736,8 @@ def gradient_underflow_rows(
             if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
                 peak = group["amax"] if peak is None else max(peak, group["amax"])
             if _group_dtype(key) != "float16":
-                for e, n in group["bins"].items():
-                    merged[int(e)] = merged.get(int(e), 0) + n
+                for e, n in decode_bins(group["bins"]).items():
+                    merged[e] = merged.get(e, 0) + n
     hint: dict[str, Any] | None = None
     if peak is not None:
         hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
@@ -778,7 +779,7 @@ def gradient_underflow_rows(
                     # binades wholly at or below 2**bound once scaled by the hint
                     cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
                     by_measure[_measure(dtype)][1] += sum(
-                        n for e, n in group["bins"].items() if int(e) <= cut
+                        n for e, n in decode_bins(group["bins"]).items() if e <= cut
                     )
         else:
             for sums in by_measure.values():

@@ -10,7 +10,8 @@ the per-layer totals, the gradient underflow (AMP-N06) and the what-if table exa
   and last; the steps holding NaN/inf as runs (the first :data:`MAX_RUNS`, ``left_out``
   counts the rest); a gradient layer's sampled steps per measure as runs (the first
   :data:`MAX_LISTED`: what its evidence lists);
-- ``hist``: per (dtype, amax class) the nonzero finite exponent histograms summed (zeros
+- ``hist``: per (dtype, amax class, top binade) the nonzero finite exponent histograms summed
+  (``bins``: the text of :func:`encode_bins`; zeros
   taken out of bin -127, inf/NaN left out, the lump below 2**-133 keyed -134, the top binade
   of its range) with the row count. The amax class (:func:`amax_class`) holds every row whose
   ``amax`` a per-tensor scale and an overflow check of the what-if formats treat alike, so the
@@ -48,6 +49,8 @@ __all__ = [
     "AMAX_OVERFLOW_EDGES",
     "amax_class",
     "nonzero_binades",
+    "encode_bins",
+    "decode_bins",
     "NumericsSection",
     "OffendersSection",
     "step_facts",
@@ -139,6 +142,25 @@ def nonzero_binades(text: Any, zeros: int) -> dict[str, int]:
     return out
 
 
+def encode_bins(bins: Mapping[Any, int]) -> str:
+    """A histogram group's exponent -> count as the text ``"e,n,e,n,..."`` (in the dict's
+    order; ``""`` when empty): one JSON string instead of an object of one key per binade, so
+    that a reader parses a rank's record several times faster and the what-if reads every
+    rank's histograms as one array (:func:`amprobe.analysis.whatif.compute_whatif_summaries`)."""
+    return ",".join(f"{e},{n}" for e, n in bins.items())
+
+
+def decode_bins(value: Any) -> dict[int, int]:
+    """:func:`encode_bins`'s text (or the exponent -> count object of an earlier record) as
+    exponent -> count."""
+    if isinstance(value, Mapping):
+        return {int(e): int(n) for e, n in value.items()}
+    if not value:
+        return {}
+    parts = value.split(",")
+    return {int(e): int(n) for e, n in zip(parts[::2], parts[1::2], strict=True)}
+
+
 def _below(binades: Mapping[str, int], bound_exp: float, scale: float) -> int:
     """Values of the binades wholly at or below ``2**bound_exp`` once multiplied by ``scale``."""
     cut = bound_exp - math.log2(scale) - 1
@@ -208,7 +230,7 @@ def _layer_new(module_type: Any) -> dict[str, Any]:
         "grad_steps": {},  # gradient measure -> its sampled steps' first MAX_LISTED runs
         "nonfinite_runs": _runs_new(),
         "last": None,  # [step, amax, top exponent] of the last row in step order
-        "hist": {},  # "dtype|amax class" -> {"rows": n, "bins": {exp: count}}
+        "hist": {},  # "dtype|amax class|top" -> {"rows": n, "amax": x, "bins": {exp: count}}
         "scale": {},  # "dtype|loss scale" -> gradient facts
     }
 
@@ -352,7 +374,7 @@ class NumericsSection(Section):
                 k: {
                     "rows": h["rows"],
                     "amax": h["amax"],
-                    "bins": {str(e): n for e, n in h["bins"].items()},
+                    "bins": encode_bins(h["bins"]),
                 }
                 for k, h in layer["hist"].items()
             }
@@ -629,8 +651,10 @@ def _merge_layer(a: dict[str, Any], b: Mapping[str, Any]) -> None:
         mine["rows"] += h["rows"]
         if h["amax"] is not None and (mine["amax"] is None or h["amax"] > mine["amax"]):
             mine["amax"] = h["amax"]
-        for e, n in h["bins"].items():
-            mine["bins"][e] = mine["bins"].get(e, 0) + n
+        bins = decode_bins(mine["bins"])
+        for e, n in decode_bins(h["bins"]).items():
+            bins[e] = bins.get(e, 0) + n
+        mine["bins"] = encode_bins(bins)
     for k, s in b["scale"].items():
         mine = a["scale"].get(k)
         if mine is None:
