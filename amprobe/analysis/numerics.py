@@ -513,12 +513,20 @@ def loss_nonfinite_before(run: Run, rank: int, step: int) -> int | None:
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
     """The first armed step of ``rank`` that began with inf/NaN in the weights (the
     ``nonfinite_weights`` event: ``at_step``, ``count``, ``params``), or ``None``."""
-    seen = [
-        e
-        for e in run.events_of("nonfinite_weights")
-        if e.get("rank") == rank and isinstance(e.get("at_step"), int)
-    ]
-    return min(seen, key=lambda e: e["at_step"]) if seen else None
+    first = run.cached("first_nonfinite_weights", _first_nonfinite_weights).get(rank)
+    return dict(first) if first is not None else None
+
+
+def _first_nonfinite_weights(run: Run) -> dict[Any, dict[str, Any]]:
+    """:func:`first_nonfinite_weights` of every rank, from one pass over the events."""
+    out: dict[Any, dict[str, Any]] = {}
+    for e in run.events_of("nonfinite_weights"):
+        if not isinstance(e.get("at_step"), int):
+            continue
+        known = out.get(e.get("rank"))
+        if known is None or e["at_step"] < known["at_step"]:
+            out[e.get("rank")] = e
+    return out
 
 
 def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
