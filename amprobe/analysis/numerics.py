@@ -738,13 +738,16 @@ def gradient_underflow_rows(
     # the scale hint: the largest finite amax, the last recorded scale, wide histograms
     peak = None
     merged: dict[int, int] = {}
+    decoded: list[dict[str, dict[int, int]]] = []  # each layer's groups' bins, parsed once
     for layer in grads:
+        decoded.append({})
         for key, group in layer["hist"].items():
             cls = key.split("|")[1]
             if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
                 peak = group["amax"] if peak is None else max(peak, group["amax"])
+            bins = decoded[-1][key] = decode_bins(group["bins"])
             if _group_dtype(key) != "float16":
-                for e, n in decode_bins(group["bins"]).items():
+                for e, n in bins.items():
                     merged[e] = merged.get(e, 0) + n
     hint: dict[str, Any] | None = None
     if peak is not None:
@@ -767,7 +770,7 @@ def gradient_underflow_rows(
         }
     rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
-    for layer in grads:
+    for layer, parsed in zip(grads, decoded, strict=True):
         by_measure: dict[str, list[float]] = {}
         for group in layer["scale"].values():
             measure = _measure(group["dtype"])
@@ -781,13 +784,13 @@ def gradient_underflow_rows(
                 fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
             fact["scales"].add(float(group["scale"]))
         if hint is not None:
-            for key, group in layer["hist"].items():
+            for key in layer["hist"]:
                 dtype = _group_dtype(key)
                 if _measure(dtype) in by_measure:
                     # binades wholly at or below 2**bound once scaled by the hint
                     cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
                     by_measure[_measure(dtype)][1] += sum(
-                        n for e, n in decode_bins(group["bins"]).items() if e <= cut
+                        n for e, n in parsed[key].items() if e <= cut
                     )
         else:
             for sums in by_measure.values():

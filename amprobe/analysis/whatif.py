@@ -677,31 +677,44 @@ def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFra
             bins = group["bins"]
             texts.append(bins if isinstance(bins, str) else encode_bins(decode_bins(bins)))
     n_layers, n_groups = len(layers), len(g_layer)
-    # every group's "e,n,e,n" text parsed as one array (no Python loop per binade)
-    hist = np.zeros((n_groups, _NBINS), dtype=np.int64)
-    pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
-    if pairs.any():
-        values = np.array(",".join(t for t in texts if t).split(","), dtype=np.int64)
-        values = values.reshape(-1, 2)
-        rows = np.repeat(np.arange(n_groups), pairs)
-        np.add.at(hist, (rows, np.maximum(values[:, 0] - _E_LO, 0)), values[:, 1])
-    counter = _Counter(hist, np.zeros(n_groups, dtype=np.int64))
     owner = np.array(g_layer, dtype=np.int64)
     amax_g = np.array([np.nan if a is None else float(a) for a in g_amax], dtype=float)
-    top_g = _top_exp(counter.has)
+    weight = np.array([int(r) for r in g_rows], dtype=np.int64)
+    pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
     combos = [(fmt.name, scaling) for fmt in FORMATS.values() for scaling in SCALINGS]
     sums = {name: np.zeros((len(combos), n_layers), dtype=np.int64) for name in _COUNTS}
-    weight = np.array([int(r) for r in g_rows], dtype=np.int64)
-    for c_i, (_, _, counts) in enumerate(_classify(counter, amax_g, top_g, weight)):
-        for name in _COUNTS:
-            np.add.at(sums[name][c_i], owner, counts[name])
     nonzero = np.zeros(n_layers, dtype=np.int64)
-    np.add.at(nonzero, owner, counter.prefix[:, -1])
-    has = counter.prefix[:, -1] > 0
     min_exp = np.full(n_layers, np.inf)
     max_exp = np.full(n_layers, -np.inf)
-    np.minimum.at(min_exp, owner[has], _low_exp(counter.has)[has])
-    np.maximum.at(max_exp, owner[has], top_g[has])
+
+    def per_layer(block: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """``values`` of the block's groups summed per layer (bincount: float sums of counts,
+        exact below 2**53)."""
+        return np.bincount(block, weights=values, minlength=n_layers).astype(np.int64)
+
+    # in blocks of groups: dense (groups, binades) arrays stay ~35 MB at any rank count
+    for g0 in range(0, n_groups, _BLOCK):
+        g1 = min(g0 + _BLOCK, n_groups)
+        n = g1 - g0
+        # the block's "e,n,e,n" texts parsed as one array (no Python loop per binade)
+        hist = np.zeros(n * _NBINS, dtype=np.int64)
+        if pairs[g0:g1].any():
+            values = np.array(",".join(t for t in texts[g0:g1] if t).split(","), dtype=np.int64)
+            values = values.reshape(-1, 2)
+            rows = np.repeat(np.arange(n), pairs[g0:g1])
+            flat = rows * _NBINS + np.maximum(values[:, 0] - _E_LO, 0)
+            hist = np.bincount(flat, weights=values[:, 1], minlength=n * _NBINS)
+        counter = _Counter(hist.astype(np.int64).reshape(n, _NBINS), np.zeros(n, dtype=np.int64))
+        block = owner[g0:g1]
+        top_g = _top_exp(counter.has)
+        classified = _classify(counter, amax_g[g0:g1], top_g, weight[g0:g1])
+        for c_i, (_, _, counts) in enumerate(classified):
+            for name in _COUNTS:
+                sums[name][c_i] += per_layer(block, counts[name])
+        nonzero += per_layer(block, counter.prefix[:, -1])
+        has = counter.prefix[:, -1] > 0
+        np.minimum.at(min_exp, block[has], _low_exp(counter.has)[has])
+        np.maximum.at(max_exp, block[has], top_g[has])
     # the per-tensor scale of each layer's last sampled row
     last_amax = np.array(
         [np.nan if (x := layer["last"][1]) is None else float(x) for _, layer in layers]
@@ -735,7 +748,8 @@ def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFra
     module_types = np.array([layer["module_type"] for _, layer in layers], dtype=object)
     amax = np.array([np.nan if layer["amax"] is None else layer["amax"] for _, layer in layers])
     steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
-    bad_steps = [_steps_of(layer["nonfinite_runs"]) for _, layer in layers]
+    # sorted once per layer (a copy per row: the rows of one layer share no list)
+    bad_steps = [sorted(_steps_of(layer["nonfinite_runs"])) for _, layer in layers]
     out = pd.DataFrame(
         {
             "rank": ranks[each],
@@ -749,7 +763,7 @@ def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFra
             "nonzero": nonzero[each],
             "nonfinite": nonfinite[each],
             "judged": judged[each],
-            "nonfinite_steps": pd.Series([sorted(bad_steps[i]) for i in each], dtype=object),
+            "nonfinite_steps": pd.Series([list(bad_steps[i]) for i in each], dtype=object),
             "min_exp": pd.array(
                 np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
             ),

@@ -110,47 +110,62 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     return _fp8_class(run, rank)[1]
 
 
-def _key_value(value: Any) -> Any:
-    """A value as a hashable key part: lists as tuples, a missing value (NaN, NA) as None."""
-    if isinstance(value, list):
-        return tuple(value)
-    if value is None or (not isinstance(value, str) and pd.isna(value)):
-        return None
-    return value
+def _key_column(name: str, values: list[Any]) -> list[Any]:
+    """A column's values as hashable key parts: lists as tuples, a missing value (None, NaN,
+    NA) as None."""
+    if name == "nonfinite_steps":
+        return [tuple(v) for v in values]
+    return [None if v is None or v is pd.NA or v != v else v for v in values]
 
 
 def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
     """``rank``'s class key and :func:`fp8_layer_table`: ranks of one key (the same what-if
     rows of the table's columns, FLOPs shares and source) have the same table, computed once
-    for all of them: the key is the data the table is made of, never where it came from."""
-    records = _per_tensor_records(run).get(rank, [])
-    flops, source = matmul_flops(run, rank)
-    key = (
-        tuple(tuple(_key_value(v) for v in r.values()) for r in records),
-        None if flops is None else tuple(flops.items()),
-        source,
-    )
-    tables: dict[Any, tuple[pd.DataFrame, str]] = run.cached("fp8_layer_tables", lambda r: {})
-    if key not in tables:
-        tables[key] = _fp8_layer_table(records, flops, source)
-    return key, tables[key]
+    for all of them: the key is the data the table is made of, never where it came from.
+    Computed once per run and rank (AMP-P01 and AMP-P02 both read it)."""
+
+    def compute(run: Run) -> tuple[Any, tuple[pd.DataFrame, str]]:
+        columns = _per_tensor_columns(run)
+        start, end = columns["ranks"].get(rank, (0, 0))
+        rows_key = tuple(zip(*(k[start:end] for k in columns["keys"]), strict=True))
+        flops, source = matmul_flops(run, rank)
+        key = (rows_key, None if flops is None else tuple(flops.items()), source)
+        tables: dict[Any, tuple[pd.DataFrame, str]] = run.cached("fp8_layer_tables", lambda r: {})
+        if key not in tables:
+            values = [v[start:end] for v in columns["values"]]
+            records = [
+                dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)
+            ]
+            tables[key] = _fp8_layer_table(records, flops, source)
+        return key, tables[key]
+
+    return run.cached(f"fp8_class:{rank}", compute)  # type: ignore[no-any-return]
 
 
-def _per_tensor_records(run: Run) -> dict[int, list[dict[str, Any]]]:
-    """The per-tensor what-if rows of every rank as plain records, in the table's order (the
-    columns read as lists once: a frame lookup per rank would cost the whole table per
-    rank)."""
+def _per_tensor_columns(run: Run) -> dict[str, Any]:
+    """The per-tensor what-if rows of every rank: the columns as lists (``values``) and as key
+    parts (``keys``), and each rank's ``(start, end)`` rows (the columns read once: a frame
+    lookup per rank would cost the whole table per rank)."""
 
-    def compute(run: Run) -> dict[int, list[dict[str, Any]]]:
+    def compute(run: Run) -> dict[str, Any]:
         whatif = compute_whatif(run)
         wf = whatif[whatif["scaling"] == "per-tensor"]
+        ranks = wf["rank"].to_numpy()
+        if len(ranks) and (np.diff(ranks) < 0).any():
+            wf = wf.iloc[np.argsort(ranks, kind="stable")]  # each rank's rows together
+            ranks = wf["rank"].to_numpy()
         values = [wf[c].tolist() for c in _FP8_COLUMNS]
-        out: dict[int, list[dict[str, Any]]] = {}
-        for rank, *row in zip(wf["rank"].tolist(), *values, strict=True):
-            out.setdefault(int(rank), []).append(dict(zip(_FP8_COLUMNS, row, strict=True)))
-        return out
+        starts: Any = np.flatnonzero(np.r_[True, np.diff(ranks) != 0]) if len(ranks) else []
+        bounds = [*starts, len(ranks)]
+        return {
+            "values": values,
+            "keys": [_key_column(c, v) for c, v in zip(_FP8_COLUMNS, values, strict=True)],
+            "ranks": {
+                int(ranks[a]): (int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
+            },
+        }
 
-    return run.cached("whatif_per_tensor_records", compute)  # type: ignore[no-any-return]
+    return run.cached("whatif_per_tensor_columns", compute)  # type: ignore[no-any-return]
 
 
 def _per_class(ctx: RuleContext, rank: int, make: Any) -> Finding | None:

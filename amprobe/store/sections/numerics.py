@@ -158,7 +158,7 @@ def decode_bins(value: Any) -> dict[int, int]:
     if not value:
         return {}
     parts = value.split(",")
-    return {int(e): int(n) for e, n in zip(parts[::2], parts[1::2], strict=True)}
+    return dict(zip(map(int, parts[::2]), map(int, parts[1::2]), strict=True))
 
 
 def _below(binades: Mapping[str, int], bound_exp: float, scale: float) -> int:
