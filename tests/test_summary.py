@@ -242,10 +242,10 @@ def test_a_table_file_the_record_counts_that_is_missing_is_not_trusted(tmp_path:
     ("content", "why"),
     [
         (b"", "empty"),  # a machine crash before the page cache reached the disk
-        (b'{"summary_version": 1, "final": tr', "not valid JSON"),
+        (b'{"summary_version": 2, "final": tr', "not valid JSON"),
         (b"\xff\xfe{}", "not valid JSON"),
         (b'["an array"]', "not a summary record"),
-        (b'{"summary_version": 1, "final": true, "offsets": [], "rows": {}, "sections": {}}',
+        (b'{"summary_version": 2, "final": true, "offsets": [], "rows": {}, "sections": {}}',
          "not a summary record"),
     ],
 )  # fmt: skip

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.store.loader import Run
+from amprobe.store.sections.numerics import decode_bins
 from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
 
 __all__ = [
@@ -31,9 +32,12 @@ __all__ = [
     "compute_underflow",
     "compute_gradient_underflow",
     "offender_evidence",
+    "gradient_underflow_rows",
+    "fact_steps",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
     "first_overflow_step",
+    "first_overflow_since",
     "numerics_missing_reason",
     "root_missing_reason",
 ]
@@ -467,17 +471,27 @@ def first_overflow_step(run: Run, rank: int, captured_step: int) -> int | None:
 
     From the ``offenders`` summary section's overflow step runs (exact while they were not
     capped: the first :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs are kept) and
-    ``rank``'s own numerics file (:meth:`Run.rank_table`: the rules name one rank).
+    ``rank``'s own numerics file (:meth:`Run.rank_table`: the rules name one rank); see
+    :func:`first_overflow_since` to give the previous sampled step instead.
     """
-    runs = offenders_section(run, rank).get("overflow", {}).get("runs", [])
-    if not runs:
+    if not offenders_section(run, rank).get("overflow", {}).get("runs", []):
         return None
     numerics = run.rank_table("numerics", rank)
-    since = -1
+    since = None
     if not numerics.empty:
         recorded = numerics["step"].to_numpy()
         earlier = recorded[(numerics["rank"].to_numpy() == rank) & (recorded < captured_step)]
-        since = int(earlier.max()) if len(earlier) else -1
+        since = int(earlier.max()) if len(earlier) else None
+    return first_overflow_since(run, rank, captured_step, since)
+
+
+def first_overflow_since(run: Run, rank: int, captured_step: int, since: int | None) -> int | None:
+    """:func:`first_overflow_step` given ``since``, the last step of ``rank`` before
+    ``captured_step`` with recorded numerics (None: none); reads no file."""
+    runs = offenders_section(run, rank).get("overflow", {}).get("runs", [])
+    if not runs:
+        return None
+    since = -1 if since is None else since
     excluded = nonfinite_input_steps(run, rank)
     found = [
         s
@@ -499,12 +513,20 @@ def loss_nonfinite_before(run: Run, rank: int, step: int) -> int | None:
 def first_nonfinite_weights(run: Run, rank: int) -> dict[str, Any] | None:
     """The first armed step of ``rank`` that began with inf/NaN in the weights (the
     ``nonfinite_weights`` event: ``at_step``, ``count``, ``params``), or ``None``."""
-    seen = [
-        e
-        for e in run.events_of("nonfinite_weights")
-        if e.get("rank") == rank and isinstance(e.get("at_step"), int)
-    ]
-    return min(seen, key=lambda e: e["at_step"]) if seen else None
+    first = run.cached("first_nonfinite_weights", _first_nonfinite_weights).get(rank)
+    return dict(first) if first is not None else None
+
+
+def _first_nonfinite_weights(run: Run) -> dict[Any, dict[str, Any]]:
+    """:func:`first_nonfinite_weights` of every rank, from one pass over the events."""
+    out: dict[Any, dict[str, Any]] = {}
+    for e in run.events_of("nonfinite_weights"):
+        if not isinstance(e.get("at_step"), int):
+            continue
+        known = out.get(e.get("rank"))
+        if known is None or e["at_step"] < known["at_step"]:
+            out[e.get("rank")] = e
+    return out
 
 
 def offender_evidence(run: Run, rank: int) -> dict[str, Any]:
@@ -657,7 +679,39 @@ def gradient_underflow_layers(
     section: dict[str, Any], margin: float = 8.0
 ) -> tuple[pd.DataFrame, dict[str, Any] | None, dict[Any, dict[str, Any]]]:
     """:func:`compute_gradient_underflow` summed per (module, kind, measure), from a rank's
-    ``numerics`` summary section (AMP-N06).
+    ``numerics`` summary section (AMP-N06): :func:`gradient_underflow_rows` as a frame.
+
+    Returns:
+        ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
+        first appearance with ``lost``, ``lost_at_hint`` and ``nonzero``; the
+        :func:`compute_scale_hint` dict or ``None``; per index the first ``dtype``, the loss
+        ``scales`` and the sampled ``steps``. An empty frame when no gradient was recorded.
+    """
+    rows, hint, facts = gradient_underflow_rows(section, margin)
+    columns = ["lost", "lost_at_hint", "nonzero"]
+    if not rows:
+        return pd.DataFrame(columns=columns), hint, {}
+    frame = pd.DataFrame(
+        [r[1:] for r in rows],
+        columns=columns,
+        index=pd.MultiIndex.from_tuples([r[0] for r in rows]),
+    )
+    return frame, hint, {key: fact_steps(fact) for key, fact in facts.items()}
+
+
+def fact_steps(fact: dict[str, Any]) -> dict[str, Any]:
+    """A :func:`gradient_underflow_rows` fact with its sampled ``steps`` as a set (from the
+    kept ``runs``)."""
+    steps = {s for a, b in fact["runs"] for s in range(int(a), int(b) + 1)}
+    return {"dtype": fact["dtype"], "scales": fact["scales"], "steps": steps}
+
+
+def gradient_underflow_rows(
+    section: dict[str, Any], margin: float = 8.0
+) -> tuple[list[tuple[Any, float, float, float]], dict[str, Any] | None, dict[Any, dict[str, Any]]]:
+    """:func:`compute_gradient_underflow` summed per (module, kind, measure), from a rank's
+    ``numerics`` summary section (AMP-N06), as plain values (no frame: a rule reads it for
+    every rank).
 
     Exact: the lost counts at the rows' own scales are summed in the section per loss scale,
     and the counts at the hint, linear in the histograms, come from the histograms summed per
@@ -666,15 +720,14 @@ def gradient_underflow_layers(
     they hold the first 20 steps and runs the evidence lists.
 
     Returns:
-        ``(layers, hint, facts)``: ``layers`` indexed by (module, kind, measure) in order of
-        first appearance with ``lost``, ``lost_at_hint`` and ``nonzero``; the
-        :func:`compute_scale_hint` dict or ``None``; per index the first ``dtype``, the loss
-        ``scales`` and the sampled ``steps``. An empty frame when no gradient was recorded.
+        ``(rows, hint, facts)``: ``rows`` as ``((module, kind, measure), lost, lost_at_hint,
+        nonzero)`` in order of first appearance; the :func:`compute_scale_hint` dict or
+        ``None``; per (module, kind, measure) the first ``dtype``, the loss ``scales`` and the
+        ``runs`` of its sampled steps (:func:`fact_steps` makes them a set).
     """
     grads = [x for x in section.get("layers", []) if x["kind"] in GRAD_KINDS]
-    columns = ["lost", "lost_at_hint", "nonzero"]
     if not grads:
-        return pd.DataFrame(columns=columns), None, {}
+        return [], None, {}
     for layer in grads:
         for group in layer["scale"].values():
             if group["damaged"] is not None:
@@ -685,14 +738,17 @@ def gradient_underflow_layers(
     # the scale hint: the largest finite amax, the last recorded scale, wide histograms
     peak = None
     merged: dict[int, int] = {}
+    decoded: list[dict[str, dict[int, int]]] = []  # each layer's groups' bins, parsed once
     for layer in grads:
+        decoded.append({})
         for key, group in layer["hist"].items():
             cls = key.split("|")[1]
             if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
                 peak = group["amax"] if peak is None else max(peak, group["amax"])
+            bins = decoded[-1][key] = decode_bins(group["bins"])
             if _group_dtype(key) != "float16":
-                for e, n in group["bins"].items():
-                    merged[int(e)] = merged.get(int(e), 0) + n
+                for e, n in bins.items():
+                    merged[e] = merged.get(e, 0) + n
     hint: dict[str, Any] | None = None
     if peak is not None:
         hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
@@ -712,10 +768,9 @@ def gradient_underflow_layers(
             "underflow_share_at_current": share(current),
             "underflow_share_at_hint": share(hint_scale),
         }
-    index: list[tuple[Any, Any, str]] = []
-    rows: list[list[float]] = []
+    rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
-    for layer in grads:
+    for layer, parsed in zip(grads, decoded, strict=True):
         by_measure: dict[str, list[float]] = {}
         for group in layer["scale"].values():
             measure = _measure(group["dtype"])
@@ -723,17 +778,20 @@ def gradient_underflow_layers(
             sums[0] += group["lost"]
             sums[2] += group["nonzero"]
             key = (layer["module"], layer["kind"], measure)
-            fact = facts.setdefault(key, {"dtype": np.nan, "scales": set(), "steps": set()})
+            fact = facts.get(key)
+            if fact is None:
+                runs = layer["grad_steps"].get(measure, {}).get("runs", [])
+                fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
             fact["scales"].add(float(group["scale"]))
-            for a, b in layer["grad_steps"].get(measure, {}).get("runs", []):
-                fact["steps"].update(range(int(a), int(b) + 1))
         if hint is not None:
-            for key, group in layer["hist"].items():
+            for key in layer["hist"]:
                 dtype = _group_dtype(key)
-                bound = -14 if dtype == "float16" else -25
-                counts = {int(e): n for e, n in group["bins"].items()}
                 if _measure(dtype) in by_measure:
-                    by_measure[_measure(dtype)][1] += _below(counts, bound, hint["hint_scale"])
+                    # binades wholly at or below 2**bound once scaled by the hint
+                    cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
+                    by_measure[_measure(dtype)][1] += sum(
+                        n for e, n in parsed[key].items() if e <= cut
+                    )
         else:
             for sums in by_measure.values():
                 sums[1] = sums[0]
@@ -742,10 +800,8 @@ def gradient_underflow_layers(
             if found is not None and found["dtype"] is np.nan:
                 found["dtype"] = dtype
         for measure, sums in by_measure.items():
-            index.append((layer["module"], layer["kind"], measure))
-            rows.append(sums)
-    frame = pd.DataFrame(rows, columns=columns, index=pd.MultiIndex.from_tuples(index))
-    return frame, hint, facts
+            rows.append(((layer["module"], layer["kind"], measure), sums[0], sums[1], sums[2]))
+    return rows, hint, facts
 
 
 def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:

@@ -160,8 +160,12 @@ _NONE: dict[str, Any] = ScalerSection().to_json()  # a rank without the section:
 
 
 def scaler_summaries(run: Run) -> dict[int, dict[str, Any]]:
-    """Every rank's ``scaler`` section (a rank that lacks one: a section of no rows)."""
-    return {rank: parts.get("scaler", _NONE) for rank, parts in run.summaries().items()}
+    """Every rank's ``scaler`` section (a rank that lacks one: a section of no rows); built
+    once per run (rules ask for it per rank: a new dict each call cost O(ranks) per rank)."""
+    return run.cached(  # type: ignore[no-any-return]
+        "scaler_summaries",
+        lambda r: {rank: parts.get("scaler", _NONE) for rank, parts in r.summaries().items()},
+    )
 
 
 def scaler_ranks(run: Run) -> list[int]:

@@ -66,6 +66,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.analysis.frames import steps_text
+from amprobe.store.sections.numerics import decode_bins, encode_bins
 
 __all__ = [
     "FloatFormat",
@@ -284,6 +285,39 @@ class _Counter:
         for lo, hi in exact:
             inside |= (low >= lo) & (top <= hi)
         return np.where(inside, 0, self.lump)
+
+
+class _WindowCounter(_Counter):
+    """:class:`_Counter` of histograms that hold values only in columns ``lo`` .. ``lo + w - 1``
+    (``hist`` holds those ``w`` columns, the finite ones, zeros already out): the prefix sums
+    cover the window alone, every count the same as the full width's."""
+
+    def __init__(self, hist: np.ndarray, lo: int) -> None:
+        self.lo = lo
+        self.width = hist.shape[1]
+        self.has = hist > 0  # the window's bins that hold values
+        self.lump = hist[:, 0].copy() if lo == 0 else np.zeros(len(hist), dtype=np.int64)
+        self.prefix = np.concatenate(
+            [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(hist, axis=1)], axis=1
+        )
+        self.rows = np.arange(len(hist))
+
+    def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
+        a = np.minimum(np.maximum(np.asarray(lo) - k - _E_LO, 0), _FINITE)
+        b = np.minimum(np.maximum(np.asarray(hi) - k - _E_LO + 1, 0), _FINITE)
+        b = np.maximum(a, b)
+        # full-width prefix positions to the window's: before it 0, after it the total
+        a = np.minimum(np.maximum(a - self.lo, 0), self.width)
+        b = np.minimum(np.maximum(b - self.lo, 0), self.width)
+        return self.prefix[self.rows, b] - self.prefix[self.rows, a]
+
+    def top_low(self) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`_top_exp` and :func:`_low_exp` of the rows."""
+        any_ = self.has.any(axis=1)
+        top = self.width - 1 - np.argmax(self.has[:, ::-1], axis=1) + self.lo
+        low = np.argmax(self.has, axis=1) + self.lo
+        low_exp = np.where(low == 0, _LUMP_EXP, low + _E_LO)
+        return np.where(any_, top + _E_LO, _NONE), np.where(any_, low_exp, -_NONE)
 
 
 _ROWS_COLUMNS = [
@@ -664,39 +698,60 @@ def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFra
         return pd.DataFrame(columns=WHATIF_COLUMNS)
     # one pseudo-row per (layer, histogram group)
     g_layer: list[int] = []
-    g_amax: list[float] = []
+    g_amax: list[float | None] = []
     g_rows: list[int] = []
-    cells: list[tuple[int, int, int]] = []
+    texts: list[str] = []
     for i, (_, layer) in enumerate(layers):
-        for group in layer["hist"].values():
-            row = len(g_layer)
-            g_layer.append(i)
-            g_amax.append(np.nan if group["amax"] is None else float(group["amax"]))
-            g_rows.append(int(group["rows"]))
-            for e, n in group["bins"].items():
-                cells.append((row, max(int(e) - _E_LO, 0), int(n)))
+        groups = layer["hist"].values()
+        g_layer += [i] * len(groups)
+        for group in groups:
+            g_amax.append(group["amax"])
+            g_rows.append(group["rows"])
+            bins = group["bins"]
+            texts.append(bins if isinstance(bins, str) else encode_bins(decode_bins(bins)))
     n_layers, n_groups = len(layers), len(g_layer)
-    hist = np.zeros((n_groups, _NBINS), dtype=np.int64)
-    if cells:
-        c = np.array(cells, dtype=np.int64)
-        np.add.at(hist, (c[:, 0], c[:, 1]), c[:, 2])
-    counter = _Counter(hist, np.zeros(n_groups, dtype=np.int64))
     owner = np.array(g_layer, dtype=np.int64)
-    amax_g = np.array(g_amax, dtype=float)
-    top_g = _top_exp(counter.has)
+    amax_g = np.array([np.nan if a is None else float(a) for a in g_amax], dtype=float)
+    weight = np.array([int(r) for r in g_rows], dtype=np.int64)
+    pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
     combos = [(fmt.name, scaling) for fmt in FORMATS.values() for scaling in SCALINGS]
     sums = {name: np.zeros((len(combos), n_layers), dtype=np.int64) for name in _COUNTS}
-    weight = np.array(g_rows, dtype=np.int64)
-    for c_i, (_, _, counts) in enumerate(_classify(counter, amax_g, top_g, weight)):
-        for name in _COUNTS:
-            np.add.at(sums[name][c_i], owner, counts[name])
     nonzero = np.zeros(n_layers, dtype=np.int64)
-    np.add.at(nonzero, owner, counter.prefix[:, -1])
-    has = counter.prefix[:, -1] > 0
     min_exp = np.full(n_layers, np.inf)
     max_exp = np.full(n_layers, -np.inf)
-    np.minimum.at(min_exp, owner[has], _low_exp(counter.has)[has])
-    np.maximum.at(max_exp, owner[has], top_g[has])
+
+    def per_layer(block: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """``values`` of the block's groups summed per layer (bincount: float sums of counts,
+        exact below 2**53)."""
+        return np.bincount(block, weights=values, minlength=n_layers).astype(np.int64)
+
+    # in blocks of groups: dense (groups, binades) arrays stay ~35 MB at any rank count
+    for g0 in range(0, n_groups, _BLOCK):
+        g1 = min(g0 + _BLOCK, n_groups)
+        n = g1 - g0
+        # the block's "e,n,e,n" texts parsed as one array (no Python loop per binade)
+        lo, width = 0, 1
+        hist = np.zeros(n, dtype=np.int64)
+        if pairs[g0:g1].any():
+            values = np.array(",".join(t for t in texts[g0:g1] if t).split(","), dtype=np.int64)
+            values = values.reshape(-1, 2)
+            rows = np.repeat(np.arange(n), pairs[g0:g1])
+            cols = np.minimum(np.maximum(values[:, 0] - _E_LO, 0), _FINITE - 1)
+            # only the columns some group of the block uses (a few dozen of the 263)
+            lo, width = int(cols.min()), int(cols.max() - cols.min()) + 1
+            flat = rows * width + (cols - lo)
+            hist = np.bincount(flat, weights=values[:, 1], minlength=n * width)
+        counter = _WindowCounter(hist.astype(np.int64).reshape(n, width), lo)
+        block = owner[g0:g1]
+        top_g, low_g = counter.top_low()
+        classified = _classify(counter, amax_g[g0:g1], top_g, weight[g0:g1])
+        for c_i, (_, _, counts) in enumerate(classified):
+            for name in _COUNTS:
+                sums[name][c_i] += per_layer(block, counts[name])
+        nonzero += per_layer(block, counter.prefix[:, -1])
+        has = counter.prefix[:, -1] > 0
+        np.minimum.at(min_exp, block[has], low_g[has])
+        np.maximum.at(max_exp, block[has], top_g[has])
     # the per-tensor scale of each layer's last sampled row
     last_amax = np.array(
         [np.nan if (x := layer["last"][1]) is None else float(x) for _, layer in layers]
@@ -730,7 +785,9 @@ def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFra
     module_types = np.array([layer["module_type"] for _, layer in layers], dtype=object)
     amax = np.array([np.nan if layer["amax"] is None else layer["amax"] for _, layer in layers])
     steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
-    bad_steps = [_steps_of(layer["nonfinite_runs"]) for _, layer in layers]
+    # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
+    # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
+    bad_steps = [sorted(_steps_of(layer["nonfinite_runs"])) for _, layer in layers]
     out = pd.DataFrame(
         {
             "rank": ranks[each],
@@ -744,7 +801,7 @@ def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFra
             "nonzero": nonzero[each],
             "nonfinite": nonfinite[each],
             "judged": judged[each],
-            "nonfinite_steps": pd.Series([sorted(bad_steps[i]) for i in each], dtype=object),
+            "nonfinite_steps": pd.Series([bad_steps[i] for i in each], dtype=object),
             "min_exp": pd.array(
                 np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
             ),

@@ -8,17 +8,20 @@ Data comes from the ``numerics`` collector: the ``numerics`` and ``offenders`` t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.frames import MAX_LISTED_STEPS
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
+    fact_steps,
     first_nonfinite_weights,
-    first_overflow_step,
-    gradient_underflow_layers,
+    first_overflow_since,
+    gradient_underflow_rows,
     has_numerics,
     last_linear_half,
     last_linears,
@@ -41,6 +44,7 @@ from amprobe.rules.data import (
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
+from amprobe.store.sections.numerics import step_facts
 
 __all__: list[str] = []
 
@@ -57,16 +61,20 @@ def _run_steps(runs: dict[str, Any]) -> set[int]:
     return {s for a, b in runs["runs"] for s in range(int(a), int(b) + 1)}
 
 
-def _cast_dtype(run: Run, offender_dtype: Any) -> str | None:
+def _cast_dtype(half: list[str], offender_dtype: Any) -> str | None:
     """The half dtype the offender's values were cast to: its own output dtype when that is
-    half; when it is not recorded, the run's one autocast half dtype; else None (an offender
-    with a wider output produced its non-finite values itself)."""
+    half; when it is not recorded, the run's one autocast half dtype (``half``: the run's
+    autocast dtypes that are half); else None (an offender with a wider output produced its
+    non-finite values itself)."""
     if offender_dtype in _CAST_RANGE:
         return str(offender_dtype)
     if isinstance(offender_dtype, str) and offender_dtype:
         return None
-    half = [d for d in autocast_dtypes(run) if d in _CAST_RANGE]
     return half[0] if len(half) == 1 else None
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _out_of_range_origin(
@@ -97,6 +105,118 @@ def _out_of_range_origin(
         return None
     # the first in execution order (the first of equal positions)
     return rows.iloc[int(outputs[earlier[np.argmin(order[earlier])]])]
+
+
+#: a forward offender's detail: (the offender row, its steps and modules, its step's facts)
+_Offender = tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
+
+
+def _offender_from_summaries(run: Run, rank: int) -> _Offender | None:
+    """AMP-N05's detail of ``rank`` from its summary sections, or None where they cannot give
+    what the rank's files give (see :func:`check_forward_overflow`)."""
+    forward = offenders_section(run, rank)["kinds"]["forward"]
+    runs = [[int(a), int(b)] for a, b in forward["runs"]["runs"]]
+    first = forward["first"]
+    if (
+        forward["runs"]["left_out"]
+        or forward.get("modules_more")
+        or first is None
+        or first["module"] is None
+        or any(m is None for m in forward["modules"])
+        # in step order, one offender per step: the file's first is the section's first
+        or sum(b - a + 1 for a, b in runs) != forward["count"]
+        or any(runs[i][0] <= runs[i - 1][1] for i in range(1, len(runs)))
+    ):
+        return None
+    excluded = nonfinite_input_steps(run, rank)
+    if any(a <= s <= b for s in excluded for a, b in runs):
+        return None
+    step, module = int(first["step"]), str(first["module"])
+    facts = step_facts(numerics_section(run, rank), step)
+    if facts is None:
+        return None
+    entry = facts["out"].get(module)
+    if entry is None and facts["trimmed"]:
+        return None  # not kept: the module may have had a finite output there
+    if entry is not None and entry[1] is None:
+        return None  # a missing dtype: the file gives NaN or None
+    at = entry[0] if entry is not None else None
+    origins: dict[str, Any] = {}
+    for dtype, key in (("float16", "fp16"), ("bfloat16", "bf16")):
+        cand = facts[key]
+        if at is None or cand is None or not cand["order"] < at:
+            origins[dtype] = None
+            continue
+        if any(cand[c] is None for c in ("elements", "dtype", "module_type")) or (
+            key == "fp16" and cand["over_fp16"] is None
+        ):
+            return None
+        origins[dtype] = cand
+    listed: list[int] = []
+    for a, b in runs:
+        listed += range(a, min(b, a + MAX_LISTED_STEPS) + 1)
+        if len(listed) >= MAX_LISTED_STEPS:
+            break
+    steps = {
+        "list": listed[:MAX_LISTED_STEPS],
+        "ranges": runs[:MAX_LISTED_STEPS],
+        "modules": sorted(set(forward["modules"])),
+    }
+    linear = facts["linear"]
+    return (
+        dict(first),
+        steps,
+        {
+            "is_last": linear is not None and str(linear[2]) == module,
+            "output_dtype": entry[1] if entry is not None else None,
+            "origin": origins,
+            "since": facts["prev"],
+        },
+    )
+
+
+def _offender_from_files(
+    ctx: RuleContext, rank: int, weights: dict[str, Any] | None
+) -> _Offender | Finding | None:
+    """AMP-N05's detail of ``rank`` from its own ``offenders`` and ``numerics`` files; the
+    finding itself when the weights were non-finite before any offender; None when no
+    forward offender is left once the steps with a non-finite input are set aside."""
+    run = ctx.run
+    offenders = run.rank_table("offenders", rank)
+    part = offenders[offenders["kind"] == "forward"]
+    excluded = nonfinite_input_steps(run, rank)
+    part = part[~part["step"].isin(excluded)]
+    if part.empty:
+        return None
+    if weights is not None:
+        # from that step on a module's NaN output comes from its weights, not from an op
+        # that overflowed: only offenders seen before it can be named
+        before = part[part["step"] < weights["at_step"]]
+        if before.empty:
+            return _nonfinite_weights_finding(ctx, rank, weights, part.iloc[0])
+        part = before
+    first = part.iloc[0]
+    step, module = int(first["step"]), str(first["module"])
+    numerics = run.rank_table("numerics", rank)
+    mine = numerics[numerics["rank"] == rank]
+    rows = mine[mine["step"] == step]
+    out = rows[(rows["module"] == module) & (rows["kind"] == "output")]
+    earlier = mine["step"].to_numpy()
+    earlier = earlier[earlier < step]
+    return (
+        {c: first[c] for c in ("step", "module", "module_type", "detail")},
+        {
+            "list": steps_list(part["step"]),
+            "ranges": step_ranges(part["step"]),
+            "modules": sorted(set(part["module"])),
+        },
+        {
+            "is_last": (step, module) in last_linears(rows),
+            "output_dtype": out["dtype"].iloc[0] if len(out) else None,
+            "origin": {d: _out_of_range_origin(rows, module, d) for d in ("float16", "bfloat16")},
+            "since": int(earlier.max()) if len(earlier) else None,
+        },
+    )
 
 
 # -- requirements ------------------------------------------------------------------------------
@@ -184,36 +304,35 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     (:func:`~amprobe.analysis.numerics.first_overflow_step`, usually the step before: an
     overflow arms the capture) is ``first_overflow_step``, and the title gives both.
 
-    The ranks with forward offenders come from the ``offenders`` summary section; the detail
-    of each from its own ``offenders`` and ``numerics`` files (:meth:`Run.rank_table`).
+    Read from the ``offenders`` summary section (the first forward offender, its steps as
+    runs, the modules) and the ``numerics`` one (the facts of the offender's step: each
+    output's execution order and dtype, the last Linear, the first output beyond fp16's and
+    bf16's range, the previous sampled step; :func:`~amprobe.store.sections.numerics.step_facts`).
+    A rank's own ``offenders`` and ``numerics`` files (:meth:`Run.rank_table`) are read only
+    where the summaries cannot give the same evidence: a forward offender on a step whose model
+    input was non-finite or once the weights were, offender rows out of step order or at a
+    repeated step, capped lists, or an offender step whose facts were not kept (the first
+    :data:`~amprobe.store.sections.numerics.MAX_FACT_STEPS` steps with a non-finite output
+    between a chunk's first and last step, and those two).
     """
     run = ctx.run
+    half = [d for d in autocast_dtypes(run) if d in _CAST_RANGE]
     for rank in sorted(run.summaries()):
         if not (offenders_section(run, rank)["kinds"].get("forward") or {}).get("count"):
             continue
-        # the detail of a rank with forward offenders: its own files
-        offenders = run.rank_table("offenders", rank)
-        part = offenders[offenders["kind"] == "forward"]
-        excluded = nonfinite_input_steps(run, rank)
-        part = part[~part["step"].isin(excluded)]
-        if part.empty:
-            continue
         weights = first_nonfinite_weights(run, rank)
-        if weights is not None:
-            # from that step on a module's NaN output comes from its weights, not from an op
-            # that overflowed: only offenders seen before it can be named
-            before = part[part["step"] < weights["at_step"]]
-            if before.empty:
-                yield _nonfinite_weights_finding(ctx, rank, weights, part.iloc[0])
+        found = _offender_from_summaries(run, rank) if weights is None else None
+        if found is None:
+            from_files = _offender_from_files(ctx, rank, weights)
+            if from_files is None:
                 continue
-            part = before
-        first = part.iloc[0]
+            if isinstance(from_files, Finding):
+                yield from_files
+                continue
+            found = from_files
+        first, steps, facts = found
         step, module = int(first["step"]), str(first["module"])
-        numerics = run.rank_table("numerics", rank)
-        rows = numerics[(numerics["rank"] == rank) & (numerics["step"] == step)]
-        is_last = (step, module) in last_linears(rows)
-        role = module_role(first["module_type"], is_last)
-        out = rows[(rows["module"] == module) & (rows["kind"] == "output")]
+        role = module_role(first["module_type"], facts["is_last"])
         detail = json.loads(first["detail"]) if isinstance(first["detail"], str) else {}
         what = f" ({ROLE_LABELS[role]})" if role else ""
         evidence: dict[str, Any] = {
@@ -222,15 +341,15 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             "module_type": first["module_type"],
             "role": role,
             "step": step,
-            "offender_steps": steps_list(part["step"]),
-            "offender_step_ranges": step_ranges(part["step"]),
-            "offending_modules": sorted(set(part["module"])),
+            "offender_steps": steps["list"],
+            "offender_step_ranges": steps["ranges"],
+            "offending_modules": steps["modules"],
             "nan_count": detail.get("nan"),
             "inf_count": detail.get("inf"),
             "element_count": detail.get("elements"),
-            "output_dtype": out["dtype"].iloc[0] if len(out) else None,
+            "output_dtype": facts["output_dtype"],
         }
-        first_overflow = first_overflow_step(run, rank, step)
+        first_overflow = first_overflow_since(run, rank, step, facts["since"])
         evidence["first_overflow_step"] = first_overflow
         if first_overflow is None or first_overflow == step:
             when = f", at step {step}"
@@ -239,8 +358,8 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
                 f"; first overflow at step {first_overflow}, layer named from the capture of "
                 f"step {step}"
             )
-        cast_dtype = _cast_dtype(run, evidence["output_dtype"])
-        origin = _out_of_range_origin(rows, module, cast_dtype)
+        cast_dtype = _cast_dtype(half, evidence["output_dtype"])
+        origin = facts["origin"].get(cast_dtype) if cast_dtype in _CAST_RANGE else None
         own = bool(detail.get("own_code"))
         evidence["own_code"] = own
         if origin is None:
@@ -279,7 +398,7 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
             overflow_module_type=first["module_type"],
             overflow_role=role,
             role=None,
-            origin_amax=None if pd.isna(origin["amax"]) else float(origin["amax"]),
+            origin_amax=None if _missing(origin["amax"]) else float(origin["amax"]),
             origin_over_fp16_count=int(origin["over_fp16"]) if fp16 else None,
             origin_element_count=int(origin["elements"]),
             origin_dtype=str(origin["dtype"]),
@@ -395,34 +514,36 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     th = ctx.thresholds
     for rank in sorted(run.summaries()):
         section = numerics_section(run, rank)
-        layers, hint, facts = gradient_underflow_layers(section, th["scale_margin"])
-        if layers.empty:
-            continue
-        nonzero = layers["nonzero"].where(layers["nonzero"] > 0)
-        layers["share"] = layers["lost"] / nonzero
-        layers["share_at_hint"] = layers["lost_at_hint"] / nonzero
-        bad = layers[layers["share"] > th["max_lost_share"]].sort_values(
-            "share", ascending=False, kind="stable"
+        rows, hint, facts = gradient_underflow_rows(section, th["scale_margin"])
+        # (key, share, share at the hint) of the layers over the threshold, worst first (a
+        # stable sort: ties keep the order of first appearance); a layer with nothing nonzero
+        # has no share
+        bad = sorted(
+            (
+                (key, lost / nonzero, at_hint / nonzero)
+                for key, lost, at_hint, nonzero in rows
+                if nonzero > 0 and lost / nonzero > th["max_lost_share"]
+            ),
+            key=lambda x: -x[1],
         )
-        if bad.empty:
+        if not bad:
             continue
-        shown = bad.head(int(th["max_layers"]))
-        listed = [
-            {
-                "module": m,
-                "kind": k,
-                "measure": meas,
-                "dtype": facts[(m, k, meas)]["dtype"],
-                "share": round(float(share), 4),
-                "share_at_hint": round(float(at_hint), 4) if hint else None,
-                "loss_scales": [float(x) for x in sorted(facts[(m, k, meas)]["scales"])],
-                "sampled_steps": steps_list(sorted(facts[(m, k, meas)]["steps"])),
-                "sampled_step_ranges": step_ranges(facts[(m, k, meas)]["steps"]),
-            }
-            for (m, k, meas), share, at_hint in zip(
-                shown.index, shown["share"], shown["share_at_hint"], strict=True
+        listed = []
+        for (m, k, meas), share, at_hint in bad[: int(th["max_layers"])]:
+            fact = fact_steps(facts[(m, k, meas)])
+            listed.append(
+                {
+                    "module": m,
+                    "kind": k,
+                    "measure": meas,
+                    "dtype": fact["dtype"],
+                    "share": round(float(share), 4),
+                    "share_at_hint": round(float(at_hint), 4) if hint else None,
+                    "loss_scales": [float(x) for x in sorted(fact["scales"])],
+                    "sampled_steps": steps_list(sorted(fact["steps"])),
+                    "sampled_step_ranges": step_ranges(fact["steps"]),
+                }
             )
-        ]
         worst = listed[0]
         scales = worst["loss_scales"]
         at = (

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.analysis.numerics import has_numerics, numerics_section
@@ -53,21 +54,45 @@ def matmul_flops(run: Run, rank: int) -> tuple[dict[str, float] | None, str]:
     """Each module's share of the matmul FLOPs of ``rank``'s last captured step.
 
     Returns ``(module -> share, source)``; ``None`` when the compute collector captured no
-    step, with the source saying so.
+    step, with the source saying so. The ``compute_ops`` table (a few rows per rank) is read
+    once for every rank (:func:`_matmul_flops_by_rank`).
     """
+    by_rank = run.cached("matmul_flops", _matmul_flops_by_rank)
+    if by_rank is None:
+        return None, "not recorded (the compute collector captured no step)"
+    if rank not in by_rank:
+        return None, f"not recorded on rank {rank}"
+    return by_rank[rank]  # type: ignore[no-any-return]
+
+
+def _matmul_flops_by_rank(
+    run: Run,
+) -> dict[int, tuple[dict[str, float] | None, str]] | None:
+    """:func:`matmul_flops` of every rank with ``compute_ops`` rows, grouped once (None when
+    the table is empty)."""
     ops = run.table("compute_ops")
     if ops.empty:
-        return None, "not recorded (the compute collector captured no step)"
-    part = ops[ops["rank"] == rank]
-    if part.empty:
-        return None, f"not recorded on rank {rank}"
-    step = int(part["step"].max())
-    part = part[part["step"] == step]
-    flops = part.groupby("module")["flops"].sum()
-    total = float(flops.sum())
-    if total <= 0:
-        return None, f"compute_ops step {step} holds no FLOPs"
-    return {str(m): float(v) / total for m, v in flops.items()}, f"compute_ops, step {step}"
+        return None
+    last = ops.groupby("rank")["step"].transform("max")
+    at = ops[ops["step"] == last]
+    out: dict[int, tuple[dict[str, float] | None, str]] = {}
+    steps = {int(r): int(s) for r, s in ops.groupby("rank")["step"].max().items()}
+    sums = at.groupby(["rank", "module"])["flops"].sum()
+    per: dict[int, dict[str, float]] = {}
+    for (rank, module), value in sums.items():
+        per.setdefault(int(rank), {})[str(module)] = float(value)
+    for rank, step in steps.items():
+        flops = per.get(rank, {})
+        # numpy's sum, in the groupby's module order: the total pandas gave per rank
+        total = float(np.sum(np.array(list(flops.values()), dtype=float)))
+        if total <= 0:
+            out[rank] = (None, f"compute_ops step {step} holds no FLOPs")
+        else:
+            out[rank] = (
+                {m: v / total for m, v in flops.items()},
+                f"compute_ops, step {step}",
+            )
+    return out
 
 
 def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
@@ -82,7 +107,80 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     ``<kind>_nonfinite_steps`` (the sampled steps at which it held them). Computed once per run and rank (AMP-P01
     and AMP-P02 both read it).
     """
-    return run.cached(f"fp8_layer_table:{rank}", lambda r: _fp8_layer_table(r, rank))  # type: ignore[no-any-return]
+    return _fp8_class(run, rank)[1]
+
+
+def _key_column(name: str, values: list[Any]) -> list[Any]:
+    """A column's values as hashable key parts: lists as tuples, a missing value (None, NaN,
+    NA) as None."""
+    if name == "nonfinite_steps":
+        return [tuple(v) for v in values]
+    return [None if v is None or v is pd.NA or v != v else v for v in values]
+
+
+def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
+    """``rank``'s class key and :func:`fp8_layer_table`: ranks of one key (the same what-if
+    rows of the table's columns, FLOPs shares and source) have the same table, computed once
+    for all of them: the key is the data the table is made of, never where it came from.
+    Computed once per run and rank (AMP-P01 and AMP-P02 both read it)."""
+
+    def compute(run: Run) -> tuple[Any, tuple[pd.DataFrame, str]]:
+        columns = _per_tensor_columns(run)
+        start, end = columns["ranks"].get(rank, (0, 0))
+        rows_key = tuple(zip(*(k[start:end] for k in columns["keys"]), strict=True))
+        flops, source = matmul_flops(run, rank)
+        key = (rows_key, None if flops is None else tuple(flops.items()), source)
+        tables: dict[Any, tuple[pd.DataFrame, str]] = run.cached("fp8_layer_tables", lambda r: {})
+        if key not in tables:
+            values = [v[start:end] for v in columns["values"]]
+            records = [
+                dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)
+            ]
+            tables[key] = _fp8_layer_table(records, flops, source)
+        return key, tables[key]
+
+    return run.cached(f"fp8_class:{rank}", compute)  # type: ignore[no-any-return]
+
+
+def _per_tensor_columns(run: Run) -> dict[str, Any]:
+    """The per-tensor what-if rows of every rank: the columns as lists (``values``) and as key
+    parts (``keys``), and each rank's ``(start, end)`` rows (the columns read once: a frame
+    lookup per rank would cost the whole table per rank)."""
+
+    def compute(run: Run) -> dict[str, Any]:
+        whatif = compute_whatif(run)
+        wf = whatif[whatif["scaling"] == "per-tensor"]
+        ranks = wf["rank"].to_numpy()
+        if len(ranks) and (np.diff(ranks) < 0).any():
+            wf = wf.iloc[np.argsort(ranks, kind="stable")]  # each rank's rows together
+            ranks = wf["rank"].to_numpy()
+        values = [wf[c].tolist() for c in _FP8_COLUMNS]
+        starts: Any = np.flatnonzero(np.r_[True, np.diff(ranks) != 0]) if len(ranks) else []
+        bounds = [*starts, len(ranks)]
+        return {
+            "values": values,
+            "keys": [_key_column(c, v) for c, v in zip(_FP8_COLUMNS, values, strict=True)],
+            "ranks": {
+                int(ranks[a]): (int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
+            },
+        }
+
+    return run.cached("whatif_per_tensor_columns", compute)  # type: ignore[no-any-return]
+
+
+def _per_class(ctx: RuleContext, rank: int, make: Any) -> Finding | None:
+    """The finding of ``rank`` from ``make(table, source)`` (``(title, evidence, fix)`` or
+    None), computed once per class of ranks with the same :func:`fp8_layer_table` inputs
+    (:func:`_fp8_class`) and rule thresholds; ``evidence`` gets ``rank`` first."""
+    key, (table, source) = _fp8_class(ctx.run, rank)
+    made: dict[Any, Any] = ctx.run.cached(f"fp8_findings:{ctx.spec.id}", lambda r: {})
+    full = (key, tuple(sorted(ctx.thresholds.items())))
+    if full not in made:
+        made[full] = None if table.empty else make(table, source)
+    if made[full] is None:
+        return None
+    title, evidence, fix = made[full]
+    return ctx.finding(title=title, evidence={"rank": rank, **evidence}, fix=fix)
 
 
 #: the what-if columns the fp8 layer table reads
@@ -102,14 +200,10 @@ _FP8_COLUMNS = (
 )
 
 
-def _fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
-    whatif = compute_whatif(run)
-    wf = whatif[(whatif["rank"] == rank) & (whatif["scaling"] == "per-tensor")]
-    flops, source = matmul_flops(run, rank)
-    # the rank's few rows (layers x kinds x formats) as plain records: a frame lookup per layer
-    # and kind would cost more than the whole table
-    values = [wf[c].tolist() for c in _FP8_COLUMNS]
-    records = [dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)]
+def _fp8_layer_table(
+    records: list[dict[str, Any]], flops: dict[str, float] | None, source: str
+) -> tuple[pd.DataFrame, str]:
+    """:func:`fp8_layer_table` of a rank's per-tensor what-if records and FLOPs shares."""
     recorded = [r for r in records if r["kind"] == "output"]
     if flops is not None:
         modules = [
@@ -219,11 +313,8 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
     when recorded.
     """
     th = ctx.thresholds
-    run = ctx.run
-    for rank in _ranks(run):
-        table, source = fp8_layer_table(run, rank)
-        if table.empty:
-            continue
+
+    def make(table: pd.DataFrame, source: str) -> tuple[str, dict[str, Any], str] | None:
         limit = 1.0 - th["min_representable_share"]
         nonfinite = (table["output_nonfinite"] + table["grad_output_nonfinite"]) > 0
         ok = (
@@ -235,7 +326,7 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
         )
         good = table[ok]
         if good.empty:
-            continue
+            return None
         not_judged = _not_judged(table)
         flops_known = table["flops_share"].notna().any()
         share = float(good["flops_share"].fillna(0).sum()) if flops_known else None
@@ -248,15 +339,14 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
         )
         judged = len(table) - int(nonfinite.sum())
         of = f"{judged} judged" if not_judged else f"{len(table)}"
-        yield ctx.finding(
-            title=(
+        return (
+            (
                 f"{len(good)} of {of} matmul layer(s) keep ≥ "
                 f"{_pct(th['min_representable_share'])} of their values in fp8 with per-tensor "
                 f"scaling (e4m3 activations, e5m2 gradients): {shown}{flops_text}"
                 + "".join(f"; {text}" for text in not_judged)
             ),
-            evidence={
-                "rank": rank,
+            {
                 "layers": [
                     {
                         "module": r.module,
@@ -278,12 +368,17 @@ def check_fp8_candidates(ctx: RuleContext) -> Iterator[Finding]:
                 "scaling": "per-tensor power of two from each step's amax",
                 "measured": _MEASURED,
             },
-            fix=(
+            (
                 "Move these layers to fp8 first (e.g. Transformer Engine te.Linear under "
                 "te.fp8_autocast with the HYBRID recipe: e4m3 forward, e5m2 backward) and keep "
                 "the other layers in bf16; compare the loss curve against the bf16 run."
             ),
         )
+
+    for rank in _ranks(ctx.run):
+        finding = _per_class(ctx, rank, make)
+        if finding is not None:
+            yield finding
 
 
 @rule(
@@ -307,11 +402,8 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
     sampled steps at which they held them.
     """
     th = ctx.thresholds
-    run = ctx.run
-    for rank in _ranks(run):
-        table, source = fp8_layer_table(run, rank)
-        if table.empty:
-            continue
+
+    def make(table: pd.DataFrame, source: str) -> tuple[str, dict[str, Any], str] | None:
         found = []
         for r in table.itertuples():
             for kind, fmt in FP8_FORMAT_BY_KIND.items():
@@ -332,7 +424,7 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
                         }
                     )
         if not found:
-            continue
+            return None
         not_judged = _not_judged(table, per_kind=True)
         found.sort(key=lambda x: -x["lost_share"])
         worst = found[0]
@@ -341,14 +433,13 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
         )
         layers = sorted({x["module"] for x in found})
         more = f" ({len(layers)} layers in all)" if len(layers) > 1 else ""
-        yield ctx.finding(
-            title=(
+        return (
+            (
                 f"{worst['module']} {worst['tensor']}s span {worst['range']}: "
                 f"{_pct(worst['lost_share'])} would {what} in {worst['format']} even with "
                 f"per-tensor scaling{more}" + "".join(f"; {text}" for text in not_judged)
             ),
-            evidence={
-                "rank": rank,
+            {
                 "layers": found[: int(th["max_layers"])],
                 "layers_affected": len(layers),
                 "not_judged": not_judged,
@@ -357,12 +448,17 @@ def check_fp8_hostile(ctx: RuleContext) -> Iterator[Finding]:
                 "scaling": "per-tensor power of two from each step's amax",
                 "measured": _MEASURED,
             },
-            fix=(
+            (
                 "Keep these layers in bf16 when moving to fp8. A range this wide usually means "
                 "outliers: look for un-normalized activations (a missing norm before the layer, "
                 "outlier channels) or per-channel/block scaling instead of per-tensor."
             ),
         )
+
+    for rank in _ranks(ctx.run):
+        finding = _per_class(ctx, rank, make)
+        if finding is not None:
+            yield finding
 
 
 def _is_bf16_run(run: Run) -> bool:

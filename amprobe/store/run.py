@@ -256,6 +256,9 @@ class Run:
         """
         if refresh:  # the files grew (a live run): read what was appended, for every reader
             self._derived.pop("summaries", None)
+            # and forget what was derived from the summaries before (a rule's cached facts)
+            for key in [k for k in self._derived if k not in _KEPT_ON_REFRESH]:
+                del self._derived[key]
         return self.cached("summaries", _summaries)
 
     def adopt_summaries(self, earlier: Run) -> None:
@@ -772,6 +775,10 @@ def _not_a_run(root: Path) -> str:
         return f"{root} holds one run of `amprobe baseline`, not one run itself: diagnose {legs[0]}"
     return f"not an amprobe run directory (no manifest.json): {root}"
 
+
+#: What :meth:`Run.summaries` keeps when it refreshes: how far it read (to continue from
+#: there) and the DuckDB connection; every other cached fact may hang on the summaries.
+_KEPT_ON_REFRESH = frozenset({"summaries", "summary_sources", "summary_parts", "duckdb"})
 
 #: How much of the end of a steps file is read for its last step (a steps row is under 1 kB).
 _LAST_STEP_BYTES = 8 << 10

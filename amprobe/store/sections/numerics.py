@@ -10,7 +10,8 @@ the per-layer totals, the gradient underflow (AMP-N06) and the what-if table exa
   and last; the steps holding NaN/inf as runs (the first :data:`MAX_RUNS`, ``left_out``
   counts the rest); a gradient layer's sampled steps per measure as runs (the first
   :data:`MAX_LISTED`: what its evidence lists);
-- ``hist``: per (dtype, amax class) the nonzero finite exponent histograms summed (zeros
+- ``hist``: per (dtype, amax class, top binade) the nonzero finite exponent histograms summed
+  (``bins``: the text of :func:`encode_bins`; zeros
   taken out of bin -127, inf/NaN left out, the lump below 2**-133 keyed -134, the top binade
   of its range) with the row count. The amax class (:func:`amax_class`) holds every row whose
   ``amax`` a per-tensor scale and an overflow check of the what-if formats treat alike, so the
@@ -48,8 +49,11 @@ __all__ = [
     "AMAX_OVERFLOW_EDGES",
     "amax_class",
     "nonzero_binades",
+    "encode_bins",
+    "decode_bins",
     "NumericsSection",
     "OffendersSection",
+    "step_facts",
 ]
 
 #: the numerics count columns summed per (module, kind)
@@ -138,6 +142,25 @@ def nonzero_binades(text: Any, zeros: int) -> dict[str, int]:
     return out
 
 
+def encode_bins(bins: Mapping[Any, int]) -> str:
+    """A histogram group's exponent -> count as the text ``"e,n,e,n,..."`` (in the dict's
+    order; ``""`` when empty): one JSON string instead of an object of one key per binade, so
+    that a reader parses a rank's record several times faster and the what-if reads every
+    rank's histograms as one array (:func:`amprobe.analysis.whatif.compute_whatif_summaries`)."""
+    return ",".join(f"{e},{n}" for e, n in bins.items())
+
+
+def decode_bins(value: Any) -> dict[int, int]:
+    """:func:`encode_bins`'s text (or the exponent -> count object of an earlier record) as
+    exponent -> count."""
+    if isinstance(value, Mapping):
+        return {int(e): int(n) for e, n in value.items()}
+    if not value:
+        return {}
+    parts = value.split(",")
+    return dict(zip(map(int, parts[::2]), map(int, parts[1::2]), strict=True))
+
+
 def _below(binades: Mapping[str, int], bound_exp: float, scale: float) -> int:
     """Values of the binades wholly at or below ``2**bound_exp`` once multiplied by ``scale``."""
     cut = bound_exp - math.log2(scale) - 1
@@ -207,7 +230,7 @@ def _layer_new(module_type: Any) -> dict[str, Any]:
         "grad_steps": {},  # gradient measure -> its sampled steps' first MAX_LISTED runs
         "nonfinite_runs": _runs_new(),
         "last": None,  # [step, amax, top exponent] of the last row in step order
-        "hist": {},  # "dtype|amax class" -> {"rows": n, "bins": {exp: count}}
+        "hist": {},  # "dtype|amax class|top" -> {"rows": n, "amax": x, "bins": {exp: count}}
         "scale": {},  # "dtype|loss scale" -> gradient facts
     }
 
@@ -232,12 +255,17 @@ class NumericsSection(Section):
         # modules that were, with a half output there, and the candidates of the chunk's first
         # and last steps, which a neighbouring chunk may continue
         self.last_linear: dict[str, Any] = {"half": [], "edges": []}
+        # the facts of steps with a non-finite output (AMP-N05's detail, see _step_facts_add)
+        self.step_facts: dict[str, Any] = _facts_new()
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         module, kind, step = row.get("module"), row.get("kind"), row.get("step")
-        if module is None or kind is None or step is None:
+        if step is None:
             return
         step = int(step)
+        _facts_add(self.step_facts, step, row if kind == "output" and module is not None else None)
+        if module is None or kind is None:
+            return
         self.rows += 1
         key = f"{kind}\x00{module}"
         layer = self.layers.get(key)
@@ -346,7 +374,7 @@ class NumericsSection(Section):
                 k: {
                     "rows": h["rows"],
                     "amax": h["amax"],
-                    "bins": {str(e): n for e, n in h["bins"].items()},
+                    "bins": encode_bins(h["bins"]),
                 }
                 for k, h in layer["hist"].items()
             }
@@ -357,6 +385,7 @@ class NumericsSection(Section):
             "outputs": [[m, o] for m, o in self.outputs.items()],
             "grad_scale": self.grad_scale,
             "last_linear": json.loads(json.dumps(self.last_linear)),
+            "step_facts": json.loads(json.dumps(self.step_facts)),
         }
 
     @classmethod
@@ -382,16 +411,182 @@ class NumericsSection(Section):
             if m not in last_linear["half"]:
                 last_linear["half"].append(m)
         last_linear["half"].sort()
+        facts = _facts_merge(first.get("step_facts"), second.get("step_facts"))
         return {
             "rows": first["rows"] + second["rows"],
             "layers": list(layers.values()),
             "outputs": [[m, o] for m, o in outputs.items()],
             "grad_scale": grad,
             "last_linear": last_linear,
+            "step_facts": facts,
         }
 
 
 _HALF = ("float16", "bfloat16")
+
+
+# -- the facts of a step with a non-finite output (AMP-N05) --------------------------------------
+#: steps with a non-finite output whose facts are kept between a chunk's first and last step
+MAX_FACT_STEPS = 2
+#: bf16's overflow bound: a cast to bf16 makes inf every amax at or above it
+BF16_OVERFLOW = float.fromhex("0x1.ffp127")
+
+
+def _facts_new() -> dict[str, Any]:
+    """``edges``: the facts of the chunk's first and last step (every output module's, which a
+    neighbouring chunk may continue); ``kept``: those of the first :data:`MAX_FACT_STEPS`
+    steps in between with a non-finite output (the modules with one only: ``trimmed``);
+    ``ordered``: whether the rows' steps never went down in file order (else the facts'
+    ``prev`` are not the previous sampled steps and a reader must not use them)."""
+    return {"ordered": True, "edges": [], "kept": []}
+
+
+def _fact_new(step: int, prev: int | None) -> dict[str, Any]:
+    return {
+        "step": step,
+        "prev": prev,  # the previous step with a numerics row (file order)
+        "bad": False,  # some output row held NaN/inf
+        "out": {},  # module -> [smallest order, first dtype, held NaN/inf] of its output rows
+        "linear": None,  # [order missing, order, module] of the last Linear output
+        "fp16": None,  # the first output (execution order) with values >= 65520
+        "bf16": None,  # the first output with amax >= bf16's overflow bound
+        "trimmed": False,
+    }
+
+
+def _origin(row: Mapping[str, Any], order: Any) -> dict[str, Any]:
+    return {
+        "order": order,
+        "module": row.get("module"),
+        "module_type": row.get("module_type"),
+        "amax": _num(row.get("amax")),
+        "over_fp16": row.get("over_fp16"),
+        "elements": row.get("elements"),
+        "dtype": row.get("dtype"),
+    }
+
+
+def _fact_row(fact: dict[str, Any], row: Mapping[str, Any]) -> None:
+    """Add one output row of the fact's step."""
+    module, order, dtype = row.get("module"), row.get("order"), row.get("dtype")
+    bad = (row.get("nan") or 0) + (row.get("inf") or 0) > 0
+    entry = fact["out"].get(module)
+    if entry is None:
+        fact["out"][module] = [order, dtype, bad]
+    else:
+        if order is not None and (entry[0] is None or order < entry[0]):
+            entry[0] = order
+        entry[2] = entry[2] or bad
+    fact["bad"] = fact["bad"] or bad
+    mtype = row.get("module_type")
+    if isinstance(mtype, str) and "Linear" in mtype:
+        _fact_linear(fact, [order is None, 0 if order is None else order, module])
+    if order is None:
+        return
+    over = row.get("over_fp16")
+    if over is not None and over > 0:
+        _fact_origin(fact, "fp16", _origin(row, order))
+    amax = _num(row.get("amax"))
+    if amax is not None and amax >= BF16_OVERFLOW:
+        _fact_origin(fact, "bf16", _origin(row, order))
+
+
+def _fact_linear(fact: dict[str, Any], cand: list[Any] | None) -> None:
+    """The later in execution order wins (missing orders last; ties: the later row)."""
+    old = fact["linear"]
+    if cand is not None and (old is None or (cand[0], cand[1]) >= (old[0], old[1])):
+        fact["linear"] = cand
+
+
+def _fact_origin(fact: dict[str, Any], key: str, cand: dict[str, Any] | None) -> None:
+    """The first in execution order wins (ties: the earlier row)."""
+    old = fact[key]
+    if cand is not None and (old is None or cand["order"] < old["order"]):
+        fact[key] = cand
+
+
+def _fact_join(a: dict[str, Any], b: Mapping[str, Any]) -> None:
+    """``a`` becomes the facts of its step's rows followed by ``b``'s (the same step)."""
+    for module, (order, dtype, bad) in b["out"].items():
+        entry = a["out"].get(module)
+        if entry is None:
+            a["out"][module] = [order, dtype, bad]
+            continue
+        if order is not None and (entry[0] is None or order < entry[0]):
+            entry[0] = order
+        entry[2] = entry[2] or bad
+    a["bad"] = a["bad"] or b["bad"]
+    _fact_linear(a, b["linear"])
+    _fact_origin(a, "fp16", b["fp16"])
+    _fact_origin(a, "bf16", b["bf16"])
+
+
+def _fact_settle(state: dict[str, Any], fact: dict[str, Any]) -> None:
+    """A step between the chunk's edges is complete: keep it (its non-finite modules only)
+    when it held a non-finite output and fewer than :data:`MAX_FACT_STEPS` are kept."""
+    if fact["bad"] and len(state["kept"]) < MAX_FACT_STEPS:
+        kept = dict(fact)
+        kept["out"] = {m: e for m, e in fact["out"].items() if e[2]}
+        kept["trimmed"] = True
+        state["kept"].append(kept)
+
+
+def _facts_step(state: dict[str, Any], fact: dict[str, Any]) -> None:
+    """Make ``fact`` (a new step's) the chunk's last step."""
+    edges = state["edges"]
+    if edges and fact["step"] < edges[-1]["step"]:
+        state["ordered"] = False
+    if len(edges) == 2:
+        _fact_settle(state, edges.pop())
+    edges.append(fact)
+
+
+def _facts_add(state: dict[str, Any], step: int, row: Mapping[str, Any] | None) -> None:
+    """Add a numerics row of ``step`` (``row``: an output row, else None)."""
+    edges = state["edges"]
+    if not edges or edges[-1]["step"] != step:
+        _facts_step(state, _fact_new(step, edges[-1]["step"] if edges else None))
+    if row is not None:
+        _fact_row(edges[-1], row)
+
+
+def _facts_merge(
+    first: Mapping[str, Any] | None, second: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The step facts of ``first``'s rows followed by ``second``'s; None when either has none
+    (a record of an amprobe that did not keep them: the facts of the union are not known)."""
+    if first is None or second is None:
+        return None
+    out: dict[str, Any] = json.loads(json.dumps(first))
+    b = json.loads(json.dumps(second))
+    out["ordered"] = out["ordered"] and b["ordered"]
+    if not b["edges"]:
+        return out
+    head = b["edges"][0]
+    edges = out["edges"]
+    if edges and edges[-1]["step"] == head["step"]:
+        _fact_join(edges[-1], head)
+    else:
+        head["prev"] = edges[-1]["step"] if edges else head["prev"]
+        _facts_step(out, head)
+    if len(b["edges"]) == 2:
+        if len(edges) == 2:
+            _fact_settle(out, edges.pop())
+        out["kept"].extend(b["kept"][: MAX_FACT_STEPS - len(out["kept"])])
+        edges.append(b["edges"][1])
+    return out
+
+
+def step_facts(section: Mapping[str, Any], step: int) -> dict[str, Any] | None:
+    """The facts of ``step`` in a rank's ``numerics`` section (None when they were not kept or
+    the rows' steps went down in file order)."""
+    state = section.get("step_facts")
+    if not state or not state["ordered"]:
+        return None
+    for fact in (*state["edges"], *state["kept"]):
+        if fact["step"] == step:
+            return dict(fact)
+    return None
 
 
 def _last_linear_add(state: dict[str, Any], cand: list[Any]) -> None:
@@ -456,8 +651,10 @@ def _merge_layer(a: dict[str, Any], b: Mapping[str, Any]) -> None:
         mine["rows"] += h["rows"]
         if h["amax"] is not None and (mine["amax"] is None or h["amax"] > mine["amax"]):
             mine["amax"] = h["amax"]
-        for e, n in h["bins"].items():
-            mine["bins"][e] = mine["bins"].get(e, 0) + n
+        bins = decode_bins(mine["bins"])
+        for e, n in decode_bins(h["bins"]).items():
+            bins[e] = bins.get(e, 0) + n
+        mine["bins"] = encode_bins(bins)
     for k, s in b["scale"].items():
         mine = a["scale"].get(k)
         if mine is None:
