@@ -11,12 +11,16 @@ average, so one diverging rank is never hidden).
 Binning: the steps are cut into at most ``max_bins`` bins of equal width in steps (one bin per
 step when there are fewer steps); a rank's value in a bin is the ``reduce`` of its values there
 (``"min"`` for the loss scale, so that a drop is never hidden; ``"median"`` for step times;
-``"mean"`` for the loss). Pure numpy/pandas.
+``"mean"`` for the loss). Pure numpy/pandas on a frame; on a run of many ranks the rank x
+bin matrix is reduced in the derived store's DuckDB instead (:class:`StepsRelation`: one
+``GROUP BY rank, bin`` query per series, 4,096 x 1,000 cells back), and only the quantiles
+across ranks are taken in numpy, as on a frame.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,6 +34,7 @@ __all__ = [
     "Outlier",
     "RankBands",
     "RankMatrix",
+    "StepsRelation",
     "compute_step_bins",
     "compute_rank_bands",
     "compute_rank_matrix",
@@ -43,6 +48,15 @@ MAX_BINS = 1000
 #: rows of a rank x step heatmap, at most (more ranks are bucketed by rank order)
 MAX_ROWS = 512
 _REDUCERS = ("min", "max", "mean", "median", "last")
+#: each reducer as a DuckDB aggregate of the value ``v`` (``median`` interpolates between the
+#: two middle values, as numpy's; ``last``: the value at the bin's highest step)
+_SQL_REDUCERS = {
+    "min": "min(v)",
+    "max": "max(v)",
+    "mean": "avg(v)",
+    "median": "median(v)",
+    "last": "arg_max(v, step)",
+}
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,79 @@ def compute_step_bins(steps: np.ndarray | pd.Series, max_bins: int = MAX_BINS) -
     starts = np.flatnonzero(np.diff(code, prepend=-1))
     ends = np.append(starts[1:], len(unique)) - 1
     return StepBins(unique[starts], unique[ends])
+
+
+class StepsRelation:
+    """A run's ``steps`` read through its derived store (``Run.relation("steps")``, DuckDB):
+    what a figure of many ranks needs, computed in the engine, never the merged frame.
+
+    ``where`` is a SQL condition on the rows (``scaler_rows``' filter, for example);
+    :meth:`filtered` adds one. Results are kept per query (one relation object per figure
+    set: a report and a dashboard tab read each series once).
+    """
+
+    def __init__(self, relation: Any, where: str = "TRUE", cache: dict[Any, Any] | None = None):
+        self.relation = relation
+        self.where = where
+        self._cache: dict[Any, Any] = {} if cache is None else cache
+
+    def filtered(self, condition: str) -> StepsRelation:
+        """The rows that also meet ``condition`` (results cached with this one's)."""
+        return StepsRelation(self.relation, f"({self.where}) AND ({condition})", self._cache)
+
+    def query(self, sql: str) -> pd.DataFrame:
+        """``sql`` over the rows, named ``s`` (``SELECT ... FROM s``), as a frame; the
+        rows of :attr:`where` only."""
+        key = ("query", self.where, sql)
+        if key not in self._cache:
+            rel = self.relation.filter(self.where)
+            self._cache[key] = rel.query("s", sql).df()
+        return self._cache[key]
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """The ranks with a row (ascending)."""
+        frame = self.query("SELECT DISTINCT rank FROM s ORDER BY rank")
+        return frame["rank"].to_numpy(dtype=np.int64)
+
+    def has(self, column: str) -> bool:
+        """Whether some row holds a value (not null) of ``column``."""
+        return bool(self.query(f'SELECT count("{column}") AS n FROM s')["n"].iloc[0] > 0)
+
+    def rank_bin_matrix(
+        self, column: str, max_bins: int, reduce: str
+    ) -> tuple[StepBins, np.ndarray, np.ndarray]:
+        """:func:`compute_step_bins` over the steps with a finite ``column`` and the ranks x
+        bins matrix of ``reduce`` of it, as :func:`_rank_bin_matrix` on the frame: one query
+        for the distinct steps, one ``GROUP BY rank, bin``."""
+        if reduce not in _REDUCERS:
+            raise ValueError(f"reduce must be one of {_REDUCERS}, not {reduce!r}")
+        key = ("matrix", self.where, column, max_bins, reduce)
+        if key in self._cache:
+            return self._cache[key]  # type: ignore[no-any-return]
+        finite = f'step IS NOT NULL AND "{column}" IS NOT NULL AND isfinite("{column}")'
+        steps = self.query(f"SELECT DISTINCT step FROM s WHERE {finite}")["step"]
+        bins = compute_step_bins(steps.to_numpy(dtype=np.int64), max_bins)
+        if not len(bins):
+            out = (bins, np.empty(0, dtype=np.int64), np.full((0, 0), np.nan))
+            self._cache[key] = out
+            return out
+        lo = int(bins.first[0])
+        # the bins' width in steps (compute_step_bins: equal widths from the first step)
+        width = 1 if bins.single else -(-(int(bins.last[-1]) - lo + 1) // max_bins)
+        cells = self.query(
+            f"SELECT rank, (step - {lo}) // {width} AS code, {_SQL_REDUCERS[reduce]} AS v "
+            f'FROM (SELECT rank, step, "{column}"::DOUBLE AS v FROM s WHERE {finite}) '
+            "GROUP BY rank, code"
+        )
+        rank_col = cells["rank"].to_numpy(dtype=np.int64)
+        ranks, rank_code = _codes(rank_col)
+        bin_code = np.searchsorted((bins.first - lo) // width, cells["code"].to_numpy())
+        matrix = np.full((len(ranks), len(bins)), np.nan)
+        matrix[rank_code, bin_code] = cells["v"].to_numpy(dtype="float64")
+        out = (bins, ranks, matrix)
+        self._cache[key] = out
+        return out
 
 
 def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +403,7 @@ class RankBands:
 
 
 def compute_rank_bands(
-    frame: pd.DataFrame,
+    frame: pd.DataFrame | StepsRelation,
     column: str,
     max_bins: int = MAX_BINS,
     rule: OutlierRule | None = None,
@@ -325,16 +412,20 @@ def compute_rank_bands(
     that stray from the others (:class:`OutlierRule`; :data:`SERIES_RULES` by default).
 
     Args:
-        frame: rows with ``rank``, ``step`` and ``column`` (``Run.steps``); non-finite values
-            are left out (a NaN loss is drawn by its own bands).
+        frame: rows with ``rank``, ``step`` and ``column`` (``Run.steps``), or the run's
+            :class:`StepsRelation` (the matrix is then reduced in DuckDB, the same values);
+            non-finite values are left out (a NaN loss is drawn by its own bands).
         column: the series.
         max_bins: the most step bins.
         rule: the binning reducer and the outlier rule.
     """
     rule = rule or rule_for(column)
-    finite = frame[np.isfinite(frame[column].to_numpy(dtype="float64"))]
-    bins = compute_step_bins(finite["step"], max_bins)
-    ranks, matrix = _rank_bin_matrix(finite, column, bins, rule.reduce)
+    if isinstance(frame, StepsRelation):
+        bins, ranks, matrix = frame.rank_bin_matrix(column, max_bins, rule.reduce)
+    else:
+        finite = frame[np.isfinite(frame[column].to_numpy(dtype="float64"))]
+        bins = compute_step_bins(finite["step"], max_bins)
+        ranks, matrix = _rank_bin_matrix(finite, column, bins, rule.reduce)
     present = ~np.isnan(matrix)
     count = present.sum(axis=0)
     low, p10, median, p90, high = _nanquantiles(matrix, (0.0, 0.1, 0.5, 0.9, 1.0))
