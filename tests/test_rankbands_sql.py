@@ -92,6 +92,20 @@ def test_matrix_from_duckdb_equals_the_frames(
         assert np.isfinite(sql.values[3, 110:200]).all()
 
 
+@pytest.mark.parametrize("max_bins", [150, 60, 40])
+def test_sparse_steps_bin_as_on_frames(run: amprobe.Run, max_bins: int) -> None:
+    """Every third step only: 100 distinct steps over 298, one bin each when they fit (the
+    engine's bin width from the first and last step is not taken as proof then)."""
+    frame = run.steps[run.steps["step"] % 3 == 0]
+    rel = StepsRelation(run.relation("steps")).filtered("step % 3 = 0")
+    a = compute_rank_bands(frame, "wall_s", max_bins=max_bins)
+    b = compute_rank_bands(rel, "wall_s", max_bins=max_bins)
+    assert a.bins.single == (max_bins >= 100) == b.bins.single
+    assert np.array_equal(a.bins.first, b.bins.first)
+    assert np.array_equal(a.bins.last, b.bins.last)
+    np.testing.assert_allclose(b.values, a.values, rtol=1e-12, equal_nan=True)
+
+
 def test_outliers_named_from_duckdb(run: amprobe.Run) -> None:
     rel = StepsRelation(run.relation("steps"))
     assert [o.rank for o in compute_rank_bands(rel, "wall_s").outliers] == [5]

@@ -159,10 +159,18 @@ class StepsRelation:
     set: a report and a dashboard tab read each series once).
     """
 
-    def __init__(self, relation: Any, where: str = "TRUE", cache: dict[Any, Any] | None = None):
+    def __init__(
+        self,
+        relation: Any,
+        where: str = "TRUE",
+        cache: dict[Any, Any] | None = None,
+        ranks: np.ndarray | None = None,
+    ):
         self.relation = relation
         self.where = where
         self._cache: dict[Any, Any] = {} if cache is None else cache
+        #: the ranks with a row, when the caller knows them (a run's summaries), else queried
+        self._ranks = ranks
 
     def filtered(self, condition: str) -> StepsRelation:
         """The rows that also meet ``condition`` (results cached with this one's)."""
@@ -180,47 +188,81 @@ class StepsRelation:
     @property
     def ranks(self) -> np.ndarray:
         """The ranks with a row (ascending)."""
+        if self._ranks is not None and self.where == "TRUE":
+            return self._ranks
         frame = self.query("SELECT DISTINCT rank FROM s ORDER BY rank")
         return frame["rank"].to_numpy(dtype=np.int64)
 
     def has(self, column: str) -> bool:
-        """Whether some row holds a value (not null) of ``column``."""
-        return bool(self.query(f'SELECT count("{column}") AS n FROM s')["n"].iloc[0] > 0)
+        """Whether some row holds a value (not null) of ``column`` (stops at the first)."""
+        return len(self.query(f'SELECT 1 AS n FROM s WHERE "{column}" IS NOT NULL LIMIT 1')) > 0
 
     def rank_bin_matrix(
         self, column: str, max_bins: int, reduce: str
     ) -> tuple[StepBins, np.ndarray, np.ndarray]:
         """:func:`compute_step_bins` over the steps with a finite ``column`` and the ranks x
-        bins matrix of ``reduce`` of it, as :func:`_rank_bin_matrix` on the frame: one query
-        for the distinct steps, one ``GROUP BY rank, bin``."""
+        bins matrix of ``reduce`` of it, as :func:`_rank_bin_matrix` on the frame, in one
+        ``GROUP BY rank, bin`` query (each cell's first and last step with it).
+
+        The bins' origin and width come from the first and last step (one cheap query); the
+        bins are then exactly :func:`compute_step_bins`' when they prove more than
+        ``max_bins`` distinct steps (a bin with two steps counts two) or when every step is
+        a bin of its own; otherwise (sparse steps) the distinct steps are queried first."""
         if reduce not in _REDUCERS:
             raise ValueError(f"reduce must be one of {_REDUCERS}, not {reduce!r}")
         key = ("matrix", self.where, column, max_bins, reduce)
         if key in self._cache:
             return self._cache[key]  # type: ignore[no-any-return]
         finite = f'step IS NOT NULL AND "{column}" IS NOT NULL AND isfinite("{column}")'
-        steps = self.query(f"SELECT DISTINCT step FROM s WHERE {finite}")["step"]
-        bins = compute_step_bins(steps.to_numpy(dtype=np.int64), max_bins)
-        if not len(bins):
-            out = (bins, np.empty(0, dtype=np.int64), np.full((0, 0), np.nan))
-            self._cache[key] = out
-            return out
-        lo = int(bins.first[0])
-        # the bins' width in steps (compute_step_bins: equal widths from the first step)
-        width = 1 if bins.single else -(-(int(bins.last[-1]) - lo + 1) // max_bins)
-        cells = self.query(
-            f"SELECT rank, (step - {lo}) // {width} AS code, {_SQL_REDUCERS[reduce]} AS v "
-            f'FROM (SELECT rank, step, "{column}"::DOUBLE AS v FROM s WHERE {finite}) '
-            "GROUP BY rank, code"
-        )
-        rank_col = cells["rank"].to_numpy(dtype=np.int64)
-        ranks, rank_code = _codes(rank_col)
-        bin_code = np.searchsorted((bins.first - lo) // width, cells["code"].to_numpy())
+        ends = self.query(f"SELECT min(step) AS lo, max(step) AS hi FROM s WHERE {finite}")
+        lo, hi = ends["lo"].iloc[0], ends["hi"].iloc[0]
+        if pd.isna(lo):
+            none = np.empty(0, dtype=np.int64)
+            empty = (StepBins(none, none), none, np.full((0, 0), np.nan))
+            self._cache[key] = empty
+            return empty
+        lo, hi = int(lo), int(hi)
+        width = 1 if hi - lo + 1 <= max_bins else -(-(hi - lo + 1) // max_bins)
+        cells = self._cells(column, finite, reduce, lo, width)
+        codes, first, last = _code_bounds(cells)
+        if width > 1 and len(codes) + int((first < last).sum()) <= max_bins:
+            # maybe no more than max_bins distinct steps: compute_step_bins keeps each alone
+            steps = self.query(f"SELECT DISTINCT step FROM s WHERE {finite}")["step"]
+            if len(steps) <= max_bins:
+                width = 1
+                cells = self._cells(column, finite, reduce, lo, width)
+                codes, first, last = _code_bounds(cells)
+        bins = StepBins(first, last)
+        ranks, rank_code = _codes(cells["rank"].to_numpy(dtype=np.int64))
+        bin_code = np.searchsorted(codes, cells["code"].to_numpy(dtype=np.int64))
         matrix = np.full((len(ranks), len(bins)), np.nan)
         matrix[rank_code, bin_code] = cells["v"].to_numpy(dtype="float64")
         out = (bins, ranks, matrix)
         self._cache[key] = out
         return out
+
+    def _cells(self, column: str, finite: str, reduce: str, lo: int, width: int) -> pd.DataFrame:
+        """Each (rank, bin code)'s reduced value and its first and last step."""
+        return self.query(
+            f"SELECT rank, (step - {lo}) // {width} AS code, {_SQL_REDUCERS[reduce]} AS v, "
+            "min(step) AS first, max(step) AS last "
+            f'FROM (SELECT rank, step, "{column}"::DOUBLE AS v FROM s WHERE {finite}) '
+            "GROUP BY rank, code"
+        )
+
+
+def _code_bounds(cells: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The bin codes present (ascending) and each one's first and last step over the ranks."""
+    code = cells["code"].to_numpy(dtype=np.int64)
+    if not len(code):
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    codes, at = _codes(code)
+    first = np.full(len(codes), np.iinfo(np.int64).max)
+    last = np.full(len(codes), np.iinfo(np.int64).min)
+    np.minimum.at(first, at, cells["first"].to_numpy(dtype=np.int64))
+    np.maximum.at(last, at, cells["last"].to_numpy(dtype=np.int64))
+    return codes, first, last
 
 
 def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

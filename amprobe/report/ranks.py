@@ -12,6 +12,7 @@ from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
 from amprobe.report.scale import (
     MAX_RANK_LINES,
+    RANK_STATS_SQL,
     add_rank_bands,
     bands_note,
     has_values,
@@ -51,16 +52,18 @@ def compute_rank_summary(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
     """One row per rank: steps, skipped steps, final scale, median and p90 step time (ms)
     (of a run of many ranks: one query of its derived store)."""
     if isinstance(steps, StepsRelation):
-        frame = steps.query(
-            'SELECT rank, count(*) AS "steps", '
-            'count(*) FILTER (WHERE coalesce(skipped, false)) AS "skipped", '
-            'arg_max(scale_after, step) FILTER (WHERE scale_after IS NOT NULL) AS "final scale", '
-            'median(wall_s) * 1e3 AS "median step (ms)", '
-            'quantile_cont(wall_s, 0.9) * 1e3 AS "p90 step (ms)", '
-            'median(data_wait_s) * 1e3 AS "median data wait (ms)" '
-            "FROM s GROUP BY rank ORDER BY rank"
+        stats = steps.query(RANK_STATS_SQL)
+        frame = pd.DataFrame(
+            {
+                "rank": stats["rank"],
+                "steps": stats["rows"],
+                "skipped": stats["skipped_rows"].astype(int),
+                "final scale": stats["final_scale"],
+                "median step (ms)": stats["median_wall"] * 1e3,
+                "p90 step (ms)": stats["p90_wall"] * 1e3,
+                "median data wait (ms)": stats["median_wait"] * 1e3,
+            }
         )
-        frame["skipped"] = frame["skipped"].astype(int)
         return frame.round(3)
     skipped = steps["skipped"].fillna(False).astype(bool)
     frame = steps.assign(_skipped=skipped)
