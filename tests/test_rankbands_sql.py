@@ -112,3 +112,36 @@ def test_outliers_named_from_duckdb(run: amprobe.Run) -> None:
     assert [o.rank for o in compute_rank_bands(rel, "scale_before").outliers] == [9]
     assert rel.has("loss") and not rel.has("probe_s")
     assert list(rel.filtered("rank < 4").ranks) == [0, 1, 2, 3]
+
+
+def test_figures_from_the_store_equal_those_from_frames(run: amprobe.Run) -> None:
+    """The report's figures of a run of many ranks drawn from the derived store are those
+    drawn from the merged frame, to the byte of their JSON (bands, named ranks, NaN-loss
+    shading, skipped-step and scale-change markers, the rank x step heatmap)."""
+    from amprobe.report.ranks import (
+        compute_rank_summary,
+        make_rank_heatmap_figure,
+        make_ranks_figure,
+    )
+    from amprobe.report.runtime import make_phase_table, make_runtime_figure
+    from amprobe.report.scale import make_loss_scale_figure, steps_relation
+    from dashboard.figures import make_step_time_figure
+
+    rel = steps_relation(run)
+    assert rel is not None and list(rel.ranks) == list(range(RANKS))
+    frame = run.steps
+    pairs = [
+        (make_loss_scale_figure(frame), make_loss_scale_figure(rel)),
+        (make_ranks_figure(frame), make_ranks_figure(rel)),
+        (make_rank_heatmap_figure(frame, "wall_s"), make_rank_heatmap_figure(rel, "wall_s")),
+        (
+            make_runtime_figure(frame, frame.iloc[:0]),
+            make_runtime_figure(rel, rel.filtered("FALSE")),
+        ),
+        (make_step_time_figure(frame), make_step_time_figure(rel)),
+    ]
+    for a, b in pairs:
+        assert a.to_json() == b.to_json()
+    assert "loss NaN" in pairs[0][1].to_json()
+    assert compute_rank_summary(frame).equals(compute_rank_summary(rel))
+    assert make_phase_table(frame).equals(make_phase_table(rel))
