@@ -17,13 +17,13 @@ from dash import dcc, no_update
 import amprobe
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report import render_html
+from amprobe.report.scale import steps_of
 from amprobe.rules.compare import compare_runs as compare_pair
 from amprobe.store.loader import empty_frame
 from dashboard import layout
 from dashboard.figures import (
     make_compare_figure,
     make_whatif_figure,
-    scale_events,
 )
 from dashboard.runs import LiveTail, RunAccessError, RunCache, discover_runs
 
@@ -317,7 +317,7 @@ def page_table(ctx: Context, name: str | None, table_key: str, page: int | None)
         return [layout.build_error(str(exc))]
     try:
         if table_key == layout.LOSS_SCALE_TABLE:
-            frame = scale_events(loaded.run.steps)
+            frame = layout.scale_change_rows(steps_of(loaded.run))
         else:
             key, _, index = str(table_key).rpartition("/")
             section = loaded.section(key)

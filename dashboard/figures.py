@@ -12,7 +12,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from amprobe.analysis.rankbands import compute_rank_bands
+from amprobe.analysis.rankbands import StepsRelation, compute_rank_bands
 from amprobe.report.downsample import MAX_POINTS
 from amprobe.report.escape import escape_figure_text, escape_plotly_text
 from amprobe.report.scale import (
@@ -44,9 +44,16 @@ __all__ = [
 ]
 
 
-def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+def make_step_time_figure(
+    steps: pd.DataFrame | StepsRelation, max_points: int = MAX_POINTS
+) -> go.Figure:
     """Wall time of each step and the probe's own share of it, in milliseconds (one colour
-    per rank: step time solid, probe time dotted)."""
+    per rank: step time solid, probe time dotted). A run of many ranks may give its
+    :class:`~amprobe.analysis.rankbands.StepsRelation` (bands reduced in DuckDB)."""
+    if isinstance(steps, StepsRelation):
+        if not steps.has("wall_s"):
+            return empty_figure("not recorded: no step time")
+        return _step_time_bands(go.Figure(), steps, run_ranks(steps))
     if steps.empty or "wall_s" not in steps or not steps["wall_s"].notna().any():
         return empty_figure("not recorded: no step time")
     fig = go.Figure()
@@ -90,14 +97,23 @@ def make_step_time_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> 
     return fig
 
 
-def _step_time_bands(fig: go.Figure, steps: pd.DataFrame, ranks: list[int]) -> go.Figure:
+def _probe_recorded(steps: pd.DataFrame | StepsRelation) -> bool:
+    """Whether some step recorded a positive probe time."""
+    if isinstance(steps, StepsRelation):
+        return bool(steps.query("SELECT count(*) AS n FROM s WHERE probe_s > 0")["n"].iloc[0])
+    return "probe_s" in steps and bool(steps["probe_s"].fillna(0).gt(0).any())
+
+
+def _step_time_bands(
+    fig: go.Figure, steps: pd.DataFrame | StepsRelation, ranks: list[int]
+) -> go.Figure:
     """:func:`make_step_time_figure` for many ranks: step time as bands across ranks (each
     rank's median in a bin) with the outlier ranks alone; probe time as its median of ranks."""
     bands = add_rank_bands(
         fig, steps, "wall_s", "step time", lambda r: f"step time (rank {r})", ranks, scale=1e3
     )
     notes = [bands_note("step time", bands)]
-    if "probe_s" in steps and steps["probe_s"].fillna(0).gt(0).any():
+    if _probe_recorded(steps):
         probe = compute_rank_bands(steps, "probe_s")
         fig.add_trace(
             go.Scatter(

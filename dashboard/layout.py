@@ -20,6 +20,7 @@ import pandas as pd
 from dash import dash_table, dcc, html
 
 from amprobe.analysis.overview import distinct_step_count
+from amprobe.analysis.rankbands import StepsRelation
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.compare import comparison_rows
 from amprobe.report.downsample import thin_figure
@@ -35,7 +36,7 @@ from amprobe.report.evidence import (
     render_evidence,
 )
 from amprobe.report.render import split_ref
-from amprobe.report.scale import many_ranks, rank_groups_text
+from amprobe.report.scale import event_rows, many_ranks, rank_groups_text, step_ends, steps_of
 from amprobe.report.sections import section_tabs
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
 from dashboard import ids
@@ -883,12 +884,21 @@ def _events_text(events: pd.DataFrame) -> str:
     return "; ".join(f"rank {r}: {g} growth, {c} backoff event(s)" for r, (g, c) in ranks.items())
 
 
-def build_loss_scale(steps: pd.DataFrame, section: Any = None, step: int | None = None) -> html.Div:
+def scale_change_rows(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
+    """The loss scale's growths and backoffs (:func:`scale_events`); of a run of many ranks
+    from the few rows of its derived store that hold them."""
+    return scale_events(event_rows(steps) if isinstance(steps, StepsRelation) else steps)
+
+
+def build_loss_scale(
+    steps: pd.DataFrame | StepsRelation, section: Any = None, step: int | None = None
+) -> html.Div:
     """The loss-scale tab: the figure, the report's ``scale`` section text, the events.
 
     With ``step`` (the page's ``?step=``), that step is marked and the chart zoomed to it.
+    ``steps``: the run's frame, or a run of many ranks' relation (:func:`steps_of`).
     """
-    events = scale_events(steps)
+    events = scale_change_rows(steps)
     notes: list[Any] = []
     if section is not None:
         if section.missing:
@@ -900,7 +910,11 @@ def build_loss_scale(steps: pd.DataFrame, section: Any = None, step: int | None 
     figure = make_loss_scale_figure(steps)
     if step is not None:
         notes.append(
-            html.P(_mark_step(figure, steps, step), id=ids.STEP_NOTE, style={"color": _MARK_COLOR})
+            html.P(
+                _mark_step(figure, step_ends(steps), step),
+                id=ids.STEP_NOTE,
+                style={"color": _MARK_COLOR},
+            )
         )
     return html.Div(
         [
@@ -926,7 +940,7 @@ def build_section_tab(
     query = query or RunQuery()
     section = loaded.section(key)
     if key == SCALE_SECTION:
-        return build_loss_scale(run.steps, section, query.step)
+        return build_loss_scale(steps_of(run), section, query.step)
     if key == WHATIF_SECTION:
         return _whatif_tab(run, section, label)
     layer = query.layer if key == NUMERICS_SECTION else None
@@ -944,7 +958,7 @@ def build_section_tab(
     live = html.Div(
         [
             html.H3("Step time and the probe's own time"),
-            dcc.Graph(figure=make_step_time_figure(run.steps), id=ids.STEP_TIME_GRAPH),
+            dcc.Graph(figure=make_step_time_figure(steps_of(run)), id=ids.STEP_TIME_GRAPH),
         ]
     )
     return html.Div([live, body])

@@ -11,12 +11,16 @@ average, so one diverging rank is never hidden).
 Binning: the steps are cut into at most ``max_bins`` bins of equal width in steps (one bin per
 step when there are fewer steps); a rank's value in a bin is the ``reduce`` of its values there
 (``"min"`` for the loss scale, so that a drop is never hidden; ``"median"`` for step times;
-``"mean"`` for the loss). Pure numpy/pandas.
+``"mean"`` for the loss). Pure numpy/pandas on a frame; on a run of many ranks the rank x
+bin matrix is reduced in the derived store's DuckDB instead (:class:`StepsRelation`: one
+``GROUP BY rank, bin`` query per series, 4,096 x 1,000 cells back), and only the quantiles
+across ranks are taken in numpy, as on a frame.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -30,6 +34,7 @@ __all__ = [
     "Outlier",
     "RankBands",
     "RankMatrix",
+    "StepsRelation",
     "compute_step_bins",
     "compute_rank_bands",
     "compute_rank_matrix",
@@ -43,6 +48,15 @@ MAX_BINS = 1000
 #: rows of a rank x step heatmap, at most (more ranks are bucketed by rank order)
 MAX_ROWS = 512
 _REDUCERS = ("min", "max", "mean", "median", "last")
+#: each reducer as a DuckDB aggregate of the value ``v`` (``median`` interpolates between the
+#: two middle values, as numpy's; ``last``: the value at the bin's highest step)
+_SQL_REDUCERS = {
+    "min": "min(v)",
+    "max": "max(v)",
+    "mean": "avg(v)",
+    "median": "median(v)",
+    "last": "arg_max(v, step)",
+}
 
 
 @dataclass(frozen=True)
@@ -134,6 +148,121 @@ def compute_step_bins(steps: np.ndarray | pd.Series, max_bins: int = MAX_BINS) -
     starts = np.flatnonzero(np.diff(code, prepend=-1))
     ends = np.append(starts[1:], len(unique)) - 1
     return StepBins(unique[starts], unique[ends])
+
+
+class StepsRelation:
+    """A run's ``steps`` read through its derived store (``Run.relation("steps")``, DuckDB):
+    what a figure of many ranks needs, computed in the engine, never the merged frame.
+
+    ``where`` is a SQL condition on the rows (``scaler_rows``' filter, for example);
+    :meth:`filtered` adds one. Results are kept per query (one relation object per figure
+    set: a report and a dashboard tab read each series once).
+    """
+
+    def __init__(
+        self,
+        relation: Any,
+        where: str = "TRUE",
+        cache: dict[Any, Any] | None = None,
+        ranks: np.ndarray | None = None,
+    ):
+        self.relation = relation
+        self.where = where
+        self._cache: dict[Any, Any] = {} if cache is None else cache
+        #: the ranks with a row, when the caller knows them (a run's summaries), else queried
+        self._ranks = ranks
+
+    def filtered(self, condition: str) -> StepsRelation:
+        """The rows that also meet ``condition`` (results cached with this one's)."""
+        return StepsRelation(self.relation, f"({self.where}) AND ({condition})", self._cache)
+
+    def query(self, sql: str) -> pd.DataFrame:
+        """``sql`` over the rows, named ``s`` (``SELECT ... FROM s``), as a frame; the
+        rows of :attr:`where` only."""
+        key = ("query", self.where, sql)
+        if key not in self._cache:
+            rel = self.relation.filter(self.where)
+            self._cache[key] = rel.query("s", sql).df()
+        return self._cache[key]
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """The ranks with a row (ascending)."""
+        if self._ranks is not None and self.where == "TRUE":
+            return self._ranks
+        frame = self.query("SELECT DISTINCT rank FROM s ORDER BY rank")
+        return frame["rank"].to_numpy(dtype=np.int64)
+
+    def has(self, column: str) -> bool:
+        """Whether some row holds a value (not null) of ``column`` (stops at the first)."""
+        return len(self.query(f'SELECT 1 AS n FROM s WHERE "{column}" IS NOT NULL LIMIT 1')) > 0
+
+    def rank_bin_matrix(
+        self, column: str, max_bins: int, reduce: str
+    ) -> tuple[StepBins, np.ndarray, np.ndarray]:
+        """:func:`compute_step_bins` over the steps with a finite ``column`` and the ranks x
+        bins matrix of ``reduce`` of it, as :func:`_rank_bin_matrix` on the frame, in one
+        ``GROUP BY rank, bin`` query (each cell's first and last step with it).
+
+        The bins' origin and width come from the first and last step (one cheap query); the
+        bins are then exactly :func:`compute_step_bins`' when they prove more than
+        ``max_bins`` distinct steps (a bin with two steps counts two) or when every step is
+        a bin of its own; otherwise (sparse steps) the distinct steps are queried first."""
+        if reduce not in _REDUCERS:
+            raise ValueError(f"reduce must be one of {_REDUCERS}, not {reduce!r}")
+        key = ("matrix", self.where, column, max_bins, reduce)
+        if key in self._cache:
+            return self._cache[key]  # type: ignore[no-any-return]
+        finite = f'step IS NOT NULL AND "{column}" IS NOT NULL AND isfinite("{column}")'
+        ends = self.query(f"SELECT min(step) AS lo, max(step) AS hi FROM s WHERE {finite}")
+        lo, hi = ends["lo"].iloc[0], ends["hi"].iloc[0]
+        if pd.isna(lo):
+            none = np.empty(0, dtype=np.int64)
+            empty = (StepBins(none, none), none, np.full((0, 0), np.nan))
+            self._cache[key] = empty
+            return empty
+        lo, hi = int(lo), int(hi)
+        width = 1 if hi - lo + 1 <= max_bins else -(-(hi - lo + 1) // max_bins)
+        cells = self._cells(column, finite, reduce, lo, width)
+        codes, first, last = _code_bounds(cells)
+        if width > 1 and len(codes) + int((first < last).sum()) <= max_bins:
+            # maybe no more than max_bins distinct steps: compute_step_bins keeps each alone
+            steps = self.query(f"SELECT DISTINCT step FROM s WHERE {finite}")["step"]
+            if len(steps) <= max_bins:
+                width = 1
+                cells = self._cells(column, finite, reduce, lo, width)
+                codes, first, last = _code_bounds(cells)
+        bins = StepBins(first, last)
+        ranks, rank_code = _codes(cells["rank"].to_numpy(dtype=np.int64))
+        bin_code = np.searchsorted(codes, cells["code"].to_numpy(dtype=np.int64))
+        matrix = np.full((len(ranks), len(bins)), np.nan)
+        matrix[rank_code, bin_code] = cells["v"].to_numpy(dtype="float64")
+        out = (bins, ranks, matrix)
+        self._cache[key] = out
+        return out
+
+    def _cells(self, column: str, finite: str, reduce: str, lo: int, width: int) -> pd.DataFrame:
+        """Each (rank, bin code)'s reduced value and its first and last step."""
+        return self.query(
+            f"SELECT rank, (step - {lo}) // {width} AS code, {_SQL_REDUCERS[reduce]} AS v, "
+            "min(step) AS first, max(step) AS last "
+            f'FROM (SELECT rank, step, "{column}"::DOUBLE AS v FROM s WHERE {finite}) '
+            "GROUP BY rank, code"
+        )
+
+
+def _code_bounds(cells: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The bin codes present (ascending) and each one's first and last step over the ranks."""
+    code = cells["code"].to_numpy(dtype=np.int64)
+    if not len(code):
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    codes, at = _codes(code)
+    first = np.full(len(codes), np.iinfo(np.int64).max)
+    last = np.full(len(codes), np.iinfo(np.int64).min)
+    np.minimum.at(first, at, cells["first"].to_numpy(dtype=np.int64))
+    np.maximum.at(last, at, cells["last"].to_numpy(dtype=np.int64))
+    return codes, first, last
 
 
 def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -316,7 +445,7 @@ class RankBands:
 
 
 def compute_rank_bands(
-    frame: pd.DataFrame,
+    frame: pd.DataFrame | StepsRelation,
     column: str,
     max_bins: int = MAX_BINS,
     rule: OutlierRule | None = None,
@@ -325,16 +454,20 @@ def compute_rank_bands(
     that stray from the others (:class:`OutlierRule`; :data:`SERIES_RULES` by default).
 
     Args:
-        frame: rows with ``rank``, ``step`` and ``column`` (``Run.steps``); non-finite values
-            are left out (a NaN loss is drawn by its own bands).
+        frame: rows with ``rank``, ``step`` and ``column`` (``Run.steps``), or the run's
+            :class:`StepsRelation` (the matrix is then reduced in DuckDB, the same values);
+            non-finite values are left out (a NaN loss is drawn by its own bands).
         column: the series.
         max_bins: the most step bins.
         rule: the binning reducer and the outlier rule.
     """
     rule = rule or rule_for(column)
-    finite = frame[np.isfinite(frame[column].to_numpy(dtype="float64"))]
-    bins = compute_step_bins(finite["step"], max_bins)
-    ranks, matrix = _rank_bin_matrix(finite, column, bins, rule.reduce)
+    if isinstance(frame, StepsRelation):
+        bins, ranks, matrix = frame.rank_bin_matrix(column, max_bins, rule.reduce)
+    else:
+        finite = frame[np.isfinite(frame[column].to_numpy(dtype="float64"))]
+        bins = compute_step_bins(finite["step"], max_bins)
+        ranks, matrix = _rank_bin_matrix(finite, column, bins, rule.reduce)
     present = ~np.isnan(matrix)
     count = present.sum(axis=0)
     low, p10, median, p90, high = _nanquantiles(matrix, (0.0, 0.1, 0.5, 0.9, 1.0))

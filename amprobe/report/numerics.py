@@ -22,7 +22,7 @@ from amprobe.analysis.rankbands import bucket_ranks, rank_range_text
 from amprobe.report.downsample import MAX_COLUMNS
 from amprobe.report.escape import escape_plotly_text
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import many_ranks, rank_groups_text
+from amprobe.report.scale import many_ranks, rank_groups_text, step_ends, steps_of
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -737,13 +737,14 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
         + (" and ranks" if "rank" in frame and frame["rank"].nunique() > 1 else "")
         + f": {_COLUMN_NOTES}",
     ]
+    # the run's first and last steps and final scales (few rows per rank of many)
+    ends = step_ends(steps_of(run))
     hint = compute_scale_hint(frame)
     if hint is not None:
-        text.append(_hint_text(hint, run.steps))
+        text.append(_hint_text(hint, ends))
     not_checked = run.events_of("numerics_not_checked")
     figures = [
-        make_numerics_heatmap_figure(frame, metric, run.steps, not_checked)
-        for metric in HEATMAP_METRICS
+        make_numerics_heatmap_figure(frame, metric, ends, not_checked) for metric in HEATMAP_METRICS
     ]
     layers = worst_layers(frame, summary=summary)
     if layers:

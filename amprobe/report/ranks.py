@@ -7,16 +7,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.rankbands import compute_rank_bands, compute_rank_matrix
+from amprobe.analysis.rankbands import StepsRelation, compute_rank_bands, compute_rank_matrix
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
 from amprobe.report.scale import (
     MAX_RANK_LINES,
+    RANK_STATS_SQL,
     add_rank_bands,
     bands_note,
+    has_values,
     many_ranks,
     rank_color,
     run_ranks,
+    steps_relation,
 )
 
 if TYPE_CHECKING:
@@ -45,8 +48,23 @@ _DIVERGING = [[0.0, "#2166ac"], [0.5, "#ffffff"], [1.0, "#b2182b"]]
 SERIES_LABELS = {"scale_after": "loss scale", "wall_s": "step time (ms)"}
 
 
-def compute_rank_summary(steps: pd.DataFrame) -> pd.DataFrame:
-    """One row per rank: steps, skipped steps, final scale, median and p90 step time (ms)."""
+def compute_rank_summary(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
+    """One row per rank: steps, skipped steps, final scale, median and p90 step time (ms)
+    (of a run of many ranks: one query of its derived store)."""
+    if isinstance(steps, StepsRelation):
+        stats = steps.query(RANK_STATS_SQL)
+        frame = pd.DataFrame(
+            {
+                "rank": stats["rank"],
+                "steps": stats["rows"],
+                "skipped": stats["skipped_rows"].astype(int),
+                "final scale": stats["final_scale"],
+                "median step (ms)": stats["median_wall"] * 1e3,
+                "p90 step (ms)": stats["p90_wall"] * 1e3,
+                "median data wait (ms)": stats["median_wait"] * 1e3,
+            }
+        )
+        return frame.round(3)
     skipped = steps["skipped"].fillna(False).astype(bool)
     frame = steps.assign(_skipped=skipped)
     grouped = frame.groupby("rank", sort=True)
@@ -77,13 +95,14 @@ def compute_rank_spread(steps: pd.DataFrame, column: str) -> pd.DataFrame:
     ).reset_index()
 
 
-def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
+def make_ranks_figure(steps: pd.DataFrame | StepsRelation) -> go.Figure:
     """Loss scale and step time per step: one line per rank (up to 16, each rank in its own
     colour in both panels and on the loss-scale tab: :func:`~amprobe.report.scale.rank_color`), min-max band across ranks. Legend entries are in words
     (``rank 0 step time (ms)``, :data:`SERIES_LABELS`).
 
     Args:
-        steps: the run's ``steps`` frame (``rank``, ``step``, ``scale_after``, ``wall_s``).
+        steps: the run's ``steps`` frame (``rank``, ``step``, ``scale_after``, ``wall_s``),
+            or a run of many ranks' :class:`~amprobe.analysis.rankbands.StepsRelation`.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
     from plotly.subplots import make_subplots
@@ -96,11 +115,11 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
         subplot_titles=("loss scale per rank (log)", "step time per rank (ms)"),
     )
     ranks = run_ranks(steps)
-    if many_ranks(ranks):
+    if many_ranks(ranks) or isinstance(steps, StepsRelation):
         notes = []
         for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
             label = SERIES_LABELS[column]
-            if steps[column].notna().any():
+            if has_values(steps, column):
                 bands = add_rank_bands(
                     fig,
                     steps,
@@ -122,6 +141,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
             legend={"orientation": "h", "y": -0.15},
         )
         return fig
+    assert isinstance(steps, pd.DataFrame)
     draw_each = len(ranks) <= MAX_RANK_TRACES
     for row, column, scale in ((1, "scale_after", 1.0), (2, "wall_s", 1e3)):
         label = SERIES_LABELS[column]
@@ -193,7 +213,7 @@ def make_ranks_figure(steps: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def make_rank_heatmap_figure(steps: pd.DataFrame, column: str) -> go.Figure:
+def make_rank_heatmap_figure(steps: pd.DataFrame | StepsRelation, column: str) -> go.Figure:
     """Rank x step heatmap of ``column``'s deviation from the median of ranks (%), per step
     bin (:func:`~amprobe.analysis.rankbands.compute_rank_matrix`): white where a rank is the
     median, red above, blue below. With more than :data:`HEATMAP_ROWS` ranks, consecutive
@@ -248,11 +268,31 @@ def make_rank_heatmap_figure(steps: pd.DataFrame, column: str) -> go.Figure:
     return fig
 
 
+def _scale_steps_differing(steps: pd.DataFrame | StepsRelation) -> tuple[int, int]:
+    """Steps with a loss scale, and of those the steps where ranks' scales differ."""
+    if isinstance(steps, StepsRelation):
+        frame = steps.query(
+            "SELECT count(*) AS n, count(*) FILTER (WHERE lo <> hi) AS differ FROM "
+            "(SELECT step, min(scale_after) AS lo, max(scale_after) AS hi FROM s "
+            "WHERE scale_after IS NOT NULL GROUP BY step)"
+        )
+        return int(frame["n"].iloc[0]), int(frame["differ"].iloc[0])
+    scales = steps[steps["scale_after"].notna()]
+    if not len(scales):
+        return 0, 0
+    per_step = scales.groupby("step")["scale_after"].nunique()
+    return len(per_step), int((per_step > 1).sum())
+
+
 @section("ranks", order=80, tab="Ranks")
 def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Ranks"
-    steps = run.steps
-    n = int(steps["rank"].nunique()) if len(steps) else 0
+    many = steps_relation(run)
+    steps: pd.DataFrame | StepsRelation = run.steps if many is None else many
+    if many is None:
+        n = int(run.steps["rank"].nunique()) if len(run.steps) else 0
+    else:
+        n = len(many.ranks)
     if n < 2:
         return Section(
             "ranks",
@@ -267,14 +307,12 @@ def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
         if len(medians)
         else f"{n} ranks; no step time recorded.",
     ]
-    scales = steps[steps["scale_after"].notna()]
-    if len(scales):
-        per_step = scales.groupby("step")["scale_after"].nunique()
-        differ = int((per_step > 1).sum())
+    scaled, differ = _scale_steps_differing(steps)
+    if scaled:
         text.append(
-            f"Loss scale identical on every rank at all {len(per_step)} steps."
+            f"Loss scale identical on every rank at all {scaled} steps."
             if differ == 0
-            else f"Loss scale differs between ranks at {differ} of {len(per_step)} steps (see AMP-D01)."
+            else f"Loss scale differs between ranks at {differ} of {scaled} steps (see AMP-D01)."
         )
     if n > MAX_RANK_TRACES:
         text.append(
@@ -287,7 +325,7 @@ def build_ranks_section(run: Run, diagnosis: Diagnosis) -> Section:
     figures = [make_ranks_figure(steps)]
     if n > MAX_RANK_TRACES:
         for column in ("wall_s", "scale_after"):
-            if steps[column].notna().any():
+            if has_values(steps, column):
                 figures.append(make_rank_heatmap_figure(steps, column))
     return Section(
         "ranks",

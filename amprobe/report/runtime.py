@@ -6,10 +6,18 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from amprobe.analysis.rankbands import StepsRelation
 from amprobe.analysis.runtime import compute_sync_sites, gpu_unavailable_reason
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import add_rank_bands, bands_note, many_ranks, run_ranks
+from amprobe.report.scale import (
+    add_rank_bands,
+    bands_note,
+    has_values,
+    many_ranks,
+    run_ranks,
+    steps_relation,
+)
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -21,18 +29,22 @@ if TYPE_CHECKING:
 __all__ = ["make_runtime_figure", "make_sync_table", "make_phase_table"]
 
 
-def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
+def make_runtime_figure(
+    steps: pd.DataFrame | StepsRelation, gpu: pd.DataFrame | StepsRelation
+) -> go.Figure:
     """Step time and data wait per step (ms, top); GPU and Tensor Core utilization (%, bottom).
 
     Args:
         steps: the ``steps`` frame (``rank``, ``step``, ``wall_s``, ``data_wait_s``).
         gpu: the ``gpu`` frame (``rank``, ``step``, ``t``, ``gpu``, ``gpu_util``, ``tensor_any``);
-            may be empty, then the GPU panel is left out (the section says why).
+            may be empty, then the GPU panel is left out (the section says why). A run of
+            many ranks gives both as :class:`~amprobe.analysis.rankbands.StepsRelation`
+            (bands reduced in DuckDB).
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
     from plotly.subplots import make_subplots
 
-    has_gpu = bool(len(gpu))
+    has_gpu = gpu.has("step") if isinstance(gpu, StepsRelation) else bool(len(gpu))
     fig = make_subplots(
         rows=2 if has_gpu else 1,
         cols=1,
@@ -43,11 +55,12 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
         ],
         row_heights=[0.55, 0.45] if has_gpu else None,
     )
-    multi = steps["rank"].nunique() > 1 if len(steps) else False
     ranks = run_ranks(steps)
-    if many_ranks(ranks):
+    if many_ranks(ranks) or isinstance(steps, StepsRelation):
         _runtime_bands(fig, steps, gpu, ranks, has_gpu)
         return fig
+    assert isinstance(steps, pd.DataFrame) and isinstance(gpu, pd.DataFrame)
+    multi = steps["rank"].nunique() > 1 if len(steps) else False
     for rank, part in steps.groupby("rank", sort=True):
         part = downsample(part.sort_values("step"))
         suffix = f" r{rank}" if multi else ""
@@ -109,7 +122,11 @@ def make_runtime_figure(steps: pd.DataFrame, gpu: pd.DataFrame) -> go.Figure:
 
 
 def _runtime_bands(
-    fig: go.Figure, steps: pd.DataFrame, gpu: pd.DataFrame, ranks: list[int], has_gpu: bool
+    fig: go.Figure,
+    steps: pd.DataFrame | StepsRelation,
+    gpu: pd.DataFrame | StepsRelation,
+    ranks: list[int],
+    has_gpu: bool,
 ) -> None:
     """:func:`make_runtime_figure` for many ranks: step time and data wait (each rank's median
     in a bin), GPU and Tensor Core utilization (each rank's mean in a bin, its GPUs together)
@@ -119,14 +136,14 @@ def _runtime_bands(
         fig, steps, "wall_s", "step time (ms)", lambda r: f"step time r{r}", ranks, 1, scale=1e3
     )
     notes.append(bands_note("step time", bands))
-    if steps["data_wait_s"].notna().any():
+    if has_values(steps, "data_wait_s"):
         bands = add_rank_bands(
             fig, steps, "data_wait_s", "data wait (ms)", lambda r: f"data wait r{r}", ranks, 1, 1e3
         )
         notes.append(bands_note("data wait", bands))
     if has_gpu:
         for column, label in (("gpu_util", "GPU util"), ("tensor_any", "Tensor Core activity")):
-            if column in gpu and gpu[column].notna().any():
+            if has_values(gpu, column):
                 bands = add_rank_bands(
                     fig, gpu, column, label, lambda r, lb=label: f"{lb} r{r}", ranks, 2
                 )
@@ -141,9 +158,9 @@ def _runtime_bands(
     )
 
 
-def make_sync_table(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
+def make_sync_table(steps: pd.DataFrame | StepsRelation, syncs: pd.DataFrame) -> pd.DataFrame:
     """Syncs per sampled step by source line, op and kind (user first), all ranks together."""
-    sampled = int(steps["syncs_sampled"].fillna(False).astype(bool).sum()) if len(steps) else 0
+    sampled = _sync_sampled(steps)
     parts = []
     for kind in ("user", "scaler", "optimizer", "dataloader"):
         frame = compute_sync_sites(syncs, sampled, kind=kind)
@@ -154,15 +171,45 @@ def make_sync_table(steps: pd.DataFrame, syncs: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[["site", "op", "kind", "per_step", "total"]]
 
 
-def make_phase_table(steps: pd.DataFrame) -> pd.DataFrame:
+def _sync_sampled(steps: pd.DataFrame | StepsRelation) -> int:
+    """Rows (rank-steps) whose syncs were counted."""
+    if isinstance(steps, StepsRelation):
+        frame = steps.query("SELECT count(*) AS n FROM s WHERE coalesce(syncs_sampled, false)")
+        return int(frame["n"].iloc[0])
+    return int(steps["syncs_sampled"].fillna(False).astype(bool).sum()) if len(steps) else 0
+
+
+#: the parts of a step in the phase table: column -> its name
+_PHASES = {
+    "wall_s": "step",
+    "data_wait_s": "data wait",
+    "fwd_s": "forward",
+    "bwd_s": "backward",
+    "opt_s": "optimizer",
+}
+
+
+def _phase_table_sql(steps: StepsRelation) -> pd.DataFrame:
+    """:func:`make_phase_table` in one query of a run of many ranks' derived store."""
+    medians = ", ".join(f'median("{c}") AS "{c}", count("{c}") AS "n_{c}"' for c in _PHASES)
+    plain = "NOT coalesce(syncs_sampled, false)"
+    frame = steps.query(
+        f"SELECT {medians} FROM s WHERE {plain} OR NOT EXISTS (SELECT 1 FROM s WHERE {plain})"
+    )
+    row = frame.iloc[0]
+    rows = [
+        {"part": label, "median_ms": float(row[col]) * 1e3}
+        for col, label in _PHASES.items()
+        if row[f"n_{col}"] > 0
+    ]
+    return pd.DataFrame(rows, columns=["part", "median_ms"])
+
+
+def make_phase_table(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
     """Median seconds per step of each part of the step (host clock)."""
-    cols = {
-        "wall_s": "step",
-        "data_wait_s": "data wait",
-        "fwd_s": "forward",
-        "bwd_s": "backward",
-        "opt_s": "optimizer",
-    }
+    if isinstance(steps, StepsRelation):
+        return _phase_table_sql(steps)
+    cols = _PHASES
     plain = steps[~steps["syncs_sampled"].fillna(False).astype(bool)] if len(steps) else steps
     plain = plain if len(plain) else steps
     rows = [
@@ -173,9 +220,55 @@ def make_phase_table(steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["part", "median_ms"])
 
 
+def _build_runtime_section_many(run: Run, steps: StepsRelation, title: str) -> Section:
+    """:func:`build_runtime_section` of a run of many ranks, from its derived store: the
+    figure's bands and the phase medians in DuckDB; the syncs (a few rows per sampled step)
+    read from their derived table, not from every rank's file."""
+    if not steps.has("data_wait_s"):
+        return Section(
+            "runtime",
+            title,
+            missing="step timing was not recorded (enable the 'runtime' collector)",
+        )
+    gpu = StepsRelation(run.relation("gpu"))
+    text = []
+    reason = gpu_unavailable_reason(run)
+    if reason:
+        text.append(f"GPU utilization not recorded: {reason}.")
+    tables: list[tuple[str, pd.DataFrame]] = [
+        ("Median time per step (host clock)", make_phase_table(steps))
+    ]
+    if _sync_sampled(steps):
+        syncs = run.relation("syncs").df()
+        tables.append((_sync_caption(syncs), make_sync_table(steps, syncs)))
+    else:
+        text.append("Host-device syncs were not counted (syncs_every=0 or no sampled step).")
+    return Section(
+        "runtime",
+        title,
+        figures=(make_runtime_figure(steps, gpu),),
+        tables=tuple(tables),
+        text=tuple(text),
+    )
+
+
+def _sync_caption(syncs: pd.DataFrame) -> str:
+    device_types = set(syncs["device"].dropna()) if len(syncs) else set()
+    caption = "Host-device syncs per sampled step by source line"
+    if device_types and device_types <= {"cpu"}:
+        caption += (
+            " (CPU run: these would synchronize on a GPU; counted on tensors derived from "
+            "the model's parameters, outputs or loss)"
+        )
+    return caption
+
+
 @section("runtime", order=40, tab="Utilization")
 def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
     title = "Runtime: step time, data loading, syncs, GPU"
+    many = steps_relation(run)
+    if many is not None:
+        return _build_runtime_section_many(run, many, title)
     steps = run.steps
     if steps.empty or not steps["data_wait_s"].notna().any():
         return Section(
@@ -193,15 +286,7 @@ def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
         ("Median time per step (host clock)", make_phase_table(steps))
     ]
     if steps["syncs_sampled"].fillna(False).astype(bool).any():
-        sync_table = make_sync_table(steps, syncs)
-        device_types = set(syncs["device"].dropna()) if len(syncs) else set()
-        caption = "Host-device syncs per sampled step by source line"
-        if device_types and device_types <= {"cpu"}:
-            caption += (
-                " (CPU run: these would synchronize on a GPU; counted on tensors derived from "
-                "the model's parameters, outputs or loss)"
-            )
-        tables.append((caption, sync_table))
+        tables.append((_sync_caption(syncs), make_sync_table(steps, syncs)))
     else:
         text.append("Host-device syncs were not counted (syncs_every=0 or no sampled step).")
     return Section(

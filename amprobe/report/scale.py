@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.analysis.frames import range_text, steps_text
-from amprobe.analysis.rankbands import RankBands, compute_rank_bands
+from amprobe.analysis.rankbands import RankBands, StepsRelation, compute_rank_bands
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
 from amprobe.report.registry import Section, section
 
@@ -43,6 +43,13 @@ __all__ = [
     "add_rank_bands",
     "bands_note",
     "rank_groups_text",
+    "steps_relation",
+    "steps_of",
+    "has_values",
+    "SCALER_ROWS_SQL",
+    "step_ends",
+    "event_rows",
+    "RANK_STATS_SQL",
 ]
 
 _SKIP_COLOR = "#d62728"
@@ -83,6 +90,87 @@ def many_ranks(ranks: Sequence[int]) -> bool:
     return len(ranks) > MAX_RANK_LINES
 
 
+#: :func:`scaler_rows`' filter as SQL on the derived ``steps`` (a rank of many)
+SCALER_ROWS_SQL = "coalesce(scaler_enabled, false) AND scale_before IS NOT NULL"
+#: rows a figure of many ranks draws one by one (skipped steps, scale changes, NaN/inf
+#: losses), read from the derived store; at most this many
+_EVENT_ROWS = 1_000_000
+
+
+def steps_relation(run: Run) -> StepsRelation | None:
+    """The run's steps through its derived store (DuckDB) when it has more than
+    :data:`MAX_RANK_LINES` ranks (its figures are bands, reduced in the engine; the merged
+    frame of every rank is never loaded), else None (few ranks: drawn from ``run.steps``).
+    One per run, so its query results are shared by the sections and tabs."""
+    if len(run.ranks) <= MAX_RANK_LINES:
+        return None
+
+    def make(r: Run) -> StepsRelation:
+        summaries = r.relation("summaries").filter("steps > 0").order("rank")
+        ranks = summaries.project("rank").df()["rank"].to_numpy(dtype=np.int64)
+        return StepsRelation(r.relation("steps"), ranks=ranks)
+
+    return run.cached("steps_relation", make)  # type: ignore[no-any-return]
+
+
+#: each rank's aggregates that the scale and ranks sections read, one query for both
+RANK_STATS_SQL = (
+    "SELECT rank, count(*) AS rows, "
+    "count(*) FILTER (WHERE coalesce(skipped, false)) AS skipped_rows, "
+    # a step repeats in a rank's rows only across windows (a (window, step) once): the
+    # distinct steps of a rank of one window are its rows (count DISTINCT cost 2.6 s of 3)
+    "count(*) FILTER (WHERE scale_after IS NOT NULL) AS scaled_steps, "
+    'min(coalesce("window", -1)) <> max(coalesce("window", -1)) AS windows, '
+    "count(*) FILTER (WHERE scale_after IS NOT NULL AND coalesce(skipped, false)) "
+    "AS scaled_skipped, "
+    "count(*) FILTER (WHERE scale_after < scale_before) AS cuts, "
+    "count(*) FILTER (WHERE scale_after > scale_before) AS grows, "
+    "arg_max(scale_after, step) FILTER (WHERE scale_after IS NOT NULL) AS final_scale, "
+    "median(wall_s) AS median_wall, quantile_cont(wall_s, 0.9) AS p90_wall, "
+    "median(data_wait_s) AS median_wait "
+    "FROM s GROUP BY rank ORDER BY rank"
+)
+
+
+def steps_of(run: Run) -> pd.DataFrame | StepsRelation:
+    """:func:`steps_relation` for a run of many ranks, else ``run.steps``."""
+    rel = steps_relation(run)
+    return run.steps if rel is None else rel
+
+
+def has_values(steps: pd.DataFrame | StepsRelation, column: str) -> bool:
+    """Whether ``column`` holds a value (not null) on some row."""
+    if isinstance(steps, StepsRelation):
+        return steps.has(column)
+    return column in steps and bool(steps[column].notna().any())
+
+
+def event_rows(steps: StepsRelation) -> pd.DataFrame:
+    """The rows of a run of many ranks that figures mark one by one: skipped steps, scale
+    changes and NaN/inf losses (at most :data:`_EVENT_ROWS`, in rank and step order)."""
+    return steps.query(
+        "SELECT rank, step, scaler_enabled, scale_before, scale_after, skipped, loss, "
+        "loss_nonfinite FROM s WHERE coalesce(skipped, false) OR scale_after <> scale_before "
+        "OR coalesce(loss_nonfinite, false) OR isinf(loss) "
+        f"ORDER BY rank, step LIMIT {_EVENT_ROWS}"
+    )
+
+
+def step_ends(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
+    """``steps`` itself, or for a run of many ranks a frame of a few rows per rank with the
+    same first and last step and each rank's last recorded loss scale (``rank``, ``step``,
+    ``scale_after``): what a figure that only says where the run starts and ends, or its
+    final scales, reads."""
+    if not isinstance(steps, StepsRelation):
+        return steps
+    return steps.query(
+        "SELECT rank, min(step) AS step, NULL::DOUBLE AS scale_after FROM s GROUP BY rank "
+        "UNION ALL SELECT rank, max(step), NULL::DOUBLE FROM s GROUP BY rank "
+        "UNION ALL SELECT rank, max(step), arg_max(scale_after, step) FROM s "
+        "WHERE scale_after IS NOT NULL GROUP BY rank ORDER BY rank, step"
+    )
+
+
 def _ys(y: np.ndarray) -> Any:
     """A band's y values for plotly: float32 (binary, 4 bytes a point) when every value is
     finite, else a list with JSON null at each gap (:func:`gaps_as_null`)."""
@@ -94,7 +182,7 @@ def _ys(y: np.ndarray) -> Any:
 
 def add_rank_bands(
     fig: go.Figure,
-    frame: pd.DataFrame,
+    frame: pd.DataFrame | StepsRelation,
     column: str,
     label: str,
     name_of: Any,
@@ -264,8 +352,10 @@ def gaps_as_null(y: np.ndarray) -> list[float | None]:
     return [None if v != v else float(v) for v in y.tolist()]
 
 
-def run_ranks(frame: pd.DataFrame) -> list[int]:
+def run_ranks(frame: pd.DataFrame | StepsRelation) -> list[int]:
     """The ranks of a frame's rows, ascending (``[0]`` for a frame without ranks)."""
+    if isinstance(frame, StepsRelation):
+        return [int(r) for r in frame.ranks] or [0]
     if "rank" not in frame or frame.empty:
         return [0]
     return sorted(int(r) for r in frame["rank"].dropna().unique())
@@ -356,16 +446,20 @@ def add_loss_bands(
     prefix: str = "",
     color: str = _BAND_COLOR,
     position: str = "top",
+    n_ranks: int | None = None,
 ) -> list[LossSpan]:
     """Shade the steps whose loss was NaN/inf (:func:`nonfinite_loss_spans`) on subplot
     ``row`` with a labelled band ("loss NaN, steps 80–119"), and unlabelled on ``rows``.
 
     The loss line has gaps there; a gap alone is easy to miss. At most :data:`MAX_BANDS`
     bands, the longest stretches; the others are counted in a note. ``position`` puts the
-    labels at the ``top`` or ``bottom`` of the band. Returns every span.
+    labels at the ``top`` or ``bottom`` of the band. ``n_ranks``: the run's ranks (by
+    default those of ``steps``; give it when ``steps`` holds only some rows). Returns every
+    span.
     """
     spans = nonfinite_loss_spans(steps)
-    n_ranks = int(steps["rank"].nunique()) if "rank" in steps and not steps.empty else 1
+    if n_ranks is None:
+        n_ranks = int(steps["rank"].nunique()) if "rank" in steps and not steps.empty else 1
     banded = sorted(spans, key=lambda s: (s.first - s.last, s.first))[:MAX_BANDS]
     banded.sort(key=lambda s: s.first)
     shapes: list[dict[str, object]] = []
@@ -476,19 +570,24 @@ def loss_recorded(steps: pd.DataFrame) -> bool:
     )
 
 
-def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) -> go.Figure:
+def make_loss_scale_figure(
+    steps: pd.DataFrame | StepsRelation, max_points: int = MAX_POINTS
+) -> go.Figure:
     """Loss scale per step on a log axis (skipped steps, growth and backoff marked), loss beneath.
 
     Each rank has its own colour (its scale and loss lines). Steps whose loss was NaN/inf
     are gaps in the loss line, shaded and labelled ("loss NaN, steps 80–119").
 
     Args:
-        steps: the run's steps frame.
+        steps: the run's steps frame, or a run of many ranks' :class:`StepsRelation`
+            (:func:`steps_of`: bands reduced in DuckDB, the marked rows read alone).
         max_points: points kept per drawn series.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
     from plotly.subplots import make_subplots
 
+    if isinstance(steps, StepsRelation):
+        return _loss_scale_relation_figure(steps, max_points)
     rows = scaler_rows(steps)
     has_loss = loss_recorded(steps)
     if rows.empty and not has_loss:
@@ -605,24 +704,69 @@ def make_loss_scale_figure(steps: pd.DataFrame, max_points: int = MAX_POINTS) ->
     return fig
 
 
+def _loss_scale_relation_figure(steps: StepsRelation, max_points: int) -> go.Figure:
+    """:func:`make_loss_scale_figure` of a run of many ranks from its derived store: the
+    bands from one query per series, the skipped steps, scale changes and NaN/inf losses
+    from the few rows that hold them (:func:`event_rows`)."""
+    from plotly.subplots import make_subplots
+
+    events = event_rows(steps)
+    scaled = steps.filtered(SCALER_ROWS_SQL)
+    has_scale = scaled.has("scale_before")
+    has_loss = steps.has("loss") or bool(nonfinite_loss_spans(events))
+    if not has_scale and not has_loss:
+        return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        row_heights=[0.6, 0.4],
+        subplot_titles=("loss scale (log)", "loss"),
+    )
+    ranks = run_ranks(steps)
+    _loss_scale_bands(
+        fig,
+        steps,
+        scaler_rows(events),
+        has_loss,
+        ranks,
+        max_points,
+        scale_source=scaled if has_scale else None,
+        loss_rows=events,
+    )
+    return fig
+
+
 def _loss_scale_bands(
     fig: go.Figure,
-    steps: pd.DataFrame,
+    steps: pd.DataFrame | StepsRelation,
     rows: pd.DataFrame,
     has_loss: bool,
     ranks: list[int],
     max_points: int,
+    scale_source: StepsRelation | None = None,
+    loss_rows: pd.DataFrame | None = None,
 ) -> None:
     """:func:`make_loss_scale_figure` for a run of many ranks: the scale (each rank's lowest
     in a bin, so a drop is never hidden) and the loss (each rank's mean in a bin) as bands
     across ranks with the outlier ranks drawn alone; skipped steps and scale changes once per
-    step with how many ranks had them."""
+    step with how many ranks had them. From the derived store (``steps`` a
+    :class:`StepsRelation`): the scale's bands from ``scale_source``, ``rows`` and
+    ``loss_rows`` only the marked rows (:func:`event_rows`)."""
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
     notes = []
-    if len(rows):
+    if len(rows) or scale_source is not None:
         bands = add_rank_bands(
-            fig, rows, "scale_before", "scale", lambda r: f"scale (rank {r})", ranks, 1, shape="hv"
+            fig,
+            rows if scale_source is None else scale_source,
+            "scale_before",
+            "scale",
+            lambda r: f"scale (rank {r})",
+            ranks,
+            1,
+            shape="hv",
         )
         notes.append(bands_note("scale", bands))
         skipped = (
@@ -685,7 +829,10 @@ def _loss_scale_bands(
     if has_loss:
         bands = add_rank_bands(fig, steps, "loss", "loss", lambda r: f"loss (rank {r})", ranks, 2)
         notes.append(bands_note("loss", bands) + "; NaN/inf losses left out, shaded below")
-        add_loss_bands(fig, steps, row=2, rows=(1,))
+        if loss_rows is None:
+            add_loss_bands(fig, steps, row=2, rows=(1,))
+        else:
+            add_loss_bands(fig, loss_rows, row=2, rows=(1,), n_ranks=len(ranks))
     else:
         fig.add_annotation(
             text="not recorded: no loss value (capture_loss off?)",
@@ -718,10 +865,14 @@ def _scaler_counts(part: pd.DataFrame) -> tuple[int, int, int, int, float]:
     )
 
 
-def _scaled_steps_text(scaled: pd.DataFrame) -> str:
+def _scaled_steps_text(scaled: pd.DataFrame | dict[int, tuple[int, int, int, int, float]]) -> str:
     """The scaler summary, counting steps (per rank in a run of several ranks, never
-    rank-steps added up)."""
-    counts = {rank: _scaler_counts(part) for rank, part in split_ranks(scaled)}
+    rank-steps added up); ``scaled`` the rows with a scale, or each rank's counts."""
+    counts = (
+        scaled
+        if isinstance(scaled, dict)
+        else {rank: _scaler_counts(part) for rank, part in split_ranks(scaled)}
+    )
 
     def sentence(c: tuple[int, int, int, int, float], each: str) -> str:
         n, skipped, cuts, grows, final = c
@@ -739,10 +890,56 @@ def _scaled_steps_text(scaled: pd.DataFrame) -> str:
     return "; ".join(f"rank {r}: " + sentence(c, "") for r, c in counts.items()) + "."
 
 
+def _scaler_counts_sql(steps: StepsRelation) -> dict[int, tuple[int, int, int, int, float]]:
+    """:func:`_scaler_counts` of every rank in one query of the derived store."""
+    frame = steps.query(RANK_STATS_SQL)
+    frame = frame[frame["scaled_steps"] > 0].copy()
+    several = frame["rank"][frame["windows"].astype(bool)].astype(int).tolist()
+    if several:  # ranks of several windows: their distinct steps counted apart
+        distinct = steps.query(
+            "SELECT rank, count(DISTINCT step) AS n FROM s WHERE scale_after IS NOT NULL "
+            f"AND rank IN ({', '.join(map(str, several))}) GROUP BY rank"
+        ).set_index("rank")["n"]
+        at = frame["rank"].isin(distinct.index)
+        frame.loc[at, "scaled_steps"] = frame.loc[at, "rank"].map(distinct).to_numpy()
+    return {
+        int(r): (int(n), int(sk), int(c), int(g), float(f))
+        for r, n, sk, c, g, f in zip(
+            frame["rank"],
+            frame["scaled_steps"],
+            frame["scaled_skipped"],
+            frame["cuts"],
+            frame["grows"],
+            frame["final_scale"],
+            strict=True,
+        )
+    }
+
+
+def _build_scale_section_many(steps: StepsRelation, title: str) -> Section:
+    """:func:`build_scale_section` of a run of many ranks, from its derived store."""
+    has_scale = steps.has("scale_after")
+    figure = make_loss_scale_figure(steps)
+    has_loss = steps.has("loss") or bool(nonfinite_loss_spans(event_rows(steps)))
+    if not has_scale and not has_loss:
+        return Section("scale", title, missing="no GradScaler and no loss tensor were seen")
+    text = []
+    if not has_scale:
+        text.append("No enabled GradScaler was used in this run: only the loss is shown.")
+    else:
+        text.append(_scaled_steps_text(_scaler_counts_sql(steps)))
+    return Section("scale", title, figures=(figure,), text=tuple(text))
+
+
 @section("scale", order=10, tab="Loss scale")
 def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
-    steps = run.steps
     title = "Loss scale and loss"
+    many = steps_relation(run)
+    if many is not None:
+        if not len(many.ranks):
+            return Section("scale", title, missing="no training step was recorded")
+        return _build_scale_section_many(many, title)
+    steps = run.steps
     if steps.empty:
         return Section("scale", title, missing="no training step was recorded")
     has_scale = steps["scale_after"].notna().any()
