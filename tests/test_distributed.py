@@ -4,6 +4,7 @@ the Prometheus exporter, and 2-rank gloo jobs recorded through `amprobe run -- t
 from __future__ import annotations
 
 import ast
+import dataclasses
 import errno
 import json
 import os
@@ -292,6 +293,21 @@ def test_group_rank_findings_names_the_ranks_that_differ_from_most():
         "17, 301": {"cuts": 7},
     }
     assert len(json.dumps(dict(evidence))) < 1000
+
+
+def test_a_rank_with_another_finding_of_the_rule_is_not_said_to_lack_it():
+    """#33, seen at 4,096 ranks: ranks whose AMP-N01 had other words (a group of its own) were
+    listed as "not on" the majority's AMP-N01, as if the rule had found nothing there."""
+    findings = [_finding(r, 5) for r in range(1, 64)]
+    other = dataclasses.replace(
+        _finding(0, 6), title="loss scale cut 6 time(s) (1.2 cuts per growth interval)"
+    )
+    majority, single = sorted(
+        group_rank_findings([other, *findings], name_rank=True, run_ranks=range(65)),
+        key=lambda f: -len(f.evidence.get("ranks", [0])),
+    )
+    assert majority.title == "loss scale cut 5 time(s) on 63 of 65 ranks; not on rank 64"
+    assert single.evidence["rank"] == 0
 
 
 def test_group_rank_findings_bounds_by_rank_when_every_rank_differs():

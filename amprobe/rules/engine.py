@@ -546,6 +546,12 @@ def group_rank_findings(
             order.append(key)
         groups[key].append(f)
     every = sorted(set(run_ranks)) if run_ranks is not None else None
+    # the ranks each rule found something on, in any group: a rank with another finding of the
+    # same rule (other words, a layer of its own) is not one "without this finding"
+    with_id: dict[str, set[int]] = {}
+    for f in findings:
+        if (r := _rank_of(f)) is not None:
+            with_id.setdefault(f.id, set()).add(r)
     out: list[Finding] = []
     for item in order:
         if isinstance(item, int):
@@ -554,22 +560,27 @@ def group_rank_findings(
         group = groups[item]
         ranks = [_rank_of(f) for f in group]
         if len(set(ranks)) == len(ranks):
-            out += _merge_group(group, True, name_rank, every)
+            out += _merge_group(group, True, name_rank, every, with_id.get(group[0].id))
             continue
         # a rank with several of this kind (one per layer): merge only the same layers' findings
         split: dict[tuple[str, str], list[Finding]] = {}
         for f in group:
             split.setdefault((_template(f.title)[0], _template(f.fix)[0]), []).append(f)
         for part in split.values():
-            out += _merge_group(part, False, name_rank, every)
+            out += _merge_group(part, False, name_rank, every, with_id.get(part[0].id))
     return out
 
 
 def _merge_group(
-    group: list[Finding], by_name: bool, name_rank: bool, every: list[int] | None
+    group: list[Finding],
+    by_name: bool,
+    name_rank: bool,
+    every: list[int] | None,
+    with_id: set[int] | None = None,
 ) -> list[Finding]:
     """:func:`group_rank_findings` for one kind: ``group`` holds findings of one template (with
-    the layer names set aside when ``by_name``)."""
+    the layer names set aside when ``by_name``); ``with_id``: the ranks with any finding of
+    this rule, in this group or another."""
     members = []
     title_t = fix_t = ""
     for f in sorted(group, key=lambda f: _rank_of(f) or 0):
@@ -597,7 +608,7 @@ def _merge_group(
         if others:
             title += f"; {_differ_text([ranks[i] for i in others])}: "
             title += _merge_numbers(title_t, [members[i][1] for i in others])
-        absent = sorted(set(total) - set(ranks))
+        absent = sorted(set(total) - set(ranks) - (with_id or set()))
         if absent:
             # a rank without this finding is not known to differ (the rule may not have
             # judged it there): say only that the finding is not on it
