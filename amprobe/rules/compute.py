@@ -5,9 +5,12 @@ Rules AMP-S02, AMP-S04 and AMP-S05 over the analysis of :mod:`amprobe.analysis.c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from typing import Any
+
+import pandas as pd
 
 from amprobe.analysis.compiled import is_compiled
 from amprobe.analysis.compute import (
@@ -133,90 +136,112 @@ def check_tc_misaligned(ctx: RuleContext) -> Iterator[Finding]:
     roots = {str(e.get("model_class")) for e in registered}
     if len(registered) > 1:  # several roots: ops outside their layers are booked on root names
         roots |= {str(e["name"]) for e in registered if e.get("name")}
-    for rank, part in frame.groupby("rank", sort=True):
-        manifests = [r.manifest for r in ctx.run.ranks if r.rank == int(rank)]
-        on_cpu = bool(manifests) and str(manifests[0].get("device") or "").startswith("cpu")
-        gpu_note = " (would waste Tensor Core tiles on a GPU)" if on_cpu else ""
-        bad = part[part["aligned"].eq(False)]
-        share = float(bad["flop_share"].sum())
-        # ops booked on a root model ran in no named layer (e.g. the backward of the last layer);
-        # they are named only when no named layer is misaligned (the root is itself the layer)
-        named_bad = bad[~bad["module"].astype(str).isin(roots)]
-        if len(bad) and share >= th["min_flop_share"]:
-            layers: list[dict[str, Any]] = []
-            for module, mods in (named_bad if len(named_bad) else bad).groupby(
-                "module", sort=False
-            ):
-                sizes: dict[int, int] = {}
-                for mis, sug in zip(mods["misaligned"], mods["suggested"], strict=True):
-                    for dim, size in mis.items():
-                        sizes[int(size)] = int(sug[dim])
-                layers.append(
-                    {
-                        "module": str(module),
-                        "ops": sorted(set(mods["op"])),
-                        "dims": {str(k): v for k, v in sorted(sizes.items())},
-                        "dtype": str(mods["in_dtype"].mode().iloc[0]),
-                        "multiple": int(mods["multiple"].iloc[0]),
-                        "flop_share": round(float(mods["flop_share"].sum()), 4),
-                    }
-                )
-            layers.sort(key=lambda d: -d["flop_share"])
-            named = "; ".join(
-                f"{d['module']} (" + ", ".join(f"{k} -> {v}" for k, v in d["dims"].items()) + ")"
-                for d in layers[:6]
+    # ranks whose rows (and device) are equal get equal findings: judged once per class of
+    # them, the key being the rows themselves (thousands of data-parallel ranks run one model)
+    device = {r.rank: str(r.manifest.get("device") or "") for r in ctx.run.ranks}
+    ranks_col = frame["rank"].to_numpy()
+    rows = frame.drop(columns=["rank"]).to_dict("split")["data"]
+    positions: dict[int, list[int]] = {}
+    for i, r in enumerate(ranks_col.tolist()):
+        positions.setdefault(int(r), []).append(i)
+    judged: dict[str, list[Finding]] = {}
+    for rank in sorted(positions):
+        at = positions[rank]
+        on_cpu = device.get(rank, "").startswith("cpu")
+        key = repr((on_cpu, [rows[i] for i in at]))
+        if key not in judged:
+            part = frame.iloc[at]
+            judged[key] = list(_tc_findings(ctx, rank, part, on_cpu, roots))
+            yield from judged[key]
+            continue
+        for f in judged[key]:
+            yield dataclasses.replace(f, evidence={**f.evidence, "rank": rank})
+
+
+def _tc_findings(
+    ctx: RuleContext, rank: int, part: pd.DataFrame, on_cpu: bool, roots: set[str]
+) -> Iterator[Finding]:
+    """AMP-S04's findings on one rank's alignment rows."""
+    th = ctx.thresholds
+    gpu_note = " (would waste Tensor Core tiles on a GPU)" if on_cpu else ""
+    bad = part[part["aligned"].eq(False)]
+    share = float(bad["flop_share"].sum())
+    # ops booked on a root model ran in no named layer (e.g. the backward of the last layer);
+    # they are named only when no named layer is misaligned (the root is itself the layer)
+    named_bad = bad[~bad["module"].astype(str).isin(roots)]
+    if len(bad) and share >= th["min_flop_share"]:
+        layers: list[dict[str, Any]] = []
+        for module, mods in (named_bad if len(named_bad) else bad).groupby("module", sort=False):
+            sizes: dict[int, int] = {}
+            for mis, sug in zip(mods["misaligned"], mods["suggested"], strict=True):
+                for dim, size in mis.items():
+                    sizes[int(size)] = int(sug[dim])
+            layers.append(
+                {
+                    "module": str(module),
+                    "ops": sorted(set(mods["op"])),
+                    "dims": {str(k): v for k, v in sorted(sizes.items())},
+                    "dtype": str(mods["in_dtype"].mode().iloc[0]),
+                    "multiple": int(mods["multiple"].iloc[0]),
+                    "flop_share": round(float(mods["flop_share"].sum()), 4),
+                }
             )
-            yield ctx.finding(
-                title=f"{share:.1%} of matmul FLOPs run with dims that are not Tensor Core multiples{gpu_note}: {named}",
-                evidence={
-                    "rank": int(rank),
-                    "step": int(part["step"].iloc[0]),
-                    "misaligned_flop_share": round(share, 4),
-                    "layers": layers,
-                    "min_flop_share": th["min_flop_share"],
-                },
-                fix=(
-                    "Pad these sizes to the suggested multiple (fp16/bf16: 8, TF32: 4, fp8/int8: 16): "
-                    "hidden sizes and channels in the model definition, the vocabulary by adding "
-                    "unused tokens, the batch x sequence product by choosing them accordingly. "
-                    + "Suggested: "
-                    + "; ".join(
-                        f"{d['module']}: " + ", ".join(f"{k} -> {v}" for k, v in d["dims"].items())
-                        for d in layers
-                    )
-                ),
-            )
-        waste = part[part["tile_waste"].map(bool)]
-        if len(waste) and float(waste["flop_share"].sum()) >= th["min_flop_share"]:
-            # as above: a root's ops are its own layer's when no named layer wastes tiles
-            # (a bare nn.Linear as the model is booked under its class name)
-            named_waste = waste[~waste["module"].astype(str).isin(roots)]
-            shown = named_waste if len(named_waste) else waste
-            items: dict[str, dict[int, int]] = {}
-            for module, tw in zip(shown["module"], shown["tile_waste"], strict=True):
-                items.setdefault(str(module), {}).update(tw)
-            verb = "would waste Tensor Core tiles on a GPU" if on_cpu else "waste Tensor Core tiles"
-            yield ctx.finding(
-                title=f"aligned but small layer sizes {verb}: "
+        layers.sort(key=lambda d: -d["flop_share"])
+        named = "; ".join(
+            f"{d['module']} (" + ", ".join(f"{k} -> {v}" for k, v in d["dims"].items()) + ")"
+            for d in layers[:6]
+        )
+        yield ctx.finding(
+            title=f"{share:.1%} of matmul FLOPs run with dims that are not Tensor Core multiples{gpu_note}: {named}",
+            evidence={
+                "rank": int(rank),
+                "step": int(part["step"].iloc[0]),
+                "misaligned_flop_share": round(share, 4),
+                "layers": layers,
+                "min_flop_share": th["min_flop_share"],
+            },
+            fix=(
+                "Pad these sizes to the suggested multiple (fp16/bf16: 8, TF32: 4, fp8/int8: 16): "
+                "hidden sizes and channels in the model definition, the vocabulary by adding "
+                "unused tokens, the batch x sequence product by choosing them accordingly. "
+                + "Suggested: "
                 + "; ".join(
-                    f"{m} (" + ", ".join(f"{v} -> {p}" for v, p in sorted(dims.items())) + ")"
-                    for m, dims in list(items.items())[:6]
-                ),
-                evidence={
-                    "rank": int(rank),
-                    "layers": [
-                        {"module": m, "dims": {str(v): p for v, p in sorted(dims.items())}}
-                        for m, dims in items.items()
-                    ],
-                    "tile": th["tile"],
-                    "min_tile_efficiency": th["min_tile_efficiency"],
-                },
-                fix=(
-                    "Small dimensions fill only part of a Tensor Core tile; rounding them up to the "
-                    "tile size (e.g. 96 -> 128 channels) can be faster at little cost."
-                ),
-                severity="info",
-            )
+                    f"{d['module']}: " + ", ".join(f"{k} -> {v}" for k, v in d["dims"].items())
+                    for d in layers
+                )
+            ),
+        )
+    waste = part[part["tile_waste"].map(bool)]
+    if len(waste) and float(waste["flop_share"].sum()) >= th["min_flop_share"]:
+        # as above: a root's ops are its own layer's when no named layer wastes tiles
+        # (a bare nn.Linear as the model is booked under its class name)
+        named_waste = waste[~waste["module"].astype(str).isin(roots)]
+        shown = named_waste if len(named_waste) else waste
+        items: dict[str, dict[int, int]] = {}
+        for module, tw in zip(shown["module"], shown["tile_waste"], strict=True):
+            items.setdefault(str(module), {}).update(tw)
+        verb = "would waste Tensor Core tiles on a GPU" if on_cpu else "waste Tensor Core tiles"
+        yield ctx.finding(
+            title=f"aligned but small layer sizes {verb}: "
+            + "; ".join(
+                f"{m} (" + ", ".join(f"{v} -> {p}" for v, p in sorted(dims.items())) + ")"
+                for m, dims in list(items.items())[:6]
+            ),
+            evidence={
+                "rank": int(rank),
+                "layers": [
+                    {"module": m, "dims": {str(v): p for v, p in sorted(dims.items())}}
+                    for m, dims in items.items()
+                ],
+                "tile": th["tile"],
+                "min_tile_efficiency": th["min_tile_efficiency"],
+            },
+            fix=(
+                "Small dimensions fill only part of a Tensor Core tile; rounding them up to the "
+                "tile size (e.g. 96 -> 128 channels) can be faster at little cost."
+            ),
+            severity="info",
+        )
 
 
 def _framework_amp(run: Run) -> dict[str, Any] | None:
