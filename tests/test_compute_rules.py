@@ -421,3 +421,29 @@ def test_section_missing_and_present():
     captions = [c for c, _ in sec.tables]
     assert captions[0].startswith("Executed") and "fp32" in captions[1]
     assert "MFU not available" in " ".join(sec.text)
+
+
+def test_s04_judges_classes_of_equal_ranks_once_and_names_each_rank():
+    """#33: AMP-S04 shares the findings of ranks with equal rows; a rank with other rows is
+    judged on its own (rank 2 runs padded layers: aligned, no warning there)."""
+    ops, steps = [], []
+    for rank in range(4):
+        fc, head = (100, 1008) if rank != 2 else (104, 1024)
+        for row in (op("fc", 64, fc, 64), op("head", 64, head, 104)):
+            ops.append({**row, "rank": rank})
+        steps.append({**cstep(sum(o["flops"] for o in ops[-2:]), 1e6), "rank": rank})
+    run = fake_run(
+        steps=[{"step": s, "wall_s": 0.1, "rank": r} for r in range(4) for s in range(4)],
+        events=[{"kind": "model_params", "trainable_params": 5_000_000, "params": 5_000_000}],
+        manifest={"config": {"collectors": ["scaler", "compute"]}},
+        ranks=range(4),
+        tables={"compute_ops": ops, "compute_steps": steps},
+    )
+    warnings = [
+        f
+        for f in amprobe.diagnose(run, only=["AMP-S04"]).findings
+        if f.id == "AMP-S04" and f.severity == "warning"
+    ]
+    (warning,) = warnings
+    assert warning.evidence["ranks"] == [0, 1, 3]
+    assert warning.title.endswith("fc (100 -> 104) on 3 of 4 ranks; not on rank 2")
