@@ -94,6 +94,14 @@ def _events(a: int, b: int) -> list[dict[str, Any]]:
     return [{"step": i, "t": i * 0.1, "kind": f"k{i % 3}", "detail": "{}"} for i in range(a, b)]
 
 
+@pytest.fixture(autouse=True)
+def _a_record_at_every_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writers of these tests replace their record at every flush (the tests look at
+    each); the interval between records has a test of its own."""
+    monkeypatch.setattr(writer_mod, "SUMMARY_INTERVAL_S", 0.0)
+    monkeypatch.setattr(writer_mod, "SUMMARY_COST_FACTOR", 0.0)
+
+
 def _writer(run: Path, rank: int = 0, **kw: Any) -> RunWriter:
     return RunWriter(run, rank, 1, {}, max_buffered_rows=kw.pop("max_rows", 10_000), **kw)
 
@@ -519,3 +527,29 @@ def test_a_crashed_run_is_loaded_without_reading_every_steps_row(tmp_path: Path)
     loaded = load_run(tmp_path / "r")
     assert "run ended abruptly at step 41 (no clean close recorded)" in loaded.warnings
     assert "summaries" in loaded._derived and "steps" not in loaded._tables
+
+
+def test_records_are_replaced_no_more_often_than_their_interval_and_cost_allow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training thread pays for a summary record at most every SUMMARY_INTERVAL_S, and at
+    most about 1 % of its time (a large model's record costs up to hundreds of milliseconds);
+    the first flush and the close always write one, and the rows between are read from the
+    files' tails."""
+    clock = [100.0]
+    monkeypatch.setattr(writer_mod.time, "monotonic", lambda: clock[0])
+    w = RunWriter(tmp_path / "r", 0, 1, {}, max_buffered_rows=1000)
+    w.summary_interval_s = 10.0
+    path = w.rank_dir / SUMMARY_FILE
+    _chunks(w, [0, 10])
+    first = path.read_bytes()
+    clock[0] += 9
+    _chunks(w, [10, 20])
+    assert path.read_bytes() == first  # not due yet
+    summary, source, _ = _read(tmp_path / "r")
+    assert source == "records+tail" and summary["steps"] == list(range(20))
+    clock[0] += 1
+    _chunks(w, [20, 30])
+    assert path.read_bytes() != first
+    w.close({"status": "finished"})
+    assert _record(w.rank_dir)["final"] is True

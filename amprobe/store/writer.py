@@ -40,6 +40,14 @@ from amprobe.version import __version__
 #: close (``end.json``) and the newest events can be written even when the disk is full.
 RESERVE_BYTES = 64 * 1024
 RESERVE_FILE = ".amprobe-reserve"
+#: The summary record (``summary.json``) is replaced at a flush no sooner than this many seconds
+#: after the last one (the first flush and the close always write it): a reader summarizes the
+#: rows written since from the files' tails, so a killed job costs the reader at most this much
+#: of its rows, and the training thread pays for a record at most this often.
+SUMMARY_INTERVAL_S = 10.0
+#: ... and no sooner than this many times what the last record cost to build and write (so
+#: records take at most about 1 % of the training thread's time, whatever the model's size).
+SUMMARY_COST_FACTOR = 100.0
 
 __all__ = ["RunWriter", "write_json_atomic", "run_environment"]
 
@@ -148,6 +156,8 @@ class RunWriter:
         # the summary of every row given so far (None: summaries off)
         self._summary: Accumulator | None = Accumulator() if SECTIONS else None
         self._summary_dirty = False  # rows fed since the last record written
+        self.summary_interval_s = SUMMARY_INTERVAL_S  # the least time between two records
+        self._summary_due = 0.0  # time.monotonic() from which the next record may be written
         self._sizes: dict[str, int] = {}  # table file name -> its size after our last write
         self._setup = (world_size, dict(rank_manifest), overwrite)
         # the manifest may be annotated from another thread (live attach) while the training
@@ -354,6 +364,9 @@ class RunWriter:
         summary = self._summary
         if summary is None or not (final or self._summary_dirty):
             return
+        start = time.monotonic()
+        if not final and start < self._summary_due:
+            return  # rows since the last record are read from the files' tails meanwhile
         try:
             record = make_record(final, self._sizes, summary.counts, summary.snapshot())
             data = encode_record(record)
@@ -369,6 +382,12 @@ class RunWriter:
                 self.write_errors.append(message)
             return
         self._summary_dirty = False
+        # the next record no sooner than SUMMARY_INTERVAL_S, nor than SUMMARY_COST_FACTOR times
+        # what this one cost: a large model's record (hundreds of layers) costs tens to
+        # hundreds of milliseconds of the training thread, which a flush every half second
+        # would pay each time
+        spent = time.monotonic() - start
+        self._summary_due = start + max(self.summary_interval_s, SUMMARY_COST_FACTOR * spent)
 
     def flush(self) -> bool:
         """Append all queued rows to their files. Returns False if some rows stay queued.
