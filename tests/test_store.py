@@ -584,3 +584,24 @@ def test_an_unclosed_rank_that_ends_early_is_named(tmp_path: Path):
     for rank, steps in [(0, 400), (1, 150)]:
         write_run(closed, steps=steps, rank=rank, world_size=2, close=True)
     assert not [w for w in load_run(closed).warnings if "stopped early" in w]
+
+
+def test_a_repeated_steps_row_is_counted_once_by_the_summaries_too(tmp_path: Path):
+    """Review of #33: a copied steps row was counted twice by the summaries (201 steps, one
+    repeated) while the loader dropped it and said so: both now keep the first of each."""
+    from amprobe.analysis.scaler import compute_success_rate
+
+    root = write_run(tmp_path / "run", steps=40)
+    path = root / "rank0" / "steps.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    with open(path, "ab") as fh:
+        fh.write(lines[5] + lines[6])
+    run = load_run(root)
+    assert run.summaries()[0]["steps"]["rows"] == 40
+    assert compute_success_rate(run)["step_count"] == 40
+    assert any(
+        "rank 0: 2 repeated record(s) of the same (window, step) in steps.jsonl" in w
+        for w in run.warnings
+    )
+    assert run.summary_sources() == {0: "files"}
+    assert len(run.steps) == 40  # the loader keeps the first of each too

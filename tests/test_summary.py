@@ -250,11 +250,14 @@ def test_a_table_file_the_record_counts_that_is_missing_is_not_trusted(tmp_path:
     ("content", "why"),
     [
         (b"", "empty"),  # a machine crash before the page cache reached the disk
-        (b'{"summary_version": 2, "final": tr', "not valid JSON"),
+        (b'{"summary_version": %d, "final": tr' % SUMMARY_VERSION, "not valid JSON"),
         (b"\xff\xfe{}", "not valid JSON"),
         (b'["an array"]', "not a summary record"),
-        (b'{"summary_version": 2, "final": true, "offsets": [], "rows": {}, "sections": {}}',
-         "not a summary record"),
+        (
+            b'{"summary_version": %d, "final": true, "offsets": [], "rows": {}, "sections": {}}'
+            % SUMMARY_VERSION,
+            "not a summary record",
+        ),
     ],
 )  # fmt: skip
 def test_a_damaged_record_is_rebuilt_from_the_files_with_a_warning(

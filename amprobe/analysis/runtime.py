@@ -128,7 +128,7 @@ def rank_runtime(run: Run) -> dict[int, dict[str, Any]]:
 
 
 def rank_step_counts(run: Run) -> dict[int, int]:
-    """rank -> rows with a valid step (a repeated row counts twice; see the section)."""
+    """rank -> rows with a valid step (each (window, step) once: see the "steps" section)."""
     return {
         rank: int(facts["steps"]["rows"])
         for rank, facts in sorted(run.summaries().items())

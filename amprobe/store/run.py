@@ -449,6 +449,61 @@ def _summarize_rank(
     files: list[tuple[str, str]],
     before: _RankSummary | None = None,
 ) -> _RankSummary:
+    """:func:`_summarize_rank_as_written`, unless the rank's steps rows repeat a (window,
+    step): the sections count every row fed them, the loader keeps the first of each, so
+    such a rank is summarized again from its rows with the repeats dropped (never raises)."""
+    part = _summarize_rank_as_written(info, names, files, before)
+    windows = (part.summary.get("steps") or {}).get("windows") or {}
+    if all(w.get("increasing", True) for w in windows.values()):
+        return part
+    try:
+        return _summarize_rank_unique(info, files, part)
+    except Exception as exc:  # a section that fails on these rows: keep what was read
+        part.warnings.append(f"rank {info.rank}: repeated steps not dropped ({exc})")
+        return part
+
+
+def _summarize_rank_unique(
+    info: RankInfo, files: list[tuple[str, str]], part: _RankSummary
+) -> _RankSummary:
+    """The rank summarized from its files, each (window, step) of ``steps`` kept once (the
+    first row, as :meth:`Run._unique_steps` keeps it)."""
+    acc = Accumulator()
+    warnings = [w for w in part.warnings if "does not match the record files" not in w]
+    ends: dict[str, int] = {}
+    for table, name in files:
+        read = _read_arrow(info.path / name, table, 0)
+        ends[name] = read.next_offset
+        warnings.extend(_read_warnings(info, name, read))
+        if read.table is None or not read.table.num_rows:
+            continue
+        rows = read.table.to_pylist()
+        if table == "steps":
+            seen: set[tuple[Any, Any]] = set()
+            kept = []
+            for row in rows:
+                key = (row.get("window") or 0, row.get("step"))
+                if key[1] is not None and key in seen:
+                    continue
+                seen.add(key)
+                kept.append(row)
+            if len(kept) < len(rows):
+                warnings.append(
+                    f"rank {info.rank}: {len(rows) - len(kept)} repeated record(s) of the same "
+                    "(window, step) in steps.jsonl; the first of each was kept"
+                )
+            rows = kept
+        acc.add(table, rows)
+    return dataclasses.replace(part, summary=acc.snapshot(), source="files", warnings=warnings,
+                               ends=ends)  # fmt: skip
+
+
+def _summarize_rank_as_written(
+    info: RankInfo,
+    names: list[str],
+    files: list[tuple[str, str]],
+    before: _RankSummary | None = None,
+) -> _RankSummary:
     """One rank's summary: its record, and the rows it does not cover (never raises).
     ``names`` are the registered sections' names, ``files`` the (table, file name) pairs of
     the tables they read; ``before``: this rank's summary read earlier, which is continued

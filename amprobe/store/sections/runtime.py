@@ -23,8 +23,10 @@ one), ``first``/``last`` (lowest and highest step) and ``windows`` (``{"<window>
   clip_scaled > 0}``; ``input``: ``{"checked": count, "nonfinite": ranges}``.
 - ``peak_mem_bytes`` / ``rss_bytes``: the largest value, or None.
 
-A repeated row (the same rank, window and step twice) is counted twice here; the loader drops
-such rows and the writer never writes them. A missing key, None and a float NaN all mean "not
+A repeated row (the same rank, window and step twice: a copied file, a retried write) is
+counted twice by a section; the "steps" section then says its window's steps were not
+increasing, and the reader summarizes that rank again from its rows with the repeats dropped,
+as the loader drops them. A missing key, None and a float NaN all mean "not
 measured" (the loader reads an absent value as NaN in its frames).
 """
 
@@ -273,7 +275,10 @@ def _ranges_from(items: list[Any], n: int) -> dict[str, Any]:
 # -- sections ------------------------------------------------------------------------------------
 @section
 class StepsSection(Section):
-    """Row count, lowest and highest step, and each recording window's first and last step."""
+    """Row count, lowest and highest step, and each recording window's first and last step,
+    and whether its rows' steps only went up (``increasing``): a repeated or out-of-order row
+    (a copied file, a retried write) makes it False, and the reader then summarizes that rank
+    from its rows with the repeats dropped, as the loader drops them."""
 
     name: ClassVar[str] = "steps"
     tables: ClassVar[tuple[str, ...]] = ("steps",)
@@ -293,17 +298,22 @@ class StepsSection(Section):
         w = window if isinstance(window, int) and not isinstance(window, bool) else 0
         got = self.windows.get(w)
         if got is None:
-            self.windows[w] = [step, step, 1]
+            # lowest, highest, rows, the first row's step, the last row's, steps increasing
+            self.windows[w] = [step, step, 1, step, step, True]
         else:
             got[0] = min(got[0], step)
             got[1] = max(got[1], step)
             got[2] += 1
+            got[5] = got[5] and step > got[4]
+            got[4] = step
 
     def to_json(self) -> dict[str, Any]:
-        windows = {str(w): {"first": a, "last": b, "rows": n} for w, (a, b, n) in
-                   sorted(self.windows.items())}  # fmt: skip
-        firsts = [a for a, _, _ in self.windows.values()]
-        lasts = [b for _, b, _ in self.windows.values()]
+        windows = {
+            str(w): {"first": a, "last": b, "rows": n, "start": s, "end": e, "increasing": inc}
+            for w, (a, b, n, s, e, inc) in sorted(self.windows.items())
+        }
+        firsts = [v[0] for v in self.windows.values()]
+        lasts = [v[1] for v in self.windows.values()]
         return {
             "rows": self.rows,
             "invalid": self.invalid,
@@ -324,6 +334,8 @@ class StepsSection(Section):
                     first=min(got["first"], v["first"]),
                     last=max(got["last"], v["last"]),
                     rows=got["rows"] + v["rows"],
+                    increasing=got["increasing"] and v["increasing"] and v["start"] > got["end"],
+                    end=v["end"],
                 )
         firsts = [v["first"] for v in windows.values()]
         lasts = [v["last"] for v in windows.values()]

@@ -17,8 +17,9 @@ most :data:`CAP` entries; past that ``complete`` turns false and a reader must t
 rows (``Run.rank_table``) for what the lists would have told. ``ordered`` is false when a
 scaler step's number is not above the previous one's (a rank whose windows restart the step
 count, or a repeated row): the run-length lists then do not say which row came last, and
-readers take that rank's rows too. The loader drops repeated ``(rank, window, step)`` rows; a
-repeated row fed here (the writer never writes one) makes ``ordered`` false.
+readers take that rank's rows too. The loader drops repeated ``(rank, window, step)`` rows; so
+does the reader of the summaries (see the "steps" section), which summarizes a rank whose steps
+repeat again from its rows without the repeats.
 
 Exact aggregates beside them: scaler step and skipped counts, min/max ``scale_after``, the
 length of the leading run of cuts (the calibration), the last growth's row index, the first
