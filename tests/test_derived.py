@@ -405,3 +405,19 @@ def test_diagnose_does_not_import_duckdb(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert not (path / derived.DERIVED_DIR).exists()
+
+
+def test_a_refresh_leaves_the_runs_own_facts_as_they_were(tmp_path: Path, cache: Path) -> None:
+    """Review of #33: a relation's refresh re-read the summaries into the run itself, so one
+    diagnosis or report mixed facts from before and after an append."""
+    from amprobe.analysis.scaler import compute_success_rate
+
+    path = _two_ranks(tmp_path / "run")
+    run = load_run(path)
+    before = compute_success_rate(run)
+    steps = path / "rank1" / "steps.jsonl"
+    with open(steps, "a") as fh:
+        fh.write(json.dumps({"step": 500, "window": 0, "wall_s": 0.5, "skipped": True}) + "\n")
+    last = run.relation("summaries").filter("rank = 1").aggregate("last_step").fetchall()
+    assert last == [(500,)]  # the derived store has the appended row
+    assert compute_success_rate(run) == before  # the run's own facts did not move

@@ -565,7 +565,14 @@ def _json_safe(value: Any) -> Any:
 def _write_summaries(
     run: Run, job: dict[str, Any], out: Path, stats: dict[int, _RankStats]
 ) -> dict[str, Any]:
-    summaries = run.summaries(refresh=True)  # the ranks' files changed since the run read them
+    # the summaries of the files as they are now, read on a copy of the run: the run's own
+    # facts stay those every reader of it has seen (a report or a diagnosis under way must
+    # not change under its feet), only what it read before is reused
+    fresh = dataclasses.replace(
+        run, warnings=[], _tables={}, _events_cache={}, _event_rows={},
+        _derived={k: v for k, v in run._derived.items() if k == "summary_parts"},
+    )  # fmt: skip
+    summaries = fresh.summaries(refresh=True)
     ranks = [info.rank for info in run.ranks]
     n = len(ranks)
     got = [stats.get(r, _RankStats()) for r in ranks]
