@@ -417,7 +417,8 @@ def test_a_refresh_leaves_the_runs_own_facts_as_they_were(tmp_path: Path, cache:
     before = compute_success_rate(run)
     steps = path / "rank1" / "steps.jsonl"
     with open(steps, "a") as fh:
-        fh.write(json.dumps({"step": 500, "window": 0, "wall_s": 0.5, "skipped": True}) + "\n")
+        row = {"step": 500, "window": 0, "wall_s": 0.5, "skipped": True, "scaler_enabled": True}
+        fh.write(json.dumps({**row, "scale_before": 8.0, "scale_after": 4.0}) + "\n")
     last = run.relation("summaries").filter("rank = 1").aggregate("last_step").fetchall()
     assert last == [(500,)]  # the derived store has the appended row
     assert compute_success_rate(run) == before  # the run's own facts did not move
