@@ -422,3 +422,14 @@ def test_a_refresh_leaves_the_runs_own_facts_as_they_were(tmp_path: Path, cache:
     last = run.relation("summaries").filter("rank = 1").aggregate("last_step").fetchall()
     assert last == [(500,)]  # the derived store has the appended row
     assert compute_success_rate(run) == before  # the run's own facts did not move
+
+
+def test_a_cut_parquet_file_is_stale_and_rebuilt(tmp_path: Path, cache: Path) -> None:
+    """Review of #33: a Parquet file left short (a machine crash before it reached the disk)
+    counted as fresh, and every later read failed ("No magic bytes found")."""
+    path = _two_ranks(tmp_path / "run")
+    folder = path / derived.DERIVED_DIR
+    count = load_run(path).relation("steps").aggregate("count(*)").fetchall()
+    steps = folder / "steps.parquet"
+    steps.write_bytes(steps.read_bytes()[:100])
+    assert load_run(path).relation("steps").aggregate("count(*)").fetchall() == count

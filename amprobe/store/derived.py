@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 import time
 from collections import deque
@@ -193,10 +194,22 @@ def is_fresh(folder: Path, sources: dict[str, tuple[int, int]]) -> bool:
         return False
     try:
         built = {k: tuple(v) for k, v in manifest["sources"].items()}
-        files = [folder / str(entry["file"]) for entry in manifest["tables"].values()]
+        files = [
+            (folder / str(entry["file"]), entry.get("bytes"))
+            for entry in manifest["tables"].values()
+        ]
     except (KeyError, TypeError, AttributeError):  # a damaged manifest
         return False
-    return built == sources and all(path.is_file() for path in files)
+    return built == sources and all(_file_of_size(path, size) for path, size in files)
+
+
+def _file_of_size(path: Path, size: Any) -> bool:
+    """``path`` is a regular file of ``size`` bytes (any size when the manifest has none)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and (not isinstance(size, int) or st.st_size == size)
 
 
 # -- job columns -----------------------------------------------------------------------------
@@ -491,8 +504,10 @@ class _Previous:
         this build (the same files, each as long as parsed and still holding those bytes), so
         its Parquet file is kept as it is; else None."""
         entry = self.tables.get(table)
-        if not isinstance(entry, dict) or not (self.folder / str(entry.get("file"))).is_file():
-            return None
+        if not isinstance(entry, dict) or not _file_of_size(
+            self.folder / str(entry.get("file")), entry.get("bytes")
+        ):
+            return None  # gone, or not the file that was written (a crash left it short)
         suffix = "/" + table_filename(table)
         now = {n: run.path / n for n in sources if n.endswith(suffix)}
         before = {n for n in self.parsed if n.endswith(suffix) and n in self.sources}
@@ -648,6 +663,12 @@ def build(
             "file": f"{SUMMARIES}.parquet",
             **_write_summaries(run, job, tmp, stats),
         }
+        # each file on disk before the manifest names it, with its size, so that a file a
+        # machine crash left short reads as stale (rebuilt), not as a store that cannot be read
+        for name, tmp in written.items():
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            entries[name]["bytes"] = tmp.stat().st_size
         manifest = {
             "format": DERIVED_FORMAT,
             "derived_version": DERIVED_VERSION,
