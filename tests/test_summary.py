@@ -556,3 +556,22 @@ def test_records_are_replaced_no_more_often_than_their_interval_and_cost_allow(
     assert path.read_bytes() != first
     w.close({"status": "finished"})
     assert _record(w.rank_dir)["final"] is True
+
+
+def test_a_value_the_file_holds_as_text_is_no_number_to_the_summary(tmp_path: Path) -> None:
+    """Review of #33: numpy scalars given to RunWriter.append are written as text (the
+    encoder's ``default=str``), which the loader reads as missing; the summary counted them."""
+    np = pytest.importorskip("numpy")
+    w = _writer(tmp_path / "r")
+    rows = [
+        {"step": s, "window": 0, "scaler_enabled": True, "skipped": np.bool_(s == 3),
+         "scale_before": np.float32(65536.0), "scale_after": np.float32(65536.0)}
+        for s in range(10)
+    ]  # fmt: skip
+    w.append("steps", rows)
+    w.flush()
+    from_record = load_run(tmp_path / "r").summaries()[0]["scaler"]
+    (w.rank_dir / SUMMARY_FILE).unlink()
+    from_files = load_run(tmp_path / "r").summaries()[0]["scaler"]
+    assert from_record == from_files
+    assert from_record["n"] == 0  # no scale the loader can read

@@ -254,7 +254,7 @@ class RunWriter:
             if not isinstance(rows, (list, tuple)):
                 rows = list(rows)
             try:
-                summary.add(table, rows)
+                summary.add(table, [_as_written(row) for row in rows])
             except Exception as exc:
                 self._summary_failed(exc)
             else:
@@ -463,6 +463,20 @@ class RunWriter:
         except OSError:
             pass
         self._release_reserve()
+
+
+#: The value types the encoder writes as themselves; any other (a numpy scalar, a tensor) is
+#: written as its ``str`` (``default=str``), which the loader reads as missing in a number column.
+_NATIVE = frozenset({type(None), bool, int, float, str, list, dict, tuple})
+
+
+def _as_written(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``row`` as the file will hold it, for the summary: a value of another type than the
+    encoder writes natively becomes its text, as in the file (so a numpy float the file holds
+    as ``"65536.0"`` is no number to the summary either). ``row`` itself when all are native."""
+    if all(type(v) in _NATIVE for v in row.values()):
+        return row
+    return {k: (v if type(v) in _NATIVE else str(v)) for k, v in row.items()}
 
 
 def _encode(lines: list[str]) -> bytes:
