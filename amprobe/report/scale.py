@@ -685,14 +685,7 @@ def make_loss_scale_figure(
             )
         add_loss_bands(fig, steps, row=2, rows=(1,))
     else:
-        fig.add_annotation(
-            text="not recorded: no loss value (capture_loss off?)",
-            showarrow=False,
-            xref="x2 domain",
-            yref="y2 domain",
-            x=0.5,
-            y=0.5,
-        )
+        _no_loss_note(fig)
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
     fig.update_layout(
@@ -834,14 +827,7 @@ def _loss_scale_bands(
         else:
             add_loss_bands(fig, loss_rows, row=2, rows=(1,), n_ranks=len(ranks))
     else:
-        fig.add_annotation(
-            text="not recorded: no loss value (capture_loss off?)",
-            showarrow=False,
-            xref="x2 domain",
-            yref="y2 domain",
-            x=0.5,
-            y=0.5,
-        )
+        _no_loss_note(fig)
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_xaxes(title_text="step", row=2, col=1)
     fig.update_layout(
@@ -953,3 +939,15 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     if len(scaled):
         text.append(_scaled_steps_text(scaled))
     return Section("scale", title, figures=(make_loss_scale_figure(steps),), text=tuple(text))
+
+
+def _no_loss_note(fig: go.Figure) -> None:
+    """Say in the loss panel (row 2) that the run recorded no loss."""
+    fig.add_annotation(
+        text="not recorded: no loss value (capture_loss off?)",
+        showarrow=False,
+        xref="x2 domain",
+        yref="y2 domain",
+        x=0.5,
+        y=0.5,
+    )

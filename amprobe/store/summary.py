@@ -209,6 +209,22 @@ def parse_record(obj: Any) -> dict[str, Any] | None:
     return obj
 
 
+def write_all(fh: Any, data: bytes, path: Path) -> None:
+    """Write all of ``data`` to the unbuffered file ``fh`` (a short write is retried; a write
+    of nothing is a full disk).
+
+    Raises:
+        OSError: it could not (``ENOSPC`` for a full disk), part of ``data`` may be written.
+    """
+    view = memoryview(data)
+    done = 0
+    while done < len(data):
+        n = fh.write(view[done:])
+        if not n:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        done += n
+
+
 def write_record(rank_dir: Path, data: bytes, durable: bool) -> None:
     """Replace ``rank_dir/summary.json`` by ``data`` (one encoded record) atomically: a reader
     sees the old record or the new one, never a mix (a temporary file in the same folder,
@@ -228,13 +244,7 @@ def write_record(rank_dir: Path, data: bytes, durable: bool) -> None:
     tmp = rank_dir / f".{SUMMARY_FILE}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     try:
         with open(tmp, "wb", buffering=0) as fh:
-            view = memoryview(data)
-            done = 0
-            while done < len(data):
-                n = fh.write(view[done:])
-                if not n:
-                    raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
-                done += n
+            write_all(fh, data, tmp)
             if durable:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)

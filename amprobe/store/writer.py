@@ -9,7 +9,6 @@ row replaces ``rankN/summary.json`` with the summary of every row so far (see
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib.metadata
 import json
 import os
@@ -32,6 +31,7 @@ from amprobe.store.summary import (
     Accumulator,
     encode_record,
     make_record,
+    write_all,
     write_record,
 )
 from amprobe.version import __version__
@@ -498,16 +498,10 @@ def _append_lines(path: Path, data: bytes) -> int:
         start = fh.seek(0, os.SEEK_END)
         if start > 0 and os.pread(fh.fileno(), 1, start - 1) != b"\n":
             data = b"\n" + data
-        view = memoryview(data)
-        done = 0
         try:
-            while done < len(data):
-                n = fh.write(view[done:])
-                if not n:
-                    raise OSError(errno.ENOSPC, "No space left on device", str(path))
-                done += n
+            write_all(fh, data, path)
         except OSError:
             with contextlib.suppress(OSError):
                 fh.truncate(start)
             raise
-        return start + done
+        return start + len(data)
