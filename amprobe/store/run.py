@@ -138,41 +138,48 @@ class Run:
         converted to pandas once, so a run of hundreds of ranks loads in seconds.
         """
         if name not in self._tables:
-            held = self._summary_rows(name, self.ranks)
-            todo = [info for info in self.ranks if info.rank not in held]
-            paths = [info.path / table_filename(name) for info in todo]
-            if len(paths) > 1:
-                workers = min(len(paths), os.cpu_count() or 1, 16)
-                with ThreadPoolExecutor(max_workers=workers) as pool:
-                    parts = list(pool.map(lambda p: _read_rank_table(p, name), paths))
-            else:
-                parts = [_read_rank_table(p, name) for p in paths]
-            reads = dict(zip((info.rank for info in todo), parts, strict=True))
-            tables = []
-            rows: list[dict[str, Any]] = []  # consecutive ranks' rows from their summaries
-            row_ranks: list[int] = []
-            for info in self.ranks:
-                if info.rank in held:
-                    got = held[info.rank]
-                    rows.extend(got)
-                    row_ranks.extend([info.rank] * len(got))
-                    continue
-                if rows:
-                    tables.append(_rows_table(name, rows, row_ranks))
-                    rows, row_ranks = [], []
-                read = reads[info.rank]
-                self._warn(_read_warnings(info, table_filename(name), read))
-                part = read.table if isinstance(read, _TableRead) else None
-                if part is not None and part.num_rows:
-                    ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
-                    tables.append(part.add_column(0, "rank", ranks))
+            # the summaries' rows are many small long-lived containers: a collection set off
+            # while reading them would traverse every one (seconds at 4,096 ranks)
+            with _gc_paused():
+                self._tables[name] = self._read_table(name)
+        return self._tables[name]
+
+    def _read_table(self, name: str) -> pd.DataFrame:
+        """:meth:`table` read: the ranks' rows from their summaries or files, as one frame."""
+        held = self._summary_rows(name, self.ranks)
+        todo = [info for info in self.ranks if info.rank not in held]
+        paths = [info.path / table_filename(name) for info in todo]
+        if len(paths) > 1:
+            workers = min(len(paths), os.cpu_count() or 1, 16)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                parts = list(pool.map(lambda p: _read_rank_table(p, name), paths))
+        else:
+            parts = [_read_rank_table(p, name) for p in paths]
+        reads = dict(zip((info.rank for info in todo), parts, strict=True))
+        tables = []
+        rows: list[dict[str, Any]] = []  # consecutive ranks' rows from their summaries
+        row_ranks: list[int] = []
+        for info in self.ranks:
+            if info.rank in held:
+                got = held[info.rank]
+                rows.extend(got)
+                row_ranks.extend([info.rank] * len(got))
+                continue
             if rows:
                 tables.append(_rows_table(name, rows, row_ranks))
-            frame = _to_frame(tables, name)
-            if name == "steps":
-                frame = self._unique_steps(frame)
-            self._tables[name] = frame
-        return self._tables[name]
+                rows, row_ranks = [], []
+            read = reads[info.rank]
+            self._warn(_read_warnings(info, table_filename(name), read))
+            part = read.table if isinstance(read, _TableRead) else None
+            if part is not None and part.num_rows:
+                ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
+                tables.append(part.add_column(0, "rank", ranks))
+        if rows:
+            tables.append(_rows_table(name, rows, row_ranks))
+        frame = _to_frame(tables, name)
+        if name == "steps":
+            frame = self._unique_steps(frame)
+        return frame
 
     def _summary_rows(
         self, name: str, infos: list[RankInfo], read: bool = True
@@ -717,7 +724,8 @@ def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
     for table in sorted(summary_tables()):
         name = table_filename(table)
         read = _read_arrow(folder / name, table)
-        offsets[name] = read.next_offset
+        if read.next_offset or (folder / name).exists():  # as the writer: files it wrote
+            offsets[name] = read.next_offset
         got = read.table
         rows[table] = got.num_rows if got is not None else 0
         if got is not None and got.num_rows:

@@ -130,10 +130,10 @@ def table_rows(summary: Mapping[str, Any], table: str) -> list[dict[str, Any]] |
     """A rank's rows of ``table`` from its summary: [] when it had none, None when the summary
     does not hold them all (incomplete, or a summary without this section)."""
     sec = summary.get(TablesSection.name)
-    if not isinstance(sec, Mapping):
+    if not isinstance(sec, dict):
         return None
     entry = sec.get(table)
     if entry is None:
         return []
-    rows = entry.get("rows") if isinstance(entry, Mapping) else None
+    rows = entry.get("rows") if isinstance(entry, dict) else None
     return rows if isinstance(rows, list) else None
