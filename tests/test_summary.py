@@ -138,7 +138,7 @@ def _read(run: Path) -> tuple[dict[str, Any], str, list[str]]:
 def test_a_snapshot_leaves_the_sections_as_they_are() -> None:
     acc = Accumulator()
     acc.add("steps", _steps(0, 3))
-    acc.add("gpu", [{"t": 1.0}])  # no section reads it: not counted
+    acc.add("syncs", [{"step": 1}])  # no section reads it: not counted
     first = json.dumps(acc.snapshot())
     assert json.dumps(acc.snapshot()) == first
     acc.add("steps", _steps(3, 5))
@@ -163,13 +163,13 @@ def test_each_flush_replaces_one_cumulative_record_and_close_marks_it_final(
         assert record["sections"][NAME]["steps"] == list(range(b))
     assert "chunk" not in record
     inode = (rank_dir / SUMMARY_FILE).stat().st_ino
-    w.append("gpu", [{"t": 1.0}])  # a table no section reads: the record is not rewritten
+    w.append("syncs", [{"step": 1}])  # a table no section reads: the record is not rewritten
     assert w.flush()
     assert (rank_dir / SUMMARY_FILE).stat().st_ino == inode
     w.close({"status": "finished"})
     record = _record(rank_dir)
     assert record["final"] is True
-    assert record["offsets"]["gpu.jsonl"] == (rank_dir / "gpu.jsonl").stat().st_size
+    assert record["offsets"]["syncs.jsonl"] == (rank_dir / "syncs.jsonl").stat().st_size
     assert record["rows"] == {"steps": 30, "events": 30}
     assert record["sections"][NAME] == _from_files(rank_dir)
     assert sorted(p.name for p in rank_dir.iterdir() if "summary" in p.name) == [SUMMARY_FILE]
@@ -395,7 +395,7 @@ def test_a_record_that_cannot_be_written_leaves_the_last_one(
     monkeypatch.setattr(writer_mod, "write_record", full)
     _chunks(w, [10, 20])  # rows written, record not: flush still reports the rows written
     assert _record(w.rank_dir)["rows"] == {"steps": 10, "events": 10}
-    w.append("gpu", [{"t": 1.0}])  # no new row a section reads, but a record to write
+    w.append("syncs", [{"step": 1}])  # no new row a section reads, but a record to write
     assert w.flush()
     assert _record(w.rank_dir)["rows"] == {"steps": 20, "events": 20}
     _chunks(w, [20, 30])

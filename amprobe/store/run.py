@@ -44,6 +44,7 @@ from amprobe.store.layout import (
     status_of,
     table_filename,
 )
+from amprobe.store.sections.tables import SMALL_TABLES, table_rows
 from amprobe.store.summary import (
     SECTIONS,
     SUMMARY_FILE,
@@ -137,25 +138,91 @@ class Run:
         converted to pandas once, so a run of hundreds of ranks loads in seconds.
         """
         if name not in self._tables:
-            paths = [info.path / table_filename(name) for info in self.ranks]
-            if len(paths) > 1:
-                workers = min(len(paths), os.cpu_count() or 1, 16)
-                with ThreadPoolExecutor(max_workers=workers) as pool:
-                    parts = list(pool.map(lambda p: _read_rank_table(p, name), paths))
-            else:
-                parts = [_read_rank_table(p, name) for p in paths]
-            tables = []
-            for info, read in zip(self.ranks, parts, strict=True):
-                self._warn(_read_warnings(info, table_filename(name), read))
-                part = read.table if isinstance(read, _TableRead) else None
-                if part is not None and part.num_rows:
-                    ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
-                    tables.append(part.add_column(0, "rank", ranks))
-            frame = _to_frame(tables, name)
-            if name == "steps":
-                frame = self._unique_steps(frame)
-            self._tables[name] = frame
+            # the summaries' rows are many small long-lived containers: a collection set off
+            # while reading them would traverse every one (seconds at 4,096 ranks)
+            with _gc_paused():
+                self._tables[name] = self._read_table(name)
         return self._tables[name]
+
+    def _read_table(self, name: str) -> pd.DataFrame:
+        """:meth:`table` read: the ranks' rows from their summaries or files, as one frame."""
+        held = self._summary_rows(name, self.ranks)
+        todo = [info for info in self.ranks if info.rank not in held]
+        paths = [info.path / table_filename(name) for info in todo]
+        if len(paths) > 1:
+            workers = min(len(paths), os.cpu_count() or 1, 16)
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                parts = list(pool.map(lambda p: _read_rank_table(p, name), paths))
+        else:
+            parts = [_read_rank_table(p, name) for p in paths]
+        reads = dict(zip((info.rank for info in todo), parts, strict=True))
+        tables = []
+        rows: list[dict[str, Any]] = []  # consecutive ranks' rows from their summaries
+        row_ranks: list[int] = []
+        for info in self.ranks:
+            if info.rank in held:
+                got = held[info.rank]
+                rows.extend(got)
+                row_ranks.extend([info.rank] * len(got))
+                continue
+            if rows:
+                tables.append(_rows_table(name, rows, row_ranks))
+                rows, row_ranks = [], []
+            read = reads[info.rank]
+            self._warn(_read_warnings(info, table_filename(name), read))
+            part = read.table if isinstance(read, _TableRead) else None
+            if part is not None and part.num_rows:
+                ranks = pa.array(np.full(part.num_rows, info.rank, dtype=np.int64))
+                tables.append(part.add_column(0, "rank", ranks))
+        if rows:
+            tables.append(_rows_table(name, rows, row_ranks))
+        frame = _to_frame(tables, name)
+        if name == "steps":
+            frame = self._unique_steps(frame)
+        return frame
+
+    def _summary_rows(
+        self, name: str, infos: list[RankInfo], read: bool = True
+    ) -> dict[int, list[dict[str, Any]]]:
+        """Rank -> its rows of the small table ``name`` (:mod:`amprobe.store.sections.tables`)
+        from its summary, for the ranks of ``infos`` whose summary holds every row of the table
+        and covers the table's whole file (the file ends where the summary's rows end: a tail
+        written after the record was summarized too, and went through the section); the other
+        ranks are read from their files (with the loader's warnings).
+
+        What this trusts is what every summary section trusts: a record holds the rows the
+        writer wrote, in file order. A line damaged on disk after the record was written is
+        not seen here (the loader would drop it and warn); a rank summarized from its files
+        holds the rows the loader read, its warnings given when the summaries were read.
+        Used for the four small tables only, once the summaries were read (``table`` reads
+        them: ``diagnose`` reads them anyway; ``rank_table`` uses them only when read)."""
+        if name not in SMALL_TABLES or not infos:
+            return {}
+        if "summary_parts" not in self._derived:
+            if not read:
+                return {}
+            if not any(info.path.is_dir() for info in infos):
+                return {}  # a run held in memory (tests' fake runs): no files, no records
+            self.summaries()
+        parts: dict[int, _RankSummary] = self._derived.get("summary_parts") or {}
+        filename = table_filename(name)
+        out: dict[int, list[dict[str, Any]]] = {}
+        for info in infos:
+            part = parts.get(info.rank)
+            if part is None or part.ends is None or part.source == "unreadable":
+                continue
+            rows = table_rows(part.summary, name)
+            if rows is None:
+                continue
+            try:
+                size = os.stat(f"{info.path}/{filename}").st_size
+            except FileNotFoundError:
+                size = 0
+            except OSError:
+                continue
+            if size == part.ends.get(filename, 0):
+                out[info.rank] = rows
+        return out
 
     def _warn(self, lines: str | list[str]) -> None:
         """Add loading warnings once each (a rank's file may be read alone, then with all)."""
@@ -230,7 +297,11 @@ class Run:
         if key not in self._derived:
             info = next((i for i in self.ranks if i.rank == rank), None)
             tables = []
-            if info is not None:
+            held = self._summary_rows(name, [info], read=False) if info is not None else {}
+            if info is not None and rank in held:
+                if held[rank]:
+                    tables.append(_rows_table(name, held[rank], [rank] * len(held[rank])))
+            elif info is not None:
                 read = _read_rank_table(info.path / table_filename(name), name)
                 self._warn(_read_warnings(info, table_filename(name), read))
                 part = read.table if isinstance(read, _TableRead) else None
@@ -347,6 +418,14 @@ class _RankSummary:
     ends: dict[str, int] | None = None
     #: ``summary.json``'s (size, mtime_ns, inode) when it was read (None: there was none)
     record_key: tuple[int, int, int] | None = None
+
+
+def _rows_table(name: str, rows: list[dict[str, Any]], ranks: list[int]) -> pa.Table:
+    """Rows of a small table kept by the summaries as the arrow table the file parser gives
+    (the schema's columns and types), with the ``rank`` column first."""
+    arrow_schema = jsonl._arrow_schema(name)
+    table = pa.Table.from_pylist(rows, schema=arrow_schema)
+    return table.add_column(0, "rank", pa.array(np.asarray(ranks, dtype=np.int64)))
 
 
 def _record_key(folder: str) -> tuple[int, int, int] | None:
@@ -700,7 +779,8 @@ def write_rank_summary(rank_dir: str | os.PathLike[str]) -> dict[str, Any]:
     for table in sorted(summary_tables()):
         name = table_filename(table)
         read = _read_arrow(folder / name, table)
-        offsets[name] = read.next_offset
+        if read.next_offset or (folder / name).exists():  # as the writer: files it wrote
+            offsets[name] = read.next_offset
         got = read.table
         rows[table] = got.num_rows if got is not None else 0
         if got is not None and got.num_rows:

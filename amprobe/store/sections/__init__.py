@@ -10,4 +10,5 @@ from amprobe.store.sections import (
     numerics,  # noqa: F401
     runtime,  # noqa: F401
     scaler,  # noqa: F401
+    tables,  # noqa: F401
 )
