@@ -8,6 +8,7 @@ Data comes from the ``numerics`` collector: the ``numerics`` and ``offenders`` t
 from __future__ import annotations
 
 import json
+import marshal
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -477,6 +478,16 @@ def _nonfinite_weights_finding(
     )
 
 
+def _data_key(value: Any) -> bytes | str:
+    """A key equal for two plain values (dicts, lists, numbers, strings, as a summary section
+    loads) only when they are equal, order included: their ``marshal`` bytes (a fifth of the
+    time of ``repr``), or ``repr`` for a value marshal cannot write."""
+    try:
+        return marshal.dumps(value)
+    except ValueError:
+        return repr(value)
+
+
 @rule(
     "AMP-N06",
     "grad-underflow",
@@ -512,9 +523,16 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     if "float16" not in autocast_dtypes(run):
         return
     th = ctx.thresholds
+    # computed once per class of ranks whose sections are equal (the key is the section's data:
+    # equal bytes load back to equal values, and data-parallel ranks mostly record the same)
+    by_class: dict[bytes | str, Any] = {}
     for rank in sorted(run.summaries()):
         section = numerics_section(run, rank)
-        rows, hint, facts = gradient_underflow_rows(section, th["scale_margin"])
+        key = _data_key(section)
+        if key not in by_class:
+            by_class[key] = gradient_underflow_rows(section, th["scale_margin"])
+        rows, hint, facts = by_class[key]
+        hint = dict(hint) if hint is not None else None  # each finding holds its own
         # (key, share, share at the hint) of the layers over the threshold, worst first (a
         # stable sort: ties keep the order of first appearance); a layer with nothing nonzero
         # has no share
