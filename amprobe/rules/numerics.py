@@ -8,7 +8,6 @@ Data comes from the ``numerics`` collector: the ``numerics`` and ``offenders`` t
 from __future__ import annotations
 
 import json
-import marshal
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -42,7 +41,7 @@ from amprobe.rules.data import (
     step_ranges,
     steps_list,
 )
-from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.engine import Finding, RuleContext, data_key, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
 from amprobe.store.sections.numerics import step_facts
@@ -478,16 +477,6 @@ def _nonfinite_weights_finding(
     )
 
 
-def _data_key(value: Any) -> bytes | str:
-    """A key equal for two plain values (dicts, lists, numbers, strings, as a summary section
-    loads) only when they are equal, order included: their ``marshal`` bytes (a fifth of the
-    time of ``repr``), or ``repr`` for a value marshal cannot write."""
-    try:
-        return marshal.dumps(value)
-    except ValueError:
-        return repr(value)
-
-
 @rule(
     "AMP-N06",
     "grad-underflow",
@@ -528,7 +517,7 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     by_class: dict[bytes | str, Any] = {}
     for rank in sorted(run.summaries()):
         section = numerics_section(run, rank)
-        key = _data_key(section)
+        key = data_key(section)
         if key not in by_class:
             by_class[key] = gradient_underflow_rows(section, th["scale_margin"])
         rows, hint, facts = by_class[key]
