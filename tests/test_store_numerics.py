@@ -91,3 +91,19 @@ def test_listed_runs_cover_the_evidence_lists() -> None:
     from amprobe.store.sections.numerics import MAX_LISTED
 
     assert MAX_LISTED >= MAX_LISTED_STEPS
+
+
+def test_whatif_per_class_of_ranks_equals_each_rank_worked_out() -> None:
+    """Ranks of two classes (equal sections, as copies): each rank's rows are those of its own
+    section, in rank order, as when every rank is worked out on its own."""
+    import copy
+
+    from amprobe.analysis.whatif import _whatif_from_summaries
+
+    a = load_run(SAMPLES / "fp8-whatif").summaries()
+    b = load_run(SAMPLES / "overflow").summaries()
+    one, two = a[min(a)], b[min(b)]
+    summaries = {r: copy.deepcopy(one if r in (0, 2, 3) else two) for r in range(5)}
+    per_class = compute_whatif_summaries(summaries)
+    assert set(per_class["rank"]) == set(range(5))
+    pd.testing.assert_frame_equal(per_class, _whatif_from_summaries(summaries))

@@ -58,6 +58,7 @@ than ``L``. ``edge = E + N + L`` therefore bounds every class's error;
 from __future__ import annotations
 
 import dataclasses
+import marshal
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -677,6 +678,42 @@ def summary_layer_order(summaries: dict[int, dict[str, Any]]) -> dict[str, int]:
 
 
 def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame:
+    """:func:`_whatif_from_summaries` worked out once per class of ranks with equal ``numerics``
+    sections (the key is the section's data: equal ``marshal`` bytes load back to equal
+    values, never the file), each other rank of a class given its representative's rows.
+
+    Exact: a rank's rows are a function of its own section and the layer order; the order,
+    taken from the lowest rank at which each layer appears, is the same from the lowest rank
+    of each class (a layer's first rank is the lowest of its class)."""
+    rep_of: dict[int, int] = {}
+    first_of: dict[bytes | str, int] = {}
+    for rank in sorted(summaries):
+        section = summaries[rank].get("numerics") or {}
+        try:
+            key: bytes | str = marshal.dumps(section)
+        except ValueError:  # not plain values (marshal cannot write them)
+            key = repr(section)
+        rep_of[rank] = first_of.setdefault(key, rank)
+    if len(first_of) == len(summaries):
+        return _whatif_from_summaries(summaries)
+    frame = _whatif_from_summaries({r: summaries[r] for r in first_of.values()})
+    if frame.empty:
+        return frame
+    rank_col = frame["rank"].to_numpy()
+    bounds = np.flatnonzero(np.diff(rank_col)) + 1  # a rank's rows are contiguous
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [len(rank_col)]])
+    rows_of = {int(rank_col[a]): np.arange(a, b) for a, b in zip(starts, ends, strict=True)}
+    empty = np.zeros(0, dtype=np.int64)
+    parts = [rows_of.get(rep_of[rank], empty) for rank in sorted(summaries)]
+    index = np.concatenate(parts)
+    ranks = np.repeat(np.array(sorted(summaries), dtype=np.int64), [len(p) for p in parts])
+    out = frame.iloc[index].reset_index(drop=True)
+    out["rank"] = ranks.astype(frame["rank"].dtype)
+    return out
+
+
+def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame:
     """:func:`compute_whatif_frame` from the ranks' ``numerics`` summary sections
     (:mod:`amprobe.store.sections.numerics`): the same frame, built from each layer's
     histograms summed per (dtype, amax class, top binade) instead of from every sampled row.

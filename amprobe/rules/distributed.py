@@ -27,7 +27,14 @@ from amprobe.analysis.runtime import (
 )
 from amprobe.analysis.scaler import scale_trajectory_classes, scaler_summaries
 from amprobe.rules.data import step_ranges, steps_list
-from amprobe.rules.engine import Finding, RuleContext, format_ranks, requirement, rule
+from amprobe.rules.engine import (
+    Finding,
+    RuleContext,
+    data_key,
+    format_ranks,
+    requirement,
+    rule,
+)
 from amprobe.rules.refs import DATA_LOADING, MULTI_GPU_EXAMPLE
 from amprobe.store.loader import Run
 from amprobe.store.sections.runtime import Ranges
@@ -275,8 +282,19 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     if len(eligible) < 2:
         return
     ranks = np.asarray(eligible)
-    hists_of = {m: [timed_hist(runtimes[r], m, warmup) for r in eligible] for m in ("wall", "wait")}
-    walls = np.asarray([_median_or_nan(h) for h in hists_of["wall"]])
+    # each histogram and its median worked out once per class of ranks with equal runtime
+    # sections (the key is the section's data); ranks of a class share them (read only)
+    keys = [data_key(runtimes[r]) for r in eligible]
+    made: dict[tuple[Any, str], dict[str, Any]] = {}
+    for m in ("wall", "wait"):
+        for r, key in zip(eligible, keys, strict=True):
+            if (key, m) not in made:
+                made[key, m] = timed_hist(runtimes[r], m, warmup)
+    hists_of = {m: [made[key, m] for key in keys] for m in ("wall", "wait")}
+    median_memo: dict[int, float | None] = {id(h): median_of(h) for h in made.values()}
+    walls = np.asarray(
+        [np.nan if (v := median_memo[id(h)]) is None else v for h in hists_of["wall"]]
+    )
     for column, metric, label in (
         ("wall_s", "wall", "step time"),
         ("data_wait_s", "wait", "data-loader wait"),
@@ -288,7 +306,7 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
         shared_count = sum(b - a + 1 for a, b in shared)
         if shared_count < max(1, th["min_steps"]):
             continue
-        medians = np.asarray([median_of(h) for h in hists], dtype=float)
+        medians = np.asarray([median_memo[id(h)] for h in hists], dtype=float)
         others = compute_others_median(medians[None, :])[0]
         excess = medians - others
         floor = np.full(len(ranks), float(th["min_excess_s"]))
@@ -362,11 +380,6 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
                 "device (thermal throttling, a different GPU model)."
             ),
         )
-
-
-def _median_or_nan(hist: dict[str, Any]) -> float:
-    median = median_of(hist)
-    return float("nan") if median is None else median
 
 
 def _shared_steps(ranges: list[Any], warmup: int) -> list[list[int]]:

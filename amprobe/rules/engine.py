@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import marshal
 import re
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -395,6 +396,17 @@ def rank_fields(ranks: Iterable[int]) -> dict[str, Any]:
     }
 
 
+def data_key(value: Any) -> bytes | str:
+    """A key equal for two plain values (dicts, lists, numbers, strings, as a summary section
+    loads) only when they are equal, order included: their ``marshal`` bytes (a fifth of the
+    time of ``repr``), or ``repr`` for a value marshal cannot write. Rules judge once per class
+    of ranks keyed by the data they read, never by file identity."""
+    try:
+        return marshal.dumps(value)
+    except ValueError:
+        return repr(value)
+
+
 def _rank_of(finding: Finding) -> int | None:
     """The rank a finding is about: its ``evidence["rank"]``, unless it already names several."""
     rank = finding.evidence.get("rank")
@@ -535,12 +547,31 @@ def group_rank_findings(
     """
     groups: dict[tuple[Any, ...], list[Finding]] = {}
     order: list[tuple[Any, ...] | int] = []
+    # each finding's layer names, and each (text, names) template, worked out once: thousands
+    # of ranks' findings mostly share their words (the findings live through the call, so
+    # their ids stay theirs)
+    names_of: dict[int, frozenset[str]] = {}
+    templates: dict[tuple[str, frozenset[str]], tuple[str, list[str]]] = {}
+
+    def layer_names(f: Finding) -> frozenset[str]:
+        if id(f) not in names_of:
+            names_of[id(f)] = frozenset(_layer_names(f.evidence))
+        return names_of[id(f)]
+
+    def template(text: str, names: frozenset[str] = frozenset()) -> tuple[str, list[str]]:
+        """:func:`_template` (its words a fresh list for each caller)."""
+        key = (text, names)
+        if key not in templates:
+            templates[key] = _template(text, names)
+        done = templates[key]
+        return done[0], list(done[1])
+
     for i, f in enumerate(findings):
         if _rank_of(f) is None:
             order.append(i)
             continue
-        names = _layer_names(f.evidence)
-        key = (f.id, f.severity, _template(f.title, names)[0], _template(f.fix, names)[0])
+        names = layer_names(f)
+        key = (f.id, f.severity, template(f.title, names)[0], template(f.fix, names)[0])
         if key not in groups:
             groups[key] = []
             order.append(key)
@@ -560,14 +591,18 @@ def group_rank_findings(
         group = groups[item]
         ranks = [_rank_of(f) for f in group]
         if len(set(ranks)) == len(ranks):
-            out += _merge_group(group, True, name_rank, every, with_id.get(group[0].id))
+            out += _merge_group(
+                group, True, name_rank, every, with_id.get(group[0].id), layer_names, template
+            )
             continue
         # a rank with several of this kind (one per layer): merge only the same layers' findings
         split: dict[tuple[str, str], list[Finding]] = {}
         for f in group:
-            split.setdefault((_template(f.title)[0], _template(f.fix)[0]), []).append(f)
+            split.setdefault((template(f.title)[0], template(f.fix)[0]), []).append(f)
         for part in split.values():
-            out += _merge_group(part, False, name_rank, every, with_id.get(part[0].id))
+            out += _merge_group(
+                part, False, name_rank, every, with_id.get(part[0].id), layer_names, template
+            )
     return out
 
 
@@ -577,16 +612,20 @@ def _merge_group(
     name_rank: bool,
     every: list[int] | None,
     with_id: set[int] | None = None,
+    layer_names: Callable[[Finding], Iterable[str]] = lambda f: _layer_names(f.evidence),
+    template: Callable[..., tuple[str, list[str]]] = _template,
 ) -> list[Finding]:
     """:func:`group_rank_findings` for one kind: ``group`` holds findings of one template (with
     the layer names set aside when ``by_name``); ``with_id``: the ranks with any finding of
-    this rule, in this group or another."""
+    this rule, in this group or another; ``layer_names`` and ``template``:
+    :func:`_layer_names` of a finding's evidence and :func:`_template` (the caller's cached
+    ones)."""
     members = []
     title_t = fix_t = ""
     for f in sorted(group, key=lambda f: _rank_of(f) or 0):
-        names = _layer_names(f.evidence) if by_name else ()
-        title_t, title_words = _template(f.title, names)
-        fix_t, fix_words = _template(f.fix, names)
+        names = layer_names(f) if by_name else frozenset()
+        title_t, title_words = template(f.title, names)
+        fix_t, fix_words = template(f.fix, names)
         members.append((f, title_words, fix_words))
     ranks = [_rank_of(f) or 0 for f, _, _ in members]
     if len(group) == 1 or len(set(ranks)) < len(ranks):
@@ -604,7 +643,8 @@ def _merge_group(
         first = members[major[0]][0]
         title = _merge_numbers(title_t, [members[major[0]][1]])
         title += f" on {len(major):,} of {len(total):,} ranks"
-        others = [i for i in range(len(members)) if i not in set(major)]
+        in_major = set(major)
+        others = [i for i in range(len(members)) if i not in in_major]
         if others:
             title += f"; {_differ_text([ranks[i] for i in others])}: "
             title += _merge_numbers(title_t, [members[i][1] for i in others])
@@ -623,11 +663,23 @@ def _merge_group(
     evidence: dict[str, Any] = {**first.evidence, "rank": _rank_of(first), **rank_fields(ranks)}
     keys = [k for k in first.evidence if k != "rank"]
     keys += [k for f in found for k in f.evidence if k != "rank" and k not in keys]
-    differ = [
-        k
-        for k in dict.fromkeys(keys)
-        if len({json.dumps(f.evidence.get(k), sort_keys=True, default=str) for f in found}) > 1
-    ]
+
+    def differs(k: str) -> bool:
+        values = [f.evidence.get(k) for f in found]
+        if all(v is values[0] for v in values):
+            return False  # one object (findings copied per class of ranks): written alike
+        # JSON written once per distinct value: equal marshal bytes load back to equal values
+        texts: set[str] = set()
+        distinct: dict[bytes, Any] = {}
+        for v in values:
+            try:
+                distinct.setdefault(marshal.dumps(v), v)
+            except ValueError:  # not a plain value (marshal cannot write it)
+                texts.add(json.dumps(v, sort_keys=True, default=str))
+        texts |= {json.dumps(v, sort_keys=True, default=str) for v in distinct.values()}
+        return len(texts) > 1
+
+    differ = [k for k in dict.fromkeys(keys) if differs(k)]
     if differ:
         evidence.update(_by_rank(found, ranks, differ))
     return [dataclasses.replace(first, title=title, fix=fix, evidence=evidence)]

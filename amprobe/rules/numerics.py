@@ -41,7 +41,7 @@ from amprobe.rules.data import (
     step_ranges,
     steps_list,
 )
-from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.engine import Finding, RuleContext, data_key, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
 from amprobe.store.sections.numerics import step_facts
@@ -512,9 +512,16 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     if "float16" not in autocast_dtypes(run):
         return
     th = ctx.thresholds
+    # computed once per class of ranks whose sections are equal (the key is the section's data:
+    # equal bytes load back to equal values, and data-parallel ranks mostly record the same)
+    by_class: dict[bytes | str, Any] = {}
     for rank in sorted(run.summaries()):
         section = numerics_section(run, rank)
-        rows, hint, facts = gradient_underflow_rows(section, th["scale_margin"])
+        key = data_key(section)
+        if key not in by_class:
+            by_class[key] = gradient_underflow_rows(section, th["scale_margin"])
+        rows, hint, facts = by_class[key]
+        hint = dict(hint) if hint is not None else None  # each finding holds its own
         # (key, share, share at the hint) of the layers over the threshold, worst first (a
         # stable sort: ties keep the order of first appearance); a layer with nothing nonzero
         # has no share

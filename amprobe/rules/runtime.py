@@ -17,7 +17,7 @@ from amprobe.analysis.runtime import (
     training_samples,
 )
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes
-from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.engine import Finding, RuleContext, data_key, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, DATA_LOADING, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
 
@@ -84,8 +84,13 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
     gpu = ctx.run.table("gpu")
     gpu_reason = gpu_unavailable_reason(ctx.run)
     out = []
+    # once per class of ranks with equal runtime sections (the key is the section's data)
+    waits_of: dict[bytes | str, dict[str, Any] | None] = {}
     for rank, runtime in rank_runtime(ctx.run).items():
-        wait = summary_data_wait(runtime, skip)
+        key = data_key(runtime)
+        if key not in waits_of:
+            waits_of[key] = summary_data_wait(runtime, skip)
+        wait = waits_of[key]
         if wait is None or wait["measured_step_count"] < th["min_steps"]:
             continue
         util = None
