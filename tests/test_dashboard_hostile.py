@@ -625,7 +625,7 @@ def test_a_failing_callback_says_so_in_the_page_never_raises_into_dash(
     monkeypatch.setattr(callbacks_mod, "make_compare_figure", _fails_once(broken))
     _, note = callbacks.compare_runs(ctx, "healthy", "overflow")
     assert "ZeroDivisionError: odd data" in note
-    monkeypatch.setattr(callbacks_mod, "scale_events", broken)
+    monkeypatch.setattr(layout, "scale_change_rows", broken)
     rows = callbacks.page_table(ctx, "overflow", layout.LOSS_SCALE_TABLE, 1)
     assert "ZeroDivisionError: odd data" in " ".join(texts(rows))
     for key in ("numerics/\u00b2", "numerics/99999999", "nosuch/0"):  # a client sends any id
