@@ -281,11 +281,13 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     from amprobe.analysis.whatif import compute_whatif
     from amprobe.report import render_json, render_markdown, render_text
     from amprobe.report.whatif_json import whatif_json
+    from amprobe.store.run import gc_paused
 
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
     if args.format == "json":
-        whatif = whatif_json(compute_whatif(run), diagnosis.thresholds)
+        with gc_paused():  # the what-if of thousands of ranks: see amprobe.diagnose
+            whatif = whatif_json(compute_whatif(run), diagnosis.thresholds)
         sys.stdout.write(render_json(diagnosis, {"whatif": whatif}))
     elif args.format == "markdown":
         sys.stdout.write(render_markdown(diagnosis))
@@ -300,10 +302,12 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from amprobe.report import write_report
+    from amprobe.store.run import gc_paused
 
     run = _load(args.run)
     diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
-    path = write_report(run, diagnosis, args.output)
+    with gc_paused():  # the sections of thousands of ranks: see amprobe.diagnose
+        path = write_report(run, diagnosis, args.output)
     print(f"report written to {path}")
     return 0
 

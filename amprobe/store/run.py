@@ -140,7 +140,7 @@ class Run:
         if name not in self._tables:
             # the summaries' rows are many small long-lived containers: a collection set off
             # while reading them would traverse every one (seconds at 4,096 ranks)
-            with _gc_paused():
+            with gc_paused():
                 self._tables[name] = self._read_table(name)
         return self._tables[name]
 
@@ -454,7 +454,7 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
     def one(info: RankInfo) -> _RankSummary:
         return _summarize_rank(info, names, files, before.get(info.rank))
 
-    with _gc_paused():
+    with gc_paused():
         if len(infos) > 1:
             # threads overlap the file system's waits (a cold cache, a network file system)
             workers = min(len(infos), os.cpu_count() or 1, 16)
@@ -509,8 +509,8 @@ def _summaries_in_memory(run: Run) -> dict[int, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: reading thousands of records allocates hundreds
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused (and set back as it was after; safe to nest): reading thousands of records allocates hundreds
     of thousands of small acyclic containers, and the collections they set off traverse every
     record read before (a third of the CPU time at 4,096 ranks). Nothing read is cyclic."""
     enabled = gc.isenabled()
