@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -231,6 +232,19 @@ def _build_runtime_section_many(run: Run, steps: StepsRelation, title: str) -> S
             missing="step timing was not recorded (enable the 'runtime' collector)",
         )
     gpu = StepsRelation(run.relation("gpu"))
+    syncs = (lambda: run.relation("syncs").df()) if _sync_sampled(steps) else None
+    return _runtime_section(run, title, steps, gpu, syncs)
+
+
+def _runtime_section(
+    run: Run,
+    title: str,
+    steps: Any,
+    gpu: Any,
+    syncs: Callable[[], pd.DataFrame] | None,
+) -> Section:
+    """The runtime section of ``steps`` (a frame, or a relation of many ranks) and ``gpu``;
+    ``syncs`` reads the syncs table, None when no step was sync-sampled."""
     text = []
     reason = gpu_unavailable_reason(run)
     if reason:
@@ -238,9 +252,9 @@ def _build_runtime_section_many(run: Run, steps: StepsRelation, title: str) -> S
     tables: list[tuple[str, pd.DataFrame]] = [
         ("Median time per step (host clock)", make_phase_table(steps))
     ]
-    if _sync_sampled(steps):
-        syncs = run.relation("syncs").df()
-        tables.append((_sync_caption(syncs), make_sync_table(steps, syncs)))
+    if syncs is not None:
+        rows = syncs()
+        tables.append((_sync_caption(rows), make_sync_table(steps, rows)))
     else:
         text.append("Host-device syncs were not counted (syncs_every=0 or no sampled step).")
     return Section(
@@ -276,23 +290,6 @@ def build_runtime_section(run: Run, diagnosis: Diagnosis) -> Section:
             title,
             missing="step timing was not recorded (enable the 'runtime' collector)",
         )
-    gpu = run.table("gpu")
-    syncs = run.table("syncs")
-    text = []
-    reason = gpu_unavailable_reason(run)
-    if reason:
-        text.append(f"GPU utilization not recorded: {reason}.")
-    tables: list[tuple[str, pd.DataFrame]] = [
-        ("Median time per step (host clock)", make_phase_table(steps))
-    ]
-    if steps["syncs_sampled"].fillna(False).astype(bool).any():
-        tables.append((_sync_caption(syncs), make_sync_table(steps, syncs)))
-    else:
-        text.append("Host-device syncs were not counted (syncs_every=0 or no sampled step).")
-    return Section(
-        "runtime",
-        title,
-        figures=(make_runtime_figure(steps, gpu),),
-        tables=tuple(tables),
-        text=tuple(text),
-    )
+    sampled = steps["syncs_sampled"].fillna(False).astype(bool).any()
+    syncs = (lambda: run.table("syncs")) if sampled else None
+    return _runtime_section(run, title, steps, run.table("gpu"), syncs)

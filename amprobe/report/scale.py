@@ -584,7 +584,6 @@ def make_loss_scale_figure(
         max_points: points kept per drawn series.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
-    from plotly.subplots import make_subplots
 
     if isinstance(steps, StepsRelation):
         return _loss_scale_relation_figure(steps, max_points)
@@ -592,14 +591,7 @@ def make_loss_scale_figure(
     has_loss = loss_recorded(steps)
     if rows.empty and not has_loss:
         return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.08,
-        row_heights=[0.6, 0.4],
-        subplot_titles=("loss scale (log)", "loss"),
-    )
+    fig = _scale_loss_subplots()
     ranks = run_ranks(steps)
     multi = len(ranks) > 1
     if many_ranks(ranks):
@@ -697,19 +689,11 @@ def make_loss_scale_figure(
     return fig
 
 
-def _loss_scale_relation_figure(steps: StepsRelation, max_points: int) -> go.Figure:
-    """:func:`make_loss_scale_figure` of a run of many ranks from its derived store: the
-    bands from one query per series, the skipped steps, scale changes and NaN/inf losses
-    from the few rows that hold them (:func:`event_rows`)."""
+def _scale_loss_subplots() -> go.Figure:
+    """The loss-scale figure's two panels: the scale (log) above, the loss below."""
     from plotly.subplots import make_subplots
 
-    events = event_rows(steps)
-    scaled = steps.filtered(SCALER_ROWS_SQL)
-    has_scale = scaled.has("scale_before")
-    has_loss = steps.has("loss") or bool(nonfinite_loss_spans(events))
-    if not has_scale and not has_loss:
-        return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
-    fig = make_subplots(
+    return make_subplots(
         rows=2,
         cols=1,
         shared_xaxes=True,
@@ -717,6 +701,19 @@ def _loss_scale_relation_figure(steps: StepsRelation, max_points: int) -> go.Fig
         row_heights=[0.6, 0.4],
         subplot_titles=("loss scale (log)", "loss"),
     )
+
+
+def _loss_scale_relation_figure(steps: StepsRelation, max_points: int) -> go.Figure:
+    """:func:`make_loss_scale_figure` of a run of many ranks from its derived store: the
+    bands from one query per series, the skipped steps, scale changes and NaN/inf losses
+    from the few rows that hold them (:func:`event_rows`)."""
+    events = event_rows(steps)
+    scaled = steps.filtered(SCALER_ROWS_SQL)
+    has_scale = scaled.has("scale_before")
+    has_loss = steps.has("loss") or bool(nonfinite_loss_spans(events))
+    if not has_scale and not has_loss:
+        return empty_figure("not recorded: no step with an enabled GradScaler or a loss value")
+    fig = _scale_loss_subplots()
     ranks = run_ranks(steps)
     _loss_scale_bands(
         fig,
