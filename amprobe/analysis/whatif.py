@@ -600,10 +600,6 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
     layers = np.lexsort((np.array([kind_rank[k] for k in kinds]), layer_pos, ranks))
     each = np.repeat(layers, len(combos))
     combo = np.tile(np.arange(len(combos)), n_layers)
-    counts = {name: sums[name][combo, each] for name in _COUNTS}
-    denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
-    # a layer that held inf/NaN gets no share: its range is not known (null, not 0)
-    unjudged = ~judged[each]
     out = pd.DataFrame(
         {
             "rank": ranks[each],
@@ -612,25 +608,51 @@ def compute_whatif_frame(numerics: pd.DataFrame) -> pd.DataFrame:
             "kind": pd.Series(kinds[each], dtype=inferred["kind"]),
             "order": layer_pos[each],
             "dtype": dtype_text.iloc[each].reset_index(drop=True),
-            "steps": steps[each],
-            "nonzero": nonzero[each],
-            "nonfinite": nonfinite[each],
-            "judged": judged[each],
             "nonfinite_steps": pd.Series([sorted(bad_steps[i]) for i in each], dtype=object),
-            "min_exp": pd.array(
-                np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
-            ),
-            "max_exp": pd.array(
-                np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64"
-            ),
-            "amax": amax[each],
-            "format": np.array([combos[c][0] for c in combo], dtype=object),
-            "scaling": np.array([combos[c][1] for c in combo], dtype=object),
-            "scale_exp": scale_exp[combo, each],
-            **counts,
-            **{f"{name}_share": _share(counts[name], denom, unjudged) for name in _COUNTS},
         }
     )
+    return _with_layer_columns(
+        out, each, combo, combos, steps, nonzero, nonfinite, judged, min_exp, max_exp, amax,
+        scale_exp, sums,
+    )  # fmt: skip
+
+
+def _with_layer_columns(
+    out: pd.DataFrame,
+    each: np.ndarray,
+    combo: np.ndarray,
+    combos: list[tuple[str, str]],
+    steps: np.ndarray,
+    nonzero: np.ndarray,
+    nonfinite: np.ndarray,
+    judged: np.ndarray,
+    min_exp: np.ndarray,
+    max_exp: np.ndarray,
+    amax: np.ndarray,
+    scale_exp: np.ndarray,
+    sums: dict[str, np.ndarray],
+) -> pd.DataFrame:
+    """``out`` (one row per layer and format: its rank, module, kind and dtype columns) with
+    the columns every what-if table has alike, from per-layer arrays (``each``: the row's
+    layer, ``combo``: its format), in :data:`WHATIF_COLUMNS` order."""
+    counts = {name: sums[name][combo, each] for name in _COUNTS}
+    denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
+    # a layer that held inf/NaN gets no share: its range is not known (null, not 0)
+    unjudged = ~judged[each]
+    out["steps"] = steps[each]
+    out["nonzero"] = nonzero[each]
+    out["nonfinite"] = nonfinite[each]
+    out["judged"] = judged[each]
+    out["min_exp"] = pd.array(np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64")
+    out["max_exp"] = pd.array(np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64")
+    out["amax"] = amax[each]
+    out["format"] = np.array([combos[c][0] for c in combo], dtype=object)
+    out["scaling"] = np.array([combos[c][1] for c in combo], dtype=object)
+    out["scale_exp"] = scale_exp[combo, each]
+    for name in _COUNTS:
+        out[name] = counts[name]
+    for name in _COUNTS:
+        out[f"{name}_share"] = _share(counts[name], denom, unjudged)
     out["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
     return out[WHATIF_COLUMNS]
 
@@ -813,9 +835,6 @@ def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame
     ordered = np.lexsort((np.array([kind_rank[k] for k in kinds]), layer_pos, ranks))
     each = np.repeat(ordered, len(combos))
     combo = np.tile(np.arange(len(combos)), n_layers)
-    counts = {name: sums[name][combo, each] for name in _COUNTS}
-    denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
-    unjudged = ~judged[each]
     dtypes = [
         ",".join(sorted(layer["dtypes"])) if layer["dtypes"] else np.nan for _, layer in layers
     ]
@@ -834,27 +853,13 @@ def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame
             "kind": pd.Series(kinds[each].tolist()),
             "order": layer_pos[each],
             "dtype": pd.Series([dtypes[i] for i in each]),
-            "steps": steps[each],
-            "nonzero": nonzero[each],
-            "nonfinite": nonfinite[each],
-            "judged": judged[each],
             "nonfinite_steps": pd.Series([bad_steps[i] for i in each], dtype=object),
-            "min_exp": pd.array(
-                np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64"
-            ),
-            "max_exp": pd.array(
-                np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64"
-            ),
-            "amax": amax[each],
-            "format": np.array([combos[c][0] for c in combo], dtype=object),
-            "scaling": np.array([combos[c][1] for c in combo], dtype=object),
-            "scale_exp": scale_exp[combo, each],
-            **counts,
-            **{f"{name}_share": _share(counts[name], denom, unjudged) for name in _COUNTS},
         }
     )
-    out["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
-    return out[WHATIF_COLUMNS]
+    return _with_layer_columns(
+        out, each, combo, combos, steps, nonzero, nonfinite, judged, min_exp, max_exp, amax,
+        scale_exp, sums,
+    )  # fmt: skip
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
