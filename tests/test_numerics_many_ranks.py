@@ -22,11 +22,13 @@ import amprobe
 from amprobe.analysis.numerics import (
     HIST_HIGH,
     HIST_LOW,
+    compute_layer_histograms,
     compute_layer_summary,
     compute_layer_summary_summaries,
     compute_scale_hint,
     compute_scale_hint_summaries,
     layer_histograms,
+    numerics_classes,
 )
 from amprobe.analysis.whatif import _E_LO, _FINITE, compute_whatif
 from amprobe.report.numerics import (
@@ -195,3 +197,21 @@ def test_the_sections_read_no_merged_table(many: Any, monkeypatch: pytest.Monkey
     assert build_whatif_section(fresh, None).figures
     assert layer_histograms(fresh).keys
     assert "numerics" not in read
+
+
+def test_equal_sections_are_read_once_and_weighted(many: Any) -> None:
+    """Classes of ranks with equal numerics sections, read once and weighted by their size,
+    give what every rank read alone gives."""
+    summaries = many.summaries()
+    keys = numerics_classes(many)
+    assert len(set(keys.values())) < len(keys)  # some ranks share their section
+    alone, once = compute_layer_histograms(summaries), compute_layer_histograms(summaries, keys)
+    assert alone.keys == once.keys
+    assert (alone.counts == once.counts).all() and (alone.wide == once.wide).all()
+    steps = RankNumerics.of(many).layer_steps()
+    assert compute_layer_summary_summaries(summaries, steps).equals(
+        compute_layer_summary_summaries(summaries, steps, keys)
+    )
+    assert compute_scale_hint_summaries(summaries) == compute_scale_hint_summaries(
+        summaries, keys=keys
+    )

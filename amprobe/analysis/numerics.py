@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import marshal
 import math
 import warnings
 from collections.abc import Callable
@@ -51,6 +52,8 @@ __all__ = [
     "compute_layer_histograms",
     "layer_histograms",
     "numerics_relation",
+    "numerics_classes",
+    "class_representatives",
     "compute_scale_hint_summaries",
     "numerics_cells",
 ]
@@ -864,8 +867,66 @@ def summary_layers(summaries: dict[int, dict[str, Any]]) -> list[tuple[int, dict
     ]
 
 
+def numerics_classes(run: Run) -> dict[int, int]:
+    """rank -> the class of its ``numerics`` summary section: two ranks get the same number
+    only when their sections are equal, order included (their ``marshal`` bytes are;
+    ``repr`` for a value marshal cannot write). Computed once per run, under the key of
+    ``amprobe.analysis.frames.section_keys`` (the same classes, numbered alike)."""
+
+    def compute(run: Run) -> dict[int, int]:
+        classes: dict[bytes | str, int] = {}
+        out: dict[int, int] = {}
+        for rank, summary in run.summaries().items():
+            section = summary.get("numerics")
+            try:
+                key: bytes | str = marshal.dumps(section)
+            except ValueError:  # not plain values (marshal cannot write them)
+                key = repr(section)
+            out[rank] = classes.setdefault(key, len(classes))
+        return out
+
+    return run.cached("section_keys:numerics", compute)  # type: ignore[no-any-return]
+
+
+def class_representatives(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None
+) -> dict[int, int]:
+    """The lowest rank of each class of ranks with equal ``numerics`` sections (``keys``:
+    :func:`numerics_classes`; None: every rank alone) -> the ranks of its class, ascending."""
+    if keys is None:
+        return dict.fromkeys(sorted(summaries), 1)
+    first: dict[Any, int] = {}
+    weight: dict[int, int] = {}
+    for rank in sorted(summaries):
+        key = keys.get(rank, ("rank", rank))  # a rank without a class: alone
+        rep = first.setdefault(key, rank)
+        weight[rep] = weight.get(rep, 0) + 1
+    return dict(sorted(weight.items()))
+
+
+def _weighted_layers(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None
+) -> list[tuple[dict[str, Any], int]]:
+    """``(layer, weight)`` of :func:`summary_layers`, read once per class of ranks with equal
+    sections (``keys``: :func:`numerics_classes`; None: every rank alone): the layers of each
+    class's lowest rank, ``weight`` the ranks of its class.
+
+    Their sums times the weights are the sums over every rank, in the same order of first
+    appearance: a layer's first rank is the lowest of its class (a lower rank of the class
+    would hold the layer too)."""
+    if keys is None:
+        return [(layer, 1) for _, layer in summary_layers(summaries)]
+    return [
+        (layer, weight)
+        for rank, weight in class_representatives(summaries, keys).items()
+        for layer in (summaries[rank].get("numerics") or {}).get("layers") or []
+    ]
+
+
 def compute_layer_summary_summaries(
-    summaries: dict[int, dict[str, Any]], steps: dict[tuple[str, str], int]
+    summaries: dict[int, dict[str, Any]],
+    steps: dict[tuple[str, str], int],
+    keys: dict[int, int] | None = None,
 ) -> pd.DataFrame:
     """:func:`compute_layer_summary` of every rank's rows, from their ``numerics`` summary
     sections: the same columns, rows and values (the sums of a count that some row did not
@@ -873,13 +934,14 @@ def compute_layer_summary_summaries(
 
     A section counts its own rank's sampled steps; the distinct steps of a layer over the
     ranks are not in the summaries: ``steps`` gives them per (module, kind) (from the derived
-    store), a layer missing from it gets none (null).
+    store), a layer missing from it gets none (null). ``keys``: :func:`numerics_classes`, to
+    read each class of equal sections once.
     """
-    layers = summary_layers(summaries)
+    layers = _weighted_layers(summaries, keys)
     if not layers:
         return pd.DataFrame()
     rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for _, layer in layers:
+    for layer, weight in layers:
         key = (layer["module"], layer["kind"])
         row = rows.get(key)
         if row is None:
@@ -891,7 +953,7 @@ def compute_layer_summary_summaries(
             }
         counts = layer["counts"]
         for column in _SUM_COLUMNS:
-            row[column] += counts.get(column, 0)
+            row[column] += counts.get(column, 0) * weight
         if row["module_type"] is None:
             row["module_type"] = layer["module_type"]
         row["dtype"].update(layer["dtypes"])
@@ -899,7 +961,7 @@ def compute_layer_summary_summaries(
         if amax is not None and not amax <= row["amax"]:  # (NaN: none yet)
             row["amax"] = float(amax)
     # a count some row did not record is a float column in the table, its sums too
-    missing = {c for _, layer in layers for c in layer.get("missing") or {}}
+    missing = {c for layer, _ in layers for c in layer.get("missing") or {}}
     out = pd.DataFrame(
         {
             **{
@@ -945,65 +1007,75 @@ class LayerHistograms:
         return {int(j) + HIST_LOW: int(row[j]) for j in np.flatnonzero(row)}
 
 
-def compute_layer_histograms(summaries: dict[int, dict[str, Any]]) -> LayerHistograms:
-    """:class:`LayerHistograms` of the ranks' ``numerics`` summary sections.
+def compute_layer_histograms(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
+) -> LayerHistograms:
+    """:class:`LayerHistograms` of the ranks' ``numerics`` summary sections (``keys``:
+    :func:`numerics_classes`, to read each class of equal sections once).
 
     The groups' ``"e,n,e,n"`` texts are parsed as one number list per block of groups (no
     Python loop per binade), each pair added to its layer's row.
     """
     index: dict[tuple[str, str], int] = {}
     rows: list[int] = []  # per layer of a rank: its (module, kind)'s row
+    weights: list[int] = []  # per layer of a rank: the ranks it stands for
     sizes: list[int] = []  # per layer of a rank: its groups
-    keys: list[str] = []  # per group: "dtype|amax class|top"
+    names: list[str] = []  # per group: "dtype|amax class|top"
     bins: list[Any] = []  # per group: its bins
-    for _, layer in summary_layers(summaries):
+    for layer, weight in _weighted_layers(summaries, keys):
         rows.append(index.setdefault((layer["module"], layer["kind"]), len(index)))
+        weights.append(weight)
         hist = layer["hist"]
         sizes.append(len(hist))
-        keys.extend(hist)
+        names.extend(hist)
         bins.extend(group["bins"] for group in hist.values())
     texts = [b if isinstance(b, str) else encode_bins(decode_bins(b)) for b in bins]
     # each group's layer row, times 2, plus 1 when held wider than fp16
-    wide = np.fromiter((not k.startswith("float16|") for k in keys), dtype=bool, count=len(keys))
+    wide = np.fromiter((not k.startswith("float16|") for k in names), bool, count=len(names))
     owner = 2 * np.repeat(np.asarray(rows, dtype=np.int64), sizes) + wide
+    weight_of = np.repeat(np.asarray(weights, dtype=np.float64), sizes)
     kept = np.fromiter((bool(t) for t in texts), dtype=bool, count=len(texts))
-    owners = owner[kept]
+    owners, group_weights = owner[kept], weight_of[kept]
     texts = [t for t in texts if t]
     width = HIST_HIGH - HIST_LOW + 1
     sums = np.zeros(2 * len(index) * width, dtype=np.int64)
     for g0 in range(0, len(texts), _HIST_BLOCK):
         block = texts[g0 : g0 + _HIST_BLOCK]
-        values = _parse_pairs(block)
-        pairs = np.array([(t.count(",") + 1) // 2 for t in block], dtype=np.int64)
+        pairs = np.fromiter((t.count(",") for t in block), np.int64, count=len(block)) // 2 + 1
+        values = _parse_pairs(block, int(pairs.sum()))
         at = np.repeat(owners[g0 : g0 + _HIST_BLOCK], pairs)
         cols = np.minimum(np.maximum(values[:, 0] - HIST_LOW, 0), width - 1)
+        counts = values[:, 1] * np.repeat(group_weights[g0 : g0 + _HIST_BLOCK], pairs)
         # float sums of counts: exact below 2**53
-        summed = np.bincount(at * width + cols, weights=values[:, 1], minlength=len(sums))
+        summed = np.bincount(at * width + cols, weights=counts, minlength=len(sums))
         sums += summed.astype(np.int64)
     split = sums.reshape(len(index), 2, width)
     return LayerHistograms(keys=list(index), counts=split.sum(axis=1), wide=split[:, 1].copy())
 
 
-def _parse_pairs(texts: list[str]) -> np.ndarray:
-    """``"e,n,e,n"`` texts as one ``(pairs, 2)`` int64 array (numpy's C parser; a text it
-    cannot read to its end is parsed again by ``int``, which names the bad value)."""
+def _parse_pairs(texts: list[str], pairs: int) -> np.ndarray:
+    """``"e,n,e,n"`` texts (``pairs`` pairs in all) as one ``(pairs, 2)`` int64 array (numpy's
+    C parser; a text it cannot read to its end is parsed again by ``int``, which names the bad
+    value)."""
     joined = ",".join(texts)
-    expected = sum(t.count(",") + 1 for t in texts)
+    expected = 2 * pairs
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a text numpy cannot read to its end raises
         try:
             values = np.fromstring(joined, dtype=np.int64, sep=",")
         except (ValueError, DeprecationWarning):
             values = np.array([int(v) for v in joined.split(",")], dtype=np.int64)
-    if len(values) != expected or expected % 2:
+    if len(values) != expected:
         raise ValueError("a damaged exponent histogram in a numerics summary: not e,n pairs")
     return values.reshape(-1, 2)
 
 
 def layer_histograms(run: Run) -> LayerHistograms:
-    """:func:`compute_layer_histograms` of the run's summaries (computed once per run)."""
+    """:func:`compute_layer_histograms` of the run's summaries (computed once per run, each
+    class of ranks with equal sections read once)."""
     return run.cached(  # type: ignore[no-any-return]
-        "layer_histograms", lambda r: compute_layer_histograms(r.summaries())
+        "layer_histograms",
+        lambda r: compute_layer_histograms(r.summaries(), numerics_classes(r)),
     )
 
 
@@ -1017,6 +1089,7 @@ def compute_scale_hint_summaries(
     summaries: dict[int, dict[str, Any]],
     margin: float = 8.0,
     histograms: LayerHistograms | None = None,
+    keys: dict[int, int] | None = None,
 ) -> dict[str, Any] | None:
     """:func:`compute_scale_hint` of every rank's rows, from their ``numerics`` summary
     sections: the same dict.
@@ -1027,24 +1100,24 @@ def compute_scale_hint_summaries(
     ranks in order, the highest rank's among equal steps, as the merged table's last row),
     and the wide gradients' histograms summed over the ranks are the rows' sum.
 
-    ``histograms``: :func:`compute_layer_histograms` of ``summaries`` when the caller has it.
+    ``histograms``: :func:`compute_layer_histograms` of ``summaries`` when the caller has it;
+    ``keys``: :func:`numerics_classes`, to read each class of equal sections once.
     """
     peak: float | None = None
     last: list[Any] | None = None
     for rank in sorted(summaries):
-        section = summaries[rank].get("numerics") or {}
-        scale = section.get("grad_scale")
+        scale = (summaries[rank].get("numerics") or {}).get("grad_scale")
         if scale is not None and (last is None or scale[0] >= last[0]):
             last = scale
-        for layer in section.get("layers") or []:
-            if layer["kind"] not in GRAD_KINDS:
-                continue
-            for key, group in layer["hist"].items():
-                if group["amax"] is not None and key.split("|")[1] not in ("nan", "inf", "zero"):
-                    peak = group["amax"] if peak is None else max(peak, group["amax"])
+    for layer, _ in _weighted_layers(summaries, keys):
+        if layer["kind"] not in GRAD_KINDS:
+            continue
+        for name, group in layer["hist"].items():
+            if group["amax"] is not None and name.split("|")[1] not in ("nan", "inf", "zero"):
+                peak = group["amax"] if peak is None else max(peak, group["amax"])
     if peak is None:
         return None
-    hists = compute_layer_histograms(summaries) if histograms is None else histograms
+    hists = compute_layer_histograms(summaries, keys) if histograms is None else histograms
     rows = [i for i, (_, kind) in enumerate(hists.keys) if kind in GRAD_KINDS]
     wide = hists.wide[rows].sum(axis=0)
     merged = {int(j) + HIST_LOW: int(wide[j]) for j in np.flatnonzero(wide)}

@@ -22,6 +22,7 @@ from amprobe.analysis.numerics import (
     layer_histograms,
     layer_summary,
     numerics_cells,
+    numerics_classes,
     numerics_missing_reason,
     numerics_relation,
     summary_layers,
@@ -897,12 +898,16 @@ class RankNumerics:
                     layers,
                 )
             else:
-                cells = numerics_cells(
-                    relation,
-                    list(HEATMAP_METRICS.values()),
-                    np.asarray(list(layers), dtype=np.int64),
-                    len(buckets[0]),
-                    exact=not _no_repeated_rows(summaries),
+                cells = _drawn_cells(
+                    numerics_cells(
+                        relation,
+                        list(HEATMAP_METRICS.values()),
+                        np.asarray(list(layers), dtype=np.int64),
+                        len(buckets[0]),
+                        exact=not _no_repeated_rows(summaries),
+                    ),
+                    layers,
+                    buckets,
                 )
         except OSError as exc:  # neither the run folder nor the user cache can be written
             return cls(run, layers, buckets, None, None, f"{type(exc).__name__}: {exc}")
@@ -940,31 +945,12 @@ class RankNumerics:
             frame = self.rows if self.rows is not None else pd.DataFrame(columns=["rank", "step"])
             return make_numerics_heatmap_figure(frame, metric, steps, not_checked, max_columns)
         column = HEATMAP_METRICS[metric]
-        names = [rank_range_text(b) for b in self.buckets]
-        # the layers' codes in order of first appearance over the ranks, as the frame's
-        code_of: dict[str, int] = {}
-        for rank in self.layers:
-            for module, kind in self.layers[rank]:
-                code_of.setdefault(f"{module} · {kind}", len(code_of))
-        labels = list(code_of)
         cells = self.cells
-        plain = (cells["module"].astype(str) + " · " + cells["kind"].astype(str)).tolist()
-        bucket = cells["bucket"].to_numpy(dtype=np.int64)
-        data = pd.DataFrame(
-            {
-                "bucket": bucket,
-                "code": np.array([code_of[p] for p in plain], dtype=np.int64),
-                "step": cells["step"].to_numpy(),
-                "value": cells[column].to_numpy(dtype="float64"),
-                "rank_at": cells[f"{column}_rank"].to_numpy(dtype=np.int64),
-                "n_ranks": cells["n_ranks"].to_numpy(dtype=np.int64),
-            }
-        ).sort_values(["bucket", "code", "step"], kind="stable", ignore_index=True)
-        label = [
-            f"{names[b]} · {labels[c]}"
-            for b, c in zip(data["bucket"].tolist(), data["code"].tolist(), strict=True)
-        ]
-        data = data.assign(rank=data["bucket"], layer=label)
+        data = cells[["bucket", "code", "step", "n_ranks", "rank", "layer"]].assign(
+            value=cells[column].to_numpy(dtype="float64"),
+            rank_at=cells[f"{column}_rank"].to_numpy(dtype=np.int64),
+        )
+        names = [rank_range_text(b) for b in self.buckets]
         missing = _missing_rows(self.layers, not_checked) if not_checked else {}
         return _heatmap_figure(
             column, data, self.sampled(), self.buckets, names, missing, len(self.layers), steps,
@@ -978,7 +964,8 @@ class RankNumerics:
             return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
         summaries = run.summaries()
         histograms = layer_histograms(run)
-        summary = compute_layer_summary_summaries(summaries, self.layer_steps())
+        keys = numerics_classes(run)
+        summary = compute_layer_summary_summaries(summaries, self.layer_steps(), keys)
         ends = summary_step_ends(run) if self.unavailable is None else pd.DataFrame()
         not_checked = run.events_of("numerics_not_checked")
         figures = []
@@ -1003,7 +990,7 @@ class RankNumerics:
             offenders,
             len(self.sampled()),
             len(self.layers) > 1,
-            compute_scale_hint_summaries(summaries, histograms=histograms),
+            compute_scale_hint_summaries(summaries, histograms=histograms, keys=keys),
             ends,
             figures,
         )
@@ -1016,6 +1003,29 @@ class RankNumerics:
             "summaries)."
         )
         return dataclasses.replace(section, text=(*section.text, note))
+
+
+def _drawn_cells(
+    cells: pd.DataFrame, layers: dict[int, list[tuple[str, str]]], buckets: list[np.ndarray]
+) -> pd.DataFrame:
+    """:func:`~amprobe.analysis.numerics.numerics_cells` as the frame path's bucketed rows
+    (:func:`_bucketed`): ``code`` each layer's position in order of first appearance over the
+    ranks, ``rank`` the bucket, ``layer`` its label, sorted by bucket, code and step."""
+    code_of: dict[str, int] = {}
+    for rank in layers:
+        for module, kind in layers[rank]:
+            code_of.setdefault(f"{module} · {kind}", len(code_of))
+    labels = list(code_of)
+    names = [rank_range_text(b) for b in buckets]
+    plain = (cells["module"].astype(str) + " · " + cells["kind"].astype(str)).tolist()
+    out = cells.assign(code=np.array([code_of[p] for p in plain], dtype=np.int64)).sort_values(
+        ["bucket", "code", "step"], kind="stable", ignore_index=True
+    )
+    label = [
+        f"{names[b]} · {labels[c]}"
+        for b, c in zip(out["bucket"].tolist(), out["code"].tolist(), strict=True)
+    ]
+    return out.assign(rank=out["bucket"].to_numpy(dtype=np.int64), layer=label)
 
 
 def summary_step_ends(run: Run) -> pd.DataFrame:

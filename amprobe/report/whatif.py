@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from amprobe.analysis.frames import steps_text
-from amprobe.analysis.numerics import layer_histograms, numerics_relation, summary_layers
+from amprobe.analysis.numerics import (
+    class_representatives,
+    layer_histograms,
+    numerics_classes,
+    numerics_relation,
+)
 from amprobe.analysis.whatif import (
     FORMATS,
     KINDS,
@@ -194,7 +199,11 @@ def make_run_exponent_heatmap(
     kinds = HEATMAP_GROUPS[group][1]
     summaries = run.summaries()
     histograms = layer_histograms(run)
-    order = summary_layer_order(summaries)
+    # the order of the lowest rank of each class of equal sections is every rank's order
+    reps = class_representatives(summaries, numerics_classes(run))
+    order = run.cached(
+        "summary_layer_order", lambda r: summary_layer_order({k: summaries[k] for k in reps})
+    )
     shares = compute_exponent_shares_summaries(histograms, order, kinds)
     wf = whatif if whatif is not None else compute_whatif(run)
     seen = {(str(m), str(k)) for m, k in histograms.keys}
@@ -210,7 +219,7 @@ def heatmap_groups(run: Run) -> list[str]:
             return []
         kinds = set(numerics["kind"].dropna().unique())
     else:
-        kinds = {str(layer["kind"]) for _, layer in summary_layers(run.summaries())}
+        kinds = {str(kind) for _, kind in layer_histograms(run).keys}
     return [g for g, (_, wanted, _) in HEATMAP_GROUPS.items() if kinds & set(wanted)]
 
 
@@ -246,7 +255,11 @@ def _exponent_heatmap(
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
     title, kinds, scaled_fmt = HEATMAP_GROUPS[group]
-    picked = wf[wf["kind"].isin(list(kinds))] if len(wf) else wf
+    # the columns read, before the rows are picked (a what-if frame of thousands of ranks has
+    # hundreds of thousands of rows)
+    in_group = wf["kind"].isin(list(kinds)).to_numpy(dtype=bool)
+    facts_columns = ["rank", "module", "kind", "nonfinite", "nonzero", "nonfinite_steps"]
+    picked = wf.loc[in_group, facts_columns] if len(wf) else wf
     facts = (
         _layer_facts(order(), seen, picked, kinds)
         if len(picked)
@@ -360,10 +373,11 @@ def _exponent_heatmap(
     )
     # per-row scaled fp8 window, for the rows judged
     fmt = FORMATS[scaled_fmt]
-    sel = wf[
-        wf["kind"].isin(list(kinds))
-        & (wf["format"] == scaled_fmt)
-        & (wf["scaling"] == "per-tensor")
+    sel = wf.loc[
+        in_group
+        & (wf["format"] == scaled_fmt).to_numpy(dtype=bool)
+        & (wf["scaling"] == "per-tensor").to_numpy(dtype=bool),
+        ["module", "kind", "scale_exp"],
     ]
     if len(sel):
         sel = sel.groupby(["module", "kind"], sort=False)["scale_exp"].last().reset_index()
