@@ -773,7 +773,7 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     every rank's rows; the figures show the same values.
     """
     if many_ranks([info.rank for info in run.ranks]):
-        return RankNumerics.of(run).section()
+        return RankNumerics.of(run).section(run)
     frame = run.table("numerics")
     if frame.empty:
         return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
@@ -853,7 +853,6 @@ class RankNumerics:
     :data:`MAX_HEATMAP_ROWS` of them), drawn as a frame is.
 
     Attributes:
-        run: the run.
         layers: rank (ascending) -> its (module, kind) pairs in order of first appearance, the
             ranks with a numerics row only.
         buckets: the ranks sharing a heatmap row (None: a row per rank).
@@ -863,7 +862,6 @@ class RankNumerics:
         unavailable: why the derived store could not be read (None: it was).
     """
 
-    run: Run
     layers: dict[int, list[tuple[str, str]]]
     buckets: list[np.ndarray] | None
     rows: pd.DataFrame | None
@@ -910,8 +908,8 @@ class RankNumerics:
                     buckets,
                 )
         except OSError as exc:  # neither the run folder nor the user cache can be written
-            return cls(run, layers, buckets, None, None, f"{type(exc).__name__}: {exc}")
-        return cls(run, layers, buckets, rows, cells, None)
+            return cls(layers, buckets, None, None, f"{type(exc).__name__}: {exc}")
+        return cls(layers, buckets, rows, cells, None)
 
     @property
     def steps_frame(self) -> pd.DataFrame | None:
@@ -957,9 +955,8 @@ class RankNumerics:
             not_checked, max_columns,
         )  # fmt: skip
 
-    def section(self) -> Section:
-        """The numerics section of the run."""
-        run = self.run
+    def section(self, run: Run) -> Section:
+        """The numerics section of ``run`` (the run these are of)."""
         if not self.layers:
             return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
         summaries = run.summaries()
