@@ -215,3 +215,31 @@ def test_equal_sections_are_read_once_and_weighted(many: Any) -> None:
     assert compute_scale_hint_summaries(summaries) == compute_scale_hint_summaries(
         summaries, keys=keys
     )
+
+
+def test_without_the_derived_store_the_sections_say_what_is_not_drawn(
+    many: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that can be neither read nor written (a read-only run, no writable cache):
+    the totals, hint and histograms still come from the summaries, the section says which
+    parts are not drawn and why, and the merged table is not read instead."""
+    fresh = amprobe.load_run(many.path)
+
+    def no_store(self: Any, name: str) -> Any:
+        raise OSError("read-only file system")
+
+    table = type(fresh).table
+
+    def no_table(self: Any, name: str) -> Any:
+        assert name != "numerics", "read the merged numerics table"
+        return table(self, name)
+
+    monkeypatch.setattr(type(fresh), "relation", no_store)
+    monkeypatch.setattr(type(fresh), "table", no_table)
+    section = build_numerics_section(fresh, None)
+    assert not section.missing and len(section.figures) == 1  # the exponent histogram
+    assert "read-only file system" in section.text[-1] and "not drawn" in section.text[-1]
+    assert section.tables[0][1]["steps"].isna().all()  # not known, never 0
+    assert section.text[0].startswith("Sampled steps not counted")
+    fig = make_run_exponent_heatmap(fresh, "activations")
+    assert "not named: the derived store could not be read" in fig.layout.title.text

@@ -804,14 +804,15 @@ _TITLE = "Per-layer numerics"
 def _numerics_section(
     summary: pd.DataFrame,
     offenders: pd.DataFrame,
-    sampled: int,
+    sampled: int | None,
     ranked: bool,
     hint: Mapping[str, Any] | None,
     ends: pd.DataFrame,
     figures: list[go.Figure],
 ) -> Section:
     """The section of a run's per-layer totals (``summary``), offenders, ``sampled`` steps,
-    its scale hint and figures; ``ranked``: the totals are summed over several ranks."""
+    its scale hint and figures; ``ranked``: the totals are summed over several ranks;
+    ``sampled`` None: not counted (the text after says why)."""
     tables: list[tuple[str, pd.DataFrame]] = [
         ("Per-layer totals over sampled steps (gradients unscaled)", summary[_TABLE_COLUMNS])
     ]
@@ -822,8 +823,9 @@ def _numerics_section(
                 offenders[["rank", "step", "kind", "module", "module_type"]],
             )
         )
+    counted = f"{sampled} sampled step(s)" if sampled is not None else "Sampled steps not counted"
     text = [
-        f"{sampled} sampled step(s), {summary['module'].nunique()} module(s) recorded.",
+        f"{counted}, {summary['module'].nunique()} module(s) recorded.",
         "Totals table, summed over sampled steps"
         + (" and ranks" if ranked else "")
         + f": {_COLUMN_NOTES}",
@@ -985,7 +987,7 @@ class RankNumerics:
         section = _numerics_section(
             summary,
             offenders,
-            len(self.sampled()),
+            len(self.sampled()) if self.unavailable is None else None,
             len(self.layers) > 1,
             compute_scale_hint_summaries(summaries, histograms=histograms, keys=keys),
             ends,
