@@ -1142,6 +1142,8 @@ def numerics_cells(
     ranks = np.asarray(ranks, dtype=np.int64)
     top = int(ranks.max(initial=0)) + 1  # a key v * top - rank orders by v, then lowest rank
     where = "module IS NOT NULL AND kind IS NOT NULL AND step IS NOT NULL"
+    if len(ranks):  # the ranks given only (a store built later may hold more)
+        where += f" AND rank BETWEEN {int(ranks.min())} AND {int(ranks.max())}"
     parts = [f"{COUNT_SQL[c]} AS v{i}" for i, c in enumerate(counts)]
     if exact:
         sums = ", ".join(f"sum({COUNT_SQL[c]}) AS v{i}" for i, c in enumerate(counts))

@@ -1014,10 +1014,12 @@ def _drawn_cells(
     for rank in layers:
         for module, kind in layers[rank]:
             code_of.setdefault(f"{module} · {kind}", len(code_of))
-    labels = list(code_of)
     names = [rank_range_text(b) for b in buckets]
     plain = (cells["module"].astype(str) + " · " + cells["kind"].astype(str)).tolist()
-    out = cells.assign(code=np.array([code_of[p] for p in plain], dtype=np.int64)).sort_values(
+    # (a layer the summaries do not hold, in a store built after them, comes last)
+    codes = np.array([code_of.setdefault(p, len(code_of)) for p in plain], dtype=np.int64)
+    labels = list(code_of)
+    out = cells.assign(code=codes).sort_values(
         ["bucket", "code", "step"], kind="stable", ignore_index=True
     )
     label = [
