@@ -33,6 +33,7 @@ import uuid
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["Check", "Verdict", "CACHE_FILE", "CACHE_MIN_BYTES", "crc_of", "verify", "rank_ranges"]
 
@@ -50,9 +51,9 @@ RACY_NS = 2_000_000_000
 _MAX_CACHE_BYTES = 256 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """One table file of one rank whose summarized bytes a record's checksum describes."""
+class Check(NamedTuple):
+    """One table file of one rank whose summarized bytes a record's checksum describes (a
+    tuple: tens of thousands are made at each load of a large run)."""
 
     rank: int
     name: str  # the table file's name (``steps.jsonl``)
@@ -140,19 +141,22 @@ def verify(
     fresh: dict[str, list[int]] = {}
     changed = False
     now = time.time_ns()
+    stat, get = os.stat, cached.get
     for check in checks:
         try:
-            st = os.stat(check.path)
+            st = stat(check.path)
         except OSError as exc:
             verdict.unreadable.append((check, exc.strerror or str(exc)))
             continue
         key = [st.st_ino, st.st_size, st.st_mtime_ns, check.offset, check.crc]
-        old = cached.get(check.rel)
-        if not (isinstance(old, list) and len(old) == 6 and all(type(v) is int for v in old)):
+        old = get(check.rel)
+        if type(old) is not list or len(old) != 6 or type(old[5]) is not int:
             old = None
-        elif old[:5] == key and old[2] + RACY_NS <= old[5]:
+        elif old[:5] == key and key[2] + RACY_NS <= old[5]:
             fresh[check.rel] = old  # as it was when it matched: not read
             continue
+        elif not all(type(v) is int for v in old):
+            old = None
         start, crc = 0, 0
         if (
             old is not None
@@ -168,9 +172,9 @@ def verify(
             verdict.unreadable.append((check, getattr(exc, "strerror", None) or str(exc)))
             continue
         verdict.read_bytes += check.offset - start
-        changed = True
         if got == check.crc:
             fresh[check.rel] = [*key, now]
+            changed = True
         else:
             verdict.mismatched.append(check)
     if cache_path is not None and (changed or len(fresh) != len(cached)):

@@ -502,7 +502,8 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
         )
     run._derived["summary_sources"] = sources
     run._derived["summary_parts"] = dict(zip((i.rank for i in infos), parts, strict=True))
-    _verify_files(run, infos, parts)
+    with gc_paused():  # tens of thousands of small lists: see gc_paused
+        _verify_files(run, infos, parts)
     return out
 
 
@@ -524,14 +525,13 @@ def _verify_files(run: Run, infos: list[RankInfo], parts: list[_RankSummary]) ->
             unchecked.append(info.rank)
             continue
         written[info.rank] = rc.written
-        try:
-            where = info.path.relative_to(run.path).as_posix()
-        except ValueError:
-            where = str(info.path)
-        for name, crc in sorted(rc.checksums.items()):
+        folder = str(info.path)
+        # the rank's folder in the run (the cache's keys): rank folders are the run's children
+        where = info.path.name if info.path.parent == run.path else folder
+        for name, crc in rc.checksums.items():
             offset = rc.offsets.get(name, 0)
             if offset:
-                path = f"{info.path}/{name}"
+                path = f"{folder}/{name}"
                 checks.append(
                     integrity.Check(info.rank, name, f"{where}/{name}", path, offset, crc)
                 )
