@@ -205,3 +205,14 @@ def test_a_crash_cut_rank_is_reported_as_before(tmp_path: Path) -> None:
     said = [w for w in loaded.warnings if w.startswith("rank 1: ")]
     assert any("does not match the record files" in w for w in said)
     assert not _integrity_warnings(loaded)
+
+
+def test_many_damaged_ranks_are_listed_past_the_first_few(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path / "r", ranks=11, steps=30)
+    for rank in range(1, 11):
+        _damage(run_dir / f"rank{rank}" / "steps.jsonl", line=2)
+    loaded = load_run(run_dir)
+    loaded.summaries()
+    said = _integrity_warnings(loaded)
+    assert [w.split(":")[0] for w in said] == [f"rank {r}" for r in range(1, 9)] + ["ranks 9-10"]
+    assert len(loaded.summaries()) == 11  # every rank's facts kept

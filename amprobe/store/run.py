@@ -507,6 +507,10 @@ def _summaries(run: Run) -> dict[int, dict[str, Any]]:
     return out
 
 
+#: Ranks whose damaged files get a warning each; the others' are listed in one more.
+_DAMAGED_SHOWN = 8
+
+
 def _verify_files(run: Run, infos: list[RankInfo], parts: list[_RankSummary]) -> None:
     """Warn of each rank whose table files no longer hold the bytes its summary record
     describes (:mod:`amprobe.store.integrity`): damage in place inside the summarized bytes,
@@ -537,13 +541,20 @@ def _verify_files(run: Run, infos: list[RankInfo], parts: list[_RankSummary]) ->
                 )
     if checks:
         verdict = integrity.verify(checks, lambda: derived_folder(run.path, run.manifest))
-        for c in verdict.mismatched:
+        shown = sorted({c.rank for c in verdict.mismatched})[:_DAMAGED_SHOWN]
+        for c in (c for c in verdict.mismatched if c.rank in shown):
             run._warn(
                 f"rank {c.rank}: {c.name} differs from what its writer recorded in the "
                 f"{c.offset:,} bytes it summarized (checksum mismatch): the file was changed or "
                 "damaged in place after it was written; this rank's summary comes from the "
                 f"record written {written[c.rank]}, and what reads the file's rows reads them "
                 "as they are now"
+            )
+        more = sorted({c.rank for c in verdict.mismatched} - set(shown))
+        if more:
+            run._warn(
+                f"ranks {integrity.rank_ranges(more)}: table files differ from what their "
+                "writers recorded in the bytes they summarized (checksum mismatch), as above"
             )
         for c, why in verdict.unreadable:
             run._warn(f"rank {c.rank}: {c.name} not checked against its writer's checksum ({why})")
