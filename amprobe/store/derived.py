@@ -63,6 +63,8 @@ from amprobe.store.layout import (
     read_json_file,
     table_filename,
 )
+from amprobe.store.places import DERIVED_DIR, cache_dir, cache_key
+from amprobe.store.places import writable as _writable
 from amprobe.version import __version__
 
 if TYPE_CHECKING:
@@ -91,8 +93,6 @@ __all__ = [
 
 #: Version of the derived files' layout and columns; a store of another version is rebuilt.
 DERIVED_VERSION = 1
-#: The folder of the derived files in a run directory (never read as a rank: not ``rank<N>``).
-DERIVED_DIR = "derived"
 #: The ``format`` of ``derived/manifest.json``: not the run's marker, so that a derived folder
 #: is never taken for a run.
 DERIVED_FORMAT = "amprobe-derived"
@@ -127,29 +127,9 @@ SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 }
 
 
-# -- where -----------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """The user cache of amprobe: ``$XDG_CACHE_HOME/amprobe`` (``~/.cache/amprobe``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "amprobe"
-
-
+# -- where (amprobe.store.places: shared with the loader's small caches) ---------------------
 def _cache_key(run: Run) -> str:
-    created = run.manifest.get("created_unix")
-    text = f"{run.path.resolve()}\0{created!r}"
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:24]
-
-
-def _writable(folder: Path) -> bool:
-    """Whether derived files can be written in ``folder`` (created if missing): tried, not
-    guessed from permission bits (root ignores them; a read-only mount does not)."""
-    try:
-        folder.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
-            pass
-    except OSError:
-        return False
-    return True
+    return cache_key(run.path, run.manifest)
 
 
 # -- sources and freshness -------------------------------------------------------------------
