@@ -221,3 +221,44 @@ def test_alignment_frame_judges_repeated_shapes_alike_each_row_its_own_dicts() -
     assert frame["tile_waste"].tolist() == [{}, {}, {96: 128}, {}]
     frame["misaligned"].iloc[0]["N"] = 0  # a reader that edits one row's dict edits no other
     assert frame["misaligned"].iloc[1] == {"N": 100}
+
+
+class _Summaries:
+    """A run as section_keys reads it: its summaries, and derived values kept once."""
+
+    def __init__(self, summaries: dict[int, dict[str, Any]]) -> None:
+        self._summaries = summaries
+        self.computed: list[str] = []
+        self._derived: dict[str, Any] = {}
+
+    def summaries(self) -> dict[int, dict[str, Any]]:
+        return self._summaries
+
+    def cached(self, key: str, compute: Any) -> Any:
+        if key not in self._derived:
+            self.computed.append(key)
+            self._derived[key] = compute(self)
+        return self._derived[key]
+
+
+def test_section_keys_are_equal_only_for_equal_sections_and_made_once() -> None:
+    from amprobe.analysis.frames import section_keys
+
+    def numerics(amax: float) -> dict[str, Any]:
+        return {"rows": 3, "layers": [{"module": "fc", "amax": amax, "hist": {"b": "1,2"}}]}
+
+    run = _Summaries(
+        {
+            0: {"numerics": numerics(2.5)},
+            1: {"numerics": numerics(2.5)},  # equal, another object
+            2: {"numerics": numerics(2.5000000000000004)},
+            3: {},
+            4: {"numerics": {}},
+            5: {"numerics": {"rows": 3, "layers": [{"hist": {"b": "1,2"}, "module": "fc"}]}},
+        }
+    )
+    keys = section_keys(run, "numerics")  # type: ignore[arg-type]
+    assert keys[0] == keys[1]
+    assert len({keys[0], keys[2], keys[3], keys[4], keys[5]}) == 5
+    assert section_keys(run, "numerics") is keys  # type: ignore[arg-type]
+    assert run.computed == ["section_keys:numerics"]
