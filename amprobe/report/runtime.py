@@ -215,7 +215,7 @@ def _phase_table_sql(steps: StepsRelation) -> pd.DataFrame:
         for column in _PHASES:
             rel = steps.relation.filter(f"({steps.where}) AND ({where})")
             values = rel.filter(f'"{column}" IS NOT NULL').project(f'"{column}"::DOUBLE AS v')
-            table = values.fetch_arrow_table()
+            table = values.to_arrow_table()
             array = table["v"].to_numpy()
             del table  # the array is a copy when the column came in several chunks
             out[column] = [_median(array)]
