@@ -25,6 +25,11 @@ docs/design/read-side.md for why.
   earlier rows are copied from the earlier Parquet file; a table none of whose files changed
   keeps its Parquet file. No delta files: a table that grew is rewritten whole (cheap next to
   parsing JSON).
+- **Results.** ``results/steps-<inode>-<size>-<mtime>-<amprobe version>-<RESULTS_VERSION>/``
+  keeps what the figures of many ranks computed from ``steps.parquet`` (rank x bin matrices,
+  small frames: ``amprobe.analysis.rankbands.ResultStore``), so that the next report reads
+  them instead of the rows; named after the file they came from, so a rebuilt store is never
+  read from an earlier one's results (those folders are removed when a new one is named).
 
 This module (and with it ``duckdb``, 0.13 s to import) is loaded only when a relation is asked
 for (:meth:`Run.relation` reaches it through the store package's lazy attributes): loading a
