@@ -208,7 +208,7 @@ class ResultStore:
                 path = self._path(key, ".npz")
                 fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
                 with os.fdopen(fd, "wb") as out:
-                    np.savez(
+                    np.savez_compressed(
                         out,
                         key=np.array(repr(key)),
                         first=np.asarray(bins.first, dtype=np.int64),
