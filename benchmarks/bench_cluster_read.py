@@ -24,9 +24,11 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
    ``amprobe.store.run.write_rank_summary(rank_dir)`` (a new file renamed over the copy's,
    never written through a hard link); the damaged copies keep the recorded ``summary.json``,
    as a crashed job or a damaged disk leaves it: the truncated rank's offsets point past its
-   cut file (the reader rebuilds it from its files), the corrupt rank's still describe its
-   files (the reader trusts it, so its garbage lines are read, and reported, only by what reads
-   the rows themselves).
+   cut file (the reader rebuilds it from its files), the corrupt rank's still fall on line ends
+   of files of the same size (the reader takes the rank's facts from it) but its ``checksums``
+   (the CRC-32 of the bytes its writer summarized) no longer match them, which the reader
+   reports. A source recorded before the writer kept checksums has records without them: then
+   the corrupt rank cannot be found, and the benchmark says so.
 3. Times, each in a child process: ``amprobe diagnose --format json`` cold (no ``RUN/derived``
    folder), warm (a second run, with whatever derived files the first left), ``amprobe report
    -o x.html`` warm, and ``diagnose`` cold on the crashed variant of the run (every rank's
@@ -41,7 +43,9 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
    N01, N05 or N11 for the overflow rank): ``named: yes/no`` per planted kind; and that a load
    warning names the truncated and the corrupt rank (the JSON's ``run.warnings``, which the CLI
    also prints on stderr; stderr is read when the JSON carries none): ``reported: yes/no``,
-   with the findings that name a damaged rank apart.
+   with the findings that name a damaged rank apart; the corrupt rank counts as reported only
+   by a warning that its files fail their checksum (``checksum mismatch``), the truncated one
+   by any warning naming it.
 
 The disk a run needs is one copy of the template rank, a folder and a manifest per rank and the
 real copies (measured by inode after the build), plus the derived folder and the outputs; the
@@ -78,6 +82,9 @@ SLOW_FACTOR = 3.0
 #: A corrupt line: every byte value but the line breaks (NUL, invalid UTF-8, stray braces).
 GARBAGE = bytes(b for b in range(256) if b not in (10, 13))
 GARBAGE_LINES = 3  # per corrupted file
+#: What a load warning about a damaged rank must say to count as reporting it: the corrupt
+#: rank's damage lies inside bytes its summary record covers, seen only by their checksum.
+REPORTED_BY = {"truncated": "", "corrupt": "(checksum mismatch)"}
 SUMMARY = SUMMARY_FILE
 DERIVED = "derived"
 
@@ -215,8 +222,9 @@ def _truncate(rank_dir: Path) -> None:
 def _corrupt(rank_dir: Path) -> None:
     """A rank whose disk damaged records: :data:`GARBAGE_LINES` records of ``steps.jsonl`` and
     ``numerics.jsonl``, spread over each file, overwritten in place by garbage bytes of the
-    same length. Sizes and line ends stay, so the recorded ``summary.json`` still describes the
-    files (its offsets fall on line ends): the damage lies inside the summarized bytes."""
+    same length. Sizes and line ends stay, so the recorded ``summary.json``'s offsets still fall
+    on line ends: the damage lies inside the summarized bytes, which only the record's
+    checksums tell."""
     for name in ("steps.jsonl", "numerics.jsonl"):
         path = rank_dir / name
         lines = path.read_bytes().split(b"\n")
@@ -290,6 +298,15 @@ def _resummarize(edited: list[Path]) -> str:
     )
 
 
+def _record_of(rank_dir: Path) -> dict[str, Any]:
+    """A rank's summary record, or an empty dict when it has none that parses."""
+    try:
+        record = json.loads((rank_dir / SUMMARY).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def build(source: Path, n: int, dest: Path) -> tuple[dict[int, str], dict[int, str], str]:
     """An ``n``-rank run in ``dest`` from ``source``'s template rank (see the module docstring):
     the planted ranks (rank -> kind), the damaged ranks (rank -> damage) and how the edited
@@ -322,6 +339,11 @@ def build(source: Path, n: int, dest: Path) -> tuple[dict[int, str], dict[int, s
         elif broken.get(r) == "corrupt":
             _corrupt(rank_dir)
     how = _resummarize([dest / f"rank{r}" for r in sorted(divergent)])
+    if (base / SUMMARY).exists() and "checksums" not in _record_of(base):
+        how += (
+            f"; the source's {SUMMARY} has no checksums (recorded by an older amprobe): the "
+            "corrupt rank's damage cannot be seen, record the source again"
+        )
     return divergent, broken, how
 
 
@@ -499,7 +521,7 @@ def check(
         warnings, source = stderr.strip().splitlines(), "stderr"
     alone = _singled(findings, None, n)
     for rank, damage in sorted(broken.items()):
-        said = [w for w in warnings if rank in _ranks_in(w)]
+        said = [w for w in warnings if rank in _ranks_in(w) and REPORTED_BY[damage] in w]
         lines.append(
             f"{damage} rank {rank}: reported: {'yes' if said else 'no'}"
             + (f" ({source}: {'; '.join(said)})" if said else "")

@@ -8,6 +8,10 @@ CPU seconds. A run of more than 8 ranks is drawn as bands across ranks computed 
 (:mod:`amprobe.analysis.rankbands`): the figure's size stays flat as ranks grow. With ``--run``,
 it also builds every tab of the dashboard's run page of that recorded run (figure JSON bytes
 and CPU seconds per tab, and the overview's, which is the page's first paint after diagnosis).
+With ``--sections RUN``, it times the report's loss-scale and runtime sections of that run
+(after loading and diagnosing it; CPU seconds, peak RSS), split into the derived store's
+check and each section, and says whether their results were kept from an earlier report
+(``derived/results/``: warm) or computed now (cold); run it twice for both.
 """
 
 from __future__ import annotations
@@ -111,12 +115,49 @@ def bench_run(path: Path) -> None:
         print(f"  {label:18s} {cpu:6.2f} s CPU; figures {sum(sizes):>11,} bytes {sizes}")
 
 
+def bench_sections(path: Path) -> None:
+    import resource
+
+    import amprobe
+    from amprobe.report.runtime import build_runtime_section
+    from amprobe.report.scale import build_scale_section, many_relations
+
+    run = amprobe.load_run(path)
+    diagnosis = amprobe.diagnose(run)
+    start = time.process_time()
+    import amprobe.store.derived as derived  # duckdb: paid once by whoever reads the store
+
+    imported = time.process_time()
+    rels = many_relations(run)
+    checked = time.process_time()
+    results = rels.get("results")
+    kept = bool(results is not None and results.folder.is_dir() and any(results.folder.iterdir()))
+    times = []
+    for name, build in (("loss scale", build_scale_section), ("runtime", build_runtime_section)):
+        begin = time.process_time()
+        section = build(run, diagnosis)
+        times.append(f"{name} {time.process_time() - begin:.2f} s ({len(section.figures)} fig)")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    print(
+        f"{path} ({'warm: results kept' if kept else 'cold: results computed'}): import "
+        f"duckdb {imported - start:.2f} s, store check {checked - imported:.2f} s; "
+        + "; ".join(times)
+        + f" CPU; peak RSS {rss:.2f} GB (with load and diagnose); {derived.RESULTS_DIR}/"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--run", type=Path, help="a recorded run: build its run page's tabs")
+    parser.add_argument(
+        "--sections", type=Path, help="a recorded run: time its loss-scale and runtime sections"
+    )
     args = parser.parse_args()
+    if args.sections:
+        bench_sections(args.sections)
+        return
     bench_synthetic(args.ranks, args.steps)
     if args.run:
         bench_run(args.run)

@@ -121,6 +121,13 @@ def test_edited_summaries_and_the_crashed_variant(bench: ModuleType, tmp_path: P
 
     said = bench.summary_sources(run, {11: "truncated", 10: "corrupt"})
     assert said == "records 11, files 1; 10 (corrupt): records; 11 (truncated): files"
+    # the corrupt rank's record still describes its files by offset, not by checksum
+    from amprobe.store.run import load_run
+
+    loaded = load_run(run)
+    loaded.summaries()
+    damaged = sorted(w.split(" differs ")[0] for w in loaded.warnings if "checksum mismatch" in w)
+    assert damaged == ["rank 10: numerics.jsonl", "rank 10: steps.jsonl"]
 
     said = bench.crash(run)
     assert said == "11 end.json removed, 12 summary.json rewritten with final: false"
@@ -154,8 +161,15 @@ def test_checks_name_apart_from_the_majority(bench: ModuleType) -> None:
         "overflow [6]: named: yes (by AMP-D01)",
         "slow [11]: named: yes (by AMP-D02)",
     ]
-    assert lines[4].startswith("corrupt rank 14: reported: yes (run.warnings: rank 14: 3")
+    # the corrupt rank only by its checksum: a warning of lines the loader dropped is not it
+    assert lines[4] == "corrupt rank 14: reported: no"
     assert lines[5] == "truncated rank 15: reported: no"  # in the group of 16, not reported
+    doc["run"]["warnings"].append(
+        "rank 14: steps.jsonl differs from what its writer recorded in the 9,120 bytes it "
+        "summarized (checksum mismatch): ..."
+    )
+    lines = bench.check(doc, "", 16, planted, {15: "truncated", 14: "corrupt"})
+    assert lines[4].startswith("corrupt rank 14: reported: yes (run.warnings: rank 14: steps.")
 
     doc["findings"] = [group]  # the planted ranks only inside the agreeing group: not named
     lines = bench.check(doc, "", 16, planted, {})

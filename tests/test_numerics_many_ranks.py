@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import amprobe
+from amprobe.analysis.frames import section_keys
 from amprobe.analysis.numerics import (
     HIST_HIGH,
     HIST_LOW,
@@ -28,7 +29,6 @@ from amprobe.analysis.numerics import (
     compute_scale_hint,
     compute_scale_hint_summaries,
     layer_histograms,
-    numerics_classes,
 )
 from amprobe.analysis.whatif import _E_LO, _FINITE, compute_whatif
 from amprobe.report.numerics import (
@@ -203,7 +203,7 @@ def test_equal_sections_are_read_once_and_weighted(many: Any) -> None:
     """Classes of ranks with equal numerics sections, read once and weighted by their size,
     give what every rank read alone gives."""
     summaries = many.summaries()
-    keys = numerics_classes(many)
+    keys = section_keys(many, "numerics")
     assert len(set(keys.values())) < len(keys)  # some ranks share their section
     alone, once = compute_layer_histograms(summaries), compute_layer_histograms(summaries, keys)
     assert alone.keys == once.keys
@@ -234,7 +234,10 @@ def test_without_the_derived_store_the_sections_say_what_is_not_drawn(
         assert name != "numerics", "read the merged numerics table"
         return table(self, name)
 
+    import amprobe.store.derived as derived
+
     monkeypatch.setattr(type(fresh), "relation", no_store)
+    monkeypatch.setattr(derived, "ensure", no_store)
     monkeypatch.setattr(type(fresh), "table", no_table)
     section = build_numerics_section(fresh, None)
     assert not section.missing and len(section.figures) == 1  # the exponent histogram

@@ -141,33 +141,57 @@ def alignment_frame(
     suggested: list[dict[str, int]] = []
     aligned: list[bool | None] = []
     waste: list[dict[int, int]] = []
-    for row in out.to_dict("records"):
-        multiple = required_multiple(row["in_dtype"], tf32)
+    # a row's results depend on these columns alone, and a run's rows repeat a few layer
+    # shapes (every rank of a data-parallel job, every capture of a rank): each distinct
+    # one is judged once (the dicts copied per row, each row's its own)
+    columns = [c for c in _ALIGNMENT_COLUMNS if c in out.columns]
+    judged: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for values in zip(*(out[c].tolist() for c in columns), strict=True):
+        key = tuple(None if _missing(v) else v for v in values)
+        if key not in judged:
+            judged[key] = _alignment(
+                dict(zip(columns, key, strict=True)), tf32, tile, min_tile_efficiency, small_dim
+            )
+        multiple, broken, padded, ok, small = judged[key]
         multiples.append(multiple)
-        if multiple is None:
-            bad.append({})
-            suggested.append({})
-            aligned.append(None)
-            waste.append({})
-            continue
-        broken = {d: v for d, v in _checked_dims(row).items() if v % multiple}
-        bad.append(broken)
-        suggested.append({d: pad_to(v, multiple) for d, v in broken.items()})
-        aligned.append(not broken)
-        small = {}
-        for d, v in _tile_dims(row).items():
-            if d in broken or v >= small_dim:
-                continue
-            padded = pad_to(v, tile)
-            if v / padded < min_tile_efficiency:
-                small[v] = padded
-        waste.append(small)
+        bad.append(dict(broken))
+        suggested.append(dict(padded))
+        aligned.append(ok)
+        waste.append(dict(small))
     out["multiple"] = multiples
     out["misaligned"] = bad
     out["suggested"] = suggested
     out["aligned"] = aligned
     out["tile_waste"] = waste
     return out
+
+
+#: the op columns :func:`alignment_frame` judges a row by
+_ALIGNMENT_COLUMNS = ("in_dtype", "op", "phase", "m", "n", "k", "cin", "cout")
+
+
+def _missing(value: Any) -> bool:
+    """A missing cell (None, NaN, NA) of a frame column's ``tolist()``."""
+    return value is None or value is pd.NA or (isinstance(value, float) and value != value)
+
+
+def _alignment(
+    row: dict[str, Any], tf32: bool, tile: int, min_tile_efficiency: float, small_dim: int
+) -> tuple[int | None, dict[str, int], dict[str, int], bool | None, dict[int, int]]:
+    """One op row's (multiple, misaligned dims, padded sizes, aligned, tile waste) as
+    :func:`alignment_frame` describes them."""
+    multiple = required_multiple(row.get("in_dtype"), tf32)
+    if multiple is None:
+        return None, {}, {}, None, {}
+    broken = {d: v for d, v in _checked_dims(row).items() if v % multiple}
+    small = {}
+    for d, v in _tile_dims(row).items():
+        if d in broken or v >= small_dim:
+            continue
+        padded = pad_to(v, tile)
+        if v / padded < min_tile_efficiency:
+            small[v] = padded
+    return multiple, broken, {d: pad_to(v, multiple) for d, v in broken.items()}, not broken, small
 
 
 def autocast_coverage(ops: pd.DataFrame) -> pd.DataFrame:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import marshal
 import math
 import warnings
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.frames import section_keys
 from amprobe.store.loader import Run
 from amprobe.store.sections.numerics import decode_bins, encode_bins
 from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
@@ -51,8 +51,6 @@ __all__ = [
     "compute_layer_summary_summaries",
     "compute_layer_histograms",
     "layer_histograms",
-    "numerics_relation",
-    "numerics_classes",
     "class_representatives",
     "compute_scale_hint_summaries",
     "numerics_cells",
@@ -867,32 +865,12 @@ def summary_layers(summaries: dict[int, dict[str, Any]]) -> list[tuple[int, dict
     ]
 
 
-def numerics_classes(run: Run) -> dict[int, int]:
-    """rank -> the class of its ``numerics`` summary section: two ranks get the same number
-    only when their sections are equal, order included (their ``marshal`` bytes are;
-    ``repr`` for a value marshal cannot write). Computed once per run, under the key of
-    ``amprobe.analysis.frames.section_keys`` (the same classes, numbered alike)."""
-
-    def compute(run: Run) -> dict[int, int]:
-        classes: dict[bytes | str, int] = {}
-        out: dict[int, int] = {}
-        for rank, summary in run.summaries().items():
-            section = summary.get("numerics")
-            try:
-                key: bytes | str = marshal.dumps(section)
-            except ValueError:  # not plain values (marshal cannot write them)
-                key = repr(section)
-            out[rank] = classes.setdefault(key, len(classes))
-        return out
-
-    return run.cached("section_keys:numerics", compute)  # type: ignore[no-any-return]
-
-
 def class_representatives(
     summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None
 ) -> dict[int, int]:
     """The lowest rank of each class of ranks with equal ``numerics`` sections (``keys``:
-    :func:`numerics_classes`; None: every rank alone) -> the ranks of its class, ascending."""
+    :func:`~amprobe.analysis.frames.section_keys` of ``numerics``; None: every rank alone)
+    -> the ranks of its class, ascending."""
     if keys is None:
         return dict.fromkeys(sorted(summaries), 1)
     first: dict[Any, int] = {}
@@ -908,7 +886,8 @@ def _weighted_layers(
     summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None
 ) -> list[tuple[dict[str, Any], int]]:
     """``(layer, weight)`` of :func:`summary_layers`, read once per class of ranks with equal
-    sections (``keys``: :func:`numerics_classes`; None: every rank alone): the layers of each
+    sections (``keys``: :func:`~amprobe.analysis.frames.section_keys` of ``numerics``; None:
+    every rank alone): the layers of each
     class's lowest rank, ``weight`` the ranks of its class.
 
     Their sums times the weights are the sums over every rank, in the same order of first
@@ -934,8 +913,9 @@ def compute_layer_summary_summaries(
 
     A section counts its own rank's sampled steps; the distinct steps of a layer over the
     ranks are not in the summaries: ``steps`` gives them per (module, kind) (from the derived
-    store), a layer missing from it gets none (null). ``keys``: :func:`numerics_classes`, to
-    read each class of equal sections once.
+    store), a layer missing from it gets none (null). ``keys``:
+    :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each class of equal
+    sections once.
     """
     layers = _weighted_layers(summaries, keys)
     if not layers:
@@ -1011,7 +991,8 @@ def compute_layer_histograms(
     summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
 ) -> LayerHistograms:
     """:class:`LayerHistograms` of the ranks' ``numerics`` summary sections (``keys``:
-    :func:`numerics_classes`, to read each class of equal sections once).
+    :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each class of equal
+    sections once).
 
     The groups' ``"e,n,e,n"`` texts are parsed as one number list per block of groups (no
     Python loop per binade), each pair added to its layer's row.
@@ -1075,14 +1056,8 @@ def layer_histograms(run: Run) -> LayerHistograms:
     class of ranks with equal sections read once)."""
     return run.cached(  # type: ignore[no-any-return]
         "layer_histograms",
-        lambda r: compute_layer_histograms(r.summaries(), numerics_classes(r)),
+        lambda r: compute_layer_histograms(r.summaries(), section_keys(r, "numerics")),
     )
-
-
-def numerics_relation(run: Run) -> Any:
-    """The run's derived ``numerics`` relation (:meth:`Run.relation`), one per run: each
-    :meth:`Run.relation` call checks the store against every rank's files."""
-    return run.cached("numerics_relation", lambda r: r.relation("numerics"))
 
 
 def compute_scale_hint_summaries(
@@ -1101,7 +1076,8 @@ def compute_scale_hint_summaries(
     and the wide gradients' histograms summed over the ranks are the rows' sum.
 
     ``histograms``: :func:`compute_layer_histograms` of ``summaries`` when the caller has it;
-    ``keys``: :func:`numerics_classes`, to read each class of equal sections once.
+    ``keys``: :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each
+    class of equal sections once.
     """
     peak: float | None = None
     last: list[Any] | None = None

@@ -19,7 +19,13 @@ across ranks are taken in numpy, as on a frame.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +41,8 @@ __all__ = [
     "RankBands",
     "RankMatrix",
     "StepsRelation",
+    "ResultStore",
+    "CHUNK_ROWS",
     "compute_step_bins",
     "compute_rank_bands",
     "compute_rank_matrix",
@@ -48,6 +56,10 @@ MAX_BINS = 1000
 #: rows of a rank x step heatmap, at most (more ranks are bucketed by rank order)
 MAX_ROWS = 512
 _REDUCERS = ("min", "max", "mean", "median", "last")
+#: rows of one ``GROUP BY rank`` query with a median, at most: a run of more rows is queried
+#: by blocks of consecutive ranks (at 4,096 ranks x 10,000 steps one query of all the rows
+#: ran out of DuckDB's 1 GB: a holistic aggregate keeps every value of its groups)
+CHUNK_ROWS = 4_000_000
 #: each reducer as a DuckDB aggregate of the value ``v`` (``median`` interpolates between the
 #: two middle values, as numpy's; ``last``: the value at the bin's highest step)
 _SQL_REDUCERS = {
@@ -150,13 +162,89 @@ def compute_step_bins(steps: np.ndarray | pd.Series, max_bins: int = MAX_BINS) -
     return StepBins(unique[starts], unique[ends])
 
 
+class ResultStore:
+    """Results of a :class:`StepsRelation` kept on disk, one file per result in ``folder``
+    (a rank x bin matrix as ``.npz``, a frame as Parquet), named by a hash of the result's key
+    (the relation's filter and the query or series) and holding the key, checked on reading.
+
+    The folder belongs to one version of the rows (``amprobe.store.derived.results_dir``
+    names it after the derived ``steps.parquet`` file): a rebuilt store gets a new folder, so a
+    result is never read for other rows. Files are written under a temporary name and moved
+    into place; a file that cannot be read or written is computed again, never an error.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def _path(self, key: tuple[Any, ...], suffix: str) -> Path:
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        return self.folder / f"{key[0]}-{digest}{suffix}"
+
+    def load(self, key: tuple[Any, ...]) -> Any:
+        """The stored result of ``key``, or None (none stored, unreadable, another key)."""
+        try:
+            if key[0] == "matrix":
+                with np.load(self._path(key, ".npz"), allow_pickle=False) as z:
+                    if str(z["key"]) != repr(key):
+                        return None
+                    bins = StepBins(z["first"], z["last"])
+                    return bins, z["ranks"], z["matrix"]
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(self._path(key, ".parquet"))
+            if (table.schema.metadata or {}).get(b"amprobe_key") != repr(key).encode():
+                return None
+            return table.to_pandas()
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, key: tuple[Any, ...], value: Any) -> None:
+        """Keep ``value`` (best effort: a folder that cannot be written keeps nothing)."""
+        tmp = None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if key[0] == "matrix":
+                bins, ranks, matrix = value
+                path = self._path(key, ".npz")
+                fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+                with os.fdopen(fd, "wb") as out:
+                    np.savez_compressed(
+                        out,
+                        key=np.array(repr(key)),
+                        first=np.asarray(bins.first, dtype=np.int64),
+                        last=np.asarray(bins.last, dtype=np.int64),
+                        ranks=np.asarray(ranks, dtype=np.int64),
+                        matrix=np.asarray(matrix, dtype="float64"),
+                    )
+            else:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                path = self._path(key, ".parquet")
+                table = pa.Table.from_pandas(value, preserve_index=False)
+                meta = dict(table.schema.metadata or {})
+                meta[b"amprobe_key"] = repr(key).encode()
+                fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+                os.close(fd)
+                pq.write_table(table.replace_schema_metadata(meta), tmp)
+            os.replace(tmp, path)
+            tmp = None
+        except (OSError, ValueError, TypeError, ImportError):
+            pass
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
 class StepsRelation:
     """A run's ``steps`` read through its derived store (``Run.relation("steps")``, DuckDB):
     what a figure of many ranks needs, computed in the engine, never the merged frame.
 
     ``where`` is a SQL condition on the rows (``scaler_rows``' filter, for example);
     :meth:`filtered` adds one. Results are kept per query (one relation object per figure
-    set: a report and a dashboard tab read each series once).
+    set: a report and a dashboard tab read each series once), and in ``store`` when given
+    (:class:`ResultStore`: the next process that reads the same rows reads them there).
     """
 
     def __init__(
@@ -165,25 +253,74 @@ class StepsRelation:
         where: str = "TRUE",
         cache: dict[Any, Any] | None = None,
         ranks: np.ndarray | None = None,
+        store: ResultStore | None = None,
     ):
         self.relation = relation
         self.where = where
         self._cache: dict[Any, Any] = {} if cache is None else cache
         #: the ranks with a row, when the caller knows them (a run's summaries), else queried
         self._ranks = ranks
+        self.store = store
 
     def filtered(self, condition: str) -> StepsRelation:
         """The rows that also meet ``condition`` (results cached with this one's)."""
-        return StepsRelation(self.relation, f"({self.where}) AND ({condition})", self._cache)
+        return StepsRelation(
+            self.relation, f"({self.where}) AND ({condition})", self._cache, store=self.store
+        )
+
+    def result(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per ``key`` (a tuple: ``("matrix", ...)`` for a
+        :meth:`rank_bin_matrix` result, else a frame): from this relation's cache, else
+        from its :class:`ResultStore`, else computed and kept in both."""
+        if key in self._cache:
+            return self._cache[key]
+        value = self.store.load(key) if self.store is not None else None
+        if value is None:
+            value = compute()
+            if self.store is not None:
+                self.store.save(key, value)
+        self._cache[key] = value
+        return value
 
     def query(self, sql: str) -> pd.DataFrame:
         """``sql`` over the rows, named ``s`` (``SELECT ... FROM s``), as a frame; the
         rows of :attr:`where` only."""
-        key = ("query", self.where, sql)
-        if key not in self._cache:
-            rel = self.relation.filter(self.where)
-            self._cache[key] = rel.query("s", sql).df()
-        return self._cache[key]
+        return self.result(("query", self.where, sql), lambda: self._run(sql, self.where))  # type: ignore[no-any-return]
+
+    def _run(self, sql: str, where: str) -> pd.DataFrame:
+        return self.relation.filter(where).query("s", sql).df()  # type: ignore[no-any-return]
+
+    def query_by_rank(self, sql: str) -> pd.DataFrame:
+        """:meth:`query` of a ``... GROUP BY rank ORDER BY rank`` query (whose groups never
+        span ranks), run over blocks of consecutive ranks of at most :data:`CHUNK_ROWS` rows
+        when the rows are more, the blocks' frames put together in rank order: the same
+        frame, within DuckDB's memory limit where a median per rank keeps every value."""
+
+        def run() -> pd.DataFrame:
+            blocks = self._rank_blocks()
+            if len(blocks) <= 1:
+                return self._run(sql, self.where)
+            parts = [self._run(sql, f"({self.where}) AND ({block})") for block in blocks]
+            return pd.concat(parts, ignore_index=True)
+
+        return self.result(("query", self.where, sql), run)  # type: ignore[no-any-return]
+
+    def _rank_blocks(self) -> list[str]:
+        """Conditions ``rank BETWEEN a AND b`` of consecutive ranks, each of at most
+        :data:`CHUNK_ROWS` rows (a rank of more rows alone); one (TRUE) when all are fewer."""
+        counts = self.query("SELECT rank, count(*) AS n FROM s GROUP BY rank ORDER BY rank")
+        ranks = counts["rank"].to_numpy(dtype=np.int64)
+        rows = counts["n"].to_numpy(dtype=np.int64)
+        if rows.sum() <= CHUNK_ROWS:
+            return ["TRUE"]
+        blocks, first, total = [], 0, 0
+        for i, n in enumerate(rows):
+            if total and total + n > CHUNK_ROWS:
+                blocks.append(f"rank BETWEEN {ranks[first]} AND {ranks[i - 1]}")
+                first, total = i, 0
+            total += int(n)
+        blocks.append(f"rank BETWEEN {ranks[first]} AND {ranks[-1]}")
+        return blocks
 
     @property
     def ranks(self) -> np.ndarray:
@@ -202,7 +339,8 @@ class StepsRelation:
     ) -> tuple[StepBins, np.ndarray, np.ndarray]:
         """:func:`compute_step_bins` over the steps with a finite ``column`` and the ranks x
         bins matrix of ``reduce`` of it, as :func:`_rank_bin_matrix` on the frame, in one
-        ``GROUP BY rank, bin`` query (each cell's first and last step with it).
+        ``GROUP BY rank, bin`` query (each cell's first and last step with it; by blocks of
+        ranks on a run of more than :data:`CHUNK_ROWS` rows).
 
         The bins' origin and width come from the first and last step (one cheap query); the
         bins are then exactly :func:`compute_step_bins`' when they prove more than
@@ -211,16 +349,17 @@ class StepsRelation:
         if reduce not in _REDUCERS:
             raise ValueError(f"reduce must be one of {_REDUCERS}, not {reduce!r}")
         key = ("matrix", self.where, column, max_bins, reduce)
-        if key in self._cache:
-            return self._cache[key]  # type: ignore[no-any-return]
+        return self.result(key, lambda: self._rank_bin_matrix(column, max_bins, reduce))  # type: ignore[no-any-return]
+
+    def _rank_bin_matrix(
+        self, column: str, max_bins: int, reduce: str
+    ) -> tuple[StepBins, np.ndarray, np.ndarray]:
         finite = f'step IS NOT NULL AND "{column}" IS NOT NULL AND isfinite("{column}")'
         ends = self.query(f"SELECT min(step) AS lo, max(step) AS hi FROM s WHERE {finite}")
         lo, hi = ends["lo"].iloc[0], ends["hi"].iloc[0]
         if pd.isna(lo):
             none = np.empty(0, dtype=np.int64)
-            empty = (StepBins(none, none), none, np.full((0, 0), np.nan))
-            self._cache[key] = empty
-            return empty
+            return StepBins(none, none), none, np.full((0, 0), np.nan)
         lo, hi = int(lo), int(hi)
         width = 1 if hi - lo + 1 <= max_bins else -(-(hi - lo + 1) // max_bins)
         cells = self._cells(column, finite, reduce, lo, width)
@@ -237,18 +376,21 @@ class StepsRelation:
         bin_code = np.searchsorted(codes, cells["code"].to_numpy(dtype=np.int64))
         matrix = np.full((len(ranks), len(bins)), np.nan)
         matrix[rank_code, bin_code] = cells["v"].to_numpy(dtype="float64")
-        out = (bins, ranks, matrix)
-        self._cache[key] = out
-        return out
+        return bins, ranks, matrix
 
     def _cells(self, column: str, finite: str, reduce: str, lo: int, width: int) -> pd.DataFrame:
         """Each (rank, bin code)'s reduced value and its first and last step."""
-        return self.query(
+        sql = (
             f"SELECT rank, (step - {lo}) // {width} AS code, {_SQL_REDUCERS[reduce]} AS v, "
             "min(step) AS first, max(step) AS last "
             f'FROM (SELECT rank, step, "{column}"::DOUBLE AS v FROM s WHERE {finite}) '
             "GROUP BY rank, code"
         )
+        blocks = self._rank_blocks()
+        if len(blocks) <= 1:
+            return self._run(sql, self.where)
+        parts = [self._run(sql, f"({self.where}) AND ({block})") for block in blocks]
+        return pd.concat(parts, ignore_index=True)
 
 
 def _code_bounds(cells: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

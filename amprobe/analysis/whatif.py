@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import steps_text
+from amprobe.analysis.frames import section_keys, steps_text
 from amprobe.analysis.numerics import LayerHistograms
 from amprobe.store.sections.numerics import decode_bins, encode_bins
 
@@ -672,7 +672,10 @@ def not_judged_text(module: Any, steps: Iterable[int]) -> str:
 def compute_whatif(run: Any) -> pd.DataFrame:
     """The what-if table of a loaded run, from its per-rank summaries
     (:func:`compute_whatif_summaries`), computed once per run."""
-    return run.cached("whatif", lambda r: compute_whatif_summaries(r.summaries()))  # type: ignore[no-any-return]
+    return run.cached(  # type: ignore[no-any-return]
+        "whatif",
+        lambda r: compute_whatif_summaries(r.summaries(), section_keys(r, "numerics")),
+    )
 
 
 def _steps_of(runs: dict[str, Any]) -> list[int]:
@@ -701,22 +704,30 @@ def summary_layer_order(summaries: dict[int, dict[str, Any]]) -> dict[str, int]:
     return order
 
 
-def compute_whatif_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame:
+def compute_whatif_summaries(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
+) -> pd.DataFrame:
     """:func:`_whatif_from_summaries` worked out once per class of ranks with equal ``numerics``
     sections (the key is the section's data: equal ``marshal`` bytes load back to equal
     values, never the file), each other rank of a class given its representative's rows.
+    ``keys``: each rank's class of equal sections found already
+    (:func:`~amprobe.analysis.frames.section_keys`), else found here.
 
     Exact: a rank's rows are a function of its own section and the layer order; the order,
     taken from the lowest rank at which each layer appears, is the same from the lowest rank
     of each class (a layer's first rank is the lowest of its class)."""
     rep_of: dict[int, int] = {}
-    first_of: dict[bytes | str, int] = {}
+    first_of: dict[Any, int] = {}
     for rank in sorted(summaries):
-        section = summaries[rank].get("numerics") or {}
-        try:
-            key: bytes | str = marshal.dumps(section)
-        except ValueError:  # not plain values (marshal cannot write them)
-            key = repr(section)
+        key: bytes | str | int
+        if keys is not None and rank in keys:
+            key = keys[rank]
+        else:
+            section = summaries[rank].get("numerics") or {}
+            try:
+                key = marshal.dumps(section)
+            except ValueError:  # not plain values (marshal cannot write them)
+                key = repr(section)
         rep_of[rank] = first_of.setdefault(key, rank)
     if len(first_of) == len(summaries):
         return _whatif_from_summaries(summaries)

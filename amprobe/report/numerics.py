@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import range_text, steps_text
+from amprobe.analysis.frames import range_text, section_keys, steps_text
 from amprobe.analysis.numerics import (
     COUNT_COLUMNS,
     COUNT_DEFINITIONS,
@@ -22,16 +22,14 @@ from amprobe.analysis.numerics import (
     layer_histograms,
     layer_summary,
     numerics_cells,
-    numerics_classes,
     numerics_missing_reason,
-    numerics_relation,
     summary_layers,
 )
 from amprobe.analysis.rankbands import bucket_ranks, rank_range_text
 from amprobe.report.downsample import MAX_COLUMNS
 from amprobe.report.escape import escape_plotly_text
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import many_ranks, rank_groups_text, step_ends, steps_of
+from amprobe.report.scale import many_ranks, many_relations, rank_groups_text, step_ends, steps_of
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -887,7 +885,7 @@ class RankNumerics:
             buckets = bucket_ranks(list(layers), max(1, MAX_HEATMAP_ROWS // max(len(pairs), 1)))
         rows = cells = None
         try:
-            relation = numerics_relation(run)
+            relation = many_relations(run)["numerics"]
             if buckets is None:
                 rows = _in_rank_order(
                     relation.query(
@@ -963,7 +961,7 @@ class RankNumerics:
             return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
         summaries = run.summaries()
         histograms = layer_histograms(run)
-        keys = numerics_classes(run)
+        keys = section_keys(run, "numerics")
         summary = compute_layer_summary_summaries(summaries, self.layer_steps(), keys)
         ends = summary_step_ends(run) if self.unavailable is None else pd.DataFrame()
         not_checked = run.events_of("numerics_not_checked")
@@ -980,7 +978,7 @@ class RankNumerics:
         offenders = pd.DataFrame()
         if self.unavailable is None:
             offenders = (
-                run.cached("offenders_relation", lambda r: r.relation("offenders"))
+                many_relations(run)["offenders"]
                 .query("s", "SELECT rank, step, kind, module, module_type FROM s")
                 .df()
             )

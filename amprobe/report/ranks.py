@@ -52,7 +52,7 @@ def compute_rank_summary(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
     """One row per rank: steps, skipped steps, final scale, median and p90 step time (ms)
     (of a run of many ranks: one query of its derived store)."""
     if isinstance(steps, StepsRelation):
-        stats = steps.query(RANK_STATS_SQL)
+        stats = steps.query_by_rank(RANK_STATS_SQL)
         frame = pd.DataFrame(
             {
                 "rank": stats["rank"],

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
-from amprobe.analysis.rankbands import StepsRelation
+from amprobe.analysis.rankbands import CHUNK_ROWS, StepsRelation
 from amprobe.analysis.runtime import compute_sync_sites, gpu_unavailable_reason
 from amprobe.report.downsample import downsample
 from amprobe.report.registry import Section, section
@@ -16,6 +17,7 @@ from amprobe.report.scale import (
     bands_note,
     has_values,
     many_ranks,
+    many_relations,
     run_ranks,
     steps_relation,
 )
@@ -191,19 +193,58 @@ _PHASES = {
 
 
 def _phase_table_sql(steps: StepsRelation) -> pd.DataFrame:
-    """:func:`make_phase_table` in one query of a run of many ranks' derived store."""
-    medians = ", ".join(f'median("{c}") AS "{c}", count("{c}") AS "n_{c}"' for c in _PHASES)
+    """:func:`make_phase_table` of a run of many ranks' derived store: each part's median
+    over the rows not sync-sampled (all rows when every row is), exact (DuckDB's
+    ``median``, the mean of the two middle values). On a run of more than
+    :data:`~amprobe.analysis.rankbands.CHUNK_ROWS` rows each column is read alone and its
+    median selected in numpy: DuckDB keeps every value of a median, which at 41 M rows x 5
+    columns ran out of its memory limit."""
     plain = "NOT coalesce(syncs_sampled, false)"
-    frame = steps.query(
-        f"SELECT {medians} FROM s WHERE {plain} OR NOT EXISTS (SELECT 1 FROM s WHERE {plain})"
-    )
-    row = frame.iloc[0]
+    counts = ", ".join(f'count("{c}") AS "n_{c}"' for c in _PHASES)
+    rows_sql = f"SELECT count(*) FILTER (WHERE {plain}) AS plain, count(*) AS n, {counts} FROM s"
+
+    def compute() -> pd.DataFrame:
+        sizes = steps.query(rows_sql).iloc[0]
+        where = plain if sizes["plain"] > 0 else "TRUE"
+        if int(sizes["n"]) <= CHUNK_ROWS:
+            medians = ", ".join(f'median("{c}") AS "{c}", count("{c}") AS "n_{c}"' for c in _PHASES)
+            return steps.query(
+                f"SELECT {medians} FROM s WHERE {plain} OR NOT EXISTS (SELECT 1 FROM s WHERE {plain})"
+            )
+        out: dict[str, list[Any]] = {}
+        for column in _PHASES:
+            rel = steps.relation.filter(f"({steps.where}) AND ({where})")
+            values = rel.filter(f'"{column}" IS NOT NULL').project(f'"{column}"::DOUBLE AS v')
+            table = values.to_arrow_table()
+            array = table["v"].to_numpy()
+            del table  # the array is a copy when the column came in several chunks
+            out[column] = [_median(array)]
+            out[f"n_{column}"] = [len(array)]
+            del array
+        return pd.DataFrame(out)
+
+    row = steps.result(("query", steps.where, "phase medians " + rows_sql), compute).iloc[0]
     rows = [
         {"part": label, "median_ms": float(row[col]) * 1e3}
         for col, label in _PHASES.items()
         if row[f"n_{col}"] > 0
     ]
     return pd.DataFrame(rows, columns=["part", "median_ms"])
+
+
+def _median(values: np.ndarray) -> float:
+    """DuckDB's ``median`` of ``values`` (not null; NaN sorts above every number): the middle
+    value, or the mean of the two middle values ``(lo + hi) / 2``; NaN when there is none.
+    ``values`` is reordered (partitioned) when it can be written."""
+    n = len(values)
+    if not n:
+        return float("nan")
+    if not values.flags.writeable or values.dtype != np.float64:
+        values = np.array(values, dtype="float64")  # partitioned in place below
+    hi_at, lo_at = n // 2, (n - 1) // 2
+    values.partition([lo_at, hi_at] if lo_at != hi_at else hi_at)
+    lo, hi = float(values[lo_at]), float(values[hi_at])
+    return lo if lo_at == hi_at else (lo + hi) / 2
 
 
 def make_phase_table(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
@@ -231,8 +272,9 @@ def _build_runtime_section_many(run: Run, steps: StepsRelation, title: str) -> S
             title,
             missing="step timing was not recorded (enable the 'runtime' collector)",
         )
-    gpu = StepsRelation(run.relation("gpu"))
-    syncs = (lambda: run.relation("syncs").df()) if _sync_sampled(steps) else None
+    rels = many_relations(run)
+    gpu = StepsRelation(rels["gpu"])
+    syncs = (lambda: rels["syncs"].df()) if _sync_sampled(steps) else None
     return _runtime_section(run, title, steps, gpu, syncs)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,12 @@ import numpy as np
 import pandas as pd
 
 from amprobe.analysis.frames import range_text, steps_text
-from amprobe.analysis.rankbands import RankBands, StepsRelation, compute_rank_bands
+from amprobe.analysis.rankbands import (
+    RankBands,
+    ResultStore,
+    StepsRelation,
+    compute_rank_bands,
+)
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
 from amprobe.report.registry import Section, section
 
@@ -44,6 +50,7 @@ __all__ = [
     "bands_note",
     "rank_groups_text",
     "steps_relation",
+    "many_relations",
     "steps_of",
     "has_values",
     "SCALER_ROWS_SQL",
@@ -106,11 +113,36 @@ def steps_relation(run: Run) -> StepsRelation | None:
         return None
 
     def make(r: Run) -> StepsRelation:
-        summaries = r.relation("summaries").filter("steps > 0").order("rank")
+        rels = many_relations(r)
+        summaries = rels["summaries"].filter("steps > 0").order("rank")
         ranks = summaries.project("rank").df()["rank"].to_numpy(dtype=np.int64)
-        return StepsRelation(r.relation("steps"), ranks=ranks)
+        return StepsRelation(rels["steps"], ranks=ranks, store=rels.get("results"))
 
     return run.cached("steps_relation", make)  # type: ignore[no-any-return]
+
+
+#: the tables a run of many ranks' figures read from its derived store (numerics and offenders:
+#: the numerics section's heatmaps and offenders table, amprobe.report.numerics)
+_MANY_TABLES = ("summaries", "steps", "gpu", "syncs", "numerics", "offenders")
+
+
+def many_relations(run: Run) -> dict[str, Any]:
+    """Relations over the derived tables the sections of a run of many ranks read
+    (:data:`_MANY_TABLES`), after one freshness check of the store, once per run, and
+    ``"results"``: the :class:`ResultStore` of its steps' results (absent when it cannot be
+    named)."""
+
+    def make(r: Run) -> dict[str, Any]:
+        import amprobe.store.derived as derived
+
+        store, rels = derived.relations(r, _MANY_TABLES)
+        with contextlib.suppress(OSError):
+            folder = derived.results_dir(store)
+            if folder is not None:
+                rels["results"] = ResultStore(folder)
+        return rels
+
+    return run.cached("many_relations", make)  # type: ignore[no-any-return]
 
 
 #: each rank's aggregates that the scale and ranks sections read, one query for both
@@ -875,7 +907,7 @@ def _scaled_steps_text(scaled: pd.DataFrame | dict[int, tuple[int, int, int, int
 
 def _scaler_counts_sql(steps: StepsRelation) -> dict[int, tuple[int, int, int, int, float]]:
     """:func:`_scaler_counts` of every rank in one query of the derived store."""
-    frame = steps.query(RANK_STATS_SQL)
+    frame = steps.query_by_rank(RANK_STATS_SQL)
     frame = frame[frame["scaled_steps"] > 0].copy()
     several = frame["rank"][frame["windows"].astype(bool)].astype(int).tolist()
     if several:  # ranks of several windows: their distinct steps counted apart

@@ -9,13 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from amprobe.analysis.frames import steps_text
-from amprobe.analysis.numerics import (
-    class_representatives,
-    layer_histograms,
-    numerics_classes,
-    numerics_relation,
-)
+from amprobe.analysis.frames import section_keys, steps_text
+from amprobe.analysis.numerics import class_representatives, layer_histograms
 from amprobe.analysis.whatif import (
     FORMATS,
     KINDS,
@@ -29,7 +24,7 @@ from amprobe.analysis.whatif import (
     summary_layer_order,
 )
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import many_ranks
+from amprobe.report.scale import many_ranks, many_relations
 from amprobe.rules.engine import REGISTRY
 
 if TYPE_CHECKING:
@@ -200,7 +195,7 @@ def make_run_exponent_heatmap(
     summaries = run.summaries()
     histograms = layer_histograms(run)
     # the order of the lowest rank of each class of equal sections is every rank's order
-    reps = class_representatives(summaries, numerics_classes(run))
+    reps = class_representatives(summaries, section_keys(run, "numerics"))
     order = run.cached(
         "summary_layer_order", lambda r: summary_layer_order({k: summaries[k] for k in reps})
     )
@@ -229,7 +224,7 @@ def _sampled_text(run: Run, kinds: tuple[str, ...]) -> str:
 
     def read(r: Run) -> pd.DataFrame | str:
         try:
-            rel = numerics_relation(r)
+            rel = many_relations(r)["numerics"]
             sql = "SELECT kind, step FROM s WHERE step IS NOT NULL GROUP BY kind, step"
             return rel.query("s", sql).df()  # type: ignore[no-any-return]
         except OSError as exc:  # neither the run folder nor the user cache can be written

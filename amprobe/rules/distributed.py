@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS
+from amprobe.analysis.frames import MAX_LISTED_STEPS, section_keys
 from amprobe.analysis.ranks import (
     compute_hist_quantiles,
     compute_others_median,
@@ -30,7 +30,6 @@ from amprobe.rules.data import step_ranges, steps_list
 from amprobe.rules.engine import (
     Finding,
     RuleContext,
-    data_key,
     format_ranks,
     requirement,
     rule,
@@ -284,7 +283,7 @@ def check_rank_straggler(ctx: RuleContext) -> Iterator[Finding]:
     ranks = np.asarray(eligible)
     # each histogram and its median worked out once per class of ranks with equal runtime
     # sections (the key is the section's data); ranks of a class share them (read only)
-    keys = [data_key(runtimes[r]) for r in eligible]
+    keys = [section_keys(run, "runtime")[r] for r in eligible]
     made: dict[tuple[Any, str], dict[str, Any]] = {}
     for m in ("wall", "wait"):
         for r, key in zip(eligible, keys, strict=True):

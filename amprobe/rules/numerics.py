@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS
+from amprobe.analysis.frames import MAX_LISTED_STEPS, section_keys
 from amprobe.analysis.numerics import (
     ROLE_LABELS,
     fact_steps,
@@ -41,7 +41,7 @@ from amprobe.rules.data import (
     step_ranges,
     steps_list,
 )
-from amprobe.rules.engine import Finding, RuleContext, data_key, requirement, rule
+from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
 from amprobe.store.sections.numerics import step_facts
@@ -514,10 +514,11 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     th = ctx.thresholds
     # computed once per class of ranks whose sections are equal (the key is the section's data:
     # equal bytes load back to equal values, and data-parallel ranks mostly record the same)
-    by_class: dict[bytes | str, Any] = {}
+    by_class: dict[int, Any] = {}
+    keys = section_keys(run, "numerics")
     for rank in sorted(run.summaries()):
         section = numerics_section(run, rank)
-        key = data_key(section)
+        key = keys[rank]  # the recorded section's class (an absent one apart from an empty one)
         if key not in by_class:
             by_class[key] = gradient_underflow_rows(section, th["scale_margin"])
         rows, hint, facts = by_class[key]

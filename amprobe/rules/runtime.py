@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS
+from amprobe.analysis.frames import MAX_LISTED_STEPS, section_keys
 from amprobe.analysis.runtime import (
     column,
     compute_gpu_util,
@@ -17,7 +17,7 @@ from amprobe.analysis.runtime import (
     training_samples,
 )
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes
-from amprobe.rules.engine import Finding, RuleContext, data_key, requirement, rule
+from amprobe.rules.engine import Finding, RuleContext, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, DATA_LOADING, MATMUL_GUIDE, TUNING_GUIDE
 from amprobe.store.loader import Run
 
@@ -85,9 +85,10 @@ def input_bound(ctx: RuleContext) -> list[Finding]:
     gpu_reason = gpu_unavailable_reason(ctx.run)
     out = []
     # once per class of ranks with equal runtime sections (the key is the section's data)
-    waits_of: dict[bytes | str, dict[str, Any] | None] = {}
+    waits_of: dict[int, dict[str, Any] | None] = {}
+    keys = section_keys(ctx.run, "runtime")
     for rank, runtime in rank_runtime(ctx.run).items():
-        key = data_key(runtime)
+        key = keys[rank]
         if key not in waits_of:
             waits_of[key] = summary_data_wait(runtime, skip)
         wait = waits_of[key]

@@ -110,12 +110,17 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     return _fp8_class(run, rank)[1]
 
 
-def _key_column(name: str, values: list[Any]) -> list[Any]:
+def _key_column(name: str, values: list[Any], missing: np.ndarray) -> list[Any]:
     """A column's values as hashable key parts: lists as tuples, a missing value (None, NaN,
-    NA) as None."""
+    NA: ``missing``, the column's ``isna()``) as None."""
     if name == "nonfinite_steps":
         return [tuple(v) for v in values]
-    return [None if v is None or v is pd.NA or v != v else v for v in values]
+    if not missing.any():
+        return values
+    out = list(values)
+    for i in np.flatnonzero(missing).tolist():
+        out[i] = None
+    return out
 
 
 def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
@@ -159,7 +164,10 @@ def _per_tensor_columns(run: Run) -> dict[str, Any]:
         bounds = [*starts, len(ranks)]
         return {
             "values": values,
-            "keys": [_key_column(c, v) for c, v in zip(_FP8_COLUMNS, values, strict=True)],
+            "keys": [
+                _key_column(c, v, wf[c].isna().to_numpy(dtype=bool))
+                for c, v in zip(_FP8_COLUMNS, values, strict=True)
+            ],
             "ranks": {
                 int(ranks[a]): (int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
             },

@@ -167,20 +167,28 @@ def make_record(
     offsets: Mapping[str, int],
     rows: Mapping[str, int],
     sections: Mapping[str, Any],
+    checksums: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The content of ``summary.json``: the sections of every row of the rank up to ``offsets``.
 
     ``offsets`` maps each table file name to its size in bytes once the summarized rows were
     written (the rows a reader summarizes itself start there); ``rows`` counts the rows
     summarized per table; ``final`` marks the record ``close`` wrote (no row follows it).
+    ``checksums`` maps table file names (of ``offsets``) to the CRC-32 (``zlib.crc32``) of the
+    file's bytes ``[0, offset)`` as written, so that a reader can tell a file damaged or edited
+    in place after it was summarized (``Run.summaries`` checks them); optional: a record
+    without them (an older writer) is one whose files a reader cannot check.
     """
-    return {
+    record = {
         "summary_version": SUMMARY_VERSION,
         "final": final,
         "offsets": dict(offsets),
         "rows": dict(rows),
         "sections": dict(sections),
     }
+    if checksums is not None:
+        record["checksums"] = {k: v for k, v in checksums.items() if k in offsets}
+    return record
 
 
 def _count(value: Any) -> bool:
@@ -204,9 +212,18 @@ def parse_record(obj: Any) -> dict[str, Any] | None:
         and all(isinstance(k, str) and _count(v) for k, v in rows.items())
         and isinstance(sections, dict)
         and all(isinstance(k, str) and isinstance(v, dict) for k, v in sections.items())
+        and _checksums_ok(obj.get("checksums", {}), offsets)
     ):
         return None
     return obj
+
+
+def _checksums_ok(checksums: Any, offsets: Mapping[str, int]) -> bool:
+    """Whether a record's ``checksums`` (optional) are well formed: a CRC-32 per file of its
+    ``offsets``."""
+    return isinstance(checksums, dict) and all(
+        k in offsets and _count(v) and v < 1 << 32 for k, v in checksums.items()
+    )
 
 
 def write_all(fh: Any, data: bytes, path: Path) -> None:
