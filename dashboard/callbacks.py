@@ -304,7 +304,7 @@ def whatif_heatmap(ctx: Context, name: str | None, group: str | None) -> go.Figu
     failure is the figure's title, never an exception into Dash."""
     try:
         run = ctx.cache.get(name or "").run
-        return make_whatif_figure(run.table("numerics"), compute_whatif(run), group or "")
+        return make_whatif_figure(run, compute_whatif(run), group or "")
     except Exception as exc:  # one run's odd data fails this figure, nothing else
         return _message_figure(_failed("drawing this heatmap", exc))
 

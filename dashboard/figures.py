@@ -8,6 +8,8 @@ nothing beyond reading the scale before/after each update.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -31,7 +33,10 @@ from amprobe.report.scale import (
     split_ranks,
     thin_series,
 )
-from amprobe.report.whatif import HEATMAP_GROUPS, make_exponent_heatmap
+from amprobe.report.whatif import HEATMAP_GROUPS, heatmap_groups, make_run_exponent_heatmap
+
+if TYPE_CHECKING:
+    from amprobe.store.loader import Run
 
 __all__ = [
     "make_whatif_figure",
@@ -201,18 +206,16 @@ def make_compare_figure(
     return fig
 
 
-def whatif_groups(numerics: pd.DataFrame) -> list[str]:
-    """The what-if heatmap groups (activations, gradients) that ``numerics`` has rows for."""
-
-    if numerics.empty:
-        return []
-    kinds = set(numerics["kind"].dropna().unique())
-    return [g for g, (_, wanted, _) in HEATMAP_GROUPS.items() if kinds & set(wanted)]
+def whatif_groups(run: Run) -> list[str]:
+    """The what-if heatmap groups (activations, gradients) that the run has numerics rows for
+    (from its summaries at many ranks: :func:`amprobe.report.whatif.heatmap_groups`)."""
+    return heatmap_groups(run)
 
 
-def make_whatif_figure(numerics: pd.DataFrame, whatif: pd.DataFrame, group: str) -> go.Figure:
-    """The report's per-layer exponent-range heatmap of ``group`` (amprobe's own figure)."""
+def make_whatif_figure(run: Run, whatif: pd.DataFrame, group: str) -> go.Figure:
+    """The report's per-layer exponent-range heatmap of ``group`` (amprobe's own figure, from
+    the run's summaries at many ranks: :func:`amprobe.report.whatif.make_run_exponent_heatmap`)."""
 
     if group not in HEATMAP_GROUPS:
         group = next(iter(HEATMAP_GROUPS))
-    return make_exponent_heatmap(numerics, group, whatif)
+    return make_run_exponent_heatmap(run, group, whatif)

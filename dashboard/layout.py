@@ -35,6 +35,7 @@ from amprobe.report.evidence import (
     finding_step,
     render_evidence,
 )
+from amprobe.report.numerics import layer_recorded
 from amprobe.report.render import split_ref
 from amprobe.report.scale import event_rows, many_ranks, rank_groups_text, step_ends, steps_of
 from amprobe.report.sections import section_tabs
@@ -784,12 +785,9 @@ def _whatif_tab(run: Any, section: Any, label: str) -> html.Div:
     if section.missing:
         return build_whatif(section, None, "", ())
 
-    numerics = run.table("numerics")
-    groups = whatif_groups(numerics)
+    groups = whatif_groups(run)
     group = groups[0] if groups else "activations"
-    return build_whatif(
-        section, make_whatif_figure(numerics, compute_whatif(run), group), group, groups
-    )
+    return build_whatif(section, make_whatif_figure(run, compute_whatif(run), group), group, groups)
 
 
 def _absent_section(key: str, title: str) -> html.Div:
@@ -946,8 +944,7 @@ def build_section_tab(
     layer = query.layer if key == NUMERICS_SECTION else None
     recorded = None
     if layer:
-        numerics = run.table("numerics")
-        recorded = "module" in numerics and bool((numerics["module"].astype(str) == layer).any())
+        recorded = layer_recorded(run, layer)
     body = (
         build_section(section, key, layer, recorded)
         if section is not None

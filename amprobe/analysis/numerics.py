@@ -6,16 +6,19 @@ collector (and of the ``input_nonfinite`` step field).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from amprobe.analysis.frames import section_keys
 from amprobe.store.loader import Run
-from amprobe.store.sections.numerics import decode_bins
+from amprobe.store.sections.numerics import decode_bins, encode_bins
 from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
 
 __all__ = [
@@ -40,6 +43,17 @@ __all__ = [
     "first_overflow_since",
     "numerics_missing_reason",
     "root_missing_reason",
+    "COUNT_SQL",
+    "HIST_LOW",
+    "HIST_HIGH",
+    "LayerHistograms",
+    "summary_layers",
+    "compute_layer_summary_summaries",
+    "compute_layer_histograms",
+    "layer_histograms",
+    "class_representatives",
+    "compute_scale_hint_summaries",
+    "numerics_cells",
 ]
 
 FP16_MAX = 65504.0
@@ -378,26 +392,34 @@ def compute_layer_summary(frame: pd.DataFrame) -> pd.DataFrame:
     :data:`COUNT_COLUMNS`."""
     if frame.empty:
         return pd.DataFrame()
-    sums = [
-        "elements",
-        "zeros",
-        "nan",
-        "inf",
-        "over_fp16",
-        "below_normal",
-        "below_subnormal",
-        "underflow_at_scale",
-    ]
     g = frame.groupby(["module", "kind"], sort=False)
-    out = g[sums].sum()
+    out = g[list(_SUM_COLUMNS)].sum()
     out["module_type"] = g["module_type"].first()
     out["dtype"] = g["dtype"].agg(lambda s: ",".join(sorted(set(s.dropna()))))
     out["amax"] = g["amax"].max()
     out["steps"] = g["step"].nunique()
+    return _with_shares(out).reset_index()
+
+
+#: the count columns :func:`compute_layer_summary` sums per (module, kind)
+_SUM_COLUMNS = (
+    "elements",
+    "zeros",
+    "nan",
+    "inf",
+    "over_fp16",
+    "below_normal",
+    "below_subnormal",
+    "underflow_at_scale",
+)
+
+
+def _with_shares(out: pd.DataFrame) -> pd.DataFrame:
+    """A layer summary's summed counts with ``zero_share`` and the :data:`COUNT_COLUMNS`."""
     out["zero_share"] = out["zeros"] / out["elements"].where(out["elements"] > 0)
     for column, (_, count) in COUNT_COLUMNS.items():
         out[column] = count(out)
-    return out.reset_index()
+    return out
 
 
 def root_missing_reason(run: Run) -> str | None:
@@ -749,25 +771,9 @@ def gradient_underflow_rows(
             if _group_dtype(key) != "float16":
                 for e, n in bins.items():
                     merged[e] = merged.get(e, 0) + n
-    hint: dict[str, Any] | None = None
-    if peak is not None:
-        hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
-        last = section.get("grad_scale")
-        total = sum(merged.values())
-
-        def share(scale: float) -> float | None:
-            return round(_below(merged, -25, scale) / total, 6) if total else None
-
-        current = float(last[1]) if last else 1.0
-        hint = {
-            "grad_amax": float(peak),
-            "margin": margin,
-            "hint_scale": hint_scale,
-            "current_scale": current,
-            "current_step": int(last[0]) if last else None,
-            "underflow_share_at_current": share(current),
-            "underflow_share_at_hint": share(hint_scale),
-        }
+    hint = (
+        _scale_hint(peak, margin, merged, section.get("grad_scale")) if peak is not None else None
+    )
     rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
     for layer, parsed in zip(grads, decoded, strict=True):
@@ -808,3 +814,331 @@ def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:
     """The runs of steps of ``rank`` whose root-model inputs held inf/NaN (the first
     :data:`~amprobe.store.sections.numerics.MAX_RUNS`)."""
     return [list(x) for x in offenders_section(run, rank)["inputs"]["runs"]["runs"]]
+
+
+def _scale_hint(
+    peak: float, margin: float, merged: dict[int, int], last: list[Any] | None
+) -> dict[str, Any]:
+    """:func:`compute_scale_hint`'s dict from the largest finite gradient ``amax``, the wide
+    gradients' nonzero binades summed (:func:`_nonzero_binades` keys) and ``[step, scale]``
+    of the last sampled step with a scaled gradient row (None: none)."""
+    hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+    total = sum(merged.values())
+
+    def share(scale: float) -> float | None:
+        return round(_below(merged, -25, scale) / total, 6) if total else None
+
+    current = float(last[1]) if last else 1.0
+    return {
+        "grad_amax": float(peak),
+        "margin": margin,
+        "hint_scale": hint_scale,
+        "current_scale": current,
+        "current_step": int(last[0]) if last else None,
+        "underflow_share_at_current": share(current),
+        "underflow_share_at_hint": share(hint_scale),
+    }
+
+
+# -- every rank at once, from the summaries and the derived store (the report at many ranks) -----
+#: :data:`COUNT_COLUMNS` as SQL over the derived ``numerics`` relation (null where a part is
+#: missing, as pandas' NaN): the same count per row
+COUNT_SQL: dict[str, str] = {
+    "nonfinite": "nan + inf",
+    "fp16_inf": "over_fp16 + inf",
+    "below_subnormal": "below_subnormal",
+}
+#: binades of :class:`LayerHistograms`' columns: column 0 is -134, the lump of nonzero values
+#: below 2**-133 (the summaries key it by its top binade), the last 127
+HIST_LOW, HIST_HIGH = _LUMP_TOP, 127
+#: histogram groups parsed per block (the text and its numbers stay ~40 MB at any rank count)
+_HIST_BLOCK = 65536
+
+
+def summary_layers(summaries: dict[int, dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """``(rank, layer)`` of every rank's ``numerics`` summary section: ranks ascending, a rank's
+    layers in order of first appearance in its file (the merged table's row order)."""
+    return [
+        (rank, layer)
+        for rank in sorted(summaries)
+        for layer in (summaries[rank].get("numerics") or {}).get("layers") or []
+    ]
+
+
+def class_representatives(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None
+) -> dict[int, int]:
+    """The lowest rank of each class of ranks with equal ``numerics`` sections (``keys``:
+    :func:`~amprobe.analysis.frames.section_keys` of ``numerics``; None: every rank alone)
+    -> the ranks of its class, ascending."""
+    if keys is None:
+        return dict.fromkeys(sorted(summaries), 1)
+    first: dict[Any, int] = {}
+    weight: dict[int, int] = {}
+    for rank in sorted(summaries):
+        key = keys.get(rank, ("rank", rank))  # a rank without a class: alone
+        rep = first.setdefault(key, rank)
+        weight[rep] = weight.get(rep, 0) + 1
+    return dict(sorted(weight.items()))
+
+
+def _weighted_layers(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None
+) -> list[tuple[dict[str, Any], int]]:
+    """``(layer, weight)`` of :func:`summary_layers`, read once per class of ranks with equal
+    sections (``keys``: :func:`~amprobe.analysis.frames.section_keys` of ``numerics``; None:
+    every rank alone): the layers of each
+    class's lowest rank, ``weight`` the ranks of its class.
+
+    Their sums times the weights are the sums over every rank, in the same order of first
+    appearance: a layer's first rank is the lowest of its class (a lower rank of the class
+    would hold the layer too)."""
+    if keys is None:
+        return [(layer, 1) for _, layer in summary_layers(summaries)]
+    return [
+        (layer, weight)
+        for rank, weight in class_representatives(summaries, keys).items()
+        for layer in (summaries[rank].get("numerics") or {}).get("layers") or []
+    ]
+
+
+def compute_layer_summary_summaries(
+    summaries: dict[int, dict[str, Any]],
+    steps: dict[tuple[str, str], int],
+    keys: dict[int, int] | None = None,
+) -> pd.DataFrame:
+    """:func:`compute_layer_summary` of every rank's rows, from their ``numerics`` summary
+    sections: the same columns, rows and values (the sums of a count that some row did not
+    record as floats, as the table's are).
+
+    A section counts its own rank's sampled steps; the distinct steps of a layer over the
+    ranks are not in the summaries: ``steps`` gives them per (module, kind) (from the derived
+    store), a layer missing from it gets none (null). ``keys``:
+    :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each class of equal
+    sections once.
+    """
+    layers = _weighted_layers(summaries, keys)
+    if not layers:
+        return pd.DataFrame()
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for layer, weight in layers:
+        key = (layer["module"], layer["kind"])
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = {
+                **dict.fromkeys(_SUM_COLUMNS, 0),
+                "module_type": None,
+                "dtype": set(),
+                "amax": math.nan,
+            }
+        counts = layer["counts"]
+        for column in _SUM_COLUMNS:
+            row[column] += counts.get(column, 0) * weight
+        if row["module_type"] is None:
+            row["module_type"] = layer["module_type"]
+        row["dtype"].update(layer["dtypes"])
+        amax = layer["amax"]
+        if amax is not None and not amax <= row["amax"]:  # (NaN: none yet)
+            row["amax"] = float(amax)
+    # a count some row did not record is a float column in the table, its sums too
+    missing = {c for layer, _ in layers for c in layer.get("missing") or {}}
+    out = pd.DataFrame(
+        {
+            **{
+                c: np.array(
+                    [r[c] for r in rows.values()], dtype=float if c in missing else np.int64
+                )
+                for c in _SUM_COLUMNS
+            },
+            "module_type": [r["module_type"] for r in rows.values()],
+            "dtype": [",".join(sorted(r["dtype"])) for r in rows.values()],
+            "amax": np.array([r["amax"] for r in rows.values()], dtype=float),
+            "steps": [steps.get(key) for key in rows],
+        },
+        index=pd.MultiIndex.from_tuples(list(rows), names=["module", "kind"]),
+    )
+    return _with_shares(out).reset_index()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHistograms:
+    """Every rank's exponent histograms summed per (module, kind), from the ``numerics``
+    summary sections: the count of nonzero finite values per binade (zeros and inf/NaN left
+    out; column ``j`` holds binade ``HIST_LOW + j``, column 0 the values below 2**-133).
+
+    Exact: a section's groups hold each row's nonzero binades (``exp_hist`` with the row's
+    zeros taken out of bin -127), so their sum over the groups and ranks is the sum over the
+    rows of the merged table.
+
+    Attributes:
+        keys: (module, kind) of every layer of every rank, in order of first appearance
+            (ranks ascending), those without a histogram too.
+        counts: ``(len(keys), HIST_HIGH - HIST_LOW + 1)`` int64 counts, every dtype.
+        wide: the same of the rows held wider than fp16 (dtype not ``float16``, or none).
+    """
+
+    keys: list[tuple[str, str]]
+    counts: np.ndarray
+    wide: np.ndarray
+
+    def binades(self, key: tuple[str, str], wide: bool = False) -> dict[int, int]:
+        """Binade -> count (counts above 0) of one layer; the lump keyed -134."""
+        row = (self.wide if wide else self.counts)[self.keys.index(key)]
+        return {int(j) + HIST_LOW: int(row[j]) for j in np.flatnonzero(row)}
+
+
+def compute_layer_histograms(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
+) -> LayerHistograms:
+    """:class:`LayerHistograms` of the ranks' ``numerics`` summary sections (``keys``:
+    :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each class of equal
+    sections once).
+
+    The groups' ``"e,n,e,n"`` texts are parsed as one number list per block of groups (no
+    Python loop per binade), each pair added to its layer's row.
+    """
+    index: dict[tuple[str, str], int] = {}
+    rows: list[int] = []  # per layer of a rank: its (module, kind)'s row
+    weights: list[int] = []  # per layer of a rank: the ranks it stands for
+    sizes: list[int] = []  # per layer of a rank: its groups
+    names: list[str] = []  # per group: "dtype|amax class|top"
+    bins: list[Any] = []  # per group: its bins
+    for layer, weight in _weighted_layers(summaries, keys):
+        rows.append(index.setdefault((layer["module"], layer["kind"]), len(index)))
+        weights.append(weight)
+        hist = layer["hist"]
+        sizes.append(len(hist))
+        names.extend(hist)
+        bins.extend(group["bins"] for group in hist.values())
+    texts = [b if isinstance(b, str) else encode_bins(decode_bins(b)) for b in bins]
+    # each group's layer row, times 2, plus 1 when held wider than fp16
+    wide = np.fromiter((not k.startswith("float16|") for k in names), bool, count=len(names))
+    owner = 2 * np.repeat(np.asarray(rows, dtype=np.int64), sizes) + wide
+    weight_of = np.repeat(np.asarray(weights, dtype=np.float64), sizes)
+    kept = np.fromiter((bool(t) for t in texts), dtype=bool, count=len(texts))
+    owners, group_weights = owner[kept], weight_of[kept]
+    texts = [t for t in texts if t]
+    width = HIST_HIGH - HIST_LOW + 1
+    sums = np.zeros(2 * len(index) * width, dtype=np.int64)
+    for g0 in range(0, len(texts), _HIST_BLOCK):
+        block = texts[g0 : g0 + _HIST_BLOCK]
+        pairs = np.fromiter((t.count(",") for t in block), np.int64, count=len(block)) // 2 + 1
+        values = _parse_pairs(block, int(pairs.sum()))
+        at = np.repeat(owners[g0 : g0 + _HIST_BLOCK], pairs)
+        cols = np.minimum(np.maximum(values[:, 0] - HIST_LOW, 0), width - 1)
+        counts = values[:, 1] * np.repeat(group_weights[g0 : g0 + _HIST_BLOCK], pairs)
+        # float sums of counts: exact below 2**53
+        summed = np.bincount(at * width + cols, weights=counts, minlength=len(sums))
+        sums += summed.astype(np.int64)
+    split = sums.reshape(len(index), 2, width)
+    return LayerHistograms(keys=list(index), counts=split.sum(axis=1), wide=split[:, 1].copy())
+
+
+def _parse_pairs(texts: list[str], pairs: int) -> np.ndarray:
+    """``"e,n,e,n"`` texts (``pairs`` pairs in all) as one ``(pairs, 2)`` int64 array (numpy's
+    C parser; a text it cannot read to its end is parsed again by ``int``, which names the bad
+    value)."""
+    joined = ",".join(texts)
+    expected = 2 * pairs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a text numpy cannot read to its end raises
+        try:
+            values = np.fromstring(joined, dtype=np.int64, sep=",")
+        except (ValueError, DeprecationWarning):
+            values = np.array([int(v) for v in joined.split(",")], dtype=np.int64)
+    if len(values) != expected:
+        raise ValueError("a damaged exponent histogram in a numerics summary: not e,n pairs")
+    return values.reshape(-1, 2)
+
+
+def layer_histograms(run: Run) -> LayerHistograms:
+    """:func:`compute_layer_histograms` of the run's summaries (computed once per run, each
+    class of ranks with equal sections read once)."""
+    return run.cached(  # type: ignore[no-any-return]
+        "layer_histograms",
+        lambda r: compute_layer_histograms(r.summaries(), section_keys(r, "numerics")),
+    )
+
+
+def compute_scale_hint_summaries(
+    summaries: dict[int, dict[str, Any]],
+    margin: float = 8.0,
+    histograms: LayerHistograms | None = None,
+    keys: dict[int, int] | None = None,
+) -> dict[str, Any] | None:
+    """:func:`compute_scale_hint` of every rank's rows, from their ``numerics`` summary
+    sections: the same dict.
+
+    Exact: the largest finite gradient ``amax`` is the largest of the histogram groups'
+    (a group of one amax class holds finite positive amaxes or none), the current scale is
+    that of the last sampled step with a scaled gradient row (each section's ``grad_scale``;
+    ranks in order, the highest rank's among equal steps, as the merged table's last row),
+    and the wide gradients' histograms summed over the ranks are the rows' sum.
+
+    ``histograms``: :func:`compute_layer_histograms` of ``summaries`` when the caller has it;
+    ``keys``: :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each
+    class of equal sections once.
+    """
+    peak: float | None = None
+    last: list[Any] | None = None
+    for rank in sorted(summaries):
+        scale = (summaries[rank].get("numerics") or {}).get("grad_scale")
+        if scale is not None and (last is None or scale[0] >= last[0]):
+            last = scale
+    for layer, _ in _weighted_layers(summaries, keys):
+        if layer["kind"] not in GRAD_KINDS:
+            continue
+        for name, group in layer["hist"].items():
+            if group["amax"] is not None and name.split("|")[1] not in ("nan", "inf", "zero"):
+                peak = group["amax"] if peak is None else max(peak, group["amax"])
+    if peak is None:
+        return None
+    hists = compute_layer_histograms(summaries, keys) if histograms is None else histograms
+    rows = [i for i, (_, kind) in enumerate(hists.keys) if kind in GRAD_KINDS]
+    wide = hists.wide[rows].sum(axis=0)
+    merged = {int(j) + HIST_LOW: int(wide[j]) for j in np.flatnonzero(wide)}
+    return _scale_hint(peak, margin, merged, last)
+
+
+def numerics_cells(
+    relation: Any, counts: list[str], ranks: np.ndarray, size: int, exact: bool
+) -> pd.DataFrame:
+    """Per bucket of ``size`` consecutive ranks of ``ranks`` (bucket ``i``: ``ranks[i*size :
+    (i+1)*size]``), module, kind and sampled step of the derived ``numerics`` relation, for
+    each :data:`COUNT_SQL` column ``c`` of ``counts``: ``c``, the largest of the bucket's
+    ranks' counts there (null when none recorded one), ``c_rank``, the rank holding it (the
+    lowest of equal ones; the lowest rank when none recorded one), and ``n_ranks``, how many
+    of its ranks have a row there. One ``GROUP BY`` in DuckDB: a few thousand cells back.
+
+    ``exact``: sum a rank's rows of one (module, kind, step) first, as the merged table's
+    cells are (needed only when a rank may hold a repeated row; the summaries say when not:
+    several times slower at thousands of ranks). Rows without a module, kind or step are left
+    out (the summaries leave them out too).
+    """
+    ranks = np.asarray(ranks, dtype=np.int64)
+    top = int(ranks.max(initial=0)) + 1  # a key v * top - rank orders by v, then lowest rank
+    where = "module IS NOT NULL AND kind IS NOT NULL AND step IS NOT NULL"
+    if len(ranks):  # the ranks given only (a store built later may hold more)
+        where += f" AND rank BETWEEN {int(ranks.min())} AND {int(ranks.max())}"
+    parts = [f"{COUNT_SQL[c]} AS v{i}" for i, c in enumerate(counts)]
+    if exact:
+        sums = ", ".join(f"sum({COUNT_SQL[c]}) AS v{i}" for i, c in enumerate(counts))
+        rows = f"SELECT rank, module, kind, step, {sums} FROM s WHERE {where} GROUP BY ALL"
+    else:
+        rows = f"SELECT rank, module, kind, step, {', '.join(parts)} FROM s WHERE {where}"
+    contiguous = len(ranks) > 0 and bool((np.diff(ranks) == 1).all())
+    if contiguous:
+        bucket, join = f"(rank - {int(ranks[0])}) // {size}", ""
+    else:
+        values = ",".join(f"({int(r)},{i // size})" for i, r in enumerate(ranks))
+        bucket, join = "b.bucket", f"JOIN (VALUES {values}) AS b(rank, bucket) USING (rank)"
+    aggregates = ", ".join(
+        f'max(v{i}) AS "{c}", '
+        f'arg_max(rank, coalesce(v{i}, -1)::HUGEINT * {top} - rank) AS "{c}_rank"'
+        for i, c in enumerate(counts)
+    )
+    sql = (
+        f"SELECT {bucket} AS bucket, module, kind, step, count(*) AS n_ranks, {aggregates} "
+        f"FROM ({rows}) AS r {join} GROUP BY ALL ORDER BY bucket, module, kind, step"
+    )
+    return relation.query("s", sql).df()  # type: ignore[no-any-return]

@@ -67,6 +67,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.analysis.frames import section_keys, steps_text
+from amprobe.analysis.numerics import LayerHistograms
 from amprobe.store.sections.numerics import decode_bins, encode_bins
 
 __all__ = [
@@ -81,6 +82,7 @@ __all__ = [
     "not_judged_text",
     "compute_whatif_rows",
     "compute_exponent_shares",
+    "compute_exponent_shares_summaries",
     "compute_fp16_gradient_fit",
     "per_tensor_scale_exp",
     "layer_order",
@@ -900,9 +902,8 @@ def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.
     values).
     """
     frame = numerics[numerics["kind"].isin(list(kinds))]
-    cols = ["module", "kind", "order", "exponent", "count", "share"]
     if frame.empty:
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=_SHARE_COLUMNS)
     order = layer_order(numerics)
     hist = _parse_hists(frame["exp_hist"])
     zeros = frame["zeros"].fillna(0).to_numpy(dtype=np.int64)
@@ -912,9 +913,44 @@ def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.
         [frame["module"].astype(str).to_numpy(), frame["kind"].astype(str).to_numpy()]
     )
     summed = pd.DataFrame(hist, index=index).groupby(level=[0, 1], sort=False).sum()
+    return _shares(
+        [(module, kind, counts.to_numpy()) for (module, kind), counts in summed.iterrows()], order
+    )
+
+
+def compute_exponent_shares_summaries(
+    histograms: LayerHistograms, order: dict[str, int], kinds: Iterable[str]
+) -> pd.DataFrame:
+    """:func:`compute_exponent_shares` of every rank's rows, from their summed histograms
+    (:func:`amprobe.analysis.numerics.compute_layer_histograms`) and the layer order
+    (:func:`summary_layer_order`): the same frame.
+
+    Exact: the summaries' groups hold each row's nonzero finite binades (the zeros taken out
+    of bin -127 row by row, as here), the values below 2**-133 at the lump's column."""
+    wanted = set(kinds)
+    picked = [i for i, (_, kind) in enumerate(histograms.keys) if kind in wanted]
+    if not picked:
+        return pd.DataFrame(columns=_SHARE_COLUMNS)
+    # LayerHistograms' columns are binades HIST_LOW (-134, the lump) .. 127: this module's
+    # finite columns (_E_LO = HIST_LOW)
+    return _shares(
+        [
+            (str(histograms.keys[i][0]), str(histograms.keys[i][1]), histograms.counts[i])
+            for i in picked
+        ],
+        order,
+    )
+
+
+_SHARE_COLUMNS = ["module", "kind", "order", "exponent", "count", "share"]
+
+
+def _shares(summed: list[tuple[str, str, np.ndarray]], order: dict[str, int]) -> pd.DataFrame:
+    """:func:`compute_exponent_shares`' frame of each (module, kind)'s summed counts per column
+    (column ``j``: binade ``j + _E_LO``, column 0 the lump), layers in order of first
+    appearance."""
     records = []
-    for (module, kind), counts in summed.iterrows():
-        values = counts.to_numpy()
+    for module, kind, values in summed:
         total = int(values.sum())
         if total == 0:
             continue
@@ -924,7 +960,7 @@ def compute_exponent_shares(numerics: pd.DataFrame, kinds: Iterable[str]) -> pd.
             records.append(
                 (module, kind, order.get(str(module), len(order)), exponent, n, n / total)
             )
-    out = pd.DataFrame.from_records(records, columns=cols)
+    out = pd.DataFrame.from_records(records, columns=_SHARE_COLUMNS)
     kind_rank = {k: i for i, k in enumerate(KINDS)}
     out = out.assign(_k=out["kind"].map(kind_rank))
     out = out.sort_values(["order", "_k", "exponent"], kind="stable").drop(columns="_k")

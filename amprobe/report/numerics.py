@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -9,20 +10,26 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import range_text, steps_text
+from amprobe.analysis.frames import range_text, section_keys, steps_text
 from amprobe.analysis.numerics import (
     COUNT_COLUMNS,
     COUNT_DEFINITIONS,
+    HIST_LOW,
     compute_layer_summary,
+    compute_layer_summary_summaries,
     compute_scale_hint,
+    compute_scale_hint_summaries,
+    layer_histograms,
     layer_summary,
+    numerics_cells,
     numerics_missing_reason,
+    summary_layers,
 )
 from amprobe.analysis.rankbands import bucket_ranks, rank_range_text
 from amprobe.report.downsample import MAX_COLUMNS
 from amprobe.report.escape import escape_plotly_text
 from amprobe.report.registry import Section, section
-from amprobe.report.scale import many_ranks, rank_groups_text, step_ends, steps_of
+from amprobe.report.scale import many_ranks, many_relations, rank_groups_text, step_ends, steps_of
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -38,6 +45,9 @@ __all__ = [
     "worst_layers",
     "build_numerics_section",
     "MAX_HEATMAP_ROWS",
+    "RankNumerics",
+    "layer_recorded",
+    "summary_step_ends",
 ]
 
 #: heatmap name -> the :data:`~amprobe.analysis.numerics.COUNT_COLUMNS` column it draws per
@@ -110,17 +120,8 @@ def _colorscale(zmax: float) -> list[list[Any]]:
     return [[0.0, _WHITE], [1.0 / zmax, _LOW], [1.0, _HIGH]]
 
 
-def _missing_rows(
-    frame: pd.DataFrame, not_checked: Sequence[Mapping[str, Any]]
-) -> dict[tuple[int, str, str], str]:
-    """(rank, module, kind) -> why (short), for layers that ``numerics_not_checked`` events say
-    were not measured and that have no row of that kind (kind ``"?"``: the event names no
-    kind): every module with parameter gradients but no activations when the activations
-    were not measured (a compiled region), the first layer an event names when it has no row
-    at all (a tensor subclass)."""
-    out: dict[tuple[int, str, str], str] = {}
-    if not not_checked:
-        return out
+def _rank_layers(frame: pd.DataFrame) -> dict[int, list[tuple[str, str]]]:
+    """Rank (ascending) -> its (module, kind) pairs (as text) in order of first appearance."""
     # plain object arrays: iterating arrow-backed strings costs ~7 µs a value
     plain = pd.DataFrame(
         {
@@ -129,16 +130,35 @@ def _missing_rows(
             "kind": frame["kind"].astype(str).to_numpy(dtype=object),
         }
     )
-    for rank, part in plain.groupby("rank", sort=True):
-        seen = set(zip(part["module"], part["kind"], strict=True))
-        modules = set(part["module"])
+    return {
+        int(rank): list(dict.fromkeys(zip(part["module"], part["kind"], strict=True)))
+        for rank, part in plain.groupby("rank", sort=True)
+    }
+
+
+def _missing_rows(
+    layers: dict[int, list[tuple[str, str]]], not_checked: Sequence[Mapping[str, Any]]
+) -> dict[tuple[int, str, str], str]:
+    """(rank, module, kind) -> why (short), for layers that ``numerics_not_checked`` events say
+    were not measured and that have no row of that kind (kind ``"?"``: the event names no
+    kind): every module with parameter gradients but no activations when the activations
+    were not measured (a compiled region), the first layer an event names when it has no row
+    at all (a tensor subclass). ``layers``: :func:`_rank_layers` (or the same from the
+    ranks' summaries)."""
+    out: dict[tuple[int, str, str], str] = {}
+    if not not_checked:
+        return out
+    for rank in sorted(layers):
+        pairs = layers[rank]
+        seen = set(pairs)
+        modules = {module for module, _ in pairs}
         for event in not_checked:
             if "rank" in event and event.get("rank") != rank:
                 continue
             # the full reason is the note under the figure (once, not in every cell)
             reason = f"{event.get('what', 'not measured')}: see the note under the figure"
             if event.get("what") == "activations":
-                with_params = part.loc[part["kind"] == "grad_param", "module"].astype(str)
+                with_params = [module for module, kind in pairs if kind == "grad_param"]
                 for module in dict.fromkeys(with_params):
                     for kind in _ACTIVATION_KINDS:
                         if (module, kind) not in seen:
@@ -185,21 +205,46 @@ def make_numerics_heatmap_figure(
             samples (each the largest count of its measured samples, a grey dot where some
             were not measured), labelled with their step range.
     """
-    import plotly.graph_objects as go  # plotly loads only when a figure is made
-
     column = HEATMAP_METRICS[metric]
-    what, count = COUNT_COLUMNS[column]
+    count = COUNT_COLUMNS[column][1]
     if "rank" not in frame:
         frame = frame.assign(rank=0)
-    multi = frame["rank"].nunique() > 1
+    n_ranks = frame["rank"].nunique()
+    multi = n_ranks > 1
     data = frame.assign(layer=_label(frame, multi), value=count(frame))
     sampled = sorted({int(s) for s in data["step"].dropna()})
     buckets = _rank_buckets(frame) if multi else None
     rank_names = None
     if buckets is not None:
         data, rank_names = _bucketed(data, buckets)
+    missing_rows = _missing_rows(_rank_layers(frame), not_checked) if not_checked else {}
+    return _heatmap_figure(
+        column, data, sampled, buckets, rank_names, missing_rows, n_ranks, steps, not_checked,
+        max_columns,
+    )  # fmt: skip
+
+
+def _heatmap_figure(
+    column: str,
+    data: pd.DataFrame,
+    sampled: list[int],
+    buckets: list[np.ndarray] | None,
+    rank_names: list[str] | None,
+    missing_rows: dict[tuple[int, str, str], str],
+    n_ranks: int,
+    steps: pd.DataFrame | None,
+    not_checked: Sequence[Mapping[str, Any]],
+    max_columns: int,
+) -> go.Figure:
+    """:func:`make_numerics_heatmap_figure` of ``data``: one row per drawn layer and sampled
+    step (``layer``, ``step``, ``value``, ``rank``: the rank or, ``buckets`` given, the bucket's
+    index, with ``rank_at`` and ``n_ranks``; the recorded rows with their counts' parts
+    otherwise), ``missing_rows`` from :func:`_missing_rows`, ``n_ranks`` the ranks with a row."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    what = COUNT_COLUMNS[column][0]
+    multi = n_ranks > 1
     grid = _Grid(data, sampled, rank_names)
-    missing_rows = _missing_rows(frame, not_checked)
     for (rank, module, kind), reason in missing_rows.items():
         label = f"{module} · {kind}" if kind != "?" else f"{module} · (not measured)"
         if buckets is not None:
@@ -316,7 +361,7 @@ def make_numerics_heatmap_figure(
     if buckets is not None:
         size = max(len(b) for b in buckets)
         bucket_note = (
-            f"<br><sup>{frame['rank'].nunique()} ranks, up to {size} consecutive ranks a row: "
+            f"<br><sup>{n_ranks} ranks, up to {size} consecutive ranks a row: "
             "each cell the largest count of its ranks (the rank on hover), never a sum</sup>"
         )
     if unmeasured.any():
@@ -607,14 +652,15 @@ def _mark_gaps(fig: go.Figure, sampled: list[int], steps: pd.DataFrame | None) -
 
 
 def worst_layers(
-    frame: pd.DataFrame, n: int = 4, summary: pd.DataFrame | None = None
+    frame: pd.DataFrame | None, n: int = 4, summary: pd.DataFrame | None = None
 ) -> list[tuple[str, str]]:
     """(module, kind) pairs with the most non-finite, overflowing and underflowing values.
 
     ``summary`` is the frame's :func:`~amprobe.analysis.numerics.compute_layer_summary` when the
-    caller already has it.
+    caller already has it (``frame`` is then not read).
     """
-    summary = compute_layer_summary(frame) if summary is None else summary
+    if summary is None:
+        summary = compute_layer_summary(frame if frame is not None else pd.DataFrame())
     if summary.empty:
         return []
     score = summary["nonfinite"] * 1e6 + summary["over_fp16"] * 1e3 + summary["below_subnormal"]
@@ -625,9 +671,7 @@ def worst_layers(
 
 def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, str]]) -> go.Figure:
     """Base-2 exponent histograms (summed over sampled steps) of ``layers``, with fp16 limits."""
-    import plotly.graph_objects as go  # plotly loads only when a figure is made
-
-    fig = go.Figure()
+    histograms = []
     for module, kind in layers:
         rows = frame[(frame["module"] == module) & (frame["kind"] == kind)]
         merged: dict[int, int] = {}
@@ -637,6 +681,17 @@ def make_exponent_histogram_figure(frame: pd.DataFrame, layers: list[tuple[str, 
             for e, count in json.loads(text).items():
                 merged[int(e)] = merged.get(int(e), 0) + int(count)
             merged[-127] = merged.get(-127, 0) - int(zeros)  # bin -127 also holds the zeros
+        histograms.append((module, kind, merged))
+    return _exponent_histogram_figure(histograms)
+
+
+def _exponent_histogram_figure(histograms: list[tuple[str, str, dict[int, int]]]) -> go.Figure:
+    """:func:`make_exponent_histogram_figure` of each layer's binade -> count (binades 128 and
+    up, inf/NaN, and counts below 1 left out; -149: every nonzero value below 2**-133)."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    fig = go.Figure()
+    for module, kind, merged in histograms:
         # fp32 subnormal binades included (-149: every value below 2**-133)
         exps = sorted(e for e, n in merged.items() if e < 128 and n > 0)
         fig.add_trace(
@@ -709,20 +764,56 @@ def _hint_text(hint: Mapping[str, Any], steps: pd.DataFrame) -> str:
 
 @section("numerics", order=30, tab="Numerics")
 def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
-    """Per-layer numerics, or why they are missing."""
-    title = "Per-layer numerics"
+    """Per-layer numerics, or why they are missing.
+
+    A run of more than :data:`~amprobe.report.scale.MAX_RANK_LINES` ranks is drawn from its
+    summaries and its derived store (:class:`RankNumerics`), never from the merged table of
+    every rank's rows; the figures show the same values.
+    """
+    if many_ranks([info.rank for info in run.ranks]):
+        return RankNumerics.of(run).section(run)
     frame = run.table("numerics")
     if frame.empty:
-        return Section(
-            key="numerics",
-            title=title,
-            missing=numerics_missing_reason(run),
-        )
+        return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
+    # the run's first and last steps and final scales (few rows per rank of many)
+    ends = step_ends(steps_of(run))
+    not_checked = run.events_of("numerics_not_checked")
     summary = layer_summary(run)
+    figures = [
+        make_numerics_heatmap_figure(frame, metric, ends, not_checked) for metric in HEATMAP_METRICS
+    ]
+    layers = worst_layers(frame, summary=summary)
+    if layers:
+        figures.append(make_exponent_histogram_figure(frame, layers))
+    return _numerics_section(
+        summary,
+        run.table("offenders"),
+        frame["step"].nunique(),
+        "rank" in frame and frame["rank"].nunique() > 1,
+        compute_scale_hint(frame),
+        ends,
+        figures,
+    )
+
+
+_TITLE = "Per-layer numerics"
+
+
+def _numerics_section(
+    summary: pd.DataFrame,
+    offenders: pd.DataFrame,
+    sampled: int | None,
+    ranked: bool,
+    hint: Mapping[str, Any] | None,
+    ends: pd.DataFrame,
+    figures: list[go.Figure],
+) -> Section:
+    """The section of a run's per-layer totals (``summary``), offenders, ``sampled`` steps,
+    its scale hint and figures; ``ranked``: the totals are summed over several ranks;
+    ``sampled`` None: not counted (the text after says why)."""
     tables: list[tuple[str, pd.DataFrame]] = [
         ("Per-layer totals over sampled steps (gradients unscaled)", summary[_TABLE_COLUMNS])
     ]
-    offenders = run.table("offenders")
     if not offenders.empty:
         tables.append(
             (
@@ -730,25 +821,298 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
                 offenders[["rank", "step", "kind", "module", "module_type"]],
             )
         )
+    counted = f"{sampled} sampled step(s)" if sampled is not None else "Sampled steps not counted"
     text = [
-        f"{frame['step'].nunique()} sampled step(s), {summary['module'].nunique()} module(s) "
-        "recorded.",
+        f"{counted}, {summary['module'].nunique()} module(s) recorded.",
         "Totals table, summed over sampled steps"
-        + (" and ranks" if "rank" in frame and frame["rank"].nunique() > 1 else "")
+        + (" and ranks" if ranked else "")
         + f": {_COLUMN_NOTES}",
     ]
-    # the run's first and last steps and final scales (few rows per rank of many)
-    ends = step_ends(steps_of(run))
-    hint = compute_scale_hint(frame)
     if hint is not None:
         text.append(_hint_text(hint, ends))
-    not_checked = run.events_of("numerics_not_checked")
-    figures = [
-        make_numerics_heatmap_figure(frame, metric, ends, not_checked) for metric in HEATMAP_METRICS
-    ]
-    layers = worst_layers(frame, summary=summary)
-    if layers:
-        figures.append(make_exponent_histogram_figure(frame, layers))
     return Section(
-        key="numerics", title=title, figures=tuple(figures), tables=tuple(tables), text=tuple(text)
+        key="numerics", title=_TITLE, figures=tuple(figures), tables=tuple(tables), text=tuple(text)
     )
+
+
+#: the columns of the ``numerics`` rows a heatmap of a rank per row reads (counts and parts)
+_ROW_COLUMNS = (
+    "rank, step, module, kind, elements, nan, inf, over_fp16, below_subnormal, in_nonfinite"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankNumerics:
+    """The per-layer numerics of a run of many ranks as the section draws them, without the
+    merged table of every rank's rows: the totals, the scale hint and the exponent histograms
+    from the ranks' summaries (exact: :mod:`amprobe.analysis.numerics`), the heatmaps' cells
+    from the derived store (:meth:`amprobe.store.run.Run.relation`): when the ranks are
+    bucketed, one ``GROUP BY`` per bucket, layer and step (each cell the largest count of the
+    bucket's ranks and the rank holding it, as :func:`make_numerics_heatmap_figure` draws a
+    frame's), else the rows themselves (a row per rank and layer: at most
+    :data:`MAX_HEATMAP_ROWS` of them), drawn as a frame is.
+
+    Attributes:
+        layers: rank (ascending) -> its (module, kind) pairs in order of first appearance, the
+            ranks with a numerics row only.
+        buckets: the ranks sharing a heatmap row (None: a row per rank).
+        rows: the recorded rows (a row per rank), None when bucketed or ``unavailable``.
+        cells: :func:`~amprobe.analysis.numerics.numerics_cells` of the buckets, None when not
+            bucketed or ``unavailable``.
+        unavailable: why the derived store could not be read (None: it was).
+    """
+
+    layers: dict[int, list[tuple[str, str]]]
+    buckets: list[np.ndarray] | None
+    rows: pd.DataFrame | None
+    cells: pd.DataFrame | None
+    unavailable: str | None
+
+    @classmethod
+    def of(cls, run: Run) -> RankNumerics:
+        """The run's (computed once per run: the section and the dashboard's tab share it)."""
+        return run.cached("rank_numerics", cls._read)  # type: ignore[no-any-return]
+
+    @classmethod
+    def _read(cls, run: Run) -> RankNumerics:
+        summaries = run.summaries()
+        layers: dict[int, list[tuple[str, str]]] = {}
+        for rank, layer in summary_layers(summaries):
+            layers.setdefault(rank, []).append((str(layer["module"]), str(layer["kind"])))
+        pairs = dict.fromkeys(p for rank in layers for p in layers[rank])
+        buckets = None
+        if len(layers) > 1 and len(layers) * max(len(pairs), 1) > MAX_HEATMAP_ROWS:
+            buckets = bucket_ranks(list(layers), max(1, MAX_HEATMAP_ROWS // max(len(pairs), 1)))
+        rows = cells = None
+        try:
+            relation = many_relations(run)["numerics"]
+            if buckets is None:
+                rows = _in_rank_order(
+                    relation.query(
+                        "s",
+                        f"SELECT {_ROW_COLUMNS} FROM s "
+                        "WHERE module IS NOT NULL AND kind IS NOT NULL AND step IS NOT NULL",
+                    ).df(),
+                    layers,
+                )
+            else:
+                cells = _drawn_cells(
+                    numerics_cells(
+                        relation,
+                        list(HEATMAP_METRICS.values()),
+                        np.asarray(list(layers), dtype=np.int64),
+                        len(buckets[0]),
+                        exact=not _no_repeated_rows(summaries),
+                    ),
+                    layers,
+                    buckets,
+                )
+        except OSError as exc:  # neither the run folder nor the user cache can be written
+            return cls(layers, buckets, None, None, f"{type(exc).__name__}: {exc}")
+        return cls(layers, buckets, rows, cells, None)
+
+    @property
+    def steps_frame(self) -> pd.DataFrame | None:
+        """The frame of (module, kind, step) rows the heatmaps draw (rows or cells)."""
+        return self.rows if self.buckets is None else self.cells
+
+    def sampled(self) -> list[int]:
+        """The sampled steps (of any rank and layer), ascending."""
+        frame = self.steps_frame
+        return [] if frame is None else sorted({int(s) for s in frame["step"].dropna()})
+
+    def layer_steps(self) -> dict[tuple[str, str], int]:
+        """(module, kind) -> its distinct sampled steps over the ranks."""
+        frame = self.steps_frame
+        if frame is None or frame.empty:
+            return {}
+        steps = frame.groupby(["module", "kind"], sort=False)["step"].nunique()
+        return {(str(m), str(k)): int(n) for (m, k), n in steps.items()}
+
+    def heatmap(
+        self,
+        metric: str,
+        steps: pd.DataFrame | None = None,
+        not_checked: Sequence[Mapping[str, Any]] = (),
+        max_columns: int = MAX_COLUMNS,
+    ) -> go.Figure:
+        """:func:`make_numerics_heatmap_figure` of the run's rows, from these cells: the same
+        figure (a bucket's cell is the largest count of its ranks, the rank holding it on
+        hover, never a sum)."""
+        if self.buckets is None or self.cells is None:
+            frame = self.rows if self.rows is not None else pd.DataFrame(columns=["rank", "step"])
+            return make_numerics_heatmap_figure(frame, metric, steps, not_checked, max_columns)
+        column = HEATMAP_METRICS[metric]
+        cells = self.cells
+        data = cells[["bucket", "code", "step", "n_ranks", "rank", "layer"]].assign(
+            value=cells[column].to_numpy(dtype="float64"),
+            rank_at=cells[f"{column}_rank"].to_numpy(dtype=np.int64),
+        )
+        names = [rank_range_text(b) for b in self.buckets]
+        missing = _missing_rows(self.layers, not_checked) if not_checked else {}
+        return _heatmap_figure(
+            column, data, self.sampled(), self.buckets, names, missing, len(self.layers), steps,
+            not_checked, max_columns,
+        )  # fmt: skip
+
+    def section(self, run: Run) -> Section:
+        """The numerics section of ``run`` (the run these are of)."""
+        if not self.layers:
+            return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
+        summaries = run.summaries()
+        histograms = layer_histograms(run)
+        keys = section_keys(run, "numerics")
+        summary = compute_layer_summary_summaries(summaries, self.layer_steps(), keys)
+        ends = summary_step_ends(run) if self.unavailable is None else pd.DataFrame()
+        not_checked = run.events_of("numerics_not_checked")
+        figures = []
+        if self.unavailable is None:
+            figures = [self.heatmap(metric, ends, not_checked) for metric in HEATMAP_METRICS]
+        layers = worst_layers(None, summary=summary)
+        if layers:
+            figures.append(
+                _exponent_histogram_figure(
+                    [(m, k, _figure_binades(histograms.binades((m, k)))) for m, k in layers]
+                )
+            )
+        offenders = pd.DataFrame()
+        if self.unavailable is None:
+            offenders = (
+                many_relations(run)["offenders"]
+                .query("s", "SELECT rank, step, kind, module, module_type FROM s")
+                .df()
+            )
+        section = _numerics_section(
+            summary,
+            offenders,
+            len(self.sampled()) if self.unavailable is None else None,
+            len(self.layers) > 1,
+            compute_scale_hint_summaries(summaries, histograms=histograms, keys=keys),
+            ends,
+            figures,
+        )
+        if self.unavailable is None:
+            return section
+        note = (
+            "The per-step heatmaps, the count of sampled steps and the totals' steps column are "
+            "read from the run's derived store, which could not be read or written "
+            f"({self.unavailable}): not drawn (the totals and histograms are from the ranks' "
+            "summaries)."
+        )
+        return dataclasses.replace(section, text=(*section.text, note))
+
+
+def _drawn_cells(
+    cells: pd.DataFrame, layers: dict[int, list[tuple[str, str]]], buckets: list[np.ndarray]
+) -> pd.DataFrame:
+    """:func:`~amprobe.analysis.numerics.numerics_cells` as the frame path's bucketed rows
+    (:func:`_bucketed`): ``code`` each layer's position in order of first appearance over the
+    ranks, ``rank`` the bucket, ``layer`` its label, sorted by bucket, code and step."""
+    code_of: dict[str, int] = {}
+    for rank in layers:
+        for module, kind in layers[rank]:
+            code_of.setdefault(f"{module} · {kind}", len(code_of))
+    names = [rank_range_text(b) for b in buckets]
+    plain = (cells["module"].astype(str) + " · " + cells["kind"].astype(str)).tolist()
+    # (a layer the summaries do not hold, in a store built after them, comes last)
+    codes = np.array([code_of.setdefault(p, len(code_of)) for p in plain], dtype=np.int64)
+    labels = list(code_of)
+    out = cells.assign(code=codes).sort_values(
+        ["bucket", "code", "step"], kind="stable", ignore_index=True
+    )
+    label = [
+        f"{names[b]} · {labels[c]}"
+        for b, c in zip(out["bucket"].tolist(), out["code"].tolist(), strict=True)
+    ]
+    return out.assign(rank=out["bucket"].to_numpy(dtype=np.int64), layer=label)
+
+
+def summary_step_ends(run: Run) -> pd.DataFrame:
+    """:func:`~amprobe.report.scale.step_ends` of a run of many ranks from its summaries
+    (the steps of thousands of ranks are not scanned): per rank its first and last step
+    (the ``steps`` section's) and, with the scale after it, its last scaler step (the
+    ``scaler`` section's ``last_step`` and ``last_after``: the final scale the loss-scale
+    rules read). A rank whose scaler section cannot say (its steps not in order, its last
+    scale not a number) is read from the derived store, as ``step_ends`` reads every rank;
+    so is every rank when one has no ``steps`` section."""
+    rows: list[tuple[int, int, float]] = []
+    unsure: list[int] = []
+    for rank, summary in sorted(run.summaries().items()):
+        steps = summary.get("steps")
+        if not isinstance(steps, dict):
+            return step_ends(steps_of(run))
+        if steps.get("first") is None:
+            continue  # no steps row
+        rows += [(rank, int(steps["first"]), np.nan), (rank, int(steps["last"]), np.nan)]
+        scaler = summary.get("scaler") or {}
+        if not scaler.get("n"):
+            continue  # no scaler step: no scale recorded
+        if scaler.get("ordered") and scaler.get("last_after") is not None:
+            rows.append((rank, int(scaler["last_step"]), float(scaler["last_after"])))
+        else:
+            unsure.append(rank)
+    ends = pd.DataFrame(rows, columns=["rank", "step", "scale_after"])
+    if unsure:
+        relation = steps_of(run)
+        if isinstance(relation, pd.DataFrame):  # a run of few ranks: its steps frame
+            return step_ends(relation)
+        read = relation.query(
+            "SELECT rank, max(step) AS step, arg_max(scale_after, step) AS scale_after FROM s "
+            f"WHERE scale_after IS NOT NULL AND rank IN ({', '.join(map(str, unsure))}) "
+            "GROUP BY rank"
+        )
+        ends = pd.concat([ends, read], ignore_index=True)
+    return ends.sort_values(["rank", "step"], kind="stable", ignore_index=True)
+
+
+def _figure_binades(binades: dict[int, int]) -> dict[int, int]:
+    """A summed histogram's binades as :func:`make_exponent_histogram_figure` keys them: the
+    values below 2**-133 at -149 (the summaries key them by their top binade, -134)."""
+    return {(-149 if e == HIST_LOW else e): n for e, n in binades.items()}
+
+
+def _in_rank_order(rows: pd.DataFrame, layers: dict[int, list[tuple[str, str]]]) -> pd.DataFrame:
+    """The derived store's rows (by rank and step, rows of one step in file order) with each
+    rank's layers in order of first appearance in its file (the summaries' order), as the
+    merged table holds them: the rows of a layer stay in step order."""
+    if rows.empty:
+        return rows
+    position = {
+        (rank, module, kind): i
+        for rank, pairs in layers.items()
+        for i, (module, kind) in enumerate(pairs)
+    }
+    ranks = rows["rank"].to_numpy(dtype=np.int64)
+    key = np.array(
+        [
+            position.get((r, m, k), len(position))
+            for r, m, k in zip(ranks.tolist(), rows["module"], rows["kind"], strict=True)
+        ],
+        dtype=np.int64,
+    )
+    return rows.iloc[np.lexsort((key, ranks))].reset_index(drop=True)
+
+
+def _no_repeated_rows(summaries: dict[int, dict[str, Any]]) -> bool:
+    """Whether the summaries prove that no rank holds two rows of one (module, kind, step):
+    every rank's rows never went down in step (its ``step_facts``' ``ordered``) and each of its
+    layers has as many rows as distinct consecutive steps (a repeat would follow its step)."""
+    for summary in summaries.values():
+        section = summary.get("numerics") or {}
+        layers = section.get("layers") or []
+        if not layers:
+            continue
+        facts = section.get("step_facts")
+        if not facts or not facts.get("ordered"):
+            return False
+        if any(layer["rows"] != layer["steps"] for layer in layers):
+            return False
+    return True
+
+
+def layer_recorded(run: Run, module: str) -> bool:
+    """Whether the run's numerics hold a row of ``module`` (from the summaries at many ranks)."""
+    if many_ranks([info.rank for info in run.ranks]):
+        return any(str(layer["module"]) == module for _, layer in summary_layers(run.summaries()))
+    numerics = run.table("numerics")
+    return "module" in numerics and bool((numerics["module"].astype(str) == module).any())

@@ -121,8 +121,9 @@ def steps_relation(run: Run) -> StepsRelation | None:
     return run.cached("steps_relation", make)  # type: ignore[no-any-return]
 
 
-#: the tables a run of many ranks' figures read from its derived store
-_MANY_TABLES = ("summaries", "steps", "gpu", "syncs")
+#: the tables a run of many ranks' figures read from its derived store (numerics and offenders:
+#: the numerics section's heatmaps and offenders table, amprobe.report.numerics)
+_MANY_TABLES = ("summaries", "steps", "gpu", "syncs", "numerics", "offenders")
 
 
 def many_relations(run: Run) -> dict[str, Any]:

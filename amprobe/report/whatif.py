@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from amprobe.analysis.frames import steps_text
+from amprobe.analysis.frames import section_keys, steps_text
+from amprobe.analysis.numerics import class_representatives, layer_histograms
 from amprobe.analysis.whatif import (
     FORMATS,
     KINDS,
     SCALINGS,
     compute_exponent_shares,
+    compute_exponent_shares_summaries,
     compute_whatif,
     compute_whatif_frame,
     layer_order,
     not_judged_text,
+    summary_layer_order,
 )
 from amprobe.report.registry import Section, section
+from amprobe.report.scale import many_ranks, many_relations
 from amprobe.rules.engine import REGISTRY
 
 if TYPE_CHECKING:
@@ -33,6 +38,8 @@ __all__ = [
     "HEATMAP_GROUPS",
     "FORMAT_COLORS",
     "make_exponent_heatmap",
+    "make_run_exponent_heatmap",
+    "heatmap_groups",
     "whatif_table",
     "whatif_headline",
     "build_whatif_section",
@@ -88,17 +95,19 @@ LIGHT_GREY = "#d9d9d9"
 RED = "#c62828"
 
 
-def _layer_facts(numerics: pd.DataFrame, wf: pd.DataFrame, kinds: tuple[str, ...]) -> pd.DataFrame:
-    """Per (module, kind) the heatmap could show, in forward execution order: ``status``
-    (``judged``, ``not judged``, ``zeros`` or ``not measured``), ``nonfinite``,
-    ``nonfinite_steps``, ``nonzero`` and, for ``not measured``, ``reason``.
+def _layer_facts(
+    order: dict[str, int], seen: set[tuple[str, str]], wf: pd.DataFrame, kinds: tuple[str, ...]
+) -> pd.DataFrame:
+    """Per (module, kind) the heatmap could show, in forward execution order (``order``:
+    :func:`~amprobe.analysis.whatif.layer_order`): ``status`` (``judged``, ``not judged``,
+    ``zeros`` or ``not measured``), ``nonfinite``, ``nonfinite_steps``, ``nonzero`` and, for
+    ``not measured``, ``reason``.
 
     A kind is expected for a layer when it was recorded for it, or (``output``) when the layer
-    was recorded at all, or (``grad_output``) when its output was recorded; parameter gradients
-    only where recorded (a layer without parameters has none).
+    was recorded at all, or (``grad_output``) when its output was recorded (``seen``: the
+    recorded (module, kind) pairs); parameter gradients only where recorded (a layer without
+    parameters has none).
     """
-    order = layer_order(numerics)
-    seen = set(zip(numerics["module"].astype(str), numerics["kind"].astype(str), strict=True))
     per = wf.drop_duplicates(["rank", "module", "kind"])
     per = per.assign(module=per["module"].astype(str), kind=per["kind"].astype(str))
     facts = per.groupby(["module", "kind"], sort=False).agg(
@@ -155,14 +164,99 @@ def make_exponent_heatmap(
         whatif: :func:`amprobe.analysis.whatif.compute_whatif_frame` of ``numerics`` (computed
             when not given), for the per-row scaled windows and the inf/NaN of each row.
     """
+    kinds = HEATMAP_GROUPS[group][1]
+    shares = compute_exponent_shares(numerics, kinds)
+    wf = whatif if whatif is not None else compute_whatif_frame(numerics)
+    seen = set(zip(numerics["module"].astype(str), numerics["kind"].astype(str), strict=True))
+    sampled = numerics.loc[numerics["kind"].isin(list(kinds)), "step"].dropna().unique()
+    return _exponent_heatmap(
+        group, shares, wf, lambda: layer_order(numerics), seen, steps_text(sampled, word=True)
+    )
+
+
+def make_run_exponent_heatmap(
+    run: Run, group: str = "activations", whatif: pd.DataFrame | None = None
+) -> go.Figure:
+    """:func:`make_exponent_heatmap` of a run's ``numerics`` table: of the table itself for a
+    run of few ranks; for one of more than :data:`~amprobe.report.scale.MAX_RANK_LINES` ranks
+    from the ranks' summaries (summed histograms, layer order, recorded layers: the same
+    figure) and its derived store (the sampled steps named in the title), never the merged
+    table.
+
+    Args:
+        run: the run.
+        group: a :data:`HEATMAP_GROUPS` key.
+        whatif: :func:`~amprobe.analysis.whatif.compute_whatif` of the run (computed when not
+            given).
+    """
+    if not many_ranks([info.rank for info in run.ranks]):
+        return make_exponent_heatmap(run.table("numerics"), group, whatif)
+    kinds = HEATMAP_GROUPS[group][1]
+    summaries = run.summaries()
+    histograms = layer_histograms(run)
+    # the order of the lowest rank of each class of equal sections is every rank's order
+    reps = class_representatives(summaries, section_keys(run, "numerics"))
+    order = run.cached(
+        "summary_layer_order", lambda r: summary_layer_order({k: summaries[k] for k in reps})
+    )
+    shares = compute_exponent_shares_summaries(histograms, order, kinds)
+    wf = whatif if whatif is not None else compute_whatif(run)
+    seen = {(str(m), str(k)) for m, k in histograms.keys}
+    return _exponent_heatmap(group, shares, wf, lambda: order, seen, _sampled_text(run, kinds))
+
+
+def heatmap_groups(run: Run) -> list[str]:
+    """The :data:`HEATMAP_GROUPS` the run has ``numerics`` rows for (from the ranks'
+    summaries at many ranks)."""
+    if not many_ranks([info.rank for info in run.ranks]):
+        numerics = run.table("numerics")
+        if numerics.empty:
+            return []
+        kinds = set(numerics["kind"].dropna().unique())
+    else:
+        kinds = {str(kind) for _, kind in layer_histograms(run).keys}
+    return [g for g, (_, wanted, _) in HEATMAP_GROUPS.items() if kinds & set(wanted)]
+
+
+def _sampled_text(run: Run, kinds: tuple[str, ...]) -> str:
+    """``steps 0–9, 100`` of the steps at which some rank sampled a row of ``kinds`` (one
+    ``GROUP BY kind, step`` in the derived store, kept per run)."""
+
+    def read(r: Run) -> pd.DataFrame | str:
+        try:
+            rel = many_relations(r)["numerics"]
+            sql = "SELECT kind, step FROM s WHERE step IS NOT NULL GROUP BY kind, step"
+            return rel.query("s", sql).df()  # type: ignore[no-any-return]
+        except OSError as exc:  # neither the run folder nor the user cache can be written
+            return f"{type(exc).__name__}: {exc}"
+
+    found = run.cached("numerics_kind_steps", read)
+    if isinstance(found, str):
+        return f"the sampled steps (not named: the derived store could not be read, {found})"
+    return steps_text(found.loc[found["kind"].isin(list(kinds)), "step"], word=True)
+
+
+def _exponent_heatmap(
+    group: str,
+    shares: pd.DataFrame,
+    wf: pd.DataFrame,
+    order: Callable[[], dict[str, int]],
+    seen: set[tuple[str, str]],
+    sampled: str,
+) -> go.Figure:
+    """:func:`make_exponent_heatmap` of :func:`compute_exponent_shares`' ``shares``, the
+    what-if frame, the layer order (computed when needed), the recorded (module, kind) pairs
+    and the sampled steps as text (``steps 0–9``)."""
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
     title, kinds, scaled_fmt = HEATMAP_GROUPS[group]
-    shares = compute_exponent_shares(numerics, kinds)
-    wf = whatif if whatif is not None else compute_whatif_frame(numerics)
-    picked = wf[wf["kind"].isin(list(kinds))] if len(wf) else wf
+    # the columns read, before the rows are picked (a what-if frame of thousands of ranks has
+    # hundreds of thousands of rows)
+    in_group = wf["kind"].isin(list(kinds)).to_numpy(dtype=bool)
+    facts_columns = ["rank", "module", "kind", "nonfinite", "nonzero", "nonfinite_steps"]
+    picked = wf.loc[in_group, facts_columns] if len(wf) else wf
     facts = (
-        _layer_facts(numerics, picked, kinds)
+        _layer_facts(order(), seen, picked, kinds)
         if len(picked)
         else pd.DataFrame(columns=["label", "status"])
     )
@@ -274,10 +368,11 @@ def make_exponent_heatmap(
     )
     # per-row scaled fp8 window, for the rows judged
     fmt = FORMATS[scaled_fmt]
-    sel = wf[
-        wf["kind"].isin(list(kinds))
-        & (wf["format"] == scaled_fmt)
-        & (wf["scaling"] == "per-tensor")
+    sel = wf.loc[
+        in_group
+        & (wf["format"] == scaled_fmt).to_numpy(dtype=bool)
+        & (wf["scaling"] == "per-tensor").to_numpy(dtype=bool),
+        ["module", "kind", "scale_exp"],
     ]
     if len(sel):
         sel = sel.groupby(["module", "kind"], sort=False)["scale_exp"].last().reset_index()
@@ -326,12 +421,11 @@ def make_exponent_heatmap(
                 ),
             )
         )
-    sampled = numerics.loc[numerics["kind"].isin(list(kinds)), "step"].dropna().unique()
     tickvals = [e for e in exps if e % 8 == 0] + [inf_x]
     fig.update_layout(
         title={
             "text": f"Exponent range of {title} per layer, with each format's window"
-            f"<br><sup>summed over sampled {steps_text(sampled, word=True)}; grey: not judged "
+            f"<br><sup>summed over sampled {sampled}; grey: not judged "
             "(held inf/NaN) or not measured</sup>"
         },
         xaxis={
@@ -373,8 +467,14 @@ def whatif_table(whatif: pd.DataFrame) -> pd.DataFrame:
     judged = base["judged"].astype(bool).to_numpy()
     wide.loc[~judged, :] = NOT_JUDGED
     out = pd.concat([base[[*keys, "dtype", "min_exp", "max_exp", "nonzero"]], wide], axis=1)
+    # the steps as text once per distinct list (the ranks of many share theirs)
+    texts: dict[tuple[int, ...], str] = {}
+    for steps in base["nonfinite_steps"][~judged]:
+        key = tuple(steps)
+        if key not in texts:
+            texts[key] = steps_text(steps, word=True)
     out["inf/NaN"] = [
-        "0" if ok else f"{int(n):,} at {steps_text(steps, word=True)}: not judged"
+        "0" if ok else f"{int(n):,} at {texts[tuple(steps)]}: not judged"
         for ok, n, steps in zip(judged, base["nonfinite"], base["nonfinite_steps"], strict=True)
     ]
     out["kind"] = out["kind"].map(KINDS).fillna(out["kind"])
@@ -449,17 +549,12 @@ def whatif_headline(whatif: pd.DataFrame, keep: float | None = None) -> list[str
 def build_whatif_section(run: Run, diagnosis: Diagnosis) -> Section:
     """The precision what-if, or why it cannot be computed."""
     title = "Precision what-if (fp16 / bf16 / fp8)"
-    numerics = run.table("numerics")
     whatif = compute_whatif(run)
     if whatif.empty:
         return Section(key="whatif", title=title, missing=MISSING)
     text = whatif_headline(whatif, keep_share(diagnosis))
     text.append(TOLERANCE)
-    figures = tuple(
-        make_exponent_heatmap(numerics, group, whatif)
-        for group in HEATMAP_GROUPS
-        if numerics["kind"].isin(list(HEATMAP_GROUPS[group][1])).any()
-    )
+    figures = tuple(make_run_exponent_heatmap(run, group, whatif) for group in heatmap_groups(run))
     return Section(
         key="whatif",
         title=title,
