@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 __all__ = [
     "MAX_BINS",
@@ -189,8 +191,6 @@ class ResultStore:
                         return None
                     bins = StepBins(z["first"], z["last"])
                     return bins, z["ranks"], z["matrix"]
-            import pyarrow.parquet as pq
-
             table = pq.read_table(self._path(key, ".parquet"))
             if (table.schema.metadata or {}).get(b"amprobe_key") != repr(key).encode():
                 return None
@@ -217,9 +217,6 @@ class ResultStore:
                         matrix=np.asarray(matrix, dtype="float64"),
                     )
             else:
-                import pyarrow as pa
-                import pyarrow.parquet as pq
-
                 path = self._path(key, ".parquet")
                 table = pa.Table.from_pandas(value, preserve_index=False)
                 meta = dict(table.schema.metadata or {})

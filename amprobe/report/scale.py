@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+import amprobe.store
 from amprobe.analysis.frames import range_text, steps_text
 from amprobe.analysis.rankbands import (
     RankBands,
@@ -133,8 +134,7 @@ def many_relations(run: Run) -> dict[str, Any]:
     named)."""
 
     def make(r: Run) -> dict[str, Any]:
-        import amprobe.store.derived as derived
-
+        derived = amprobe.store.derived  # loaded on first use (with duckdb), as Run.relation
         store, rels = derived.relations(r, _MANY_TABLES)
         with contextlib.suppress(OSError):
             folder = derived.results_dir(store)
