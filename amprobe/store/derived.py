@@ -55,6 +55,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from amprobe.store import schema
+from amprobe.store.artifacts import DERIVED_DIR, cache_dir
+from amprobe.store.artifacts import cache_key as _cache_key
+from amprobe.store.artifacts import writable as _writable
 from amprobe.store.jsonl import _read_arrow, _read_rank_table, _TableRead
 from amprobe.store.layout import (
     TABLE_SUFFIX,
@@ -91,8 +94,6 @@ __all__ = [
 
 #: Version of the derived files' layout and columns; a store of another version is rebuilt.
 DERIVED_VERSION = 1
-#: The folder of the derived files in a run directory (never read as a rank: not ``rank<N>``).
-DERIVED_DIR = "derived"
 #: The ``format`` of ``derived/manifest.json``: not the run's marker, so that a derived folder
 #: is never taken for a run.
 DERIVED_FORMAT = "amprobe-derived"
@@ -127,29 +128,8 @@ SUMMARY_COLUMNS: dict[str, pa.DataType] = {
 }
 
 
-# -- where -----------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """The user cache of amprobe: ``$XDG_CACHE_HOME/amprobe`` (``~/.cache/amprobe``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "amprobe"
-
-
-def _cache_key(run: Run) -> str:
-    created = run.manifest.get("created_unix")
-    text = f"{run.path.resolve()}\0{created!r}"
-    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:24]
-
-
-def _writable(folder: Path) -> bool:
-    """Whether derived files can be written in ``folder`` (created if missing): tried, not
-    guessed from permission bits (root ignores them; a read-only mount does not)."""
-    try:
-        folder.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
-            pass
-    except OSError:
-        return False
-    return True
+# where (RUN/derived, else the user cache): cache_dir, _cache_key and _writable, shared with
+# the run's other derived files (amprobe.store.artifacts)
 
 
 # -- sources and freshness -------------------------------------------------------------------
