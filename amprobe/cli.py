@@ -281,10 +281,16 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     from amprobe.analysis.whatif import compute_whatif
     from amprobe.report import render_json, render_markdown, render_text
     from amprobe.report.whatif_json import whatif_json
+    from amprobe.rules.cache import diagnose_cached
+    from amprobe.store.artifacts import source_entries
     from amprobe.store.run import gc_paused
 
+    sources = source_entries(args.run)  # listed before the run is read: see diagnose_cached
     run = _load(args.run)
-    diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
+    # diagnose computes every time, and keeps its result for the report and the dashboard
+    diagnosis = diagnose_cached(
+        run, thresholds=_thresholds(args.threshold), reuse=False, sources=sources
+    )
     if args.format == "json":
         with gc_paused():  # the what-if of thousands of ranks: see amprobe.diagnose
             whatif = whatif_json(compute_whatif(run), diagnosis.thresholds)
@@ -302,10 +308,14 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from amprobe.report import write_report
+    from amprobe.rules.cache import diagnose_cached
+    from amprobe.store.artifacts import source_entries
     from amprobe.store.run import gc_paused
 
+    sources = source_entries(args.run)
     run = _load(args.run)
-    diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
+    # the diagnosis `amprobe diagnose` (or the dashboard) kept, while the run is unchanged
+    diagnosis = diagnose_cached(run, thresholds=_thresholds(args.threshold), sources=sources)
     with gc_paused():  # the sections of thousands of ranks: see amprobe.diagnose
         path = write_report(run, diagnosis, args.output)
     print(f"report written to {path}")
