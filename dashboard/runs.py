@@ -1,8 +1,9 @@
 """Which runs the dashboard may open, and cached, isolated, incremental access to them.
 
 Every run is read through amprobe's loading API: :func:`amprobe.load_run` and
-:func:`amprobe.diagnose` for a run as a whole, :func:`amprobe.store.read_table` from a kept
-byte offset for the new lines of a live run. Names given by a browser (URL paths, callback
+:func:`amprobe.diagnose` for a run as a whole (its diagnosis kept in the run's derived files
+and read back while the run is unchanged: :func:`amprobe.rules.cache.diagnose_cached`),
+:func:`amprobe.store.read_table` from a kept byte offset for the new lines of a live run. Names given by a browser (URL paths, callback
 values) are resolved by :func:`resolve_run`, which refuses anything outside ROOT.
 
 A run directory is written by a training job, which the dashboard does not trust: before any
