@@ -288,7 +288,10 @@ def test_a_read_only_run_keeps_its_diagnosis_in_the_user_cache(
     assert kept[0].parent.name == artifacts.cache_key(amprobe.load_run(run_dir))
 
 
-@pytest.mark.parametrize("damage", ["garbage", "empty", "other key", "wrong payload", "fifo"])
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "empty", "other key", "wrong payload", "fifo", "wrong facts", "deep", "dtype"],
+)
 def test_a_damaged_cache_is_computed_again_and_replaced(damage: str, tmp_path: Path) -> None:
     run_dir = copy_sample("overflow", tmp_path)
     assert not fresh(run_dir)
@@ -303,6 +306,18 @@ def test_a_damaged_cache_is_computed_again_and_replaced(damage: str, tmp_path: P
         path.write_text(json.dumps({**obj, "key": "0" * 32}))
     elif damage == "wrong payload":
         bad = {**obj["payload"], "findings": [{"id": "AMP-N01"}]}
+        path.write_text(json.dumps({**obj, "payload": bad}))
+    elif damage == "wrong facts":  # JSON of the right layout, values of the wrong types
+        bad = {**obj["payload"], "facts": {**obj["payload"]["facts"], "steps": "many"}}
+        path.write_text(json.dumps({**obj, "payload": bad}))
+    elif damage == "deep":  # deeper than a reader recurses: computed again, not raised
+        bad = {**obj["payload"], "health": {"x": {"v": "DEEP"}}}
+        deep = "[" * 100_000 + "1" + "]" * 100_000
+        path.write_text(json.dumps({**obj, "payload": bad}).replace('"DEEP"', deep))
+    elif damage == "dtype":
+        evidence = {"\x00numpy": ["O", 1]}  # an object array's dtype: never made
+        findings = [{**obj["payload"]["findings"][0], "evidence": evidence}]
+        bad = {**obj["payload"], "findings": findings}
         path.write_text(json.dumps({**obj, "payload": bad}))
     else:
         os.mkfifo(path)  # never blocks the reader

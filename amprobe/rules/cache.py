@@ -288,11 +288,7 @@ def decode_diagnosis(payload: Any, run: Run) -> CachedDiagnosis:
     )
     health = _decode(payload["health"])
     facts = _decode(payload["facts"])
-    if not isinstance(health, Mapping) or not isinstance(facts, dict):
-        raise ValueError("damaged cached diagnosis")
-    for key in ("steps", "last_step", "dtype", "compiled", "lost_steps"):
-        if key not in facts:
-            raise KeyError(key)
+    _check_shape(health, facts)
     return CachedDiagnosis(
         run=run,
         findings=findings,
@@ -302,6 +298,29 @@ def decode_diagnosis(payload: Any, run: Run) -> CachedDiagnosis:
         facts=facts,
         from_cache=True,
     )
+
+
+def _check_shape(health: Any, facts: Any) -> None:
+    """What the readers take from a cached diagnosis without checking is what a computed one
+    holds (a damaged or forged file must be computed again, not fail a page later)."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    ok = (
+        isinstance(health, Mapping)
+        and all(isinstance(k, str) and isinstance(v, Mapping) for k, v in health.items())
+        and isinstance(facts, dict)
+        and is_int(facts.get("steps"))
+        and (facts.get("last_step") is None or is_int(facts.get("last_step")))
+        and isinstance(facts.get("dtype"), str)
+        and isinstance(facts.get("compiled"), list)
+        and all(isinstance(t, dict) for t in facts["compiled"])
+        and isinstance(facts.get("lost_steps"), list)
+        and all(isinstance(line, str) for line in facts["lost_steps"])
+    )
+    if not ok:
+        raise ValueError("damaged cached diagnosis")
 
 
 # -- the key -----------------------------------------------------------------------------------
@@ -431,7 +450,7 @@ def _read(run: Run, name: str, key: str) -> CachedDiagnosis | None:
         with gc_paused():
             diagnosis = decode_diagnosis(payload, run)
         warnings = [str(w) for w in payload["warnings"]]
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
         return None  # damaged: computed again, and replaced
     _add_warnings(run, warnings)
     return diagnosis
