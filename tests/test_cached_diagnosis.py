@@ -363,3 +363,27 @@ def test_diagnose_computes_and_keeps_the_report_reads_what_it_kept(
     assert main(["report", str(run_dir), "-o", str(computed)]) == 0
     assert len(calls) == 3  # no cache: diagnosed
     assert out.read_text() == computed.read_text()
+
+
+def test_a_listing_keeps_only_what_the_readers_read() -> None:
+    listing = [
+        ("manifest.json", 10, 1),
+        ("control.json", 10, 1),
+        ("rank0", "/"),
+        ("rank0/steps.jsonl", 5, 2),
+        ("rank0/summary.json", 7, 3),
+        ("rank0/control_ack.json", 1, 1),
+        ("rank\u00b2/steps.jsonl", 5, 2),  # looks like a rank, is not one
+        ("rank1/sub/steps.jsonl", 5, 2),
+        ("derived/diagnosis-x.json", 1, 1),
+    ]
+    assert artifacts.entries_of(listing) == [
+        ("manifest.json", 10, 1),
+        ("rank0/steps.jsonl", 5, 2),
+        ("rank0/summary.json", 7, 3),
+    ]
+    assert [r[0] for r in listing if len(r) == 3 and artifacts.is_source(r[0])] == [
+        "manifest.json",
+        "rank0/steps.jsonl",
+        "rank0/summary.json",
+    ]

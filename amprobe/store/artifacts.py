@@ -243,10 +243,22 @@ def entries_of(listing: Iterable[tuple[Any, ...]]) -> list[tuple[str, int, int]]
     """The :func:`source_entries` of a run from a listing of its files already made (``(path
     relative to the run, size, mtime_ns)`` rows; other rows, such as folders, are skipped):
     the dashboard's check of a run lists them before any read."""
-    out = [
-        (str(row[0]), int(row[1]), int(row[2]))
-        for row in listing
-        if len(row) == 3 and isinstance(row[0], str) and is_source(row[0])
-    ]
+    ranks: dict[str, bool] = {}  # folder -> is a rank folder (45,000 rows at 4,096 ranks)
+    out: list[tuple[str, int, int]] = []
+    for row in listing:
+        if len(row) != 3 or not isinstance(row[0], str):
+            continue
+        rel = row[0]
+        folder, slash, name = rel.partition("/")
+        if not slash:
+            keep = rel == RUN_MANIFEST
+        elif "/" in name or not (name.endswith(TABLE_SUFFIX) or name in _RANK_FILES):
+            keep = False
+        else:
+            if folder not in ranks:
+                ranks[folder] = parse_rank_dirname(folder) is not None
+            keep = ranks[folder]
+        if keep:
+            out.append((rel, int(row[1]), int(row[2])))
     out.sort()
     return out
