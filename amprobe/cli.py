@@ -268,13 +268,21 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 
 def _load(path: str) -> Any:
+    return _load_parts(path)[0]
+
+
+def _load_parts(path: str) -> tuple[Any, list[str]]:
+    """The run, with its warnings printed, and those of them that are not the diagnosis's:
+    the load's and the collectors switched off (a kept diagnosis keeps neither)."""
     from amprobe.report.summary import collector_errors
 
     run = amprobe.load_run(path)
-    run.warnings.extend(collector_errors(run))
+    loaded = list(run.warnings)
+    switched_off = collector_errors(run)
+    run.warnings.extend(switched_off)
     for warning in run.warnings:
         print(f"amprobe: warning: {warning}", file=sys.stderr)
-    return run
+    return run, loaded + switched_off
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
@@ -286,10 +294,14 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     from amprobe.store.run import gc_paused
 
     sources = source_entries(args.run)  # listed before the run is read: see diagnose_cached
-    run = _load(args.run)
+    run, not_kept = _load_parts(args.run)
     # diagnose computes every time, and keeps its result for the report and the dashboard
     diagnosis = diagnose_cached(
-        run, thresholds=_thresholds(args.threshold), reuse=False, sources=sources
+        run,
+        thresholds=_thresholds(args.threshold),
+        reuse=False,
+        sources=sources,
+        not_kept=not_kept,
     )
     if args.format == "json":
         with gc_paused():  # the what-if of thousands of ranks: see amprobe.diagnose
@@ -313,9 +325,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from amprobe.store.run import gc_paused
 
     sources = source_entries(args.run)
-    run = _load(args.run)
+    run, not_kept = _load_parts(args.run)
     # the diagnosis `amprobe diagnose` (or the dashboard) kept, while the run is unchanged
-    diagnosis = diagnose_cached(run, thresholds=_thresholds(args.threshold), sources=sources)
+    diagnosis = diagnose_cached(
+        run, thresholds=_thresholds(args.threshold), sources=sources, not_kept=not_kept
+    )
     with gc_paused():  # the sections of thousands of ranks: see amprobe.diagnose
         path = write_report(run, diagnosis, args.output)
     print(f"report written to {path}")

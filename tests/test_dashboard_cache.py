@@ -166,3 +166,23 @@ def find(component: Any, component_id: Any) -> Any:
 def find_text(component: Any, component_id: Any) -> Any:
     hit = find(component, component_id)
     return None if hit is None else hit.children
+
+
+def test_a_diagnosis_kept_by_the_cli_shows_the_warnings_the_page_computes(root: Path) -> None:
+    """The CLI reads every rank's events before it diagnoses (collectors switched off): a
+    damaged events line warned about then is the diagnosis's warning all the same, and the
+    page drawn from what the CLI kept shows it, as the page that diagnoses does."""
+    from amprobe.cli import main
+
+    with open(root / "overflow" / "rank0" / "events.jsonl", "a") as fh:
+        fh.write("{not a record}\n")
+    assert main(["diagnose", str(root / "overflow")]) == 0
+    page, kept = open_page(root, "overflow")
+    assert kept.diagnosis.from_cache
+    for path in (root / "overflow" / artifacts.DERIVED_DIR).glob("diagnosis-*.json"):
+        path.unlink()
+    computed_page, computed = open_page(root, "overflow")
+    assert not computed.diagnosis.from_cache
+    assert any("events.jsonl" in w for w in computed.run.warnings), computed.run.warnings
+    assert kept.run.warnings == computed.run.warnings
+    assert plain(page, kept.version) == plain(computed_page, computed.version)

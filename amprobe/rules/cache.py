@@ -489,6 +489,7 @@ def diagnose_cached(
     store: bool = True,
     sources: Sources | None = None,
     compute: Callable[[Run], Diagnosis] | None = None,
+    not_kept: Iterable[str] | None = None,
 ) -> CachedDiagnosis:
     """:func:`amprobe.diagnose` of ``run``, read from the cache when a fresh one is there
     (``reuse``), else computed and then kept there (``store``; never for a live run).
@@ -499,6 +500,11 @@ def diagnose_cached(
         compute: what diagnoses the run when the cache has no fresh diagnosis (default:
             :func:`~amprobe.rules.engine.diagnose` with ``thresholds`` and ``only``); it must
             diagnose with the same options.
+        not_kept: the run's warnings that are not the diagnosis's, so not kept with it
+            (default: the run's warnings now): those of its load, and the caller's own (the
+            CLI adds the collectors switched off, which the dashboard does not show); a
+            warning the caller's reads added since the load (a damaged line in a table)
+            is kept, as the diagnosis would have added it.
 
     Raises:
         ThresholdError: an override names an unknown rule or threshold.
@@ -508,7 +514,7 @@ def diagnose_cached(
     # and a full collection that the key's or the facts' allocations set off would walk them
     # all (2.5 s at 4,096 ranks)
     with gc_paused():
-        return _diagnose_cached(run, thresholds, only, reuse, store, sources, compute)
+        return _diagnose_cached(run, thresholds, only, reuse, store, sources, compute, not_kept)
 
 
 def _diagnose_cached(
@@ -519,6 +525,7 @@ def _diagnose_cached(
     store: bool,
     sources: Sources | None,
     compute: Callable[[Run], Diagnosis] | None,
+    not_kept: Iterable[str] | None,
 ) -> CachedDiagnosis:
     live = run.status == "live"
     key = None
@@ -528,7 +535,7 @@ def _diagnose_cached(
         cached = _read(run, artifact_name(thresholds, only), key)
         if cached is not None:
             return cached
-    before = set(run.warnings)
+    before = set(run.warnings if not_kept is None else not_kept)
     if compute is None:
         diagnosis = diagnose(run, thresholds=thresholds, only=only)
     else:
