@@ -268,23 +268,41 @@ def _thresholds(items: list[tuple[str, str, float]]) -> dict[str, dict[str, floa
 
 
 def _load(path: str) -> Any:
+    return _load_parts(path)[0]
+
+
+def _load_parts(path: str) -> tuple[Any, list[str]]:
+    """The run, with its warnings printed, and those of them that are not the diagnosis's:
+    the load's and the collectors switched off (a kept diagnosis keeps neither)."""
     from amprobe.report.summary import collector_errors
 
     run = amprobe.load_run(path)
-    run.warnings.extend(collector_errors(run))
+    loaded = list(run.warnings)
+    switched_off = collector_errors(run)
+    run.warnings.extend(switched_off)
     for warning in run.warnings:
         print(f"amprobe: warning: {warning}", file=sys.stderr)
-    return run
+    return run, loaded + switched_off
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from amprobe.analysis.whatif import compute_whatif
     from amprobe.report import render_json, render_markdown, render_text
     from amprobe.report.whatif_json import whatif_json
+    from amprobe.rules.cache import diagnose_cached
+    from amprobe.store.artifacts import source_entries
     from amprobe.store.run import gc_paused
 
-    run = _load(args.run)
-    diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
+    sources = source_entries(args.run)  # listed before the run is read: see diagnose_cached
+    run, not_kept = _load_parts(args.run)
+    # diagnose computes every time, and keeps its result for the report and the dashboard
+    diagnosis = diagnose_cached(
+        run,
+        thresholds=_thresholds(args.threshold),
+        reuse=False,
+        sources=sources,
+        not_kept=not_kept,
+    )
     if args.format == "json":
         with gc_paused():  # the what-if of thousands of ranks: see amprobe.diagnose
             whatif = whatif_json(compute_whatif(run), diagnosis.thresholds)
@@ -302,10 +320,16 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from amprobe.report import write_report
+    from amprobe.rules.cache import diagnose_cached
+    from amprobe.store.artifacts import source_entries
     from amprobe.store.run import gc_paused
 
-    run = _load(args.run)
-    diagnosis = amprobe.diagnose(run, thresholds=_thresholds(args.threshold))
+    sources = source_entries(args.run)
+    run, not_kept = _load_parts(args.run)
+    # the diagnosis `amprobe diagnose` (or the dashboard) kept, while the run is unchanged
+    diagnosis = diagnose_cached(
+        run, thresholds=_thresholds(args.threshold), sources=sources, not_kept=not_kept
+    )
     with gc_paused():  # the sections of thousands of ranks: see amprobe.diagnose
         path = write_report(run, diagnosis, args.output)
     print(f"report written to {path}")

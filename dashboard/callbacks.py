@@ -148,7 +148,9 @@ def render_tab(
     """The body of run ``name``'s tab ``tab``, built once per run version (and step or layer).
 
     Called when a tab is opened, when a live run's version changes and when the URL's step or
-    layer changes (``focus``); the findings filters come from the URL (``search``). Returns
+    layer changes (``focus``); the findings filters come from the URL (``search``). Called for
+    the overview (as the page mounts), it starts reading the run for the other tabs in the
+    background (:meth:`dashboard.runs.LoadedRun.prepare_in_background`). Returns
     ``(body, what it shows)``, or ``no_update`` twice when the page already shows that
     (``shown``): a live tick that changed nothing sends nothing.
     """
@@ -164,13 +166,22 @@ def render_tab(
     ).on_tab(tab)
     target = layout.shown_tab(loaded, query)
     if shown == target:
-        return no_update, no_update
-    try:
-        return layout.build_tab_body(loaded, query), target
-    except Exception as exc:  # one tab's odd data fails that tab, nothing else
-        return layout.build_error(
-            f"amprobe failed while drawing this tab ({type(exc).__name__}: {exc})"
-        ), None
+        result: tuple[Any, Any] = (no_update, no_update)
+    else:
+        try:
+            result = layout.build_tab_body(loaded, query), target
+        except Exception as exc:  # one tab's odd data fails that tab, nothing else
+            result = (
+                layout.build_error(
+                    f"amprobe failed while drawing this tab ({type(exc).__name__}: {exc})"
+                ),
+                None,
+            )
+    if query.tab == layout.OVERVIEW and loaded.run.status != "live":
+        # the findings are drawn (this callback fires as the page mounts): read the run for
+        # the other tabs now, in the background, not before (it would delay this first paint)
+        loaded.prepare_in_background()
+    return result
 
 
 def sync_url(search: str | None, tab: str | None, trigger: str | None) -> tuple[Any, Any, Any]:
@@ -336,7 +347,7 @@ def export_report(ctx: Context, n_clicks: int | None, name: str | None) -> tuple
     if not n_clicks:
         return no_update, ""
     try:
-        loaded = ctx.cache.get(name or "")
+        loaded = ctx.cache.get(name or "").prepared()
         # the sections this run version's tabs built already, not built a second time
         text = render_html(loaded.run, loaded.diagnosis, loaded.sections)
     except Exception as exc:  # said next to the button, never an exception into Dash
@@ -351,7 +362,7 @@ def compare_runs(ctx: Context, a: str | None, b: str | None) -> tuple[go.Figure,
     if not a or not b:
         return make_compare_figure(_no_steps(), _no_steps()), layout.COMPARE_CHOOSE
     try:
-        run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
+        run_a, run_b = ctx.cache.get(a).prepared().run, ctx.cache.get(b).prepared().run
         return make_compare_figure(run_a.steps, run_b.steps, (a, b)), ""
     except Exception as exc:  # the note says why, never an exception into Dash
         return make_compare_figure(_no_steps(), _no_steps()), _failed("comparing these runs", exc)
@@ -373,7 +384,7 @@ def compare_numbers(ctx: Context, a: str | None, b: str | None) -> tuple[Any, di
     if not a or not b:
         return None, layout.HIDDEN, search
     try:
-        run_a, run_b = ctx.cache.get(a).run, ctx.cache.get(b).run
+        run_a, run_b = ctx.cache.get(a).prepared().run, ctx.cache.get(b).prepared().run
         comparison = compare_pair(run_a, run_b)
         numbers = layout.build_compare_numbers(comparison, (a, b))
     except (RunAccessError, amprobe.RunLoadError):

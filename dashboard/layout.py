@@ -19,7 +19,6 @@ from urllib.parse import parse_qs, quote, urlencode
 import pandas as pd
 from dash import dash_table, dcc, html
 
-from amprobe.analysis.overview import distinct_step_count
 from amprobe.analysis.rankbands import StepsRelation
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.compare import comparison_rows
@@ -39,6 +38,7 @@ from amprobe.report.numerics import layer_recorded
 from amprobe.report.render import split_ref
 from amprobe.report.scale import event_rows, many_ranks, rank_groups_text, step_ends, steps_of
 from amprobe.report.sections import section_tabs
+from amprobe.rules.cache import run_facts
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
 from dashboard import ids
 from dashboard.figures import (
@@ -1091,7 +1091,7 @@ def _findings_as_of(loaded: LoadedRun) -> html.P | None:
     run = loaded.run
     if run.status != "live":
         return None
-    last = run.last_step  # from the ranks' summaries, not their steps tables
+    last = run_facts(loaded.diagnosis)["last_step"]  # from the ranks' summaries, never steps
     return html.P(
         "No step diagnosed yet."
         if last is None
@@ -1145,8 +1145,10 @@ def build_tab_body(loaded: LoadedRun, query: RunQuery) -> Any:
         return loaded.part(key, lambda: build_overview(loaded, query))
     label = dict(run_tabs()).get(query.tab, query.tab)
     focus = tuple(sorted(query.focus().items()))
+    # a tab reads the run: each rank's summary first, once (the page may be reading them)
     return loaded.part(
-        ("tab", query.tab, focus), lambda: build_section_tab(loaded, query.tab, label, query)
+        ("tab", query.tab, focus),
+        lambda: build_section_tab(loaded.prepared(), query.tab, label, query),
     )
 
 
@@ -1165,6 +1167,7 @@ def header_details(loaded: LoadedRun) -> tuple[str, list[Any]]:
 
 def _build_header(loaded: LoadedRun) -> list[Any]:
     run = loaded.run
+    facts = run_facts(loaded.diagnosis)  # kept with a cached diagnosis: no summary read
     device, warnings = header_details(loaded)
     return [
         html.H2(loaded.name, id=ids.RUN_TITLE),
@@ -1173,9 +1176,9 @@ def _build_header(loaded: LoadedRun) -> list[Any]:
                 html.Span(build_status(run.status), id=ids.RUN_STATUS),
                 html.Span(
                     step_count_text(
-                        distinct_step_count(run),
-                        run.last_step,
-                        run.last_step,
+                        facts["steps"],
+                        facts["last_step"],
+                        facts["last_step"],
                         run.status == "live",
                     ),
                     id=ids.RUN_STEPS,

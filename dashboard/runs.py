@@ -1,8 +1,9 @@
 """Which runs the dashboard may open, and cached, isolated, incremental access to them.
 
 Every run is read through amprobe's loading API: :func:`amprobe.load_run` and
-:func:`amprobe.diagnose` for a run as a whole, :func:`amprobe.store.read_table` from a kept
-byte offset for the new lines of a live run. Names given by a browser (URL paths, callback
+:func:`amprobe.diagnose` for a run as a whole (its diagnosis kept in the run's derived files
+and read back while the run is unchanged: :func:`amprobe.rules.cache.diagnose_cached`),
+:func:`amprobe.store.read_table` from a kept byte offset for the new lines of a live run. Names given by a browser (URL paths, callback
 values) are resolved by :func:`resolve_run`, which refuses anything outside ROOT.
 
 A run directory is written by a training job, which the dashboard does not trust: before any
@@ -17,7 +18,9 @@ the rows shown runs in background threads, cached by the files' sizes and mtimes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import os
@@ -31,15 +34,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 import amprobe
-from amprobe.analysis.overview import (
-    autocast_dtype_text,
-    distinct_step_count,
-    lost_steps,
-    run_period,
-    run_times,
-)
+from amprobe.analysis.overview import distinct_step_count, run_period, run_times
 from amprobe.report.sections import Section, build_section, section_tabs
+from amprobe.rules.cache import diagnose_cached, run_facts
 from amprobe.rules.engine import Severity
+from amprobe.store.artifacts import entries_of
 from amprobe.store.layout import (
     END_MARKER,
     RANK_MANIFEST,
@@ -81,6 +80,9 @@ LIVE_REDIAGNOSE_S = 2.0
 #: ... and no sooner than this many times the last load, diagnosis and page build took, so that
 #: one live run's page keeps at most about a third of a core busy however large the run grows.
 LIVE_COST_FACTOR = 3.0
+#: A run of this many ranks or more, once its summaries are read for its tabs, is frozen out of
+#: the garbage collector (:meth:`LoadedRun.prepared`); below it a full collection costs little.
+FREEZE_MIN_RANKS = 512
 #: Manifests and end markers are small; a larger one is not amprobe's and is not read.
 MAX_JSON_BYTES = 1 << 20
 #: The largest table file (``*.jsonl``) the dashboard loads; ``amprobe diagnose`` reads any size.
@@ -168,16 +170,16 @@ def _within(base: Path, real: Path) -> bool:
     return real == base or base in real.parents
 
 
-def _stat_inside(base: Path, path: Path, rel: str) -> os.stat_result:
+def _stat_inside(base: Path, path: str | Path, rel: str) -> os.stat_result:
     """``stat`` of ``path``, following a symbolic link only when it stays under ``base``."""
     try:
-        st = os.lstat(path)
+        st = os.lstat(path)  # a string: no Path built for each of a large run's files
     except OSError as exc:
         raise RunAccessError(f"cannot read {rel}: {exc.strerror or exc}") from None
     if not stat.S_ISLNK(st.st_mode):
         return st
     try:
-        real = path.resolve(strict=True)
+        real = Path(path).resolve(strict=True)
     except (OSError, RuntimeError):
         raise RunAccessError(f"{rel} is a broken or looping symbolic link") from None
     if not _within(base, real):
@@ -217,28 +219,29 @@ def inspect_run(root: Path, path: Path, max_table_bytes: int = MAX_TABLE_BYTES) 
     base = Path(root).resolve()
     sig: list[Any] = []
 
-    def scan(folder: Path, prefix: str) -> list[os.DirEntry[str]]:
+    def scan(folder: str | Path, prefix: str) -> list[os.DirEntry[str]]:
         try:
             return sorted(os.scandir(folder), key=lambda e: e.name)
         except OSError as exc:
             raise RunAccessError(f"cannot list {prefix or '.'}: {exc.strerror or exc}") from None
 
+    # paths as strings: 4,096 ranks are some 45,000 files, checked at every callback of a page
     for entry in scan(path, ""):
         name = entry.name
         if looks_like_rank_dirname(name):  # all a loader might take for a rank are checked
-            st = _stat_inside(base, Path(entry.path), name)
+            st = _stat_inside(base, entry.path, name)
             if not stat.S_ISDIR(st.st_mode):
                 continue  # the loader reads rank folders only
             sig.append((name, "/"))
-            for sub in scan(Path(entry.path), name):
+            for sub in scan(entry.path, name):
                 if not sub.name.endswith(_READ_SUFFIXES):
                     continue
                 rel = f"{name}/{sub.name}"
-                st = _stat_inside(base, Path(sub.path), rel)
+                st = _stat_inside(base, sub.path, rel)
                 _check_file(st, rel, max_table_bytes)
                 sig.append((rel, st.st_size, st.st_mtime_ns))
         elif name.endswith(_READ_SUFFIXES):
-            st = _stat_inside(base, Path(entry.path), name)
+            st = _stat_inside(base, entry.path, name)
             _check_file(st, name, max_table_bytes)
             sig.append((name, st.st_size, st.st_mtime_ns))
     return tuple(sig)
@@ -304,6 +307,9 @@ class LoadedRun:
     _parts: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
     _locks: dict[Hashable, threading.Lock] = dataclasses.field(default_factory=dict, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    _prepare_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    _prepared: bool = dataclasses.field(default=False, repr=False)
+    _prepare_started: bool = dataclasses.field(default=False, repr=False)
 
     def part(self, key: Hashable, build: Callable[[], _T]) -> _T:
         """The piece ``key`` of this run version, built by ``build()`` the first time only.
@@ -326,6 +332,43 @@ class LoadedRun:
                 self.builds[_part_name(key)] += 1
                 self.build_s += time.monotonic() - start
         return value
+
+    def prepared(self) -> LoadedRun:
+        """This run version, once what every tab reads is read: each rank's summary (the
+        diagnosis read them already, unless it came from the cache: then the run page's
+        findings were drawn without them). Done once, and not counted in :attr:`builds`; a
+        second caller waits for the first (the page starts it in the background:
+        :meth:`prepare_in_background`).
+
+        A run of :data:`FREEZE_MIN_RANKS` ranks or more that is not live has its objects
+        frozen out of the garbage collector then (``gc.freeze``): the first full collection
+        after thousands of ranks' summaries were read walked millions of objects (3.2 s of
+        CPU at 4,096 ranks, on whichever callback came next). Summaries hold no reference
+        cycles, so they are freed by reference counting when the run is dropped, frozen or
+        not. A live run, loaded again every few seconds, is not frozen."""
+        if self._prepared:
+            return self
+        with self._prepare_lock:
+            if not self._prepared:
+                self.run.summaries()
+                if self.run.status != "live" and len(self.run.ranks) >= FREEZE_MIN_RANKS:
+                    gc.freeze()
+                self._prepared = True
+        return self
+
+    def prepare_in_background(self) -> None:
+        """Start :meth:`prepared` in a daemon thread, once (a failure is met again, and shown,
+        by the tab that needs the run)."""
+        with self._lock:
+            if self._prepared or self._prepare_started:
+                return
+            self._prepare_started = True
+
+        def work() -> None:
+            with contextlib.suppress(Exception):
+                self.prepared()
+
+        threading.Thread(target=work, name="amprobe-prepare", daemon=True).start()
 
     def section(self, key: str) -> Section | None:
         """Report section ``key`` (None: it builds nothing for this run), built once."""
@@ -421,16 +464,19 @@ SORT_KEYS: dict[str, Callable[[RunSummary], Any]] = {
 def summarize(name: str, loaded: LoadedRun) -> RunSummary:
     """The run list's row of a loaded, diagnosed run.
 
-    Read from the run's per-rank summaries and manifests, and the end of each open rank's
-    steps file (:mod:`amprobe.analysis.overview`), never every rank's steps table. A run that
+    Read from the facts kept with the run's diagnosis (:func:`amprobe.rules.cache.run_facts`:
+    from the cached diagnosis, or the per-rank summaries), the manifests and the end of each
+    open rank's steps file (:mod:`amprobe.analysis.overview`), never every rank's steps table.
+    A run that
     recorded no readable step although it wrote step records (or its end marker counts steps)
     is unreadable, with the reason, not "finished, 0 steps".
     """
     run, diagnosis = loaded.run, loaded.diagnosis
+    facts = run_facts(diagnosis)  # kept with a cached diagnosis: no summary read
     started, duration, still_open = run_period(run)
-    steps = distinct_step_count(run)
+    steps = facts["steps"]
     if not steps:
-        lost = lost_steps(run)
+        lost = facts["lost_steps"]
         if lost:
             return _unreadable(name, "no readable step record: " + "; ".join(lost), started)
     device = _text_field(run.rank_manifest, "gpu_name", "device") or "not recorded"
@@ -448,7 +494,7 @@ def summarize(name: str, loaded: LoadedRun) -> RunSummary:
         name=name,
         status=run.status,
         device=device,
-        dtype=autocast_dtype_text(run),
+        dtype=facts["dtype"],
         steps=steps,
         worst=worst,
         started=started,
@@ -511,6 +557,18 @@ def peek_run(name: str, path: Path) -> RunSummary:
         started=started,
         duration_s=duration,
         duration_open=still_open,
+    )
+
+
+def _diagnosis(run: amprobe.Run, signature: tuple[Any, ...]) -> amprobe.Diagnosis:
+    """The run's diagnosis: the one kept in its derived files when the run has not changed
+    since it was made (:func:`amprobe.rules.cache.diagnose_cached`; ``signature``, its files as
+    :func:`inspect_run` listed them before the run was loaded, gives the key), else diagnosed
+    and kept. A live run is diagnosed, never kept."""
+    return diagnose_cached(
+        run,
+        sources=entries_of(signature),
+        compute=lambda r: amprobe.diagnose(r),  # looked up at the call: tests replace it
     )
 
 
@@ -630,7 +688,9 @@ class RunCache:
             if hit is not None and hit.loaded.run.status == "live":
                 polled = self.tail.run_of(path) if self.tail is not None else None
                 run.adopt_summaries(polled or hit.loaded.run)
-            loaded = LoadedRun(name=name, run=run, diagnosis=amprobe.diagnose(run))
+            loaded = LoadedRun(name=name, run=run, diagnosis=_diagnosis(run, sig))
+            if run.status != "live" and not getattr(loaded.diagnosis, "from_cache", False):
+                loaded.prepared()  # diagnosed: the summaries are read; frozen (large runs)
             row = summarize(name, loaded)
         except (amprobe.RunLoadError, RunAccessError):
             raise
@@ -779,9 +839,9 @@ class RunCache:
                     self._idle.notify_all()
                     continue
             try:
-                inspect_run(self.root, path, self.max_table_bytes)
+                checked = inspect_run(self.root, path, self.max_table_bytes)
                 run = amprobe.load_run(path)
-                row = summarize(name, LoadedRun(name, run, amprobe.diagnose(run)))
+                row = summarize(name, LoadedRun(name, run, _diagnosis(run, checked)))
             except (RunAccessError, amprobe.RunLoadError) as exc:
                 row = _unreadable(name, str(exc))
             except Exception as exc:  # one run's failure must not stop the others
