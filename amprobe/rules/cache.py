@@ -51,7 +51,6 @@ import numpy as np
 from amprobe.analysis.compare import baseline_path
 from amprobe.analysis.compiled import compiled_targets
 from amprobe.analysis.overview import autocast_dtype_text, distinct_step_count, lost_steps
-from amprobe.analysis.sampling import sampling_summary
 from amprobe.rules.engine import (
     REGISTRY,
     REQUIREMENTS,
@@ -59,7 +58,6 @@ from amprobe.rules.engine import (
     Finding,
     NotChecked,
     diagnose,
-    rank_fields,
     resolve_thresholds,
 )
 from amprobe.store.artifacts import (
@@ -109,25 +107,8 @@ class CachedDiagnosis(Diagnosis):
     facts: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     from_cache: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        run = self.run
-        return {
-            "run": {
-                "path": str(run.path),
-                "status": run.status,
-                "end_reason": run.end_reason,
-                **rank_fields(r.rank for r in run.ranks),
-                "steps": self.facts["steps"],
-                "device": run.rank_manifest.get("device") or "not recorded",
-                "gpu_name": run.rank_manifest.get("gpu_name"),
-                "compiled": [dict(t) for t in self.facts["compiled"]],
-                "sampling": sampling_summary(run),
-                "warnings": list(run.warnings),
-            },
-            "findings": [f.to_dict() for f in self.findings],
-            "not_checked": [n.to_dict() for n in self.not_checked],
-            "health": {k: dict(v) for k, v in self.health.items()},
-        }
+    def step_facts(self) -> tuple[int, list[dict[str, Any]]]:
+        return self.facts["steps"], [dict(t) for t in self.facts["compiled"]]
 
 
 # -- the facts shown beside the findings -------------------------------------------------------

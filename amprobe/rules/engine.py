@@ -330,18 +330,24 @@ class Diagnosis:
     def ids(self) -> list[str]:
         return [f.id for f in self.findings]
 
+    def step_facts(self) -> tuple[int, list[dict[str, Any]]]:
+        """The run's distinct step count and compiled targets, as :meth:`to_dict` writes them
+        (read from every rank's summary here; a cached diagnosis holds them)."""
+        return distinct_step_count(self.run), compiled_targets(self.run)
+
     def to_dict(self) -> dict[str, Any]:
         run = self.run
+        steps, compiled = self.step_facts()
         return {
             "run": {
                 "path": str(run.path),
                 "status": run.status,
                 "end_reason": run.end_reason,
                 **rank_fields(r.rank for r in run.ranks),
-                "steps": distinct_step_count(run),
+                "steps": steps,
                 "device": run.rank_manifest.get("device") or "not recorded",
                 "gpu_name": run.rank_manifest.get("gpu_name"),
-                "compiled": compiled_targets(run),
+                "compiled": compiled,
                 "sampling": sampling_summary(run),
                 "warnings": list(run.warnings),
             },
