@@ -21,6 +21,7 @@ from amprobe.rules import cache  # noqa: E402
 from amprobe.store import artifacts  # noqa: E402
 from dashboard import callbacks, ids, layout  # noqa: E402
 from dashboard.runs import LoadedRun, summarize  # noqa: E402
+from tests.test_dashboard import find  # noqa: E402
 
 SAMPLE_RUNS = Path(__file__).resolve().parent.parent / "sample_runs"
 
@@ -146,21 +147,6 @@ def test_the_run_list_keeps_and_reads_its_rows_diagnoses(root: Path) -> None:
     assert other.cache.wait_idle(60)
     assert {r.name: r for r in other.cache.page(1).rows} == rows
     assert first.total == 2
-
-
-def find(component: Any, component_id: Any) -> Any:
-    if isinstance(component, (list, tuple)):
-        for c in component:
-            hit = find(c, component_id)
-            if hit is not None:
-                return hit
-        return None
-    if getattr(component, "id", None) == component_id:
-        return component
-    children = getattr(component, "children", None)
-    if children is None or isinstance(children, str):
-        return None
-    return find(children, component_id)
 
 
 def find_text(component: Any, component_id: Any) -> Any:
