@@ -1,7 +1,7 @@
 """The read side at cluster scale, on runs built from a real recording (issue #33).
 
 Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4096]
-[--steps 10000] [--source RUN] [--work DIR] [--keep] [--plan]``.
+[--steps 10000] [--source RUN] [--work DIR] [--keep] [--plan] [--every-rank-differs]``.
 
 1. Records a real 2-rank DDP fp16 job on CPU (gloo) with the default collectors through
    ``amprobe run -- torchrun`` (a small MLP, ``GradScaler("cpu")``, an overflow planted on
@@ -29,6 +29,20 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
    (the CRC-32 of the bytes its writer summarized) no longer match them, which the reader
    reports. A source recorded before the writer kept checksums has records without them: then
    the corrupt rank cannot be found, and the benchmark says so.
+   The hard-linked ranks hold byte-equal summaries, and the rules and report sections that
+   judge once per class of equal sections (``rules.engine.data_key``,
+   ``analysis.frames.section_keys``) then compute a few classes, not N. With
+   ``--every-rank-differs`` every rank's ``summary.json`` is then replaced by a new file whose
+   ``runtime`` section (step times a few % slower or faster, a slightly heavier tail) and
+   ``numerics`` section (a few values one binade apart) differ from every other rank's
+   (:func:`differ`; the planted ranks keep what sets them apart), as a real cluster's do; the
+   table files stay shared, so what the derived store and the figures read from the rows is
+   the recorded values. It prints how many distinct sections it made (N of each at up to
+   4,096 ranks), and needs a summary.json of disk per rank more. Measured on the 4,096-rank
+   run of 10,000 steps (2026-12-05, 2-core Xeon, shared): ``diagnose`` 12.3 s CPU and 1.65 GB
+   peak against 6.4 s and 1.60 GB with the linked summaries (the what-if and AMP-N06 per
+   numerics class, the step-time rules per runtime class), ``report`` warm 17.6 s and 2.16 GB
+   against 10.5 s and 2.15 GB.
 3. Times, each in a child process: ``amprobe diagnose --format json`` cold (no ``RUN/derived``
    folder), warm (a second run, with whatever derived files the first left), ``amprobe report
    -o x.html`` warm, and ``diagnose`` cold on the crashed variant of the run (every rank's
@@ -57,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -73,6 +88,8 @@ from machine import cpu_model
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's amprobe, as the timed children get it
 from amprobe.store.run import write_rank_summary  # noqa: E402
+from amprobe.store.sections.numerics import decode_bins, encode_bins  # noqa: E402
+from amprobe.store.sections.runtime import BUCKETS_PER_OCTAVE, hist_buckets  # noqa: E402
 from amprobe.store.summary import SUMMARY_FILE  # noqa: E402
 
 GLOO_EXIT_ABORT = "terminate called without an active exception"  # torch's exit race, retried
@@ -380,6 +397,116 @@ def crash(dest: Path) -> str:
     return f"{ends} end.json removed, {finals} summary.json rewritten with final: false"
 
 
+def _shift_wall(hist: dict[str, Any], k: int) -> None:
+    """A step-time histogram of values ``2**(k/128)`` times the recorded ones: its buckets
+    moved by ``k``, its sum, min and max scaled (n and zero kept)."""
+    f = 2 ** (k / BUCKETS_PER_OCTAVE)
+    items = sorted(hist_buckets(hist).items())
+    hist["b"] = [[i + k if i != 1 << 30 else i for i, _ in items], [c for _, c in items]]
+    hist["sum"] *= f
+    for key in ("min", "max"):
+        if isinstance(hist[key], (int, float)) and hist[key] > 0:
+            hist[key] *= f
+
+
+def _tail_up(hist: dict[str, Any], j: int) -> None:
+    """Move ``j`` values of a step-time histogram one bucket up, from its fullest buckets
+    (never its min's or max's bucket, nor into the max's), the sum raised by the buckets'
+    midpoint difference: a slightly heavier tail. Fewer when the histogram holds fewer."""
+    b = dict(hist_buckets(hist))
+    if j <= 0 or not b or not hist["min"] or not hist["max"]:
+        return
+    low = math.floor(math.log2(hist["min"]) * BUCKETS_PER_OCTAVE)
+    top = math.floor(math.log2(hist["max"]) * BUCKETS_PER_OCTAVE)
+    for i, c in sorted(b.items(), key=lambda kv: (-kv[1], kv[0])):
+        if j == 0:
+            break
+        if i == low or i + 1 >= top or c < 2:
+            continue
+        t = min(j, c - 1)
+        b[i] -= t
+        b[i + 1] = b.get(i + 1, 0) + t
+        mid = [2 ** ((x + 0.5) / BUCKETS_PER_OCTAVE) for x in (i, i + 1)]
+        hist["sum"] += t * (mid[1] - mid[0])
+        j -= t
+    items = sorted(b.items())
+    hist["b"] = [[i for i, _ in items], [c for _, c in items]]
+
+
+def _move_binade(layer: dict[str, Any], d: int) -> None:
+    """In a numerics layer's histogram group of most rows, move ``d`` values from its fullest
+    binade to an existing neighbour, both fp16-normal (>= -13) and below the group's top
+    binade: every count, the group's key and the lost values stay (equal shapes, other
+    values). Nothing when no binade fits."""
+    if not layer.get("hist"):
+        return
+    key, group = max(layer["hist"].items(), key=lambda kv: kv[1]["rows"])
+    try:
+        top = int(key.rsplit("|", 1)[1])
+    except ValueError:
+        return
+    bins = decode_bins(group["bins"])
+    for _, e in sorted(((n, e) for e, n in bins.items() if -13 <= e < top), reverse=True):
+        for dst in (e - 1, e + 1):
+            if dst in bins and -13 <= dst < top and bins[e] > d:
+                bins[e] -= d
+                bins[dst] += d
+                group["bins"] = encode_bins(bins)
+                return
+
+
+def differ(record: dict[str, Any], r: int) -> None:
+    """Make rank ``r``'s summary record differ from every other rank's (``--every-rank-differs``)
+    in place, as ranks of one job differ: with ``17 * j + (k + 8) = r`` (unique per rank below
+    4,097), its step times ``2**(k/128)`` times the recorded ones (k in -8..8: -4.2 % to
+    +4.4 %; the wall histograms, the head rows' ``wall_s``, the fwd/bwd/opt sums) and ``j``
+    (0..240) of them one bucket slower; and in its first numerics layer ``1 + r % 64``, in
+    its last gradient layer ``1 + r // 64`` values one binade apart (see :func:`_move_binade`).
+    Only the ``runtime`` and ``numerics`` sections change: the table files, ``offsets`` and
+    ``checksums`` stay, so the tables' rows (the derived store, the figures drawn from them)
+    still hold the recorded values."""
+    sections = record.get("sections") or {}
+    k, j = r % 17 - 8, r // 17
+    runtime = sections.get("runtime")
+    if runtime:
+        times = runtime["times"]
+        for hist in (times["both"]["plain"]["wall"], times["both"]["sampled"]["wall"]):
+            _shift_wall(hist, k)
+        _shift_wall(times["wall_only"], k)
+        _tail_up(times["both"]["plain"]["wall"], j)
+        f = 2 ** (k / BUCKETS_PER_OCTAVE)
+        for row in runtime["head"]:
+            if isinstance(row[1], (int, float)):
+                row[1] *= f
+        for phase in ("fwd_s", "bwd_s", "opt_s"):
+            runtime["phases"][phase][1] *= f
+    layers = (sections.get("numerics") or {}).get("layers") or []
+    if layers:
+        grads = [x for x in layers if str(x.get("kind")).startswith("grad")] or layers
+        _move_binade(layers[0], 1 + r % 64)
+        _move_binade(grads[-1], 1 + r // 64)
+
+
+def every_rank_differs(dest: Path) -> str:
+    """Rewrite every rank's ``summary.json`` by :func:`differ` (a new file per rank, never
+    written through a hard link); say how many ``runtime`` and ``numerics`` sections are now
+    distinct."""
+    seen: dict[str, set[str]] = {"runtime": set(), "numerics": set()}
+    n = 0
+    for rank_dir in sorted(dest.glob("rank*"), key=lambda p: int(p.name[4:])):
+        path = rank_dir / SUMMARY
+        record = _record_of(rank_dir)
+        if not record.get("sections"):
+            continue
+        differ(record, int(rank_dir.name[4:]))
+        _write_own(path, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+        n += 1
+        for name, classes in seen.items():
+            classes.add(json.dumps(record["sections"].get(name), sort_keys=True))
+    distinct = ", ".join(f"{len(v)} {k}" for k, v in seen.items())
+    return f"every rank differs: {n} summary.json rewritten; distinct sections: {distinct}"
+
+
 #: Bytes of output per rank (three diagnoses' JSON and one report's HTML), a bound: measured
 #: 7.7 MB in all at 256 ranks of a 10,000-step recording (31 KB per rank; the JSON is bounded,
 #: 0.1 MB at 64 and 256 ranks alike, the HTML 6.7 and 7.4 MB) on 2026-12-05.
@@ -632,6 +759,11 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None, help="folder for the runs (default: temp)")
     p.add_argument("--keep", action="store_true", help="keep the built runs")
     p.add_argument("--plan", action="store_true", help="print the disk each N needs; build none")
+    p.add_argument(
+        "--every-rank-differs",
+        action="store_true",
+        help="make every rank's runtime and numerics summary sections differ (see differ)",
+    )
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="amprobe-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -651,6 +783,8 @@ def main() -> None:
     for n in (int(x) for x in args.ranks.split(",")):
         dest = work / f"ranks{n}"
         records, derived, outputs = disk_needed(n, per_rank)
+        if args.every_rank_differs and (base / SUMMARY).exists():
+            records += n * (base / SUMMARY).stat().st_size  # a summary.json of its own per rank
         free = shutil.disk_usage(work).free
         print(
             f"{n} ranks: needs ~{records / 1e6:.0f} MB of records (one rank, "
@@ -667,6 +801,8 @@ def main() -> None:
         kinds = {k: sorted(r for r, v in divergent.items() if v == k) for k in KINDS}
         print(f"{n} ranks: {_unique_bytes(dest) / 1e6:.1f} MB on disk; diverging {kinds}")
         print(f"  damaged {broken}; summaries: {how}")
+        if args.every_rank_differs:
+            print(f"  {every_rank_differs(dest)}")
         rows.extend(measure(dest, n, divergent, broken, work))
         if not args.keep:
             shutil.rmtree(dest)
