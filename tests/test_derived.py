@@ -22,6 +22,8 @@ import pytest
 pytest.importorskip("duckdb")
 
 from amprobe.store import derived, is_run_dir, list_ranks, list_runs, load_run  # noqa: E402
+from amprobe.store.run import write_rank_summary  # noqa: E402
+from amprobe.store.summary import SUMMARY_FILE  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_runs"
@@ -207,6 +209,32 @@ def test_stale_on_size_mtime_version_new_file_and_new_rank(
     run = load_run(path)
     assert rebuilt()
     assert run.relation("summaries").aggregate("count(*)").fetchall() == [(3,)]
+
+
+def test_a_summary_record_written_again_makes_the_summaries_stale_and_keeps_the_tables(
+    tmp_path: Path, cache: Path
+) -> None:
+    """The summaries table holds each rank's record: a record written again (a live writer,
+    ``write_rank_summary``) rebuilds it, while the tables, whose files did not change, are kept."""
+    path = _two_ranks(tmp_path / "run")
+    for rank_dir in (path / "rank0", path / "rank1"):
+        write_rank_summary(rank_dir)
+    folder = path / derived.DERIVED_DIR
+    load_run(path).relation("steps")
+    record = path / "rank1" / SUMMARY_FILE
+    assert json.loads(record.read_text())["sections"]
+    st = record.stat()
+    os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    run = load_run(path)
+    assert not derived.is_fresh(folder, derived.source_files(run))
+    before = _manifest(folder)["built_unix"]
+    rows = run.relation("summaries").order("rank").df()
+    manifest = _manifest(folder)
+    assert manifest["built_unix"] != before
+    assert manifest["tables"]["steps"].get("kept") is True
+    assert json.loads(rows["summary"].iloc[1]) == json.loads(
+        json.dumps(derived._json_safe(run.summaries()[1]))
+    )
 
 
 def test_refresh_parses_only_what_was_appended(

@@ -70,6 +70,7 @@ from amprobe.store.layout import (
 )
 from amprobe.store.places import DERIVED_DIR, cache_dir, cache_key
 from amprobe.store.places import writable as _writable
+from amprobe.store.summary import SUMMARY_FILE
 from amprobe.version import __version__
 
 if TYPE_CHECKING:
@@ -141,8 +142,16 @@ def _cache_key(run: Run) -> str:
 
 
 # -- sources and freshness -------------------------------------------------------------------
+#: the files of a rank folder the store is built from, besides its tables
+_RANK_SOURCES = (schema.RANK_MANIFEST, schema.END_MARKER, SUMMARY_FILE)
+
+
 def source_files(run: Run) -> dict[str, tuple[int, int]]:
-    """The files the derived store is built from, relative to the run: ``(size, mtime_ns)``."""
+    """The files the derived store is built from, relative to the run: ``(size, mtime_ns)``:
+    the run manifest and, per rank, its manifest, end marker, tables and summary record (the
+    ``summaries`` table holds the record's sections: a record written again, by a live
+    writer or ``write_rank_summary``, makes the store stale; its tables are kept when their
+    files did not change)."""
     out: dict[str, tuple[int, int]] = {}
 
     def add(path: Path, name: str) -> None:
@@ -160,7 +169,7 @@ def source_files(run: Run) -> dict[str, tuple[int, int]]:
         except OSError:
             continue
         for name in names:
-            if name.endswith(TABLE_SUFFIX) or name in (schema.RANK_MANIFEST, schema.END_MARKER):
+            if name.endswith(TABLE_SUFFIX) or name in _RANK_SOURCES:
                 add(info.path / name, f"{folder}/{name}")
     return out
 
