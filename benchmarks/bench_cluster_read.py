@@ -45,7 +45,8 @@ Run: ``nice -n 19 python benchmarks/bench_cluster_read.py [--ranks 64,256,1024,4
    against 10.5 s and 2.15 GB.
 3. Times, each in a child process: ``amprobe diagnose --format json`` cold (no ``RUN/derived``
    folder), warm (a second run, with whatever derived files the first left), ``amprobe report
-   -o x.html`` warm, and ``diagnose`` cold on the crashed variant of the run (every rank's
+   -o x.html`` twice: first (it builds the derived store and keeps its figures' results) and
+   warm (it reads them, and the diagnosis the first one kept), and ``diagnose`` cold on the crashed variant of the run (every rank's
    ``end.json`` removed and its ``summary.json`` replaced by a new file saying ``final:
    false``: no rank closed). It prints, side by side: wall seconds, CPU seconds (user +
    system) and peak RSS of the child (``os.wait4``'s rusage of that one child), per rank, and
@@ -736,8 +737,11 @@ def measure(
     print(f"  {n} ranks: cold and warm findings the same: {'yes' if same else 'NO'}")
     html = work / f"report{n}.html"
     report = [py, "-m", "amprobe", "report", str(run), "-o", str(html)]
+    # the first report builds the derived store and keeps the figures' results; the second
+    # reads them (and the diagnosis the first one kept): the report's warm case
+    one("first (builds derived/)", report, work / f"report{n}-first.log", "report -o x.html", html)
+    derived_size("first report")
     one("warm", report, work / f"report{n}.log", "report -o x.html", html)
-    derived_size("report")
     print(f"  {n} ranks: crashed variant: {crash(run)}")
     cold()
     out = work / f"diagnose{n}-crashed.json"
