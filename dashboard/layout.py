@@ -19,6 +19,7 @@ from urllib.parse import parse_qs, quote, urlencode
 import pandas as pd
 from dash import dash_table, dcc, html
 
+from amprobe.analysis.frames import percent_text
 from amprobe.analysis.rankbands import StepsRelation
 from amprobe.analysis.whatif import compute_whatif
 from amprobe.report.compare import comparison_rows
@@ -374,7 +375,7 @@ def format_health_value(metric: Mapping[str, Any]) -> str:
         return str(metric.get("note") or "not measured")
     unit = metric.get("unit", "")
     if unit == "%":
-        return f"{100 * float(value):.1f} %"
+        return percent_text(float(value))
     if unit == "x":
         return f"{float(value):.2f}x"
     return f"{value:.4g}" if isinstance(value, float) else str(value)

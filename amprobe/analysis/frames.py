@@ -4,6 +4,7 @@ and whether amprobe itself forced the run to fp32."""
 from __future__ import annotations
 
 import marshal
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pandas as pd
 from amprobe.store.loader import Run
 
 __all__ = [
+    "percent_text",
     "HALF_DTYPES",
     "MAX_LISTED_STEPS",
     "per_rank",
@@ -85,6 +87,20 @@ def steps_text(
     if not word:
         return text
     return ("step " if len(runs) == 1 and runs[0][0] == runs[0][1] else "steps ") + text
+
+
+def percent_text(fraction: float, digits: int = 1, space: bool = True) -> str:
+    """A fraction as a percentage with ``digits`` decimals, more where rounding would say what
+    is not so: a share below 100 % never reads ``100.0 %`` (0.9995: ``99.95 %``), a share above
+    zero never ``0.0 %`` (0.00004: ``0.004 %``)."""
+    points = 100.0 * float(fraction)
+    text = f"{points:.{digits}f}"
+    while digits < 8 and ((float(text) >= 100.0 > points) or (float(text) == 0.0 and points > 0.0)):
+        digits += 1
+        text = f"{points:.{digits}f}"
+    if float(text) >= 100.0 > points:  # closer to 100 % than 8 decimals tell: cut, not round
+        text = f"{math.floor(points * 10**digits) / 10**digits:.{digits}f}"
+    return f"{text} %" if space else f"{text}%"
 
 
 def per_rank(frame: pd.DataFrame) -> Iterator[tuple[int, pd.DataFrame]]:

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from amprobe.analysis.frames import range_text
+from amprobe.analysis.frames import percent_text, range_text
 from amprobe.rules.compare import Comparison
 
 __all__ = [
@@ -94,7 +94,7 @@ def comparison_rows(metrics: Mapping[str, Any]) -> list[tuple[str, str, str, str
         value = c.get(f"scaler_success_rate_{side}")
         if value is None:
             return str(notes.get(f"scaler_success_rate_{side}", "not recorded"))
-        return f"{value:.1%}"
+        return percent_text(value, space=False)
 
     rows.append(("scaler success rate", rate("baseline"), rate("candidate"), "", "all steps"))
     return rows
@@ -141,7 +141,7 @@ def render_comparison_text(comparison: Comparison) -> str:
         value = c.get(f"scaler_success_rate_{side}")
         if value is None:
             return str(notes.get(f"scaler_success_rate_{side}", "not recorded"))
-        return f"{value:.1%}"
+        return percent_text(value, space=False)
 
     lines.append(f"scaler success rate: {rate('baseline')} -> {rate('candidate')}")
     for f in comparison.findings:

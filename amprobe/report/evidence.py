@@ -275,6 +275,8 @@ def _percent_points(points: float) -> str:
     if abs(points) >= 100:
         return f"{points:,.0f} %"
     digits = max(0, 2 - math.floor(math.log10(abs(points))))
+    while digits < 8 and float(f"{points:.{digits}f}") >= 100.0 > points:
+        digits += 1  # a share below 100 % never reads 100 (99.95: "99.95 %")
     return f"{points:.{digits}f} %"
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from amprobe.analysis.frames import percent_text
 from amprobe.analysis.sampling import sampling_text
 from amprobe.report.escape import escape_markdown
 from amprobe.report.evidence import (
@@ -80,7 +81,7 @@ def _health_line(key: str, metric: dict[str, Any]) -> str:
     if value is None:
         return f"{label}: {metric.get('note', 'not measured')}"
     if metric.get("unit") == "%":
-        return f"{label}: {value:.1%}"
+        return f"{label}: {percent_text(value, space=False)}"
     if metric.get("unit") == "x":
         return f"{label}: {value:.2f}x"
     return f"{label}: {format_cell(value)}"

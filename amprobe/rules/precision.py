@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS
+from amprobe.analysis.frames import MAX_LISTED_STEPS, percent_text
 from amprobe.analysis.numerics import layer_overflow_evidence, nonfinite_input_steps
 from amprobe.analysis.runtime import expand_steps, rank_runtime, rank_step_counts, summary_steps
 from amprobe.analysis.scaler import (
@@ -74,7 +74,7 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
             continue
         device = run.rank_manifest.get("gpu_name") or run.rank_manifest.get("device")
         yield ctx.finding(
-            title=f"fp16 run overflowed ({cuts} scale cuts, {share:.1%} steps skipped"
+            title=f"fp16 run overflowed ({cuts} scale cuts, {percent_text(share, space=False)} steps skipped"
             + (
                 f", not counting {len(calibration)} step(s) of initial calibration"
                 if calibration

@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS
+from amprobe.analysis.frames import MAX_LISTED_STEPS, percent_text
 from amprobe.analysis.numerics import offender_evidence
 from amprobe.analysis.runtime import expand_steps, rank_runtime, rank_step_counts, summary_steps
 from amprobe.analysis.scaler import (
@@ -149,7 +149,7 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
             f"; {len(calibration)} step(s) of initial calibration not judged" if calibration else ""
         )
         yield ctx.finding(
-            title=f"only {rate:.1%} of {step_count} steps applied their update "
+            title=f"only {percent_text(rate, space=False)} of {step_count} steps applied their update "
             f"({skipped_count} skipped{calibrated})",
             evidence={
                 "rank": rank,
