@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.frames import range_text, section_keys, steps_text
+from amprobe.analysis.frames import percent_text, range_text, section_keys, steps_text
 from amprobe.analysis.numerics import (
     COUNT_COLUMNS,
     COUNT_DEFINITIONS,
@@ -756,8 +756,8 @@ def _hint_text(hint: Mapping[str, Any], steps: pd.DataFrame) -> str:
     final = _final_scales(steps)
     where += f"; {final})" if final else ")"
     return line + (
-        f"; {where}, {hint['underflow_share_at_current']:.2%} of the nonzero gradients held "
-        f"wider than fp16 would flush to zero in fp16 ({hint['underflow_share_at_hint']:.2%} "
+        f"; {where}, {percent_text(hint['underflow_share_at_current'], 2, space=False)} of the nonzero gradients held "
+        f"wider than fp16 would flush to zero in fp16 ({percent_text(hint['underflow_share_at_hint'], 2, space=False)} "
         "at the hint)."
     )
 
