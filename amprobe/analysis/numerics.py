@@ -36,6 +36,9 @@ __all__ = [
     "compute_gradient_underflow",
     "offender_evidence",
     "gradient_underflow_rows",
+    "gradient_underflow_classes",
+    "SectionBins",
+    "section_bins",
     "fact_steps",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
@@ -774,9 +777,27 @@ def gradient_underflow_rows(
     hint = (
         _scale_hint(peak, margin, merged, section.get("grad_scale")) if peak is not None else None
     )
+    group_sums: list[int] = []
+    for layer, parsed in zip(grads, decoded, strict=True):
+        for key in layer["hist"]:
+            if hint is None:
+                group_sums.append(0)
+                continue
+            dtype = _group_dtype(key)
+            # binades wholly at or below 2**bound once scaled by the hint
+            cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
+            group_sums.append(sum(n for e, n in parsed[key].items() if e <= cut))
+    return _underflow_rows(grads, hint, group_sums)
+
+
+def _underflow_rows(grads: list[Any], hint: dict[str, Any] | None, group_sums: list[int]) -> Any:
+    """:func:`gradient_underflow_rows`' rows from the gradient layers, the scale hint and per
+    histogram group of those layers (in order) its count at or below the flush bound at the
+    hint."""
     rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
-    for layer, parsed in zip(grads, decoded, strict=True):
+    at = 0
+    for layer in grads:
         by_measure: dict[str, list[float]] = {}
         for group in layer["scale"].values():
             measure = _measure(group["dtype"])
@@ -791,14 +812,12 @@ def gradient_underflow_rows(
             fact["scales"].add(float(group["scale"]))
         if hint is not None:
             for key in layer["hist"]:
-                dtype = _group_dtype(key)
-                if _measure(dtype) in by_measure:
-                    # binades wholly at or below 2**bound once scaled by the hint
-                    cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
-                    by_measure[_measure(dtype)][1] += sum(
-                        n for e, n in parsed[key].items() if e <= cut
-                    )
+                measure = _measure(_group_dtype(key))
+                if measure in by_measure:
+                    by_measure[measure][1] += group_sums[at]
+                at += 1
         else:
+            at += len(layer["hist"])
             for sums in by_measure.values():
                 sums[1] = sums[0]
         for dtype in layer["dtypes"]:
@@ -808,6 +827,194 @@ def gradient_underflow_rows(
         for measure, sums in by_measure.items():
             rows.append(((layer["module"], layer["kind"], measure), sums[0], sums[1], sums[2]))
     return rows, hint, facts
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionBins:
+    """The exponent histograms of the ``numerics`` sections of one rank per class of equal
+    sections (:func:`~amprobe.analysis.frames.section_keys`), decoded once per run into flat
+    arrays (:func:`section_bins`), for the rules that sum them per rank.
+
+    Groups are numbered in reading order: representative ranks ascending, a rank's layers in
+    section order, a layer's ``hist`` groups in dict order; ``first[rank]`` is the number of
+    the representative ``rank``'s first group. Group ``g``'s binades are entries
+    ``start[g]:start[g + 1]`` of ``exp`` and ``count`` (as :func:`decode_bins` reads the text,
+    in its order)."""
+
+    first: dict[int, int]
+    start: np.ndarray  # int64, one more than the groups
+    exp: np.ndarray  # int64 per entry
+    count: np.ndarray  # int64 per entry
+
+    def owners(self) -> np.ndarray:
+        """The group of each entry."""
+        return np.repeat(np.arange(len(self.start) - 1), np.diff(self.start))
+
+
+def _bins_text(bins: Any) -> str:
+    return bins if isinstance(bins, str) else encode_bins(decode_bins(bins))
+
+
+def compute_section_bins(summaries: dict[int, dict[str, Any]], keys: dict[int, int]) -> SectionBins:
+    """:class:`SectionBins` of ``summaries`` (``keys``: each rank's class). Raises
+    ``ValueError`` on a text that is not ``e,n`` pairs of integers (as :func:`decode_bins`
+    would; a caller falls back to reading that rank's texts one by one)."""
+    first: dict[int, int] = {}
+    seen: set[int] = set()
+    texts: list[str] = []
+    for rank in sorted(summaries):
+        if keys[rank] in seen:
+            continue
+        seen.add(keys[rank])
+        first[rank] = len(texts)
+        section = summaries[rank].get("numerics") or {}
+        for layer in section.get("layers", []):
+            texts += [_bins_text(group["bins"]) for group in layer["hist"].values()]
+    pairs = np.fromiter(
+        ((t.count(",") + 1) // 2 if t else 0 for t in texts), np.int64, count=len(texts)
+    )
+    start = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(pairs, out=start[1:])
+    values = _parse_pairs([t for t in texts if t], int(start[-1]))
+    if len(values) and (np.abs(values) == np.iinfo(np.int64).max).any():
+        raise ValueError("a damaged exponent histogram in a numerics summary: out of range")
+    return SectionBins(first=first, start=start, exp=values[:, 0].copy(), count=values[:, 1].copy())
+
+
+def section_bins(run: Run) -> SectionBins:
+    """:func:`compute_section_bins` of the run, computed once per run."""
+    return run.cached(  # type: ignore[no-any-return]
+        "section_bins",
+        lambda r: compute_section_bins(r.summaries(), section_keys(r, "numerics")),
+    )
+
+
+def _hint_scale(peak: float, margin: float) -> float:
+    return 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+
+
+_Underflow = tuple[
+    list[tuple[Any, float, float, float]], dict[str, Any] | None, dict[Any, dict[str, Any]]
+]
+
+
+def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Underflow | Exception]:
+    """:func:`gradient_underflow_rows` of each class of equal ``numerics`` sections
+    (:func:`~amprobe.analysis.frames.section_keys`; the class -> its rows, or the
+    ``ValueError`` that rank's rows raise), the histograms of every class summed at once from
+    :func:`section_bins` instead of decoded per rank. Exact: the same sums of the same integer
+    counts (float sums of counts, exact below 2**53). Where a histogram text cannot be read
+    as one array, each class is worked out by :func:`gradient_underflow_rows`."""
+    keys = section_keys(run, "numerics")
+    summaries = run.summaries()
+    reps: dict[int, int] = {}
+    for rank in sorted(summaries):
+        reps.setdefault(keys[rank], rank)
+    out: dict[int, _Underflow | Exception] = {}
+    try:
+        bins = section_bins(run)
+    except ValueError:
+        for key, rank in reps.items():
+            try:
+                out[key] = gradient_underflow_rows(numerics_section(run, rank), margin)
+            except ValueError as exc:
+                out[key] = exc
+        return out
+    # each class's gradient layers, their groups' numbers, the scale hint's inputs
+    work: list[tuple[int, list[Any], list[int], float | None]] = []
+    g_rep: list[int] = []  # per gradient group: its class's position in work
+    g_num: list[int] = []
+    g_fp16: list[bool] = []
+    for key, rank in reps.items():
+        section = numerics_section(run, rank)
+        layers = section.get("layers", [])
+        if not any(x["kind"] in GRAD_KINDS for x in layers):
+            out[key] = ([], None, {})
+            continue
+        g = bins.first.get(rank, 0)
+        grads: list[Any] = []
+        nums: list[int] = []
+        peak = None
+        damaged: Exception | None = None
+        for layer in layers:
+            if layer["kind"] not in GRAD_KINDS:
+                g += len(layer["hist"])
+                continue
+            grads.append(layer)
+            for group in layer["scale"].values():
+                if group["damaged"] is not None and damaged is None:
+                    damaged = ValueError(
+                        f"a damaged gradient row (module {layer['module']}, step "
+                        f"{group['damaged']}): {_COUNTS_READ} missing"
+                    )
+            for hkey, group in layer["hist"].items():
+                cls = hkey.split("|")[1]
+                if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
+                    peak = group["amax"] if peak is None else max(peak, group["amax"])
+                nums.append(g)
+                g_rep.append(len(work))
+                g_num.append(g)
+                g_fp16.append(_group_dtype(hkey) == "float16")
+                g += 1
+        if damaged is not None:
+            out[key] = damaged
+            del g_rep[len(g_rep) - len(nums) :], g_num[len(g_num) - len(nums) :]
+            del g_fp16[len(g_fp16) - len(nums) :]
+            continue
+        work.append((key, grads, nums, peak))
+    if not work:
+        return out
+    # the entries of the gradient groups, each with its group's position in g_num
+    num = np.array(g_num, dtype=np.int64)
+    lengths = bins.start[num + 1] - bins.start[num]
+    local = np.repeat(np.arange(len(num)), lengths)
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    entry = bins.start[num][local] + offsets
+    exp = bins.exp[entry]
+    count = bins.count[entry].astype(float)
+    rep = np.array(g_rep, dtype=np.int64)[local]
+    fp16 = np.array(g_fp16, dtype=bool)
+    wide = ~fp16[local]
+    n_work = len(work)
+    total = np.bincount(rep[wide], weights=count[wide], minlength=n_work)
+    hint_scale = np.ones(n_work)
+    current = np.ones(n_work)
+    for i, (key, _, _, peak) in enumerate(work):
+        if peak is not None:
+            hint_scale[i] = _hint_scale(peak, margin)
+            last = numerics_section(run, reps[key]).get("grad_scale")
+            current[i] = float(last[1]) if last else 1.0
+
+    def below(cut: np.ndarray, mask: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
+        """The counts of the masked entries at or below their owner's ``cut``, per owner."""
+        keep = mask & (exp <= cut[owner])
+        return np.bincount(owner[keep], weights=count[keep], minlength=n)
+
+    log_cur = np.array([math.log2(c) for c in current])
+    log_hint = np.array([math.log2(h) for h in hint_scale])
+    below_cur = below(-25 - log_cur - 1, wide, rep, n_work)
+    below_hint = below(-25 - log_hint - 1, wide, rep, n_work)
+    g_cut = np.where(fp16, -14.0, -25.0) - log_hint[np.array(g_rep, dtype=np.int64)] - 1
+    at_hint = below(g_cut, np.ones(len(exp), dtype=bool), local, len(num)).astype(np.int64)
+    pos = 0
+    for i, (key, grads, nums, peak) in enumerate(work):
+        hint = None
+        if peak is not None:
+            tot = int(total[i])
+            last = numerics_section(run, reps[key]).get("grad_scale")
+            hint = {
+                "grad_amax": float(peak),
+                "margin": margin,
+                "hint_scale": float(hint_scale[i]),
+                "current_scale": float(current[i]),
+                "current_step": int(last[0]) if last else None,
+                "underflow_share_at_current": (round(int(below_cur[i]) / tot, 6) if tot else None),
+                "underflow_share_at_hint": round(int(below_hint[i]) / tot, 6) if tot else None,
+            }
+        group_sums = at_hint[pos : pos + len(nums)].tolist()
+        pos += len(nums)
+        out[key] = _underflow_rows(grads, hint, group_sums)
+    return out
 
 
 def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:
@@ -822,7 +1029,7 @@ def _scale_hint(
     """:func:`compute_scale_hint`'s dict from the largest finite gradient ``amax``, the wide
     gradients' nonzero binades summed (:func:`_nonzero_binades` keys) and ``[step, scale]``
     of the last sampled step with a scaled gradient row (None: none)."""
-    hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+    hint_scale = _hint_scale(peak, margin)
     total = sum(merged.values())
 
     def share(scale: float) -> float | None:
