@@ -790,42 +790,56 @@ def gradient_underflow_rows(
     return _underflow_rows(grads, hint, group_sums)
 
 
-def _underflow_rows(grads: list[Any], hint: dict[str, Any] | None, group_sums: list[int]) -> Any:
+def _underflow_rows(
+    grads: list[Any],
+    hint: dict[str, Any] | None,
+    group_sums: list[int],
+    measure_of: dict[str, str] | None = None,
+) -> Any:
     """:func:`gradient_underflow_rows`' rows from the gradient layers, the scale hint and per
     histogram group of those layers (in order) its count at or below the flush bound at the
-    hint."""
+    hint. ``measure_of``: hist key -> its measure, kept across calls."""
     rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
     at = 0
+    if measure_of is None:
+        measure_of = {}
     for layer in grads:
         by_measure: dict[str, list[float]] = {}
+        fact_of: dict[str, dict[str, Any]] = {}
+        module, kind = layer["module"], layer["kind"]
         for group in layer["scale"].values():
             measure = _measure(group["dtype"])
-            sums = by_measure.setdefault(measure, [0.0, 0.0, 0.0])
+            sums = by_measure.get(measure)
+            if sums is None:
+                sums = by_measure[measure] = [0.0, 0.0, 0.0]
+                key = (module, kind, measure)
+                fact = facts.get(key)
+                if fact is None:
+                    runs = layer["grad_steps"].get(measure, {}).get("runs", [])
+                    fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
+                fact_of[measure] = fact
             sums[0] += group["lost"]
             sums[2] += group["nonzero"]
-            key = (layer["module"], layer["kind"], measure)
-            fact = facts.get(key)
-            if fact is None:
-                runs = layer["grad_steps"].get(measure, {}).get("runs", [])
-                fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
-            fact["scales"].add(float(group["scale"]))
+            fact_of[measure]["scales"].add(float(group["scale"]))
         if hint is not None:
-            for key in layer["hist"]:
-                measure = _measure(_group_dtype(key))
-                if measure in by_measure:
-                    by_measure[measure][1] += group_sums[at]
+            for hkey in layer["hist"]:
+                of = measure_of.get(hkey)
+                if of is None:
+                    of = measure_of[hkey] = _measure(_group_dtype(hkey))
+                if of in by_measure:
+                    by_measure[of][1] += group_sums[at]
                 at += 1
         else:
             at += len(layer["hist"])
             for sums in by_measure.values():
                 sums[1] = sums[0]
         for dtype in layer["dtypes"]:
-            found = facts.get((layer["module"], layer["kind"], _measure(dtype)))
+            found = facts.get((module, kind, _measure(dtype)))
             if found is not None and found["dtype"] is np.nan:
                 found["dtype"] = dtype
         for measure, sums in by_measure.items():
-            rows.append(((layer["module"], layer["kind"], measure), sums[0], sums[1], sums[2]))
+            rows.append(((module, kind, measure), sums[0], sums[1], sums[2]))
     return rows, hint, facts
 
 
@@ -921,10 +935,12 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
                 out[key] = exc
         return out
     # each class's gradient layers, their groups' numbers, the scale hint's inputs
-    work: list[tuple[int, list[Any], list[int], float | None]] = []
-    g_rep: list[int] = []  # per gradient group: its class's position in work
-    g_num: list[int] = []
-    g_fp16: list[bool] = []
+    work: list[tuple[int, list[Any], int, float | None]] = []
+    l_first: list[int] = []  # per gradient layer: its first group's number, its groups, class
+    l_size: list[int] = []
+    l_work: list[int] = []
+    g_fp16: list[bool] = []  # per gradient group: whether its dtype is float16
+    key_info: dict[str, tuple[bool, bool]] = {}  # hist key -> (finite amax class, float16)
     for key, rank in reps.items():
         section = numerics_section(run, rank)
         layers = section.get("layers", [])
@@ -933,12 +949,13 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
             continue
         g = bins.first.get(rank, 0)
         grads: list[Any] = []
-        nums: list[int] = []
         peak = None
         damaged: Exception | None = None
+        n_layers, n_groups = len(l_first), len(g_fp16)
         for layer in layers:
+            hist = layer["hist"]
             if layer["kind"] not in GRAD_KINDS:
-                g += len(layer["hist"])
+                g += len(hist)
                 continue
             grads.append(layer)
             for group in layer["scale"].values():
@@ -947,32 +964,43 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
                         f"a damaged gradient row (module {layer['module']}, step "
                         f"{group['damaged']}): {_COUNTS_READ} missing"
                     )
-            for hkey, group in layer["hist"].items():
-                cls = hkey.split("|")[1]
-                if group["amax"] is not None and cls not in ("nan", "inf", "zero"):
-                    peak = group["amax"] if peak is None else max(peak, group["amax"])
-                nums.append(g)
-                g_rep.append(len(work))
-                g_num.append(g)
-                g_fp16.append(_group_dtype(hkey) == "float16")
-                g += 1
+            l_first.append(g)
+            l_size.append(len(hist))
+            l_work.append(len(work))
+            g += len(hist)
+            for hkey, group in hist.items():
+                info = key_info.get(hkey)
+                if info is None:
+                    cls = hkey.split("|")[1]
+                    info = key_info[hkey] = (
+                        cls not in ("nan", "inf", "zero"),
+                        _group_dtype(hkey) == "float16",
+                    )
+                amax = group["amax"]
+                if amax is not None and info[0]:
+                    peak = amax if peak is None else max(peak, amax)
+                g_fp16.append(info[1])
         if damaged is not None:
             out[key] = damaged
-            del g_rep[len(g_rep) - len(nums) :], g_num[len(g_num) - len(nums) :]
-            del g_fp16[len(g_fp16) - len(nums) :]
+            del l_first[n_layers:], l_size[n_layers:], l_work[n_layers:], g_fp16[n_groups:]
             continue
-        work.append((key, grads, nums, peak))
+        work.append((key, grads, len(g_fp16) - n_groups, peak))
     if not work:
         return out
+    sizes = np.array(l_size, dtype=np.int64)
+    g_num = np.repeat(
+        np.array(l_first, dtype=np.int64) - (np.cumsum(sizes) - sizes), sizes
+    ) + np.arange(int(sizes.sum()))
+    g_rep = np.repeat(np.array(l_work, dtype=np.int64), sizes)
     # the entries of the gradient groups, each with its group's position in g_num
-    num = np.array(g_num, dtype=np.int64)
+    num = g_num
     lengths = bins.start[num + 1] - bins.start[num]
     local = np.repeat(np.arange(len(num)), lengths)
     offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     entry = bins.start[num][local] + offsets
     exp = bins.exp[entry]
     count = bins.count[entry].astype(float)
-    rep = np.array(g_rep, dtype=np.int64)[local]
+    rep = g_rep[local]
     fp16 = np.array(g_fp16, dtype=bool)
     wide = ~fp16[local]
     n_work = len(work)
@@ -994,10 +1022,11 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
     log_hint = np.array([math.log2(h) for h in hint_scale])
     below_cur = below(-25 - log_cur - 1, wide, rep, n_work)
     below_hint = below(-25 - log_hint - 1, wide, rep, n_work)
-    g_cut = np.where(fp16, -14.0, -25.0) - log_hint[np.array(g_rep, dtype=np.int64)] - 1
+    g_cut = np.where(fp16, -14.0, -25.0) - log_hint[g_rep] - 1
     at_hint = below(g_cut, np.ones(len(exp), dtype=bool), local, len(num)).astype(np.int64)
     pos = 0
-    for i, (key, grads, nums, peak) in enumerate(work):
+    measure_of: dict[str, str] = {}
+    for i, (key, grads, n_groups, peak) in enumerate(work):
         hint = None
         if peak is not None:
             tot = int(total[i])
@@ -1011,9 +1040,9 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
                 "underflow_share_at_current": (round(int(below_cur[i]) / tot, 6) if tot else None),
                 "underflow_share_at_hint": round(int(below_hint[i]) / tot, 6) if tot else None,
             }
-        group_sums = at_hint[pos : pos + len(nums)].tolist()
-        pos += len(nums)
-        out[key] = _underflow_rows(grads, hint, group_sums)
+        group_sums = at_hint[pos : pos + n_groups].tolist()
+        pos += n_groups
+        out[key] = _underflow_rows(grads, hint, group_sums, measure_of)
     return out
 
 

@@ -304,6 +304,9 @@ class _WindowCounter(_Counter):
             [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(hist, axis=1)], axis=1
         )
         self.rows = np.arange(len(hist))
+        # row r's prefix position p is flat[base[r] + p] (one flat take, not a 2-D gather)
+        self.flat = self.prefix.ravel()
+        self.base = self.rows * (self.width + 1)
 
     def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         a = np.minimum(np.maximum(np.asarray(lo) - k - _E_LO, 0), _FINITE)
@@ -312,7 +315,7 @@ class _WindowCounter(_Counter):
         # full-width prefix positions to the window's: before it 0, after it the total
         a = np.minimum(np.maximum(a - self.lo, 0), self.width)
         b = np.minimum(np.maximum(b - self.lo, 0), self.width)
-        return self.prefix[self.rows, b] - self.prefix[self.rows, a]
+        return self.flat.take(self.base + b) - self.flat.take(self.base + a)
 
     def top_low(self) -> tuple[np.ndarray, np.ndarray]:
         """:func:`_top_exp` and :func:`_low_exp` of the rows."""
@@ -895,7 +898,10 @@ def _whatif_from_summaries(
     steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
     # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
     # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
-    bad_steps = [sorted(_steps_of(layer["nonfinite_runs"])) for _, layer in layers]
+    bad_steps = [
+        sorted(_steps_of(layer["nonfinite_runs"])) if layer["nonfinite_runs"]["runs"] else []
+        for _, layer in layers
+    ]
     out = pd.DataFrame(
         {
             "rank": ranks[each],
