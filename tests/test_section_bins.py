@@ -17,6 +17,7 @@ import pytest
 import amprobe
 from amprobe.analysis.frames import section_keys
 from amprobe.analysis.numerics import (
+    compute_layer_histograms,
     compute_section_bins,
     gradient_underflow_classes,
     gradient_underflow_rows,
@@ -109,3 +110,12 @@ def test_array_hist_reads_either_form(tmp_path: Path) -> None:
         assert got["counts"].tolist() == [merged[k] for k in sorted(merged)]
         assert got["keys"].dtype == np.int64 and got["counts"].dtype == np.int64
         assert got["n"] == sum(h["n"] for h in parts)
+
+
+def test_layer_histograms_from_the_run_decode_are_the_text_parse(run: Any) -> None:
+    keys = section_keys(run, "numerics")
+    want = compute_layer_histograms(run.summaries(), keys)
+    got = compute_layer_histograms(run.summaries(), keys, section_bins(run))
+    assert got.keys == want.keys and len(want.keys) > 5
+    assert np.array_equal(got.counts, want.counts) and np.array_equal(got.wide, want.wide)
+    assert want.counts.sum() > 0

@@ -860,9 +860,13 @@ class SectionBins:
     exp: np.ndarray  # int64 per entry
     count: np.ndarray  # int64 per entry
 
-    def owners(self) -> np.ndarray:
-        """The group of each entry."""
-        return np.repeat(np.arange(len(self.start) - 1), np.diff(self.start))
+    def entries(self, nums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The exponents and counts of groups ``nums``, group after group, and each group's
+        number of entries."""
+        lengths = self.start[nums + 1] - self.start[nums]
+        firsts = np.repeat(self.start[nums] - (np.cumsum(lengths) - lengths), lengths)
+        entry = firsts + np.arange(int(lengths.sum()))
+        return self.exp[entry], self.count[entry], lengths
 
 
 def _bins_text(bins: Any) -> str:
@@ -882,7 +886,7 @@ def compute_section_bins(summaries: dict[int, dict[str, Any]], keys: dict[int, i
         seen.add(keys[rank])
         first[rank] = len(texts)
         section = summaries[rank].get("numerics") or {}
-        for layer in section.get("layers", []):
+        for layer in section.get("layers") or []:
             texts += [_bins_text(group["bins"]) for group in layer["hist"].values()]
     pairs = np.fromiter(
         ((t.count(",") + 1) // 2 if t else 0 for t in texts), np.int64, count=len(texts)
@@ -901,6 +905,15 @@ def section_bins(run: Run) -> SectionBins:
         "section_bins",
         lambda r: compute_section_bins(r.summaries(), section_keys(r, "numerics")),
     )
+
+
+def _section_bins_or_none(run: Run) -> SectionBins | None:
+    """:func:`section_bins`, None where a text cannot be read as one array (then each reader
+    parses the texts itself and names the bad one)."""
+    try:
+        return section_bins(run)
+    except (ValueError, OverflowError):
+        return None
 
 
 def _hint_scale(peak: float, margin: float) -> float:
@@ -925,9 +938,8 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
     for rank in sorted(summaries):
         reps.setdefault(keys[rank], rank)
     out: dict[int, _Underflow | Exception] = {}
-    try:
-        bins = section_bins(run)
-    except ValueError:
+    bins = _section_bins_or_none(run)
+    if bins is None:
         for key, rank in reps.items():
             try:
                 out[key] = gradient_underflow_rows(numerics_section(run, rank), margin)
@@ -1224,29 +1236,35 @@ class LayerHistograms:
 
 
 def compute_layer_histograms(
-    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
+    summaries: dict[int, dict[str, Any]],
+    keys: dict[int, int] | None = None,
+    bins: SectionBins | None = None,
 ) -> LayerHistograms:
     """:class:`LayerHistograms` of the ranks' ``numerics`` summary sections (``keys``:
     :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each class of equal
-    sections once).
+    sections once; ``bins``: their histograms decoded already, :func:`section_bins` of the
+    same ``keys``).
 
     The groups' ``"e,n,e,n"`` texts are parsed as one number list per block of groups (no
     Python loop per binade), each pair added to its layer's row.
     """
+    if bins is not None and keys is not None:
+        if all(rank in bins.first for rank in class_representatives(summaries, keys)):
+            return _layer_histograms_of_bins(summaries, keys, bins)
     index: dict[tuple[str, str], int] = {}
     rows: list[int] = []  # per layer of a rank: its (module, kind)'s row
     weights: list[int] = []  # per layer of a rank: the ranks it stands for
     sizes: list[int] = []  # per layer of a rank: its groups
     names: list[str] = []  # per group: "dtype|amax class|top"
-    bins: list[Any] = []  # per group: its bins
+    raw: list[Any] = []  # per group: its bins
     for layer, weight in _weighted_layers(summaries, keys):
         rows.append(index.setdefault((layer["module"], layer["kind"]), len(index)))
         weights.append(weight)
         hist = layer["hist"]
         sizes.append(len(hist))
         names.extend(hist)
-        bins.extend(group["bins"] for group in hist.values())
-    texts = [b if isinstance(b, str) else encode_bins(decode_bins(b)) for b in bins]
+        raw.extend(group["bins"] for group in hist.values())
+    texts = [b if isinstance(b, str) else encode_bins(decode_bins(b)) for b in raw]
     # each group's layer row, times 2, plus 1 when held wider than fp16
     wide = np.fromiter((not k.startswith("float16|") for k in names), bool, count=len(names))
     owner = 2 * np.repeat(np.asarray(rows, dtype=np.int64), sizes) + wide
@@ -1263,6 +1281,47 @@ def compute_layer_histograms(
         at = np.repeat(owners[g0 : g0 + _HIST_BLOCK], pairs)
         cols = np.minimum(np.maximum(values[:, 0] - HIST_LOW, 0), width - 1)
         counts = values[:, 1] * np.repeat(group_weights[g0 : g0 + _HIST_BLOCK], pairs)
+        # float sums of counts: exact below 2**53
+        summed = np.bincount(at * width + cols, weights=counts, minlength=len(sums))
+        sums += summed.astype(np.int64)
+    split = sums.reshape(len(index), 2, width)
+    return LayerHistograms(keys=list(index), counts=split.sum(axis=1), wide=split[:, 1].copy())
+
+
+def _layer_histograms_of_bins(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int], bins: SectionBins
+) -> LayerHistograms:
+    """:func:`compute_layer_histograms` from the decoded histograms: the same sums of the same
+    counts (each group's entries in its text's order, float sums exact below 2**53)."""
+    index: dict[tuple[str, str], int] = {}
+    rows: list[int] = []  # per layer of a rank: its (module, kind)'s row
+    weights: list[int] = []  # per layer of a rank: the ranks it stands for
+    sizes: list[int] = []  # per layer of a rank: its groups
+    firsts: list[int] = []  # per layer of a rank: its first group's number in bins
+    names: list[str] = []  # per group: "dtype|amax class|top"
+    for rank, weight in class_representatives(summaries, keys).items():
+        g = bins.first[rank]
+        for layer in (summaries[rank].get("numerics") or {}).get("layers") or []:
+            rows.append(index.setdefault((layer["module"], layer["kind"]), len(index)))
+            weights.append(weight)
+            hist = layer["hist"]
+            sizes.append(len(hist))
+            firsts.append(g)
+            g += len(hist)
+            names.extend(hist)
+    size = np.asarray(sizes, dtype=np.int64)
+    nums = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(size) - size), size)
+    nums += np.arange(len(nums))
+    wide = np.fromiter((not k.startswith("float16|") for k in names), bool, count=len(names))
+    owners = 2 * np.repeat(np.asarray(rows, dtype=np.int64), size) + wide
+    group_weights = np.repeat(np.asarray(weights, dtype=np.float64), size)
+    width = HIST_HIGH - HIST_LOW + 1
+    sums = np.zeros(2 * len(index) * width, dtype=np.int64)
+    for g0 in range(0, len(nums), _HIST_BLOCK):
+        exp, count, pairs = bins.entries(nums[g0 : g0 + _HIST_BLOCK])
+        at = np.repeat(owners[g0 : g0 + _HIST_BLOCK], pairs)
+        cols = np.minimum(np.maximum(exp - HIST_LOW, 0), width - 1)
+        counts = count * np.repeat(group_weights[g0 : g0 + _HIST_BLOCK], pairs)
         # float sums of counts: exact below 2**53
         summed = np.bincount(at * width + cols, weights=counts, minlength=len(sums))
         sums += summed.astype(np.int64)
@@ -1292,7 +1351,9 @@ def layer_histograms(run: Run) -> LayerHistograms:
     class of ranks with equal sections read once)."""
     return run.cached(  # type: ignore[no-any-return]
         "layer_histograms",
-        lambda r: compute_layer_histograms(r.summaries(), section_keys(r, "numerics")),
+        lambda r: compute_layer_histograms(
+            r.summaries(), section_keys(r, "numerics"), _section_bins_or_none(r)
+        ),
     )
 
 

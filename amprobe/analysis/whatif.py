@@ -688,7 +688,7 @@ def _bins_or_none(run: Any) -> SectionBins | None:
     where a text cannot be read as one array (then each text is parsed, naming the bad one)."""
     try:
         return section_bins(run)
-    except ValueError:
+    except (ValueError, OverflowError):
         return None
 
 
@@ -845,7 +845,8 @@ def _whatif_from_summaries(
         hist = np.zeros(n, dtype=np.int64)
         if pairs[g0:g1].any():
             if bins is not None:
-                values = _gathered(bins, g_num[g0:g1], pairs[g0:g1])
+                exp, count, _ = bins.entries(g_num[g0:g1])
+                values = np.stack([exp, count], axis=1)
             else:
                 text = ",".join(t for t in texts[g0:g1] if t)
                 values = np.array(text.split(","), dtype=np.int64).reshape(-1, 2)
@@ -918,15 +919,6 @@ def _whatif_from_summaries(
         out, each, combo, combos, steps, nonzero, nonfinite, judged, min_exp, max_exp, amax,
         scale_exp, sums,
     )  # fmt: skip
-
-
-def _gathered(bins: SectionBins, nums: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The ``(exponent, count)`` entries of groups ``nums`` of ``bins`` (``lengths`` entries
-    each), group after group, as one ``(entries, 2)`` array."""
-    total = int(lengths.sum())
-    firsts = np.repeat(bins.start[nums] - (np.cumsum(lengths) - lengths), lengths)
-    entry = firsts + np.arange(total)
-    return np.stack([bins.exp[entry], bins.count[entry]], axis=1)
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
