@@ -962,7 +962,7 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
         g = bins.first.get(rank, 0)
         grads: list[Any] = []
         peak = None
-        damaged: Exception | None = None
+        damaged = False
         n_layers, n_groups = len(l_first), len(g_fp16)
         for layer in layers:
             hist = layer["hist"]
@@ -971,11 +971,7 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
                 continue
             grads.append(layer)
             for group in layer["scale"].values():
-                if group["damaged"] is not None and damaged is None:
-                    damaged = ValueError(
-                        f"a damaged gradient row (module {layer['module']}, step "
-                        f"{group['damaged']}): {_COUNTS_READ} missing"
-                    )
+                damaged = damaged or group["damaged"] is not None
             l_first.append(g)
             l_size.append(len(hist))
             l_work.append(len(work))
@@ -992,8 +988,11 @@ def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Unde
                 if amax is not None and info[0]:
                     peak = amax if peak is None else max(peak, amax)
                 g_fp16.append(info[1])
-        if damaged is not None:
-            out[key] = damaged
+        if damaged:
+            try:  # the error, raised where a rank's own rows raise it
+                out[key] = gradient_underflow_rows(section, margin)
+            except ValueError as exc:
+                out[key] = exc
             del l_first[n_layers:], l_size[n_layers:], l_work[n_layers:], g_fp16[n_groups:]
             continue
         work.append((key, grads, len(g_fp16) - n_groups, peak))
