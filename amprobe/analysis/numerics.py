@@ -857,8 +857,8 @@ class SectionBins:
 
     first: dict[int, int]
     start: np.ndarray  # int64, one more than the groups
-    exp: np.ndarray  # int64 per entry
-    count: np.ndarray  # int64 per entry
+    exp: np.ndarray  # int16 per entry (int64 for a damaged value)
+    count: np.ndarray  # int32 per entry (int64 for a count past 2**31)
 
     def entries(self, nums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The exponents and counts of groups ``nums``, group after group, and each group's
@@ -896,7 +896,14 @@ def compute_section_bins(summaries: dict[int, dict[str, Any]], keys: dict[int, i
     values = _parse_pairs([t for t in texts if t], int(start[-1]))
     if len(values) and (np.abs(values) == np.iinfo(np.int64).max).any():
         raise ValueError("a damaged exponent histogram in a numerics summary: out of range")
-    return SectionBins(first=first, start=start, exp=values[:, 0].copy(), count=values[:, 1].copy())
+    exp, count = values[:, 0], values[:, 1]
+    # held for the run's life: the narrowest type that holds them (80 MB -> 29 MB at 4,096
+    # distinct ranks); the binades lie in -149..128, a count past 2**31 keeps int64
+    if not len(values) or (exp.min() >= -1000 and exp.max() <= 1000):
+        exp = exp.astype(np.int16)
+    if not len(values) or (count.min() >= 0 and count.max() < 2**31):
+        count = count.astype(np.int32)
+    return SectionBins(first=first, start=start, exp=exp.copy(), count=count.copy())
 
 
 def section_bins(run: Run) -> SectionBins:
