@@ -36,6 +36,9 @@ __all__ = [
     "compute_gradient_underflow",
     "offender_evidence",
     "gradient_underflow_rows",
+    "gradient_underflow_classes",
+    "SectionBins",
+    "section_bins",
     "fact_steps",
     "layer_overflow_evidence",
     "nonfinite_input_steps",
@@ -774,40 +777,291 @@ def gradient_underflow_rows(
     hint = (
         _scale_hint(peak, margin, merged, section.get("grad_scale")) if peak is not None else None
     )
+    group_sums: list[int] = []
+    for layer, parsed in zip(grads, decoded, strict=True):
+        for key in layer["hist"]:
+            if hint is None:
+                group_sums.append(0)
+                continue
+            dtype = _group_dtype(key)
+            # binades wholly at or below 2**bound once scaled by the hint
+            cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
+            group_sums.append(sum(n for e, n in parsed[key].items() if e <= cut))
+    return _underflow_rows(grads, hint, group_sums)
+
+
+def _underflow_rows(
+    grads: list[Any],
+    hint: dict[str, Any] | None,
+    group_sums: list[int],
+    measure_of: dict[str, str] | None = None,
+) -> Any:
+    """:func:`gradient_underflow_rows`' rows from the gradient layers, the scale hint and per
+    histogram group of those layers (in order) its count at or below the flush bound at the
+    hint. ``measure_of``: hist key -> its measure, kept across calls."""
     rows: list[tuple[Any, float, float, float]] = []
     facts: dict[Any, dict[str, Any]] = {}
-    for layer, parsed in zip(grads, decoded, strict=True):
+    at = 0
+    if measure_of is None:
+        measure_of = {}
+    for layer in grads:
         by_measure: dict[str, list[float]] = {}
+        fact_of: dict[str, dict[str, Any]] = {}
+        module, kind = layer["module"], layer["kind"]
         for group in layer["scale"].values():
             measure = _measure(group["dtype"])
-            sums = by_measure.setdefault(measure, [0.0, 0.0, 0.0])
+            sums = by_measure.get(measure)
+            if sums is None:
+                sums = by_measure[measure] = [0.0, 0.0, 0.0]
+                key = (module, kind, measure)
+                fact = facts.get(key)
+                if fact is None:
+                    runs = layer["grad_steps"].get(measure, {}).get("runs", [])
+                    fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
+                fact_of[measure] = fact
             sums[0] += group["lost"]
             sums[2] += group["nonzero"]
-            key = (layer["module"], layer["kind"], measure)
-            fact = facts.get(key)
-            if fact is None:
-                runs = layer["grad_steps"].get(measure, {}).get("runs", [])
-                fact = facts[key] = {"dtype": np.nan, "scales": set(), "runs": list(runs)}
-            fact["scales"].add(float(group["scale"]))
+            fact_of[measure]["scales"].add(float(group["scale"]))
         if hint is not None:
-            for key in layer["hist"]:
-                dtype = _group_dtype(key)
-                if _measure(dtype) in by_measure:
-                    # binades wholly at or below 2**bound once scaled by the hint
-                    cut = (-14 if dtype == "float16" else -25) - math.log2(hint["hint_scale"]) - 1
-                    by_measure[_measure(dtype)][1] += sum(
-                        n for e, n in parsed[key].items() if e <= cut
-                    )
+            for hkey in layer["hist"]:
+                of = measure_of.get(hkey)
+                if of is None:
+                    of = measure_of[hkey] = _measure(_group_dtype(hkey))
+                if of in by_measure:
+                    by_measure[of][1] += group_sums[at]
+                at += 1
         else:
+            at += len(layer["hist"])
             for sums in by_measure.values():
                 sums[1] = sums[0]
         for dtype in layer["dtypes"]:
-            found = facts.get((layer["module"], layer["kind"], _measure(dtype)))
+            found = facts.get((module, kind, _measure(dtype)))
             if found is not None and found["dtype"] is np.nan:
                 found["dtype"] = dtype
         for measure, sums in by_measure.items():
-            rows.append(((layer["module"], layer["kind"], measure), sums[0], sums[1], sums[2]))
+            rows.append(((module, kind, measure), sums[0], sums[1], sums[2]))
     return rows, hint, facts
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionBins:
+    """The exponent histograms of the ``numerics`` sections of one rank per class of equal
+    sections (:func:`~amprobe.analysis.frames.section_keys`), decoded once per run into flat
+    arrays (:func:`section_bins`), for the rules that sum them per rank.
+
+    Groups are numbered in reading order: representative ranks ascending, a rank's layers in
+    section order, a layer's ``hist`` groups in dict order; ``first[rank]`` is the number of
+    the representative ``rank``'s first group. Group ``g``'s binades are entries
+    ``start[g]:start[g + 1]`` of ``exp`` and ``count`` (as :func:`decode_bins` reads the text,
+    in its order)."""
+
+    first: dict[int, int]
+    start: np.ndarray  # int64, one more than the groups
+    exp: np.ndarray  # int16 per entry (int64 for a damaged value)
+    count: np.ndarray  # int32 per entry (int64 for a count past 2**31)
+
+    def entries(self, nums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The exponents and counts of groups ``nums``, group after group, and each group's
+        number of entries."""
+        lengths = self.start[nums + 1] - self.start[nums]
+        firsts = np.repeat(self.start[nums] - (np.cumsum(lengths) - lengths), lengths)
+        entry = firsts + np.arange(int(lengths.sum()))
+        return self.exp[entry], self.count[entry], lengths
+
+
+def _bins_text(bins: Any) -> str:
+    return bins if isinstance(bins, str) else encode_bins(decode_bins(bins))
+
+
+def compute_section_bins(summaries: dict[int, dict[str, Any]], keys: dict[int, int]) -> SectionBins:
+    """:class:`SectionBins` of ``summaries`` (``keys``: each rank's class). Raises
+    ``ValueError`` on a text that is not ``e,n`` pairs of integers (as :func:`decode_bins`
+    would; a caller falls back to reading that rank's texts one by one)."""
+    first: dict[int, int] = {}
+    seen: set[int] = set()
+    texts: list[str] = []
+    for rank in sorted(summaries):
+        if keys[rank] in seen:
+            continue
+        seen.add(keys[rank])
+        first[rank] = len(texts)
+        section = summaries[rank].get("numerics") or {}
+        for layer in section.get("layers") or []:
+            texts += [_bins_text(group["bins"]) for group in layer["hist"].values()]
+    pairs = np.fromiter(
+        ((t.count(",") + 1) // 2 if t else 0 for t in texts), np.int64, count=len(texts)
+    )
+    start = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(pairs, out=start[1:])
+    values = _parse_pairs([t for t in texts if t], int(start[-1]))
+    if len(values) and (np.abs(values) == np.iinfo(np.int64).max).any():
+        raise ValueError("a damaged exponent histogram in a numerics summary: out of range")
+    exp, count = values[:, 0], values[:, 1]
+    # held for the run's life: the narrowest type that holds them (80 MB -> 29 MB at 4,096
+    # distinct ranks); the binades lie in -149..128, a count past 2**31 keeps int64
+    if not len(values) or (exp.min() >= -1000 and exp.max() <= 1000):
+        exp = exp.astype(np.int16)
+    if not len(values) or (count.min() >= 0 and count.max() < 2**31):
+        count = count.astype(np.int32)
+    return SectionBins(first=first, start=start, exp=exp.copy(), count=count.copy())
+
+
+def section_bins(run: Run) -> SectionBins:
+    """:func:`compute_section_bins` of the run, computed once per run."""
+    return run.cached(  # type: ignore[no-any-return]
+        "section_bins",
+        lambda r: compute_section_bins(r.summaries(), section_keys(r, "numerics")),
+    )
+
+
+def _section_bins_or_none(run: Run) -> SectionBins | None:
+    """:func:`section_bins`, None where a text cannot be read as one array (then each reader
+    parses the texts itself and names the bad one)."""
+    try:
+        return section_bins(run)
+    except (ValueError, OverflowError):
+        return None
+
+
+def _hint_scale(peak: float, margin: float) -> float:
+    return 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+
+
+_Underflow = tuple[
+    list[tuple[Any, float, float, float]], dict[str, Any] | None, dict[Any, dict[str, Any]]
+]
+
+
+def gradient_underflow_classes(run: Run, margin: float = 8.0) -> dict[int, _Underflow | Exception]:
+    """:func:`gradient_underflow_rows` of each class of equal ``numerics`` sections
+    (:func:`~amprobe.analysis.frames.section_keys`; the class -> its rows, or the
+    ``ValueError`` that rank's rows raise), the histograms of every class summed at once from
+    :func:`section_bins` instead of decoded per rank. Exact: the same sums of the same integer
+    counts (float sums of counts, exact below 2**53). Where a histogram text cannot be read
+    as one array, each class is worked out by :func:`gradient_underflow_rows`."""
+    keys = section_keys(run, "numerics")
+    summaries = run.summaries()
+    reps: dict[int, int] = {}
+    for rank in sorted(summaries):
+        reps.setdefault(keys[rank], rank)
+    out: dict[int, _Underflow | Exception] = {}
+    bins = _section_bins_or_none(run)
+    if bins is None:
+        for key, rank in reps.items():
+            try:
+                out[key] = gradient_underflow_rows(numerics_section(run, rank), margin)
+            except ValueError as exc:
+                out[key] = exc
+        return out
+    # each class's gradient layers, their groups' numbers, the scale hint's inputs
+    work: list[tuple[int, list[Any], int, float | None]] = []
+    l_first: list[int] = []  # per gradient layer: its first group's number, its groups, class
+    l_size: list[int] = []
+    l_work: list[int] = []
+    g_fp16: list[bool] = []  # per gradient group: whether its dtype is float16
+    key_info: dict[str, tuple[bool, bool]] = {}  # hist key -> (finite amax class, float16)
+    for key, rank in reps.items():
+        section = numerics_section(run, rank)
+        layers = section.get("layers", [])
+        if not any(x["kind"] in GRAD_KINDS for x in layers):
+            out[key] = ([], None, {})
+            continue
+        g = bins.first.get(rank, 0)
+        grads: list[Any] = []
+        peak = None
+        damaged = False
+        n_layers, n_groups = len(l_first), len(g_fp16)
+        for layer in layers:
+            hist = layer["hist"]
+            if layer["kind"] not in GRAD_KINDS:
+                g += len(hist)
+                continue
+            grads.append(layer)
+            for group in layer["scale"].values():
+                damaged = damaged or group["damaged"] is not None
+            l_first.append(g)
+            l_size.append(len(hist))
+            l_work.append(len(work))
+            g += len(hist)
+            for hkey, group in hist.items():
+                info = key_info.get(hkey)
+                if info is None:
+                    cls = hkey.split("|")[1]
+                    info = key_info[hkey] = (
+                        cls not in ("nan", "inf", "zero"),
+                        _group_dtype(hkey) == "float16",
+                    )
+                amax = group["amax"]
+                if amax is not None and info[0]:
+                    peak = amax if peak is None else max(peak, amax)
+                g_fp16.append(info[1])
+        if damaged:
+            try:  # the error, raised where a rank's own rows raise it
+                out[key] = gradient_underflow_rows(section, margin)
+            except ValueError as exc:
+                out[key] = exc
+            del l_first[n_layers:], l_size[n_layers:], l_work[n_layers:], g_fp16[n_groups:]
+            continue
+        work.append((key, grads, len(g_fp16) - n_groups, peak))
+    if not work:
+        return out
+    sizes = np.array(l_size, dtype=np.int64)
+    g_num = np.repeat(
+        np.array(l_first, dtype=np.int64) - (np.cumsum(sizes) - sizes), sizes
+    ) + np.arange(int(sizes.sum()))
+    g_rep = np.repeat(np.array(l_work, dtype=np.int64), sizes)
+    # the entries of the gradient groups, each with its group's position in g_num
+    num = g_num
+    lengths = bins.start[num + 1] - bins.start[num]
+    local = np.repeat(np.arange(len(num)), lengths)
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    entry = bins.start[num][local] + offsets
+    exp = bins.exp[entry]
+    count = bins.count[entry].astype(float)
+    rep = g_rep[local]
+    fp16 = np.array(g_fp16, dtype=bool)
+    wide = ~fp16[local]
+    n_work = len(work)
+    total = np.bincount(rep[wide], weights=count[wide], minlength=n_work)
+    hint_scale = np.ones(n_work)
+    current = np.ones(n_work)
+    for i, (key, _, _, peak) in enumerate(work):
+        if peak is not None:
+            hint_scale[i] = _hint_scale(peak, margin)
+            last = numerics_section(run, reps[key]).get("grad_scale")
+            current[i] = float(last[1]) if last else 1.0
+
+    def below(cut: np.ndarray, mask: np.ndarray, owner: np.ndarray, n: int) -> np.ndarray:
+        """The counts of the masked entries at or below their owner's ``cut``, per owner."""
+        keep = mask & (exp <= cut[owner])
+        return np.bincount(owner[keep], weights=count[keep], minlength=n)
+
+    log_cur = np.array([math.log2(c) for c in current])
+    log_hint = np.array([math.log2(h) for h in hint_scale])
+    below_cur = below(-25 - log_cur - 1, wide, rep, n_work)
+    below_hint = below(-25 - log_hint - 1, wide, rep, n_work)
+    g_cut = np.where(fp16, -14.0, -25.0) - log_hint[g_rep] - 1
+    at_hint = below(g_cut, np.ones(len(exp), dtype=bool), local, len(num)).astype(np.int64)
+    pos = 0
+    measure_of: dict[str, str] = {}
+    for i, (key, grads, n_groups, peak) in enumerate(work):
+        hint = None
+        if peak is not None:
+            tot = int(total[i])
+            last = numerics_section(run, reps[key]).get("grad_scale")
+            hint = {
+                "grad_amax": float(peak),
+                "margin": margin,
+                "hint_scale": float(hint_scale[i]),
+                "current_scale": float(current[i]),
+                "current_step": int(last[0]) if last else None,
+                "underflow_share_at_current": (round(int(below_cur[i]) / tot, 6) if tot else None),
+                "underflow_share_at_hint": round(int(below_hint[i]) / tot, 6) if tot else None,
+            }
+        group_sums = at_hint[pos : pos + n_groups].tolist()
+        pos += n_groups
+        out[key] = _underflow_rows(grads, hint, group_sums, measure_of)
+    return out
 
 
 def nonfinite_input_runs(run: Run, rank: int) -> list[list[int]]:
@@ -822,7 +1076,7 @@ def _scale_hint(
     """:func:`compute_scale_hint`'s dict from the largest finite gradient ``amax``, the wide
     gradients' nonzero binades summed (:func:`_nonzero_binades` keys) and ``[step, scale]``
     of the last sampled step with a scaled gradient row (None: none)."""
-    hint_scale = 2.0 ** math.floor(math.log2(FP16_MAX / margin / peak))
+    hint_scale = _hint_scale(peak, margin)
     total = sum(merged.values())
 
     def share(scale: float) -> float | None:
@@ -988,29 +1242,35 @@ class LayerHistograms:
 
 
 def compute_layer_histograms(
-    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
+    summaries: dict[int, dict[str, Any]],
+    keys: dict[int, int] | None = None,
+    bins: SectionBins | None = None,
 ) -> LayerHistograms:
     """:class:`LayerHistograms` of the ranks' ``numerics`` summary sections (``keys``:
     :func:`~amprobe.analysis.frames.section_keys` of ``numerics``, to read each class of equal
-    sections once).
+    sections once; ``bins``: their histograms decoded already, :func:`section_bins` of the
+    same ``keys``).
 
     The groups' ``"e,n,e,n"`` texts are parsed as one number list per block of groups (no
     Python loop per binade), each pair added to its layer's row.
     """
+    if bins is not None and keys is not None:
+        if all(rank in bins.first for rank in class_representatives(summaries, keys)):
+            return _layer_histograms_of_bins(summaries, keys, bins)
     index: dict[tuple[str, str], int] = {}
     rows: list[int] = []  # per layer of a rank: its (module, kind)'s row
     weights: list[int] = []  # per layer of a rank: the ranks it stands for
     sizes: list[int] = []  # per layer of a rank: its groups
     names: list[str] = []  # per group: "dtype|amax class|top"
-    bins: list[Any] = []  # per group: its bins
+    raw: list[Any] = []  # per group: its bins
     for layer, weight in _weighted_layers(summaries, keys):
         rows.append(index.setdefault((layer["module"], layer["kind"]), len(index)))
         weights.append(weight)
         hist = layer["hist"]
         sizes.append(len(hist))
         names.extend(hist)
-        bins.extend(group["bins"] for group in hist.values())
-    texts = [b if isinstance(b, str) else encode_bins(decode_bins(b)) for b in bins]
+        raw.extend(group["bins"] for group in hist.values())
+    texts = [b if isinstance(b, str) else encode_bins(decode_bins(b)) for b in raw]
     # each group's layer row, times 2, plus 1 when held wider than fp16
     wide = np.fromiter((not k.startswith("float16|") for k in names), bool, count=len(names))
     owner = 2 * np.repeat(np.asarray(rows, dtype=np.int64), sizes) + wide
@@ -1027,6 +1287,47 @@ def compute_layer_histograms(
         at = np.repeat(owners[g0 : g0 + _HIST_BLOCK], pairs)
         cols = np.minimum(np.maximum(values[:, 0] - HIST_LOW, 0), width - 1)
         counts = values[:, 1] * np.repeat(group_weights[g0 : g0 + _HIST_BLOCK], pairs)
+        # float sums of counts: exact below 2**53
+        summed = np.bincount(at * width + cols, weights=counts, minlength=len(sums))
+        sums += summed.astype(np.int64)
+    split = sums.reshape(len(index), 2, width)
+    return LayerHistograms(keys=list(index), counts=split.sum(axis=1), wide=split[:, 1].copy())
+
+
+def _layer_histograms_of_bins(
+    summaries: dict[int, dict[str, Any]], keys: dict[int, int], bins: SectionBins
+) -> LayerHistograms:
+    """:func:`compute_layer_histograms` from the decoded histograms: the same sums of the same
+    counts (each group's entries in its text's order, float sums exact below 2**53)."""
+    index: dict[tuple[str, str], int] = {}
+    rows: list[int] = []  # per layer of a rank: its (module, kind)'s row
+    weights: list[int] = []  # per layer of a rank: the ranks it stands for
+    sizes: list[int] = []  # per layer of a rank: its groups
+    firsts: list[int] = []  # per layer of a rank: its first group's number in bins
+    names: list[str] = []  # per group: "dtype|amax class|top"
+    for rank, weight in class_representatives(summaries, keys).items():
+        g = bins.first[rank]
+        for layer in (summaries[rank].get("numerics") or {}).get("layers") or []:
+            rows.append(index.setdefault((layer["module"], layer["kind"]), len(index)))
+            weights.append(weight)
+            hist = layer["hist"]
+            sizes.append(len(hist))
+            firsts.append(g)
+            g += len(hist)
+            names.extend(hist)
+    size = np.asarray(sizes, dtype=np.int64)
+    nums = np.repeat(np.asarray(firsts, dtype=np.int64) - (np.cumsum(size) - size), size)
+    nums += np.arange(len(nums))
+    wide = np.fromiter((not k.startswith("float16|") for k in names), bool, count=len(names))
+    owners = 2 * np.repeat(np.asarray(rows, dtype=np.int64), size) + wide
+    group_weights = np.repeat(np.asarray(weights, dtype=np.float64), size)
+    width = HIST_HIGH - HIST_LOW + 1
+    sums = np.zeros(2 * len(index) * width, dtype=np.int64)
+    for g0 in range(0, len(nums), _HIST_BLOCK):
+        exp, count, pairs = bins.entries(nums[g0 : g0 + _HIST_BLOCK])
+        at = np.repeat(owners[g0 : g0 + _HIST_BLOCK], pairs)
+        cols = np.minimum(np.maximum(exp - HIST_LOW, 0), width - 1)
+        counts = count * np.repeat(group_weights[g0 : g0 + _HIST_BLOCK], pairs)
         # float sums of counts: exact below 2**53
         summed = np.bincount(at * width + cols, weights=counts, minlength=len(sums))
         sums += summed.astype(np.int64)
@@ -1056,7 +1357,9 @@ def layer_histograms(run: Run) -> LayerHistograms:
     class of ranks with equal sections read once)."""
     return run.cached(  # type: ignore[no-any-return]
         "layer_histograms",
-        lambda r: compute_layer_histograms(r.summaries(), section_keys(r, "numerics")),
+        lambda r: compute_layer_histograms(
+            r.summaries(), section_keys(r, "numerics"), _section_bins_or_none(r)
+        ),
     )
 
 

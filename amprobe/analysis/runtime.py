@@ -159,12 +159,27 @@ def timed_hist(runtime: Mapping[str, Any], metric: str, min_step: int) -> dict[s
 
 def _array_hist(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
     """The sum of histograms (either form) with its buckets as sorted numpy arrays."""
-    keys = [np.asarray(list(hist_buckets(h)), dtype=np.int64) for h in parts]
-    counts = [np.asarray(list(hist_buckets(h).values()), dtype=np.int64) for h in parts]
-    key_all = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
-    uniq, where = np.unique(key_all, return_inverse=True)
-    summed = np.zeros(len(uniq), dtype=np.int64)
-    np.add.at(summed, where, np.concatenate(counts) if counts else summed)
+    # the parts' buckets as one pair of lists, then one array each (a rank's histograms are
+    # read for several rules at thousands of ranks: no dict and no array per part)
+    keys: list[Any] = []
+    counts: list[Any] = []
+    for h in parts:
+        b = h["b"]
+        if not isinstance(b, dict) and b and len(b[0]) == len(b[1]) == len(set(b[0])):
+            keys += b[0]  # the JSON form, its indexes distinct: as hist_buckets reads it
+            counts += b[1]
+        else:
+            b = hist_buckets(h)
+            keys += b
+            counts += b.values()
+    key_all = np.array(keys, dtype=np.int64)
+    count_all = np.array(counts, dtype=np.int64)
+    if len(key_all) < 2 or (key_all[1:] > key_all[:-1]).all():
+        uniq, summed = key_all, count_all  # ascending and distinct already
+    else:
+        uniq, where = np.unique(key_all, return_inverse=True)
+        summed = np.zeros(len(uniq), dtype=np.int64)
+        np.add.at(summed, where, count_all)
     mins = [h["min"] for h in parts if h["min"] is not None]
     maxs = [h["max"] for h in parts if h["max"] is not None]
     return {

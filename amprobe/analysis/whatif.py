@@ -67,7 +67,7 @@ import numpy as np
 import pandas as pd
 
 from amprobe.analysis.frames import section_keys, steps_text
-from amprobe.analysis.numerics import LayerHistograms
+from amprobe.analysis.numerics import LayerHistograms, SectionBins, section_bins
 from amprobe.store.sections.numerics import decode_bins, encode_bins
 
 __all__ = [
@@ -304,6 +304,9 @@ class _WindowCounter(_Counter):
             [np.zeros((len(hist), 1), dtype=np.int64), np.cumsum(hist, axis=1)], axis=1
         )
         self.rows = np.arange(len(hist))
+        # row r's prefix position p is flat[base[r] + p] (one flat take, not a 2-D gather)
+        self.flat = self.prefix.ravel()
+        self.base = self.rows * (self.width + 1)
 
     def between(self, lo: np.ndarray | int, hi: np.ndarray | int, k: np.ndarray) -> np.ndarray:
         a = np.minimum(np.maximum(np.asarray(lo) - k - _E_LO, 0), _FINITE)
@@ -312,7 +315,7 @@ class _WindowCounter(_Counter):
         # full-width prefix positions to the window's: before it 0, after it the total
         a = np.minimum(np.maximum(a - self.lo, 0), self.width)
         b = np.minimum(np.maximum(b - self.lo, 0), self.width)
-        return self.prefix[self.rows, b] - self.prefix[self.rows, a]
+        return self.flat.take(self.base + b) - self.flat.take(self.base + a)
 
     def top_low(self) -> tuple[np.ndarray, np.ndarray]:
         """:func:`_top_exp` and :func:`_low_exp` of the rows."""
@@ -674,8 +677,19 @@ def compute_whatif(run: Any) -> pd.DataFrame:
     (:func:`compute_whatif_summaries`), computed once per run."""
     return run.cached(  # type: ignore[no-any-return]
         "whatif",
-        lambda r: compute_whatif_summaries(r.summaries(), section_keys(r, "numerics")),
+        lambda r: compute_whatif_summaries(
+            r.summaries(), section_keys(r, "numerics"), _bins_or_none(r)
+        ),
     )
+
+
+def _bins_or_none(run: Any) -> SectionBins | None:
+    """The run's decoded histograms (:func:`~amprobe.analysis.numerics.section_bins`), None
+    where a text cannot be read as one array (then each text is parsed, naming the bad one)."""
+    try:
+        return section_bins(run)
+    except (ValueError, OverflowError):
+        return None
 
 
 def _steps_of(runs: dict[str, Any]) -> list[int]:
@@ -705,13 +719,17 @@ def summary_layer_order(summaries: dict[int, dict[str, Any]]) -> dict[str, int]:
 
 
 def compute_whatif_summaries(
-    summaries: dict[int, dict[str, Any]], keys: dict[int, int] | None = None
+    summaries: dict[int, dict[str, Any]],
+    keys: dict[int, int] | None = None,
+    bins: SectionBins | None = None,
 ) -> pd.DataFrame:
     """:func:`_whatif_from_summaries` worked out once per class of ranks with equal ``numerics``
     sections (the key is the section's data: equal ``marshal`` bytes load back to equal
     values, never the file), each other rank of a class given its representative's rows.
     ``keys``: each rank's class of equal sections found already
-    (:func:`~amprobe.analysis.frames.section_keys`), else found here.
+    (:func:`~amprobe.analysis.frames.section_keys`), else found here; ``bins``: the
+    histograms of those classes decoded already (:func:`~amprobe.analysis.numerics.section_bins`
+    of the same ``keys``), else parsed here.
 
     Exact: a rank's rows are a function of its own section and the layer order; the order,
     taken from the lowest rank at which each layer appears, is the same from the lowest rank
@@ -729,9 +747,11 @@ def compute_whatif_summaries(
             except ValueError:  # not plain values (marshal cannot write them)
                 key = repr(section)
         rep_of[rank] = first_of.setdefault(key, rank)
+    if keys is None:
+        bins = None
     if len(first_of) == len(summaries):
-        return _whatif_from_summaries(summaries)
-    frame = _whatif_from_summaries({r: summaries[r] for r in first_of.values()})
+        return _whatif_from_summaries(summaries, bins)
+    frame = _whatif_from_summaries({r: summaries[r] for r in first_of.values()}, bins)
     if frame.empty:
         return frame
     rank_col = frame["rank"].to_numpy()
@@ -748,7 +768,9 @@ def compute_whatif_summaries(
     return out
 
 
-def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame:
+def _whatif_from_summaries(
+    summaries: dict[int, dict[str, Any]], bins: SectionBins | None = None
+) -> pd.DataFrame:
     """:func:`compute_whatif_frame` from the ranks' ``numerics`` summary sections
     (:mod:`amprobe.store.sections.numerics`): the same frame, built from each layer's
     histograms summed per (dtype, amax class, top binade) instead of from every sampled row.
@@ -758,8 +780,11 @@ def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame
     amax counted once per row) sums their classifications. Two bounds: a layer's sampled steps
     are counted as distinct consecutive step numbers (the rows of a rank's file are in step
     order), and ``nonfinite_steps`` holds the first
-    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs of such steps only.
+    :data:`~amprobe.store.sections.numerics.MAX_RUNS` runs of such steps only. ``bins``: the
+    ranks' histograms decoded already (every rank of ``summaries`` a representative there).
     """
+    if bins is not None and not all(rank in bins.first for rank in summaries):
+        bins = None
     layers: list[tuple[int, dict[str, Any]]] = [
         (rank, layer)
         for rank in sorted(summaries)
@@ -779,13 +804,27 @@ def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame
         for group in groups:
             g_amax.append(group["amax"])
             g_rows.append(group["rows"])
-            bins = group["bins"]
-            texts.append(bins if isinstance(bins, str) else encode_bins(decode_bins(bins)))
+            if bins is None:
+                text = group["bins"]
+                texts.append(text if isinstance(text, str) else encode_bins(decode_bins(text)))
     n_layers, n_groups = len(layers), len(g_layer)
     owner = np.array(g_layer, dtype=np.int64)
     amax_g = np.array([np.nan if a is None else float(a) for a in g_amax], dtype=float)
     weight = np.array([int(r) for r in g_rows], dtype=np.int64)
-    pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
+    if bins is not None:
+        # each group's number in bins: a rank's groups are numbered in section order
+        g_num = np.zeros(n_groups, dtype=np.int64)
+        at = 0
+        for rank in sorted(summaries):
+            g = bins.first[rank]
+            for layer in (summaries[rank].get("numerics") or {}).get("layers", []):
+                if layer["kind"] in KINDS:
+                    g_num[at : at + len(layer["hist"])] = np.arange(g, g + len(layer["hist"]))
+                    at += len(layer["hist"])
+                g += len(layer["hist"])
+        pairs = bins.start[g_num + 1] - bins.start[g_num]
+    else:
+        pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
     combos = [(fmt.name, scaling) for fmt in FORMATS.values() for scaling in SCALINGS]
     sums = {name: np.zeros((len(combos), n_layers), dtype=np.int64) for name in _COUNTS}
     nonzero = np.zeros(n_layers, dtype=np.int64)
@@ -805,8 +844,12 @@ def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame
         lo, width = 0, 1
         hist = np.zeros(n, dtype=np.int64)
         if pairs[g0:g1].any():
-            values = np.array(",".join(t for t in texts[g0:g1] if t).split(","), dtype=np.int64)
-            values = values.reshape(-1, 2)
+            if bins is not None:
+                exp, count, _ = bins.entries(g_num[g0:g1])
+                values = np.stack([exp, count], axis=1)
+            else:
+                text = ",".join(t for t in texts[g0:g1] if t)
+                values = np.array(text.split(","), dtype=np.int64).reshape(-1, 2)
             rows = np.repeat(np.arange(n), pairs[g0:g1])
             cols = np.minimum(np.maximum(values[:, 0] - _E_LO, 0), _FINITE - 1)
             # only the columns some group of the block uses (a few dozen of the 263)
@@ -856,7 +899,10 @@ def _whatif_from_summaries(summaries: dict[int, dict[str, Any]]) -> pd.DataFrame
     steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
     # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
     # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
-    bad_steps = [sorted(_steps_of(layer["nonfinite_runs"])) for _, layer in layers]
+    bad_steps = [
+        sorted(_steps_of(layer["nonfinite_runs"])) if layer["nonfinite_runs"]["runs"] else []
+        for _, layer in layers
+    ]
     out = pd.DataFrame(
         {
             "rank": ranks[each],

@@ -21,7 +21,7 @@ from amprobe.analysis.numerics import (
     fact_steps,
     first_nonfinite_weights,
     first_overflow_since,
-    gradient_underflow_rows,
+    gradient_underflow_classes,
     has_numerics,
     last_linear_half,
     last_linears,
@@ -514,14 +514,14 @@ def check_grad_underflow(ctx: RuleContext) -> Iterator[Finding]:
     th = ctx.thresholds
     # computed once per class of ranks whose sections are equal (the key is the section's data:
     # equal bytes load back to equal values, and data-parallel ranks mostly record the same)
-    by_class: dict[int, Any] = {}
+    # (every class's histograms summed at once, from one decode per run)
+    by_class = gradient_underflow_classes(run, th["scale_margin"])
     keys = section_keys(run, "numerics")
     for rank in sorted(run.summaries()):
-        section = numerics_section(run, rank)
-        key = keys[rank]  # the recorded section's class (an absent one apart from an empty one)
-        if key not in by_class:
-            by_class[key] = gradient_underflow_rows(section, th["scale_margin"])
-        rows, hint, facts = by_class[key]
+        done = by_class[keys[rank]]  # the recorded section's class (an absent one apart from
+        if isinstance(done, Exception):  # an empty one)
+            raise done
+        rows, hint, facts = done
         hint = dict(hint) if hint is not None else None  # each finding holds its own
         # (key, share, share at the hint) of the layers over the threshold, worst first (a
         # stable sort: ties keep the order of first appearance); a layer with nothing nonzero
