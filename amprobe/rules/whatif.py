@@ -110,46 +110,53 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     return _fp8_class(run, rank)[1]
 
 
-def _key_column(name: str, values: list[Any], missing: np.ndarray) -> list[Any]:
-    """A column's values as hashable key parts: lists as tuples, a missing value (None, NaN,
-    NA: ``missing``, the column's ``isna()``) as None."""
+def _key_codes(name: str, values: list[Any], missing: np.ndarray) -> np.ndarray:
+    """Per row, a code of the column's value: equal codes for equal values (lists compared as
+    tuples, every missing value, ``missing`` (the column's ``isna()``), as one value)."""
+    seen: dict[Any, int] = {None: 0}
     if name == "nonfinite_steps":
-        return [tuple(v) for v in values]
-    if not missing.any():
-        return values
-    out = list(values)
-    for i in np.flatnonzero(missing).tolist():
-        out[i] = None
-    return out
+        parts: list[Any] = [tuple(v) for v in values]
+    elif missing.any():
+        parts = list(values)
+        for i in np.flatnonzero(missing).tolist():
+            parts[i] = None
+    else:
+        parts = values
+    return np.array([seen.setdefault(v, len(seen)) for v in parts], dtype=np.int64)
 
 
 def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
-    """``rank``'s class key and :func:`fp8_layer_table`: ranks of one key (the same what-if
-    rows of the table's columns, FLOPs shares and source) have the same table, computed once
-    for all of them: the key is the data the table is made of, never where it came from.
+    """``rank``'s class number and :func:`fp8_layer_table`: ranks of one class (the same
+    what-if rows of the table's columns, FLOPs shares and source) have the same table, computed
+    once for all of them: the class is the data the table is made of, never where it came from.
     Computed once per run and rank (AMP-P01 and AMP-P02 both read it)."""
 
     def compute(run: Run) -> tuple[Any, tuple[pd.DataFrame, str]]:
         columns = _per_tensor_columns(run)
         start, end = columns["ranks"].get(rank, (0, 0))
-        rows_key = tuple(zip(*(k[start:end] for k in columns["keys"]), strict=True))
+        # the rows as their values' codes: equal bytes are equal rows
+        rows_key = columns["keys"][start:end].tobytes()
         flops, source = matmul_flops(run, rank)
         key = (rows_key, None if flops is None else tuple(flops.items()), source)
-        tables: dict[Any, tuple[pd.DataFrame, str]] = run.cached("fp8_layer_tables", lambda r: {})
+        # each class's number and table (the number is the key the findings are kept under:
+        # the rows' key hashed and compared once per rank, not once per rule)
+        tables: dict[Any, tuple[int, tuple[pd.DataFrame, str]]] = run.cached(
+            "fp8_layer_tables", lambda r: {}
+        )
         if key not in tables:
             values = [v[start:end] for v in columns["values"]]
             records = [
                 dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)
             ]
-            tables[key] = _fp8_layer_table(records, flops, source)
-        return key, tables[key]
+            tables[key] = (len(tables), _fp8_layer_table(records, flops, source))
+        return tables[key]
 
     return run.cached(f"fp8_class:{rank}", compute)  # type: ignore[no-any-return]
 
 
 def _per_tensor_columns(run: Run) -> dict[str, Any]:
-    """The per-tensor what-if rows of every rank: the columns as lists (``values``) and as key
-    parts (``keys``), and each rank's ``(start, end)`` rows (the columns read once: a frame
+    """The per-tensor what-if rows of every rank: the columns as lists (``values``) and as codes
+    of their values (``keys``: rows x columns, equal codes for equal values), and each rank's ``(start, end)`` rows (the columns read once: a frame
     lookup per rank would cost the whole table per rank)."""
 
     def compute(run: Run) -> dict[str, Any]:
@@ -164,10 +171,13 @@ def _per_tensor_columns(run: Run) -> dict[str, Any]:
         bounds = [*starts, len(ranks)]
         return {
             "values": values,
-            "keys": [
-                _key_column(c, v, wf[c].isna().to_numpy(dtype=bool))
-                for c, v in zip(_FP8_COLUMNS, values, strict=True)
-            ],
+            "keys": np.stack(
+                [
+                    _key_codes(c, v, wf[c].isna().to_numpy(dtype=bool))
+                    for c, v in zip(_FP8_COLUMNS, values, strict=True)
+                ],
+                axis=1,
+            ).reshape(len(ranks), len(_FP8_COLUMNS)),
             "ranks": {
                 int(ranks[a]): (int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
             },
