@@ -86,6 +86,7 @@ __all__ = [
     "compute_fp16_gradient_fit",
     "per_tensor_scale_exp",
     "layer_order",
+    "value_codes",
 ]
 
 
@@ -651,8 +652,8 @@ def _with_layer_columns(
     out["min_exp"] = pd.array(np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64")
     out["max_exp"] = pd.array(np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64")
     out["amax"] = amax[each]
-    out["format"] = np.array([combos[c][0] for c in combo], dtype=object)
-    out["scaling"] = np.array([combos[c][1] for c in combo], dtype=object)
+    out["format"] = np.array([f for f, _ in combos], dtype=object)[combo]
+    out["scaling"] = np.array([s for _, s in combos], dtype=object)[combo]
     out["scale_exp"] = scale_exp[combo, each]
     for name in _COUNTS:
         out[name] = counts[name]
@@ -785,43 +786,43 @@ def _whatif_from_summaries(
     """
     if bins is not None and not all(rank in bins.first for rank in summaries):
         bins = None
-    layers: list[tuple[int, dict[str, Any]]] = [
-        (rank, layer)
-        for rank in sorted(summaries)
-        for layer in (summaries[rank].get("numerics") or {}).get("layers", [])
-        if layer["kind"] in KINDS
-    ]
-    if not layers:
-        return pd.DataFrame(columns=WHATIF_COLUMNS)
-    # one pseudo-row per (layer, histogram group)
-    g_layer: list[int] = []
+    # one pass over the layers of the what-if's kinds: each layer's facts and its histogram
+    # groups (one pseudo-row per (layer, histogram group))
+    layers: list[tuple[int, dict[str, Any]]] = []
+    sizes: list[int] = []  # each layer's groups
+    g_first: list[int] = []  # each layer's first group's number in bins
     g_amax: list[float | None] = []
     g_rows: list[int] = []
     texts: list[str] = []
-    for i, (_, layer) in enumerate(layers):
-        groups = layer["hist"].values()
-        g_layer += [i] * len(groups)
-        for group in groups:
-            g_amax.append(group["amax"])
-            g_rows.append(group["rows"])
-            if bins is None:
-                text = group["bins"]
-                texts.append(text if isinstance(text, str) else encode_bins(decode_bins(text)))
-    n_layers, n_groups = len(layers), len(g_layer)
-    owner = np.array(g_layer, dtype=np.int64)
-    amax_g = np.array([np.nan if a is None else float(a) for a in g_amax], dtype=float)
-    weight = np.array([int(r) for r in g_rows], dtype=np.int64)
+    for rank in sorted(summaries):
+        g = bins.first[rank] if bins is not None else 0
+        for layer in (summaries[rank].get("numerics") or {}).get("layers", []):
+            groups = layer["hist"]
+            if layer["kind"] in KINDS:
+                layers.append((rank, layer))
+                sizes.append(len(groups))
+                g_first.append(g)
+                for group in groups.values():
+                    g_amax.append(group["amax"])
+                    g_rows.append(group["rows"])
+                    if bins is None:
+                        text = group["bins"]
+                        texts.append(
+                            text if isinstance(text, str) else encode_bins(decode_bins(text))
+                        )
+            g += len(groups)
+    if not layers:
+        return pd.DataFrame(columns=WHATIF_COLUMNS)
+    n_layers, n_groups = len(layers), len(g_amax)
+    size = np.array(sizes, dtype=np.int64)
+    owner = np.repeat(np.arange(n_layers), size)
+    # (None -> NaN: numpy's conversion to float)
+    amax_g = np.array(g_amax, dtype=float)
+    weight = np.array(g_rows, dtype=np.int64)
     if bins is not None:
         # each group's number in bins: a rank's groups are numbered in section order
-        g_num = np.zeros(n_groups, dtype=np.int64)
-        at = 0
-        for rank in sorted(summaries):
-            g = bins.first[rank]
-            for layer in (summaries[rank].get("numerics") or {}).get("layers", []):
-                if layer["kind"] in KINDS:
-                    g_num[at : at + len(layer["hist"])] = np.arange(g, g + len(layer["hist"]))
-                    at += len(layer["hist"])
-                g += len(layer["hist"])
+        offset = np.arange(n_groups) - np.repeat(np.cumsum(size) - size, size)
+        g_num = np.repeat(np.array(g_first, dtype=np.int64), size) + offset
         pairs = bins.start[g_num + 1] - bins.start[g_num]
     else:
         pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
@@ -867,58 +868,81 @@ def _whatif_from_summaries(
         has = counter.prefix[:, -1] > 0
         np.minimum.at(min_exp, block[has], low_g[has])
         np.maximum.at(max_exp, block[has], top_g[has])
-    # the per-tensor scale of each layer's last sampled row
-    last_amax = np.array(
-        [np.nan if (x := layer["last"][1]) is None else float(x) for _, layer in layers]
-    )
-    last_top = np.array(
-        [_NONE if (x := layer["last"][2]) is None else int(x) for _, layer in layers],
-        dtype=np.int64,
-    )
+    # each layer's facts, in one pass over the layers
+    last_amax_l: list[float] = []
+    last_top_l: list[int] = []
+    nonfinite_l: list[int] = []
+    module_l: list[Any] = []
+    kind_l: list[Any] = []
+    type_l: list[Any] = []
+    dtype_l: list[Any] = []
+    amax_l: list[Any] = []
+    steps_l: list[int] = []
+    # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
+    # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
+    bad_steps = np.empty(n_layers, dtype=object)
+    for i, (_, layer) in enumerate(layers):
+        last = layer["last"]
+        last_amax_l.append(np.nan if last[1] is None else float(last[1]))
+        last_top_l.append(_NONE if last[2] is None else int(last[2]))
+        counts = layer["counts"]
+        nonfinite_l.append(counts["nan"] + counts["inf"])
+        module_l.append(layer["module"])
+        kind_l.append(layer["kind"])
+        type_l.append(layer["module_type"])
+        dtype_l.append(",".join(sorted(layer["dtypes"])) if layer["dtypes"] else np.nan)
+        amax_l.append(np.nan if layer["amax"] is None else layer["amax"])
+        steps_l.append(layer["steps"])
+        runs = layer["nonfinite_runs"]
+        bad_steps[i] = sorted(_steps_of(runs)) if runs["runs"] else []
+    last_amax = np.array(last_amax_l)
+    last_top = np.array(last_top_l, dtype=np.int64)
     scale_exp = np.zeros((len(combos), n_layers), dtype=np.int64)
     for c_i, (fmt_name, scaling) in enumerate(combos):
         if scaling != "none":
             scale_exp[c_i] = _scale_exps(last_amax, last_top, FORMATS[fmt_name])
-    counts_of = [layer["counts"] for _, layer in layers]
-    nonfinite = np.array([c["nan"] + c["inf"] for c in counts_of], dtype=np.int64)
+    nonfinite = np.array(nonfinite_l, dtype=np.int64)
     judged = nonfinite == 0
     order_of = summary_layer_order(summaries)
     ranks = np.array([rank for rank, _ in layers], dtype=np.int64)
-    modules = np.array([layer["module"] for _, layer in layers], dtype=object)
-    kinds = np.array([layer["kind"] for _, layer in layers], dtype=object)
-    layer_pos = np.array([order_of.get(str(m), len(order_of)) for m in modules], dtype=np.int64)
+    layer_pos = np.array([order_of.get(str(m), len(order_of)) for m in module_l], dtype=np.int64)
     kind_rank = {k: i for i, k in enumerate(KINDS)}
-    ordered = np.lexsort((np.array([kind_rank[k] for k in kinds]), layer_pos, ranks))
+    ordered = np.lexsort((np.array([kind_rank[k] for k in kind_l]), layer_pos, ranks))
     each = np.repeat(ordered, len(combos))
     combo = np.tile(np.arange(len(combos)), n_layers)
-    dtypes = [
-        ",".join(sorted(layer["dtypes"])) if layer["dtypes"] else np.nan for _, layer in layers
-    ]
-    module_types = np.array([layer["module_type"] for _, layer in layers], dtype=object)
-    amax = np.array([np.nan if layer["amax"] is None else layer["amax"] for _, layer in layers])
-    steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
-    # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
-    # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
-    bad_steps = [
-        sorted(_steps_of(layer["nonfinite_runs"])) if layer["nonfinite_runs"]["runs"] else []
-        for _, layer in layers
-    ]
+    amax = np.array(amax_l)
+    steps = np.array(steps_l, dtype=np.int64)
+
+    def repeated(values: list[Any]) -> pd.Series:
+        """The layers' ``values`` in the rows' order, with the dtype pandas infers for them
+        (that of the rows' values: the same values, each layer repeated)."""
+        return pd.Series(values).iloc[each].reset_index(drop=True)
+
     out = pd.DataFrame(
         {
             "rank": ranks[each],
-            # (the dtypes pandas infers, as for the table's columns)
-            "module": pd.Series(modules[each].tolist()),
-            "module_type": pd.Series(module_types[each].tolist()),
-            "kind": pd.Series(kinds[each].tolist()),
+            "module": repeated(module_l),
+            "module_type": repeated(type_l),
+            "kind": repeated(kind_l),
             "order": layer_pos[each],
-            "dtype": pd.Series([dtypes[i] for i in each]),
-            "nonfinite_steps": pd.Series([bad_steps[i] for i in each], dtype=object),
+            "dtype": repeated(dtype_l),
+            "nonfinite_steps": pd.Series(bad_steps[each], dtype=object),
         }
     )
     return _with_layer_columns(
         out, each, combo, combos, steps, nonzero, nonfinite, judged, min_exp, max_exp, amax,
         scale_exp, sums,
     )  # fmt: skip
+
+
+def value_codes(column: pd.Series) -> np.ndarray:
+    """Per value of a what-if column, a code equal for equal values: lists (``nonfinite_steps``)
+    compared by their items, every missing value (None, NaN, NA) the code -1. For the readers
+    that find which rows hold the same values (hashing codes, not a tuple of each row)."""
+    if column.dtype != object:
+        return pd.factorize(column)[0]
+    items = (tuple(v) if isinstance(v, list) else v for v in column.tolist())
+    return pd.factorize(np.fromiter(items, dtype=object, count=len(column)))[0]
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.whatif import whatif_records
+from amprobe.analysis.whatif import value_codes, whatif_records
 from amprobe.rules.engine import REGISTRY, format_ranks, name_ranks
 
 __all__ = ["PER_RANK_UP_TO", "VERDICT_RULE", "VERDICT_THRESHOLD", "verdict_of", "whatif_json"]
@@ -138,24 +138,6 @@ def _merged(
     return out
 
 
-def _value_codes(column: pd.Series) -> np.ndarray:
-    """Per row, a code equal for equal values (every missing value one code; lists compared
-    by their items, as tuples)."""
-    if column.dtype != object:
-        return pd.factorize(column)[0]
-    seen: dict[Any, int] = {}
-    na = -1
-    out = []
-    for v in column.tolist():
-        if isinstance(v, list):
-            v = tuple(v)
-        elif v is None or v is pd.NA or (isinstance(v, float) and v != v):
-            out.append(na)
-            continue
-        out.append(seen.setdefault(v, len(seen)))
-    return np.array(out, dtype=np.int64)
-
-
 def _varies(codes: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Per run of ``codes`` beginning at ``starts``: does it hold more than one code."""
     return np.minimum.reduceat(codes, starts) != np.maximum.reduceat(codes, starts)
@@ -187,7 +169,7 @@ def whatif_json(
     # values one value among them, as nunique(dropna=False) counts them)
     varies = np.zeros((len(starts), len(columns)), dtype=bool)
     for j, c in enumerate(columns):
-        varies[:, j] = _varies(_value_codes(keyed[c])[order], starts)
+        varies[:, j] = _varies(value_codes(keyed[c])[order], starts)
     rank_of = keyed["rank"].to_numpy(dtype=np.int64)
     groups = np.split(order, bounds)
     first_records = whatif_records(keyed.iloc[[int(rows[0]) for rows in groups]])

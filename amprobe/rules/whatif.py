@@ -24,6 +24,7 @@ from amprobe.analysis.whatif import (
     compute_fp16_gradient_fit,
     compute_whatif,
     not_judged_text,
+    value_codes,
 )
 from amprobe.rules.data import autocast_dtypes, per_rank
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
@@ -110,21 +111,6 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     return _fp8_class(run, rank)[1]
 
 
-def _key_codes(name: str, values: list[Any], missing: np.ndarray) -> np.ndarray:
-    """Per row, a code of the column's value: equal codes for equal values (lists compared as
-    tuples, every missing value, ``missing`` (the column's ``isna()``), as one value)."""
-    seen: dict[Any, int] = {None: 0}
-    if name == "nonfinite_steps":
-        parts: list[Any] = [tuple(v) for v in values]
-    elif missing.any():
-        parts = list(values)
-        for i in np.flatnonzero(missing).tolist():
-            parts[i] = None
-    else:
-        parts = values
-    return np.array([seen.setdefault(v, len(seen)) for v in parts], dtype=np.int64)
-
-
 def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
     """``rank``'s class number and :func:`fp8_layer_table`: ranks of one class (the same
     what-if rows of the table's columns, FLOPs shares and source) have the same table, computed
@@ -144,7 +130,7 @@ def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
             "fp8_layer_tables", lambda r: {}
         )
         if key not in tables:
-            values = [v[start:end] for v in columns["values"]]
+            values = [v[start:end] for v in _per_tensor_values(run)]
             records = [
                 dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)
             ]
@@ -155,9 +141,10 @@ def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
 
 
 def _per_tensor_columns(run: Run) -> dict[str, Any]:
-    """The per-tensor what-if rows of every rank: the columns as lists (``values``) and as codes
-    of their values (``keys``: rows x columns, equal codes for equal values), and each rank's ``(start, end)`` rows (the columns read once: a frame
-    lookup per rank would cost the whole table per rank)."""
+    """The per-tensor what-if rows of every rank (``frame``, each rank's rows together), as
+    codes of their values (``keys``: rows x columns, equal codes for equal values) and each
+    rank's ``(start, end)`` rows (read once: a frame lookup per rank would cost the whole
+    table per rank). :func:`_per_tensor_values` gives the columns as lists."""
 
     def compute(run: Run) -> dict[str, Any]:
         whatif = compute_whatif(run)
@@ -166,24 +153,29 @@ def _per_tensor_columns(run: Run) -> dict[str, Any]:
         if len(ranks) and (np.diff(ranks) < 0).any():
             wf = wf.iloc[np.argsort(ranks, kind="stable")]  # each rank's rows together
             ranks = wf["rank"].to_numpy()
-        values = [wf[c].tolist() for c in _FP8_COLUMNS]
         starts: Any = np.flatnonzero(np.r_[True, np.diff(ranks) != 0]) if len(ranks) else []
         bounds = [*starts, len(ranks)]
+        keys = np.zeros((len(ranks), len(_FP8_COLUMNS)), dtype=np.int64)
+        for j, c in enumerate(_FP8_COLUMNS):
+            keys[:, j] = value_codes(wf[c])
         return {
-            "values": values,
-            "keys": np.stack(
-                [
-                    _key_codes(c, v, wf[c].isna().to_numpy(dtype=bool))
-                    for c, v in zip(_FP8_COLUMNS, values, strict=True)
-                ],
-                axis=1,
-            ).reshape(len(ranks), len(_FP8_COLUMNS)),
+            "frame": wf,
+            "keys": keys,
             "ranks": {
                 int(ranks[a]): (int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
             },
         }
 
     return run.cached("whatif_per_tensor_columns", compute)  # type: ignore[no-any-return]
+
+
+def _per_tensor_values(run: Run) -> list[list[Any]]:
+    """The columns of :func:`_per_tensor_columns`' rows as lists, read once per run when a
+    class's table is first made."""
+    return run.cached(  # type: ignore[no-any-return]
+        "whatif_per_tensor_values",
+        lambda r: [_per_tensor_columns(r)["frame"][c].tolist() for c in _FP8_COLUMNS],
+    )
 
 
 def _per_class(ctx: RuleContext, rank: int, make: Any) -> Finding | None:
