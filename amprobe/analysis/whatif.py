@@ -61,6 +61,7 @@ import dataclasses
 import marshal
 import math
 from collections.abc import Iterable
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -769,6 +770,9 @@ def compute_whatif_summaries(
     return out
 
 
+_AMAX, _ROWS, _BINS = itemgetter("amax"), itemgetter("rows"), itemgetter("bins")
+
+
 def _whatif_from_summaries(
     summaries: dict[int, dict[str, Any]], bins: SectionBins | None = None
 ) -> pd.DataFrame:
@@ -802,11 +806,11 @@ def _whatif_from_summaries(
                 layers.append((rank, layer))
                 sizes.append(len(groups))
                 g_first.append(g)
-                for group in groups.values():
-                    g_amax.append(group["amax"])
-                    g_rows.append(group["rows"])
-                    if bins is None:
-                        text = group["bins"]
+                # (map of itemgetters: no Python frame per group)
+                g_amax.extend(map(_AMAX, groups.values()))
+                g_rows.extend(map(_ROWS, groups.values()))
+                if bins is None:
+                    for text in map(_BINS, groups.values()):
                         texts.append(
                             text if isinstance(text, str) else encode_bins(decode_bins(text))
                         )
@@ -939,10 +943,18 @@ def value_codes(column: pd.Series) -> np.ndarray:
     """Per value of a what-if column, a code equal for equal values: lists (``nonfinite_steps``)
     compared by their items, every missing value (None, NaN, NA) the code -1. For the readers
     that find which rows hold the same values (hashing codes, not a tuple of each row)."""
-    if column.dtype != object:
+    try:
         return pd.factorize(column)[0]
-    items = (tuple(v) if isinstance(v, list) else v for v in column.tolist())
-    return pd.factorize(np.fromiter(items, dtype=object, count=len(column)))[0]
+    except TypeError:  # lists: unhashable
+        pass
+    # the values by identity first (a layer's rows share its list), then each distinct
+    # object's items: identical objects are equal
+    values = column.tolist()
+    same, _ = pd.factorize(np.fromiter(map(id, values), dtype=np.int64, count=len(values)))
+    _, firsts = np.unique(same, return_index=True)
+    items = (tuple(v) if isinstance(v, list) else v for v in (values[i] for i in firsts.tolist()))
+    codes = pd.factorize(np.fromiter(items, dtype=object, count=len(firsts)))[0]
+    return codes[same]
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
