@@ -646,22 +646,24 @@ def _with_layer_columns(
     denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
     # a layer that held inf/NaN gets no share: its range is not known (null, not 0)
     unjudged = ~judged[each]
-    out["steps"] = steps[each]
-    out["nonzero"] = nonzero[each]
-    out["nonfinite"] = nonfinite[each]
-    out["judged"] = judged[each]
-    out["min_exp"] = pd.array(np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64")
-    out["max_exp"] = pd.array(np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64")
-    out["amax"] = amax[each]
-    out["format"] = np.array([f for f, _ in combos], dtype=object)[combo]
-    out["scaling"] = np.array([s for _, s in combos], dtype=object)[combo]
-    out["scale_exp"] = scale_exp[combo, each]
+    # the columns gathered, then one frame (not a frame grown a column at a time)
+    columns: dict[str, Any] = dict(out.items())
+    columns["steps"] = steps[each]
+    columns["nonzero"] = nonzero[each]
+    columns["nonfinite"] = nonfinite[each]
+    columns["judged"] = judged[each]
+    for name, exps in (("min_exp", min_exp), ("max_exp", max_exp)):
+        columns[name] = pd.array(np.where(np.isfinite(exps), exps, np.nan)[each], dtype="Int64")
+    columns["amax"] = amax[each]
+    columns["format"] = np.array([f for f, _ in combos], dtype=object)[combo]
+    columns["scaling"] = np.array([s for _, s in combos], dtype=object)[combo]
+    columns["scale_exp"] = scale_exp[combo, each]
     for name in _COUNTS:
-        out[name] = counts[name]
+        columns[name] = counts[name]
     for name in _COUNTS:
-        out[f"{name}_share"] = _share(counts[name], denom, unjudged)
-    out["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
-    return out[WHATIF_COLUMNS]
+        columns[f"{name}_share"] = _share(counts[name], denom, unjudged)
+    columns["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
+    return pd.DataFrame({name: columns[name] for name in WHATIF_COLUMNS})
 
 
 def _share(count: np.ndarray, denom: np.ndarray, unjudged: np.ndarray) -> np.ndarray:

@@ -130,7 +130,11 @@ def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
             "fp8_layer_tables", lambda r: {}
         )
         if key not in tables:
-            values = [v[start:end] for v in _per_tensor_values(run)]
+            if len(tables) < _SLICED:  # few classes so far: the rank's rows alone
+                frame = columns["frame"]
+                values = [frame[c].iloc[start:end].tolist() for c in _FP8_COLUMNS]
+            else:
+                values = [v[start:end] for v in _per_tensor_values(run)]
             records = [
                 dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)
             ]
@@ -167,6 +171,11 @@ def _per_tensor_columns(run: Run) -> dict[str, Any]:
         }
 
     return run.cached("whatif_per_tensor_columns", compute)  # type: ignore[no-any-return]
+
+
+#: classes whose fp8 tables read their rows from the frame; past them, every column is read
+#: as a list once (a frame slice per class would cost more at thousands of classes)
+_SLICED = 32
 
 
 def _per_tensor_values(run: Run) -> list[list[Any]]:
