@@ -708,9 +708,11 @@ def summary_layer_order(summaries: dict[int, dict[str, Any]]) -> dict[str, int]:
     for rank in sorted(summaries):
         sec = summaries[rank].get("numerics") or {}
         for module, order in sec.get("outputs", []):
-            value = np.nan if order is None else float(order)
+            value = math.nan if order is None else float(order)
             known = first.get(module)
-            first[module] = value if known is None else float(np.fmin(known, value))
+            # np.fmin(known, value) in plain floats: the smaller, a NaN only where both are
+            if known is None or known != known or value < known:
+                first[module] = value
     names = list(first)
     positions = np.array([first[m] for m in names], dtype=float)
     order = {names[i]: n for n, i in enumerate(np.argsort(positions, kind="stable"))}
@@ -874,32 +876,22 @@ def _whatif_from_summaries(
         has = counter.prefix[:, -1] > 0
         np.minimum.at(min_exp, block[has], low_g[has])
         np.maximum.at(max_exp, block[has], top_g[has])
-    # each layer's facts, in one pass over the layers
-    last_amax_l: list[float] = []
-    last_top_l: list[int] = []
-    nonfinite_l: list[int] = []
-    module_l: list[Any] = []
-    kind_l: list[Any] = []
-    type_l: list[Any] = []
-    dtype_l: list[Any] = []
-    amax_l: list[Any] = []
-    steps_l: list[int] = []
+    # each layer's facts, a field at a time (map of itemgetters: no Python frame per layer)
+    kept = [layer for _, layer in layers]
+    last = list(map(itemgetter("last"), kept))
+    last_amax_l = [np.nan if x[1] is None else float(x[1]) for x in last]
+    last_top_l = [_NONE if x[2] is None else int(x[2]) for x in last]
+    nonfinite_l = [c["nan"] + c["inf"] for c in map(itemgetter("counts"), kept)]
+    module_l = list(map(itemgetter("module"), kept))
+    kind_l = list(map(itemgetter("kind"), kept))
+    type_l = list(map(itemgetter("module_type"), kept))
+    dtype_l = [",".join(sorted(d)) if d else np.nan for d in map(itemgetter("dtypes"), kept)]
+    amax_l = [np.nan if a is None else a for a in map(itemgetter("amax"), kept)]
+    steps_l = list(map(itemgetter("steps"), kept))
     # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
     # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
     bad_steps = np.empty(n_layers, dtype=object)
-    for i, (_, layer) in enumerate(layers):
-        last = layer["last"]
-        last_amax_l.append(np.nan if last[1] is None else float(last[1]))
-        last_top_l.append(_NONE if last[2] is None else int(last[2]))
-        counts = layer["counts"]
-        nonfinite_l.append(counts["nan"] + counts["inf"])
-        module_l.append(layer["module"])
-        kind_l.append(layer["kind"])
-        type_l.append(layer["module_type"])
-        dtype_l.append(",".join(sorted(layer["dtypes"])) if layer["dtypes"] else np.nan)
-        amax_l.append(np.nan if layer["amax"] is None else layer["amax"])
-        steps_l.append(layer["steps"])
-        runs = layer["nonfinite_runs"]
+    for i, runs in enumerate(map(itemgetter("nonfinite_runs"), kept)):
         bad_steps[i] = sorted(_steps_of(runs)) if runs["runs"] else []
     last_amax = np.array(last_amax_l)
     last_top = np.array(last_top_l, dtype=np.int64)
