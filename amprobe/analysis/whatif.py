@@ -61,6 +61,7 @@ import dataclasses
 import marshal
 import math
 from collections.abc import Iterable
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,7 @@ __all__ = [
     "compute_fp16_gradient_fit",
     "per_tensor_scale_exp",
     "layer_order",
+    "value_codes",
 ]
 
 
@@ -644,22 +646,24 @@ def _with_layer_columns(
     denom = np.where(nonzero[each] > 0, nonzero[each], np.nan)
     # a layer that held inf/NaN gets no share: its range is not known (null, not 0)
     unjudged = ~judged[each]
-    out["steps"] = steps[each]
-    out["nonzero"] = nonzero[each]
-    out["nonfinite"] = nonfinite[each]
-    out["judged"] = judged[each]
-    out["min_exp"] = pd.array(np.where(np.isfinite(min_exp), min_exp, np.nan)[each], dtype="Int64")
-    out["max_exp"] = pd.array(np.where(np.isfinite(max_exp), max_exp, np.nan)[each], dtype="Int64")
-    out["amax"] = amax[each]
-    out["format"] = np.array([combos[c][0] for c in combo], dtype=object)
-    out["scaling"] = np.array([combos[c][1] for c in combo], dtype=object)
-    out["scale_exp"] = scale_exp[combo, each]
+    # the columns gathered, then one frame (not a frame grown a column at a time)
+    columns: dict[str, Any] = dict(out.items())
+    columns["steps"] = steps[each]
+    columns["nonzero"] = nonzero[each]
+    columns["nonfinite"] = nonfinite[each]
+    columns["judged"] = judged[each]
+    for name, exps in (("min_exp", min_exp), ("max_exp", max_exp)):
+        columns[name] = pd.array(np.where(np.isfinite(exps), exps, np.nan)[each], dtype="Int64")
+    columns["amax"] = amax[each]
+    columns["format"] = np.array([f for f, _ in combos], dtype=object)[combo]
+    columns["scaling"] = np.array([s for _, s in combos], dtype=object)[combo]
+    columns["scale_exp"] = scale_exp[combo, each]
     for name in _COUNTS:
-        out[name] = counts[name]
+        columns[name] = counts[name]
     for name in _COUNTS:
-        out[f"{name}_share"] = _share(counts[name], denom, unjudged)
-    out["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
-    return out[WHATIF_COLUMNS]
+        columns[f"{name}_share"] = _share(counts[name], denom, unjudged)
+    columns["lost_share"] = _share(counts["overflow"] + counts["flush"], denom, unjudged)
+    return pd.DataFrame({name: columns[name] for name in WHATIF_COLUMNS})
 
 
 def _share(count: np.ndarray, denom: np.ndarray, unjudged: np.ndarray) -> np.ndarray:
@@ -704,9 +708,11 @@ def summary_layer_order(summaries: dict[int, dict[str, Any]]) -> dict[str, int]:
     for rank in sorted(summaries):
         sec = summaries[rank].get("numerics") or {}
         for module, order in sec.get("outputs", []):
-            value = np.nan if order is None else float(order)
+            value = math.nan if order is None else float(order)
             known = first.get(module)
-            first[module] = value if known is None else float(np.fmin(known, value))
+            # np.fmin(known, value) in plain floats: the smaller, a NaN only where both are
+            if known is None or known != known or value < known:
+                first[module] = value
     names = list(first)
     positions = np.array([first[m] for m in names], dtype=float)
     order = {names[i]: n for n, i in enumerate(np.argsort(positions, kind="stable"))}
@@ -768,6 +774,9 @@ def compute_whatif_summaries(
     return out
 
 
+_AMAX, _ROWS, _BINS = itemgetter("amax"), itemgetter("rows"), itemgetter("bins")
+
+
 def _whatif_from_summaries(
     summaries: dict[int, dict[str, Any]], bins: SectionBins | None = None
 ) -> pd.DataFrame:
@@ -785,43 +794,43 @@ def _whatif_from_summaries(
     """
     if bins is not None and not all(rank in bins.first for rank in summaries):
         bins = None
-    layers: list[tuple[int, dict[str, Any]]] = [
-        (rank, layer)
-        for rank in sorted(summaries)
-        for layer in (summaries[rank].get("numerics") or {}).get("layers", [])
-        if layer["kind"] in KINDS
-    ]
-    if not layers:
-        return pd.DataFrame(columns=WHATIF_COLUMNS)
-    # one pseudo-row per (layer, histogram group)
-    g_layer: list[int] = []
+    # one pass over the layers of the what-if's kinds: each layer's facts and its histogram
+    # groups (one pseudo-row per (layer, histogram group))
+    layers: list[tuple[int, dict[str, Any]]] = []
+    sizes: list[int] = []  # each layer's groups
+    g_first: list[int] = []  # each layer's first group's number in bins
     g_amax: list[float | None] = []
     g_rows: list[int] = []
     texts: list[str] = []
-    for i, (_, layer) in enumerate(layers):
-        groups = layer["hist"].values()
-        g_layer += [i] * len(groups)
-        for group in groups:
-            g_amax.append(group["amax"])
-            g_rows.append(group["rows"])
-            if bins is None:
-                text = group["bins"]
-                texts.append(text if isinstance(text, str) else encode_bins(decode_bins(text)))
-    n_layers, n_groups = len(layers), len(g_layer)
-    owner = np.array(g_layer, dtype=np.int64)
-    amax_g = np.array([np.nan if a is None else float(a) for a in g_amax], dtype=float)
-    weight = np.array([int(r) for r in g_rows], dtype=np.int64)
+    for rank in sorted(summaries):
+        g = bins.first[rank] if bins is not None else 0
+        for layer in (summaries[rank].get("numerics") or {}).get("layers", []):
+            groups = layer["hist"]
+            if layer["kind"] in KINDS:
+                layers.append((rank, layer))
+                sizes.append(len(groups))
+                g_first.append(g)
+                # (map of itemgetters: no Python frame per group)
+                g_amax.extend(map(_AMAX, groups.values()))
+                g_rows.extend(map(_ROWS, groups.values()))
+                if bins is None:
+                    for text in map(_BINS, groups.values()):
+                        texts.append(
+                            text if isinstance(text, str) else encode_bins(decode_bins(text))
+                        )
+            g += len(groups)
+    if not layers:
+        return pd.DataFrame(columns=WHATIF_COLUMNS)
+    n_layers, n_groups = len(layers), len(g_amax)
+    size = np.array(sizes, dtype=np.int64)
+    owner = np.repeat(np.arange(n_layers), size)
+    # (None -> NaN: numpy's conversion to float)
+    amax_g = np.array(g_amax, dtype=float)
+    weight = np.array(g_rows, dtype=np.int64)
     if bins is not None:
         # each group's number in bins: a rank's groups are numbered in section order
-        g_num = np.zeros(n_groups, dtype=np.int64)
-        at = 0
-        for rank in sorted(summaries):
-            g = bins.first[rank]
-            for layer in (summaries[rank].get("numerics") or {}).get("layers", []):
-                if layer["kind"] in KINDS:
-                    g_num[at : at + len(layer["hist"])] = np.arange(g, g + len(layer["hist"]))
-                    at += len(layer["hist"])
-                g += len(layer["hist"])
+        offset = np.arange(n_groups) - np.repeat(np.cumsum(size) - size, size)
+        g_num = np.repeat(np.array(g_first, dtype=np.int64), size) + offset
         pairs = bins.start[g_num + 1] - bins.start[g_num]
     else:
         pairs = np.array([(t.count(",") + 1) // 2 if t else 0 for t in texts], dtype=np.int64)
@@ -867,58 +876,79 @@ def _whatif_from_summaries(
         has = counter.prefix[:, -1] > 0
         np.minimum.at(min_exp, block[has], low_g[has])
         np.maximum.at(max_exp, block[has], top_g[has])
-    # the per-tensor scale of each layer's last sampled row
-    last_amax = np.array(
-        [np.nan if (x := layer["last"][1]) is None else float(x) for _, layer in layers]
-    )
-    last_top = np.array(
-        [_NONE if (x := layer["last"][2]) is None else int(x) for _, layer in layers],
-        dtype=np.int64,
-    )
+    # each layer's facts, a field at a time (map of itemgetters: no Python frame per layer)
+    kept = [layer for _, layer in layers]
+    last = list(map(itemgetter("last"), kept))
+    last_amax_l = [np.nan if x[1] is None else float(x[1]) for x in last]
+    last_top_l = [_NONE if x[2] is None else int(x[2]) for x in last]
+    nonfinite_l = [c["nan"] + c["inf"] for c in map(itemgetter("counts"), kept)]
+    module_l = list(map(itemgetter("module"), kept))
+    kind_l = list(map(itemgetter("kind"), kept))
+    type_l = list(map(itemgetter("module_type"), kept))
+    dtype_l = [",".join(sorted(d)) if d else np.nan for d in map(itemgetter("dtypes"), kept)]
+    amax_l = [np.nan if a is None else a for a in map(itemgetter("amax"), kept)]
+    steps_l = list(map(itemgetter("steps"), kept))
+    # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
+    # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
+    bad_steps = np.empty(n_layers, dtype=object)
+    for i, runs in enumerate(map(itemgetter("nonfinite_runs"), kept)):
+        bad_steps[i] = sorted(_steps_of(runs)) if runs["runs"] else []
+    last_amax = np.array(last_amax_l)
+    last_top = np.array(last_top_l, dtype=np.int64)
     scale_exp = np.zeros((len(combos), n_layers), dtype=np.int64)
     for c_i, (fmt_name, scaling) in enumerate(combos):
         if scaling != "none":
             scale_exp[c_i] = _scale_exps(last_amax, last_top, FORMATS[fmt_name])
-    counts_of = [layer["counts"] for _, layer in layers]
-    nonfinite = np.array([c["nan"] + c["inf"] for c in counts_of], dtype=np.int64)
+    nonfinite = np.array(nonfinite_l, dtype=np.int64)
     judged = nonfinite == 0
     order_of = summary_layer_order(summaries)
     ranks = np.array([rank for rank, _ in layers], dtype=np.int64)
-    modules = np.array([layer["module"] for _, layer in layers], dtype=object)
-    kinds = np.array([layer["kind"] for _, layer in layers], dtype=object)
-    layer_pos = np.array([order_of.get(str(m), len(order_of)) for m in modules], dtype=np.int64)
+    layer_pos = np.array([order_of.get(str(m), len(order_of)) for m in module_l], dtype=np.int64)
     kind_rank = {k: i for i, k in enumerate(KINDS)}
-    ordered = np.lexsort((np.array([kind_rank[k] for k in kinds]), layer_pos, ranks))
+    ordered = np.lexsort((np.array([kind_rank[k] for k in kind_l]), layer_pos, ranks))
     each = np.repeat(ordered, len(combos))
     combo = np.tile(np.arange(len(combos)), n_layers)
-    dtypes = [
-        ",".join(sorted(layer["dtypes"])) if layer["dtypes"] else np.nan for _, layer in layers
-    ]
-    module_types = np.array([layer["module_type"] for _, layer in layers], dtype=object)
-    amax = np.array([np.nan if layer["amax"] is None else layer["amax"] for _, layer in layers])
-    steps = np.array([layer["steps"] for _, layer in layers], dtype=np.int64)
-    # sorted once per layer; a layer's rows (one per format and scaling) share its list: a
-    # list per row was ~100,000 allocations at 1,024 ranks (read them, never change them)
-    bad_steps = [
-        sorted(_steps_of(layer["nonfinite_runs"])) if layer["nonfinite_runs"]["runs"] else []
-        for _, layer in layers
-    ]
+    amax = np.array(amax_l)
+    steps = np.array(steps_l, dtype=np.int64)
+
+    def repeated(values: list[Any]) -> pd.Series:
+        """The layers' ``values`` in the rows' order, with the dtype pandas infers for them
+        (that of the rows' values: the same values, each layer repeated)."""
+        return pd.Series(values).iloc[each].reset_index(drop=True)
+
     out = pd.DataFrame(
         {
             "rank": ranks[each],
-            # (the dtypes pandas infers, as for the table's columns)
-            "module": pd.Series(modules[each].tolist()),
-            "module_type": pd.Series(module_types[each].tolist()),
-            "kind": pd.Series(kinds[each].tolist()),
+            "module": repeated(module_l),
+            "module_type": repeated(type_l),
+            "kind": repeated(kind_l),
             "order": layer_pos[each],
-            "dtype": pd.Series([dtypes[i] for i in each]),
-            "nonfinite_steps": pd.Series([bad_steps[i] for i in each], dtype=object),
+            "dtype": repeated(dtype_l),
+            "nonfinite_steps": pd.Series(bad_steps[each], dtype=object),
         }
     )
     return _with_layer_columns(
         out, each, combo, combos, steps, nonzero, nonfinite, judged, min_exp, max_exp, amax,
         scale_exp, sums,
     )  # fmt: skip
+
+
+def value_codes(column: pd.Series) -> np.ndarray:
+    """Per value of a what-if column, a code equal for equal values: lists (``nonfinite_steps``)
+    compared by their items, every missing value (None, NaN, NA) the code -1. For the readers
+    that find which rows hold the same values (hashing codes, not a tuple of each row)."""
+    try:
+        return pd.factorize(column)[0]
+    except TypeError:  # lists: unhashable
+        pass
+    # the values by identity first (a layer's rows share its list), then each distinct
+    # object's items: identical objects are equal
+    values = column.tolist()
+    same, _ = pd.factorize(np.fromiter(map(id, values), dtype=np.int64, count=len(values)))
+    _, firsts = np.unique(same, return_index=True)
+    items = (tuple(v) if isinstance(v, list) else v for v in (values[i] for i in firsts.tolist()))
+    codes = pd.factorize(np.fromiter(items, dtype=object, count=len(firsts)))[0]
+    return codes[same]
 
 
 def whatif_records(frame: pd.DataFrame) -> list[dict[str, Any]]:

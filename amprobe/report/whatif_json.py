@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from amprobe.analysis.whatif import whatif_records
+from amprobe.analysis.whatif import value_codes, whatif_records
 from amprobe.rules.engine import REGISTRY, format_ranks, name_ranks
 
 __all__ = ["PER_RANK_UP_TO", "VERDICT_RULE", "VERDICT_THRESHOLD", "verdict_of", "whatif_json"]
@@ -138,6 +138,11 @@ def _merged(
     return out
 
 
+def _varies(codes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per run of ``codes`` beginning at ``starts``: does it hold more than one code."""
+    return np.minimum.reduceat(codes, starts) != np.maximum.reduceat(codes, starts)
+
+
 def whatif_json(
     frame: pd.DataFrame, thresholds: Mapping[str, Mapping[str, float]] | None = None
 ) -> list[dict[str, Any]]:
@@ -156,21 +161,21 @@ def whatif_json(
     threshold = float(merged.get(VERDICT_THRESHOLD, 0.0))
     keyed = frame.reset_index(drop=True)
     columns = [c for c in keyed.columns if c not in ("rank", *_KEY)]
-    hashable = keyed[columns].copy()
-    for c in columns:
-        if hashable[c].dtype == object:  # lists (nonfinite_steps) compared as tuples
-            hashable[c] = hashable[c].map(lambda v: tuple(v) if isinstance(v, list) else v)
     codes = keyed.groupby(_KEY, sort=False, dropna=False).ngroup().to_numpy()
     order = np.argsort(codes, kind="stable")
     bounds = np.flatnonzero(np.diff(codes[order])) + 1
-    unique = hashable.groupby(codes).nunique(dropna=False)
+    starts = np.concatenate([[0], bounds]).astype(np.int64)
+    # per group (in code order) and column: do its rows hold more than one value (missing
+    # values one value among them, as nunique(dropna=False) counts them)
+    varies = np.zeros((len(starts), len(columns)), dtype=bool)
+    for j, c in enumerate(columns):
+        varies[:, j] = _varies(value_codes(keyed[c])[order], starts)
     rank_of = keyed["rank"].to_numpy(dtype=np.int64)
     groups = np.split(order, bounds)
     first_records = whatif_records(keyed.iloc[[int(rows[0]) for rows in groups]])
     out: list[dict[str, Any]] = []
-    for rows, record in zip(groups, first_records, strict=True):
-        code = int(codes[rows[0]])
-        differ = [c for c in columns if unique.at[code, c] > 1]
+    for g, (rows, record) in enumerate(zip(groups, first_records, strict=True)):
+        differ = [c for c, v in zip(columns, varies[g].tolist(), strict=True) if v]
         if differ:
             out.append(_merged(keyed.iloc[rows], record, differ, threshold))
             continue

@@ -24,6 +24,7 @@ from amprobe.analysis.whatif import (
     compute_fp16_gradient_fit,
     compute_whatif,
     not_judged_text,
+    value_codes,
 )
 from amprobe.rules.data import autocast_dtypes, per_rank
 from amprobe.rules.engine import Finding, RuleContext, requirement, rule
@@ -110,47 +111,44 @@ def fp8_layer_table(run: Run, rank: int) -> tuple[pd.DataFrame, str]:
     return _fp8_class(run, rank)[1]
 
 
-def _key_column(name: str, values: list[Any], missing: np.ndarray) -> list[Any]:
-    """A column's values as hashable key parts: lists as tuples, a missing value (None, NaN,
-    NA: ``missing``, the column's ``isna()``) as None."""
-    if name == "nonfinite_steps":
-        return [tuple(v) for v in values]
-    if not missing.any():
-        return values
-    out = list(values)
-    for i in np.flatnonzero(missing).tolist():
-        out[i] = None
-    return out
-
-
 def _fp8_class(run: Run, rank: int) -> tuple[Any, tuple[pd.DataFrame, str]]:
-    """``rank``'s class key and :func:`fp8_layer_table`: ranks of one key (the same what-if
-    rows of the table's columns, FLOPs shares and source) have the same table, computed once
-    for all of them: the key is the data the table is made of, never where it came from.
+    """``rank``'s class number and :func:`fp8_layer_table`: ranks of one class (the same
+    what-if rows of the table's columns, FLOPs shares and source) have the same table, computed
+    once for all of them: the class is the data the table is made of, never where it came from.
     Computed once per run and rank (AMP-P01 and AMP-P02 both read it)."""
 
     def compute(run: Run) -> tuple[Any, tuple[pd.DataFrame, str]]:
         columns = _per_tensor_columns(run)
         start, end = columns["ranks"].get(rank, (0, 0))
-        rows_key = tuple(zip(*(k[start:end] for k in columns["keys"]), strict=True))
+        # the rows as their values' codes: equal bytes are equal rows
+        rows_key = columns["keys"][start:end].tobytes()
         flops, source = matmul_flops(run, rank)
         key = (rows_key, None if flops is None else tuple(flops.items()), source)
-        tables: dict[Any, tuple[pd.DataFrame, str]] = run.cached("fp8_layer_tables", lambda r: {})
+        # each class's number and table (the number is the key the findings are kept under:
+        # the rows' key hashed and compared once per rank, not once per rule)
+        tables: dict[Any, tuple[int, tuple[pd.DataFrame, str]]] = run.cached(
+            "fp8_layer_tables", lambda r: {}
+        )
         if key not in tables:
-            values = [v[start:end] for v in columns["values"]]
+            if len(tables) < _SLICED:  # few classes so far: the rank's rows alone
+                frame = columns["frame"]
+                values = [frame[c].iloc[start:end].tolist() for c in _FP8_COLUMNS]
+            else:
+                values = [v[start:end] for v in _per_tensor_values(run)]
             records = [
                 dict(zip(_FP8_COLUMNS, row, strict=True)) for row in zip(*values, strict=True)
             ]
-            tables[key] = _fp8_layer_table(records, flops, source)
-        return key, tables[key]
+            tables[key] = (len(tables), _fp8_layer_table(records, flops, source))
+        return tables[key]
 
     return run.cached(f"fp8_class:{rank}", compute)  # type: ignore[no-any-return]
 
 
 def _per_tensor_columns(run: Run) -> dict[str, Any]:
-    """The per-tensor what-if rows of every rank: the columns as lists (``values``) and as key
-    parts (``keys``), and each rank's ``(start, end)`` rows (the columns read once: a frame
-    lookup per rank would cost the whole table per rank)."""
+    """The per-tensor what-if rows of every rank (``frame``, each rank's rows together), as
+    codes of their values (``keys``: rows x columns, equal codes for equal values) and each
+    rank's ``(start, end)`` rows (read once: a frame lookup per rank would cost the whole
+    table per rank). :func:`_per_tensor_values` gives the columns as lists."""
 
     def compute(run: Run) -> dict[str, Any]:
         whatif = compute_whatif(run)
@@ -159,21 +157,34 @@ def _per_tensor_columns(run: Run) -> dict[str, Any]:
         if len(ranks) and (np.diff(ranks) < 0).any():
             wf = wf.iloc[np.argsort(ranks, kind="stable")]  # each rank's rows together
             ranks = wf["rank"].to_numpy()
-        values = [wf[c].tolist() for c in _FP8_COLUMNS]
         starts: Any = np.flatnonzero(np.r_[True, np.diff(ranks) != 0]) if len(ranks) else []
         bounds = [*starts, len(ranks)]
+        keys = np.zeros((len(ranks), len(_FP8_COLUMNS)), dtype=np.int64)
+        for j, c in enumerate(_FP8_COLUMNS):
+            keys[:, j] = value_codes(wf[c])
         return {
-            "values": values,
-            "keys": [
-                _key_column(c, v, wf[c].isna().to_numpy(dtype=bool))
-                for c, v in zip(_FP8_COLUMNS, values, strict=True)
-            ],
+            "frame": wf,
+            "keys": keys,
             "ranks": {
                 int(ranks[a]): (int(a), int(b)) for a, b in zip(bounds, bounds[1:], strict=False)
             },
         }
 
     return run.cached("whatif_per_tensor_columns", compute)  # type: ignore[no-any-return]
+
+
+#: classes whose fp8 tables read their rows from the frame; past them, every column is read
+#: as a list once (a frame slice per class would cost more at thousands of classes)
+_SLICED = 32
+
+
+def _per_tensor_values(run: Run) -> list[list[Any]]:
+    """The columns of :func:`_per_tensor_columns`' rows as lists, read once per run when a
+    class's table is first made."""
+    return run.cached(  # type: ignore[no-any-return]
+        "whatif_per_tensor_values",
+        lambda r: [_per_tensor_columns(r)["frame"][c].tolist() for c in _FP8_COLUMNS],
+    )
 
 
 def _per_class(ctx: RuleContext, rank: int, make: Any) -> Finding | None:
