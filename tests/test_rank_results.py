@@ -158,3 +158,16 @@ def test_a_result_of_another_key_is_not_read(tmp_path: Path) -> None:
     assert store.load(other) is None and store.load(key) is None
     store._path(other, ".npz").write_bytes(b"not a file")  # unreadable: computed again
     assert store.load(other) is None
+
+
+def test_results_kept_by_other_code_are_not_read(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kept results are named after the code that computed them, not only the version: a
+    development tree changes its figures' code without a new version."""
+    amprobe.load_run(path).relation("steps")
+    store = derived.ensure(amprobe.load_run(path))
+    before = derived.results_dir(store)
+    monkeypatch.setattr(derived, "code_fingerprint", lambda: "another-code-0000000")
+    after = derived.results_dir(store)
+    assert before is not None and after is not None and before != after

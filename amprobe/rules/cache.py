@@ -38,9 +38,7 @@ report's what-if views read the what-if frame, not the records).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -61,6 +59,7 @@ from amprobe.rules.engine import (
     resolve_thresholds,
 )
 from amprobe.store.artifacts import (
+    code_fingerprint,
     fingerprint,
     read_artifact,
     source_entries,
@@ -305,25 +304,6 @@ def _check_shape(health: Any, facts: Any) -> None:
 
 
 # -- the key -----------------------------------------------------------------------------------
-@functools.cache
-def _code_fingerprint() -> str:
-    """amprobe's modules as this process imported them: each ``.py`` file's path in the package,
-    size and ``mtime_ns`` (the version alone does not change in a development tree)."""
-    root = Path(__file__).resolve().parents[1]  # the amprobe package
-    entries = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = Path(folder) / name
-                try:
-                    st = path.stat()
-                except OSError:
-                    continue
-                entries.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns))
-    return fingerprint(entries)
-
-
 def _registry_fingerprint() -> str:
     """The rules' registry as data (the thresholds are in the options)."""
     return fingerprint(
@@ -384,7 +364,7 @@ def diagnosis_key(
         {
             "cache_version": CACHE_VERSION,
             "amprobe": __version__,
-            "code": _code_fingerprint(),
+            "code": code_fingerprint(),
             "registry": _registry_fingerprint(),
             "options": _options(thresholds, only),
             "sources": fingerprint([list(e) for e in sources]),

@@ -26,6 +26,7 @@ shares, and imports nothing above the store (no pandas, no pyarrow, no duckdb):
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -60,6 +61,7 @@ __all__ = [
     "source_entries",
     "is_source",
     "fingerprint",
+    "code_fingerprint",
     "read_artifact",
     "write_artifact",
     "entries_of",
@@ -139,6 +141,27 @@ def fingerprint(value: Any) -> str:
     equal values (keys sorted)."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).hexdigest()
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """amprobe's modules as this process imported them: each ``.py`` file's path in the package,
+    size and ``mtime_ns`` (the version alone does not change in a development tree), for the
+    keys of what is computed from a run by amprobe's code (the kept diagnosis, the figures'
+    kept results)."""
+    root = Path(__file__).resolve().parents[1]  # the amprobe package
+    entries = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = Path(folder) / name
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                entries.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns))
+    return fingerprint(entries)
 
 
 # -- reading and writing ---------------------------------------------------------------------

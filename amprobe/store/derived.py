@@ -60,6 +60,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from amprobe.store import schema
+from amprobe.store.artifacts import code_fingerprint
 from amprobe.store.jsonl import _read_arrow, _read_rank_table, _TableRead
 from amprobe.store.layout import (
     TABLE_SUFFIX,
@@ -823,7 +824,8 @@ def relations(run: Run, tables: tuple[str, ...]) -> tuple[Store, dict[str, Any]]
 def results_dir(store: Store, table: str = "steps") -> Path | None:
     """The folder for results computed from ``table``'s derived file in ``store`` (fresh:
     :func:`ensure`'s), named after that file's inode, size and modification time, this
-    amprobe's version and :data:`RESULTS_VERSION`: a rebuilt store (a file replaced) has a
+    amprobe's version and code (:func:`~amprobe.store.artifacts.code_fingerprint`) and
+    :data:`RESULTS_VERSION`: a rebuilt store (a file replaced) has a
     new folder, and the folders of earlier files are removed when a new one is named. None
     when the run has no such file.
     """
@@ -831,8 +833,10 @@ def results_dir(store: Store, table: str = "steps") -> Path | None:
     if path is None:
         return None
     info = path.stat()
+    code = code_fingerprint()[:16]  # the code that computed them (a development tree changes)
     name = (
-        f"{table}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{__version__}-{RESULTS_VERSION}"
+        f"{table}-{info.st_ino}-{info.st_size}-{info.st_mtime_ns}-{__version__}-{code}-"
+        f"{RESULTS_VERSION}"
     )
     base = store.folder / RESULTS_DIR
     with contextlib.suppress(OSError):
