@@ -209,7 +209,7 @@ def inspect_run(root: Path, path: Path, max_table_bytes: int = MAX_TABLE_BYTES) 
 
     Looks at the run folder, its rank folders and the ``*.json``/``*.jsonl`` files in them
     (``lstat``/``stat`` only: nothing is opened, so a FIFO cannot block and ``/dev/zero``
-    cannot be read). Returns the run's signature (names, sizes and mtimes), which changes
+    cannot be read). Returns the run's signature (names, sizes, mtimes and ctimes), which changes
     whenever the run is written.
 
     Raises:
@@ -240,11 +240,11 @@ def inspect_run(root: Path, path: Path, max_table_bytes: int = MAX_TABLE_BYTES) 
                 rel = f"{name}/{sub.name}"
                 st = _stat_inside(base, sub.path, rel)
                 _check_file(st, rel, max_table_bytes)
-                sig.append((rel, st.st_size, st.st_mtime_ns))
+                sig.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         elif name.endswith(_READ_SUFFIXES):
             st = _stat_inside(base, entry.path, name)
             _check_file(st, name, max_table_bytes)
-            sig.append((name, st.st_size, st.st_mtime_ns))
+            sig.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(sig)
 
 

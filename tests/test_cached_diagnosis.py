@@ -208,6 +208,38 @@ def test_a_changed_file_makes_the_cache_stale_and_it_is_replaced(tmp_path: Path)
     assert len(artifact_files(run_dir)) == 1  # replaced each time, one per set of options
 
 
+def test_an_edit_that_puts_size_and_mtime_back_makes_the_cache_stale(tmp_path: Path) -> None:
+    """touch -r, rsync -t, cp -p: a file edited in place whose size and mtime are put back
+    (the kept diagnosis had then hidden AMP-N09: a reviewer's reproduction)."""
+    run_dir = write_two_ranks(tmp_path / "two")
+    assert not fresh(run_dir) and fresh(run_dir)
+    steps = run_dir / "rank1" / "steps.jsonl"
+    st = steps.stat()
+    data = steps.read_bytes()
+    steps.write_bytes(data[:-2] + (b"9" if data[-2:-1] != b"9" else b"8") + data[-1:])
+    os.utime(steps, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert steps.stat().st_size == st.st_size and steps.stat().st_mtime_ns == st.st_mtime_ns
+    assert not fresh(run_dir)
+
+
+def test_a_rule_that_failed_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule that raised (a transient error: files, memory) is run again at the next read,
+    not shown as 'rule failed' until the run changes."""
+    run_dir = copy_sample("overflow", tmp_path)
+    spec = REGISTRY["AMP-N05"]
+
+    def boom(ctx: Any) -> Any:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setitem(REGISTRY, "AMP-N05", dataclasses.replace(spec, fn=boom))
+    failed = cache.diagnose_cached(amprobe.load_run(run_dir))
+    assert any(n.reason.startswith("rule failed") for n in failed.not_checked)
+    assert not artifact_files(run_dir)
+    monkeypatch.undo()
+    again = cache.diagnose_cached(amprobe.load_run(run_dir))
+    assert not again.from_cache and "AMP-N05" in again.ids()
+
+
 def test_options_rules_and_version_are_in_the_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -290,7 +322,17 @@ def test_a_read_only_run_keeps_its_diagnosis_in_the_user_cache(
 
 @pytest.mark.parametrize(
     "damage",
-    ["garbage", "empty", "other key", "wrong payload", "fifo", "wrong facts", "deep", "dtype"],
+    [
+        "garbage",
+        "empty",
+        "other key",
+        "wrong payload",
+        "fifo",
+        "wrong facts",
+        "deep",
+        "dtype",
+        "overflow",
+    ],
 )
 def test_a_damaged_cache_is_computed_again_and_replaced(damage: str, tmp_path: Path) -> None:
     run_dir = copy_sample("overflow", tmp_path)
@@ -314,6 +356,11 @@ def test_a_damaged_cache_is_computed_again_and_replaced(damage: str, tmp_path: P
         bad = {**obj["payload"], "health": {"x": {"v": "DEEP"}}}
         deep = "[" * 100_000 + "1" + "]" * 100_000
         path.write_text(json.dumps({**obj, "payload": bad}).replace('"DEEP"', deep))
+    elif damage == "overflow":
+        evidence = {"\x00numpy": ["|u1", 99999]}  # out of its dtype's range (OverflowError)
+        findings = [{**obj["payload"]["findings"][0], "evidence": evidence}]
+        bad = {**obj["payload"], "findings": findings}
+        path.write_text(json.dumps({**obj, "payload": bad}))
     elif damage == "dtype":
         evidence = {"\x00numpy": ["O", 1]}  # an object array's dtype: never made
         findings = [{**obj["payload"]["findings"][0], "evidence": evidence}]
@@ -367,22 +414,22 @@ def test_diagnose_computes_and_keeps_the_report_reads_what_it_kept(
 
 def test_a_listing_keeps_only_what_the_readers_read() -> None:
     listing = [
-        ("manifest.json", 10, 1),
-        ("control.json", 10, 1),
+        ("manifest.json", 10, 1, 1),
+        ("control.json", 10, 1, 1),
         ("rank0", "/"),
-        ("rank0/steps.jsonl", 5, 2),
-        ("rank0/summary.json", 7, 3),
-        ("rank0/control_ack.json", 1, 1),
-        ("rank\u00b2/steps.jsonl", 5, 2),  # looks like a rank, is not one
-        ("rank1/sub/steps.jsonl", 5, 2),
-        ("derived/diagnosis-x.json", 1, 1),
+        ("rank0/steps.jsonl", 5, 2, 2),
+        ("rank0/summary.json", 7, 3, 3),
+        ("rank0/control_ack.json", 1, 1, 1),
+        ("rank\u00b2/steps.jsonl", 5, 2, 2),  # looks like a rank, is not one
+        ("rank1/sub/steps.jsonl", 5, 2, 2),
+        ("derived/diagnosis-x.json", 1, 1, 1),
     ]
     assert artifacts.entries_of(listing) == [
-        ("manifest.json", 10, 1),
-        ("rank0/steps.jsonl", 5, 2),
-        ("rank0/summary.json", 7, 3),
+        ("manifest.json", 10, 1, 1),
+        ("rank0/steps.jsonl", 5, 2, 2),
+        ("rank0/summary.json", 7, 3, 3),
     ]
-    assert [r[0] for r in listing if len(r) == 3 and artifacts.is_source(r[0])] == [
+    assert [r[0] for r in listing if len(r) == 4 and artifacts.is_source(r[0])] == [
         "manifest.json",
         "rank0/steps.jsonl",
         "rank0/summary.json",

@@ -157,6 +157,9 @@ def test_a_record_without_checksums_says_not_checked(tmp_path: Path) -> None:
 def test_the_warm_path_reads_no_file_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = _run(tmp_path / "r")
     monkeypatch.setattr(integrity, "CACHE_MIN_BYTES", 0)
+    # the files were just written (their ctime is now, whatever mtime _run set): trust a check
+    # made at once, as a check two seconds later would be
+    monkeypatch.setattr(integrity, "RACY_NS", 0)
     crcs: list[int] = []
     real = zlib.crc32
 
@@ -216,3 +219,25 @@ def test_many_damaged_ranks_are_listed_past_the_first_few(tmp_path: Path) -> Non
     said = _integrity_warnings(loaded)
     assert [w.split(":")[0] for w in said] == [f"rank {r}" for r in range(1, 9)] + ["ranks 9-10"]
     assert len(loaded.summaries()) == 11  # every rank's facts kept
+
+
+def test_damage_whose_mtime_was_put_back_is_found_on_a_warm_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit that puts size and mtime back (touch -r, rsync -t) cannot put ctime back: the
+    verdict kept for the file no longer matches, and the file is read again."""
+    run_dir = _run(tmp_path / "r")
+    monkeypatch.setattr(integrity, "CACHE_MIN_BYTES", 0)
+    monkeypatch.setattr(integrity, "RACY_NS", 0)
+    first = load_run(run_dir)
+    first.summaries()  # verified, and kept
+    assert not _integrity_warnings(first)
+    steps = run_dir / "rank0" / "steps.jsonl"
+    st = steps.stat()
+    time.sleep(0.01)
+    _damage(steps)
+    os.utime(steps, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert steps.stat().st_mtime_ns == st.st_mtime_ns and steps.stat().st_size == st.st_size
+    loaded = load_run(run_dir)
+    loaded.summaries()
+    assert [w[:25] for w in _integrity_warnings(loaded)] == ["rank 0: steps.jsonl diffe"]

@@ -52,6 +52,7 @@ from amprobe.analysis.overview import autocast_dtype_text, distinct_step_count, 
 from amprobe.rules.engine import (
     REGISTRY,
     REQUIREMENTS,
+    RULE_FAILED,
     Diagnosis,
     Finding,
     NotChecked,
@@ -87,8 +88,8 @@ __all__ = [
 CACHE_VERSION = 1
 _ARTIFACT_PREFIX = "diagnosis"
 
-#: Sources entries: ``(path relative to the run, size, mtime_ns)``
-Sources = Sequence[tuple[str, int, int]]
+#: Sources entries: ``(path relative to the run, size, mtime_ns, ctime_ns)``
+Sources = Sequence[tuple[str, int, int, int]]
 
 
 class UncacheableError(ValueError):
@@ -411,7 +412,15 @@ def _read(run: Run, name: str, key: str) -> CachedDiagnosis | None:
         with gc_paused():
             diagnosis = decode_diagnosis(payload, run)
         warnings = [str(w) for w in payload["warnings"]]
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError):
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        RecursionError,
+        OverflowError,
+    ):
         return None  # damaged: computed again, and replaced
     _add_warnings(run, warnings)
     return diagnosis
@@ -511,6 +520,9 @@ def _diagnose_cached(
         thresholds=diagnosis.thresholds,
         facts=facts,
     )
-    if store and key is not None:
+    # a rule that failed (a transient error: files, memory) is not kept, so the next read
+    # runs it again rather than showing 'rule failed' until the run changes
+    failed = any(n.reason.startswith(RULE_FAILED) for n in diagnosis.not_checked)
+    if store and key is not None and not failed:
         store_diagnosis(computed, facts, added, thresholds, only, key)
     return computed

@@ -159,6 +159,10 @@ class Finding:
         }
 
 
+#: how a not-checked reason starts when the rule raised (its error follows)
+RULE_FAILED = "rule failed"
+
+
 @dataclasses.dataclass(frozen=True)
 class NotChecked:
     """A rule that could not run, and why."""
@@ -847,7 +851,7 @@ def _diagnose(
                     NotChecked(
                         rid,
                         spec.name,
-                        f"rule failed: {type(exc).__name__}: {exc} (line {where.lineno})",
+                        f"{RULE_FAILED}: {type(exc).__name__}: {exc} (line {where.lineno})",
                     )
                 )
     findings = [f for rid in REGISTRY if rid in report for f in by_rule.get(rid, ())]

@@ -101,16 +101,18 @@ def is_source(rel: str) -> bool:
     return name.endswith(TABLE_SUFFIX) or name in _RANK_FILES
 
 
-def source_entries(run_dir: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+def source_entries(run_dir: str | os.PathLike[str]) -> list[tuple[str, int, int, int]]:
     """Per file of the run that its readers read (:func:`is_source`): ``(path relative to the
-    run, size, mtime_ns)``, sorted by path. One ``stat`` a file (symbolic links followed, as
+    run, size, mtime_ns, ctime_ns)``, sorted by path (the change time too: an edit that puts
+    the size and modification time back, as ``touch -r`` or ``rsync -t`` do, cannot put it
+    back; a hard-linked copy made of the run changes it, and is read again once). One ``stat`` a file (symbolic links followed, as
     the loader follows them), nothing opened; a file that vanishes while listed is left out,
     an unlistable rank folder lists as ``(folder, -1, -1)``."""
     root = Path(run_dir)
-    out: list[tuple[str, int, int]] = []
+    out: list[tuple[str, int, int, int]] = []
     with contextlib.suppress(OSError):
         st = os.stat(root / RUN_MANIFEST)
-        out.append((RUN_MANIFEST, st.st_size, st.st_mtime_ns))
+        out.append((RUN_MANIFEST, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     try:
         folders = [e.name for e in os.scandir(root) if parse_rank_dirname(e.name) is not None]
     except OSError:
@@ -121,7 +123,7 @@ def source_entries(run_dir: str | os.PathLike[str]) -> list[tuple[str, int, int]
         except NotADirectoryError:
             continue
         except OSError:
-            out.append((folder, -1, -1))
+            out.append((folder, -1, -1, -1))
             continue
         for entry in entries:
             name = entry.name
@@ -131,7 +133,7 @@ def source_entries(run_dir: str | os.PathLike[str]) -> list[tuple[str, int, int]
                 st = entry.stat()
             except OSError:
                 continue
-            out.append((f"{folder}/{name}", st.st_size, st.st_mtime_ns))
+            out.append((f"{folder}/{name}", st.st_size, st.st_mtime_ns, st.st_ctime_ns))
     out.sort()
     return out
 
@@ -241,14 +243,14 @@ def _parents_made(folder: Path) -> bool:
     return True
 
 
-def entries_of(listing: Iterable[tuple[Any, ...]]) -> list[tuple[str, int, int]]:
+def entries_of(listing: Iterable[tuple[Any, ...]]) -> list[tuple[str, int, int, int]]:
     """The :func:`source_entries` of a run from a listing of its files already made (``(path
-    relative to the run, size, mtime_ns)`` rows; other rows, such as folders, are skipped):
+    relative to the run, size, mtime_ns, ctime_ns)`` rows; other rows, such as folders, are skipped):
     the dashboard's check of a run lists them before any read."""
     ranks: dict[str, bool] = {}  # folder -> is a rank folder (45,000 rows at 4,096 ranks)
-    out: list[tuple[str, int, int]] = []
+    out: list[tuple[str, int, int, int]] = []
     for row in listing:
-        if len(row) != 3 or not isinstance(row[0], str):
+        if len(row) != 4 or not isinstance(row[0], str):
             continue
         rel = row[0]
         folder, slash, name = rel.partition("/")
@@ -261,6 +263,6 @@ def entries_of(listing: Iterable[tuple[Any, ...]]) -> list[tuple[str, int, int]]
                 ranks[folder] = parse_rank_dirname(folder) is not None
             keep = ranks[folder]
         if keep:
-            out.append((rel, int(row[1]), int(row[2])))
+            out.append((rel, int(row[1]), int(row[2]), int(row[3])))
     out.sort()
     return out

@@ -9,14 +9,17 @@ keeping its size and line ends) would go unseen: :func:`verify` reads them once 
 Reading every summarized byte is the price of a cold read (about 0.5 ms of CPU per MB); a
 warm read does not pay it: each verified file is remembered in a small cache file
 (:data:`CACHE_FILE`, in the folder :func:`amprobe.store.places.derived_folder` names) keyed
-by the file's path in the run, inode, size and ``mtime_ns`` and the recorded offset and CRC,
-and trusted only when the file's mtime was at least :data:`RACY_NS` older than the check (a
+by the file's path in the run, inode, size, the later of ``mtime_ns`` and ``ctime_ns`` (an
+edit that puts the modification time back, as ``touch -r`` or ``rsync -t`` do, cannot put the
+change time back) and the recorded offset and CRC, and trusted only when that time was at
+least :data:`RACY_NS` older than the check (a
 file changed within the file system's timestamp granularity of its check could keep its
 mtime: such an entry is read again, then kept with the new time). A file that only grew
 since (the same inode, larger: a live run's appends) is read from where its last check
 ended, the CRC continued from there (damage in place to bytes checked before, made while the
 file grew, is then seen only by a read without the cache). A copied run (new inodes and
-mtimes) is verified again. Runs with fewer than :data:`CACHE_MIN_BYTES` to check keep no
+mtimes) is verified again. Damage that changes no time at all (the medium itself) is seen by
+a cold read only: delete ``verified.json`` to read every file again. Runs with fewer than :data:`CACHE_MIN_BYTES` to check keep no
 cache (reading them costs less than the cache would).
 
 The standard library only; raises nothing but what its callers are told.
@@ -151,7 +154,9 @@ def verify(
         except OSError as exc:
             verdict.unreadable.append((check, exc.strerror or str(exc)))
             continue
-        key = [st.st_ino, st.st_size, st.st_mtime_ns, check.offset, check.crc]
+        # the later of mtime and ctime: an edit that puts the mtime back cannot put ctime back
+        touched = max(st.st_mtime_ns, st.st_ctime_ns)
+        key = [st.st_ino, st.st_size, touched, check.offset, check.crc]
         old = get(check.rel)
         if type(old) is not list or len(old) != 6 or type(old[5]) is not int:
             old = None
