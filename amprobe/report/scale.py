@@ -681,16 +681,7 @@ def make_loss_scale_figure(
                 1,
             )
     if rows.empty:
-        fig.add_annotation(
-            text="not recorded: no enabled GradScaler",
-            showarrow=False,
-            xref="x domain",
-            yref="y domain",
-            x=0.5,
-            y=0.5,
-            row=1,
-            col=1,
-        )
+        _no_scale_note(fig)
     if has_loss:
         for rank, part in split_ranks(sort_steps(steps)):
             x, y = thin_series(part, "loss", max_points, keep_gaps=True)
@@ -838,16 +829,7 @@ def _loss_scale_bands(
                 1,
             )
     else:
-        fig.add_annotation(
-            text="not recorded: no enabled GradScaler",
-            showarrow=False,
-            xref="x domain",
-            yref="y domain",
-            x=0.5,
-            y=0.5,
-            row=1,
-            col=1,
-        )
+        _no_scale_note(fig)
     if has_loss:
         bands = add_rank_bands(fig, steps, "loss", "loss", lambda r: f"loss (rank {r})", ranks, 2)
         notes.append(bands_note("loss", bands) + "; NaN/inf losses left out, shaded below")
@@ -968,6 +950,20 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     if len(scaled):
         text.append(_scaled_steps_text(scaled))
     return Section("scale", title, figures=(make_loss_scale_figure(steps),), text=tuple(text))
+
+
+def _no_scale_note(fig: go.Figure) -> None:
+    """Say in the loss-scale panel (row 1) that the run used no enabled GradScaler."""
+    fig.add_annotation(
+        text="not recorded: no enabled GradScaler",
+        showarrow=False,
+        xref="x domain",
+        yref="y domain",
+        x=0.5,
+        y=0.5,
+        row=1,
+        col=1,
+    )
 
 
 def _no_loss_note(fig: go.Figure) -> None:
