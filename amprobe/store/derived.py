@@ -60,10 +60,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from amprobe.store import schema
-from amprobe.store.artifacts import code_fingerprint
+from amprobe.store.artifacts import code_fingerprint, is_source
 from amprobe.store.jsonl import _read_arrow, _read_rank_table, _TableRead
 from amprobe.store.layout import (
-    TABLE_SUFFIX,
     RunLoadError,
     open_regular,
     read_json_file,
@@ -71,7 +70,6 @@ from amprobe.store.layout import (
 )
 from amprobe.store.places import DERIVED_DIR, cache_dir, cache_key
 from amprobe.store.places import writable as _writable
-from amprobe.store.summary import SUMMARY_FILE
 from amprobe.version import __version__
 
 if TYPE_CHECKING:
@@ -143,10 +141,6 @@ def _cache_key(run: Run) -> str:
 
 
 # -- sources and freshness -------------------------------------------------------------------
-#: the files of a rank folder the store is built from, besides its tables
-_RANK_SOURCES = (schema.RANK_MANIFEST, schema.END_MARKER, SUMMARY_FILE)
-
-
 def source_files(run: Run) -> dict[str, tuple[int, int]]:
     """The files the derived store is built from, relative to the run: ``(size, mtime_ns)``:
     the run manifest and, per rank, its manifest, end marker, tables and summary record (the
@@ -170,7 +164,7 @@ def source_files(run: Run) -> dict[str, tuple[int, int]]:
         except OSError:
             continue
         for name in names:
-            if name.endswith(TABLE_SUFFIX) or name in _RANK_SOURCES:
+            if is_source(f"{folder}/{name}"):  # the files the run's readers read
                 add(info.path / name, f"{folder}/{name}")
     return out
 
