@@ -15,6 +15,7 @@ from amprobe.store.loader import Run
 
 __all__ = [
     "percent_text",
+    "points_text",
     "HALF_DTYPES",
     "MAX_LISTED_STEPS",
     "per_rank",
@@ -89,17 +90,23 @@ def steps_text(
     return ("step " if len(runs) == 1 and runs[0][0] == runs[0][1] else "steps ") + text
 
 
-def percent_text(fraction: float, digits: int = 1, space: bool = True) -> str:
-    """A fraction as a percentage with ``digits`` decimals, more where rounding would say what
-    is not so: a share below 100 % never reads ``100.0 %`` (0.9995: ``99.95 %``), a share above
-    zero never ``0.0 %`` (0.00004: ``0.004 %``)."""
-    points = 100.0 * float(fraction)
+def points_text(points: float, digits: int) -> str:
+    """``points`` (a percentage) with ``digits`` decimals, more where rounding would say what is
+    not so: below 100 never ``100.0`` (99.95: ``99.95``), above zero never ``0.0`` (0.004:
+    ``0.004``); past 8 decimals a value just under 100 is cut, not rounded."""
     text = f"{points:.{digits}f}"
     while digits < 8 and ((float(text) >= 100.0 > points) or (float(text) == 0.0 and points > 0.0)):
         digits += 1
         text = f"{points:.{digits}f}"
     if float(text) >= 100.0 > points:  # closer to 100 % than 8 decimals tell: cut, not round
         text = f"{math.floor(points * 10**digits) / 10**digits:.{digits}f}"
+    return text
+
+
+def percent_text(fraction: float, digits: int = 1, space: bool = True) -> str:
+    """A fraction as a percentage with ``digits`` decimals (:func:`points_text`: a share below
+    100 % never reads ``100.0 %``, a share above zero never ``0.0 %``)."""
+    text = points_text(100.0 * float(fraction), digits)
     return f"{text} %" if space else f"{text}%"
 
 

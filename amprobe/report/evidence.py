@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from amprobe.analysis.frames import MAX_LISTED_STEPS, range_text, steps_text
+from amprobe.analysis.frames import MAX_LISTED_STEPS, points_text, range_text, steps_text
 from amprobe.analysis.numerics import COUNT_DEFINITIONS
 from amprobe.rules.engine import REGISTRY, Finding, format_ranks
 
@@ -275,9 +275,7 @@ def _percent_points(points: float) -> str:
     if abs(points) >= 100:
         return f"{points:,.0f} %"
     digits = max(0, 2 - math.floor(math.log10(abs(points))))
-    while digits < 8 and float(f"{points:.{digits}f}") >= 100.0 > points:
-        digits += 1  # a share below 100 % never reads 100 (99.95: "99.95 %")
-    return f"{points:.{digits}f} %"
+    return f"{points_text(points, digits)} %"  # below 100 % never "100" (99.95: "99.95 %")
 
 
 def _seconds(value: float) -> str:
