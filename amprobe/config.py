@@ -130,6 +130,16 @@ class Config:
             recording window carries the job's true iteration numbers. A dormant probe watches
             the run's control file from a background thread.
         control_poll_s: how often (seconds) that background thread reads the control file.
+        replay: ``"on"`` (the default): the first bad steps (an update skipped for inf/NaN
+            gradients outside the scaler's start-up calibration, or a non-finite loss seen
+            before its update) are re-run in the training process in a fixed set of variants
+            (as it ran, eager, autocast off, layers pinned to fp32, a lower loss scale) to
+            measure their cause (AMP-N17); ``"off"`` replays nothing and keeps nothing for it.
+        replay_max: replays per run at most (0 = none, as ``replay="off"``).
+        checkpoint_guard: what a checkpoint save does while parameters or optimizer state hold
+            inf/NaN (AMP-N18): ``"warn"`` (the default) records it and lets the save go on;
+            ``"raise"`` refuses the save with an error before anything is written; ``"off"``
+            checks nothing.
     """
 
     flush_every: int | None = None
@@ -156,6 +166,9 @@ class Config:
     prometheus_host: str = "127.0.0.1"
     dormant: bool = False
     control_poll_s: float = 0.5
+    replay: str = "on"
+    replay_max: int = 3
+    checkpoint_guard: str = "warn"
 
     def __post_init__(self) -> None:
         for key in LIST_KEYS:
@@ -276,6 +289,21 @@ class Config:
         ):
             raise ConfigError(
                 f"control_poll_s must be a number of seconds between 0.01 and 60, got {self.control_poll_s!r}"
+            )
+        if self.replay not in ("on", "off"):
+            raise ConfigError(f"replay must be 'on' or 'off', got {self.replay!r}")
+        if (
+            isinstance(self.replay_max, bool)
+            or not isinstance(self.replay_max, int)
+            or self.replay_max < 0
+        ):
+            raise ConfigError(
+                f"replay_max must be a non-negative integer (0 = off), got {self.replay_max!r}"
+            )
+        if self.checkpoint_guard not in ("off", "warn", "raise"):
+            raise ConfigError(
+                "checkpoint_guard must be 'off', 'warn' or 'raise', "
+                f"got {self.checkpoint_guard!r}"
             )
         for key in ("rank", "world_size"):
             value = getattr(self, key)
