@@ -252,6 +252,8 @@ class Config:
             collectors = (collectors[0], "compile", *collectors[1:])
         if port and "prometheus" not in collectors:
             collectors = (*collectors, "prometheus")
+        if self.replay == "on" and self.replay_max and "replay" not in collectors:
+            collectors = (*collectors, "replay")  # keeps only references: nothing on most steps
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (
             not isinstance(self.max_steps, int) or self.max_steps < 1
@@ -302,8 +304,7 @@ class Config:
             )
         if self.checkpoint_guard not in ("off", "warn", "raise"):
             raise ConfigError(
-                "checkpoint_guard must be 'off', 'warn' or 'raise', "
-                f"got {self.checkpoint_guard!r}"
+                f"checkpoint_guard must be 'off', 'warn' or 'raise', got {self.checkpoint_guard!r}"
             )
         for key in ("rank", "world_size"):
             value = getattr(self, key)

@@ -271,8 +271,11 @@ def test_every_collector_declares_exactly_its_fields():
 
 def test_comma_separated_lists_are_accepted(tmp_path):
     cfg = amprobe.Config(collectors="scaler,numerics, runtime", numerics_layers="0,2")
-    # scaler and compile are always on (compile reads torch.compile's counters only if used)
-    assert cfg.collectors == ("scaler", "compile", "numerics", "runtime")
+    # scaler and compile are always on (compile reads torch.compile's counters only if used);
+    # so is replay (references kept per step) unless replay="off" or replay_max=0
+    assert cfg.collectors == ("scaler", "compile", "numerics", "runtime", "replay")
+    assert "replay" not in amprobe.Config(collectors="scaler", replay="off").collectors
+    assert "replay" not in amprobe.Config(collectors="scaler", replay_max=0).collectors
     assert cfg.numerics_layers == ("0", "2")
     with pytest.raises(amprobe.ConfigError, match="unknown collector 'numeric'.*'numerics'"):
         amprobe.attach(run_dir=tmp_path / "r", config={"collectors": "scaler,numeric"})

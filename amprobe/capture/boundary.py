@@ -371,7 +371,11 @@ class StepBoundary:
             host = _on_host(scale)
             count: float | None = None  # found-inf on the host (reading it is free)
             total: torch.Tensor | None = None  # on the device: read back at flush
+            stepped = 0  # optimizers this scaler's step() was called for (a host fact)
             for state in scaler._per_optimizer_states.values():
+                stage = state.get("stage")
+                if getattr(stage, "name", None) == "STEPPED":
+                    stepped += 1
                 per_device = state.get("found_inf_per_device")
                 if not per_device:
                     continue
@@ -392,6 +396,7 @@ class StepBoundary:
                 "host": host,
                 "scale_before": scale.item() if host else scale.detach().clone(),
                 "found_inf": found,
+                "stepped": stepped,
             }
         except Exception as exc:  # torch internals changed: record, keep counting steps
             self.probe.event("scaler_internals_unreadable", error=f"{type(exc).__name__}: {exc}")
@@ -416,6 +421,7 @@ class StepBoundary:
                 if isinstance(tracker, torch.Tensor):
                     facts.growth_tracker = tracker.item() if host else tracker.detach().clone()
                 facts.found_inf = before["found_inf"]
+                facts.scaler_stepped = before.get("stepped", 0)
             if self._subs["on_scaler_update"]:
                 self._emit(
                     "on_scaler_update",
@@ -531,6 +537,8 @@ class StepBoundary:
             self.modules.stop()
         if self._subs["on_step_nonfinite"] and facts.host_nonfinite():
             self._emit("on_step_nonfinite", probe.step, facts)
+        if self._subs["on_step_bad"] and (facts.host_skipped() or facts.host_nonfinite()):
+            self._emit("on_step_bad", probe.step, facts)
         probe.end_step(facts)  # dispatches on_step_end, flushes, applies control requests
         if probe.recording and not probe.closed:
             self.begin_step(probe.step)

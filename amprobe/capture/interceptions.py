@@ -441,7 +441,10 @@ class RootModelHooks:
         dispatch = self.dispatch
         subscribed = dispatch.subscribed
         if not (
-            subscribed("on_forward_begin") or subscribed("on_forward_end") or dispatch.phase_times
+            subscribed("on_forward_begin")
+            or subscribed("on_forward_end")
+            or subscribed("on_forward_output")
+            or dispatch.phase_times
         ):
             return
         probe = self.probe
@@ -472,10 +475,14 @@ class RootModelHooks:
             # is_compiling() first: what changes between steps is never read inside a graph
             # (dynamo would guard on it); then nothing to do on most steps (no phase clock,
             # nobody asked for the event)
-            if is_compiling() or not (clock.on or subs["on_forward_end"]):
+            if is_compiling() or not (
+                clock.on or subs["on_forward_end"] or subs["on_forward_output"]
+            ):
                 return
             if probe.recording and not probe.closed:
                 safe(boundary.on_forward_end, module)
+                if subs["on_forward_output"]:
+                    dispatch.emit("on_forward_output", module, out)
 
         layer.hook(model.register_forward_pre_hook(pre, with_kwargs=True))
         layer.hook(model.register_forward_hook(post, always_call=True))

@@ -66,6 +66,9 @@ class StepFacts:
         scale_after: its loss scale after ``update()``.
         growth_tracker: consecutive unskipped steps after ``update()``.
         found_inf: inf/NaN found in the gradients, summed over optimizers and devices.
+        scaler_stepped: optimizers that scaler's ``step()`` was called for in the iteration
+            (a host fact: with fewer ``opt_steps``, the scaler skipped an update, which it
+            knows on the host; a fused optimizer that skips on the device steps anyway).
         phase_s: host seconds per phase (``fwd``, ``bwd``, ``opt``) when a collector asked
             for phase times (see :mod:`amprobe.capture.phases`), else None.
         cuda_phases: ``(phase, start, end)`` CUDA timing events of the phases (not read yet).
@@ -103,6 +106,7 @@ class StepFacts:
     scale_after: torch.Tensor | float | None = None
     growth_tracker: torch.Tensor | float | None = None
     found_inf: torch.Tensor | float | None = None
+    scaler_stepped: int = 0
     phase_s: dict[str, float] | None = None
     cuda_phases: list[tuple[str, Any, Any]] = field(default_factory=list)
     scalers_scaled: list[Any] = field(default_factory=list)
@@ -130,6 +134,15 @@ class StepFacts:
         self.unscaled_opts = []
         self.scaler_steps = []
         self.autocast_new = []
+
+    def host_skipped(self) -> bool:
+        """The GradScaler skipped an update in this iteration, as far as the host knows it: a
+        found-inf on the host, or (on an accelerator) fewer optimizer steps than ``step()``
+        calls of that scaler (it read found-inf on the host to skip them; free to ask)."""
+        found: Any = self.found_inf
+        if type(found) in _HOST_NUMBERS:
+            return bool(found > 0)
+        return found is not None and self.scaler_stepped > self.opt_steps
 
     def host_nonfinite(self) -> bool:
         """Something of the step is non-finite as far as its host values tell: found-inf, the
@@ -292,6 +305,10 @@ class Collector:
     def on_forward_end(self, model: torch.nn.Module) -> None:
         """A root model's forward ended (also when it raised)."""
 
+    def on_forward_output(self, model: torch.nn.Module, output: Any) -> None:
+        """A root model's forward returned ``output`` (not delivered when it raised, nor inside
+        a compiled region)."""
+
     def on_autocast(self, device: str, dtype: str | None, enabled: bool) -> None:
         """An autocast region was entered."""
 
@@ -338,6 +355,12 @@ class Collector:
         """Iteration ``step`` is ending and its host values show something non-finite
         (:meth:`StepFacts.host_nonfinite`: a CPU run; on an accelerator those values are read
         at flush). Delivered before ``on_step_end`` and the next ``on_step_begin``."""
+
+    def on_step_bad(self, step: int, facts: StepFacts) -> None:
+        """Iteration ``step`` is ending and the host knows it was bad: what
+        :meth:`on_step_nonfinite` is delivered for, or an update the GradScaler skipped
+        (:meth:`StepFacts.host_skipped`, also on an accelerator: the scaler read found-inf on
+        the host to skip it). Delivered right after ``on_step_nonfinite``."""
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         """Iteration ``step`` ended, now: what must be read from the live job at this moment

@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--overflow-at", type=int, default=-1, help="mlp: inputs x1e5 at this step")
     ap.add_argument("--model", default="gpt", choices=["gpt", "mlp"])
     ap.add_argument("--attach", action="store_true", help="amprobe.attach() in the script")
+    ap.add_argument("--run-dir", default=None, help="with --attach: the run directory")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--fsdp",
@@ -170,7 +171,7 @@ def main() -> None:
     if args.attach:
         import amprobe
 
-        probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler)
+        probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=args.run_dir)
 
     g = torch.Generator().manual_seed(1 + rank)
     if args.model == "gpt":

@@ -11,6 +11,7 @@ from amprobe.capture.collectors.compiled import CompileCollector
 from amprobe.capture.collectors.compute import ComputeCollector
 from amprobe.capture.collectors.numerics import NumericsCollector
 from amprobe.capture.collectors.prometheus import PrometheusCollector
+from amprobe.capture.collectors.replay import ReplayCollector
 from amprobe.capture.collectors.runtime import RuntimeCollector
 from amprobe.capture.collectors.scaler import ScalerCollector
 from amprobe.capture.protocol import Collector, StepFacts, due
@@ -22,6 +23,7 @@ __all__ = [
     "ComputeCollector",
     "NumericsCollector",
     "PrometheusCollector",
+    "ReplayCollector",
     "RuntimeCollector",
     "ScalerCollector",
     "StepFacts",
@@ -35,4 +37,5 @@ REGISTRY: dict[str, type[Collector]] = {
     "compute": ComputeCollector,
     "runtime": RuntimeCollector,
     "prometheus": PrometheusCollector,
+    "replay": ReplayCollector,
 }

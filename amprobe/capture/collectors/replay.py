@@ -1,0 +1,242 @@
+"""The replay of the first bad steps: their cause measured in the training process (AMP-N17).
+
+When an update is skipped for inf/NaN gradients outside the GradScaler's start-up calibration,
+or a loss is non-finite before its update (a loss read for free: on the host), the step's model
+forward, and its backward seeded with the gradient that reached the model's output, are run
+again on the same weights and inputs, in a short fixed set of variants (:mod:`.replay_run`):
+as it ran, eager instead of compiled, autocast off, layers pinned to fp32, a lower loss scale.
+Which variants ran, their results and times, and the cause they measure are recorded in a
+``replay`` event; a bad step that could not be replayed gets a ``replay`` event that says why.
+
+What is kept for a possible replay, on every step, of the last root-model forward of the step:
+references to its inputs (no copy) and their version counters, the CPU generator's state (5 KB,
+copied) and the device generator's (16 bytes), the autocast setting, and a reference to the
+gradient that reached each floating output (one tensor hook per output; on a language model
+the logits' gradient stays alive until the step ends instead of being freed in the backward).
+Everything is dropped at the step's end. Cost on a step: two Python calls and one or two
+generator-state copies; no device work, no host-device sync.
+
+The replay itself runs only on a bad step, at its end, at most ``Config.replay_max`` times per
+run, each bounded by :data:`TIME_FACTOR` times the bad step's own time. It leaves the training
+as it would have been without it: the generators and the model's buffers are restored, gradients
+are taken with ``torch.autograd.grad`` into tensors of its own (no ``.grad``, no optimizer state
+is touched), compiled graphs are only called as they ran (the other variants run under
+``torch.compiler.set_stance("force_eager")``, which compiles nothing), and amprobe's own hooks
+stay out of it (``probe.recording`` is off while it runs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from amprobe.capture.collectors.compiled import is_compiled_module
+from amprobe.capture.collectors.replay_run import (
+    Kept,
+    ReplayPlan,
+    describe_model,
+    replay_step,
+)
+from amprobe.capture.protocol import Collector, StepFacts
+
+__all__ = ["MAX_CALIBRATION_SKIPS", "TIME_FACTOR", "ReplayCollector"]
+
+#: a replay may take at most this many times the bad step's own wall time
+TIME_FACTOR = 10.0
+#: leading skipped steps at the scaler's init_scale that are its start-up calibration (as the
+#: read side's :data:`amprobe.analysis.scaler.MAX_CALIBRATION_CUTS`)
+MAX_CALIBRATION_SKIPS = 16
+
+
+def _host_number(value: Any) -> float | None:
+    return float(value) if type(value) in (float, int) else None
+
+
+class ReplayCollector(Collector):
+    """Replays the first bad steps in variants and records their measured cause.
+
+    Events: ``replay`` (one per bad step considered: ``replayed`` true with ``cause``,
+    ``experiments`` — each variant's ``variant``, ``finite``, ``forward_finite``,
+    ``grads_finite``, ``first_nonfinite``, ``max_abs``, ``seconds`` — ``verified_fix``, ``seconds``,
+    ``micro_batch``/``micro_batches``; or ``replayed`` false with ``reason``).
+    """
+
+    name = "replay"
+
+    def on_attach(self, probe: Any) -> None:
+        super().on_attach(probe)
+        config = probe.config
+        self._left = 0 if config.replay == "off" else int(config.replay_max)
+        self._kept: Kept | None = None
+        self._forwards = 0  # root forwards with grad enabled in the step in progress
+        self._kept_step = -1  # the step those forwards belong to
+        self._first_step: int | None = None  # the first step seen (a forward or a bad step)
+        self._bad_count = 0  # skipped steps seen
+        self._last_bad: int | None = None
+        self._first_scale: float | None = None
+        self._replayed_steps: set[int] = set()
+        self._loss_reported = False
+        self._reported_off: set[str] = set()
+        self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+
+    def on_model(self, model: torch.nn.Module) -> None:
+        self._models.append(weakref.ref(model))
+
+    # -- what is kept on every step ------------------------------------------------------------
+    def on_forward_begin(self, model: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if self._left <= 0 or not torch.is_grad_enabled():
+            return  # no replay left, or an evaluation forward
+        step = self.probe.step
+        if self._first_step is None:
+            self._first_step = step
+        if step != self._kept_step:  # the first forward of a step: a new micro-batch count
+            self._kept_step = step
+            self._forwards = 0
+        self._forwards += 1
+        self._kept = Kept.take(model, args, kwargs, self.probe.device)
+
+    def on_forward_output(self, model: torch.nn.Module, output: Any) -> None:
+        kept = self._kept
+        if kept is not None and kept.model() is model and output is not None:
+            kept.watch_output(output)
+
+    def on_optimizer_step_begin(self, optimizer: torch.optim.Optimizer) -> None:
+        # no GradScaler: a loss read for free (on the host) and non-finite is known here,
+        # before the update changes the weights the step saw
+        facts = self.probe.hub.boundary.facts
+        if self._left <= 0 or facts.scaler_enabled or self._kept is None:
+            return
+        if any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
+            return
+        loss = _host_number(facts.loss)
+        if (
+            loss is not None
+            and not math.isfinite(loss)
+            and self.probe.step not in self._replayed_steps
+        ):
+            self._replay("nonfinite_loss", facts, None)
+
+    def on_step_bad(self, step: int, facts: StepFacts) -> None:
+        # delivered on bad steps only (a skipped update or a non-finite host value): the
+        # ordinary step pays nothing here; what was kept is replaced at the next forward
+        if not facts.host_skipped():
+            return  # a non-finite loss without a skip: judged before the update, if at all
+        first = self._first_step
+        if first is None:
+            first = self._first_step = step
+        self._bad_count += 1
+        episode = self._last_bad == step - 1  # the previous step was bad too: the same episode
+        self._last_bad = step
+        # calibration: every step since the first seen was skipped, from the init scale
+        leading = self._bad_count == step - first + 1
+        if leading and self._bad_count == 1:
+            self._first_scale = _scale_value(facts.scale_before)
+        if leading and self._in_calibration(facts):
+            return
+        if episode and not (leading and self._bad_count == MAX_CALIBRATION_SKIPS):
+            return  # the first bad step of a run of them is replayed, not each
+        if self._left <= 0 or step in self._replayed_steps:
+            if self._left <= 0 and "max" not in self._reported_off:
+                self._reported_off.add("max")
+                self.probe.event(
+                    "replay",
+                    replayed=False,
+                    reason=f"replay_max ({self.probe.config.replay_max}) replays already made",
+                    trigger="skipped_update",
+                )
+            return
+        self._replay("skipped_update", facts, _scale_value(facts.scale_before))
+        self._kept = None
+
+    def _in_calibration(self, facts: StepFacts) -> bool:
+        scaler = facts.scaler
+        init = getattr(scaler, "_init_scale", None)
+        return (
+            init is not None
+            and self._first_scale is not None
+            and self._first_scale == float(init)
+            and self._bad_count < MAX_CALIBRATION_SKIPS
+        )
+
+    def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
+        # a non-finite loss known only now (read back from the device at flush), without a
+        # GradScaler: the update already changed the weights the step saw
+        if self._loss_reported or step in self._replayed_steps or facts.scaler_enabled:
+            return
+        loss = record.get("loss")
+        if isinstance(loss, float) and not math.isfinite(loss) and facts.opt_steps > 0:
+            self._loss_reported = True
+            self.probe.event(
+                "replay",
+                replayed=False,
+                trigger="nonfinite_loss",
+                reason=(
+                    "weights already updated: without a GradScaler a non-finite loss on the "
+                    "device is known only when read back, after the optimizer step"
+                ),
+            )
+
+    # -- the replay ----------------------------------------------------------------------------
+    def _replay(self, trigger: str, facts: StepFacts, scale: float | None) -> None:
+        probe = self.probe
+        step = probe.step
+        self._replayed_steps.add(step)
+        kept = self._kept if self._kept_step == step else None  # (a forward of this step)
+        reason = self._cannot(kept)
+        if reason is not None or kept is None:
+            probe.event("replay", replayed=False, trigger=trigger, reason=reason)
+            return
+        self._left -= 1
+        start = probe.t_step_start
+        took = time.perf_counter() - start if start is not None else 0.0
+        plan = ReplayPlan(
+            budget_s=TIME_FACTOR * max(took, 1e-3),
+            scale=scale,
+            compiled=self._compiled(kept),
+            sampled_graph=False,
+            micro_batch=self._forwards,
+            micro_batches=self._forwards,
+            loss=_scale_value(facts.loss),
+        )
+        was = probe.recording
+        probe.recording = False  # amprobe's own hooks stay out of the replay
+        try:
+            detail = replay_step(kept, plan)
+        finally:
+            probe.recording = was
+        detail["trigger"] = trigger
+        probe.event("replay", **detail)
+
+    def _compiled(self, kept: Kept) -> bool:
+        model = kept.model()
+        if model is None:
+            return False
+        if is_compiled_module(model):
+            return True
+        return any(is_compiled_module(m) for m in model.modules())
+
+    def _cannot(self, kept: Kept | None) -> str | None:
+        """Why this step cannot be replayed, decided before anything runs."""
+        hub = self.probe.hub
+        if hub.sources.sources:
+            names = ", ".join(sorted(type(s).__name__ for s in hub.sources.sources))
+            return f"the engine owns backward ({names}): its step is not replayed"
+        if kept is None:
+            return (
+                "no forward of a root model was seen in this step (the model ran inside a "
+                "compiled step function, or amprobe does not know its model)"
+            )
+        return describe_model(kept)
+
+
+def _scale_value(value: Any) -> float | None:
+    """The loss scale as a number (a device scale is read: only on a bad step)."""
+    if type(value) in (float, int):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    return None

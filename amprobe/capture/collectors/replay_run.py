@@ -1,0 +1,719 @@
+"""One replay of a bad step: the variants, run on the step's weights and inputs, and the cause.
+
+:func:`replay_step` is called by :class:`~amprobe.capture.collectors.replay.ReplayCollector` at a
+bad step's end. Its order of experiments is fixed (G§5.1 of the seeds, done for the user):
+
+1. the gradient that reached the model's output is already non-finite: ``loss-computation``
+   (the loss is computed outside the model);
+2. **as it ran** (the compiled graphs when compiled, the step's autocast setting): the step
+   finite now -> ``not-reproduced``;
+3. compiled: **eager** (``torch.compiler.set_stance("force_eager")``: nothing compiles, the
+   user's graphs are not touched); finite -> ``compiler``; the later variants run eager;
+4. the forward non-finite: **autocast off** (fp32 end to end); still non-finite ->
+   ``data-or-model``; finite -> ``precision``, then the pins;
+5. the forward finite, the gradients not: the same backward at the **loss scale / 2^k**; finite
+   -> ``loss-scale`` (the scale was too high, benign); else autocast off, then the pins;
+6. **pins**: the layer measured first non-finite, then the normalizations, softmax/attention
+   layers, the output projection and the module that feeds the loss, each run in fp32 (autocast
+   off inside it, its floating inputs cast to fp32) one at a time, then cumulatively; at most
+   :data:`MAX_PIN_RUNS` runs; the fewest layers that make the step finite are the verified fix.
+
+A variant's result: the forward's outputs finite, the parameters' gradients (seeded with the
+step's output gradient, taken with ``torch.autograd.grad``: no ``.grad`` is written) finite, the
+first non-finite layer (forward hooks on the eager path, read once per variant) and the largest
+magnitude. The generators are set to the step's forward state before each variant and to their
+state at the replay's start after the last; the model's buffers likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from amprobe.capture.collectors.sharded import user_model
+
+__all__ = ["MAX_PIN_RUNS", "SCALE_DIVISORS", "Kept", "ReplayPlan", "describe_model", "replay_step"]
+
+#: pin variants (single, then cumulative) at most per replay
+MAX_PIN_RUNS = 8
+#: the lower loss scales tried, in order: scale / d for each divisor d (one backward each)
+SCALE_DIVISORS = tuple(2.0**k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24))
+
+_NORM_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.modules.batchnorm._BatchNorm,
+    torch.nn.modules.instancenorm._InstanceNorm,
+    torch.nn.LocalResponseNorm,
+    *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
+)
+_SOFTMAX_TYPES: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.Softmax,
+    torch.nn.LogSoftmax,
+    torch.nn.Softmin,
+    torch.nn.MultiheadAttention,
+)
+_HALF = (torch.float16, torch.bfloat16)
+_PLAIN_VALUES = (int, float, bool, str, type(None))
+
+
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    return [
+        t
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+
+
+class Kept:
+    """What one root forward leaves for a replay: references, no copies (see the module)."""
+
+    __slots__ = (
+        "args",
+        "autocast",
+        "device_rng",
+        "device_type",
+        "grads",
+        "kwargs",
+        "model",
+        "n_outputs",
+        "outputs",
+        "rng",
+        "training",
+        "versions",
+        "__weakref__",
+    )
+
+    model: weakref.ReferenceType[torch.nn.Module]
+    args: Any
+    kwargs: Any
+    versions: list[tuple[torch.Tensor, int]]
+    device_type: str
+    rng: torch.Tensor
+    device_rng: tuple[int, torch.Tensor] | None
+    autocast: tuple[bool, torch.dtype | None]
+    training: bool
+
+    def __init__(self) -> None:
+        self.grads: dict[int, torch.Tensor] = {}
+        self.n_outputs = 0
+        self.outputs: list[weakref.ReferenceType[torch.Tensor]] = []
+
+    @classmethod
+    def take(cls, model: torch.nn.Module, args: Any, kwargs: Any, device: Any) -> Kept:
+        kept = cls()
+        kept.model = weakref.ref(model)
+        kept.args = args
+        kept.kwargs = kwargs
+        leaves = pytree.tree_leaves((args, kwargs))
+        kept.versions = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor)]
+        dtype = device.type if isinstance(device, torch.device) else "cpu"
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                dtype = t.device.type
+                break
+        kept.device_type = dtype
+        kept.rng = torch.get_rng_state()
+        kept.device_rng = None
+        if dtype == "cuda" and torch.cuda.is_available():
+            kept.device_rng = (torch.cuda.current_device(), torch.cuda.get_rng_state())
+        enabled = torch.is_autocast_enabled(dtype)
+        kept.autocast = (enabled, torch.get_autocast_dtype(dtype) if enabled else None)
+        kept.training = model.training
+        return kept
+
+    def watch_output(self, output: Any) -> None:
+        """Keep the gradient that reaches each floating output (a tensor hook each)."""
+        leaves = pytree.tree_leaves(output)
+        self.n_outputs = len(leaves)
+        self.grads = {}
+        self.outputs = []
+        ref = weakref.ref(self)
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.outputs.append(weakref.ref(t))  # read at a replay if the job still holds it
+                if t.requires_grad:
+                    t.register_hook(_keeper(ref, i))
+
+    def output_finite(self) -> bool | None:
+        """Whether the step's own floating outputs were finite (a sync: at a replay only);
+        None when the job no longer holds them (or there were none)."""
+        live = [r() for r in self.outputs]
+        if not live or any(t is None for t in live):
+            return None
+        with torch.no_grad():
+            return bool(
+                torch.stack([torch.isfinite(t).all() for t in live if t is not None]).all().item()
+            )
+
+
+def _keeper(ref: weakref.ReferenceType[Kept], index: int) -> Any:
+    def keep(grad: torch.Tensor) -> None:
+        kept = ref()
+        if kept is not None:
+            have = kept.grads.get(index)
+            kept.grads[index] = grad if have is None else have + grad
+        return None
+
+    return keep
+
+
+@dataclasses.dataclass
+class ReplayPlan:
+    """The facts a replay is decided on (see :func:`replay_step`)."""
+
+    budget_s: float
+    scale: float | None
+    compiled: bool
+    sampled_graph: bool
+    micro_batch: int
+    micro_batches: int
+    loss: float | None = None
+
+
+def describe_model(kept: Kept) -> str | None:
+    """Why the kept forward cannot be replayed, or None."""
+    model = kept.model()
+    if model is None:
+        return "the model was freed before the step ended"
+    for t, version in kept.versions:
+        if t._version != version:
+            return (
+                "the step's inputs were modified in place after its forward started "
+                "(a replay would read other values)"
+            )
+    names = {c.__name__ for c in type(model).__mro__}
+    if any(n.startswith("FSDP") for n in names) or any(
+        type(m).__name__.startswith("FSDP") for m in model.modules()
+    ):
+        return (
+            "FSDP2: its forward gathers parameters across ranks and its post-backward writes "
+            "`.grad`; a sharded replay is not supported yet"
+        )
+    return None
+
+
+@dataclasses.dataclass
+class _Result:
+    variant: str
+    finite: bool = False
+    forward_finite: bool = False
+    grads_finite: bool | None = None
+    first_nonfinite: str | None = None
+    nonfinite_params: list[str] = dataclasses.field(default_factory=list)
+    max_abs: float | None = None
+    seconds: float = 0.0
+    pins: list[str] = dataclasses.field(default_factory=list)
+    scale: float | None = None
+    error: str | None = None
+
+    def row(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "variant": self.variant,
+            "finite": self.finite,
+            "forward_finite": self.forward_finite,
+            "grads_finite": self.grads_finite,
+            "first_nonfinite": self.first_nonfinite,
+            "max_abs": self.max_abs,
+            "seconds": round(self.seconds, 6),
+        }
+        if self.pins:
+            row["pins"] = list(self.pins)
+        if self.scale is not None:
+            row["scale"] = self.scale
+        if self.nonfinite_params:
+            row["nonfinite_params"] = self.nonfinite_params[:5]
+        if self.error:
+            row["error"] = self.error
+        return row
+
+
+class _Budget(Exception):
+    """The replay's time is spent."""
+
+
+class _Runner:
+    """Runs the variants of one replay on one kept forward."""
+
+    def __init__(self, kept: Kept, plan: ReplayPlan) -> None:
+        self.kept = kept
+        self.plan = plan
+        root = kept.model()
+        assert root is not None
+        self.root = root
+        self.user = user_model(
+            root
+        )  # DDP's .module: a forward through the wrapper arms its reducer
+        self.target = self._target(root)
+        self.params = [(n, p) for n, p in self.user.named_parameters() if p.requires_grad]
+        self.names = {id(m): n for n, m in self.user.named_modules() if n}
+        self.start = time.perf_counter()
+        self.results: list[_Result] = []
+        self.order: list[str] = []  # module names in forward completion order (eager)
+        self.leaves: list[str] = []
+        seeds = kept.grads
+        self.seeds = seeds
+
+    def _target(self, root: torch.nn.Module) -> torch.nn.Module:
+        """What is called: DDP's inner module (never the wrapper), else the root as it ran."""
+        inner = root
+        for _ in range(4):
+            module = getattr(inner, "module", None)
+            if type(inner).__name__ == "DistributedDataParallel" and isinstance(
+                module, torch.nn.Module
+            ):
+                inner = module
+            else:
+                break
+        return inner
+
+    # -- one variant ---------------------------------------------------------------------------
+    def run(
+        self,
+        variant: str,
+        *,
+        eager: bool,
+        autocast: bool = True,
+        pins: tuple[str, ...] = (),
+        scales: tuple[float, ...] = (1.0,),
+        observe: bool = False,
+        stop_at_finite: bool = False,
+    ) -> list[_Result]:
+        """One forward, and one backward per entry of ``scales`` (seed multipliers)."""
+        elapsed = time.perf_counter() - self.start
+        if self.results and elapsed >= self.plan.budget_s:
+            raise _Budget
+        kept = self.kept
+        base = self.plan.scale
+        results = [
+            _Result(variant, pins=list(pins), scale=None if base is None else base * s)
+            for s in scales
+        ]
+        t0 = time.perf_counter()
+        flags: list[tuple[str, torch.Tensor]] = []
+        order: list[str] = []
+        with contextlib.ExitStack() as stack:
+            self._set_rng()
+            if eager and self.plan.compiled:
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            stack.enter_context(torch.enable_grad())
+            # the forward under the step's autocast setting (and the pins); the backward after
+            # it, outside autocast, as a training loop runs it (on the CPU a backward inside an
+            # autocast region would cast its matmuls too)
+            with contextlib.ExitStack() as forward:
+                enabled, dtype = kept.autocast
+                if enabled and autocast:
+                    forward.enter_context(torch.autocast(kept.device_type, dtype=dtype))
+                else:
+                    forward.enter_context(torch.autocast(kept.device_type, enabled=False))
+                if observe:
+                    self._observe(forward, flags, order)
+                for name in pins:
+                    forward.enter_context(_pinned(self.user.get_submodule(name), kept.device_type))
+                out = self.target(*kept.args, **(kept.kwargs or {}))
+            leaves = pytree.tree_leaves(out)
+            floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            with torch.no_grad():
+                fwd_ok = (
+                    torch.stack([torch.isfinite(t).all() for t in floats]).all()
+                    if floats
+                    else torch.tensor(True)
+                )
+                amax = (
+                    torch.stack(
+                        [
+                            t.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
+                            for t in floats
+                            if t.numel()
+                        ]
+                    ).amax()
+                    if floats
+                    else None
+                )
+            fwd = bool(fwd_ok.item())
+            peak = float(amax.item()) if amax is not None else None
+            first = None
+            if flags:
+                ok = torch.stack([f for _, f in flags]).tolist()
+                for (name, _), good in zip(flags, ok, strict=False):
+                    if not good:
+                        first = name
+                        break
+            # a layer's non-finite output that a later op hides (tanh(inf) = 1) is a
+            # non-finite forward too: its backward is not finite
+            fwd = fwd and first is None
+            self.order = order or self.order
+            pairs = [
+                (leaves[i], g)
+                for i, g in self.seeds.items()
+                if i < len(leaves)
+                and isinstance(leaves[i], torch.Tensor)
+                and leaves[i].requires_grad
+            ]
+            done: list[_Result] = []
+            for k, (s, r) in enumerate(zip(scales, results, strict=False)):
+                r.forward_finite = fwd
+                r.max_abs = peak
+                r.first_nonfinite = first
+                done.append(r)
+                if pairs and self.params:
+                    outs = [o for o, _ in pairs]
+                    seeds = [g.to(o.dtype) * s if s != 1.0 else g.to(o.dtype) for o, g in pairs]
+                    grads = torch.autograd.grad(
+                        outs,
+                        [p for _, p in self.params],
+                        grad_outputs=seeds,
+                        allow_unused=True,
+                        retain_graph=k < len(scales) - 1,
+                    )
+                    with torch.no_grad():
+                        per = torch.stack(
+                            [
+                                torch.isfinite(g).all() if g is not None else fwd_ok.new_ones(())
+                                for g in grads
+                            ]
+                        ).tolist()
+                    del grads, seeds
+                    r.grads_finite = all(per)
+                    if not r.grads_finite:
+                        r.nonfinite_params = [
+                            n for (n, _), good in zip(self.params, per, strict=False) if not good
+                        ]
+                r.finite = fwd and r.grads_finite is not False
+                if stop_at_finite and r.finite:
+                    break
+                if k < len(scales) - 1 and time.perf_counter() - self.start >= self.plan.budget_s:
+                    break
+            results = done
+            del out, leaves, floats, pairs
+        took = time.perf_counter() - t0
+        for r in results:
+            r.seconds = took / len(results)
+        self.results.extend(results)
+        return results
+
+    def _set_rng(self) -> None:
+        torch.set_rng_state(self.kept.rng)
+        if self.kept.device_rng is not None:
+            index, state = self.kept.device_rng
+            torch.cuda.set_rng_state(state, index)
+
+    def _observe(
+        self, stack: contextlib.ExitStack, flags: list[tuple[str, torch.Tensor]], order: list[str]
+    ) -> None:
+        """Forward hooks on every named module (eager variants only): each output's finiteness,
+        kept on the device and read once with the variant's other values."""
+        names = self.names
+
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            name = names.get(id(module))
+            if name is None:
+                return
+            order.append(name)
+            floats = _float_leaves(out)
+            if floats:
+                with torch.no_grad():
+                    flags.append(
+                        (name, torch.stack([torch.isfinite(t).all() for t in floats]).all())
+                    )
+
+        handles = [m.register_forward_hook(hook) for n, m in self.user.named_modules() if n]
+        stack.callback(lambda: [h.remove() for h in reversed(handles)])
+
+
+@contextlib.contextmanager
+def _pinned(module: torch.nn.Module, device_type: str) -> Iterator[None]:
+    """Run ``module`` in fp32 for the block: autocast off inside it, floating inputs cast."""
+    had = "forward" in module.__dict__
+    forward = module.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.dtype in _HALF else t, (args, kwargs)
+        )
+        with torch.autocast(device_type, enabled=False):
+            return forward(*args, **kwargs)
+
+    module.forward = run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = forward  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+
+def _candidates(runner: _Runner, first: str | None) -> list[str]:
+    """The layers to pin, in the stated order: the one measured first non-finite, the
+    normalizations, softmax/attention layers, the output projection, the module feeding the loss."""
+    user = runner.user
+    order = runner.order
+    seen: dict[str, None] = {}
+    if first:
+        seen[first] = None
+    executed = [n for n in dict.fromkeys(order)]
+    modules = dict(user.named_modules())
+    for name in executed:
+        if isinstance(modules.get(name), _NORM_TYPES):
+            seen.setdefault(name, None)
+    for name in executed:
+        m = modules.get(name)
+        if isinstance(m, _SOFTMAX_TYPES) or "attention" in type(m).__name__.lower():
+            seen.setdefault(name, None)
+    linears = [n for n in executed if isinstance(modules.get(n), torch.nn.Linear)]
+    if linears:
+        seen.setdefault(linears[-1], None)
+    leaves = [
+        n
+        for n in executed
+        if modules.get(n) is not None and not any(True for _ in modules[n].children())
+    ]
+    if leaves:
+        seen.setdefault(leaves[-1], None)
+    return list(seen)
+
+
+def _dropout_in_training(module: torch.nn.Module) -> bool:
+    return any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training and m.p > 0
+        for m in module.modules()
+    )
+
+
+def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
+    """Replay the kept forward in the fixed order of variants; return the ``replay`` event's
+    detail. Never raises: a failure of the replay itself is recorded as its ``reason``."""
+    t0 = time.perf_counter()
+    root = kept.model()
+    if root is None:
+        return {"replayed": False, "reason": "the model was freed before the step ended"}
+    rng_now = torch.get_rng_state()
+    device_rng_now = None
+    if kept.device_rng is not None:
+        device_rng_now = (kept.device_rng[0], torch.cuda.get_rng_state(kept.device_rng[0]))
+    user = user_model(root)
+    buffers = [(b, b.detach().clone()) for b in user.buffers()]
+    # plain Python attributes a forward may change (call counters, flags), restored as well
+    attrs = [
+        (m, {k: v for k, v in vars(m).items() if type(v) in _PLAIN_VALUES}) for m in user.modules()
+    ]
+    detail: dict[str, Any] = {"replayed": True}
+    runner: _Runner | None = None
+    try:
+        runner = _Runner(kept, plan)
+        detail.update(_decide(runner, plan))
+    except _Budget:
+        detail.update(_partial(runner, "the replay's time budget was spent"))
+    except torch.OutOfMemoryError:
+        detail = {"replayed": False, "reason": "out of memory"}
+    except Exception as exc:  # a replay that fails is recorded, never raised
+        detail = {"replayed": False, "reason": f"the replay failed: {type(exc).__name__}: {exc}"}
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, values in attrs:
+            m.__dict__.update(values)
+        torch.set_rng_state(rng_now)
+        if device_rng_now is not None:
+            torch.cuda.set_rng_state(device_rng_now[1], device_rng_now[0])
+        if runner is not None:
+            detail["experiments"] = [r.row() for r in runner.results]
+        if detail.get("reason") == "out of memory" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    detail["seconds"] = round(time.perf_counter() - t0, 6)
+    detail["budget_s"] = round(plan.budget_s, 6)
+    if plan.micro_batches > 1:
+        detail["micro_batch"] = plan.micro_batch
+        detail["micro_batches"] = plan.micro_batches
+    detail["compiled"] = plan.compiled
+    if plan.scale is not None:
+        detail["scale"] = plan.scale
+    return detail
+
+
+def _partial(runner: _Runner | None, why: str) -> dict[str, Any]:
+    return {"cause": None, "verified_fix": [], "incomplete": why}
+
+
+def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
+    """The fixed order of experiments (see the module docstring)."""
+    out: dict[str, Any] = {"verified_fix": []}
+    notes: list[str] = []
+    seeds = r.seeds
+    seed_finite: bool | None = None
+    if seeds:
+        with torch.no_grad():
+            seed_finite = bool(
+                torch.stack([torch.isfinite(g).all() for g in seeds.values()]).all().item()
+            )
+    else:
+        notes.append("no gradient reached the model's output in the step: forward variants only")
+    out["output_grad_finite"] = seed_finite
+    real = r.kept.output_finite()
+    out["output_finite"] = real
+    if seed_finite is False:
+        # a gradient computed from a non-finite output (or by a non-finite loss): no backward
+        # can be seeded with it; the variants are judged by their forward
+        r.seeds = {}
+        notes.append(
+            "the gradient that reached the model's output was non-finite: the variants are "
+            "judged by their forward"
+        )
+    compiled = plan.compiled
+    as_ran = r.run("as it ran", eager=False, observe=not compiled)[0]
+    if seed_finite is False and as_ran.forward_finite:
+        loss = plan.loss
+        if real is True and loss is not None and not math.isfinite(loss):
+            out["cause"] = "loss-computation"
+            notes.append(
+                "the model's output was finite and the loss computed from it was not: the loss "
+                "computation (outside the model) made it"
+            )
+        elif real is True and _has_inf(r.kept.grads) and plan.scale and loss is not None:
+            out["cause"] = "loss-scale"
+            notes.append(
+                f"the loss ({loss:.6g}) and the model's output were finite, and the gradient "
+                "reached the model's output as inf: the scaled gradient overflowed in the "
+                f"loss's backward, before the model; the loss scale ({plan.scale:g}) was too "
+                "high for it (how much lower it must be cannot be measured without the loss "
+                "computation)"
+            )
+        elif real is True:
+            out["cause"] = "loss-computation"
+            notes.append(
+                "the model's output was finite and the gradient that entered the model was not: "
+                "the loss computation (outside the model) made it"
+            )
+        else:
+            out["cause"] = "not-reproduced"
+            notes.append(
+                "the forward is finite on replay"
+                + (
+                    " and was not in the step"
+                    if real is False
+                    else " (the step's output was no longer held: whether the forward or the "
+                    "loss computation made the gradient non-finite cannot be told)"
+                )
+            )
+        out["notes"] = notes
+        return out
+    if as_ran.finite:
+        out["cause"] = "not-reproduced"
+        if plan.micro_batches > 1:
+            notes.append(
+                f"only the last of {plan.micro_batches} micro-batches is kept: an earlier one "
+                "may hold the non-finite value"
+            )
+        out["notes"] = notes
+        return out
+    base = as_ran
+    if compiled:
+        eager = r.run("eager", eager=True, observe=True)[0]
+        if eager.finite:
+            out["cause"] = "compiler"
+            out["compiled_first_nonfinite"] = as_ran.first_nonfinite
+            if _dropout_in_training(r.user):
+                notes.append(
+                    "the model uses dropout in training: inductor draws its randomness "
+                    "differently from eager, so the two runs are not the same computation "
+                    "(not confirmed)"
+                )
+                out["confirmed"] = False
+            out["notes"] = notes
+            return out
+        base = eager
+    if base.forward_finite and r.seeds:
+        # gradient-only overflow: the same backward at lower loss scales
+        found = _lower_scale(r)
+        if found is not None:
+            out["cause"] = "loss-scale"
+            out["finite_at_scale_divisor"] = found
+            if plan.scale:
+                out["finite_at_scale"] = plan.scale / found
+            out["notes"] = notes
+            return out
+    off = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
+    if not off.finite:
+        out["cause"] = "data-or-model"
+        out["notes"] = notes
+        return out
+    out["cause"] = "precision"
+    first = base.first_nonfinite or _grad_culprit(base, r)
+    fix = _pins(r, _candidates(r, first))
+    out["verified_fix"] = fix
+    out["first_nonfinite"] = first
+    if not fix:
+        notes.append("no pin of the candidate layers alone made the step finite")
+    out["notes"] = notes
+    return out
+
+
+def _has_inf(grads: dict[int, torch.Tensor]) -> bool:
+    with torch.no_grad():
+        return any(bool(torch.isinf(g).any().item()) for g in grads.values())
+
+
+def _grad_culprit(result: _Result, r: _Runner) -> str | None:
+    """For a gradient-only overflow: the module owning the first non-finite parameter gradient."""
+    if not result.nonfinite_params:
+        return None
+    name = result.nonfinite_params[-1]
+    return name.rsplit(".", 1)[0] if "." in name else None
+
+
+def _lower_scale(r: _Runner) -> float | None:
+    """The smallest power-of-two divisor of the loss scale at which the step's gradients are
+    finite: one forward, a backward per divisor of :data:`SCALE_DIVISORS` until one is, then
+    the powers of two between it and the last that was not (the largest finite scale); None
+    when none is."""
+    results = r.run(
+        "lower loss scale",
+        eager=True,
+        scales=tuple(1.0 / d for d in SCALE_DIVISORS),
+        stop_at_finite=True,
+    )
+    if not results[-1].finite:
+        return None
+    found = SCALE_DIVISORS[len(results) - 1]
+    below = SCALE_DIVISORS[len(results) - 2] if len(results) > 1 else 1.0
+    between = []
+    d = found / 2
+    while d > below:
+        between.append(d)
+        d /= 2
+    if between:
+        refined = r.run("lower loss scale", eager=True, scales=tuple(1.0 / d for d in between))
+        for d, res in zip(between, refined, strict=False):
+            if not res.finite:
+                break
+            found = d
+    return found
+
+
+def _pins(r: _Runner, candidates: list[str]) -> list[str]:
+    """Single pins in order, then cumulative; at most :data:`MAX_PIN_RUNS` runs."""
+    runs = 0
+    for name in candidates:
+        if runs >= MAX_PIN_RUNS:
+            return []
+        runs += 1
+        if r.run(f"fp32 {name}", eager=True, pins=(name,), observe=True)[0].finite:
+            return [name]
+    for n in range(2, len(candidates) + 1):
+        if runs >= MAX_PIN_RUNS:
+            break
+        runs += 1
+        pins = tuple(candidates[:n])
+        if r.run("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)[0].finite:
+            return list(pins)
+    return []
