@@ -79,6 +79,11 @@ def check_poisoned_checkpoint(ctx: RuleContext) -> Iterator[Finding]:
     first_t = {int(e["rank"]): float(e["t"]) for e in first}
     bad_saves = set(saves)
     refused = any(bool(e.get("refused")) for e in first)
+    # a collective save refused on every rank: the ranks whose own tensors were finite too
+    refused_ranks = sorted(
+        {int(e["rank"]) for e in first if e.get("refused")}
+        | {int(e["rank"]) for e in clean if _save_key(e) == first_key and e.get("written") is False}
+    )
     # the last good checkpoint: written, finite on every rank, before the first poisoned one
     good: tuple[int, float, dict[str, Any]] | None = None
     for e in clean:
@@ -122,6 +127,7 @@ def check_poisoned_checkpoint(ctx: RuleContext) -> Iterator[Finding]:
         "step": step,
         "function": function,
         "refused": refused,
+        "refused_ranks": refused_ranks if refused and len(run.ranks) > 1 else None,
         "nonfinite_tensor_count": nonfinite,
         "checked_tensor_count": sum(int(e.get("tensor_count") or 0) for e in first),
         "tensors": rows,
