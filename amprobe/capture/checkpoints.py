@@ -42,7 +42,10 @@ for DCP no directory or shard file, is written. A DCP save is collective: the ra
 one flag over the save's process group (the default one unless given; a CPU tensor on gloo,
 the current CUDA device otherwise) so that every rank raises or none does; that costs one small
 collective per DCP save while ``checkpoint_guard="raise"``. The Trainer's and Lightning's saves
-are not collectives of their own: their ranks hold the same replicated weights and decide alike.
+(``_save_checkpoint``, ``save_checkpoint``) are called on every rank (the main process
+writes), so their ranks agree the same way (their weights may be sharded: FSDP); the Trainer's
+``save_model`` (often called on the main process only) and ``torch.save`` (a job often saves
+on rank 0 only) are not collective: each rank decides alone.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ _FRAMEWORKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pytorch_lightning": ("pytorch_lightning.trainer.trainer", ("save_checkpoint",)),
 }
 _DCP = "torch.distributed.checkpoint"
+#: what a framework's save writes could not be read (the check is counted as failed)
+_UNREAD = object()
 
 
 class Scan:
@@ -327,18 +332,24 @@ class CheckpointGuard:
         guard = self
         cls_name = "Trainer"
         function = f"{module}.{cls_name}.{method}"
+        collective = True if method != "save_model" else None
 
         def make(orig: Any) -> Any:
             def save(trainer: Any, *args: Any, **kwargs: Any) -> Any:
                 if not guard._active():
                     return orig(trainer, *args, **kwargs)
                 with guard._checking():
+                    saved: Any
                     try:
                         saved, target = _framework_state(module, method, trainer, args, kwargs)
                     except Exception as exc:
                         guard._check_failed(exc, function)
-                        return orig(trainer, *args, **kwargs)
-                    guard.check(saved, target, function)
+                        saved, target = _UNREAD, "<unknown>"
+                    # the Trainer's _save_checkpoint and Lightning's save_checkpoint run on every
+                    # rank (the main process writes; Lightning has a barrier in it): sharded
+                    # weights (FSDP) differ per rank, so the ranks agree as for DCP. save_model
+                    # may be called on the main process only: it decides alone.
+                    guard.check(saved, target, function, collective=collective)
                     return orig(trainer, *args, **kwargs)
 
             save.__doc__ = orig.__doc__
@@ -359,6 +370,8 @@ class CheckpointGuard:
         None: not collective)."""
         path = _path_of(target)
         try:
+            if obj is _UNREAD:
+                raise RuntimeError("what the save writes could not be read")
             with self.dispatch.own_work():
                 result = scan(obj)
                 poisoned = bool(result.nonfinite)
