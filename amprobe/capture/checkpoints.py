@@ -293,6 +293,8 @@ class CheckpointGuard:
         def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
             if not guard._active() or isinstance(obj, torch.Tensor):
                 return orig(obj, f, *args, **kwargs)
+            if guard._dcp_pending or guard._pending:
+                guard.load()  # (for the next save: a framework's is under way already)
             with guard._checking():
                 guard.check(obj, f, "torch.save")
                 return orig(obj, f, *args, **kwargs)
