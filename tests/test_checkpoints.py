@@ -219,29 +219,35 @@ def test_the_check_syncs_once_per_device():
 
 
 # -- torch.distributed.checkpoint ------------------------------------------------------------
+@pytest.mark.parametrize("function", ["save", "async_save"])
 @pytest.mark.parametrize("guard", ["warn", "raise"])
-def test_dcp_save_single_process(tmp_path, attached, guard):
+def test_dcp_save_single_process(tmp_path, attached, guard, function):
     import torch.distributed.checkpoint as dcp
+
+    def save(state, checkpoint_id):
+        done = getattr(dcp, function)(state, checkpoint_id=checkpoint_id)
+        if function == "async_save":
+            done.result()
 
     model, opt = _model()
     probe = attached(checkpoint_guard=guard)
     _train(model, opt)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "good"))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "good"))  # (plain)
     with torch.no_grad():
         model[0].bias[2] = float("nan")
     target = tmp_path / "bad"
     if guard == "raise":
         with pytest.raises(amprobe.PoisonedCheckpointError):
-            dcp.save({"model": model.state_dict()}, checkpoint_id=str(target))
+            save({"model": model.state_dict()}, checkpoint_id=str(target))
         assert not target.exists(), "no directory, no shard file"
     else:
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(target))
+        save({"model": model.state_dict()}, checkpoint_id=str(target))
         assert target.exists()
     probe.close()
     finding, _ = _n18(amprobe.load_run(tmp_path / "run"))
     assert finding is not None
     assert finding.evidence["path"] == str(target)
-    assert finding.evidence["function"] == "torch.distributed.checkpoint.save"
+    assert finding.evidence["function"] == f"torch.distributed.checkpoint.{function}"
     assert [t["tensor"] for t in finding.evidence["tensors"]] == ["model.0.bias"]
     assert finding.evidence["last_good_path"] == str(tmp_path / "good")
 

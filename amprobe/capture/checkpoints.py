@@ -258,7 +258,7 @@ class CheckpointGuard:
             return
         for owner in (torch, torch.serialization):
             self.installed.patch(owner, "save", self._wrap_torch_save)
-        self.load()
+        self.dispatch.safe(self.load)  # a framework that changed is no attach error
 
     def load(self) -> None:
         """Wrap DCP's and the frameworks' saves once their modules are imported. Cheap: a few
@@ -294,7 +294,8 @@ class CheckpointGuard:
             if not guard._active() or isinstance(obj, torch.Tensor):
                 return orig(obj, f, *args, **kwargs)
             if guard._dcp_pending or guard._pending:
-                guard.load()  # (for the next save: a framework's is under way already)
+                # (for the next save: a framework's is under way already)
+                guard.dispatch.safe(guard.load)
             with guard._checking():
                 guard.check(obj, f, "torch.save")
                 return orig(obj, f, *args, **kwargs)
@@ -321,7 +322,7 @@ class CheckpointGuard:
                         function,
                         collective=None
                         if kwargs.get("no_dist")
-                        else kwargs.get("process_group", True),
+                        else (kwargs.get("process_group") or True),
                     )
                     return orig(state_dict, *args, **kwargs)
 
