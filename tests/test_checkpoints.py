@@ -262,9 +262,11 @@ def test_dcp_two_ranks_one_poisoned_both_refuse(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = run_gloo_job(cmd, out, cwd=tmp_path, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = set(proc.stdout.splitlines())
-    assert {"rank 0 refused elsewhere=True", "rank 1 refused elsewhere=False"} <= lines
-    assert {"rank 0 trained on", "rank 1 trained on"} <= lines
+    results = [(tmp_path / f"result{r}.txt").read_text().splitlines() for r in (0, 1)]
+    assert results == [
+        ["refused elsewhere=True", "trained on"],
+        ["refused elsewhere=False", "trained on"],
+    ]
     assert not (ck / "poisoned").exists()
     assert sorted(p.name for p in ck.iterdir()) == ["after", "good"]
     run = amprobe.load_run(out)

@@ -1,8 +1,9 @@
 """A 2-rank DCP save on CPU (gloo): a clean save, then one where only rank POISON_RANK (default
 1) holds a NaN in its local shard of a DTensor. Usage: dcp_gloo.py CHECKPOINT_DIR.
 
-Prints "rank R saved" or "rank R refused elsewhere=BOOL" for the poisoned save, then trains one
-more step and saves again ("rank R trained on").
+Writes, to result<R>.txt beside CHECKPOINT_DIR, "saved" or "refused elsewhere=BOOL" for the
+poisoned save, then trains one more step, saves again and adds "trained on" (one file per rank:
+the ranks' stdout lines interleave).
 """
 
 import os
@@ -20,6 +21,7 @@ import amprobe
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 base = sys.argv[1]
+results: list[str] = []
 torch.manual_seed(0)
 model = nn.Linear(8, 4)
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -46,13 +48,15 @@ if rank == int(os.environ.get("POISON_RANK", 1)):
         sharded.to_local()[0, 0] = float("nan")
 try:
     dcp.save(state(), checkpoint_id=os.path.join(base, "poisoned"))
-    print(f"rank {rank} saved", flush=True)
+    results.append("saved")
 except amprobe.PoisonedCheckpointError as exc:
-    print(f"rank {rank} refused elsewhere={exc.elsewhere}", flush=True)
+    results.append(f"refused elsewhere={exc.elsewhere}")
 with torch.no_grad():
     sharded.to_local().nan_to_num_(0.0)
 train_step()
 dcp.save(state(), checkpoint_id=os.path.join(base, "after"))
-print(f"rank {rank} trained on", flush=True)
+results.append("trained on")
+with open(os.path.join(os.path.dirname(base), f"result{rank}.txt"), "w") as f:
+    f.write("\n".join(results))
 dist.barrier()
 dist.destroy_process_group()
