@@ -24,6 +24,7 @@ import os
 from typing import TYPE_CHECKING
 
 from amprobe.config import ENV_RUN_DIR, Config, ConfigError
+from amprobe.errors import PoisonedCheckpointError
 from amprobe.lazy import lazy_names
 from amprobe.store.layout import RunLoadError
 from amprobe.version import __version__
@@ -39,6 +40,7 @@ __all__ = [
     "ConfigError",
     "Diagnosis",
     "Finding",
+    "PoisonedCheckpointError",
     "Probe",
     "Run",
     "RunLoadError",

@@ -94,7 +94,7 @@ def layer_of(module: str) -> str:
     if parts[1] == "integrations":  # framework callbacks: attach, diagnose, print the summary
         return TOP
     sub = parts[1]
-    if sub in ("config", "version", "lazy"):
+    if sub in ("config", "version", "lazy", "errors"):
         return CONFIG
     if sub == "store":
         return STORE

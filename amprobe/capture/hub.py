@@ -13,7 +13,9 @@ installed at :meth:`Hub.close`, in the reverse order of installation:
 * :class:`~amprobe.capture.interceptions.Interceptions` (``interceptions``): the class-level
   wrappers of GradScaler, Optimizer (and torch's global optimizer step hooks), autocast,
   ``torch.autograd.backward``, DataLoader iteration, the gradient-clipping helpers and
-  ``torch.compile``; :class:`~amprobe.capture.interceptions.RootModelHooks` (``roots``): one
+  ``torch.compile``, and the checkpoint saves
+  (:class:`~amprobe.capture.checkpoints.CheckpointGuard`, ``interceptions.checkpoints``:
+  AMP-N18); :class:`~amprobe.capture.interceptions.RootModelHooks` (``roots``): one
   forward pre-hook and one forward hook per root model;
 * :class:`~amprobe.capture.boundary.StepBoundary` (``boundary``): the step boundary (the
   ``update()`` of the first GradScaler used, else an engine's own step, else the ``step()`` of

@@ -7,6 +7,9 @@
   :class:`~amprobe.capture.install.ScalerMethods`, a subclass's overrides of them);
 * ``Optimizer.__init__``/``load_state_dict`` and torch's global optimizer step post-hook;
 * ``torch.compile`` (to :class:`~amprobe.capture.compilewatch.CompileWatch`);
+* the checkpoint saves (``torch.save``, DCP, the frameworks': see
+  :class:`~amprobe.capture.checkpoints.CheckpointGuard`, ``checkpoints``), unless
+  ``checkpoint_guard="off"``;
 
 and, in each recording window's layer of that stack (removed when the window closes), the
 per-step interceptions that do nothing while dormant:
@@ -43,6 +46,7 @@ from torch.optim.optimizer import (
 from torch.utils.data import dataloader as _dataloader
 
 from amprobe.capture.boundary import StepBoundary
+from amprobe.capture.checkpoints import CheckpointGuard
 from amprobe.capture.collectors.compiled import is_compiled_module, is_compiling
 from amprobe.capture.compilewatch import CompileWatch
 from amprobe.capture.dispatch import Dispatcher
@@ -80,13 +84,14 @@ class Interceptions:
         self.boundary = boundary
         self.compile = compile_watch
         self.sources = sources
+        self.checkpoints = CheckpointGuard(probe, dispatch, installed)
         self._recording_makers: dict[str, Any] = {}
 
     def install(self) -> None:
         """Install the interceptions a dormant probe needs (once per probe, in the hub's own
         stack): the step boundary (``GradScaler.update``, the optimizer step post-hook, the
-        engine sources), the objects' ``__init__``/``load_state_dict`` and ``torch.compile``.
-        The others are installed by :meth:`install_recording`."""
+        engine sources), the objects' ``__init__``/``load_state_dict``, ``torch.compile`` and
+        the checkpoint saves. The others are installed by :meth:`install_recording`."""
         probe = self.probe
         emit = self.dispatch.emit
         safe = self.dispatch.safe
@@ -103,6 +108,7 @@ class Interceptions:
         update_begins = boundary.update_begins
         after_update = boundary.after_update
         iterators = boundary.iterators
+        checkpoints = self.checkpoints
 
         def see_iterator(iterator: Any) -> None:
             with contextlib.suppress(TypeError):  # (an iterator without weak references)
@@ -209,6 +215,8 @@ class Interceptions:
                 orig(self, *args, **kwargs)
                 if not probe.closed:
                     safe(boundary.see_optimizer, self)
+                    # a framework imported since attach (its Trainer builds the optimizer)
+                    safe(checkpoints.load)
 
             return __init__
 
@@ -343,6 +351,7 @@ class Interceptions:
 
         installed.hook(register_optimizer_step_post_hook(post_hook))
         self.sources.load()
+        self.checkpoints.install()
 
     def install_recording(self, layer: Installed) -> None:
         """Install the per-step recording interceptions in ``layer`` (a recording window's
@@ -358,6 +367,7 @@ class Interceptions:
         if hasattr(_clip_grad, "_group_tensors_by_device_and_dtype"):
             layer.patch(_clip_grad, "_group_tensors_by_device_and_dtype", make["group"])
         layer.hook(register_optimizer_step_pre_hook(make["opt_pre"]))
+        self.dispatch.safe(self.checkpoints.load)  # (in the hub's own stack, not the layer)
 
     def _maybe_clip(self, tensorlistlist: Any) -> None:
         """The grouping helper runs: ``on_clip`` when a clipping function called it."""
