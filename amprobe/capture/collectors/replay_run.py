@@ -536,6 +536,9 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
         detail["micro_batch"] = plan.micro_batch
         detail["micro_batches"] = plan.micro_batches
     detail["compiled"] = plan.compiled
+    detail["device_type"] = kept.device_type
+    enabled, dtype = kept.autocast
+    detail["autocast_dtype"] = str(dtype).replace("torch.", "") if enabled and dtype else None
     if plan.scale is not None:
         detail["scale"] = plan.scale
     return detail
