@@ -332,6 +332,7 @@ class Interceptions:
         }
         installed = self.installed
         installed.patch(torch, "compile", wrap_compile)
+        installed.patch(torch.nn.Module, "__getstate__", _wrap_getstate)
         installed.patch(GradScaler, "__init__", wrap_scaler_init)
         self.scaler_methods.wrap(
             installed, {"update": wrap_update, "load_state_dict": wrap_scaler_load}
@@ -390,6 +391,46 @@ class Interceptions:
             return
         grads = list(tensorlistlist[0]) if tensorlistlist else []
         self.dispatch.emit("on_clip", function, grads, user_call_site(3), self.boundary.facts)
+
+
+#: a module's hook dicts, and the dicts keyed by the same hook ids
+_HOOK_DICTS = (
+    ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+    ("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
+    ("_backward_hooks", ()),
+    ("_backward_pre_hooks", ()),
+)
+
+
+def _amprobe_hook(hook: Any) -> bool:
+    return str(getattr(hook, "__module__", None) or "").startswith("amprobe.")
+
+
+def _wrap_getstate(orig: Any) -> Any:
+    """``Module.__getstate__`` (pickling: ``torch.save(model)``, ``copy.deepcopy``) leaves out
+    the hooks amprobe put on the module: they are local functions (pickle refuses them:
+    ``torch.save(model)`` of a watched model failed), and a copy of the model is not the model
+    amprobe watches. Nothing else changes; the live module keeps its hooks."""
+
+    def __getstate__(self: torch.nn.Module) -> Any:
+        state = orig(self)
+        if not isinstance(state, dict):
+            return state
+        for key, related in _HOOK_DICTS:
+            hooks = state.get(key)
+            if not hooks or not any(_amprobe_hook(h) for h in hooks.values()):
+                continue
+            ours = {k for k, h in hooks.items() if _amprobe_hook(h)}
+            state[key] = type(hooks)((k, h) for k, h in hooks.items() if k not in ours)
+            for name in related:
+                value = state.get(name)
+                if isinstance(value, dict):
+                    state[name] = type(value)((k, v) for k, v in value.items() if k not in ours)
+                elif isinstance(value, set):
+                    state[name] = {k for k in value if k not in ours}
+        return state
+
+    return __getstate__
 
 
 class RootModelHooks:
