@@ -225,7 +225,8 @@ class Dispatcher:
         probe = self.probe
 
         def hook(*args: Any, **kwargs: Any) -> None:
-            if not probe.closed:
+            # (a replay of a bad step runs the model again: not the job's values)
+            if not probe.closed and not probe.replaying:
                 self.call(collector, fn, *args, **kwargs)
 
         return hook

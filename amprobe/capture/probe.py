@@ -130,6 +130,9 @@ class Probe:
         self.window = 0
         self.recording = recording
         self.closed = False
+        #: a bad step is being replayed (:mod:`amprobe.capture.collectors.replay`): the
+        #: collectors' hooks on the user's modules and tensors stay out of it
+        self.replaying = False
         self._t0 = time.perf_counter()
         #: when the step in progress started (``perf_counter``); None until the first activity
         #: after attach (:meth:`touch`; the wrappers test it before calling)

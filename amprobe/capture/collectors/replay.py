@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from amprobe.capture.collectors.compiled import is_compiled_module
+from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
 from amprobe.capture.collectors.replay_run import (
     Kept,
     ReplayPlan,
@@ -203,10 +204,18 @@ class ReplayCollector(Collector):
             loss=_scale_value(facts.loss),
         )
         was = probe.recording
-        probe.recording = False  # amprobe's own hooks stay out of the replay
+        sampled = GRAPH_SAMPLE.on  # the step ran amprobe's statistics variant of its graphs
+        plan.sampled_graph = sampled and plan.compiled
+        # amprobe's own hooks stay out of the replay: the hub's wrappers (recording off), the
+        # collectors' hooks (replaying), the compiled graphs' statistics (the plain variant)
+        probe.recording = False
+        probe.replaying = True
+        GRAPH_SAMPLE.on = False
         try:
             detail = replay_step(kept, plan)
         finally:
+            GRAPH_SAMPLE.on = sampled
+            probe.replaying = False
             probe.recording = was
         detail["trigger"] = trigger
         probe.event("replay", **detail)

@@ -3,17 +3,19 @@
 :func:`replay_step` is called by :class:`~amprobe.capture.collectors.replay.ReplayCollector` at a
 bad step's end. Its order of experiments is fixed (G§5.1 of the seeds, done for the user):
 
-1. the gradient that reached the model's output is already non-finite: ``loss-computation``
-   (the loss is computed outside the model);
-2. **as it ran** (the compiled graphs when compiled, the step's autocast setting): the step
-   finite now -> ``not-reproduced``;
-3. compiled: **eager** (``torch.compiler.set_stance("force_eager")``: nothing compiles, the
+1. **as it ran** (the compiled graphs when compiled, the step's autocast setting; the plain
+   graphs, without amprobe's statistics): the gradient that reached the model's output was
+   non-finite while the output was finite -> ``loss-computation`` (the loss is computed outside
+   the model; ``loss-scale`` when the loss was finite and that gradient overflowed to inf); the
+   step finite now -> on a step amprobe sampled under compile, once more with amprobe's
+   statistics variant: non-finite -> ``instrumentation``; else ``not-reproduced``;
+2. compiled: **eager** (``torch.compiler.set_stance("force_eager")``: nothing compiles, the
    user's graphs are not touched); finite -> ``compiler``; the later variants run eager;
-4. the forward non-finite: **autocast off** (fp32 end to end); still non-finite ->
+3. the forward non-finite: **autocast off** (fp32 end to end); still non-finite ->
    ``data-or-model``; finite -> ``precision``, then the pins;
-5. the forward finite, the gradients not: the same backward at the **loss scale / 2^k**; finite
+4. the forward finite, the gradients not: the same backward at the **loss scale / 2^k**; finite
    -> ``loss-scale`` (the scale was too high, benign); else autocast off, then the pins;
-6. **pins**: the layer measured first non-finite, then the normalizations, softmax/attention
+5. **pins**: the layer measured first non-finite, then the normalizations, softmax/attention
    layers, the output projection and the module that feeds the loss, each run in fp32 (autocast
    off inside it, its floating inputs cast to fp32) one at a time, then cumulatively; at most
    :data:`MAX_PIN_RUNS` runs; the fewest layers that make the step finite are the verified fix.
@@ -286,6 +288,7 @@ class _Runner:
         scales: tuple[float, ...] = (1.0,),
         observe: bool = False,
         stop_at_finite: bool = False,
+        graph_sample: bool = False,
     ) -> list[_Result]:
         """One forward, and one backward per entry of ``scales`` (seed multipliers)."""
         elapsed = time.perf_counter() - self.start
@@ -305,6 +308,8 @@ class _Runner:
             if eager and self.plan.compiled:
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(torch.enable_grad())
+            if graph_sample:  # amprobe's statistics variant of the compiled graphs
+                stack.enter_context(_graph_sample())
             # the forward under the step's autocast setting (and the pins); the backward after
             # it, outside autocast, as a training loop runs it (on the CPU a backward inside an
             # autocast region would cast its matmuls too)
@@ -427,6 +432,18 @@ class _Runner:
 
         handles = [m.register_forward_hook(hook) for n, m in self.user.named_modules() if n]
         stack.callback(lambda: [h.remove() for h in reversed(handles)])
+
+
+@contextlib.contextmanager
+def _graph_sample() -> Iterator[None]:
+    from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
+
+    was = GRAPH_SAMPLE.on
+    GRAPH_SAMPLE.on = True
+    try:
+        yield
+    finally:
+        GRAPH_SAMPLE.on = was
 
 
 @contextlib.contextmanager
@@ -574,6 +591,23 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         )
     compiled = plan.compiled
     as_ran = r.run("as it ran", eager=False, observe=not compiled)[0]
+    # finite now where the step was not: its output (or, unknown, the gradient it got)
+    finite_now = (
+        as_ran.finite if seed_finite is not False else (as_ran.forward_finite and real is not True)
+    )
+    if finite_now and plan.sampled_graph:
+        # the step was one of amprobe's sampled steps under compile: its graphs ran with
+        # amprobe's statistics; as it ran without them the step is finite. With them?
+        ours = r.run("as it ran, with amprobe's statistics", eager=False, graph_sample=True)[0]
+        if not ours.finite:
+            out["cause"] = "instrumentation"
+            notes.append(
+                "the step is finite as the model compiles without amprobe, and non-finite with "
+                "the statistics variant amprobe compiled for its sampled steps: amprobe's "
+                "instrumentation made it (please report it)"
+            )
+            out["notes"] = notes
+            return out
     if seed_finite is False and as_ran.forward_finite:
         loss = plan.loss
         if real is True and loss is not None and not math.isfinite(loss):
