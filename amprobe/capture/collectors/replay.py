@@ -67,6 +67,8 @@ class ReplayCollector(Collector):
     """
 
     name = "replay"
+    #: without a GradScaler, a loss read on the host is checked before each update applies
+    every_optimizer_step = True
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -78,6 +80,7 @@ class ReplayCollector(Collector):
         self._first_step: int | None = None  # the first step seen (a forward or a bad step)
         self._bad_count = 0  # skipped steps seen
         self._last_bad: int | None = None
+        self._last_bad_loss: int | None = None  # the last step whose host loss was non-finite
         self._first_scale: float | None = None
         self._replayed_steps: set[int] = set()
         self._loss_reported = False
@@ -114,11 +117,12 @@ class ReplayCollector(Collector):
         if any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
             return
         loss = _host_number(facts.loss)
-        if (
-            loss is not None
-            and not math.isfinite(loss)
-            and self.probe.step not in self._replayed_steps
-        ):
+        if loss is None or math.isfinite(loss):
+            return
+        step = self.probe.step
+        episode = self._last_bad_loss in (step - 1, step)  # (a second optimizer: same step)
+        self._last_bad_loss = step
+        if not episode and step not in self._replayed_steps:
             self._replay("nonfinite_loss", facts, None)
 
     def on_step_bad(self, step: int, facts: StepFacts) -> None:
@@ -166,7 +170,12 @@ class ReplayCollector(Collector):
     def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         # a non-finite loss known only now (read back from the device at flush), without a
         # GradScaler: the update already changed the weights the step saw
-        if self._loss_reported or step in self._replayed_steps or facts.scaler_enabled:
+        if (
+            self._loss_reported
+            or facts.scaler_enabled
+            or not isinstance(facts.loss, torch.Tensor)  # (a host loss was judged in time)
+            or step in self._replayed_steps
+        ):
             return
         loss = record.get("loss")
         if isinstance(loss, float) and not math.isfinite(loss) and facts.opt_steps > 0:
