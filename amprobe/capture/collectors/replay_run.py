@@ -738,19 +738,37 @@ def _lower_scale(r: _Runner) -> float | None:
 
 
 def _pins(r: _Runner, candidates: list[str]) -> list[str]:
-    """Single pins in order, then cumulative; at most :data:`MAX_PIN_RUNS` runs."""
+    """Single pins in the stated order, then cumulative, at most :data:`MAX_PIN_RUNS` runs.
+
+    The cumulative pins follow the overflow: a set of pins that leaves the step non-finite adds
+    the layer that is now first non-finite (pinning one layer often moves the overflow to the
+    next half-precision op), else the next candidate; the first set that makes the step finite
+    is the fix (the fewest layers: every smaller set tried first was not)."""
     runs = 0
+    moved: list[str] = []  # where each failed single pin moved the overflow
     for name in candidates:
         if runs >= MAX_PIN_RUNS:
             return []
         runs += 1
-        if r.run(f"fp32 {name}", eager=True, pins=(name,), observe=True)[0].finite:
+        result = r.run(f"fp32 {name}", eager=True, pins=(name,), observe=True)[0]
+        if result.finite:
             return [name]
-    for n in range(2, len(candidates) + 1):
-        if runs >= MAX_PIN_RUNS:
+        moved.append(result.first_nonfinite or "")
+    if not candidates:
+        return []
+    pins = [candidates[0]]
+    after = moved[0] if moved else ""
+    rest = [c for c in candidates[1:]]
+    while runs < MAX_PIN_RUNS:
+        nxt = (
+            after if after and after not in pins else next((c for c in rest if c not in pins), None)
+        )
+        if nxt is None:
             break
+        pins.append(nxt)
         runs += 1
-        pins = tuple(candidates[:n])
-        if r.run("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)[0].finite:
+        result = r.run("fp32 " + ", ".join(pins), eager=True, pins=tuple(pins), observe=True)[0]
+        if result.finite:
             return list(pins)
+        after = result.first_nonfinite or ""
     return []
