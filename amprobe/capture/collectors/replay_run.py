@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amprobe.capture.collectors.sharded import user_model
+from amprobe.capture.collectors.sharded import local_tensor, user_model
 
 __all__ = ["MAX_PIN_RUNS", "SCALE_DIVISORS", "Kept", "ReplayPlan", "describe_model", "replay_step"]
 
@@ -65,6 +65,12 @@ _SOFTMAX_TYPES: tuple[type[torch.nn.Module], ...] = (
 )
 _HALF = (torch.float16, torch.bfloat16)
 _PLAIN_VALUES = (int, float, bool, str, type(None))
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """All of ``t`` finite, as a 0-d device bool; a DTensor is read on its local shard (a
+    reduction over the whole DTensor would be a collective, and a replay may run on one rank)."""
+    return torch.isfinite(local_tensor(t)).all()
 
 
 def _float_leaves(value: Any) -> list[torch.Tensor]:
@@ -152,9 +158,7 @@ class Kept:
         if not live or any(t is None for t in live):
             return None
         with torch.no_grad():
-            return bool(
-                torch.stack([torch.isfinite(t).all() for t in live if t is not None]).all().item()
-            )
+            return bool(torch.stack([_finite(t) for t in live if t is not None]).all().item())
 
 
 def _keeper(ref: weakref.ReferenceType[Kept], index: int) -> Any:
@@ -328,21 +332,15 @@ class _Runner:
             floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
             with torch.no_grad():
                 fwd_ok = (
-                    torch.stack([torch.isfinite(t).all() for t in floats]).all()
+                    torch.stack([_finite(t) for t in floats]).all()
                     if floats
                     else torch.tensor(True)
                 )
-                amax = (
-                    torch.stack(
-                        [
-                            t.detach().abs().float().nan_to_num(0.0, 0.0, 0.0).amax()
-                            for t in floats
-                            if t.numel()
-                        ]
-                    ).amax()
-                    if floats
-                    else None
-                )
+                locals_ = [local_tensor(t.detach()) for t in floats]
+                peaks = [
+                    t.abs().float().nan_to_num(0.0, 0.0, 0.0).amax() for t in locals_ if t.numel()
+                ]
+                amax = torch.stack(peaks).amax() if peaks else None
             fwd = bool(fwd_ok.item())
             peak = float(amax.item()) if amax is not None else None
             first = None
@@ -381,10 +379,7 @@ class _Runner:
                     )
                     with torch.no_grad():
                         per = torch.stack(
-                            [
-                                torch.isfinite(g).all() if g is not None else fwd_ok.new_ones(())
-                                for g in grads
-                            ]
+                            [_finite(g) if g is not None else fwd_ok.new_ones(()) for g in grads]
                         ).tolist()
                     del grads, seeds
                     r.grads_finite = all(per)
@@ -426,9 +421,7 @@ class _Runner:
             floats = _float_leaves(out)
             if floats:
                 with torch.no_grad():
-                    flags.append(
-                        (name, torch.stack([torch.isfinite(t).all() for t in floats]).all())
-                    )
+                    flags.append((name, torch.stack([_finite(t) for t in floats]).all()))
 
         handles = [m.register_forward_hook(hook) for n, m in self.user.named_modules() if n]
         stack.callback(lambda: [h.remove() for h in reversed(handles)])
@@ -573,9 +566,7 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     seed_finite: bool | None = None
     if seeds:
         with torch.no_grad():
-            seed_finite = bool(
-                torch.stack([torch.isfinite(g).all() for g in seeds.values()]).all().item()
-            )
+            seed_finite = bool(torch.stack([_finite(g) for g in seeds.values()]).all().item())
     else:
         notes.append("no gradient reached the model's output in the step: forward variants only")
     out["output_grad_finite"] = seed_finite
@@ -697,7 +688,7 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
 
 def _has_inf(grads: dict[int, torch.Tensor]) -> bool:
     with torch.no_grad():
-        return any(bool(torch.isinf(g).any().item()) for g in grads.values())
+        return any(bool(torch.isinf(local_tensor(g)).any().item()) for g in grads.values())
 
 
 def _grad_culprit(result: _Result, r: _Runner) -> str | None:
