@@ -13,8 +13,12 @@ references to its inputs (no copy) and their version counters, the CPU generator
 copied) and the device generator's (16 bytes), the autocast setting, and a reference to the
 gradient that reached each floating output (one tensor hook per output; on a language model
 the logits' gradient stays alive until the step ends instead of being freed in the backward).
-Everything is dropped at the step's end. Cost on a step: two Python calls and one or two
-generator-state copies; no device work, no host-device sync.
+What was kept is replaced at the next root forward (dropping it at the step's end would put a
+collector call on every step's end): the output gradient stays alive through the optimizer step
+and the data loading, but not beside the next forward's activations; under gradient accumulation
+each micro-batch's forward replaces the last one's. Cost on a step: two Python calls, one tensor
+hook and one or two generator-state copies; no device work, no host-device sync (measured:
+``benchmarks/bench_replay.py``).
 
 The replay itself runs only on a bad step, at its end, at most ``Config.replay_max`` times per
 run, each bounded by :data:`TIME_FACTOR` times the bad step's own time. It leaves the training
