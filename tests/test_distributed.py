@@ -493,10 +493,20 @@ def test_ranks_section_missing_for_single_rank():
 
 
 # -- only rank-local work ------------------------------------------------------------------------
+#: the modules that may call torch.distributed, each only at a point the job itself makes
+#: collective, never on an ordinary step: a checkpoint save that is collective (DCP, the
+#: frameworks' checkpoint saves) agrees on refusing a poisoned save with one all-reduced flag
+#: (issue 34), so that every rank raises or none does
+_COLLECTIVE_AT_SAVE = frozenset({"checkpoints.py"})
+
+
 def test_amprobe_makes_no_collective_calls():
-    """The probe never calls torch.distributed: merging ranks happens at load time."""
+    """The probe never calls torch.distributed on a step: merging ranks happens at load time
+    (the one exception, :data:`_COLLECTIVE_AT_SAVE`, is at a collective checkpoint save)."""
     offenders = []
     for path in (ROOT / "amprobe").rglob("*.py"):
+        if path.name in _COLLECTIVE_AT_SAVE and path.parent.name == "capture":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + (
