@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from amprobe.capture.collectors.compiled import is_compiled_module
 from amprobe.capture.collectors.replay_run import (
@@ -77,11 +78,24 @@ class ReplayCollector(Collector):
         self._first_step: int | None = None  # the first step seen (a forward or a bad step)
         self._bad_count = 0  # skipped steps seen
         self._last_bad: int | None = None
+        self._last_bad_loss: int | None = None  # the last step whose host loss was non-finite
+        self._loss_steps: set[int] = set()  # the steps whose non-finite host loss was judged
         self._first_scale: float | None = None
         self._replayed_steps: set[int] = set()
         self._loss_reported = False
         self._reported_off: set[str] = set()
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
+        # a non-finite loss without a GradScaler is judged before each optimizer step; the
+        # hub's pre-hook reaches collectors on detail steps only, so this one is our own (one
+        # Python call per optimizer step; removed in on_close)
+        self._pre_hook: Any = None
+        if self._left > 0:
+            self._pre_hook = register_optimizer_step_pre_hook(self._opt_pre)
+
+    def on_close(self) -> None:
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
 
     def on_model(self, model: torch.nn.Module) -> None:
         self._models.append(weakref.ref(model))
@@ -104,7 +118,12 @@ class ReplayCollector(Collector):
         if kept is not None and kept.model() is model and output is not None:
             kept.watch_output(output)
 
-    def on_optimizer_step_begin(self, optimizer: torch.optim.Optimizer) -> None:
+    def _opt_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        probe = self.probe
+        if self._left > 0 and probe.recording and not probe.closed:
+            probe.hub.dispatch.safe(self._before_update)
+
+    def _before_update(self) -> None:
         # no GradScaler: a loss read for free (on the host) and non-finite is known here,
         # before the update changes the weights the step saw
         facts = self.probe.hub.boundary.facts
@@ -113,11 +132,13 @@ class ReplayCollector(Collector):
         if any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
             return
         loss = _host_number(facts.loss)
-        if (
-            loss is not None
-            and not math.isfinite(loss)
-            and self.probe.step not in self._replayed_steps
-        ):
+        step = self.probe.step
+        if loss is None or math.isfinite(loss) or step in self._replayed_steps:
+            return
+        episode = self._last_bad_loss == step - 1  # the previous loss was non-finite too
+        self._last_bad_loss = step
+        self._loss_steps.add(step)  # judged here: not again at flush
+        if not episode:  # the first of a run of non-finite losses is replayed, not each
             self._replay("nonfinite_loss", facts, None)
 
     def on_step_bad(self, step: int, facts: StepFacts) -> None:
@@ -165,10 +186,20 @@ class ReplayCollector(Collector):
     def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         # a non-finite loss known only now (read back from the device at flush), without a
         # GradScaler: the update already changed the weights the step saw
-        if self._loss_reported or step in self._replayed_steps or facts.scaler_enabled:
+        if (
+            self._loss_reported
+            or step in self._replayed_steps
+            or step in self._loss_steps
+            or facts.scaler_enabled
+            or facts.opt_steps <= 0
+        ):
             return
         loss = record.get("loss")
-        if isinstance(loss, float) and not math.isfinite(loss) and facts.opt_steps > 0:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            # the steps are folded before the flush reads their device values back: read this
+            # one here (at a flush, never on a step; the flush's own read-back syncs right after)
+            loss = float(loss.item())
+        if isinstance(loss, float) and not math.isfinite(loss):
             self._loss_reported = True
             self.probe.event(
                 "replay",
@@ -222,7 +253,11 @@ class ReplayCollector(Collector):
     def _cannot(self, kept: Kept | None) -> str | None:
         """Why this step cannot be replayed, decided before anything runs."""
         hub = self.probe.hub
-        if hub.sources.sources:
+        model = kept.model() if kept is not None else None
+        if hub.sources.sources and (
+            hub.boundary.mode == "source"  # an engine's step is the boundary
+            or (model is not None and hub.sources.unwrap(model) is not model)  # its wrapper
+        ):
             names = ", ".join(sorted(type(s).__name__ for s in hub.sources.sources))
             return f"the engine owns backward ({names}): its step is not replayed"
         if kept is None:

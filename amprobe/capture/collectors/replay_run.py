@@ -613,6 +613,8 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     if as_ran.finite:
         out["cause"] = "not-reproduced"
         if plan.micro_batches > 1:
+            # not a measured cause: the micro-batches before the last were not replayed
+            out["confirmed"] = False
             notes.append(
                 f"only the last of {plan.micro_batches} micro-batches is kept: an earlier one "
                 "may hold the non-finite value"
