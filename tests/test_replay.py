@@ -352,6 +352,7 @@ def loop(
                 loss = out.float().pow(2).mean() / accum
                 (gs.scale(loss) if gs is not None else loss).backward()
                 total += float(loss.detach())
+            torch.rand(3)  # the job draws from the CPU generator after its forward too
             if before_update is not None:
                 before_update(step, x, net, seen)
             if gs is not None:
@@ -614,3 +615,32 @@ def test_hf_trainer_nonfinite_loss_is_replayed(tmp_path):
     assert event["step"] == 3 and event["replayed"] is True, event
     assert event["trigger"] == "nonfinite_loss"
     assert event["cause"] == "not-reproduced", event
+
+
+def test_autocast_entered_inside_the_forward_is_turned_off_too(tmp_path):
+    """accelerate (the HF Trainer's, ``Accelerator.prepare_model``) enters autocast inside the
+    model's forward: ``model.forward`` becomes an autocast-wrapped copy, the original kept as
+    ``model._original_forward``. The "autocast off" variant must run without it, or a precision
+    overflow reads as "data-or-model"."""
+    from types import MethodType
+
+    net, scaler = tr.build("layer", 5)
+    net._original_forward = net.forward
+    net.forward = MethodType(torch.autocast("cpu", dtype=torch.float16)(type(net).forward), net)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    run_dir = tmp_path / "run"
+    with _time_factor(1e4):
+        probe = amprobe.attach(net, opt, scaler, run_dir=str(run_dir), config={"numerics_every": 0})
+        try:
+            for step in range(8):
+                loss = net(tr.batch("layer", step, 5)).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        finally:
+            probe.close()
+    event = _one(_events(run_dir))
+    assert event["replayed"] is True and event["step"] == 5
+    assert event["cause"] == "precision", event
+    assert event["verified_fix"] == ["big"]

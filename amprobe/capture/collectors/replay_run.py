@@ -314,6 +314,8 @@ class _Runner:
                     forward.enter_context(torch.autocast(kept.device_type, dtype=dtype))
                 else:
                     forward.enter_context(torch.autocast(kept.device_type, enabled=False))
+                    if not autocast:  # and the autocast a wrapped forward enters (accelerate's)
+                        forward.enter_context(_original_forwards(self.target, self.user))
                 if observe:
                     self._observe(forward, flags, order)
                 for name in pins:
@@ -427,6 +429,25 @@ class _Runner:
 
         handles = [m.register_forward_hook(hook) for n, m in self.user.named_modules() if n]
         stack.callback(lambda: [h.remove() for h in reversed(handles)])
+
+
+@contextlib.contextmanager
+def _original_forwards(*modules: torch.nn.Module) -> Iterator[None]:
+    """Run the modules' own forwards for the block where a framework wrapped them in autocast:
+    accelerate's native AMP (the HF Trainer's) sets ``module.forward`` to an autocast-wrapped
+    copy and keeps the original as ``module._original_forward``; an outer ``autocast(enabled=
+    False)`` does not reach inside it."""
+    swapped: list[tuple[torch.nn.Module, Any]] = []
+    for module in dict.fromkeys(modules):
+        own = module.__dict__
+        if "forward" in own and callable(own.get("_original_forward")):
+            swapped.append((module, own["forward"]))
+            module.forward = own["_original_forward"]  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module, forward in reversed(swapped):
+            module.forward = forward  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
