@@ -615,6 +615,7 @@ def test_hf_trainer_nonfinite_loss_is_replayed(tmp_path):
     assert event["step"] == 3 and event["replayed"] is True, event
     assert event["trigger"] == "nonfinite_loss"
     assert event["cause"] == "not-reproduced", event
+    assert event["autocast_dtype"] == "bfloat16"  # entered inside accelerate's wrapped forward
 
 
 def test_autocast_entered_inside_the_forward_is_turned_off_too(tmp_path):
@@ -644,3 +645,4 @@ def test_autocast_entered_inside_the_forward_is_turned_off_too(tmp_path):
     assert event["replayed"] is True and event["step"] == 5
     assert event["cause"] == "precision", event
     assert event["verified_fix"] == ["big"]
+    assert event["autocast_dtype"] == "float16"

@@ -450,6 +450,28 @@ def _original_forwards(*modules: torch.nn.Module) -> Iterator[None]:
             module.forward = forward  # type: ignore[method-assign]
 
 
+def _wrapped_autocast(*modules: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of an enabled autocast that a wrapped forward enters (see
+    :func:`_original_forwards`), read from the wrappers' ``__wrapped__`` chain; None if none."""
+    for module in dict.fromkeys(modules):
+        own = module.__dict__
+        if "forward" not in own or "_original_forward" not in own:
+            continue
+        fn: Any = getattr(own["forward"], "__func__", own["forward"])
+        for _ in range(8):
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(value, torch.autocast) and getattr(value, "_enabled", False):
+                    return value.fast_dtype
+            fn = getattr(fn, "__wrapped__", None)
+            if fn is None:
+                break
+    return None
+
+
 @contextlib.contextmanager
 def _pinned(module: torch.nn.Module, device_type: str) -> Iterator[None]:
     """Run ``module`` in fp32 for the block: autocast off inside it, floating inputs cast."""
@@ -559,6 +581,9 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     detail["compiled"] = plan.compiled
     detail["device_type"] = kept.device_type
     enabled, dtype = kept.autocast
+    if not enabled:  # autocast entered inside a wrapped forward (accelerate's) is the step's too
+        dtype = _wrapped_autocast(user, root)
+        enabled = dtype is not None
     detail["autocast_dtype"] = str(dtype).replace("torch.", "") if enabled and dtype else None
     if plan.scale is not None:
         detail["scale"] = plan.scale
