@@ -13,10 +13,12 @@ references to its inputs (no copy) and their version counters, the CPU generator
 copied) and the device generator's (16 bytes), the autocast setting, and a reference to the
 gradient that reached each floating output (one tensor hook per output; on a language model
 the logits' gradient stays alive until the step ends instead of being freed in the backward).
-Everything is dropped at the step's end. Cost on a step: two Python calls and one or two
-generator-state copies; no device work, no host-device sync.
+Everything is dropped at the step's end. Cost on a step: three Python calls (the root forward's
+start and output, the backward's end) and one or two generator-state copies; no device work, no
+host-device sync.
 
-The replay itself runs only on a bad step, at its end, at most ``Config.replay_max`` times per
+The replay itself runs only on a bad step, at its end (without a GradScaler: at the end of the
+backward whose host loss is non-finite, before the update), at most ``Config.replay_max`` times per
 run, each bounded by :data:`TIME_FACTOR` times the bad step's own time. It leaves the training
 as it would have been without it: the generators and the model's buffers are restored, gradients
 are taken with ``torch.autograd.grad`` into tensors of its own (no ``.grad``, no optimizer state
@@ -33,7 +35,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from amprobe.capture.collectors.compiled import is_compiled_module
 from amprobe.capture.collectors.replay_run import (
@@ -85,17 +86,6 @@ class ReplayCollector(Collector):
         self._loss_reported = False
         self._reported_off: set[str] = set()
         self._models: list[weakref.ReferenceType[torch.nn.Module]] = []
-        # a non-finite loss without a GradScaler is judged before each optimizer step; the
-        # hub's pre-hook reaches collectors on detail steps only, so this one is our own (one
-        # Python call per optimizer step; removed in on_close)
-        self._pre_hook: Any = None
-        if self._left > 0:
-            self._pre_hook = register_optimizer_step_pre_hook(self._opt_pre)
-
-    def on_close(self) -> None:
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
 
     def on_model(self, model: torch.nn.Module) -> None:
         self._models.append(weakref.ref(model))
@@ -118,14 +108,12 @@ class ReplayCollector(Collector):
         if kept is not None and kept.model() is model and output is not None:
             kept.watch_output(output)
 
-    def _opt_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        probe = self.probe
-        if self._left > 0 and probe.recording and not probe.closed:
-            probe.hub.dispatch.safe(self._before_update)
-
-    def _before_update(self) -> None:
-        # no GradScaler: a loss read for free (on the host) and non-finite is known here,
-        # before the update changes the weights the step saw
+    def on_backward_end(self) -> None:
+        # no GradScaler: a loss read for free (on the host) and non-finite is known here, at
+        # the end of its backward (the gradient that reached the model's output is kept by
+        # now), before the update changes the weights the step saw. (Not at the optimizer
+        # step's start: the hub's optimizer pre-hook reaches collectors on detail steps only.)
+        # Under gradient accumulation this is the micro-batch whose loss went non-finite.
         facts = self.probe.hub.boundary.facts
         if self._left <= 0 or facts.scaler_enabled or self._kept is None:
             return
@@ -133,8 +121,8 @@ class ReplayCollector(Collector):
             return
         loss = _host_number(facts.loss)
         step = self.probe.step
-        if loss is None or math.isfinite(loss) or step in self._replayed_steps:
-            return
+        if loss is None or math.isfinite(loss) or step in self._loss_steps:
+            return  # (a later micro-batch of a step already judged)
         episode = self._last_bad_loss == step - 1  # the previous loss was non-finite too
         self._last_bad_loss = step
         self._loss_steps.add(step)  # judged here: not again at flush
