@@ -86,7 +86,6 @@ class Dispatcher:
         self.observing = False
         self.closed = False
         self.subs: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
-        self.opt_begin_always = False
         #: every override, detail events included, in subscription order
         self._all: dict[str, list[tuple[Collector, Callable[..., Any]]]] = {e: [] for e in EVENTS}
         self._detail_on: set[str] = set()  # collectors whose detail events are delivered now
@@ -121,12 +120,6 @@ class Dispatcher:
         #: a collector (still on) asked for the phase clock
         self.phase_times = any(c.phase_times for subs in self._all.values() for c, _ in subs)
         self.step_begin_always = [(c, fn) for c, fn in self.subs["on_step_begin"] if not c.samples]
-        #: a collector (still on) wants ``on_optimizer_step_begin`` before every update while
-        #: no GradScaler owns the step boundary (``every_optimizer_step``)
-        self.opt_begin_always = any(
-            getattr(c, "every_optimizer_step", False)
-            for c, _ in self.subs["on_optimizer_step_begin"]
-        )
         #: the hub counts the root models' non-finite inputs (a collector ``checks_inputs``)
         self.checks_inputs = any(c.checks_inputs for subs in self._all.values() for c, _ in subs)
 

@@ -328,13 +328,7 @@ class Interceptions:
             "backward": wrap_backward,
             "__next__": wrap_next,
             "group": wrap_group,
-            # on detail steps; on every step for a collector that checks each update before
-            # it applies (the replay), while no GradScaler owns the boundary
-            "opt_pre": lambda *a: (
-                safe(boundary.opt_pre, *a)
-                if boundary.detail or (dispatch.opt_begin_always and boundary.mode != "scaler")
-                else None
-            ),
+            "opt_pre": lambda *a: safe(boundary.opt_pre, *a) if boundary.detail else None,
         }
         installed = self.installed
         installed.patch(torch, "compile", wrap_compile)

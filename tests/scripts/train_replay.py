@@ -1,7 +1,7 @@
 """Small fp16 jobs whose first bad step has a known cause, for the replay (issue 34).
 
 Usage: python train_replay.py --case CASE [--steps N] [--bad S] [--compile] [--attach RUN_DIR]
-[--replay on|off]. Cases (the bad step is S, default 5):
+[--replay on|off] [--time-factor F]. Cases (the bad step is S, default 5):
 
 * ``layer``: ``big``'s output overflows fp16 at step S; pinning ``big`` to fp32 fixes it.
 * ``elsewhere``: ``inv`` (1 / (x - 1)) is the first non-finite layer, but the cause is ``proj``,
@@ -181,6 +181,7 @@ def train(
     attach: str | None = None,
     replay: str = "on",
     backend: object = None,
+    config: dict | None = None,
 ) -> tuple[list[float], str, object]:
     net, scaler = build(case, bad)
     opt = torch.optim.SGD(net.parameters(), lr=1e-5 if case in ("scale", "startup") else 1e-2)
@@ -194,7 +195,11 @@ def train(
         import amprobe
 
         probe = amprobe.attach(
-            model, opt, scaler, run_dir=attach, config={"replay": replay, "numerics_every": 0}
+            model,
+            opt,
+            scaler,
+            run_dir=attach,
+            config={"replay": replay, "numerics_every": 0, **(config or {})},
         )
     losses = []
     for step in range(steps):
@@ -226,7 +231,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--attach", default=None)
     p.add_argument("--replay", default="on")
+    # the replay's budget factor (tests: a large one makes the measured cause deterministic)
+    p.add_argument("--time-factor", type=float, default=None)
     a = p.parse_args(argv)
+    if a.time_factor is not None:
+        import amprobe.capture.collectors.replay as replay
+
+        replay.TIME_FACTOR = a.time_factor
     losses, digest, _ = train(a.case, a.steps, a.bad, a.compile, a.attach, a.replay)
     for i, v in enumerate(losses):
         print(f"loss {i} {v!r}")

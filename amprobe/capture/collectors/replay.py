@@ -16,11 +16,12 @@ the logits' gradient stays alive until the step ends instead of being freed in t
 What was kept is replaced at the next root forward (dropping it at the step's end would put a
 collector call on every step's end): the output gradient stays alive through the optimizer step
 and the data loading, but not beside the next forward's activations; under gradient accumulation
-each micro-batch's forward replaces the last one's. Cost on a step: two Python calls, one tensor
-hook and one or two generator-state copies; no device work, no host-device sync (measured:
-``benchmarks/bench_replay.py``).
+each micro-batch's forward replaces the last one's. Cost on a step: three Python calls (the root
+forward's start and output, the backward's end), one tensor hook and one or two generator-state
+copies; no device work, no host-device sync (measured: ``benchmarks/bench_replay.py``).
 
-The replay itself runs only on a bad step, at its end, at most ``Config.replay_max`` times per
+The replay itself runs only on a bad step, at its end (without a GradScaler: at the end of the
+backward whose host loss is non-finite, before the update), at most ``Config.replay_max`` times per
 run, each bounded by :data:`TIME_FACTOR` times the bad step's own time. It leaves the training
 as it would have been without it: the generators and the model's buffers are restored, gradients
 are taken with ``torch.autograd.grad`` into tensors of its own (no ``.grad``, no optimizer state
@@ -71,8 +72,6 @@ class ReplayCollector(Collector):
     """
 
     name = "replay"
-    #: without a GradScaler, a loss read on the host is checked before each update applies
-    every_optimizer_step = True
 
     def on_attach(self, probe: Any) -> None:
         super().on_attach(probe)
@@ -85,6 +84,7 @@ class ReplayCollector(Collector):
         self._bad_count = 0  # skipped steps seen
         self._last_bad: int | None = None
         self._last_bad_loss: int | None = None  # the last step whose host loss was non-finite
+        self._loss_steps: set[int] = set()  # the steps whose non-finite host loss was judged
         self._first_scale: float | None = None
         self._replayed_steps: set[int] = set()
         self._loss_reported = False
@@ -112,21 +112,25 @@ class ReplayCollector(Collector):
         if kept is not None and kept.model() is model and output is not None:
             kept.watch_output(output)
 
-    def on_optimizer_step_begin(self, optimizer: torch.optim.Optimizer) -> None:
-        # no GradScaler: a loss read for free (on the host) and non-finite is known here,
-        # before the update changes the weights the step saw
+    def on_backward_end(self) -> None:
+        # no GradScaler: a loss read for free (on the host) and non-finite is known here, at
+        # the end of its backward (the gradient that reached the model's output is kept by
+        # now), before the update changes the weights the step saw. (Not at the optimizer
+        # step's start: the hub's optimizer pre-hook reaches collectors on detail steps only.)
+        # Under gradient accumulation this is the micro-batch whose loss went non-finite.
         facts = self.probe.hub.boundary.facts
         if self._left <= 0 or facts.scaler_enabled or self._kept is None:
             return
         if any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
             return
         loss = _host_number(facts.loss)
-        if loss is None or math.isfinite(loss):
-            return
         step = self.probe.step
-        episode = self._last_bad_loss in (step - 1, step)  # (a second optimizer: same step)
+        if loss is None or math.isfinite(loss) or step in self._loss_steps:
+            return  # (a later micro-batch of a step already judged)
+        episode = self._last_bad_loss == step - 1  # the previous loss was non-finite too
         self._last_bad_loss = step
-        if not episode and step not in self._replayed_steps:
+        self._loss_steps.add(step)  # judged here: not again at flush
+        if not episode:  # the first of a run of non-finite losses is replayed, not each
             self._replay("nonfinite_loss", facts, None)
 
     def on_step_bad(self, step: int, facts: StepFacts) -> None:
@@ -176,13 +180,18 @@ class ReplayCollector(Collector):
         # GradScaler: the update already changed the weights the step saw
         if (
             self._loss_reported
-            or facts.scaler_enabled
-            or not isinstance(facts.loss, torch.Tensor)  # (a host loss was judged in time)
             or step in self._replayed_steps
+            or step in self._loss_steps
+            or facts.scaler_enabled
+            or facts.opt_steps <= 0
         ):
             return
         loss = record.get("loss")
-        if isinstance(loss, float) and not math.isfinite(loss) and facts.opt_steps > 0:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            # the steps are folded before the flush reads their device values back: read this
+            # one here (at a flush, never on a step; the flush's own read-back syncs right after)
+            loss = float(loss.item())
+        if isinstance(loss, float) and not math.isfinite(loss):
             self._loss_reported = True
             self.probe.event(
                 "replay",
@@ -244,7 +253,11 @@ class ReplayCollector(Collector):
     def _cannot(self, kept: Kept | None) -> str | None:
         """Why this step cannot be replayed, decided before anything runs."""
         hub = self.probe.hub
-        if hub.sources.sources:
+        model = kept.model() if kept is not None else None
+        if hub.sources.sources and (
+            hub.boundary.mode == "source"  # an engine's step is the boundary
+            or (model is not None and hub.sources.unwrap(model) is not model)  # its wrapper
+        ):
             names = ", ".join(sorted(type(s).__name__ for s in hub.sources.sources))
             return f"the engine owns backward ({names}): its step is not replayed"
         if kept is None:

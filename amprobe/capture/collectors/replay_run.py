@@ -337,6 +337,8 @@ class _Runner:
                     forward.enter_context(torch.autocast(kept.device_type, dtype=dtype))
                 else:
                     forward.enter_context(torch.autocast(kept.device_type, enabled=False))
+                    if not autocast:  # and the autocast a wrapped forward enters (accelerate's)
+                        forward.enter_context(_original_forwards(self.target, self.user))
                 if observe:
                     self._observe(forward, flags, order)
                 for name in pins:
@@ -454,6 +456,47 @@ def _graph_sample() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _original_forwards(*modules: torch.nn.Module) -> Iterator[None]:
+    """Run the modules' own forwards for the block where a framework wrapped them in autocast:
+    accelerate's native AMP (the HF Trainer's) sets ``module.forward`` to an autocast-wrapped
+    copy and keeps the original as ``module._original_forward``; an outer ``autocast(enabled=
+    False)`` does not reach inside it."""
+    swapped: list[tuple[torch.nn.Module, Any]] = []
+    for module in dict.fromkeys(modules):
+        own = module.__dict__
+        if "forward" in own and callable(own.get("_original_forward")):
+            swapped.append((module, own["forward"]))
+            module.forward = own["_original_forward"]  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module, forward in reversed(swapped):
+            module.forward = forward  # type: ignore[method-assign]
+
+
+def _wrapped_autocast(*modules: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of an enabled autocast that a wrapped forward enters (see
+    :func:`_original_forwards`), read from the wrappers' ``__wrapped__`` chain; None if none."""
+    for module in dict.fromkeys(modules):
+        own = module.__dict__
+        if "forward" not in own or "_original_forward" not in own:
+            continue
+        fn: Any = getattr(own["forward"], "__func__", own["forward"])
+        for _ in range(8):
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if isinstance(value, torch.autocast) and getattr(value, "_enabled", False):
+                    return value.fast_dtype
+            fn = getattr(fn, "__wrapped__", None)
+            if fn is None:
+                break
+    return None
+
+
+@contextlib.contextmanager
 def _pinned(module: torch.nn.Module, device_type: str) -> Iterator[None]:
     """Run ``module`` in fp32 for the block: autocast off inside it, floating inputs cast."""
     had = "forward" in module.__dict__
@@ -562,6 +605,9 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     detail["compiled"] = plan.compiled
     detail["device_type"] = kept.device_type
     enabled, dtype = kept.autocast
+    if not enabled:  # autocast entered inside a wrapped forward (accelerate's) is the step's too
+        dtype = _wrapped_autocast(user, root)
+        enabled = dtype is not None
     detail["autocast_dtype"] = str(dtype).replace("torch.", "") if enabled and dtype else None
     if plan.scale is not None:
         detail["scale"] = plan.scale
@@ -652,6 +698,8 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     if as_ran.finite:
         out["cause"] = "not-reproduced"
         if plan.micro_batches > 1:
+            # not a measured cause: the micro-batches before the last were not replayed
+            out["confirmed"] = False
             notes.append(
                 f"only the last of {plan.micro_batches} micro-batches is kept: an earlier one "
                 "may hold the non-finite value"
