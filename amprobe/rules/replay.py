@@ -181,6 +181,8 @@ def _replay_row(step: int, events: Sequence[Mapping[str, Any]]) -> dict[str, Any
         )
         ranks = [int(e["rank"]) for e in events]
     row["ranks"] = ranks
+    scale = next((e.get("scale") for e in events if e.get("scale") is not None), None)
+    row["scale"] = float(scale) if scale is not None else None
     return row
 
 
@@ -406,7 +408,7 @@ def check_nonfinite_cause(ctx: RuleContext) -> Iterator[Finding]:
             1 for evs in steps.values() if any(x.get("replayed") for x in evs)
         ),
         "distinct_causes": sorted(distinct) if len(distinct) > 1 else None,
-        "notes": notes,
+        "notes": notes or None,
         "replay_wall_s": e.get("seconds"),
         **(rank_fields(ranks) if several_ranks else {"rank": ranks[0] if ranks else 0}),
     }
