@@ -19,6 +19,7 @@ from amprobe.analysis.rankbands import (
     compute_rank_bands,
 )
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
+from amprobe.report.evidence import Table, render_evidence
 from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
@@ -650,8 +651,6 @@ def replay_marks(diagnosis: Diagnosis) -> list[ReplayMark]:
 def replay_tables(diagnosis: Diagnosis) -> list[tuple[str, pd.DataFrame]]:
     """AMP-N17's experiments as a section table (its evidence renderer's cells), captioned with
     the step and the cause."""
-    from amprobe.report.evidence import Table, render_evidence
-
     out: list[tuple[str, pd.DataFrame]] = []
     for f in diagnosis.findings:
         if f.id != REPLAY_FINDING:
