@@ -169,6 +169,20 @@ def test_precision_fix_is_code_for_the_recorded_device_and_names_only_the_verifi
     assert "compiler" not in finding.title
 
 
+def test_not_reproduced_without_the_output_does_not_rule_out_the_loss() -> None:
+    """The forward is finite on replay, the output gradient was not, the output was not held:
+    the loss computation is not ruled out, so the title says both."""
+    event = _replay(
+        cause="not-reproduced",
+        output_finite=None,
+        output_grad_finite=False,
+        experiments=[_x("as it ran", True)],
+    )
+    finding, _ = _n17([event])
+    assert finding is not None and "the loss computation or a fault" in finding.title
+    assert finding.fix.startswith("Check the loss computation")
+
+
 def test_compiler_confirmed_says_no_doubt() -> None:
     finding, _ = _n17([_replay(cause="compiler", compiled=True, confirmed=True)])
     assert finding is not None and "not confirmed" not in finding.title

@@ -317,6 +317,21 @@ def _words(
             "itself (a division by zero, a log of zero). A change of the model's precision will "
             "not help.",
         )
+    if (
+        cause == "not-reproduced"
+        and e.get("output_grad_finite") is False
+        and e.get("output_finite") is None
+    ):
+        # the capture could not hold the step's output: the loss computation is not ruled out
+        return (
+            f"step {step}'s non-finite values did not recur in the replayed forward; the gradient "
+            "that reached the model's output was non-finite (the loss computation or a fault "
+            "that did not recur: the step's output was not held to tell them apart)",
+            "Check the loss computation of this step first (compute it in fp32 outside autocast; "
+            "a division by zero, a log of zero, a multiplication by inf); if it is finite, the "
+            "fault did not recur: rerun the step on another device (as Megatron-core's rerun "
+            "machine does).",
+        )
     if cause == "not-reproduced":
         fix = (
             "The replay on the same weights and inputs is finite: nondeterminism or a hardware "
