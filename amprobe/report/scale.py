@@ -627,11 +627,11 @@ class ReplayMark:
     text: str
 
 
-def replay_marks(diagnosis: Diagnosis) -> list[ReplayMark]:
+def replay_marks(diagnosis: Diagnosis | None) -> list[ReplayMark]:
     """The replayed steps of AMP-N17's findings (its ``replays`` rows), the first with the
-    finding's title as its hover text."""
+    finding's title as its hover text; none without a diagnosis."""
     marks: list[ReplayMark] = []
-    for f in diagnosis.findings:
+    for f in diagnosis.findings if diagnosis is not None else ():
         if f.id != REPLAY_FINDING:
             continue
         for row in f.evidence.get("replays") or []:
@@ -648,11 +648,11 @@ def replay_marks(diagnosis: Diagnosis) -> list[ReplayMark]:
     return marks
 
 
-def replay_tables(diagnosis: Diagnosis) -> list[tuple[str, pd.DataFrame]]:
+def replay_tables(diagnosis: Diagnosis | None) -> list[tuple[str, pd.DataFrame]]:
     """AMP-N17's experiments as a section table (its evidence renderer's cells), captioned with
-    the step and the cause."""
+    the step and the cause; none without a diagnosis."""
     out: list[tuple[str, pd.DataFrame]] = []
-    for f in diagnosis.findings:
+    for f in diagnosis.findings if diagnosis is not None else ():
         if f.id != REPLAY_FINDING:
             continue
         for block in render_evidence(f):
@@ -1035,9 +1035,7 @@ def _build_scale_section_many(
 ) -> Section:
     """:func:`build_scale_section` of a run of many ranks, from its derived store."""
     has_scale = steps.has("scale_after")
-    figure = make_loss_scale_figure(
-        steps, replays=replay_marks(diagnosis) if diagnosis is not None else ()
-    )
+    figure = make_loss_scale_figure(steps, replays=replay_marks(diagnosis))
     has_loss = steps.has("loss") or bool(nonfinite_loss_spans(event_rows(steps)))
     if not has_scale and not has_loss:
         return Section("scale", title, missing="no GradScaler and no loss tensor were seen")
@@ -1046,8 +1044,8 @@ def _build_scale_section_many(
         text.append("No enabled GradScaler was used in this run: only the loss is shown.")
     else:
         text.append(_scaled_steps_text(_scaler_counts_sql(steps)))
-    tables = replay_tables(diagnosis) if diagnosis is not None else []
-    return Section("scale", title, figures=(figure,), tables=tuple(tables), text=tuple(text))
+    tables = tuple(replay_tables(diagnosis))
+    return Section("scale", title, figures=(figure,), tables=tables, text=tuple(text))
 
 
 @section("scale", order=10, tab="Loss scale")
