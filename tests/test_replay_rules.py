@@ -395,3 +395,22 @@ def test_dashboard_loss_scale_tab_marks_the_replay(runs) -> None:
     words = " ".join(component_texts(tab))
     assert "replay of step 5: experiments (cause: data-or-model)" in words
     assert "autocast off" in words
+
+
+def test_dashboard_shows_the_verified_fix_as_code(runs) -> None:
+    pytest.importorskip("dash")
+    from dash import html
+
+    from dashboard import layout
+
+    d = diagnose(amprobe.load_run(runs["layer"]))
+    n17 = next(f for f in d.findings if f.id == "AMP-N17")
+    card = layout.build_findings([n17])[1]
+
+    def walk(c: Any) -> list[Any]:
+        kids = getattr(c, "children", None)
+        kids = kids if isinstance(kids, list) else [kids] if kids is not None else []
+        return [c, *(x for k in kids for x in walk(k))]
+
+    (pre,) = [c for c in walk(card) if isinstance(c, html.Pre)]
+    assert '_fp32(model.get_submodule("big"))' in pre.children.children
