@@ -33,11 +33,20 @@ from amprobe.report.evidence import (
     finding_anchors,
     finding_layer,
     finding_step,
+    fix_parts,
     render_evidence,
 )
 from amprobe.report.numerics import layer_recorded
 from amprobe.report.render import split_ref
-from amprobe.report.scale import event_rows, many_ranks, rank_groups_text, step_ends, steps_of
+from amprobe.report.scale import (
+    ReplayMark,
+    event_rows,
+    many_ranks,
+    rank_groups_text,
+    replay_marks,
+    step_ends,
+    steps_of,
+)
 from amprobe.report.sections import section_tabs
 from amprobe.rules.cache import run_facts
 from amprobe.rules.engine import CATEGORY_LABELS, Severity
@@ -491,6 +500,17 @@ def _where(finding: Any, run_name: str | None) -> html.Small | None:
     return html.Small(["look at: ", *links], style={"color": "#666"}) if links else None
 
 
+def _fix_children(fix: str) -> list[Any]:
+    """The fix as paragraphs of text and its fenced code blocks as preformatted code."""
+    out: list[Any] = []
+    for i, (part, code) in enumerate(fix_parts(fix)):
+        if code:
+            out.append(html.Pre(html.Code(part), className="fix-code"))
+        else:
+            out.append(html.P(["Fix: " if i == 0 else "", part], style={"margin": "4px 0"}))
+    return out or [html.P("Fix: ", style={"margin": "4px 0"})]
+
+
 def build_finding(
     index: int, finding: Any, anchor: str | None = None, run_name: str | None = None
 ) -> html.Div:
@@ -535,7 +555,7 @@ def build_finding(
             ),
             *cause,
             html.Div(_evidence_text(render_evidence(finding)), className="evidence"),
-            html.P(["Fix: ", finding.fix], style={"margin": "4px 0"}),
+            *_fix_children(finding.fix),
             _where(finding, run_name),
             html.Br() if finding.refs else None,
             build_refs(finding.refs) if finding.refs else None,
@@ -890,12 +910,17 @@ def scale_change_rows(steps: pd.DataFrame | StepsRelation) -> pd.DataFrame:
 
 
 def build_loss_scale(
-    steps: pd.DataFrame | StepsRelation, section: Any = None, step: int | None = None
+    steps: pd.DataFrame | StepsRelation,
+    section: Any = None,
+    step: int | None = None,
+    replays: Sequence[ReplayMark] = (),
 ) -> html.Div:
     """The loss-scale tab: the figure, the report's ``scale`` section text, the events.
 
     With ``step`` (the page's ``?step=``), that step is marked and the chart zoomed to it.
     ``steps``: the run's frame, or a run of many ranks' relation (:func:`steps_of`).
+    ``replays``: the bad steps amprobe replayed (:func:`replay_marks` of the diagnosis),
+    marked on the chart; the section's tables (the replay's experiments) follow the chart.
     """
     events = scale_change_rows(steps)
     notes: list[Any] = []
@@ -906,7 +931,7 @@ def build_loss_scale(
             )
         notes.extend(html.P(t) for t in section.text)
     summary = _events_text(events)
-    figure = make_loss_scale_figure(steps)
+    figure = make_loss_scale_figure(steps, replays=replays)
     if step is not None:
         notes.append(
             html.P(
@@ -919,6 +944,10 @@ def build_loss_scale(
         [
             *notes,
             dcc.Graph(figure=figure, id=ids.LOSS_SCALE_GRAPH),
+            *(
+                build_table(caption, frame, f"{SCALE_SECTION}/{i}")
+                for i, (caption, frame) in enumerate(section.tables if section is not None else ())
+            ),
             html.H4("Growth and backoff events"),
             html.P(summary),
             html.Div(
@@ -939,7 +968,9 @@ def build_section_tab(
     query = query or RunQuery()
     section = loaded.section(key)
     if key == SCALE_SECTION:
-        return build_loss_scale(steps_of(run), section, query.step)
+        return build_loss_scale(
+            steps_of(run), section, query.step, replays=replay_marks(loaded.diagnosis)
+        )
     if key == WHATIF_SECTION:
         return _whatif_tab(run, section, label)
     layer = query.layer if key == NUMERICS_SECTION else None

@@ -176,14 +176,26 @@ def test_demo_skipped_steps_read_as_their_range_and_count(demo: Any) -> None:
 
 
 def test_demo_lists_the_cause_first_and_links_it(demo: Any) -> None:
-    """Issue #32 item 7: AMP-N02 (the symptom) came first and AMP-N05 (the cause) third."""
+    """Issue #32 item 7: AMP-N02 (the symptom) came first and AMP-N05 (the cause) third.
+
+    The replay of step 120 (AMP-N17) measures a cause when its time budget (10x the step's
+    time) lets it; it is then listed before AMP-N05, which it explains, and AMP-N02 names both.
+    """
     run, diagnosis = demo
     order = diagnosis.ids()
-    assert order[0] == "AMP-N05", order
+    nan = [i for i in order if i in ("AMP-N17", "AMP-N05", "AMP-N02", "AMP-N03")]
+    if "AMP-N17" in order:
+        assert order[0] == "AMP-N17" and nan[0] == "AMP-N17", order
+        assert "AMP-N17" in next(f for f in diagnosis.findings if f.id == "AMP-N05").explained_by
+    else:
+        assert order[0] == "AMP-N05", order
     assert order.index("AMP-N05") < order.index("AMP-N02") < order.index("AMP-N03")
     components = layout.build_findings(diagnosis.findings, run_name="demo run")
     by_id = {c.id: c for c in components[1:]}
-    assert list(by_id)[0] == f"{ids.FINDING_PREFIX}AMP-N05"
+    listed = list(by_id)
+    assert listed.index(f"{ids.FINDING_PREFIX}AMP-N05") < listed.index(
+        f"{ids.FINDING_PREFIX}AMP-N02"
+    )
     n02 = by_id[f"{ids.FINDING_PREFIX}AMP-N02"]
     assert ("AMP-N05", f"#{ids.FINDING_PREFIX}AMP-N05") in _links(n02)
     assert "Explained by " in list(_texts(n02))
@@ -194,20 +206,25 @@ def test_demo_lists_the_cause_first_and_links_it(demo: Any) -> None:
         "/run/demo%20run?tab=numerics&layer=booster"
     )
     # without the run's name (the filter callback), the links stay on the current run page
-    (plain,) = layout.build_findings([diagnosis.findings[0]])[1:]
+    n05_finding = next(f for f in diagnosis.findings if f.id == "AMP-N05")
+    (plain,) = layout.build_findings([n05_finding])[1:]
     assert dict(_links(plain))["step 120 on the loss-scale chart"] == "?tab=scale&step=120"
     # the HTML report: the same anchors, and links to its own loss-scale and numerics sections
     page = render_html(run, diagnosis, build_sections(run, diagnosis))
     assert "id='finding-AMP-N05'" in page
-    assert "Explained by <a href='#finding-AMP-N05'>AMP-N05</a>." in page
+    assert "Explained by " in page and "<a href='#finding-AMP-N05'>AMP-N05</a>" in page
     assert "<a href='#scale'>step 120 on the loss-scale chart</a>" in page
     assert "<a href='#numerics'>layer booster in the numerics view</a>" in page
     assert "<h2 id='scale'>" in page and "<h2 id='numerics'>" in page
     assert page.index("id='finding-AMP-N05'") < page.index("id='finding-AMP-N02'")
     # text and Markdown say the cause too
-    assert "    explained by AMP-N05" in render_text(diagnosis)
-    assert "Explained by [AMP-N05](#finding-AMP-N05)." in render_markdown(diagnosis)
-    assert diagnosis.to_dict()["findings"][1]["explained_by"] == ["AMP-N05"]
+    text = render_text(diagnosis)
+    assert any(
+        line.startswith("    explained by ") and "AMP-N05" in line for line in text.splitlines()
+    )
+    assert "[AMP-N05](#finding-AMP-N05)" in render_markdown(diagnosis)
+    n02_dict = next(f for f in diagnosis.to_dict()["findings"] if f["id"] == "AMP-N02")
+    assert "AMP-N05" in n02_dict["explained_by"]
 
 
 def test_worst_finding_is_the_most_severe_not_the_first(demo: Any) -> None:

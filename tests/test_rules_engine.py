@@ -95,6 +95,20 @@ def test_order_cause_first_puts_each_root_above_its_symptoms():
     assert by_id["AMP-N05"].to_dict()["explains"] == ["AMP-N02", "AMP-N03", "AMP-N01"]
 
 
+def test_a_root_with_symptoms_comes_before_a_lone_root_of_its_severity():
+    """AMP-N17 (the replay's measured cause) explains AMP-N05 and AMP-N02: it comes before
+    AMP-N09, an error of its own, although N09 sorts first by ID."""
+    findings = [
+        _finding("AMP-N09", "error"),
+        _finding("AMP-N02", "error"),
+        _finding("AMP-N05", "error"),
+        _finding("AMP-N17", "error"),
+        _finding("AMP-S02", "info"),
+    ]
+    ordered = order_cause_first(findings)
+    assert [f.id for f in ordered] == ["AMP-N17", "AMP-N05", "AMP-N02", "AMP-N09", "AMP-S02"]
+
+
 def test_a_symptom_of_several_causes_comes_after_the_last_of_them():
     findings = [
         _finding("AMP-N02", "error"),

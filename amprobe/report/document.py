@@ -20,6 +20,7 @@ from amprobe.report.evidence import (
     finding_anchors,
     finding_layer,
     finding_step,
+    fix_parts,
     render_evidence,
 )
 from amprobe.report.registry import Section
@@ -120,8 +121,16 @@ def _finding_html(f: Finding, anchor: str = "", sections: set[str] | None = None
         f"style='border-left-color:{color}'>"
         f"<div><span class='badge' style='background:{color}'>{e(f.severity)}</span>"
         f"<b>{e(f.id)}</b> <code>{e(f.name)}</code> ({e(_heading_note(f))})</div>"
-        f"<div>{e(f.title)}</div>{cause}<div class='fix'><b>Fix:</b> {e(f.fix)}</div>"
+        f"<div>{e(f.title)}</div>{cause}<div class='fix'><b>Fix:</b> {_fix_html(f.fix)}</div>"
         f"{evidence_html(render_evidence(f))}{_where_html(f, sections or set())}{refs}</div>"
+    )
+
+
+def _fix_html(fix: str) -> str:
+    """A fix's text escaped, its fenced code blocks as ``<pre><code>``."""
+    return "".join(
+        f"<pre><code>{html.escape(part)}</code></pre>" if code else html.escape(part)
+        for part, code in fix_parts(fix)
     )
 
 

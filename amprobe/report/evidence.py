@@ -49,6 +49,7 @@ __all__ = [
     "finding_step",
     "finding_layer",
     "finding_anchors",
+    "fix_parts",
     "FINDING_ANCHOR_PREFIX",
     "STEP_VIEW_CATEGORIES",
 ]
@@ -189,6 +190,20 @@ def _n02_sentence(e: Mapping[str, Any]) -> str | None:
     )
 
 
+def _n17_sentence(e: Mapping[str, Any]) -> str | None:
+    experiments = e.get("experiments")
+    if not isinstance(experiments, list) or e.get("step") is None:
+        return None
+    cause = e.get("cause")
+    measured = f"measured cause: {cause}" if cause else "no cause measured"
+    spent = e.get("replay_wall_s")
+    took = f" in {_seconds(float(spent))}" if isinstance(spent, int | float) else ""
+    return (
+        f"Step {e['step']} replayed in {len(experiments)} variant(s){took} on the same weights "
+        f"and inputs; {measured}."
+    )
+
+
 #: rule ID -> what its evidence needs beyond the generic renderer
 VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
     {
@@ -211,6 +226,23 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
                 "first_overflow_step",
             ),
         ),
+        "AMP-N17": EvidenceView(
+            sentence=_n17_sentence,
+            codes=("trigger",),
+            said=("step", "cause", "replay_wall_s"),
+            labels={
+                "forward_finite": "forward",
+                "grads_finite": "gradients",
+                "first_nonfinite": "first non-finite layer",
+                "max_abs": "largest magnitude",
+                "wall_s": "time",
+                "verified_fix": "verified fix (fp32 pins)",
+                "replays": "replayed steps",
+                "received_ranks": "received through the all-reduce",
+                "finite_at_scale": "finite at scale",
+                "replayed_step_count": "steps replayed",
+            },
+        ),
         "AMP-S04": EvidenceView(percent=("min_tile_efficiency",)),
         "AMP-N06": EvidenceView(
             percent=(
@@ -232,6 +264,26 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
         "AMP-N13": EvidenceView(counts={"half_loss_steps": "affected_step_count"}),
     }
 )
+
+
+def fix_parts(fix: str) -> list[tuple[str, bool]]:
+    """A fix's text split at its fenced code blocks (```python ... ```): ``(text, is_code)``
+    pairs in order, the fences and the language word left out, so that each renderer shows
+    the code as code (AMP-N17's verified fix is code to write)."""
+    parts: list[tuple[str, bool]] = []
+    pieces = fix.split("```")
+    for i, piece in enumerate(pieces):
+        code = i % 2 == 1 and i < len(pieces) - 1  # an unclosed fence stays text
+        if code:
+            first, _, rest = piece.partition("\n")
+            piece = rest if first.strip().isidentifier() or not first.strip() else piece
+            piece = piece.strip("\n")
+        else:
+            piece = piece.strip() if len(pieces) > 1 else piece
+        if piece:
+            parts.append((piece, code))
+    return parts
+
 
 #: finding categories whose step is worth showing on the loss-scale chart
 STEP_VIEW_CATEGORIES = ("nan", "distributed")

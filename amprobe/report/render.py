@@ -23,6 +23,7 @@ from amprobe.report.evidence import (
     Text,
     evidence_lines,
     finding_anchors,
+    fix_parts,
     render_evidence,
 )
 from amprobe.rules.engine import Diagnosis, Finding
@@ -179,6 +180,31 @@ def _md_escape(text: Any) -> str:
     return escape_markdown(text)
 
 
+def _fix_markdown(fix: str) -> list[str]:
+    """The fix's lines: its text escaped, its code blocks fenced (a fence longer than any run
+    of backticks in the code, so that nothing in it can close the block)."""
+    out: list[str] = []
+    for i, (part, code) in enumerate(fix_parts(fix)):
+        if not code:
+            out.append(f"**Fix:** {_md_escape(part)}" if i == 0 else _md_escape(part))
+            continue
+        fence = "`" * max(3, max((n + 1 for n in _backtick_runs(part)), default=0))
+        out += ["", f"{fence}python", part, fence, ""]
+    return out or ["**Fix:** "]
+
+
+def _backtick_runs(text: str) -> list[int]:
+    """The lengths of the runs of backticks in ``text``."""
+    runs, n = [], 0
+    for ch in text + " ":
+        if ch == "`":
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
 def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None) -> str:
     """Markdown report: findings with evidence and fixes, health, not-checked rules, tables.
 
@@ -210,7 +236,7 @@ def render_markdown(diagnosis: Diagnosis, sections: list[Section] | None = None)
         if f.explains:
             out.append(f"Explains {_md_links(f.explains)}.")
             out.append("")
-        out.append(f"**Fix:** {_md_escape(f.fix)}")
+        out += _fix_markdown(f.fix)
         out += _evidence_markdown(f)
         if f.refs:
             out.append("")

@@ -19,6 +19,7 @@ from amprobe.analysis.rankbands import (
     compute_rank_bands,
 )
 from amprobe.report.downsample import MAX_POINTS, minmax_indices
+from amprobe.report.evidence import Table, render_evidence
 from amprobe.report.registry import Section, section
 
 if TYPE_CHECKING:
@@ -58,11 +59,18 @@ __all__ = [
     "step_ends",
     "event_rows",
     "RANK_STATS_SQL",
+    "ReplayMark",
+    "replay_marks",
+    "replay_tables",
+    "add_replay_marks",
 ]
 
 _SKIP_COLOR = "#d62728"
 _GROW_COLOR = "#2ca02c"
 _CUT_COLOR = "#ff7f0e"
+_REPLAY_COLOR = "#9467bd"
+#: the finding whose replayed steps the loss-scale chart marks (AMP-N17 nonfinite-cause)
+REPLAY_FINDING = "AMP-N17"
 #: one colour per rank, by the rank's position among the run's ranks (:func:`rank_color`), the
 #: same on every tab; none is a marker's red, green or orange (skipped step, growth, backoff,
 #: loss NaN band), black (the median of ranks) or grey (the spread, not measured)
@@ -602,8 +610,108 @@ def loss_recorded(steps: pd.DataFrame) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class ReplayMark:
+    """A bad step amprobe replayed, as the loss-scale chart marks it.
+
+    Attributes:
+        step: the step replayed.
+        scale: the loss scale it ran at (None: no GradScaler, or not recorded).
+        cause: the measured cause (None: not replayed, or no cause measured).
+        text: the hover text: the cause in words.
+    """
+
+    step: int
+    scale: float | None
+    cause: str | None
+    text: str
+
+
+def replay_marks(diagnosis: Diagnosis | None) -> list[ReplayMark]:
+    """The replayed steps of AMP-N17's findings (its ``replays`` rows), the first with the
+    finding's title as its hover text; none without a diagnosis."""
+    marks: list[ReplayMark] = []
+    for f in diagnosis.findings if diagnosis is not None else ():
+        if f.id != REPLAY_FINDING:
+            continue
+        for row in f.evidence.get("replays") or []:
+            step = int(row["step"])
+            cause = row.get("cause")
+            if step == f.evidence.get("step"):
+                text = f"step {step} replayed: {cause or 'no cause measured'}<br>{f.title}"
+            elif cause:
+                text = f"step {step} replayed: {cause}"
+            else:
+                text = f"step {step}: {row.get('outcome') or 'not replayed'}"
+            scale = row.get("scale")
+            marks.append(ReplayMark(step, float(scale) if scale is not None else None, cause, text))
+    return marks
+
+
+def replay_tables(diagnosis: Diagnosis | None) -> list[tuple[str, pd.DataFrame]]:
+    """AMP-N17's experiments as a section table (its evidence renderer's cells), captioned with
+    the step and the cause; none without a diagnosis."""
+    out: list[tuple[str, pd.DataFrame]] = []
+    for f in diagnosis.findings if diagnosis is not None else ():
+        if f.id != REPLAY_FINDING:
+            continue
+        for block in render_evidence(f):
+            if isinstance(block, Table) and block.caption == "experiments":
+                cause = f.evidence.get("cause") or "no cause measured"
+                caption = f"replay of step {f.evidence.get('step')}: experiments (cause: {cause})"
+                out.append((caption, pd.DataFrame(list(block.rows), columns=list(block.columns))))
+    return out
+
+
+def add_replay_marks(
+    fig: go.Figure, marks: Sequence[ReplayMark], rows: pd.DataFrame | None = None
+) -> None:
+    """Mark the replayed steps on the loss-scale panel (row 1): a marker at the step's scale
+    (its ``scale``, else the lowest ``scale_before`` of ``rows`` at that step), hover text its
+    cause; a step without a known scale gets a dotted vertical line instead. Markers only:
+    nothing joins them (they are sampled steps, not a series)."""
+    import plotly.graph_objects as go
+
+    placed: list[tuple[ReplayMark, float]] = []
+    for mark in marks:
+        y = mark.scale
+        if y is None and rows is not None and len(rows) and "scale_before" in rows:
+            at = rows.loc[rows["step"] == mark.step, "scale_before"].dropna()
+            y = float(at.min()) if len(at) else None
+        if y is not None and np.isfinite(y) and y > 0:
+            placed.append((mark, y))
+        else:
+            fig.add_vline(
+                x=mark.step,
+                line={"color": _REPLAY_COLOR, "dash": "dot", "width": 1},
+                annotation_text=f"replayed: {mark.cause or 'not measured'}",
+                annotation_hovertext=mark.text,
+            )
+    if placed:
+        fig.add_trace(
+            go.Scatter(
+                x=[m.step for m, _ in placed],
+                y=[y for _, y in placed],
+                mode="markers",
+                name="replayed step",
+                marker={
+                    "symbol": "star",
+                    "size": 14,
+                    "color": _REPLAY_COLOR,
+                    "line": {"width": 1, "color": "#333"},
+                },
+                text=[m.text for m, _ in placed],
+                hovertemplate="%{text}<extra></extra>",
+            ),
+            1,
+            1,
+        )
+
+
 def make_loss_scale_figure(
-    steps: pd.DataFrame | StepsRelation, max_points: int = MAX_POINTS
+    steps: pd.DataFrame | StepsRelation,
+    max_points: int = MAX_POINTS,
+    replays: Sequence[ReplayMark] = (),
 ) -> go.Figure:
     """Loss scale per step on a log axis (skipped steps, growth and backoff marked), loss beneath.
 
@@ -614,11 +722,16 @@ def make_loss_scale_figure(
         steps: the run's steps frame, or a run of many ranks' :class:`StepsRelation`
             (:func:`steps_of`: bands reduced in DuckDB, the marked rows read alone).
         max_points: points kept per drawn series.
+        replays: the bad steps amprobe replayed (:func:`replay_marks`), marked on the scale
+            panel with their measured cause as hover text.
     """
     import plotly.graph_objects as go  # plotly loads only when a figure is made
 
     if isinstance(steps, StepsRelation):
-        return _loss_scale_relation_figure(steps, max_points)
+        fig = _loss_scale_relation_figure(steps, max_points)
+        if replays and fig.data:
+            add_replay_marks(fig, replays)
+        return fig
     rows = scaler_rows(steps)
     has_loss = loss_recorded(steps)
     if rows.empty and not has_loss:
@@ -628,6 +741,8 @@ def make_loss_scale_figure(
     multi = len(ranks) > 1
     if many_ranks(ranks):
         _loss_scale_bands(fig, steps, rows, has_loss, ranks, max_points)
+        if replays:
+            add_replay_marks(fig, replays, rows)
         return fig
     for rank, part in split_ranks(rows):
         suffix = f" (rank {rank})" if multi else ""
@@ -680,6 +795,8 @@ def make_loss_scale_figure(
                 1,
                 1,
             )
+    if replays:
+        add_replay_marks(fig, replays, rows)
     if rows.empty:
         _no_scale_note(fig)
     if has_loss:
@@ -913,10 +1030,12 @@ def _scaler_counts_sql(steps: StepsRelation) -> dict[int, tuple[int, int, int, i
     }
 
 
-def _build_scale_section_many(steps: StepsRelation, title: str) -> Section:
+def _build_scale_section_many(
+    steps: StepsRelation, title: str, diagnosis: Diagnosis | None = None
+) -> Section:
     """:func:`build_scale_section` of a run of many ranks, from its derived store."""
     has_scale = steps.has("scale_after")
-    figure = make_loss_scale_figure(steps)
+    figure = make_loss_scale_figure(steps, replays=replay_marks(diagnosis))
     has_loss = steps.has("loss") or bool(nonfinite_loss_spans(event_rows(steps)))
     if not has_scale and not has_loss:
         return Section("scale", title, missing="no GradScaler and no loss tensor were seen")
@@ -925,7 +1044,8 @@ def _build_scale_section_many(steps: StepsRelation, title: str) -> Section:
         text.append("No enabled GradScaler was used in this run: only the loss is shown.")
     else:
         text.append(_scaled_steps_text(_scaler_counts_sql(steps)))
-    return Section("scale", title, figures=(figure,), text=tuple(text))
+    tables = tuple(replay_tables(diagnosis))
+    return Section("scale", title, figures=(figure,), tables=tables, text=tuple(text))
 
 
 @section("scale", order=10, tab="Loss scale")
@@ -935,7 +1055,7 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     if many is not None:
         if not len(many.ranks):
             return Section("scale", title, missing="no training step was recorded")
-        return _build_scale_section_many(many, title)
+        return _build_scale_section_many(many, title, diagnosis)
     steps = run.steps
     if steps.empty:
         return Section("scale", title, missing="no training step was recorded")
@@ -949,7 +1069,14 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     scaled = steps[steps["scale_after"].notna()]
     if len(scaled):
         text.append(_scaled_steps_text(scaled))
-    return Section("scale", title, figures=(make_loss_scale_figure(steps),), text=tuple(text))
+    figure = make_loss_scale_figure(steps, replays=replay_marks(diagnosis))
+    return Section(
+        "scale",
+        title,
+        figures=(figure,),
+        tables=tuple(replay_tables(diagnosis)),
+        text=tuple(text),
+    )
 
 
 def _no_scale_note(fig: go.Figure) -> None:

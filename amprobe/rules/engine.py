@@ -705,7 +705,8 @@ def order_cause_first(findings: Iterable[Finding]) -> list[Finding]:
 
     A finding is explained by the present findings whose IDs its rule declares in
     ``explained_by`` (:func:`rule`); a root is a finding that none explains. Roots come in
-    severity order (most severe first, then by ID), each followed by the findings it explains,
+    severity order (most severe first; of one severity, those that explain a present finding
+    first; then by ID), each followed by the findings it explains,
     in severity order too. A symptom with several present causes comes after the last of them,
     so that every cause stands above its symptoms. Findings caught in a cycle of causes (none
     a root) follow in severity order. Every finding gets ``explained_by`` and ``explains``: the
@@ -741,7 +742,9 @@ def order_cause_first(findings: Iterable[Finding]) -> list[Finding]:
             if symptom not in placed and all(c in placed for c in causes[symptom]):
                 place(symptom)
 
-    for f in ordered:
+    # roots of one severity: those that explain a present finding first (a cause with its
+    # symptoms above a finding that stands alone)
+    for f in sorted(ordered, key=lambda f: (f.severity.rank, not effects[f.id], f.id)):
         if f.id not in placed and not causes[f.id]:
             place(f.id)
     for f in ordered:  # a cycle of causes has no root: keep severity order

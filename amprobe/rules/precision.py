@@ -25,6 +25,7 @@ from amprobe.analysis.scaler import (
 from amprobe.rules.data import HALF_DTYPES, autocast_dtypes, step_ranges, steps_list
 from amprobe.rules.engine import Finding, RuleContext, rule
 from amprobe.rules.refs import AMP_DOCS, AUTOCAST_OPS, GRADIENT_SCALING, TYPICAL_EXAMPLE
+from amprobe.rules.replay import NOT_PRECISION_CAUSES, measured_causes
 
 __all__: list[str] = []
 
@@ -39,14 +40,18 @@ __all__: list[str] = []
     refs=(AMP_DOCS,),
     # the overflow it reads comes from these; bf16 is the alternative to fixing them
     explained_by=("AMP-N05", "AMP-N08", "AMP-N10"),
+    # a bad step whose replay measured a cause that bf16 does not fix is not counted
+    after=("AMP-N17",),
 )
 def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     """An fp16 run with overflow cuts or NaN on hardware that supports bf16.
 
     Info when the scale was cut at all; warning when more than ``warn_skip_share`` of the
     steps were skipped. The steps of the initial calibration
-    (:func:`~amprobe.analysis.scaler.compute_calibration`) and steps with a non-finite model input
-    (AMP-N04's) are left out of both. bf16 support comes from the rank manifest (CUDA capability
+    (:func:`~amprobe.analysis.scaler.compute_calibration`), steps with a non-finite model input
+    (AMP-N04's) and the bad steps whose replay (AMP-N17) measured a cause that no precision
+    change fixes (``data-or-model``, ``loss-computation``), with the skipped steps that follow
+    each of them in one run, are left out of both. bf16 support comes from the rank manifest (CUDA capability
     >= 8.0, or a CPU with AVX512-BF16/AMX).
 
     Read from each rank's ``scaler`` summary (cuts from its change points, skipped steps from
@@ -59,10 +64,13 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
     supported = [r.rank for r in run.ranks if r.manifest.get("bf16_supported")]
     if not supported:
         return
+    # the replayed bad steps that bf16 would not have fixed
+    not_precision = {s for s, c in measured_causes(ctx.prior).items() if c in NOT_PRECISION_CAUSES}
     for rank in scaler_ranks(run):
         calibration = calibration_steps(run, rank)
         left_out = set(nonfinite_input_steps(run, rank)) | set(calibration)  # bad data: AMP-N04
         facts = rank_scaler(run, rank)
+        left_out |= _with_their_runs(not_precision, facts.get("skipped_runs") or [])
         if facts["ordered"]:
             counts = _overflow_facts(facts, left_out)
         else:  # a step number repeats: the runs of steps cannot place its rows
@@ -102,6 +110,17 @@ def check_prefer_bf16(ctx: RuleContext) -> Iterator[Finding]:
 
 
 _Overflow = tuple[int, int, float, list[int], list[list[int]]]
+
+
+def _with_their_runs(steps: set[int], runs: list[Any]) -> set[int]:
+    """``steps`` and, for each, the skipped steps that follow it in its run of skipped steps
+    (the replay replays the first bad step of a run: its cause is the run's)."""
+    out = set(steps)
+    for first, last in runs:
+        for step in steps:
+            if int(first) <= step <= int(last):
+                out.update(range(step, int(last) + 1))
+    return out
 
 
 def _overflow_facts(facts: dict[str, Any], left_out: set[int]) -> _Overflow | None:

@@ -83,6 +83,7 @@ CHECKLIST_TITLES: dict[str, str] = {
     "AMP-N14": "keep fp32 master weights",
     "AMP-N15": "bf16 needs no loss scaling",
     "AMP-N16": "keep embedding, output and normalization layers in fp32",
+    "AMP-N17": "replay the first bad step to measure its cause",
     "AMP-N18": "never overwrite the last good checkpoint with a poisoned one",
     "AMP-S01": "feed the device faster",
     "AMP-S02": "a thin model gains memory, not speed",

@@ -36,6 +36,7 @@ from amprobe.rules.refs import (
     GRADIENT_SCALING,
     TYPICAL_EXAMPLE,
 )
+from amprobe.rules.replay import NOT_PRECISION_CAUSES, measured_causes
 from amprobe.store.loader import Run
 
 __all__: list[str] = []
@@ -117,8 +118,10 @@ def check_scale_backoff(ctx: RuleContext) -> Iterator[Finding]:
     requires=("amp_as_written", "scaler"),
     thresholds={"warn_below": 0.95, "error_below": 0.90, "min_steps": 10},
     refs=(GRADIENT_SCALING,),
-    # a step is skipped when its gradients overflowed: the same causes as the scale cuts
-    explained_by=("AMP-N05", "AMP-N04", "AMP-N08", "AMP-N10"),
+    # a step is skipped when its gradients overflowed: the same causes as the scale cuts, and
+    # the cause the replay of the first bad step measured
+    explained_by=("AMP-N17", "AMP-N05", "AMP-N04", "AMP-N08", "AMP-N10"),
+    after=("AMP-N17",),  # its advice follows the measured cause
 )
 def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
     """Scaler success rate = iterations whose optimizer update was applied / all iterations.
@@ -162,12 +165,25 @@ def check_skip_rate(ctx: RuleContext) -> Iterator[Finding]:
                 "warn_below": th["warn_below"],
                 "error_below": th["error_below"],
             },
-            fix=(
-                "Each skipped step silently lowers the effective learning rate. Lower init_scale "
-                "(e.g. 65536 -> 4096), fix the overflowing layer (AMP-N05), or move to bf16."
-            ),
+            fix=_skip_fix(measured_causes(ctx.prior)),
             severity=severity,
         )
+
+
+def _skip_fix(causes: dict[int, str]) -> str:
+    """AMP-N02's advice: no change of precision where every cause the replay measured is one
+    that precision does not fix (AMP-N17)."""
+    if causes and set(causes.values()) <= NOT_PRECISION_CAUSES:
+        return (
+            "Each skipped step silently lowers the effective learning rate. The replay of the bad "
+            "step measured a cause outside AMP (AMP-N17: "
+            + ", ".join(sorted(set(causes.values())))
+            + "): fix that; a change of precision will not help."
+        )
+    return (
+        "Each skipped step silently lowers the effective learning rate. Lower init_scale "
+        "(e.g. 65536 -> 4096), fix the overflowing layer (AMP-N05), or move to bf16."
+    )
 
 
 @rule(
