@@ -136,6 +136,9 @@ class Config:
             (as it ran, eager, autocast off, layers pinned to fp32, a lower loss scale) to
             measure their cause (AMP-N17); ``"off"`` replays nothing and keeps nothing for it.
         replay_max: replays per run at most (0 = none, as ``replay="off"``).
+        replay_time_factor: each replay may take at most this many times its bad step's own
+            time; ``None`` (the default): 10. A replay that runs out records what it measured
+            and says it is incomplete.
         checkpoint_guard: what a checkpoint save does while parameters or optimizer state hold
             inf/NaN (AMP-N18): ``"warn"`` (the default) records it and lets the save go on;
             ``"raise"`` refuses the save with an error before anything is written; ``"off"``
@@ -168,6 +171,7 @@ class Config:
     control_poll_s: float = 0.5
     replay: str = "on"
     replay_max: int = 3
+    replay_time_factor: float | None = None
     checkpoint_guard: str = "warn"
 
     def __post_init__(self) -> None:
@@ -301,6 +305,13 @@ class Config:
         ):
             raise ConfigError(
                 f"replay_max must be a non-negative integer (0 = off), got {self.replay_max!r}"
+            )
+        factor = self.replay_time_factor
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0
+        ):
+            raise ConfigError(
+                f"replay_time_factor must be a positive number (or None: 10), got {factor!r}"
             )
         if self.checkpoint_guard not in ("off", "warn", "raise"):
             raise ConfigError(

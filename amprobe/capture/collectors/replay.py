@@ -22,7 +22,8 @@ copies; no device work, no host-device sync (measured: ``benchmarks/bench_replay
 
 The replay itself runs only on a bad step, at its end (without a GradScaler: at the end of the
 backward whose host loss is non-finite, before the update), at most ``Config.replay_max`` times per
-run, each bounded by :data:`TIME_FACTOR` times the bad step's own time. It leaves the training
+run, each bounded by :data:`TIME_FACTOR` (``Config.replay_time_factor``) times the bad step's
+own time. It leaves the training
 as it would have been without it: the generators and the model's buffers are restored, gradients
 are taken with ``torch.autograd.grad`` into tensors of its own (no ``.grad``, no optimizer state
 is touched), compiled graphs are only called as they ran (the other variants run under
@@ -216,8 +217,9 @@ class ReplayCollector(Collector):
         self._left -= 1
         start = probe.t_step_start
         took = time.perf_counter() - start if start is not None else 0.0
+        factor = probe.config.replay_time_factor
         plan = ReplayPlan(
-            budget_s=TIME_FACTOR * max(took, 1e-3),
+            budget_s=(TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3),
             scale=scale,
             compiled=self._compiled(kept),
             sampled_graph=False,

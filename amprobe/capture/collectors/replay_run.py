@@ -34,7 +34,7 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -95,6 +95,23 @@ def _leaves(value: Any) -> list[Any]:
     return pytree.tree_leaves(value)
 
 
+#: outputs up to this size are held by the kept forward until the next one (a weak reference
+#: to larger ones: a language model's logits are not kept alive for this)
+_HELD_OUTPUT_BYTES = 4 << 20
+
+
+class _Held:
+    """A strong reference that reads like a weak one."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()  # its values only: not the graph behind it
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
+
+
 class Kept:
     """What one root forward leaves for a replay: references, no copies (see the module)."""
 
@@ -127,7 +144,7 @@ class Kept:
     def __init__(self) -> None:
         self.grads: dict[int, torch.Tensor] = {}
         self.n_outputs = 0
-        self.outputs: list[weakref.ReferenceType[torch.Tensor]] = []
+        self.outputs: list[Callable[[], torch.Tensor | None]] = []
 
     @classmethod
     def take(cls, model: torch.nn.Module, args: Any, kwargs: Any, device: Any) -> Kept:
@@ -161,7 +178,10 @@ class Kept:
         ref = weakref.ref(self)
         for i, t in enumerate(leaves):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.outputs.append(weakref.ref(t))  # read at a replay if the job still holds it
+                # a small output is held (the replay then knows whether the step's own output
+                # was finite even when the job dropped it); a large one (logits) only weakly
+                small = t.numel() * t.element_size() <= _HELD_OUTPUT_BYTES
+                self.outputs.append(_Held(t) if small else weakref.ref(t))
                 if t.requires_grad:
                     t.register_hook(_keeper(ref, i))
 
