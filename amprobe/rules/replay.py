@@ -39,7 +39,7 @@ CAUSE_SEVERITY: Mapping[str, str] = {
 }
 #: causes for which a change of precision (bf16, fp32 pins) is no fix: other findings' advice
 #: to change precision is left out at these steps (AMP-N11, AMP-N02)
-NOT_PRECISION_CAUSES = frozenset({"data-or-model", "loss-computation"})
+NOT_PRECISION_CAUSES = frozenset({"data-or-model", "loss-computation", "instrumentation"})
 #: replayed steps the finding lists (the first, then the others)
 MAX_LISTED_REPLAYS = 4
 #: notes of the capture side a finding keeps
