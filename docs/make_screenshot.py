@@ -104,7 +104,7 @@ def main() -> int:
     import torch
 
     import amprobe
-    from amprobe.demo import train
+    from amprobe.demo import DEMO_CONFIG, train
     from amprobe.report import write_report
     from dashboard.app import create_app
 
@@ -114,7 +114,7 @@ def main() -> int:
         root = Path(tmp)
         print("recording the demo (300 steps on the CPU) ...")
         # as `amprobe demo` records it: the default sampling periods exactly
-        train(root / "demo", steps=300, device=torch.device("cpu"), config={"overhead_budget": 0})
+        train(root / "demo", steps=300, device=torch.device("cpu"), config=dict(DEMO_CONFIG))
         shutil.copytree(REPO / "sample_runs" / "healthy", root / "healthy")
         run = amprobe.load_run(root / "demo")
         report = write_report(run, amprobe.diagnose(run), root / "report.html")
