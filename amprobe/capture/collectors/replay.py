@@ -39,8 +39,13 @@ from amprobe.capture.collectors.replay_run import (
     Kept,
     ReplayPlan,
     describe_model,
+    exchange,
+    exchange_device,
+    fsdp_backward_blocker,
+    fsdp_states,
     replay_step,
 )
+from amprobe.capture.collectors.sharded import user_model
 from amprobe.capture.protocol import Collector, StepFacts
 
 __all__ = ["MAX_CALIBRATION_SKIPS", "TIME_FACTOR", "ReplayCollector"]
@@ -187,6 +192,9 @@ class ReplayCollector(Collector):
         self._replayed_steps.add(step)
         kept = self._kept if self._kept_step == step else None  # (a forward of this step)
         reason = self._cannot(kept)
+        if self._sharded(kept):
+            self._replay_sharded(trigger, facts, scale, kept, reason)
+            return
         if reason is not None or kept is None:
             probe.event("replay", replayed=False, trigger=trigger, reason=reason)
             return
@@ -209,6 +217,104 @@ class ReplayCollector(Collector):
         finally:
             probe.recording = was
         detail["trigger"] = trigger
+        probe.event("replay", **detail)
+
+    def _sharded(self, kept: Kept | None) -> bool:
+        """Whether the model is under FSDP2 (its forward gathers parameters across ranks):
+        from the kept forward's model, else from the models amprobe knows (every rank alike)."""
+        models = [kept.model()] if kept is not None else [r() for r in self._models]
+        return any(m is not None and fsdp_states(user_model(m)) for m in models)
+
+    def _replay_sharded(
+        self,
+        trigger: str,
+        facts: StepFacts,
+        scale: float | None,
+        kept: Kept | None,
+        reason: str | None,
+    ) -> None:
+        """An FSDP2 replay: every rank of the group replays this step or none, so that the
+        forward's all-gathers match. Entered by every rank alike: the trigger is the found-inf
+        that ShardedGradScaler all-reduces, and the calibration, episode and replay_max
+        decisions before it read only step numbers and found-inf. One all-reduce (here, on a bad
+        step only) gathers each rank's readiness (its kept forward, its memory headroom, a finite
+        output gradient for the backward) before anything runs; any rank not ready: no rank
+        replays, each says why. An out of memory inside the replay would stop one rank in a
+        collective and hang the others: the headroom is judged before starting instead."""
+        probe = self.probe
+        if trigger != "skipped_update":
+            probe.event(
+                "replay",
+                replayed=False,
+                trigger=trigger,
+                reason=(
+                    "FSDP2 without a GradScaler: a non-finite loss is this rank's own fact, and "
+                    "a replay's forward gathers parameters from every rank; the ranks cannot "
+                    "agree to replay without a collective on every step"
+                ),
+            )
+            return
+        compiled = kept is not None and self._compiled(kept)
+        if reason is None and compiled:
+            reason = (
+                "a compiled FSDP2 model: its eager variants would gather parameters outside the "
+                "compiled graphs' collectives"
+            )
+        memory_ok, memory_note = _memory_headroom(kept)
+        code = 0 if reason is None else 1
+        if code == 0 and not memory_ok:
+            code = 2
+            reason = f"not enough memory to replay: {memory_note}"
+        backward_ok = (
+            kept is not None
+            and bool(kept.grads)
+            and _finite(kept)
+            and fsdp_backward_blocker(fsdp_states(user_model(kept.model()))) is None
+        )
+        start = probe.t_step_start
+        took = time.perf_counter() - start if start is not None else 0.0
+        group = getattr(facts.scaler, "process_group", None)  # found-inf's group
+        plan = ReplayPlan(
+            budget_s=TIME_FACTOR * max(took, 1e-3),
+            scale=scale,
+            compiled=compiled,
+            sampled_graph=False,
+            micro_batch=self._forwards,
+            micro_batches=self._forwards,
+            loss=_scale_value(facts.loss),
+            collective=True,
+            group=group,
+        )
+        try:
+            rows = exchange([code, int(backward_ok)], plan, exchange_device(group))
+        except Exception as exc:
+            probe.event(
+                "replay",
+                replayed=False,
+                trigger=trigger,
+                reason=f"the ranks could not agree on a replay: {type(exc).__name__}: {exc}",
+            )
+            return
+        others = [i for i, row in enumerate(rows) if row[0]]
+        if others or kept is None:
+            why = {1: "it cannot replay this step", 2: "not enough memory"}
+            if reason is None:
+                reason = "; ".join(
+                    f"rank {i} of the group: {why.get(rows[i][0], 'not ready')}" for i in others
+                )
+                reason += " (FSDP2: every rank replays the step or none)"
+            probe.event("replay", replayed=False, trigger=trigger, reason=reason)
+            return
+        plan.backward = all(row[1] for row in rows)
+        self._left -= 1
+        was = probe.recording
+        probe.recording = False  # amprobe's own hooks stay out of the replay
+        try:
+            detail = replay_step(kept, plan)
+        finally:
+            probe.recording = was
+        detail["trigger"] = trigger
+        detail["memory_check"] = memory_note
         probe.event("replay", **detail)
 
     def _compiled(self, kept: Kept) -> bool:
@@ -240,3 +346,31 @@ def _scale_value(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.item())
     return None
+
+
+def _finite(kept: Kept) -> bool:
+    """Whether the gradients that reached the model's outputs are finite (a sync: bad steps)."""
+    with torch.no_grad():
+        return all(bool(torch.isfinite(g).all().item()) for g in kept.grads.values())
+
+
+#: a replay on a GPU may need this many times the step's own transient memory
+MEMORY_MARGIN = 1.25
+
+
+def _memory_headroom(kept: Kept | None) -> tuple[bool, str]:
+    """Whether this rank has the memory for a replay, judged before it starts: on a GPU the
+    free memory (the device's and the caching allocator's) against the job's peak over what
+    it holds now (what a forward and backward took, at most) times :data:`MEMORY_MARGIN`."""
+    if kept is None or kept.device_type != "cuda" or not torch.cuda.is_available():
+        return True, "not measured (CPU memory: the replay needs about one step's activations)"
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_allocated()
+        cached = torch.cuda.memory_reserved() - held
+        need = torch.cuda.max_memory_allocated() - held
+    except Exception as exc:
+        return False, f"the GPU memory could not be read ({type(exc).__name__})"
+    have = free + cached
+    ok = have >= MEMORY_MARGIN * need
+    return ok, f"{have / 2**20:.0f} MiB free, {need / 2**20:.0f} MiB needed (the step's peak)"
