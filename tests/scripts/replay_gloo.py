@@ -1,16 +1,22 @@
-"""A 2-rank job on CPU (gloo) whose step BAD (5) goes non-finite, for the replay (issue 34).
+"""A 2-rank job on CPU (gloo) whose bad steps go non-finite, for the replay (issue 34).
 
 Usage (under ``amprobe run -- torchrun``): replay_gloo.py RESULT_DIR. Environment: ``WRAP``
 ``ddp`` (DistributedDataParallel, CPU autocast fp16, GradScaler) or ``fsdp`` (fully_shard with
-an fp16 MixedPrecisionPolicy, no autocast, ShardedGradScaler); ``CASE``:
+an fp16 MixedPrecisionPolicy, no autocast, ShardedGradScaler); ``CASES``, the bad steps as
+``CASE@STEP,...`` (default ``layer@5``), each CASE one of:
 
-* ``layer`` (ddp): ``big``'s output overflows fp16 on both ranks (its batch x1000).
+* ``layer`` (ddp): ``big``'s output overflows fp16 on both ranks (its batch x10000).
 * ``cosine`` (fsdp): the custom cosine similarity ``cos`` overflows fp16 on both ranks.
 * ``nan_rank1``: only rank 1's batch holds a NaN; rank 0 gets it through the reduction.
+* ``spike`` (fsdp): the batch x10000 and the loss x256 on both ranks: the forward is finite (the
+  LayerNorm), the fp16 gradients overflow at the loss scale and are finite at a lower one.
+
+``STEPS`` (default 8) steps in all.
 
 Writes to RESULT_DIR/result<rank>.txt (one file per rank: torchrun interleaves stdout) a line
 ``loss STEP VALUE`` per step, ``grads STEP DIGEST`` (the gradients after the step's update,
-before they are zeroed), ``reductions N`` (DDP: gradient buckets the comm hook reduced) and
+before they are zeroed), ``reductions N`` (the gradient reductions: DDP's buckets through a comm hook, FSDP2's
+reduce-scatters) and
 ``digest VALUE`` (the final weights, bit for bit).
 """
 
@@ -27,9 +33,11 @@ import amprobe.capture.collectors.replay as replay
 replay.TIME_FACTOR = 1e6  # the budget never cuts a replay short: the test is deterministic
 
 D = 16
-BAD = int(os.environ.get("BAD", 5))
 WRAP = os.environ.get("WRAP", "ddp")
-CASE = os.environ.get("CASE", "layer")
+CASES = {
+    int(at): case
+    for case, at in (c.split("@") for c in os.environ.get("CASES", "layer@5").split(",") if c)
+}
 
 
 class Net(nn.Module):
@@ -66,13 +74,14 @@ class CosineNet(nn.Module):
 
 def batch(step: int, rank: int) -> torch.Tensor:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
-    if step != BAD:
-        return x
-    if CASE == "nan_rank1":
+    case = CASES.get(step)
+    if case == "nan_rank1":
         if rank == 1:
             x[0, 0] = float("nan")
         return x
-    return x * 10000.0
+    if case in ("layer", "cosine", "spike"):
+        return x * 10000.0
+    return x
 
 
 def digest(tensors: list[torch.Tensor]) -> str:
@@ -91,7 +100,7 @@ if WRAP == "ddp":
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     net: nn.Module = Net()
-    if CASE == "layer":
+    if "layer" in CASES.values():
         with torch.no_grad():
             net.big.weight.mul_(100.0)
     model: nn.Module = nn.parallel.DistributedDataParallel(net)
@@ -107,7 +116,7 @@ else:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    net = CosineNet() if CASE == "cosine" else Net()
+    net = CosineNet() if "cosine" in CASES.values() else Net()
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for child in net.children():
         if any(True for _ in child.parameters()):
@@ -115,6 +124,13 @@ else:
     model = fully_shard(net, mp_policy=policy)
     scaler = ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
     autocast = False
+    reduce_scatter = dist.reduce_scatter_single  # FSDP2 reduces gradients through this name
+
+    def counting_reduce_scatter(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        reductions["n"] += 1
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
 opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 lines = []
 for step in range(int(os.environ.get("STEPS", 8))):
@@ -122,11 +138,15 @@ for step in range(int(os.environ.get("STEPS", 8))):
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
         out = model(batch(step, rank))
     loss = out.float().pow(2).mean()
+    if CASES.get(step) == "spike":  # a loss spike: the scaled gradients overflow fp16
+        loss = loss * 256.0
     scaler.scale(loss).backward()
     scaler.step(opt)
     scaler.update()
     lines.append(f"loss {step} {float(loss.detach())!r}")
-    lines.append(f"grads {step} {digest([p.grad for p in model.parameters() if p.grad is not None])}")
+    lines.append(
+        f"grads {step} {digest([p.grad for p in model.parameters() if p.grad is not None])}"
+    )
 lines.append(f"reductions {reductions['n']}")
 lines.append(f"digest {digest(list(model.parameters()))}")
 with open(os.path.join(sys.argv[1], f"result{rank}.txt"), "w") as f:

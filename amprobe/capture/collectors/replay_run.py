@@ -938,11 +938,11 @@ _NONE = 1 << 30
 
 def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     """The variants of an FSDP2 replay, the same on every rank (the forward all-gathers):
-    as it ran, autocast off, then single and cumulative fp32 pins of the candidates in a
+    as it ran, the lower loss scales, autocast off, then single and cumulative fp32 pins of the candidates in a
     shared order, the ranks exchanging after each variant whether any still needs another and
     whether any spent its time budget (one all-reduce each). Each rank then takes the cause
-    of its own results. The lower loss scales are not tried (they would run a backward per
-    scale until a local result says stop)."""
+    of its own results. A gradient-only overflow is tried at the lower loss scales first, one
+    forward and backward per divisor, while a rank still needs one."""
     out: dict[str, Any] = {"verified_fix": []}
     notes = [
         "FSDP2: every rank ran the same variants (the forward gathers parameters across "
@@ -991,8 +991,24 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     shared = min(row[0] for row in rows)
     first = order[shared] if shared < len(order) else None
     over = any(row[1] for row in rows)
+    seed_case = seed_finite is False and as_ran.forward_finite
+    # gradient-only overflow: the same forward and backward at the loss scale / d, one run per
+    # divisor (a second backward through FSDP2's graph is not taken), while a rank needs one
+    grad_only = bool(r.seeds) and as_ran.forward_finite and not as_ran.finite
+    divisor: float | None = None
+    need, over = agree(grad_only) if not over else (False, True)
+    if need and not over:
+        for d in SCALE_DIVISORS:
+            res = r.run("lower loss scale", eager=True, scales=(1.0 / d,))[0]
+            if grad_only and divisor is None and res.finite:
+                divisor = d
+            more, over = agree(grad_only and divisor is None)
+            if not more or over:
+                break
+    local_done = seed_case or as_ran.finite or divisor is not None
     off: _Result | None = None
-    if not over:
+    need, over = agree(not local_done) if not over else (False, True)
+    if need and not over:
         off = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
     if r.fsdp_half:
         notes.append(
@@ -1000,8 +1016,7 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
             "'autocast off' and the fp32 pins compute in fp32 on the gathered half-precision "
             "weights, without the policy's casts of the layers' inputs"
         )
-    seed_case = seed_finite is False and as_ran.forward_finite
-    precision = not seed_case and not as_ran.finite and off is not None and off.finite
+    precision = not local_done and off is not None and off.finite
     fix: list[str] = []
     if off is not None:
         need, over = agree(precision)
@@ -1011,6 +1026,16 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         out.update(_seed_cause(r, plan, real, notes))
     elif as_ran.finite:
         out["cause"] = "not-reproduced"
+    elif divisor is not None:
+        out["cause"] = "loss-scale"
+        out["finite_at_scale_divisor"] = divisor
+        if plan.scale:
+            out["finite_at_scale"] = plan.scale / divisor
+        notes.append(
+            "the divisors of the loss scale were tried in the order "
+            f"{', '.join(f'{d:g}' for d in SCALE_DIVISORS)}: the first that made the step "
+            "finite is recorded (not refined between them)"
+        )
     elif off is None:
         out["cause"] = None
         out["incomplete"] = "a rank's time budget was spent"
@@ -1020,11 +1045,6 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         out["cause"] = "precision"
         out["verified_fix"] = fix
         out["first_nonfinite"] = as_ran.first_nonfinite or _grad_culprit(as_ran, r)
-        if as_ran.forward_finite:
-            notes.append(
-                "the forward was finite and the gradients were not: the lower loss scales are "
-                "not tried in a sharded replay, so a loss scale too high is not ruled out"
-            )
         if not fix:
             notes.append("no pin of the candidate layers alone made the step finite")
     out["notes"] = notes
