@@ -27,13 +27,20 @@ pytestmark = pytest.mark.skipif(
     reason="needs torch.distributed with gloo",
 )
 
-#: job: (wrapper, the bad steps as CASE@STEP, replay); each job's replay=off twin is "<job>-off"
-JOBS = {
-    "ddp": ("ddp", "layer@3,nan_rank1@6", "on"),
-    "fsdp": ("fsdp", "cosine@3,nan_rank1@6", "on"),
-    "fsdp-spike": ("fsdp", "spike@5", "on"),
+#: job: (script, its environment, replay); each replay_gloo job's replay=off twin is "<job>-off"
+JOBS: dict[str, tuple[str, dict[str, str], str]] = {
+    "ddp": ("replay_gloo.py", {"WRAP": "ddp", "CASES": "layer@3,nan_rank1@6"}, "on"),
+    "fsdp": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "cosine@3,nan_rank1@6"}, "on"),
+    "fsdp-spike": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "spike@5"}, "on"),
 }
-JOBS.update({f"{k}-off": (w, c, "off") for k, (w, c, _) in list(JOBS.items())})
+JOBS.update({f"{k}-off": (script, env, "off") for k, (script, env, _) in list(JOBS.items())})
+# test_sharded's fp16 job: booster x1e6 on steps 6-8 (a call counter), mid under an
+# activation-checkpoint wrapper, the budget as amprobe sets it (10x the step's time)
+JOBS["fsdp-booster"] = (
+    "fsdp_gloo.py",
+    {"SCALER": "1", "PLANT": "6,7,8", "CKPT": "1", "PARAM_DTYPE": "float16"},
+    "on",
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,17 +48,21 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = tmp_path_factory.mktemp("replay_dist")
 
     def run(job: str) -> dict[str, Any]:
-        wrap, case, replay = JOBS[job]
+        script, job_env, replay = JOBS[job]
         where = base / job
         where.mkdir()
         out = where / "run"
         cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out)]
-        cmd += ["--set", f"replay={replay}", "--", *torchrun_argv("replay_gloo.py"), str(where)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "WRAP": wrap, "CASES": case}
+        cmd += ["--set", f"replay={replay}", "--", *torchrun_argv(script), str(where)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **job_env}
         proc = run_gloo_job(cmd, out, cwd=where, env=env, timeout=240)  # (torch's abort)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        results = [(where / f"result{r}.txt").read_text().splitlines() for r in (0, 1)]
-        # (the replay's events by rank and step)
+        results = [
+            (where / f"result{r}.txt").read_text().splitlines()
+            for r in (0, 1)
+            if (where / f"result{r}.txt").exists()
+        ]
+        # the replay's events by rank and step
         events = {(e["rank"], e["step"]): e for e in amprobe.load_run(out).events_of("replay")}
         return {"results": results, "events": events}
 
@@ -126,3 +137,21 @@ def test_fsdp2_backward_takes_local_gradients_without_reduce_scatter(jobs):
     # 4 reduce-scatters a step (one per sharded layer), none more with the replay
     reductions = [line for line in jobs["fsdp-spike"]["results"][0] if line.startswith("red")]
     assert reductions == ["reductions 32"]
+
+
+def test_fsdp2_pins_see_the_module_state_the_replay_began_with(jobs):
+    """booster multiplies by 1e6 on its 7th to 9th calls: each variant starts from the counter
+    the replay found, so pinning booster alone is not a fix (its fp32 output of ~1e5 enters
+    head, whose FSDP2 input cast is float16); booster and head together are."""
+    events = jobs["fsdp-booster"]["events"]
+    assert sorted(events) == [(0, 6), (1, 6)]  # steps 7 and 8: the same episode
+    for e in events.values():
+        assert e["cause"] == "precision" and e["first_nonfinite"] == "booster"
+        assert e["verified_fix"] == ["booster", "head"]
+        assert _variants(e) == [
+            "as it ran",
+            "autocast off",
+            "fp32 booster",
+            "fp32 head",
+            "fp32 booster, head",
+        ]

@@ -67,7 +67,21 @@ class ReplayCollector(Collector):
     Events: ``replay`` (one per bad step considered: ``replayed`` true with ``cause``,
     ``experiments`` — each variant's ``variant``, ``finite``, ``forward_finite``,
     ``grads_finite``, ``first_nonfinite``, ``max_abs``, ``seconds`` — ``verified_fix``, ``seconds``,
-    ``micro_batch``/``micro_batches``; or ``replayed`` false with ``reason``).
+    ``micro_batch``/``micro_batches``; or ``replayed`` false with ``reason``). In a job of
+    several ranks also ``world_size``, ``collective`` (FSDP2: the ranks ran the variants
+    together) and ``local_finite``: whether this rank's own step ("as it ran": its forward, and
+    its backward where one ran) is finite on replay; true on a rank whose update was skipped
+    means the non-finite gradients reached it through the gradient reduction from another rank.
+    FSDP2 replays add ``memory_check`` (the headroom judged before starting).
+
+    Distributed jobs: every rank of a data-parallel group meets the same bad steps (found-inf is
+    taken after the gradient all-reduce, and ShardedGradScaler all-reduces it), and the
+    calibration, episode and ``replay_max`` decisions read only step numbers, the scale and
+    found-inf, so every rank decides alike. A DDP replay runs on the inner module (a forward
+    through the wrapper would prepare its reducer) and takes gradients with
+    ``torch.autograd.grad`` (DDP's reducer hooks sit on the gradient accumulators, which do not
+    run): it launches no collective, so each rank's own time budget is harmless. An FSDP2
+    replay gathers parameters in every forward: see :meth:`_replay_sharded`.
     """
 
     name = "replay"

@@ -361,6 +361,7 @@ class _Runner:
         )
         self.names = {id(m): n for n, m in self.user.named_modules() if n}
         self.device = exchange_device(plan.group) if plan.collective else "cpu"
+        self.reset_state: Any = lambda: None  # set by replay_step: its saved buffers and attributes
         self.start = time.perf_counter()
         self.results: list[_Result] = []
         self.order: list[str] = []  # module names in forward completion order (eager)
@@ -408,6 +409,7 @@ class _Runner:
         order: list[str] = []
         with contextlib.ExitStack() as stack:
             self._set_rng()
+            self.reset_state()  # a forward's counters and buffers as the replay found them
             if eager and self.plan.compiled:
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(torch.enable_grad())
@@ -691,8 +693,17 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     ]
     detail: dict[str, Any] = {"replayed": True}
     runner: _Runner | None = None
+
+    def reset_state() -> None:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, values in attrs:
+            m.__dict__.update(values)
+
     try:
         runner = _Runner(kept, plan)
+        runner.reset_state = reset_state
         detail.update(
             _decide_collective(runner, plan) if plan.collective else _decide(runner, plan)
         )
