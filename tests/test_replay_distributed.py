@@ -30,7 +30,11 @@ pytestmark = pytest.mark.skipif(
 #: job: (script, its environment, replay); each replay_gloo job's replay=off twin is "<job>-off"
 JOBS: dict[str, tuple[str, dict[str, str], str]] = {
     "ddp": ("replay_gloo.py", {"WRAP": "ddp", "CASES": "layer@3,nan_rank1@6"}, "on"),
-    "fsdp": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "cosine@3,nan_rank1@6"}, "on"),
+    "fsdp": (
+        "replay_gloo.py",
+        {"WRAP": "fsdp", "CASES": "cosine_nomem1@1,cosine@3,nan_rank1@6"},
+        "on",
+    ),
     "fsdp-spike": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "spike@5"}, "on"),
 }
 JOBS.update({f"{k}-off": (script, env, "off") for k, (script, env, _) in list(JOBS.items())})
@@ -103,9 +107,24 @@ def test_ddp_nan_on_rank1_rank0_says_its_own_step_is_finite(jobs):
     assert events[0, 6]["experiments"][0]["grads_finite"] is True
 
 
+def test_fsdp2_one_rank_unable_no_rank_replays(jobs):
+    events = jobs["fsdp"]["events"]
+    # rank 1's memory check (planted) says no: it is judged before anything runs, and no
+    # rank replays (an out of memory inside would leave the other rank in a collective)
+    assert events[1, 1]["replayed"] is False
+    assert events[1, 1]["reason"] == (
+        "not enough memory to replay: 1 MiB free, 2 MiB needed (planted)"
+    )
+    assert events[0, 1]["replayed"] is False
+    assert events[0, 1]["reason"] == (
+        "rank 1 of the group: not enough memory (FSDP2: every rank replays the step or none)"
+    )
+    # a replay not made is not counted against replay_max (3): steps 3 and 6 are replayed
+
+
 def test_fsdp2_overflow_both_ranks_run_the_same_variants_and_find_the_same_fix(jobs):
     events = jobs["fsdp"]["events"]
-    assert sorted(events) == [(0, 3), (0, 6), (1, 3), (1, 6)]
+    assert sorted(events) == [(0, 1), (0, 3), (0, 6), (1, 1), (1, 3), (1, 6)]
     for rank in (0, 1):
         e = events[rank, 3]
         assert e["replayed"] is True and e["collective"] is True

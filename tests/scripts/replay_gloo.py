@@ -7,6 +7,8 @@ an fp16 MixedPrecisionPolicy, no autocast, ShardedGradScaler); ``CASES``, the ba
 
 * ``layer`` (ddp): ``big``'s output overflows fp16 on both ranks (its batch x10000).
 * ``cosine`` (fsdp): the custom cosine similarity ``cos`` overflows fp16 on both ranks.
+* ``cosine_nomem1`` (fsdp): ``cosine``, and rank 1's memory check says it has not the memory
+  for a replay.
 * ``nan_rank1``: only rank 1's batch holds a NaN; rank 0 gets it through the reduction.
 * ``spike`` (fsdp): the batch x10000 and the loss x256 on both ranks: the forward is finite (the
   LayerNorm), the fp16 gradients overflow at the loss scale and are finite at a lower one.
@@ -31,6 +33,12 @@ from torch import nn
 import amprobe.capture.collectors.replay as replay
 
 replay.TIME_FACTOR = 1e6  # the budget never cuts a replay short: the test is deterministic
+memory_headroom = replay._memory_headroom
+
+
+def no_memory(kept: object) -> tuple[bool, str]:
+    return False, "1 MiB free, 2 MiB needed (planted)"
+
 
 D = 16
 WRAP = os.environ.get("WRAP", "ddp")
@@ -79,7 +87,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
         if rank == 1:
             x[0, 0] = float("nan")
         return x
-    if case in ("layer", "cosine", "spike"):
+    if case in ("layer", "cosine", "cosine_nomem1", "spike"):
         return x * 10000.0
     return x
 
@@ -135,6 +143,9 @@ opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 lines = []
 for step in range(int(os.environ.get("STEPS", 8))):
     opt.zero_grad()
+    # rank 1 judges that it has not the memory for a replay of this step (its check replaced)
+    short = CASES.get(step) == "cosine_nomem1" and rank == 1
+    replay._memory_headroom = no_memory if short else memory_headroom
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
         out = model(batch(step, rank))
     loss = out.float().pow(2).mean()

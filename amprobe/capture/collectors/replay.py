@@ -236,7 +236,9 @@ class ReplayCollector(Collector):
     def _sharded(self, kept: Kept | None) -> bool:
         """Whether the model is under FSDP2 (its forward gathers parameters across ranks):
         from the kept forward's model, else from the models amprobe knows (every rank alike)."""
-        models = [kept.model()] if kept is not None else [r() for r in self._models]
+        held = kept or self._kept  # (the last kept forward, of any step: the same model)
+        models = [held.model()] if held is not None else []
+        models += [r() for r in self._models]
         return any(m is not None and fsdp_states(user_model(m)) for m in models)
 
     def _replay_sharded(
@@ -268,23 +270,29 @@ class ReplayCollector(Collector):
                 ),
             )
             return
-        compiled = kept is not None and self._compiled(kept)
-        if reason is None and compiled:
-            reason = (
-                "a compiled FSDP2 model: its eager variants would gather parameters outside the "
-                "compiled graphs' collectives"
+        # whatever happens here, this rank reaches the exchange below (the others wait in it)
+        compiled = False
+        memory_note = "not measured"
+        backward_ok = False
+        try:
+            compiled = kept is not None and self._compiled(kept)
+            if reason is None and compiled:
+                reason = (
+                    "a compiled FSDP2 model: its eager variants would gather parameters outside "
+                    "the compiled graphs' collectives"
+                )
+            memory_ok, memory_note = _memory_headroom(kept)
+            if reason is None and not memory_ok:
+                reason = f"not enough memory to replay: {memory_note}"
+            backward_ok = (
+                kept is not None
+                and bool(kept.grads)
+                and _finite(kept)
+                and fsdp_backward_blocker(fsdp_states(user_model(kept.model()))) is None
             )
-        memory_ok, memory_note = _memory_headroom(kept)
-        code = 0 if reason is None else 1
-        if code == 0 and not memory_ok:
-            code = 2
-            reason = f"not enough memory to replay: {memory_note}"
-        backward_ok = (
-            kept is not None
-            and bool(kept.grads)
-            and _finite(kept)
-            and fsdp_backward_blocker(fsdp_states(user_model(kept.model()))) is None
-        )
+        except Exception as exc:
+            reason = reason or f"the replay's checks failed: {type(exc).__name__}: {exc}"
+        code = 0 if reason is None else (2 if reason.startswith("not enough memory") else 1)
         start = probe.t_step_start
         took = time.perf_counter() - start if start is not None else 0.0
         group = getattr(facts.scaler, "process_group", None)  # found-inf's group
