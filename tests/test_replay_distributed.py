@@ -45,6 +45,10 @@ JOBS["fsdp-booster"] = (
     {"SCALER": "1", "PLANT": "6,7,8", "CKPT": "1", "PARAM_DTYPE": "float16"},
     "on",
 )
+# train_blocks' FSDP2 job (ShardedGradScaler, fp16 param_dtype), eager: booster's weight x1e6
+# on steps 4-6
+JOBS["fsdp-blocks"] = ("train_blocks.py", {}, "on")
+ARGS = {"fsdp-blocks": ["--fsdp", "--compile", "none", "--plant", "4", "--steps", "6"]}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         where.mkdir()
         out = where / "run"
         cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out)]
-        cmd += ["--set", f"replay={replay}", "--", *torchrun_argv(script), str(where)]
+        cmd += ["--set", f"replay={replay}", "--", *torchrun_argv(script)]
+        cmd += [str(where / "out.json"), *ARGS[job]] if job in ARGS else [str(where)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), **job_env}
         proc = run_gloo_job(cmd, out, cwd=where, env=env, timeout=240)  # (torch's abort)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -174,3 +179,14 @@ def test_fsdp2_pins_see_the_module_state_the_replay_began_with(jobs):
             "fp32 head",
             "fp32 booster, head",
         ]
+
+
+def test_fsdp2_weights_beyond_param_dtype_are_named(jobs):
+    """train_blocks' booster weight x1e6 is beyond float16: FSDP2 gathers it as inf, so even
+    the fp32 variants are not finite; the event names the parameter whose shard holds it."""
+    events = jobs["fsdp-blocks"]["events"]
+    assert sorted(events) == [(0, 4), (1, 4)]
+    for e in events.values():
+        assert e["replayed"] is True and e["collective"] is True
+        assert e["cause"] == "data-or-model"
+        assert e["params_beyond_param_dtype"] == ["layers.0.mlp.booster.weight"]

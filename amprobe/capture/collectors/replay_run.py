@@ -1052,6 +1052,16 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         out["incomplete"] = "a rank's time budget was spent"
     elif not off.finite:
         out["cause"] = "data-or-model"
+        beyond = _beyond_param_dtype(r) if r.fsdp_half else []
+        if beyond:
+            out["params_beyond_param_dtype"] = beyond
+            notes.append(
+                "this rank's shard of "
+                + ", ".join(beyond)
+                + " holds values beyond the MixedPrecisionPolicy's param_dtype: FSDP2 gathers "
+                "them as inf, so no variant (they all compute on the gathered weights) can be "
+                "finite; the weights, not the fp32 arithmetic, are out of range"
+            )
     else:
         out["cause"] = "precision"
         out["verified_fix"] = fix
@@ -1120,3 +1130,25 @@ def _seed_cause(
         return {"cause": "loss-computation"}
     notes.append("the forward is finite on replay")
     return {"cause": "not-reproduced"}
+
+
+def _beyond_param_dtype(r: _Runner) -> list[str]:
+    """The parameters (first 5) whose local shard holds finite values beyond the largest of
+    their FSDP2 param_dtype: gathered, they are inf (a sync per parameter: a replay only)."""
+    names: list[str] = []
+    with torch.no_grad():
+        for group in _fsdp_groups(r.fsdp):
+            for fp in getattr(group, "fsdp_params", ()):
+                dtype = getattr(fp, "param_dtype", None)
+                param = getattr(fp, "sharded_param", None)
+                if dtype not in _HALF or param is None:
+                    continue
+                local = param.to_local() if hasattr(param, "to_local") else param
+                if not local.numel():
+                    continue
+                finite = local.detach().float().nan_to_num(0.0, 0.0, 0.0).abs().amax()
+                if float(finite) > torch.finfo(dtype).max:
+                    names.append(user_module_name(str(getattr(fp, "_param_fqn", "?"))))
+                if len(names) >= 5:
+                    return names
+    return names
