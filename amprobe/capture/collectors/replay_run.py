@@ -424,11 +424,13 @@ class _Runner:
                     forward.enter_context(torch.autocast(kept.device_type, enabled=False))
                     if not autocast and self.fsdp_half:  # the policy's half parameters:
                         # the whole model in fp32
-                        forward.enter_context(_pinned(self.user, kept.device_type))
+                        forward.enter_context(_pinned(self.user, kept.device_type, True))
                 if observe:
                     self._observe(forward, flags, order)
                 for name in pins:
-                    forward.enter_context(_pinned(self.user.get_submodule(name), kept.device_type))
+                    forward.enter_context(
+                        _pinned(self.user.get_submodule(name), kept.device_type, self.fsdp_half)
+                    )
                 out = self.target(*kept.args, **(kept.kwargs or {}))
             leaves = pytree.tree_leaves(out)
             floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -585,14 +587,14 @@ class _Runner:
 
 
 @contextlib.contextmanager
-def _pinned(module: torch.nn.Module, device_type: str) -> Iterator[None]:
+def _pinned(module: torch.nn.Module, device_type: str, children: bool = False) -> Iterator[None]:
     """Run ``module`` in fp32 for the block: autocast off inside it, floating inputs cast, and
     half-precision parameters (FSDP2's MixedPrecisionPolicy gathers them in its param_dtype,
-    without autocast) cast to fp32 in it and its children, where FSDP2 does not cast their
-    inputs back to half."""
+    without autocast) cast to fp32 in it and, with ``children``, in its children, where FSDP2
+    does not cast their inputs back to half."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_fp32_forward(module, device_type, top=True))
-        for m in module.modules():
+        for m in module.modules() if children else ():
             if m is not module and m._parameters:
                 stack.enter_context(_fp32_forward(m, device_type, top=False))
         for state in fsdp_states(module):
