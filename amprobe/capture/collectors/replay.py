@@ -273,7 +273,8 @@ class ReplayCollector(Collector):
         # whatever happens here, this rank reaches the exchange below (the others wait in it)
         compiled = False
         memory_note = "not measured"
-        backward_ok = False
+        seeds_ok = False
+        blocker: str | None = "not checked"
         try:
             compiled = kept is not None and self._compiled(kept)
             if reason is None and compiled:
@@ -284,12 +285,9 @@ class ReplayCollector(Collector):
             memory_ok, memory_note = _memory_headroom(kept)
             if reason is None and not memory_ok:
                 reason = f"not enough memory to replay: {memory_note}"
-            backward_ok = (
-                kept is not None
-                and bool(kept.grads)
-                and _finite(kept)
-                and fsdp_backward_blocker(fsdp_states(user_model(kept.model()))) is None
-            )
+            seeds_ok = kept is not None and bool(kept.grads) and _finite(kept)
+            if kept is not None:
+                blocker = fsdp_backward_blocker(fsdp_states(user_model(kept.model())))
         except Exception as exc:
             reason = reason or f"the replay's checks failed: {type(exc).__name__}: {exc}"
         code = 0 if reason is None else (2 if reason.startswith("not enough memory") else 1)
@@ -308,7 +306,9 @@ class ReplayCollector(Collector):
             group=group,
         )
         try:
-            rows = exchange([code, int(backward_ok)], plan, exchange_device(group))
+            rows = exchange(
+                [code, int(seeds_ok), int(blocker is None)], plan, exchange_device(group)
+            )
         except Exception as exc:
             probe.event(
                 "replay",
@@ -327,7 +327,14 @@ class ReplayCollector(Collector):
                 reason += " (FSDP2: every rank replays the step or none)"
             probe.event("replay", replayed=False, trigger=trigger, reason=reason)
             return
-        plan.backward = all(row[1] for row in rows)
+        plan.backward = all(row[1] and row[2] for row in rows)
+        if not all(row[2] for row in rows):
+            plan.forward_only = blocker or "a rank's FSDP2 state would reduce-scatter into `.grad`"
+        elif not plan.backward:
+            plan.forward_only = (
+                "a rank's gradient at the model's output was non-finite or missing (every rank "
+                "must run the same backward, whose pre-backward gathers parameters)"
+            )
         self._left -= 1
         was = probe.recording
         probe.recording = False  # amprobe's own hooks stay out of the replay

@@ -194,6 +194,8 @@ class ReplayPlan:
     group: Any = None
     #: whether the variants' backward runs (a collective replay: agreed by every rank)
     backward: bool = True
+    #: why not (a collective replay)
+    forward_only: str | None = None
 
 
 def describe_model(kept: Kept) -> str | None:
@@ -978,15 +980,7 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         )
     else:
         r.seeds = {}
-        notes.append(
-            "forward only: "
-            + (
-                "a rank's gradient at the model's output was non-finite or missing (every "
-                "rank must run the same backward, whose pre-backward gathers parameters)"
-                if plan.group is not None
-                else "no backward could be run"
-            )
-        )
+        notes.append("forward only: " + (plan.forward_only or "no backward could be run"))
     order = [n for n, _ in r.user.named_modules() if n]
     where = {n: i for i, n in enumerate(order)}
 
