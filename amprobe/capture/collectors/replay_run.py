@@ -735,6 +735,13 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
             detail["experiments"] = [r.row() for r in runner.results]
         if detail.get("reason") == "out of memory" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if plan.collective and detail.get("replayed") is False:
+            # the memory was judged before starting; a failure inside leaves the other ranks
+            # in the collective this rank did not reach: say so, nothing can be undone
+            detail["reason"] += (
+                " (inside an FSDP2 replay: the other ranks may be waiting in a collective this "
+                "rank did not reach)"
+            )
     detail["seconds"] = round(time.perf_counter() - t0, 6)
     detail["budget_s"] = round(plan.budget_s, 6)
     if plan.micro_batches > 1:
