@@ -46,8 +46,13 @@ from amprobe.capture.collectors.replay_run import (
     Kept,
     ReplayPlan,
     describe_model,
+    exchange,
+    exchange_device,
+    fsdp_backward_blocker,
+    fsdp_states,
     replay_step,
 )
+from amprobe.capture.collectors.sharded import user_model
 from amprobe.capture.protocol import Collector, StepFacts
 
 __all__ = ["MAX_CALIBRATION_SKIPS", "TIME_FACTOR", "ReplayCollector"]
@@ -69,7 +74,21 @@ class ReplayCollector(Collector):
     Events: ``replay`` (one per bad step considered: ``replayed`` true with ``cause``,
     ``experiments`` — each variant's ``variant``, ``finite``, ``forward_finite``,
     ``grads_finite``, ``first_nonfinite``, ``max_abs``, ``seconds`` — ``verified_fix``, ``seconds``,
-    ``micro_batch``/``micro_batches``; or ``replayed`` false with ``reason``).
+    ``micro_batch``/``micro_batches``; or ``replayed`` false with ``reason``). In a job of
+    several ranks also ``world_size``, ``collective`` (FSDP2: the ranks ran the variants
+    together) and ``local_finite``: whether this rank's own step ("as it ran": its forward, and
+    its backward where one ran) is finite on replay; true on a rank whose update was skipped
+    means the non-finite gradients reached it through the gradient reduction from another rank.
+    FSDP2 replays add ``memory_check`` (the headroom judged before starting).
+
+    Distributed jobs: every rank of a data-parallel group meets the same bad steps (found-inf is
+    taken after the gradient all-reduce, and ShardedGradScaler all-reduces it), and the
+    calibration, episode and ``replay_max`` decisions read only step numbers, the scale and
+    found-inf, so every rank decides alike. A DDP replay runs on the inner module (a forward
+    through the wrapper would prepare its reducer) and takes gradients with
+    ``torch.autograd.grad`` (DDP's reducer hooks sit on the gradient accumulators, which do not
+    run): it launches no collective, so each rank's own time budget is harmless. An FSDP2
+    replay gathers parameters in every forward: see :meth:`_replay_sharded`.
     """
 
     name = "replay"
@@ -211,6 +230,9 @@ class ReplayCollector(Collector):
         self._replayed_steps.add(step)
         kept = self._kept if self._kept_step == step else None  # (a forward of this step)
         reason = self._cannot(kept)
+        if self._sharded(kept):
+            self._replay_sharded(trigger, facts, scale, kept, reason)
+            return
         if reason is not None or kept is None:
             probe.event("replay", replayed=False, trigger=trigger, reason=reason)
             return
@@ -242,6 +264,119 @@ class ReplayCollector(Collector):
             probe.replaying = False
             probe.recording = was
         detail["trigger"] = trigger
+        probe.event("replay", **detail)
+
+    def _sharded(self, kept: Kept | None) -> bool:
+        """Whether the model is under FSDP2 (its forward gathers parameters across ranks):
+        from the kept forward's model, else from the models amprobe knows (every rank alike)."""
+        held = kept or self._kept  # (the last kept forward, of any step: the same model)
+        models = [held.model()] if held is not None else []
+        models += [r() for r in self._models]
+        return any(m is not None and fsdp_states(user_model(m)) for m in models)
+
+    def _replay_sharded(
+        self,
+        trigger: str,
+        facts: StepFacts,
+        scale: float | None,
+        kept: Kept | None,
+        reason: str | None,
+    ) -> None:
+        """An FSDP2 replay: every rank of the group replays this step or none, so that the
+        forward's all-gathers match. Entered by every rank alike: the trigger is the found-inf
+        that ShardedGradScaler all-reduces, and the calibration, episode and replay_max
+        decisions before it read only step numbers and found-inf. One all-reduce (here, on a bad
+        step only) gathers each rank's readiness (its kept forward, its memory headroom, a finite
+        output gradient for the backward) before anything runs; any rank not ready: no rank
+        replays, each says why. An out of memory inside the replay would stop one rank in a
+        collective and hang the others: the headroom is judged before starting instead."""
+        probe = self.probe
+        if trigger != "skipped_update":
+            probe.event(
+                "replay",
+                replayed=False,
+                trigger=trigger,
+                reason=(
+                    "FSDP2 without a GradScaler: a non-finite loss is this rank's own fact, and "
+                    "a replay's forward gathers parameters from every rank; the ranks cannot "
+                    "agree to replay without a collective on every step"
+                ),
+            )
+            return
+        # whatever happens here, this rank reaches the exchange below (the others wait in it)
+        compiled = False
+        memory_note = "not measured"
+        seeds_ok = False
+        blocker: str | None = "not checked"
+        try:
+            compiled = kept is not None and self._compiled(kept)
+            if reason is None and compiled:
+                reason = (
+                    "a compiled FSDP2 model: its eager variants would gather parameters outside "
+                    "the compiled graphs' collectives"
+                )
+            memory_ok, memory_note = _memory_headroom(kept)
+            if reason is None and not memory_ok:
+                reason = f"not enough memory to replay: {memory_note}"
+            seeds_ok = kept is not None and bool(kept.grads) and _finite(kept)
+            if kept is not None:
+                blocker = fsdp_backward_blocker(fsdp_states(user_model(kept.model())))
+        except Exception as exc:
+            reason = reason or f"the replay's checks failed: {type(exc).__name__}: {exc}"
+        code = 0 if reason is None else (2 if reason.startswith("not enough memory") else 1)
+        start = probe.t_step_start
+        took = time.perf_counter() - start if start is not None else 0.0
+        group = getattr(facts.scaler, "process_group", None)  # found-inf's group
+        plan = ReplayPlan(
+            budget_s=TIME_FACTOR * max(took, 1e-3),
+            scale=scale,
+            compiled=compiled,
+            sampled_graph=False,
+            micro_batch=self._forwards,
+            micro_batches=self._forwards,
+            loss=_scale_value(facts.loss),
+            collective=True,
+            group=group,
+        )
+        try:
+            rows = exchange(
+                [code, int(seeds_ok), int(blocker is None)], plan, exchange_device(group)
+            )
+        except Exception as exc:
+            probe.event(
+                "replay",
+                replayed=False,
+                trigger=trigger,
+                reason=f"the ranks could not agree on a replay: {type(exc).__name__}: {exc}",
+            )
+            return
+        others = [i for i, row in enumerate(rows) if row[0]]
+        if others or kept is None:
+            why = {1: "it cannot replay this step", 2: "not enough memory"}
+            if reason is None:
+                reason = "; ".join(
+                    f"rank {i} of the group: {why.get(rows[i][0], 'not ready')}" for i in others
+                )
+                reason += " (FSDP2: every rank replays the step or none)"
+            probe.event("replay", replayed=False, trigger=trigger, reason=reason)
+            return
+        plan.backward = all(row[1] and row[2] for row in rows)
+        if not all(row[2] for row in rows):
+            plan.forward_only = blocker or "a rank's FSDP2 state would reduce-scatter into `.grad`"
+        elif not plan.backward:
+            plan.forward_only = (
+                "a rank's gradient at the model's output was non-finite or missing (every rank "
+                "must run the same backward, whose pre-backward gathers parameters)"
+            )
+        self._left -= 1
+        was = probe.recording
+        probe.recording = False  # amprobe's own hooks stay out of the replay
+        try:
+            detail = replay_step(kept, plan)
+        finally:
+            probe.recording = was
+        detail["trigger"] = trigger
+        detail["memory_check"] = memory_note
         probe.event("replay", **detail)
 
     def _compiled(self, kept: Kept) -> bool:
@@ -277,3 +412,31 @@ def _scale_value(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.item())
     return None
+
+
+def _finite(kept: Kept) -> bool:
+    """Whether the gradients that reached the model's outputs are finite (a sync: bad steps)."""
+    with torch.no_grad():
+        return all(bool(torch.isfinite(g).all().item()) for g in kept.grads.values())
+
+
+#: a replay on a GPU may need this many times the step's own transient memory
+MEMORY_MARGIN = 1.25
+
+
+def _memory_headroom(kept: Kept | None) -> tuple[bool, str]:
+    """Whether this rank has the memory for a replay, judged before it starts: on a GPU the
+    free memory (the device's and the caching allocator's) against the job's peak over what
+    it holds now (what a forward and backward took, at most) times :data:`MEMORY_MARGIN`."""
+    if kept is None or kept.device_type != "cuda" or not torch.cuda.is_available():
+        return True, "not measured (CPU memory: the replay needs about one step's activations)"
+    try:
+        free, _ = torch.cuda.mem_get_info()
+        held = torch.cuda.memory_allocated()
+        cached = torch.cuda.memory_reserved() - held
+        need = torch.cuda.max_memory_allocated() - held
+    except Exception as exc:
+        return False, f"the GPU memory could not be read ({type(exc).__name__})"
+    have = free + cached
+    ok = have >= MEMORY_MARGIN * need
+    return ok, f"{have / 2**20:.0f} MiB free, {need / 2**20:.0f} MiB needed (the step's peak)"

@@ -40,9 +40,20 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amprobe.capture.collectors.sharded import local_tensor, user_model
+from amprobe.capture.collectors.sharded import local_tensor, user_model, user_module_name
 
-__all__ = ["MAX_PIN_RUNS", "SCALE_DIVISORS", "Kept", "ReplayPlan", "describe_model", "replay_step"]
+__all__ = [
+    "MAX_PIN_RUNS",
+    "SCALE_DIVISORS",
+    "Kept",
+    "ReplayPlan",
+    "describe_model",
+    "exchange",
+    "exchange_device",
+    "fsdp_backward_blocker",
+    "fsdp_states",
+    "replay_step",
+]
 
 #: pin variants (single, then cumulative) at most per replay
 MAX_PIN_RUNS = 8
@@ -217,6 +228,14 @@ class ReplayPlan:
     micro_batch: int
     micro_batches: int
     loss: float | None = None
+    #: FSDP2: the forward gathers parameters across ranks; every rank of ``group`` runs the same
+    #: sequence of variants, agreed at fixed points (see :func:`exchange`)
+    collective: bool = False
+    group: Any = None
+    #: whether the variants' backward runs (a collective replay: agreed by every rank)
+    backward: bool = True
+    #: why not (a collective replay)
+    forward_only: str | None = None
 
 
 def describe_model(kept: Kept) -> str | None:
@@ -230,15 +249,90 @@ def describe_model(kept: Kept) -> str | None:
                 "the step's inputs were modified in place after its forward started "
                 "(a replay would read other values)"
             )
-    names = {c.__name__ for c in type(model).__mro__}
-    if any(n.startswith("FSDP") for n in names) or any(
-        type(m).__name__.startswith("FSDP") for m in model.modules()
-    ):
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         return (
-            "FSDP2: its forward gathers parameters across ranks and its post-backward writes "
-            "`.grad`; a sharded replay is not supported yet"
+            "FSDP (the first version, FullyShardedDataParallel): its flat parameters are "
+            "gathered and its gradients reduced by the wrapper; only FSDP2 (fully_shard) is "
+            "replayed"
         )
     return None
+
+
+# -- FSDP2 (fully_shard) -------------------------------------------------------------------------
+def fsdp_states(module: torch.nn.Module) -> list[Any]:
+    """The FSDP2 states of ``module``'s tree (one per ``fully_shard`` call), outermost first."""
+    states: list[Any] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        get = getattr(m, "_get_fsdp_state", None)
+        if get is None:
+            continue
+        try:
+            state = get()
+        except Exception:  # a module that only looks like one
+            continue
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+def _fsdp_groups(states: list[Any]) -> list[Any]:
+    return [g for s in states for g in getattr(s, "_fsdp_param_groups", ())]
+
+
+def fsdp_backward_blocker(states: list[Any]) -> str | None:
+    """Why FSDP2's post-backward would reduce-scatter (and write ``.grad``) even for a backward
+    taken with ``torch.autograd.grad``, or None. The replay's backward differentiates with
+    respect to the unsharded parameters: autograd hands their gradients back instead of
+    accumulating them into ``.grad``, so the post-backward finds no gradient and reduces
+    nothing, except a gradient still being accumulated unreduced or
+    ``reduce_scatter_unused_params`` (zeros are reduced then)."""
+    for group in _fsdp_groups(states):
+        if getattr(group, "reduce_scatter_unused_params", False):
+            return "FSDP2's reduce_scatter_unused_params would reduce-scatter zeros into `.grad`"
+        for fp in getattr(group, "fsdp_params", ()):
+            if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+                return (
+                    "FSDP2 holds a gradient accumulated without reduction: its post-backward "
+                    "would reduce it into `.grad`"
+                )
+    return None
+
+
+def _fsdp_half(states: list[Any]) -> bool:
+    """Whether a MixedPrecisionPolicy casts the parameters to half precision (it computes in
+    fp16/bf16 without autocast)."""
+    return any(
+        getattr(getattr(s, "_mp_policy", None), "param_dtype", None) in _HALF for s in states
+    )
+
+
+def exchange(row: list[int], plan: ReplayPlan, device: str) -> list[list[int]]:
+    """Every rank's ``row`` (small integers), by one all-reduce over the plan's group; every
+    rank of the group must call it at the same point (a collective)."""
+    import torch.distributed as dist
+
+    group = plan.group
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    table = torch.zeros(world, len(row), dtype=torch.int64, device=device)
+    table[me] = torch.tensor(row, dtype=torch.int64, device=device)
+    dist.all_reduce(table, group=group)
+    return [[int(v) for v in r] for r in table.tolist()]
+
+
+def exchange_device(group: Any) -> str:
+    """Where the tensors of an all-reduce over ``group`` live (NCCL: the current GPU)."""
+    import torch.distributed as dist
+
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:
+        backend = ""
+    if backend == "nccl" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 @dataclasses.dataclass
@@ -294,7 +388,22 @@ class _Runner:
         )  # DDP's .module: a forward through the wrapper arms its reducer
         self.target = self._target(root)
         self.params = [(n, p) for n, p in self.user.named_parameters() if p.requires_grad]
+        # FSDP2: the registered parameters are sharded DTensors outside the forward's graph;
+        # the graph's leaves are the unsharded parameters the forward gathers (see _leaves)
+        self.fsdp = fsdp_states(self.user)
+        self.fsdp_half = _fsdp_half(self.fsdp)
+        groups = _fsdp_groups(self.fsdp)
+        self._sharded_at_start = [g for g in groups if getattr(g, "is_sharded", False)]
+        self._fsdp_orders = [(g, list(getattr(g, "_post_forward_indices", []))) for g in groups]
+        ctx = getattr(groups[0], "comm_ctx", None) if groups else None
+        self._forward_order = (
+            (ctx, list(ctx.post_forward_order))
+            if ctx is not None and hasattr(ctx, "post_forward_order")
+            else None
+        )
         self.names = {id(m): n for n, m in self.user.named_modules() if n}
+        self.device = exchange_device(plan.group) if plan.collective else "cpu"
+        self.reset_state: Any = lambda: None  # set by replay_step: its saved buffers and attributes
         self.start = time.perf_counter()
         self.results: list[_Result] = []
         self.order: list[str] = []  # module names in forward completion order (eager)
@@ -330,8 +439,8 @@ class _Runner:
     ) -> list[_Result]:
         """One forward, and one backward per entry of ``scales`` (seed multipliers)."""
         elapsed = time.perf_counter() - self.start
-        if self.results and elapsed >= self.plan.budget_s:
-            raise _Budget
+        if self.results and elapsed >= self.plan.budget_s and not self.plan.collective:
+            raise _Budget  # (a collective replay: the ranks agree when to stop, see exchange)
         kept = self.kept
         base = self.plan.scale
         results = [
@@ -343,6 +452,7 @@ class _Runner:
         order: list[str] = []
         with contextlib.ExitStack() as stack:
             self._set_rng()
+            self.reset_state()  # a forward's counters and buffers as the replay found them
             if eager and self.plan.compiled:
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(torch.enable_grad())
@@ -359,10 +469,15 @@ class _Runner:
                     forward.enter_context(torch.autocast(kept.device_type, enabled=False))
                     if not autocast:  # and the autocast a wrapped forward enters (accelerate's)
                         forward.enter_context(_original_forwards(self.target, self.user))
+                    if not autocast and self.fsdp_half:  # the policy's half parameters:
+                        # the whole model in fp32
+                        forward.enter_context(_pinned(self.user, kept.device_type, True))
                 if observe:
                     self._observe(forward, flags, order)
                 for name in pins:
-                    forward.enter_context(_pinned(self.user.get_submodule(name), kept.device_type))
+                    forward.enter_context(
+                        _pinned(self.user.get_submodule(name), kept.device_type, self.fsdp_half)
+                    )
                 out = self.target(*kept.args, **(kept.kwargs or {}))
             leaves = pytree.tree_leaves(out)
             floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -397,18 +512,21 @@ class _Runner:
                 and isinstance(leaves[i], torch.Tensor)
                 and leaves[i].requires_grad
             ]
+            params = self._leaves()
+            if not self.plan.backward:
+                pairs = []
             done: list[_Result] = []
             for k, (s, r) in enumerate(zip(scales, results, strict=False)):
                 r.forward_finite = fwd
                 r.max_abs = peak
                 r.first_nonfinite = first
                 done.append(r)
-                if pairs and self.params:
+                if pairs and params:
                     outs = [o for o, _ in pairs]
                     seeds = [g.to(o.dtype) * s if s != 1.0 else g.to(o.dtype) for o, g in pairs]
                     grads = torch.autograd.grad(
                         outs,
-                        [p for _, p in self.params],
+                        [p for _, p in params],
                         grad_outputs=seeds,
                         allow_unused=True,
                         retain_graph=k < len(scales) - 1,
@@ -421,7 +539,7 @@ class _Runner:
                     r.grads_finite = all(per)
                     if not r.grads_finite:
                         r.nonfinite_params = [
-                            n for (n, _), good in zip(self.params, per, strict=False) if not good
+                            n for (n, _), good in zip(params, per, strict=False) if not good
                         ]
                 r.finite = fwd and r.grads_finite is not False
                 if stop_at_finite and r.finite:
@@ -430,11 +548,52 @@ class _Runner:
                     break
             results = done
             del out, leaves, floats, pairs
+        self._settle()
         took = time.perf_counter() - t0
         for r in results:
             r.seconds = took / len(results)
         self.results.extend(results)
         return results
+
+    def _leaves(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters the backward differentiates: the model's own, or under FSDP2 the
+        unsharded parameters its forward gathered (autograd returns their gradients: FSDP2's
+        post-backward finds none in ``.grad`` and reduce-scatters nothing)."""
+        if not self.fsdp:
+            return self.params
+        out = []
+        for group in _fsdp_groups(self.fsdp):
+            for fp in getattr(group, "fsdp_params", ()):
+                p = getattr(fp, "_unsharded_param", None)
+                if isinstance(p, torch.Tensor) and p.requires_grad:
+                    out.append((user_module_name(str(getattr(fp, "_param_fqn", "?"))), p))
+        return out
+
+    def _settle(self) -> None:
+        """FSDP2 after a variant: the groups that were sharded when the replay began are
+        sharded again (a forward without backward leaves the root's parameters gathered)."""
+        for group in self._sharded_at_start:
+            if not group.is_sharded:
+                group._to_sharded()
+
+    def restore(self) -> None:
+        """FSDP2: the forward order its backward prefetch reads, as it was before the replay."""
+        for group, indices in self._fsdp_orders:
+            group._post_forward_indices[:] = indices
+        if self._forward_order is not None:
+            ctx, order = self._forward_order
+            ctx.post_forward_order[:] = order
+
+    def reset_after_failure(self) -> None:
+        """FSDP2 after a variant that raised: its per-iteration state reset (FSDP2's own
+        recovery), the groups sharded again."""
+        for state in self.fsdp:
+            reset = getattr(state, "_reset_iter_state", None)
+            if reset is not None:
+                with contextlib.suppress(Exception):
+                    reset()
+        with contextlib.suppress(Exception):
+            self._settle()
 
     def _set_rng(self) -> None:
         torch.set_rng_state(self.kept.rng)
@@ -517,17 +676,47 @@ def _wrapped_autocast(*modules: torch.nn.Module) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def _pinned(module: torch.nn.Module, device_type: str) -> Iterator[None]:
-    """Run ``module`` in fp32 for the block: autocast off inside it, floating inputs cast."""
+def _pinned(module: torch.nn.Module, device_type: str, children: bool = False) -> Iterator[None]:
+    """Run ``module`` in fp32 for the block: autocast off inside it, floating inputs cast, and
+    half-precision parameters (FSDP2's MixedPrecisionPolicy gathers them in its param_dtype,
+    without autocast) cast to fp32 in it and, with ``children``, in its children, where FSDP2
+    does not cast their inputs back to half."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_fp32_forward(module, device_type, top=True))
+        for m in module.modules() if children else ():
+            if m is not module and m._parameters:
+                stack.enter_context(_fp32_forward(m, device_type, top=False))
+        for state in fsdp_states(module):
+            policy: Any = getattr(state, "_mp_policy", None)
+            if getattr(policy, "cast_forward_inputs", False) and policy.param_dtype is not None:
+                state._mp_policy = dataclasses.replace(policy, cast_forward_inputs=False)
+                stack.callback(setattr, state, "_mp_policy", policy)
+        yield
+
+
+@contextlib.contextmanager
+def _fp32_forward(module: torch.nn.Module, device_type: str, top: bool) -> Iterator[None]:
     had = "forward" in module.__dict__
     forward = module.forward
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = pytree.tree_map_only(
-            torch.Tensor, lambda t: t.float() if t.dtype in _HALF else t, (args, kwargs)
-        )
-        with torch.autocast(device_type, enabled=False):
+        if top:
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.float() if t.dtype in _HALF else t, (args, kwargs)
+            )
+        # the parameters as the forward sees them now (FSDP2 swaps in the gathered ones in its
+        # pre-forward hook, which has run): half ones replaced by differentiable fp32 casts
+        params = module._parameters
+        saved = {n: p for n, p in params.items() if p is not None and p.dtype in _HALF}
+        for name, p in saved.items():
+            params[name] = p.float()  # type: ignore[assignment]
+        try:
+            if top:
+                with torch.autocast(device_type, enabled=False):
+                    return forward(*args, **kwargs)
             return forward(*args, **kwargs)
+        finally:
+            params.update(saved)
 
     module.forward = run  # type: ignore[method-assign]
     try:
@@ -595,15 +784,30 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     ]
     detail: dict[str, Any] = {"replayed": True}
     runner: _Runner | None = None
+
+    def reset_state() -> None:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, values in attrs:
+            m.__dict__.update(values)
+
     try:
         runner = _Runner(kept, plan)
-        detail.update(_decide(runner, plan))
+        runner.reset_state = reset_state
+        detail.update(
+            _decide_collective(runner, plan) if plan.collective else _decide(runner, plan)
+        )
     except _Budget:
         detail.update(_partial(runner, "the replay's time budget was spent"))
     except torch.OutOfMemoryError:
         detail = {"replayed": False, "reason": "out of memory"}
+        if runner is not None and plan.collective:
+            runner.reset_after_failure()
     except Exception as exc:  # a replay that fails is recorded, never raised
         detail = {"replayed": False, "reason": f"the replay failed: {type(exc).__name__}: {exc}"}
+        if runner is not None and plan.collective:
+            runner.reset_after_failure()
     finally:
         with torch.no_grad():
             for b, saved in buffers:
@@ -614,9 +818,17 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
         if device_rng_now is not None:
             torch.cuda.set_rng_state(device_rng_now[1], device_rng_now[0])
         if runner is not None:
+            runner.restore()
             detail["experiments"] = [r.row() for r in runner.results]
         if detail.get("reason") == "out of memory" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if plan.collective and detail.get("replayed") is False:
+            # the memory was judged before starting; a failure inside leaves the other ranks
+            # in the collective this rank did not reach: say so, nothing can be undone
+            detail["reason"] += (
+                " (inside an FSDP2 replay: the other ranks may be waiting in a collective this "
+                "rank did not reach)"
+            )
     detail["seconds"] = round(time.perf_counter() - t0, 6)
     detail["budget_s"] = round(plan.budget_s, 6)
     if plan.micro_batches > 1:
@@ -624,6 +836,17 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
         detail["micro_batches"] = plan.micro_batches
     detail["compiled"] = plan.compiled
     detail["device_type"] = kept.device_type
+    world = _world_size()
+    if world > 1:
+        # this rank's own step on replay (its forward, and its backward where one ran): in a
+        # data-parallel job a rank whose own step is finite received the non-finite gradient
+        # from another rank through the gradient reduction (the read side names the origin)
+        detail["world_size"] = world
+        as_ran = next(
+            (e for e in detail.get("experiments", ()) if e.get("variant") == "as it ran"), None
+        )
+        detail["local_finite"] = None if as_ran is None else bool(as_ran["finite"])
+        detail["collective"] = plan.collective
     enabled, dtype = kept.autocast
     if not enabled:  # autocast entered inside a wrapped forward (accelerate's) is the step's too
         dtype = _wrapped_autocast(user, root)
@@ -845,3 +1068,215 @@ def _pins(r: _Runner, candidates: list[str]) -> list[str]:
             return list(pins)
         after = result.first_nonfinite or ""
     return []
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    try:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    except Exception:
+        return 1
+
+
+#: an exchanged module index meaning "none"
+_NONE = 1 << 30
+
+
+def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
+    """The variants of an FSDP2 replay, the same on every rank (the forward all-gathers):
+    as it ran, the lower loss scales, autocast off, then single and cumulative fp32 pins of the candidates in a
+    shared order, the ranks exchanging after each variant whether any still needs another and
+    whether any spent its time budget (one all-reduce each). Each rank then takes the cause
+    of its own results. A gradient-only overflow is tried at the lower loss scales first, one
+    forward and backward per divisor, while a rank still needs one."""
+    out: dict[str, Any] = {"verified_fix": []}
+    notes = [
+        "FSDP2: every rank ran the same variants (the forward gathers parameters across "
+        "ranks), agreeing after each variant whether to go on"
+    ]
+    seed_finite: bool | None = None
+    if r.seeds:
+        with torch.no_grad():
+            seed_finite = bool(
+                torch.stack([torch.isfinite(g).all() for g in r.seeds.values()]).all().item()
+            )
+    out["output_grad_finite"] = seed_finite
+    real = r.kept.output_finite()
+    out["output_finite"] = real
+    if plan.backward:
+        notes.append(
+            "the backward differentiated the gathered (unsharded) parameters with "
+            "torch.autograd.grad: FSDP2's post-backward reduce-scattered nothing and no `.grad` "
+            "was written; the gradients are this rank's own, before the reduction"
+        )
+    else:
+        r.seeds = {}
+        notes.append("forward only: " + (plan.forward_only or "no backward could be run"))
+    order = [n for n, _ in r.user.named_modules() if n]
+    where = {n: i for i, n in enumerate(order)}
+
+    def agree(flag: bool) -> tuple[bool, bool]:
+        """(any rank's flag, any rank over its budget)."""
+        over = time.perf_counter() - r.start >= plan.budget_s
+        rows = exchange([int(flag), int(over)], plan, r.device)
+        return any(row[0] for row in rows), any(row[1] for row in rows)
+
+    as_ran = r.run("as it ran", eager=True, observe=True)[0]
+    local_first = where.get(as_ran.first_nonfinite or "", _NONE)
+    rows = exchange(
+        [local_first, int(time.perf_counter() - r.start >= plan.budget_s)], plan, r.device
+    )
+    shared = min(row[0] for row in rows)
+    first = order[shared] if shared < len(order) else None
+    over = any(row[1] for row in rows)
+    seed_case = seed_finite is False and as_ran.forward_finite
+    # gradient-only overflow: the same forward and backward at the loss scale / d, one run per
+    # divisor (a second backward through FSDP2's graph is not taken), while a rank needs one
+    grad_only = bool(r.seeds) and as_ran.forward_finite and not as_ran.finite
+    divisor: float | None = None
+    need, over = agree(grad_only) if not over else (False, True)
+    if need and not over:
+        for d in SCALE_DIVISORS:
+            res = r.run("lower loss scale", eager=True, scales=(1.0 / d,))[0]
+            if grad_only and divisor is None and res.finite:
+                divisor = d
+            more, over = agree(grad_only and divisor is None)
+            if not more or over:
+                break
+    local_done = seed_case or as_ran.finite or divisor is not None
+    off: _Result | None = None
+    need, over = agree(not local_done) if not over else (False, True)
+    if need and not over:
+        off = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
+    if r.fsdp_half:
+        notes.append(
+            "FSDP2's MixedPrecisionPolicy computes in half precision without autocast: "
+            "'autocast off' and the fp32 pins compute in fp32 on the gathered half-precision "
+            "weights, without the policy's casts of the layers' inputs"
+        )
+    precision = not local_done and off is not None and off.finite
+    fix: list[str] = []
+    if off is not None:
+        need, over = agree(precision)
+        if need and not over:
+            fix = _pins_collective(r, _candidates_shared(r, first), precision, agree)
+    if seed_case:
+        out.update(_seed_cause(r, plan, real, notes))
+    elif as_ran.finite:
+        out["cause"] = "not-reproduced"
+    elif divisor is not None:
+        out["cause"] = "loss-scale"
+        out["finite_at_scale_divisor"] = divisor
+        if plan.scale:
+            out["finite_at_scale"] = plan.scale / divisor
+        notes.append(
+            "the divisors of the loss scale were tried in the order "
+            f"{', '.join(f'{d:g}' for d in SCALE_DIVISORS)}: the first that made the step "
+            "finite is recorded (not refined between them)"
+        )
+    elif off is None:
+        out["cause"] = None
+        out["incomplete"] = "a rank's time budget was spent"
+    elif not off.finite:
+        out["cause"] = "data-or-model"
+        beyond = _beyond_param_dtype(r) if r.fsdp_half else []
+        if beyond:
+            out["params_beyond_param_dtype"] = beyond
+            notes.append(
+                "this rank's shard of "
+                + ", ".join(beyond)
+                + " holds values beyond the MixedPrecisionPolicy's param_dtype: FSDP2 gathers "
+                "them as inf, so no variant (they all compute on the gathered weights) can be "
+                "finite; the weights, not the fp32 arithmetic, are out of range"
+            )
+    else:
+        out["cause"] = "precision"
+        out["verified_fix"] = fix
+        out["first_nonfinite"] = as_ran.first_nonfinite or _grad_culprit(as_ran, r)
+        if not fix:
+            notes.append("no pin of the candidate layers alone made the step finite")
+    out["notes"] = notes
+    return out
+
+
+def _candidates_shared(r: _Runner, first: str | None) -> list[str]:
+    """:func:`_candidates` in the module tree's order (every rank holds the same tree), after
+    the first non-finite layer the ranks agreed on; not the local order of execution."""
+    saved = r.order
+    r.order = [n for n, _ in r.user.named_modules() if n]
+    try:
+        return _candidates(r, first)
+    finally:
+        r.order = saved
+
+
+def _pins_collective(r: _Runner, candidates: list[str], need: bool, agree: Any) -> list[str]:
+    """:func:`_pins` run alike on every rank: after each pin the ranks agree whether any still
+    needs one (a rank with its fix found, or without a precision cause, runs along)."""
+    runs = 0
+    fix: list[str] = []
+    tries: list[tuple[str, ...]] = [(c,) for c in candidates]
+    tries += [tuple(candidates[:n]) for n in range(2, len(candidates) + 1)]
+    for pins in tries:
+        if runs >= MAX_PIN_RUNS:
+            break
+        runs += 1
+        res = r.run("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)[0]
+        if need and not fix and res.finite:
+            fix = list(pins)
+        more, over = agree(need and not fix)
+        if not more or over:
+            break
+    return fix
+
+
+def _seed_cause(
+    r: _Runner, plan: ReplayPlan, real: bool | None, notes: list[str]
+) -> dict[str, Any]:
+    """The cause when the gradient reaching the model's output was non-finite and the
+    forward is finite on replay (as :func:`_decide` judges it)."""
+    loss = plan.loss
+    if real is True and loss is not None and not math.isfinite(loss):
+        notes.append(
+            "the model's output was finite and the loss computed from it was not: the loss "
+            "computation (outside the model) made it"
+        )
+        return {"cause": "loss-computation"}
+    if real is True and _has_inf(r.kept.grads) and plan.scale and loss is not None:
+        notes.append(
+            f"the loss ({loss:.6g}) and the model's output were finite, and the gradient reached "
+            f"the model's output as inf: the loss scale ({plan.scale:g}) was too high for the "
+            "loss's backward"
+        )
+        return {"cause": "loss-scale"}
+    if real is True:
+        notes.append(
+            "the model's output was finite and the gradient that entered the model was not: "
+            "the loss computation (outside the model) made it"
+        )
+        return {"cause": "loss-computation"}
+    notes.append("the forward is finite on replay")
+    return {"cause": "not-reproduced"}
+
+
+def _beyond_param_dtype(r: _Runner) -> list[str]:
+    """The parameters (first 5) whose local shard holds finite values beyond the largest of
+    their FSDP2 param_dtype: gathered, they are inf (a sync per parameter: a replay only)."""
+    names: list[str] = []
+    with torch.no_grad():
+        for group in _fsdp_groups(r.fsdp):
+            for fp in getattr(group, "fsdp_params", ()):
+                dtype = getattr(fp, "param_dtype", None)
+                param = getattr(fp, "sharded_param", None)
+                if dtype not in _HALF or param is None:
+                    continue
+                local = param.to_local() if hasattr(param, "to_local") else param
+                if not local.numel():
+                    continue
+                finite = local.detach().float().nan_to_num(0.0, 0.0, 0.0).abs().amax()
+                if float(finite) > torch.finfo(dtype).max:
+                    names.append(user_module_name(str(getattr(fp, "_param_fqn", "?"))))
+                if len(names) >= 5:
+                    return names
+    return names

@@ -1,0 +1,192 @@
+"""The replay (issue 34) on 2-rank gloo jobs: DDP and FSDP2, under ``amprobe run -- torchrun``.
+
+Every rank of a data-parallel group replays the same bad step (the all-reduced found-inf is
+shared); the replay launches no gradient reduction and writes no ``.grad`` (the reductions
+counted, the gradients after each step digested), so losses, gradients and weights are bit for
+bit those of the same job with ``replay=off``. FSDP2's replay gathers parameters: both ranks
+run the same variants, agreed at fixed points, and no job hangs (each has a timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import amprobe
+from tests.helpers import run_gloo_job, run_jobs, torchrun_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+
+#: job: (script, its environment, replay); each replay_gloo job's replay=off twin is "<job>-off"
+JOBS: dict[str, tuple[str, dict[str, str], str]] = {
+    "ddp": ("replay_gloo.py", {"WRAP": "ddp", "CASES": "layer@3,nan_rank1@6"}, "on"),
+    "fsdp": (
+        "replay_gloo.py",
+        {"WRAP": "fsdp", "CASES": "cosine_nomem1@1,cosine@3,nan_rank1@6"},
+        "on",
+    ),
+    "fsdp-spike": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "spike@5"}, "on"),
+}
+JOBS.update({f"{k}-off": (script, env, "off") for k, (script, env, _) in list(JOBS.items())})
+# test_sharded's fp16 job: booster x1e6 on steps 6-8 (a call counter), mid under an
+# activation-checkpoint wrapper, the budget as amprobe sets it (10x the step's time)
+JOBS["fsdp-booster"] = (
+    "fsdp_gloo.py",
+    {"SCALER": "1", "PLANT": "6,7,8", "CKPT": "1", "PARAM_DTYPE": "float16"},
+    "on",
+)
+# train_blocks' FSDP2 job (ShardedGradScaler, fp16 param_dtype), eager: booster's weight x1e6
+# on steps 4-6
+JOBS["fsdp-blocks"] = ("train_blocks.py", {}, "on")
+ARGS = {"fsdp-blocks": ["--fsdp", "--compile", "none", "--plant", "4", "--steps", "6"]}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    base = tmp_path_factory.mktemp("replay_dist")
+
+    def run(job: str) -> dict[str, Any]:
+        script, job_env, replay = JOBS[job]
+        where = base / job
+        where.mkdir()
+        out = where / "run"
+        cmd = [sys.executable, "-m", "amprobe", "run", "--out", str(out)]
+        cmd += ["--set", f"replay={replay}", "--", *torchrun_argv(script)]
+        cmd += [str(where / "out.json"), *ARGS[job]] if job in ARGS else [str(where)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **job_env}
+        proc = run_gloo_job(cmd, out, cwd=where, env=env, timeout=240)  # (torch's abort)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = [
+            (where / f"result{r}.txt").read_text().splitlines()
+            for r in (0, 1)
+            if (where / f"result{r}.txt").exists()
+        ]
+        # the replay's events by rank and step
+        events = {(e["rank"], e["step"]): e for e in amprobe.load_run(out).events_of("replay")}
+        return {"results": results, "events": events}
+
+    return run_jobs(JOBS, run)
+
+
+def _variants(event: dict[str, Any]) -> list[str]:
+    return [e["variant"] for e in event["experiments"]]
+
+
+@pytest.mark.parametrize("job", ["ddp", "fsdp", "fsdp-spike"])
+def test_training_is_bit_identical_with_replay_on_and_off(jobs, job):
+    on, off = jobs[job]["results"], jobs[f"{job}-off"]["results"]
+    assert len(on[0]) == len(on[1]) == 8 * 2 + 2
+    # losses, the gradients after each update (no .grad written), the reductions (none
+    # launched by the replay) and the final weights, on both ranks
+    assert on == off
+    assert jobs[job]["events"] and not jobs[f"{job}-off"]["events"]
+
+
+def test_ddp_overflow_in_one_layer_same_fix_on_both_ranks(jobs):
+    events = jobs["ddp"]["events"]
+    for rank in (0, 1):
+        e = events[rank, 3]
+        assert e["replayed"] is True and e["trigger"] == "skipped_update"
+        assert e["cause"] == "precision" and e["verified_fix"] == ["big"]
+        assert e["first_nonfinite"] == "big"
+        assert e["world_size"] == 2 and e["local_finite"] is False and e["collective"] is False
+
+
+def test_ddp_nan_on_rank1_rank0_says_its_own_step_is_finite(jobs):
+    events = jobs["ddp"]["events"]
+    assert sorted(events) == [(0, 3), (0, 6), (1, 3), (1, 6)]  # both ranks, the same steps
+    assert events[1, 6]["cause"] == "data-or-model" and events[1, 6]["local_finite"] is False
+    assert _variants(events[1, 6]) == ["as it ran", "autocast off"]
+    # rank 0's own forward and backward are finite: the NaN came through the all-reduce
+    assert events[0, 6]["cause"] == "not-reproduced" and events[0, 6]["local_finite"] is True
+    assert events[0, 6]["experiments"][0]["grads_finite"] is True
+
+
+def test_fsdp2_one_rank_unable_no_rank_replays(jobs):
+    events = jobs["fsdp"]["events"]
+    # rank 1's memory check (planted) says no: it is judged before anything runs, and no
+    # rank replays (an out of memory inside would leave the other rank in a collective)
+    assert events[1, 1]["replayed"] is False
+    assert events[1, 1]["reason"] == (
+        "not enough memory to replay: 1 MiB free, 2 MiB needed (planted)"
+    )
+    assert events[0, 1]["replayed"] is False
+    assert events[0, 1]["reason"] == (
+        "rank 1 of the group: not enough memory (FSDP2: every rank replays the step or none)"
+    )
+    # a replay not made is not counted against replay_max (3): steps 3 and 6 are replayed
+
+
+def test_fsdp2_overflow_both_ranks_run_the_same_variants_and_find_the_same_fix(jobs):
+    events = jobs["fsdp"]["events"]
+    assert sorted(events) == [(0, 1), (0, 3), (0, 6), (1, 1), (1, 3), (1, 6)]
+    for rank in (0, 1):
+        e = events[rank, 3]
+        assert e["replayed"] is True and e["collective"] is True
+        assert e["cause"] == "precision" and e["verified_fix"] == ["cos"]
+        assert e["first_nonfinite"] == "cos"
+        assert _variants(e) == ["as it ran", "autocast off", "fp32 cos"]
+
+
+def test_fsdp2_nan_on_rank1_forward_only_on_both_ranks(jobs):
+    events = jobs["fsdp"]["events"]
+    assert events[1, 6]["cause"] == "data-or-model" and events[1, 6]["local_finite"] is False
+    assert events[0, 6]["cause"] == "not-reproduced" and events[0, 6]["local_finite"] is True
+    # rank 1's output gradient is NaN: no rank runs a backward (its pre-backward gathers)
+    assert _variants(events[0, 6]) == _variants(events[1, 6])
+    for rank in (0, 1):
+        e = events[rank, 6]
+        assert all(x["grads_finite"] is None for x in e["experiments"])
+        assert any(n.startswith("forward only") for n in e["notes"])
+
+
+def test_fsdp2_backward_takes_local_gradients_without_reduce_scatter(jobs):
+    events = jobs["fsdp-spike"]["events"]
+    assert sorted(events) == [(0, 5), (1, 5)]
+    for e in events.values():
+        assert e["cause"] == "loss-scale" and e["finite_at_scale_divisor"] == 2.0
+        first = e["experiments"][0]
+        assert first["forward_finite"] is True and first["grads_finite"] is False
+        assert first["nonfinite_params"] == ["head.weight"]  # the user's parameter names
+    # 4 reduce-scatters a step (one per sharded layer), none more with the replay
+    reductions = [line for line in jobs["fsdp-spike"]["results"][0] if line.startswith("red")]
+    assert reductions == ["reductions 32"]
+
+
+def test_fsdp2_pins_see_the_module_state_the_replay_began_with(jobs):
+    """booster multiplies by 1e6 on its 7th to 9th calls: each variant starts from the counter
+    the replay found, so pinning booster alone is not a fix (its fp32 output of ~1e5 enters
+    head, whose FSDP2 input cast is float16); booster and head together are."""
+    events = jobs["fsdp-booster"]["events"]
+    assert sorted(events) == [(0, 6), (1, 6)]  # steps 7 and 8: the same episode
+    for e in events.values():
+        assert e["cause"] == "precision" and e["first_nonfinite"] == "booster"
+        assert e["verified_fix"] == ["booster", "head"]
+        assert _variants(e) == [
+            "as it ran",
+            "autocast off",
+            "fp32 booster",
+            "fp32 head",
+            "fp32 booster, head",
+        ]
+
+
+def test_fsdp2_weights_beyond_param_dtype_are_named(jobs):
+    """train_blocks' booster weight x1e6 is beyond float16: FSDP2 gathers it as inf, so even
+    the fp32 variants are not finite; the event names the parameter whose shard holds it."""
+    events = jobs["fsdp-blocks"]["events"]
+    assert sorted(events) == [(0, 4), (1, 4)]
+    for e in events.values():
+        assert e["replayed"] is True and e["collective"] is True
+        assert e["cause"] == "data-or-model"
+        assert e["params_beyond_param_dtype"] == ["layers.0.mlp.booster.weight"]
