@@ -397,46 +397,28 @@ def test_rule_merges_ranks_and_skips_saves_poisoned_anywhere():
     """A save clean on rank 0 but poisoned on rank 1 is no good checkpoint; a refused one
     neither; the finding names the first poisoned save and its ranks."""
     t = {"tensor": "w", "inf_count": 0, "nan_count": 2, "numel": 8}
+
+    def poisoned(rank, step):
+        return _event(
+            rank,
+            step,
+            step / 10,
+            "checkpoint_nonfinite",
+            path=f"ck/{step}",
+            function="f",
+            tensor_count=3,
+            nonfinite_tensor_count=1,
+            tensors=[t],
+            refused=False,
+        )
+
     events = [
         _event(0, 10, 1.0, "checkpoint_saved", path="ck/10", function="f", tensor_count=3),
         _event(1, 10, 1.0, "checkpoint_saved", path="ck/10", function="f", tensor_count=3),
         _event(0, 20, 2.0, "checkpoint_saved", path="ck/20", function="f", tensor_count=3),
-        _event(
-            1,
-            20,
-            2.0,
-            "checkpoint_nonfinite",
-            path="ck/20",
-            function="f",
-            tensor_count=3,
-            nonfinite_tensor_count=1,
-            tensors=[t],
-            refused=False,
-        ),
-        _event(
-            0,
-            30,
-            3.0,
-            "checkpoint_nonfinite",
-            path="ck/30",
-            function="f",
-            tensor_count=3,
-            nonfinite_tensor_count=1,
-            tensors=[t],
-            refused=False,
-        ),
-        _event(
-            1,
-            30,
-            3.0,
-            "checkpoint_nonfinite",
-            path="ck/30",
-            function="f",
-            tensor_count=3,
-            nonfinite_tensor_count=1,
-            tensors=[t],
-            refused=False,
-        ),
+        poisoned(1, 20),
+        poisoned(0, 30),
+        poisoned(1, 30),
     ]
     run = fake_run(events=events, ranks=(0, 1), manifest={"config": {"checkpoint_guard": "warn"}})
     finding, _ = _n18(run)

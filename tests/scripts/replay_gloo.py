@@ -32,6 +32,8 @@ from torch import nn
 
 import amprobe.capture.collectors.replay as replay
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 replay.TIME_FACTOR = 1e6  # the budget never cuts a replay short: the test is deterministic
 memory_headroom = replay._memory_headroom
 
@@ -40,7 +42,6 @@ def no_memory(kept: object) -> tuple[bool, str]:
     return False, "1 MiB free, 2 MiB needed (planted)"
 
 
-D = 16
 WRAP = os.environ.get("WRAP", "ddp")
 CASES = {
     int(at): case
@@ -48,36 +49,8 @@ CASES = {
 }
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, D)
-        self.big = nn.Linear(D, D)
-        self.norm = nn.LayerNorm(D)
-        self.head = nn.Linear(D, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.big(torch.relu(self.inp(x)))))
-
-
-class Cosine(nn.Module):
-    """A cosine similarity written out (no eps, no fp32 upcast): |a| overflows fp16."""
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        num = (a * b).sum(-1)
-        den = a.pow(2).sum(-1).sqrt() * b.pow(2).sum(-1).sqrt()
-        return (num / den).unsqueeze(-1)
-
-
-class CosineNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.left = nn.Linear(8, D)
-        self.right = nn.Linear(8, D)
-        self.cos = Cosine()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cos(self.left(x), self.right(x))
+# the single-process replay jobs' models (tests/scripts/train_replay.py), the same layers
+from train_replay import CosineNet, Net  # noqa: E402
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
