@@ -604,9 +604,16 @@ def test_hf_trainer_nonfinite_loss_is_replayed(tmp_path):
     out = tmp_path / "run"
     argv = ["--precision", "bf16", "--steps", "6", "--plant-step", "3"]
     argv += ["--callback", str(out), "--out", str(tmp_path / "o")]
-    with _time_factor(1e4), contextlib.redirect_stdout(io.StringIO()):
-        with contextlib.redirect_stderr(io.StringIO()):
-            hf.main(argv)
+    from accelerate.state import AcceleratorState
+
+    try:
+        with _time_factor(1e4), contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stderr(io.StringIO()):
+                hf.main(argv)
+    finally:
+        # accelerate keeps one process-wide state (its mixed precision): a later test's run
+        # would read it as its framework setting
+        AcceleratorState._reset_state(reset_partial_state=True)
     event = _one(_events(out))  # steps 4 and 5 (NaN weights) are the same episode
     assert event["step"] == 3 and event["replayed"] is True, event
     assert event["trigger"] == "nonfinite_loss"

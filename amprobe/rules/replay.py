@@ -329,14 +329,13 @@ def _words(
             "that did not recur: the step's output was not held to tell them apart)",
             "Check the loss computation of this step first (compute it in fp32 outside autocast; "
             "a division by zero, a log of zero, a multiplication by inf); if it is finite, the "
-            "fault did not recur: rerun the step on another device (as Megatron-core's rerun "
-            "machine does).",
+            "fault did not recur: rerun the step on another device.",
         )
     if cause == "not-reproduced":
         fix = (
             "The replay on the same weights and inputs is finite: nondeterminism or a hardware "
-            "fault. Rerun the step on another device (as Megatron-core's rerun machine does); "
-            "if it recurs there, the inputs or the weights are at fault, else the device."
+            "fault. Rerun the step on another device; if it recurs there, the inputs or the "
+            "weights are at fault, else the device."
         )
         if e.get("micro_batches"):
             fix += (

@@ -38,8 +38,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
 from amprobe.capture.collectors.sharded import local_tensor, user_model, user_module_name
 
 __all__ = [
@@ -311,7 +313,6 @@ def _fsdp_half(states: list[Any]) -> bool:
 def exchange(row: list[int], plan: ReplayPlan, device: str) -> list[list[int]]:
     """Every rank's ``row`` (small integers), by one all-reduce over the plan's group; every
     rank of the group must call it at the same point (a collective)."""
-    import torch.distributed as dist
 
     group = plan.group
     world = dist.get_world_size(group)
@@ -324,7 +325,6 @@ def exchange(row: list[int], plan: ReplayPlan, device: str) -> list[list[int]]:
 
 def exchange_device(group: Any) -> str:
     """Where the tensors of an all-reduce over ``group`` live (NCCL: the current GPU)."""
-    import torch.distributed as dist
 
     try:
         backend = str(dist.get_backend(group)).lower()
@@ -624,8 +624,6 @@ class _Runner:
 
 @contextlib.contextmanager
 def _graph_sample() -> Iterator[None]:
-    from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
-
     was = GRAPH_SAMPLE.on
     GRAPH_SAMPLE.on = True
     try:
@@ -1071,7 +1069,6 @@ def _pins(r: _Runner, candidates: list[str]) -> list[str]:
 
 
 def _world_size() -> int:
-    import torch.distributed as dist
 
     try:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
