@@ -383,6 +383,14 @@ class Probe:
         with self._events_lock:
             self._pending_events.append(row)
 
+    def event_at(self, step: int, kind: str, /, **detail: Any) -> None:
+        """Record an event dated to an earlier ``step`` (a fact learnt at a flush)."""
+        saved, self._event_step = self._event_step, step
+        try:
+            self.event(kind, **detail)
+        finally:
+            self._event_step = saved
+
     def end_step(self, facts: StepFacts) -> None:
         """Close the iteration in progress. Called by the hub at the step boundary.
 
@@ -587,6 +595,8 @@ class Probe:
             self.writer.append("steps", rows)
             written = FlushWriter(self.writer)
             self.hub.emit("on_flush", written)
+            if rows:  # the step records, read back: first (a collector reads values it folded)
+                written.appended.insert(0, ("steps", list[Mapping[str, Any]](rows)))
             for table, new in written.appended:  # per-layer values reach collectors in memory
                 self.hub.emit("on_rows", table, new)
             with self._events_lock:

@@ -246,8 +246,9 @@ class Collector:
         ``writer`` is a :class:`FlushWriter`."""
 
     def on_rows(self, table: str, rows: list[Mapping[str, Any]]) -> None:
-        """Rows the collectors (this one included) queued for ``table`` at this flush, after
-        every ``on_flush``: Python values, already read back. Read them; never modify them."""
+        """Rows queued for ``table`` at this flush, after every ``on_flush``: the step records
+        (``steps``) and what the collectors (this one included) queued; Python values, already
+        read back. Read them; never modify them."""
 
     def on_close(self) -> None:
         """Remove every hook this collector registered and stop its threads."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -139,9 +140,7 @@ class ReplayCollector(Collector):
         # step's start: the hub's optimizer pre-hook reaches collectors on detail steps only.)
         # Under gradient accumulation this is the micro-batch whose loss went non-finite.
         facts = self.probe.hub.boundary.facts
-        if self._left <= 0 or facts.scaler_enabled or self._kept is None:
-            return
-        if any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
+        if facts.scaler_enabled or any(getattr(s, "_enabled", False) for s in facts.scalers_scaled):
             return
         loss = _host_number(facts.loss)
         step = self.probe.step
@@ -150,8 +149,23 @@ class ReplayCollector(Collector):
         episode = self._last_bad_loss == step - 1  # the previous loss was non-finite too
         self._last_bad_loss = step
         self._loss_steps.add(step)  # judged here: not again at flush
-        if not episode:  # the first of a run of non-finite losses is replayed, not each
+        if episode:  # the first of a run of non-finite losses is replayed, not each
+            return
+        if self._left <= 0:
+            self._report_max("nonfinite_loss")
+        elif self._kept is not None:
             self._replay("nonfinite_loss", facts, None)
+
+    def _report_max(self, trigger: str) -> None:
+        """A bad step past ``replay_max``: said once."""
+        if self.probe.config.replay == "on" and "max" not in self._reported_off:
+            self._reported_off.add("max")
+            self.probe.event(
+                "replay",
+                replayed=False,
+                reason=f"replay_max ({self.probe.config.replay_max}) replays already made",
+                trigger=trigger,
+            )
 
     def on_step_bad(self, step: int, facts: StepFacts) -> None:
         # delivered on bad steps only (a skipped update or a non-finite host value): the
@@ -173,14 +187,8 @@ class ReplayCollector(Collector):
         if episode and not (leading and self._bad_count == MAX_CALIBRATION_SKIPS):
             return  # the first bad step of a run of them is replayed, not each
         if self._left <= 0 or step in self._replayed_steps:
-            if self._left <= 0 and "max" not in self._reported_off:
-                self._reported_off.add("max")
-                self.probe.event(
-                    "replay",
-                    replayed=False,
-                    reason=f"replay_max ({self.probe.config.replay_max}) replays already made",
-                    trigger="skipped_update",
-                )
+            if self._left <= 0:
+                self._report_max("skipped_update")
             return
         self._replay("skipped_update", facts, _scale_value(facts.scale_before))
         self._kept = None
@@ -195,33 +203,35 @@ class ReplayCollector(Collector):
             and self._bad_count < MAX_CALIBRATION_SKIPS
         )
 
-    def on_step_fold(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
-        # a non-finite loss known only now (read back from the device at flush), without a
-        # GradScaler: the update already changed the weights the step saw
-        if (
-            self._loss_reported
-            or step in self._replayed_steps
-            or step in self._loss_steps
-            or facts.scaler_enabled
-            or facts.opt_steps <= 0
-        ):
+    def on_rows(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+        # a non-finite loss known only now (read back from the device with the flush's one
+        # transfer), without a GradScaler: the update already changed the weights the step saw
+        if table != "steps" or self._loss_reported:
             return
-        loss = record.get("loss")
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            # the steps are folded before the flush reads their device values back: read this
-            # one here (at a flush, never on a step; the flush's own read-back syncs right after)
-            loss = float(loss.item())
-        if isinstance(loss, float) and not math.isfinite(loss):
-            self._loss_reported = True
-            self.probe.event(
-                "replay",
-                replayed=False,
-                trigger="nonfinite_loss",
-                reason=(
-                    "weights already updated: without a GradScaler a non-finite loss on the "
-                    "device is known only when read back, after the optimizer step"
-                ),
-            )
+        for row in rows:
+            loss = row.get("loss")
+            step = row.get("step")
+            if (
+                isinstance(step, int)
+                and isinstance(loss, float)
+                and not math.isfinite(loss)
+                and not row.get("scaler_enabled")
+                and (row.get("opt_steps") or 0) > 0
+                and step not in self._replayed_steps
+                and step not in self._loss_steps  # (a host loss, judged in time)
+            ):
+                self._loss_reported = True
+                self.probe.event_at(
+                    step,
+                    "replay",
+                    replayed=False,
+                    trigger="nonfinite_loss",
+                    reason=(
+                        "weights already updated: without a GradScaler a non-finite loss on "
+                        "the device is known only when read back, after the optimizer step"
+                    ),
+                )
+                return
 
     # -- the replay ----------------------------------------------------------------------------
     def _replay(self, trigger: str, facts: StepFacts, scale: float | None) -> None:
