@@ -239,6 +239,7 @@ class ReplayCollector(Collector):
         step = probe.step
         self._replayed_steps.add(step)
         kept = self._kept if self._kept_step == step else None  # (a forward of this step)
+        self._kept = None  # held no longer than this replay (none may follow: replay_max)
         reason = self._cannot(kept)
         if self._sharded(kept):
             self._replay_sharded(trigger, facts, scale, kept, reason)

@@ -30,8 +30,11 @@ state at the replay's start after the last; the model's buffers likewise.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
+import random
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -167,11 +170,11 @@ class Kept:
         kept.kwargs = kwargs
         leaves = _leaves(args) + _leaves(kwargs)  # pytree.tree_leaves((args, kwargs))
         kept.versions = [(t, t._version) for t in leaves if isinstance(t, torch.Tensor)]
-        dtype = device.type if isinstance(device, torch.device) else "cpu"
-        for t in leaves:
-            if isinstance(t, torch.Tensor):
-                dtype = t.device.type
-                break
+        # the job's device (its parameters'), else the first input's: a model given CPU
+        # lengths beside CUDA activations runs its autocast on CUDA
+        dtype = device.type if isinstance(device, torch.device) else None
+        if dtype is None or dtype == "meta":
+            dtype = next((t.device.type for t in leaves if isinstance(t, torch.Tensor)), "cpu")
         kept.device_type = dtype
         kept.rng = torch.get_rng_state()
         kept.device_rng = None
@@ -409,7 +412,14 @@ class _Runner:
         self.order: list[str] = []  # module names in forward completion order (eager)
         self.leaves: list[str] = []
         seeds = kept.grads
+        if any(g.dim() == 0 for g in seeds.values()) and any(g.dim() for g in seeds.values()):
+            # a model that returns its loss and the logits it came from (HF with labels): the
+            # logits' gradient already holds the loss's part; seeding both would count it twice
+            seeds = {i: g for i, g in seeds.items() if g.dim() == 0}
         self.seeds = seeds
+        #: why the backward could not run (reentrant activation checkpointing refuses
+        #: torch.autograd.grad): the variants are then judged by their forward
+        self.backward_error: str | None = None
 
     def _target(self, root: torch.nn.Module) -> torch.nn.Module:
         """What is called: DDP's inner module (never the wrapper), else the root as it ran."""
@@ -521,16 +531,42 @@ class _Runner:
                 r.max_abs = peak
                 r.first_nonfinite = first
                 done.append(r)
-                if pairs and params:
+                if pairs and params and self.backward_error is None:
                     outs = [o for o, _ in pairs]
                     seeds = [g.to(o.dtype) * s if s != 1.0 else g.to(o.dtype) for o, g in pairs]
-                    grads = torch.autograd.grad(
-                        outs,
-                        [p for _, p in params],
-                        grad_outputs=seeds,
-                        allow_unused=True,
-                        retain_graph=k < len(scales) - 1,
-                    )
+                    try:
+                        grads = torch.autograd.grad(
+                            outs,
+                            [p for _, p in params],
+                            grad_outputs=seeds,
+                            allow_unused=True,
+                            retain_graph=k < len(scales) - 1,
+                        )
+                    except RuntimeError as exc:
+                        if self.plan.collective or isinstance(exc, torch.OutOfMemoryError):
+                            raise
+                        # (e.g. reentrant activation checkpointing: "incompatible with .grad()")
+                        self.backward_error = f"{type(exc).__name__}: {exc}"
+                        r.error = self.backward_error
+                        r.finite = fwd
+                        continue
+                    unreached = [
+                        n
+                        for (n, p), g in zip(params, grads, strict=False)
+                        if g is None and getattr(p, "grad", None) is not None
+                    ]
+                    if not self.plan.collective and (unreached or all(g is None for g in grads)):
+                        # reentrant activation checkpointing computes its parameters' gradients
+                        # in a backward of its own, which torch.autograd.grad does not reach
+                        self.backward_error = (
+                            f"torch.autograd.grad does not reach {len(unreached) or len(grads)} "
+                            "parameter(s) that got a gradient in the step (reentrant activation "
+                            "checkpointing?)"
+                        )
+                        r.error = self.backward_error
+                        r.finite = fwd
+                        del grads, seeds
+                        continue
                     with torch.no_grad():
                         per = torch.stack(
                             [_finite(g) if g is not None else fwd_ok.new_ones(()) for g in grads]
@@ -763,6 +799,108 @@ def _dropout_in_training(module: torch.nn.Module) -> bool:
     )
 
 
+class _State:
+    """What a replay must leave as it found it, taken at its start and put back at its end.
+
+    The random streams: torch's CPU generator, every CUDA device's, Python's ``random`` and
+    NumPy's global one (a forward that draws from them must not shift the job's later draws; the
+    replay's own forward draws from torch's generators as the step did, set per variant). The
+    model's buffers: their values and which tensor each name holds (a forward that rebinds a
+    buffer, ``self.count = self.count + 1``). Its modules' plain attributes (numbers, strings,
+    flags), the contents of their list, dict and set attributes (a call counter, a history) and
+    the generators they hold (``torch.Generator`` attributes). The side effects of the user's
+    own hooks (they run in the replay: FSDP2's are hooks too) and generators held elsewhere are
+    not covered. Each part is restored on its own; what fails is named in
+    :attr:`failed`."""
+
+    def __init__(self, user: torch.nn.Module) -> None:
+        self.failed: list[str] = []
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng: list[torch.Tensor] | None = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda_rng = torch.cuda.get_rng_state_all()
+        self.py_rng = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.np_rng = numpy.random.get_state() if numpy is not None else None
+        self.modules = list(user.modules())
+        self.buffer_slots = [(m, dict(m._buffers)) for m in self.modules if m._buffers]
+        self.buffer_values = [
+            (b, b.detach().clone())
+            for _, slots in self.buffer_slots
+            for b in slots.values()
+            if isinstance(b, torch.Tensor)
+        ]
+        self.attrs: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        self.containers: list[tuple[Any, Any]] = []
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        for m in self.modules:
+            plain = {}
+            for k, v in vars(m).items():
+                if type(v) in _PLAIN_VALUES:
+                    plain[k] = v
+                elif not k.startswith("_") and type(v) in (list, dict, set):
+                    self.containers.append((v, copy.copy(v)))
+                elif isinstance(v, torch.Generator):  # a generator the model draws from
+                    self.generators.append((v, v.get_state()))
+            self.attrs.append((m, plain))
+
+    def restore_module_state(self) -> None:
+        """The buffers and the modules' attributes (before each variant, and at the end)."""
+        for m, slots in self.buffer_slots:
+            try:
+                m._buffers.clear()
+                m._buffers.update(slots)
+            except Exception as exc:
+                self._fail(f"the buffers of {type(m).__name__}", exc)
+        with torch.no_grad():
+            for b, saved in self.buffer_values:
+                try:
+                    if b._version != saved._version or not torch.equal(b, saved):
+                        b.copy_(saved)
+                except Exception as exc:  # an expanded or inference-mode buffer
+                    self._fail("a buffer's values", exc)
+        for m, values in self.attrs:
+            m.__dict__.update(values)
+        for live, saved in self.containers:
+            try:
+                if live != saved:
+                    live.clear()
+                    (live.extend if isinstance(live, list) else live.update)(saved)
+            except Exception as exc:
+                self._fail("a list or dict attribute", exc)
+
+    def restore(self) -> None:
+        """Everything, the random streams first."""
+        for what, put in (
+            ("torch's CPU generator", lambda: torch.set_rng_state(self.cpu_rng)),
+            ("the CUDA generators", self._put_cuda),
+            ("Python's random", lambda: random.setstate(self.py_rng)),
+            ("NumPy's random", self._put_numpy),
+            ("the model's own generators", self._put_generators),
+        ):
+            try:
+                put()
+            except Exception as exc:
+                self._fail(what, exc)
+        self.restore_module_state()
+
+    def _put_cuda(self) -> None:
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def _put_generators(self) -> None:
+        for generator, saved in self.generators:
+            generator.set_state(saved)
+
+    def _put_numpy(self) -> None:
+        numpy = sys.modules.get("numpy")
+        if numpy is not None and self.np_rng is not None:
+            numpy.random.set_state(self.np_rng)
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        self.failed.append(f"{what} ({type(exc).__name__}: {exc})")
+
+
 def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     """Replay the kept forward in the fixed order of variants; return the ``replay`` event's
     detail. Never raises: a failure of the replay itself is recorded as its ``reason``."""
@@ -770,25 +908,13 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     root = kept.model()
     if root is None:
         return {"replayed": False, "reason": "the model was freed before the step ended"}
-    rng_now = torch.get_rng_state()
-    device_rng_now = None
-    if kept.device_rng is not None:
-        device_rng_now = (kept.device_rng[0], torch.cuda.get_rng_state(kept.device_rng[0]))
     user = user_model(root)
-    buffers = [(b, b.detach().clone()) for b in user.buffers()]
-    # plain Python attributes a forward may change (call counters, flags), restored as well
-    attrs = [
-        (m, {k: v for k, v in vars(m).items() if type(v) in _PLAIN_VALUES}) for m in user.modules()
-    ]
+    state = _State(user)
     detail: dict[str, Any] = {"replayed": True}
     runner: _Runner | None = None
 
     def reset_state() -> None:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for m, values in attrs:
-            m.__dict__.update(values)
+        state.restore_module_state()
 
     try:
         runner = _Runner(kept, plan)
@@ -807,14 +933,11 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
         if runner is not None and plan.collective:
             runner.reset_after_failure()
     finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        for m, values in attrs:
-            m.__dict__.update(values)
-        torch.set_rng_state(rng_now)
-        if device_rng_now is not None:
-            torch.cuda.set_rng_state(device_rng_now[1], device_rng_now[0])
+        state.restore()  # generators first; each part on its own: one failing skips no other
+        if state.failed:
+            detail.setdefault("notes", []).append(
+                "not restored after the replay: " + "; ".join(state.failed)
+            )
         if runner is not None:
             runner.restore()
             detail["experiments"] = [r.row() for r in runner.results]
@@ -883,6 +1006,11 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         )
     compiled = plan.compiled
     as_ran = r.run("as it ran", eager=False, observe=not compiled)[0]
+    if r.backward_error is not None:
+        notes.append(f"the backward cannot be replayed ({r.backward_error})")
+        if as_ran.forward_finite:  # the bad value is in the backward, which cannot be run
+            out.update(cause=None, incomplete="the backward cannot be replayed", notes=notes)
+            return out
     # finite now where the step was not: its output (or, unknown, the gradient it got)
     finite_now = (
         as_ran.finite if seed_finite is not False else (as_ran.forward_finite and real is not True)
@@ -973,16 +1101,30 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
                 out["finite_at_scale"] = plan.scale / found
             out["notes"] = notes
             return out
-    off = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
-    if not off.finite:
+    try:
+        off: _Result | None = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
+    except _Budget:
+        raise
+    except Exception as exc:  # a kernel that takes only half precision (flash attention)
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        off = None
+        r.results.append(_Result("autocast off", error=f"{type(exc).__name__}: {exc}"))
+        notes.append(f"autocast off could not run ({type(exc).__name__}: {exc})")
+    if off is not None and not off.finite:
         out["cause"] = "data-or-model"
         out["notes"] = notes
         return out
-    out["cause"] = "precision"
     first = base.first_nonfinite or _grad_culprit(base, r)
     fix = _pins(r, _candidates(r, first))
     out["verified_fix"] = fix
     out["first_nonfinite"] = first
+    if off is None and not fix:
+        # neither fp32 end to end nor a pin ran finite: precision is not measured
+        out.update(cause=None, incomplete="autocast off could not run and no pin made it finite")
+        out["notes"] = notes
+        return out
+    out["cause"] = "precision"  # fp32 end to end finite, or a verified pin
     if not fix:
         notes.append("no pin of the candidate layers alone made the step finite")
     out["notes"] = notes
@@ -1044,7 +1186,7 @@ def _pins(r: _Runner, candidates: list[str]) -> list[str]:
         if runs >= MAX_PIN_RUNS:
             return []
         runs += 1
-        result = r.run(f"fp32 {name}", eager=True, pins=(name,), observe=True)[0]
+        result = _try_pins(r, (name,))
         if result.finite:
             return [name]
         moved.append(result.first_nonfinite or "")
@@ -1061,11 +1203,28 @@ def _pins(r: _Runner, candidates: list[str]) -> list[str]:
             break
         pins.append(nxt)
         runs += 1
-        result = r.run("fp32 " + ", ".join(pins), eager=True, pins=tuple(pins), observe=True)[0]
+        result = _try_pins(r, tuple(pins))
         if result.finite:
             return list(pins)
         after = result.first_nonfinite or ""
     return []
+
+
+def _try_pins(r: _Runner, pins: tuple[str, ...]) -> _Result:
+    """One pin variant; a pin that raises (a kernel that only takes half precision, a layer
+    whose fp32 output meets a half-precision weight) is recorded with its error and counts as
+    not finite: it is never the fix, and the other candidates are still tried."""
+    variant = "fp32 " + ", ".join(pins)
+    try:
+        return r.run(variant, eager=True, pins=pins, observe=True)[0]
+    except _Budget:
+        raise
+    except Exception as exc:
+        if r.plan.collective or isinstance(exc, torch.OutOfMemoryError):
+            raise
+        failed = _Result(variant, pins=list(pins), error=f"{type(exc).__name__}: {exc}")
+        r.results.append(failed)
+        return failed
 
 
 def _world_size() -> int:
