@@ -181,7 +181,7 @@ def test_no_save_is_not_checked_with_the_reason(tmp_path, attached):
 
 
 def test_a_failed_check_is_recorded_once_and_the_save_goes_on(tmp_path, attached, monkeypatch):
-    def broken(obj):
+    def broken(obj, skip=frozenset()):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(ckpt_mod, "scan", broken)
@@ -216,6 +216,73 @@ def test_the_check_syncs_once_per_device():
         torch.Tensor.tolist = real  # type: ignore[method-assign]
     assert len(calls) == 1 and calls[0] == (50,)
     assert result.tensor_count == 50 and [n for n, _ in result.nonfinite] == ["w7"]
+
+
+class _Observer(nn.Module):
+    """A torch.ao MinMaxObserver before calibration: min_val=+inf, max_val=-inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Masked(nn.Module):
+    """A causal-mask buffer of -inf above the diagonal and an uncalibrated observer: both
+    legitimate, neither a parameter nor optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+        self.obs = _Observer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.obs(self.fc(x).unsqueeze(-1) + self.mask.exp()).sum(-1)
+
+
+@pytest.mark.parametrize("guard", ["warn", "raise"])
+def test_inf_buffers_are_no_poison(tmp_path, attached, guard):
+    """±inf buffers (a causal mask, an uncalibrated observer) of a model amprobe knows are
+    skipped in its state dict, and a module saved whole is checked by its parameters only;
+    a NaN parameter is still found."""
+    torch.manual_seed(0)
+    model = _Masked()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    probe = attached(checkpoint_guard=guard)
+    for _ in range(2):
+        model(torch.randn(2, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert any(ref() is model for ref in probe.models), "amprobe knows the model"
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "both.pt")
+    torch.save(model, tmp_path / "whole.pt")
+    unknown = _Masked()  # never run: not known to amprobe, saved whole
+    torch.save(unknown, tmp_path / "unknown.pt")
+    for name in ("sd.pt", "both.pt", "whole.pt", "unknown.pt"):
+        assert (tmp_path / name).exists()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("nan")
+    if guard == "raise":
+        with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
+            torch.save(model.state_dict(), tmp_path / "bad.pt")
+        assert [t["tensor"] for t in raised.value.tensors] == ["fc.weight"]
+    else:
+        torch.save(model.state_dict(), tmp_path / "bad.pt")
+    probe.close()
+    run = amprobe.load_run(tmp_path / "run")
+    saved = run.events_of("checkpoint_saved")
+    assert [e["tensor_count"] for e in saved] == [2, 2 + 2 * 3, 2, 2]  # parameters; Adam state
+    finding, _ = _n18(run)
+    assert finding is not None
+    ev = finding.evidence
+    assert ev["path"] == str(tmp_path / "bad.pt")
+    assert [t["tensor"] for t in ev["tensors"]] == ["fc.weight"]
+    assert ev["last_good_path"] == str(tmp_path / "unknown.pt")
 
 
 # -- torch.distributed.checkpoint ------------------------------------------------------------

@@ -17,7 +17,14 @@
 DCP and the frameworks are wrapped once the program has imported them: at attach, when an
 optimizer is built, when a recording window opens, and at each checked ``torch.save``.
 
-What a check does: every floating-point tensor of what is saved (a DTensor's local shard, on
+What is checked: parameters and optimizer state, not buffers (a causal mask of -inf, a
+torch.ao observer's min_val=+inf and max_val=-inf before calibration are healthy). A module
+saved whole gives its parameters; in a state dict (``model.state_dict()``, or one inside
+``{"model": ..., "optimizer": ...}``) the tensors that are buffers of a module amprobe knows
+(the root models and their submodules, matched by storage at save time) are skipped; the rest
+of a mapping of tensors is checked (the buffers of a model amprobe never saw run included).
+
+What a check does: every floating-point tensor so chosen (a DTensor's local shard, on
 any device; tied tensors once) is reduced to its minimum and maximum (``torch.aminmax``: one
 read of each tensor, no copy of it), and the flags are read back once per device: **one pass
 over the saved tensors and, on an accelerator, one host-device sync per save**, at save time.
@@ -53,7 +60,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +73,7 @@ if TYPE_CHECKING:
     from amprobe.capture.dispatch import Dispatcher
     from amprobe.capture.probe import Probe
 
-__all__ = ["MAX_NAMED_TENSORS", "CheckpointGuard", "PoisonedCheckpointError", "scan"]
+__all__ = ["MAX_NAMED_TENSORS", "CheckpointGuard", "PoisonedCheckpointError", "buffer_keys", "scan"]
 
 #: poisoned tensors a ``checkpoint_nonfinite`` event (and the guard's error) names
 MAX_NAMED_TENSORS = 5
@@ -142,11 +149,10 @@ def _walk(
     if isinstance(obj, torch.nn.Module):
         seen.add(id(obj))
         out.is_checkpoint = True
-        # parameters and buffers, never state_dict(): its hooks may gather sharded weights
+        # parameters only, never state_dict() (its hooks may gather sharded weights); buffers
+        # are no parameters: a causal mask of -inf, an uncalibrated observer's ±inf are healthy
         for name, t in obj.named_parameters():
             yield from _walk(t, dot + name, depth + 1, seen, out)
-        for name, b in obj.named_buffers():
-            yield from _walk(b, dot + name, depth + 1, seen, out)
     elif isinstance(obj, torch.optim.Optimizer):
         seen.add(id(obj))
         out.is_checkpoint = True
@@ -187,8 +193,38 @@ def _unwrap_optimizer(opt: Any) -> Any:
     return opt
 
 
-def scan(obj: Any) -> Scan:
-    """Check every floating tensor of ``obj`` for inf/NaN.
+def _storage_key(tensor: Any) -> tuple[Any, ...] | None:
+    """Where a tensor's values lie (device, data pointer, dtype, shape, strides): the same for a
+    module's buffer and the detached copy its ``state_dict()`` holds. None when unreadable."""
+    t = _local(tensor) if isinstance(tensor, torch.Tensor) else None
+    if t is None:
+        return None
+    try:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    except Exception:  # a fake or functional tensor: no storage to name
+        return None
+
+
+def buffer_keys(models: Iterable[torch.nn.Module]) -> frozenset[tuple[Any, ...]]:
+    """The storage keys of the buffers of ``models`` and their submodules, less any that a
+    parameter shares (a parameter is always checked)."""
+    buffers: set[tuple[Any, ...]] = set()
+    params: set[tuple[Any, ...]] = set()
+    for model in models:
+        for b in model.buffers():
+            key = _storage_key(b)
+            if key is not None:
+                buffers.add(key)
+        for p in model.parameters():
+            key = _storage_key(p)
+            if key is not None:
+                params.add(key)
+    return frozenset(buffers - params)
+
+
+def scan(obj: Any, skip: frozenset[tuple[Any, ...]] = frozenset()) -> Scan:
+    """Check every floating tensor of ``obj`` for inf/NaN, but those whose storage key is in
+    ``skip`` (the buffers of the models amprobe knows: see :func:`buffer_keys`).
 
     One pass over the tensors: each is reduced to its minimum and maximum on its own device
     (NaN propagates through both; an inf is one of them), and the flags are read back once per
@@ -200,7 +236,7 @@ def scan(obj: Any) -> Scan:
     named: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in _walk(obj, "", 0, set(), out):
         t = _local(tensor)
-        if t is None:
+        if t is None or (skip and _storage_key(t) in skip):
             continue
         out.tensor_count += 1
         try:
@@ -376,7 +412,7 @@ class CheckpointGuard:
             if obj is _UNREAD:
                 raise RuntimeError("what the save writes could not be read")
             with self.dispatch.own_work():
-                result = scan(obj)
+                result = scan(obj, self._known_buffers())
                 poisoned = bool(result.nonfinite)
                 named = result.named() if poisoned else []
         except Exception as exc:
@@ -416,6 +452,12 @@ class CheckpointGuard:
             )
         if refuse:
             raise PoisonedCheckpointError(path, step, function, named, elsewhere=elsewhere)
+
+    def _known_buffers(self) -> frozenset[tuple[Any, ...]]:
+        """The buffers of the root models amprobe knows and their submodules (at save time:
+        nothing is kept between saves)."""
+        models = [m for m in (ref() for ref in self.probe.models) if m is not None]
+        return buffer_keys(models) if models else frozenset()
 
     def _check_failed(self, exc: Exception, function: str) -> None:
         """The check could not run: recorded once; the save goes on."""
