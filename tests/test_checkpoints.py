@@ -407,6 +407,51 @@ def test_hf_trainer_save(tmp_path, attached, guard):
     assert len(saved) == 1, "the Trainer's own torch.save calls are not checked twice"
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hf_save_model_agrees_across_ranks_when_sharded(tmp_path, attached, monkeypatch, sharded):
+    """A distributed Trainer with sharded weights (FSDP, DeepSpeed) gathers them in save_model on
+    every rank: the ranks all-reduce the flag as for _save_checkpoint, so a rank whose shard
+    is clean raises with the one whose shard holds the NaN (no rank left in the gather). On
+    DDP (same weights everywhere; save_model may run on rank 0 only) each rank decides alone.
+    The world of 2 and the other rank's verdict are simulated."""
+    trainer = _hf_trainer(tmp_path, poison_at=-1)
+    asked = []
+
+    def other_rank_poisoned(poisoned, group):
+        asked.append(group)
+        return True
+
+    monkeypatch.setattr(ckpt_mod, "_any_rank", other_rank_poisoned)
+    monkeypatch.setattr(ckpt_mod, "_world_size", lambda trainer: 2, raising=False)
+    trainer.is_fsdp_enabled = sharded
+    probe = attached(checkpoint_guard="raise")
+    target = tmp_path / "final"
+    if sharded:
+        with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
+            trainer.save_model(str(target))
+        assert raised.value.elsewhere is True and raised.value.tensors == []
+        assert not target.exists()
+        assert asked == [True], "one all-reduce over the default group"
+    else:
+        trainer.save_model(str(target))
+        assert (target / "model.safetensors").exists()
+        assert asked == []
+    probe.close()
+
+
+def test_save_model_collective_decision():
+    from types import SimpleNamespace as NS
+
+    def trainer(world, fsdp=False, deepspeed=False):
+        return NS(args=NS(world_size=world), is_fsdp_enabled=fsdp, is_deepspeed_enabled=deepspeed)
+
+    decide = ckpt_mod._save_model_collective
+    assert decide(trainer(2, fsdp=True)) and decide(trainer(8, deepspeed=True))
+    assert not decide(trainer(2)), "DDP: the same weights on every rank, decided alone"
+    assert not decide(trainer(1, fsdp=True)), "one process: nothing to agree with"
+    assert not decide(NS()), "not a Trainer it can read: alone"
+
+
 def test_lightning_save_checkpoint(tmp_path, attached):
     try:
         import lightning.pytorch as pl

@@ -50,9 +50,12 @@ one flag over the save's process group (the default one unless given; a CPU tens
 the current CUDA device otherwise) so that every rank raises or none does; that costs one small
 collective per DCP save while ``checkpoint_guard="raise"``. The Trainer's and Lightning's saves
 (``_save_checkpoint``, ``save_checkpoint``) are called on every rank (the main process
-writes), so their ranks agree the same way (their weights may be sharded: FSDP); the Trainer's
-``save_model`` (often called on the main process only) and ``torch.save`` (a job often saves
-on rank 0 only) are not collective: each rank decides alone.
+writes), so their ranks agree the same way (their weights may be sharded: FSDP). So does the
+Trainer's ``save_model`` on a distributed Trainer with sharded weights (FSDP or DeepSpeed: it
+gathers them on every rank; a rank raising alone would leave the others waiting in the
+gather). Elsewhere ``save_model`` (DDP: the same weights on every rank, and it may be called
+on the main process only) and ``torch.save`` (a job often saves on rank 0 only) are not
+collective: each rank decides alone.
 """
 
 from __future__ import annotations
@@ -387,8 +390,13 @@ class CheckpointGuard:
                     # the Trainer's _save_checkpoint and Lightning's save_checkpoint run on every
                     # rank (the main process writes; Lightning has a barrier in it): sharded
                     # weights (FSDP) differ per rank, so the ranks agree as for DCP. save_model
-                    # may be called on the main process only: it decides alone.
-                    guard.check(saved, target, function, collective=collective)
+                    # too where it gathers sharded weights on every rank (see
+                    # _save_model_collective); else its ranks hold the same weights and each
+                    # decides alone (a call on the main process only must not wait for others)
+                    agree = collective
+                    if method == "save_model" and _save_model_collective(trainer):
+                        agree = True
+                    guard.check(saved, target, function, collective=agree)
                     return orig(trainer, *args, **kwargs)
 
             save.__doc__ = orig.__doc__
@@ -497,6 +505,34 @@ def _any_rank(poisoned: bool, group: Any) -> bool:
     flag = torch.tensor([1.0 if poisoned else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
     return bool(flag.item() > 0)
+
+
+def _world_size(trainer: Any) -> int:
+    """The Trainer's world size: its ``args.world_size``, or the default process group's."""
+    sizes = [1]
+    try:
+        sizes.append(int(getattr(trainer.args, "world_size", 1) or 1))
+    except Exception:
+        pass
+    if dist.is_available() and dist.is_initialized():
+        sizes.append(dist.get_world_size())
+    return max(sizes)
+
+
+def _save_model_collective(trainer: Any) -> bool:
+    """Whether the HF Trainer's ``save_model`` runs on every rank and gathers the weights:
+    a distributed Trainer with sharded weights (FSDP, DeepSpeed; ``save_model`` is then a
+    collective gather that Transformers requires on all ranks). There a rank deciding alone
+    would raise while the others wait in the gather: the ranks agree as for
+    ``_save_checkpoint``. Not sharded (DDP), the ranks hold the same weights and reach the same
+    verdict alone, and a call on the main process only stays free of any collective."""
+    try:
+        sharded = bool(getattr(trainer, "is_fsdp_enabled", False)) or bool(
+            getattr(trainer, "is_deepspeed_enabled", False)
+        )
+        return sharded and _world_size(trainer) > 1
+    except Exception:
+        return False
 
 
 def _framework_state(
