@@ -141,6 +141,10 @@ def test_raise_leaves_no_file_and_the_training_goes_on(tmp_path, attached):
     assert err.path == str(tmp_path / "bad.pt") and err.step == 2
     assert [t["tensor"] for t in err.tensors] == ["opt.state.2.exp_avg"]
     assert "bad.pt" in str(err) and "step 2" in str(err) and "opt.state.2.exp_avg" in str(err)
+    # it names the last clean save it saw, and claims nothing about the disk
+    assert err.last_good_path == str(tmp_path / "good.pt") and err.last_good_step == 2
+    assert repr(str(tmp_path / "good.pt")) in str(err) and "if it is still there" in str(err)
+    assert "still on disk" not in str(err)
     opt.state[model[2].weight]["exp_avg"].nan_to_num_(0.0)
     _train(model, opt)  # the user caught it: training and saving go on
     torch.save(model.state_dict(), tmp_path / "later.pt")
@@ -152,6 +156,22 @@ def test_raise_leaves_no_file_and_the_training_goes_on(tmp_path, attached):
     assert finding is not None and finding.evidence["refused"] is True
     assert "refused" in finding.title and "nothing was written" in finding.fix
     assert finding.evidence["last_good_path"] == str(tmp_path / "good.pt")
+
+
+def test_raise_names_no_last_good_when_no_save_checked_a_tensor(tmp_path, attached):
+    """An RNG-state save checks no floating tensor: it is no clean checkpoint to name."""
+    model, opt = _model()
+    probe = attached(checkpoint_guard="raise")
+    _train(model, opt)
+    torch.save({"rng": torch.get_rng_state()}, tmp_path / "rng.pt")
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
+        torch.save(model.state_dict(), tmp_path / "bad.pt")
+    probe.close()
+    assert raised.value.last_good_path is None and raised.value.last_good_step is None
+    assert "saw no clean save on this rank" in str(raised.value)
+    assert "rng.pt" not in str(raised.value)
 
 
 def test_close_removes_the_patches_and_off_installs_none(tmp_path):
@@ -271,6 +291,7 @@ def test_inf_buffers_are_no_poison(tmp_path, attached, guard):
         with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
             torch.save(model.state_dict(), tmp_path / "bad.pt")
         assert [t["tensor"] for t in raised.value.tensors] == ["fc.weight"]
+        assert raised.value.last_good_path == str(tmp_path / "unknown.pt")
     else:
         torch.save(model.state_dict(), tmp_path / "bad.pt")
     probe.close()

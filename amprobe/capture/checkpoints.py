@@ -289,6 +289,8 @@ class CheckpointGuard:
         self._dcp_pending = True
         self._inside = threading.local()  # a save checked already is in progress (nested saves)
         self._failed = False
+        #: (path, step) of the last clean save on this rank that checked a tensor and was written
+        self._last_clean: tuple[str, int] | None = None
 
     # -- installation ------------------------------------------------------------------------
     def install(self) -> None:
@@ -436,7 +438,14 @@ class CheckpointGuard:
             return  # data (a dict of lists of tensors), not a checkpoint: nothing recorded
         if result is None:
             if elsewhere:
-                raise PoisonedCheckpointError(path, self.probe.step, function, [], elsewhere=True)
+                raise PoisonedCheckpointError(
+                    path,
+                    self.probe.step,
+                    function,
+                    [],
+                    elsewhere=True,
+                    last_good=self._last_clean,
+                )
             return
         step = self.probe.step
         refuse = self.mode == "raise" and (poisoned or elsewhere)
@@ -458,8 +467,12 @@ class CheckpointGuard:
                 tensor_count=result.tensor_count,
                 written=not refuse,
             )
+            if not refuse and result.tensor_count > 0:  # a save that checked nothing is no proof
+                self._last_clean = (path, step)
         if refuse:
-            raise PoisonedCheckpointError(path, step, function, named, elsewhere=elsewhere)
+            raise PoisonedCheckpointError(
+                path, step, function, named, elsewhere=elsewhere, last_good=self._last_clean
+            )
 
     def _known_buffers(self) -> frozenset[tuple[Any, ...]]:
         """The buffers of the root models amprobe knows and their submodules (at save time:
