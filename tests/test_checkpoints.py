@@ -563,6 +563,42 @@ def test_rule_merges_ranks_and_skips_saves_poisoned_anywhere():
     assert finding.title.endswith("on rank 1")
 
 
+def test_rule_last_good_checked_a_tensor():
+    """A clean save that checked no tensor (RNG state, ZeRO-3 placeholders) on any rank is no
+    good checkpoint; one whose tensors lie on one rank only is."""
+    t = {"tensor": "w", "inf_count": 1, "nan_count": 0, "numel": 8}
+
+    def saved(rank, step, path, count):
+        return _event(
+            rank, step, step / 10, "checkpoint_saved", path=path, function="f", tensor_count=count
+        )
+
+    events = [
+        saved(0, 10, "ck/10", 0),
+        saved(1, 10, "ck/10", 3),  # rank 1 holds the tensors: good
+        saved(0, 20, "rng/20", 0),
+        saved(1, 20, "rng/20", 0),  # checked nothing anywhere
+        _event(
+            0,
+            30,
+            3.0,
+            "checkpoint_nonfinite",
+            path="ck/30",
+            function="f",
+            tensor_count=3,
+            nonfinite_tensor_count=1,
+            tensors=[t],
+            refused=False,
+        ),
+    ]
+    run = fake_run(events=events, ranks=(0, 1), manifest={"config": {"checkpoint_guard": "warn"}})
+    finding, _ = _n18(run)
+    assert finding is not None
+    assert finding.evidence["last_good_path"] == "ck/10"
+    assert finding.evidence["last_good_step"] == 10
+    assert "ck/10" in finding.fix and "rng/20" not in finding.fix
+
+
 @pytest.mark.parametrize(
     ("config", "reason"),
     [
