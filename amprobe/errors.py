@@ -18,8 +18,9 @@ class PoisonedCheckpointError(RuntimeError):
     """A checkpoint save was refused before anything was written: parameters or optimizer
     state held inf/NaN (``checkpoint_guard="raise"``, finding AMP-N18).
 
-    The training can go on: catch it around the save (the last good checkpoint is still on
-    disk), or let it end the job before a poisoned checkpoint replaces a good one.
+    The training can go on: catch it around the save, or let it end the job before a poisoned
+    checkpoint replaces a good one. amprobe does not look at the disk: the error names the last
+    clean save it saw on this rank, which a checkpoint rotation may have deleted since.
 
     Attributes:
         path: where the checkpoint would have been written.
@@ -28,6 +29,9 @@ class PoisonedCheckpointError(RuntimeError):
         tensors: the first poisoned tensors: ``{"tensor", "inf_count", "nan_count", "numel"}``
             (empty on a rank refused because another rank of a collective save held inf/NaN).
         elsewhere: this rank's tensors were finite; another rank's were not.
+        last_good_path: the last save amprobe saw on this rank with finite tensors (at least
+            one checked) that was written, or None.
+        last_good_step: amprobe's step counter at that save, or None.
     """
 
     def __init__(
@@ -37,12 +41,15 @@ class PoisonedCheckpointError(RuntimeError):
         function: str,
         tensors: Sequence[Mapping[str, Any]],
         elsewhere: bool = False,
+        last_good: tuple[str, int] | None = None,
     ) -> None:
         self.path = path
         self.step = step
         self.function = function
         self.tensors = [dict(t) for t in tensors]
         self.elsewhere = elsewhere
+        self.last_good_path: str | None = last_good[0] if last_good else None
+        self.last_good_step: int | None = last_good[1] if last_good else None
         if elsewhere:
             what = "another rank's parameters or optimizer state hold inf/NaN"
         else:
@@ -51,9 +58,16 @@ class PoisonedCheckpointError(RuntimeError):
                 for t in self.tensors
             )
             what = f"inf/NaN in {named}"
+        if last_good:
+            good = (
+                f"The last clean save amprobe saw on this rank was {last_good[0]!r} at step "
+                f"{last_good[1]}, if it is still there (a checkpoint rotation may have deleted "
+                "it)."
+            )
+        else:
+            good = "amprobe saw no clean save on this rank since it attached."
         super().__init__(
             f"amprobe refused {function} to {path!r} at step {step}: {what}. Nothing was "
-            "written; the last good checkpoint is still on disk (amprobe diagnose names it, "
-            "AMP-N18). Catch amprobe.PoisonedCheckpointError to train on, or set "
+            f"written. {good} Catch amprobe.PoisonedCheckpointError to train on, or set "
             'checkpoint_guard="warn" to save anyway.'
         )

@@ -141,6 +141,10 @@ def test_raise_leaves_no_file_and_the_training_goes_on(tmp_path, attached):
     assert err.path == str(tmp_path / "bad.pt") and err.step == 2
     assert [t["tensor"] for t in err.tensors] == ["opt.state.2.exp_avg"]
     assert "bad.pt" in str(err) and "step 2" in str(err) and "opt.state.2.exp_avg" in str(err)
+    # it names the last clean save it saw, and claims nothing about the disk
+    assert err.last_good_path == str(tmp_path / "good.pt") and err.last_good_step == 2
+    assert repr(str(tmp_path / "good.pt")) in str(err) and "if it is still there" in str(err)
+    assert "still on disk" not in str(err)
     opt.state[model[2].weight]["exp_avg"].nan_to_num_(0.0)
     _train(model, opt)  # the user caught it: training and saving go on
     torch.save(model.state_dict(), tmp_path / "later.pt")
@@ -152,6 +156,22 @@ def test_raise_leaves_no_file_and_the_training_goes_on(tmp_path, attached):
     assert finding is not None and finding.evidence["refused"] is True
     assert "refused" in finding.title and "nothing was written" in finding.fix
     assert finding.evidence["last_good_path"] == str(tmp_path / "good.pt")
+
+
+def test_raise_names_no_last_good_when_no_save_checked_a_tensor(tmp_path, attached):
+    """An RNG-state save checks no floating tensor: it is no clean checkpoint to name."""
+    model, opt = _model()
+    probe = attached(checkpoint_guard="raise")
+    _train(model, opt)
+    torch.save({"rng": torch.get_rng_state()}, tmp_path / "rng.pt")
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
+        torch.save(model.state_dict(), tmp_path / "bad.pt")
+    probe.close()
+    assert raised.value.last_good_path is None and raised.value.last_good_step is None
+    assert "saw no clean save on this rank" in str(raised.value)
+    assert "rng.pt" not in str(raised.value)
 
 
 def test_close_removes_the_patches_and_off_installs_none(tmp_path):
@@ -181,7 +201,7 @@ def test_no_save_is_not_checked_with_the_reason(tmp_path, attached):
 
 
 def test_a_failed_check_is_recorded_once_and_the_save_goes_on(tmp_path, attached, monkeypatch):
-    def broken(obj):
+    def broken(obj, skip=frozenset()):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(ckpt_mod, "scan", broken)
@@ -216,6 +236,74 @@ def test_the_check_syncs_once_per_device():
         torch.Tensor.tolist = real  # type: ignore[method-assign]
     assert len(calls) == 1 and calls[0] == (50,)
     assert result.tensor_count == 50 and [n for n, _ in result.nonfinite] == ["w7"]
+
+
+class _Observer(nn.Module):
+    """A torch.ao MinMaxObserver before calibration: min_val=+inf, max_val=-inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Masked(nn.Module):
+    """A causal-mask buffer of -inf above the diagonal and an uncalibrated observer: both
+    legitimate, neither a parameter nor optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+        self.obs = _Observer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.obs(self.fc(x).unsqueeze(-1) + self.mask.exp()).sum(-1)
+
+
+@pytest.mark.parametrize("guard", ["warn", "raise"])
+def test_inf_buffers_are_no_poison(tmp_path, attached, guard):
+    """±inf buffers (a causal mask, an uncalibrated observer) of a model amprobe knows are
+    skipped in its state dict, and a module saved whole is checked by its parameters only;
+    a NaN parameter is still found."""
+    torch.manual_seed(0)
+    model = _Masked()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    probe = attached(checkpoint_guard=guard)
+    for _ in range(2):
+        model(torch.randn(2, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert any(ref() is model for ref in probe.models), "amprobe knows the model"
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "both.pt")
+    torch.save(model, tmp_path / "whole.pt")
+    unknown = _Masked()  # never run: not known to amprobe, saved whole
+    torch.save(unknown, tmp_path / "unknown.pt")
+    for name in ("sd.pt", "both.pt", "whole.pt", "unknown.pt"):
+        assert (tmp_path / name).exists()
+    with torch.no_grad():
+        model.fc.weight[0, 0] = float("nan")
+    if guard == "raise":
+        with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
+            torch.save(model.state_dict(), tmp_path / "bad.pt")
+        assert [t["tensor"] for t in raised.value.tensors] == ["fc.weight"]
+        assert raised.value.last_good_path == str(tmp_path / "unknown.pt")
+    else:
+        torch.save(model.state_dict(), tmp_path / "bad.pt")
+    probe.close()
+    run = amprobe.load_run(tmp_path / "run")
+    saved = run.events_of("checkpoint_saved")
+    assert [e["tensor_count"] for e in saved] == [2, 2 + 2 * 3, 2, 2]  # parameters; Adam state
+    finding, _ = _n18(run)
+    assert finding is not None
+    ev = finding.evidence
+    assert ev["path"] == str(tmp_path / "bad.pt")
+    assert [t["tensor"] for t in ev["tensors"]] == ["fc.weight"]
+    assert ev["last_good_path"] == str(tmp_path / "unknown.pt")
 
 
 # -- torch.distributed.checkpoint ------------------------------------------------------------
@@ -340,6 +428,51 @@ def test_hf_trainer_save(tmp_path, attached, guard):
     assert len(saved) == 1, "the Trainer's own torch.save calls are not checked twice"
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_hf_save_model_agrees_across_ranks_when_sharded(tmp_path, attached, monkeypatch, sharded):
+    """A distributed Trainer with sharded weights (FSDP, DeepSpeed) gathers them in save_model on
+    every rank: the ranks all-reduce the flag as for _save_checkpoint, so a rank whose shard
+    is clean raises with the one whose shard holds the NaN (no rank left in the gather). On
+    DDP (same weights everywhere; save_model may run on rank 0 only) each rank decides alone.
+    The world of 2 and the other rank's verdict are simulated."""
+    trainer = _hf_trainer(tmp_path, poison_at=-1)
+    asked = []
+
+    def other_rank_poisoned(poisoned, group):
+        asked.append(group)
+        return True
+
+    monkeypatch.setattr(ckpt_mod, "_any_rank", other_rank_poisoned)
+    monkeypatch.setattr(ckpt_mod, "_world_size", lambda trainer: 2, raising=False)
+    trainer.is_fsdp_enabled = sharded
+    probe = attached(checkpoint_guard="raise")
+    target = tmp_path / "final"
+    if sharded:
+        with pytest.raises(amprobe.PoisonedCheckpointError) as raised:
+            trainer.save_model(str(target))
+        assert raised.value.elsewhere is True and raised.value.tensors == []
+        assert not target.exists()
+        assert asked == [True], "one all-reduce over the default group"
+    else:
+        trainer.save_model(str(target))
+        assert (target / "model.safetensors").exists()
+        assert asked == []
+    probe.close()
+
+
+def test_save_model_collective_decision():
+    from types import SimpleNamespace as NS
+
+    def trainer(world, fsdp=False, deepspeed=False):
+        return NS(args=NS(world_size=world), is_fsdp_enabled=fsdp, is_deepspeed_enabled=deepspeed)
+
+    decide = ckpt_mod._save_model_collective
+    assert decide(trainer(2, fsdp=True)) and decide(trainer(8, deepspeed=True))
+    assert not decide(trainer(2)), "DDP: the same weights on every rank, decided alone"
+    assert not decide(trainer(1, fsdp=True)), "one process: nothing to agree with"
+    assert not decide(NS()), "not a Trainer it can read: alone"
+
+
 def test_lightning_save_checkpoint(tmp_path, attached):
     try:
         import lightning.pytorch as pl
@@ -428,6 +561,42 @@ def test_rule_merges_ranks_and_skips_saves_poisoned_anywhere():
     assert ev["last_good_path"] == "ck/10" and ev["last_good_step"] == 10
     assert ev["poisoned_save_count"] == 2 and ev["poisoned_steps"] == [20, 30]
     assert finding.title.endswith("on rank 1")
+
+
+def test_rule_last_good_checked_a_tensor():
+    """A clean save that checked no tensor (RNG state, ZeRO-3 placeholders) on any rank is no
+    good checkpoint; one whose tensors lie on one rank only is."""
+    t = {"tensor": "w", "inf_count": 1, "nan_count": 0, "numel": 8}
+
+    def saved(rank, step, path, count):
+        return _event(
+            rank, step, step / 10, "checkpoint_saved", path=path, function="f", tensor_count=count
+        )
+
+    events = [
+        saved(0, 10, "ck/10", 0),
+        saved(1, 10, "ck/10", 3),  # rank 1 holds the tensors: good
+        saved(0, 20, "rng/20", 0),
+        saved(1, 20, "rng/20", 0),  # checked nothing anywhere
+        _event(
+            0,
+            30,
+            3.0,
+            "checkpoint_nonfinite",
+            path="ck/30",
+            function="f",
+            tensor_count=3,
+            nonfinite_tensor_count=1,
+            tensors=[t],
+            refused=False,
+        ),
+    ]
+    run = fake_run(events=events, ranks=(0, 1), manifest={"config": {"checkpoint_guard": "warn"}})
+    finding, _ = _n18(run)
+    assert finding is not None
+    assert finding.evidence["last_good_path"] == "ck/10"
+    assert finding.evidence["last_good_step"] == 10
+    assert "ck/10" in finding.fix and "rng/20" not in finding.fix
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,14 @@
 DCP and the frameworks are wrapped once the program has imported them: at attach, when an
 optimizer is built, when a recording window opens, and at each checked ``torch.save``.
 
-What a check does: every floating-point tensor of what is saved (a DTensor's local shard, on
+What is checked: parameters and optimizer state, not buffers (a causal mask of -inf, a
+torch.ao observer's min_val=+inf and max_val=-inf before calibration are healthy). A module
+saved whole gives its parameters; in a state dict (``model.state_dict()``, or one inside
+``{"model": ..., "optimizer": ...}``) the tensors that are buffers of a module amprobe knows
+(the root models and their submodules, matched by storage at save time) are skipped; the rest
+of a mapping of tensors is checked (the buffers of a model amprobe never saw run included).
+
+What a check does: every floating-point tensor so chosen (a DTensor's local shard, on
 any device; tied tensors once) is reduced to its minimum and maximum (``torch.aminmax``: one
 read of each tensor, no copy of it), and the flags are read back once per device: **one pass
 over the saved tensors and, on an accelerator, one host-device sync per save**, at save time.
@@ -43,9 +50,12 @@ one flag over the save's process group (the default one unless given; a CPU tens
 the current CUDA device otherwise) so that every rank raises or none does; that costs one small
 collective per DCP save while ``checkpoint_guard="raise"``. The Trainer's and Lightning's saves
 (``_save_checkpoint``, ``save_checkpoint``) are called on every rank (the main process
-writes), so their ranks agree the same way (their weights may be sharded: FSDP); the Trainer's
-``save_model`` (often called on the main process only) and ``torch.save`` (a job often saves
-on rank 0 only) are not collective: each rank decides alone.
+writes), so their ranks agree the same way (their weights may be sharded: FSDP). So does the
+Trainer's ``save_model`` on a distributed Trainer with sharded weights (FSDP or DeepSpeed: it
+gathers them on every rank; a rank raising alone would leave the others waiting in the
+gather). Elsewhere ``save_model`` (DDP: the same weights on every rank, and it may be called
+on the main process only) and ``torch.save`` (a job often saves on rank 0 only) are not
+collective: each rank decides alone.
 """
 
 from __future__ import annotations
@@ -53,7 +63,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,7 +76,7 @@ if TYPE_CHECKING:
     from amprobe.capture.dispatch import Dispatcher
     from amprobe.capture.probe import Probe
 
-__all__ = ["MAX_NAMED_TENSORS", "CheckpointGuard", "PoisonedCheckpointError", "scan"]
+__all__ = ["MAX_NAMED_TENSORS", "CheckpointGuard", "PoisonedCheckpointError", "buffer_keys", "scan"]
 
 #: poisoned tensors a ``checkpoint_nonfinite`` event (and the guard's error) names
 MAX_NAMED_TENSORS = 5
@@ -142,11 +152,10 @@ def _walk(
     if isinstance(obj, torch.nn.Module):
         seen.add(id(obj))
         out.is_checkpoint = True
-        # parameters and buffers, never state_dict(): its hooks may gather sharded weights
+        # parameters only, never state_dict() (its hooks may gather sharded weights); buffers
+        # are no parameters: a causal mask of -inf, an uncalibrated observer's ±inf are healthy
         for name, t in obj.named_parameters():
             yield from _walk(t, dot + name, depth + 1, seen, out)
-        for name, b in obj.named_buffers():
-            yield from _walk(b, dot + name, depth + 1, seen, out)
     elif isinstance(obj, torch.optim.Optimizer):
         seen.add(id(obj))
         out.is_checkpoint = True
@@ -187,8 +196,38 @@ def _unwrap_optimizer(opt: Any) -> Any:
     return opt
 
 
-def scan(obj: Any) -> Scan:
-    """Check every floating tensor of ``obj`` for inf/NaN.
+def _storage_key(tensor: Any) -> tuple[Any, ...] | None:
+    """Where a tensor's values lie (device, data pointer, dtype, shape, strides): the same for a
+    module's buffer and the detached copy its ``state_dict()`` holds. None when unreadable."""
+    t = _local(tensor) if isinstance(tensor, torch.Tensor) else None
+    if t is None:
+        return None
+    try:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    except Exception:  # a fake or functional tensor: no storage to name
+        return None
+
+
+def buffer_keys(models: Iterable[torch.nn.Module]) -> frozenset[tuple[Any, ...]]:
+    """The storage keys of the buffers of ``models`` and their submodules, less any that a
+    parameter shares (a parameter is always checked)."""
+    buffers: set[tuple[Any, ...]] = set()
+    params: set[tuple[Any, ...]] = set()
+    for model in models:
+        for b in model.buffers():
+            key = _storage_key(b)
+            if key is not None:
+                buffers.add(key)
+        for p in model.parameters():
+            key = _storage_key(p)
+            if key is not None:
+                params.add(key)
+    return frozenset(buffers - params)
+
+
+def scan(obj: Any, skip: frozenset[tuple[Any, ...]] = frozenset()) -> Scan:
+    """Check every floating tensor of ``obj`` for inf/NaN, but those whose storage key is in
+    ``skip`` (the buffers of the models amprobe knows: see :func:`buffer_keys`).
 
     One pass over the tensors: each is reduced to its minimum and maximum on its own device
     (NaN propagates through both; an inf is one of them), and the flags are read back once per
@@ -200,7 +239,7 @@ def scan(obj: Any) -> Scan:
     named: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in _walk(obj, "", 0, set(), out):
         t = _local(tensor)
-        if t is None:
+        if t is None or (skip and _storage_key(t) in skip):
             continue
         out.tensor_count += 1
         try:
@@ -250,6 +289,8 @@ class CheckpointGuard:
         self._dcp_pending = True
         self._inside = threading.local()  # a save checked already is in progress (nested saves)
         self._failed = False
+        #: (path, step) of the last clean save on this rank that checked a tensor and was written
+        self._last_clean: tuple[str, int] | None = None
 
     # -- installation ------------------------------------------------------------------------
     def install(self) -> None:
@@ -351,8 +392,13 @@ class CheckpointGuard:
                     # the Trainer's _save_checkpoint and Lightning's save_checkpoint run on every
                     # rank (the main process writes; Lightning has a barrier in it): sharded
                     # weights (FSDP) differ per rank, so the ranks agree as for DCP. save_model
-                    # may be called on the main process only: it decides alone.
-                    guard.check(saved, target, function, collective=collective)
+                    # too where it gathers sharded weights on every rank (see
+                    # _save_model_collective); else its ranks hold the same weights and each
+                    # decides alone (a call on the main process only must not wait for others)
+                    agree = collective
+                    if method == "save_model" and _save_model_collective(trainer):
+                        agree = True
+                    guard.check(saved, target, function, collective=agree)
                     return orig(trainer, *args, **kwargs)
 
             save.__doc__ = orig.__doc__
@@ -376,7 +422,7 @@ class CheckpointGuard:
             if obj is _UNREAD:
                 raise RuntimeError("what the save writes could not be read")
             with self.dispatch.own_work():
-                result = scan(obj)
+                result = scan(obj, self._known_buffers())
                 poisoned = bool(result.nonfinite)
                 named = result.named() if poisoned else []
         except Exception as exc:
@@ -392,7 +438,14 @@ class CheckpointGuard:
             return  # data (a dict of lists of tensors), not a checkpoint: nothing recorded
         if result is None:
             if elsewhere:
-                raise PoisonedCheckpointError(path, self.probe.step, function, [], elsewhere=True)
+                raise PoisonedCheckpointError(
+                    path,
+                    self.probe.step,
+                    function,
+                    [],
+                    elsewhere=True,
+                    last_good=self._last_clean,
+                )
             return
         step = self.probe.step
         refuse = self.mode == "raise" and (poisoned or elsewhere)
@@ -414,8 +467,18 @@ class CheckpointGuard:
                 tensor_count=result.tensor_count,
                 written=not refuse,
             )
+            if not refuse and result.tensor_count > 0:  # a save that checked nothing is no proof
+                self._last_clean = (path, step)
         if refuse:
-            raise PoisonedCheckpointError(path, step, function, named, elsewhere=elsewhere)
+            raise PoisonedCheckpointError(
+                path, step, function, named, elsewhere=elsewhere, last_good=self._last_clean
+            )
+
+    def _known_buffers(self) -> frozenset[tuple[Any, ...]]:
+        """The buffers of the root models amprobe knows and their submodules (at save time:
+        nothing is kept between saves)."""
+        models = [m for m in (ref() for ref in self.probe.models) if m is not None]
+        return buffer_keys(models) if models else frozenset()
 
     def _check_failed(self, exc: Exception, function: str) -> None:
         """The check could not run: recorded once; the save goes on."""
@@ -455,6 +518,34 @@ def _any_rank(poisoned: bool, group: Any) -> bool:
     flag = torch.tensor([1.0 if poisoned else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
     return bool(flag.item() > 0)
+
+
+def _world_size(trainer: Any) -> int:
+    """The Trainer's world size: its ``args.world_size``, or the default process group's."""
+    sizes = [1]
+    try:
+        sizes.append(int(getattr(trainer.args, "world_size", 1) or 1))
+    except Exception:
+        pass
+    if dist.is_available() and dist.is_initialized():
+        sizes.append(dist.get_world_size())
+    return max(sizes)
+
+
+def _save_model_collective(trainer: Any) -> bool:
+    """Whether the HF Trainer's ``save_model`` runs on every rank and gathers the weights:
+    a distributed Trainer with sharded weights (FSDP, DeepSpeed; ``save_model`` is then a
+    collective gather that Transformers requires on all ranks). There a rank deciding alone
+    would raise while the others wait in the gather: the ranks agree as for
+    ``_save_checkpoint``. Not sharded (DDP), the ranks hold the same weights and reach the same
+    verdict alone, and a call on the main process only stays free of any collective."""
+    try:
+        sharded = bool(getattr(trainer, "is_fsdp_enabled", False)) or bool(
+            getattr(trainer, "is_deepspeed_enabled", False)
+        )
+        return sharded and _world_size(trainer) > 1
+    except Exception:
+        return False
 
 
 def _framework_state(

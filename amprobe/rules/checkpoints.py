@@ -62,7 +62,9 @@ def check_poisoned_checkpoint(ctx: RuleContext) -> Iterator[Finding]:
     file, step, ranks and first tensors (names as key paths, inf and NaN counts). The last good
     checkpoint is the last save, at or before that step and before it in its rank's order, that
     every rank wrote with finite tensors (a save that was poisoned on any rank, or refused, is
-    not good). Assumes each rank's events are in recording order.
+    not good) and that checked at least one floating tensor over its ranks (a save of RNG state
+    or of ZeRO-3's empty placeholders proves nothing). Assumes each rank's events are in
+    recording order.
     """
     run = ctx.run
     poisoned = run.events_of("checkpoint_nonfinite")
@@ -84,11 +86,17 @@ def check_poisoned_checkpoint(ctx: RuleContext) -> Iterator[Finding]:
         {int(e["rank"]) for e in first if e.get("refused")}
         | {int(e["rank"]) for e in clean if _save_key(e) == first_key and e.get("written") is False}
     )
-    # the last good checkpoint: written, finite on every rank, before the first poisoned one
+    # the last good checkpoint: written, finite on every rank, before the first poisoned one,
+    # and checked at least one tensor (over its ranks): an RNG-state dict or ZeRO-3's empty
+    # placeholders prove nothing
+    checked: dict[tuple[int, str, str], int] = {}
+    for e in clean:
+        key = _save_key(e)
+        checked[key] = checked.get(key, 0) + int(e.get("tensor_count") or 0)
     good: tuple[int, float, dict[str, Any]] | None = None
     for e in clean:
         key = _save_key(e)
-        if key in bad_saves or e.get("written") is False or key[0] > step:
+        if key in bad_saves or e.get("written") is False or key[0] > step or not checked[key]:
             continue
         before = first_t.get(int(e["rank"]))
         if before is not None and float(e["t"]) >= before:
