@@ -190,3 +190,79 @@ def test_fsdp2_weights_beyond_param_dtype_are_named(jobs):
         assert e["replayed"] is True and e["collective"] is True
         assert e["cause"] == "data-or-model"
         assert e["params_beyond_param_dtype"] == ["layers.0.mlp.booster.weight"]
+
+
+# -- in-process 1-rank gloo jobs (the replay's seams, without torchrun) ---------------------------
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A 1-rank gloo process group in this process (destroyed after the test)."""
+    import torch.distributed as dist
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield tmp_path
+    finally:
+        dist.destroy_process_group()
+
+
+def _compiled_ddp_job(where: Path, replay: str) -> tuple[list[str], list[int], Any]:
+    """train_replay's ``layer`` case (big's output overflows fp16 at step 5) with a BatchNorm
+    buffer after it, as ``torch.compile(DDP(net), backend="aot_eager")``; the losses, the
+    ``DDP._pre_forward`` calls per step (its reducer preparation and buffer broadcast)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from train_replay import batch, build
+
+    net, scaler = build("layer", 5)
+    seq = torch.nn.Sequential(net, torch.nn.BatchNorm1d(1))
+    model = torch.compile(DDP(seq), backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    calls = {"n": 0}
+    pre_forward = DDP._pre_forward
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return pre_forward(self, *args, **kwargs)
+
+    DDP._pre_forward = counting  # type: ignore[method-assign]
+    probe = amprobe.attach(
+        model, opt, scaler, run_dir=str(where), config={"replay": replay, "numerics_every": 0}
+    )
+    losses, per_step = [], []
+    try:
+        for step in range(8):
+            before = calls["n"]
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(batch("layer", step, 5))
+            loss = out.float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(repr(float(loss.detach())))
+            per_step.append(calls["n"] - before)
+    finally:
+        DDP._pre_forward = pre_forward  # type: ignore[method-assign]
+        probe.close()
+    return losses, per_step, amprobe.load_run(where)
+
+
+def test_compiled_ddp_replays_ddps_module_eager_without_its_collectives(one_rank, monkeypatch):
+    import amprobe.capture.collectors.replay as replay
+
+    monkeypatch.setattr(replay, "TIME_FACTOR", 1e6)
+    on, calls_on, run = _compiled_ddp_job(one_rank / "on", "on")
+    off, calls_off, _ = _compiled_ddp_job(one_rank / "off", "off")
+    # the replay called no DDP forward: one reducer preparation (and buffer broadcast) a step
+    assert calls_on == calls_off == [1] * 8
+    assert on == off  # the training is the same with the replay on and off
+    (event,) = run.events_of("replay")
+    assert event["step"] == 5 and event["replayed"] is True
+    assert event["compiled"] is False and event["cause"] == "precision"
+    assert event["verified_fix"] == ["0.big"]
+    assert "compiled DDP: replayed eager through DDP's module" in " ".join(event["notes"])

@@ -43,6 +43,7 @@ import torch
 from amprobe.capture.collectors.compiled import is_compiled_module
 from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
 from amprobe.capture.collectors.replay_run import (
+    COMPILED_DDP_NOTE,
     Kept,
     ReplayPlan,
     describe_model,
@@ -51,6 +52,7 @@ from amprobe.capture.collectors.replay_run import (
     fsdp_backward_blocker,
     fsdp_states,
     replay_step,
+    replay_target,
 )
 from amprobe.capture.collectors.sharded import user_model
 from amprobe.capture.protocol import Collector, StepFacts
@@ -264,6 +266,8 @@ class ReplayCollector(Collector):
             probe.replaying = False
             probe.recording = was
         detail["trigger"] = trigger
+        if self._compiled_ddp(kept):
+            detail.setdefault("notes", []).append(COMPILED_DDP_NOTE)
         probe.event("replay", **detail)
 
     def _sharded(self, kept: Kept | None) -> bool:
@@ -380,12 +384,20 @@ class ReplayCollector(Collector):
         probe.event("replay", **detail)
 
     def _compiled(self, kept: Kept) -> bool:
+        """Whether what the replay calls runs compiled graphs: under ``torch.compile(DDP(m))``
+        the replay calls DDP's module (see :func:`replay_target`), eager unless compiled inside."""
         model = kept.model()
         if model is None:
             return False
-        if is_compiled_module(model):
+        target, _ = replay_target(model)
+        if is_compiled_module(target):
             return True
-        return any(is_compiled_module(m) for m in model.modules())
+        return any(is_compiled_module(m) for m in target.modules())
+
+    def _compiled_ddp(self, kept: Kept) -> bool:
+        """Whether the replay skipped a compiled wrapper around DDP (it runs eager then)."""
+        model = kept.model()
+        return model is not None and replay_target(model)[1]
 
     def _cannot(self, kept: Kept | None) -> str | None:
         """Why this step cannot be replayed, decided before anything runs."""

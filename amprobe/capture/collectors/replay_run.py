@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from amprobe.capture.collectors.sharded import local_tensor, user_model, user_module_name
 
 __all__ = [
+    "COMPILED_DDP_NOTE",
     "MAX_PIN_RUNS",
     "SCALE_DIVISORS",
     "Kept",
@@ -53,6 +54,7 @@ __all__ = [
     "fsdp_backward_blocker",
     "fsdp_states",
     "replay_step",
+    "replay_target",
 ]
 
 #: pin variants (single, then cumulative) at most per replay
@@ -258,6 +260,46 @@ def describe_model(kept: Kept) -> str | None:
     return None
 
 
+#: the note of a replay that skipped a compiled wrapper around DDP (see :func:`replay_target`)
+COMPILED_DDP_NOTE = (
+    "compiled DDP: replayed eager through DDP's module; a forward through the compiled DDP "
+    "wrapper would prepare its reducer"
+)
+
+
+def replay_target(root: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """The module a replay calls, and whether a compiled wrapper was skipped to reach it.
+
+    DDP anywhere in the chain of wrappers (``torch.compile``'s ``_orig_mod``, DDP's ``module``):
+    DDP's inner module, never DDP itself, whose forward prepares its reducer and broadcasts the
+    buffers (collectives, while ranks may replay different variants). ``torch.compile(DDP(m))``
+    (the order of PyTorch's DDP and compile docs) has the compiled wrapper outside DDP: the
+    replay then calls DDP's module eager (True). Without DDP: the root as it ran."""
+    inner: Any = root
+    compiled_above = False
+    for _ in range(8):
+        if type(inner).__name__ == "DistributedDataParallel":
+            module = getattr(inner, "module", None)
+            if isinstance(module, torch.nn.Module):
+                return module, compiled_above
+            break
+        orig = getattr(inner, "_orig_mod", None)
+        if isinstance(orig, torch.nn.Module):
+            compiled_above = True
+            inner = orig
+            continue
+        module = getattr(inner, "module", None)
+        if type(inner).__name__ in _MODULE_WRAPPERS and isinstance(module, torch.nn.Module):
+            inner = module
+            continue
+        break
+    return root, False
+
+
+#: wrappers that hold the model as ``.module`` and may sit between compile and DDP
+_MODULE_WRAPPERS = frozenset({"DataParallel", "Float16Module"})
+
+
 # -- FSDP2 (fully_shard) -------------------------------------------------------------------------
 def fsdp_states(module: torch.nn.Module) -> list[Any]:
     """The FSDP2 states of ``module``'s tree (one per ``fully_shard`` call), outermost first."""
@@ -413,16 +455,7 @@ class _Runner:
 
     def _target(self, root: torch.nn.Module) -> torch.nn.Module:
         """What is called: DDP's inner module (never the wrapper), else the root as it ran."""
-        inner = root
-        for _ in range(4):
-            module = getattr(inner, "module", None)
-            if type(inner).__name__ == "DistributedDataParallel" and isinstance(
-                module, torch.nn.Module
-            ):
-                inner = module
-            else:
-                break
-        return inner
+        return replay_target(root)[0]
 
     # -- one variant ---------------------------------------------------------------------------
     def run(
