@@ -266,3 +266,97 @@ def test_compiled_ddp_replays_ddps_module_eager_without_its_collectives(one_rank
     assert event["compiled"] is False and event["cause"] == "precision"
     assert event["verified_fix"] == ["0.big"]
     assert "compiled DDP: replayed eager through DDP's module" in " ".join(event["notes"])
+
+
+def _fsdp_job(where: Path, monkeypatch: pytest.MonkeyPatch, window: int = 0) -> dict[str, Any]:
+    """train_replay's ``layer`` case under FSDP2 on 1 rank (fp16 MixedPrecisionPolicy,
+    ShardedGradScaler), every step sampled (``numerics_every=1``), ``replay_time_factor`` 1e6;
+    the probe's window count set to ``window`` before the bad step (5). What the replay saw:
+    amprobe's hook calls during it, its budget, the probe's flags."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from train_replay import batch, build
+
+    import amprobe.capture.collectors.replay as replay
+    from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
+    from amprobe.capture.dispatch import Dispatcher
+
+    net, _ = build("layer", 5)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for child in net.children():
+        fully_shard(child, mp_policy=policy)
+    model = fully_shard(net, mp_policy=policy)
+    # (the group explicitly: its default is the first process group this process made)
+    group = torch.distributed.group.WORLD
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=1000, process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    seen: dict[str, Any] = {"hooks": 0, "in_replay": False}
+    call = Dispatcher.call
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["hooks"] += seen["in_replay"]
+        return call(self, *args, **kwargs)
+
+    replay_step = replay.replay_step
+
+    def spy(kept: Any, plan: Any) -> dict[str, Any]:
+        seen.update(
+            budget_s=plan.budget_s,
+            replaying=probe.replaying,
+            recording=probe.recording,
+            graph_sample=GRAPH_SAMPLE.on,
+            in_replay=True,
+        )
+        try:
+            return replay_step(kept, plan)
+        finally:
+            seen["in_replay"] = False
+
+    monkeypatch.setattr(Dispatcher, "call", counting)
+    monkeypatch.setattr(replay, "replay_step", spy)
+    probe = amprobe.attach(
+        model,
+        opt,
+        scaler,
+        run_dir=str(where),
+        config={"numerics_every": 1, "replay_time_factor": 1e6},
+    )
+    try:
+        for step in range(7):
+            if step == 5:
+                probe.window = window
+            out = model(batch("layer", step, 5))
+            scaler.scale(out.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finally:
+        probe.close()
+    seen["events"] = amprobe.load_run(where).events_of("replay")
+    return seen
+
+
+def test_fsdp2_replay_keeps_amprobes_hooks_out_and_reads_the_time_factor(one_rank, monkeypatch):
+    seen = _fsdp_job(one_rank / "run", monkeypatch)
+    (event,) = seen["events"]
+    assert event["replayed"] is True and event["step"] == 5
+    assert "memory_check" in event  # the FSDP2 path
+    # as the single-process replay: no amprobe hook runs inside it, no graph statistics
+    assert seen["hooks"] == 0
+    assert seen["replaying"] is True and seen["recording"] is False
+    assert seen["graph_sample"] is False
+    assert seen["budget_s"] > 1e3  # Config.replay_time_factor (1e6), not TIME_FACTOR (10)
+    assert event["budget_s"] == pytest.approx(seen["budget_s"], rel=1e-3)
+
+
+def test_fsdp2_probe_with_recording_windows_does_not_replay(one_rank, monkeypatch):
+    """A dormant probe's windows start at each rank's own step boundary: the ranks may have
+    recorded different steps, so a collective replay is not entered (decided locally)."""
+    seen = _fsdp_job(one_rank / "run", monkeypatch, window=1)
+    (event,) = seen["events"]
+    assert event["replayed"] is False and event["step"] == 5
+    assert event["reason"] == (
+        "FSDP2: the ranks' recording windows may differ (a dormant or live-attached probe): "
+        "a replay is collective, so none"
+    )
+    assert "budget_s" not in seen  # nothing ran, no agreement was entered

@@ -307,6 +307,22 @@ class ReplayCollector(Collector):
                 ),
             )
             return
+        if probe.window != 0 or not probe.recording:
+            # a dormant probe records in windows, started and stopped by each rank's watcher at
+            # its own next step boundary, and on_step_bad reaches only recording ranks: the
+            # ranks' recorded steps (and so the first step, the bad-step count, calibration)
+            # may differ, and a rank alone in the agreement below would pair with another
+            # rank's all-gather. Decided from this probe's own mode, no collective.
+            probe.event(
+                "replay",
+                replayed=False,
+                trigger=trigger,
+                reason=(
+                    "FSDP2: the ranks' recording windows may differ (a dormant or live-attached "
+                    "probe): a replay is collective, so none"
+                ),
+            )
+            return
         # whatever happens here, this rank reaches the exchange below (the others wait in it)
         compiled = False
         memory_note = "not measured"
@@ -331,8 +347,9 @@ class ReplayCollector(Collector):
         start = probe.t_step_start
         took = time.perf_counter() - start if start is not None else 0.0
         group = getattr(facts.scaler, "process_group", None)  # found-inf's group
+        factor = probe.config.replay_time_factor
         plan = ReplayPlan(
-            budget_s=TIME_FACTOR * max(took, 1e-3),
+            budget_s=(TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3),
             scale=scale,
             compiled=compiled,
             sampled_graph=False,
@@ -374,10 +391,17 @@ class ReplayCollector(Collector):
             )
         self._left -= 1
         was = probe.recording
-        probe.recording = False  # amprobe's own hooks stay out of the replay
+        sampled = GRAPH_SAMPLE.on
+        # amprobe's own hooks stay out of the replay, as in :meth:`_replay`: the hub's wrappers
+        # (recording off), the collectors' hooks (replaying), the compiled graphs' statistics
+        probe.recording = False
+        probe.replaying = True
+        GRAPH_SAMPLE.on = False
         try:
             detail = replay_step(kept, plan)
         finally:
+            GRAPH_SAMPLE.on = sampled
+            probe.replaying = False
             probe.recording = was
         detail["trigger"] = trigger
         detail["memory_check"] = memory_note
