@@ -36,6 +36,7 @@ JOBS: dict[str, tuple[str, dict[str, str], str]] = {
         "on",
     ),
     "fsdp-spike": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "spike@5"}, "on"),
+    "fsdp-fail": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "cosine_fail1@3"}, "on"),
 }
 JOBS.update({f"{k}-off": (script, env, "off") for k, (script, env, _) in list(JOBS.items())})
 # test_sharded's fp16 job: booster x1e6 on steps 6-8 (a call counter), mid under an
@@ -82,7 +83,7 @@ def _variants(event: dict[str, Any]) -> list[str]:
     return [e["variant"] for e in event["experiments"]]
 
 
-@pytest.mark.parametrize("job", ["ddp", "fsdp", "fsdp-spike"])
+@pytest.mark.parametrize("job", ["ddp", "fsdp", "fsdp-spike", "fsdp-fail"])
 def test_training_is_bit_identical_with_replay_on_and_off(jobs, job):
     on, off = jobs[job]["results"], jobs[f"{job}-off"]["results"]
     assert len(on[0]) == len(on[1]) == 8 * 2 + 2
@@ -148,6 +149,27 @@ def test_fsdp2_nan_on_rank1_forward_only_on_both_ranks(jobs):
         e = events[rank, 6]
         assert all(x["grads_finite"] is None for x in e["experiments"])
         assert any(n.startswith("forward only") for n in e["notes"])
+
+
+def test_fsdp2_variant_failing_on_one_rank_stops_every_rank_together(jobs):
+    """Rank 1's "autocast off" raises after its collectives: the failure rides the next
+    agreement, both ranks stop there (the job ends: no rank waits), each says so."""
+    events = jobs["fsdp-fail"]["events"]
+    assert sorted(events) == [(0, 3), (1, 3)]
+    mine, other = events[1, 3], events[0, 3]
+    for e in (mine, other):
+        assert e["replayed"] is True and e["cause"] is None and e["failed_ranks"] == [1]
+        assert _variants(e) == ["as it ran", "autocast off"]  # no pin ran after the failure
+    assert mine["incomplete"] == (
+        "the variant 'autocast off' failed on this rank: RuntimeError: planted failure in a "
+        "variant (FSDP2: every rank stopped together at the next agreement)"
+    )
+    assert mine["experiments"][1]["error"] == "RuntimeError: planted failure in a variant"
+    assert other["incomplete"] == (
+        "a variant failed on rank 1 of the group (FSDP2: every rank stopped together at the "
+        "next agreement)"
+    )
+    assert other["experiments"][1]["finite"] is True and "error" not in other["experiments"][1]
 
 
 def test_fsdp2_backward_takes_local_gradients_without_reduce_scatter(jobs):

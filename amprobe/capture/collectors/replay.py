@@ -292,8 +292,11 @@ class ReplayCollector(Collector):
         decisions before it read only step numbers and found-inf. One all-reduce (here, on a bad
         step only) gathers each rank's readiness (its kept forward, its memory headroom, a finite
         output gradient for the backward) before anything runs; any rank not ready: no rank
-        replays, each says why. An out of memory inside the replay would stop one rank in a
-        collective and hang the others: the headroom is judged before starting instead."""
+        replays, each says why. A variant that raises on one rank is carried by the next
+        agreement and stops every rank together (see ``_decide_collective``); a failure between
+        a forward's own collectives would still leave the others in an all-gather: the headroom
+        is judged before starting against the likeliest, an out of memory. Only a probe that
+        records since attach without windows replays (every rank saw the same steps)."""
         probe = self.probe
         if trigger != "skipped_update":
             probe.event(

@@ -1149,17 +1149,48 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     order = [n for n, _ in r.user.named_modules() if n]
     where = {n: i for i, n in enumerate(order)}
 
-    def agree(flag: bool) -> tuple[bool, bool]:
-        """(any rank's flag, any rank over its budget)."""
-        over = time.perf_counter() - r.start >= plan.budget_s
-        rows = exchange([int(flag), int(over)], plan, r.device)
-        return any(row[0] for row in rows), any(row[1] for row in rows)
+    # a variant that raises on one rank (an out of memory in its backward, a failing hook) is
+    # caught here and carried by the next agreement, which every rank reaches after every
+    # variant: all ranks stop there together and each records the failure (no rank is left
+    # waiting for another that stopped; see the docs' residual risk: a failure between a
+    # forward's collectives)
+    failed: dict[str, Any] = {"error": None, "variant": None, "ranks": []}
 
-    as_ran = r.run("as it ran", eager=True, observe=True)[0]
-    local_first = where.get(as_ran.first_nonfinite or "", _NONE)
+    def attempt(variant: str, **kwargs: Any) -> _Result | None:
+        """One variant on this rank; None when it raised (recorded, carried by the next
+        agreement)."""
+        try:
+            return r.run(variant, **kwargs)[0]
+        except Exception as exc:
+            failed["error"] = f"{type(exc).__name__}: {exc}"
+            failed["variant"] = variant
+            r.results.append(_Result(variant, error=failed["error"]))
+            r.reset_after_failure()
+            if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
+    def agree(flag: bool) -> tuple[bool, bool]:
+        """(any rank's flag, any rank over its budget or failed)."""
+        over = time.perf_counter() - r.start >= plan.budget_s
+        rows = exchange([int(flag), int(over), int(failed["error"] is not None)], plan, r.device)
+        failed["ranks"] = [i for i, row in enumerate(rows) if row[2]]
+        return any(row[0] for row in rows), any(row[1] or row[2] for row in rows)
+
+    as_ran = attempt("as it ran", eager=True, observe=True)
+    local_first = where.get((as_ran.first_nonfinite if as_ran else None) or "", _NONE)
     rows = exchange(
-        [local_first, int(time.perf_counter() - r.start >= plan.budget_s)], plan, r.device
+        [
+            local_first,
+            int(time.perf_counter() - r.start >= plan.budget_s),
+            int(failed["error"] is not None),
+        ],
+        plan,
+        r.device,
     )
+    failed["ranks"] = [i for i, row in enumerate(rows) if row[2]]
+    if as_ran is None or failed["ranks"]:
+        return _failed_collective(out, notes, failed)
     shared = min(row[0] for row in rows)
     first = order[shared] if shared < len(order) else None
     over = any(row[1] for row in rows)
@@ -1171,8 +1202,8 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     need, over = agree(grad_only) if not over else (False, True)
     if need and not over:
         for d in SCALE_DIVISORS:
-            res = r.run("lower loss scale", eager=True, scales=(1.0 / d,))[0]
-            if grad_only and divisor is None and res.finite:
+            res = attempt("lower loss scale", eager=True, scales=(1.0 / d,))
+            if grad_only and divisor is None and res is not None and res.finite:
                 divisor = d
             more, over = agree(grad_only and divisor is None)
             if not more or over:
@@ -1181,7 +1212,9 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     off: _Result | None = None
     need, over = agree(not local_done) if not over else (False, True)
     if need and not over:
-        off = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
+        off = attempt("autocast off", eager=True, autocast=False, observe=True)
+        if off is None:  # (this rank's failure: the next agreement stops every rank)
+            agree(False)
     if r.fsdp_half:
         notes.append(
             "FSDP2's MixedPrecisionPolicy computes in half precision without autocast: "
@@ -1193,7 +1226,9 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     if off is not None:
         need, over = agree(precision)
         if need and not over:
-            fix = _pins_collective(r, _candidates_shared(r, first), precision, agree)
+            fix = _pins_collective(r, _candidates_shared(r, first), precision, agree, attempt)
+    if failed["ranks"]:
+        return _failed_collective(out, notes, failed)
     if seed_case:
         out.update(_seed_cause(r, plan, real, notes))
     elif as_ran.finite:
@@ -1244,7 +1279,9 @@ def _candidates_shared(r: _Runner, first: str | None) -> list[str]:
         r.order = saved
 
 
-def _pins_collective(r: _Runner, candidates: list[str], need: bool, agree: Any) -> list[str]:
+def _pins_collective(
+    r: _Runner, candidates: list[str], need: bool, agree: Any, attempt: Any
+) -> list[str]:
     """:func:`_pins` run alike on every rank: after each pin the ranks agree whether any still
     needs one (a rank with its fix found, or without a precision cause, runs along)."""
     runs = 0
@@ -1255,13 +1292,35 @@ def _pins_collective(r: _Runner, candidates: list[str], need: bool, agree: Any) 
         if runs >= MAX_PIN_RUNS:
             break
         runs += 1
-        res = r.run("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)[0]
-        if need and not fix and res.finite:
+        res = attempt("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)
+        if need and not fix and res is not None and res.finite:
             fix = list(pins)
         more, over = agree(need and not fix)
         if not more or over:
             break
     return fix
+
+
+def _failed_collective(
+    out: dict[str, Any], notes: list[str], failed: dict[str, Any]
+) -> dict[str, Any]:
+    """A collective replay stopped on every rank together because a variant raised on one or
+    more ranks (each rank records it: the failing rank its error, the others its rank)."""
+    ranks = ", ".join(str(i) for i in failed["ranks"])
+    if failed["error"] is not None:
+        why = f"the variant '{failed['variant']}' failed on this rank: {failed['error']}"
+    else:
+        why = f"a variant failed on rank {ranks} of the group"
+    out["cause"] = None
+    out["verified_fix"] = []
+    out["incomplete"] = why + " (FSDP2: every rank stopped together at the next agreement)"
+    out["failed_ranks"] = list(failed["ranks"])
+    notes.append(
+        f"a variant raised on rank {ranks}: the ranks agreed to stop after it, none was left "
+        "waiting in a collective"
+    )
+    out["notes"] = notes
+    return out
 
 
 def _seed_cause(
