@@ -1160,7 +1160,11 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         """One variant on this rank; None when it raised (recorded, carried by the next
         agreement)."""
         try:
-            return r.run(variant, **kwargs)[0]
+            res = r.run(variant, **kwargs)[0]
+            if res.error:  # (a failure the variant recorded itself: the same for the ranks)
+                failed["error"], failed["variant"] = res.error, variant
+                return None
+            return res
         except Exception as exc:
             failed["error"] = f"{type(exc).__name__}: {exc}"
             failed["variant"] = variant
