@@ -36,6 +36,7 @@ JOBS: dict[str, tuple[str, dict[str, str], str]] = {
         "on",
     ),
     "fsdp-spike": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "spike@5"}, "on"),
+    "fsdp-fail": ("replay_gloo.py", {"WRAP": "fsdp", "CASES": "cosine_fail1@3"}, "on"),
 }
 JOBS.update({f"{k}-off": (script, env, "off") for k, (script, env, _) in list(JOBS.items())})
 # test_sharded's fp16 job: booster x1e6 on steps 6-8 (a call counter), mid under an
@@ -82,7 +83,7 @@ def _variants(event: dict[str, Any]) -> list[str]:
     return [e["variant"] for e in event["experiments"]]
 
 
-@pytest.mark.parametrize("job", ["ddp", "fsdp", "fsdp-spike"])
+@pytest.mark.parametrize("job", ["ddp", "fsdp", "fsdp-spike", "fsdp-fail"])
 def test_training_is_bit_identical_with_replay_on_and_off(jobs, job):
     on, off = jobs[job]["results"], jobs[f"{job}-off"]["results"]
     assert len(on[0]) == len(on[1]) == 8 * 2 + 2
@@ -150,6 +151,27 @@ def test_fsdp2_nan_on_rank1_forward_only_on_both_ranks(jobs):
         assert any(n.startswith("forward only") for n in e["notes"])
 
 
+def test_fsdp2_variant_failing_on_one_rank_stops_every_rank_together(jobs):
+    """Rank 1's "autocast off" raises after its collectives: the failure rides the next
+    agreement, both ranks stop there (the job ends: no rank waits), each says so."""
+    events = jobs["fsdp-fail"]["events"]
+    assert sorted(events) == [(0, 3), (1, 3)]
+    mine, other = events[1, 3], events[0, 3]
+    for e in (mine, other):
+        assert e["replayed"] is True and e["cause"] is None and e["failed_ranks"] == [1]
+        assert _variants(e) == ["as it ran", "autocast off"]  # no pin ran after the failure
+    assert mine["incomplete"] == (
+        "the variant 'autocast off' failed on this rank: RuntimeError: planted failure in a "
+        "variant (FSDP2: every rank stopped together at the next agreement)"
+    )
+    assert mine["experiments"][1]["error"] == "RuntimeError: planted failure in a variant"
+    assert other["incomplete"] == (
+        "a variant failed on rank 1 of the group (FSDP2: every rank stopped together at the "
+        "next agreement)"
+    )
+    assert other["experiments"][1]["finite"] is True and "error" not in other["experiments"][1]
+
+
 def test_fsdp2_backward_takes_local_gradients_without_reduce_scatter(jobs):
     events = jobs["fsdp-spike"]["events"]
     assert sorted(events) == [(0, 5), (1, 5)]
@@ -190,3 +212,173 @@ def test_fsdp2_weights_beyond_param_dtype_are_named(jobs):
         assert e["replayed"] is True and e["collective"] is True
         assert e["cause"] == "data-or-model"
         assert e["params_beyond_param_dtype"] == ["layers.0.mlp.booster.weight"]
+
+
+# -- in-process 1-rank gloo jobs (the replay's seams, without torchrun) ---------------------------
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A 1-rank gloo process group in this process (destroyed after the test)."""
+    import torch.distributed as dist
+
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield tmp_path
+    finally:
+        dist.destroy_process_group()
+
+
+def _compiled_ddp_job(where: Path, replay: str) -> tuple[list[str], list[int], Any]:
+    """train_replay's ``layer`` case (big's output overflows fp16 at step 5) with a BatchNorm
+    buffer after it, as ``torch.compile(DDP(net), backend="aot_eager")``; the losses, the
+    ``DDP._pre_forward`` calls per step (its reducer preparation and buffer broadcast)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from train_replay import batch, build
+
+    net, scaler = build("layer", 5)
+    seq = torch.nn.Sequential(net, torch.nn.BatchNorm1d(1))
+    model = torch.compile(DDP(seq), backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    calls = {"n": 0}
+    pre_forward = DDP._pre_forward
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        return pre_forward(self, *args, **kwargs)
+
+    DDP._pre_forward = counting  # type: ignore[method-assign]
+    probe = amprobe.attach(
+        model, opt, scaler, run_dir=str(where), config={"replay": replay, "numerics_every": 0}
+    )
+    losses, per_step = [], []
+    try:
+        for step in range(8):
+            before = calls["n"]
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(batch("layer", step, 5))
+            loss = out.float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(repr(float(loss.detach())))
+            per_step.append(calls["n"] - before)
+    finally:
+        DDP._pre_forward = pre_forward  # type: ignore[method-assign]
+        probe.close()
+    return losses, per_step, amprobe.load_run(where)
+
+
+def test_compiled_ddp_replays_ddps_module_eager_without_its_collectives(one_rank, monkeypatch):
+    import amprobe.capture.collectors.replay as replay
+
+    monkeypatch.setattr(replay, "TIME_FACTOR", 1e6)
+    on, calls_on, run = _compiled_ddp_job(one_rank / "on", "on")
+    off, calls_off, _ = _compiled_ddp_job(one_rank / "off", "off")
+    # the replay called no DDP forward: one reducer preparation (and buffer broadcast) a step
+    assert calls_on == calls_off == [1] * 8
+    assert on == off  # the training is the same with the replay on and off
+    (event,) = run.events_of("replay")
+    assert event["step"] == 5 and event["replayed"] is True
+    assert event["compiled"] is False and event["cause"] == "precision"
+    assert event["verified_fix"] == ["0.big"]
+    assert "compiled DDP: replayed eager through DDP's module" in " ".join(event["notes"])
+
+
+def _fsdp_job(where: Path, monkeypatch: pytest.MonkeyPatch, window: int = 0) -> dict[str, Any]:
+    """train_replay's ``layer`` case under FSDP2 on 1 rank (fp16 MixedPrecisionPolicy,
+    ShardedGradScaler), every step sampled (``numerics_every=1``), ``replay_time_factor`` 1e6;
+    the probe's window count set to ``window`` before the bad step (5). What the replay saw:
+    amprobe's hook calls during it, its budget, the probe's flags."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from train_replay import batch, build
+
+    import amprobe.capture.collectors.replay as replay
+    from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
+    from amprobe.capture.dispatch import Dispatcher
+
+    net, _ = build("layer", 5)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for child in net.children():
+        fully_shard(child, mp_policy=policy)
+    model = fully_shard(net, mp_policy=policy)
+    # (the group explicitly: its default is the first process group this process made)
+    group = torch.distributed.group.WORLD
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=1000, process_group=group)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    seen: dict[str, Any] = {"hooks": 0, "in_replay": False}
+    call = Dispatcher.call
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["hooks"] += seen["in_replay"]
+        return call(self, *args, **kwargs)
+
+    replay_step = replay.replay_step
+
+    def spy(kept: Any, plan: Any) -> dict[str, Any]:
+        seen.update(
+            budget_s=plan.budget_s,
+            replaying=probe.replaying,
+            recording=probe.recording,
+            graph_sample=GRAPH_SAMPLE.on,
+            in_replay=True,
+        )
+        try:
+            return replay_step(kept, plan)
+        finally:
+            seen["in_replay"] = False
+
+    monkeypatch.setattr(Dispatcher, "call", counting)
+    monkeypatch.setattr(replay, "replay_step", spy)
+    probe = amprobe.attach(
+        model,
+        opt,
+        scaler,
+        run_dir=str(where),
+        config={"numerics_every": 1, "replay_time_factor": 1e6},
+    )
+    try:
+        for step in range(7):
+            if step == 5:
+                probe.window = window
+            out = model(batch("layer", step, 5))
+            scaler.scale(out.float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finally:
+        probe.close()
+    seen["events"] = amprobe.load_run(where).events_of("replay")
+    return seen
+
+
+def test_fsdp2_replay_keeps_amprobes_hooks_out_and_reads_the_time_factor(one_rank, monkeypatch):
+    seen = _fsdp_job(one_rank / "run", monkeypatch)
+    (event,) = seen["events"]
+    assert event["replayed"] is True and event["step"] == 5
+    assert "memory_check" in event  # the FSDP2 path
+    # as the single-process replay: no amprobe hook runs inside it, no graph statistics
+    assert seen["hooks"] == 0
+    assert seen["replaying"] is True and seen["recording"] is False
+    assert seen["graph_sample"] is False
+    assert seen["budget_s"] > 1e3  # Config.replay_time_factor (1e6), not TIME_FACTOR (10)
+    assert event["budget_s"] == pytest.approx(seen["budget_s"], rel=1e-3)
+
+
+def test_fsdp2_probe_with_recording_windows_does_not_replay(one_rank, monkeypatch):
+    """A dormant probe's windows start at each rank's own step boundary: the ranks may have
+    recorded different steps, so a collective replay is not entered (decided locally)."""
+    seen = _fsdp_job(one_rank / "run", monkeypatch, window=1)
+    (event,) = seen["events"]
+    assert event["replayed"] is False and event["step"] == 5
+    assert event["reason"] == (
+        "FSDP2: the ranks' recording windows may differ (a dormant or live-attached probe): "
+        "a replay is collective, so none"
+    )
+    assert "budget_s" not in seen  # nothing ran, no agreement was entered

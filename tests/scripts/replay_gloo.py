@@ -9,6 +9,9 @@ an fp16 MixedPrecisionPolicy, no autocast, ShardedGradScaler); ``CASES``, the ba
 * ``cosine`` (fsdp): the custom cosine similarity ``cos`` overflows fp16 on both ranks.
 * ``cosine_nomem1`` (fsdp): ``cosine``, and rank 1's memory check says it has not the memory
   for a replay.
+* ``cosine_fail1`` (fsdp): ``cosine``, and on rank 1 the replay's second variant ("autocast
+  off") raises after its forward and backward (planted in ``_Runner._settle``, after the
+  variant's collectives): every rank must stop at the next agreement, none left waiting.
 * ``nan_rank1``: only rank 1's batch holds a NaN; rank 0 gets it through the reduction.
 * ``spike`` (fsdp): the batch x10000 and the loss x256 on both ranks: the forward is finite (the
   LayerNorm), the fp16 gradients overflow at the loss scale and are finite at a lower one.
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import amprobe.capture.collectors.replay as replay
+import amprobe.capture.collectors.replay_run as replay_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,6 +44,22 @@ memory_headroom = replay._memory_headroom
 
 def no_memory(kept: object) -> tuple[bool, str]:
     return False, "1 MiB free, 2 MiB needed (planted)"
+
+
+# rank 1's second variant of a replay raises after its collectives (case cosine_fail1)
+PLANT = {"on": False, "settled": 0}
+settle = replay_run._Runner._settle
+
+
+def failing_settle(self: replay_run._Runner) -> None:
+    settle(self)
+    if PLANT["on"]:
+        PLANT["settled"] += 1
+        if PLANT["settled"] == 2:
+            raise RuntimeError("planted failure in a variant")
+
+
+replay_run._Runner._settle = failing_settle  # type: ignore[method-assign]
 
 
 WRAP = os.environ.get("WRAP", "ddp")
@@ -60,7 +80,7 @@ def batch(step: int, rank: int) -> torch.Tensor:
         if rank == 1:
             x[0, 0] = float("nan")
         return x
-    if case in ("layer", "cosine", "cosine_nomem1", "spike"):
+    if case in ("layer", "cosine", "cosine_nomem1", "cosine_fail1", "spike"):
         return x * 10000.0
     return x
 
@@ -97,7 +117,8 @@ else:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    net = CosineNet() if "cosine" in CASES.values() else Net()
+    cosine = {"cosine", "cosine_nomem1", "cosine_fail1"} & set(CASES.values())
+    net = CosineNet() if cosine else Net()
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for child in net.children():
         if any(True for _ in child.parameters()):
@@ -119,6 +140,7 @@ for step in range(int(os.environ.get("STEPS", 8))):
     # rank 1 judges that it has not the memory for a replay of this step (its check replaced)
     short = CASES.get(step) == "cosine_nomem1" and rank == 1
     replay._memory_headroom = no_memory if short else memory_headroom
+    PLANT.update(on=CASES.get(step) == "cosine_fail1" and rank == 1, settled=0)
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
         out = model(batch(step, rank))
     loss = out.float().pow(2).mean()

@@ -44,6 +44,7 @@ import torch
 from amprobe.capture.collectors.compiled import is_compiled_module
 from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
 from amprobe.capture.collectors.replay_run import (
+    COMPILED_DDP_NOTE,
     Kept,
     ReplayPlan,
     describe_model,
@@ -52,6 +53,7 @@ from amprobe.capture.collectors.replay_run import (
     fsdp_backward_blocker,
     fsdp_states,
     replay_step,
+    replay_target,
 )
 from amprobe.capture.collectors.sharded import user_model
 from amprobe.capture.protocol import Collector, StepFacts
@@ -275,6 +277,8 @@ class ReplayCollector(Collector):
             probe.replaying = False
             probe.recording = was
         detail["trigger"] = trigger
+        if self._compiled_ddp(kept):
+            detail.setdefault("notes", []).append(COMPILED_DDP_NOTE)
         probe.event("replay", **detail)
 
     def _sharded(self, kept: Kept | None) -> bool:
@@ -299,8 +303,11 @@ class ReplayCollector(Collector):
         decisions before it read only step numbers and found-inf. One all-reduce (here, on a bad
         step only) gathers each rank's readiness (its kept forward, its memory headroom, a finite
         output gradient for the backward) before anything runs; any rank not ready: no rank
-        replays, each says why. An out of memory inside the replay would stop one rank in a
-        collective and hang the others: the headroom is judged before starting instead."""
+        replays, each says why. A variant that raises on one rank is carried by the next
+        agreement and stops every rank together (see ``_decide_collective``); a failure between
+        a forward's own collectives would still leave the others in an all-gather: the headroom
+        is judged before starting against the likeliest, an out of memory. Only a probe that
+        records since attach without windows replays (every rank saw the same steps)."""
         probe = self.probe
         if trigger != "skipped_update":
             probe.event(
@@ -311,6 +318,22 @@ class ReplayCollector(Collector):
                     "FSDP2 without a GradScaler: a non-finite loss is this rank's own fact, and "
                     "a replay's forward gathers parameters from every rank; the ranks cannot "
                     "agree to replay without a collective on every step"
+                ),
+            )
+            return
+        if probe.window != 0 or not probe.recording:
+            # a dormant probe records in windows, started and stopped by each rank's watcher at
+            # its own next step boundary, and on_step_bad reaches only recording ranks: the
+            # ranks' recorded steps (and so the first step, the bad-step count, calibration)
+            # may differ, and a rank alone in the agreement below would pair with another
+            # rank's all-gather. Decided from this probe's own mode, no collective.
+            probe.event(
+                "replay",
+                replayed=False,
+                trigger=trigger,
+                reason=(
+                    "FSDP2: the ranks' recording windows may differ (a dormant or live-attached "
+                    "probe): a replay is collective, so none"
                 ),
             )
             return
@@ -338,8 +361,9 @@ class ReplayCollector(Collector):
         start = probe.t_step_start
         took = time.perf_counter() - start if start is not None else 0.0
         group = getattr(facts.scaler, "process_group", None)  # found-inf's group
+        factor = probe.config.replay_time_factor
         plan = ReplayPlan(
-            budget_s=TIME_FACTOR * max(took, 1e-3),
+            budget_s=(TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3),
             scale=scale,
             compiled=compiled,
             sampled_graph=False,
@@ -381,22 +405,37 @@ class ReplayCollector(Collector):
             )
         self._left -= 1
         was = probe.recording
-        probe.recording = False  # amprobe's own hooks stay out of the replay
+        sampled = GRAPH_SAMPLE.on
+        # amprobe's own hooks stay out of the replay, as in :meth:`_replay`: the hub's wrappers
+        # (recording off), the collectors' hooks (replaying), the compiled graphs' statistics
+        probe.recording = False
+        probe.replaying = True
+        GRAPH_SAMPLE.on = False
         try:
             detail = replay_step(kept, plan)
         finally:
+            GRAPH_SAMPLE.on = sampled
+            probe.replaying = False
             probe.recording = was
         detail["trigger"] = trigger
         detail["memory_check"] = memory_note
         probe.event("replay", **detail)
 
     def _compiled(self, kept: Kept) -> bool:
+        """Whether what the replay calls runs compiled graphs: under ``torch.compile(DDP(m))``
+        the replay calls DDP's module (see :func:`replay_target`), eager unless compiled inside."""
         model = kept.model()
         if model is None:
             return False
-        if is_compiled_module(model):
+        target, _ = replay_target(model)
+        if is_compiled_module(target):
             return True
-        return any(is_compiled_module(m) for m in model.modules())
+        return any(is_compiled_module(m) for m in target.modules())
+
+    def _compiled_ddp(self, kept: Kept) -> bool:
+        """Whether the replay skipped a compiled wrapper around DDP (it runs eager then)."""
+        model = kept.model()
+        return model is not None and replay_target(model)[1]
 
     def _cannot(self, kept: Kept | None) -> str | None:
         """Why this step cannot be replayed, decided before anything runs."""

@@ -48,6 +48,7 @@ from amprobe.capture.collectors.graphstats import GRAPH_SAMPLE
 from amprobe.capture.collectors.sharded import local_tensor, user_model, user_module_name
 
 __all__ = [
+    "COMPILED_DDP_NOTE",
     "MAX_PIN_RUNS",
     "SCALE_DIVISORS",
     "Kept",
@@ -58,6 +59,7 @@ __all__ = [
     "fsdp_backward_blocker",
     "fsdp_states",
     "replay_step",
+    "replay_target",
 ]
 
 #: pin variants (single, then cumulative) at most per replay
@@ -263,6 +265,46 @@ def describe_model(kept: Kept) -> str | None:
     return None
 
 
+#: the note of a replay that skipped a compiled wrapper around DDP (see :func:`replay_target`)
+COMPILED_DDP_NOTE = (
+    "compiled DDP: replayed eager through DDP's module; a forward through the compiled DDP "
+    "wrapper would prepare its reducer"
+)
+
+
+def replay_target(root: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """The module a replay calls, and whether a compiled wrapper was skipped to reach it.
+
+    DDP anywhere in the chain of wrappers (``torch.compile``'s ``_orig_mod``, DDP's ``module``):
+    DDP's inner module, never DDP itself, whose forward prepares its reducer and broadcasts the
+    buffers (collectives, while ranks may replay different variants). ``torch.compile(DDP(m))``
+    (the order of PyTorch's DDP and compile docs) has the compiled wrapper outside DDP: the
+    replay then calls DDP's module eager (True). Without DDP: the root as it ran."""
+    inner: Any = root
+    compiled_above = False
+    for _ in range(8):
+        if type(inner).__name__ == "DistributedDataParallel":
+            module = getattr(inner, "module", None)
+            if isinstance(module, torch.nn.Module):
+                return module, compiled_above
+            break
+        orig = getattr(inner, "_orig_mod", None)
+        if isinstance(orig, torch.nn.Module):
+            compiled_above = True
+            inner = orig
+            continue
+        module = getattr(inner, "module", None)
+        if type(inner).__name__ in _MODULE_WRAPPERS and isinstance(module, torch.nn.Module):
+            inner = module
+            continue
+        break
+    return root, False
+
+
+#: wrappers that hold the model as ``.module`` and may sit between compile and DDP
+_MODULE_WRAPPERS = frozenset({"DataParallel", "Float16Module"})
+
+
 # -- FSDP2 (fully_shard) -------------------------------------------------------------------------
 def fsdp_states(module: torch.nn.Module) -> list[Any]:
     """The FSDP2 states of ``module``'s tree (one per ``fully_shard`` call), outermost first."""
@@ -423,16 +465,7 @@ class _Runner:
 
     def _target(self, root: torch.nn.Module) -> torch.nn.Module:
         """What is called: DDP's inner module (never the wrapper), else the root as it ran."""
-        inner = root
-        for _ in range(4):
-            module = getattr(inner, "module", None)
-            if type(inner).__name__ == "DistributedDataParallel" and isinstance(
-                module, torch.nn.Module
-            ):
-                inner = module
-            else:
-                break
-        return inner
+        return replay_target(root)[0]
 
     # -- one variant ---------------------------------------------------------------------------
     def run(
@@ -1272,17 +1305,52 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     order = [n for n, _ in r.user.named_modules() if n]
     where = {n: i for i, n in enumerate(order)}
 
-    def agree(flag: bool) -> tuple[bool, bool]:
-        """(any rank's flag, any rank over its budget)."""
-        over = time.perf_counter() - r.start >= plan.budget_s
-        rows = exchange([int(flag), int(over)], plan, r.device)
-        return any(row[0] for row in rows), any(row[1] for row in rows)
+    # a variant that raises on one rank (an out of memory in its backward, a failing hook) is
+    # caught here and carried by the next agreement, which every rank reaches after every
+    # variant: all ranks stop there together and each records the failure (no rank is left
+    # waiting for another that stopped; see the docs' residual risk: a failure between a
+    # forward's collectives)
+    failed: dict[str, Any] = {"error": None, "variant": None, "ranks": []}
 
-    as_ran = r.run("as it ran", eager=True, observe=True)[0]
-    local_first = where.get(as_ran.first_nonfinite or "", _NONE)
+    def attempt(variant: str, **kwargs: Any) -> _Result | None:
+        """One variant on this rank; None when it raised (recorded, carried by the next
+        agreement)."""
+        try:
+            res = r.run(variant, **kwargs)[0]
+            if res.error:  # (a failure the variant recorded itself: the same for the ranks)
+                failed["error"], failed["variant"] = res.error, variant
+                return None
+            return res
+        except Exception as exc:
+            failed["error"] = f"{type(exc).__name__}: {exc}"
+            failed["variant"] = variant
+            r.results.append(_Result(variant, error=failed["error"]))
+            r.reset_after_failure()
+            if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
+    def agree(flag: bool) -> tuple[bool, bool]:
+        """(any rank's flag, any rank over its budget or failed)."""
+        over = time.perf_counter() - r.start >= plan.budget_s
+        rows = exchange([int(flag), int(over), int(failed["error"] is not None)], plan, r.device)
+        failed["ranks"] = [i for i, row in enumerate(rows) if row[2]]
+        return any(row[0] for row in rows), any(row[1] or row[2] for row in rows)
+
+    as_ran = attempt("as it ran", eager=True, observe=True)
+    local_first = where.get((as_ran.first_nonfinite if as_ran else None) or "", _NONE)
     rows = exchange(
-        [local_first, int(time.perf_counter() - r.start >= plan.budget_s)], plan, r.device
+        [
+            local_first,
+            int(time.perf_counter() - r.start >= plan.budget_s),
+            int(failed["error"] is not None),
+        ],
+        plan,
+        r.device,
     )
+    failed["ranks"] = [i for i, row in enumerate(rows) if row[2]]
+    if as_ran is None or failed["ranks"]:
+        return _failed_collective(out, notes, failed)
     shared = min(row[0] for row in rows)
     first = order[shared] if shared < len(order) else None
     over = any(row[1] for row in rows)
@@ -1294,8 +1362,8 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     need, over = agree(grad_only) if not over else (False, True)
     if need and not over:
         for d in SCALE_DIVISORS:
-            res = r.run("lower loss scale", eager=True, scales=(1.0 / d,))[0]
-            if grad_only and divisor is None and res.finite:
+            res = attempt("lower loss scale", eager=True, scales=(1.0 / d,))
+            if grad_only and divisor is None and res is not None and res.finite:
                 divisor = d
             more, over = agree(grad_only and divisor is None)
             if not more or over:
@@ -1304,7 +1372,9 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     off: _Result | None = None
     need, over = agree(not local_done) if not over else (False, True)
     if need and not over:
-        off = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
+        off = attempt("autocast off", eager=True, autocast=False, observe=True)
+        if off is None:  # (this rank's failure: the next agreement stops every rank)
+            agree(False)
     if r.fsdp_half:
         notes.append(
             "FSDP2's MixedPrecisionPolicy computes in half precision without autocast: "
@@ -1316,7 +1386,9 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     if off is not None:
         need, over = agree(precision)
         if need and not over:
-            fix = _pins_collective(r, _candidates_shared(r, first), precision, agree)
+            fix = _pins_collective(r, _candidates_shared(r, first), precision, agree, attempt)
+    if failed["ranks"]:
+        return _failed_collective(out, notes, failed)
     if seed_case:
         out.update(_seed_cause(r, plan, real, notes))
     elif as_ran.finite:
@@ -1367,7 +1439,9 @@ def _candidates_shared(r: _Runner, first: str | None) -> list[str]:
         r.order = saved
 
 
-def _pins_collective(r: _Runner, candidates: list[str], need: bool, agree: Any) -> list[str]:
+def _pins_collective(
+    r: _Runner, candidates: list[str], need: bool, agree: Any, attempt: Any
+) -> list[str]:
     """:func:`_pins` run alike on every rank: after each pin the ranks agree whether any still
     needs one (a rank with its fix found, or without a precision cause, runs along)."""
     runs = 0
@@ -1378,13 +1452,35 @@ def _pins_collective(r: _Runner, candidates: list[str], need: bool, agree: Any) 
         if runs >= MAX_PIN_RUNS:
             break
         runs += 1
-        res = r.run("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)[0]
-        if need and not fix and res.finite:
+        res = attempt("fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)
+        if need and not fix and res is not None and res.finite:
             fix = list(pins)
         more, over = agree(need and not fix)
         if not more or over:
             break
     return fix
+
+
+def _failed_collective(
+    out: dict[str, Any], notes: list[str], failed: dict[str, Any]
+) -> dict[str, Any]:
+    """A collective replay stopped on every rank together because a variant raised on one or
+    more ranks (each rank records it: the failing rank its error, the others its rank)."""
+    ranks = ", ".join(str(i) for i in failed["ranks"])
+    if failed["error"] is not None:
+        why = f"the variant '{failed['variant']}' failed on this rank: {failed['error']}"
+    else:
+        why = f"a variant failed on rank {ranks} of the group"
+    out["cause"] = None
+    out["verified_fix"] = []
+    out["incomplete"] = why + " (FSDP2: every rank stopped together at the next agreement)"
+    out["failed_ranks"] = list(failed["ranks"])
+    notes.append(
+        f"a variant raised on rank {ranks}: the ranks agreed to stop after it, none was left "
+        "waiting in a collective"
+    )
+    out["notes"] = notes
+    return out
 
 
 def _seed_cause(
