@@ -231,3 +231,45 @@ def test_a_backward_autograd_grad_cannot_run_is_said_not_guessed():
     assert detail["replayed"] is True, detail
     assert detail["cause"] is None and detail["incomplete"] == "the backward cannot be replayed"
     assert any("backward cannot be replayed" in n for n in detail["notes"])
+
+
+def test_several_root_models_the_one_that_reproduces_is_named(tmp_path, monkeypatch):
+    """Two root models in one step (an encoder and a head trained together): ``A`` overflows,
+    ``B`` runs last on a tame input. Replaying only the last forward said 'not reproduced' and
+    called the two roots two micro-batches; each root is now replayed, latest first."""
+    monkeypatch.setattr(replay_mod, "TIME_FACTOR", 1e4)
+
+    class Encoder(nn.Sequential):
+        pass
+
+    class Head(nn.Sequential):
+        pass
+
+    torch.manual_seed(0)
+    a = Encoder(nn.Linear(8, 16), nn.Linear(16, 8))
+    b = Head(nn.Linear(8, 16), nn.Linear(16, 1))
+    with torch.no_grad():
+        a[1].weight.mul_(100.0)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    probe = amprobe.attach(None, opt, scaler, run_dir=tmp_path / "r", config={"numerics_every": 0})
+    try:
+        for step in range(8):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                h = a(x * (1000.0 if step == 5 else 1.0))
+                out = b(h.detach().float() / 1e6)  # finite on its own
+                loss = out.float().pow(2).mean() + h.float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    finally:
+        probe.close()
+    events = [e for e in amprobe.load_run(tmp_path / "r").events_of("replay") if e["replayed"]]
+    assert events, "the bad step was replayed"
+    event = events[0]
+    assert event["cause"] not in (None, "not-reproduced"), event
+    assert event["root"] == "Encoder", event
+    assert "micro_batches" not in event, "two roots are not two micro-batches"
+    assert any("Head" in n and "Encoder" in n for n in event["notes"]), event["notes"]

@@ -100,7 +100,9 @@ class ReplayCollector(Collector):
         super().on_attach(probe)
         config = probe.config
         self._left = 0 if config.replay == "off" else int(config.replay_max)
-        self._kept: Kept | None = None
+        self._kept: Kept | None = None  # the step's last root forward
+        self._roots: dict[int, Kept] = {}  # the step's last forward of each root model
+        self._counts: dict[int, int] = {}  # forwards of each root model in the step
         self._forwards = 0  # root forwards with grad enabled in the step in progress
         self._kept_step = -1  # the step those forwards belong to
         self._first_step: int | None = None  # the first step seen (a forward or a bad step)
@@ -127,8 +129,14 @@ class ReplayCollector(Collector):
         if step != self._kept_step:  # the first forward of a step: a new micro-batch count
             self._kept_step = step
             self._forwards = 0
+            self._roots = {}
+            self._counts = {}
         self._forwards += 1
         self._kept = Kept.take(model, args, kwargs, self.probe.device)
+        key = id(model)
+        self._roots.pop(key, None)  # (insertion order: the last forward of each root last)
+        self._roots[key] = self._kept
+        self._counts[key] = self._counts.get(key, 0) + 1
 
     def on_forward_output(self, model: torch.nn.Module, output: Any) -> None:
         kept = self._kept
@@ -241,7 +249,10 @@ class ReplayCollector(Collector):
         step = probe.step
         self._replayed_steps.add(step)
         kept = self._kept if self._kept_step == step else None  # (a forward of this step)
+        roots = list(self._roots.values()) if self._kept_step == step else []
+        counts = dict(self._counts)
         self._kept = None  # held no longer than this replay (none may follow: replay_max)
+        self._roots, self._counts = {}, {}
         reason = self._cannot(kept)
         if self._sharded(kept):
             self._replay_sharded(trigger, facts, scale, kept, reason)
@@ -252,14 +263,41 @@ class ReplayCollector(Collector):
         self._left -= 1
         start = probe.t_step_start
         took = time.perf_counter() - start if start is not None else 0.0
+        detail = self._replay_root(kept, facts, scale, took, counts.get(id(kept.model()), 1))
+        # several root models in the step (a GAN, an encoder and a head): the last one's forward
+        # is replayed first; when it does not reproduce the bad step, the others, latest first
+        others = [k for k in reversed(roots) if k is not kept and self._cannot(k) is None]
+        if others and detail.get("cause") == "not-reproduced":
+            tried = [_root_label(kept)]
+            for other in others:
+                more = self._replay_root(
+                    other, facts, scale, took, counts.get(id(other.model()), 1)
+                )
+                tried.append(_root_label(other))
+                if more.get("replayed") and more.get("cause") not in (None, "not-reproduced"):
+                    detail = more
+                    break
+            detail.setdefault("notes", []).append(
+                "root models replayed: " + ", ".join(tried) + " (one per root model)"
+            )
+        detail["trigger"] = trigger
+        if self._compiled_ddp(kept):
+            detail.setdefault("notes", []).append(COMPILED_DDP_NOTE)
+        probe.event("replay", **detail)
+
+    def _replay_root(
+        self, kept: Kept, facts: StepFacts, scale: float | None, took: float, forwards: int
+    ) -> dict[str, Any]:
+        """One root model's kept forward replayed (see :func:`replay_step`)."""
+        probe = self.probe
         factor = probe.config.replay_time_factor
         plan = ReplayPlan(
             budget_s=(TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3),
             scale=scale,
             compiled=self._compiled(kept),
             sampled_graph=False,
-            micro_batch=self._forwards,
-            micro_batches=self._forwards,
+            micro_batch=forwards,
+            micro_batches=forwards,
             loss=_scale_value(facts.loss),
         )
         was = probe.recording
@@ -276,10 +314,8 @@ class ReplayCollector(Collector):
             GRAPH_SAMPLE.on = sampled
             probe.replaying = False
             probe.recording = was
-        detail["trigger"] = trigger
-        if self._compiled_ddp(kept):
-            detail.setdefault("notes", []).append(COMPILED_DDP_NOTE)
-        probe.event("replay", **detail)
+        detail["root"] = _root_label(kept)
+        return detail
 
     def _sharded(self, kept: Kept | None) -> bool:
         """Whether the model is under FSDP2 (its forward gathers parameters across ranks):
@@ -453,6 +489,12 @@ class ReplayCollector(Collector):
                 "compiled step function, or amprobe does not know its model)"
             )
         return describe_model(kept)
+
+
+def _root_label(kept: Kept) -> str:
+    """The root model's class as the user wrote it (the event names which root was replayed)."""
+    model = kept.model()
+    return type(user_model(model)).__name__ if model is not None else "?"
 
 
 def _scale_value(value: Any) -> float | None:
