@@ -33,10 +33,11 @@ stay out of it (``probe.recording`` is off while it runs).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -300,20 +301,10 @@ class ReplayCollector(Collector):
             micro_batches=forwards,
             loss=_scale_value(facts.loss),
         )
-        was = probe.recording
-        sampled = GRAPH_SAMPLE.on  # the step ran amprobe's statistics variant of its graphs
-        plan.sampled_graph = sampled and plan.compiled
-        # amprobe's own hooks stay out of the replay: the hub's wrappers (recording off), the
-        # collectors' hooks (replaying), the compiled graphs' statistics (the plain variant)
-        probe.recording = False
-        probe.replaying = True
-        GRAPH_SAMPLE.on = False
-        try:
+        # the step ran amprobe's statistics variant of its graphs (a candidate cause)
+        plan.sampled_graph = GRAPH_SAMPLE.on and plan.compiled
+        with _amprobe_out(probe):
             detail = replay_step(kept, plan)
-        finally:
-            GRAPH_SAMPLE.on = sampled
-            probe.replaying = False
-            probe.recording = was
         detail["root"] = _root_label(kept)
         return detail
 
@@ -440,19 +431,8 @@ class ReplayCollector(Collector):
                 "must run the same backward, whose pre-backward gathers parameters)"
             )
         self._left -= 1
-        was = probe.recording
-        sampled = GRAPH_SAMPLE.on
-        # amprobe's own hooks stay out of the replay, as in :meth:`_replay`: the hub's wrappers
-        # (recording off), the collectors' hooks (replaying), the compiled graphs' statistics
-        probe.recording = False
-        probe.replaying = True
-        GRAPH_SAMPLE.on = False
-        try:
+        with _amprobe_out(probe):
             detail = replay_step(kept, plan)
-        finally:
-            GRAPH_SAMPLE.on = sampled
-            probe.replaying = False
-            probe.recording = was
         detail["trigger"] = trigger
         detail["memory_check"] = memory_note
         probe.event("replay", **detail)
@@ -489,6 +469,23 @@ class ReplayCollector(Collector):
                 "compiled step function, or amprobe does not know its model)"
             )
         return describe_model(kept)
+
+
+@contextlib.contextmanager
+def _amprobe_out(probe: Any) -> Iterator[None]:
+    """amprobe's own hooks stay out of a replay: the hub's wrappers (recording off), the
+    collectors' guarded hooks (``probe.replaying``), the compiled graphs' statistics (their
+    plain variant runs); all put back after it, whatever happens."""
+    was, sampled = probe.recording, GRAPH_SAMPLE.on
+    probe.recording = False
+    probe.replaying = True
+    GRAPH_SAMPLE.on = False
+    try:
+        yield
+    finally:
+        GRAPH_SAMPLE.on = sampled
+        probe.replaying = False
+        probe.recording = was
 
 
 def _root_label(kept: Kept) -> str:
