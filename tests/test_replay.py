@@ -241,14 +241,29 @@ def test_inductor_case_gives_its_cause_bit_for_bit(tmp_path):
 
 
 # -- 2. under amprobe run ----------------------------------------------------------------------
-@pytest.mark.parametrize("case, cause", [("layer", "precision"), ("nan_batch", "data-or-model")])
-def test_zero_code_run_records_the_cause(tmp_path, case, cause):
+#: every job of train_replay.py under ``amprobe run``: (case, its extra arguments, the bad step
+#: replayed, the cause, the verified fix)
+ZERO_CODE = [
+    ("layer", (), 5, "precision", ["big"]),
+    ("elsewhere", (), 5, "precision", ["proj"]),
+    ("cosine", (), 5, "precision", ["cos"]),
+    ("nan_batch", (), 5, "data-or-model", []),
+    ("loss", (), 5, "loss-computation", []),
+    ("oneoff", (), 5, "not-reproduced", []),
+    ("scale", ("--steps", "12"), 9, "loss-scale", []),
+    ("startup", ("--steps", "20"), 15, "loss-scale", []),
+    ("compiler", ("--compile",), 5, "compiler", []),
+]
+
+
+@pytest.mark.parametrize("case, extra, step, cause, fix", ZERO_CODE, ids=[c[0] for c in ZERO_CODE])
+def test_zero_code_run_records_the_cause(tmp_path, case, extra, step, cause, fix):
     out = tmp_path / "run"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
-    script = [str(SCRIPTS / "train_replay.py"), "--case", case, "--time-factor", "1e4"]
+    script = [str(SCRIPTS / "train_replay.py"), "--case", case, "--time-factor", "1e4", *extra]
     proc = subprocess.run(
         [sys.executable, "-m", "amprobe", "run", "--out", str(out), "--", sys.executable, *script],
         cwd=tmp_path,
@@ -259,9 +274,9 @@ def test_zero_code_run_records_the_cause(tmp_path, case, cause):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     event = _one(_events(out))
-    assert event["replayed"] is True and event["step"] == 5
+    assert event["replayed"] is True and event["step"] == step, event
     assert event["cause"] == cause, event
-    assert event["verified_fix"] == (["big"] if case == "layer" else [])
+    assert event["verified_fix"] == fix
 
 
 # -- a small loop for the state, bounds and trigger tests --------------------------------------
