@@ -104,7 +104,6 @@ class ReplayCollector(Collector):
         self._kept: Kept | None = None  # the step's last root forward
         self._roots: dict[int, Kept] = {}  # the step's last forward of each root model
         self._counts: dict[int, int] = {}  # forwards of each root model in the step
-        self._forwards = 0  # root forwards with grad enabled in the step in progress
         self._kept_step = -1  # the step those forwards belong to
         self._first_step: int | None = None  # the first step seen (a forward or a bad step)
         self._bad_count = 0  # skipped steps seen
@@ -129,10 +128,8 @@ class ReplayCollector(Collector):
             self._first_step = step
         if step != self._kept_step:  # the first forward of a step: a new micro-batch count
             self._kept_step = step
-            self._forwards = 0
             self._roots = {}
             self._counts = {}
-        self._forwards += 1
         self._kept = Kept.take(model, args, kwargs, self.probe.device)
         key = id(model)
         self._roots.pop(key, None)  # (insertion order: the last forward of each root last)
@@ -202,7 +199,6 @@ class ReplayCollector(Collector):
                 self._report_max("skipped_update")
             return
         self._replay("skipped_update", facts, _scale_value(facts.scale_before))
-        self._kept = None
 
     def _in_calibration(self, facts: StepFacts) -> bool:
         scaler = facts.scaler
@@ -256,15 +252,15 @@ class ReplayCollector(Collector):
         self._roots, self._counts = {}, {}
         reason = self._cannot(kept)
         if self._sharded(kept):
-            self._replay_sharded(trigger, facts, scale, kept, reason)
+            forwards = counts.get(id(kept.model()), 1) if kept is not None else 1
+            self._replay_sharded(trigger, facts, scale, kept, reason, forwards)
             return
         if reason is not None or kept is None:
             probe.event("replay", replayed=False, trigger=trigger, reason=reason)
             return
         self._left -= 1
-        start = probe.t_step_start
-        took = time.perf_counter() - start if start is not None else 0.0
-        detail = self._replay_root(kept, facts, scale, took, counts.get(id(kept.model()), 1))
+        budget = self._budget_s()
+        detail = self._replay_root(kept, facts, scale, budget, counts.get(id(kept.model()), 1))
         # several root models in the step (a GAN, an encoder and a head): the last one's forward
         # is replayed first; when it does not reproduce the bad step, the others, latest first
         others = [k for k in reversed(roots) if k is not kept and self._cannot(k) is None]
@@ -272,7 +268,7 @@ class ReplayCollector(Collector):
             tried = [_root_label(kept)]
             for other in others:
                 more = self._replay_root(
-                    other, facts, scale, took, counts.get(id(other.model()), 1)
+                    other, facts, scale, budget, counts.get(id(other.model()), 1)
                 )
                 tried.append(_root_label(other))
                 if more.get("replayed") and more.get("cause") not in (None, "not-reproduced"):
@@ -286,23 +282,31 @@ class ReplayCollector(Collector):
             detail.setdefault("notes", []).append(COMPILED_DDP_NOTE)
         probe.event("replay", **detail)
 
+    def _budget_s(self) -> float:
+        """A replay's time: ``replay_time_factor`` (else :data:`TIME_FACTOR`) times the bad
+        step's own wall time so far."""
+        probe = self.probe
+        start = probe.t_step_start
+        took = time.perf_counter() - start if start is not None else 0.0
+        factor = probe.config.replay_time_factor
+        return (TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3)
+
     def _replay_root(
-        self, kept: Kept, facts: StepFacts, scale: float | None, took: float, forwards: int
+        self, kept: Kept, facts: StepFacts, scale: float | None, budget_s: float, forwards: int
     ) -> dict[str, Any]:
         """One root model's kept forward replayed (see :func:`replay_step`)."""
         probe = self.probe
-        factor = probe.config.replay_time_factor
+        compiled = self._compiled(kept)
         plan = ReplayPlan(
-            budget_s=(TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3),
+            budget_s=budget_s,
             scale=scale,
-            compiled=self._compiled(kept),
-            sampled_graph=False,
+            compiled=compiled,
+            # the step ran amprobe's statistics variant of its graphs (a candidate cause)
+            sampled_graph=GRAPH_SAMPLE.on and compiled,
             micro_batch=forwards,
             micro_batches=forwards,
             loss=_scale_value(facts.loss),
         )
-        # the step ran amprobe's statistics variant of its graphs (a candidate cause)
-        plan.sampled_graph = GRAPH_SAMPLE.on and plan.compiled
         with _amprobe_out(probe):
             detail = replay_step(kept, plan)
         detail["root"] = _root_label(kept)
@@ -323,6 +327,7 @@ class ReplayCollector(Collector):
         scale: float | None,
         kept: Kept | None,
         reason: str | None,
+        forwards: int,
     ) -> None:
         """An FSDP2 replay: every rank of the group replays this step or none, so that the
         forward's all-gathers match. Entered by every rank alike: the trigger is the found-inf
@@ -379,23 +384,20 @@ class ReplayCollector(Collector):
             memory_ok, memory_note = _memory_headroom(kept)
             if reason is None and not memory_ok:
                 reason = f"not enough memory to replay: {memory_note}"
-            seeds_ok = kept is not None and bool(kept.grads) and _finite(kept)
+            seeds_ok = kept is not None and bool(kept.grads) and kept.grads_finite()
             if kept is not None:
                 blocker = fsdp_backward_blocker(fsdp_states(user_model(kept.model())))
         except Exception as exc:
             reason = reason or f"the replay's checks failed: {type(exc).__name__}: {exc}"
         code = 0 if reason is None else (2 if reason.startswith("not enough memory") else 1)
-        start = probe.t_step_start
-        took = time.perf_counter() - start if start is not None else 0.0
         group = getattr(facts.scaler, "process_group", None)  # found-inf's group
-        factor = probe.config.replay_time_factor
         plan = ReplayPlan(
-            budget_s=(TIME_FACTOR if factor is None else float(factor)) * max(took, 1e-3),
+            budget_s=self._budget_s(),
             scale=scale,
             compiled=compiled,
             sampled_graph=False,
-            micro_batch=self._forwards,
-            micro_batches=self._forwards,
+            micro_batch=forwards,
+            micro_batches=forwards,
             loss=_scale_value(facts.loss),
             collective=True,
             group=group,
@@ -501,12 +503,6 @@ def _scale_value(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.item())
     return None
-
-
-def _finite(kept: Kept) -> bool:
-    """Whether the gradients that reached the model's outputs are finite (a sync: bad steps)."""
-    with torch.no_grad():
-        return all(bool(torch.isfinite(g).all().item()) for g in kept.grads.values())
 
 
 #: a replay on a GPU may need this many times the step's own transient memory

@@ -91,6 +91,16 @@ def _finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(local_tensor(t)).all()
 
 
+def _all_finite(tensors: Any) -> bool:
+    """Whether every tensor is finite (local shards: see :func:`_finite`); one read of the
+    device (a sync: a replay only)."""
+    flags = [_finite(t) for t in tensors]
+    if not flags:
+        return True
+    with torch.no_grad():
+        return bool(torch.stack(flags).all().item())
+
+
 def _float_leaves(value: Any) -> list[torch.Tensor]:
     return [
         t
@@ -141,10 +151,8 @@ class Kept:
         "grads",
         "kwargs",
         "model",
-        "n_outputs",
         "outputs",
         "rng",
-        "training",
         "versions",
         "__weakref__",
     )
@@ -157,11 +165,9 @@ class Kept:
     rng: torch.Tensor
     device_rng: tuple[int, torch.Tensor] | None
     autocast: tuple[bool, torch.dtype | None]
-    training: bool
 
     def __init__(self) -> None:
         self.grads: dict[int, torch.Tensor] = {}
-        self.n_outputs = 0
         self.outputs: list[Callable[[], torch.Tensor | None]] = []
 
     @classmethod
@@ -184,13 +190,11 @@ class Kept:
             kept.device_rng = (torch.cuda.current_device(), torch.cuda.get_rng_state())
         enabled = torch.is_autocast_enabled(dtype)
         kept.autocast = (enabled, torch.get_autocast_dtype(dtype) if enabled else None)
-        kept.training = model.training
         return kept
 
     def watch_output(self, output: Any) -> None:
         """Keep the gradient that reaches each floating output (a tensor hook each)."""
         leaves = _leaves(output)
-        self.n_outputs = len(leaves)
         self.grads = {}
         self.outputs = []
         ref = weakref.ref(self)
@@ -209,8 +213,11 @@ class Kept:
         live = [r() for r in self.outputs]
         if not live or any(t is None for t in live):
             return None
-        with torch.no_grad():
-            return bool(torch.stack([_finite(t) for t in live if t is not None]).all().item())
+        return _all_finite(live)
+
+    def grads_finite(self) -> bool:
+        """Whether the gradients that reached the outputs are finite (a sync: a replay only)."""
+        return _all_finite(self.grads.values())
 
 
 def _keeper(ref: weakref.ReferenceType[Kept], index: int) -> Any:
@@ -428,10 +435,9 @@ class _Runner:
         root = kept.model()
         assert root is not None
         self.root = root
-        self.user = user_model(
-            root
-        )  # DDP's .module: a forward through the wrapper arms its reducer
-        self.target = self._target(root)
+        self.user = user_model(root)  # the layers' names as the user's code writes them
+        # what is called: DDP's inner module (a forward through the wrapper arms its reducer)
+        self.target = replay_target(root)[0]
         self.params = [(n, p) for n, p in self.user.named_parameters() if p.requires_grad]
         # FSDP2: the registered parameters are sharded DTensors outside the forward's graph;
         # the graph's leaves are the unsharded parameters the forward gathers (see _leaves)
@@ -452,7 +458,6 @@ class _Runner:
         self.start = time.perf_counter()
         self.results: list[_Result] = []
         self.order: list[str] = []  # module names in forward completion order (eager)
-        self.leaves: list[str] = []
         seeds = kept.grads
         if any(g.dim() == 0 for g in seeds.values()) and any(g.dim() for g in seeds.values()):
             # a model that returns its loss and the logits it came from (HF with labels): the
@@ -462,10 +467,6 @@ class _Runner:
         #: why the backward could not run (reentrant activation checkpointing refuses
         #: torch.autograd.grad): the variants are then judged by their forward
         self.backward_error: str | None = None
-
-    def _target(self, root: torch.nn.Module) -> torch.nn.Module:
-        """What is called: DDP's inner module (never the wrapper), else the root as it ran."""
-        return replay_target(root)[0]
 
     # -- one variant ---------------------------------------------------------------------------
     def run(
@@ -795,15 +796,16 @@ def _fp32_forward(module: torch.nn.Module, device_type: str, top: bool) -> Itera
             del module.forward
 
 
-def _candidates(runner: _Runner, first: str | None) -> list[str]:
+def _candidates(runner: _Runner, first: str | None, order: list[str] | None = None) -> list[str]:
     """The layers to pin, in the stated order: the one measured first non-finite, the
-    normalizations, softmax/attention layers, the output projection, the module feeding the loss."""
+    normalizations, softmax/attention layers, the output projection, the module feeding the
+    loss; among the modules in ``order`` (default: the eager forward's order of completion)."""
     user = runner.user
-    order = runner.order
+    order = runner.order if order is None else order
     seen: dict[str, None] = {}
     if first:
         seen[first] = None
-    executed = [n for n in dict.fromkeys(order)]
+    executed = list(dict.fromkeys(order))
     modules = dict(user.named_modules())
     for name in executed:
         if isinstance(modules.get(name), _NORM_TYPES):
@@ -946,17 +948,14 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     detail: dict[str, Any] = {"replayed": True}
     runner: _Runner | None = None
 
-    def reset_state() -> None:
-        state.restore_module_state()
-
     try:
         runner = _Runner(kept, plan)
-        runner.reset_state = reset_state
+        runner.reset_state = state.restore_module_state
         detail.update(
             _decide_collective(runner, plan) if plan.collective else _decide(runner, plan)
         )
     except _Budget:
-        detail.update(_partial(runner, "the replay's time budget was spent"))
+        detail.update(cause=None, verified_fix=[], incomplete="the replay's time budget was spent")
     except torch.OutOfMemoryError:
         detail = {"replayed": False, "reason": "out of memory"}
         if runner is not None and plan.collective:
@@ -1011,20 +1010,12 @@ def replay_step(kept: Kept, plan: ReplayPlan) -> dict[str, Any]:
     return detail
 
 
-def _partial(runner: _Runner | None, why: str) -> dict[str, Any]:
-    return {"cause": None, "verified_fix": [], "incomplete": why}
-
-
 def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
     """The fixed order of experiments (see the module docstring)."""
     out: dict[str, Any] = {"verified_fix": []}
     notes: list[str] = []
-    seeds = r.seeds
-    seed_finite: bool | None = None
-    if seeds:
-        with torch.no_grad():
-            seed_finite = bool(torch.stack([_finite(g) for g in seeds.values()]).all().item())
-    else:
+    seed_finite = _all_finite(r.seeds.values()) if r.seeds else None
+    if not r.seeds:
         notes.append("no gradient reached the model's output in the step: forward variants only")
     out["output_grad_finite"] = seed_finite
     real = r.kept.output_finite()
@@ -1062,39 +1053,7 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
             out["notes"] = notes
             return out
     if seed_finite is False and as_ran.forward_finite:
-        loss = plan.loss
-        if real is True and loss is not None and not math.isfinite(loss):
-            out["cause"] = "loss-computation"
-            notes.append(
-                "the model's output was finite and the loss computed from it was not: the loss "
-                "computation (outside the model) made it"
-            )
-        elif real is True and _has_inf(r.kept.grads) and plan.scale and loss is not None:
-            out["cause"] = "loss-scale"
-            notes.append(
-                f"the loss ({loss:.6g}) and the model's output were finite, and the gradient "
-                "reached the model's output as inf: the scaled gradient overflowed in the "
-                f"loss's backward, before the model; the loss scale ({plan.scale:g}) was too "
-                "high for it (how much lower it must be cannot be measured without the loss "
-                "computation)"
-            )
-        elif real is True:
-            out["cause"] = "loss-computation"
-            notes.append(
-                "the model's output was finite and the gradient that entered the model was not: "
-                "the loss computation (outside the model) made it"
-            )
-        else:
-            out["cause"] = "not-reproduced"
-            notes.append(
-                "the forward is finite on replay"
-                + (
-                    " and was not in the step"
-                    if real is False
-                    else " (the step's output was no longer held: whether the forward or the "
-                    "loss computation made the gradient non-finite cannot be told)"
-                )
-            )
+        out.update(_seed_cause(r, plan, real, notes))
         out["notes"] = notes
         return out
     if as_ran.finite:
@@ -1134,16 +1093,10 @@ def _decide(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
                 out["finite_at_scale"] = plan.scale / found
             out["notes"] = notes
             return out
-    try:
-        off: _Result | None = r.run("autocast off", eager=True, autocast=False, observe=True)[0]
-    except _Budget:
-        raise
-    except Exception as exc:  # a kernel that takes only half precision (flash attention)
-        if isinstance(exc, torch.OutOfMemoryError):
-            raise
+    off: _Result | None = _try(r, "autocast off", eager=True, autocast=False, observe=True)
+    if off is not None and off.error:
+        notes.append(f"autocast off could not run ({off.error})")
         off = None
-        r.results.append(_Result("autocast off", error=f"{type(exc).__name__}: {exc}"))
-        notes.append(f"autocast off could not run ({type(exc).__name__}: {exc})")
     if off is not None and not off.finite:
         out["cause"] = "data-or-model"
         out["notes"] = notes
@@ -1243,25 +1196,30 @@ def _pins(r: _Runner, candidates: list[str]) -> list[str]:
     return []
 
 
-def _try_pins(r: _Runner, pins: tuple[str, ...]) -> _Result:
-    """One pin variant; a pin that raises (a kernel that only takes half precision, a layer
-    whose fp32 output meets a half-precision weight) is recorded with its error and counts as
-    not finite: it is never the fix, and the other candidates are still tried."""
-    variant = "fp32 " + ", ".join(pins)
+def _try(r: _Runner, variant: str, **kwargs: Any) -> _Result:
+    """One variant that may raise (a kernel that only takes half precision under autocast off
+    or a pin, a layer whose fp32 output meets a half-precision weight): recorded with its error
+    and not finite, so it is never the fix and the replay goes on. The time budget, an out of
+    memory and any failure in a collective replay (its ranks must stop together) propagate."""
     try:
-        return r.run(variant, eager=True, pins=pins, observe=True)[0]
+        return r.run(variant, **kwargs)[0]
     except _Budget:
         raise
     except Exception as exc:
         if r.plan.collective or isinstance(exc, torch.OutOfMemoryError):
             raise
-        failed = _Result(variant, pins=list(pins), error=f"{type(exc).__name__}: {exc}")
+        failed = _Result(variant, pins=list(kwargs.get("pins", ())))
+        failed.error = f"{type(exc).__name__}: {exc}"
         r.results.append(failed)
         return failed
 
 
-def _world_size() -> int:
+def _try_pins(r: _Runner, pins: tuple[str, ...]) -> _Result:
+    """One pin variant (see :func:`_try`)."""
+    return _try(r, "fp32 " + ", ".join(pins), eager=True, pins=pins, observe=True)
 
+
+def _world_size() -> int:
     try:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     except Exception:
@@ -1284,12 +1242,7 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
         "FSDP2: every rank ran the same variants (the forward gathers parameters across "
         "ranks), agreeing after each variant whether to go on"
     ]
-    seed_finite: bool | None = None
-    if r.seeds:
-        with torch.no_grad():
-            seed_finite = bool(
-                torch.stack([torch.isfinite(g).all() for g in r.seeds.values()]).all().item()
-            )
+    seed_finite = _all_finite(r.seeds.values()) if r.seeds else None
     out["output_grad_finite"] = seed_finite
     real = r.kept.output_finite()
     out["output_finite"] = real
@@ -1431,12 +1384,7 @@ def _decide_collective(r: _Runner, plan: ReplayPlan) -> dict[str, Any]:
 def _candidates_shared(r: _Runner, first: str | None) -> list[str]:
     """:func:`_candidates` in the module tree's order (every rank holds the same tree), after
     the first non-finite layer the ranks agreed on; not the local order of execution."""
-    saved = r.order
-    r.order = [n for n, _ in r.user.named_modules() if n]
-    try:
-        return _candidates(r, first)
-    finally:
-        r.order = saved
+    return _candidates(r, first, [n for n, _ in r.user.named_modules() if n])
 
 
 def _pins_collective(
@@ -1486,8 +1434,9 @@ def _failed_collective(
 def _seed_cause(
     r: _Runner, plan: ReplayPlan, real: bool | None, notes: list[str]
 ) -> dict[str, Any]:
-    """The cause when the gradient reaching the model's output was non-finite and the
-    forward is finite on replay (as :func:`_decide` judges it)."""
+    """The cause when the gradient reaching the model's output was non-finite and the forward
+    is finite on replay (``real``: whether the step's own output was finite, None when it was
+    no longer held); its reason goes into ``notes``."""
     loss = plan.loss
     if real is True and loss is not None and not math.isfinite(loss):
         notes.append(
@@ -1497,9 +1446,11 @@ def _seed_cause(
         return {"cause": "loss-computation"}
     if real is True and _has_inf(r.kept.grads) and plan.scale and loss is not None:
         notes.append(
-            f"the loss ({loss:.6g}) and the model's output were finite, and the gradient reached "
-            f"the model's output as inf: the loss scale ({plan.scale:g}) was too high for the "
-            "loss's backward"
+            f"the loss ({loss:.6g}) and the model's output were finite, and the gradient "
+            "reached the model's output as inf: the scaled gradient overflowed in the "
+            f"loss's backward, before the model; the loss scale ({plan.scale:g}) was too "
+            "high for it (how much lower it must be cannot be measured without the loss "
+            "computation)"
         )
         return {"cause": "loss-scale"}
     if real is True:
@@ -1508,7 +1459,15 @@ def _seed_cause(
             "the loss computation (outside the model) made it"
         )
         return {"cause": "loss-computation"}
-    notes.append("the forward is finite on replay")
+    notes.append(
+        "the forward is finite on replay"
+        + (
+            " and was not in the step"
+            if real is False
+            else " (the step's output was no longer held: whether the forward or the "
+            "loss computation made the gradient non-finite cannot be told)"
+        )
+    )
     return {"cause": "not-reproduced"}
 
 
