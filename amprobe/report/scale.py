@@ -1079,27 +1079,24 @@ def build_scale_section(run: Run, diagnosis: Diagnosis) -> Section:
     )
 
 
-def _no_scale_note(fig: go.Figure) -> None:
-    """Say in the loss-scale panel (row 1) that the run used no enabled GradScaler."""
+def _panel_note(fig: go.Figure, text: str, axis: str, **cell: int) -> None:
+    """``text`` in the middle of the panel of axes ``x<axis>``/``y<axis>``."""
     fig.add_annotation(
-        text="not recorded: no enabled GradScaler",
+        text=text,
         showarrow=False,
-        xref="x domain",
-        yref="y domain",
+        xref=f"x{axis} domain",
+        yref=f"y{axis} domain",
         x=0.5,
         y=0.5,
-        row=1,
-        col=1,
+        **cell,
     )
+
+
+def _no_scale_note(fig: go.Figure) -> None:
+    """Say in the loss-scale panel (row 1) that the run used no enabled GradScaler."""
+    _panel_note(fig, "not recorded: no enabled GradScaler", "", row=1, col=1)
 
 
 def _no_loss_note(fig: go.Figure) -> None:
     """Say in the loss panel (row 2) that the run recorded no loss."""
-    fig.add_annotation(
-        text="not recorded: no loss value (capture_loss off?)",
-        showarrow=False,
-        xref="x2 domain",
-        yref="y2 domain",
-        x=0.5,
-        y=0.5,
-    )
+    _panel_note(fig, "not recorded: no loss value (capture_loss off?)", "2")
