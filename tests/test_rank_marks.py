@@ -233,6 +233,8 @@ def test_dashboard_ranks_tab_marks_the_origin(run: Any) -> None:
             if isinstance(node, str | int | float):
                 texts.append(str(node))
                 return
+            if getattr(node, "className", None) == "rank-mark":
+                texts.append(f"[set apart: {node.children}]")
             figure = getattr(node, "figure", None)
             if figure is not None:
                 names.extend(t.name or "" for t in figure.data)
@@ -245,10 +247,12 @@ def test_dashboard_ranks_tab_marks_the_origin(run: Any) -> None:
         return " ".join(texts), names
 
     text, names = tab_text(_diagnosis(run, _d04()))
-    assert f"rank {ORIGIN} (host node-b" in text and "ranks marked by findings" in text
+    assert f"[set apart: AMP-D04: rank {ORIGIN} (host node-b" in text
+    assert "ranks marked by findings" in text
     assert f"rank {ORIGIN}: NaN/inf origin: input (AMP-D04)" in names
     text, names = tab_text(_diagnosis(run))
-    assert "origin" not in text and not any("AMP-D04" in n for n in names)
+    assert "origin" not in text and "set apart" not in text
+    assert not any("AMP-D04" in n for n in names)
 
 
 def test_a_marked_rank_of_4096_stays_visible_in_the_bands() -> None:
@@ -326,3 +330,39 @@ def test_a_run_of_many_ranks_read_through_its_derived_store_marks_the_origin(
     assert marks_table["rank"].tolist() == [str(origin), "0-8, 10-11"]
     plain = build_ranks_section(run, _diagnosis(run))
     assert not any("marked" in (t.name or "") for t in plain.figures[0].data)
+
+
+def test_marks_read_numpy_values_and_survive_the_cached_diagnosis(run: Any) -> None:
+    """A rule may write NumPy integers (values of a frame); the cached diagnosis gives the
+    evidence back as written: the same marks either way."""
+    from amprobe.rules.cache import decode_diagnosis, encode_diagnosis
+
+    d04 = _d04()
+    origin = {**d04.evidence["origin"], "rank": np.int64(ORIGIN), "step": np.int64(BAD)}
+    numpy_d04 = Finding(
+        d04.id,
+        d04.name,
+        d04.severity,
+        d04.category,
+        d04.title,
+        {"origin": origin, "received": list(np.array([0, 1, 3]))},
+        d04.fix,
+    )
+    diagnosis = _diagnosis(run, numpy_d04, _d05([1, 3], [1, 3], majority=False), _d06(1))
+    marks = compute_rank_marks(diagnosis, run)
+    assert [(m.rank, m.kind, m.step) for m in marks.marks] == [
+        (ORIGIN, "origin", BAD),
+        (1, "replica-pair", 7),
+        (3, "replica-pair", 7),
+        (1, "fault", 15),
+    ]
+    assert marks.received == {ORIGIN: (0, 1, 3)}
+    facts = {
+        "steps": STEPS,
+        "last_step": STEPS - 1,
+        "dtype": "float16",
+        "compiled": [],
+        "lost_steps": [],
+    }
+    cached = decode_diagnosis(encode_diagnosis(diagnosis, facts, []), run)
+    assert compute_rank_marks(cached, run) == marks

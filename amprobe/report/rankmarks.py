@@ -13,10 +13,12 @@ on their own, never folded into a band or a heatmap row of other ranks.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from amprobe.rules.engine import name_ranks
@@ -166,11 +168,11 @@ class RankMarks:
 
 def _int(value: Any) -> int | None:
     """``value`` as an int (a rank, a step), None when it is not one."""
-    if isinstance(value, bool):
+    if isinstance(value, bool | np.bool_):
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, numbers.Integral):  # a NumPy integer too (a rule's frame value)
+        return int(value)
+    if isinstance(value, numbers.Real) and float(value).is_integer():
         return int(value)
     return None
 
