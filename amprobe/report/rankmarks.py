@@ -173,7 +173,7 @@ def _int(value: Any) -> int | None:
     if isinstance(value, numbers.Integral):  # a NumPy integer too (a rule's frame value)
         return int(value)
     if isinstance(value, numbers.Real) and float(value).is_integer():
-        return int(value)
+        return int(float(value))
     return None
 
 
