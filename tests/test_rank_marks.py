@@ -366,3 +366,15 @@ def test_marks_read_numpy_values_and_survive_the_cached_diagnosis(run: Any) -> N
     }
     cached = decode_diagnosis(encode_diagnosis(diagnosis, facts, []), run)
     assert compute_rank_marks(cached, run) == marks
+
+
+def test_marks_past_the_drawn_limit_are_listed_not_dropped(run: Any) -> None:
+    from amprobe.report.rankmarks import MAX_MARKED_RANKS
+
+    faults = [{**_d06(r).evidence["faults"][0], "rank": r} for r in range(MAX_MARKED_RANKS + 4)]
+    finding = Finding(
+        "AMP-D06", "device-fault", "error", "distributed", "t", {"faults": faults}, "x"
+    )
+    marks = compute_rank_marks(_diagnosis(run, finding), run)
+    assert marks.ranks() == list(range(MAX_MARKED_RANKS))  # drawn on their own
+    assert len(marks.table()) == len(faults) and len(marks.lines) == len(faults)
