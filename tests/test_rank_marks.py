@@ -378,3 +378,25 @@ def test_marks_past_the_drawn_limit_are_listed_not_dropped(run: Any) -> None:
     marks = compute_rank_marks(_diagnosis(run, finding), run)
     assert marks.ranks() == list(range(MAX_MARKED_RANKS))  # drawn on their own
     assert len(marks.table()) == len(faults) and len(marks.lines) == len(faults)
+
+
+def test_unknown_places_are_left_out_not_printed(run: Any) -> None:
+    """AMP-D06 writes "unknown host"/"unknown device" and a local rank may be -1: the marks
+    then say nothing of them (the rank's manifest has none either)."""
+    fault = {**_d06(1).evidence["faults"][0], "hostname": "unknown host"}
+    fault.update(device="unknown device", uuid=None, pci_bus_id=None)
+    finding = Finding(
+        "AMP-D06", "device-fault", "error", "distributed", "t", {"faults": [fault]}, "x"
+    )
+    d04 = _d04()
+    origin = {**d04.evidence["origin"], "local_rank": -1, "hostname": None, "device": None}
+    d04 = Finding(d04.id, d04.name, d04.severity, d04.category, d04.title, {"origin": origin}, "x")
+    marks = compute_rank_marks(_diagnosis(run, finding, d04), run)
+    assert (
+        marks.lines[0]
+        == "AMP-D06: rank 1: its device cpu gave a wrong known answer at step 15 (3 wrong values)."
+    )
+    assert marks.lines[1] == (
+        f"AMP-D04: rank {ORIGIN} (cpu) produced the non-finite value at step {BAD}: its input batch."
+    )  # the device from the rank's manifest
+    assert "unknown" not in " ".join(marks.table().astype(str).to_numpy().ravel())

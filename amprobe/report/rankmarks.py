@@ -184,18 +184,26 @@ def _ints(values: Any) -> list[int]:
     return [v for v in (_int(x) for x in values) if v is not None]
 
 
+def _known(value: Any) -> str:
+    """A host or device name as given, "" when not given or given as not known ("unknown
+    host", as AMP-D06 writes it)."""
+    if not isinstance(value, str) or not value or value.lower().startswith("unknown"):
+        return ""
+    return value
+
+
 def _where(run: Run | None, rank: int, given: Mapping[str, Any]) -> tuple[str, int | None, str]:
     """The rank's host, local rank and device: from the evidence where it names them, else
-    from the rank's manifest (when the run is at hand)."""
+    from the rank's manifest (when the run is at hand); a negative local rank is not known."""
     manifest: Mapping[str, Any] = {}
-    if run is not None and not (given.get("hostname") and given.get("device")):
+    if run is not None and not (_known(given.get("hostname")) and _known(given.get("device"))):
         manifest = next((r.manifest for r in run.ranks if r.rank == rank), {})
-    host = given.get("hostname") or manifest.get("hostname") or ""
+    host = _known(given.get("hostname")) or _known(manifest.get("hostname"))
     local = _int(given.get("local_rank"))
-    if local is None:
+    if local is None or local < 0:
         local = _int(manifest.get("local_rank"))
-    device = given.get("device") or manifest.get("device") or ""
-    return str(host), local, str(device)
+    device = _known(given.get("device")) or _known(manifest.get("device"))
+    return host, local if local is not None and local >= 0 else None, device
 
 
 def _place(host: str, local: int | None, device: str) -> str:
@@ -227,15 +235,14 @@ def _origin_marks(
     elif what == "gradient" and layer:
         produced = f"the local gradient of {layer}, before the reduction"
     at = f" at step {step}" if step is not None else ""
-    text = f"produced the job's first non-finite value{at}: {produced}"
+    text = f"produced the non-finite value{at}: {produced}"
     received = tuple(sorted(set(_ints(f.evidence.get("received"))) - {rank}))
     place = _place(host, local, device)
     line = f"{f.id}: rank {rank}" + (f" ({place})" if place else "") + f" {text}."
     if received:
         line += (
             f" Rank{'s' if len(received) > 1 else ''} {name_ranks(received)} received it through "
-            "the collective: their non-finite values came from rank "
-            f"{rank}, not from their own data or layers."
+            "the collective: a non-finite value there is not of their own making."
         )
     mark = RankMark(
         rank, "origin", f.id, step, f"NaN/inf origin: {short}", text, host, local, device
