@@ -37,7 +37,7 @@ from amprobe.report.evidence import (
     render_evidence,
 )
 from amprobe.report.numerics import layer_recorded
-from amprobe.report.rankmarks import compute_rank_marks
+from amprobe.report.rankmarks import compute_rank_marks, finding_marked_ranks
 from amprobe.report.render import split_ref
 from amprobe.report.scale import (
     ReplayMark,
@@ -50,7 +50,7 @@ from amprobe.report.scale import (
 )
 from amprobe.report.sections import section_tabs
 from amprobe.rules.cache import run_facts
-from amprobe.rules.engine import CATEGORY_LABELS, Severity
+from amprobe.rules.engine import CATEGORY_LABELS, Severity, format_ranks
 from dashboard import ids
 from dashboard.figures import (
     make_loss_scale_figure,
@@ -478,7 +478,8 @@ def finding_view_href(run_name: str | None, tab: str, key: str, value: Any) -> s
 
 
 def _where(finding: Any, run_name: str | None) -> html.Small | None:
-    """Links to the finding's first step on the loss-scale chart and its layer's numerics."""
+    """Links to the finding's first step on the loss-scale chart, its layer's numerics and the
+    ranks it marks on the Ranks tab."""
     links: list[Any] = []
     step = finding_step(finding)
     if step is not None:
@@ -498,6 +499,17 @@ def _where(finding: Any, run_name: str | None) -> html.Small | None:
                 f"layer {layer} in the numerics view",
                 href=finding_view_href(run_name, NUMERICS_SECTION, "layer", layer),
                 className="finding-layer-link",
+            )
+        )
+    marked = finding_marked_ranks(finding)
+    if marked:
+        if links:
+            links.append(" · ")
+        links.append(
+            dcc.Link(
+                f"{'rank' if len(marked) == 1 else 'ranks'} {format_ranks(marked)} on the Ranks tab",
+                href=(run_href(run_name) if run_name else "") + f"?tab={RANKS_SECTION}",
+                className="finding-rank-link",
             )
         )
     return html.Small(["look at: ", *links], style={"color": "#666"}) if links else None

@@ -143,6 +143,8 @@ def test_origin_rank_is_marked_with_what_and_where(run: Any) -> None:
     # and in the HTML report
     html = render_html(run, _diagnosis(run, _d04()), [section])
     assert "ranks marked by findings" in html and "NaN/inf origin: input" in html
+    # the finding links to the ranks view, naming the origin only (not the receivers)
+    assert f"<a href='#ranks'>rank {ORIGIN} in the ranks view</a>" in html
 
 
 @pytest.mark.parametrize(
@@ -222,7 +224,7 @@ def test_no_finding_no_mark(run: Any) -> None:
 
 def test_dashboard_ranks_tab_marks_the_origin(run: Any) -> None:
     pytest.importorskip("dash")
-    from dashboard.layout import build_section_tab
+    from dashboard.layout import build_finding, build_section_tab
     from dashboard.runs import LoadedRun
 
     def tab_text(diagnosis: Diagnosis) -> tuple[str, list[str]]:
@@ -250,6 +252,10 @@ def test_dashboard_ranks_tab_marks_the_origin(run: Any) -> None:
     assert f"[set apart: AMP-D04: rank {ORIGIN} (host node-b" in text
     assert "ranks marked by findings" in text
     assert f"rank {ORIGIN}: NaN/inf origin: input (AMP-D04)" in names
+    card = str(build_finding(0, _d05([1, 3], [1, 3], majority=False), run_name="r"))
+    assert "ranks 1, 3 on the Ranks tab" in card and "/run/r?tab=ranks" in card
+    other = Finding("AMP-N05", "forward-overflow", "error", "nan", "t", {"rank": 1}, "x")
+    assert "Ranks tab" not in str(build_finding(0, other, run_name="r"))
     text, names = tab_text(_diagnosis(run))
     assert "origin" not in text and "set apart" not in text
     assert not any("AMP-D04" in n for n in names)

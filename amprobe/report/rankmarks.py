@@ -35,6 +35,7 @@ __all__ = [
     "RankMark",
     "RankMarks",
     "compute_rank_marks",
+    "finding_marked_ranks",
 ]
 
 #: the findings whose evidence names ranks to mark, by checklist ID (a public contract)
@@ -349,3 +350,18 @@ def compute_rank_marks(diagnosis: Diagnosis | None, run: Run | None = None) -> R
         marks += more
         lines += said
     return RankMarks(tuple(marks), received, tuple(lines))
+
+
+def finding_marked_ranks(finding: Finding) -> list[int]:
+    """The ranks one finding marks (its origin, divergent replicas or faulty devices; never
+    the ranks that received an origin's value), each once: the finding's link to the Ranks
+    view names them. Empty for any other finding."""
+    if finding.id == ORIGIN_FINDING:
+        marks = _origin_marks(finding, None)[0]
+    elif finding.id == DIVERGENCE_FINDING:
+        marks = _divergence_marks(finding, None)[0]
+    elif finding.id == FAULT_FINDING:
+        marks = _fault_marks(finding, None)[0]
+    else:
+        return []
+    return list(dict.fromkeys(m.rank for m in marks))
