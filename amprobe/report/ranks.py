@@ -383,7 +383,12 @@ def add_rank_marks(
                         x=[mark.step] * len(points),
                         y=[y2 for _, y2 in points],
                         mode="markers",
-                        marker={"symbol": _RECEIVED_SYMBOL, "size": 10, "color": _MARK_COLOR},
+                        marker={
+                            "symbol": _RECEIVED_SYMBOL,
+                            "size": 22,  # a ring around the origin's marker where they meet
+                            "color": _MARK_COLOR,
+                            "line": {"width": 1.5, "color": _MARK_COLOR},
+                        },
                         name=f"received from rank {mark.rank} ({mark.finding})",
                         hovertext=[
                             f"rank {r}: received rank {mark.rank}'s non-finite value through "
