@@ -406,3 +406,13 @@ def test_unknown_places_are_left_out_not_printed(run: Any) -> None:
         f"AMP-D04: rank {ORIGIN} (cpu) produced the non-finite value at step {BAD}: its input batch."
     )  # the device from the rank's manifest
     assert "unknown" not in " ".join(marks.table().astype(str).to_numpy().ravel())
+
+
+def test_two_episodes_of_one_origin_keep_their_own_receivers(run: Any) -> None:
+    """AMP-D04 writes a finding per episode: each origin mark keeps its own receivers."""
+    first, later = _d04(received=[0, 1]), _d04(received=[3])
+    marks = compute_rank_marks(_diagnosis(run, first, later), run)
+    assert [m.received for m in marks.marks] == [(0, 1), (3,)]
+    assert marks.received == {ORIGIN: (0, 1, 3)}
+    assert marks.table()["rank"].tolist() == [str(ORIGIN), "0-1", str(ORIGIN), "3"]
+    assert marks.column(range(RANKS))[ORIGIN] == "NaN/inf origin: input (AMP-D04)"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -76,6 +76,7 @@ class RankMark:
         label: a few words for a legend, a heatmap row or a marker ("NaN/inf origin: input").
         text: the mark in a sentence, for hover text and the marks table.
         host: the rank's host, local rank and device, when known ("" else).
+        received: an origin's ranks that received its value through the collective.
     """
 
     rank: int
@@ -87,16 +88,26 @@ class RankMark:
     host: str = ""
     local_rank: int | None = None
     device: str = ""
+    received: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class RankMarks:
-    """The marks of one diagnosis: the singled-out ranks, the ranks that received an origin's
-    value (AMP-D04's ``received``, by origin rank), and the sentences that say so."""
+    """The marks of one diagnosis (the singled-out ranks, each origin with the ranks that
+    received its value) and the sentences that say so."""
 
     marks: tuple[RankMark, ...] = ()
-    received: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     lines: tuple[str, ...] = ()
+
+    @property
+    def received(self) -> dict[int, tuple[int, ...]]:
+        """Origin rank -> the ranks that received its value (AMP-D04's ``received``; the
+        union where several findings name one origin)."""
+        out: dict[int, set[int]] = {}
+        for m in self.marks:
+            if m.received:
+                out.setdefault(m.rank, set()).update(m.received)
+        return {rank: tuple(sorted(got)) for rank, got in out.items()}
 
     def __bool__(self) -> bool:
         return bool(self.marks)
@@ -135,7 +146,7 @@ class RankMarks:
                     "finding": m.finding,
                 }
             )
-            got = self.received.get(m.rank) if m.kind == "origin" else None
+            got = m.received
             if got:
                 rows.append(
                     {
@@ -161,9 +172,9 @@ class RankMarks:
         by_rank: dict[int, list[str]] = {}
         for m in self.marks:
             by_rank.setdefault(m.rank, []).append(f"{m.label} ({m.finding})")
-        for origin, got in self.received.items():
-            for rank in got:
-                by_rank.setdefault(rank, []).append(f"received from rank {origin} (AMP-D04)")
+        for m in self.marks:
+            for rank in m.received:
+                by_rank.setdefault(rank, []).append(f"received from rank {m.rank} ({m.finding})")
         return ["; ".join(dict.fromkeys(by_rank.get(int(r), []))) for r in ranks]
 
 
@@ -214,12 +225,10 @@ def _place(host: str, local: int | None, device: str) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _origin_marks(
-    f: Finding, run: Run | None
-) -> tuple[list[RankMark], dict[int, tuple[int, ...]], list[str]]:
+def _origin_marks(f: Finding, run: Run | None) -> tuple[list[RankMark], list[str]]:
     origin = f.evidence.get("origin")
     if not isinstance(origin, Mapping) or _int(origin.get("rank")) is None:
-        return [], {}, []
+        return [], []
     rank = int(origin["rank"])  # type: ignore[arg-type]
     step = _int(origin.get("step"))
     what = str(origin.get("what") or "")
@@ -245,10 +254,9 @@ def _origin_marks(
             f" Rank{'s' if len(received) > 1 else ''} {name_ranks(received)} received it through "
             "the collective: a non-finite value there is not of their own making."
         )
-    mark = RankMark(
-        rank, "origin", f.id, step, f"NaN/inf origin: {short}", text, host, local, device
-    )
-    return [mark], ({rank: received} if received else {}), [line]
+    label = f"NaN/inf origin: {short}"
+    mark = RankMark(rank, "origin", f.id, step, label, text, host, local, device, received)
+    return [mark], [line]
 
 
 def _divergence_groups(f: Finding) -> list[Mapping[str, Any]]:
@@ -335,12 +343,10 @@ def compute_rank_marks(diagnosis: Diagnosis | None, run: Run | None = None) -> R
     marks nothing). ``run`` (optional) gives the host and device of a rank the evidence does
     not place (its manifest)."""
     marks: list[RankMark] = []
-    received: dict[int, tuple[int, ...]] = {}
     lines: list[str] = []
     for f in diagnosis.findings if diagnosis is not None else ():
         if f.id == ORIGIN_FINDING:
-            more, got, said = _origin_marks(f, run)
-            received.update(got)
+            more, said = _origin_marks(f, run)
         elif f.id == DIVERGENCE_FINDING:
             more, said = _divergence_marks(f, run)
         elif f.id == FAULT_FINDING:
@@ -349,7 +355,7 @@ def compute_rank_marks(diagnosis: Diagnosis | None, run: Run | None = None) -> R
             continue
         marks += more
         lines += said
-    return RankMarks(tuple(marks), received, tuple(lines))
+    return RankMarks(tuple(marks), tuple(lines))
 
 
 def finding_marked_ranks(finding: Finding) -> list[int]:

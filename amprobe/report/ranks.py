@@ -370,7 +370,7 @@ def add_rank_marks(
             row=row,
             col=1,
         )
-        got = marks.received.get(mark.rank, ()) if mark.kind == "origin" else ()
+        got = mark.received
         if got and len(got) <= MAX_RANK_TRACES:
             points = [
                 (r, y2)
