@@ -37,6 +37,7 @@ from amprobe.report.evidence import (
     render_evidence,
 )
 from amprobe.report.numerics import layer_recorded
+from amprobe.report.rankmarks import compute_rank_marks, finding_marked_ranks
 from amprobe.report.render import split_ref
 from amprobe.report.scale import (
     ReplayMark,
@@ -49,7 +50,7 @@ from amprobe.report.scale import (
 )
 from amprobe.report.sections import section_tabs
 from amprobe.rules.cache import run_facts
-from amprobe.rules.engine import CATEGORY_LABELS, Severity
+from amprobe.rules.engine import CATEGORY_LABELS, Severity, format_ranks
 from dashboard import ids
 from dashboard.figures import (
     make_loss_scale_figure,
@@ -111,6 +112,8 @@ RUNTIME_SECTION = "runtime"
 NUMERICS_SECTION = "numerics"
 #: the colour of what a link marks (a step, a layer)
 _MARK_COLOR = "#6a1b9a"
+#: the Ranks tab sets apart the sentences that mark a rank (amprobe.report.rankmarks)
+RANKS_SECTION = "ranks"
 
 _SEVERITY_COLORS = {"error": "#c62828", "warning": "#ef6c00", "info": "#1565c0"}
 _STATUS_COLORS = {
@@ -475,7 +478,8 @@ def finding_view_href(run_name: str | None, tab: str, key: str, value: Any) -> s
 
 
 def _where(finding: Any, run_name: str | None) -> html.Small | None:
-    """Links to the finding's first step on the loss-scale chart and its layer's numerics."""
+    """Links to the finding's first step on the loss-scale chart, its layer's numerics and the
+    ranks it marks on the Ranks tab."""
     links: list[Any] = []
     step = finding_step(finding)
     if step is not None:
@@ -495,6 +499,17 @@ def _where(finding: Any, run_name: str | None) -> html.Small | None:
                 f"layer {layer} in the numerics view",
                 href=finding_view_href(run_name, NUMERICS_SECTION, "layer", layer),
                 className="finding-layer-link",
+            )
+        )
+    marked = finding_marked_ranks(finding)
+    if marked:
+        if links:
+            links.append(" · ")
+        links.append(
+            dcc.Link(
+                f"{'rank' if len(marked) == 1 else 'ranks'} {format_ranks(marked)} on the Ranks tab",
+                href=(run_href(run_name) if run_name else "") + f"?tab={RANKS_SECTION}",
+                className="finding-rank-link",
             )
         )
     return html.Small(["look at: ", *links], style={"color": "#666"}) if links else None
@@ -685,13 +700,18 @@ def _has_bars(fig: Any) -> bool:
 
 
 def build_section(
-    section: Any, key: str | None = None, layer: str | None = None, recorded: bool | None = None
+    section: Any,
+    key: str | None = None,
+    layer: str | None = None,
+    recorded: bool | None = None,
+    marked: Sequence[str] = (),
 ) -> html.Div:
     """A report section: its text, figures (thinned for display), tables, or why it is missing.
 
     With ``layer`` (a module name, from the page's ``?layer=``), that layer's rows are outlined
     on the section's heatmaps and its bars kept opaque, and a line says where it is drawn;
-    ``recorded`` says whether the run's numerics hold the layer (None: not known).
+    ``recorded`` says whether the run's numerics hold the layer (None: not known). The
+    sentences of ``marked`` (a finding's marks of ranks) are set apart as a finding is.
     """
     key = key or section.key
     children: list[Any] = [html.H3(section.title)]
@@ -699,7 +719,20 @@ def build_section(
         children.append(
             html.P(_missing_text(section.missing), className="missing", style={"color": "#777"})
         )
-    children.extend(html.P(t) for t in section.text)
+    children.extend(
+        html.P(
+            t,
+            className="rank-mark",
+            style={
+                "borderLeft": f"6px solid {_SEVERITY_COLORS['error']}",
+                "paddingLeft": "8px",
+                "background": "#fafafa",
+            },
+        )
+        if t in marked
+        else html.P(t)
+        for t in section.text
+    )
     figures = [thin_figure(copy.deepcopy(fig)) for fig in section.figures]
     if layer:
         children.insert(
@@ -977,8 +1010,11 @@ def build_section_tab(
     recorded = None
     if layer:
         recorded = layer_recorded(run, layer)
+    marked: tuple[str, ...] = ()
+    if key == RANKS_SECTION:
+        marked = compute_rank_marks(loaded.diagnosis, run).lines
     body = (
-        build_section(section, key, layer, recorded)
+        build_section(section, key, layer, recorded, marked)
         if section is not None
         else _absent_section(key, label)
     )

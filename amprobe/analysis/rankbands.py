@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -660,14 +660,38 @@ def compute_rank_bands(
     )
 
 
-def bucket_ranks(ranks: np.ndarray | list[int], max_rows: int = MAX_ROWS) -> list[np.ndarray]:
+def bucket_ranks(
+    ranks: np.ndarray | list[int], max_rows: int = MAX_ROWS, alone: Sequence[int] = ()
+) -> list[np.ndarray]:
     """``ranks`` (ascending) cut into at most ``max_rows`` buckets of consecutive ranks, of
-    equal size but the last; one rank each when there are few."""
+    equal size but the last; one rank each when there are few.
+
+    Each rank of ``alone`` (the ranks a finding marks) is a bucket of its own, its bucket's
+    other ranks split around it, so that it is never folded into a row of other ranks: at
+    most ``2 * len(alone)`` rows more."""
     ranks = np.asarray(sorted(set(int(r) for r in ranks)), dtype=np.int64)
     if len(ranks) <= max_rows:
         return [ranks[i : i + 1] for i in range(len(ranks))]
     size = -(-len(ranks) // max_rows)
-    return [ranks[i : i + size] for i in range(0, len(ranks), size)]
+    buckets = [ranks[i : i + size] for i in range(0, len(ranks), size)]
+    single = np.asarray(sorted(set(int(r) for r in alone)), dtype=np.int64)
+    if not len(single):
+        return buckets
+    out: list[np.ndarray] = []
+    for bucket in buckets:
+        hit = np.isin(bucket, single)
+        if len(bucket) == 1 or not hit.any():
+            out.append(bucket)
+            continue
+        start = 0
+        for at in np.flatnonzero(hit).tolist():
+            if at > start:
+                out.append(bucket[start:at])
+            out.append(bucket[at : at + 1])
+            start = at + 1
+        if start < len(bucket):
+            out.append(bucket[start:])
+    return out
 
 
 def rank_range_text(bucket: np.ndarray) -> str:
@@ -700,17 +724,18 @@ class RankMatrix:
 
 
 def compute_rank_matrix(
-    bands: RankBands, max_rows: int = MAX_ROWS, relative: bool = True
+    bands: RankBands, max_rows: int = MAX_ROWS, relative: bool = True, alone: Sequence[int] = ()
 ) -> RankMatrix:
     """Each rank's deviation from the median of ranks per bin of ``bands``, its rows bucketed
     by rank order (:func:`bucket_ranks`) when there are more than ``max_rows`` ranks: a
     bucket's cell is its rank with the largest absolute deviation there (its signed value),
-    so a single diverging rank shows in full, never averaged with the others."""
+    so a single diverging rank shows in full, never averaged with the others. The ranks of
+    ``alone`` keep a row each whatever the bucketing (:func:`bucket_ranks`)."""
     dev = bands.deviation
     if relative:
         scale = np.where(np.abs(bands.median) > 0, np.abs(bands.median), np.nan)[None, :]
         dev = dev / scale
-    buckets = bucket_ranks(bands.ranks, max_rows)
+    buckets = bucket_ranks(bands.ranks, max_rows, alone)
     z = np.full((len(buckets), len(bands.bins)), np.nan)
     rank_at = np.full(z.shape, -1, dtype=np.int64)
     row = 0

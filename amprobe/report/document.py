@@ -23,6 +23,7 @@ from amprobe.report.evidence import (
     fix_parts,
     render_evidence,
 )
+from amprobe.report.rankmarks import finding_marked_ranks
 from amprobe.report.registry import Section
 from amprobe.report.render import (
     _heading_note,
@@ -35,7 +36,7 @@ from amprobe.report.render import (
     split_ref,
 )
 from amprobe.report.sections import build_sections
-from amprobe.rules.engine import Diagnosis, Finding
+from amprobe.rules.engine import Diagnosis, Finding, format_ranks
 
 __all__ = ["render_html", "write_report"]
 
@@ -56,6 +57,7 @@ table.dataframe{display:block;max-width:100%;overflow-x:auto}
 #: report sections a finding links to: its step on the loss-scale chart, its layer's numerics
 SCALE_SECTION = "scale"
 NUMERICS_SECTION = "numerics"
+RANKS_SECTION = "ranks"
 
 
 def evidence_html(blocks: list[Block]) -> str:
@@ -87,7 +89,7 @@ def _id_links(ids: tuple[str, ...]) -> str:
 
 
 def _where_html(f: Finding, sections: set[str]) -> str:
-    """Links to the report sections that show the finding's step and layer."""
+    """Links to the report sections that show the finding's step, layer and marked ranks."""
     e = html.escape
     parts = []
     step = finding_step(f)
@@ -96,6 +98,12 @@ def _where_html(f: Finding, sections: set[str]) -> str:
     layer = finding_layer(f)
     if layer is not None and NUMERICS_SECTION in sections:
         parts.append(f"<a href='#{NUMERICS_SECTION}'>layer {e(layer)} in the numerics view</a>")
+    marked = finding_marked_ranks(f)
+    if marked and RANKS_SECTION in sections:
+        word = "rank" if len(marked) == 1 else "ranks"
+        parts.append(
+            f"<a href='#{RANKS_SECTION}'>{word} {e(format_ranks(marked))} in the ranks view</a>"
+        )
     return f"<div class='muted'>look at: {' · '.join(parts)}</div>" if parts else ""
 
 
