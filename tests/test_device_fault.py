@@ -8,6 +8,7 @@ known answer's exactness is computed for real on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
@@ -70,24 +71,47 @@ def _not_checked(run: amprobe.Run) -> str | None:
 
 # -- the known answer ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_known_answer_is_exact_in_the_dtype(dtype):
-    known = dc.build_known_answer(torch.device("cpu"), dtype)
+def test_known_answer_is_exact_in_the_dtype(dtype, device):
+    known = dc.build_known_answer(device, dtype)
     a64, b64 = known.a.double(), known.b.double()
     assert set(a64.unique().tolist()) <= {-1.0, 0.0, 1.0}
     assert set(b64.unique().tolist()) <= {-1.0, 0.0, 1.0}
     # every partial sum of the K products, in any order, is at most K in magnitude, and K is
     # within the integers the dtype holds exactly
     assert known.shape[1] == dc.K_DIM <= dc.EXACT_BOUND[dtype]
-    partial = (a64[:, :, None] * b64[None, :, :64]).cumsum(1).abs().max()
+    partial = (a64[: dc.TILE, :, None] * b64[None, :, : dc.TILE]).cumsum(1).abs().max()
     assert partial <= dc.K_DIM
-    result = dc.run_gemm(known.a, known.b)  # computed for real, in the dtype
+    exact = a64 @ b64
+    with _fastest_cuda_math():  # TF32 and reduced-precision reductions allowed: still exact
+        result = dc.run_gemm(known.a, known.b)  # computed for real, in the dtype
     assert result.dtype == dtype
-    assert torch.equal(result.double(), a64 @ b64)  # bit for bit the exact product
+    assert torch.equal(result.double(), exact)  # bit for bit the exact product
     assert int(known.mismatches(result)) == 0
     assert len(known.answer.unique()) > 20  # a varied answer, not a constant block
     wrong = _wrong(known.a, known.b)
     assert int(known.mismatches(wrong)) == 1
     assert int(known.mismatches(result[:-1])) == result.numel()  # a wrong shape: all wrong
+
+
+@contextlib.contextmanager
+def _fastest_cuda_math():
+    matmul = torch.backends.cuda.matmul
+    saved = (
+        matmul.allow_tf32,
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+    )
+    matmul.allow_tf32 = True
+    matmul.allow_fp16_reduced_precision_reduction = True
+    matmul.allow_bf16_reduced_precision_reduction = True
+    try:
+        yield
+    finally:
+        (
+            matmul.allow_tf32,
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+        ) = saved
 
 
 # -- capture ------------------------------------------------------------------------------------
@@ -323,3 +347,44 @@ def test_two_gloo_ranks_name_the_faulty_rank_not_rank_0(tmp_path):
     )
     assert "rank 1 (" in finding.title and "GPU-fake-1" in finding.title
     assert "rank 0" not in finding.title and "GPU-fake-0" not in finding.title
+
+
+# -- on a GPU, as it runs (skipped without CUDA) ---------------------------------------------------
+@pytest.mark.cuda
+def test_on_cuda_the_default_checks_with_the_real_identity(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    results = []
+    for minutes in (None, 0):  # None: on by default on an accelerator
+        torch.manual_seed(0)
+        model = TinyNet().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cuda")
+        cfg = {"collectors": "scaler,devicecheck", "device_check_minutes": minutes}
+        losses = []
+        with amprobe.attach(model, opt, scaler, run_dir=tmp_path / f"m{minutes}", config=cfg):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            for _ in range(4):
+                x = torch.randn(8, 16, device="cuda", generator=g)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        results.append(torch.stack(losses).cpu())
+        run = amprobe.load_run(tmp_path / f"m{minutes}")
+        checks = run.events_of("device_check")
+        if minutes is None:
+            assert [(e["step"], e["mismatches"], e["dtype"]) for e in checks] == [
+                (0, 0, "bfloat16")
+            ]
+            assert checks[0]["shape"] == [2048, dc.K_DIM, 2048]
+            (identity,) = run.events_of("device_identity")
+            assert str(identity["uuid"]).startswith(("GPU-", "MIG-")), identity
+            assert identity["pci_bus_id"], identity
+            assert _d06(run) == [] and _not_checked(run) is None
+        else:
+            assert checks == [] and "device_check_minutes=0" in (_not_checked(run) or "")
+    assert torch.equal(results[0], results[1])  # bit-identical with the check on and off
