@@ -162,6 +162,7 @@ def test_wrong_answer_names_the_rank_and_device(tmp_path, fake_nvml, monkeypatch
     assert "faults:" in lines  # a small table, not a dict
     assert any(FAKE_ID["pci_bus_id"] in line and "|" in line for line in lines)
     assert not any("{" in line for line in lines)
+    assert any(HEALTHY_NOTE in line for line in lines)  # shown whole, not cut
 
 
 def test_right_answer_gives_no_d06_and_counts_as_checked(tmp_path, fake_nvml):
@@ -302,7 +303,19 @@ def test_rule_reasons_and_several_faulty_ranks_on_hand_built_runs():
     assert finding.evidence["ranks"] == [1, 2]
     assert "2 ranks' devices" in finding.title and "PCI bus id not recorded" in finding.title
     assert finding.evidence["failed_check_count"] == 2 and finding.evidence["check_count"] == 7
-    assert "7 known-answer bf16 GEMMs" in finding.evidence["checked"]
+    assert "7 known-answer bf16 GEMM(s)" in finding.evidence["checked"]
+    # a rank that ran no check is never counted as fine: with no fault elsewhere, not checked
+    partial = [
+        {**check, "rank": 0, "step": 0, "mismatches": 0, "elements": 4},
+        {"kind": "device_check_error", "rank": 1, "error": "RuntimeError: CUDA error"},
+    ]
+    reason = _not_checked(fake_run(events=partial, manifest=config, ranks=[0, 1])) or ""
+    assert reason.startswith("checked and answered right on rank 0 only; not on rank 1:")
+    assert "the check failed on rank 1: RuntimeError: CUDA error" in reason
+    # a fault found on one rank is reported even though another rank was not checked
+    partial[0]["mismatches"] = 2
+    (finding,) = _d06(fake_run(events=partial, manifest=config, ranks=[0, 1]))
+    assert "not checked on rank 1" in finding.evidence["checked"]
 
 
 # -- configuration --------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ __all__ = ["HEALTHY_NOTE", "MAX_NAMED_FAULTS", "device_faults", "device_checks_b
 MAX_NAMED_FAULTS = 3
 #: what a known answer computed right does not say (the finding's ``checked`` note, the docs)
 HEALTHY_NOTE = (
-    "a passing known answer does not prove a device healthy: it exercises one GEMM kernel at "
-    "one moment, not every unit, memory cell or condition the job meets"
+    "a passing known answer does not prove a device healthy (one GEMM kernel at one moment, "
+    "not every unit or condition the job meets)"
 )
 _DTYPE_WORDS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
@@ -75,11 +75,13 @@ def device_faults(run: Run) -> list[dict[str, Any]]:
     return faults
 
 
-def _rank_reasons(run: Run, kind: str, key: str) -> dict[str, list[int]]:
-    """reason -> ranks, from the events of ``kind`` (first per rank)."""
+def _rank_reasons(run: Run, kind: str, key: str, only: set[int] | None) -> dict[str, list[int]]:
+    """reason -> ranks, from the events of ``kind`` (the first per rank; ranks in ``only``)."""
     seen: dict[int, str] = {}
     for e in run.events_of(kind):
-        seen.setdefault(int(e.get("rank") or 0), str(e.get(key) or "no reason recorded"))
+        rank = int(e.get("rank") or 0)
+        if only is None or rank in only:
+            seen.setdefault(rank, str(e.get(key) or "no reason recorded"))
     out: dict[str, list[int]] = {}
     for rank, reason in sorted(seen.items()):
         out.setdefault(reason, []).append(rank)
@@ -92,28 +94,20 @@ def _on_ranks(ranks: Sequence[int], several: bool) -> str:
     return f" on {'rank' if len(ranks) == 1 else 'ranks'} {name_ranks(ranks)}"
 
 
-@requirement("device_check")
-def _has_device_check(run: Run) -> str | None:
-    """Met when some rank ran the known-answer check; else the true reason none did."""
-    if run.events_of("device_check"):
-        return None
-    config = _config(run)
-    if "device_check_minutes" not in config:
-        return "the run was recorded by an amprobe without the known-answer device check"
-    if "devicecheck" not in (config.get("collectors") or []):
-        return "the devicecheck collector was not among the run's collectors"
+def _why_unchecked(run: Run, only: set[int] | None) -> str:
+    """Why the ranks in ``only`` (every rank: None) ran no check, from what they recorded."""
     several = len(run.ranks) > 1
     parts = []
-    for reason, ranks in _rank_reasons(run, "device_check_error", "error").items():
+    for reason, ranks in _rank_reasons(run, "device_check_error", "error", only).items():
         parts.append(f"the check failed{_on_ranks(ranks, several)}: {reason}")
-    failed = {
-        int(e.get("rank") or 0): str(e.get("error"))
-        for e in run.events_of("collector_error")
-        if e.get("collector") == "devicecheck"
-    }
+    failed: dict[int, str] = {}
+    for e in run.events_of("collector_error"):
+        rank = int(e.get("rank") or 0)
+        if e.get("collector") == "devicecheck" and (only is None or rank in only):
+            failed.setdefault(rank, str(e.get("error")))
     for rank, error in sorted(failed.items()):
         parts.append(f"the devicecheck collector failed{_on_ranks([rank], several)}: {error}")
-    for reason, ranks in _rank_reasons(run, "device_check_off", "reason").items():
+    for reason, ranks in _rank_reasons(run, "device_check_off", "reason", only).items():
         parts.append(f"the check was off{_on_ranks(ranks, several)}: {reason}")
     if parts:
         return "; ".join(parts)
@@ -121,6 +115,31 @@ def _has_device_check(run: Run) -> str | None:
         "the check never ran: no step ended on a known training device while amprobe recorded "
         "(it runs at the first step boundary, then every device_check_minutes)"
     )
+
+
+@requirement("device_check")
+def _has_device_check(run: Run) -> str | None:
+    """Met when a rank's device answered wrong, or every rank ran the known-answer check; else
+    the true reason some did not (ranks whose check answered right are named: a rank that was
+    not checked is never counted as fine)."""
+    checks = device_checks_by_rank(run)
+    if checks:
+        missing = {r.rank for r in run.ranks} - set(checks)
+        if not missing or device_faults(run):
+            return None
+        checked = sorted(checks)
+        return (
+            f"checked and answered right on {'rank' if len(checked) == 1 else 'ranks'} "
+            f"{name_ranks(checked)} only; not on "
+            f"{'rank' if len(missing) == 1 else 'ranks'} {name_ranks(missing)}: "
+            + _why_unchecked(run, missing)
+        )
+    config = _config(run)
+    if "device_check_minutes" not in config:
+        return "the run was recorded by an amprobe without the known-answer device check"
+    if "devicecheck" not in (config.get("collectors") or []):
+        return "the devicecheck collector was not among the run's collectors"
+    return _why_unchecked(run, None)
 
 
 def _dtype_word(name: Any) -> str:
@@ -153,14 +172,13 @@ def _checked_note(run: Run, checks: Mapping[int, list[dict[str, Any]]]) -> str:
     size = _shape_text(first.get("shape")) or "shape not recorded"
     minutes = _config(run).get("device_check_minutes")
     every = (
-        f"every {minutes:g} min"
-        if isinstance(minutes, int | float) and minutes
-        else "every 30 min on an accelerator"
+        f"every {minutes:g} min" if isinstance(minutes, int | float) and minutes else "every 30 min"
     )
     unchecked = sorted({r.rank for r in run.ranks} - set(checks))
-    not_on = f"; not checked on ranks {name_ranks(unchecked)}" if unchecked else ""
+    word = "rank" if len(unchecked) == 1 else "ranks"
+    not_on = f"; not checked on {word} {name_ranks(unchecked)}" if unchecked else ""
     return (
-        f"{count:,} known-answer {_dtype_word(first.get('dtype'))} GEMMs ({size}, {every}) on "
+        f"{count:,} known-answer {_dtype_word(first.get('dtype'))} GEMM(s) ({size}, {every}) on "
         f"{len(checks):,} rank(s){not_on}; {HEALTHY_NOTE}"
     )
 
@@ -213,11 +231,13 @@ def check_device_fault(ctx: RuleContext) -> Iterator[Finding]:
     drain = ", ".join(
         f"{f.get('uuid') or f['device']} on {f['hostname']}" for f in faults[:MAX_NAMED_FAULTS]
     )
+    one = len(faults) == 1
     fix = (
-        f"Drain the device ({drain}): take it out of the job's pool, restart from a checkpoint "
-        "saved before the first failing check on the remaining devices, and have the device "
-        "tested (NVIDIA DCGM: `dcgmi diag -r 3`) before it returns. Results computed on it "
-        "since its last passing check are suspect."
+        f"Drain the {'device' if one else 'devices'} ({drain}): take "
+        f"{'it' if one else 'them'} out of the job's pool, restart the job without "
+        f"{'it' if one else 'them'} from a checkpoint saved before the first failing check, "
+        f"and have {'it' if one else 'each'} tested (NVIDIA DCGM: `dcgmi diag -r 3`) before it "
+        "returns. What a device computed since its last passing check is suspect."
     )
     failed = sum(1 for c in checks.values() for e in c if int(e.get("mismatches") or 0) > 0)
     evidence: dict[str, Any] = {
@@ -225,7 +245,7 @@ def check_device_fault(ctx: RuleContext) -> Iterator[Finding]:
         **rank_fields(f["rank"] for f in faults),
         "dtype": bad_check.get("dtype"),
         "shape": _shape_text(bad_check.get("shape")),
-        "element_count": elements,
+        "result_element_count": elements,
         "failed_check_count": failed,
         "check_count": sum(len(c) for c in checks.values()),
         "checked": _checked_note(run, checks),
