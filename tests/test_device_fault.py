@@ -246,11 +246,21 @@ def test_runs_outside_autocast_and_restores_it(tmp_path, fake_nvml, monkeypatch)
                 after.append(torch.is_autocast_enabled("cpu"))
             opt.zero_grad()
     assert states == [False, False] and after == [False, True]
+    assert torch.is_grad_enabled()  # its no_grad ended with it
     checks = amprobe.load_run(tmp_path / "r").events_of("device_check")
     assert [(e["dtype"], e["precision"]) for e in checks] == [
         ("bfloat16", "parameters"),  # no autocast yet: the parameters' dtype
         ("float16", "autocast"),
     ]
+
+
+def test_waits_for_a_boundary_outside_compiled_regions_and_graph_captures(
+    tmp_path, fake_nvml, monkeypatch
+):
+    waits = iter([True, True, False, False])  # the first two boundaries are inside one
+    monkeypatch.setattr(dc, "_must_wait", lambda device: next(waits))
+    run = _train(tmp_path, steps=4, device_check_minutes=1e-9)
+    assert [e["step"] for e in run.events_of("device_check")] == [2, 3]
 
 
 def test_a_failing_check_is_one_event_and_never_reaches_the_loop(tmp_path, fake_nvml, monkeypatch):

@@ -196,6 +196,14 @@ def _autocast_off(device_type: str) -> Iterator[None]:
             torch.set_autocast_enabled(device_type, True)
 
 
+def _must_wait(device: torch.device) -> bool:
+    """The boundary is inside a compiled region (dynamo tracing the step), or the job is
+    capturing a CUDA graph on the current stream: nothing of the check's may go into either."""
+    if torch.compiler.is_compiling():
+        return True
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -358,10 +366,8 @@ class DeviceCheckCollector(Collector):
         device = self.probe.device
         if device is None or not self._on:
             return
-        if torch.compiler.is_compiling():
-            return  # inside a compiled region: the next boundary checks
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return  # the job is capturing a CUDA graph: nothing of ours goes into it
+        if _must_wait(device):
+            return  # the next boundary checks
         self._check(step, device)
         self._due = now + self._period_s
 
