@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -411,3 +412,58 @@ def test_on_cuda_the_default_checks_with_the_real_identity(tmp_path):
         else:
             assert checks == [] and "device_check_minutes=0" in (_not_checked(run) or "")
     assert torch.equal(results[0], results[1])  # bit-identical with the check on and off
+
+
+# -- the device's identity (NVML faked as a module; torch's device properties faked) ----------------
+class _Props:
+    name = "NVIDIA H100 80GB HBM3"
+    uuid = "5e1c1a2b-77d1-4c1e-9a61-0d2f3c4b5a61"
+    pci_domain_id = 0
+    pci_bus_id = 0x3B
+    pci_device_id = 0
+
+
+def _fake_pynvml(calls: list[str]) -> Any:
+    import types
+
+    def handle_by_uuid(uuid: str) -> str:
+        calls.append(f"uuid {uuid}")
+        return "h"
+
+    return types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByUUID=handle_by_uuid,
+        nvmlDeviceGetHandleByIndex=lambda i: "h",
+        nvmlDeviceGetUUID=lambda h: b"GPU-5e1c1a2b-77d1-4c1e-9a61-0d2f3c4b5a61",
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=b"00000000:3B:00.0"),
+        nvmlDeviceGetName=lambda h: b"NVIDIA H100 80GB HBM3",
+        nvmlDeviceGetSerial=lambda h: b"1320221000003",
+    )
+
+
+def test_identity_from_nvml_and_from_torch_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: _Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    calls: list[str] = []
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(calls))
+    got = dc.device_identity(torch.device("cuda", 0))
+    assert got == {
+        "device": "cuda:0",
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "uuid": "GPU-5e1c1a2b-77d1-4c1e-9a61-0d2f3c4b5a61",
+        "pci_bus_id": "00000000:3B:00.0",
+        "serial": "1320221000003",
+        "source": "nvml",
+        "note": None,
+    }
+    # the handle found by the CUDA UUID (not by an index that CUDA_VISIBLE_DEVICES renumbers)
+    assert calls == ["init", "uuid GPU-5e1c1a2b-77d1-4c1e-9a61-0d2f3c4b5a61", "shutdown"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: torch's properties
+    got = dc.device_identity(torch.device("cuda"))
+    assert (got["uuid"], got["pci_bus_id"], got["source"]) == (
+        "GPU-5e1c1a2b-77d1-4c1e-9a61-0d2f3c4b5a61",
+        "00000000:3B:00.0",  # torch's PCI ids written as NVML writes them
+        "torch",
+    )
+    assert got["note"].startswith("NVML not read: pynvml cannot be imported")
