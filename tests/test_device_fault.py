@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import amprobe
 from amprobe.capture.collectors import devicecheck as dc
 from amprobe.report.evidence import evidence_lines
-from amprobe.rules.devicefault import HEALTHY_NOTE
+from amprobe.rules.devicefault import HEALTHY_NOTE, device_check_note
 from tests.helpers import TinyNet, fake_run, run_gloo_job, torchrun_argv, train_loop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,6 +171,9 @@ def test_right_answer_gives_no_d06_and_counts_as_checked(tmp_path, fake_nvml):
     assert [e["step"] for e in run.events_of("device_check")] == [0, 1, 2]
     assert _d06(run) == []
     assert _not_checked(run) is None
+    note = device_check_note(run) or ""  # what a pass covered, and what it does not prove
+    assert note.startswith("3 known-answer fp16 GEMM(s) (256 x 256 x 256, every 1e-09 min)")
+    assert note.endswith(HEALTHY_NOTE)
 
 
 def test_the_check_makes_no_host_device_sync_and_is_read_at_flush(tmp_path, fake_nvml, monkeypatch):

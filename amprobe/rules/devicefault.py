@@ -14,7 +14,13 @@ from typing import Any
 from amprobe.rules.engine import Finding, RuleContext, name_ranks, rank_fields, requirement, rule
 from amprobe.store.loader import Run
 
-__all__ = ["HEALTHY_NOTE", "MAX_NAMED_FAULTS", "device_faults", "device_checks_by_rank"]
+__all__ = [
+    "HEALTHY_NOTE",
+    "MAX_NAMED_FAULTS",
+    "device_check_note",
+    "device_checks_by_rank",
+    "device_faults",
+]
 
 #: faulty ranks a title names one by one (the ``faults`` table lists every one)
 MAX_NAMED_FAULTS = 3
@@ -181,6 +187,14 @@ def _checked_note(run: Run, checks: Mapping[int, list[dict[str, Any]]]) -> str:
         f"{count:,} known-answer {_dtype_word(first.get('dtype'))} GEMM(s) ({size}, {every}) on "
         f"{len(checks):,} rank(s){not_on}; {HEALTHY_NOTE}"
     )
+
+
+def device_check_note(run: Run) -> str | None:
+    """What the known-answer checks covered, whether or not one failed (the finding's
+    ``checked`` evidence; a view may show it for a run without AMP-D06 too), with
+    :data:`HEALTHY_NOTE`; None when no check ran."""
+    checks = device_checks_by_rank(run)
+    return _checked_note(run, checks) if checks else None
 
 
 @rule(
