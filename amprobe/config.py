@@ -44,6 +44,8 @@ def _as_names(value: Any) -> Any:
 
 #: the minimum periods of the default (budgeted) sampling schedules, in steps
 DEFAULT_PERIODS = {"numerics_every": 100, "shapes_every": 200, "syncs_every": 50}
+#: an unset ``device_check_minutes`` on an accelerator: the known-answer GEMM's period, minutes
+DEFAULT_DEVICE_CHECK_MINUTES = 30.0
 #: an unset ``flush_every``: this many steps, and at least FLUSH_MIN_SPACING_S since the last flush
 DEFAULT_FLUSH_EVERY = 100
 FLUSH_MIN_SPACING_S = 0.5
@@ -143,12 +145,19 @@ class Config:
             inf/NaN (AMP-N18): ``"warn"`` (the default) records it and lets the save go on;
             ``"raise"`` refuses the save with an error before anything is written; ``"off"``
             checks nothing.
+        device_check_minutes: the ``devicecheck`` collector runs a fixed known-answer GEMM in
+            the job's precision on each rank's device at the first step boundary and then every
+            this many minutes, and compares its result exactly with the stored answer
+            (AMP-D06; a device tensor, read at the next flush: no host-device sync on the
+            step). ``None`` (the default): every :data:`DEFAULT_DEVICE_CHECK_MINUTES` minutes
+            on an accelerator, off on the CPU; a number turns it on for any device (the
+            collector is added when it is not listed); 0 turns it off.
     """
 
     flush_every: int | None = None
     flush_interval_s: float = 5.0
     capture_loss: bool = True
-    collectors: tuple[str, ...] = ("scaler", "numerics", "compute", "runtime")
+    collectors: tuple[str, ...] = ("scaler", "numerics", "compute", "runtime", "devicecheck")
     max_buffered_rows: int = 200_000
     rank: int | None = None
     world_size: int | None = None
@@ -173,6 +182,7 @@ class Config:
     replay_max: int = 3
     replay_time_factor: float | None = None
     checkpoint_guard: str = "warn"
+    device_check_minutes: float | None = None
 
     def __post_init__(self) -> None:
         for key in LIST_KEYS:
@@ -258,6 +268,18 @@ class Config:
             collectors = (*collectors, "prometheus")
         if self.replay == "on" and self.replay_max and "replay" not in collectors:
             collectors = (*collectors, "replay")  # keeps only references: nothing on most steps
+        minutes = self.device_check_minutes
+        if minutes is not None and (
+            isinstance(minutes, bool)
+            or not isinstance(minutes, (int, float))
+            or not 0 <= minutes < float("inf")
+        ):
+            raise ConfigError(
+                "device_check_minutes must be a non-negative number of minutes (0 = off, None = "
+                f"every {DEFAULT_DEVICE_CHECK_MINUTES:g} on an accelerator), got {minutes!r}"
+            )
+        if minutes and "devicecheck" not in collectors:  # asked for by its period
+            collectors = (*collectors, "devicecheck")
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (
             not isinstance(self.max_steps, int) or self.max_steps < 1

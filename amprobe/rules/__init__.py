@@ -10,6 +10,7 @@ from amprobe.rules import compare as _compare  # noqa: F401
 from amprobe.rules import compiled as _compiled  # noqa: F401
 from amprobe.rules import compute as _compute  # noqa: F401
 from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
+from amprobe.rules import devicefault as _devicefault  # noqa: F401
 from amprobe.rules import distributed as _distributed  # noqa: F401
 from amprobe.rules import numerics as _numerics  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401

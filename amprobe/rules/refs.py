@@ -96,6 +96,7 @@ CHECKLIST_TITLES: dict[str, str] = {
     "AMP-D01": "ranks must agree on the loss scale",
     "AMP-D02": "the slowest rank sets the pace",
     "AMP-D03": "reduce gradients in fp32",
+    "AMP-D06": "drain a device that computes a known answer wrong",
     "AMP-P01": "layers that can move to fp8 first",
     "AMP-P02": "layers to keep in bf16 when moving to fp8",
     "AMP-P03": "values that would not fit fp16",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from amprobe.capture.collectors.compiled import CompileCollector
 from amprobe.capture.collectors.compute import ComputeCollector
+from amprobe.capture.collectors.devicecheck import DeviceCheckCollector
 from amprobe.capture.collectors.numerics import NumericsCollector
 from amprobe.capture.collectors.prometheus import PrometheusCollector
 from amprobe.capture.collectors.replay import ReplayCollector
@@ -26,6 +27,7 @@ __all__ = [
     "ReplayCollector",
     "RuntimeCollector",
     "ScalerCollector",
+    "DeviceCheckCollector",
     "StepFacts",
     "due",
 ]
@@ -38,4 +40,5 @@ REGISTRY: dict[str, type[Collector]] = {
     "runtime": RuntimeCollector,
     "prometheus": PrometheusCollector,
     "replay": ReplayCollector,
+    "devicecheck": DeviceCheckCollector,
 }
