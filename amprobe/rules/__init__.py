@@ -17,6 +17,7 @@ from amprobe.rules import replay as _replay  # noqa: F401
 from amprobe.rules import runtime as _runtime  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
 from amprobe.rules import whatif as _whatif  # noqa: F401
+from amprobe.rules import origin as _origin  # noqa: F401  (after distributed: multi_rank)
 from amprobe.rules.engine import (
     REGISTRY,
     Diagnosis,

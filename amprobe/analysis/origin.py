@@ -1,0 +1,365 @@
+"""Where the first non-finite value of a multi-rank job was produced (AMP-D04), merged at read
+time from what every rank recorded on its own.
+
+A rank's input, its loss and its layers' activations are its own: no collective mixes them
+(DDP's and FSDP2's reductions act on the gradients, after each parameter's local gradient
+exists). A rank whose input, loss or sampled layer went non-finite at a step while another
+rank's stayed finite produced it there; the others received it through the gradient
+reduction (their GradScaler skipped the same step, or their weights went non-finite with the
+update). A local gradient before the reduction is seen only by the replay of the bad step
+(:mod:`amprobe.capture.collectors.replay`): it runs each rank's own step without the
+reduction and records ``local_finite``; in a DDP replay (through ``.module``, gradients by
+``torch.autograd.grad``) and in an FSDP2 collective replay (the gathered parameters
+differentiated, nothing reduce-scattered) a rank whose own step is finite received it.
+
+Per rank and step the evidence, in the order a step produces values: ``input`` (the model's
+input, checked on every step: ``input_nonfinite``), ``activation`` (a forward offender on a
+sampled step, AMP-N05's layer; or the replay's first non-finite layer), ``loss`` (the loss,
+checked on every step: ``loss_nonfinite``), ``gradient`` (a backward offender on a sampled
+step: a layer's gradient with respect to its output, which is local; or the replay's own
+gradients non-finite with a finite forward). Replayed steps whose measured cause is the loss
+scale (the GradScaler's job, on every rank alike) are left out.
+
+This module reads summaries and events only (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from amprobe.analysis.numerics import offenders_section
+from amprobe.analysis.scaler import calibration_steps
+from amprobe.store.loader import Run
+
+__all__ = [
+    "WHAT_ORDER",
+    "MAX_EPISODES",
+    "nonfinite_origin",
+    "rank_place",
+    "received_episode",
+    "place_text",
+    "what_words",
+]
+
+#: the order in which a step produces values: the first of a rank's evidence at its step wins
+WHAT_ORDER = ("input", "activation", "loss", "gradient")
+#: episodes (runs of consecutive steps with a rank-local non-finite value) kept
+MAX_EPISODES = 8
+
+_WORDS = {
+    "input": "its input batch",
+    "activation": "a layer's activation",
+    "loss": "its local loss",
+    "gradient": "its local gradient before the reduction",
+}
+
+
+def _steps(runs: Mapping[str, Any] | None) -> set[int]:
+    """The steps of a summary section's runs (``{"runs": [[a, b], ...]}``)."""
+    if not runs:
+        return set()
+    return {s for a, b in runs.get("runs") or [] for s in range(int(a), int(b) + 1)}
+
+
+def rank_place(run: Run, rank: int) -> dict[str, Any]:
+    """Where ``rank`` ran: hostname, local rank and device from its manifest (None when not
+    recorded)."""
+    info = next((i for i in run.ranks if i.rank == rank), None)
+    manifest = info.manifest if info is not None else {}
+    local = manifest.get("local_rank")
+    return {
+        "rank": int(rank),
+        "hostname": manifest.get("hostname") if isinstance(manifest.get("hostname"), str) else "",
+        "local_rank": int(local) if isinstance(local, int) and not isinstance(local, bool) else -1,
+        "device": manifest.get("device") if isinstance(manifest.get("device"), str) else None,
+    }
+
+
+def _recorded(run: Run, rank: int) -> tuple[int, int] | None:
+    """The lowest and highest step ``rank`` recorded."""
+    steps = run.summaries().get(rank, {}).get("steps") or {}
+    first, last = steps.get("first"), steps.get("last")
+    if isinstance(first, int) and isinstance(last, int):
+        return first, last
+    return None
+
+
+def _holds(span: tuple[int, int] | None, step: int) -> bool:
+    return span is not None and span[0] <= step <= span[1]
+
+
+def _replays(run: Run) -> dict[tuple[int, int], dict[str, Any]]:
+    """The ``replay`` events by (rank, step)."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for e in run.events_of("replay"):
+        out[int(e.get("rank") or 0), int(e.get("step") or 0)] = e
+    return out
+
+
+def _as_ran(event: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next(
+        (x for x in event.get("experiments") or [] if x.get("variant") == "as it ran"), None
+    )
+
+
+def _replay_fact(event: Mapping[str, Any]) -> tuple[str, str | None] | None:
+    """What a replay says this rank's own step produced, or None when its own step is finite
+    or was not replayed with a per-rank answer."""
+    if not event.get("replayed") or event.get("local_finite") is not False:
+        return None
+    x = _as_ran(event) or {}
+    first = x.get("first_nonfinite") or event.get("first_nonfinite")
+    if x.get("forward_finite") is False or first:
+        return "activation", str(first) if first else None
+    if x.get("grads_finite") is False:
+        return "gradient", None
+    return "activation", None
+
+
+def _rank_evidence(run: Run, rank: int) -> dict[int, list[tuple[str, str | None, str]]]:
+    """``rank``'s local non-finite facts by step: ``(what, layer, source)``."""
+    section = offenders_section(run, rank)
+    found: dict[int, list[tuple[str, str | None, str]]] = {}
+
+    def add(step: int, what: str, layer: str | None, source: str) -> None:
+        found.setdefault(step, []).append((what, layer, source))
+
+    for s in _steps((section.get("inputs") or {}).get("runs")):
+        add(s, "input", None, "the step's input check")
+    for s in _steps(section.get("loss_nonfinite")):
+        add(s, "loss", None, "the step's loss check")
+    kinds = section.get("kinds") or {}
+    for kind, what in (("forward", "activation"), ("backward", "gradient")):
+        part = kinds.get(kind) or {}
+        first = part.get("first") or {}
+        for s in _steps(part.get("runs")):
+            module = first.get("module") if first.get("step") == s else None
+            if kind == "backward" and module == "<loss>":
+                module = None  # the gradient reaching the model's output
+            add(s, what, str(module) if module else None, "sampled numerics")
+    return found
+
+
+def _layer_from_file(run: Run, rank: int, step: int, kind: str) -> str | None:
+    """The offender ``kind``'s module of ``rank`` at ``step`` from its own offenders file."""
+    try:
+        frame = run.rank_table("offenders", rank)
+    except Exception:
+        return None
+    if frame is None or frame.empty or "kind" not in frame:
+        return None
+    part = frame[(frame["kind"] == kind) & (frame["step"] == step)]
+    if part.empty:
+        return None
+    module = part["module"].iloc[0]
+    return None if module in (None, "<loss>") or module != module else str(module)
+
+
+def _benign_steps(replays: Mapping[tuple[int, int], Mapping[str, Any]]) -> set[int]:
+    """Replayed steps whose measured cause is the loss scale on every rank that measured one
+    (the GradScaler skipped and lowered the scale, as it is meant to)."""
+    causes: dict[int, set[str]] = {}
+    for (_, step), e in replays.items():
+        if e.get("replayed") and e.get("cause") and e.get("cause") != "not-reproduced":
+            causes.setdefault(step, set()).add(str(e["cause"]))
+    return {s for s, c in causes.items() if c == {"loss-scale"}}
+
+
+def _skipped(run: Run, rank: int) -> set[int]:
+    scaling = offenders_section(run, rank).get("scaling") or {}
+    return _steps(scaling.get("skipped"))
+
+
+def _first_of(facts: list[tuple[str, str | None, str]]) -> tuple[str, str | None, str]:
+    """The earliest fact of a step in the order it produces values; a named layer preferred
+    among facts of the same kind."""
+    return min(facts, key=lambda f: (WHAT_ORDER.index(f[0]), f[1] is None))
+
+
+def received_episode(run: Run, rank: int, step: int) -> dict[str, Any] | None:
+    """The episode (of :func:`nonfinite_origin`) whose non-finite values ``rank`` received
+    through the collective and still held at ``step``; None when ``rank`` is an origin there,
+    or received nothing then."""
+    for e in nonfinite_origin(run)["episodes"]:
+        if e["every_rank"] or not e["origins"]:
+            continue
+        if rank in e["received"] and e["step"] <= step <= e["last_step"]:
+            return e
+    return None
+
+
+def place_text(o: Mapping[str, Any]) -> str:
+    """``rank 1 (host-a, local rank 1, cuda:1)``: the parts recorded."""
+    parts = [o.get("hostname") or None]
+    if isinstance(o.get("local_rank"), int) and o["local_rank"] >= 0:
+        parts.append(f"local rank {o['local_rank']}")
+    parts.append(o.get("device"))
+    inner = ", ".join(str(p) for p in parts if p)
+    return f"rank {o['rank']}" + (f" ({inner})" if inner else "")
+
+
+def nonfinite_origin(run: Run) -> dict[str, Any]:
+    """The origin of each episode of rank-local non-finite values (cached per run).
+
+    Returns ``{"episodes": [...], "unexplained": {...} | None, "nccl_nan_check": ...}``. Each
+    episode: ``step`` (its first step), ``origins`` (one dict per rank whose own value was
+    non-finite there: :func:`rank_place` with ``step``, ``what``, ``layer``, ``source``),
+    ``received`` (ranks whose own values were finite at that step and that got it: their
+    GradScaler skipped the step, their replay found their own step finite, or their loss went
+    non-finite later in the episode), ``unaffected`` (ranks finite there that show no sign of
+    receiving it), ``unrecorded`` (ranks with no record of that step), ``every_rank`` (every
+    recorded rank was non-finite on its own there: the origin cannot be told), ``last_step``.
+    ``unexplained``: steps skipped for inf/NaN gradients outside the scaler's calibration with
+    no rank-local non-finite value and no replay that compared the ranks (``steps``,
+    ``reason``): where a local gradient overflowed, unchecked.
+    """
+    return run.cached("nonfinite_origin", _compute)  # type: ignore[no-any-return]
+
+
+def _nan_check(run: Run) -> str | None | bool:
+    """``TORCH_NCCL_NAN_CHECK`` as the ranks recorded it: its value, None when not set, False
+    when the manifests predate the field."""
+    values = [i.manifest.get("nccl_nan_check") for i in run.ranks if "nccl_nan_check" in i.manifest]
+    if not values:
+        return False
+    set_ = [v for v in values if isinstance(v, str) and v]
+    return set_[0] if set_ else None
+
+
+def _compute(run: Run) -> dict[str, Any]:
+    ranks = sorted(i.rank for i in run.ranks)
+    replays = _replays(run)
+    benign = _benign_steps(replays)
+    evidence = {r: _rank_evidence(run, r) for r in ranks}
+    for (r, s), e in replays.items():
+        fact = _replay_fact(e)
+        if fact is not None and r in evidence:
+            evidence[r].setdefault(s, []).append((*fact, "the replay of the step"))
+    for r in ranks:
+        for s in [s for s in evidence[r] if s in benign]:
+            # a loss-scale overflow the replay measured: only the gradient facts go
+            kept = [f for f in evidence[r][s] if f[0] != "gradient"]
+            if kept:
+                evidence[r][s] = kept
+            else:
+                del evidence[r][s]
+    recorded = {r: _recorded(run, r) for r in ranks}
+    skipped = {r: _skipped(run, r) for r in ranks}
+    bad_steps = sorted({s for r in ranks for s in evidence[r]})
+    # episodes: runs of consecutive steps with a rank-local non-finite value
+    episodes_steps: list[list[int]] = []
+    for s in bad_steps:
+        if episodes_steps and s == episodes_steps[-1][-1] + 1:
+            episodes_steps[-1].append(s)
+        else:
+            episodes_steps.append([s])
+    episodes: list[dict[str, Any]] = []
+    for steps in episodes_steps[:MAX_EPISODES]:
+        step = steps[0]
+        at = [r for r in ranks if _holds(recorded[r], step)]
+        unrecorded = [r for r in ranks if r not in at]
+        origins: list[dict[str, Any]] = []
+        for r in at:
+            facts = evidence[r].get(step)
+            if not facts:
+                continue
+            what, layer, source = _first_of(facts)
+            if (
+                what in ("activation", "gradient")
+                and layer is None
+                and source == "sampled numerics"
+            ):
+                layer = _layer_from_file(
+                    run, r, step, "forward" if what == "activation" else "backward"
+                )
+            origins.append(
+                {**rank_place(run, r), "step": step, "what": what, "layer": layer, "source": source}
+            )
+        own = {o["rank"] for o in origins}
+        later = set(steps[1:])
+        received: list[int] = []
+        unaffected: list[int] = []
+        for r in at:
+            if r in own:
+                continue
+            event = replays.get((r, step))
+            got = (
+                step in skipped[r]
+                or (
+                    event is not None
+                    and event.get("replayed")
+                    and event.get("local_finite") is True
+                )
+                or any(s in evidence[r] for s in later)
+            )
+            (received if got else unaffected).append(r)
+        replay_notes = {r: replays[r, step] for r in at if (r, step) in replays}
+        episodes.append(
+            {
+                "step": step,
+                "last_step": steps[-1],
+                "origins": origins,
+                "received": received,
+                "unaffected": unaffected,
+                "unrecorded": unrecorded,
+                "every_rank": len(at) >= 2 and len(own) == len(at),
+                "replayed": any(e.get("replayed") for e in replay_notes.values()),
+                "replay_reason": next(
+                    (str(e["reason"]) for e in replay_notes.values() if e.get("reason")), None
+                ),
+            }
+        )
+    first_bad = int(episodes[0]["step"]) if episodes else None
+    return {
+        "ranks": ranks,
+        "episodes": episodes,
+        "episode_count": len(episodes_steps),
+        "unexplained": _unexplained(run, ranks, skipped, evidence, replays, benign, first_bad),
+        "nccl_nan_check": _nan_check(run),
+    }
+
+
+def _unexplained(
+    run: Run,
+    ranks: list[int],
+    skipped: Mapping[int, set[int]],
+    evidence: Mapping[int, Mapping[int, Any]],
+    replays: Mapping[tuple[int, int], Mapping[str, Any]],
+    benign: set[int],
+    before: int | None,
+) -> dict[str, Any] | None:
+    """Skipped steps (outside each rank's calibration and the loss-scale replays) before the
+    first episode, with no rank-local non-finite value: the origin of their inf/NaN gradients
+    was not checked unless a replay compared the ranks' own steps."""
+    steps: set[int] = set()
+    for r in ranks:
+        calibration = set(calibration_steps(run, r))
+        steps |= {s for s in skipped[r] if s not in calibration}
+    steps -= benign
+    steps = {s for s in steps if not any(s in evidence[r] for r in ranks)}
+    if before is not None:
+        steps = {s for s in steps if s < before}
+    if not steps:
+        return None
+    ordered = sorted(steps)
+    first = ordered[0]
+    events = [replays[r, first] for r in ranks if (r, first) in replays]
+    if any(e.get("replayed") and e.get("local_finite") is True for e in events):
+        reason = (
+            f"the replay of step {first} found every rank's own step finite: the non-finite "
+            "gradients did not recur (nondeterminism or a hardware fault), so no rank produced "
+            "them on replay"
+        )
+    elif any(e.get("replayed") for e in events):
+        reason = f"the replay of step {first} did not record each rank's own result (local_finite)"
+    elif events:
+        reason = f"step {first} was not replayed: {events[0].get('reason') or 'no reason recorded'}"
+    else:
+        reason = f"step {first} was not replayed (no replay event)"
+    return {"steps": ordered, "first": first, "reason": reason}
+
+
+def what_words(what: str) -> str:
+    """An origin's ``what`` in words."""
+    return _WORDS.get(what, what)
