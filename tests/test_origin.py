@@ -10,7 +10,6 @@ one rank, each on a rank other than 0; healthy runs; losses bit-identical with a
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -145,9 +144,7 @@ def test_layer_from_sampled_numerics_is_n05s():
             "detail": "{}",
         }
     ]
-    run = fake_run(
-        steps=rows, ranks=[0, 1], manifest=_manifest(), tables={"offenders": offenders}
-    )
+    run = fake_run(steps=rows, ranks=[0, 1], manifest=_manifest(), tables={"offenders": offenders})
     (f,) = _d04(run)[0]
     assert f.evidence["origin"]["layer"] == "blocks.1.attn"
     assert f.evidence["origin"]["what"] == "activation"
@@ -259,9 +256,7 @@ def test_loss_scale_replay_is_not_an_origin_and_healthy_has_no_finding():
 
 def test_nccl_nan_check_said_when_set_and_advised_when_not():
     rows = _steps(0, skipped=(2,)) + _steps(1, skipped=(2,), input_nonfinite={2: 1})
-    (f,) = _d04(
-        fake_run(steps=rows, ranks=[0, 1], manifest=_manifest(nccl_nan_check="1"))
-    )[0]
+    (f,) = _d04(fake_run(steps=rows, ranks=[0, 1], manifest=_manifest(nccl_nan_check="1")))[0]
     assert f.evidence["nccl_nan_check"] == "set: 1"
     assert any("TORCH_NCCL_NAN_CHECK was set" in n for n in f.evidence["notes"])
     (f,) = _d04(fake_run(steps=rows, ranks=[0, 1], manifest=_manifest(nccl_nan_check=None)))[0]
@@ -274,3 +269,116 @@ def test_nccl_nan_check_said_when_set_and_advised_when_not():
 def test_single_rank_not_checked():
     found, reason = _d04(fake_run(steps=_steps(0, input_nonfinite={2: 1}), manifest=_manifest()))
     assert not found and reason is not None and "single-rank" in reason
+
+
+# -- gloo jobs -----------------------------------------------------------------------------------
+gloo = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+
+#: steps of the healthy jobs (the issue's 500; AMPROBE_ORIGIN_STEPS overrides)
+HEALTHY_STEPS = 500
+#: job -> (WRAP, ranks, cases as CASE:RANK@STEP): every origin on a rank other than 0. One
+#: launch per job runs it with amprobe off, then attached, then the healthy job attached
+SHAPES: dict[str, tuple[str, int, str]] = {
+    "ddp2": ("ddp", 2, "input:1@3,layer:1@6,backward:1@9"),
+    "ddp4": ("ddp", 4, "input:2@3,layer:3@6,backward:1@9"),
+    "hsdp4": ("hsdp", 4, "input:3@3,layer:1@6,backward:2@9"),
+}
+
+
+def _healthy_steps() -> int:
+    return int(os.environ.get("AMPROBE_ORIGIN_STEPS") or HEALTHY_STEPS)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    base = tmp_path_factory.mktemp("origin")
+
+    def run(job: str) -> dict[str, Any]:
+        wrap, nproc, cases = SHAPES[job]
+        where = base / job
+        where.mkdir()
+        cmd = torchrun_argv("origin_gloo.py", nproc=nproc) + [str(where)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "WRAP": wrap, "CASES": cases}
+        env.update(STEPS="12", HEALTHY_STEPS=str(_healthy_steps()), PHASES="off,on,healthy")
+        env.pop("TORCH_NCCL_NAN_CHECK", None)
+        if job == "hsdp4":
+            env["TORCH_NCCL_NAN_CHECK"] = "1"  # recorded (gloo ignores it)
+        t0 = time.perf_counter()
+        proc = run_gloo_job(cmd, None, cwd=where, env=env, timeout=500)
+        took = time.perf_counter() - t0
+        print(f"origin job {job}: {took:.1f} s")  # (-s shows each job's time)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found: dict[str, Any] = {"seconds": took}
+        for phase in ("off", "on", "healthy"):
+            found[phase] = [
+                (where / f"{phase}{r}.txt").read_text().splitlines() for r in range(nproc)
+            ]
+        for phase, sub in (("on", "run"), ("healthy", "healthy")):
+            d = diagnose(amprobe.load_run(where / sub))
+            found[f"{phase}_d04"] = [f for f in d.findings if f.id == "AMP-D04"]
+            found[f"{phase}_not_checked"] = {n.id: n.reason for n in d.not_checked}
+            found[f"{phase}_findings"] = d.findings
+        return found
+
+    return run_jobs(SHAPES, run)
+
+
+def _losses(lines: list[str]) -> list[str]:
+    return [x for x in lines if not x.startswith("seconds")]
+
+
+@gloo
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gloo_origin_named_for_each_planted_fault(jobs, shape):
+    _, nproc, cases = SHAPES[shape]
+    found = {f.evidence["step"]: f for f in jobs[shape]["on_d04"]}
+    planted = [(c.split(":")[0], *map(int, c.split(":")[1].split("@"))) for c in cases.split(",")]
+    assert sorted(found) == sorted(step for _, _, step in planted), [
+        f.title for f in jobs[shape]["on_d04"]
+    ]
+    for what, rank, step in planted:
+        f = found[step]
+        o = f.evidence["origin"]
+        assert o["rank"] == rank and o["step"] == step, f.title
+        assert o["local_rank"] == rank and o["hostname"] and o["device"] == "cpu"
+        assert o["what"] == {"input": "input", "layer": "activation", "backward": "gradient"}[what]
+        if what == "layer":  # the planted layer (AMP-N05's on that rank, or the replay's)
+            assert o["layer"] == "booster", f.title
+        elif what == "backward":  # the replay names no layer; a sampled step names bomb
+            assert o["layer"] in (None, "bomb"), f.title
+        else:
+            assert o["layer"] is None
+        assert f.evidence["received"] == [r for r in range(nproc) if r != rank]
+        assert f"rank {rank} (" in f.title and "received it through the all-reduce" in f.title
+    first = min(found)
+    assert "produced the first non-finite value" in found[first].title
+    expected = "set: 1" if shape == "hsdp4" else "not set"
+    assert all(f.evidence["nccl_nan_check"] == expected for f in found.values())
+    # AMP-N05 never names a layer of a rank that received the value as its own
+    for f in jobs[shape]["on_findings"]:
+        if f.id == "AMP-N05":
+            ranks = f.evidence.get("ranks") or [f.evidence.get("rank")]
+            origin_ranks = {rank for _, rank, _ in planted}
+            assert set(ranks) <= origin_ranks or "received through the all-reduce" in f.title
+
+
+@gloo
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gloo_losses_bit_identical_with_amprobe_off(jobs, shape):
+    on, off = jobs[shape]["on"], jobs[shape]["off"]
+    assert [_losses(r) for r in on] == [_losses(r) for r in off]
+    assert any("nan" in line for lines in on for line in lines)  # the faults happened
+
+
+@gloo
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gloo_healthy_no_origin(jobs, shape):
+    job = jobs[shape]
+    assert job["healthy_d04"] == []
+    assert "AMP-D04" not in job["healthy_not_checked"]  # checked, and nothing was non-finite
+    losses = [line for line in job["healthy"][0] if line.startswith("loss ")]
+    assert len(losses) == _healthy_steps()
+    assert not any("nan" in line or "inf" in line for lines in job["healthy"] for line in lines)
