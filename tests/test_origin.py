@@ -302,7 +302,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         where.mkdir()
         cmd = torchrun_argv("origin_gloo.py", nproc=nproc) + [str(where)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "WRAP": wrap, "CASES": cases}
-        env.update(STEPS="12", HEALTHY_STEPS=str(_healthy_steps()), PHASES="off,on,healthy")
+        phases = "off,on,healthy" + (",noreplay" if job == "ddp2" else "")
+        env.update(STEPS="12", HEALTHY_STEPS=str(_healthy_steps()), PHASES=phases)
         env.pop("TORCH_NCCL_NAN_CHECK", None)
         if job == "hsdp4":
             env["TORCH_NCCL_NAN_CHECK"] = "1"  # recorded (gloo ignores it)
@@ -312,11 +313,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         print(f"origin job {job}: {took:.1f} s")  # (-s shows each job's time)
         assert proc.returncode == 0, proc.stderr[-3000:]
         found: dict[str, Any] = {"seconds": took}
-        for phase in ("off", "on", "healthy"):
+        for phase in phases.split(","):
             found[phase] = [
                 (where / f"{phase}{r}.txt").read_text().splitlines() for r in range(nproc)
             ]
-        for phase, sub in (("on", "run"), ("healthy", "healthy")):
+        for phase in phases.split(",")[1:]:
+            sub = "run" if phase == "on" else phase
             d = diagnose(amprobe.load_run(where / sub))
             found[f"{phase}_d04"] = [f for f in d.findings if f.id == "AMP-D04"]
             found[f"{phase}_not_checked"] = {n.id: n.reason for n in d.not_checked}
@@ -382,3 +384,16 @@ def test_gloo_healthy_no_origin(jobs, shape):
     losses = [line for line in job["healthy"][0] if line.startswith("loss ")]
     assert len(losses) == _healthy_steps()
     assert not any("nan" in line or "inf" in line for lines in job["healthy"] for line in lines)
+
+
+@gloo
+def test_gloo_backward_only_without_replay_right_rank_or_not_checked_with_reason(jobs):
+    job = jobs["ddp2"]
+    found, reason = job["noreplay_d04"], job["noreplay_not_checked"].get("AMP-D04")
+    if found:  # the step was sampled: the backward offender on rank 1 names it
+        (f,) = found
+        assert f.evidence["origin"]["rank"] == 1 and f.evidence["origin"]["what"] == "gradient"
+        assert f.evidence["origin"]["layer"] == "bomb" and f.evidence["received"] == [0]
+    else:  # never the lowest rank: not checked, saying why
+        assert reason is not None and "skipped for inf/NaN gradients (first: step 9)" in reason
+        assert "replay was off" in reason

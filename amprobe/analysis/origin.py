@@ -356,7 +356,11 @@ def _unexplained(
     elif events:
         reason = f"step {first} was not replayed: {events[0].get('reason') or 'no reason recorded'}"
     else:
-        reason = f"step {first} was not replayed (no replay event)"
+        config = run.rank_manifest.get("config") or {}
+        if config.get("replay") == "off" or config.get("replay_max") == 0:
+            reason = 'replay was off (replay="off" or replay_max=0): no step was replayed'
+        else:
+            reason = f"step {first} was not replayed (no replay event)"
     return {"steps": ordered, "first": first, "reason": reason}
 
 

@@ -54,9 +54,10 @@ def _origin_known(run: Run) -> str | None:
         steps = unexplained["steps"]
         return (
             f"{len(steps):,} step(s) were skipped for inf/NaN gradients (first: step "
-            f"{steps[0]}) with no rank's input, loss or sampled layer non-finite: the gradient "
-            "of some rank overflowed before the reduction, and only a replay of the step "
-            f"compares the ranks' own gradients; {unexplained['reason']}"
+            f"{steps[0]}) with no rank's input, loss or sampled layer non-finite: some rank's "
+            "gradient overflowed before the reduction (or every rank's: a loss scale too "
+            "high), and only a replay of the step compares the ranks' own gradients; "
+            f"{unexplained['reason']}"
         )
     return None
 

@@ -3,7 +3,9 @@
 Usage: ``torchrun origin_gloo.py RESULT_DIR`` (under ``amprobe run`` too). ``PHASES``, the jobs
 one launch runs in turn, each from a fresh model: ``off`` (amprobe off), ``on`` (the same job
 under ``amprobe.attach``, recorded in RESULT_DIR/run), ``healthy`` (attached, no fault,
-``HEALTHY_STEPS`` steps, default 500, recorded in RESULT_DIR/healthy); default ``off``. Environment: ``WRAP`` ``ddp`` (DistributedDataParallel) or ``hsdp``
+``HEALTHY_STEPS`` steps, default 500, recorded in RESULT_DIR/healthy), ``noreplay`` (attached
+with ``replay="off"``, only the ``backward`` faults, recorded in RESULT_DIR/noreplay); default
+``off``. Environment: ``WRAP`` ``ddp`` (DistributedDataParallel) or ``hsdp``
 (FSDP2's ``fully_shard`` on a 2x2 DeviceMesh ``(replicate, shard)``: 4 ranks), both with CPU
 autocast fp16 and a GradScaler (``ShardedGradScaler`` for HSDP, which all-reduces found-inf
 over every rank); ``CASES``, the planted faults as ``CASE:RANK@STEP,...``, each CASE one of:
@@ -105,9 +107,15 @@ def digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def train(steps: int, cases: dict[int, tuple[str, int]], run_dir: str | None) -> list[str]:
+def train(
+    steps: int,
+    cases: dict[int, tuple[str, int]],
+    run_dir: str | None,
+    config: dict[str, object] | None = None,
+) -> list[str]:
     """One job from a fresh model (seed 0): ``steps`` steps with the faults of ``cases``;
-    under ``amprobe.attach(run_dir=...)`` when ``run_dir`` is given. Its result lines."""
+    under ``amprobe.attach(run_dir=..., config=config)`` when ``run_dir`` is given. Its result
+    lines."""
     CASES.clear()
     CASES.update(cases)
     torch.manual_seed(0)
@@ -130,7 +138,9 @@ def train(steps: int, cases: dict[int, tuple[str, int]], run_dir: str | None) ->
     if run_dir is not None:
         import amprobe
 
-        probe = amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir)
+        probe = amprobe.attach(
+            model=model, optimizer=opt, scaler=scaler, run_dir=run_dir, config=config
+        )
     lines = []
     t0 = time.perf_counter()
     for step in range(steps):
@@ -153,11 +163,13 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 planted_cases = dict(CASES)
 steps = int(os.environ.get("STEPS", 12))
-# PHASES: "off" (amprobe off), "on" (amprobe.attach, run RESULT_DIR/run), "healthy" (attached,
-# no fault, HEALTHY_STEPS steps, run RESULT_DIR/healthy); default "off" (for amprobe run)
+# PHASES (see the module's docstring); default "off" (for amprobe run)
 for phase in os.environ.get("PHASES", "off").split(","):
     if phase == "healthy":
         got = train(int(os.environ.get("HEALTHY_STEPS", 500)), {}, f"{sys.argv[1]}/healthy")
+    elif phase == "noreplay":  # the backward-only faults alone, with the replay off
+        only = {k: v for k, v in planted_cases.items() if v[0] == "backward"}
+        got = train(steps, only, f"{sys.argv[1]}/noreplay", {"replay": "off"})
     else:
         got = train(steps, planted_cases, f"{sys.argv[1]}/run" if phase == "on" else None)
     with open(os.path.join(sys.argv[1], f"{phase}{rank}.txt"), "w") as f:
