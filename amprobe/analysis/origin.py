@@ -46,6 +46,8 @@ __all__ = [
 WHAT_ORDER = ("input", "activation", "loss", "gradient")
 #: episodes (runs of consecutive steps with a rank-local non-finite value) kept
 MAX_EPISODES = 8
+#: unexplained skipped steps listed
+MAX_LISTED = 20
 
 _WORDS = {
     "input": "its input batch",
@@ -55,11 +57,31 @@ _WORDS = {
 }
 
 
-def _steps(runs: Mapping[str, Any] | None) -> set[int]:
-    """The steps of a summary section's runs (``{"runs": [[a, b], ...]}``)."""
+def _runs(runs: Mapping[str, Any] | None) -> list[tuple[int, int]]:
+    """The ``[first, last]`` runs of a summary section's step runs (``{"runs": [...]}``)."""
     if not runs:
-        return set()
-    return {s for a, b in runs.get("runs") or [] for s in range(int(a), int(b) + 1)}
+        return []
+    return [(int(a), int(b)) for a, b in runs.get("runs") or []]
+
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Runs merged where they overlap or touch, ascending."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(runs):
+        if out and a <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _holds_step(runs: list[tuple[int, int]], step: int) -> bool:
+    return any(a <= step <= b for a, b in runs)
+
+
+def _meets(runs: list[tuple[int, int]], first: int, last: int) -> bool:
+    """Whether some run holds a step in ``[first, last]``."""
+    return any(a <= last and b >= first for a, b in runs)
 
 
 def rank_place(run: Run, rank: int) -> dict[str, Any]:
@@ -117,27 +139,37 @@ def _replay_fact(event: Mapping[str, Any]) -> tuple[str, str | None] | None:
     return "activation", None
 
 
-def _rank_evidence(run: Run, rank: int) -> dict[int, list[tuple[str, str | None, str]]]:
-    """``rank``'s local non-finite facts by step: ``(what, layer, source)``."""
+#: a rank-local fact: its steps (first, last), what, the layer, where it was seen
+Fact = tuple[int, int, str, str | None, str]
+
+
+def _rank_facts(run: Run, rank: int) -> list[Fact]:
+    """``rank``'s local non-finite facts, as step runs."""
     section = offenders_section(run, rank)
-    found: dict[int, list[tuple[str, str | None, str]]] = {}
-
-    def add(step: int, what: str, layer: str | None, source: str) -> None:
-        found.setdefault(step, []).append((what, layer, source))
-
-    for s in _steps((section.get("inputs") or {}).get("runs")):
-        add(s, "input", None, "the step's input check")
-    for s in _steps(section.get("loss_nonfinite")):
-        add(s, "loss", None, "the step's loss check")
+    found: list[Fact] = []
+    for a, b in _runs((section.get("inputs") or {}).get("runs")):
+        found.append((a, b, "input", None, "the step's input check"))
+    for a, b in _runs(section.get("loss_nonfinite")):
+        found.append((a, b, "loss", None, "the step's loss check"))
     kinds = section.get("kinds") or {}
     for kind, what in (("forward", "activation"), ("backward", "gradient")):
         part = kinds.get(kind) or {}
         first = part.get("first") or {}
-        for s in _steps(part.get("runs")):
-            module = first.get("module") if first.get("step") == s else None
-            if kind == "backward" and module == "<loss>":
-                module = None  # the gradient reaching the model's output
-            add(s, what, str(module) if module else None, "sampled numerics")
+        module = first.get("module")
+        if kind == "backward" and module == "<loss>":
+            module = None  # the gradient reaching the model's output
+        at = first.get("step")
+        for a, b in _runs(part.get("runs")):
+            if isinstance(at, int) and a <= at <= b and module:
+                # the first offender's step names its module; the others are read from the
+                # rank's file when one is an origin (see _layer_from_file)
+                if a < at:
+                    found.append((a, at - 1, what, None, "sampled numerics"))
+                found.append((at, at, what, str(module), "sampled numerics"))
+                if at < b:
+                    found.append((at + 1, b, what, None, "sampled numerics"))
+            else:
+                found.append((a, b, what, None, "sampled numerics"))
     return found
 
 
@@ -166,15 +198,15 @@ def _benign_steps(replays: Mapping[tuple[int, int], Mapping[str, Any]]) -> set[i
     return {s for s, c in causes.items() if c == {"loss-scale"}}
 
 
-def _skipped(run: Run, rank: int) -> set[int]:
+def _skipped(run: Run, rank: int) -> list[tuple[int, int]]:
     scaling = offenders_section(run, rank).get("scaling") or {}
-    return _steps(scaling.get("skipped"))
+    return _runs(scaling.get("skipped"))
 
 
-def _first_of(facts: list[tuple[str, str | None, str]]) -> tuple[str, str | None, str]:
+def _first_of(facts: list[Fact]) -> Fact:
     """The earliest fact of a step in the order it produces values; a named layer preferred
     among facts of the same kind."""
-    return min(facts, key=lambda f: (WHAT_ORDER.index(f[0]), f[1] is None))
+    return min(facts, key=lambda f: (WHAT_ORDER.index(f[2]), f[3] is None))
 
 
 def received_episode(run: Run, rank: int, step: int) -> dict[str, Any] | None:
@@ -231,40 +263,42 @@ def _compute(run: Run) -> dict[str, Any]:
     ranks = sorted(i.rank for i in run.ranks)
     replays = _replays(run)
     benign = _benign_steps(replays)
-    evidence = {r: _rank_evidence(run, r) for r in ranks}
+    facts = {r: _rank_facts(run, r) for r in ranks}
     for (r, s), e in replays.items():
         fact = _replay_fact(e)
-        if fact is not None and r in evidence:
-            evidence[r].setdefault(s, []).append((*fact, "the replay of the step"))
-    for r in ranks:
-        for s in [s for s in evidence[r] if s in benign]:
-            # a loss-scale overflow the replay measured: only the gradient facts go
-            kept = [f for f in evidence[r][s] if f[0] != "gradient"]
-            if kept:
-                evidence[r][s] = kept
-            else:
-                del evidence[r][s]
+        if fact is not None and r in facts:
+            facts[r].append((s, s, *fact, "the replay of the step"))
+    if benign:
+        # a loss-scale overflow the replay measured: the GradScaler's job, not an origin (its
+        # gradient facts go; an input, a layer or a loss of that step stays)
+        for r in ranks:
+            kept: list[Fact] = []
+            for f in facts[r]:
+                if f[2] != "gradient":
+                    kept.append(f)
+                    continue
+                a = f[0]
+                for s in sorted(x for x in benign if f[0] <= x <= f[1]):
+                    if a < s:
+                        kept.append((a, s - 1, *f[2:]))
+                    a = s + 1
+                if a <= f[1]:
+                    kept.append((a, f[1], *f[2:]))
+            facts[r] = kept
     recorded = {r: _recorded(run, r) for r in ranks}
     skipped = {r: _skipped(run, r) for r in ranks}
-    bad_steps = sorted({s for r in ranks for s in evidence[r]})
-    # episodes: runs of consecutive steps with a rank-local non-finite value
-    episodes_steps: list[list[int]] = []
-    for s in bad_steps:
-        if episodes_steps and s == episodes_steps[-1][-1] + 1:
-            episodes_steps[-1].append(s)
-        else:
-            episodes_steps.append([s])
+    # episodes: runs of consecutive steps with a rank-local non-finite value on some rank
+    spans = _merge([(f[0], f[1]) for r in ranks for f in facts[r]])
     episodes: list[dict[str, Any]] = []
-    for steps in episodes_steps[:MAX_EPISODES]:
-        step = steps[0]
+    for step, last in spans[:MAX_EPISODES]:
         at = [r for r in ranks if _holds(recorded[r], step)]
         unrecorded = [r for r in ranks if r not in at]
         origins: list[dict[str, Any]] = []
         for r in at:
-            facts = evidence[r].get(step)
-            if not facts:
+            here = [f for f in facts[r] if f[0] <= step <= f[1]]
+            if not here:
                 continue
-            what, layer, source = _first_of(facts)
+            _, _, what, layer, source = _first_of(here)
             if (
                 what in ("activation", "gradient")
                 and layer is None
@@ -277,7 +311,6 @@ def _compute(run: Run) -> dict[str, Any]:
                 {**rank_place(run, r), "step": step, "what": what, "layer": layer, "source": source}
             )
         own = {o["rank"] for o in origins}
-        later = set(steps[1:])
         received: list[int] = []
         unaffected: list[int] = []
         for r in at:
@@ -285,28 +318,28 @@ def _compute(run: Run) -> dict[str, Any]:
                 continue
             event = replays.get((r, step))
             got = (
-                step in skipped[r]
+                _holds_step(skipped[r], step)
                 or (
                     event is not None
                     and event.get("replayed")
                     and event.get("local_finite") is True
                 )
-                or any(s in evidence[r] for s in later)
+                or (last > step and _meets([(f[0], f[1]) for f in facts[r]], step + 1, last))
             )
             (received if got else unaffected).append(r)
-        replay_notes = {r: replays[r, step] for r in at if (r, step) in replays}
+        replay_notes = [replays[r, step] for r in at if (r, step) in replays]
         episodes.append(
             {
                 "step": step,
-                "last_step": steps[-1],
+                "last_step": last,
                 "origins": origins,
                 "received": received,
                 "unaffected": unaffected,
                 "unrecorded": unrecorded,
                 "every_rank": len(at) >= 2 and len(own) == len(at),
-                "replayed": any(e.get("replayed") for e in replay_notes.values()),
+                "replayed": any(e.get("replayed") for e in replay_notes),
                 "replay_reason": next(
-                    (str(e["reason"]) for e in replay_notes.values() if e.get("reason")), None
+                    (str(e["reason"]) for e in replay_notes if e.get("reason")), None
                 ),
             }
         )
@@ -314,8 +347,8 @@ def _compute(run: Run) -> dict[str, Any]:
     return {
         "ranks": ranks,
         "episodes": episodes,
-        "episode_count": len(episodes_steps),
-        "unexplained": _unexplained(run, ranks, skipped, evidence, replays, benign, first_bad),
+        "episode_count": len(spans),
+        "unexplained": _unexplained(run, ranks, skipped, spans, replays, benign, first_bad),
         "nccl_nan_check": _nan_check(run),
     }
 
@@ -323,27 +356,39 @@ def _compute(run: Run) -> dict[str, Any]:
 def _unexplained(
     run: Run,
     ranks: list[int],
-    skipped: Mapping[int, set[int]],
-    evidence: Mapping[int, Mapping[int, Any]],
+    skipped: Mapping[int, list[tuple[int, int]]],
+    spans: list[tuple[int, int]],
     replays: Mapping[tuple[int, int], Mapping[str, Any]],
     benign: set[int],
     before: int | None,
 ) -> dict[str, Any] | None:
     """Skipped steps (outside each rank's calibration and the loss-scale replays) before the
     first episode, with no rank-local non-finite value: the origin of their inf/NaN gradients
-    was not checked unless a replay compared the ranks' own steps."""
-    steps: set[int] = set()
+    was not checked unless a replay compared the ranks' own steps. ``steps``: the first
+    :data:`MAX_LISTED` of them, ``count``: how many."""
+    out: list[tuple[int, int]] = []
     for r in ranks:
+        if not skipped[r]:
+            continue
         calibration = set(calibration_steps(run, r))
-        steps |= {s for s in skipped[r] if s not in calibration}
-    steps -= benign
-    steps = {s for s in steps if not any(s in evidence[r] for r in ranks)}
+        for a, b in skipped[r]:
+            out += _cut(a, b, calibration)
+    out = _merge(out)
+    out = [p for a, b in out for p in _cut(a, b, benign)]
+    for a0, b0 in spans:  # steps with a rank-local fact are episodes, not unexplained
+        out = [p for a, b in out for p in _cut_span(a, b, a0, b0)]
     if before is not None:
-        steps = {s for s in steps if s < before}
-    if not steps:
+        out = [(a, min(b, before - 1)) for a, b in out if a < before]
+    if not out:
         return None
-    ordered = sorted(steps)
-    first = ordered[0]
+    count = sum(b - a + 1 for a, b in out)
+    listed: list[int] = []
+    for a, b in out:
+        listed += range(a, min(b, a + MAX_LISTED) + 1)
+        if len(listed) >= MAX_LISTED:
+            break
+    steps = listed[:MAX_LISTED]
+    first = steps[0]
     events = [replays[r, first] for r in ranks if (r, first) in replays]
     if any(e.get("replayed") and e.get("local_finite") is True for e in events):
         reason = (
@@ -361,7 +406,26 @@ def _unexplained(
             reason = 'replay was off (replay="off" or replay_max=0): no step was replayed'
         else:
             reason = f"step {first} was not replayed (no replay event)"
-    return {"steps": ordered, "first": first, "reason": reason}
+    return {"steps": steps, "count": count, "first": first, "reason": reason}
+
+
+def _cut(a: int, b: int, points: set[int]) -> list[tuple[int, int]]:
+    """``[a, b]`` without ``points``."""
+    out = []
+    for s in sorted(x for x in points if a <= x <= b):
+        if a < s:
+            out.append((a, s - 1))
+        a = s + 1
+    if a <= b:
+        out.append((a, b))
+    return out
+
+
+def _cut_span(a: int, b: int, a0: int, b0: int) -> list[tuple[int, int]]:
+    """``[a, b]`` without ``[a0, b0]``."""
+    if b0 < a or a0 > b:
+        return [(a, b)]
+    return [p for p in ((a, a0 - 1), (b0 + 1, b)) if p[0] <= p[1]]
 
 
 def what_words(what: str) -> str:

@@ -309,6 +309,7 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
                 "nccl_nan_check": "TORCH_NCCL_NAN_CHECK",
                 "ranks_at_step": "the ranks at that step",
                 "episode_last_step": "non-finite until step",
+                "ranks_not_listed_count": "ranks not in the table",
             },
         ),
     }

@@ -53,7 +53,7 @@ def _origin_known(run: Run) -> str | None:
     if unexplained is not None:
         steps = unexplained["steps"]
         return (
-            f"{len(steps):,} step(s) were skipped for inf/NaN gradients (first: step "
+            f"{unexplained['count']:,} step(s) were skipped for inf/NaN gradients (first: step "
             f"{steps[0]}) with no rank's input, loss or sampled layer non-finite: some rank's "
             "gradient overflowed before the reduction (or every rank's: a loss scale too "
             "high), and only a replay of the step compares the ranks' own gradients; "
@@ -105,7 +105,7 @@ def check_rank_nonfinite_origin(ctx: RuleContext) -> Iterator[Finding]:
     if found["unexplained"] is not None:
         u = found["unexplained"]
         earlier.append(
-            f"{len(u['steps']):,} earlier step(s) (first: step {u['first']}) were skipped for "
+            f"{u['count']:,} earlier step(s) (first: step {u['first']}) were skipped for "
             f"inf/NaN gradients with no rank-local non-finite value: not placed on a rank "
             f"({u['reason']})"
         )
@@ -182,9 +182,11 @@ def _finding(
             "an NCCL error naming another rank would contradict this finding"
         )
     rows = []
-    listed = sorted({p["rank"] for p in origins} | set(received) | set(e["unaffected"]))
     by_rank = {p["rank"]: p for p in origins}
-    for r in listed[:MAX_ROWS]:
+    others = sorted(set(received) | set(e["unaffected"]))
+    # the origin ranks first, then the others (the first of them)
+    listed = sorted(by_rank) + others[: max(0, MAX_ROWS - len(by_rank))]
+    for r in listed:
         place = by_rank.get(r) or rank_place(run, r)
         own = by_rank.get(r)
         rows.append(
@@ -213,6 +215,7 @@ def _finding(
         "origin_source": o.get("source"),
         "episode_last_step": int(e["last_step"]) if e["last_step"] != step else None,
         "ranks_at_step": rows,
+        "ranks_not_listed_count": (len(by_rank) + len(others) - len(listed)) or None,
         "nccl_nan_check": (
             None if nan_check is False else ("set: " + str(nan_check) if nan_check else "not set")
         ),
