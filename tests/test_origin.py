@@ -266,6 +266,13 @@ def test_nccl_nan_check_said_when_set_and_advised_when_not():
     assert f.evidence["nccl_nan_check"] is None  # not recorded (an older run)
 
 
+def test_a_step_only_one_rank_recorded_is_not_told():
+    rows = _steps(0, n=4) + _steps(1, input_nonfinite={6: 1})  # rank 0 recorded steps 0-3
+    found, reason = _d04(fake_run(steps=rows, ranks=[0, 1], manifest=_manifest()))
+    assert not found
+    assert reason is not None and "fewer than two ranks recorded step 6" in reason
+
+
 def test_single_rank_not_checked():
     found, reason = _d04(fake_run(steps=_steps(0, input_nonfinite={2: 1}), manifest=_manifest()))
     assert not found and reason is not None and "single-rank" in reason

@@ -38,6 +38,7 @@ __all__ = [
     "nonfinite_origin",
     "rank_place",
     "received_episode",
+    "told",
     "place_text",
     "what_words",
 ]
@@ -214,11 +215,17 @@ def received_episode(run: Run, rank: int, step: int) -> dict[str, Any] | None:
     through the collective and still held at ``step``; None when ``rank`` is an origin there,
     or received nothing then."""
     for e in nonfinite_origin(run)["episodes"]:
-        if e["every_rank"] or not e["origins"]:
+        if not told(e):
             continue
         if rank in e["received"] and e["step"] <= step <= e["last_step"]:
             return e
     return None
+
+
+def told(episode: Mapping[str, Any]) -> bool:
+    """Whether an episode's origin can be told: some ranks produced it, not every rank, and
+    at least two ranks recorded its first step."""
+    return bool(episode["origins"]) and not episode["every_rank"] and not episode["too_few"]
 
 
 def place_text(o: Mapping[str, Any]) -> str:
@@ -337,6 +344,8 @@ def _compute(run: Run) -> dict[str, Any]:
                 "unaffected": unaffected,
                 "unrecorded": unrecorded,
                 "every_rank": len(at) >= 2 and len(own) == len(at),
+                # fewer than two ranks recorded the step: the others' own values are unknown
+                "too_few": len(at) < 2,
                 "replayed": any(e.get("replayed") for e in replay_notes),
                 "replay_reason": next(
                     (str(e["reason"]) for e in replay_notes if e.get("reason")), None

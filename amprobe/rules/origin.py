@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from amprobe.analysis.origin import nonfinite_origin, place_text, rank_place, what_words
+from amprobe.analysis.origin import (
+    WHAT_ORDER,
+    nonfinite_origin,
+    place_text,
+    rank_place,
+    told,
+    what_words,
+)
 from amprobe.rules import distributed as _distributed  # noqa: F401  (the multi_rank requirement)
 from amprobe.rules.engine import Finding, RuleContext, name_ranks, requirement, rule
 from amprobe.rules.refs import MULTI_GPU_EXAMPLE
@@ -25,14 +32,20 @@ MAX_ROWS = 16
 ORIGIN_KEYS = ("rank", "hostname", "local_rank", "device", "step", "what", "layer")
 
 
-def _every_rank_reason(e: Mapping[str, Any]) -> str:
-    whats = sorted({o["what"] for o in e["origins"]}, key=lambda w: w)
+def _untold_reason(e: Mapping[str, Any]) -> str:
+    """Why an episode's origin cannot be told."""
+    if e["too_few"]:
+        return (
+            f"fewer than two ranks recorded step {e['step']} (the others recorded other steps: "
+            "a dormant or live-attached probe's windows): their own values there are not known"
+        )
+    whats = [w for w in WHAT_ORDER if w in {o["what"] for o in e["origins"]}]
     why = (
         f"every rank's own values were non-finite at step {e['step']} "
-        f"({', '.join(what_words(w) for w in whats)}) and no rank was non-finite on its own "
-        "before: either every rank produced them (the same bad data or a scale too high "
-        "everywhere), or they were produced where no rank-local check looked (a gradient "
-        "before the reduction on an earlier step) and the update spread them to every rank"
+        f"({', '.join(what_words(w) for w in whats)}), the first step of that run of "
+        "non-finite steps: either every rank produced them (the same bad data, a scale too "
+        "high everywhere), or they were produced where no rank-local check looked (a gradient "
+        "before the reduction, on a step not replayed) and the update spread them to every rank"
     )
     if e.get("replay_reason"):
         why += f"; the step was not replayed: {e['replay_reason']}"
@@ -45,10 +58,10 @@ def _origin_known(run: Run) -> str | None:
     non-finite; else why the origin cannot be told."""
     found = nonfinite_origin(run)
     episodes = found["episodes"]
-    if any(not e["every_rank"] and e["origins"] for e in episodes):
+    if any(told(e) for e in episodes):
         return None
     if episodes:
-        return "the origin cannot be told: " + _every_rank_reason(episodes[0])
+        return "the origin cannot be told: " + _untold_reason(episodes[0])
     unexplained = found["unexplained"]
     if unexplained is not None:
         steps = unexplained["steps"]
@@ -111,8 +124,8 @@ def check_rank_nonfinite_origin(ctx: RuleContext) -> Iterator[Finding]:
         )
     made = 0
     for i, e in enumerate(found["episodes"]):
-        if e["every_rank"] or not e["origins"]:
-            earlier.append(f"step {e['step']}: the origin cannot be told ({_every_rank_reason(e)})")
+        if not told(e):
+            earlier.append(f"step {e['step']}: the origin cannot be told ({_untold_reason(e)})")
             continue
         if made >= MAX_FINDINGS:
             break
