@@ -228,7 +228,7 @@ def test_no_scaler_origin_then_every_rank_received_and_n05_says_received():
     assert n05, [n.reason for n in d.not_checked if n.id == "AMP-N05"]
     assert all("received through the all-reduce" in x.title for x in n05)
     assert all("rank 1" in x.title and "AMP-D04" in x.title for x in n05)
-    assert "AMP-D04" in n05[0].explained_by
+    assert all(x.evidence["received_from"] == {"ranks": [1], "step": 3} for x in n05)
 
 
 def test_two_origins_at_one_step_each_named():

@@ -287,10 +287,8 @@ def check_nonfinite_input(ctx: RuleContext) -> Iterator[Finding]:
     "nan",
     requires=("numerics", "activations"),
     refs=(AUTOCAST_OPS,),
-    # the replay measured which layer's fp32 pin makes the step finite (or another cause);
-    # on a rank that received the non-finite values through the all-reduce, the rank that
-    # produced them (AMP-D04)
-    explained_by=("AMP-N17", "AMP-D04"),
+    # the replay measured which layer's fp32 pin makes the step finite (or another cause)
+    explained_by=("AMP-N17",),
 )
 def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     """A module's forward output holds inf/NaN while its inputs were finite.
