@@ -12,12 +12,12 @@ from amprobe.rules import compute as _compute  # noqa: F401
 from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
 from amprobe.rules import distributed as _distributed  # noqa: F401
 from amprobe.rules import numerics as _numerics  # noqa: F401
+from amprobe.rules import origin as _origin  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401
 from amprobe.rules import replay as _replay  # noqa: F401
 from amprobe.rules import runtime as _runtime  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
 from amprobe.rules import whatif as _whatif  # noqa: F401
-from amprobe.rules import origin as _origin  # noqa: F401  (after distributed: multi_rank)
 from amprobe.rules.engine import (
     REGISTRY,
     Diagnosis,
