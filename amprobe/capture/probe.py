@@ -200,6 +200,8 @@ class Probe:
             "local_rank": int(os.environ.get("LOCAL_RANK", self.rank) or 0),
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
+            # NCCL checks every collective's input for NaN when set (AMP-D04 says so)
+            "nccl_nan_check": os.environ.get("TORCH_NCCL_NAN_CHECK"),
             "argv": list(sys.argv),
             "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "start_unix": time.time(),

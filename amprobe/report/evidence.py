@@ -204,6 +204,45 @@ def _n17_sentence(e: Mapping[str, Any]) -> str | None:
     )
 
 
+_D04_WHAT = {
+    "input": "its input batch",
+    "activation": "a layer's activation",
+    "loss": "its local loss",
+    "gradient": "its local gradient before the reduction",
+}
+
+
+def _d04_sentence(e: Mapping[str, Any]) -> str | None:
+    o = e.get("origin")
+    if not isinstance(o, Mapping) or o.get("rank") is None:
+        return None
+    where = ", ".join(
+        str(x)
+        for x in (
+            o.get("hostname") or None,
+            f"local rank {o['local_rank']}"
+            if isinstance(o.get("local_rank"), int) and o["local_rank"] >= 0
+            else None,
+            o.get("device"),
+        )
+        if x
+    )
+    what = _D04_WHAT.get(str(o.get("what")), str(o.get("what")))
+    layer = f" ({o['layer']})" if o.get("layer") else ""
+    received = e.get("received") or []
+    got = (
+        f" {'Rank' if len(received) == 1 else 'Ranks'} {format_ranks(int(r) for r in received)} "
+        "received it through the all-reduce."
+        if received
+        else ""
+    )
+    return (
+        f"Rank {o['rank']}"
+        + (f" ({where})" if where else "")
+        + f" produced it at step {o.get('step')}: {what}{layer}.{got}"
+    )
+
+
 #: rule ID -> what its evidence needs beyond the generic renderer
 VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
     {
@@ -262,6 +301,17 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
         "AMP-N01": EvidenceView(labels={"threshold": "cuts per growth interval, frequent above"}),
         "AMP-N09": EvidenceView(counts={"clipped_steps": "affected_step_count"}),
         "AMP-N13": EvidenceView(counts={"half_loss_steps": "affected_step_count"}),
+        "AMP-D04": EvidenceView(
+            sentence=_d04_sentence,
+            said=("origin", "received", "ranks", "step", "what", "layer"),
+            labels={
+                "origin_source": "seen by",
+                "nccl_nan_check": "TORCH_NCCL_NAN_CHECK",
+                "ranks_at_step": "the ranks at that step",
+                "episode_last_step": "non-finite until step",
+                "ranks_not_listed_count": "ranks not in the table",
+            },
+        ),
     }
 )
 

@@ -13,6 +13,7 @@ from amprobe.rules import data as _data  # noqa: F401  (registers requirements)
 from amprobe.rules import devicefault as _devicefault  # noqa: F401
 from amprobe.rules import distributed as _distributed  # noqa: F401
 from amprobe.rules import numerics as _numerics  # noqa: F401
+from amprobe.rules import origin as _origin  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401
 from amprobe.rules import replay as _replay  # noqa: F401
 from amprobe.rules import runtime as _runtime  # noqa: F401

@@ -7,6 +7,7 @@ Data comes from the ``numerics`` collector: the ``numerics`` and ``offenders`` t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from amprobe.analysis.numerics import (
     offenders_section,
     root_missing_reason,
 )
+from amprobe.analysis.origin import place_text, received_episode, what_words
 from amprobe.analysis.scaler import calibration_steps
 from amprobe.rules.data import (
     HALF_DTYPES,
@@ -41,7 +43,7 @@ from amprobe.rules.data import (
     step_ranges,
     steps_list,
 )
-from amprobe.rules.engine import Finding, RuleContext, requirement, rule
+from amprobe.rules.engine import Finding, RuleContext, name_ranks, requirement, rule
 from amprobe.rules.refs import AUTOCAST_OPS, GRADIENT_SCALING
 from amprobe.store.loader import Run
 from amprobe.store.sections.numerics import step_facts
@@ -316,7 +318,52 @@ def check_forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
     repeated step, capped lists, or an offender step whose facts were not kept (the first
     :data:`~amprobe.store.sections.numerics.MAX_FACT_STEPS` steps with a non-finite output
     between a chunk's first and last step, and those two).
+
+    In a job of several ranks, a rank that received non-finite values through the gradient
+    all-reduce from another rank (:func:`~amprobe.analysis.origin.received_episode`, the
+    ranks AMP-D04 lists as ``received``) has no layer of its own to blame: its finding says
+    so, names the rank that produced them, and keeps the layer only as where they showed.
     """
+    for f in _forward_overflow(ctx):
+        yield _as_received(ctx, f)
+
+
+def _as_received(ctx: RuleContext, f: Finding) -> Finding:
+    """AMP-N05's finding on a rank that received its non-finite values through the
+    all-reduce: reworded so that it does not name a layer of its own as the origin."""
+    rank, step = f.evidence.get("rank"), f.evidence.get("step")
+    if len(ctx.run.ranks) < 2 or not isinstance(rank, int) or not isinstance(step, int):
+        return f
+    episode = received_episode(ctx.run, rank, step)
+    if episode is None:
+        return f
+    origins = episode["origins"]
+    module = f.evidence.get("module")
+    where = f" (first seen in {module})" if module else ""
+    if len(origins) == 1:
+        o = origins[0]
+        who = (
+            f"{place_text(o)} produced them at step {episode['step']} ({what_words(o['what'])}"
+            + (f", `{o['layer']}`" if o.get("layer") else "")
+            + ")"
+        )
+    else:
+        who = f"ranks {name_ranks(o['rank'] for o in origins)} produced them at step {episode['step']}"
+    title = (
+        f"non-finite values at step {step}{where} received through the all-reduce, not "
+        f"produced by a layer of this rank: {who} (AMP-D04)"
+    )
+    named = [int(o["rank"]) for o in origins]
+    evidence = {**f.evidence, "received_from": {"ranks": named, "step": int(episode["step"])}}
+    fix = (
+        f"Not this rank's layer: the value came from rank(s) {name_ranks(named)} through the "
+        f"gradient reduction. Look at them at step {episode['step']} (AMP-D04)."
+    )
+    return dataclasses.replace(f, title=title, evidence=evidence, fix=fix)
+
+
+def _forward_overflow(ctx: RuleContext) -> Iterator[Finding]:
+    """AMP-N05's findings, one per rank, as each rank's own records give them."""
     run = ctx.run
     half = [d for d in autocast_dtypes(run) if d in _CAST_RANGE]
     for rank in sorted(run.summaries()):

@@ -154,6 +154,7 @@ MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "local_rank": (int,),
     "pid": (int,),
     "hostname": (str,),
+    "nccl_nan_check": (str,),  # TORCH_NCCL_NAN_CHECK's value; None: not set
     "argv": (list,),
     "device": (str,),
     "gpu_name": (str,),
