@@ -403,6 +403,24 @@ def test_fp16_gradient_fit_uses_one_scale_per_step() -> None:
     assert b["flush"] == 4  # -45 + 15 = -30 < -25 flushes, -30 + 15 = -15 is fp16 subnormal
 
 
+def test_p03_docstring_states_the_bound_the_code_uses() -> None:
+    """AMP-P03's text (docs/reference/findings.md) gives fp16's overflow bound as the code
+    counts it: 65520, not "above 65504" (65504 < v < 65520 rounds down to 65504)."""
+    from amprobe.rules.whatif import check_fp16_range
+
+    doc = " ".join((check_fp16_range.__doc__ or "").split())
+    assert "above 65504" not in doc
+    assert "at or above 65520" in doc
+    assert torch.tensor([65519.0, 65520.0]).half().tolist() == [65504.0, math.inf]
+    for amax, over in ((65519.0, 0), (65520.0, 1)):
+        numerics = pd.DataFrame([_hist_row("a", "output", {0: 5, 15: 8}, amax=amax)])
+        rows = compute_whatif_rows(numerics)
+        assert (
+            rows[(rows["format"] == "fp16") & (rows["scaling"] == "none")].iloc[0]["overflow"]
+            == over
+        )
+
+
 # -- rules on hand-built frames -------------------------------------------------------------------
 BF16 = {"kind": "autocast_seen", "device": "cpu", "dtype": "bfloat16", "enabled": True}
 FP16 = {"kind": "autocast_seen", "device": "cpu", "dtype": "float16", "enabled": True}
