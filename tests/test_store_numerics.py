@@ -58,7 +58,7 @@ def test_amax_edges_are_the_formats_bounds() -> None:
         return x / 2.0 ** math.floor(math.log2(x))
 
     assert AMAX_SCALE_EDGES == sorted(mantissa(f.max) for f in FORMATS.values())
-    assert AMAX_OVERFLOW_EDGES == sorted(mantissa(f.overflow_at) for f in FORMATS.values())
+    assert AMAX_OVERFLOW_EDGES == sorted(mantissa(f.overflows_from) for f in FORMATS.values())
 
 
 @pytest.mark.parametrize("name", ["fp8-whatif", "overflow"])

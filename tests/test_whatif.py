@@ -289,7 +289,7 @@ def _hist_row(
     elements = sum(hist.values()) + zeros
     if zeros:
         hist = {**hist, -127: hist.get(-127, 0) + zeros}
-    top = max(e for e in hist if -127 < e < 128)
+    top = max((e for e in hist if -127 < e < 128), default=-134)  # -134: only the lump
     return {
         "rank": rank,
         "step": step,
@@ -333,9 +333,10 @@ def test_edge_bins_by_hand() -> None:
     assert scaled["scale_exp"] == -1  # 600 / 2 = 300 <= 448 < 600
     assert scaled["overflow"] == 0
     assert scaled["flush"] == 1 + 2 + 3  # every bin moved down by one
-    # amax inside the top binade, at or past the overflow bound 464 (448 plus half its step of
-    # 32): amax itself overflows, the rest of the bin is open
-    numerics = pd.DataFrame([_hist_row("a", "output", {0: 5, 8: 8}, amax=464.0)])
+    # amax inside the top binade, past the overflow bound 464 (448 plus half its step of 32;
+    # the tie 464 itself rounds to even, to 448): amax itself overflows, the rest of the bin is
+    # open
+    numerics = pd.DataFrame([_hist_row("a", "output", {0: 5, 8: 8}, amax=464.5)])
     rows = compute_whatif_rows(numerics)
     r = rows[(rows["format"] == "e4m3") & (rows["scaling"] == "none")].iloc[0]
     assert r["overflow"] == 1 and r["edge"] == 8 - 1
@@ -401,6 +402,124 @@ def test_fp16_gradient_fit_uses_one_scale_per_step() -> None:
     assert set(fit["loss_scale_exp"]) == {15}
     b = fit[fit["module"] == "b"].iloc[0]
     assert b["flush"] == 4  # -45 + 15 = -30 < -25 flushes, -30 + 15 = -15 is fp16 subnormal
+
+
+# -- issue 36: four slips of the what-if, each checked against real casts ----------------------
+#: fp32 subnormals, every one in the lump (nonzero, below 2**-133): i * 2**-149 for i = 1 .. 10
+#: (amax 1.25 * 2**-146), and values straddling 2**-134, bf16's tie at half its min subnormal
+LUMPS = {
+    "low": torch.tensor([i * 2.0**-149 for i in range(1, 11)]),
+    "straddle": torch.tensor([(2**15 + d) * 2.0**-149 for d in (-3, -1, 0, 0, 1, 2, 5, 9)]),
+}
+
+
+def _lump_rows(t: torch.Tensor) -> pd.DataFrame:
+    """:func:`compute_whatif_rows` of one activation row that recorded ``t`` (the lump alone)."""
+    assert bool(((t != 0) & (t.abs() < 2.0**-133)).all())
+    row = _hist_row("a", "output", {-149: len(t)}, amax=float(t.abs().max()))
+    return compute_whatif_rows(pd.DataFrame([row]))
+
+
+@pytest.mark.parametrize("name", list(LUMPS))
+def test_lump_is_counted_once_in_edge(name: str) -> None:
+    """bf16 cast as-is: its bin m-1 is -134, the column where the histogram keeps the lump;
+    ``edge`` counted the lump there and again as the open lump (20 for 10 values)."""
+    t = LUMPS[name]
+    rows = _lump_rows(t)
+    r = rows[(rows["format"] == "bf16") & (rows["scaling"] == "none")].iloc[0]
+    assert r["nonzero"] == len(t)
+    assert r["edge"] == len(t)  # each value once (was twice)
+    over, flush, sub = _real(t, "bf16", 0)
+    assert (over, flush + sub) == (0, len(t))
+    assert abs(r["flush"] - flush) <= r["edge"] and abs(r["subnormal"] - sub) <= r["edge"]
+    # every format and scaling: within edge of the real cast, and edge never more than the values
+    for row in rows.itertuples():
+        over, flush, sub = _real(t, row.format, int(row.scale_exp))
+        where = f"{row.format} {row.scaling}"
+        assert row.edge <= row.nonzero, where
+        assert abs(row.overflow - over) <= row.edge, where
+        assert abs(row.flush - flush) <= row.edge, where
+        assert abs(row.subnormal - sub) <= row.edge, where
+
+
+def test_lump_is_counted_once_in_the_fp16_gradient_fit() -> None:
+    """The same double count in the fp16 loss-scale fit: a step whose largest gradient sets the
+    scale 2**109 moves the lump's top binade -134 to -25, fp16's bin m-1."""
+    t = LUMPS["low"]
+    numerics = pd.DataFrame(
+        [
+            _hist_row("big", "grad_output", {-94: 1}, amax=1.5 * 2.0**-94),
+            _hist_row("a", "grad_output", {-149: len(t)}, amax=float(t.max())),
+        ]
+    )
+    fit = compute_fp16_gradient_fit(numerics)
+    assert set(fit["loss_scale_exp"]) == {109}
+    a = fit[fit["module"] == "a"].iloc[0]
+    assert a["nonzero"] == 10 and a["edge"] == 10  # was 20
+    flushed = int((t.double() * 2.0**109).half().eq(0).sum())
+    assert abs(a["flush"] - flushed) <= a["edge"]
+
+
+def test_per_tensor_scale_of_a_lump_only_tensor_overflows_nothing() -> None:
+    """The scale maps amax just under the max, so nothing overflows; the lump was counted at
+    its top binade -134 shifted by that scale, past the max when amax lies far below 2**-134
+    (10 of 10 overflowed). Placed at amax's binade, its 16 binades land in the normal range."""
+    t = LUMPS["low"]
+    rows = _lump_rows(t)
+    scaled = rows[rows["scaling"] == "per-tensor"]
+    assert len(scaled) == len(FORMATS)
+    for r in scaled.itertuples():
+        assert _real(t, r.format, int(r.scale_exp)) == (0, 0, 0), r.format  # all kept
+        assert r.overflow == 0, r.format  # was 10
+        assert (r.flush, r.subnormal, r.edge) == (0, 0, 0), r.format
+
+
+def test_e4m3_tie_at_464_rounds_to_448() -> None:
+    """e4m3's max 448 has an even mantissa: round-to-nearest-even takes the tie 464 (448 plus
+    half its step of 32) to 448, so only values above 464 overflow (torch's cast saturates them
+    to 448 too, further than half a step away). 464 lies inside the top binade [256, 512): the
+    histogram cannot tell it from 464.01, only the recorded amax does."""
+    above = float(torch.tensor(464.01))  # the fp32 value recorded
+    cast = torch.tensor([464.0, above]).to(torch.float8_e4m3fn).float()
+    assert cast.tolist() == [448.0, 448.0]
+    assert _real(torch.tensor([464.0]), "e4m3", 0) == (0, 0, 0)  # a rounding: half a step
+    assert _real(torch.tensor([above]), "e4m3", 0) == (1, 0, 0)  # past it: saturated
+    for amax, over, edge in ((464.0, 0, 0), (above, 1, 8 - 1)):
+        numerics = pd.DataFrame([_hist_row("a", "output", {0: 5, 8: 8}, amax=amax)])
+        rows = compute_whatif_rows(numerics)
+        r = rows[(rows["format"] == "e4m3") & (rows["scaling"] == "none")].iloc[0]
+        assert (r["overflow"], r["edge"]) == (over, edge), amax
+    # the summaries group rows by amax class: 464 and 464.01 must not share one
+    run = fake_run(
+        tables={
+            "numerics": [
+                _hist_row("a", "output", {0: 5, 8: 8}, step=0, amax=464.0),
+                _hist_row("a", "output", {0: 5, 8: 8}, step=1, amax=above),
+            ]
+        }
+    )
+    summed = compute_whatif(run)
+    pd.testing.assert_frame_equal(summed, compute_whatif_frame(run.table("numerics")))
+    e4m3 = summed[(summed["format"] == "e4m3") & (summed["scaling"] == "none")].iloc[0]
+    assert (e4m3["overflow"], e4m3["edge"]) == (1, 8 - 1)
+
+
+def test_p03_docstring_states_the_bound_the_code_uses() -> None:
+    """AMP-P03's text (docs/reference/findings.md) gives fp16's overflow bound as the code
+    counts it: 65520, not "above 65504" (65504 < v < 65520 rounds down to 65504)."""
+    from amprobe.rules.whatif import check_fp16_range
+
+    doc = " ".join((check_fp16_range.__doc__ or "").split())
+    assert "above 65504" not in doc
+    assert "at or above 65520" in doc
+    assert torch.tensor([65519.0, 65520.0]).half().tolist() == [65504.0, math.inf]
+    for amax, over in ((65519.0, 0), (65520.0, 1)):
+        numerics = pd.DataFrame([_hist_row("a", "output", {0: 5, 15: 8}, amax=amax)])
+        rows = compute_whatif_rows(numerics)
+        assert (
+            rows[(rows["format"] == "fp16") & (rows["scaling"] == "none")].iloc[0]["overflow"]
+            == over
+        )
 
 
 # -- rules on hand-built frames -------------------------------------------------------------------

@@ -14,8 +14,10 @@ classified by what a round-to-nearest-even cast does with it:
 
 * **overflow** when the cast does not keep it within half a step of a finite value:
   ``y >= max + ulp(max)/2`` (:attr:`FloatFormat.overflow_at`: fp16 65520, bf16 ``0x1.ffp127``,
-  e5m2 61440, e4m3 464); such values become inf, or for fp8-e4m3, which has no inf, saturate
-  to 448. Values between ``max`` and that bound round down to ``max``;
+  e5m2 61440), where the tie rounds to even, past ``max``; for e4m3 ``y > 464``: its max 448
+  has an even mantissa, so the tie 464 rounds to 448 (:attr:`FloatFormat.overflows_from`).
+  Such values become inf, or for fp8-e4m3, which has no inf, saturate to 448. Values between
+  ``max`` and that bound round down to ``max``;
 * **flush** to zero when it rounds to 0: ``y <= 2**(m-1)``, half the minimum subnormal
   ``2**m`` (the tie at exactly ``2**(m-1)`` rounds to even, i.e. to 0);
 * **subnormal** when it lands in ``[2**m, 2**emin)``: kept, with fewer significant bits.
@@ -31,7 +33,7 @@ What the exponent-only histogram resolves, and the tolerance that follows:
   (``T = floor(log2(max))``) is overflow, bins up to ``m-2`` flush, bins ``m`` .. ``emin-2``
   subnormal, bins ``emin`` .. ``T-1`` normal.
 * Top binade: holds values on both sides of the overflow bound (fp16: 32768 .. 65519.99 fit,
-  65520 .. 65536 do not). ``amax`` settles it when the (scaled) ``amax`` is below the bound
+  65520 .. 65536 do not). ``amax`` settles it when the (scaled) ``amax`` does not overflow
   (then the whole bin fits; always the case with per-tensor scaling); otherwise ``amax``
   itself is counted as overflowing and the rest of the bin is unresolved (``edge``).
 * Bin ``m-1``, ``[2**(m-1), 2**m)``: rounds up to the min subnormal, except a value of exactly
@@ -43,8 +45,11 @@ What the exponent-only histogram resolves, and the tolerance that follows:
   ``2**(m-emin)``: fp16 0.1 %, bf16 0.8 %, e4m3 12.5 %, e5m2 25 %.
 * fp32 subnormals: the binades down to ``2**-133`` are exact bins, scaled like any other; the
   lump (nonzero values below ``2**-133``) covers the scaled binades ``-149+k`` .. ``-134+k``:
-  counted in the class of its top binade, and in ``edge`` unless that whole range lies in one
-  exactly resolved class. ``min_exp`` is -149 when the lump holds values (a lower bound).
+  counted in the class of its top binade, and in ``edge`` (once) unless that whole range lies
+  in one exactly resolved class. Where the lump holds a tensor's only values, per-tensor
+  scaling places its top at ``amax``'s binade instead of -134 (the scale maps ``amax``, not
+  2**-134, under the max: nothing overflows). ``min_exp`` is -149 when the lump holds values
+  (a lower bound).
 * Values a narrower dtype already flushed (an fp16 tensor's underflow) are zeros by now and
   are not counted: shares are of the values that were recorded nonzero.
 
@@ -114,9 +119,23 @@ class FloatFormat:
 
     @property
     def overflow_at(self) -> float:
-        """The smallest magnitude a round-to-nearest cast does not keep finite: ``max`` plus
-        half its step (values in between round down to ``max``)."""
+        """The round-to-nearest bound: ``max`` plus half its step (values below it round down
+        to ``max``; the tie itself overflows where :attr:`tie_overflows`)."""
         return self.max + 2.0 ** (self.top_exp - self.mantissa_bits - 1)
+
+    @property
+    def tie_overflows(self) -> bool:
+        """Whether a value of exactly :attr:`overflow_at` overflows: round-to-nearest-even takes
+        the tie to the neighbour with an even last mantissa bit, past ``max`` where ``max``'s is
+        odd (fp16, bf16, e5m2), to ``max`` where it is even (e4m3: 464 rounds to 448)."""
+        return int(self.max / 2.0 ** (self.top_exp - self.mantissa_bits)) % 2 == 1
+
+    @property
+    def overflows_from(self) -> float:
+        """The smallest float the cast does not keep finite: :attr:`overflow_at`, or for a
+        format whose tie rounds down to ``max`` the next float above it (e4m3: above 464)."""
+        at = self.overflow_at
+        return at if self.tie_overflows else math.nextafter(at, math.inf)
 
     @property
     def top_exp(self) -> int:
@@ -175,7 +194,6 @@ WHATIF_COLUMNS = [
 # -149, nonzero values below 2**-133) sits at column 0, the position of its top binade -134
 _E_LO = -134
 _LUMP_EXP = -149  # the lump's lowest binade: what min_exp reports for it
-_LUMP_SPAN = _E_LO - _LUMP_EXP  # the lump covers exponents top - 15 .. top
 _NBINS = 128 - _E_LO + 1
 _ZERO = -127 - _E_LO  # the column that also holds the zeros
 _FINITE = 128 - _E_LO  # columns 0 .. _FINITE - 1 are finite; _FINITE holds inf/NaN
@@ -281,15 +299,23 @@ class _Counter:
         b = np.maximum(a, b)
         return self.prefix[self.rows, b] - self.prefix[self.rows, a]
 
-    def lump_open(self, exact: list[tuple[float, float]], k: np.ndarray) -> np.ndarray:
-        """The lump's count where its scaled range ``[-149+k, -134+k]`` lies in none of the
-        ``exact`` exponent ranges (inclusive), else 0."""
-        top = _E_LO + k
-        low = top - _LUMP_SPAN
+    def lump_open(
+        self, exact: list[tuple[Any, Any]], k: np.ndarray, top: np.ndarray | int = _E_LO
+    ) -> np.ndarray:
+        """The lump's count where ``edge`` must add it, else 0: where its scaled top binade
+        ``top + k`` (the bin :meth:`between` counts it in) lies in one of the ``exact``
+        exponent ranges (inclusive; per row or for all) but its scaled range
+        ``[-149 + k, top + k]`` in none. Where its top binade is itself an edge bin, that bin's
+        count in ``edge`` holds it already. ``top``: the lump's top binade, -134, or amax's
+        binade where the lump holds a tensor's only values (see :func:`_classify`)."""
+        high = np.asarray(top) + k
+        low = _LUMP_EXP + k
+        counted = np.zeros(len(self.rows), dtype=bool)
         inside = np.zeros(len(self.rows), dtype=bool)
         for lo, hi in exact:
-            inside |= (low >= lo) & (top <= hi)
-        return np.where(inside, 0, self.lump)
+            counted |= (high >= lo) & (high <= hi)
+            inside |= (low >= lo) & (high <= hi)
+        return np.where(counted & ~inside, self.lump, 0)
 
 
 class _WindowCounter(_Counter):
@@ -383,19 +409,31 @@ def _classify(
     whose ``amax`` and top binade classify alike, :func:`amprobe.store.sections.numerics.amax_class`):
     the ``amax`` counted as overflowing counts once per row."""
     ones = np.ones(len(amax), dtype=np.int64) if weight is None else weight
+    zero = np.zeros(len(amax), dtype=np.int64)
+    # a row holding only the lump (top binade -134) with a known amax: its values lie at or
+    # below amax's binade. The per-tensor scale maps amax under the max, so there the lump is
+    # placed at that binade, not at -134 (which the scale would carry past the max)
+    lump_row = (top == _E_LO) & np.isfinite(amax) & (amax > 0)
+    amax_binade = np.frexp(np.where(lump_row, amax, 1.0))[1].astype(np.int64) - 1
+    lump_top = np.where(lump_row, np.clip(amax_binade, _LUMP_EXP, _E_LO), _E_LO)
     for fmt in FORMATS.values():
         t, emin, m = fmt.top_exp, fmt.min_normal_exp, fmt.min_subnormal_exp
         for scaling in SCALINGS:
             if scaling == "none":
-                k = np.zeros(len(amax), dtype=np.int64)
+                k = zero
+                top_l: np.ndarray | int = _E_LO
+                at = k  # where between() places each row's columns (the lump's at -134 + at)
             else:
                 k = _scale_exps(amax, top, fmt)
+                top_l = lump_top
+                # a lump-only row's values are all in the lump: the row moved as one
+                at = k + (lump_top - _E_LO)
             scaled_amax = amax * np.exp2(k.astype(float))
-            above = counter.between(t + 1, 10**6, k)
-            top_bin = counter.between(t, t, k)
+            above = counter.between(t + 1, 10**6, at)
+            top_bin = counter.between(t, t, at)
             # amax settles the top binade when it rounds to a finite value; else amax
             # overflows and the rest of the bin is open
-            bound = fmt.overflow_at
+            bound = fmt.overflows_from
             known_fit = np.isfinite(scaled_amax) & (scaled_amax < bound)
             amax_over = (
                 np.isfinite(scaled_amax) & (scaled_amax >= bound) & (top + k == t) & (top_bin > 0)
@@ -403,13 +441,15 @@ def _classify(
             over = amax_over.astype(np.int64) * ones
             overflow = above + over
             top_open = np.where(known_fit, 0, top_bin - over)
-            flush = counter.between(-(10**6), m - 2, k)
-            subnormal = counter.between(m - 1, emin - 1, k)
-            exact = [(-math.inf, m - 2), (m, emin - 2), (emin, t - 1), (t + 1, math.inf)]
+            flush = counter.between(-(10**6), m - 2, at)
+            subnormal = counter.between(m - 1, emin - 1, at)
+            # the top binade is exact where amax settles it
+            normal_hi = t - 1 + known_fit.astype(np.int64)
+            exact = [(-math.inf, m - 2), (m, emin - 2), (emin, normal_hi), (t + 1, math.inf)]
             edge = (
-                counter.between(m - 1, m - 1, k)
-                + counter.between(emin - 1, emin - 1, k)
-                + counter.lump_open(exact, k)
+                counter.between(m - 1, m - 1, at)
+                + counter.between(emin - 1, emin - 1, at)
+                + counter.lump_open(exact, k, top_l)
             )
             yield (
                 fmt,

@@ -506,8 +506,9 @@ def check_fp16_range(ctx: RuleContext) -> Iterator[Finding]:
     Only for bf16 runs (bf16 autocast, or bf16 layer outputs without fp16). Two checks, per rank
     over the sampled steps:
 
-    * activations: nonzero values above 65504 (overflow when cast as-is; activations are not
-      loss-scaled), share over all activations > ``max_overflow_share``;
+    * activations: nonzero values at or above 65520, 65504 plus half its step (they overflow
+      when cast as-is; values in between round down to 65504; activations are not loss-scaled),
+      share over all activations > ``max_overflow_share``;
     * gradients: fp16 training multiplies every gradient by one loss scale. At the best one per
       step (the largest power of two keeping the step's largest gradient under 65504, see
       :func:`amprobe.analysis.whatif.compute_fp16_gradient_fit`) the share of nonzero gradients

@@ -84,11 +84,12 @@ AMAX_SCALE_EDGES = sorted(
     m / 2.0 ** math.floor(math.log2(m))
     for m in (65504.0, float.fromhex("0x1.fep127"), 448.0, 57344.0)
 )
-#: the formats' overflow bounds (max plus half its step) as mantissas: whether amax (scaled or
-#: not) stays finite depends on which of these it reaches
+#: the formats' smallest overflowing values as mantissas: whether amax (scaled or not) stays
+#: finite depends on which of these it reaches. Max plus half its step, where that tie rounds
+#: past the max; e4m3's tie 464 rounds to even, to 448: only values above it overflow
 AMAX_OVERFLOW_EDGES = sorted(
     m / 2.0 ** math.floor(math.log2(m))
-    for m in (65520.0, float.fromhex("0x1.ffp127"), 464.0, 61440.0)
+    for m in (65520.0, float.fromhex("0x1.ffp127"), math.nextafter(464.0, math.inf), 61440.0)
 )
 
 _LUMP, _LUMP_TOP = -149, -134
