@@ -47,7 +47,7 @@ __all__ = [
 SUMMARY_FILE = "summary.json"
 #: Version of the summary record's layout; a reader rebuilds a record of another version from
 #: the record files instead of reading it.
-SUMMARY_VERSION = 4
+SUMMARY_VERSION = 5
 
 
 class Section:
