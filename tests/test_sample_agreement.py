@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -233,6 +232,15 @@ def _check_agreement(out: Path, nproc: int) -> dict[str, list[int]]:
         assert schedule["world_size"] == nproc and schedule["plans"] >= 5, schedule
     told = [_events(out, r, "sample_deferred", "armed_sample_declined") for r in range(nproc)]
     assert all(t == told[0] for t in told), told
+    kinds = [
+        json.loads((out / f"rank{r}" / "end.json").read_text())["sampling"]["kinds"]
+        for r in range(nproc)
+    ]
+    chosen = [
+        {k: (v["deferred"], v["armed_declined"], v["period"]) for k, v in kinds[r].items()}
+        for r in range(nproc)
+    ]
+    assert all(c == chosen[0] for c in chosen), chosen
     return sampled[0]
 
 
@@ -241,31 +249,43 @@ def _budgeted(steps: list[int], first: int, every: int) -> list[int]:
     return [s for s in steps[1:] if (s - first) % every == 0]
 
 
+def _not_vacuous(out: Path, sampled: dict[str, list[int]]) -> None:
+    """Each kind's schedule held decisions of rank 0's budget that every rank followed: at
+    least two after the first sample, each a sample on the kind's grid or a deferral (a plan
+    that put the kind's next sample later than its minimum period; their count is checked equal
+    on every rank by :func:`_check_agreement`), and at least one a sample. On a loaded machine
+    one sample's cost can read 100 ms (a stall), and the debt then defers a kind for the rest
+    of 500 steps: that is a decision too. (The in-process test above takes four samples of
+    each kind whatever the load.)"""
+    end = json.loads((out / "rank0" / "end.json").read_text())["sampling"]["kinds"]
+    for kind, (every, first) in KINDS.items():
+        assert sampled[kind][0] == first
+        budgeted = _budgeted(sampled[kind], first, every)
+        assert budgeted, (kind, sampled)
+        assert len(budgeted) + end[kind]["deferred"] >= 2, (kind, sampled, end[kind])
+
+
 def test_two_ranks_one_three_times_slower_sample_the_same_steps(tmp_path):
-    """2 ranks x 500 steps, rank 0 three times slower (it reaches each step's end late, after
-    the all-reduce: rank 1 waits for its plan), an inf in rank 1's batch at step 250."""
+    """2 ranks x 500 steps, rank 1 three times slower than rank 0 (rank 0 waits for it at the
+    all-reduce, which hides what rank 0's samples cost: decided alone, rank 0 samples more
+    often), and an inf in rank 1's batch at step 450: the GradScaler skips that update on both
+    ranks, which arms the per-layer capture on both at the same steps."""
     out = _job(
-        tmp_path, 2, STEPS=500, SLEEP_MS=10, SLOW_RANK=0, SLOW=3, INJECT_RANK=1, INJECT_STEP=250
+        tmp_path, 2, STEPS=500, SLEEP_MS=6, SLOW_RANK=1, SLOW=3, INJECT_RANK=1, INJECT_STEP=450
     )
     sampled = _check_agreement(out, 2)
-    # the skip at 250 arms the capture on both ranks at the same steps
+    _not_vacuous(out, sampled)
     armed = [_events(out, r, "numerics_armed") for r in range(2)]
-    assert armed[0] == armed[1] == [("numerics_armed", {"from_step": 251, "until_step": 253})]
-    assert {251, 252, 253} <= set(sampled["numerics"])
+    assert armed[0] == armed[1] == [("numerics_armed", {"from_step": 451, "until_step": 453})]
+    assert {451, 452, 453} <= set(sampled["numerics"])
     skipped = [
-        [r["step"] for r in recorded_rows(out, "steps", k) if r.get("skipped")] for k in (0, 1)
+        [r["step"] for r in recorded_rows(out, "steps", rank) if r.get("skipped")]
+        for rank in (0, 1)
     ]
-    assert skipped[0] == skipped[1] == [250]
-    for kind, (every, first) in KINDS.items():
-        assert sampled[kind][0] == first
-        assert len(_budgeted(sampled[kind], first, every)) >= 1, (kind, sampled)
+    assert skipped[0] == skipped[1] == [450]
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_healthy_ranks_sample_the_same_steps(tmp_path, nproc):
-    out = _job(tmp_path, nproc, STEPS=500, SLEEP_MS=30)
-    sampled = _check_agreement(out, nproc)
-    for kind, (every, first) in KINDS.items():
-        assert sampled[kind][0] == first
-        # not vacuous: samples the budget placed after the first (shapes: at most 3 in all)
-        assert len(_budgeted(sampled[kind], first, every)) >= 2, (kind, sampled)
+def test_four_ranks_sample_the_same_steps(tmp_path):
+    """4 ranks x 500 steps of a healthy job (its cost: about 25 s on 2 loaded cores)."""
+    out = _job(tmp_path, 4, STEPS=500, SLEEP_MS=10)
+    _not_vacuous(out, _check_agreement(out, 4))

@@ -11,10 +11,24 @@ The rule is a token bucket. Each unsampled step earns ``fraction x its time`` of
 sampled step spends its measured cost: its time (the step, and the collectors' work at its end)
 minus a typical unsampled step's (a running median of recent unsampled steps). A kind of sample
 is due on a grid of steps: its minimum period (``numerics_every`` and friends: the schedule with
-no budget), doubled until what one period earns covers its last measured cost, so that the
-ranks of a distributed job, each with its own budget and about the same costs, sample the same
-steps (a sample on one rank alone stalls the others at the next collective); and not while the
+no budget), doubled until what one period earns covers its last measured cost; and not while the
 bucket is in debt (after an armed sample).
+
+The ranks of a job sample the same steps (a sample on one rank alone stalls the others at the
+next collective). Their budgets cannot ensure it alone: each measures its own times, and a rank
+that waits at the all-reduce for a slower one hides its sample's cost (decided alone, the ranks
+of a 2-rank DDP job sampled numerics at [0, 100, 200, 400] and [0, 100]). So with a default
+process group of several ranks, rank 0's budget decides for all (:mod:`amprobe.capture.agree`):
+at the end of each step on which a budgeted kind sampled, rank 0 turns its bucket into a plan
+(:meth:`SampleBudget._plan`: per kind, the next step :meth:`due` would take, the credit of the
+steps in between projected at the typical step's rate; whether the next armed sample may be
+taken) and publishes it through the default process group's c10d store; every other rank reads
+it at the same step's end, and every rank follows it. Between two such steps a decision is a
+pure function of the step, the config and the last plan (nothing is exchanged on other steps,
+and nothing on a fixed period's samples: a fixed period is the same everywhere). A rank that
+gets no plan decides alone from then on (``schedule_not_shared``, once). Each rank still
+measures and records its own costs. Arming is a shared fact too: with several ranks only a
+GradScaler-skipped update arms (:mod:`amprobe.capture.collectors.numerics`).
 
 The first sample of each kind is taken at its first due step whatever it costs (every run
 needs one), and it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
@@ -34,8 +48,7 @@ samples of a kind have been taken on credit (a job that overflows every few step
 ones are declined until the bucket is out of debt, so that a storm of problems cannot make
 amprobe the job's cost. That limit counts samples, not milliseconds: a decision made from one
 sample's measured cost (noisy, split between the kinds sampled with it, sometimes read as 0)
-would differ between the ranks of a job that overflow on the same steps, and a sample taken
-on one rank alone stalls the others at the next collective.
+would be erratic; with several ranks it is rank 0's count, carried by its plan.
 
 A deferred kind is not asked again before the credit can cover its cost (an estimate from the
 typical step), and a step on which no kind can be due is quiet (:meth:`SampleBudget.quiet`): the
@@ -44,7 +57,8 @@ hub does not ask the sampling collectors at its start, so an unsampled step cost
 What the budget chose is recorded: one ``sample_deferred`` event per kind the first time the
 budget holds a sample back (its cost, the step time, the budget), and in ``end.json``'s
 ``sampling`` (per kind: samples taken, times a due sample was deferred, mean cost of the
-charged samples, the first sample's warm-up, period used).
+charged samples, the first sample's warm-up, period used; ``schedule``: whether the ranks
+shared rank 0's plans, how many, the time the exchanges took, and where this rank fell back).
 """
 
 from __future__ import annotations
@@ -169,9 +183,7 @@ class SampleBudget:
     def _granule(self, k: _Kind) -> int:
         """The spacing of a budgeted kind's samples: its minimum period doubled until the
         credit one period earns covers a sample's measured cost. Samples fall on the multiples
-        of it (from ``first``): every rank of a distributed job, each with its own budget and
-        about the same costs, samples the same steps (a sample on one rank alone stalls the
-        others at the next collective)."""
+        of it (from ``first``); with several ranks, rank 0's granule, through its plan."""
         g = k.every
         earn = self.fraction * self.typical()
         if k.cost is None or earn <= 0:
@@ -305,8 +317,11 @@ class SampleBudget:
             return None
         return self._granule(k)
 
-    def end_step(self, seconds: float) -> None:
-        """The step in progress took ``seconds`` (collectors' work at its end included)."""
+    def end_step(self, seconds: float) -> float:
+        """The step in progress took ``seconds`` (collectors' work at its end included).
+        Returns the seconds spent agreeing on the schedule with the other ranks (0.0 but at
+        the end of a budgeted sample in a job of several ranks): amprobe's time, not the
+        job's."""
         now = self._now
         if now:
             self._now = []
@@ -318,19 +333,18 @@ class SampleBudget:
                 pending, self._unresolved = self._unresolved, []
                 for kinds, took in pending:
                     self._charge(kinds, took)
-            return
+            return 0.0
         if not self._recent:
             self._unresolved.append((now, seconds))
         else:
             self._charge(now, seconds)
         if self._agreement is None and self._looked:
-            return  # one process, or the ranks no longer agree: decided alone
+            return 0.0  # one process, or the ranks no longer agree: decided alone
         table = self._kinds
         if all(table[kind].fixed for kind in now):
-            return  # a fixed period is the same on every rank: the last plan still holds
+            return 0.0  # a fixed period is the same on every rank: the last plan still holds
         step = table[now[0]].last
-        if step is not None:
-            self._agree(step)
+        return 0.0 if step is None else self._agree(step)
 
     # -- several ranks: one schedule (amprobe.capture.agree) ----------------------------------
     def share(self, agreement: agree.Agreement | None) -> None:
@@ -348,7 +362,7 @@ class SampleBudget:
         """The ranks of a job follow one schedule (rank 0's plans) now."""
         return self._agreement is not None
 
-    def _agree(self, step: int) -> None:
+    def _agree(self, step: int) -> float:
         """The end of a step on which a budgeted kind sampled: rank 0 publishes its plan, the
         other ranks wait for it; every rank then follows it. Never raises: on any failure this
         rank decides alone from now on (one event)."""
@@ -359,7 +373,7 @@ class SampleBudget:
                 self.share(agree.default_group_agreement(self.scope))
             agreement = self._agreement
             if agreement is None:
-                return
+                return time.perf_counter() - t0  # one process (looked up once)
             if agreement.leader:
                 plan = self._plan(step)
                 agreement.publish(step, plan)
@@ -368,10 +382,10 @@ class SampleBudget:
             self._adopt(plan)
         except Exception as exc:
             self._fall_back(step, f"{type(exc).__name__}: {exc}")
-        finally:
-            took = time.perf_counter() - t0
-            self._exchange_s += took
-            self._exchange_max_s = max(self._exchange_max_s, took)
+        took = time.perf_counter() - t0
+        self._exchange_s += took
+        self._exchange_max_s = max(self._exchange_max_s, took)
+        return took
 
     def _plan(self, step: int) -> dict[str, Any]:
         """Rank 0, at the end of sampled ``step``: each budgeted kind's next sample as this
