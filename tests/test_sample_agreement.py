@@ -27,7 +27,9 @@ KINDS = {"numerics": (100, 0), "shapes": (200, 1), "syncs": (50, 1)}  # (default
 
 
 # -- in process: budgets that stand for ranks ------------------------------------------------------
-def _ranks(world: int, timeout_s: float = 5.0) -> tuple[list[SampleBudget], list[list[Any]]]:
+def _ranks(
+    world: int, timeout_s: float = 5.0, scopes: list[str] | None = None
+) -> tuple[list[SampleBudget], list[list[Any]]]:
     store = dist.HashStore()
     budgets, events = [], []
     for rank in range(world):
@@ -35,7 +37,8 @@ def _ranks(world: int, timeout_s: float = 5.0) -> tuple[list[SampleBudget], list
         budget = SampleBudget(0.01, lambda kind, seen=seen, **detail: seen.append((kind, detail)))
         for kind, (every, first) in KINDS.items():
             budget.register(kind, every, fixed=False, first=first)
-        budget.share(agree.Agreement(store, rank, world, "run", timeout_s=timeout_s))
+        scope = "run" if scopes is None else scopes[rank]
+        budget.share(agree.Agreement(store, rank, world, scope, timeout_s=timeout_s))
         budgets.append(budget)
         events.append(seen)
     return budgets, events
@@ -93,8 +96,10 @@ def test_ranks_with_very_different_costs_follow_rank_0s_plan():
         assert "fell_back" not in s["schedule"]
     periods = [{k: v["period"] for k, v in s["kinds"].items()} for s in summaries]
     assert periods[0] == periods[1] == periods[2]
-    # the store holds no plan once every rank read it (the last reader deletes it)
-    assert budgets[0]._agreement.store.num_keys() == 0  # type: ignore[union-attr]
+    # the store holds no plan once every rank read it (the last reader deletes it): only
+    # rank 0's scope is left
+    store = budgets[0]._agreement.store  # type: ignore[union-attr]
+    assert store.num_keys() == 1 and store.get(agree.LEADER_KEY) == b"run"
 
     alone = []
     for rank in range(2):
@@ -103,6 +108,17 @@ def test_ranks_with_very_different_costs_follow_rank_0s_plan():
             budget.register(kind, every, fixed=False, first=first)
         alone.append(_lockstep([budget], 3_000, [steps_s[rank]], [costs[rank]])[0])
     assert alone[0] != alone[1]  # (what the agreement is for)
+
+
+def test_ranks_recording_into_differently_named_run_directories_follow_rank_0():
+    # attach() without a run_dir names a directory per process: the keys are rank 0's
+    budgets, events = _ranks(2, scopes=["20260101-000000-111", "20260101-000001-222"])
+    costs = [{"numerics": 0.004, "shapes": 0.008, "syncs": 0.002}] * 2
+    taken = _lockstep(budgets, 1_000, [0.01, 0.03], costs)
+    assert taken[0] == taken[1]
+    schedule = budgets[1].summary()["schedule"]
+    assert schedule["shared"] and schedule["leader_scope"] == "20260101-000000-111"
+    assert not [e for e in events[1] if e[0] == "schedule_not_shared"]
 
 
 def test_a_rank_that_gets_no_plan_decides_alone_and_says_so():

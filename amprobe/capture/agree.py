@@ -18,8 +18,11 @@ all-reduce, no barrier, no device work, no device-host sync); a reader blocks on
 the store's server, about when it would have blocked at the next collective for a rank 0 that
 is still inside its step. Keys are ``amprobe/schedule/<scope>/<step>`` (the scope is the run
 directory's name, the same on every rank of an ``amprobe run`` job), with a ``/read`` counter
-beside each. A rank whose read times out or fails (rank 0 not recording, a different run
-directory, the store gone) decides alone from then on, and says so once
+beside each. Rank 0 also writes its scope under ``amprobe/schedule/leader`` before its first
+plan, and a rank reads it before its first plan: ranks that record into run directories of
+different names (``attach()`` without a ``run_dir`` names one per process) follow rank 0's. That
+one key stays in the store; the plans do not. A rank whose read times out or fails (rank 0 not
+recording, the store gone) decides alone from then on, and says so once
 (``schedule_not_shared``; ``end.json``'s ``sampling.schedule``).
 """
 
@@ -30,6 +33,9 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["TIMEOUT_S", "Agreement", "default_group_agreement", "multi_rank"]
+
+#: the key under which rank 0 writes its scope before its first plan
+LEADER_KEY = "amprobe/schedule/leader"
 
 #: seconds a rank other than 0 waits for rank 0's plan at the end of a sampled step before it
 #: decides alone. Rank 0 writes it at the same step's end, so a healthy job waits about as long
@@ -55,9 +61,11 @@ class Agreement:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self.scope = scope
         self.prefix = f"amprobe/schedule/{scope}/"
         self.timeout = timedelta(seconds=timeout_s)
         self.cleanup_failed = False  # a store that cannot delete keys (a FileStore) keeps them
+        self.leader_scope: str | None = None  # rank 0's scope, once written (rank 0) or read
 
     @property
     def leader(self) -> bool:
@@ -66,11 +74,18 @@ class Agreement:
 
     def publish(self, step: int, plan: dict[str, Any]) -> None:
         """Rank 0: the plan agreed at the end of ``step``."""
+        if self.leader_scope is None:
+            self.store.set(LEADER_KEY, self.scope)
+            self.leader_scope = self.scope
         self.store.set(f"{self.prefix}{step}", json.dumps(plan, separators=(",", ":")))
 
     def read(self, step: int) -> dict[str, Any]:
         """The plan rank 0 published at the end of ``step``: waits for it (raises on timeout);
         the last of the ranks that read it deletes it."""
+        if self.leader_scope is None:  # the first plan: where rank 0 writes them
+            self.store.wait([LEADER_KEY], self.timeout)
+            self.leader_scope = self.store.get(LEADER_KEY).decode()
+            self.prefix = f"amprobe/schedule/{self.leader_scope}/"
         key = f"{self.prefix}{step}"
         self.store.wait([key], self.timeout)
         plan = json.loads(self.store.get(key))

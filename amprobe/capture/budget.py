@@ -522,6 +522,10 @@ class SampleBudget:
             out["plans"] = self._plans
             out["exchange_ms"] = round(self._exchange_s * 1e3, 3)
             out["longest_exchange_ms"] = round(self._exchange_max_s * 1e3, 3)
-        if self._agreement is not None and self._agreement.cleanup_failed:
-            out["keys_left"] = True
+        agreement = self._agreement
+        if agreement is not None:
+            if agreement.cleanup_failed:
+                out["keys_left"] = True
+            if agreement.leader_scope not in (None, agreement.scope):
+                out["leader_scope"] = agreement.leader_scope  # (rank 0's run directory's name)
         return out
