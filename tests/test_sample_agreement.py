@@ -27,10 +27,22 @@ KINDS = {"numerics": (100, 0), "shapes": (200, 1), "syncs": (50, 1)}  # (default
 
 
 # -- in process: budgets that stand for ranks ------------------------------------------------------
+class _CountingStore:
+    """A ``HashStore`` that counts the calls made to it."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls += 1
+        return getattr(self.inner, name)
+
+
 def _ranks(
     world: int, timeout_s: float = 5.0, scopes: list[str] | None = None
 ) -> tuple[list[SampleBudget], list[list[Any]]]:
-    store = dist.HashStore()
+    store = _CountingStore()
     budgets, events = [], []
     for rank in range(world):
         seen: list[Any] = []
@@ -96,10 +108,16 @@ def test_ranks_with_very_different_costs_follow_rank_0s_plan():
         assert "fell_back" not in s["schedule"]
     periods = [{k: v["period"] for k, v in s["kinds"].items()} for s in summaries]
     assert periods[0] == periods[1] == periods[2]
+    # one exchange per sampled step, none on the others: rank 0 writes its scope and a plan,
+    # each other rank reads the scope once, then waits, gets and counts (and the last deletes)
+    store = budgets[0]._agreement.store  # type: ignore[union-attr]
+    sampled = {step for kind in KINDS for step in taken[0][kind]}
+    assert summaries[0]["schedule"]["plans"] == len(sampled) < 3_000 // 40
+    plans = len(sampled)
+    assert store.calls == 1 + plans + 2 * 2 + plans * (3 + 3 + 2)
     # the store holds no plan once every rank read it (the last reader deletes it): only
     # rank 0's scope is left
-    store = budgets[0]._agreement.store  # type: ignore[union-attr]
-    assert store.num_keys() == 1 and store.get(agree.LEADER_KEY) == b"run"
+    assert store.inner.num_keys() == 1 and store.inner.get(agree.LEADER_KEY) == b"run"
 
     alone = []
     for rank in range(2):
