@@ -323,3 +323,31 @@ def test_four_ranks_sample_the_same_steps(tmp_path):
     """4 ranks x 500 steps of a healthy job (its cost: about 25 s on 2 loaded cores)."""
     out = _job(tmp_path, 4, STEPS=500, SLEEP_MS=10)
     _not_vacuous(out, _check_agreement(out, 4))
+
+
+def test_the_diagnosis_says_whether_the_ranks_shared_one_schedule():
+    from types import SimpleNamespace
+
+    from amprobe.analysis.sampling import sampling_summary, sampling_text
+
+    kinds = {"numerics": {"mode": "budget", "min_period": 100, "samples": 4, "period": 100}}
+
+    def rank(r: int, schedule: dict[str, Any]) -> Any:
+        sampling = {"budget": 0.01, "kinds": kinds, "schedule": schedule}
+        return SimpleNamespace(rank=r, end={"sampling": sampling})
+
+    shared = {"shared": True, "world_size": 2, "plans": 9}
+    run = SimpleNamespace(ranks=[rank(0, shared), rank(1, shared)])
+    summary = sampling_summary(run)  # type: ignore[arg-type]
+    assert summary is not None and "fell_back_ranks" not in summary
+    assert "one schedule for 2 ranks (rank 0's)" in sampling_text(summary)
+    alone = {"shared": False, "fell_back": {"step": 100, "reason": "DistStoreError: timeout"}}
+    run = SimpleNamespace(ranks=[rank(0, shared), rank(1, {**shared, **alone})])
+    summary = sampling_summary(run)  # type: ignore[arg-type]
+    assert summary is not None
+    assert summary["fell_back_ranks"] == [
+        {"rank": 1, "step": 100, "reason": "DistStoreError: timeout"}
+    ]
+    text = sampling_text(summary)
+    assert "rank 1 chose its own sampled steps from step 100 (DistStoreError: timeout)" in text
+    assert "one schedule" not in text
