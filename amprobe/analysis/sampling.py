@@ -16,12 +16,23 @@ __all__ = ["sampling_summary", "sampling_text"]
 
 
 def sampling_summary(run: Run) -> dict[str, Any] | None:
-    """The first rank's recorded sampling (``budget``, ``kinds`` ...), or None if none was."""
+    """The first rank's recorded sampling (``budget``, ``kinds`` ...), or None if none was;
+    with ``fell_back_ranks`` (rank, step, reason) when some rank stopped following rank 0's
+    schedule (``schedule.fell_back`` in its ``end.json``: its sampled steps may differ)."""
+    first: dict[str, Any] | None = None
+    fell: list[dict[str, Any]] = []
     for info in run.ranks:
         sampling = (info.end or {}).get("sampling")
-        if isinstance(sampling, dict) and isinstance(sampling.get("kinds"), dict):
-            return sampling
-    return None
+        if not (isinstance(sampling, dict) and isinstance(sampling.get("kinds"), dict)):
+            continue
+        if first is None:
+            first = sampling
+        schedule = sampling.get("schedule")
+        if isinstance(schedule, dict) and isinstance(schedule.get("fell_back"), dict):
+            fell.append({"rank": info.rank, **schedule["fell_back"]})
+    if first is not None and fell:
+        first = {**first, "fell_back_ranks": fell}
+    return first
 
 
 def sampling_text(sampling: dict[str, Any]) -> str:
@@ -51,6 +62,17 @@ def sampling_text(sampling: dict[str, Any]) -> str:
     if isinstance(warmup, (int, float)) and warmup > 0:
         # the first samples' one-time work (hooks, a compiled graph variant): not in the share
         head += f" after {_duration(warmup)} of first-sample warm-up"
+    schedule = sampling.get("schedule")
+    fell = sampling.get("fell_back_ranks")
+    if isinstance(fell, list) and fell:
+        head += "; " + "; ".join(
+            f"rank {f.get('rank')} chose its own sampled steps from step {f.get('step')} "
+            f"({f.get('reason')})"
+            for f in fell
+            if isinstance(f, dict)
+        )
+    elif isinstance(schedule, dict) and schedule.get("shared"):
+        head += f"; one schedule for {schedule.get('world_size')} ranks (rank 0's)"
     return f"{', '.join(parts)} [{head}]"
 
 

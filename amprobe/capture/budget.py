@@ -11,10 +11,24 @@ The rule is a token bucket. Each unsampled step earns ``fraction x its time`` of
 sampled step spends its measured cost: its time (the step, and the collectors' work at its end)
 minus a typical unsampled step's (a running median of recent unsampled steps). A kind of sample
 is due on a grid of steps: its minimum period (``numerics_every`` and friends: the schedule with
-no budget), doubled until what one period earns covers its last measured cost, so that the
-ranks of a distributed job, each with its own budget and about the same costs, sample the same
-steps (a sample on one rank alone stalls the others at the next collective); and not while the
+no budget), doubled until what one period earns covers its last measured cost; and not while the
 bucket is in debt (after an armed sample).
+
+The ranks of a job sample the same steps (a sample on one rank alone stalls the others at the
+next collective). Their budgets cannot ensure it alone: each measures its own times, and a rank
+that waits at the all-reduce for a slower one hides its sample's cost (decided alone, the ranks
+of a 2-rank DDP job sampled numerics at [0, 100, 200, 400] and [0, 100]). So with a default
+process group of several ranks, rank 0's budget decides for all (:mod:`amprobe.capture.agree`):
+at the end of each step on which a budgeted kind sampled, rank 0 turns its bucket into a plan
+(:meth:`SampleBudget._plan`: per kind, the next step :meth:`due` would take, the credit of the
+steps in between projected at the typical step's rate; whether the next armed sample may be
+taken) and publishes it through the default process group's c10d store; every other rank reads
+it at the same step's end, and every rank follows it. Between two such steps a decision is a
+pure function of the step, the config and the last plan (nothing is exchanged on other steps,
+and nothing on a fixed period's samples: a fixed period is the same everywhere). A rank that
+gets no plan decides alone from then on (``schedule_not_shared``, once). Each rank still
+measures and records its own costs. Arming is a shared fact too: with several ranks only a
+GradScaler-skipped update arms (:mod:`amprobe.capture.collectors.numerics`).
 
 The first sample of each kind is taken at its first due step whatever it costs (every run
 needs one), and it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
@@ -34,8 +48,7 @@ samples of a kind have been taken on credit (a job that overflows every few step
 ones are declined until the bucket is out of debt, so that a storm of problems cannot make
 amprobe the job's cost. That limit counts samples, not milliseconds: a decision made from one
 sample's measured cost (noisy, split between the kinds sampled with it, sometimes read as 0)
-would differ between the ranks of a job that overflow on the same steps, and a sample taken
-on one rank alone stalls the others at the next collective.
+would be erratic; with several ranks it is rank 0's count, carried by its plan.
 
 A deferred kind is not asked again before the credit can cover its cost (an estimate from the
 typical step), and a step on which no kind can be due is quiet (:meth:`SampleBudget.quiet`): the
@@ -44,16 +57,20 @@ hub does not ask the sampling collectors at its start, so an unsampled step cost
 What the budget chose is recorded: one ``sample_deferred`` event per kind the first time the
 budget holds a sample back (its cost, the step time, the budget), and in ``end.json``'s
 ``sampling`` (per kind: samples taken, times a due sample was deferred, mean cost of the
-charged samples, the first sample's warm-up, period used).
+charged samples, the first sample's warm-up, period used; ``schedule``: whether the ranks
+shared rank 0's plans, how many, the time the exchanges took, and where this rank fell back).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from amprobe.capture import agree
 from amprobe.capture.protocol import due
 
 __all__ = ["ARMED_DEBT_SAMPLES", "SampleBudget"]
@@ -87,6 +104,11 @@ class _Kind:
     warmup: float | None = None  # seconds the first sample added (one-time work, not charged)
     told: bool = False  # the first deferral was recorded
     retry: int = 0  # deferred: the step the credit should cover its cost again (an estimate)
+    # an agreed schedule (several ranks, see amprobe.capture.agree): rank 0's plan for this kind
+    planned: int | None = None  # the next budgeted sample
+    agreed_period: int | None = None  # the spacing rank 0's budget allows
+    armed_ok: bool = True  # the next armed sample may be taken
+    declined_note: dict[str, Any] | None = None  # rank 0's numbers, when it may not
 
 
 class SampleBudget:
@@ -96,11 +118,22 @@ class SampleBudget:
         fraction: the share of training time sampled steps may add (``Config.overhead_budget``);
             0 follows every period exactly.
         event: records an event in the run (the probe's ``event``).
+        scope: what every rank of the job shares (the run directory's name): in a job of
+            several ranks, the namespace of the agreed schedule's keys (see
+            :mod:`amprobe.capture.agree`).
     """
 
-    def __init__(self, fraction: float, event: Any = None) -> None:
+    def __init__(self, fraction: float, event: Any = None, scope: str = "run") -> None:
         self.fraction = float(fraction)
         self._event = event
+        self.scope = scope
+        # the agreed schedule: None until the first budgeted sample ends (then looked up once)
+        self._agreement: agree.Agreement | None = None
+        self._looked = False
+        self._schedule: dict[str, Any] = {"shared": False}
+        self._plans = 0
+        self._exchange_s = 0.0
+        self._exchange_max_s = 0.0
         self.credit = 0.0
         self._kinds: dict[str, _Kind] = {}
         self._decided: dict[str, tuple[int, bool]] = {}
@@ -139,6 +172,8 @@ class SampleBudget:
     def _next_possible(self, k: _Kind) -> float:
         if k.every <= 0:
             return float("inf")
+        if k.planned is not None and not k.fixed and k.last is not None:
+            return k.planned
         if k.fixed or k.last is None:
             nxt = k.first if k.last is None else max(k.first, k.last + k.every)
             return max(nxt, k.retry)
@@ -148,9 +183,7 @@ class SampleBudget:
     def _granule(self, k: _Kind) -> int:
         """The spacing of a budgeted kind's samples: its minimum period doubled until the
         credit one period earns covers a sample's measured cost. Samples fall on the multiples
-        of it (from ``first``): every rank of a distributed job, each with its own budget and
-        about the same costs, samples the same steps (a sample on one rank alone stalls the
-        others at the next collective)."""
+        of it (from ``first``); with several ranks, rank 0's granule, through its plan."""
         g = k.every
         earn = self.fraction * self.typical()
         if k.cost is None or earn <= 0:
@@ -171,6 +204,8 @@ class SampleBudget:
             answer = False
         elif k.last is None:
             answer = True  # the first sample measures the cost: at once, on the grid or not
+        elif k.planned is not None:
+            answer = step >= k.planned  # several ranks: the step rank 0's plan agreed
         elif (step - k.first) % k.every:
             answer = False
         elif step < k.retry:
@@ -220,7 +255,16 @@ class SampleBudget:
             return decided[1]
         k = self._kinds.get(kind)
         answer = True
-        if k is not None and not k.fixed and self.credit < 0:
+        if k is not None and not k.fixed and k.planned is not None:
+            # several ranks: rank 0's plan said whether the next armed sample may be taken
+            answer = k.armed_ok
+            if not answer:
+                k.declined += 1
+                if k.declined == 1 and self._event is not None:
+                    self._event("armed_sample_declined", sample=kind, **(k.declined_note or {}))
+            elif self.credit < 0:
+                k.owed += 1  # (rank 0's count is the one its next plan reads)
+        elif k is not None and not k.fixed and self.credit < 0:
             if k.owed >= ARMED_DEBT_SAMPLES:
                 answer = False
                 k.declined += 1
@@ -262,16 +306,22 @@ class SampleBudget:
         return statistics.median_high(self._recent) if self._recent else 0.0
 
     def period(self, kind: str) -> int | None:
-        """The spacing, in steps, that the budget allows ``kind`` now (None: not measured)."""
+        """The spacing, in steps, that the budget allows ``kind`` now (None: not measured; the
+        agreed one while the ranks follow rank 0's plan)."""
         k = self._kinds[kind]
         if k.fixed:
             return k.every
+        if k.planned is not None and k.agreed_period is not None:
+            return k.agreed_period
         if k.cost is None or self.typical() <= 0 or self.fraction <= 0:
             return None
         return self._granule(k)
 
-    def end_step(self, seconds: float) -> None:
-        """The step in progress took ``seconds`` (collectors' work at its end included)."""
+    def end_step(self, seconds: float) -> float:
+        """The step in progress took ``seconds`` (collectors' work at its end included).
+        Returns the seconds spent agreeing on the schedule with the other ranks (0.0 but at
+        the end of a budgeted sample in a job of several ranks): amprobe's time, not the
+        job's."""
         now = self._now
         if now:
             self._now = []
@@ -283,11 +333,138 @@ class SampleBudget:
                 pending, self._unresolved = self._unresolved, []
                 for kinds, took in pending:
                     self._charge(kinds, took)
-            return
+            return 0.0
         if not self._recent:
             self._unresolved.append((now, seconds))
-            return
-        self._charge(now, seconds)
+        else:
+            self._charge(now, seconds)
+        if self._agreement is None and self._looked:
+            return 0.0  # one process, or the ranks no longer agree: decided alone
+        table = self._kinds
+        if all(table[kind].fixed for kind in now):
+            return 0.0  # a fixed period is the same on every rank: the last plan still holds
+        step = table[now[0]].last
+        return 0.0 if step is None else self._agree(step)
+
+    # -- several ranks: one schedule (amprobe.capture.agree) ----------------------------------
+    def share(self, agreement: agree.Agreement | None) -> None:
+        """Follow ``agreement`` from the next sampled step on (None: decide alone). The probe
+        does not call this: the first budgeted sample looks up the default process group."""
+        self._agreement = agreement
+        self._looked = True
+        self._schedule = {
+            "shared": agreement is not None,
+            "world_size": 1 if agreement is None else agreement.world_size,
+        }
+
+    @property
+    def shared(self) -> bool:
+        """The ranks of a job follow one schedule (rank 0's plans) now."""
+        return self._agreement is not None
+
+    def _agree(self, step: int) -> float:
+        """The end of a step on which a budgeted kind sampled: rank 0 publishes its plan, the
+        other ranks wait for it; every rank then follows it. Never raises: on any failure this
+        rank decides alone from now on (one event)."""
+        t0 = time.perf_counter()
+        try:
+            if not self._looked:
+                self._looked = True
+                self.share(agree.default_group_agreement(self.scope))
+            agreement = self._agreement
+            if agreement is None:
+                return time.perf_counter() - t0  # one process (looked up once)
+            if agreement.leader:
+                plan = self._plan(step)
+                agreement.publish(step, plan)
+            else:
+                plan = agreement.read(step)
+            self._adopt(plan)
+        except Exception as exc:
+            self._fall_back(step, f"{type(exc).__name__}: {exc}")
+        took = time.perf_counter() - t0
+        self._exchange_s += took
+        self._exchange_max_s = max(self._exchange_max_s, took)
+        return took
+
+    def _plan(self, step: int) -> dict[str, Any]:
+        """Rank 0, at the end of sampled ``step``: each budgeted kind's next sample as this
+        rank's budget would take it if nothing armed one, the credit earned by the steps in
+        between projected at the typical step's rate (what :meth:`due` does step by step on
+        a single process: the grid, the granule, the debt)."""
+        typical = self.typical()
+        earn = self.fraction * typical
+        kinds: dict[str, Any] = {}
+        for name, k in self._kinds.items():
+            if k.fixed or k.last is None or k.every <= 0:
+                continue
+            g = self._granule(k)
+            soonest = _up(max(k.last + k.every, step + 1), k.first, k.every)
+            nxt = _up(max(k.last + g, step + 1), k.first, g)
+            if self.credit < 0 and k.cost is not None:
+                # in debt: not before the steps in between have earned it back
+                wait = math.ceil(-self.credit / earn) if earn > 0 else 0
+                nxt = max(nxt, _up(step + 1 + wait, k.first, g))
+            entry: dict[str, Any] = {"next": nxt, "period": g}
+            if nxt > soonest and k.cost is not None:
+                entry["held"] = {
+                    "cost_ms": round(k.cost * 1e3, 3),
+                    "step_ms": round(typical * 1e3, 3),
+                    "budget": self.fraction,
+                    "next_period": g,
+                }
+            if self.credit < 0 and k.owed >= ARMED_DEBT_SAMPLES:
+                entry["declined"] = {
+                    "cost_ms": None if k.cost is None else round(k.cost * 1e3, 3),
+                    "debt_ms": round(-self.credit * 1e3, 3),
+                    "budget": self.fraction,
+                    "taken_on_credit": k.owed,
+                }
+            kinds[name] = entry
+        return {"v": 1, "step": step, "kinds": kinds}
+
+    def _adopt(self, plan: dict[str, Any]) -> None:
+        """Follow rank 0's ``plan`` (rank 0 as well): the same decisions on every rank."""
+        for name, entry in plan["kinds"].items():
+            k = self._kinds.get(name)
+            if k is None or k.fixed:
+                continue
+            nxt = int(entry["next"])
+            held = entry.get("held")
+            if held is not None and nxt != k.planned:  # the budget put this kind's sample later
+                k.deferred += 1
+                if not k.told and self._event is not None:
+                    k.told = True
+                    self._event("sample_deferred", sample=name, **held)
+            k.planned = nxt
+            k.agreed_period = int(entry["period"])
+            k.declined_note = entry.get("declined")
+            k.armed_ok = k.declined_note is None
+        self._plans += 1
+        self._quiet_until = None
+
+    def _fall_back(self, step: int, reason: str) -> None:
+        """This rank decides alone from now on: its budget's own schedule, said once."""
+        agreement, self._agreement = self._agreement, None
+        self._looked = True
+        for k in self._kinds.values():
+            k.planned = k.agreed_period = k.declined_note = None
+            k.armed_ok = True
+        self._quiet_until = None
+        self._schedule["shared"] = False
+        self._schedule["fell_back"] = {"step": step, "reason": reason}
+        if self._event is not None:
+            self._event(
+                "schedule_not_shared",
+                step=step,
+                rank=None if agreement is None else agreement.rank,
+                reason=reason,
+                consequence=(
+                    "this rank chooses its sampled steps alone from now on: they may differ "
+                    "from the other ranks', and a sample on one rank alone stalls the others "
+                    "at the next collective"
+                ),
+            )
 
     def _charge(self, kinds: list[str], seconds: float) -> None:
         typical = self.typical()
@@ -335,4 +512,20 @@ class SampleBudget:
             "sampled_share": round(self.spent_s / self.trained_s, 5) if self.trained_s else None,
             "warmup_ms": round(self.warmup_s * 1e3, 3),
             "kinds": kinds,
+            "schedule": self._schedule_summary(),
         }
+
+    def _schedule_summary(self) -> dict[str, Any]:
+        """Whether the ranks shared one schedule, and where this rank fell back to its own."""
+        out = dict(self._schedule)
+        if out.get("world_size", 1) > 1 or "fell_back" in out:
+            out["plans"] = self._plans
+            out["exchange_ms"] = round(self._exchange_s * 1e3, 3)
+            out["longest_exchange_ms"] = round(self._exchange_max_s * 1e3, 3)
+        agreement = self._agreement
+        if agreement is not None:
+            if agreement.cleanup_failed:
+                out["keys_left"] = True
+            if agreement.leader_scope not in (None, agreement.scope):
+                out["leader_scope"] = agreement.leader_scope  # (rank 0's run directory's name)
+        return out

@@ -154,7 +154,9 @@ class Probe:
         self._events_lock = threading.Lock()
         self.collectors: list[Collector] = []
         #: spaces the sampled steps of the default schedules within the overhead budget
-        self.budget = SampleBudget(self.config.overhead_budget, self.event)
+        self.budget = SampleBudget(
+            self.config.overhead_budget, self.event, scope=Path(os.path.abspath(run_dir)).name
+        )
         self.hub = Hub(self)
         self._subs = self.hub.dispatch.subs  # event -> its subscribers now (kept in place)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
@@ -437,7 +439,8 @@ class Probe:
         # the step and the collectors' work at its end (a sampled step's folds), without
         # flushes: what a sampled step costs is measured against an unsampled one's
         took = end - start - spent
-        self.budget.end_step(took if took > 0.0 else 0.0)
+        # (the ranks' schedule agreed at a sampled step's end: amprobe's time, not the next step's)
+        self._probe_time += self.budget.end_step(took if took > 0.0 else 0.0)
         # root models found at this boundary are the next step's: a sample they start (the
         # first per-layer sample of a job whose model discovery finds) is that step's
         discovery = self.hub.discovery

@@ -1,7 +1,10 @@
 """Cross-rank rules (checklist section D): the ranks of one job compared with each other.
 
-Every rank records on its own (the probe adds no collective communication to the job); these
-rules merge the ranks at analysis time, on the ``rank`` column of the loaded run.
+Every rank records on its own (the probe adds no collective to the job's process groups: the
+one exchange between ranks is the sampling schedule, which rank 0 writes and the others read
+through the default process group's c10d store, a host TCP key-value store, at the end of
+sampled steps only; see ``amprobe.capture.agree``); these rules merge the ranks at analysis
+time, on the ``rank`` column of the loaded run.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ floating inputs into a device counter, and the loss tensor recorded by the scale
 checked for non-finite values. Both go into the step record. When they (or the scaler's
 ``found_inf``) show a problem, the next ``numerics_arm_steps`` steps are captured in full: at
 once on CPU, where reading the flag costs no sync; on an accelerator when the flag is read at
-the next flush.
+the next flush. In a job of several ranks only an update the GradScaler skipped arms the
+capture (every rank knows it on the host at the same step): a value one rank alone saw would
+make it sample alone (``numerics_not_armed``, once; see :mod:`amprobe.capture.agree`).
 
 Records:
     ``steps`` fields: ``input_nonfinite`` (non-finite elements in the root models' floating
@@ -82,6 +84,7 @@ import torch
 from torch.amp import GradScaler
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from amprobe.capture.agree import multi_rank
 from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiled_module, is_compiling, unwrap_compiled
 from amprobe.capture.collectors.gradtap import grad_tap_hook
@@ -268,6 +271,7 @@ class NumericsCollector(Collector):
         self._params: list[tuple[weakref.ReferenceType[torch.nn.Parameter], int]] = []
         self._capture_handles: list[Any] = []
         self._armed_until = -1
+        self._local_noted = False  # several ranks: a rank-local non-finite value did not arm
         self._sampled_now = False  # this step is measured in full (asked in on_step_begin)
         self._cur: _Capture | None = None
         self._done: list[_Capture] = []
@@ -889,7 +893,43 @@ class NumericsCollector(Collector):
         self.probe.hub.dispatch.mute(self, "on_step_end", muted=not live)
 
     def on_step_nonfinite(self, step: int, facts: StepFacts) -> None:
-        self._arm(step)  # host values: the next steps are measured in full at once
+        if not multi_rank():
+            self._arm(step)  # host values: the next steps are measured in full at once
+        elif not facts.host_skipped():
+            self._not_armed(step)  # (a skipped update arms every rank: on_step_bad)
+
+    def on_step_bad(self, step: int, facts: StepFacts) -> None:
+        """Several ranks: a GradScaler-skipped update arms the capture, a fact every rank
+        knows on the host at the same step (the gradients were reduced before the scaler
+        looked for inf/NaN in them; a sharded scaler reduces what it found). One process arms
+        from its own values (:meth:`on_step_nonfinite`, the device flags)."""
+        if facts.host_skipped() and multi_rank():
+            self._arm(step)
+
+    def _arm_local(self, step: int) -> None:
+        """A non-finite value this rank alone knows of (a device flag read back): arms the
+        capture in a single process only."""
+        if not multi_rank():
+            self._arm(step)
+        elif step + 1 > self._armed_until:
+            self._not_armed(step)
+
+    def _not_armed(self, step: int) -> None:
+        """Several ranks: a non-finite value only this rank saw does not arm (said once)."""
+        if self.every == 0 or self._local_noted:
+            return
+        self._local_noted = True
+        self.probe.event(
+            "numerics_not_armed",
+            at_step=step,
+            reason=(
+                "a non-finite value this rank alone saw (its loss, its inputs, or a device "
+                "flag read back later) does not arm the per-layer capture in a job of several "
+                "ranks: the ranks sample the same steps, and a sample on one rank alone stalls "
+                "the others at the next collective. An update the GradScaler skipped arms it "
+                "on every rank at once; the scheduled samples still run"
+            ),
+        )
 
     def on_step_end(self, step: int, record: dict[str, Any], facts: StepFacts) -> None:
         """Live (see :meth:`_live_step_end`): a sampled step's buffers, and on an accelerator
@@ -963,7 +1003,7 @@ class NumericsCollector(Collector):
         for step, host, event in self._in_flight:
             if event.query():
                 if bool(host):  # a pinned CPU tensor: reading it is no device sync
-                    self._arm(step)
+                    self._arm_local(step)
             else:
                 pending.append((step, host, event))
         self._in_flight = pending[-64:]  # bounded even if the device falls far behind
@@ -982,7 +1022,7 @@ class NumericsCollector(Collector):
         watch, self._watch = self._watch, []
         for flags in _to_host(watch):  # device flags: one transfer per device, at flush
             if _record_bad(flags):
-                self._arm(int(flags["step"]))
+                self._arm_local(int(flags["step"]))
         done, self._done = self._done, []
         if not done:
             return

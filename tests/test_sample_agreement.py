@@ -1,0 +1,353 @@
+"""The ranks of a job sample the same steps (amprobe.capture.agree, amprobe.capture.budget).
+
+In-process: budgets standing for ranks share a ``HashStore`` and measure very different costs.
+Subprocess: DDP jobs on gloo (2 and 4 ranks, 500 steps, the default budget and every sampling
+collector), one with rank 0 three times slower than rank 1 and an inf in rank 1's batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import amprobe
+from amprobe.capture import agree
+from amprobe.capture.budget import ARMED_DEBT_SAMPLES, SampleBudget
+from tests.helpers import recorded_rows, run_gloo_job, torchrun_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = {"numerics": (100, 0), "shapes": (200, 1), "syncs": (50, 1)}  # (default period, first)
+
+
+# -- in process: budgets that stand for ranks ------------------------------------------------------
+class _CountingStore:
+    """A ``HashStore`` that counts the calls made to it."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls += 1
+        return getattr(self.inner, name)
+
+
+def _ranks(
+    world: int, timeout_s: float = 5.0, scopes: list[str] | None = None
+) -> tuple[list[SampleBudget], list[list[Any]]]:
+    store = _CountingStore()
+    budgets, events = [], []
+    for rank in range(world):
+        seen: list[Any] = []
+        budget = SampleBudget(0.01, lambda kind, seen=seen, **detail: seen.append((kind, detail)))
+        for kind, (every, first) in KINDS.items():
+            budget.register(kind, every, fixed=False, first=first)
+        scope = "run" if scopes is None else scopes[rank]
+        budget.share(agree.Agreement(store, rank, world, scope, timeout_s=timeout_s))
+        budgets.append(budget)
+        events.append(seen)
+    return budgets, events
+
+
+def _lockstep(
+    budgets: list[SampleBudget],
+    steps: int,
+    step_s: list[float],
+    sample_s: list[dict[str, float]],
+    armed: range = range(0),
+) -> list[dict[str, list[int]]]:
+    """Every rank runs each step (rank 0 first: its plan is published before the others read
+    it); rank r's step takes ``step_s[r]``, a sample of kind k ``sample_s[r][k]`` more."""
+    taken: list[dict[str, list[int]]] = [{k: [] for k in KINDS} for _ in budgets]
+    for step in range(steps):
+        for rank, budget in enumerate(budgets):
+            extra = 0.0
+            if step in armed and budget.take_armed("numerics", step):
+                taken[rank]["numerics"].append(step)
+                extra += sample_s[rank]["numerics"]
+            for kind in KINDS:
+                if not budget.quiet(step) and budget.due(kind, step):
+                    if kind != "numerics" or step not in armed:
+                        taken[rank][kind].append(step)
+                        extra += sample_s[rank][kind]
+            budget.end_step(step_s[rank] + extra)
+    return taken
+
+
+def test_ranks_with_very_different_costs_follow_rank_0s_plan():
+    # rank 1 measures 3x slower steps and samples that cost 5x more than rank 0's: decided
+    # alone, the budgets space their samples differently (shown below); agreed, they match
+    costs = [
+        {"numerics": 0.004, "shapes": 0.008, "syncs": 0.002},
+        {"numerics": 0.02, "shapes": 0.04, "syncs": 0.01},
+        {"numerics": 0.001, "shapes": 0.003, "syncs": 0.0005},
+    ]
+    steps_s = [0.01, 0.03, 0.012]
+    budgets, events = _ranks(3)
+    taken = _lockstep(budgets, 3_000, steps_s, costs, armed=range(1_500, 1_503))
+    assert taken[0] == taken[1] == taken[2], taken
+    for kind in KINDS:
+        assert len(taken[0][kind]) >= 4, taken[0]  # the first sample and budgeted ones
+    assert taken[0]["numerics"][:2] == [0, 100]
+    assert {1_500, 1_501, 1_502} <= set(taken[0]["numerics"])
+    # the same events everywhere: a deferral names rank 0's numbers on every rank
+    deferred = [[e for e in seen if e[0] == "sample_deferred"] for seen in events]
+    assert deferred[0] and deferred[0] == deferred[1] == deferred[2]
+    summaries = [b.summary() for b in budgets]
+    for s in summaries:
+        assert s["schedule"]["shared"] is True
+        assert s["schedule"]["world_size"] == 3
+        assert s["schedule"]["plans"] > 0
+        assert "fell_back" not in s["schedule"]
+    periods = [{k: v["period"] for k, v in s["kinds"].items()} for s in summaries]
+    assert periods[0] == periods[1] == periods[2]
+    # one exchange per sampled step, none on the others: rank 0 writes its scope and a plan,
+    # each other rank reads the scope once, then waits, gets and counts (and the last deletes)
+    store = budgets[0]._agreement.store  # type: ignore[union-attr]
+    sampled = {step for kind in KINDS for step in taken[0][kind]}
+    assert summaries[0]["schedule"]["plans"] == len(sampled) < 3_000 // 40
+    plans = len(sampled)
+    assert store.calls == 1 + plans + 2 * 2 + plans * (3 + 3 + 2)
+    # the store holds no plan once every rank read it (the last reader deletes it): only
+    # rank 0's scope is left
+    assert store.inner.num_keys() == 1 and store.inner.get(agree.LEADER_KEY) == b"run"
+
+    alone = []
+    for rank in range(2):
+        budget = SampleBudget(0.01)
+        for kind, (every, first) in KINDS.items():
+            budget.register(kind, every, fixed=False, first=first)
+        alone.append(_lockstep([budget], 3_000, [steps_s[rank]], [costs[rank]])[0])
+    assert alone[0] != alone[1]  # (what the agreement is for)
+
+
+def test_ranks_recording_into_differently_named_run_directories_follow_rank_0():
+    # attach() without a run_dir names a directory per process: the keys are rank 0's
+    budgets, events = _ranks(2, scopes=["20260101-000000-111", "20260101-000001-222"])
+    costs = [{"numerics": 0.004, "shapes": 0.008, "syncs": 0.002}] * 2
+    taken = _lockstep(budgets, 1_000, [0.01, 0.03], costs)
+    assert taken[0] == taken[1]
+    schedule = budgets[1].summary()["schedule"]
+    assert schedule["shared"] and schedule["leader_scope"] == "20260101-000000-111"
+    assert not [e for e in events[1] if e[0] == "schedule_not_shared"]
+
+
+def test_a_rank_that_gets_no_plan_decides_alone_and_says_so():
+    budgets, events = _ranks(2, timeout_s=0.05)
+    follower = budgets[1]
+    taken: list[int] = []
+    for step in range(400):  # rank 0 never runs: no plan is ever published
+        sampled = [k for k in KINDS if not follower.quiet(step) and follower.due(k, step)]
+        if "numerics" in sampled:
+            taken.append(step)
+        follower.end_step(0.01 + 0.001 * len(sampled))
+    said = [d for kind, d in events[1] if kind == "schedule_not_shared"]
+    assert len(said) == 1
+    assert said[0]["step"] == 0 and said[0]["rank"] == 1
+    assert "DistStoreError" in said[0]["reason"] or "timeout" in said[0]["reason"].lower()
+    schedule = follower.summary()["schedule"]
+    assert schedule["shared"] is False
+    assert schedule["fell_back"]["step"] == 0
+    assert taken[:2] == [0, 100]  # its own budget's schedule from then on
+    assert not follower.shared
+
+
+def test_armed_samples_declined_on_every_rank_when_rank_0_is_in_debt():
+    # a storm of armed samples: rank 0's samples are expensive (deep debt), rank 1's cheap;
+    # both take and decline the same armed samples, by rank 0's count
+    budgets, events = _ranks(2)
+    costs = [
+        {"numerics": 0.2, "shapes": 0.01, "syncs": 0.01},
+        {"numerics": 0.0001, "shapes": 0.0001, "syncs": 0.0001},
+    ]
+    taken = _lockstep(budgets, 600, [0.01, 0.01], costs, armed=range(200, 240))
+    assert taken[0] == taken[1]
+    armed = [s for s in taken[0]["numerics"] if 200 <= s < 240]
+    assert len(armed) == ARMED_DEBT_SAMPLES, armed  # taken on credit, then declined
+    declined = [[d for kind, d in seen if kind == "armed_sample_declined"] for seen in events]
+    assert declined[0] and declined[0] == declined[1]
+    counts = [b.summary()["kinds"]["numerics"]["armed_declined"] for b in budgets]
+    assert counts[0] == counts[1] > 0
+
+
+def test_a_single_process_decides_alone_without_asking_a_store():
+    budget = SampleBudget(0.01)
+    budget.register("numerics", 100, fixed=False)
+    for step in range(150):
+        budget.end_step(0.01 + (0.001 if budget.due("numerics", step) else 0.0))
+    assert budget.summary()["schedule"] == {"shared": False, "world_size": 1}
+
+
+def test_only_a_skipped_update_arms_the_capture_on_several_ranks(tmp_path, monkeypatch):
+    """A non-finite loss seen by one rank alone does not arm the per-layer capture (the other
+    ranks cannot know it); a GradScaler-skipped update, known on every rank, does."""
+    from amprobe.capture.collectors import numerics
+
+    monkeypatch.setattr(numerics, "multi_rank", lambda: True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)  # (no overflow of its own)
+    run_dir = tmp_path / "run"
+    with amprobe.attach(model=model, optimizer=opt, scaler=scaler, run_dir=run_dir):
+        for step in range(30):
+            x = torch.randn(2, 4)
+            if step == 12:
+                x[0, 0] = float("inf")  # the scaler skips this update
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            if step == 5:  # a NaN loss with finite gradients: this rank's own fact, no skip
+                loss = loss + torch.tensor(float("nan"))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    events = recorded_rows(run_dir, "events")
+    armed = [json.loads(e["detail"]) for e in events if e["kind"] == "numerics_armed"]
+    assert armed == [{"from_step": 13, "until_step": 15}], armed
+    not_armed = [e for e in events if e["kind"] == "numerics_not_armed"]
+    assert len(not_armed) == 1 and json.loads(not_armed[0]["detail"])["at_step"] == 5
+    sampled = [r["step"] for r in recorded_rows(run_dir, "steps") if r.get("numerics_sampled")]
+    assert {13, 14, 15} <= set(sampled) and 6 not in sampled
+
+
+# -- DDP on gloo: real ranks ----------------------------------------------------------------------
+def _job(tmp_path: Path, nproc: int, **env: str | int) -> Path:
+    out = tmp_path / f"ranks{nproc}"
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "SCHED_OUT": str(out),
+        **{k: str(v) for k, v in env.items()},
+    }
+    t0 = time.perf_counter()
+    proc = run_gloo_job(
+        torchrun_argv("sched_gloo.py", nproc), out, cwd=tmp_path, env=full_env, timeout=300
+    )
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(f"{nproc} ranks: {took:.1f} s", file=sys.stderr)
+    return out
+
+
+def _sampled(out: Path, rank: int) -> dict[str, list[int]]:
+    steps = recorded_rows(out, "steps", rank)
+    return {
+        "numerics": [r["step"] for r in steps if r.get("numerics_sampled")],
+        "syncs": [r["step"] for r in steps if r.get("syncs_sampled")],
+        "shapes": [r["step"] for r in recorded_rows(out, "compute_steps", rank)],
+    }
+
+
+def _events(out: Path, rank: int, *kinds: str) -> list[tuple[str, Any]]:
+    return [
+        (e["kind"], json.loads(e["detail"]))
+        for e in recorded_rows(out, "events", rank)
+        if e["kind"] in kinds
+    ]
+
+
+def _check_agreement(out: Path, nproc: int) -> dict[str, list[int]]:
+    sampled = [_sampled(out, rank) for rank in range(nproc)]
+    for kind in KINDS:
+        per_rank = {rank: s[kind] for rank, s in enumerate(sampled)}
+        assert all(steps == per_rank[0] for steps in per_rank.values()), (kind, per_rank)
+    for rank in range(nproc):
+        end = json.loads((out / f"rank{rank}" / "end.json").read_text())
+        schedule = end["sampling"]["schedule"]
+        assert schedule["shared"] is True and "fell_back" not in schedule, schedule
+        assert schedule["world_size"] == nproc and schedule["plans"] >= 5, schedule
+    told = [_events(out, r, "sample_deferred", "armed_sample_declined") for r in range(nproc)]
+    assert all(t == told[0] for t in told), told
+    kinds = [
+        json.loads((out / f"rank{r}" / "end.json").read_text())["sampling"]["kinds"]
+        for r in range(nproc)
+    ]
+    chosen = [
+        {k: (v["deferred"], v["armed_declined"], v["period"]) for k, v in kinds[r].items()}
+        for r in range(nproc)
+    ]
+    assert all(c == chosen[0] for c in chosen), chosen
+    return sampled[0]
+
+
+def _budgeted(steps: list[int], first: int, every: int) -> list[int]:
+    """The samples after the first that fell on the kind's grid (armed ones do not)."""
+    return [s for s in steps[1:] if (s - first) % every == 0]
+
+
+def _not_vacuous(out: Path, sampled: dict[str, list[int]]) -> None:
+    """Each kind's schedule held decisions of rank 0's budget that every rank followed: at
+    least two after the first sample, each a sample on the kind's grid or a deferral (a plan
+    that put the kind's next sample later than its minimum period; their count is checked equal
+    on every rank by :func:`_check_agreement`), and at least one a sample. On a loaded machine
+    one sample's cost can read 100 ms (a stall), and the debt then defers a kind for the rest
+    of 500 steps: that is a decision too. (The in-process test above takes four samples of
+    each kind whatever the load.)"""
+    end = json.loads((out / "rank0" / "end.json").read_text())["sampling"]["kinds"]
+    for kind, (every, first) in KINDS.items():
+        assert sampled[kind][0] == first
+        budgeted = _budgeted(sampled[kind], first, every)
+        assert budgeted, (kind, sampled)
+        assert len(budgeted) + end[kind]["deferred"] >= 2, (kind, sampled, end[kind])
+
+
+def test_two_ranks_one_three_times_slower_sample_the_same_steps(tmp_path):
+    """2 ranks x 500 steps, rank 1 three times slower than rank 0 (rank 0 waits for it at the
+    all-reduce, which hides what rank 0's samples cost: decided alone, rank 0 samples more
+    often), and an inf in rank 1's batch at step 450: the GradScaler skips that update on both
+    ranks, which arms the per-layer capture on both at the same steps."""
+    out = _job(
+        tmp_path, 2, STEPS=500, SLEEP_MS=6, SLOW_RANK=1, SLOW=3, INJECT_RANK=1, INJECT_STEP=450
+    )
+    sampled = _check_agreement(out, 2)
+    _not_vacuous(out, sampled)
+    armed = [_events(out, r, "numerics_armed") for r in range(2)]
+    assert armed[0] == armed[1] == [("numerics_armed", {"from_step": 451, "until_step": 453})]
+    assert {451, 452, 453} <= set(sampled["numerics"])
+    skipped = [
+        [r["step"] for r in recorded_rows(out, "steps", rank) if r.get("skipped")]
+        for rank in (0, 1)
+    ]
+    assert skipped[0] == skipped[1] == [450]
+
+
+def test_four_ranks_sample_the_same_steps(tmp_path):
+    """4 ranks x 500 steps of a healthy job (its cost: about 25 s on 2 loaded cores)."""
+    out = _job(tmp_path, 4, STEPS=500, SLEEP_MS=10)
+    _not_vacuous(out, _check_agreement(out, 4))
+
+
+def test_the_diagnosis_says_whether_the_ranks_shared_one_schedule():
+    from types import SimpleNamespace
+
+    from amprobe.analysis.sampling import sampling_summary, sampling_text
+
+    kinds = {"numerics": {"mode": "budget", "min_period": 100, "samples": 4, "period": 100}}
+
+    def rank(r: int, schedule: dict[str, Any]) -> Any:
+        sampling = {"budget": 0.01, "kinds": kinds, "schedule": schedule}
+        return SimpleNamespace(rank=r, end={"sampling": sampling})
+
+    shared = {"shared": True, "world_size": 2, "plans": 9}
+    run = SimpleNamespace(ranks=[rank(0, shared), rank(1, shared)])
+    summary = sampling_summary(run)  # type: ignore[arg-type]
+    assert summary is not None and "fell_back_ranks" not in summary
+    assert "one schedule for 2 ranks (rank 0's)" in sampling_text(summary)
+    alone = {"shared": False, "fell_back": {"step": 100, "reason": "DistStoreError: timeout"}}
+    run = SimpleNamespace(ranks=[rank(0, shared), rank(1, {**shared, **alone})])
+    summary = sampling_summary(run)  # type: ignore[arg-type]
+    assert summary is not None
+    assert summary["fell_back_ranks"] == [
+        {"rank": 1, "step": 100, "reason": "DistStoreError: timeout"}
+    ]
+    text = sampling_text(summary)
+    assert "rank 1 chose its own sampled steps from step 100 (DistStoreError: timeout)" in text
+    assert "one schedule" not in text
