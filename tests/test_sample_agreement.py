@@ -114,10 +114,11 @@ def test_ranks_with_very_different_costs_follow_rank_0s_plan():
     sampled = {step for kind in KINDS for step in taken[0][kind]}
     assert summaries[0]["schedule"]["plans"] == len(sampled) < 3_000 // 40
     plans = len(sampled)
-    assert store.calls == 1 + plans + 2 * 2 + plans * (3 + 3 + 2)
+    # (a plan is read when first needed: the last one, which names a step past the end, never)
+    assert store.calls == 1 + plans + 2 * 2 + (plans - 1) * (3 + 3 + 2)
     # the store holds no plan once every rank read it (the last reader deletes it): only
-    # rank 0's scope is left
-    assert store.inner.num_keys() == 1 and store.inner.get(agree.LEADER_KEY) == b"run"
+    # rank 0's scope and the last plan are left
+    assert store.inner.num_keys() == 2 and store.inner.get(agree.LEADER_KEY) == b"run"
 
     alone = []
     for rank in range(2):
@@ -126,6 +127,27 @@ def test_ranks_with_very_different_costs_follow_rank_0s_plan():
             budget.register(kind, every, fixed=False, first=first)
         alone.append(_lockstep([budget], 3_000, [steps_s[rank]], [costs[rank]])[0])
     assert alone[0] != alone[1]  # (what the agreement is for)
+
+
+def test_a_rank_0_still_busy_after_a_sample_does_not_hold_the_others_at_the_store():
+    # rank 1 ends every step before rank 0 has (rank 0 saving a checkpoint after its step):
+    # read at the sampled step's end, rank 1 would wait for a plan not yet written and, past
+    # the timeout, decide alone; read when first needed, rank 0 wrote it steps before
+    costs = [{"numerics": 0.004, "shapes": 0.008, "syncs": 0.002}] * 2
+    budgets, _ = _ranks(2, timeout_s=0.2)
+    taken: list[dict[str, list[int]]] = [{k: [] for k in KINDS} for _ in budgets]
+    for step in range(1_000):
+        for rank in (1, 0):
+            budget, extra = budgets[rank], 0.0
+            for kind in KINDS:
+                if not budget.quiet(step) and budget.due(kind, step):
+                    taken[rank][kind].append(step)
+                    extra += costs[rank][kind]
+            budget.end_step(0.01 + extra)
+    summaries = [b.summary()["schedule"] for b in budgets]
+    assert "fell_back" not in summaries[1], summaries[1]
+    assert summaries[1]["shared"] is True and summaries[1]["plans"] > 3
+    assert taken[0] == taken[1]
 
 
 def test_ranks_recording_into_differently_named_run_directories_follow_rank_0():

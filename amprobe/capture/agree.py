@@ -8,8 +8,11 @@ sample different steps. So in a job of several ranks rank 0 decides, and the oth
   (per kind: the next step it samples, the period, whether the next armed sample may be taken)
   under a key of the default process group's c10d store (the host TCP key-value store
   ``init_process_group`` made; ``torch.distributed.distributed_c10d._get_default_store()``);
-- at the end of the same step every other rank waits for that key (at most :data:`TIMEOUT_S`)
-  and reads it; the last reader deletes it. Between two such steps every rank's decisions are
+- every other rank waits for that key (at most :data:`TIMEOUT_S`) and reads it when it first
+  needs it: at the first step the plan can name (a budgeted kind's last sample plus its minimum
+  period, on its grid) or an armed sample, whichever comes first; the last reader deletes it.
+  By then rank 0 has usually written it long ago: the ranks met at the collectives of the
+  steps in between. Between two such steps every rank's decisions are
   a pure function of the step, the config and the last plan: no store access, nothing on an
   unsampled step.
 
@@ -37,10 +40,10 @@ __all__ = ["TIMEOUT_S", "Agreement", "default_group_agreement", "multi_rank"]
 #: the key under which rank 0 writes its scope before its first plan
 LEADER_KEY = "amprobe/schedule/leader"
 
-#: seconds a rank other than 0 waits for rank 0's plan at the end of a sampled step before it
-#: decides alone. Rank 0 writes it at the same step's end, so a healthy job waits about as long
-#: as rank 0 lags behind after the step's last collective; the limit covers a rank 0 that is
-#: not recording or never writes (a probe that is not attached there, another run directory).
+#: seconds a rank other than 0 waits for rank 0's plan before it decides alone. It reads the plan
+#: at the first step the plan can name, usually steps after rank 0 wrote it; the limit covers a
+#: rank 0 that is not recording or never writes (a probe that is not attached there, another run
+#: directory).
 TIMEOUT_S = 30.0
 
 

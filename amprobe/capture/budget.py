@@ -23,7 +23,10 @@ at the end of each step on which a budgeted kind sampled, rank 0 turns its bucke
 (:meth:`SampleBudget._plan`: per kind, the next step :meth:`due` would take, the credit of the
 steps in between projected at the typical step's rate; whether the next armed sample may be
 taken) and publishes it through the default process group's c10d store; every other rank reads
-it at the same step's end, and every rank follows it. Between two such steps a decision is a
+it when it first needs it (the first step that plan can name: a kind's last sample plus its
+minimum period, or an armed sample), not at that step's end, so a rank 0 still busy after its
+step (a checkpoint save) does not hold the others at a key instead of at their next
+collective; and every rank follows it. Between two such steps a decision is a
 pure function of the step, the config and the last plan (nothing is exchanged on other steps,
 and nothing on a fixed period's samples: a fixed period is the same everywhere). A rank that
 gets no plan decides alone from then on (``schedule_not_shared``, once). Each rank still
@@ -134,6 +137,11 @@ class SampleBudget:
         self._plans = 0
         self._exchange_s = 0.0
         self._exchange_max_s = 0.0
+        # a rank other than 0: the step whose plan it has not read yet, and the first step
+        # that plan can name (until then no budgeted kind is due, whatever the plan says)
+        self._pending: int | None = None
+        self._need = 0
+        self._unreported_s = 0.0  # seconds of plan reads not yet returned by end_step
         self.credit = 0.0
         self._kinds: dict[str, _Kind] = {}
         self._decided: dict[str, tuple[int, bool]] = {}
@@ -158,12 +166,22 @@ class SampleBudget:
         step the sampling collectors are not asked (:meth:`due` would say no to each)."""
         if step <= self._armed_until or self._now:
             return False  # armed, or a kind already samples it (taken at the boundary)
+        if self._pending is not None and step >= self._need:
+            self._read_plan(step)
         until = self._quiet_until
         if until is None:
             until = self._quiet_until = min(
-                (self._next_possible(k) for k in self._kinds.values()), default=float("inf")
+                (
+                    self._need if self._awaits(k) else self._next_possible(k)
+                    for k in self._kinds.values()
+                ),
+                default=float("inf"),
             )
         return step < until
+
+    def _awaits(self, k: _Kind) -> bool:
+        """``k``'s next sample is in the plan this rank has not read yet."""
+        return self._pending is not None and not k.fixed and k.every > 0 and k.last is not None
 
     def arm(self, until: int) -> None:
         """A problem arms samples up to step ``until`` (see :meth:`take_armed`)."""
@@ -204,6 +222,10 @@ class SampleBudget:
             answer = False
         elif k.last is None:
             answer = True  # the first sample measures the cost: at once, on the grid or not
+        elif self._pending is not None and step < self._need:
+            answer = False  # the unread plan names no step before this one
+        elif self._pending is not None and not self._read_plan(step):
+            return self.due(kind, step)  # decided alone from now on (the read failed)
         elif k.planned is not None:
             answer = step >= k.planned  # several ranks: the step rank 0's plan agreed
         elif (step - k.first) % k.every:
@@ -255,6 +277,8 @@ class SampleBudget:
             return decided[1]
         k = self._kinds.get(kind)
         answer = True
+        if self._pending is not None and k is not None and not k.fixed:
+            self._read_plan(step)  # whether it may be taken is in the plan
         if k is not None and not k.fixed and k.planned is not None:
             # several ranks: rank 0's plan said whether the next armed sample may be taken
             answer = k.armed_ok
@@ -323,6 +347,7 @@ class SampleBudget:
         the end of a budgeted sample in a job of several ranks): amprobe's time, not the
         job's."""
         now = self._now
+        read, self._unreported_s = self._unreported_s, 0.0  # plans read during this step
         if now:
             self._now = []
         else:  # an unsampled step: the common case
@@ -333,18 +358,18 @@ class SampleBudget:
                 pending, self._unresolved = self._unresolved, []
                 for kinds, took in pending:
                     self._charge(kinds, took)
-            return 0.0
+            return read
         if not self._recent:
             self._unresolved.append((now, seconds))
         else:
             self._charge(now, seconds)
         if self._agreement is None and self._looked:
-            return 0.0  # one process, or the ranks no longer agree: decided alone
+            return read  # one process, or the ranks no longer agree: decided alone
         table = self._kinds
         if all(table[kind].fixed for kind in now):
-            return 0.0  # a fixed period is the same on every rank: the last plan still holds
+            return read  # a fixed period is the same on every rank: the last plan still holds
         step = table[now[0]].last
-        return 0.0 if step is None else self._agree(step)
+        return read + (0.0 if step is None else self._agree(step))
 
     # -- several ranks: one schedule (amprobe.capture.agree) ----------------------------------
     def share(self, agreement: agree.Agreement | None) -> None:
@@ -377,15 +402,48 @@ class SampleBudget:
             if agreement.leader:
                 plan = self._plan(step)
                 agreement.publish(step, plan)
+                self._adopt(plan)
             else:
-                plan = agreement.read(step)
-            self._adopt(plan)
+                # read when it is first needed, not now: rank 0 may still be inside this
+                # step's end (a checkpoint save) while this rank goes on to its next
+                # collective; no plan names a step before ``_need``
+                if self._pending is not None:
+                    self._read_plan(step)  # (two plans unread: the older one first)
+                if self._agreement is not None:
+                    self._pending = step
+                    self._need = min(
+                        (
+                            _up(max(k.last + k.every, step + 1), k.first, k.every)
+                            for k in self._kinds.values()
+                            if not k.fixed and k.every > 0 and k.last is not None
+                        ),
+                        default=step + 1,
+                    )
+                    self._quiet_until = None
         except Exception as exc:
             self._fall_back(step, f"{type(exc).__name__}: {exc}")
         took = time.perf_counter() - t0
         self._exchange_s += took
         self._exchange_max_s = max(self._exchange_max_s, took)
         return took
+
+    def _read_plan(self, step: int) -> bool:
+        """A rank other than 0 reads the plan it awaits (``step`` is the step asking).
+        Returns whether the ranks still agree; on any failure this rank decides alone."""
+        waited, self._pending = self._pending, None
+        agreement = self._agreement
+        if waited is None or agreement is None:
+            return agreement is not None
+        t0 = time.perf_counter()
+        try:
+            self._adopt(agreement.read(waited))
+        except Exception as exc:
+            self._fall_back(waited, f"{type(exc).__name__}: {exc}")
+        took = time.perf_counter() - t0
+        self._exchange_s += took
+        self._exchange_max_s = max(self._exchange_max_s, took)
+        self._unreported_s += took
+        return self._agreement is not None
 
     def _plan(self, step: int) -> dict[str, Any]:
         """Rank 0, at the end of sampled ``step``: each budgeted kind's next sample as this
@@ -447,6 +505,7 @@ class SampleBudget:
         """This rank decides alone from now on: its budget's own schedule, said once."""
         agreement, self._agreement = self._agreement, None
         self._looked = True
+        self._pending = None
         for k in self._kinds.values():
             k.planned = k.agreed_period = k.declined_note = None
             k.armed_ok = True
