@@ -43,7 +43,12 @@ def _as_names(value: Any) -> Any:
 
 
 #: the minimum periods of the default (budgeted) sampling schedules, in steps
-DEFAULT_PERIODS = {"numerics_every": 100, "shapes_every": 200, "syncs_every": 50}
+DEFAULT_PERIODS = {
+    "numerics_every": 100,
+    "shapes_every": 200,
+    "syncs_every": 50,
+    "fingerprint_every": 100,
+}
 #: an unset ``flush_every``: this many steps, and at least FLUSH_MIN_SPACING_S since the last flush
 DEFAULT_FLUSH_EVERY = 100
 FLUSH_MIN_SPACING_S = 0.5
@@ -143,6 +148,11 @@ class Config:
             inf/NaN (AMP-N18): ``"warn"`` (the default) records it and lets the save go on;
             ``"raise"`` refuses the save with an error before anything is written; ``"off"``
             checks nothing.
+        fingerprint_every: the ``replicas`` collector (on by default in a job of several ranks)
+            records an exact fingerprint of every parameter at the end of every this-many-th
+            step (step 0 included), so that AMP-D05 can compare data-parallel replicas; 0 turns
+            it off. ``None`` (the default): at most every 100 steps, further apart when the
+            ``overhead_budget`` needs it.
     """
 
     flush_every: int | None = None
@@ -173,6 +183,7 @@ class Config:
     replay_max: int = 3
     replay_time_factor: float | None = None
     checkpoint_guard: str = "warn"
+    fingerprint_every: int | None = None
 
     def __post_init__(self) -> None:
         for key in LIST_KEYS:
@@ -258,6 +269,9 @@ class Config:
             collectors = (*collectors, "prometheus")
         if self.replay == "on" and self.replay_max and "replay" not in collectors:
             collectors = (*collectors, "replay")  # keeps only references: nothing on most steps
+        world = self.world_size if isinstance(self.world_size, int) else _env_int("WORLD_SIZE", 1)
+        if self.fingerprint_every != 0 and world > 1 and "replicas" not in collectors:
+            collectors = (*collectors, "replicas")  # AMP-D05: nothing on unsampled steps
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (
             not isinstance(self.max_steps, int) or self.max_steps < 1
@@ -316,6 +330,15 @@ class Config:
         if self.checkpoint_guard not in ("off", "warn", "raise"):
             raise ConfigError(
                 f"checkpoint_guard must be 'off', 'warn' or 'raise', got {self.checkpoint_guard!r}"
+            )
+        if self.fingerprint_every is not None and (
+            isinstance(self.fingerprint_every, bool)
+            or not isinstance(self.fingerprint_every, int)
+            or self.fingerprint_every < 0
+        ):
+            raise ConfigError(
+                "fingerprint_every must be a non-negative integer (0 = off), "
+                f"got {self.fingerprint_every!r}"
             )
         for key in ("rank", "world_size"):
             value = getattr(self, key)

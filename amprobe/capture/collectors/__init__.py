@@ -12,6 +12,7 @@ from amprobe.capture.collectors.compute import ComputeCollector
 from amprobe.capture.collectors.numerics import NumericsCollector
 from amprobe.capture.collectors.prometheus import PrometheusCollector
 from amprobe.capture.collectors.replay import ReplayCollector
+from amprobe.capture.collectors.replicas import ReplicasCollector
 from amprobe.capture.collectors.runtime import RuntimeCollector
 from amprobe.capture.collectors.scaler import ScalerCollector
 from amprobe.capture.protocol import Collector, StepFacts, due
@@ -24,6 +25,7 @@ __all__ = [
     "NumericsCollector",
     "PrometheusCollector",
     "ReplayCollector",
+    "ReplicasCollector",
     "RuntimeCollector",
     "ScalerCollector",
     "StepFacts",
@@ -38,4 +40,5 @@ REGISTRY: dict[str, type[Collector]] = {
     "runtime": RuntimeCollector,
     "prometheus": PrometheusCollector,
     "replay": ReplayCollector,
+    "replicas": ReplicasCollector,
 }
