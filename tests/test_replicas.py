@@ -49,6 +49,21 @@ def test_fingerprint_is_exact_and_order_independent(dtype):
     assert fingerprint(x).dtype == torch.int64 and fingerprint(x).device == x.device
 
 
+def test_config_turns_the_collector_on_in_multi_rank_jobs_only(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert "replicas" not in amprobe.Config().collectors  # one rank: nothing to compare
+    assert "replicas" in amprobe.Config(world_size=4).collectors
+    assert "replicas" in amprobe.Config(world_size=2, collectors=("scaler",)).collectors
+    assert "replicas" not in amprobe.Config(world_size=2, fingerprint_every=0).collectors
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "replicas" in amprobe.Config().collectors
+    assert amprobe.Config(fingerprint_every=7).sample_period("fingerprint_every") == (7, True)
+    assert amprobe.Config().sample_period("fingerprint_every") == (100, False)
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(amprobe.ConfigError, match="fingerprint_every"):
+            amprobe.Config(fingerprint_every=bad)
+
+
 # -- the rule on hand-built rows ---------------------------------------------------------------
 def _rows(
     ranks: list[int],

@@ -145,6 +145,9 @@ class ReplicasCollector(Collector):
         self._sampled_now = False
         self._done: list[tuple[int, list[tuple[str, str, str, int]], torch.Tensor]] = []
         self._mute_step_end(True)
+        # nothing to ask at a step's start before a replica exists (a job of pure sharding:
+        # never), whatever the budget's quiet steps say
+        probe.hub.dispatch.mute(self, "on_step_begin")
         if probe.world_size < 2:
             probe.event("replicas_layout", root=None, engine="none", reason="single rank")
 
@@ -213,7 +216,13 @@ class ReplicasCollector(Collector):
         )
         if self._params and not self._registered and self.every > 0:
             self._registered = True
-            self.probe.budget.register("replicas", self.every, fixed=self._fixed)
+            # its grid stays the multiples of the period (the same steps on every rank); its
+            # first step is the first of them at or after now: a root found after step 0 leaves
+            # the steps before that one quiet (not asked)
+            now = self.probe.step
+            first = -(-now // self.every) * self.every
+            self.probe.budget.register("replicas", self.every, fixed=self._fixed, first=first)
+            self.probe.hub.dispatch.mute(self, "on_step_begin", muted=False)
             if self.probe.recording:  # a root found during a step: that step may be due
                 self.on_step_begin(self.probe.step)
 
@@ -273,7 +282,8 @@ class ReplicasCollector(Collector):
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (no communication), else the tensor."""
+    """A DTensor's local tensor (no communication, no copy; about 1 us under ``no_grad``), else
+    the tensor."""
     to_local = getattr(p, "to_local", None)
     if to_local is None or type(p) in (torch.Tensor, torch.nn.Parameter):
         return p
