@@ -32,7 +32,7 @@ Records:
     for 64-bit tensors or local tensors of more than ``2**32`` 32-bit elements), ``group``
     (the replica group's global ranks, ``"0,2"``), ``dtype``, ``numel`` (of the local tensor).
     ``replicas_layout`` event, once per root model: ``root``, ``engine`` (``ddp``,
-    ``dtensor``, ``fsdp1``, ``none``), ``param_count``, ``replicated_count``, ``groups``
+    ``fsdp2``, ``dtensor``, ``fsdp1``, ``none``), ``param_count``, ``replicated_count``, ``groups``
     (distinct replica groups, at most 8), ``reason`` (why a parameter has no replica).
 
 Cost: nothing on unsampled steps (the collector is not called: quiet steps skip it and its
@@ -159,11 +159,15 @@ class ReplicasCollector(Collector):
         if not isinstance(model, torch.nn.Module) or self.probe.world_size < 2:
             return
         wrappers = wrapper_classes(model)
+        inner = user_model(model)
         ddp = "DistributedDataParallel" in wrappers
         fsdp1 = "FullyShardedDataParallel" in wrappers
         ddp_group = _process_group_ranks(getattr(model, "process_group", None)) if ddp else None
+        # parameters DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``)
+        # are not kept in sync by it: not replicas
+        ignored = set(getattr(model, "parameters_to_ignore", ()) or ()) if ddp else set()
+        fsdp2 = hasattr(model, "_get_fsdp_state") or hasattr(inner, "_get_fsdp_state")
         root = self.probe.root_name(model)
-        inner = user_model(model)
         count = replicated = 0
         groups: list[list[int]] = []
         reasons: set[str] = set()
@@ -178,13 +182,17 @@ class ReplicasCollector(Collector):
                 label = f"{root}.{label}"
             group = replica_group(p, self.rank)
             if group is not None:
-                engines.add("dtensor")
+                engines.add("fsdp2" if fsdp2 else "dtensor")
                 if len(group) < 2:
                     reasons.add("sharded: each rank holds its own shard (no replicate dimension)")
                     continue
             elif fsdp1:
                 engines.add("fsdp1")
                 reasons.add("FSDP1 (FullyShardedDataParallel): its flat parameters are not read")
+                continue
+            elif ddp and name in ignored:
+                engines.add("ddp")
+                reasons.add("left out of DDP's synchronization (parameters_to_ignore)")
                 continue
             elif ddp:
                 engines.add("ddp")
