@@ -13,7 +13,15 @@ import torch
 
 import amprobe
 from amprobe.capture.collectors.replicas import fingerprint
-from tests.helpers import fake_run, run_gloo_job, run_jobs, torchrun_argv
+from tests.helpers import (
+    TinyNet,
+    fake_run,
+    recorded_rows,
+    run_gloo_job,
+    run_jobs,
+    torchrun_argv,
+    train_loop,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +70,46 @@ def test_config_turns_the_collector_on_in_multi_rank_jobs_only(monkeypatch):
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(amprobe.ConfigError, match="fingerprint_every"):
             amprobe.Config(fingerprint_every=bad)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_collector_samples_its_grid_and_is_not_called_between(tmp_path, monkeypatch, late):
+    """In one process with a faked replica group (a second root model's parameters): the
+    fingerprints on the multiples of the period only, and the collector not even called at the
+    other steps' start, also when the replicated model is found after step 0 (its first sample
+    is then the next multiple, the same grid)."""
+    from amprobe.capture.collectors import replicas as collector_module
+
+    replicated = TinyNet()
+    ids = {id(p) for p in replicated.parameters()}
+    monkeypatch.setattr(
+        collector_module, "replica_group", lambda p, rank: [0, 1] if id(p) in ids else [0]
+    )
+    calls: list[int] = []
+    begin = collector_module.ReplicasCollector.on_step_begin
+
+    def counted(self, step):
+        calls.append(step)
+        begin(self, step)
+
+    monkeypatch.setattr(collector_module.ReplicasCollector, "on_step_begin", counted)
+    model = TinyNet()
+    opt = torch.optim.SGD([*model.parameters(), *replicated.parameters()], lr=0.01)
+    config = {"world_size": 2, "rank": 0, "fingerprint_every": 4, "replay": "off"}
+    config["collectors"] = ("scaler", "replicas")
+    with amprobe.attach(model, opt, run_dir=tmp_path / "r", config=config) as probe:
+        if not late:
+            probe.add_model(replicated)
+        train_loop(model, opt, torch.amp.GradScaler("cpu"), 1)
+        if late:
+            probe.add_model(replicated)  # found at step 1
+        train_loop(model, opt, torch.amp.GradScaler("cpu"), 10, seed=1)
+    rows = recorded_rows(tmp_path / "r", "fingerprints")
+    sampled = [4, 8] if late else [0, 4, 8]
+    assert sorted({r["step"] for r in rows}) == sampled
+    assert len({r["param"] for r in rows}) == 4 and {r["group"] for r in rows} == {"0,1"}
+    # never asked on the other steps (step 1: asked once, where the model was found)
+    assert sorted(set(calls)) == ([1, 4, 8] if late else sampled)
 
 
 # -- the rule on hand-built rows ---------------------------------------------------------------
