@@ -14,7 +14,9 @@ other device values: no host-device sync on the step.
 Each parameter's replica group, the ranks that must hold the same bits, is read once from the
 objects in memory when the root model becomes known:
 
-* DDP: every rank of DDP's process group (a lookup of its ranks, no communication);
+* DDP: every rank of DDP's process group, when it spans the job (read from the group's
+  ``size()``; a smaller group's members are not read: the capture side calls nothing of
+  ``torch.distributed``, so such a DDP is not checked, with the reason);
 * a DTensor parameter (FSDP2, tensor parallel): the ranks of its device mesh with the same
   coordinates on every mesh dimension whose placement is not ``Replicate``; HSDP (FSDP2 on a
   2-D mesh, replicate x shard) gives the ranks with the same shard index; FSDP2 on a 1-D
@@ -88,18 +90,18 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     return bits.sum(dtype=torch.int64)
 
 
-def _process_group_ranks(group: Any) -> list[int] | None:
-    """The global ranks of a process group: a lookup in c10d's tables, no communication."""
+def _process_group_ranks(group: Any, world_size: int) -> list[int] | None:
+    """The global ranks of DDP's process group, from the group object itself (its ``size()``;
+    the capture side calls nothing of ``torch.distributed``): every rank of the job when the
+    group spans it; None for a smaller group, whose members only c10d's tables know."""
+    size = getattr(group, "size", None)
+    if not callable(size):
+        return None
     try:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        if group is None:
-            group = dist.GroupMember.WORLD
-        return sorted(int(r) for r in dist.get_process_group_ranks(group))
+        n = int(size())
     except Exception:
         return None
+    return list(range(world_size)) if n == world_size else None
 
 
 def replica_group(param: Any, rank: int) -> list[int] | None:
@@ -140,7 +142,10 @@ class ReplicasCollector(Collector):
         self.rank = int(probe.rank)
         # (param, name, group text) of every replicated parameter of the roots
         self._params: list[tuple[weakref.ReferenceType[torch.Tensor], str, str]] = []
-        self._seen: set[int] = set()
+        # parameters fingerprinted already: a root registered again (the same model found
+        # inside its DDP wrapper, or wrapped after it was first seen) adds none twice; one seen
+        # without replicas may get them from a wrapper registered later
+        self._replicated: set[int] = set()
         self._registered = False
         self._sampled_now = False
         self._done: list[tuple[int, list[tuple[str, str, str, int]], torch.Tensor]] = []
@@ -162,7 +167,10 @@ class ReplicasCollector(Collector):
         inner = user_model(model)
         ddp = "DistributedDataParallel" in wrappers
         fsdp1 = "FullyShardedDataParallel" in wrappers
-        ddp_group = _process_group_ranks(getattr(model, "process_group", None)) if ddp else None
+        world = int(self.probe.world_size)
+        ddp_group = (
+            _process_group_ranks(getattr(model, "process_group", None), world) if ddp else None
+        )
         # parameters DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``)
         # are not kept in sync by it: not replicas
         ignored = set(getattr(model, "parameters_to_ignore", ()) or ()) if ddp else set()
@@ -173,9 +181,8 @@ class ReplicasCollector(Collector):
         reasons: set[str] = set()
         engines: set[str] = set()
         for name, p in inner.named_parameters():
-            if id(p) in self._seen:
+            if id(p) in self._replicated:
                 continue
-            self._seen.add(id(p))
             count += 1
             label = user_module_name(name)
             if root is not None:
@@ -198,7 +205,10 @@ class ReplicasCollector(Collector):
                 engines.add("ddp")
                 group = ddp_group
                 if group is None or len(group) < 2:
-                    reasons.add("DDP's process group has one rank or could not be read")
+                    reasons.add(
+                        "DDP's process group is smaller than the job (its ranks are not read) "
+                        "or has one rank"
+                    )
                     continue
             else:
                 engines.add("none")
@@ -208,6 +218,7 @@ class ReplicasCollector(Collector):
                 reasons.add("this rank is not in its parameters' replica group")
                 continue
             replicated += 1
+            self._replicated.add(id(p))
             if group not in groups:
                 groups.append(group)
             self._params.append((weakref.ref(p), label, ",".join(map(str, group))))
