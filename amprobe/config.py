@@ -43,7 +43,12 @@ def _as_names(value: Any) -> Any:
 
 
 #: the minimum periods of the default (budgeted) sampling schedules, in steps
-DEFAULT_PERIODS = {"numerics_every": 100, "shapes_every": 200, "syncs_every": 50}
+DEFAULT_PERIODS = {
+    "numerics_every": 100,
+    "shapes_every": 200,
+    "syncs_every": 50,
+    "fingerprint_every": 100,
+}
 #: an unset ``device_check_minutes`` on an accelerator: the known-answer GEMM's period, minutes
 DEFAULT_DEVICE_CHECK_MINUTES = 30.0
 #: an unset ``flush_every``: this many steps, and at least FLUSH_MIN_SPACING_S since the last flush
@@ -152,6 +157,11 @@ class Config:
             step). ``None`` (the default): every :data:`DEFAULT_DEVICE_CHECK_MINUTES` minutes
             on an accelerator, off on the CPU; a number turns it on for any device (the
             collector is added when it is not listed); 0 turns it off.
+        fingerprint_every: the ``replicas`` collector (on by default in a job of several ranks)
+            records an exact fingerprint of every parameter at the end of every this-many-th
+            step (step 0 included), so that AMP-D05 can compare data-parallel replicas; 0 turns
+            it off. ``None`` (the default): at most every 100 steps, further apart when the
+            ``overhead_budget`` needs it.
     """
 
     flush_every: int | None = None
@@ -183,6 +193,7 @@ class Config:
     replay_time_factor: float | None = None
     checkpoint_guard: str = "warn"
     device_check_minutes: float | None = None
+    fingerprint_every: int | None = None
 
     def __post_init__(self) -> None:
         for key in LIST_KEYS:
@@ -280,6 +291,9 @@ class Config:
             )
         if minutes and "devicecheck" not in collectors:  # asked for by its period
             collectors = (*collectors, "devicecheck")
+        world = self.world_size if isinstance(self.world_size, int) else _env_int("WORLD_SIZE", 1)
+        if self.fingerprint_every != 0 and world > 1 and "replicas" not in collectors:
+            collectors = (*collectors, "replicas")  # AMP-D05: nothing on unsampled steps
         object.__setattr__(self, "collectors", collectors)
         if self.max_steps is not None and (
             not isinstance(self.max_steps, int) or self.max_steps < 1
@@ -338,6 +352,15 @@ class Config:
         if self.checkpoint_guard not in ("off", "warn", "raise"):
             raise ConfigError(
                 f"checkpoint_guard must be 'off', 'warn' or 'raise', got {self.checkpoint_guard!r}"
+            )
+        if self.fingerprint_every is not None and (
+            isinstance(self.fingerprint_every, bool)
+            or not isinstance(self.fingerprint_every, int)
+            or self.fingerprint_every < 0
+        ):
+            raise ConfigError(
+                "fingerprint_every must be a non-negative integer (0 = off), "
+                f"got {self.fingerprint_every!r}"
             )
         for key in ("rank", "world_size"):
             value = getattr(self, key)

@@ -243,6 +243,35 @@ def _d04_sentence(e: Mapping[str, Any]) -> str | None:
     )
 
 
+def _d05_sentence(e: Mapping[str, Any]) -> str | None:
+    d = e.get("divergent")
+    if not isinstance(d, Mapping) or not isinstance(d.get("step"), int):
+        return None
+    ranks, group = list(d.get("ranks") or []), list(d.get("group") or [])
+    agreed = e.get("last_agreed_step")
+    since = f" (they agreed at step {agreed})" if isinstance(agreed, int) else ""
+    if d.get("majority"):
+        who = (
+            f"Rank {ranks[0]} differs" if len(ranks) == 1 else f"Ranks {format_ranks(ranks)} differ"
+        )
+        others = len(group) - len(ranks)
+        return (
+            f"{who} from the other {others} replicas of group {format_ranks(group)} at step "
+            f"{d['step']}, the first compared step where they differ{since}."
+        )
+    if len(group) == 2:
+        return (
+            f"Ranks {group[0]} and {group[1]}, the two replicas, differ at step {d['step']}, the "
+            f"first compared step where they differ{since}; with two replicas the copy at fault "
+            "cannot be told."
+        )
+    return (
+        f"Ranks {format_ranks(ranks)} of replica group {format_ranks(group)} differ at step "
+        f"{d['step']}, the first compared step where they differ{since}; no majority agrees, so "
+        "the copy at fault cannot be told."
+    )
+
+
 #: rule ID -> what its evidence needs beyond the generic renderer
 VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
     {
@@ -311,6 +340,11 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
                 "episode_last_step": "non-finite until step",
                 "ranks_not_listed_count": "ranks not in the table",
             },
+        ),
+        "AMP-D05": EvidenceView(
+            sentence=_d05_sentence,
+            said=("divergent", "ranks", "last_agreed_step"),
+            labels={"params": "parameters that differ", "param": "parameter"},
         ),
     }
 )

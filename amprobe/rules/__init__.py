@@ -16,6 +16,7 @@ from amprobe.rules import numerics as _numerics  # noqa: F401
 from amprobe.rules import origin as _origin  # noqa: F401
 from amprobe.rules import precision as _precision  # noqa: F401
 from amprobe.rules import replay as _replay  # noqa: F401
+from amprobe.rules import replicas as _replicas  # noqa: F401
 from amprobe.rules import runtime as _runtime  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
 from amprobe.rules import whatif as _whatif  # noqa: F401

@@ -143,6 +143,15 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "tf32": pa.bool_(),  # fp32 CUDA matmuls may use TF32
         "capture_s": pa.float64(),  # wall time of the captured step, capture overhead included
     },
+    # replicas collector: one row per parameter and sampled step (AMP-D05)
+    "fingerprints": {
+        "step": pa.int64(),  # the sampled step (values after its optimizer update)
+        "param": pa.string(),  # qualified name, as in the user's model
+        "fingerprint": pa.int64(),  # sum of the local tensor's bit patterns as integers (mod 2**64)
+        "group": pa.string(),  # ranks holding a replica of it, this one included ("0,2")
+        "dtype": pa.string(),
+        "numel": pa.int64(),  # elements of the local tensor (a DTensor's shard)
+    },
 }
 
 

@@ -13,6 +13,7 @@ from amprobe.capture.collectors.devicecheck import DeviceCheckCollector
 from amprobe.capture.collectors.numerics import NumericsCollector
 from amprobe.capture.collectors.prometheus import PrometheusCollector
 from amprobe.capture.collectors.replay import ReplayCollector
+from amprobe.capture.collectors.replicas import ReplicasCollector
 from amprobe.capture.collectors.runtime import RuntimeCollector
 from amprobe.capture.collectors.scaler import ScalerCollector
 from amprobe.capture.protocol import Collector, StepFacts, due
@@ -25,6 +26,7 @@ __all__ = [
     "NumericsCollector",
     "PrometheusCollector",
     "ReplayCollector",
+    "ReplicasCollector",
     "RuntimeCollector",
     "ScalerCollector",
     "DeviceCheckCollector",
@@ -41,4 +43,5 @@ REGISTRY: dict[str, type[Collector]] = {
     "prometheus": PrometheusCollector,
     "replay": ReplayCollector,
     "devicecheck": DeviceCheckCollector,
+    "replicas": ReplicasCollector,
 }
