@@ -11,7 +11,10 @@ takes no sample at all. Both ranks train blocks of ``--block`` steps with amprob
 * ``base``: the scaler collector only, no fingerprint;
 * ``every2``: ``base`` plus the replicas collector with ``fingerprint_every=2``: sampled and
   unsampled steps alternate inside the block, so their difference is measured step by step on
-  the same machine state (a loaded machine moves whole blocks by tens of percent).
+  the same machine state (a loaded machine moves whole blocks by tens of percent);
+* ``num2`` and ``both2``: amprobe's sampled step (per-layer numerics, ``numerics_every=2``)
+  without and with the fingerprints on the same steps: what the fingerprints add to a sampled
+  step (goal of issue 35: <= 1.10).
 
 Each step's training-thread CPU time (where the fingerprints run) and wall time are taken; per
 block the median over its sampled steps and over its unsampled ones. Printed per round: the
@@ -52,7 +55,23 @@ CONFIGS = {
         "replay": "off",
         "fingerprint_every": 1_000_000,
     },
+    # an amprobe sampled step (per-layer numerics) on every other step, with and without the
+    # fingerprints on the same steps: what they add to a sampled step
+    "num2": {
+        "collectors": ("scaler", "numerics"),
+        "replay": "off",
+        "fingerprint_every": 0,
+        "numerics_every": 2,
+    },
+    "both2": {
+        "collectors": ("scaler", "numerics", "replicas"),
+        "replay": "off",
+        "fingerprint_every": 2,
+        "numerics_every": 2,
+    },
 }
+#: the pairs of configurations timed block by block: (without, with) the fingerprints
+PAIRS = (("base", "every2"), ("num2", "both2"))
 
 
 def _job(width: int, batch: int) -> Any:
@@ -137,7 +156,8 @@ def worker(
     rows: list[dict[str, Any]] = []
     model: Any = None
     for round_ in range(pairs):
-        for name in ("base", "every2") if round_ % 2 == 0 else ("every2", "base"):
+        names = [n for pair in PAIRS for n in pair]
+        for name in names if round_ % 2 == 0 else names[::-1]:
             probe = _attach(name, f"{out}/{name}{round_}-rank{rank}")
             train(settle)  # untimed: the model discovered, the first sample, the first flush
             probe.flush()
@@ -262,9 +282,31 @@ def main() -> None:
                 f"(sampled - unsampled, same block), unsampled/plain {ratios_u[-1]:.3f}x"
             )
         print(
-            f"  median of rounds: sampled step {statistics.median(ratios_s):.3f}x of a plain "
-            f"step (goal <= 1.10); unsampled step {statistics.median(ratios_u):.3f}x "
-            "(goal <= 1.01)\n"
+            f"  median of rounds: a step sampled for fingerprints alone "
+            f"{statistics.median(ratios_s):.3f}x of a plain step; unsampled step "
+            f"{statistics.median(ratios_u):.3f}x (goal <= 1.01)"
+        )
+        ratios_n = []
+        for round_ in range(args.pairs):
+            sampled_med = {
+                name: statistics.mean(
+                    statistics.median(
+                        v for i, v in enumerate(r[column]) if (r["first"] + i) % 2 == 0
+                    )
+                    for r in blocks
+                    if r["config"] == name and r["round"] == round_
+                )
+                for name in ("num2", "both2")
+            }
+            ratios_n.append(sampled_med["both2"] / sampled_med["num2"])
+            print(
+                f"  round {round_}: a sampled step (per-layer numerics) "
+                f"{1000 * sampled_med['num2']:.2f} ms, with the fingerprints too "
+                f"{1000 * sampled_med['both2']:.2f} ms  |  {ratios_n[-1]:.3f}x"
+            )
+        print(
+            f"  median of rounds: fingerprints on a sampled step {statistics.median(ratios_n):.3f}x"
+            " (goal <= 1.10)\n"
         )
     per = {
         name: statistics.mean(r["per_step"] for r in codes if r["opcodes"] == name)

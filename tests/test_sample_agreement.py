@@ -24,6 +24,9 @@ from tests.helpers import recorded_rows, run_gloo_job, torchrun_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"numerics": (100, 0), "shapes": (200, 1), "syncs": (50, 1)}  # (default period, first)
+#: the kinds sampled in the gloo jobs: the replicas collector's fingerprints too (AMP-D05, on by
+#: default with several ranks)
+GLOO_KINDS = {**KINDS, "replicas": (100, 0)}
 
 
 # -- in process: budgets that stand for ranks ------------------------------------------------------
@@ -265,6 +268,7 @@ def _sampled(out: Path, rank: int) -> dict[str, list[int]]:
         "numerics": [r["step"] for r in steps if r.get("numerics_sampled")],
         "syncs": [r["step"] for r in steps if r.get("syncs_sampled")],
         "shapes": [r["step"] for r in recorded_rows(out, "compute_steps", rank)],
+        "replicas": sorted({r["step"] for r in recorded_rows(out, "fingerprints", rank)}),
     }
 
 
@@ -278,7 +282,7 @@ def _events(out: Path, rank: int, *kinds: str) -> list[tuple[str, Any]]:
 
 def _check_agreement(out: Path, nproc: int) -> dict[str, list[int]]:
     sampled = [_sampled(out, rank) for rank in range(nproc)]
-    for kind in KINDS:
+    for kind in GLOO_KINDS:
         per_rank = {rank: s[kind] for rank, s in enumerate(sampled)}
         assert all(steps == per_rank[0] for steps in per_rank.values()), (kind, per_rank)
     for rank in range(nproc):
@@ -314,7 +318,7 @@ def _not_vacuous(out: Path, sampled: dict[str, list[int]]) -> None:
     of 500 steps: that is a decision too. (The in-process test above takes four samples of
     each kind whatever the load.)"""
     end = json.loads((out / "rank0" / "end.json").read_text())["sampling"]["kinds"]
-    for kind, (every, first) in KINDS.items():
+    for kind, (every, first) in GLOO_KINDS.items():
         assert sampled[kind][0] == first
         budgeted = _budgeted(sampled[kind], first, every)
         assert budgeted, (kind, sampled)
