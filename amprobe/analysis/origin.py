@@ -325,19 +325,26 @@ def _split_at_skips(
     skipped: Mapping[int, list[tuple[int, int]]],
 ) -> list[tuple[int, int]]:
     """``spans`` cut after each step (not a span's last) that every rank recording it
-    skipped."""
+    skipped. Once :data:`MAX_EPISODES` pieces are out, the rest stays uncut (only the first
+    episodes are read; the pieces still cover the same steps)."""
     out: list[tuple[int, int]] = []
     for a, b in spans:
-        cuts: set[int] = set()
-        for r in ranks:
-            for a0, b0 in skipped[r]:
-                cuts.update(range(max(a, a0), min(b - 1, b0) + 1))
         start = a
-        for s in sorted(cuts):
-            at = [r for r in ranks if _holds_step(recorded[r], s)]
-            if at and all(_holds_step(skipped[r], s) for r in at):
-                out.append((start, s))
-                start = s + 1
+        if len(out) < MAX_EPISODES:
+            clipped = [
+                (max(a, a0), min(b - 1, b0))
+                for r in ranks
+                for a0, b0 in skipped[r]
+                if a0 <= b - 1 and b0 >= a
+            ]
+            for a1, b1 in _merge(clipped):
+                for s in range(a1, b1 + 1):
+                    if len(out) >= MAX_EPISODES:
+                        break
+                    at = [r for r in ranks if _holds_step(recorded[r], s)]
+                    if at and all(_holds_step(skipped[r], s) for r in at):
+                        out.append((start, s))
+                        start = s + 1
         out.append((start, b))
     return out
 
