@@ -4,7 +4,8 @@ Unit tests of the rule on hand-built runs (the ranks' step records, offenders an
 events), then gloo jobs under ``amprobe run -- torchrun`` (tests/scripts/origin_gloo.py):
 2-rank and 4-rank DDP and HSDP (FSDP2 on a 2x2 DeviceMesh) with a GradScaler and CPU autocast
 fp16, a NaN in one rank's batch, an inf from one rank's layer and a backward-only overflow on
-one rank, each on a rank other than 0; healthy runs; losses bit-identical with amprobe off.
+one rank, each on a rank other than 0; healthy runs (the default GradScaler's start-up
+overflows, on one rank alone); losses bit-identical with amprobe off.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import amprobe
+from amprobe.analysis.numerics import offenders_section
 from amprobe.report.evidence import evidence_lines
 from amprobe.rules import diagnose
 from tests.helpers import fake_run, run_gloo_job, run_jobs, torchrun_argv
@@ -27,12 +29,20 @@ ROOT = Path(__file__).resolve().parent.parent
 ON = {"config": {"replay": "on", "replay_max": 3, "collectors": ["scaler", "replay"]}}
 
 
-def _steps(rank: int, n: int = 10, skipped: tuple[int, ...] = (), scaler: bool = True, **per):
-    """``rank``'s step rows; ``per`` maps a field to ``{step: value}``."""
+def _steps(
+    rank: int,
+    n: int = 10,
+    skipped: tuple[int, ...] = (),
+    scaler: bool = True,
+    grown: tuple[int, ...] = (),
+    **per,
+):
+    """``rank``'s step rows (the scale halved at ``skipped``, doubled at ``grown``); ``per``
+    maps a field to ``{step: value}``."""
     rows, scale = [], 256.0
     for i in range(n):
         skip = i in skipped
-        after = scale / 2 if skip else scale
+        after = scale / 2 if skip else scale * 2 if i in grown else scale
         row: dict[str, Any] = {"rank": rank, "step": i, "wall_s": 0.01, "input_nonfinite": 0}
         row["loss_nonfinite"] = False
         if scaler:
@@ -278,6 +288,125 @@ def test_single_rank_not_checked():
     assert not found and reason is not None and "single-rank" in reason
 
 
+def _backward(rank: int, step: int, module: str = "fc2") -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "step": step,
+        "kind": "backward",
+        "module": module,
+        "module_type": "Linear",
+        "detail": "{}",
+    }
+
+
+def test_scaler_calibration_overflow_on_one_rank_is_no_origin_and_checked():
+    # default GradScaler: the first steps cut the scale; rank 1's larger batch overflows alone
+    # (a backward offender on those sampled steps), rank 0's does not; nothing replayed
+    rows = [r for k in range(2) for r in _steps(k, skipped=(0, 1, 2))]
+    events = [{"kind": "scaler_created", "rank": k, "init_scale": 256.0} for k in range(2)]
+    offenders = [_backward(1, s) for s in (0, 1, 2)]
+    run = fake_run(
+        steps=rows,
+        events=events,
+        ranks=[0, 1],
+        manifest=_manifest(),
+        tables={"offenders": offenders},
+    )
+    found, reason = _d04(run)
+    assert not found and reason is None, ([f.title for f in found], reason)
+    # every rank overflowing at start-up is the scaler's job too, not "cannot be told"
+    offenders += [_backward(0, s) for s in (0, 1, 2)]
+    run = fake_run(
+        steps=rows,
+        events=events,
+        ranks=[0, 1],
+        manifest=_manifest(),
+        tables={"offenders": offenders},
+    )
+    found, reason = _d04(run)
+    assert not found and reason is None, ([f.title for f in found], reason)
+
+
+def test_skip_right_after_a_growth_is_the_scalers_job_not_unexplained():
+    # the scale grew at step 5 and step 6 overflowed (the scaler probing): no replay left
+    rows = [r for k in range(2) for r in _steps(k, skipped=(6,), grown=(5,))]
+    events = [
+        {"kind": "replay", "rank": r, "step": 6, "replayed": False, "reason": "replay_max (3)"}
+        for r in (0, 1)
+    ]
+    found, reason = _d04(fake_run(steps=rows, events=events, ranks=[0, 1], manifest=_manifest()))
+    assert not found and reason is None, reason
+
+
+def test_backward_offender_on_a_skipped_step_is_an_origin_only_with_a_replay_saying_so():
+    rows = [r for k in range(2) for r in _steps(k, skipped=(6,))]
+    tables = {"offenders": [_backward(1, 6, "bomb")]}
+    # no replay: the scale may be the cause (rank 1's batch larger): not placed on a rank
+    found, reason = _d04(fake_run(steps=rows, ranks=[0, 1], manifest=_manifest(), tables=tables))
+    assert not found
+    assert reason is not None and "skipped for inf/NaN gradients (first: step 6)" in reason
+    # a replay that measured a cause other than the loss scale on rank 1: rank 1, `bomb`
+    events = [_replay(1, 6, False, grads_finite=False), _replay(0, 6, True)]
+    run = fake_run(steps=rows, events=events, ranks=[0, 1], manifest=_manifest(), tables=tables)
+    (f,) = _d04(run)[0]
+    assert f.evidence["origin"]["rank"] == 1 and f.evidence["origin"]["layer"] == "bomb"
+    # a replay that measured the loss scale on rank 1: the scaler's job
+    events = [_replay(1, 6, False, grads_finite=False, cause="loss-scale"), _replay(0, 6, True)]
+    run = fake_run(steps=rows, events=events, ranks=[0, 1], manifest=_manifest(), tables=tables)
+    assert _d04(run) == ([], None)
+
+
+def test_a_step_between_two_recording_windows_is_not_recorded():
+    # rank 0's second window opens at 200, rank 1's at 205; every rank's loss NaN from 202
+    rows = [
+        {
+            "rank": rank,
+            "step": step,
+            "window": 1 if step < 100 else 2,
+            "wall_s": 0.01,
+            "input_nonfinite": 0,
+            "loss_nonfinite": step >= 202,
+        }
+        for rank, second in ((0, 200), (1, 205))
+        for step in [*range(10, 60), *range(second, 260)]
+    ]
+    found, reason = _d04(fake_run(steps=rows, ranks=[0, 1], manifest=_manifest()))
+    assert not found, [f.title for f in found]
+    assert reason is not None and "fewer than two ranks recorded step 202" in reason
+
+
+def test_consecutive_skipped_steps_each_rank_its_own_origin():
+    # rank 1's batch NaN at 5, rank 2's at 6; both updates skipped, the weights stay finite
+    rows = [r for k in range(4) for r in _steps(k, skipped=(5, 6))]
+    for r in rows:
+        if (r["rank"], r["step"]) in ((1, 5), (2, 6)):
+            r.update(input_nonfinite=3, loss_nonfinite=True)
+    found, reason = _d04(fake_run(steps=rows, ranks=range(4), manifest=_manifest()))
+    assert reason is None
+    got = {f.evidence["step"]: f for f in found}
+    assert sorted(got) == [5, 6], [f.title for f in found]
+    assert got[5].evidence["origin"]["rank"] == 1 and got[5].evidence["received"] == [0, 2, 3]
+    assert got[6].evidence["origin"]["rank"] == 2 and got[6].evidence["received"] == [0, 1, 3]
+    assert got[6].evidence["origin"]["what"] == "input"
+
+
+def test_fix_says_received_only_for_ranks_that_received_it():
+    rows = [r for k in range(4) for r in _steps(k, skipped=(2,))]
+    for r in rows:
+        if r["rank"] in (1, 3) and r["step"] == 2:
+            r.update(input_nonfinite=1)
+    found, _ = _d04(fake_run(steps=rows, ranks=range(4), manifest=_manifest()))
+    for f in found:
+        other = 3 if f.evidence["origin"]["rank"] == 1 else 1
+        assert "their own steps are not the cause" not in f.fix
+        assert "Ranks 0, 2 received it through the gradient reduction" in f.fix
+        assert f"Rank {other} produced its own non-finite value at the same step" in f.fix
+    # a rank that shows no sign of receiving it is not said to have received it
+    rows = _steps(0, scaler=False) + _steps(1, scaler=False, input_nonfinite={4: 1})
+    (f,) = _d04(fake_run(steps=rows, ranks=[0, 1], manifest=_manifest()))[0]
+    assert f.evidence["received"] == [] and "received" not in f.fix
+
+
 # -- gloo jobs -----------------------------------------------------------------------------------
 gloo = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -326,10 +455,20 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             ]
         for phase in phases.split(",")[1:]:
             sub = "run" if phase == "on" else phase
-            d = diagnose(amprobe.load_run(where / sub))
+            loaded = amprobe.load_run(where / sub)
+            d = diagnose(loaded)
             found[f"{phase}_d04"] = [f for f in d.findings if f.id == "AMP-D04"]
             found[f"{phase}_not_checked"] = {n.id: n.reason for n in d.not_checked}
             found[f"{phase}_findings"] = d.findings
+            found[f"{phase}_skipped"] = {
+                r: [
+                    tuple(x)
+                    for x in (
+                        (offenders_section(loaded, r).get("scaling") or {}).get("skipped") or {}
+                    ).get("runs", [])
+                ]
+                for r in range(nproc)
+            }
         return found
 
     return run_jobs(SHAPES, run)
@@ -386,8 +525,13 @@ def test_gloo_losses_bit_identical_with_amprobe_off(jobs, shape):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_gloo_healthy_no_origin(jobs, shape):
     job = jobs[shape]
-    assert job["healthy_d04"] == []
-    assert "AMP-D04" not in job["healthy_not_checked"]  # checked, and nothing was non-finite
+    # the default GradScaler's start-up calibration skipped the first steps on every rank
+    # (rank 1's larger batch overflowed there, rank 0's did not): the scaler's job, no origin
+    assert all(runs and runs[0][0] == 0 for runs in job["healthy_skipped"].values()), job[
+        "healthy_skipped"
+    ]
+    assert job["healthy_d04"] == [], [f.title for f in job["healthy_d04"]]
+    assert "AMP-D04" not in job["healthy_not_checked"], job["healthy_not_checked"]["AMP-D04"]
     losses = [line for line in job["healthy"][0] if line.startswith("loss ")]
     assert len(losses) == _healthy_steps()
     assert not any("nan" in line or "inf" in line for lines in job["healthy"] for line in lines)
@@ -397,10 +541,8 @@ def test_gloo_healthy_no_origin(jobs, shape):
 def test_gloo_backward_only_without_replay_right_rank_or_not_checked_with_reason(jobs):
     job = jobs["ddp2"]
     found, reason = job["noreplay_d04"], job["noreplay_not_checked"].get("AMP-D04")
-    if found:  # the step was sampled: the backward offender on rank 1 names it
-        (f,) = found
-        assert f.evidence["origin"]["rank"] == 1 and f.evidence["origin"]["what"] == "gradient"
-        assert f.evidence["origin"]["layer"] == "bomb" and f.evidence["received"] == [0]
-    else:  # never the lowest rank: not checked, saying why
-        assert reason is not None and "skipped for inf/NaN gradients (first: step 9)" in reason
-        assert "replay was off" in reason
+    # a backward offender on a sampled skipped step may be the loss scale (a larger batch on
+    # that rank): without a replay saying otherwise, never an origin; not checked, saying why
+    assert not found, [f.title for f in found]
+    assert reason is not None and "skipped for inf/NaN gradients (first: step 9)" in reason
+    assert "replay was off" in reason

@@ -17,8 +17,13 @@ input, checked on every step: ``input_nonfinite``), ``activation`` (a forward of
 sampled step, AMP-N05's layer; or the replay's first non-finite layer), ``loss`` (the loss,
 checked on every step: ``loss_nonfinite``), ``gradient`` (a backward offender on a sampled
 step: a layer's gradient with respect to its output, which is local; or the replay's own
-gradients non-finite with a finite forward). Replayed steps whose measured cause is the loss
-scale (the GradScaler's job, on every rank alike) are left out.
+gradients non-finite with a finite forward). A loss-scale overflow is the GradScaler's job,
+not an origin: a gradient fact on a step the scaler skipped is kept only where that rank's
+replay of the step measured another cause, and none on a step whose replays all measured the
+loss scale; skips that are the scaler's own job (its start-up calibration, the step right after
+a growth) are not "unexplained" either. An episode ends at a step every rank skipped (the
+weights stayed finite); an input is never received; a rank recorded a step only inside one of
+its recording windows.
 
 This module reads summaries and events only (no torch).
 """
@@ -29,7 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from amprobe.analysis.numerics import offenders_section
-from amprobe.analysis.scaler import calibration_steps
+from amprobe.analysis.scaler import calibration_steps, rank_scaler
 from amprobe.store.loader import Run
 
 __all__ = [
@@ -99,17 +104,22 @@ def rank_place(run: Run, rank: int) -> dict[str, Any]:
     }
 
 
-def _recorded(run: Run, rank: int) -> tuple[int, int] | None:
-    """The lowest and highest step ``rank`` recorded."""
+def _recorded(run: Run, rank: int) -> list[tuple[int, int]]:
+    """The ``[first, last]`` step ranges ``rank`` recorded: one per recording window (a
+    dormant or live-attached probe's windows; a step between two windows was not recorded),
+    or the lowest and highest step when the summary keeps no windows."""
     steps = run.summaries().get(rank, {}).get("steps") or {}
+    spans = []
+    for w in (steps.get("windows") or {}).values():
+        first, last = w.get("first"), w.get("last")
+        if isinstance(first, int) and isinstance(last, int):
+            spans.append((first, last))
+    if spans:
+        return _merge(spans)
     first, last = steps.get("first"), steps.get("last")
     if isinstance(first, int) and isinstance(last, int):
-        return first, last
-    return None
-
-
-def _holds(span: tuple[int, int] | None, step: int) -> bool:
-    return span is not None and span[0] <= step <= span[1]
+        return [(first, last)]
+    return []
 
 
 def _replays(run: Run) -> dict[tuple[int, int], dict[str, Any]]:
@@ -245,11 +255,11 @@ def nonfinite_origin(run: Run) -> dict[str, Any]:
     episode: ``step`` (its first step), ``origins`` (one dict per rank whose own value was
     non-finite there: :func:`rank_place` with ``step``, ``what``, ``layer``, ``source``),
     ``received`` (ranks whose own values were finite at that step and that got it: their
-    GradScaler skipped the step, their replay found their own step finite, or their loss went
-    non-finite later in the episode), ``unaffected`` (ranks finite there that show no sign of
+    GradScaler skipped the step, their replay found their own step finite, or an activation,
+    loss or gradient of theirs went non-finite later in the episode), ``unaffected`` (ranks finite there that show no sign of
     receiving it), ``unrecorded`` (ranks with no record of that step), ``every_rank`` (every
     recorded rank was non-finite on its own there: the origin cannot be told), ``last_step``.
-    ``unexplained``: steps skipped for inf/NaN gradients outside the scaler's calibration with
+    ``unexplained``: steps skipped for inf/NaN gradients outside the scaler's own job with
     no rank-local non-finite value and no replay that compared the ranks (``steps``,
     ``reason``): where a local gradient overflowed, unchecked.
     """
@@ -266,6 +276,91 @@ def _nan_check(run: Run) -> str | None | bool:
     return set_[0] if set_ else None
 
 
+def _not_loss_scale(event: Mapping[str, Any] | None) -> bool:
+    """Whether a replay measured a cause other than the loss scale for its rank's own step."""
+    return bool(
+        event is not None
+        and event.get("replayed")
+        and event.get("cause") not in (None, "loss-scale", "not-reproduced")
+    )
+
+
+def _without_scaler_overflows(
+    facts: list[Fact],
+    skipped: list[tuple[int, int]],
+    replays: Mapping[tuple[int, int], Mapping[str, Any]],
+    rank: int,
+    benign: set[int],
+) -> list[Fact]:
+    """``facts`` without the gradient facts the GradScaler accounts for: a backward-only
+    overflow on a step the scaler skipped is its job (the start-up calibration, the step after
+    a growth, a scale too high for a batch) unless this rank's replay of the step measured a
+    cause other than the loss scale; and none on a step whose replays all measured the loss
+    scale. An input, an activation or a loss stays: the scale does not reach them."""
+    kept: list[Fact] = []
+    for f in facts:
+        if f[2] != "gradient":
+            kept.append(f)
+            continue
+        pieces = _cut(f[0], f[1], benign)
+        for a0, b0 in skipped:
+            pieces = [p for a, b in pieces for p in _cut_span(a, b, a0, b0)]
+        vouched = [
+            s
+            for (r, s), e in replays.items()
+            if r == rank
+            and f[0] <= s <= f[1]
+            and s not in benign
+            and _holds_step(skipped, s)
+            and _not_loss_scale(e)
+        ]
+        kept += [(a, b, *f[2:]) for a, b in pieces] + [(s, s, *f[2:]) for s in vouched]
+    return kept
+
+
+def _split_at_skips(
+    spans: list[tuple[int, int]],
+    ranks: list[int],
+    recorded: Mapping[int, list[tuple[int, int]]],
+    skipped: Mapping[int, list[tuple[int, int]]],
+) -> list[tuple[int, int]]:
+    """``spans`` cut after each step (not a span's last) that every rank recording it
+    skipped. Once :data:`MAX_EPISODES` pieces are out, the rest stays uncut (only the first
+    episodes are read; the pieces still cover the same steps)."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        start = a
+        if len(out) < MAX_EPISODES:
+            clipped = [
+                (max(a, a0), min(b - 1, b0))
+                for r in ranks
+                for a0, b0 in skipped[r]
+                if a0 <= b - 1 and b0 >= a
+            ]
+            for a1, b1 in _merge(clipped):
+                for s in range(a1, b1 + 1):
+                    if len(out) >= MAX_EPISODES:
+                        break
+                    at = [r for r in ranks if _holds_step(recorded[r], s)]
+                    if at and all(_holds_step(skipped[r], s) for r in at):
+                        out.append((start, s))
+                        start = s + 1
+        out.append((start, b))
+    return out
+
+
+def _scaler_steps(run: Run, rank: int) -> set[int]:
+    """``rank``'s skips that are the GradScaler's own job, read from its host scale facts: its
+    start-up calibration, and the step right after each growth of the scale (the grown scale
+    probed and found too high)."""
+    steps = set(calibration_steps(run, rank))
+    for u in rank_scaler(run, rank).get("updates") or []:
+        step, before, after = u[0], u[1], u[2]
+        if isinstance(step, int) and after == after and before == before and after > before:
+            steps.add(step + 1)
+    return steps
+
+
 def _compute(run: Run) -> dict[str, Any]:
     ranks = sorted(i.rank for i in run.ranks)
     replays = _replays(run)
@@ -275,30 +370,19 @@ def _compute(run: Run) -> dict[str, Any]:
         fact = _replay_fact(e)
         if fact is not None and r in facts:
             facts[r].append((s, s, *fact, "the replay of the step"))
-    if benign:
-        # a loss-scale overflow the replay measured: the GradScaler's job, not an origin (its
-        # gradient facts go; an input, a layer or a loss of that step stays)
-        for r in ranks:
-            kept: list[Fact] = []
-            for f in facts[r]:
-                if f[2] != "gradient":
-                    kept.append(f)
-                    continue
-                a = f[0]
-                for s in sorted(x for x in benign if f[0] <= x <= f[1]):
-                    if a < s:
-                        kept.append((a, s - 1, *f[2:]))
-                    a = s + 1
-                if a <= f[1]:
-                    kept.append((a, f[1], *f[2:]))
-            facts[r] = kept
-    recorded = {r: _recorded(run, r) for r in ranks}
     skipped = {r: _skipped(run, r) for r in ranks}
-    # episodes: runs of consecutive steps with a rank-local non-finite value on some rank
-    spans = _merge([(f[0], f[1]) for r in ranks for f in facts[r]])
+    for r in ranks:
+        facts[r] = _without_scaler_overflows(facts[r], skipped[r], replays, r, benign)
+    recorded = {r: _recorded(run, r) for r in ranks}
+    # episodes: runs of consecutive steps with a rank-local non-finite value on some rank, cut
+    # after a step every rank skipped (the update skipped, the weights stayed finite: a value
+    # of a rank's own at the next step is its own, not received)
+    spans = _split_at_skips(
+        _merge([(f[0], f[1]) for r in ranks for f in facts[r]]), ranks, recorded, skipped
+    )
     episodes: list[dict[str, Any]] = []
     for step, last in spans[:MAX_EPISODES]:
-        at = [r for r in ranks if _holds(recorded[r], step)]
+        at = [r for r in ranks if _holds_step(recorded[r], step)]
         unrecorded = [r for r in ranks if r not in at]
         origins: list[dict[str, Any]] = []
         for r in at:
@@ -331,7 +415,11 @@ def _compute(run: Run) -> dict[str, Any]:
                     and event.get("replayed")
                     and event.get("local_finite") is True
                 )
-                or (last > step and _meets([(f[0], f[1]) for f in facts[r]], step + 1, last))
+                # a later value of its own in the episode (an input is never received)
+                or (
+                    last > step
+                    and _meets([(f[0], f[1]) for f in facts[r] if f[2] != "input"], step + 1, last)
+                )
             )
             (received if got else unaffected).append(r)
         replay_notes = [replays[r, step] for r in at if (r, step) in replays]
@@ -371,17 +459,17 @@ def _unexplained(
     benign: set[int],
     before: int | None,
 ) -> dict[str, Any] | None:
-    """Skipped steps (outside each rank's calibration and the loss-scale replays) before the
-    first episode, with no rank-local non-finite value: the origin of their inf/NaN gradients
-    was not checked unless a replay compared the ranks' own steps. ``steps``: the first
+    """Skipped steps (outside the scaler's own job, :func:`_scaler_steps`, and the loss-scale
+    replays) before the first episode, with no rank-local non-finite value: the origin of their
+    inf/NaN gradients was not checked unless a replay compared the ranks' own steps. ``steps``: the first
     :data:`MAX_LISTED` of them, ``count``: how many."""
     out: list[tuple[int, int]] = []
     for r in ranks:
         if not skipped[r]:
             continue
-        calibration = set(calibration_steps(run, r))
+        ours = _scaler_steps(run, r)
         for a, b in skipped[r]:
-            out += _cut(a, b, calibration)
+            out += _cut(a, b, ours)
     out = _merge(out)
     out = [p for a, b in out for p in _cut(a, b, benign)]
     for a0, b0 in spans:  # steps with a rank-local fact are episodes, not unexplained

@@ -108,8 +108,12 @@ def check_rank_nonfinite_origin(ctx: RuleContext) -> Iterator[Finding]:
     (the first :data:`MAX_FINDINGS`). When every rank was non-finite on its own at the first
     step, or gradients overflowed on every rank with no local fact and no replay, the origin
     cannot be told and the rule says why under "not checked"; it never picks the lowest rank.
-    Replayed steps whose measured cause is the loss scale are the GradScaler's job, not an
-    origin.
+    An episode ends at a step every rank skipped (the weights stayed finite: a rank's value at
+    the next step is its own), and an input is never received. A loss-scale overflow is not an
+    origin: a gradient fact on a step the GradScaler skipped counts only where that rank's
+    replay of the step measured a cause other than the loss scale; skips that are the scaler's
+    own job (its start-up calibration, the step right after a growth of the scale) never make
+    it "not checked". A step between two recording windows of a rank is not recorded there.
     """
     run = ctx.run
     found = nonfinite_origin(ctx.run)
@@ -254,10 +258,24 @@ def _finding(
         "gradient": (
             f"Rank {o['rank']}'s own gradients went non-finite before the reduction at step "
             f"{step} while its forward was finite: a backward-only overflow on that rank (a "
-            "custom backward, a loss scale too high for its batch) or its device."
+            "custom backward, an op that overflows in half precision on its batch) or its "
+            "device."
         ),
     }[what]
-    fix += " The other ranks received it through the all-reduce: their own steps are not the cause."
+    if received:
+        fix += (
+            f" {'Rank' if len(received) == 1 else 'Ranks'} {name_ranks(received)} received it "
+            "through the gradient reduction (DDP's all-reduce, FSDP2's reduce-scatter): "
+            f"{'its' if len(received) == 1 else 'their'} own values at step {step} were finite."
+        )
+    if others_own := [p["rank"] for p in origins if p["rank"] != o["rank"]]:
+        fix += (
+            f" {'Rank' if len(others_own) == 1 else 'Ranks'} {name_ranks(others_own)} produced "
+            f"{'its' if len(others_own) == 1 else 'their'} own non-finite value at the same step "
+            "(see "
+            + ("its" if len(others_own) == 1 else "their")
+            + " AMP-D04 finding): look there too."
+        )
     if nan_check is None:
         fix += (
             " With NCCL, TORCH_NCCL_NAN_CHECK=1 makes every collective check its input for NaN "

@@ -3,7 +3,10 @@
 Usage: ``torchrun origin_gloo.py RESULT_DIR`` (under ``amprobe run`` too). ``PHASES``, the jobs
 one launch runs in turn, each from a fresh model: ``off`` (amprobe off), ``on`` (the same job
 under ``amprobe.attach``, recorded in RESULT_DIR/run), ``healthy`` (attached, no fault,
-``HEALTHY_STEPS`` steps, default 500, recorded in RESULT_DIR/healthy), ``noreplay`` (attached
+``HEALTHY_STEPS`` steps, default 500, recorded in RESULT_DIR/healthy; its GradScaler at its
+default settings, so its start-up calibration skips the first steps, and rank 1's batch
+``HEALTHY_GAIN`` times larger, default 64, so that rank's scaled gradients overflow there while
+rank 0's do not: the scaler's job, not an origin), ``noreplay`` (attached
 with ``replay="off"``, only the ``backward`` faults, recorded in RESULT_DIR/noreplay); default
 ``off``. Environment: ``WRAP`` ``ddp`` (DistributedDataParallel) or ``hsdp``
 (FSDP2's ``fully_shard`` on a 2x2 DeviceMesh ``(replicate, shard)``: 4 ranks), both with CPU
@@ -112,17 +115,23 @@ def train(
     cases: dict[int, tuple[str, int]],
     run_dir: str | None,
     config: dict[str, object] | None = None,
+    healthy: bool = False,
 ) -> list[str]:
     """One job from a fresh model (seed 0): ``steps`` steps with the faults of ``cases``;
-    under ``amprobe.attach(run_dir=..., config=config)`` when ``run_dir`` is given. Its result
-    lines."""
+    under ``amprobe.attach(run_dir=..., config=config)`` when ``run_dir`` is given. ``healthy``:
+    the GradScaler at its defaults, rank 1's batch ``HEALTHY_GAIN`` times larger and a smaller
+    learning rate (see the module's docstring). Its result lines."""
     CASES.clear()
     CASES.update(cases)
     torch.manual_seed(0)
     net = Net()
     if WRAP == "ddp":
         model: nn.Module = nn.parallel.DistributedDataParallel(net)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+        scaler = (
+            torch.amp.GradScaler("cpu")
+            if healthy
+            else torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+        )
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -132,8 +141,13 @@ def train(
         for layer in (net.inp, net.booster, net.head):
             fully_shard(layer, mesh=mesh)
         model = fully_shard(net, mesh=mesh)
-        scaler = ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = (
+            ShardedGradScaler("cpu")
+            if healthy
+            else ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+        )
+    gain = float(os.environ.get("HEALTHY_GAIN", 64)) if healthy and rank == 1 else 1.0
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4 if healthy else 1e-2)
     probe = None
     if run_dir is not None:
         import amprobe
@@ -146,7 +160,7 @@ def train(
     for step in range(steps):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            out = model(batch(step, rank))
+            out = model(batch(step, rank) * gain if gain != 1.0 else batch(step, rank))
         loss = out.float().pow(2).mean()
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -166,7 +180,9 @@ steps = int(os.environ.get("STEPS", 12))
 # PHASES (see the module's docstring); default "off" (for amprobe run)
 for phase in os.environ.get("PHASES", "off").split(","):
     if phase == "healthy":
-        got = train(int(os.environ.get("HEALTHY_STEPS", 500)), {}, f"{sys.argv[1]}/healthy")
+        got = train(
+            int(os.environ.get("HEALTHY_STEPS", 500)), {}, f"{sys.argv[1]}/healthy", healthy=True
+        )
     elif phase == "noreplay":  # the backward-only faults alone, with the replay off
         only = {k: v for k, v in planted_cases.items() if v[0] == "backward"}
         got = train(steps, only, f"{sys.argv[1]}/noreplay", {"replay": "off"})
