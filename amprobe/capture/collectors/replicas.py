@@ -60,6 +60,8 @@ _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: 16-bit patterns are summed in int32 over chunks of this many elements (exact: at most
 #: 2**15 * 2**16 = 2**31 in magnitude; int32 sums run several times faster than int64 on CPU)
 _CHUNK16 = 1 << 16
+#: 32-bit patterns on the CPU are widened to int64 this many elements at a time (512 KiB)
+_CHUNK32 = 1 << 16
 #: distinct replica groups listed in a layout event
 _MAX_GROUPS = 8
 
@@ -87,7 +89,23 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
         whole = flat.numel() // _CHUNK16 * _CHUNK16
         total = flat[:whole].view(-1, _CHUNK16).sum(1, dtype=torch.int32).sum(dtype=torch.int64)
         return total + flat[whole:].sum(dtype=torch.int64)
+    if width == 4 and bits.device.type == "cpu" and bits.numel() > _CHUNK32:
+        return _cpu_sum32(bits.reshape(-1))
     return bits.sum(dtype=torch.int64)
+
+
+def _cpu_sum32(flat: torch.Tensor) -> torch.Tensor:
+    """``flat.sum(dtype=torch.int64)`` for 32-bit integers on the CPU, about 3x faster: torch's
+    CPU reduction widening int32 to int64 is not vectorized, a copy into an int64 buffer and an
+    int64 sum are (a buffer of :data:`_CHUNK32` elements, reused; the same exact value)."""
+    buf = torch.empty(_CHUNK32, dtype=torch.int64)
+    total = torch.zeros((), dtype=torch.int64)
+    for start in range(0, flat.numel(), _CHUNK32):
+        part = flat[start : start + _CHUNK32]
+        out = buf[: part.numel()]
+        out.copy_(part)
+        total += out.sum()
+    return total
 
 
 def _process_group_ranks(group: Any, world_size: int) -> list[int] | None:
