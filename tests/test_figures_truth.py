@@ -459,6 +459,23 @@ def test_a_rank_has_one_colour_of_its_own_on_every_tab(two_ranks: Any, relabel: 
     assert markers and not markers & set(tabs["loss"].values())
 
 
+def test_ranks_loss_scale_spread_holds_its_value_until_the_step_it_changes(
+    two_ranks: Any,
+) -> None:
+    """The Ranks tab's loss-scale median and min-max band are steps, as each rank's line is:
+    a straight segment from the scale at step 39 to the one at step 40 drew scales no rank
+    had (a diagonal median between two steps, under the ranks' vertical drop)."""
+    from amprobe.report.ranks import make_ranks_figure
+
+    fig = make_ranks_figure(two_ranks.steps)
+    scale = [t for t in fig.data if t.name and "loss scale" in t.name]
+    spread = [t for t in scale if "across ranks" in t.name or "median of ranks" in t.name]
+    assert len(spread) == 3  # max, min, median
+    assert all(t.line.shape == "hv" for t in scale), [(t.name, t.line.shape) for t in scale]
+    times = [t for t in fig.data if t.name and "step time" in t.name]
+    assert times and all(t.line.shape != "hv" for t in times)  # a time is a per-step value
+
+
 @pytest.fixture(scope="module")
 def all_loss_nan(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``sample_runs/fp8-whatif`` (bf16, no GradScaler) written again by amprobe's writer with

@@ -179,12 +179,15 @@ def make_ranks_figure(
         if values.empty:
             continue
         spread = downsample(compute_rank_spread(values, column))
+        # the loss scale holds its value until the step it changes (as each rank's line is
+        # drawn): a straight segment between two steps would show scales no rank had
+        held = {"shape": "hv"} if row == 1 else {}
         fig.add_trace(
             go.Scatter(
                 x=spread["step"],
                 y=spread["max"] * scale,
                 mode="lines",
-                line={"width": 0},
+                line={"width": 0, **held},
                 name=f"{label} max across ranks",
                 showlegend=False,
             ),
@@ -196,7 +199,7 @@ def make_ranks_figure(
                 x=spread["step"],
                 y=spread["min"] * scale,
                 mode="lines",
-                line={"width": 0},
+                line={"width": 0, **held},
                 fill="tonexty",
                 fillcolor="rgba(100,100,100,0.2)",
                 name=f"{label} min-max across ranks",
@@ -209,7 +212,7 @@ def make_ranks_figure(
                 x=spread["step"],
                 y=spread["median"] * scale,
                 mode="lines",
-                line={"dash": "dot", "color": "black"},
+                line={"dash": "dot", "color": "black", **held},
                 name=f"{label} median of ranks",
             ),
             row=row,
