@@ -22,7 +22,7 @@ import amprobe
 from amprobe.analysis.numerics import offenders_section
 from amprobe.report.evidence import evidence_lines
 from amprobe.rules import diagnose
-from tests.helpers import fake_run, run_gloo_job, run_jobs, torchrun_argv
+from tests.helpers import fake_run, recorded_rows, run_gloo_job, run_jobs, torchrun_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -448,7 +448,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Any:
         took = time.perf_counter() - t0
         print(f"origin job {job}: {took:.1f} s")  # (-s shows each job's time)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        found: dict[str, Any] = {"seconds": took}
+        found: dict[str, Any] = {"seconds": took, "where": where, "nproc": nproc}
         for phase in phases.split(","):
             found[phase] = [
                 (where / f"{phase}{r}.txt").read_text().splitlines() for r in range(nproc)
@@ -535,6 +535,36 @@ def test_gloo_healthy_no_origin(jobs, shape):
     losses = [line for line in job["healthy"][0] if line.startswith("loss ")]
     assert len(losses) == _healthy_steps()
     assert not any("nan" in line or "inf" in line for lines in job["healthy"] for line in lines)
+    # the same healthy steps hold no replica divergence (AMP-D05), and it was checked: the
+    # replicas collector is on by default with several ranks (DDP: every rank a replica; HSDP:
+    # the ranks of one shard index)
+    assert not [f for f in job["healthy_findings"] if f.id == "AMP-D05"]
+    assert "AMP-D05" not in job["healthy_not_checked"], job["healthy_not_checked"]["AMP-D05"]
+
+
+def _sampled_steps(run_dir: Path, rank: int) -> dict[str, list[int]]:
+    """The steps each kind of sample was taken on, as ``rank`` recorded them."""
+    steps = recorded_rows(run_dir, "steps", rank)
+    return {
+        "numerics": [r["step"] for r in steps if r.get("numerics_sampled")],
+        "syncs": [r["step"] for r in steps if r.get("syncs_sampled")],
+        "shapes": [r["step"] for r in recorded_rows(run_dir, "compute_steps", rank)],
+        "replicas": sorted({r["step"] for r in recorded_rows(run_dir, "fingerprints", rank)}),
+    }
+
+
+@gloo
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gloo_healthy_every_rank_samples_the_same_steps(jobs, shape):
+    """The healthy job's every collector at its default, budgeted schedule (issue 35: the same
+    sampled steps on every rank, every collector; 2 and 4 ranks over 500 steps): DDP on 2 and
+    4 ranks, HSDP on 4."""
+    job = jobs[shape]
+    sampled = [_sampled_steps(job["where"] / "healthy", r) for r in range(job["nproc"])]
+    for kind in sampled[0]:
+        per_rank = [s[kind] for s in sampled]
+        assert all(steps == per_rank[0] for steps in per_rank), (kind, per_rank)
+        assert len(per_rank[0]) >= 2, (kind, per_rank[0])  # the first and a later one
 
 
 @gloo

@@ -290,8 +290,6 @@ JOBS: dict[str, tuple[dict[str, str], int, int]] = {
     "ddp4": ({"WRAP": "ddp", "FLIP": f"2@{FLIP_STEP}"}, 4, EVERY),
     "hsdp": ({"WRAP": "hsdp", "FLIP": f"2@{FLIP_STEP}"}, 4, EVERY),
     "fsdp": ({"WRAP": "fsdp"}, 2, EVERY),
-    "ddp2-healthy": ({"WRAP": "ddp", "STEPS": "500"}, 2, 5),
-    "hsdp-healthy": ({"WRAP": "hsdp", "STEPS": "500"}, 4, 5),
     "ddp2-off": ({"WRAP": "ddp", "FLIP": f"1@{FLIP_STEP}"}, 2, 0),
     "hsdp-off": ({"WRAP": "hsdp", "FLIP": f"2@{FLIP_STEP}"}, 4, 0),
 }
@@ -348,11 +346,9 @@ def test_pure_sharding_is_not_checked_with_its_reason(jobs):
     assert "no replicas: sharded" in jobs["fsdp"]["reason"]
 
 
-@pytest.mark.parametrize("job", ["ddp2-healthy", "hsdp-healthy"])
-def test_healthy_500_steps_no_d05(jobs, job):
-    assert jobs[job]["found"] == [] and jobs[job]["reason"] is None
-    frame = jobs[job]["run"].table("fingerprints")
-    assert sorted(frame["step"].unique()) == list(range(0, 500, 5))  # every rank, every sample
+# 500 healthy steps of 2- and 4-rank DDP and of HSDP, every collector at its default schedule:
+# no AMP-D05 and D05 checked, in tests/test_origin.py::test_gloo_healthy_no_origin (one launch
+# per shape serves both rules and the sampled-steps agreement)
 
 
 @pytest.mark.parametrize("job", ["ddp2", "hsdp"])
