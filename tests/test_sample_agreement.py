@@ -390,7 +390,7 @@ def test_the_diagnosis_says_whether_the_ranks_shared_one_schedule():
 
 # -- recording windows, successive probes, where a plan read's wait is booked ----------------------
 def _windows(
-    budgets: list[SampleBudget], start: list[int], steps: int
+    budgets: list[SampleBudget], start: list[int], steps: int, armed: dict[int, range] | None = None
 ) -> tuple[list[dict[str, list[int]]], list[tuple[int, int, float]]]:
     """Each rank records from its own ``start`` step (a dormant window opened by each rank's
     control watcher on its own); returns the samples taken and the steps a rank blocked at
@@ -402,6 +402,8 @@ def _windows(
             if step < start[rank]:
                 continue
             t0 = time.perf_counter()
+            if step in (armed or {}).get(rank, ()) and budget.take_armed("numerics", step):
+                taken[rank]["numerics"].append(step)
             for kind in KINDS:
                 if not budget.quiet(step) and budget.due(kind, step):
                     taken[rank][kind].append(step)
@@ -439,6 +441,21 @@ def test_a_plan_that_never_comes_is_waited_for_once_and_loses_that_plan_only():
     schedule = budgets[1].summary()["schedule"]
     assert schedule["shared"] is False and schedule["plans_lost"] >= 1 and schedule["plans"] > 3
     assert budgets[1].shared  # following rank 0's plan again
+
+
+def test_a_skip_only_some_ranks_saw_costs_one_plan_not_the_agreement():
+    # one GradScaler per pipeline stage: the found-inf is not reduced across every rank, and
+    # only rank 1's stage skipped at step 170 (the assumption numerics.on_step_bad states
+    # fails). Rank 1 samples alone there, waits once for a plan rank 0 never writes, decides
+    # alone, then follows rank 0 again (fails before the fix: it decided alone for good)
+    budgets, events = _ranks(2, timeout_s=0.2)
+    taken, blocked = _windows(budgets, [0, 0], 1_000, armed={1: range(170, 173)})
+    assert [rank for rank, _, _ in blocked] == [1], blocked
+    assert {170, 171, 172} <= set(taken[1]["numerics"]) and 170 not in taken[0]["numerics"]
+    late = [{k: [s for s in v if s >= 400] for k, v in t.items()} for t in taken]
+    assert late[0] == late[1] and late[0]["numerics"], late
+    assert len([e for e in events[1] if e[0] == "schedule_not_shared"]) == 1
+    assert budgets[1].shared and budgets[1].summary()["schedule"]["plans_lost"] >= 1
 
 
 def test_a_second_probe_in_the_same_process_group_uses_its_own_keys(tmp_path):

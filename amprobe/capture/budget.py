@@ -28,13 +28,18 @@ minimum period, or an armed sample), not at that step's end, so a rank 0 still b
 step (a checkpoint save) does not hold the others at a key instead of at their next
 collective; and every rank follows it. Between two such steps a decision is a
 pure function of the step, the config and the last plan (nothing is exchanged on other steps,
-and nothing on a fixed period's samples: a fixed period is the same everywhere). A rank that
-gets no plan decides alone from then on (``schedule_not_shared``, once). Each rank still
-measures and records its own costs. Arming is a shared fact too: with several ranks only a
-GradScaler-skipped update arms (:mod:`amprobe.capture.collectors.numerics`).
+and nothing on a fixed period's samples: a fixed period is the same everywhere). Recording
+windows open at a different step on each rank, so with several ranks a kind's first sample
+falls on its grid too; a rank that sampled a step rank 0 did not adopts rank 0's latest plan
+when it is later. A rank that gets no plan loses that one plan: it decides alone until it can
+adopt the next (``schedule_not_shared``, once). Each rank still measures and records its own
+costs. Arming is a shared fact too: with several ranks only a GradScaler-skipped update arms
+(:mod:`amprobe.capture.collectors.numerics`), which assumes the found-inf was reduced across
+every rank (not so with one scaler per pipeline stage: see ``on_step_bad`` there).
 
 The first sample of each kind is taken at its first due step whatever it costs (every run
-needs one), and it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
+needs one; in one process the first step asked, with several ranks the first on its grid), and
+it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
 to the bucket nor taken as the kind's cost. It holds one-time work: the hooks installed, the
 compiled model's sampled graph variant built (seconds to minutes: a compiled nanoGPT's first
 sample took 80 s more than its plain first step), and often the job's own first step, whose
