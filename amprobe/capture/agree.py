@@ -34,11 +34,12 @@ written, or decides alone), and says so once (``schedule_not_shared``; ``end.jso
 
 What stays in the store: while the job runs, the plans a rank has not read yet and rank 0's
 ``latest``; plans of steps no other rank sampled (a window opened later there) until rank 0
-closes. At close rank 0 deletes ``latest`` and every plan it wrote still in the store, and each
-other rank counts itself a reader of the plan it had not read (the last deletes it), so nothing
-is left once every rank closed, except with a store that cannot delete keys (a ``FileStore``:
-``keys_left``) or a rank that dies before it closes. A rank whose probe lives on after rank 0's
-closed may wait once for a plan rank 0 deleted.
+closes. At close rank 0 deletes every plan it wrote still in the store but its last (a rank
+that is slower may still read it: its last steps, after the job's last collective, run after
+rank 0 closed), each other rank counts itself a reader of the plan it had not read (the last
+deletes it), and the last rank to close (a ``closed`` counter) deletes ``latest``, the plan it
+names and the counter: nothing is left once every rank closed, except with a store that cannot
+delete keys (a ``FileStore``: ``keys_left``) or a rank that dies before it closes.
 """
 
 from __future__ import annotations
@@ -156,20 +157,30 @@ class Agreement:
             self.cleanup_failed = True
 
     def close(self, pending: int | None = None) -> None:
-        """The probe closes: rank 0 deletes ``latest`` and the plans it wrote that are still in
-        the store; another rank counts itself a reader of ``pending``, the plan it had not read.
-        Never raises (a key left behind is said in ``keys_left``)."""
+        """The probe closes. Rank 0 deletes the plans it wrote that are still in the store but
+        its last (another rank may still read that one: its steps after the job's last
+        collective run on after rank 0 closed); another rank counts itself a reader of
+        ``pending``, the plan it had not read; and the last rank to close deletes ``latest``
+        and the plan it names. Never raises (a key left behind is said in ``keys_left``)."""
+        store = self.store
         try:
             if self.leader:
-                for step in self._written:
-                    self.store.delete_key(f"{self.prefix}{step}")
-                    self.store.delete_key(f"{self.prefix}{step}/read")
-                self._written = []
-                self.store.delete_key(self.latest_key)
+                for step in self._written[:-1]:
+                    store.delete_key(f"{self.prefix}{step}")
+                    store.delete_key(f"{self.prefix}{step}/read")
+                self._written = self._written[-1:]
             elif pending is not None:
                 key = f"{self.prefix}{pending}"
-                if self.store.check([key]):
+                if store.check([key]):
                     self._count_read(key)
+            closed = f"{self.prefix}closed"
+            if store.add(closed, 1) >= self.world_size:
+                latest = self._latest()
+                if latest is not None:
+                    store.delete_key(f"{self.prefix}{latest.get('step')}")
+                    store.delete_key(f"{self.prefix}{latest.get('step')}/read")
+                    store.delete_key(self.latest_key)
+                store.delete_key(closed)
         except Exception:
             self.cleanup_failed = True
 
