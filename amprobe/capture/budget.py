@@ -28,13 +28,18 @@ minimum period, or an armed sample), not at that step's end, so a rank 0 still b
 step (a checkpoint save) does not hold the others at a key instead of at their next
 collective; and every rank follows it. Between two such steps a decision is a
 pure function of the step, the config and the last plan (nothing is exchanged on other steps,
-and nothing on a fixed period's samples: a fixed period is the same everywhere). A rank that
-gets no plan decides alone from then on (``schedule_not_shared``, once). Each rank still
-measures and records its own costs. Arming is a shared fact too: with several ranks only a
-GradScaler-skipped update arms (:mod:`amprobe.capture.collectors.numerics`).
+and nothing on a fixed period's samples: a fixed period is the same everywhere). Recording
+windows open at a different step on each rank, so with several ranks a kind's first sample
+falls on its grid too; a rank that sampled a step rank 0 did not adopts rank 0's latest plan
+when it is later. A rank that gets no plan loses that one plan: it decides alone until it can
+adopt the next (``schedule_not_shared``, once). Each rank still measures and records its own
+costs. Arming is a shared fact too: with several ranks only a GradScaler-skipped update arms
+(:mod:`amprobe.capture.collectors.numerics`), which assumes the found-inf was reduced across
+every rank (not so with one scaler per pipeline stage: see ``on_step_bad`` there).
 
 The first sample of each kind is taken at its first due step whatever it costs (every run
-needs one), and it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
+needs one; in one process the first step asked, with several ranks the first on its grid), and
+it is a warm-up: what it added is recorded (``warmup_ms``) but neither charged
 to the bucket nor taken as the kind's cost. It holds one-time work: the hooks installed, the
 compiled model's sampled graph variant built (seconds to minutes: a compiled nanoGPT's first
 sample took 80 s more than its plain first step), and often the job's own first step, whose
@@ -130,6 +135,8 @@ class SampleBudget:
         self.fraction = float(fraction)
         self._event = event
         self.scope = scope
+        # this probe's count in the process (the same on every rank): its keys' namespace
+        self.generation = agree.next_generation()
         # the agreed schedule: None until the first budgeted sample ends (then looked up once)
         self._agreement: agree.Agreement | None = None
         self._looked = False
@@ -142,6 +149,8 @@ class SampleBudget:
         self._pending: int | None = None
         self._need = 0
         self._unreported_s = 0.0  # seconds of plan reads not yet returned by end_step
+        self._lost = False  # the last plan read failed: decide alone until one is adopted
+        self._plans_lost = 0
         self.credit = 0.0
         self._kinds: dict[str, _Kind] = {}
         self._decided: dict[str, tuple[int, bool]] = {}
@@ -221,11 +230,15 @@ class SampleBudget:
         elif k.every <= 0 or step < k.first:
             answer = False
         elif k.last is None:
-            answer = True  # the first sample measures the cost: at once, on the grid or not
+            # the first sample measures the cost: at once in one process; with several ranks
+            # on the kind's grid, so that ranks whose recording windows opened at different
+            # steps (dormant, attach: each rank's watcher polls on its own) take it together
+            answer = not self._several() or not (step - k.first) % k.every
         elif self._pending is not None and step < self._need:
             answer = False  # the unread plan names no step before this one
-        elif self._pending is not None and not self._read_plan(step):
-            return self.due(kind, step)  # decided alone from now on (the read failed)
+        elif self._pending is not None:
+            self._read_plan(step)  # (a plan lost: decided alone until the next is adopted)
+            return self.due(kind, step)
         elif k.planned is not None:
             answer = step >= k.planned  # several ranks: the step rank 0's plan agreed
         elif (step - k.first) % k.every:
@@ -252,6 +265,13 @@ class SampleBudget:
         if answer:
             self.take(kind, step)
         return answer
+
+    def _several(self) -> bool:
+        """Several ranks record this job (host facts: the agreement, or the default process
+        group before it is looked up)."""
+        if self._agreement is not None:
+            return True
+        return not self._looked and agree.multi_rank()
 
     def _spaced(self, kind: str, k: _Kind) -> None:
         """A due sample of ``kind`` waits for the budget: counted, and said once."""
@@ -341,11 +361,18 @@ class SampleBudget:
             return None
         return self._granule(k)
 
+    def unreported(self) -> float:
+        """Seconds this rank waited for rank 0's plans since last asked (read at a step's start,
+        in :meth:`quiet`, :meth:`due` or :meth:`take_armed`): amprobe's time in the step in
+        progress, which the probe books before it measures the step (``probe_s``)."""
+        read, self._unreported_s = self._unreported_s, 0.0
+        return read
+
     def end_step(self, seconds: float) -> float:
         """The step in progress took ``seconds`` (collectors' work at its end included).
         Returns the seconds spent agreeing on the schedule with the other ranks (0.0 but at
-        the end of a budgeted sample in a job of several ranks): amprobe's time, not the
-        job's."""
+        the end of a budgeted sample in a job of several ranks, and plan reads not yet taken
+        by :meth:`unreported`): amprobe's time, not the job's."""
         now = self._now
         read, self._unreported_s = self._unreported_s, 0.0  # plans read during this step
         if now:
@@ -385,7 +412,14 @@ class SampleBudget:
     @property
     def shared(self) -> bool:
         """The ranks of a job follow one schedule (rank 0's plans) now."""
-        return self._agreement is not None
+        return self._agreement is not None and not self._lost
+
+    def close(self) -> None:
+        """The probe closes: this rank's keys leave the store (:meth:`agree.Agreement.close`).
+        Never raises."""
+        pending, self._pending = self._pending, None
+        if self._agreement is not None:
+            self._agreement.close(pending)
 
     def _agree(self, step: int) -> float:
         """The end of a step on which a budgeted kind sampled: rank 0 publishes its plan, the
@@ -395,7 +429,7 @@ class SampleBudget:
         try:
             if not self._looked:
                 self._looked = True
-                self.share(agree.default_group_agreement(self.scope))
+                self.share(agree.default_group_agreement(self.scope, self.generation))
             agreement = self._agreement
             if agreement is None:
                 return time.perf_counter() - t0  # one process (looked up once)
@@ -428,22 +462,25 @@ class SampleBudget:
         return took
 
     def _read_plan(self, step: int) -> bool:
-        """A rank other than 0 reads the plan it awaits (``step`` is the step asking).
-        Returns whether the ranks still agree; on any failure this rank decides alone."""
+        """A rank other than 0 reads the plan it awaits (``step`` is the step asking): its
+        sampled step's, or rank 0's latest when that is later. Returns whether this rank
+        follows rank 0's plan now; on a timeout or any failure it loses that plan only: it
+        decides alone until it adopts the next one, and waits for none before it has."""
         waited, self._pending = self._pending, None
         agreement = self._agreement
         if waited is None or agreement is None:
-            return agreement is not None
+            return self.shared
         t0 = time.perf_counter()
         try:
-            self._adopt(agreement.read(waited))
+            self._adopt(agreement.read(waited, wait=not self._lost))
+            self._lost = False
         except Exception as exc:
-            self._fall_back(waited, f"{type(exc).__name__}: {exc}")
+            self._lose(waited, f"{type(exc).__name__}: {exc}")
         took = time.perf_counter() - t0
         self._exchange_s += took
         self._exchange_max_s = max(self._exchange_max_s, took)
         self._unreported_s += took
-        return self._agreement is not None
+        return self.shared
 
     def _plan(self, step: int) -> dict[str, Any]:
         """Rank 0, at the end of sampled ``step``: each budgeted kind's next sample as this
@@ -500,6 +537,34 @@ class SampleBudget:
             k.armed_ok = k.declined_note is None
         self._plans += 1
         self._quiet_until = None
+
+    def _lose(self, step: int, reason: str) -> None:
+        """This rank could not get the plan of ``step``: it decides alone until it adopts rank
+        0's next plan (said once, with the first loss)."""
+        self._lost = True
+        self._plans_lost += 1
+        for k in self._kinds.values():
+            k.planned = k.agreed_period = k.declined_note = None
+            k.armed_ok = True
+        self._quiet_until = None
+        self._schedule["shared"] = False
+        if "fell_back" in self._schedule:
+            return
+        self._schedule["fell_back"] = {"step": step, "reason": reason}
+        if self._event is not None:
+            agreement = self._agreement
+            self._event(
+                "schedule_not_shared",
+                step=step,
+                rank=None if agreement is None else agreement.rank,
+                reason=reason,
+                consequence=(
+                    "this rank chooses its sampled steps alone until it can adopt rank 0's "
+                    "next plan (one it has written by then; no further wait): they may differ "
+                    "from the other ranks' meanwhile, and a sample on one rank alone stalls "
+                    "the others at the next collective"
+                ),
+            )
 
     def _fall_back(self, step: int, reason: str) -> None:
         """This rank decides alone from now on: its budget's own schedule, said once."""
@@ -581,10 +646,10 @@ class SampleBudget:
             out["plans"] = self._plans
             out["exchange_ms"] = round(self._exchange_s * 1e3, 3)
             out["longest_exchange_ms"] = round(self._exchange_max_s * 1e3, 3)
+            if self._plans_lost:
+                out["plans_lost"] = self._plans_lost
         agreement = self._agreement
         if agreement is not None:
             if agreement.cleanup_failed:
                 out["keys_left"] = True
-            if agreement.leader_scope not in (None, agreement.scope):
-                out["leader_scope"] = agreement.leader_scope  # (rank 0's run directory's name)
         return out

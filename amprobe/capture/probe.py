@@ -413,6 +413,9 @@ class Probe:
         if start is None:
             start = now
         step = self.step
+        # plans of the other ranks' schedule read during this step (amprobe.capture.agree):
+        # amprobe's time in this step, not the job's
+        self._probe_time += self.budget.unreported()
         spent = self._probe_time
         wall = now - start - spent
         record: dict[str, Any] = {
@@ -724,6 +727,8 @@ class Probe:
                 }
                 if reason:
                     end["reason"] = reason
+                with contextlib.suppress(Exception):
+                    self.budget.close()  # (its keys in the ranks' store)
                 with contextlib.suppress(Exception):
                     end["sampling"] = self.budget.summary()
                 with contextlib.suppress(Exception):

@@ -902,7 +902,15 @@ class NumericsCollector(Collector):
         """Several ranks: a GradScaler-skipped update arms the capture, a fact every rank
         knows on the host at the same step (the gradients were reduced before the scaler
         looked for inf/NaN in them; a sharded scaler reduces what it found). One process arms
-        from its own values (:meth:`on_step_nonfinite`, the device flags)."""
+        from its own values (:meth:`on_step_nonfinite`, the device flags).
+
+        Assumed: the found-inf is reduced across every rank (DDP, FSDP2, ZeRO's scaler). Where
+        it is not (one plain GradScaler per pipeline stage), a skip arms only the ranks of the
+        stages that skipped: they take armed samples the others do not (a stall for the others
+        at the next collective or transfer), and a rank other than 0 armed alone finds no plan
+        of that step (it waits for it once, up to ``agree.TIMEOUT_S``, and decides alone until
+        rank 0's next plan: :mod:`amprobe.capture.budget`). Armed steps are not carried in the
+        plan, so nothing corrects it."""
         if facts.host_skipped() and multi_rank():
             self._arm(step)
 
