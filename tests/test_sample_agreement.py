@@ -386,6 +386,14 @@ def test_the_diagnosis_says_whether_the_ranks_shared_one_schedule():
     text = sampling_text(summary)
     assert "rank 1 chose its own sampled steps from step 100 (DistStoreError: timeout)" in text
     assert "one schedule" not in text
+    # a rank that missed plans and followed rank 0's next one is not said to decide alone for good
+    run = SimpleNamespace(ranks=[rank(0, shared), rank(1, {**shared, **alone, "plans_lost": 2})])
+    text = sampling_text(sampling_summary(run))  # type: ignore[arg-type]
+    assert (
+        "rank 1 missed 2 of rank 0's plans (the first at step 100: DistStoreError: timeout) and "
+        "chose its own sampled steps until it could follow the next one"
+    ) in text
+    assert "from step 100" not in text
 
 
 # -- recording windows, successive probes, where a plan read's wait is booked ----------------------

@@ -29,7 +29,14 @@ def sampling_summary(run: Run) -> dict[str, Any] | None:
             first = sampling
         schedule = sampling.get("schedule")
         if isinstance(schedule, dict) and isinstance(schedule.get("fell_back"), dict):
-            fell.append({"rank": info.rank, **schedule["fell_back"]})
+            lost = schedule.get("plans_lost")
+            fell.append(
+                {
+                    "rank": info.rank,
+                    **schedule["fell_back"],
+                    **({"plans_lost": lost} if isinstance(lost, int) and lost else {}),
+                }
+            )
     if first is not None and fell:
         first = {**first, "fell_back_ranks": fell}
     return first
@@ -65,15 +72,27 @@ def sampling_text(sampling: dict[str, Any]) -> str:
     schedule = sampling.get("schedule")
     fell = sampling.get("fell_back_ranks")
     if isinstance(fell, list) and fell:
-        head += "; " + "; ".join(
-            f"rank {f.get('rank')} chose its own sampled steps from step {f.get('step')} "
-            f"({f.get('reason')})"
-            for f in fell
-            if isinstance(f, dict)
-        )
+        head += "; " + "; ".join(_fell_text(f) for f in fell if isinstance(f, dict))
     elif isinstance(schedule, dict) and schedule.get("shared"):
         head += f"; one schedule for {schedule.get('world_size')} ranks (rank 0's)"
     return f"{', '.join(parts)} [{head}]"
+
+
+def _fell_text(f: dict[str, Any]) -> str:
+    """A rank that did not follow rank 0's schedule throughout: for good (the exchange failed),
+    or for a while (it missed some of rank 0's plans and followed the next one it could read)."""
+    lost = f.get("plans_lost")
+    if isinstance(lost, int) and lost:
+        plans = "plan" if lost == 1 else "plans"
+        return (
+            f"rank {f.get('rank')} missed {lost} of rank 0's {plans} (the first at step "
+            f"{f.get('step')}: {f.get('reason')}) and chose its own sampled steps until it "
+            "could follow the next one"
+        )
+    return (
+        f"rank {f.get('rank')} chose its own sampled steps from step {f.get('step')} "
+        f"({f.get('reason')})"
+    )
 
 
 def _duration(ms: float) -> str:
