@@ -502,12 +502,39 @@ def test_ranks_section_missing_for_single_rank():
 _COLLECTIVE_AT_SAVE = frozenset({"checkpoints.py", "replay.py", "replay_run.py"})
 
 
+#: capture modules that use the default process group's store, never its collectives: the
+#: ranks' shared sampling schedule (amprobe/capture/agree.py, read at sampled steps only)
+_STORE_ONLY = frozenset({"agree.py"})
+_COLLECTIVE_NAMES = (
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "reduce_scatter",
+    "all_to_all",
+    "send",
+    "recv",
+    "new_group",
+    "monitored_barrier",
+)
+
+
 def test_amprobe_makes_no_collective_calls():
     """The probe never calls torch.distributed on a step: merging ranks happens at load time
-    (the exceptions, :data:`_COLLECTIVE_AT_SAVE`, run where every rank is together)."""
+    (the exceptions, :data:`_COLLECTIVE_AT_SAVE`, run where every rank is together; the
+    shared sampling schedule, :data:`_STORE_ONLY`, uses the default process group's store and
+    no collective)."""
     offenders = []
     for path in (ROOT / "amprobe").rglob("*.py"):
         if path.name in _COLLECTIVE_AT_SAVE and "capture" in path.parts:
+            continue
+        if path.name in _STORE_ONLY and "capture" in path.parts:
+            called = {
+                node.func.attr
+                for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            }
+            assert not called & set(_COLLECTIVE_NAMES), (path.name, called & set(_COLLECTIVE_NAMES))
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):

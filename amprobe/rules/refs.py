@@ -96,6 +96,8 @@ CHECKLIST_TITLES: dict[str, str] = {
     "AMP-D01": "ranks must agree on the loss scale",
     "AMP-D02": "the slowest rank sets the pace",
     "AMP-D03": "reduce gradients in fp32",
+    "AMP-D04": "find the rank a non-finite value came from",
+    "AMP-D05": "data-parallel replicas must hold identical weights",
     "AMP-D06": "drain a device that computes a known answer wrong",
     "AMP-P01": "layers that can move to fp8 first",
     "AMP-P02": "layers to keep in bf16 when moving to fp8",
