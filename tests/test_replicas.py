@@ -262,7 +262,7 @@ def test_d05_steps_sampled_by_some_ranks_only_are_counted_not_compared():
             [],
             [],
             {"engine": "deepspeed", "engine_zero_stage": 2},
-            "DeepSpeed ZeRO-2 rewrites every rank's parameters",
+            "ZeRO-2 rewrites every rank's parameters",
         ),
     ],
 )

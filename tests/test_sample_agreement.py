@@ -222,9 +222,7 @@ def test_a_single_process_decides_alone_without_asking_a_store():
 def test_only_a_skipped_update_arms_the_capture_on_several_ranks(tmp_path, monkeypatch):
     """A non-finite loss seen by one rank alone does not arm the per-layer capture (the other
     ranks cannot know it); a GradScaler-skipped update, known on every rank, does."""
-    from amprobe.capture.collectors import numerics
-
-    monkeypatch.setattr(numerics, "multi_rank", lambda: True)
+    monkeypatch.setattr(SampleBudget, "several_ranks", staticmethod(lambda: True))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

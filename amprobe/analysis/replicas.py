@@ -27,9 +27,10 @@ __all__ = [
     "ZERO_REASON",
 ]
 
-#: why DeepSpeed ZeRO-1/2 replicas are not compared (AMP-D05's "not checked")
+#: why ZeRO-1/2 replicas are not compared (AMP-D05's "not checked"); the engine records its
+#: stage in the rank manifest (``engine_zero_stage``), the read side names no engine
 ZERO_REASON = (
-    "DeepSpeed ZeRO-{stage} rewrites every rank's parameters from the owner of each partition "
+    "ZeRO-{stage} rewrites every rank's parameters from the owner of each partition "
     "at every step (an all-gather after the owner's update): the replicas agree by "
     "construction, and a corrupted update on an owner reaches every rank alike. What could be "
     "compared, the parameters right after that all-gather, would only catch a fault in the "
@@ -89,7 +90,7 @@ class ReplicaCheck:
 def _zero_stage(run: Run) -> int | None:
     for info in run.ranks:
         stage = info.manifest.get("engine_zero_stage")
-        if info.manifest.get("engine") == "deepspeed" and stage in (1, 2):
+        if stage in (1, 2) and not isinstance(stage, bool):
             return int(stage)
     return None
 

@@ -49,6 +49,8 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = ["TIMEOUT_S", "Agreement", "default_group_agreement", "multi_rank", "next_generation"]
 
 #: seconds a rank other than 0 waits for the plan of its own sampled step when rank 0 wrote no
@@ -189,8 +191,6 @@ def multi_rank() -> bool:
     """The default process group is initialized with more than one rank (a host fact: no
     communication)."""
     try:
-        import torch.distributed as dist
-
         return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     except Exception:
         return False
@@ -202,8 +202,5 @@ def default_group_agreement(scope: str, generation: int = 0) -> Agreement | None
     store is not (the caller decides alone, and says so)."""
     if not multi_rank():
         return None
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    store = distributed_c10d._get_default_store()
+    store = dist.distributed_c10d._get_default_store()
     return Agreement(store, dist.get_rank(), dist.get_world_size(), scope, generation=generation)

@@ -266,6 +266,13 @@ class SampleBudget:
             self.take(kind, step)
         return answer
 
+    @staticmethod
+    def several_ranks() -> bool:
+        """The default process group holds several ranks (a host fact, no communication): the
+        collectors arm only from facts every rank shares (see
+        :mod:`amprobe.capture.collectors.numerics`)."""
+        return agree.multi_rank()
+
     def _several(self) -> bool:
         """Several ranks record this job (host facts: the agreement, or the default process
         group before it is looked up)."""

@@ -84,7 +84,6 @@ import torch
 from torch.amp import GradScaler
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from amprobe.capture.agree import multi_rank
 from amprobe.capture.collectors import numkernel
 from amprobe.capture.collectors.compiled import is_compiled_module, is_compiling, unwrap_compiled
 from amprobe.capture.collectors.gradtap import grad_tap_hook
@@ -893,7 +892,7 @@ class NumericsCollector(Collector):
         self.probe.hub.dispatch.mute(self, "on_step_end", muted=not live)
 
     def on_step_nonfinite(self, step: int, facts: StepFacts) -> None:
-        if not multi_rank():
+        if not self.probe.budget.several_ranks():
             self._arm(step)  # host values: the next steps are measured in full at once
         elif not facts.host_skipped():
             self._not_armed(step)  # (a skipped update arms every rank: on_step_bad)
@@ -911,13 +910,13 @@ class NumericsCollector(Collector):
         of that step (it waits for it once, up to ``agree.TIMEOUT_S``, and decides alone until
         rank 0's next plan: :mod:`amprobe.capture.budget`). Armed steps are not carried in the
         plan, so nothing corrects it."""
-        if facts.host_skipped() and multi_rank():
+        if facts.host_skipped() and self.probe.budget.several_ranks():
             self._arm(step)
 
     def _arm_local(self, step: int) -> None:
         """A non-finite value this rank alone knows of (a device flag read back): arms the
         capture in a single process only."""
-        if not multi_rank():
+        if not self.probe.budget.several_ranks():
             self._arm(step)
         elif step + 1 > self._armed_until:
             self._not_armed(step)
