@@ -1,8 +1,9 @@
 """The ranks of a job sample the same steps (amprobe.capture.agree, amprobe.capture.budget).
 
 In-process: budgets standing for ranks share a ``HashStore`` and measure very different costs.
-Subprocess: DDP jobs on gloo (2 and 4 ranks, 500 steps, the default budget and every sampling
-collector), one with rank 0 three times slower than rank 1 and an inf in rank 1's batch.
+Subprocess: a DDP job on gloo (2 ranks, 500 steps, the default budget and every sampling
+collector; 4 ranks in tests/test_origin.py), rank 1 three times slower than rank 0 and an inf
+in rank 1's batch.
 """
 
 from __future__ import annotations
@@ -352,10 +353,9 @@ def test_two_ranks_one_three_times_slower_sample_the_same_steps(tmp_path):
     assert skipped[0] == skipped[1] == [450]
 
 
-def test_four_ranks_sample_the_same_steps(tmp_path):
-    """4 ranks x 500 steps of a healthy job (its cost: about 25 s on 2 loaded cores)."""
-    out = _job(tmp_path, 4, STEPS=500, SLEEP_MS=10)
-    _not_vacuous(out, _check_agreement(out, 4))
+# 4 ranks x 500 steps (DDP, and HSDP on a 2 x 2 mesh), every collector at its default schedule:
+# tests/test_origin.py::test_gloo_healthy_every_rank_samples_the_same_steps, on the healthy
+# launches that also check AMP-D04 and AMP-D05 (one 4-rank launch fewer: about 25 s)
 
 
 def test_the_diagnosis_says_whether_the_ranks_shared_one_schedule():
