@@ -550,52 +550,50 @@ class SampleBudget:
         0's next plan (said once, with the first loss)."""
         self._lost = True
         self._plans_lost += 1
-        for k in self._kinds.values():
-            k.planned = k.agreed_period = k.declined_note = None
-            k.armed_ok = True
-        self._quiet_until = None
-        self._schedule["shared"] = False
+        self._forget_plans()
         if "fell_back" in self._schedule:
             return
-        self._schedule["fell_back"] = {"step": step, "reason": reason}
-        if self._event is not None:
-            agreement = self._agreement
-            self._event(
-                "schedule_not_shared",
-                step=step,
-                rank=None if agreement is None else agreement.rank,
-                reason=reason,
-                consequence=(
-                    "this rank chooses its sampled steps alone until it can adopt rank 0's "
-                    "next plan (one it has written by then; no further wait): they may differ "
-                    "from the other ranks' meanwhile, and a sample on one rank alone stalls "
-                    "the others at the next collective"
-                ),
-            )
+        self._not_shared(
+            step,
+            reason,
+            "this rank chooses its sampled steps alone until it can adopt rank 0's next plan "
+            "(one it has written by then; no further wait): they may differ from the other "
+            "ranks' meanwhile, and a sample on one rank alone stalls the others at the next "
+            "collective",
+            None if self._agreement is None else self._agreement.rank,
+        )
 
     def _fall_back(self, step: int, reason: str) -> None:
         """This rank decides alone from now on: its budget's own schedule, said once."""
         agreement, self._agreement = self._agreement, None
         self._looked = True
         self._pending = None
+        self._forget_plans()
+        self._not_shared(
+            step,
+            reason,
+            "this rank chooses its sampled steps alone from now on: they may differ from the "
+            "other ranks', and a sample on one rank alone stalls the others at the next "
+            "collective",
+            None if agreement is None else agreement.rank,
+        )
+
+    def _forget_plans(self) -> None:
+        """Each kind follows this rank's own budget again (no agreed step, period or note)."""
         for k in self._kinds.values():
             k.planned = k.agreed_period = k.declined_note = None
             k.armed_ok = True
         self._quiet_until = None
         self._schedule["shared"] = False
+
+    def _not_shared(self, step: int, reason: str, consequence: str, rank: int | None) -> None:
+        """Record where and why this rank stopped following rank 0's plans."""
         self._schedule["fell_back"] = {"step": step, "reason": reason}
-        if self._event is not None:
-            self._event(
-                "schedule_not_shared",
-                step=step,
-                rank=None if agreement is None else agreement.rank,
-                reason=reason,
-                consequence=(
-                    "this rank chooses its sampled steps alone from now on: they may differ "
-                    "from the other ranks', and a sample on one rank alone stalls the others "
-                    "at the next collective"
-                ),
-            )
+        if self._event is None:
+            return
+        self._event(
+            "schedule_not_shared", step=step, rank=rank, reason=reason, consequence=consequence
+        )
 
     def _charge(self, kinds: list[str], seconds: float) -> None:
         typical = self.typical()
