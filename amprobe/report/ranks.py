@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from amprobe.analysis.rankbands import StepsRelation, compute_rank_bands, compute_rank_matrix
 from amprobe.report.downsample import downsample
-from amprobe.report.rankmarks import RankMarks, compute_rank_marks
+from amprobe.report.rankmarks import RankMark, RankMarks, compute_rank_marks
 from amprobe.report.registry import Section, section
 from amprobe.report.scale import (
     MAX_RANK_LINES,
@@ -354,21 +354,15 @@ def add_rank_marks(
             continue
         row, y = placed
         fig.add_trace(
-            go.Scatter(
-                x=[mark.step],
-                y=[y],
+            _mark_trace(
+                mark,
+                mark.step,
+                y,
+                14,
+                hover,
                 mode="markers+text",
                 text=[f"rank {mark.rank}"],
                 textposition="top center",
-                marker={
-                    "symbol": _MARK_SYMBOLS.get(mark.kind, "x"),
-                    "size": 14,
-                    "color": _MARK_COLOR,
-                    "line": {"width": 2, "color": _MARK_COLOR},
-                },
-                name=f"rank {mark.rank}: {mark.label} ({mark.finding})",
-                hovertext=[hover],
-                hovertemplate="%{hovertext}<extra></extra>",
             ),
             row=row,
             col=1,
@@ -484,7 +478,6 @@ def _add_heatmap_marks(
 ) -> None:
     """A black marker on each marked rank's heatmap row (``row_of``: rank -> row label) at
     the bin of the mark's step, its hover text the mark in words."""
-    import plotly.graph_objects as go  # plotly loads only when a figure is made
 
     if not marks or not row_of or not len(bands.bins):
         return
@@ -495,23 +488,29 @@ def _add_heatmap_marks(
         if mark.step < bands.bins.first[0] or mark.step > bands.bins.last[-1]:
             continue
         at = int(bands.bins.first[bands.bins.of(np.array([mark.step]))[0]])
-        fig.add_trace(
-            go.Scatter(
-                x=[at],
-                y=[label],
-                mode="markers",
-                marker={
-                    "symbol": _MARK_SYMBOLS.get(mark.kind, "x"),
-                    "size": 12,
-                    "color": _MARK_COLOR,
-                    "line": {"width": 2, "color": _MARK_COLOR},
-                },
-                name=f"rank {mark.rank}: {mark.label} ({mark.finding})",
-                hovertext=[f"rank {mark.rank}, step {mark.step}: {mark.text} ({mark.finding})"],
-                hovertemplate="%{hovertext}<extra></extra>",
-                showlegend=False,
-            )
-        )
+        hover = f"rank {mark.rank}, step {mark.step}: {mark.text} ({mark.finding})"
+        fig.add_trace(_mark_trace(mark, at, label, 12, hover, mode="markers", showlegend=False))
+
+
+def _mark_trace(mark: RankMark, x: Any, y: Any, size: int, hover: str, **extra: Any) -> go.Scatter:
+    """One marked rank's black marker (its symbol by kind) at (``x``, ``y``), named after the
+    mark and its finding, ``hover`` its hover text."""
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    return go.Scatter(
+        x=[x],
+        y=[y],
+        marker={
+            "symbol": _MARK_SYMBOLS.get(mark.kind, "x"),
+            "size": size,
+            "color": _MARK_COLOR,
+            "line": {"width": 2, "color": _MARK_COLOR},
+        },
+        name=f"rank {mark.rank}: {mark.label} ({mark.finding})",
+        hovertext=[hover],
+        hovertemplate="%{hovertext}<extra></extra>",
+        **extra,
+    )
 
 
 def _scale_steps_differing(steps: pd.DataFrame | StepsRelation) -> tuple[int, int]:
