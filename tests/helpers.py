@@ -322,3 +322,16 @@ def recorded_rows(run_dir: Path, table: str, rank: int = 0) -> list[dict[str, An
     """The rows one rank of a recorded run wrote to ``table`` (its JSON-lines file), as written."""
     text = (Path(run_dir) / f"rank{rank}" / f"{table}.jsonl").read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def sampled_steps(run_dir: Path, rank: int) -> dict[str, list[int]]:
+    """The steps each kind of sample was taken on, as ``rank`` of a recorded run wrote them:
+    per-layer numerics and sync counting (flags in the step rows), shapes (their own step rows)
+    and the replicas' fingerprints (one row per parameter and sampled step)."""
+    steps = recorded_rows(run_dir, "steps", rank)
+    return {
+        "numerics": [r["step"] for r in steps if r.get("numerics_sampled")],
+        "syncs": [r["step"] for r in steps if r.get("syncs_sampled")],
+        "shapes": [r["step"] for r in recorded_rows(run_dir, "compute_steps", rank)],
+        "replicas": sorted({r["step"] for r in recorded_rows(run_dir, "fingerprints", rank)}),
+    }

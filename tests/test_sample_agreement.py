@@ -21,7 +21,7 @@ import torch.distributed as dist
 import amprobe
 from amprobe.capture import agree
 from amprobe.capture.budget import ARMED_DEBT_SAMPLES, SampleBudget
-from tests.helpers import recorded_rows, run_gloo_job, torchrun_argv
+from tests.helpers import recorded_rows, run_gloo_job, sampled_steps, torchrun_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"numerics": (100, 0), "shapes": (200, 1), "syncs": (50, 1)}  # (default period, first)
@@ -270,16 +270,6 @@ def _job(tmp_path: Path, nproc: int, **env: str | int) -> Path:
     return out
 
 
-def _sampled(out: Path, rank: int) -> dict[str, list[int]]:
-    steps = recorded_rows(out, "steps", rank)
-    return {
-        "numerics": [r["step"] for r in steps if r.get("numerics_sampled")],
-        "syncs": [r["step"] for r in steps if r.get("syncs_sampled")],
-        "shapes": [r["step"] for r in recorded_rows(out, "compute_steps", rank)],
-        "replicas": sorted({r["step"] for r in recorded_rows(out, "fingerprints", rank)}),
-    }
-
-
 def _events(out: Path, rank: int, *kinds: str) -> list[tuple[str, Any]]:
     return [
         (e["kind"], json.loads(e["detail"]))
@@ -289,7 +279,7 @@ def _events(out: Path, rank: int, *kinds: str) -> list[tuple[str, Any]]:
 
 
 def _check_agreement(out: Path, nproc: int) -> dict[str, list[int]]:
-    sampled = [_sampled(out, rank) for rank in range(nproc)]
+    sampled = [sampled_steps(out, rank) for rank in range(nproc)]
     for kind in GLOO_KINDS:
         per_rank = {rank: s[kind] for rank, s in enumerate(sampled)}
         assert all(steps == per_rank[0] for steps in per_rank.values()), (kind, per_rank)

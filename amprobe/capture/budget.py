@@ -463,6 +463,10 @@ class SampleBudget:
                     self._quiet_until = None
         except Exception as exc:
             self._fall_back(step, f"{type(exc).__name__}: {exc}")
+        return self._exchanged(t0)
+
+    def _exchanged(self, t0: float) -> float:
+        """Seconds since ``t0`` spent exchanging a plan, counted in the schedule's totals."""
         took = time.perf_counter() - t0
         self._exchange_s += took
         self._exchange_max_s = max(self._exchange_max_s, took)
@@ -483,10 +487,7 @@ class SampleBudget:
             self._lost = False
         except Exception as exc:
             self._lose(waited, f"{type(exc).__name__}: {exc}")
-        took = time.perf_counter() - t0
-        self._exchange_s += took
-        self._exchange_max_s = max(self._exchange_max_s, took)
-        self._unreported_s += took
+        self._unreported_s += self._exchanged(t0)
         return self.shared
 
     def _plan(self, step: int) -> dict[str, Any]:
