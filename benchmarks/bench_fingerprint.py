@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fsdp import _job as fsdp_job  # noqa: E402
+from bench_fsdp import _torchrun  # noqa: E402
 from machine import cpu_model, opcodes_in  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "base": {"collectors": ("scaler",), "replay": "off", "fingerprint_every": 0},
     "every2": {"collectors": ("scaler", "replicas"), "replay": "off", "fingerprint_every": 2},
@@ -78,44 +78,10 @@ def _job(width: int, batch: int) -> Any:
     """``bench_fsdp.py``'s FSDP2 job on a 2 x 1 mesh (replicate x shard): FSDP2's replicate
     dimension, so each of the 2 ranks holds a replica of every parameter (on a 1-D mesh, pure
     sharding, there is nothing to compare and the collector fingerprints nothing)."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, width),
-        nn.ReLU(),
-        nn.Linear(width, 16),
-    )
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, 16, generator=g)
-
-    def train(n: int) -> None:
-        for _ in range(n):
-            loss = nn.functional.mse_loss(model(x).float(), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-
-    return train
+    return fsdp_job(width, batch, mesh)
 
 
 def _attach(name: str, out: str) -> Any:
@@ -221,32 +187,7 @@ def main() -> None:
         f"{args.batch}, fp16 params (fp32 shards), ShardedGradScaler; {args.pairs} rounds of {args.block}-step blocks\n"
     )
     with tempfile.TemporaryDirectory(prefix="bench_fingerprint-") as tmpdir:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(args.port),
-            str(Path(__file__).resolve()),
-            "--worker",
-            "--out",
-            tmpdir,
-            *("--pairs", str(args.pairs), "--block", str(args.block)),
-            *("--warmup", str(args.warmup), "--width", str(args.width)),
-            *("--batch", str(args.batch), "--settle", str(args.settle)),
-        ]
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
-            ),
-        }
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the job failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        _torchrun(args, tmpdir, [], script=__file__)
         rows = [
             json.loads(line)
             for rank in (0, 1)

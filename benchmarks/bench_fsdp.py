@@ -90,8 +90,9 @@ def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items()}
 
 
-def _job(width: int, batch: int) -> Any:
-    """The FSDP2 job of this rank: ``train(n)`` runs n steps."""
+def _job(width: int, batch: int, mesh: Any = None) -> Any:
+    """The FSDP2 job of this rank: ``train(n)`` runs n steps (on ``mesh``, a DeviceMesh; None:
+    FSDP2's default, one dimension over every rank)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -112,8 +113,8 @@ def _job(width: int, batch: int) -> Any:
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = ShardedGradScaler("cpu", init_scale=1024.0)
     g = torch.Generator().manual_seed(rank)
@@ -207,8 +208,11 @@ def worker_opcodes(warmup: int, steps: int, width: int, batch: int, out: str) ->
     dist.destroy_process_group()
 
 
-def _torchrun(args: argparse.Namespace, tmpdir: str, extra: list[str]) -> None:
-    """Run this file's worker on 2 ranks (each writes its results under ``tmpdir``)."""
+def _torchrun(
+    args: argparse.Namespace, tmpdir: str, extra: list[str], script: str = __file__
+) -> None:
+    """Run ``script``'s worker (this file's by default) on 2 ranks, each writing its results
+    under ``tmpdir``; ``args`` holds the options every such worker takes."""
     cmd = [
         sys.executable,
         "-m",
@@ -217,7 +221,7 @@ def _torchrun(args: argparse.Namespace, tmpdir: str, extra: list[str]) -> None:
         "2",
         "--master_port",
         str(args.port),
-        str(Path(__file__).resolve()),
+        str(Path(script).resolve()),
         "--worker",
         "--out",
         tmpdir,
