@@ -43,9 +43,7 @@ class _CountingStore:
         return getattr(self.inner, name)
 
 
-def _ranks(
-    world: int, timeout_s: float = 5.0, scopes: list[str] | None = None
-) -> tuple[list[SampleBudget], list[list[Any]]]:
+def _ranks(world: int, timeout_s: float = 5.0) -> tuple[list[SampleBudget], list[list[Any]]]:
     store = _CountingStore()
     budgets, events = [], []
     generation = agree.next_generation()  # (one probe on every rank: one count)
@@ -54,9 +52,8 @@ def _ranks(
         budget = SampleBudget(0.01, lambda kind, seen=seen, **detail: seen.append((kind, detail)))
         for kind, (every, first) in KINDS.items():
             budget.register(kind, every, fixed=False, first=first)
-        scope = "run" if scopes is None else scopes[rank]
         budget.share(
-            agree.Agreement(store, rank, world, scope, timeout_s=timeout_s, generation=generation)
+            agree.Agreement(store, rank, world, timeout_s=timeout_s, generation=generation)
         )
         budgets.append(budget)
         events.append(seen)
@@ -164,8 +161,9 @@ def test_a_rank_0_still_busy_after_a_sample_does_not_hold_the_others_at_the_stor
 
 
 def test_ranks_recording_into_differently_named_run_directories_follow_rank_0():
-    # attach() without a run_dir names a directory per process: the keys are rank 0's
-    budgets, events = _ranks(2, scopes=["20260101-000000-111", "20260101-000001-222"])
+    # attach() without a run_dir names a directory per process: no key names a directory
+    # (the keys' namespace is the probe's count in the process), so they share rank 0's
+    budgets, events = _ranks(2)
     costs = [{"numerics": 0.004, "shapes": 0.008, "syncs": 0.002}] * 2
     taken = _lockstep(budgets, 1_000, [0.01, 0.03], costs)
     assert taken[0] == taken[1]
@@ -455,13 +453,14 @@ def test_a_skip_only_some_ranks_saw_costs_one_plan_not_the_agreement():
 
 
 def test_a_second_probe_in_the_same_process_group_uses_its_own_keys(tmp_path):
-    # attach() without run_dir: each rank's scope differs. Fails before the fix: the first
-    # probe's keys stayed, the second probe's follower read the first's scope and timed out
+    # attach() without run_dir: each rank's run directory is named differently. Failed before
+    # the per-probe keys: the first probe's keys stayed, the second probe's follower read the
+    # first's run directory name and timed out
     import threading
 
     store = _CountingStore()
 
-    def probe(scopes: list[str]) -> tuple[list[list[int]], list[list[Any]], float]:
+    def probe() -> tuple[list[list[int]], list[list[Any]], float]:
         generation = agree.next_generation()
         budgets, events = [], []
         for rank in range(2):
@@ -469,9 +468,7 @@ def test_a_second_probe_in_the_same_process_group_uses_its_own_keys(tmp_path):
             budget = SampleBudget(0.01, lambda kind, seen=seen, **d: seen.append((kind, d)))
             for kind, (every, first) in KINDS.items():
                 budget.register(kind, every, fixed=False, first=first)
-            agreement = agree.Agreement(
-                store, rank, 2, scopes[rank], timeout_s=2.0, generation=generation
-            )
+            agreement = agree.Agreement(store, rank, 2, timeout_s=2.0, generation=generation)
             budget.share(agreement)
             budgets.append(budget)
             events.append(seen)
@@ -500,8 +497,8 @@ def test_a_second_probe_in_the_same_process_group_uses_its_own_keys(tmp_path):
             t.join()
         return out, events, time.perf_counter() - t0
 
-    for scopes in (["p1-rank0", "p1-rank1"], ["p2-rank0", "p2-rank1"]):
-        out, events, took = probe(scopes)
+    for _ in range(2):  # two probes, one after the other
+        out, events, took = probe()
         assert out[0] == out[1] and took < 1.5, (out, took)
         assert not [e for e in events[1] if e[0] == "schedule_not_shared"]
         assert store.inner.num_keys() == 0  # rank 0's keys deleted at close, the plans read
@@ -532,7 +529,7 @@ def test_a_plan_reads_wait_is_amprobes_time_in_the_step_it_happens(tmp_path, mon
     monkeypatch.setattr(
         agree,
         "default_group_agreement",
-        lambda scope, generation=0: agree.Agreement(SlowStore(), 1, 2, scope),
+        lambda generation=0: agree.Agreement(SlowStore(), 1, 2),
     )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))

@@ -80,8 +80,6 @@ class Agreement:
             ``delete_key``).
         rank: this process's rank in the default process group; 0 publishes.
         world_size: ranks that read each plan (all but rank 0 do).
-        scope: the run directory's name (recorded; not in the keys: ranks may record into
-            directories of different names).
         timeout_s: how long a reader waits for a plan.
         generation: the probe's :func:`next_generation`, the keys' namespace.
     """
@@ -91,14 +89,12 @@ class Agreement:
         store: Any,
         rank: int,
         world_size: int,
-        scope: str,
         timeout_s: float = TIMEOUT_S,
         generation: int = 0,
     ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.scope = scope
         self.generation = generation
         self.prefix = f"amprobe/schedule/{generation}/"
         self.latest_key = f"{self.prefix}latest"
@@ -153,10 +149,14 @@ class Agreement:
         count = f"{key}/read"
         try:
             if self.store.add(count, 1) >= self.world_size - 1:
-                self.store.delete_key(key)
-                self.store.delete_key(count)
+                self._drop(key)
         except Exception:  # the plan was read: a key left behind is no reason to decide alone
             self.cleanup_failed = True
+
+    def _drop(self, key: str) -> None:
+        """Delete the plan under ``key`` and its readers' counter."""
+        self.store.delete_key(key)
+        self.store.delete_key(f"{key}/read")
 
     def close(self, pending: int | None = None) -> None:
         """The probe closes. Rank 0 deletes the plans it wrote that are still in the store but
@@ -168,8 +168,7 @@ class Agreement:
         try:
             if self.leader:
                 for step in self._written[:-1]:
-                    store.delete_key(f"{self.prefix}{step}")
-                    store.delete_key(f"{self.prefix}{step}/read")
+                    self._drop(f"{self.prefix}{step}")
                 self._written = self._written[-1:]
             elif pending is not None:
                 key = f"{self.prefix}{pending}"
@@ -179,8 +178,7 @@ class Agreement:
             if store.add(closed, 1) >= self.world_size:
                 latest = self._latest()
                 if latest is not None:
-                    store.delete_key(f"{self.prefix}{latest.get('step')}")
-                    store.delete_key(f"{self.prefix}{latest.get('step')}/read")
+                    self._drop(f"{self.prefix}{latest.get('step')}")
                     store.delete_key(self.latest_key)
                 store.delete_key(closed)
         except Exception:
@@ -196,11 +194,11 @@ def multi_rank() -> bool:
         return False
 
 
-def default_group_agreement(scope: str, generation: int = 0) -> Agreement | None:
+def default_group_agreement(generation: int = 0) -> Agreement | None:
     """This rank's :class:`Agreement` over the default process group's store, or None in a
     single process (no process group, or one rank). Raises when the group is there but its
     store is not (the caller decides alone, and says so)."""
     if not multi_rank():
         return None
     store = dist.distributed_c10d._get_default_store()
-    return Agreement(store, dist.get_rank(), dist.get_world_size(), scope, generation=generation)
+    return Agreement(store, dist.get_rank(), dist.get_world_size(), generation=generation)

@@ -126,15 +126,11 @@ class SampleBudget:
         fraction: the share of training time sampled steps may add (``Config.overhead_budget``);
             0 follows every period exactly.
         event: records an event in the run (the probe's ``event``).
-        scope: what every rank of the job shares (the run directory's name): in a job of
-            several ranks, the namespace of the agreed schedule's keys (see
-            :mod:`amprobe.capture.agree`).
     """
 
-    def __init__(self, fraction: float, event: Any = None, scope: str = "run") -> None:
+    def __init__(self, fraction: float, event: Any = None) -> None:
         self.fraction = float(fraction)
         self._event = event
-        self.scope = scope
         # this probe's count in the process (the same on every rank): its keys' namespace
         self.generation = agree.next_generation()
         # the agreed schedule: None until the first budgeted sample ends (then looked up once)
@@ -436,7 +432,7 @@ class SampleBudget:
         try:
             if not self._looked:
                 self._looked = True
-                self.share(agree.default_group_agreement(self.scope, self.generation))
+                self.share(agree.default_group_agreement(self.generation))
             agreement = self._agreement
             if agreement is None:
                 return time.perf_counter() - t0  # one process (looked up once)

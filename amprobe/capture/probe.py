@@ -154,9 +154,7 @@ class Probe:
         self._events_lock = threading.Lock()
         self.collectors: list[Collector] = []
         #: spaces the sampled steps of the default schedules within the overhead budget
-        self.budget = SampleBudget(
-            self.config.overhead_budget, self.event, scope=Path(os.path.abspath(run_dir)).name
-        )
+        self.budget = SampleBudget(self.config.overhead_budget, self.event)
         self.hub = Hub(self)
         self._subs = self.hub.dispatch.subs  # event -> its subscribers now (kept in place)
         self.models: list[weakref.ReferenceType[torch.nn.Module]] = []
