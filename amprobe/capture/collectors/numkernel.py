@@ -41,6 +41,14 @@ started when the collector attaches (so the compile runs beside the user's first
 of inside it), into a per-user cache reused by later runs. Until it is ready, or when there is
 no compiler or the build fails, the eager reduction runs instead; both give the same table.
 
+The same library holds the block statistics of
+:mod:`~amprobe.capture.collectors.blockstats` (``amprobe_block_amax``, ``amprobe_block_pass``):
+one pass over a 2-D operand in 128 x 128 strips for all its format orientations at once, about
+0.4 ns per element per format-evaluation on one core of that Xeon (the eager torch reduction:
+about 26 to 60 ns); its per-element loop is written in AVX-512 intrinsics where the CPU has
+them, in GCC vector extensions (each clone's ISA) elsewhere. It makes the library's compile
+about 2.5 s of CPU instead of 0.5 s.
+
 Public surface: :func:`start_build` (non-blocking), :func:`kernel` (the loaded library or
 None, never blocking), :func:`status` (``"ready"``, ``"building"``, ``"unavailable: <why>"``).
 """
