@@ -230,6 +230,8 @@ def test_kernel_equals_eager_everywhere(kernel: numkernel.Kernel) -> None:
                 ("w", x.t(), None),  # transposed memory, 2-D tiles
                 ("x", x, torch.tensor(3.0)),  # an fp32 division
                 ("dy", x.t(), 1024.0),  # a power-of-two divisor
+                ("x", x[:, 1:], None),  # rows with a stride, unaligned
+                ("w", x[::2, ::2], None),  # neither dim contiguous: copied
             ):
                 rows = rows_for(op, every)
                 want = blockstats._eager(view, op, rows, div)
@@ -239,14 +241,19 @@ def test_kernel_equals_eager_everywhere(kernel: numkernel.Kernel) -> None:
                 assert torch.equal(got[:, :8], want[:, :8]), where
                 torch.testing.assert_close(got[:, 8:], want[:, 8:], rtol=1e-9, atol=0, msg=where)
                 checked += 1
-    assert checked == 10 * 3 * 4
+    assert checked == 10 * 3 * 6
 
 
-def test_measure_uses_the_kernel_on_cpu_and_stays_on_the_device() -> None:
+def test_measure_uses_the_kernel_on_cpu_and_stays_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     x = torch.randn(64, 96)
-    out = blockstats.measure(x, "x", list(DEFAULT_FORMATS))
-    assert out.shape == (9, len(STAT_FIELDS)) and out.dtype == torch.float64
     want = blockstats._eager(x, "x", rows_for("x", list(DEFAULT_FORMATS)), None)
+    if numkernel.wait() is not None:
+        monkeypatch.setattr(blockstats, "_eager", None)  # the kernel must answer
+    out = blockstats.measure(x, "x", list(DEFAULT_FORMATS))
+    monkeypatch.undo()
+    assert out.shape == (9, len(STAT_FIELDS)) and out.dtype == torch.float64
     assert torch.equal(out[:, :8], want[:, :8])
     # the eager path reads no value back: it runs on the meta device, where a read raises
     meta = blockstats.measure(torch.empty(64, 96, device="meta"), "dy", list(FORMATS), 8.0)
