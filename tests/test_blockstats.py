@@ -102,10 +102,15 @@ def test_element_cast_equals_torch_float8_casts() -> None:
 # small cases by hand (both paths)
 
 
+def _blocks_built() -> bool:
+    k = numkernel.wait()
+    return k is not None and k.has_blocks
+
+
 @pytest.fixture(params=["eager", "kernel"])
 def path(request: pytest.FixtureRequest) -> str:
-    if request.param == "kernel" and numkernel.wait() is None:
-        pytest.skip(f"no compiled kernel: {numkernel.status()}")
+    if request.param == "kernel" and not _blocks_built():
+        pytest.skip(f"no compiled block kernel: {numkernel.status()}")
     return str(request.param)
 
 
@@ -211,8 +216,8 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
 def kernel(request: pytest.FixtureRequest):
     """The kernel with its AVX-512 loop (where the CPU has one) and with its generic loop."""
     k = numkernel.wait()
-    if k is None:
-        pytest.skip(f"no compiled kernel: {numkernel.status()}")
+    if k is None or not k.has_blocks:
+        pytest.skip(f"no compiled block kernel: {numkernel.status()}")
     k.block_simd(1 if request.param == "simd" else 0)
     yield k
     k.block_simd(-1)
@@ -249,7 +254,7 @@ def test_measure_uses_the_kernel_on_cpu_and_stays_on_the_device(
 ) -> None:
     x = torch.randn(64, 96)
     want = blockstats._eager(x, "x", rows_for("x", list(DEFAULT_FORMATS)), None)
-    if numkernel.wait() is not None:
+    if _blocks_built():
         monkeypatch.setattr(blockstats, "_eager", None)  # the kernel must answer
     out = blockstats.measure(x, "x", list(DEFAULT_FORMATS))
     monkeypatch.undo()

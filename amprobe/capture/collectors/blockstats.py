@@ -225,10 +225,10 @@ def _eager(
     a = y.abs()
     fin = torch.isfinite(a)
     a = torch.where(fin, a, 0.0)
-    f64 = torch.float64
+    f64 = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
     nonfinite = (~fin).sum().to(f64)
     nonzero = (a > 0).sum().to(f64)
-    signal = a.double().square().sum()
+    signal = a.to(f64).square().sum()
     amax_t = a.amax() if a.numel() else torch.zeros((), device=dev)
     out = []
     for orient, name in rows:
@@ -249,7 +249,7 @@ def _eager(
         clipped = (v >= bound) if elem.clip_inclusive else (v > bound)
         deq = _rne(v, elem) * sc
         flushed = (blk > 0) & (deq == 0)
-        noise = (blk.double() - deq.double()).square().sum()
+        noise = (blk.to(f64) - deq.to(f64)).square().sum()
         full = torch.full((), 0.0, dtype=f64, device=dev)
         out.append(
             torch.stack(
@@ -300,7 +300,7 @@ def measure(
     rows = rows_for(operand, formats)
     if x2d.device.type == "cpu" and x2d.dtype in _KERNEL_DTYPES:
         k = numkernel.kernel()
-        if k is not None:
+        if k is not None and k.has_blocks:
             res = _kernel(k, x2d, operand, rows, divisor)
             if res is not None:
                 return res

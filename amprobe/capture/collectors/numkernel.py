@@ -408,6 +408,9 @@ int64_t amprobe_nonfinite(const void *x, int64_t n, int32_t kind) {
   }
   return c;
 }
+/* the block statistics need GCC >= 9 or clang (vector extensions, __builtin_convertvector);
+   without them the library builds without its amprobe_block_* functions */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
 /* ---- block statistics of #36 (amprobe.capture.collectors.blockstats) ----
    One pass over a 2-D tensor in 128 x 128 strips (rows x contiguous columns of memory): each
    strip is read once into |x / divisor| (fp32, non-finite -> 0), and every requested
@@ -847,6 +850,7 @@ void amprobe_block_pass(const void *x, int32_t kind, int64_t rows, int64_t cols,
   stats[1] += (double)z;
   stats[2] += s;
 }
+#endif
 """
 SOURCE = SOURCE.replace("@SUB_MIN@", str(SUB_MIN)).replace("@SUB_PAD@", str(_SUB_PAD))
 
@@ -874,16 +878,19 @@ class Kernel:
         self.nonfinite = lib.amprobe_nonfinite
         self.nonfinite.argtypes = [p, i64, ctypes.c_int32]
         self.nonfinite.restype = i64
-        # block statistics (amprobe.capture.collectors.blockstats)
-        self.block_amax = lib.amprobe_block_amax
-        self.block_amax.argtypes = [p, i32, i64, i64, i64, p]
-        self.block_amax.restype = f32
-        self.block_pass = lib.amprobe_block_pass
-        self.block_pass.argtypes = [p, i32, i64, i64, i64, p, f32, i32, p, p, p]
-        self.block_pass.restype = None
-        self.block_simd = lib.amprobe_block_simd
-        self.block_simd.argtypes = [i32]
-        self.block_simd.restype = i32
+        # block statistics (amprobe.capture.collectors.blockstats); absent where the compiler
+        # lacks vector extensions (``has_blocks`` False: blockstats runs its eager reduction)
+        self.has_blocks = hasattr(lib, "amprobe_block_pass")
+        if self.has_blocks:
+            self.block_amax = lib.amprobe_block_amax
+            self.block_amax.argtypes = [p, i32, i64, i64, i64, p]
+            self.block_amax.restype = f32
+            self.block_pass = lib.amprobe_block_pass
+            self.block_pass.argtypes = [p, i32, i64, i64, i64, p, f32, i32, p, p, p]
+            self.block_pass.restype = None
+            self.block_simd = lib.amprobe_block_simd
+            self.block_simd.argtypes = [i32]
+            self.block_simd.restype = i32
         self.path = path
 
 
