@@ -28,8 +28,9 @@ Two implementations give the same counts (and the same sums up to float64 summat
 the compiled CPU kernel of :mod:`~amprobe.capture.collectors.numkernel` (one pass over the
 tensor for all rows, fp32/bf16/fp16 read directly, a 128x128 strip buffer, no tensor-sized
 temporaries) when it is built, and an eager torch reduction otherwise (any device, no
-host-device sync: no value is read back; it keeps fp32 and float64 temporaries of the
-operand's size).
+host-device sync: no value is read back; its fp32 and float64 temporaries are made per
+chunk of rows, :data:`EAGER_CHUNK` elements). The kernel needs fp32/bf16/fp16 on CPU and blocks
+of 16 to 128 elements (tiles up to 128 x 128, powers of two); anything else runs eagerly.
 
 The element cast is arithmetic on fp32 bits, no float8 dtype needed: ``v`` in binade ``E``
 (clamped below at the element's smallest normal binade) is a multiple of ``2**(E - mantissa)``
