@@ -11,10 +11,10 @@ Part 2: the GEMM operands of one TinyGPT bf16 step (``common.TinyGPT``, batch 16
 dY of each ``nn.Linear``, kept by hooks, reduced outside the step) against the time of one
 plain training step: what a sampled step's block statistics add, before hooks and bookkeeping.
 
-Measured 2026-12-06 on an Intel Xeon (Sapphire Rapids, AVX-512; 2 cores shared, load 3.5):
-part 1 kernel 0.71 / 0.76 ns per element per format-evaluation (fp32 / bf16; 0.41-0.43 ns in
-a C harness at a quieter moment), eager 62 / 61 ns; part 2 a 366 ms step, 27 operands, 26.0M
-elements, 231M format-evaluations: 145 ms (0.63 ns each), 1.40x the step.
+Measured 2026-12-06 on an Intel Xeon (Sapphire Rapids, AVX-512; 2 cores shared, load 3.7):
+part 1 kernel 0.44 / 0.42 ns per element per format-evaluation (fp32 / bf16), eager 24 / 23
+ns; part 2 a 337 ms step, 27 operands, 26.0M elements, 231M format-evaluations: 109 ms (0.47
+ns each), 1.32x the step (an earlier run at load 3.5: 0.71 / 0.76 ns, 1.40x).
 """
 
 from __future__ import annotations
