@@ -1,4 +1,4 @@
-"""Truth of the block statistics (#36): the capture side against a cast written from the definitions.
+"""Truth of the block statistics (#36): the capture side against a cast from the definitions.
 
 ``tests/blockref.py`` quantizes from the OCP MX v1.0, NVFP4 and fp8 recipe definitions, sharing
 no code with the capture side. Here it is first checked against torch's own casts (e4m3, e5m2,
