@@ -342,6 +342,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     divisor: float | None = None
     transposed: bool = False  # measured through a non-contiguous (transposed) view
+    divisor_tensor: bool = False  # the loss scale as a 0-d fp32 tensor (as numerics passes it)
 
     def tensor(self) -> torch.Tensor:
         if self.transposed:
@@ -360,11 +361,16 @@ CASES = [Case(k) for k in KINDS if k != "nonfinite"] + [
     *(Case(k, (72, 200)) for k in KINDS),
     # gradients divided by their loss scale (a power of two, and not), bf16 and fp16 operands,
     # a transposed view
-    Case("gaussian", (72, 200), divisor=1024.0),
+    Case("gaussian", (72, 200), divisor=1024.0, divisor_tensor=True),
     Case("tiny", (72, 200), divisor=3.0),
     Case("heavy", (72, 200), dtype=torch.bfloat16),
     Case("outlier", (72, 200), dtype=torch.float16),
     Case("outlier", (200, 72), transposed=True),
+    # more than one 128x128 strip each way, neither a multiple; degenerate shapes
+    Case("heavy", (130, 260)),
+    Case("tiny", (1, 7)),
+    Case("gaussian", (3, 1)),
+    Case("gaussian", (0, 16)),
     # NVFP4's per-tensor scale amax_t / 2688 an fp32 subnormal of one bit (2**-149): block
     # scales (amax_b / 6) / s_t up to 448 * 1.49, past e4m3's 464 (scale saturation)
     Case("tiny", (72, 200), divisor=_nvfp4_saturating_divisor()),
@@ -465,8 +471,12 @@ def path(which: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             pytest.skip(f"no compiled kernel: {numkernel.status()}")
         assert k is not None and hasattr(k, "block_pass"), "the kernel has no block pass"
 
-        def no_eager(*args: object, **kwargs: object) -> torch.Tensor:
-            raise AssertionError("measure() fell back to the eager reduction")
+        eager = blockstats._eager
+
+        def no_eager(x2d: torch.Tensor, *args: object) -> torch.Tensor:
+            # an empty tensor is left to the eager reduction by design
+            assert x2d.numel() == 0, "measure() fell back to the eager reduction"
+            return eager(x2d, *args)
 
         monkeypatch.setattr(blockstats, "_eager", no_eager)
     yield
@@ -475,7 +485,10 @@ def path(which: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def measured(case: Case, operand: str) -> list[tuple[str, str, dict[str, float]]]:
     from amprobe.capture.collectors import blockstats
 
-    out = blockstats.measure(case.tensor(), operand, ALL_FORMATS, case.divisor)
+    divisor: torch.Tensor | float | None = case.divisor
+    if case.divisor_tensor:
+        divisor = torch.tensor(case.divisor, dtype=torch.float32)
+    out = blockstats.measure(case.tensor(), operand, ALL_FORMATS, divisor)
     rows = bf.rows_for(operand, ALL_FORMATS)
     assert out.dtype == torch.float64 and tuple(out.shape) == (len(rows), len(bf.STAT_FIELDS))
     return [
