@@ -265,6 +265,21 @@ def _flushed(x: torch.Tensor, deq: torch.Tensor) -> float:
     return _share(deq == 0, (x != 0) & torch.isfinite(x))
 
 
+def test_reference_e2m1_is_torchaos_fp4_cast() -> None:
+    """e2m1 has no torch dtype cast: torchao's fp4 cast (RNE, saturating) on the values, the
+    ties, their fp32 neighbours and random magnitudes."""
+    _torchao()
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+
+    elem = ref.ELEMENTS["e2m1"]
+    grid = torch.tensor((*elem.values, elem.beyond), dtype=torch.float64)
+    v = torch.cat([_around(grid), _random_magnitudes(-4, 4)])
+    v = torch.cat([v, -v])
+    q, _ = ref.round_element(elem, v.abs())
+    cast = f4_unpacked_to_f32(f32_to_f4_unpacked(v.contiguous()))
+    assert torch.equal(q * v.sign(), cast)
+
+
 MX_KINDS = ("gaussian", "heavy", "outlier", "zero_blocks", "tiny")
 
 
