@@ -75,7 +75,7 @@ def _zero_blocks(shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
     x = torch.randn(shape, generator=g)
     x[:16] = 0.0
     x[:, :32] = 0.0
-    x[128:256, 128:256] = 0.0
+    x[:128, 128:256] = 0.0
     return x
 
 
@@ -348,12 +348,16 @@ def test_torchao_mx_agrees_except_at_the_smallest_scale(fmt: str, mode: str) -> 
 # --------------------------------------------------------------------------- the capture side
 
 
+#: the shape of the truth test's main tensors (four 128x128 weight tiles)
+MAIN = (128, 512)
+
+
 @dataclass(frozen=True)
 class Case:
     """One tensor measured as each operand: its kind, shape, dtype, layout and loss scale."""
 
     kind: str
-    shape: tuple[int, int] = (256, 512)
+    shape: tuple[int, int] = MAIN
     dtype: torch.dtype = torch.float32
     divisor: float | None = None
     transposed: bool = False  # measured through a non-contiguous (transposed) view
@@ -475,10 +479,14 @@ def reference(case: Case, fmt: str, tile: tuple[int, int]) -> dict[str, float]:
 
 @contextmanager
 def path(which: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """measure() through the C kernel (the eager reduction made to fail) or the eager one."""
+    """measure() through the C kernel (the eager reduction made to fail), the eager one, or the
+    eager one on a CUDA device."""
     from amprobe.capture.collectors import blockstats, numkernel
 
-    if which == "eager":
+    if which == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+    elif which == "eager":
         monkeypatch.setattr(numkernel, "kernel", lambda: None)
     else:
         k = numkernel.wait()
@@ -497,13 +505,17 @@ def path(which: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def measured(case: Case, operand: str) -> list[tuple[str, str, dict[str, float]]]:
+def measured(
+    case: Case, operand: str, device: str = "cpu"
+) -> list[tuple[str, str, dict[str, float]]]:
     from amprobe.capture.collectors import blockstats
 
     divisor: torch.Tensor | float | None = case.divisor
     if case.divisor_tensor:
-        divisor = torch.tensor(case.divisor, dtype=torch.float32)
-    out = blockstats.measure(case.tensor(), operand, ALL_FORMATS, divisor)
+        divisor = torch.tensor(case.divisor, dtype=torch.float32, device=device)
+    out = blockstats.measure(case.tensor().to(device), operand, ALL_FORMATS, divisor)
+    assert out.device.type == device
+    out = out.cpu()
     rows = bf.rows_for(operand, ALL_FORMATS)
     assert out.dtype == torch.float64 and tuple(out.shape) == (len(rows), len(bf.STAT_FIELDS))
     return [
@@ -518,7 +530,8 @@ def compare_all(which: str) -> tuple[list[str], dict[tuple[str, str], float]]:
     for case in CASES:
         shape = (case.shape[0], case.shape[1])
         for operand in bf.ORIENTATIONS:
-            for orient, fmt, got in measured(case, operand):
+            device = "cuda" if which == "cuda" else "cpu"
+            for orient, fmt, got in measured(case, operand, device):
                 tile = ref.along(ref.FORMATS[fmt], operand, orient, shape)
                 dev = deviations(got, reference(case, fmt, tile))
                 for stat, d in dev.items():
@@ -529,7 +542,7 @@ def compare_all(which: str) -> tuple[list[str], dict[tuple[str, str], float]]:
     return failures, worst
 
 
-@pytest.mark.parametrize("which", ["kernel", "eager"])
+@pytest.mark.parametrize("which", ["kernel", "eager", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_capture_matches_the_definition(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with path(which, monkeypatch):
         failures, _ = compare_all(which)
@@ -552,7 +565,7 @@ def test_a_wrong_block_size_falls_outside_the_tolerance() -> None:
     """Not a tautology: the comparison tells the block size (per format and row kind). measure()
     runs its default path here (the kernel once built): both paths are checked above."""
     caught: dict[tuple[str, str], set[str]] = {}
-    for case in [c for c in CASES if c.shape == (256, 512)]:
+    for case in [c for c in CASES if c.shape == MAIN]:
         shape = (case.shape[0], case.shape[1])
         for operand in bf.ORIENTATIONS:
             for orient, fmt, got in measured(case, operand):
