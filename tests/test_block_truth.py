@@ -7,8 +7,11 @@ definitions are the truth and each difference is pinned, with its numbers). Then
 ``blockstats.measure`` (the compiled C kernel and the eager reduction) is compared with it on
 Gaussian, heavy-tailed (Student-t, 2 degrees of freedom), outlier-channel, tiny-gradient (fp32
 subnormals), all-zero-block, wide-range (12 decades) and non-finite tensors, in shapes the blocks
-divide and shapes they do not, fp32/bf16/fp16, transposed views and divided by a loss scale, for
-every format in ``FORMATS``, every operand and orientation.
+divide and shapes they do not (128x512 and 72x200 for each kind, 130x260 across the kernel's
+128x128 strips, degenerate ones), fp32/bf16/fp16, transposed views and divided by a loss scale
+(a float and a 0-d tensor), for every format in ``FORMATS``, every operand and orientation. The
+formats' data (``amprobe.store.blockformats``) is first compared with the reference's own
+statement of them, field by field.
 
 Tolerance (the issue's "Truth"): flushed and clipped shares of the nonzero elements within
 0.1 percentage point, scale underflow and saturation shares of the blocks within 0.1 percentage
