@@ -207,10 +207,19 @@ def _cases() -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def test_kernel_equals_eager_everywhere() -> None:
+@pytest.fixture(params=["simd", "generic"])
+def kernel(request: pytest.FixtureRequest):
+    """The kernel with its AVX-512 loop (where the CPU has one) and with its generic loop."""
     k = numkernel.wait()
     if k is None:
         pytest.skip(f"no compiled kernel: {numkernel.status()}")
+    k.block_simd(1 if request.param == "simd" else 0)
+    yield k
+    k.block_simd(-1)
+
+
+def test_kernel_equals_eager_everywhere(kernel: numkernel.Kernel) -> None:
+    k = kernel
     every = list(FORMATS)
     checked = 0
     for name, t in _cases():

@@ -300,7 +300,7 @@ def measure(
     rows = rows_for(operand, formats)
     if x2d.device.type == "cpu" and x2d.dtype in _KERNEL_DTYPES:
         k = numkernel.kernel()
-        if k is not None and hasattr(k, "block_pass"):
+        if k is not None:
             res = _kernel(k, x2d, operand, rows, divisor)
             if res is not None:
                 return res
