@@ -482,8 +482,9 @@ def reference(case: Case, fmt: str, tile: tuple[int, int]) -> dict[str, float]:
 
 @contextmanager
 def path(which: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """measure() through the C kernel (the eager reduction made to fail), the eager one, or the
-    eager one on a CUDA device."""
+    """measure() through the C kernel (the eager reduction made to fail; "kernel-generic": its
+    generic per-element loop, which CPUs without AVX-512 run), the eager one, or the eager one on
+    a CUDA device."""
     from amprobe.capture.collectors import blockstats, numkernel
 
     if which == "cuda":
@@ -505,6 +506,13 @@ def path(which: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             return eager(x2d, *args)
 
         monkeypatch.setattr(blockstats, "_eager", no_eager)
+        if which == "kernel-generic":
+            assert k.block_simd(0) == 0
+            try:
+                yield
+            finally:
+                k.block_simd(-1)
+            return
     yield
 
 
@@ -545,7 +553,9 @@ def compare_all(which: str) -> tuple[list[str], dict[tuple[str, str], float]]:
     return failures, worst
 
 
-@pytest.mark.parametrize("which", ["kernel", "eager", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "which", ["kernel", "kernel-generic", "eager", pytest.param("cuda", marks=pytest.mark.cuda)]
+)
 def test_capture_matches_the_definition(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with path(which, monkeypatch):
         failures, _ = compare_all(which)
