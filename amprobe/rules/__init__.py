@@ -5,6 +5,7 @@ Importing this package registers every rule module in :data:`RULE_MODULES`.
 
 from __future__ import annotations
 
+from amprobe.rules import blockfit as _blockfit  # noqa: F401
 from amprobe.rules import checkpoints as _checkpoints  # noqa: F401
 from amprobe.rules import compare as _compare  # noqa: F401
 from amprobe.rules import compiled as _compiled  # noqa: F401
