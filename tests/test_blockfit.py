@@ -293,3 +293,119 @@ def test_not_checked_without_blockstats(config: dict | None, reason: str) -> Non
     reasons = {n.id: n.reason for n in d.not_checked}
     assert set(reasons) == {"AMP-P04", "AMP-P05"} and reason in reasons["AMP-P04"]
     assert block_fit_missing_reason(run) == reasons["AMP-P05"]
+
+
+# -- where users look: the matrix, the what-if section, the JSON, the dashboard ------------------
+def _numerics(layers: list[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "step": 0,
+            "module": name,
+            "module_type": "Linear",
+            "kind": kind,
+            "dtype": "float32",
+            "calls": 1,
+            "order": i,
+            "elements": 100,
+            "zeros": 0,
+            "nan": 0,
+            "inf": 0,
+            "finite": 100,
+            "over_fp16": 0,
+            "loss_scale": 1.0,
+            "amax": 1.0,
+            "in_nonfinite": 0,
+            "exp_hist": json.dumps({"-1": 100}),
+        }
+        for i, name in enumerate(layers)
+        for kind in ("output", "grad_output")
+    ]
+
+
+def test_matrix_figure_cells() -> None:
+    from amprobe.report.blockfit import make_block_fit_figure, run_block_fit
+
+    rows = _model(**{"mlp.fc2": _outlier}) + _layer("zero", _all_zero)
+    rows = [r for r in rows if not (r["layer"] == "lm_head" and r["format"] == "nvfp4")]
+    fig = make_block_fit_figure(run_block_fit(_run(rows)))
+    heat = fig.data[0]
+    assert list(heat.x) == [
+        "MXFP4 (4.25)",
+        "NVFP4 (4.5)",
+        "fp8 per-tensor (8)",
+        "fp8 1x128 blockwise (8.25)",
+        "MXFP8 (8.25)",
+    ]
+    assert list(heat.y)[-1] == "zero" and heat.zmin == 0 and heat.colorscale[0][1] != "white"
+    cell = {
+        (y, x): (heat.z[i][j], heat.text[i][j], heat.hovertext[i][j])
+        for i, y in enumerate(heat.y)
+        for j, x in enumerate(heat.x)
+    }
+    z, text, hover = cell[("mlp.fc2", "MXFP4 (4.25)")]
+    assert z == pytest.approx(12.0) and text == "X fwd ✗" and "lost 35 %" in hover
+    z, text, hover = cell[("lm_head", "NVFP4 (4.5)")]  # not measured: blank, and said so
+    assert math.isnan(z) and text == "" and "not measured" in hover
+    assert "1 blank cell(s)" in fig.layout.title.text
+    assert math.isnan(cell[("zero", "MXFP8 (8.25)")][0]) and "all zero" in fig.data[1].text[-1]
+
+
+def test_whatif_section_and_json_carry_the_block_fit() -> None:
+    from amprobe.report.blockfit import FIGURE_META, block_fit_json, run_block_fit
+    from amprobe.report.whatif import build_whatif_section
+
+    layers = ["embed_proj", "attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2", "lm_head"]
+    run = _run(_model(**{"mlp.fc2": _outlier}))
+    run._tables["numerics"] = fake_run(tables={"numerics": _numerics(layers)}).table("numerics")
+    run._derived.pop("summaries", None)
+    run.cached("summaries", lambda _: fake_run(tables={"numerics": _numerics(layers)}).summaries())
+    d = diagnose(
+        run, thresholds={"AMP-P04": {"e2m1_max_flushed_share": 0.5, "e2m1_min_sqnr_db": 10}}
+    )
+    section = build_whatif_section(run, d)
+    block = [f for f in section.figures if f.layout.meta == FIGURE_META]
+    assert len(block) == 1
+    assert not any("✗" in t for row in block[0].data[0].text for t in row)  # the override
+    assert any(t.startswith("Block formats (matmul layers that fit") for t in section.text)
+    records = block_fit_json(run_block_fit(run, d))
+    assert len(records) == 6 * 5 and {"layer", "format", "limit", "sqnr_db"} <= set(records[0])
+    json.dumps(records, allow_nan=False)
+
+
+def test_json_merges_ranks_that_agree() -> None:
+    from amprobe.report.blockfit import block_fit_json, run_block_fit
+
+    ranks = tuple(range(12))
+    rows = [
+        {**r, "rank": rank}
+        for rank in ranks
+        for r in _model(**({"mlp.fc2": _outlier} if rank == 7 else {}))
+    ]
+    records = block_fit_json(run_block_fit(_run(rows, ranks=ranks)))
+    # 30 (layer, format) records agreeing on every rank, and rank 7's own mlp.fc2 for the
+    # two 4-bit formats its outlier changes
+    assert len(records) == 30 + 2
+    fc2 = [r for r in records if r["layer"] == "mlp.fc2" and r["format"] == "mxfp4"]
+    assert sorted(r["ranks"] for r in fc2) == ["0-6, 8-11", "7"]
+
+
+def test_dashboard_whatif_tab_shows_the_matrix() -> None:
+    pytest.importorskip("dash", reason="the dashboard needs dash")
+    from amprobe.report.blockfit import make_block_fit_figure, run_block_fit
+    from amprobe.report.registry import Section
+    from dashboard import ids, layout
+
+    fig = make_block_fit_figure(run_block_fit(_run(_model())))
+    section = Section(key="whatif", title="what-if", figures=(fig,), text=("t",))
+    page = layout.build_whatif(section, None, "activations", ["activations"])
+
+    def find(c: Any) -> Any:
+        if getattr(c, "id", None) == ids.BLOCK_FIT_MATRIX:
+            return c
+        kids = getattr(c, "children", None)
+        for k in kids if isinstance(kids, list) else [kids] if kids is not None else []:
+            if (hit := find(k)) is not None:
+                return hit
+        return None
+
+    assert find(page).figure is fig
