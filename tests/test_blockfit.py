@@ -409,3 +409,14 @@ def test_dashboard_whatif_tab_shows_the_matrix() -> None:
         return None
 
     assert find(page).figure is fig
+
+
+def test_whatif_doc_formats_table_matches_the_data() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "whatif.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines() if line.startswith("| `")}
+    for key, fmt in FORMATS.items():
+        cells = [c.strip() for c in rows[f"`{key}`"].split("|")]
+        assert cells[2] == fmt.label and cells[3].startswith(fmt.element), key
+        assert cells[8] == f"{fmt.bits:g}" and cells[7].startswith(fmt.scale_rounding), key

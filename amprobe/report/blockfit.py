@@ -106,7 +106,8 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
     One cell per (layer, format) of :func:`~amprobe.analysis.blockfit.compute_block_fit`'s
     rows (at several ranks, the rank whose limiting row is furthest over its thresholds,
     named on hover). The cell's text is the limiting operand and orientation (``dY wgrad``),
-    with ``✗`` where the layer fails the format; the hover adds its SQNR, lost (flushed +
+    with ``✗`` where the layer fails the format and ``≈`` where a row is approximate; the
+    hover adds its SQNR, lost (flushed +
     clipped) share, scale underflow share and the approximation, if any. Colours run on one
     sequential scale from 0 dB to 40 dB (higher is better; ``lossless`` cells at the top);
     cells with no data (the format was not measured for the layer) are blank, cells whose
@@ -179,7 +180,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
             continue
         sqnr = float(r.sqnr_db)
         z[i, j] = hi if math.isinf(sqnr) else min(max(sqnr, lo), hi)
-        mark = " ✗" if r.status == "fails" else ""
+        mark = (" ✗" if r.status == "fails" else "") + (" ≈" if r.approx else "")
         text[i][j] = f"{r.limit}{mark}"
         verdict = (
             "fits"
@@ -233,6 +234,8 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
         )
     blank = int(np.isnan(z).sum() - (~np.isnan(zero)).sum())
     notes = ["✗: fails the thresholds (AMP-P04)", f"{lo:g}–{hi:g}+ dB, higher keeps more"]
+    if (cells["approx"].astype(str) != "").any():
+        notes.append("≈: approximate (hover says why)")
     if blank:
         notes.append(f"{blank} blank cell(s): format not measured for the layer")
     if several:
