@@ -198,8 +198,12 @@ def compute_block_stats(blockstats: pd.DataFrame) -> pd.DataFrame:
     out = grouped[list(STAT_FIELDS)].sum()
     out["steps"] = grouped["step"].nunique()
     out["layer_type"] = grouped["layer_type"].first()
-    out["approx"] = grouped["approx"].agg(lambda s: "; ".join(sorted({a for a in s if a})))
     out = out.reset_index()
+    # the reasons of the approximate rows only (a lambda per group costs a second at 64 ranks)
+    reasons = frame.loc[frame["approx"] != "", [*_KEY, "approx"]].drop_duplicates()
+    joined = reasons.sort_values("approx").groupby(_KEY, sort=False, dropna=False)["approx"]
+    out = out.merge(joined.agg("; ".join).rename("approx"), on=_KEY, how="left")
+    out["approx"] = out["approx"].fillna("")
     out["layer"] = out["layer"].astype(str)
     out["element"] = [FORMATS[f].element if f in FORMATS else "" for f in out["format"]]
     out["bits"] = [FORMATS[f].bits if f in FORMATS else np.nan for f in out["format"]]
@@ -295,48 +299,61 @@ def compute_block_fit(
     ]
     if stats.empty:
         return pd.DataFrame(columns=cols)
-    scored = stats.assign(score=_scores(stats, table))
-    rows: list[dict[str, Any]] = []
-    for (rank, layer, fmt), part in scored.groupby(["rank", "layer", "format"], sort=False):
-        measured = part[part["status"] != "all zero"]
-        fails = measured[measured["score"] > 1.0]
-        row: dict[str, Any] = {
-            "rank": int(rank),
-            "layer": str(layer),
-            "layer_type": str(part["layer_type"].iloc[0]),
-            "order": int(part["order"].iloc[0]),
-            "format": str(fmt),
-            "label": FORMATS[fmt].label if fmt in FORMATS else str(fmt),
-            "bits": float(part["bits"].iloc[0]),
-            "element": str(part["element"].iloc[0]),
-            "operands": len(part),
-            "failing": [
-                row_label(o, d) for o, d in zip(fails["operand"], fails["orientation"], strict=True)
-            ],
-            "approx": "; ".join(sorted({a for a in part["approx"] if a})),
-            "nonfinite": int(part["nonfinite"].sum()),
+    # one pass in numpy: a groupby with a Python body costs 5 ms a group (a second per 200
+    # (rank, layer, format) groups), too slow at hundreds of ranks
+    s = stats.reset_index(drop=True)
+    score = _scores(s, table).to_numpy(dtype=float)
+    gid = s.groupby(["rank", "layer", "format"], sort=False).ngroup().to_numpy()
+    n = int(gid.max()) + 1
+    measured = (s["status"] != "all zero").to_numpy(dtype=bool)
+    fail = measured & (score > 1.0)
+    # per group, its measured row with the highest score (the first of equals), else its first
+    key = np.where(measured, score, -np.inf)
+    order = np.lexsort((-key, gid))
+    starts = np.r_[0, np.flatnonzero(np.diff(gid[order])) + 1]
+    worst = order[starts]  # group g's row, g = 0 .. n-1
+    any_measured = np.bincount(gid, weights=measured, minlength=n) > 0
+    any_fail = np.bincount(gid, weights=fail, minlength=n) > 0
+    labels = np.array(
+        [row_label(o, d) for o, d in zip(s["operand"], s["orientation"], strict=True)],
+        dtype=object,
+    )
+    failing: list[list[str]] = [[] for _ in range(n)]
+    for g, label in zip(gid[fail].tolist(), labels[fail].tolist(), strict=True):
+        failing[g].append(label)
+    approx: list[set[str]] = [set() for _ in range(n)]
+    reasons = s["approx"].to_numpy(dtype=object)
+    has = reasons != ""
+    for g, reason in zip(gid[has].tolist(), reasons[has].tolist(), strict=True):
+        approx[g].add(str(reason))
+    w = s.iloc[worst].reset_index(drop=True)
+    out = pd.DataFrame(
+        {
+            "rank": w["rank"].astype(np.int64),
+            "layer": w["layer"].astype(str),
+            "layer_type": w["layer_type"].astype(str),
+            "order": w["order"].astype(np.int64),
+            "format": w["format"].astype(str),
         }
-        if measured.empty:
-            row.update(fits=None, status="all zero", limit_operand=None, limit_orientation=None)
-            row.update(limit=None, sqnr_db=np.nan, flushed_share=np.nan, clipped_share=np.nan)
-            row.update(lost_share=np.nan, scale_under_share=np.nan, score=np.nan)
-        else:
-            worst = measured.loc[measured["score"].idxmax()]
-            row.update(
-                fits=fails.empty,
-                status="fits" if fails.empty else "fails",
-                limit_operand=str(worst["operand"]),
-                limit_orientation=str(worst["orientation"]),
-                limit=row_label(worst["operand"], worst["orientation"]),
-                sqnr_db=float(worst["sqnr_db"]),
-                flushed_share=float(worst["flushed_share"]),
-                clipped_share=float(worst["clipped_share"]),
-                lost_share=float(worst["lost_share"]),
-                scale_under_share=float(worst["scale_under_share"]),
-                score=float(worst["score"]),
-            )
-        rows.append(row)
-    out = pd.DataFrame(rows, columns=cols)
+    )
+    out["label"] = [FORMATS[f].label if f in FORMATS else f for f in out["format"]]
+    out["bits"] = w["bits"].astype(float)
+    out["element"] = w["element"].astype(str)
+    out["fits"] = [bool(~f) if m else None for m, f in zip(any_measured, any_fail, strict=True)]
+    out["status"] = np.where(~any_measured, "all zero", np.where(any_fail, "fails", "fits"))
+    out["operands"] = np.bincount(gid, minlength=n)
+    out["failing"] = failing
+    lim = np.full(n, None, dtype=object)
+    out["limit_operand"] = np.where(any_measured, w["operand"].astype(str), lim)
+    out["limit_orientation"] = np.where(any_measured, w["orientation"].astype(str), lim)
+    out["limit"] = np.where(any_measured, labels[worst], lim)
+    for c in ("sqnr_db", "flushed_share", "clipped_share", "lost_share", "scale_under_share"):
+        out[c] = np.where(any_measured, w[c].to_numpy(dtype=float), np.nan)
+    out["score"] = np.where(any_measured, score[worst], np.nan)
+    out["approx"] = ["; ".join(sorted(a)) for a in approx]
+    out["nonfinite"] = np.bincount(gid, weights=s["nonfinite"].to_numpy(dtype=float), minlength=n)
+    out["nonfinite"] = out["nonfinite"].astype(np.int64)
+    out = out[cols]
     return out.sort_values(["rank", "order"], kind="stable").reset_index(drop=True)
 
 
@@ -344,8 +361,8 @@ def narrowest_fit(fit: pd.DataFrame) -> pd.DataFrame:
     """Per (rank, layer) of :func:`compute_block_fit`'s rows: the narrowest format of
     :data:`~amprobe.store.blockformats.NARROWEST` that the layer fits (``narrowest``, its
     ``narrowest_label`` and ``narrowest_bits``; None where it fits none), that format's
-    limiting row, and ``judged`` (False when every candidate format's rows were all zero).
-    Per-tensor fp8 is not a candidate."""
+    limiting row (``limit``, ``sqnr_db``, ``lost_share``), ``approx`` and ``judged`` (False
+    when every candidate format's rows were all zero). Per-tensor fp8 is not a candidate."""
     cols = [
         "rank",
         "layer",
@@ -359,35 +376,39 @@ def narrowest_fit(fit: pd.DataFrame) -> pd.DataFrame:
         "sqnr_db",
         "lost_share",
         "approx",
-        "candidates",
     ]
     cand = fit[fit["format"].isin(NARROWEST)] if len(fit) else fit
-    rows = []
-    rank_of = {f: i for i, f in enumerate(NARROWEST)}
-    for (rank, layer), part in cand.groupby(["rank", "layer"], sort=False):
-        part = part.assign(_n=part["format"].map(rank_of)).sort_values("_n")
-        judged = part[part["fits"].notna()]
-        ok = judged[judged["fits"].astype(bool)]
-        best = ok.iloc[0] if len(ok) else None
-        rows.append(
-            {
-                "rank": int(rank),
-                "layer": str(layer),
-                "layer_type": str(part["layer_type"].iloc[0]),
-                "order": int(part["order"].iloc[0]),
-                "judged": bool(len(judged)),
-                "narrowest": None if best is None else str(best["format"]),
-                "narrowest_label": None if best is None else str(best["label"]),
-                "narrowest_bits": None if best is None else float(best["bits"]),
-                "limit": None if best is None else best["limit"],
-                "sqnr_db": np.nan if best is None else float(best["sqnr_db"]),
-                "lost_share": np.nan if best is None else float(best["lost_share"]),
-                "approx": "; ".join(sorted({a for a in part["approx"] if a})),
-                "candidates": [str(f) for f in judged["format"]],
-            }
-        )
-    out = pd.DataFrame(rows, columns=cols)
-    return out.sort_values(["rank", "order"], kind="stable").reset_index(drop=True)
+    if cand.empty:
+        return pd.DataFrame(columns=cols)
+    cand = cand.assign(_n=cand["format"].map({f: i for i, f in enumerate(NARROWEST)}))
+    keys = ["rank", "layer"]
+    base = cand.drop_duplicates(keys)[[*keys, "layer_type", "order"]].reset_index(drop=True)
+    judged = cand.assign(judged=cand["fits"].notna()).groupby(keys, sort=False)["judged"].any()
+    ok = cand[cand["fits"].notna()]
+    ok = ok[ok["fits"].astype(bool)].sort_values("_n", kind="stable").drop_duplicates(keys)
+    best = base.merge(judged.reset_index(), on=keys, how="left")
+    best = best.merge(ok.drop(columns=["layer_type", "order"]), on=keys, how="left")
+    reasons = cand.loc[cand["approx"] != "", [*keys, "approx"]].drop_duplicates()
+    joined = reasons.sort_values("approx").groupby(keys, sort=False)["approx"].agg("; ".join)
+    best = best.drop(columns="approx").merge(joined.reset_index(), on=keys, how="left")
+    has = best["format"].notna().to_numpy()
+    out = pd.DataFrame(
+        {
+            "rank": best["rank"].astype(np.int64),
+            "layer": best["layer"].astype(str),
+            "layer_type": best["layer_type"].astype(str),
+            "order": best["order"].astype(np.int64),
+            "judged": best["judged"].fillna(False).astype(bool),
+            "narrowest": pd.Series(np.where(has, best["format"], None), dtype=object),
+            "narrowest_label": pd.Series(np.where(has, best["label"], None), dtype=object),
+            "narrowest_bits": pd.Series(np.where(has, best["bits"], None), dtype=object),
+            "limit": pd.Series(np.where(has, best["limit"], None), dtype=object),
+            "sqnr_db": best["sqnr_db"].astype(float),
+            "lost_share": best["lost_share"].astype(float),
+            "approx": best["approx"].fillna("").astype(str),
+        }
+    )
+    return out[cols].sort_values(["rank", "order"], kind="stable").reset_index(drop=True)
 
 
 def block_stats(run: Any) -> pd.DataFrame:

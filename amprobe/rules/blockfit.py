@@ -111,16 +111,23 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
     fit = _fit(ctx)
     if fit.empty:
         return
-    best = narrowest_fit(fit)
-    per_tensor = fit[fit["format"] == PER_TENSOR].set_index(["rank", "layer"])
-    for rank, layers in best.groupby("rank", sort=True):
-        judged = layers[layers["judged"].astype(bool)]
-        fitting = judged[judged["narrowest"].notna()]
-        if fitting.empty:
+    # plain records grouped by rank: a few dict reads per layer, not a frame slice per rank
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for rec in narrowest_fit(fit).to_dict("records"):
+        by_rank.setdefault(int(rec["rank"]), []).append(rec)
+    per_tensor = {
+        (int(r["rank"]), str(r["layer"])): r
+        for r in fit[fit["format"] == PER_TENSOR].to_dict("records")
+    }
+    for rank in sorted(by_rank):
+        layers = by_rank[rank]
+        judged = [r for r in layers if r["judged"]]
+        fitting = [r for r in judged if r["narrowest"] is not None]
+        if not fitting:
             continue
         counts: dict[str, int] = {}
-        for f in judged["narrowest"]:
-            key = str(f) if f is not None and not pd.isna(f) else ""
+        for r in judged:
+            key = str(r["narrowest"]) if r["narrowest"] is not None else ""
             counts[key] = counts.get(key, 0) + 1
         ordered = [f for f in NARROWEST if f in counts]
         first = ordered[0]
@@ -133,29 +140,30 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
             parts.append(f"{counts['']} fit no block format")
         tensor_fits = None
         rows = []
-        for r in judged.itertuples():
-            pt = per_tensor.loc[(rank, r.layer)] if (rank, r.layer) in per_tensor.index else None
+        for r in judged:
+            pt = per_tensor.get((rank, str(r["layer"])))
             pt_text = "not measured"
             if pt is not None and pt["fits"] is not None and not pd.isna(pt["fits"]):
                 ok = bool(pt["fits"])
                 tensor_fits = (tensor_fits or 0) + int(ok)
                 pt_text = ("fits" if ok else "fails") + f" ({pt['limit']} {db_text(pt['sqnr_db'])})"
+            fits = r["narrowest"] is not None
             rows.append(
                 {
-                    "module": r.layer,
-                    "module_type": r.layer_type,
-                    "narrowest": r.narrowest_label or "none",
-                    "bits": r.narrowest_bits,
-                    "limiting": r.limit or "",
-                    "sqnr_db": _db(r.sqnr_db) if r.narrowest else "",
-                    "lost_share": _share(r.lost_share) if r.narrowest else None,
+                    "module": r["layer"],
+                    "module_type": r["layer_type"],
+                    "narrowest": r["narrowest_label"] if fits else "none",
+                    "bits": r["narrowest_bits"],
+                    "limiting": r["limit"] if fits else "",
+                    "sqnr_db": _db(r["sqnr_db"]) if fits else "",
+                    "lost_share": _share(r["lost_share"]) if fits else None,
                     "fp8_per_tensor": pt_text,
-                    "approx": r.approx or "exact",
+                    "approx": r["approx"] or "exact",
                 }
             )
         if tensor_fits is not None:
             parts.append(f"per-tensor fp8 (shown beside, not a candidate): {tensor_fits} fit")
-        unjudged = layers[~layers["judged"].astype(bool)]
+        unjudged = [str(r["layer"]) for r in layers if not r["judged"]]
         approx = sorted({r["module"] for r in rows if r["approx"] != "exact"})
         yield ctx.finding(
             title="; ".join(parts),
@@ -164,7 +172,7 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
                 "layers": rows[: int(th["max_layers"])],
                 "layer_count": len(judged),
                 "fitting_count": len(fitting),
-                "all_zero_modules": [str(m) for m in unjudged["layer"]],
+                "all_zero_modules": unjudged,
                 "approx_modules": approx,
                 "order": [f"{FORMATS[f].label} ({FORMATS[f].bits:g})" for f in NARROWEST],
                 **{k: v for k, v in th.items() if k != "max_layers"},
@@ -243,34 +251,41 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
     if fit.empty:
         return
     stats = block_stats(ctx.run)
+    rows_of = stats.groupby(["rank", "layer"], sort=False).indices
     cand = fit[fit["format"].isin(NARROWEST) & fit["fits"].notna()]
-    for rank, part in cand.groupby("rank", sort=True):
-        share = part.groupby("format")["fits"].agg(lambda s: float(s.astype(bool).mean()))
-        common = [f for f in NARROWEST if f in share and share[f] >= th["min_fitting_share"]]
+    # per rank, per layer, per format: its fit record (plain dicts: read a few times each)
+    layers_of: dict[int, dict[str, dict[str, dict[str, Any]]]] = {}
+    for rec in cand.to_dict("records"):
+        per = layers_of.setdefault(int(rec["rank"]), {})
+        per.setdefault(str(rec["layer"]), {})[str(rec["format"])] = rec
+    for rank in sorted(layers_of):
+        layers = layers_of[rank]
+        share: dict[str, float] = {}
+        for f in NARROWEST:
+            judged = [by[f]["fits"] for by in layers.values() if f in by]
+            if judged:
+                share[f] = sum(bool(x) for x in judged) / len(judged)
+        common = [f for f in NARROWEST if share.get(f, 0.0) >= th["min_fitting_share"]]
         found = []
-        for layer, rows in part.groupby("layer", sort=False):
-            by_fmt = rows.set_index("format")
-            fails = [f for f in common if f in by_fmt.index and not bool(by_fmt.loc[f, "fits"])]
-            fits_none = not by_fmt["fits"].astype(bool).any()
+        for layer, by_fmt in layers.items():
+            fails = [f for f in common if f in by_fmt and not by_fmt[f]["fits"]]
+            fits_none = not any(bool(r["fits"]) for r in by_fmt.values())
             if not fails and not fits_none:
                 continue
             if fails:  # the common format most layers fit (then the narrowest)
                 named = max(fails, key=lambda f: (share[f], -NARROWEST.index(f)))
-            else:
-                named = str(by_fmt["score"].astype(float).idxmin())
-            failing = [
-                f for f in NARROWEST if f in by_fmt.index and not bool(by_fmt.loc[f, "fits"])
-            ]
-            found.append((float(by_fmt.loc[named, "score"]), str(layer), named, failing, fits_none))
+            else:  # the format it comes closest to
+                named = min(by_fmt, key=lambda f: float(by_fmt[f]["score"]))
+            failing = [f for f in NARROWEST if f in by_fmt and not by_fmt[f]["fits"]]
+            found.append((float(by_fmt[named]["score"]), layer, named, failing, fits_none))
         found.sort(key=lambda x: -x[0])
         for _score, layer, named, failing, fits_none in found[: int(th["max_layers"])]:
-            rows = stats[(stats["rank"] == rank) & (stats["layer"] == layer)]
-            fmt_rows = rows[rows["format"] == named]
-            limit = fit[(fit["rank"] == rank) & (fit["layer"] == layer) & (fit["format"] == named)]
-            lim = limit.iloc[0]
-            worst = fmt_rows[
-                (fmt_rows["operand"] == lim["limit_operand"])
-                & (fmt_rows["orientation"] == lim["limit_orientation"])
+            lim = layers[layer][named]
+            rows = stats.iloc[rows_of[(rank, layer)]]
+            worst = rows[
+                (rows["format"] == named)
+                & (rows["operand"] == lim["limit_operand"])
+                & (rows["orientation"] == lim["limit_orientation"])
             ].iloc[0]
             label = FORMATS[named].label
             op = OPERAND_LABELS.get(str(worst["operand"]), str(worst["operand"]))
@@ -286,6 +301,7 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
             failing_rows = rows[rows["format"].isin(failing)]
             for r in failing_rows.itertuples():
                 lt = limits.get(str(r.element))
+                over = layers[layer][str(r.format)]["failing"]
                 table.append(
                     {
                         "format": FORMATS[r.format].label if r.format in FORMATS else r.format,
@@ -302,8 +318,7 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
                             "all zero"
                             if r.status == "all zero"
                             else "fails"
-                            if row_label(r.operand, r.orientation)
-                            in _failing_labels(fit, rank, layer, r.format)
+                            if row_label(r.operand, r.orientation) in over
                             else "fits"
                         ),
                         "approx": r.approx or "exact",
@@ -334,8 +349,3 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
                     + _cause(failed_rows)
                 ),
             )
-
-
-def _failing_labels(fit: pd.DataFrame, rank: int, layer: str, fmt: str) -> list[str]:
-    sel = fit[(fit["rank"] == rank) & (fit["layer"] == layer) & (fit["format"] == fmt)]
-    return list(sel["failing"].iloc[0]) if len(sel) else []
