@@ -338,7 +338,7 @@ def test_matrix_figure_cells() -> None:
     ]
     assert list(heat.y)[-1] == "zero" and heat.zmin == 0 and heat.colorscale[0][1] != "white"
     cell = {
-        (y, x): (heat.z[i][j], heat.text[i][j], heat.hovertext[i][j])
+        (y, x): (heat.z[i][j], heat.text[i][j], "<br>".join(heat.customdata[i][j]))
         for i, y in enumerate(heat.y)
         for j, x in enumerate(heat.x)
     }
@@ -420,3 +420,14 @@ def test_whatif_doc_formats_table_matches_the_data() -> None:
         cells = [c.strip() for c in rows[f"`{key}`"].split("|")]
         assert cells[2] == fmt.label and cells[3].startswith(fmt.element), key
         assert cells[8] == f"{fmt.bits:g}" and cells[7].startswith(fmt.scale_rounding), key
+
+
+def test_matrix_run_text_is_data_not_markup() -> None:
+    from amprobe.report.blockfit import make_block_fit_figure, run_block_fit
+    from amprobe.report.escape import escape_figure_text
+
+    fig = escape_figure_text(make_block_fit_figure(run_block_fit(_run(_layer("<b>x</b>")))))
+    heat = fig.data[0]
+    assert list(heat.y) == ["&lt;b&gt;x&lt;/b&gt;"]
+    assert heat.customdata[0][0][0].startswith("&lt;b&gt;x")
+    assert "<br>" in heat.hovertemplate and "<b>" not in heat.hovertemplate

@@ -52,6 +52,7 @@ FIGURE_META = "amprobe-block-fit"
 THRESHOLD_RULE = "AMP-P04"
 #: the colour scale's range: 0 dB (noise as large as the values) to 40 dB and above
 SQNR_RANGE_DB = (0.0, 40.0)
+_NOT_MEASURED = "not measured: no block statistics of this format for this layer"
 #: the matrix's columns of a JSON record
 _JSON_COLUMNS = [
     "rank",
@@ -112,7 +113,9 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
     sequential scale from 0 dB to 40 dB (higher is better; ``lossless`` cells at the top);
     cells with no data (the format was not measured for the layer) are blank, cells whose
     values were all zero grey, and the subtitle says so. Formats are ordered by bits per
-    element with scales, narrowest first. Layer names are HTML-escaped.
+    element with scales, narrowest first. Run text (layer names) is data of the traces
+    (axis labels, ``customdata``), escaped by the renderers
+    (:func:`~amprobe.report.escape.escape_figure_text`), never part of the hover template.
 
     Args:
         fit: :func:`~amprobe.analysis.blockfit.compute_block_fit`'s frame.
@@ -152,31 +155,25 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
         dict.fromkeys(fit.sort_values(["order", "rank"], kind="stable")["layer"].astype(str))
     )
     formats = format_order(fit["format"].astype(str))
-    labels = [
-        f"{FORMATS[f].label} ({FORMATS[f].bits:g})" if f in FORMATS else html.escape(f)
-        for f in formats
-    ]
-    rows = [html.escape(layer) for layer in layers]
+    labels = [f"{FORMATS[f].label} ({FORMATS[f].bits:g})" if f in FORMATS else f for f in formats]
     lo, hi = SQNR_RANGE_DB
     z = np.full((len(layers), len(formats)), np.nan)
     zero = np.full((len(layers), len(formats)), np.nan)
     text = [["" for _ in formats] for _ in layers]
+    # hover lines as data (the renderers escape run text in customdata; the template's <br>
+    # stays markup): head, verdict, limiting row, shares, approximation
     hover = [
-        [
-            f"{rows[i]} · {labels[j]}<br>not measured: no block statistics of this format "
-            "for this layer"
-            for j in range(len(formats))
-        ]
+        [[f"{layers[i]} · {labels[j]}", _NOT_MEASURED, "", "", ""] for j in range(len(formats))]
         for i in range(len(layers))
     ]
     li = {layer: i for i, layer in enumerate(layers)}
     fj = {f: j for j, f in enumerate(formats)}
     for r in cells.itertuples():
         i, j = li[str(r.layer)], fj[str(r.format)]
-        head = f"{rows[i]} · {labels[j]}" + (f" (rank {r.rank})" if several else "")
+        head = f"{layers[i]} · {labels[j]}" + (f" (rank {r.rank})" if several else "")
         if r.status == "all zero":
             zero[i, j] = 1.0  # drawn, with its text, by the grey trace
-            hover[i][j] = f"{head}<br>every value of every operand was 0: nothing to cast"
+            hover[i][j] = [head, "every value of every operand was 0: nothing to cast", "", "", ""]
             continue
         sqnr = float(r.sqnr_db)
         z[i, j] = hi if math.isinf(sqnr) else min(max(sqnr, lo), hi)
@@ -187,22 +184,24 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
             if r.status == "fits"
             else "fails: " + ", ".join(str(x) for x in r.failing) + " over the thresholds"
         )
-        hover[i][j] = (
-            f"{head}<br>{verdict}<br>limiting operand: {r.limit}<br>SQNR {_db(sqnr)}<br>"
+        hover[i][j] = [
+            head,
+            verdict,
+            f"limiting operand {r.limit}: SQNR {_db(sqnr)}",
             f"lost {_pct(r.lost_share)} (flushed {_pct(r.flushed_share)}, clipped "
-            f"{_pct(r.clipped_share)})<br>block scales underflowing: "
-            f"{_pct(r.scale_under_share)}"
-            + (f"<br>approximate: {html.escape(str(r.approx))}" if r.approx else "")
-        )
+            f"{_pct(r.clipped_share)}); block scales underflowing {_pct(r.scale_under_share)}",
+            f"approximate: {r.approx}" if r.approx else "exact",
+        ]
+    template = "<br>".join(f"%{{customdata[{k}]}}" for k in range(5)) + "<extra></extra>"
     fig.add_trace(
         go.Heatmap(
             z=z,
             x=labels,
-            y=rows,
+            y=layers,
             text=text,
             texttemplate="%{text}",
-            hovertext=hover,
-            hoverinfo="text",
+            customdata=hover,
+            hovertemplate=template,
             colorscale="Viridis",
             zmin=lo,
             zmax=hi,
@@ -217,14 +216,14 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
             go.Heatmap(
                 z=zero,
                 x=labels,
-                y=rows,
+                y=layers,
                 text=[
                     ["all zero" if zero[i, j] == 1 else "" for j in range(len(formats))]
                     for i in range(len(layers))
                 ],
                 texttemplate="%{text}",
-                hovertext=hover,
-                hoverinfo="text",
+                customdata=hover,
+                hovertemplate=template,
                 colorscale=[[0, "#d9d9d9"], [1, "#d9d9d9"]],
                 showscale=False,
                 xgap=2,
@@ -248,7 +247,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
         xaxis={"title": "format (bits per element with scales), narrowest first", "side": "top"},
         yaxis={"autorange": "reversed", "type": "category"},
         plot_bgcolor="white",
-        height=max(320, 30 * len(layers) + 200),
+        height=max(460, 30 * len(layers) + 240),
         margin={"t": 150},
     )
     return fig
