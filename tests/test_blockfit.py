@@ -431,3 +431,16 @@ def test_matrix_run_text_is_data_not_markup() -> None:
     assert list(heat.y) == ["&lt;b&gt;x&lt;/b&gt;"]
     assert heat.customdata[0][0][0].startswith("&lt;b&gt;x")
     assert "<br>" in heat.hovertemplate and "<b>" not in heat.hovertemplate
+
+
+def test_not_checked_when_no_matmul_layer_was_sampled() -> None:
+    config = {"collectors": ["numerics"], "block_formats": list(DEFAULT_FORMATS)}
+    run = fake_run(
+        steps=[{"step": 0}],
+        manifest={"config": config},
+        tables={"numerics": _numerics(["norm"])},
+    )
+    d = diagnose(run, only=["AMP-P04"])
+    assert [n.reason for n in d.not_checked] == [
+        "no matmul layer was sampled (the blockstats table holds no rows)"
+    ]
