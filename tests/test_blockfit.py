@@ -444,3 +444,15 @@ def test_not_checked_when_no_matmul_layer_was_sampled() -> None:
     assert [n.reason for n in d.not_checked] == [
         "no matmul layer was sampled (the blockstats table holds no rows)"
     ]
+
+
+def test_evidence_renders_as_words_and_tables() -> None:
+    from amprobe.report.evidence import Table, evidence_lines, render_evidence
+
+    run = _run(_model(**{"mlp.fc2": _outlier, "lm_head": _tiny}) + _layer("zero", _all_zero))
+    for f in diagnose(run, only=["AMP-P04", "AMP-P05"]).findings:
+        text = "\n".join(evidence_lines(f))
+        for word in ("None", "nan", "inf ", "True", "False", "{"):
+            assert word not in text, (f.id, word)
+        tables = [b for b in render_evidence(f) if isinstance(b, Table)]
+        assert tables and "SQNR (dB)" in tables[0].columns
