@@ -137,7 +137,7 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
         ]
         parts += [f"{counts[f]} need {FORMATS[f].label}" for f in ordered[1:]]
         if counts.get(""):
-            parts.append(f"{counts['']} fit no block format")
+            parts.append(f"{counts['']} fit none of the block formats measured")
         tensor_fits = None
         rows = []
         for r in judged:
@@ -292,7 +292,7 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
             subject = f"`{layer}`'s {op} ({worst['orientation']})"
             title = f"{label} {_what_fails(worst, limits, subject)}: keep it in bf16"
             if fits_none:
-                title += "; it fits no block format"
+                title += "; it fits none of the block formats measured"
             else:
                 wider = [f for f in NARROWEST if f not in failing]
                 if wider:
