@@ -288,6 +288,7 @@ def _load_parts(path: str) -> tuple[Any, list[str]]:
 def _cmd_diagnose(args: argparse.Namespace) -> int:
     from amprobe.analysis.whatif import compute_whatif
     from amprobe.report import render_json, render_markdown, render_text
+    from amprobe.report.blockfit import block_fit_json, run_block_fit
     from amprobe.report.whatif_json import whatif_json
     from amprobe.rules.cache import diagnose_cached
     from amprobe.store.artifacts import source_entries
@@ -306,7 +307,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     if args.format == "json":
         with gc_paused():  # the what-if of thousands of ranks: see amprobe.diagnose
             whatif = whatif_json(compute_whatif(run), diagnosis.thresholds)
-        sys.stdout.write(render_json(diagnosis, {"whatif": whatif}))
+            block = block_fit_json(run_block_fit(run, diagnosis))
+        sys.stdout.write(render_json(diagnosis, {"whatif": whatif, "block_fit": block}))
     elif args.format == "markdown":
         sys.stdout.write(render_markdown(diagnosis))
     else:

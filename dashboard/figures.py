@@ -8,13 +8,15 @@ nothing beyond reading the scale before/after each update.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from amprobe.analysis.rankbands import StepsRelation, compute_rank_bands
+from amprobe.report.blockfit import FIGURE_META as BLOCK_FIT_META
+from amprobe.report.blockfit import make_block_fit_figure
 from amprobe.report.downsample import MAX_POINTS
 from amprobe.report.escape import escape_figure_text, escape_plotly_text
 from amprobe.report.scale import (
@@ -40,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "make_whatif_figure",
+    "make_block_fit_figure",
+    "split_block_fit",
     "whatif_groups",
     "make_loss_scale_figure",
     "make_step_time_figure",
@@ -219,3 +223,11 @@ def make_whatif_figure(run: Run, whatif: pd.DataFrame, group: str) -> go.Figure:
     if group not in HEATMAP_GROUPS:
         group = next(iter(HEATMAP_GROUPS))
     return make_run_exponent_heatmap(run, group, whatif)
+
+
+def split_block_fit(figures: tuple[Any, ...]) -> tuple[Any | None, tuple[Any, ...]]:
+    """The what-if section's layer x block-format matrix (amprobe's own figure,
+    :func:`amprobe.report.blockfit.make_block_fit_figure`, drawn with the diagnosis's
+    thresholds) and the section's other figures."""
+    block = next((f for f in figures if getattr(f.layout, "meta", None) == BLOCK_FIT_META), None)
+    return block, tuple(f for f in figures if f is not block)

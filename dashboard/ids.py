@@ -38,6 +38,7 @@ SECTION_PREFIX = "section-"  # + section key
 WHATIF_PANEL = "whatif-panel"  # the precision what-if tab's body
 WHATIF_GROUP = "whatif-group"  # radio: activations | gradients
 WHATIF_HEATMAP = "whatif-heatmap"  # the per-layer exponent-range heatmap
+BLOCK_FIT_MATRIX = "block-fit-matrix"  # the what-if tab's layer x block-format matrix
 TABLE_PAGE = "table-page"  # pattern-matching type: {"type": TABLE_PAGE, "key": table key}
 TABLE_BODY = "table-body"
 EXPORT_BUTTON = "export-button"

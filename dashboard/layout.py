@@ -57,6 +57,7 @@ from dashboard.figures import (
     make_step_time_figure,
     make_whatif_figure,
     scale_events,
+    split_block_fit,
     whatif_groups,
 )
 from dashboard.runs import PAGE_ROWS, PENDING, LoadedRun, RunPage, RunSummary
@@ -806,7 +807,8 @@ def _highlight_layer(fig: Any, layer: str) -> tuple[int, int]:
 
 
 def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -> html.Div:
-    """The precision what-if tab: a group switch, the heatmap, then the section's text and table.
+    """The precision what-if tab: a group switch, the heatmap, the layer x block-format matrix
+    (when the run has block statistics), then the section's text and table.
 
     Args:
         section: the report's ``whatif`` section (its figures are replaced by ``figure``).
@@ -817,6 +819,8 @@ def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -
     if section.missing:
         return html.Div(build_section(section, WHATIF_SECTION), id=ids.WHATIF_PANEL)
     rest = dataclasses.replace(section, figures=())
+    block, _ = split_block_fit(section.figures)
+    matrix = [] if block is None else [dcc.Graph(figure=block, id=ids.BLOCK_FIT_MATRIX)]
     return html.Div(
         [
             dcc.RadioItems(
@@ -827,6 +831,7 @@ def build_whatif(section: Any, figure: Any, group: str, groups: Sequence[str]) -
                 inputStyle={"marginRight": "4px", "marginLeft": "10px"},
             ),
             dcc.Graph(figure=figure, id=ids.WHATIF_HEATMAP),
+            *matrix,
             build_section(rest, WHATIF_SECTION),
         ],
         id=ids.WHATIF_PANEL,

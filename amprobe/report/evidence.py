@@ -273,6 +273,31 @@ def _d05_sentence(e: Mapping[str, Any]) -> str | None:
 
 
 #: rule ID -> what its evidence needs beyond the generic renderer
+#: the block-format rules' keys (AMP-P04, AMP-P05): units and acronyms
+_BLOCK_LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        "sqnr_db": "SQNR (dB)",
+        "min_sqnr_db": "min SQNR (dB)",
+        "fp8_per_tensor": "fp8 per-tensor (beside)",
+        "limiting": "limiting operand",
+        "narrowest": "narrowest format",
+        "bits": "bits per element",
+        "scale_under_share": "block scales underflowing",
+        "approx_modules": "approximate rows in",
+        "all_zero_modules": "all zero (not judged)",
+        "order": "tried in order",
+        **{
+            f"{e}_{name}": f"{e} {label}"
+            for e in ("e4m3", "e5m2", "e2m1")
+            for name, label in (
+                ("min_sqnr_db", "min SQNR (dB)"),
+                ("max_flushed_share", "max flushed"),
+                ("max_clipped_share", "max clipped"),
+            )
+        },
+    }
+)
+
 VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
     {
         "AMP-N02": EvidenceView(
@@ -346,6 +371,8 @@ VIEWS: Mapping[str, EvidenceView] = MappingProxyType(
             said=("divergent", "ranks", "last_agreed_step"),
             labels={"params": "parameters that differ", "param": "parameter"},
         ),
+        "AMP-P04": EvidenceView(labels=_BLOCK_LABELS),
+        "AMP-P05": EvidenceView(labels=_BLOCK_LABELS),
     }
 )
 

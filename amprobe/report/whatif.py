@@ -23,6 +23,7 @@ from amprobe.analysis.whatif import (
     not_judged_text,
     summary_layer_order,
 )
+from amprobe.report.blockfit import block_fit_text, make_block_fit_figure, run_block_fit
 from amprobe.report.registry import Section, section
 from amprobe.report.scale import many_ranks, many_relations
 from amprobe.rules.engine import REGISTRY
@@ -555,6 +556,11 @@ def build_whatif_section(run: Run, diagnosis: Diagnosis) -> Section:
     text = whatif_headline(whatif, keep_share(diagnosis))
     text.append(TOLERANCE)
     figures = tuple(make_run_exponent_heatmap(run, group, whatif) for group in heatmap_groups(run))
+    # the block formats' layer x format matrix beside the heatmaps (or why it is not drawn)
+    fit = run_block_fit(run, diagnosis)
+    text += block_fit_text(run, fit)
+    if not fit.empty:
+        figures += (make_block_fit_figure(fit),)
     return Section(
         key="whatif",
         title=title,

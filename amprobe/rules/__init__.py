@@ -20,6 +20,10 @@ from amprobe.rules import replicas as _replicas  # noqa: F401
 from amprobe.rules import runtime as _runtime  # noqa: F401
 from amprobe.rules import scaler as _scaler  # noqa: F401
 from amprobe.rules import whatif as _whatif  # noqa: F401
+
+# isort: split
+# registered last, after the what-if rules: the registry's order is the order of "not checked"
+from amprobe.rules import blockfit as _blockfit  # noqa: F401
 from amprobe.rules.engine import (
     REGISTRY,
     Diagnosis,

@@ -21,6 +21,8 @@ __all__ = [
     "FP8_PRIMER",
     "MATMUL_GUIDE",
     "FC_GUIDE",
+    "MX_SPEC",
+    "BLOCK_SCALING",
     "CHECKLIST_TITLES",
     "checklist_ref",
 ]
@@ -46,6 +48,14 @@ MATMUL_GUIDE = (
 FC_GUIDE = (
     "NVIDIA Linear/Fully-Connected Layers User's Guide: "
     "https://docs.nvidia.com/deeplearning/performance/dl-performance-fully-connected/index.html"
+)
+MX_SPEC = (
+    "OCP Microscaling Formats (MX) Specification v1.0 (MXFP8, MXFP4: 32-element blocks, e8m0 "
+    "scales): https://www.opencompute.org/documents/ocp-microscaling-formats-mx-v1-0-spec-final-pdf"
+)
+BLOCK_SCALING = (
+    "NVIDIA, Pretraining Large Language Models with NVFP4 (16-element blocks, e4m3 scales, "
+    "layers kept in higher precision): https://arxiv.org/abs/2509.25149"
 )
 COMPILE_RECOMPILES = (
     "torch.compile programming model, recompilation: "
@@ -102,6 +112,8 @@ CHECKLIST_TITLES: dict[str, str] = {
     "AMP-P01": "layers that can move to fp8 first",
     "AMP-P02": "layers to keep in bf16 when moving to fp8",
     "AMP-P03": "values that would not fit fp16",
+    "AMP-P04": "layers that can move to a block-scaled format first",
+    "AMP-P05": "layers to keep in bf16 when moving to a block-scaled format",
 }
 
 

@@ -1,0 +1,321 @@
+"""The block-scaled what-if as users see it: a layer x format matrix and its JSON records.
+
+:func:`make_block_fit_figure` draws :func:`~amprobe.analysis.blockfit.compute_block_fit`'s
+rows: matmul layers (execution order) by format (narrowest first, by bits per element with
+scales), colour the SQNR of the limiting operand row (a sequential scale from 0 dB), the
+limiting operand and orientation written in the cell (``dY wgrad``), a cross where the layer
+fails the format; the hover gives the lost share. The report's what-if section draws it beside
+the exponent heatmaps, the dashboard's what-if tab too. :func:`block_fit_json` is the
+``block_fit`` list of ``amprobe diagnose --format json``.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from amprobe.analysis.blockfit import (
+    block_fit,
+    block_fit_missing_reason,
+    format_order,
+    thresholds_by_element,
+)
+from amprobe.report.whatif_json import PER_RANK_UP_TO
+from amprobe.rules.engine import REGISTRY, format_ranks
+from amprobe.store.blockformats import FORMATS
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+    from amprobe.rules.engine import Diagnosis
+    from amprobe.store.loader import Run
+
+__all__ = [
+    "FIGURE_META",
+    "THRESHOLD_RULE",
+    "SQNR_RANGE_DB",
+    "fit_thresholds",
+    "run_block_fit",
+    "make_block_fit_figure",
+    "block_fit_json",
+    "block_fit_text",
+]
+
+#: ``layout.meta`` of the matrix: how the dashboard finds it among the section's figures
+FIGURE_META = "amprobe-block-fit"
+#: the rule whose thresholds (as the diagnosis ran them) judge the matrix's cells
+THRESHOLD_RULE = "AMP-P04"
+#: the colour scale's range: 0 dB (noise as large as the values) to 40 dB and above
+SQNR_RANGE_DB = (0.0, 40.0)
+_NOT_MEASURED = "not measured: no block statistics of this format for this layer"
+#: the matrix's columns of a JSON record
+_JSON_COLUMNS = [
+    "rank",
+    "layer",
+    "layer_type",
+    "format",
+    "label",
+    "bits",
+    "status",
+    "limit",
+    "sqnr_db",
+    "flushed_share",
+    "clipped_share",
+    "lost_share",
+    "scale_under_share",
+    "failing",
+    "approx",
+    "nonfinite",
+]
+
+
+def fit_thresholds(diagnosis: Diagnosis | None = None) -> dict[str, Any]:
+    """The per-element thresholds as the diagnosis ran AMP-P04 (overrides included), else the
+    registered ones."""
+    flat: Mapping[str, float] = {}
+    if diagnosis is not None and THRESHOLD_RULE in diagnosis.thresholds:
+        flat = diagnosis.thresholds[THRESHOLD_RULE]
+    elif THRESHOLD_RULE in REGISTRY:
+        flat = REGISTRY[THRESHOLD_RULE].thresholds
+    return thresholds_by_element(flat)
+
+
+def run_block_fit(run: Run, diagnosis: Diagnosis | None = None) -> pd.DataFrame:
+    """:func:`~amprobe.analysis.blockfit.block_fit` of ``run`` with the diagnosis's
+    thresholds (:func:`fit_thresholds`)."""
+    return block_fit(run, fit_thresholds(diagnosis))
+
+
+def _pct(value: Any) -> str:
+    return "—" if value is None or pd.isna(value) else f"{float(value) * 100:.3g} %"
+
+
+def _db(value: Any) -> str:
+    if value is None or pd.isna(value):
+        return "all zero"
+    return "lossless (no error)" if math.isinf(float(value)) else f"{float(value):.1f} dB"
+
+
+def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.Figure:
+    """Matmul layers x block formats: colour = SQNR (dB) of the limiting operand row.
+
+    One cell per (layer, format) of :func:`~amprobe.analysis.blockfit.compute_block_fit`'s
+    rows (at several ranks, the rank whose limiting row is furthest over its thresholds,
+    named on hover). The cell's text is the limiting operand and orientation (``dY wgrad``),
+    with ``✗`` where the layer fails the format and ``≈`` where a row is approximate; the
+    hover adds its SQNR, lost (flushed +
+    clipped) share, scale underflow share and the approximation, if any. Colours run on one
+    sequential scale from 0 dB to 40 dB (higher is better; ``lossless`` cells at the top);
+    cells with no data (the format was not measured for the layer) are blank, cells whose
+    values were all zero grey, and the subtitle says so. Formats are ordered by bits per
+    element with scales, narrowest first. Run text (layer names) is data of the traces
+    (axis labels, ``customdata``), escaped by the renderers
+    (:func:`~amprobe.report.escape.escape_figure_text`), never part of the hover template.
+
+    Args:
+        fit: :func:`~amprobe.analysis.blockfit.compute_block_fit`'s frame.
+        message: what an empty figure says (why nothing was measured).
+    """
+    import plotly.graph_objects as go  # plotly loads only when a figure is made
+
+    fig = go.Figure()
+    fig.update_layout(meta=FIGURE_META)
+    if fit.empty:
+        note = html.escape(message or "no block statistics were recorded")
+        fig.update_layout(
+            title="Block formats per matmul layer: not recorded",
+            annotations=[
+                {
+                    "text": note,
+                    "showarrow": False,
+                    "xref": "paper",
+                    "yref": "paper",
+                    "x": 0.5,
+                    "y": 0.5,
+                }
+            ],
+            height=240,
+            xaxis_visible=False,
+            yaxis_visible=False,
+            template="plotly_white",
+        )
+        return fig
+    several = fit["rank"].nunique() > 1
+    # the worst rank of each (layer, format): the highest score, all-zero cells last
+    ordered = fit.assign(_s=fit["score"].astype(float).fillna(-np.inf)).sort_values(
+        ["_s", "rank"], ascending=[False, True], kind="stable"
+    )
+    cells = ordered.drop_duplicates(["layer", "format"])
+    layers = list(
+        dict.fromkeys(fit.sort_values(["order", "rank"], kind="stable")["layer"].astype(str))
+    )
+    formats = format_order(fit["format"].astype(str))
+    labels = [f"{FORMATS[f].label} ({FORMATS[f].bits:g})" if f in FORMATS else f for f in formats]
+    lo, hi = SQNR_RANGE_DB
+    z = np.full((len(layers), len(formats)), np.nan)
+    zero = np.full((len(layers), len(formats)), np.nan)
+    text = [["" for _ in formats] for _ in layers]
+    # hover lines as data (the renderers escape run text in customdata; the template's <br>
+    # stays markup): head, verdict, limiting row, shares, approximation
+    hover = [
+        [[f"{layers[i]} · {labels[j]}", _NOT_MEASURED, "", "", ""] for j in range(len(formats))]
+        for i in range(len(layers))
+    ]
+    li = {layer: i for i, layer in enumerate(layers)}
+    fj = {f: j for j, f in enumerate(formats)}
+    for r in cells.itertuples():
+        i, j = li[str(r.layer)], fj[str(r.format)]
+        head = f"{layers[i]} · {labels[j]}" + (f" (rank {r.rank})" if several else "")
+        if r.status == "all zero":
+            zero[i, j] = 1.0  # drawn, with its text, by the grey trace
+            hover[i][j] = [head, "every value of every operand was 0: nothing to cast", "", "", ""]
+            continue
+        sqnr = float(r.sqnr_db)
+        z[i, j] = hi if math.isinf(sqnr) else min(max(sqnr, lo), hi)
+        mark = (" ✗" if r.status == "fails" else "") + (" ≈" if r.approx else "")
+        text[i][j] = f"{r.limit}{mark}"
+        verdict = (
+            "fits"
+            if r.status == "fits"
+            else "fails: " + ", ".join(str(x) for x in r.failing) + " over the thresholds"
+        )
+        hover[i][j] = [
+            head,
+            verdict,
+            f"limiting operand {r.limit}: SQNR {_db(sqnr)}",
+            f"lost {_pct(r.lost_share)} (flushed {_pct(r.flushed_share)}, clipped "
+            f"{_pct(r.clipped_share)}); block scales underflowing {_pct(r.scale_under_share)}",
+            f"approximate: {r.approx}" if r.approx else "exact",
+        ]
+    template = "<br>".join(f"%{{customdata[{k}]}}" for k in range(5)) + "<extra></extra>"
+    fig.add_trace(
+        go.Heatmap(
+            z=z,
+            x=labels,
+            y=layers,
+            text=text,
+            texttemplate="%{text}",
+            customdata=hover,
+            hovertemplate=template,
+            colorscale="Viridis",
+            zmin=lo,
+            zmax=hi,
+            xgap=2,
+            ygap=2,
+            colorbar={"title": "SQNR dB<br>(limiting<br>operand)"},
+            name="SQNR of the limiting operand",
+        )
+    )
+    if not np.isnan(zero).all():
+        fig.add_trace(
+            go.Heatmap(
+                z=zero,
+                x=labels,
+                y=layers,
+                text=[
+                    ["all zero" if zero[i, j] == 1 else "" for j in range(len(formats))]
+                    for i in range(len(layers))
+                ],
+                texttemplate="%{text}",
+                customdata=hover,
+                hovertemplate=template,
+                colorscale=[[0, "#d9d9d9"], [1, "#d9d9d9"]],
+                showscale=False,
+                xgap=2,
+                ygap=2,
+                name="all zero",
+            )
+        )
+    blank = int(np.isnan(z).sum() - (~np.isnan(zero)).sum())
+    notes = ["✗: fails the thresholds (AMP-P04)", f"{lo:g}–{hi:g}+ dB, higher keeps more"]
+    if (cells["approx"].astype(str) != "").any():
+        notes.append("≈: approximate (hover says why)")
+    if blank:
+        notes.append(f"{blank} blank cell(s): format not measured for the layer")
+    if several:
+        notes.append("each cell: the rank furthest over its thresholds")
+    fig.update_layout(
+        title={
+            "text": "Block formats per matmul layer: SQNR of the limiting operand"
+            f"<br><sup>{'; '.join(notes)}</sup>"
+        },
+        xaxis={"title": "format (bits per element with scales), narrowest first", "side": "top"},
+        yaxis={"autorange": "reversed", "type": "category"},
+        plot_bgcolor="white",
+        height=max(460, 30 * len(layers) + 240),
+        margin={"t": 150},
+    )
+    return fig
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe value: numbers rounded, inf SQNR as ``"lossless"``, NaN as None."""
+    if isinstance(value, list | tuple | np.ndarray):
+        return [str(v) for v in value]
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating):
+        v = float(value)
+        if math.isnan(v):
+            return None
+        if math.isinf(v):
+            return "lossless" if v > 0 else None
+        return round(v, 6)
+    return value
+
+
+def block_fit_json(fit: pd.DataFrame) -> list[dict[str, Any]]:
+    """The ``block_fit`` records of ``amprobe diagnose --format json``: one per (rank, layer,
+    format) of :func:`~amprobe.analysis.blockfit.compute_block_fit` for a run of up to
+    :data:`~amprobe.report.whatif_json.PER_RANK_UP_TO` ranks; for more ranks, one per
+    (layer, format) and set of values: ranks whose records agree share one, naming them in
+    ``ranks`` (``"0-21, 23-63"``) and ``rank_count``, so the list grows with the ranks that
+    differ, not with the rank count. ``sqnr_db`` is ``"lossless"`` where nothing was lost
+    and null where every value was zero (``status`` ``all zero``)."""
+    if fit.empty:
+        return []
+    records = [
+        {c: _plain(v) for c, v in zip(_JSON_COLUMNS, row, strict=True)}
+        for row in fit[_JSON_COLUMNS].itertuples(index=False)
+    ]
+    if fit["rank"].nunique() <= PER_RANK_UP_TO:
+        return records
+    merged: dict[str, tuple[dict[str, Any], list[int]]] = {}
+    for rec in records:
+        rank = rec.pop("rank")
+        key = repr(sorted(rec.items()))
+        merged.setdefault(key, (rec, []))[1].append(int(rank))
+    return [
+        {**rec, "ranks": format_ranks(ranks), "rank_count": len(ranks)}
+        for rec, ranks in merged.values()
+    ]
+
+
+def block_fit_text(run: Run, fit: pd.DataFrame) -> list[str]:
+    """One line for the what-if section: how many layers fit each format, or why the matrix
+    is empty."""
+    if fit.empty:
+        reason = block_fit_missing_reason(run)
+        return [f"Block formats: not checked, {reason}."] if reason else []
+    judged = fit[fit["fits"].notna()]
+    parts = []
+    for f in format_order(judged["format"].astype(str)):
+        part = judged[judged["format"] == f].drop_duplicates("layer")
+        fits = judged[(judged["format"] == f)].groupby("layer")["fits"].all()
+        label = FORMATS[f].label if f in FORMATS else f
+        parts.append(f"{label} {int(fits.sum())} of {len(part)}")
+    return [
+        "Block formats (matmul layers that fit, every operand within AMP-P04's thresholds): "
+        + ", ".join(parts)
+        + ". Per-tensor fp8 is shown beside, not a candidate; MX and NVFP4 tensor cores are "
+        "Blackwell's, blockwise fp8 on Hopper is a software recipe."
+    ]
