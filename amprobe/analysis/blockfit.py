@@ -82,13 +82,19 @@ class FitThresholds:
 
 #: Per element type, the thresholds an operand row must meet (rules AMP-P04/P05 register them
 #: flattened, :func:`flat_thresholds`, so ``--threshold AMP-P04.e2m1_min_sqnr_db=10`` moves one).
-#: Initial values, to be recalibrated on measured runs: 8-bit elements keep 25 dB (about 3
-#: mantissa bits' worth of error over the block) and lose at most 1 % to flushing, 0.1 % to
-#: clipping; 4-bit e2m1 (one mantissa bit, 8 magnitudes) 13 dB, 20 % flushed, 1 % clipped.
+#: Calibrated on measured runs (a Gaussian 1024x512 tensor; the CPU test model of
+#: tests/test_block_fit_e2e.py; docs/whatif.md gives the numbers): benign operands keep 26-33 dB
+#: in the 8-bit formats and 16.6-20.6 dB in the 4-bit ones, flushing 0 % and 3-9 %. 8-bit
+#: elements must keep 22 dB and flush at most 1 %; e2m1 13 dB and 20 % (a Student-t(2) tensor,
+#: 26 % under MXFP4, fails). Clipping is bounded by the scale rule: OCP's floor scale leaves the
+#: top of the amax's binade above the element's max, so MXFP8 clips 9-11 % and MXFP4 12-14 % of
+#: a freshly initialised (uniform) weight by design, each value by at most 1/8 (1/4); its harm
+#: shows in the SQNR, and the clipped share only fails a row where a quarter of the values
+#: saturate.
 FIT_THRESHOLDS: Mapping[str, FitThresholds] = {
-    "e4m3": FitThresholds(min_sqnr_db=25.0, max_flushed_share=0.01, max_clipped_share=0.001),
-    "e5m2": FitThresholds(min_sqnr_db=25.0, max_flushed_share=0.01, max_clipped_share=0.001),
-    "e2m1": FitThresholds(min_sqnr_db=13.0, max_flushed_share=0.20, max_clipped_share=0.01),
+    "e4m3": FitThresholds(min_sqnr_db=22.0, max_flushed_share=0.01, max_clipped_share=0.25),
+    "e5m2": FitThresholds(min_sqnr_db=22.0, max_flushed_share=0.01, max_clipped_share=0.25),
+    "e2m1": FitThresholds(min_sqnr_db=13.0, max_flushed_share=0.20, max_clipped_share=0.25),
 }
 FIT_THRESHOLD_NAMES = ("min_sqnr_db", "max_flushed_share", "max_clipped_share")
 
