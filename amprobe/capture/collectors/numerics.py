@@ -488,6 +488,7 @@ class NumericsCollector(Collector):
     ) -> None:
         """``amprobe::layer_stats`` at run time: a compiled layer's output, measured as an
         eager layer's (its inputs' non-finite count beside it)."""
+        self._operands.forward(slot, tuple(inputs))  # a matmul's X and W (budgeted samples)
         self._on_forward((slot, None, None), tuple(inputs), x, unread=unread)
 
     def _graph_grad(self, slot: int, grad: torch.Tensor) -> None:
@@ -535,6 +536,7 @@ class NumericsCollector(Collector):
                 if mod is not None:
                     hook = self._bind_container(fwd, (out, None, None))
                     self._capture_handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+            self._operands.install(self._capture_handles, self._guarded)
         for pref, slot in self._params:
             p = pref()
             if p is not None:
@@ -794,7 +796,6 @@ class NumericsCollector(Collector):
         # the output first: an input that is the output (an identity, Dropout(p=0)) is then
         # counted from the histogram just taken instead of another pass
         measured = self._measure(slots[0], tensor)
-        self._operands.forward(slots[0], args)  # (before the inputs' count, which reuses X's)
         bad: torch.Tensor | int | None = None
         for arg in args if isinstance(args, tuple) else (args,):
             if (

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from amprobe.capture.collectors import blockstats
+from amprobe.capture.collectors.compiled import is_compiling
 from amprobe.capture.collectors.graphstats import materialized_output
 from amprobe.capture.collectors.sharded import PLAIN_TENSORS, local_tensor
 from amprobe.store.blockformats import STAT_FIELDS, rows_for
@@ -63,6 +64,10 @@ __all__ = ["OPERAND_KINDS", "GemmOperands", "module_kind"]
 OPERAND_KINDS = ("gemm_input", "gemm_weight")
 #: the approx label of an operand measured as a DTensor's local shard
 LOCAL_SHARD = "local shard of a tensor-parallel {what}"
+#: the approx label of a weight FSDP2 had resharded when it was read (a compiled region's
+#: ``fully_shard``-ed layer: its hook runs after FSDP's)
+FSDP_SHARD = "local shard of an FSDP-sharded weight (read after its reshard)"
+_WHAT = {"x": "input", "w": "weight", "dy": "output gradient"}
 _INT_FIELDS = tuple(f for f in STAT_FIELDS if f not in ("signal", "noise"))
 
 
@@ -147,6 +152,17 @@ class GemmOperands:
             self._sums = {}
         self.on = False
 
+    def install(self, handles: list[Any], guard: Any) -> None:
+        """Eager sampled steps: a forward hook per matmul layer that runs before the module's
+        other forward hooks (``prepend``), so that it reads the weight the forward used: FSDP2
+        reshards a ``fully_shard``-ed layer's weight in a forward hook of its own. It returns
+        at once unless the step is a budgeted sample. The handles join the owner's."""
+        for out_slot, layer in self._layers.items():
+            module = layer.module()
+            if module is not None:
+                hook = _bind(guard(self.forward), out_slot)
+                handles.append(module.register_forward_hook(hook, prepend=True))
+
     # -- hot path of budgeted sampled steps --------------------------------------------------
     def forward(self, out_slot: int, args: Any) -> None:
         """A matmul layer's call: X and W into numerics and into the block statistics."""
@@ -186,7 +202,10 @@ class GemmOperands:
             local = local_tensor(t)
             if local is t:
                 return  # another tensor subclass: numerics says so once ("not checked")
-            approx = LOCAL_SHARD.format(what="weight" if operand == "w" else "activation")
+            if not _replicated(t):  # (a replicated DTensor's local tensor is all of it)
+                approx = LOCAL_SHARD.format(what=_WHAT[operand])
+                if operand == "w" and _fsdp_module(self._layers[out_slot].module()):
+                    approx = FSDP_SHARD
             t = local
         if not t.is_floating_point() or t.numel() == 0 or t.layout is not torch.strided:
             return
@@ -254,3 +273,23 @@ class GemmOperands:
                     row[field] = int(value) if field in _INT_FIELDS else float(value)
                 rows.append(row)
         writer.append("blockstats", rows)
+
+
+def _bind(fn: Any, out_slot: int) -> Any:
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+        # not traced by dynamo, not run for an activation checkpoint's recompute (the forward
+        # pass measured those values)
+        if not is_compiling() and torch._C._current_graph_task_id() == -1:
+            fn(out_slot, args)
+
+    return hook
+
+
+def _fsdp_module(module: torch.nn.Module | None) -> bool:
+    return module is not None and any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+
+
+def _replicated(t: torch.Tensor) -> bool:
+    """A DTensor replicated on every mesh dimension (its local tensor is the whole value)."""
+    placements = getattr(t, "placements", None)
+    return bool(placements) and all(p.is_replicate() for p in placements)
