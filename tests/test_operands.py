@@ -95,14 +95,14 @@ def test_operands_rows_on_sampled_steps(tmp_path: Path) -> None:
         (r.layer, r.operand): (r.rows, r.cols, r.approx)
         for r in blocks[blocks["step"] == 0].itertuples()
     }
-    conv_approx = shapes[("conv", "w")][2]
-    assert conv_approx.startswith("conv")
+    conv_approx = shapes[("conv", "x")][2]
+    assert conv_approx.startswith("conv")  # blocks along channels, not the im2col patch
     assert shapes[("fc1", "x")] == (6, 48, "")
     assert shapes[("fc1", "w")] == (40, 48, "")
     assert shapes[("fc1", "dy")] == (6, 40, "")
     assert shapes[("conv", "x")] == (6 * 16, 2, conv_approx)
-    assert shapes[("conv", "w")][:2] == (3, 2 * 9)
-    assert shapes[("conv", "dy")][:2] == (6 * 16, 3)
+    assert shapes[("conv", "w")] == (3, 2 * 9, "")
+    assert shapes[("conv", "dy")] == (6 * 16, 3, "")
     # dY is the output gradient divided by the loss scale, as numerics' grad_output
     numerics = run.table("numerics")
     scale = float(
@@ -110,7 +110,7 @@ def test_operands_rows_on_sampled_steps(tmp_path: Path) -> None:
             0
         ]
     )
-    dy, _ = canonical("dy", grads[2], "linear")
+    dy, _ = canonical("dy", grads[2], "Linear")
     want = measure(dy, "dy", DEFAULT_FORMATS, scale).tolist()
     part = blocks[(blocks["layer"] == "fc1") & (blocks["operand"] == "dy") & (blocks["step"] == 2)]
     order = {(o, f): i for i, (o, f) in enumerate(rows_for("dy", DEFAULT_FORMATS))}

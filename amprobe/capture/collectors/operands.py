@@ -73,12 +73,13 @@ _INT_FIELDS = tuple(f for f in STAT_FIELDS if f not in ("signal", "noise"))
 
 def module_kind(module: torch.nn.Module) -> str:
     """How :func:`~amprobe.capture.collectors.blockstats.canonical` lays a layer's operands
-    out: ``linear``, ``conv`` or ``conv1d`` (Hugging Face's transposed ``Conv1D``)."""
+    out: ``Conv`` (any ``nn.Conv*``), ``Conv1D`` (Hugging Face's, weight ``[K, N]``) or
+    ``Linear`` (``nn.Linear`` and its subclasses, whatever their names)."""
     if isinstance(module, torch.nn.modules.conv._ConvNd):
-        return "conv"
+        return "Conv"
     if isinstance(module, torch.nn.Linear):
-        return "linear"
-    return "conv1d"
+        return "Linear"
+    return "Conv1D"
 
 
 class _Layer:
@@ -291,5 +292,5 @@ def _fsdp_module(module: torch.nn.Module | None) -> bool:
 
 def _replicated(t: torch.Tensor) -> bool:
     """A DTensor replicated on every mesh dimension (its local tensor is the whole value)."""
-    placements = getattr(t, "placements", None)
+    placements: tuple[Any, ...] = tuple(getattr(t, "placements", None) or ())
     return bool(placements) and all(p.is_replicate() for p in placements)
