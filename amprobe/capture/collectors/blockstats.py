@@ -1,0 +1,314 @@
+"""Block statistics of a GEMM operand: what casting it to each block-scaled format would lose.
+
+:func:`measure` reduces one operand (its canonical 2-D view, :func:`canonical`) to one row per
+``(orientation, format)`` of :func:`amprobe.store.blockformats.rows_for`, with the columns of
+:data:`~amprobe.store.blockformats.STAT_FIELDS`. The definitions (binding, shared with the
+reference the tests check against):
+
+* the tensor is ``x / divisor`` in fp32 (gradients: the loss scale); ``elements`` counts all
+  elements, ``nonfinite`` its inf/NaN, which take part in nothing else; ``nonzero`` the finite
+  nonzero elements; ``signal`` is ``sum x**2`` over finite elements (float64);
+* ``blocks``: runs of ``block`` elements along the orientation's dimension (the last block of a
+  row may be shorter), 2-D weight tiles, or the whole tensor; ``amax_b`` the largest finite
+  ``|x|`` of a block; a block with ``amax_b > 0`` gets a scale ``s`` (fp32): ``exact``
+  ``amax_b / max``; ``floor`` (OCP MX) ``2**(floor(log2 amax_b) - emax)``; ``ceil``
+  ``2**ceil(log2(amax_b / max))``, e8m0 exponents clamped to [-127, 127] and counted in
+  ``scale_under`` / ``scale_sat``; NVFP4 ``e4m3((amax_b / 6) / s_t) * s_t`` with
+  ``s_t = amax_t / (448 * 6)``;
+* each element: ``v = |x| / s``, ``q`` = round-to-nearest-even of ``v`` in the element type
+  (subnormals kept, saturating at its max), ``deq = q * s`` (fp32); ``flushed``: nonzero
+  elements with ``deq == 0``; ``clipped``: nonzero elements with ``v`` beyond the element's
+  saturation bound; ``noise``: ``sum (|x| - deq)**2`` (float64).
+
+  One reading of the contract made explicit here: a block whose scale is 0 (an fp32 or e4m3
+  scale that underflows) dequantizes to 0, so its nonzero elements count as flushed and not as
+  clipped (``v = |x| / 0`` is not a saturated value but a lost one).
+
+Two implementations give the same counts (and the same sums up to float64 summation order):
+the compiled CPU kernel of :mod:`~amprobe.capture.collectors.numkernel` (one pass over the
+tensor for all rows, fp32/bf16/fp16 read directly, a 128x128 strip buffer, no tensor-sized
+temporaries) when it is built, and an eager torch reduction otherwise (any device, no
+host-device sync: no value is read back; it keeps fp32 and float64 temporaries of the
+operand's size).
+
+The element cast is arithmetic on fp32 bits, no float8 dtype needed: ``v`` in binade ``E``
+(clamped below at the element's smallest normal binade) is a multiple of ``2**(E - mantissa)``
+after ``(v + 2**(E - mantissa + 23)) - 2**(E - mantissa + 23)``, an fp32 add that rounds to
+nearest even at exactly that step.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from amprobe.capture.collectors import numkernel
+from amprobe.store.blockformats import (
+    ELEMENTS,
+    FORMATS,
+    ORIENTATIONS,
+    STAT_FIELDS,
+    Element,
+    rows_for,
+)
+
+__all__ = ["CONV_APPROX", "canonical", "measure"]
+
+#: why a conv layer's input rows are approximate
+CONV_APPROX = "conv: blocks along input channels at each position, not the im2col patch"
+
+_NF = len(STAT_FIELDS)
+
+_E4M3 = ELEMENTS["e4m3"]
+_KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def _f32_bits(x: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", x))[0])
+
+
+def _clip_gt(elem: Element) -> float:
+    """The bound ``v > bound`` of saturated values (an inclusive bound moved one fp32 down)."""
+    if not elem.clip_inclusive:
+        return elem.clip_from
+    return float(struct.unpack("<f", struct.pack("<I", _f32_bits(elem.clip_from) - 1))[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# canonical views
+
+
+def canonical(operand: str, t: torch.Tensor, module_kind: str) -> tuple[torch.Tensor, str | None]:
+    """The canonical 2-D view of a layer's operand and why it is approximate (None if exact).
+
+    Linear (and any other matmul layer) X ``[..., K] -> [T, K]``, W ``[N, K]``, dY
+    ``[..., N] -> [T, N]``; Hugging Face ``Conv1D`` keeps its weight as ``[K, N]``: transposed
+    (a view). Conv (``module_kind`` ``Conv1d``/``Conv2d``/``Conv3d``): X ``[B, C, *S]`` ->
+    ``[B*prod(S), C]``, W ``[Cout, Cin, *k] -> [Cout, Cin*prod(k)]``, dY ``[B, Cout, *S] ->
+    [B*prod(S), Cout]``. A conv's X is approximate (:data:`CONV_APPROX`): its GEMM reduces over
+    the im2col patch (channels x kernel window), its blocks here run over channels at one
+    position; W's flattening is the patch order and dY's channels are what the GEMMs reduce,
+    so those are exact. Views where the layout allows; a conv's X and dY are copied when not
+    channels-last.
+    """
+    if operand not in ORIENTATIONS:
+        raise KeyError(f"unknown operand {operand!r}; known: {sorted(ORIENTATIONS)}")
+    kind = module_kind.rsplit(".", 1)[-1]
+    conv = kind.lower().startswith("conv") and kind != "Conv1D" and t.dim() >= 3
+    if operand == "w":
+        if kind == "Conv1D" and t.dim() == 2:
+            return t.t(), None
+        if t.dim() == 2:
+            return t, None
+        return t.reshape(t.shape[0], -1), None
+    if conv:
+        flat = t.movedim(1, -1).reshape(-1, t.shape[1])
+        return flat, CONV_APPROX if operand == "x" else None
+    if t.dim() == 1:
+        return t.reshape(1, -1), None
+    return t.reshape(-1, t.shape[-1]), None
+
+
+# ---------------------------------------------------------------------------------------------
+# the eager reduction (any device)
+
+
+def _rne(v: torch.Tensor, elem: Element) -> torch.Tensor:
+    """Round-to-nearest-even of ``v >= 0`` (fp32) in ``elem``, subnormals kept, saturating."""
+    vc = v.clamp_max(2.0 * elem.max)
+    eb = (vc.view(torch.int32) >> 23).clamp_min(127 + elem.min_normal_exp)
+    magic = ((eb + (23 - elem.mantissa)) << 23).view(torch.float32)
+    return ((vc + magic) - magic).clamp_max(elem.max)
+
+
+def _exponent(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``floor(log2 a)`` and the 23-bit mantissa field of ``a > 0`` (fp32), subnormals exact."""
+    bits = a.view(torch.int32)
+    eb = bits >> 23
+    frac = bits & 0x7FFFFF
+    norm = frac.float().view(torch.int32)  # a subnormal's integer mantissa, normalised exactly
+    sub = eb == 0
+    e = torch.where(sub, (norm >> 23) - 127 - 149, eb - 127)
+    m = torch.where(sub, norm & 0x7FFFFF, frac)
+    return e, m
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2**e`` in fp32 for integer ``e`` in [-127, 127] (2**-127 is subnormal)."""
+    return torch.where(e >= -126, (e + 127) << 23, 0x00400000).to(torch.int32).view(torch.float32)
+
+
+def _scales(
+    amax: torch.Tensor, fmt_name: str, amax_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: the scale (0 for an all-zero block), and which blocks under/saturate."""
+    fmt = FORMATS[fmt_name]
+    elem = ELEMENTS[fmt.element]
+    pos = amax > 0
+    if fmt.tensor_scale:
+        s_t = amax_t / (_E4M3.max * elem.max)
+        raw = (amax / elem.max) / s_t
+        sat = raw >= _E4M3.clip_from if _E4M3.clip_inclusive else raw > _E4M3.clip_from
+        sb = _rne(torch.where(pos, raw, 0.0), _E4M3)
+        under = sb == 0
+        s = sb * s_t
+    elif fmt.scale_rounding == "exact" or fmt.block == 0:
+        s = amax / elem.max
+        under = s == 0
+        sat = torch.isinf(s)
+    else:
+        e, m = _exponent(amax)
+        e = e - elem.emax
+        if fmt.scale_rounding == "ceil":
+            e = e + (m > (_f32_bits(elem.max) & 0x7FFFFF)).to(e.dtype)
+        elif fmt.scale_rounding != "floor":
+            raise ValueError(f"unknown scale rounding {fmt.scale_rounding!r} of {fmt_name}")
+        under = e < -127
+        sat = e > 127
+        s = _pow2(e.clamp(-127, 127))
+    return torch.where(pos, s, 0.0), pos & under, pos & sat
+
+
+def _blocked(a: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``a`` [R, C] zero-padded to multiples of ``rows`` x ``cols``, one tile per row."""
+    r, c = a.shape
+    pr, pc = -r % rows, -c % cols
+    if pr or pc:
+        a = torch.nn.functional.pad(a, (0, pc, 0, pr))
+    nr, nc = a.shape[0] // rows, a.shape[1] // cols
+    return a.reshape(nr, rows, nc, cols).permute(0, 2, 1, 3).reshape(nr * nc, rows * cols)
+
+
+def _geometry(operand: str, orient: str, fmt_name: str, shape: tuple[int, int]) -> tuple[int, int]:
+    """The block shape ``(rows, cols)`` in the canonical view."""
+    fmt = FORMATS[fmt_name]
+    if fmt.block == 0:
+        return shape
+    if orient == "both":
+        assert fmt.weight_block is not None
+        return fmt.weight_block
+    if orient == ORIENTATIONS[operand][0]:
+        return 1, fmt.block
+    return fmt.block, 1
+
+
+def _nblocks(shape: tuple[int, int], geom: tuple[int, int], per_tensor: bool) -> int:
+    r, c = shape
+    if r * c == 0:
+        return 0
+    if per_tensor:
+        return 1
+    return -(-r // geom[0]) * -(-c // geom[1])
+
+
+def _eager(
+    x2d: torch.Tensor,
+    operand: str,
+    rows: list[tuple[str, str]],
+    divisor: torch.Tensor | float | None,
+) -> torch.Tensor:
+    dev = x2d.device
+    shape = (int(x2d.shape[0]), int(x2d.shape[1]))
+    y = x2d.float()
+    if divisor is not None:
+        if isinstance(divisor, torch.Tensor):
+            y = y / divisor.to(device=dev, dtype=torch.float32, non_blocking=True)
+        else:
+            y = y / float(divisor)
+    a = y.abs()
+    fin = torch.isfinite(a)
+    a = torch.where(fin, a, 0.0)
+    f64 = torch.float64
+    nonfinite = (~fin).sum().to(f64)
+    nonzero = (a > 0).sum().to(f64)
+    signal = a.double().square().sum()
+    amax_t = a.amax() if a.numel() else torch.zeros((), device=dev)
+    out = []
+    for orient, name in rows:
+        fmt = FORMATS[name]
+        elem = ELEMENTS[fmt.element]
+        geom = _geometry(operand, orient, name, shape)
+        nblocks = _nblocks(shape, geom, fmt.block == 0)
+        if a.numel() == 0:
+            blk = a.reshape(0, 1)
+        else:
+            blk = _blocked(a, *geom)
+        amax = blk.amax(dim=1) if blk.numel() else blk.new_zeros(blk.shape[0])
+        s, under, sat = _scales(amax, name, amax_t)
+        sc = s[:, None]
+        live = sc > 0
+        v = torch.where(live, blk / torch.where(live, sc, 1.0), 0.0)
+        bound = elem.clip_from
+        clipped = (v >= bound) if elem.clip_inclusive else (v > bound)
+        deq = _rne(v, elem) * sc
+        flushed = (blk > 0) & (deq == 0)
+        noise = (blk.double() - deq.double()).square().sum()
+        full = torch.full((), 0.0, dtype=f64, device=dev)
+        out.append(
+            torch.stack(
+                [
+                    full + shape[0] * shape[1],
+                    nonzero,
+                    nonfinite,
+                    flushed.sum().to(f64),
+                    clipped.sum().to(f64),
+                    full + nblocks,
+                    under.sum().to(f64),
+                    sat.sum().to(f64),
+                    signal,
+                    noise,
+                ]
+            )
+        )
+    if not out:
+        return torch.zeros((0, _NF), dtype=f64, device=dev)
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the public call
+
+
+def measure(
+    x2d: torch.Tensor,
+    operand: str,
+    formats: Sequence[str],
+    divisor: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Block statistics of one operand's canonical 2-D view, one row per format orientation.
+
+    Args:
+        x2d: the canonical view (:func:`canonical`), any float dtype, any strides.
+        operand: ``"x"``, ``"w"`` or ``"dy"`` (which orientations its rows are).
+        formats: :data:`~amprobe.store.blockformats.FORMATS` keys.
+        divisor: the loss scale for gradients (the tensor measured is ``x / divisor`` in fp32).
+
+    Returns:
+        float64 ``[len(rows_for(operand, formats)), len(STAT_FIELDS)]`` on ``x2d``'s device. No
+        host-device sync. On CPU the compiled kernel (numkernel's library) once it is built,
+        the eager torch reduction otherwise (the same counts).
+    """
+    if x2d.dim() != 2:
+        raise ValueError(f"measure takes a 2-D view, got shape {tuple(x2d.shape)}")
+    rows = rows_for(operand, formats)
+    if x2d.device.type == "cpu" and x2d.dtype in _KERNEL_DTYPES:
+        k = numkernel.kernel()
+        if k is not None and hasattr(k, "block_pass"):
+            res = _kernel(k, x2d, operand, rows, divisor)
+            if res is not None:
+                return res
+    return _eager(x2d, operand, rows, divisor)
+
+
+def _kernel(
+    k: numkernel.Kernel,
+    x2d: torch.Tensor,
+    operand: str,
+    rows: list[tuple[str, str]],
+    divisor: torch.Tensor | float | None,
+) -> torch.Tensor | None:
+    """The compiled pass, or None where it does not apply (the eager path then runs)."""
+    del k, x2d, operand, rows, divisor
+    return None
