@@ -38,6 +38,11 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 
+#: ``numerics`` kinds of a matmul layer's GEMM operands (its input X and weight W; issue 36):
+#: another layer's output and a parameter again, so the readers of layers' own values (heatmaps,
+#: summaries, overflow evidence) leave them out; the block statistics are ``blockstats``
+NUMERICS_OPERAND_KINDS = ("gemm_input", "gemm_weight")
+
 #: Table name -> column name -> arrow type. The loader reads with these types; columns a
 #: writer did not emit come back as nulls, extra fields are ignored.
 TABLES: dict[str, dict[str, pa.DataType]] = {
@@ -87,7 +92,7 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "step": pa.int64(),
         "module": pa.string(),  # qualified name; "<input R>[i]" for root model R's i-th float input
         "module_type": pa.string(),
-        "kind": pa.string(),  # input | output | grad_output | grad_param
+        "kind": pa.string(),  # input | output | grad_output | grad_param | gemm_input | gemm_weight
         "dtype": pa.string(),
         "calls": pa.int64(),
         "order": pa.int64(),  # first call's position in execution order of this kind

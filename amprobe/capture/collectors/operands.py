@@ -57,11 +57,12 @@ from amprobe.capture.collectors.compiled import is_compiling
 from amprobe.capture.collectors.graphstats import materialized_output
 from amprobe.capture.collectors.sharded import PLAIN_TENSORS, local_tensor
 from amprobe.store.blockformats import STAT_FIELDS, rows_for
+from amprobe.store.schema import NUMERICS_OPERAND_KINDS
 
 __all__ = ["OPERAND_KINDS", "GemmOperands", "module_kind"]
 
 #: numerics kinds of a matmul layer's forward operands (X, W); dY is its ``grad_output`` row
-OPERAND_KINDS = ("gemm_input", "gemm_weight")
+OPERAND_KINDS = NUMERICS_OPERAND_KINDS
 #: the approx label of an operand measured as a DTensor's local shard
 LOCAL_SHARD = "local shard of a tensor-parallel {what}"
 #: the approx label of a weight FSDP2 had resharded when it was read (a compiled region's
