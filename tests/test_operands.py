@@ -43,6 +43,7 @@ def _train(
     config: dict[str, Any] | None = None,
     grads: Any = None,
     nan_at: int = -1,
+    big_at: int = -1,
 ) -> tuple[list[float], Any]:
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -62,6 +63,8 @@ def _train(
         for i, x in enumerate(_batches(steps)):
             if i == nan_at:
                 x[0, 0, 0, 0] = float("nan")  # arms the next steps' full capture
+            if i == big_at:
+                x = x * 3e4  # the conv's fp16 output overflows
             with torch.autocast("cpu", dtype=FP16):
                 loss = model(x).float().pow(2).mean()
             scaler.scale(loss).backward()
@@ -155,3 +158,20 @@ def test_schema_declares_stat_fields() -> None:
     from amprobe.store.schema import TABLES
 
     assert tuple(TABLES["blockstats"])[-len(STAT_FIELDS) :] == STAT_FIELDS
+
+
+def test_operand_rows_change_no_diagnosis(tmp_path: Path) -> None:
+    """The readers of layers' own numerics leave the operand kinds out: with an fp16
+    overflow, the diagnosis (AMP-N11's overflow evidence included) is the same on and off."""
+    from amprobe.analysis.numerics import layer_overflow_evidence
+
+    found = {}
+    for formats in ("on", "off"):
+        config = {} if formats == "on" else {"block_formats": []}
+        _train(tmp_path / formats, steps=4, config=config, big_at=2)
+        run = amprobe.load_run(tmp_path / formats)
+        evidence = layer_overflow_evidence(run, 0)
+        assert evidence["overflowing_layers"][0]["module"] == "conv"
+        findings = {f.id: f.evidence for f in amprobe.diagnose(run).findings}
+        found[formats] = (evidence, {k: v for k, v in findings.items() if k != "AMP-N17"})
+    assert found["on"] == found["off"]
