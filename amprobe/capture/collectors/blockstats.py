@@ -116,8 +116,13 @@ def canonical(operand: str, t: torch.Tensor, module_kind: str) -> tuple[torch.Te
 
 
 def _rne(v: torch.Tensor, elem: Element) -> torch.Tensor:
-    """Round-to-nearest-even of ``v >= 0`` (fp32) in ``elem``, subnormals kept, saturating."""
-    vc = v.clamp_max(2.0 * elem.max)
+    """Round-to-nearest-even of ``v >= 0`` (fp32) in ``elem``, subnormals kept, saturating.
+
+    NaN saturates too (the kernel's select does the same): NVFP4's ``(amax_b / 6) / s_t`` is
+    ``0 / 0`` when both underflow (a tensor whose amax is below ``2688 * 2**-150``); its scale
+    is then ``448 * 0``, and the block flushes."""
+    cap = 2.0 * elem.max
+    vc = torch.where(v < cap, v, cap)
     eb = (vc.view(torch.int32) >> 23).clamp_min(127 + elem.min_normal_exp)
     magic = ((eb + (23 - elem.mantissa)) << 23).view(torch.float32)
     return ((vc + magic) - magic).clamp_max(elem.max)
@@ -302,6 +307,49 @@ def measure(
     return _eager(x2d, operand, rows, divisor)
 
 
+# the job words of numkernel's block pass (J_* in its SOURCE)
+_J_WORDS = 20
+_GEOM = {"rows": 0, "cols": 1, "tile": 2, "tensor": 3}
+_SCALE = {"exact": 0, "floor": 1, "ceil": 2}
+_S_NVFP4 = 3
+_O_WORDS = 5  # flushed, clipped, scale_under, scale_sat, noise
+
+
+def _log2(n: int) -> int | None:
+    return n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else None
+
+
+def _job(fmt_name: str, geom: tuple[int, int], per_tensor: bool) -> list[int] | None:
+    """A job's words for a block shape ``geom`` in memory order, or None if the kernel's
+    128 x 128 strips cannot hold its blocks (the eager path then runs)."""
+    fmt = FORMATS[fmt_name]
+    elem = ELEMENTS[fmt.element]
+    br, bc = geom
+    lr, lc = _log2(br), _log2(bc // 16) if bc >= 16 else None
+    if per_tensor:
+        kind, lr, lc = _GEOM["tensor"], 7, 3
+    elif bc == 1 and lr is not None and 16 <= br <= 128:
+        kind, lc = _GEOM["cols"], 0
+    elif br == 1 and lc is not None and bc <= 128:
+        kind, lr = _GEOM["rows"], 0
+    elif lr is not None and lc is not None and br <= 128 and bc <= 128:
+        kind = _GEOM["tile"]
+    else:
+        return None
+    scale = _S_NVFP4 if fmt.tensor_scale else _SCALE.get(fmt.scale_rounding)
+    if per_tensor:
+        scale = _SCALE["exact"]
+    if scale is None or (fmt.tensor_scale and fmt.scale != "e4m3"):
+        return None
+    words = [kind, lr, lc, scale, elem.mantissa, 127 + elem.min_normal_exp]
+    words += [_f32_bits(elem.max) & 0x7FFFFF, elem.emax]
+    words += [_f32_bits(x) for x in (elem.max, 2 * elem.max, _clip_gt(elem))]
+    words += [_E4M3.mantissa, 127 + _E4M3.min_normal_exp]
+    words += [_f32_bits(x) for x in (_E4M3.max, 2 * _E4M3.max, _clip_gt(_E4M3))]
+    words += [_f32_bits(_E4M3.max * elem.max)]
+    return words + [0] * (_J_WORDS - len(words))
+
+
 def _kernel(
     k: numkernel.Kernel,
     x2d: torch.Tensor,
@@ -310,5 +358,67 @@ def _kernel(
     divisor: torch.Tensor | float | None,
 ) -> torch.Tensor | None:
     """The compiled pass, or None where it does not apply (the eager path then runs)."""
-    del k, x2d, operand, rows, divisor
-    return None
+    shape = (int(x2d.shape[0]), int(x2d.shape[1]))
+    r, c = shape
+    if r * c == 0:
+        return None
+    s0, s1 = x2d.stride()
+    s0, s1 = (s0 if r > 1 else c), (s1 if c > 1 else 1)
+    if s1 == 1 and s0 >= c:
+        mem, ld, transposed = x2d, s0, False
+    elif s0 == 1 and s1 >= r:
+        mem, ld, transposed = x2d, s1, True
+    else:
+        mem, ld, transposed = x2d.contiguous(), c, False
+    div_t: torch.Tensor | None = None
+    if isinstance(divisor, torch.Tensor):
+        if divisor.device.type != "cpu" or divisor.numel() != 1:
+            return None
+        div_t = divisor.detach().reshape(1).to(torch.float32)
+    elif divisor is not None:
+        div_t = torch.tensor([float(divisor)], dtype=torch.float32)
+    jobs: list[int] = []
+    need_amax = False
+    for orient, name in rows:
+        fmt = FORMATS[name]
+        geom = _geometry(operand, orient, name, shape)
+        if transposed:
+            geom = (geom[1], geom[0])
+        words = _job(name, geom, fmt.block == 0)
+        if words is None:
+            return None
+        need_amax |= fmt.block == 0 or fmt.tensor_scale
+        jobs += words
+    mr, mc = (c, r) if transposed else (r, c)
+    kind = _KERNEL_DTYPES[x2d.dtype]
+    ptr = mem.data_ptr()
+    dptr = div_t.data_ptr() if div_t is not None else None
+    amax_t = k.block_amax(ptr, kind, mr, mc, ld, dptr) if need_amax else 0.0
+    words_t = torch.tensor(jobs, dtype=torch.int32)
+    res = torch.zeros(len(rows), _O_WORDS, dtype=torch.float64)
+    stats = torch.zeros(3, dtype=torch.float64)
+    k.block_pass(
+        ptr,
+        kind,
+        mr,
+        mc,
+        ld,
+        dptr,
+        amax_t,
+        len(rows),
+        words_t.data_ptr(),
+        res.data_ptr(),
+        stats.data_ptr(),
+    )
+    out = torch.empty(len(rows), _NF, dtype=torch.float64)
+    out[:, 0] = float(r * c)
+    out[:, 1] = stats[1]
+    out[:, 2] = stats[0]
+    out[:, 3:5] = res[:, 0:2]
+    out[:, 6:8] = res[:, 2:4]
+    out[:, 8] = stats[2]
+    out[:, 9] = res[:, 4]
+    for i, (orient, name) in enumerate(rows):
+        fmt = FORMATS[name]
+        out[i, 5] = float(_nblocks(shape, _geometry(operand, orient, name, shape), fmt.block == 0))
+    return out

@@ -400,6 +400,336 @@ int64_t amprobe_nonfinite(const void *x, int64_t n, int32_t kind) {
   }
   return c;
 }
+/* ---- block statistics of #36 (amprobe.capture.collectors.blockstats) ----
+   One pass over a 2-D tensor in 128 x 128 strips (rows x contiguous columns of memory): each
+   strip is read once into |x / divisor| (fp32, non-finite -> 0), and every requested
+   (block shape, format) job is reduced from that buffer: 1-D blocks along the columns (1 x b)
+   or along the rows (b x 1: the strip is a panel of 128 rows, amax per column), 2-D tiles,
+   or one scale per tensor. Blocks of 16/32/64/128 and tiles up to 128 x 128 never straddle
+   strips. Arithmetic in GCC vector extensions, 16 fp32 lanes (lowered to what each clone's
+   ISA has); all fp32 operations are the IEEE ones the eager torch reduction does (no
+   contraction: -std=c99), so counts are identical and float64 sums differ only in order. */
+#define BS_R 128
+#define BS_C 128
+#define BS_VL 16
+#define BS_NG (BS_C / BS_VL)
+typedef float bs_vf __attribute__((vector_size(64)));
+typedef int32_t bs_vi __attribute__((vector_size(64)));
+typedef double bs_vd __attribute__((vector_size(128)));
+typedef uint16_t bs_vh __attribute__((vector_size(32)));
+
+/* a job: words of one (block shape, format) row */
+enum {
+  J_GEOM, J_LR, J_LC, J_SCALE, J_MANT, J_MINB, J_MMAX, J_EMAX, J_MAXF, J_CAPF, J_CLIPF,
+  J_SMANT, J_SMINB, J_SMAXF, J_SCAPF, J_SCLIPF, J_STDIVF, J_WORDS = 20
+};
+enum { G_ROWS, G_COLS, G_TILE, G_TENSOR };          /* 1 x b, b x 1, tr x tc, whole tensor */
+enum { S_EXACT, S_FLOOR, S_CEIL, S_NVFP4 };
+enum { O_FLUSHED, O_CLIPPED, O_UNDER, O_SAT, O_NOISE, O_WORDS };
+
+#define BS_INLINE static inline __attribute__((always_inline))
+BS_INLINE bs_vf bs_f(float x) { bs_vf v = {0}; return v + x; }
+BS_INLINE bs_vi bs_i(int32_t x) { bs_vi v = {0}; return v + x; }
+BS_INLINE bs_vf bs_sel(bs_vi m, bs_vf a, bs_vf b) {
+  return (bs_vf)(((bs_vi)a & m) | ((bs_vi)b & ~m));
+}
+BS_INLINE bs_vi bs_seli(bs_vi m, bs_vi a, bs_vi b) { return (a & m) | (b & ~m); }
+BS_INLINE float bs_fl(int32_t bits) { float f; memcpy(&f, &bits, 4); return f; }
+
+/* round-to-nearest-even of v >= 0 in an element type (mantissa bits, smallest normal biased
+   exponent minb), subnormals kept, saturating at maxf; cap = 2 * maxf keeps the magic in range */
+BS_INLINE bs_vf bs_rne(bs_vf v, int32_t mant, int32_t minb, float maxf, float cap) {
+  bs_vf vc = bs_sel(v < bs_f(cap), v, bs_f(cap));
+  bs_vi eb = (bs_vi)vc >> 23;
+  eb = bs_seli(eb > bs_i(minb), eb, bs_i(minb));
+  bs_vf magic = (bs_vf)((eb + (23 - mant)) << 23);
+  bs_vf q = (vc + magic) - magic;
+  return bs_sel(q < bs_f(maxf), q, bs_f(maxf));
+}
+
+/* 2**e for integer e in [-127, 127] */
+BS_INLINE bs_vf bs_pow2(bs_vi e) {
+  return (bs_vf)bs_seli(e >= bs_i(-126), (e + 127) << 23, bs_i(0x00400000));
+}
+
+/* Scales of n block maxima (n a multiple of 16, zeros where no block): smul (the scale, 0 for
+   an all-zero block) and sdiv (what |x| is divided by: the scale, inf for a zero scale; or,
+   for power-of-two scales, multiplied by: 1 / scale). Adds the under/saturated counts. */
+static void bs_scales(const int32_t *am, int n, const int32_t *job, float s_t, float *smul,
+                      float *sdiv, double *o) {
+  bs_vi under = bs_i(0), sat = bs_i(0);
+  int kind = job[J_SCALE];
+  float maxf = bs_fl(job[J_MAXF]);
+  for (int i = 0; i < n; i += BS_VL) {
+    bs_vf a = (bs_vf)*(const bs_vi *)(am + i);
+    bs_vi pos = a > bs_f(0.0f);
+    bs_vf s, d;
+    if (kind == S_EXACT) {
+      s = a / bs_f(maxf);
+      under -= pos & (s == bs_f(0.0f));
+      sat -= pos & ((bs_vi)s == bs_i(0x7F800000));
+      d = bs_sel(s > bs_f(0.0f), s, bs_f(__builtin_inff()));
+    } else if (kind == S_NVFP4) {
+      bs_vf raw = (a / bs_f(maxf)) / bs_f(s_t);
+      sat -= pos & (raw > bs_f(bs_fl(job[J_SCLIPF])));
+      raw = bs_sel(pos, raw, bs_f(0.0f));
+      bs_vf sb = bs_rne(raw, job[J_SMANT], job[J_SMINB], bs_fl(job[J_SMAXF]),
+                        bs_fl(job[J_SCAPF]));
+      under -= pos & (sb == bs_f(0.0f));
+      s = sb * bs_f(s_t);
+      d = bs_sel(s > bs_f(0.0f), s, bs_f(__builtin_inff()));
+    } else {
+      bs_vi bits = (bs_vi)a;
+      bs_vi eb = bits >> 23, frac = bits & 0x7FFFFF;
+      bs_vi norm = (bs_vi)__builtin_convertvector(frac, bs_vf);
+      bs_vi sub = eb == bs_i(0);
+      bs_vi e = bs_seli(sub, (norm >> 23) - (127 + 149), eb - 127);
+      bs_vi m = bs_seli(sub, norm & 0x7FFFFF, frac);
+      e = e - job[J_EMAX];
+      if (kind == S_CEIL) e -= m > bs_i(job[J_MMAX]);
+      under -= pos & (e < bs_i(-127));
+      sat -= pos & (e > bs_i(127));
+      e = bs_seli(e < bs_i(-127), bs_i(-127), e);
+      e = bs_seli(e > bs_i(127), bs_i(127), e);
+      s = bs_pow2(e);
+      d = bs_pow2(-e);
+    }
+    *(bs_vf *)(smul + i) = bs_sel(pos, s, bs_f(0.0f));
+    *(bs_vf *)(sdiv + i) = d;
+  }
+  int64_t u = 0, t = 0;
+  for (int l = 0; l < BS_VL; l++) { u += under[l]; t += sat[l]; }
+  o[O_UNDER] += (double)u;
+  o[O_SAT] += (double)t;
+}
+
+/* one vector of 16 |x| against its scales: flushed / clipped counts and the noise */
+BS_INLINE void bs_quant(bs_vf a, bs_vf s, bs_vf d, int mul, int32_t mant, int32_t minb,
+                        float maxf, float cap, float clip, bs_vi *fl, bs_vi *cl, bs_vd *nz) {
+  bs_vf v = mul ? a * d : a / d;
+  *cl -= v > bs_f(clip);
+  bs_vf deq = bs_rne(v, mant, minb, maxf, cap) * s;
+  *fl -= (deq == bs_f(0.0f)) & (a > bs_f(0.0f));
+  bs_vd e = __builtin_convertvector(a - deq, bs_vd); /* exact in fp32: deq is 0 or within 2x */
+  *nz += e * e;
+}
+
+BS_INLINE void bs_job_quant(const float *buf, int nr, int ng, const int32_t *job,
+                            const float *smul, const float *sdiv, int mul, double *o) {
+  bs_vi fl = bs_i(0), cl = bs_i(0);
+  bs_vd nz = {0};
+  int32_t mant = job[J_MANT], minb = job[J_MINB];
+  float maxf = bs_fl(job[J_MAXF]), cap = bs_fl(job[J_CAPF]), clip = bs_fl(job[J_CLIPF]);
+  int geom = job[J_GEOM], lr = job[J_LR], lc = job[J_LC];
+  if (geom == G_COLS) {
+    for (int r = 0; r < nr; r++) {
+      const float *sm = smul + (r >> lr) * BS_C, *sd = sdiv + (r >> lr) * BS_C;
+      for (int g = 0; g < ng; g++)
+        bs_quant(*(const bs_vf *)(buf + r * BS_C + g * BS_VL), *(const bs_vf *)(sm + g * BS_VL),
+                 *(const bs_vf *)(sd + g * BS_VL), mul, mant, minb, maxf, cap, clip, &fl, &cl,
+                 &nz);
+    }
+  } else {
+    int rstride = geom == G_TENSOR ? 0 : BS_NG >> lc;
+    for (int r = 0; r < nr; r++) {
+      int base = (r >> lr) * rstride;
+      for (int g = 0; g < ng; g++) {
+        int k = base + (g >> lc);
+        bs_quant(*(const bs_vf *)(buf + r * BS_C + g * BS_VL), bs_f(smul[k]), bs_f(sdiv[k]),
+                 mul, mant, minb, maxf, cap, clip, &fl, &cl, &nz);
+      }
+    }
+  }
+  int64_t f = 0, c = 0;
+  double n = 0;
+  for (int l = 0; l < BS_VL; l++) { f += fl[l]; c += cl[l]; n += nz[l]; }
+  o[O_FLUSHED] += (double)f;
+  o[O_CLIPPED] += (double)c;
+  o[O_NOISE] += n;
+}
+
+/* |x / divisor| of n (<= 16) elements at p as a vector, non-finite -> 0 (a tail zero-filled);
+   dmode 0: no divisor, 1: multiply by dv (1 / a power-of-two divisor), 2: divide by dv */
+BS_INLINE bs_vf bs_load(const void *p, int kind, int n, int dmode, float dv, bs_vi *bad) {
+  bs_vf f;
+  if (kind == 2) {
+    bs_vi u = {0};
+    memcpy(&u, p, n * 4);
+    f = (bs_vf)(u & 0x7FFFFFFF);
+  } else {
+    bs_vh h = {0};
+    memcpy(&h, p, n * 2);
+    bs_vi u = __builtin_convertvector(h, bs_vi) & 0x7FFF;
+    if (kind == 1) {
+      f = (bs_vf)(u << 16);
+    } else {
+      /* fp16 -> fp32: the bits moved into place, rescaled by 2**112 (exact, subnormals
+         included); inf/NaN keep an all-ones exponent */
+      bs_vf g = (bs_vf)(u << 13) * bs_f(0x1p112f);
+      f = bs_sel(u >= bs_i(0x7C00), (bs_vf)((u << 13) | 0x7F800000), g);
+    }
+  }
+  if (dmode == 1) f = f * bs_f(dv);
+  else if (dmode == 2) f = f / bs_f(dv);
+  bs_vi fin = (bs_vi)f < bs_i(0x7F800000);
+  *bad -= ~fin;
+  return bs_sel(fin, f, bs_f(0.0f));
+}
+
+static int bs_dmode(const float *div, float *dv) {
+  if (!div) return 0;
+  float d = *div < 0 ? -*div : *div;
+  uint32_t b;
+  memcpy(&b, &d, 4);
+  uint32_t e = (b >> 23) & 0xFF;
+  if ((b & 0x7FFFFF) == 0 && e >= 2 && e <= 252) {
+    *dv = 1.0f / d; /* a normal power of two: x * (1 / d) is x / d, rounded once */
+    return 1;
+  }
+  *dv = d;
+  return 2;
+}
+
+#define BS_ESIZE(kind) ((kind) == 2 ? 4 : 2)
+
+/* the largest finite |x / divisor| */
+CLONES
+float amprobe_block_amax(const void *x, int32_t kind, int64_t rows, int64_t cols, int64_t ld,
+                         const float *div) {
+  float dv = 1.0f;
+  int dmode = bs_dmode(div, &dv);
+  bs_vi top = bs_i(0), bad = bs_i(0);
+  int es = BS_ESIZE(kind);
+  for (int64_t r = 0; r < rows; r++) {
+    const char *row = (const char *)x + r * ld * es;
+    for (int64_t c = 0; c < cols; c += BS_VL) {
+      int n = cols - c < BS_VL ? (int)(cols - c) : BS_VL;
+      if ((c & 127) == 0) __builtin_prefetch(row + (c + 256) * es);
+      bs_vi a = (bs_vi)bs_load(row + c * es, kind, n, dmode, dv, &bad);
+      top = bs_seli(a > top, a, top);
+    }
+  }
+  int32_t m = 0;
+  for (int l = 0; l < BS_VL; l++) m = top[l] > m ? top[l] : m;
+  return bs_fl(m);
+}
+
+/* The strip pass: stats[0..2] += non-finite, nonzero, sum x**2; out[job * O_WORDS + ...] +=
+   flushed, clipped, scale_under, scale_sat, noise of each job. */
+CLONES
+void amprobe_block_pass(const void *x, int32_t kind, int64_t rows, int64_t cols, int64_t ld,
+                        const float *div, float amax_t, int32_t njobs, const int32_t *jobs,
+                        double *out, double *stats) {
+  float buf[BS_R * BS_C] __attribute__((aligned(64)));
+  int32_t rmax[BS_R * BS_NG] __attribute__((aligned(64)));
+  int32_t cmax[(BS_R / 16) * BS_C] __attribute__((aligned(64)));
+  int32_t am[BS_R * BS_NG] __attribute__((aligned(64)));
+  float smul[BS_R * BS_NG] __attribute__((aligned(64)));
+  float sdiv[BS_R * BS_NG] __attribute__((aligned(64)));
+  float dv = 1.0f;
+  int dmode = bs_dmode(div, &dv);
+  int es = BS_ESIZE(kind);
+  int need_r = 0, need_c = 0;
+  for (int j = 0; j < njobs; j++) {
+    int g = jobs[j * J_WORDS + J_GEOM];
+    need_r |= g == G_ROWS || g == G_TILE;
+    need_c |= g == G_COLS;
+  }
+  float s_t = amax_t / 2688.0f;
+  bs_vi bad = bs_i(0), nzc = bs_i(0);
+  bs_vd sig = {0};
+  for (int64_t r0 = 0; r0 < rows; r0 += BS_R) {
+    int nr = rows - r0 < BS_R ? (int)(rows - r0) : BS_R;
+    for (int64_t c0 = 0; c0 < cols; c0 += BS_C) {
+      int nc = cols - c0 < BS_C ? (int)(cols - c0) : BS_C;
+      int ng = (nc + BS_VL - 1) / BS_VL;
+      for (int r = 0; r < nr; r++) {
+        const char *row = (const char *)x + ((r0 + r) * ld + c0) * es;
+        if (c0 + BS_C < cols)
+          for (int b = 0; b < BS_C * es; b += 64) __builtin_prefetch(row + BS_C * es + b);
+        for (int g = 0; g < ng; g++) {
+          int n = nc - g * BS_VL < BS_VL ? nc - g * BS_VL : BS_VL;
+          bs_vf a = bs_load(row + g * BS_VL * es, kind, n, dmode, dv, &bad);
+          *(bs_vf *)(buf + r * BS_C + g * BS_VL) = a;
+          nzc -= a > bs_f(0.0f);
+          bs_vd ad = __builtin_convertvector(a, bs_vd);
+          sig += ad * ad;
+          if (need_r) {
+            int32_t m = 0;
+            for (int l = 0; l < BS_VL; l++) m = ((bs_vi)a)[l] > m ? ((bs_vi)a)[l] : m;
+            rmax[r * BS_NG + g] = m;
+          }
+        }
+      }
+      if (need_c) {
+        for (int rg = 0; rg * 16 < nr; rg++) {
+          int hi = nr < rg * 16 + 16 ? nr : rg * 16 + 16;
+          for (int g = 0; g < ng; g++) {
+            bs_vi m = bs_i(0);
+            for (int r = rg * 16; r < hi; r++) {
+              bs_vi a = (bs_vi)*(const bs_vf *)(buf + r * BS_C + g * BS_VL);
+              m = bs_seli(a > m, a, m);
+            }
+            *(bs_vi *)(cmax + rg * BS_C + g * BS_VL) = m;
+          }
+        }
+      }
+      for (int j = 0; j < njobs; j++) {
+        const int32_t *job = jobs + j * J_WORDS;
+        int geom = job[J_GEOM], lr = job[J_LR], lc = job[J_LC];
+        int n;
+        if (geom == G_TENSOR) {
+          for (int i = 0; i < BS_VL; i++) am[i] = 0;
+          memcpy(am, &amax_t, 4);
+          n = BS_VL;
+          if (r0 || c0) { /* one scale per tensor: its under/saturated count once */
+            double o[O_WORDS] = {0};
+            bs_scales(am, n, job, s_t, smul, sdiv, o);
+          } else {
+            bs_scales(am, n, job, s_t, smul, sdiv, out + j * O_WORDS);
+          }
+        } else {
+          if (geom == G_COLS) {
+            int nb = ((nr - 1) >> lr) + 1, per = (1 << lr) / 16;
+            n = nb * BS_C;
+            for (int b = 0; b < nb; b++)
+              for (int c = 0; c < BS_C; c += BS_VL) {
+                bs_vi m = bs_i(0);
+                for (int k = 0; k < per && (b * per + k) * 16 < nr; k++) {
+                  bs_vi v = *(const bs_vi *)(cmax + (b * per + k) * BS_C + c);
+                  m = bs_seli(v > m, v, m);
+                }
+                if (c >= ng * BS_VL) m = bs_i(0);
+                *(bs_vi *)(am + b * BS_C + c) = m;
+              }
+          } else {
+            int rstride = BS_NG >> lc, nb = ((nr - 1) >> lr) + 1;
+            n = nb * rstride;
+            n = (n + BS_VL - 1) / BS_VL * BS_VL;
+            for (int i = 0; i < n; i++) am[i] = 0;
+            int32_t *ami = am;
+            for (int r = 0; r < nr; r++)
+              for (int g = 0; g < ng; g++) {
+                int k = (r >> lr) * rstride + (g >> lc);
+                ami[k] = rmax[r * BS_NG + g] > ami[k] ? rmax[r * BS_NG + g] : ami[k];
+              }
+          }
+          bs_scales(am, n, job, s_t, smul, sdiv, out + j * O_WORDS);
+        }
+        if (job[J_SCALE] == S_FLOOR || job[J_SCALE] == S_CEIL)
+          bs_job_quant(buf, nr, ng, job, smul, sdiv, 1, out + j * O_WORDS);
+        else
+          bs_job_quant(buf, nr, ng, job, smul, sdiv, 0, out + j * O_WORDS);
+      }
+    }
+  }
+  int64_t b = 0, z = 0;
+  double s = 0;
+  for (int l = 0; l < BS_VL; l++) { b += bad[l]; z += nzc[l]; s += sig[l]; }
+  stats[0] += (double)b;
+  stats[1] += (double)z;
+  stats[2] += s;
+}
 """
 SOURCE = SOURCE.replace("@SUB_MIN@", str(SUB_MIN)).replace("@SUB_PAD@", str(_SUB_PAD))
 
@@ -408,7 +738,8 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math", "-std=c99")
 
 class Kernel:
     """The loaded library: ``row16``, ``row32``, ``add_row`` and ``nonfinite`` (see
-    :data:`SOURCE`)."""
+    :data:`SOURCE`), and ``block_amax`` / ``block_pass`` for
+    :mod:`~amprobe.capture.collectors.blockstats`."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -426,6 +757,13 @@ class Kernel:
         self.nonfinite = lib.amprobe_nonfinite
         self.nonfinite.argtypes = [p, i64, ctypes.c_int32]
         self.nonfinite.restype = i64
+        # block statistics (amprobe.capture.collectors.blockstats)
+        self.block_amax = lib.amprobe_block_amax
+        self.block_amax.argtypes = [p, i32, i64, i64, i64, p]
+        self.block_amax.restype = f32
+        self.block_pass = lib.amprobe_block_pass
+        self.block_pass.argtypes = [p, i32, i64, i64, i64, p, f32, i32, p, p, p]
+        self.block_pass.restype = None
         self.path = path
 
 
