@@ -35,7 +35,10 @@ Records:
     ``steps`` fields: ``input_nonfinite`` (non-finite elements in the root models' floating
     inputs, count), ``loss_nonfinite`` (the loss was inf/NaN, bool), ``numerics_sampled``.
     ``numerics`` table, one row per module, kind and sampled step: ``kind`` (``input``,
-    ``output``, ``grad_output``, ``grad_param``), ``dtype``, ``calls``, ``order`` (position of
+    ``output``, ``grad_output``, ``grad_param``; on budgeted samples with ``block_formats`` set,
+    a matmul layer's GEMM operands ``gemm_input`` and ``gemm_weight``: see
+    :mod:`~amprobe.capture.collectors.operands`, which also writes the ``blockstats`` table),
+    ``dtype``, ``calls``, ``order`` (position of
     the first call in execution order of that kind in the step), ``elements``, ``zeros``,
     ``nan``, ``inf``, ``finite``. With ``v`` the recorded magnitude (``|x|`` in fp32; for
     gradients ``|x| / loss_scale``, divided in fp32): ``over_fp16`` (finite values that a real
