@@ -28,8 +28,9 @@ Two implementations give the same counts (and the same sums up to float64 summat
 the compiled CPU kernel of :mod:`~amprobe.capture.collectors.numkernel` (one pass over the
 tensor for all rows, fp32/bf16/fp16 read directly, a 128x128 strip buffer, no tensor-sized
 temporaries) when it is built, and an eager torch reduction otherwise (any device, no
-host-device sync: no value is read back; it keeps fp32 and float64 temporaries of the
-operand's size).
+host-device sync: no value is read back; its fp32 and float64 temporaries are made per
+chunk of rows, :data:`EAGER_CHUNK` elements). The kernel needs fp32/bf16/fp16 on CPU and blocks
+of 16 to 128 elements (tiles up to 128 x 128, powers of two); anything else runs eagerly.
 
 The element cast is arithmetic on fp32 bits, no float8 dtype needed: ``v`` in binade ``E``
 (clamped below at the element's smallest normal binade) is a multiple of ``2**(E - mantissa)``
@@ -39,6 +40,7 @@ nearest even at exactly that step.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 
@@ -208,6 +210,11 @@ def _nblocks(shape: tuple[int, int], geom: tuple[int, int], per_tensor: bool) ->
     return -(-r // geom[0]) * -(-c // geom[1])
 
 
+#: rows of the operand the eager path takes at a time hold about this many elements: its fp32
+#: and float64 temporaries are made per chunk, so a large operand adds a bounded peak
+EAGER_CHUNK = 1 << 22
+
+
 def _eager(
     x2d: torch.Tensor,
     operand: str,
@@ -216,60 +223,68 @@ def _eager(
 ) -> torch.Tensor:
     dev = x2d.device
     shape = (int(x2d.shape[0]), int(x2d.shape[1]))
-    y = x2d.float()
-    if divisor is not None:
-        if isinstance(divisor, torch.Tensor):
-            y = y / divisor.to(device=dev, dtype=torch.float32, non_blocking=True)
-        else:
-            y = y / float(divisor)
-    a = y.abs()
-    fin = torch.isfinite(a)
-    a = torch.where(fin, a, 0.0)
-    f64 = torch.float64
-    nonfinite = (~fin).sum().to(f64)
-    nonzero = (a > 0).sum().to(f64)
-    signal = a.double().square().sum()
-    amax_t = a.amax() if a.numel() else torch.zeros((), device=dev)
-    out = []
-    for orient, name in rows:
-        fmt = FORMATS[name]
-        elem = ELEMENTS[fmt.element]
-        geom = _geometry(operand, orient, name, shape)
-        nblocks = _nblocks(shape, geom, fmt.block == 0)
-        if a.numel() == 0:
-            blk = a.reshape(0, 1)
-        else:
-            blk = _blocked(a, *geom)
-        amax = blk.amax(dim=1) if blk.numel() else blk.new_zeros(blk.shape[0])
-        s, under, sat = _scales(amax, name, amax_t)
-        sc = s[:, None]
-        live = sc > 0
-        v = torch.where(live, blk / torch.where(live, sc, 1.0), 0.0)
-        bound = elem.clip_from
-        clipped = (v >= bound) if elem.clip_inclusive else (v > bound)
-        deq = _rne(v, elem) * sc
-        flushed = (blk > 0) & (deq == 0)
-        noise = (blk.double() - deq.double()).square().sum()
-        full = torch.full((), 0.0, dtype=f64, device=dev)
-        out.append(
-            torch.stack(
-                [
-                    full + shape[0] * shape[1],
-                    nonzero,
-                    nonfinite,
-                    flushed.sum().to(f64),
-                    clipped.sum().to(f64),
-                    full + nblocks,
-                    under.sum().to(f64),
-                    sat.sum().to(f64),
-                    signal,
-                    noise,
-                ]
-            )
+    f64 = torch.float32 if dev.type == "mps" else torch.float64  # MPS has no float64
+    acc = torch.zeros(len(rows), _NF, dtype=f64, device=dev)
+    if shape[0] * shape[1] == 0 or not rows:
+        return acc
+    d: torch.Tensor | float | None = divisor
+    if isinstance(divisor, torch.Tensor):
+        d = divisor.to(device=dev, dtype=torch.float32, non_blocking=True)
+
+    def magnitudes(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = part.float()
+        if d is not None:
+            y = y / (d if isinstance(d, torch.Tensor) else float(d))
+        a = y.abs()
+        fin = torch.isfinite(a)
+        return torch.where(fin, a, 0.0), fin
+
+    geoms = [_geometry(operand, orient, name, shape) for orient, name in rows]
+    tensor_rows = [FORMATS[name].block == 0 for _, name in rows]
+    step = math.lcm(1, *(g[0] for g, t in zip(geoms, tensor_rows, strict=True) if not t))
+    chunk = max(step, EAGER_CHUNK // shape[1] // step * step)
+    amax_t = torch.zeros((), device=dev)
+    if any(t or FORMATS[name].tensor_scale for t, (_, name) in zip(tensor_rows, rows, strict=True)):
+        for r0 in range(0, shape[0], chunk):
+            amax_t = torch.maximum(amax_t, magnitudes(x2d[r0 : r0 + chunk])[0].amax())
+    tensor_scale: dict[int, torch.Tensor] = {}
+    for i, (_, name) in enumerate(rows):
+        if tensor_rows[i]:
+            s, under, sat = _scales(amax_t.reshape(1), name, amax_t)
+            tensor_scale[i] = s
+            acc[i, 6] += under.sum()
+            acc[i, 7] += sat.sum()
+    common = torch.zeros(3, dtype=f64, device=dev)  # nonzero, nonfinite, signal
+    for r0 in range(0, shape[0], chunk):
+        a, fin = magnitudes(x2d[r0 : r0 + chunk])
+        common += torch.stack(
+            [(a > 0).sum().to(f64), (~fin).sum().to(f64), a.to(f64).square().sum()]
         )
-    if not out:
-        return torch.zeros((0, _NF), dtype=f64, device=dev)
-    return torch.stack(out)
+        for i, (_, name) in enumerate(rows):
+            elem = ELEMENTS[FORMATS[name].element]
+            if tensor_rows[i]:
+                blk, s = a.reshape(1, -1), tensor_scale[i]
+            else:
+                blk = _blocked(a, *geoms[i])
+                s, under, sat = _scales(blk.amax(dim=1), name, amax_t)
+                acc[i, 6] += under.sum()
+                acc[i, 7] += sat.sum()
+            sc = s[:, None]
+            live = sc > 0
+            v = torch.where(live, blk / torch.where(live, sc, 1.0), 0.0)
+            bound = elem.clip_from
+            clipped = (v >= bound) if elem.clip_inclusive else (v > bound)
+            deq = _rne(v, elem) * sc
+            acc[i, 3] += ((blk > 0) & (deq == 0)).sum()
+            acc[i, 4] += clipped.sum()
+            acc[i, 9] += (blk.to(f64) - deq.to(f64)).square().sum()
+    acc[:, 0] = float(shape[0] * shape[1])
+    acc[:, 1] = common[0]
+    acc[:, 2] = common[1]
+    acc[:, 8] = common[2]
+    for i in range(len(rows)):
+        acc[i, 5] = float(_nblocks(shape, geoms[i], tensor_rows[i]))
+    return acc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +315,7 @@ def measure(
     rows = rows_for(operand, formats)
     if x2d.device.type == "cpu" and x2d.dtype in _KERNEL_DTYPES:
         k = numkernel.kernel()
-        if k is not None and hasattr(k, "block_pass"):
+        if k is not None and k.has_blocks:
             res = _kernel(k, x2d, operand, rows, divisor)
             if res is not None:
                 return res
