@@ -142,8 +142,10 @@ class GemmOperands:
             self._by_grad[slots[1]] = slots[0]
 
     def begin(self, step: int, budgeted: bool) -> None:
-        """A step begins: measured when it is a budgeted (not an armed) sample."""
-        self.end()
+        """A step begins (or, asked again in the same step, a root model found in the middle
+        of it): measured when it is a budgeted (not an armed) sample."""
+        if step != self._step:
+            self.end()
         self.on = budgeted and bool(self._layers)
         self._step = step
 
