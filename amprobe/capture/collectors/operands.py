@@ -55,7 +55,7 @@ import torch
 from amprobe.capture.collectors import blockstats
 from amprobe.capture.collectors.compiled import is_compiling
 from amprobe.capture.collectors.graphstats import materialized_output
-from amprobe.capture.collectors.sharded import PLAIN_TENSORS, local_tensor
+from amprobe.capture.collectors.sharded import PLAIN_TENSORS
 from amprobe.store.blockformats import STAT_FIELDS, rows_for
 from amprobe.store.schema import NUMERICS_OPERAND_KINDS
 
@@ -203,14 +203,22 @@ class GemmOperands:
     ) -> None:
         approx = ""
         if type(t) not in PLAIN_TENSORS:
-            local = local_tensor(t)
-            if local is t:
-                return  # another tensor subclass: numerics says so once ("not checked")
-            if not _replicated(t):  # (a replicated DTensor's local tensor is all of it)
+            # a sharded DTensor's local shard is part of the operand (a replicated one's is all)
+            if hasattr(t, "placements") and not _replicated(t):
                 approx = LOCAL_SHARD.format(what=_WHAT[operand])
                 if operand == "w" and _fsdp_module(self._layers[out_slot].module()):
                     approx = FSDP_SHARD
-            t = local
+            # as numerics reads it: a DTensor's local tensor, an AsyncCollectiveTensor waited on,
+            # a subclass over its own memory as a plain tensor; None for a wrapper subclass (no
+            # memory of its own: never handed to the kernel) and other layouts (an event says so)
+            own = self.owner._own_values(t, out_slot)
+            if own is None:
+                return
+            t = own
+        elif operand != "w" and _tp_split(self._layers[out_slot], operand, t):
+            # a plain local tensor (use_local_output) of a layer whose weight is split along
+            # the dimension this operand shares with it: this rank's part of it
+            approx = LOCAL_SHARD.format(what=_WHAT[operand])
         if not t.is_floating_point() or t.numel() == 0 or t.layout is not torch.strided:
             return
         owner = self.owner
@@ -297,3 +305,23 @@ def _replicated(t: torch.Tensor) -> bool:
     """A DTensor replicated on every mesh dimension (its local tensor is the whole value)."""
     placements: tuple[Any, ...] = tuple(getattr(t, "placements", None) or ())
     return bool(placements) and all(p.is_replicate() for p in placements)
+
+
+def _tp_split(layer: _Layer, operand: str, t: torch.Tensor) -> bool:
+    """Whether a tensor-parallel layer's plain ``operand`` (``x``, ``dy``) is this rank's part:
+    its weight (not FSDP's) is a DTensor sharded along K (X's last dimension: RowwiseParallel)
+    or N (dY's: ColwiseParallel), and ``t`` is shorter there than the weight's global size (a
+    gathered, replicated output's gradient is whole). In the canonical ``[N, K]`` layout;
+    Hugging Face's Conv1D is ``[K, N]``."""
+    module = layer.module()
+    weight = getattr(module, "weight", None)
+    placements = getattr(weight, "placements", None)
+    if weight is None or not placements or _fsdp_module(module) or t.dim() < 1:
+        return False
+    dims = {p.dim % 2 for p in placements if p.is_shard()}
+    axis = 1 if operand == "x" else 0  # K or N, in [N, K]
+    if layer.kind == "Conv1D":
+        dims = {1 - d for d in dims}
+        axis = 1 - axis
+    size = t.shape[1] if layer.kind == "Conv" and t.dim() > 2 else t.shape[-1]
+    return axis in dims and size < weight.shape[axis]
