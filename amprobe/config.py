@@ -33,7 +33,7 @@ ENV_FORCE_FP32 = "AMPROBE_FORCE_FP32"  # "1": autocast and GradScalers off (the 
 ENV_BASELINE = "AMPROBE_BASELINE"  # the FP32 baseline run, recorded in this run's manifest
 
 #: keys whose value is a list of names; a string is read as comma-separated ("a,b,c")
-LIST_KEYS = ("collectors", "numerics_layers")
+LIST_KEYS = ("collectors", "numerics_layers", "block_formats")
 
 
 def _as_names(value: Any) -> Any:
@@ -58,6 +58,22 @@ FLUSH_MIN_SPACING_S = 0.5
 
 class ConfigError(ValueError):
     """A configuration mistake, raised at attach time with a message that names the fix."""
+
+
+def _default_formats() -> tuple[str, ...]:
+    from amprobe.store.blockformats import DEFAULT_FORMATS  # (pure Python, no torch)
+
+    return tuple(DEFAULT_FORMATS)
+
+
+def _check_formats(names: Any) -> None:
+    from amprobe.store.blockformats import FORMATS
+
+    if isinstance(names, str) or not all(isinstance(n, str) and n in FORMATS for n in names):
+        raise ConfigError(
+            f"block_formats must be a list of format names from {', '.join(FORMATS)} "
+            f"(or [] for none), got {names!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +178,13 @@ class Config:
             step (step 0 included), so that AMP-D05 can compare data-parallel replicas; 0 turns
             it off. ``None`` (the default): at most every 100 steps, further apart when the
             ``overhead_budget`` needs it.
+        block_formats: block-scaled formats (:data:`amprobe.store.blockformats.FORMATS` keys)
+            whose cast the ``numerics`` collector measures on every matmul layer's three GEMM
+            operands (input, weight, output gradient; both orientations) on its budgeted
+            sampled steps, with the operands' own range statistics (``blockstats`` table;
+            ``gemm_input``/``gemm_weight`` rows of ``numerics``). Default: the
+            ``DEFAULT_FORMATS`` (per-tensor fp8, blockwise fp8, MXFP8, MXFP4, NVFP4); ``[]``
+            records neither.
     """
 
     flush_every: int | None = None
@@ -194,6 +217,7 @@ class Config:
     checkpoint_guard: str = "warn"
     device_check_minutes: float | None = None
     fingerprint_every: int | None = None
+    block_formats: tuple[str, ...] = _default_formats()
 
     def __post_init__(self) -> None:
         for key in LIST_KEYS:
@@ -362,6 +386,8 @@ class Config:
                 "fingerprint_every must be a non-negative integer (0 = off), "
                 f"got {self.fingerprint_every!r}"
             )
+        _check_formats(self.block_formats)
+        object.__setattr__(self, "block_formats", tuple(self.block_formats))
         for key in ("rank", "world_size"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 0):

@@ -51,6 +51,10 @@ for _shape, _args in _SHAPES.items():
     JOBS[f"{_shape}-plain"] = ("plain", _args)
     JOBS[f"{_shape}-run"] = ("run", _args)
 JOBS["deep10-attach"] = ("attach", _SHAPES["deep10"])
+# block statistics of the GEMM operands off (issue 36): the probed jobs above have them on
+NO_BLOCKS = ("deep10", "bf16-inductor")
+for _shape in NO_BLOCKS:
+    JOBS[f"{_shape}-noblocks"] = ("run-noblocks", _SHAPES[_shape])
 
 
 def _run_job(root: Path, job: str) -> dict[str, Any]:
@@ -60,8 +64,9 @@ def _run_job(root: Path, job: str) -> dict[str, Any]:
     script = [sys.executable, str(SCRIPT), str(out), *args]
     if "--fsdp" in args:  # two ranks; each writes its own file
         script = [*torchrun_argv(SCRIPT.name), str(out), *args]
-    if how == "run":
-        argv = [sys.executable, "-m", "amprobe", "run", "--out", str(run_dir), "--", *script]
+    if how.startswith("run"):
+        off = ["--set", "block_formats=[]"] if how == "run-noblocks" else []
+        argv = [sys.executable, "-m", "amprobe", "run", "--out", str(run_dir), *off, "--", *script]
     elif how == "attach":
         argv = [*script, "--attach", "--run-dir", str(run_dir)]
     else:
@@ -140,6 +145,28 @@ def test_every_compiled_matmul_layer_has_rows_on_sampled_steps(jobs, shape):
         assert "output" in set(first["module"]), "the root's own layers, outside the blocks"
     grads = rows[(rows["kind"] == "grad_output") & (rows["step"] == out["step"].min())]
     assert len(grads) == len(first), "output gradients of the same layers (gradtap)"
+    # every layer's three GEMM operands, on the first (budgeted) sample (issue 36)
+    step = out["step"].min()
+    linear = {"qkv", "proj", "fc1", "fc2", "booster", "output"}  # the scripts' nn.Linear layers
+    matmuls = {m for m in first["module"] if m.rsplit(".", 1)[-1] in linear}
+    gemm = rows[rows["step"] == step]
+    for kind in ("gemm_input", "gemm_weight"):
+        assert set(gemm.loc[gemm["kind"] == kind, "module"]) == matmuls
+    blocks = run.table("blockstats")
+    blocks = blocks[blocks["step"] == step]
+    for operand in ("x", "w", "dy"):
+        assert set(blocks.loc[blocks["operand"] == operand, "layer"]) == matmuls, operand
+
+
+@pytest.mark.parametrize("shape", NO_BLOCKS)
+def test_block_statistics_change_no_compiled_graph(jobs, shape):
+    """Block statistics on (the probed job) and off: the same graphs, called as often."""
+    on, off = jobs[f"{shape}-run"], jobs[f"{shape}-noblocks"]
+    assert on["graphs_compiled"] == off["graphs_compiled"]
+    assert [s["graph_calls"] for s in on["steps"]] == [s["graph_calls"] for s in off["steps"]]
+    assert _losses(on) == _losses(off) == _losses(jobs[f"{shape}-plain"])
+    assert not amprobe.load_run(off["run_dir"]).table("blockstats").shape[0]
+    assert amprobe.load_run(on["run_dir"]).table("blockstats").shape[0]
 
 
 def test_layers_inductor_fuses_are_said_to_be_not_checked(jobs):

@@ -91,6 +91,18 @@ def test_numerics_measures_local_shards_and_stays_on(fsdp_runs):
     assert "booster" in n05.title and n05.evidence["ranks"] == [0, 1]
 
 
+def test_gemm_weights_are_measured_unsharded(fsdp_runs):
+    """Issue 36: every Linear is ``fully_shard``-ed, and FSDP2 reshards its weight in a forward
+    hook: the block statistics read the gathered weight (full shape, compute dtype, exact)."""
+    blocks = fsdp_runs["fp16"].table("blockstats")
+    w = blocks[(blocks["operand"] == "w") & (blocks["step"] == 0)]
+    full = {"inp": (32, 16), "mid": (32, 32), "booster": (32, 32), "head": (4, 32)}
+    for rank in (0, 1):
+        mine = w[w["rank"] == rank].drop_duplicates("layer").set_index("layer")
+        assert {k: (r.rows, r.cols) for k, r in mine.iterrows()} == full
+        assert set(mine["approx"]) == {""} and set(mine["dtype"]) == {"float16"}
+
+
 def test_layer_names_are_the_users(fsdp_runs):
     run = fsdp_runs["fp16"]
     numerics = run.table("numerics")

@@ -274,3 +274,29 @@ def test_a_layer_whose_input_was_not_read_is_never_named_the_first_offender(tmp_
     else:
         assert rows.loc["blowup", "in_nonfinite"] == 0
         assert named == ["blowup"] and n05 == ["blowup"]
+
+
+@pytest.mark.parametrize(("dtype", "local"), CASES)
+def test_gemm_operands_of_tensor_parallel_layers_are_labelled_local_shards(tp_jobs, dtype, local):
+    """Issue 36: a tensor-parallel weight is measured as its local shard (labelled
+    approximate); a replicated input (the Colwise layers') is whole, a sharded one is not; the
+    AsyncCollectiveTensor input of ``head`` (use_local_output) is waited on, never handed to
+    the block kernel as a wrapper without memory (a segfault once)."""
+    blocks = tp_jobs[dtype, local, True]["run"].table("blockstats")
+    first = blocks[blocks["step"] == 0].drop_duplicates(["rank", "layer", "operand"])
+    assert set(first["rank"]) == {0, 1}
+    full = {"inp": (16, 8), "mlp.fc1": (32, 16), "mlp.fc2": (16, 32), "head": (4, 16)}
+    for r in first.itertuples():
+        if r.operand == "w":
+            assert r.approx == "local shard of a tensor-parallel weight", r
+            assert 2 * r.rows * r.cols == full[r.layer][0] * full[r.layer][1], r
+        elif r.operand == "x":
+            sharded = r.layer == "mlp.fc2"  # RowwiseParallel: its input is split along K
+            assert r.approx == ("local shard of a tensor-parallel input" if sharded else ""), r
+        else:  # dY: split along N where the Colwise output is not gathered (a plain local
+            # tensor with use_local_output, a DTensor without)
+            # (without it, the Rowwise output's gradient arrives as a DTensor not replicated:
+            # its local tensor is labelled, as every such DTensor)
+            sharded = r.layer == "mlp.fc1" or (r.layer == "mlp.fc2" and local == "0")
+            what = "local shard of a tensor-parallel output gradient"
+            assert r.approx == (what if sharded else ""), r

@@ -18,12 +18,14 @@ import pandas as pd
 
 from amprobe.analysis.frames import section_keys
 from amprobe.store.loader import Run
+from amprobe.store.schema import NUMERICS_OPERAND_KINDS
 from amprobe.store.sections.numerics import decode_bins, encode_bins
 from amprobe.store.sections.numerics import last_linear_half as _last_linear_half
 
 __all__ = [
     "FP16_MAX",
     "GRAD_KINDS",
+    "own_layer_rows",
     "COUNT_COLUMNS",
     "COUNT_DEFINITIONS",
     "ROLE_LABELS",
@@ -460,11 +462,19 @@ def numerics_missing_reason(run: Run) -> str:
     return "per-layer numerics were not recorded: no sampled step measured a layer"
 
 
+def own_layer_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """``numerics`` rows without a matmul layer's GEMM operands (kinds ``gemm_input``,
+    ``gemm_weight``: another layer's output and a parameter again), as the summaries keep them."""
+    if frame.empty or "kind" not in frame:
+        return frame
+    return frame[~frame["kind"].isin(NUMERICS_OPERAND_KINDS)]
+
+
 def layer_summary(run: Run, rank: int | None = None) -> pd.DataFrame:
     """:func:`compute_layer_summary` of the run's numerics, of one rank or all (cached per run)."""
 
     def compute(r: Run) -> pd.DataFrame:
-        frame = r.table("numerics")
+        frame = own_layer_rows(r.table("numerics"))
         if rank is not None and not frame.empty:
             frame = frame[frame["rank"] == rank]
         return compute_layer_summary(frame)
@@ -603,7 +613,8 @@ def layer_overflow_evidence(run: Run, rank: int, limit: int = 5) -> dict[str, An
     # the columns as arrays, the rank's rows picked once (frame operations per mask cost more
     # than the arithmetic on a few hundred rows)
     kind = numerics["kind"].to_numpy()
-    mine = np.flatnonzero((numerics["rank"].to_numpy() == rank) & (kind != "input"))
+    own = (kind != "input") & ~np.isin(kind, NUMERICS_OPERAND_KINDS)  # a layer's own values
+    mine = np.flatnonzero((numerics["rank"].to_numpy() == rank) & own)
     if not len(mine):
         return {}
     col = {c: numerics[c].to_numpy()[mine] for c in _OVERFLOW_COLUMNS}
@@ -1421,6 +1432,7 @@ def numerics_cells(
     ranks = np.asarray(ranks, dtype=np.int64)
     top = int(ranks.max(initial=0)) + 1  # a key v * top - rank orders by v, then lowest rank
     where = "module IS NOT NULL AND kind IS NOT NULL AND step IS NOT NULL"
+    where += f" AND kind NOT IN {tuple(NUMERICS_OPERAND_KINDS)!r}"  # (as the summaries)
     if len(ranks):  # the ranks given only (a store built later may hold more)
         where += f" AND rank BETWEEN {int(ranks.min())} AND {int(ranks.max())}"
     parts = [f"{COUNT_SQL[c]} AS v{i}" for i, c in enumerate(counts)]

@@ -23,6 +23,7 @@ from amprobe.analysis.numerics import (
     layer_summary,
     numerics_cells,
     numerics_missing_reason,
+    own_layer_rows,
     summary_layers,
 )
 from amprobe.analysis.rankbands import bucket_ranks, rank_range_text
@@ -772,7 +773,7 @@ def build_numerics_section(run: Run, diagnosis: Diagnosis) -> Section:
     """
     if many_ranks([info.rank for info in run.ranks]):
         return RankNumerics.of(run).section(run)
-    frame = run.table("numerics")
+    frame = own_layer_rows(run.table("numerics"))
     if frame.empty:
         return Section(key="numerics", title=_TITLE, missing=numerics_missing_reason(run))
     # the run's first and last steps and final scales (few rows per rank of many)

@@ -38,6 +38,11 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 
+#: ``numerics`` kinds of a matmul layer's GEMM operands (its input X and weight W; issue 36):
+#: another layer's output and a parameter again, so the readers of layers' own values (heatmaps,
+#: summaries, overflow evidence) leave them out; the block statistics are ``blockstats``
+NUMERICS_OPERAND_KINDS = ("gemm_input", "gemm_weight")
+
 #: Table name -> column name -> arrow type. The loader reads with these types; columns a
 #: writer did not emit come back as nulls, extra fields are ignored.
 TABLES: dict[str, dict[str, pa.DataType]] = {
@@ -87,7 +92,7 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "step": pa.int64(),
         "module": pa.string(),  # qualified name; "<input R>[i]" for root model R's i-th float input
         "module_type": pa.string(),
-        "kind": pa.string(),  # input | output | grad_output | grad_param
+        "kind": pa.string(),  # input | output | grad_output | grad_param | gemm_input | gemm_weight
         "dtype": pa.string(),
         "calls": pa.int64(),
         "order": pa.int64(),  # first call's position in execution order of this kind
@@ -151,6 +156,31 @@ TABLES: dict[str, dict[str, pa.DataType]] = {
         "group": pa.string(),  # ranks holding a replica of it, this one included ("0,2")
         "dtype": pa.string(),
         "numel": pa.int64(),  # elements of the local tensor (a DTensor's shard)
+    },
+    # numerics collector: one row per sampled step, matmul layer, GEMM operand, orientation and block-scaled format (amprobe.capture.collectors.operands; definitions: amprobe.store.blockformats)
+    "blockstats": {
+        "step": pa.int64(),
+        "layer": pa.string(),  # qualified module name, as numerics' ``module``
+        "layer_type": pa.string(),  # class name
+        "operand": pa.string(),  # x (input) | w (weight) | dy (output gradient)
+        "orientation": pa.string(),  # fwd | wgrad | dgrad | both (2-D tiles) | tensor (one scale)
+        "format": pa.string(),  # a blockformats.FORMATS key
+        "dtype": pa.string(),  # the operand's dtype
+        "rows": pa.int64(),  # canonical 2-D shape of the last call: X [T, K], W [N, K], dY [T, N]
+        "cols": pa.int64(),
+        "calls": pa.int64(),  # calls pooled in the step
+        "approx": pa.string(),  # "" when exact, else why (a DTensor's local shard, conv blocks)
+        # blockformats.STAT_FIELDS, summed over the step's calls
+        "elements": pa.int64(),
+        "nonzero": pa.int64(),  # finite and not 0
+        "nonfinite": pa.int64(),  # inf/NaN: left out of every count below
+        "flushed": pa.int64(),  # nonzero values the cast makes 0
+        "clipped": pa.int64(),  # nonzero values the cast saturates
+        "blocks": pa.int64(),  # blocks (or tiles; 1 per tensor), all-zero ones included
+        "scale_under": pa.int64(),  # blocks whose own scale underflows its format
+        "scale_sat": pa.int64(),  # blocks whose own scale saturates its format
+        "signal": pa.float64(),  # sum of x**2 (gradients divided by the loss scale)
+        "noise": pa.float64(),  # sum of (x - cast(x))**2; SQNR dB = 10 log10(signal / noise)
     },
 }
 

@@ -35,7 +35,10 @@ Records:
     ``steps`` fields: ``input_nonfinite`` (non-finite elements in the root models' floating
     inputs, count), ``loss_nonfinite`` (the loss was inf/NaN, bool), ``numerics_sampled``.
     ``numerics`` table, one row per module, kind and sampled step: ``kind`` (``input``,
-    ``output``, ``grad_output``, ``grad_param``), ``dtype``, ``calls``, ``order`` (position of
+    ``output``, ``grad_output``, ``grad_param``; on budgeted samples with ``block_formats`` set,
+    a matmul layer's GEMM operands ``gemm_input`` and ``gemm_weight``: see
+    :mod:`~amprobe.capture.collectors.operands`, which also writes the ``blockstats`` table),
+    ``dtype``, ``calls``, ``order`` (position of
     the first call in execution order of that kind in the step), ``elements``, ``zeros``,
     ``nan``, ``inf``, ``finite``. With ``v`` the recorded magnitude (``|x|`` in fp32; for
     gradients ``|x| / loss_scale``, divided in fp32): ``over_fp16`` (finite values that a real
@@ -113,6 +116,7 @@ from amprobe.capture.collectors.numstats import (
     count_nonfinite,
     counts_from_hist,
 )
+from amprobe.capture.collectors.operands import OPERAND_KINDS, GemmOperands
 from amprobe.capture.collectors.sharded import (
     PLAIN_TENSORS,
     local_tensor,
@@ -138,7 +142,10 @@ FP16_MIN_SUBNORMAL = 2.0**-24  # 5.96e-8
 # histogram positions (exponent - E_MIN) of the value thresholds: below 2**-14 (fp16's min
 # normal), below 2**-24 (its min subnormal)
 _MAX_INPUTS = 8  # floating inputs per root model given their own slot
-KINDS = ("input", "output", "grad_output", "grad_param")
+KINDS = ("input", "output", "grad_output", "grad_param", *OPERAND_KINDS)
+#: kinds that are not a layer's own values (root inputs; a matmul's operands, which are other
+#: layers' outputs and parameters): not counted as a layer that held inf/NaN
+_NOT_OWN = ("input", *OPERAND_KINDS)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -293,6 +300,8 @@ class NumericsCollector(Collector):
         self._graph_handles: list[Any] = []
         self._graph_hooked: set[int] = set()  # output slots with an in-graph hook
         self._fused_noted = False
+        # matmul layers' GEMM operands and their block statistics (budgeted samples only)
+        self._operands = GemmOperands(self, cfg.block_formats)
 
     # -- set-up ---------------------------------------------------------------------------------
     def on_scaler(self, scaler: GradScaler, site: str | None) -> None:
@@ -362,6 +371,7 @@ class NumericsCollector(Collector):
             )
             slots = (out, gout, gparam)
             self._module_slots[id(mod)] = slots
+            self._operands.add(mod, label, mtype, root, slots)
             self._targets.append((weakref.ref(mod), slots))
             if gparam is not None:
                 for p in own:
@@ -377,6 +387,7 @@ class NumericsCollector(Collector):
                 self._remove_capture()
             self._install_capture()
             self._sampled_now = True
+            self._operands.begin(self.probe.step, self._budgeted(self.probe.step))
         self._live_step_end()  # the device is known: on CPU, nothing at unsampled steps' ends
 
     def _layer_name(self, slot: _Slot) -> str:
@@ -480,11 +491,13 @@ class NumericsCollector(Collector):
     ) -> None:
         """``amprobe::layer_stats`` at run time: a compiled layer's output, measured as an
         eager layer's (its inputs' non-finite count beside it)."""
+        self._operands.forward(slot, tuple(inputs))  # a matmul's X and W (budgeted samples)
         self._on_forward((slot, None, None), tuple(inputs), x, unread=unread)
 
     def _graph_grad(self, slot: int, grad: torch.Tensor) -> None:
         """``amprobe::grad_tap`` at run time: a compiled layer's output gradient."""
         self._measure(slot, grad, grad=True)
+        self._operands.grad(slot, grad)
 
     # -- sampling ------------------------------------------------------------------------------
     def _sampled(self, step: int) -> bool:
@@ -495,6 +508,12 @@ class NumericsCollector(Collector):
         if step <= self._armed_until and self.probe.budget.take_armed("numerics", step):
             return True
         return bool(self.probe.budget.due("numerics", step))
+
+    def _budgeted(self, step: int) -> bool:
+        """Whether a sampled ``step`` is a budgeted (periodic) sample, not one a problem armed:
+        the GEMM operands' block statistics are taken on those only."""
+        armed = step <= self._armed_until and self.probe.budget.take_armed("numerics", step)
+        return not armed
 
     def _guarded(self, fn: Any) -> Any:
         return self.probe.hub.guard(self, fn)
@@ -520,6 +539,7 @@ class NumericsCollector(Collector):
                 if mod is not None:
                     hook = self._bind_container(fwd, (out, None, None))
                     self._capture_handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+            self._operands.install(self._capture_handles, self._guarded)
         for pref, slot in self._params:
             p = pref()
             if p is not None:
@@ -804,6 +824,7 @@ class NumericsCollector(Collector):
     def _bind_grad(self, slot: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
             self._measure(slot, grad, grad=True)
+            self._operands.grad(slot, grad)
 
         return hook
 
@@ -837,6 +858,7 @@ class NumericsCollector(Collector):
         self._sampled_now = sampled = self._sampled(step)
         self._live_step_end()
         GRAPH_SAMPLE.on = bool(self._graph_hooked) and sampled
+        self._operands.begin(step, sampled and self._budgeted(step))
         if sampled:
             self._install_capture()
             if step <= self._armed_until:
@@ -944,6 +966,7 @@ class NumericsCollector(Collector):
         if self._capture_handles or GRAPH_SAMPLE.on:
             record["numerics_sampled"] = True
         GRAPH_SAMPLE.on = False  # (a forward between steps, an evaluation, is not sampled)
+        self._operands.end()
         cap = self._cur
         if cap is not None:
             if cap.step == step:
@@ -1030,6 +1053,7 @@ class NumericsCollector(Collector):
         for flags in _to_host(watch):  # device flags: one transfer per device, at flush
             if _record_bad(flags):
                 self._arm_local(int(flags["step"]))
+        self._operands.flush(writer)
         done, self._done = self._done, []
         if not done:
             return
@@ -1050,7 +1074,7 @@ class NumericsCollector(Collector):
             rows.extend(r for i, r in step_rows.items() if not self._slots[i].container)
             offenders.extend(self._offenders(cap, step_rows))
         self._nonfinite_modules.update(
-            r["module"] for r in rows if r["nan"] + r["inf"] > 0 and r["kind"] != "input"
+            r["module"] for r in rows if r["nan"] + r["inf"] > 0 and r["kind"] not in _NOT_OWN
         )
         self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
 
@@ -1070,7 +1094,7 @@ class NumericsCollector(Collector):
         self._nonfinite_modules.update(
             self._layer_name(self._slots[i])
             for i in bad
-            if self._slots[i].kind != "input" and not self._slots[i].container
+            if self._slots[i].kind not in _NOT_OWN and not self._slots[i].container
         )
         self.probe.publish("nonfinite_layers", len(self._nonfinite_modules))
 

@@ -39,6 +39,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from amprobe.store.schema import NUMERICS_OPERAND_KINDS
 from amprobe.store.summary import Section, section
 
 __all__ = [
@@ -261,7 +262,7 @@ class NumericsSection(Section):
 
     def add(self, table: str, row: Mapping[str, Any]) -> None:
         module, kind, step = row.get("module"), row.get("kind"), row.get("step")
-        if step is None:
+        if step is None or kind in NUMERICS_OPERAND_KINDS:  # (a GEMM's operands: see schema)
             return
         step = int(step)
         _facts_add(self.step_facts, step, row if kind == "output" and module is not None else None)

@@ -1,0 +1,177 @@
+"""The GEMM operands of matmul layers (X, W, dY) and their block statistics (issue 36)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import amprobe
+from amprobe.capture.collectors.blockstats import canonical, measure
+from amprobe.config import ConfigError
+from amprobe.store.blockformats import DEFAULT_FORMATS, STAT_FIELDS, rows_for
+
+FP16 = torch.float16
+
+
+class _Net(nn.Module):
+    """Two Linear layers and a Conv2d: X [6, 2, 4, 4] -> conv -> flatten -> 2 Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc1 = nn.Linear(48, 40)
+        self.fc2 = nn.Linear(40, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x)).flatten(1)
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(6, 2, 4, 4, generator=g) for _ in range(n)]
+
+
+def _train(
+    run_dir: Path | None,
+    steps: int = 4,
+    config: dict[str, Any] | None = None,
+    grads: Any = None,
+    nan_at: int = -1,
+    big_at: int = -1,
+) -> tuple[list[float], Any]:
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    handle = None
+    if run_dir is not None:
+        cfg = {"collectors": ["scaler", "numerics"], "numerics_every": 2, **(config or {})}
+        handle = amprobe.attach(model, opt, scaler, run_dir=run_dir, config=cfg)
+    if grads is not None:  # the scaled output gradient of fc1 at every step
+
+        def keep(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+        model.fc1.register_forward_hook(keep)
+    losses = []
+    try:
+        for i, x in enumerate(_batches(steps)):
+            if i == nan_at:
+                x[0, 0, 0, 0] = float("nan")  # arms the next steps' full capture
+            if i == big_at:
+                x = x * 3e4  # the conv's fp16 output overflows
+            with torch.autocast("cpu", dtype=FP16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+    finally:
+        if handle is not None:
+            handle.close()
+    return losses, model
+
+
+def test_operands_rows_on_sampled_steps(tmp_path: Path) -> None:
+    grads: list[torch.Tensor] = []
+    losses, _ = _train(tmp_path / "run", grads=grads)
+    plain, _ = _train(None)
+    assert losses == plain  # bit-identical with and without amprobe
+    run = amprobe.load_run(tmp_path / "run")
+    blocks = run.table("blockstats")
+    assert sorted(blocks["step"].unique()) == [0, 2]  # sampled steps only
+    expected = {(op, o, f) for op in ("x", "w", "dy") for o, f in rows_for(op, DEFAULT_FORMATS)}
+    for layer in ("conv", "fc1", "fc2"):
+        for step in (0, 2):
+            part = blocks[(blocks["layer"] == layer) & (blocks["step"] == step)]
+            got = set(zip(part["operand"], part["orientation"], part["format"], strict=True))
+            assert got == expected, layer
+            assert (part["calls"] == 1).all()
+    # canonical shapes: X [T, K], W [N, K], dY [T, N]
+    shapes = {
+        (r.layer, r.operand): (r.rows, r.cols, r.approx)
+        for r in blocks[blocks["step"] == 0].itertuples()
+    }
+    conv_approx = shapes[("conv", "x")][2]
+    assert conv_approx.startswith("conv")  # blocks along channels, not the im2col patch
+    assert shapes[("fc1", "x")] == (6, 48, "")
+    assert shapes[("fc1", "w")] == (40, 48, "")
+    assert shapes[("fc1", "dy")] == (6, 40, "")
+    assert shapes[("conv", "x")] == (6 * 16, 2, conv_approx)
+    assert shapes[("conv", "w")] == (3, 2 * 9, "")
+    assert shapes[("conv", "dy")] == (6 * 16, 3, "")
+    # dY is the output gradient divided by the loss scale, as numerics' grad_output
+    numerics = run.table("numerics")
+    scale = float(
+        numerics[(numerics["kind"] == "grad_output") & (numerics["step"] == 2)]["loss_scale"].iloc[
+            0
+        ]
+    )
+    dy, _ = canonical("dy", grads[2], "Linear")
+    want = measure(dy, "dy", DEFAULT_FORMATS, scale).tolist()
+    part = blocks[(blocks["layer"] == "fc1") & (blocks["operand"] == "dy") & (blocks["step"] == 2)]
+    order = {(o, f): i for i, (o, f) in enumerate(rows_for("dy", DEFAULT_FORMATS))}
+    for r in part.itertuples():
+        row = want[order[(r.orientation, r.format)]]
+        for field, value in zip(STAT_FIELDS, row, strict=True):
+            assert getattr(r, field) == pytest.approx(value, rel=1e-12), field
+    # the forward operands are numerics rows of their own, on the same steps
+    gemm = numerics[numerics["kind"].isin(["gemm_input", "gemm_weight"])]
+    assert set(zip(gemm["module"], gemm["kind"], gemm["step"], strict=True)) == {
+        (m, k, s)
+        for m in ("conv", "fc1", "fc2")
+        for k in ("gemm_input", "gemm_weight")
+        for s in (0, 2)
+    }
+    w = gemm[(gemm["module"] == "fc1") & (gemm["kind"] == "gemm_weight")]
+    assert (w["elements"] == 40 * 48).all() and (w["dtype"] == "float32").all()
+
+
+def test_block_formats_off_and_bad_name(tmp_path: Path) -> None:
+    _train(tmp_path / "run", steps=1, config={"block_formats": []})
+    run = amprobe.load_run(tmp_path / "run")
+    assert run.table("blockstats").empty
+    numerics = run.table("numerics")
+    assert not numerics["kind"].isin(["gemm_input", "gemm_weight"]).any()
+    with pytest.raises(ConfigError, match="mxfp4") as err:
+        amprobe.Config(block_formats=["mxfp5"])
+    assert "\n" not in str(err.value)
+
+
+def test_not_on_armed_steps(tmp_path: Path) -> None:
+    _train(tmp_path / "run", steps=4, config={"numerics_every": 100}, nan_at=1)
+    run = amprobe.load_run(tmp_path / "run")
+    numerics = run.table("numerics")
+    assert {2, 3} <= set(numerics["step"])  # armed samples after the NaN input
+    assert sorted(run.table("blockstats")["step"].unique()) == [0]
+    gemm = numerics[numerics["kind"].isin(["gemm_input", "gemm_weight"])]
+    assert sorted(gemm["step"].unique()) == [0]
+
+
+def test_schema_declares_stat_fields() -> None:
+    from amprobe.store.schema import TABLES
+
+    assert tuple(TABLES["blockstats"])[-len(STAT_FIELDS) :] == STAT_FIELDS
+
+
+def test_operand_rows_change_no_diagnosis(tmp_path: Path) -> None:
+    """The readers of layers' own numerics leave the operand kinds out: with an fp16
+    overflow, the diagnosis (AMP-N11's overflow evidence included) is the same on and off."""
+    from amprobe.analysis.numerics import layer_overflow_evidence
+
+    found = {}
+    for formats in ("on", "off"):
+        config = {} if formats == "on" else {"block_formats": []}
+        _train(tmp_path / formats, steps=4, config=config, big_at=2)
+        run = amprobe.load_run(tmp_path / formats)
+        evidence = layer_overflow_evidence(run, 0)
+        assert evidence["overflowing_layers"][0]["module"] == "conv"
+        findings = {f.id: f.evidence for f in amprobe.diagnose(run).findings}
+        found[formats] = (evidence, {k: v for k, v in findings.items() if k != "AMP-N17"})
+    assert found["on"] == found["off"]
