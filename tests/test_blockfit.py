@@ -250,7 +250,9 @@ def test_p05_layer_fitting_no_block_format() -> None:
         return {"flushed": 600, "sqnr": 3.0} if op == "w" and fmt != "fp8_tensor" else None
 
     (f,) = _findings(_run(_model(**{"mlp.fc1": hopeless})), "AMP-P05")
-    assert f.evidence["module"] == "mlp.fc1" and "fits none of the block formats measured" in f.title
+    assert (
+        f.evidence["module"] == "mlp.fc1" and "fits none of the block formats measured" in f.title
+    )
 
 
 def test_threshold_override_moves_the_verdict() -> None:
