@@ -329,7 +329,8 @@ def test_matrix_figure_cells() -> None:
 
     rows = _model(**{"mlp.fc2": _outlier}) + _layer("zero", _all_zero)
     rows = [r for r in rows if not (r["layer"] == "lm_head" and r["format"] == "nvfp4")]
-    fig = make_block_fit_figure(run_block_fit(_run(rows)))
+    fit = run_block_fit(_run(rows))
+    fig = make_block_fit_figure(fit)
     heat = fig.data[0]
     assert list(heat.x) == [
         "MXFP4 (4.25)",
@@ -338,14 +339,21 @@ def test_matrix_figure_cells() -> None:
         "fp8 1x128 blockwise (8.25)",
         "MXFP8 (8.25)",
     ]
-    assert list(heat.y)[-1] == "zero" and heat.zmin == 0 and heat.colorscale[0][1] != "white"
+    assert list(heat.y)[-1] == "zero" and (heat.zmin, heat.zmax) == (-1.5, 1.0)
     cell = {
         (y, x): (heat.z[i][j], heat.text[i][j], "<br>".join(heat.customdata[i][j]))
         for i, y in enumerate(heat.y)
         for j, x in enumerate(heat.x)
     }
     z, text, hover = cell[("mlp.fc2", "MXFP4 (4.25)")]
-    assert z == pytest.approx(12.0) and text == "X fwd ✗" and "lost 35 %" in hover
+    score = fit[(fit["layer"] == "mlp.fc2") & (fit["format"] == "mxfp4")]["score"].iloc[0]
+    assert z == pytest.approx(math.log10(score)) and z > 0  # over the threshold: the red side
+    assert text.startswith("X fwd ✗ · ") and text.endswith(" · 35 % lost") and "lost 35 %" in hover
+    # colour and verdict agree in every cell: over the threshold (z > 0) exactly where it fails
+    for i, y in enumerate(heat.y):
+        for j, x in enumerate(heat.x):
+            if not math.isnan(heat.z[i][j]):
+                assert (heat.z[i][j] > 0) == ("✗" in heat.text[i][j]), (y, x)
     z, text, hover = cell[("lm_head", "NVFP4 (4.5)")]  # not measured: blank, and said so
     assert math.isnan(z) and text == "" and "not measured" in hover
     assert "1 blank cell(s)" in fig.layout.title.text

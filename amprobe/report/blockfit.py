@@ -2,9 +2,10 @@
 
 :func:`make_block_fit_figure` draws :func:`~amprobe.analysis.blockfit.compute_block_fit`'s
 rows: matmul layers (execution order) by format (narrowest first, by bits per element with
-scales), colour the SQNR of the limiting operand row (a sequential scale from 0 dB), the
-limiting operand and orientation written in the cell (``dY wgrad``), a cross where the layer
-fails the format; the hover gives the lost share. The report's what-if section draws it beside
+scales), colour how far the limiting operand row is from its thresholds (SQNR or lost share,
+whichever is nearer its limit), the limiting operand and orientation written in the cell with
+its SQNR and lost share (``dY wgrad``, ``19.9 dB · 4 % lost``), a cross where the layer fails
+the format. The report's what-if section draws it beside
 the exponent heatmaps, the dashboard's what-if tab too. :func:`block_fit_json` is the
 ``block_fit`` list of ``amprobe diagnose --format json``.
 """
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FIGURE_META",
     "THRESHOLD_RULE",
-    "SQNR_RANGE_DB",
+    "SCORE_RANGE_LOG10",
+    "SCORE_COLOURS",
     "fit_thresholds",
     "run_block_fit",
     "make_block_fit_figure",
@@ -50,8 +52,22 @@ __all__ = [
 FIGURE_META = "amprobe-block-fit"
 #: the rule whose thresholds (as the diagnosis ran them) judge the matrix's cells
 THRESHOLD_RULE = "AMP-P04"
-#: the colour scale's range: 0 dB (noise as large as the values) to 40 dB and above
-SQNR_RANGE_DB = (0.0, 40.0)
+#: the colour scale's range, log10 of the limiting row's score (its measure over the threshold:
+#: flushed / max flushed, clipped / max clipped, or its noise over the noise the minimum SQNR
+#: allows): from 1/30 of the allowance (and lossless) to 10 times over it; 0 is the threshold
+SCORE_RANGE_LOG10 = (-1.5, 1.0)
+#: within the allowance: greens, lightest at the threshold; over it: orange to dark red. The
+#: break at the threshold is the verdict, so a cell's colour never says "fits" where it fails
+#: (an SQNR colour did: an outlier-channel block flushing 94 % of its values kept 48 dB, its
+#: energy being the outliers').
+_LOW, _HIGH = SCORE_RANGE_LOG10
+_AT = (0.0 - _LOW) / (_HIGH - _LOW)
+SCORE_COLOURS = [
+    [0.0, "#1a9850"],
+    [_AT, "#d9ef8b"],
+    [_AT, "#fdae61"],
+    [1.0, "#a50026"],
+]
 _NOT_MEASURED = "not measured: no block statistics of this format for this layer"
 #: the matrix's columns of a JSON record
 _JSON_COLUMNS = [
@@ -102,15 +118,18 @@ def _db(value: Any) -> str:
 
 
 def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.Figure:
-    """Matmul layers x block formats: colour = SQNR (dB) of the limiting operand row.
+    """Matmul layers x block formats: colour = how far the limiting operand row is from its
+    thresholds.
 
     One cell per (layer, format) of :func:`~amprobe.analysis.blockfit.compute_block_fit`'s
     rows (at several ranks, the rank whose limiting row is furthest over its thresholds,
     named on hover). The cell's text is the limiting operand and orientation (``dY wgrad``),
-    with ``✗`` where the layer fails the format and ``≈`` where a row is approximate; the
-    hover adds its SQNR, lost (flushed +
-    clipped) share, scale underflow share and the approximation, if any. Colours run on one
-    sequential scale from 0 dB to 40 dB (higher is better; ``lossless`` cells at the top);
+    with ``✗`` where the layer fails the format and ``≈`` where a row is approximate, then
+    its SQNR and lost (flushed + clipped) share; the hover adds the flushed, clipped and
+    scale underflow shares and the approximation, if any. The colour is the row's score
+    (:data:`SCORE_RANGE_LOG10`, log scale): greens within the thresholds, lightest at them,
+    orange to red over them, so colour and verdict agree (SQNR alone does not judge a block:
+    outliers carry its energy while the values beside them flush);
     cells with no data (the format was not measured for the layer) are blank, cells whose
     values were all zero grey, and the subtitle says so. Formats are ordered by bits per
     element with scales, narrowest first. Run text (layer names) is data of the traces
@@ -156,7 +175,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
     )
     formats = format_order(fit["format"].astype(str))
     labels = [f"{FORMATS[f].label} ({FORMATS[f].bits:g})" if f in FORMATS else f for f in formats]
-    lo, hi = SQNR_RANGE_DB
+    lo, hi = SCORE_RANGE_LOG10
     z = np.full((len(layers), len(formats)), np.nan)
     zero = np.full((len(layers), len(formats)), np.nan)
     text = [["" for _ in formats] for _ in layers]
@@ -173,12 +192,22 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
         head = f"{layers[i]} · {labels[j]}" + (f" (rank {r.rank})" if several else "")
         if r.status == "all zero":
             zero[i, j] = 1.0  # drawn, with its text, by the grey trace
-            hover[i][j] = [head, "every value of every operand was 0: nothing to cast", "", "", ""]
+            hover[i][j] = [
+                head,
+                "every value of every operand was 0: nothing to cast",
+                "",
+                "",
+                "",
+            ]
             continue
         sqnr = float(r.sqnr_db)
-        z[i, j] = hi if math.isinf(sqnr) else min(max(sqnr, lo), hi)
+        score = float(r.score)
+        z[i, j] = lo if not score > 0 else min(max(math.log10(score), lo), hi)
         mark = (" ✗" if r.status == "fails" else "") + (" ≈" if r.approx else "")
-        text[i][j] = f"{r.limit}{mark}"
+        sqnr_text = "lossless" if math.isinf(sqnr) else f"{sqnr:.1f} dB"
+        # one line: the renderers escape trace text (a <br> would show) and a heatmap's
+        # texttemplate reads no customdata
+        text[i][j] = f"{r.limit}{mark} · {sqnr_text} · {_pct(r.lost_share)} lost"
         verdict = (
             "fits"
             if r.status == "fits"
@@ -200,15 +229,20 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
             y=layers,
             text=text,
             texttemplate="%{text}",
+            textfont={"size": 10},
             customdata=hover,
             hovertemplate=template,
-            colorscale="Viridis",
+            colorscale=SCORE_COLOURS,
             zmin=lo,
             zmax=hi,
             xgap=2,
             ygap=2,
-            colorbar={"title": "SQNR dB<br>(limiting<br>operand)"},
-            name="SQNR of the limiting operand",
+            colorbar={
+                "title": "limiting<br>measure ÷<br>threshold",
+                "tickvals": [-1.5, -1.0, -0.5, 0.0, 0.5, 1.0],
+                "ticktext": ["≤ 1/30", "1/10", "1/3", "threshold", "3×", "≥ 10×"],
+            },
+            name="limiting operand against its thresholds",
         )
     )
     if not np.isnan(zero).all():
@@ -232,7 +266,10 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
             )
         )
     blank = int(np.isnan(z).sum() - (~np.isnan(zero)).sum())
-    notes = ["✗: fails the thresholds (AMP-P04)", f"{lo:g}–{hi:g}+ dB, higher keeps more"]
+    notes = [
+        "✗: fails the thresholds (AMP-P04)",
+        "colour: the limiting measure over its threshold (greens within, reds over)",
+    ]
     if (cells["approx"].astype(str) != "").any():
         notes.append("≈: approximate (hover says why)")
     if blank:
@@ -241,7 +278,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
         notes.append("each cell: the rank furthest over its thresholds")
     fig.update_layout(
         title={
-            "text": "Block formats per matmul layer: SQNR of the limiting operand"
+            "text": "Block formats per matmul layer: the limiting operand against its thresholds"
             f"<br><sup>{'; '.join(notes)}</sup>"
         },
         xaxis={"title": "format (bits per element with scales), narrowest first", "side": "top"},
