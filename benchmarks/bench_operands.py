@@ -7,6 +7,8 @@ time), block statistics on (``block_formats`` default) and off (``[]``), interle
 after warm-up; prints both medians side by side and their ratio (goal: at most 1.5x), and
 a third configuration whose ``blockstats.measure`` returns zeros at once: the collector's own
 share (the operands' numerics rows, hooks, bookkeeping, flush) apart from the reduction.
+Other steps: amprobe's bytecodes on an unsampled step, with block statistics on and off (the
+hooks exist only on sampled steps: the two counts are equal).
 
 Memory: each configuration runs again in a fresh process for a few sampled steps, and the
 process's peak resident set size (Linux ``VmHWM``, which sees torch's CPU allocations, unlike
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import TinyGPT, make_batch, train_steps  # noqa: E402
+from machine import cpu_model, opcodes_in  # noqa: E402
 
 import amprobe  # noqa: E402
 from amprobe.capture.collectors import blockstats, numkernel  # noqa: E402
@@ -116,7 +119,8 @@ def main() -> None:
     blockstats.measure = measure  # type: ignore[assignment]
     off, on, stubbed = (statistics.median(times[name]) for name in (*CONFIGS, STUBBED))
     print(
-        f"TinyGPT bf16 autocast, one thread, {args.blocks} blocks x {args.steps} sampled steps, "
+        f"{cpu_model()}; TinyGPT bf16 autocast, one thread, {args.blocks} blocks x "
+        f"{args.steps} sampled steps, "
         f"CPU kernel {'ready' if kernel is not None else 'NOT built: ' + numkernel.status()}"
     )
     print(
@@ -126,6 +130,31 @@ def main() -> None:
     print(
         f"  of which the collector's own share (measure() stubbed): {stubbed * 1e3:.1f} ms, "
         f"{stubbed / off:.3f}x; the block reductions: {(on - stubbed) * 1e3:.1f} ms"
+    )
+    # other steps: amprobe's Python work on an unsampled step (bytecodes executed in its
+    # files), with block statistics on and off: the hooks exist only on sampled steps
+    root = str(Path(amprobe.__file__).resolve().parent) + "/"
+    per_step = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in CONFIGS.items():
+            probe = amprobe.attach(
+                model,
+                opt,
+                None,
+                run_dir=f"{tmp}/{name}",
+                config=_config({**extra, "numerics_every": 1000}),
+            )
+            try:
+                train_steps(model, opt, None, torch.bfloat16, batch, 2)  # step 0 is sampled
+                with opcodes_in(root) as (per, _lines):
+                    train_steps(model, opt, None, torch.bfloat16, batch, 3)
+                per_step[name] = sum(per.values()) / 3
+            finally:
+                probe.close()
+    off_ops, on_ops = (per_step[name] for name in CONFIGS)
+    print(
+        f"unsampled step, amprobe bytecodes: without block stats {off_ops:.0f} | with "
+        f"{on_ops:.0f} | {on_ops - off_ops:+.0f}"
     )
     rss: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(args.memory_runs):  # alternated, fresh processes: the median of each
