@@ -173,5 +173,21 @@ def test_operand_rows_change_no_diagnosis(tmp_path: Path) -> None:
         evidence = layer_overflow_evidence(run, 0)
         assert evidence["overflowing_layers"][0]["module"] == "conv"
         findings = {f.id: f.evidence for f in amprobe.diagnose(run).findings}
-        found[formats] = (evidence, {k: v for k, v in findings.items() if k != "AMP-N17"})
+        # the block-format rules read the block statistics: on with them only
+        assert ("AMP-P04" in findings) == (formats == "on")
+        skip = {"AMP-N17", "AMP-P04", "AMP-P05"}
+        found[formats] = (evidence, {k: v for k, v in findings.items() if k not in skip})
     assert found["on"] == found["off"]
+
+
+def test_transposed_and_grouped_convs_are_labelled_approximate() -> None:
+    from amprobe.capture.collectors.operands import GROUPED_CONV, TRANSPOSED_CONV, _Layer
+
+    transposed = nn.ConvTranspose2d(4, 6, 3)
+    assert _Layer(transposed, "up", "ConvTranspose2d", 0, 1).note == dict.fromkeys(
+        ("x", "w", "dy"), TRANSPOSED_CONV
+    )
+    grouped = _Layer(nn.Conv2d(4, 8, 3, groups=2), "g", "Conv2d", 0, 1).note
+    assert grouped == {"x": GROUPED_CONV.format(groups=2), "dy": GROUPED_CONV.format(groups=2)}
+    assert _Layer(nn.Conv2d(4, 8, 3), "c", "Conv2d", 0, 1).note == {}
+    assert _Layer(nn.Linear(4, 8), "l", "Linear", 0, 1).note == {}

@@ -69,6 +69,11 @@ LOCAL_SHARD = "local shard of a tensor-parallel {what}"
 #: ``fully_shard``-ed layer: its hook runs after FSDP's)
 FSDP_SHARD = "local shard of an FSDP-sharded weight (read after its reshard)"
 _WHAT = {"x": "input", "w": "weight", "dy": "output gradient"}
+#: convolutions whose GEMMs the canonical views do not follow: a transposed one keeps its
+#: weight as ``[Cin, Cout/groups, *k]`` and reduces over Cin in forward; a grouped one's dY
+#: blocks (along Cout) run across groups, each a GEMM of its own
+TRANSPOSED_CONV = "transposed convolution: blocks laid as a plain convolution's, not its GEMMs'"
+GROUPED_CONV = "grouped convolution ({groups} groups): blocks along channels cross the groups"
 _INT_FIELDS = tuple(f for f in STAT_FIELDS if f not in ("signal", "noise"))
 
 
@@ -84,7 +89,7 @@ def module_kind(module: torch.nn.Module) -> str:
 
 
 class _Layer:
-    __slots__ = ("module", "name", "layer_type", "kind", "x_slot", "w_slot")
+    __slots__ = ("module", "name", "layer_type", "kind", "x_slot", "w_slot", "note")
 
     def __init__(
         self, module: torch.nn.Module, name: str, layer_type: str, x_slot: int, w_slot: int
@@ -95,6 +100,13 @@ class _Layer:
         self.kind = module_kind(module)
         self.x_slot = x_slot
         self.w_slot = w_slot
+        #: operand -> why its canonical view does not follow the layer's GEMMs
+        self.note: dict[str, str] = {}
+        if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+            self.note = dict.fromkeys(("x", "w", "dy"), TRANSPOSED_CONV)
+        elif isinstance(module, torch.nn.modules.conv._ConvNd) and module.groups > 1:
+            grouped = GROUPED_CONV.format(groups=module.groups)
+            self.note = {"x": grouped, "dy": grouped}
 
 
 class _Sum:
@@ -238,7 +250,8 @@ class GemmOperands:
         entry.calls += 1
         entry.rows, entry.cols = int(x2d.shape[0]), int(x2d.shape[1])
         entry.dtype = str(t.dtype).replace("torch.", "")
-        entry.approx = "; ".join(a for a in (approx, why or "") if a)
+        note = self._layers[out_slot].note.get(operand, "")
+        entry.approx = "; ".join(a for a in (approx, why or "", note) if a)
 
     # -- flush -----------------------------------------------------------------------------------
     def flush(self, writer: Any) -> None:
