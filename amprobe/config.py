@@ -60,18 +60,30 @@ class ConfigError(ValueError):
     """A configuration mistake, raised at attach time with a message that names the fix."""
 
 
-def _default_formats() -> tuple[str, ...]:
-    from amprobe.store.blockformats import DEFAULT_FORMATS  # (pure Python, no torch)
-
-    return tuple(DEFAULT_FORMATS)
+#: the names ``block_formats`` accepts: the keys of
+#: :data:`amprobe.store.blockformats.FORMATS`, which holds each format's data (the store sits
+#: above the configuration, so the names live here and ``blockformats`` checks, at import, that
+#: it defines exactly these)
+BLOCK_FORMAT_NAMES: tuple[str, ...] = (
+    "fp8_tensor",
+    "fp8_block",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+    "mxfp8_e5m2",
+    "mxfp8_ceil",
+    "nvfp4_w16",
+)
+#: the formats measured unless ``block_formats`` names others
+DEFAULT_BLOCK_FORMATS: tuple[str, ...] = ("fp8_tensor", "fp8_block", "mxfp8", "mxfp4", "nvfp4")
 
 
 def _check_formats(names: Any) -> None:
-    from amprobe.store.blockformats import FORMATS
-
-    if isinstance(names, str) or not all(isinstance(n, str) and n in FORMATS for n in names):
+    if isinstance(names, str) or not all(
+        isinstance(n, str) and n in BLOCK_FORMAT_NAMES for n in names
+    ):
         raise ConfigError(
-            f"block_formats must be a list of format names from {', '.join(FORMATS)} "
+            f"block_formats must be a list of format names from {', '.join(BLOCK_FORMAT_NAMES)} "
             f"(or [] for none), got {names!r}"
         )
 
@@ -217,7 +229,7 @@ class Config:
     checkpoint_guard: str = "warn"
     device_check_minutes: float | None = None
     fingerprint_every: int | None = None
-    block_formats: tuple[str, ...] = _default_formats()
+    block_formats: tuple[str, ...] = DEFAULT_BLOCK_FORMATS
 
     def __post_init__(self) -> None:
         for key in LIST_KEYS:
