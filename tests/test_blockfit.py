@@ -13,6 +13,7 @@ import pytest
 
 from amprobe.analysis.blockfit import (
     FIT_THRESHOLDS,
+    block_fit,
     block_fit_missing_reason,
     compute_block_fit,
     compute_block_stats,
@@ -239,7 +240,12 @@ def test_p05_names_the_failing_operand(planted: dict, expected: dict) -> None:
     for layer, (title, cause) in expected.items():
         f = found[layer]
         assert f.title.startswith(title), f.title
-        assert "keep it in bf16" in f.title
+        # it fits a narrower or wider format: the title names the narrowest it fits (as
+        # AMP-P04 does), never "keep it in bf16" alone
+        fits = block_fit(run)
+        own = fits[(fits["layer"] == layer) & (fits["fits"] == True)]  # noqa: E712
+        named = f.title.split("(it fits ", 1)[1].split(",", 1)[0]
+        assert "keep it out of" in f.title and named in set(own["label"]), f.title
         assert cause in f.fix
         assert {r["verdict"] for r in f.evidence["rows"]} >= {"fails"}
         json.dumps(f.to_dict(), allow_nan=False)
@@ -250,9 +256,40 @@ def test_p05_layer_fitting_no_block_format() -> None:
         return {"flushed": 600, "sqnr": 3.0} if op == "w" and fmt != "fp8_tensor" else None
 
     (f,) = _findings(_run(_model(**{"mlp.fc1": hopeless})), "AMP-P05")
-    assert (
-        f.evidence["module"] == "mlp.fc1" and "fits none of the block formats measured" in f.title
-    )
+    assert f.evidence["module"] == "mlp.fc1"
+    assert "keep it in bf16; it fits none of the block formats measured" in f.title
+
+
+def test_p05_names_only_measured_formats_it_fits() -> None:
+    """With NVFP4 not measured, a layer failing MXFP4 is not said to fit NVFP4 (it was said
+    to: the unmeasured format counted as fitting)."""
+    rows = [r for r in _model(lm_head=_tiny) if r["format"] in ("mxfp4", "mxfp8", "fp8_tensor")]
+    (f,) = _findings(_run(rows), "AMP-P05")
+    assert f.evidence["module"] == "lm_head" and "NVFP4" not in f.title + f.fix
+    assert "keep it in bf16; it fits none of the block formats measured" in f.title
+
+
+def test_no_block_scaled_format_measured_is_not_checked() -> None:
+    rows = [r for r in _model() if r["format"] == "fp8_tensor"]
+    for rid in ("AMP-P04", "AMP-P05"):
+        d = diagnose(_run(rows), only=[rid])
+        assert not [f for f in d.findings if f.id == rid]
+        (reason,) = [n.reason for n in d.not_checked if n.id == rid]
+        assert "no block-scaled format was measured" in reason and "fp8_tensor" in reason
+
+
+def test_rows_with_no_finite_value_are_not_called_all_zero() -> None:
+    def inf_dy(op: str, orient: str, fmt: str) -> dict[str, Any] | None:
+        return {"nonzero": 0, "flushed": 0, "sqnr": math.nan} if op == "dy" else None
+
+    rows = _layer("bad", inf_dy) + _layer("fine")
+    for r in rows:
+        if r["layer"] == "bad" and r["operand"] == "dy":
+            r["nonfinite"] = r["elements"]
+    stats = compute_block_stats(_run(rows).table("blockstats"))
+    bad = stats[(stats["layer"] == "bad") & (stats["operand"] == "dy")]
+    assert set(bad["status"]) == {"no finite value"}
+    assert set(stats[stats["layer"] == "fine"]["status"]) == {"measured"}
 
 
 def test_threshold_override_moves_the_verdict() -> None:

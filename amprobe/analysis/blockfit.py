@@ -44,6 +44,8 @@ __all__ = [
     "FitThresholds",
     "FIT_THRESHOLDS",
     "FIT_THRESHOLD_NAMES",
+    "NO_FINITE",
+    "UNJUDGED",
     "flat_thresholds",
     "thresholds_by_element",
     "block_fit_missing_reason",
@@ -82,6 +84,11 @@ class FitThresholds:
 
 #: Per element type, the thresholds an operand row must meet (rules AMP-P04/P05 register them
 #: flattened, :func:`flat_thresholds`, so ``--threshold AMP-P04.e2m1_min_sqnr_db=10`` moves one).
+#: a row (or cell) whose operands held no finite value at all: every value inf/NaN
+NO_FINITE = "no finite value"
+#: statuses with nothing to judge: never fail, never fit
+UNJUDGED = ("all zero", NO_FINITE)
+
 #: Calibrated on measured runs (a Gaussian 1024x512 tensor; the CPU test model of
 #: tests/test_block_fit_e2e.py; docs/whatif.md gives the numbers): benign operands keep 26-33 dB
 #: in the 8-bit formats and 16.6-20.6 dB in the 4-bit ones, flushing 0 % and 3-9 %. 8-bit
@@ -229,7 +236,10 @@ def compute_block_stats(blockstats: pd.DataFrame) -> pd.DataFrame:
         sqnr = np.where(noise > 0, 10 * np.log10(signal / noise), np.inf)
     zero = (signal <= 0) | (nonzero <= 0)
     out["sqnr_db"] = np.where(zero, np.nan, sqnr)
-    out["status"] = np.where(zero, "all zero", "measured")
+    # nothing to judge: every finite value 0, or no finite value at all (all inf/NaN)
+    bad = out["nonfinite"].to_numpy(dtype=float)
+    no_finite = (bad > 0) & (bad >= out["elements"].to_numpy(dtype=float))
+    out["status"] = np.where(zero, np.where(no_finite, NO_FINITE, "all zero"), "measured")
     out["order"] = out["layer"].map(order)
     fmt_rank = {f: i for i, f in enumerate(format_order(out["format"].astype(str)))}
     out = out.assign(
@@ -258,7 +268,7 @@ def _scores(stats: pd.DataFrame, table: Mapping[str, FitThresholds]) -> pd.Serie
     with np.errstate(over="ignore", invalid="ignore"):
         nsr = np.where(np.isposinf(sqnr), 0.0, 10.0 ** ((min_sqnr - sqnr) / 10.0))
     score = np.maximum.reduce([ratio(flushed, max_flush), ratio(clipped, max_clip), nsr])
-    score = np.where(stats["status"].to_numpy() == "all zero", np.nan, score)
+    score = np.where(np.isin(stats["status"].to_numpy(), UNJUDGED), np.nan, score)
     return pd.Series(score, index=stats.index)
 
 
@@ -311,7 +321,7 @@ def compute_block_fit(
     score = _scores(s, table).to_numpy(dtype=float)
     gid = s.groupby(["rank", "layer", "format"], sort=False).ngroup().to_numpy()
     n = int(gid.max()) + 1
-    measured = (s["status"] != "all zero").to_numpy(dtype=bool)
+    measured = ~np.isin(s["status"].to_numpy(), UNJUDGED)
     fail = measured & (score > 1.0)
     # per group, its measured row with the highest score (the first of equals), else its first
     key = np.where(measured, score, -np.inf)
@@ -346,7 +356,10 @@ def compute_block_fit(
     out["bits"] = w["bits"].astype(float)
     out["element"] = w["element"].astype(str)
     out["fits"] = [bool(~f) if m else None for m, f in zip(any_measured, any_fail, strict=True)]
-    out["status"] = np.where(~any_measured, "all zero", np.where(any_fail, "fails", "fits"))
+    # a cell with nothing to judge: "all zero", or "no finite value" where every row had none
+    finite_rows = np.bincount(gid, weights=s["status"].to_numpy() != NO_FINITE, minlength=n)
+    unjudged = np.where(finite_rows > 0, "all zero", NO_FINITE)
+    out["status"] = np.where(~any_measured, unjudged, np.where(any_fail, "fails", "fits"))
     out["operands"] = np.bincount(gid, minlength=n)
     out["failing"] = failing
     lim = np.full(n, None, dtype=object)

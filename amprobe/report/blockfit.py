@@ -21,6 +21,8 @@ import numpy as np
 import pandas as pd
 
 from amprobe.analysis.blockfit import (
+    NO_FINITE,
+    UNJUDGED,
     block_fit,
     block_fit_missing_reason,
     format_order,
@@ -179,6 +181,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
     z = np.full((len(layers), len(formats)), np.nan)
     zero = np.full((len(layers), len(formats)), np.nan)
     text = [["" for _ in formats] for _ in layers]
+    grey = [["" for _ in formats] for _ in layers]  # an unjudged cell's status, as its text
     # hover lines as data (the renderers escape run text in customdata; the template's <br>
     # stays markup): head, verdict, limiting row, shares, approximation
     hover = [
@@ -190,11 +193,14 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
     for r in cells.itertuples():
         i, j = li[str(r.layer)], fj[str(r.format)]
         head = f"{layers[i]} · {labels[j]}" + (f" (rank {r.rank})" if several else "")
-        if r.status == "all zero":
+        if r.status in UNJUDGED:
             zero[i, j] = 1.0  # drawn, with its text, by the grey trace
+            grey[i][j] = str(r.status)
             hover[i][j] = [
                 head,
-                "every value of every operand was 0: nothing to cast",
+                "no finite value (every value inf/NaN): not judged"
+                if r.status == NO_FINITE
+                else "every value of every operand was 0: nothing to cast",
                 "",
                 "",
                 "",
@@ -251,10 +257,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
                 z=zero,
                 x=labels,
                 y=layers,
-                text=[
-                    ["all zero" if zero[i, j] == 1 else "" for j in range(len(formats))]
-                    for i in range(len(layers))
-                ],
+                text=grey,
                 texttemplate="%{text}",
                 customdata=hover,
                 hovertemplate=template,

@@ -18,6 +18,7 @@ import pandas as pd
 
 from amprobe.analysis.blockfit import (
     OPERAND_LABELS,
+    UNJUDGED,
     block_fit,
     block_fit_missing_reason,
     block_stats,
@@ -75,7 +76,17 @@ def _bits(bits: float) -> str:
 # -- requirement --------------------------------------------------------------------------------
 @requirement("block_stats")
 def _has_block_stats(run: Run) -> str | None:
-    return block_fit_missing_reason(run)
+    missing = block_fit_missing_reason(run)
+    if missing is not None:
+        return missing
+    measured = set(block_stats(run)["format"].astype(str))
+    if not measured & set(NARROWEST):
+        names = ", ".join(sorted(measured))
+        return (
+            f"no block-scaled format was measured (block_formats held only {names}; the "
+            f"candidates are {', '.join(NARROWEST)})"
+        )
+    return None
 
 
 def _fit(ctx: RuleContext) -> pd.DataFrame:
@@ -278,8 +289,9 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
                 named = min(by_fmt, key=lambda f: float(by_fmt[f]["score"]))
             failing = [f for f in NARROWEST if f in by_fmt and not by_fmt[f]["fits"]]
             found.append((float(by_fmt[named]["score"]), layer, named, failing, fits_none))
+
         found.sort(key=lambda x: -x[0])
-        for _score, layer, named, failing, fits_none in found[: int(th["max_layers"])]:
+        for _score, layer, named, failing, _fits_none in found[: int(th["max_layers"])]:
             lim = layers[layer][named]
             rows = stats.iloc[rows_of[(rank, layer)]]
             worst = rows[
@@ -290,13 +302,22 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
             label = FORMATS[named].label
             op = OPERAND_LABELS.get(str(worst["operand"]), str(worst["operand"]))
             subject = f"`{layer}`'s {op} ({worst['orientation']})"
-            title = f"{label} {_what_fails(worst, limits, subject)}: keep it in bf16"
-            if fits_none:
-                title += "; it fits none of the block formats measured"
+            # the formats measured for the layer that it fits (judged, not all zero), narrowest
+            # first: what it can move to instead, as AMP-P04 names it
+            fitting = [f for f in NARROWEST if f in layers[layer] and layers[layer][f]["fits"]]
+            what = _what_fails(worst, limits, subject)
+            if fitting:
+                other = FORMATS[fitting[0]].label
+                title = f"{label} {what}: keep it out of {label} (it fits {other}, or bf16)"
+                advice = (
+                    f"Keep `{layer}` out of {label} when moving the other layers to it: it fits "
+                    f"{other} (AMP-P04), or keep it in bf16. "
+                )
             else:
-                wider = [f for f in NARROWEST if f not in failing]
-                if wider:
-                    title += f" (it fits {FORMATS[wider[0]].label})"
+                title = (
+                    f"{label} {what}: keep it in bf16; it fits none of the block formats measured"
+                )
+                advice = f"Keep `{layer}` in bf16 when moving the other layers to {label}. "
             table = []
             failing_rows = rows[rows["format"].isin(failing)]
             for r in failing_rows.itertuples():
@@ -315,8 +336,8 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
                         "max_flushed_share": None if lt is None else lt.max_flushed_share,
                         "max_clipped_share": None if lt is None else lt.max_clipped_share,
                         "verdict": (
-                            "all zero"
-                            if r.status == "all zero"
+                            str(r.status)
+                            if r.status in UNJUDGED
                             else "fails"
                             if row_label(r.operand, r.orientation) in over
                             else "fits"
@@ -324,7 +345,7 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
                         "approx": r.approx or "exact",
                     }
                 )
-            failed_rows = failing_rows[failing_rows["status"] != "all zero"]
+            failed_rows = failing_rows[~failing_rows["status"].isin(UNJUDGED)]
             yield ctx.finding(
                 title=title,
                 evidence={
@@ -344,8 +365,5 @@ def check_block_format_hostile(ctx: RuleContext) -> Iterator[Finding]:
                     "layers_affected": len(found),
                     **{k: v for k, v in th.items() if k != "max_layers"},
                 },
-                fix=(
-                    f"Keep `{layer}` in bf16 when moving the other layers to {label}. "
-                    + _cause(failed_rows)
-                ),
+                fix=advice + _cause(failed_rows),
             )
