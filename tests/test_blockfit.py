@@ -116,8 +116,8 @@ def _all_zero(op: str, orient: str, fmt: str) -> dict[str, Any]:
     return {"nonzero": 0, "flushed": 0, "sqnr": math.nan}
 
 
-def _run(rows: list[dict[str, Any]], ranks: tuple[int, ...] = (0,)) -> Any:
-    run = fake_run(steps=[{"step": 0, "rank": r} for r in ranks], ranks=ranks)
+def _run(rows: list[dict[str, Any]], ranks: tuple[int, ...] = (0,), events: tuple = ()) -> Any:
+    run = fake_run(steps=[{"step": 0, "rank": r} for r in ranks], ranks=ranks, events=events)
     frame = pd.DataFrame(rows)
     for c in STAT_FIELDS[:-2]:
         frame[c] = frame[c].astype(np.int64)
@@ -503,3 +503,22 @@ def test_evidence_renders_as_words_and_tables() -> None:
             assert word not in text, (f.id, word)
         tables = [b for b in render_evidence(f) if isinstance(b, Table)]
         assert tables and "SQNR (dB)" in tables[0].columns
+
+
+def test_what_the_capture_side_left_unmeasured_is_said() -> None:
+    """nn.MultiheadAttention's projections (no module call to hook) and sampled steps a CPU
+    without the block kernel skipped: P04's title and evidence, the missing-table reason."""
+    mha = {
+        "kind": "blockstats_not_measured",
+        "reason": "nn.MultiheadAttention runs its projections inside F.multi_head_attention_forward",
+        "modules": [f"blocks.layers.{i}.self_attn" for i in range(8)],
+    }
+    (f,) = _findings(_run(_model(), events=(mha, mha)), "AMP-P04")
+    assert "some matmul layers not measured" in f.title
+    (line,) = f.evidence["not_measured"]
+    assert "`blocks.layers.0.self_attn`" in line and line.endswith(" and 2 more")
+    no_kernel = {"kind": "blockstats_not_measured", "reason": "the CPU block kernel is unavailable"}
+    run = fake_run(steps=[{"step": 0, "rank": 0}], events=(no_kernel,))
+    assert (
+        block_fit_missing_reason(run) == "no blockstats rows: the CPU block kernel is unavailable"
+    )

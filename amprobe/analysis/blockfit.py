@@ -49,6 +49,8 @@ __all__ = [
     "flat_thresholds",
     "thresholds_by_element",
     "block_fit_missing_reason",
+    "block_unmeasured",
+    "UNMEASURED_EVENT",
     "compute_block_stats",
     "compute_block_fit",
     "block_stats",
@@ -60,6 +62,12 @@ __all__ = [
 
 #: the store table this module reads
 TABLE = "blockstats"
+#: the capture side's event for what it did not measure: a module whose GEMMs it cannot hook
+#: (``nn.MultiheadAttention``), steps a CPU without the block kernel skipped (``reason``, and
+#: ``modules`` where it names layers)
+UNMEASURED_EVENT = "blockstats_not_measured"
+#: layer names a line lists before it counts the rest
+_NAMES_SHOWN = 6
 #: how users read an operand
 OPERAND_LABELS: Mapping[str, str] = {"x": "X", "w": "W", "dy": "dY"}
 _OPERAND_ORDER = {"x": 0, "w": 1, "dy": 2}
@@ -127,6 +135,23 @@ def thresholds_by_element(flat: Mapping[str, float] | None = None) -> dict[str, 
     return out
 
 
+def block_unmeasured(run: Any) -> list[str]:
+    """What the capture side said it left unmeasured, one line per distinct reason and layer
+    list over the ranks (``"<reason>: a, b and 3 more"``), in recording order."""
+    lines: dict[str, None] = {}
+    for event in run.events_of(UNMEASURED_EVENT):
+        reason = str(event.get("reason") or "").strip()
+        if not reason:
+            continue
+        names = [str(m) for m in (event.get("modules") or [])]
+        if names:
+            shown = ", ".join(f"`{n}`" for n in names[:_NAMES_SHOWN])
+            more = len(names) - _NAMES_SHOWN
+            reason += f": {shown}" + (f" and {more} more" if more > 0 else "")
+        lines[reason] = None
+    return list(lines)
+
+
 def block_fit_missing_reason(run: Any) -> str | None:
     """Why a run has no block statistics (None when it has some): the recording amprobe
     predates them or they were off (``block_formats=[]``), the numerics collector recorded
@@ -142,6 +167,9 @@ def block_fit_missing_reason(run: Any) -> str | None:
         )
     if configs and all(not c.get("block_formats") for c in configs):
         return "no blockstats table: block statistics were off (block_formats=[])"
+    unmeasured = block_unmeasured(run)
+    if unmeasured:  # what the capture side said it skipped, and why
+        return "no blockstats rows: " + "; ".join(unmeasured)
     if not has_numerics(run):
         if not configs:
             return "no blockstats table was recorded (amprobe without block statistics, or off)"

@@ -25,6 +25,7 @@ from amprobe.analysis.blockfit import (
     UNJUDGED,
     block_fit,
     block_fit_missing_reason,
+    block_unmeasured,
     format_order,
     thresholds_by_element,
 )
@@ -358,4 +359,4 @@ def block_fit_text(run: Run, fit: pd.DataFrame) -> list[str]:
         + ", ".join(parts)
         + ". Per-tensor fp8 is shown beside, not a candidate; MX and NVFP4 tensor cores are "
         "Blackwell's, blockwise fp8 on Hopper is a software recipe."
-    ]
+    ] + [f"Not measured: {line}." for line in block_unmeasured(run)]

@@ -284,6 +284,7 @@ _BLOCK_LABELS: Mapping[str, str] = MappingProxyType(
         "bits": "bits per element",
         "scale_under_share": "block scales underflowing",
         "approx_modules": "approximate rows in",
+        "not_measured": "not measured",
         "all_zero_modules": "all zero (not judged)",
         "order": "tried in order",
         **{

@@ -22,6 +22,7 @@ from amprobe.analysis.blockfit import (
     block_fit,
     block_fit_missing_reason,
     block_stats,
+    block_unmeasured,
     flat_thresholds,
     narrowest_fit,
     row_label,
@@ -130,6 +131,7 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
         (int(r["rank"]), str(r["layer"])): r
         for r in fit[fit["format"] == PER_TENSOR].to_dict("records")
     }
+    unmeasured = block_unmeasured(ctx.run)
     for rank in sorted(by_rank):
         layers = by_rank[rank]
         judged = [r for r in layers if r["judged"]]
@@ -174,6 +176,8 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
             )
         if tensor_fits is not None:
             parts.append(f"per-tensor fp8 (shown beside, not a candidate): {tensor_fits} fit")
+        if unmeasured:
+            parts.append("some matmul layers not measured (not_measured says which and why)")
         unjudged = [str(r["layer"]) for r in layers if not r["judged"]]
         approx = sorted({r["module"] for r in rows if r["approx"] != "exact"})
         yield ctx.finding(
@@ -185,6 +189,7 @@ def check_block_format_fit(ctx: RuleContext) -> Iterator[Finding]:
                 "fitting_count": len(fitting),
                 "all_zero_modules": unjudged,
                 "approx_modules": approx,
+                "not_measured": unmeasured,
                 "order": [f"{FORMATS[f].label} ({FORMATS[f].bits:g})" for f in NARROWEST],
                 **{k: v for k, v in th.items() if k != "max_layers"},
             },
