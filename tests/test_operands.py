@@ -345,3 +345,33 @@ def test_an_input_passed_by_keyword_is_measured(tmp_path: Path) -> None:
     numerics = run.table("numerics")
     assert ((numerics["module"] == "fc1") & (numerics["kind"] == "gemm_input")).any()
     assert not run.events_of("blockstats_not_measured")
+
+
+def test_a_compiled_layer_called_with_x_by_keyword_is_named(tmp_path: Path) -> None:
+    """In a compiled region the in-graph hook receives positional inputs only: a layer that
+    took X by keyword has no X rows, and one event names it (W and dY are measured)."""
+    model = _Keywords()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    cfg = {"collectors": ["scaler", "numerics"], "numerics_every": 2}
+    handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run", config=cfg)
+    compiled = torch.compile(model, backend="eager")
+    g = torch.Generator().manual_seed(4)
+    try:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=FP16):
+                loss = compiled(torch.randn(6, 8, generator=g)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        handle.close()
+    run = amprobe.load_run(tmp_path / "run")
+    blocks = run.table("blockstats")
+    got = set(zip(blocks["step"], blocks["layer"], blocks["operand"], strict=True))
+    measured = {("fc1", "w"), ("fc1", "dy"), ("fc2", "x"), ("fc2", "w"), ("fc2", "dy")}
+    assert got == {(s, *lo) for s in (0, 2) for lo in measured}
+    events = [(e["modules"], e["step"]) for e in run.events_of("blockstats_not_measured")]
+    assert events == [(["fc1"], 0)]
+    assert "by keyword" in run.events_of("blockstats_not_measured")[0]["reason"]
