@@ -310,6 +310,7 @@ class GemmOperands:
             return True
         if self._cpu_skip == self._step:
             return False
+        numkernel.start_build()  # (a model on an accelerator with a CPU operand: not started)
         k = numkernel.kernel()
         if k is not None and k.has_blocks:
             self._kernel_ok = True
