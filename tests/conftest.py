@@ -6,6 +6,16 @@ import torch
 import amprobe
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_kernel_built():
+    """The compiled CPU kernel is built (or loaded from its cache) before any test: a CPU
+    probe skips the GEMM operands' block statistics of the sampled steps that run while it
+    builds (issue 36), and the jobs tests spawn then load it from the cache at once."""
+    from amprobe.capture.collectors import numkernel
+
+    numkernel.wait()
+
+
 @pytest.fixture(autouse=True)
 def _no_probe_leaks():
     """Every test starts and ends with no probe attached and torch's classes unpatched."""

@@ -303,3 +303,20 @@ def test_canonical_views() -> None:
     v, why = blockstats.canonical("dy", torch.randn(2, 6, 4, 5), "Conv2d")
     assert v.shape == (40, 6) and why is None
     assert math.isfinite(float(blockstats.measure(v, "dy", ["nvfp4"])[0, COL["noise"]]))
+
+
+def test_float64_on_cpu_is_read_by_the_kernel_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float64 operand on CPU is converted to fp32 for the kernel (the eager path, which
+    reads it in fp32 too, would cost a sampled step far more): the same rows."""
+    if not _blocks_built():
+        pytest.skip(f"no compiled block kernel: {numkernel.status()}")
+    g = torch.Generator().manual_seed(5)
+    x = (
+        torch.randn(96, 80, generator=g) * torch.exp(3 * torch.randn(96, 80, generator=g))
+    ).double()
+    rows = rows_for("dy", list(DEFAULT_FORMATS))
+    want = blockstats._eager(x, "dy", rows, 4.0)
+    monkeypatch.setattr(blockstats, "_eager", None)  # the kernel must answer
+    got = blockstats.measure(x, "dy", list(DEFAULT_FORMATS), 4.0)
+    assert torch.equal(got[:, :8], want[:, :8])
+    torch.testing.assert_close(got[:, 8:], want[:, 8:], rtol=1e-9, atol=0)

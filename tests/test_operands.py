@@ -191,3 +191,187 @@ def test_transposed_and_grouped_convs_are_labelled_approximate() -> None:
     assert grouped == {"x": GROUPED_CONV.format(groups=2), "dy": GROUPED_CONV.format(groups=2)}
     assert _Layer(nn.Conv2d(4, 8, 3), "c", "Conv2d", 0, 1).note == {}
     assert _Layer(nn.Linear(4, 8), "l", "Linear", 0, 1).note == {}
+
+
+# -- review fixes: no CPU kernel, attention, unbatched convolutions, keyword inputs -------------
+def _fit(
+    model: nn.Module,
+    batches: list[torch.Tensor],
+    run_dir: Path,
+    config: dict[str, Any] | None = None,
+    before_step: Any = None,
+) -> amprobe.Run:
+    """A few fp16-autocast steps of ``model`` under a probe (numerics every 2 steps)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    cfg = {"collectors": ["scaler", "numerics"], "numerics_every": 2, **(config or {})}
+    handle = amprobe.attach(model, opt, scaler, run_dir=run_dir, config=cfg)
+    try:
+        for i, x in enumerate(batches):
+            if before_step is not None:
+                before_step(i)
+            with torch.autocast("cpu", dtype=FP16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        handle.close()
+    return amprobe.load_run(run_dir)
+
+
+def _gemm_steps(run: amprobe.Run) -> list[int]:
+    numerics = run.table("numerics")
+    gemm = numerics[numerics["kind"].isin(["gemm_input", "gemm_weight"])]
+    return sorted(gemm["step"].unique())
+
+
+def test_cpu_without_the_block_kernel_skips_the_block_statistics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU the eager reduction would make a sampled step ~18x slower: without the compiled
+    kernel (building, or unavailable) a sampled step's block statistics are skipped whole, one
+    event per reason; the operands' numerics rows stay; once built, the next sample has them."""
+    from amprobe.capture.collectors import numkernel
+
+    built = numkernel.wait()
+    if built is None or not built.has_blocks:
+        pytest.skip(f"no compiled block kernel: {numkernel.status()}")
+    state = {"ready": False, "why": "building"}
+    monkeypatch.setattr(numkernel, "kernel", lambda: built if state["ready"] else None)
+    monkeypatch.setattr(numkernel, "status", lambda: "ready" if state["ready"] else state["why"])
+
+    def build_done_at_2(i: int) -> None:
+        state["ready"] = i >= 2
+
+    run = _fit(_Net(), _batches(4), tmp_path / "building", before_step=build_done_at_2)
+    assert sorted(run.table("blockstats")["step"].unique()) == [2]
+    assert _gemm_steps(run) == [0, 2]
+    events = [(e["reason"], e["step"]) for e in run.events_of("blockstats_not_measured")]
+    assert events == [("the CPU block kernel is not built yet (building)", 0)]
+
+    state.update(ready=False, why="unavailable: no C compiler (cc, gcc, clang) on PATH")
+    run = _fit(_Net(), _batches(6), tmp_path / "none")  # samples 0, 2, 4: all skipped
+    assert run.table("blockstats").empty
+    assert _gemm_steps(run) == [0, 2, 4]
+    events = [(e["reason"], e["step"]) for e in run.events_of("blockstats_not_measured")]
+    reason = "the CPU block kernel is unavailable: no C compiler (cc, gcc, clang) on PATH"
+    assert events == [(reason, 0)]
+
+
+class _Attention(nn.Module):
+    """A Linear, then nn.TransformerEncoderLayer (its self_attn an nn.MultiheadAttention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(self.fc(x))
+
+
+def test_multihead_attention_is_said_to_be_not_measured(tmp_path: Path) -> None:
+    """nn.MultiheadAttention's projections run inside F.multi_head_attention_forward with
+    its raw weights: one event names it (selected directly or through its out_proj), and its
+    out_proj, whose forward never runs, gets no rows."""
+    mha = (
+        "nn.MultiheadAttention runs its projections inside F.multi_head_attention_forward "
+        "(no module call to hook): not measured"
+    )
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(2, 5, 8, generator=g) for _ in range(2)]
+    for name, config in (("all", {}), ("proj", {"numerics_layers": ["*.out_proj", "fc"]})):
+        run = _fit(_Attention(), batches, tmp_path / name, config=config)
+        events = run.events_of("blockstats_not_measured")
+        assert [(e["reason"], e["modules"]) for e in events] == [(mha, ["enc.self_attn"])]
+        layers = set(run.table("blockstats")["layer"])
+        numerics = run.table("numerics")
+        gemm = set(numerics[numerics["kind"].isin(["gemm_input", "gemm_weight"])]["module"])
+        assert "enc.self_attn.out_proj" not in layers | gemm
+        want = {"fc", "enc.linear1", "enc.linear2"} if name == "all" else {"fc"}
+        assert layers == gemm == want
+
+
+class _Unbatched(nn.Module):
+    """Convolutions called on unbatched inputs: Conv1d on [C, L], Conv2d on [C, H, W]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv1d(2, 3, 3)
+        self.c2 = nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c1(x[:, :8]).sum() + self.c2(x.reshape(2, 4, 4)).sum()
+
+
+def test_unbatched_convolution_operands_are_laid_out_as_a_batch_of_one(tmp_path: Path) -> None:
+    from amprobe.capture.collectors.blockstats import CONV_APPROX
+
+    g = torch.Generator().manual_seed(3)
+    run = _fit(_Unbatched(), [torch.randn(2, 16, generator=g)], tmp_path / "run")
+    blocks = run.table("blockstats")
+    shapes = {(r.layer, r.operand): (r.rows, r.cols, r.approx) for r in blocks.itertuples()}
+    assert shapes[("c1", "x")] == (8, 2, CONV_APPROX)  # [C, L] -> [L, C]: channels reduced
+    assert shapes[("c1", "dy")] == (6, 3, "")
+    assert shapes[("c2", "x")] == (16, 2, CONV_APPROX)  # [C, H, W] -> [H*W, C]
+    assert shapes[("c2", "dy")] == (16, 4, "")
+
+
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(input=x)))
+
+
+def test_an_input_passed_by_keyword_is_measured(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 8, generator=g)
+    run = _fit(_Keywords(), [x], tmp_path / "run")
+    blocks = run.table("blockstats")
+    fc1 = blocks[(blocks["layer"] == "fc1") & (blocks["operand"] == "x")]
+    assert len(fc1) == len(rows_for("x", DEFAULT_FORMATS)) and (fc1["rows"] == 6).all()
+    want, _ = canonical("x", x, "Linear")
+    table = measure(want, "x", DEFAULT_FORMATS)  # X as the layer got it (before autocast)
+    assert fc1["nonzero"].tolist() == table[:, STAT_FIELDS.index("nonzero")].tolist()
+    numerics = run.table("numerics")
+    assert ((numerics["module"] == "fc1") & (numerics["kind"] == "gemm_input")).any()
+    assert not run.events_of("blockstats_not_measured")
+
+
+def test_a_compiled_layer_called_with_x_by_keyword_is_named(tmp_path: Path) -> None:
+    """In a compiled region the in-graph hook receives positional inputs only: a layer that
+    took X by keyword has no X rows, and one event names it (W and dY are measured)."""
+    model = _Keywords()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    cfg = {"collectors": ["scaler", "numerics"], "numerics_every": 2}
+    handle = amprobe.attach(model, opt, scaler, run_dir=tmp_path / "run", config=cfg)
+    compiled = torch.compile(model, backend="eager")
+    g = torch.Generator().manual_seed(4)
+    try:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=FP16):
+                loss = compiled(torch.randn(6, 8, generator=g)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        handle.close()
+    run = amprobe.load_run(tmp_path / "run")
+    blocks = run.table("blockstats")
+    got = set(zip(blocks["step"], blocks["layer"], blocks["operand"], strict=True))
+    measured = {("fc1", "w"), ("fc1", "dy"), ("fc2", "x"), ("fc2", "w"), ("fc2", "dy")}
+    assert got == {(s, *lo) for s in (0, 2) for lo in measured}
+    events = [(e["modules"], e["step"]) for e in run.events_of("blockstats_not_measured")]
+    assert events == [(["fc1"], 0)]
+    assert "by keyword" in run.events_of("blockstats_not_measured")[0]["reason"]

@@ -30,7 +30,8 @@ tensor for all rows, fp32/bf16/fp16 read directly, a 128x128 strip buffer, no te
 temporaries) when it is built, and an eager torch reduction otherwise (any device, no
 host-device sync: no value is read back; its fp32 and float64 temporaries are made per
 chunk of rows, :data:`EAGER_CHUNK` elements). The kernel needs fp32/bf16/fp16 on CPU and blocks
-of 16 to 128 elements (tiles up to 128 x 128, powers of two); anything else runs eagerly.
+of 16 to 128 elements (tiles up to 128 x 128, powers of two): another float dtype on CPU
+(float64, fp8) is converted to fp32 for it; other block shapes run eagerly.
 
 The element cast is arithmetic on fp32 bits, no float8 dtype needed: ``v`` in binade ``E``
 (clamped below at the element's smallest normal binade) is a multiple of ``2**(E - mantissa)``
@@ -307,16 +308,21 @@ def measure(
 
     Returns:
         float64 ``[len(rows_for(operand, formats)), len(STAT_FIELDS)]`` on ``x2d``'s device. No
-        host-device sync. On CPU the compiled kernel (numkernel's library) once it is built,
-        the eager torch reduction otherwise (the same counts).
+        host-device sync. On CPU the compiled kernel (numkernel's library) once it is built
+        (another float dtype than fp32/bf16/fp16 converted to fp32 first), the eager torch
+        reduction otherwise (the same counts).
     """
     if x2d.dim() != 2:
         raise ValueError(f"measure takes a 2-D view, got shape {tuple(x2d.shape)}")
     rows = rows_for(operand, formats)
-    if x2d.device.type == "cpu" and x2d.dtype in _KERNEL_DTYPES:
+    if x2d.device.type == "cpu" and x2d.is_floating_point():
         k = numkernel.kernel()
         if k is not None and k.has_blocks:
-            res = _kernel(k, x2d, operand, rows, divisor)
+            # another float dtype (float64, fp8) is read in fp32, as the eager path reads it:
+            # one conversion costs less than the eager reduction's passes
+            res = _kernel(
+                k, x2d if x2d.dtype in _KERNEL_DTYPES else x2d.float(), operand, rows, divisor
+            )
             if res is not None:
                 return res
     return _eager(x2d, operand, rows, divisor)

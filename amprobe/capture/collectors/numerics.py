@@ -343,6 +343,7 @@ class NumericsCollector(Collector):
             self._new_slot(f"<input {root}>[{i}]", user_class_name(model), "input", root)
             for i in range(_MAX_INPUTS)
         ]
+        self._operands.discover(model, inner, self._selected)  # before add(): attention
         for name, mod in inner.named_modules():
             if id(mod) in self._module_slots:
                 continue
@@ -491,7 +492,8 @@ class NumericsCollector(Collector):
     ) -> None:
         """``amprobe::layer_stats`` at run time: a compiled layer's output, measured as an
         eager layer's (its inputs' non-finite count beside it)."""
-        self._operands.forward(slot, tuple(inputs))  # a matmul's X and W (budgeted samples)
+        # a matmul's X and W (budgeted samples); positional inputs only (kwargs unknown: None)
+        self._operands.forward(slot, tuple(inputs), None, unread)
         self._on_forward((slot, None, None), tuple(inputs), x, unread=unread)
 
     def _graph_grad(self, slot: int, grad: torch.Tensor) -> None:

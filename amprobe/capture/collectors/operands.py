@@ -7,7 +7,8 @@ budgeted sampled steps only (not on the steps a problem armed), and only when
 compiler stores anyway (:func:`~amprobe.capture.collectors.graphstats.materialized_output`:
 ``nn.Linear`` and subclasses, ``nn.Conv*``, Hugging Face's ``Conv1D``). Per call of such a layer:
 
-* X: its first floating positional input (as the layer receives it: before autocast's cast);
+* X: its first floating positional input, else its keyword ``input``, else its first floating
+  keyword value (as the layer receives it: before autocast's cast);
 * W: ``module.weight`` read inside the forward (under FSDP2 the unsharded weight; a
   tensor-parallel DTensor weight is its local shard, labelled approximate; in a compiled
   region read from the module the slot names when the graph hands over the layer's output);
@@ -37,6 +38,18 @@ Records:
     ``noise`` (sum of x**2 and of (x - cast(x))**2 over finite elements, float64; SQNR in dB
     = 10 log10(signal / noise)). Definitions: :mod:`amprobe.store.blockformats`.
     ``numerics`` rows of kinds ``gemm_input`` and ``gemm_weight`` (see the numerics collector).
+    Events ``blockstats_not_measured`` (field ``reason``), where block statistics are not
+    taken:
+
+    * on CPU without the compiled block kernel (no C compiler, a failed build, or the first
+      seconds while it builds): the sampled steps are skipped whole (their ``gemm_input`` /
+      ``gemm_weight`` rows stay), one event per distinct reason with ``step``, the first step
+      skipped: the eager reduction would make a sampled step ~18x slower. Accelerators run it;
+    * ``nn.MultiheadAttention`` (:data:`MHA_REASON`; ``modules``: their names, once per run):
+      its projections run inside ``F.multi_head_attention_forward`` with the raw weights, no
+      module call to hook (its ``out_proj`` gets no rows);
+    * a compiled region's layer called with X by keyword (:data:`KEYWORD_REASON`; ``modules``,
+      ``step``; each layer once per run): the in-graph hook receives positional inputs only.
 
 Cost: on a budgeted sampled step, per matmul call two more numerics passes (X, W) and three
 block reductions (X, W, dY); nothing on other steps, and nothing traced into a compiled
@@ -52,10 +65,10 @@ from typing import Any
 
 import torch
 
-from amprobe.capture.collectors import blockstats
+from amprobe.capture.collectors import blockstats, numkernel
 from amprobe.capture.collectors.compiled import is_compiling
 from amprobe.capture.collectors.graphstats import materialized_output
-from amprobe.capture.collectors.sharded import PLAIN_TENSORS
+from amprobe.capture.collectors.sharded import PLAIN_TENSORS, user_module_name
 from amprobe.store.blockformats import STAT_FIELDS, rows_for
 from amprobe.store.schema import NUMERICS_OPERAND_KINDS
 
@@ -75,6 +88,18 @@ _WHAT = {"x": "input", "w": "weight", "dy": "output gradient"}
 TRANSPOSED_CONV = "transposed convolution: blocks laid as a plain convolution's, not its GEMMs'"
 GROUPED_CONV = "grouped convolution ({groups} groups): blocks along channels cross the groups"
 _INT_FIELDS = tuple(f for f in STAT_FIELDS if f not in ("signal", "noise"))
+#: the event of operands whose block statistics are not taken (one per distinct reason)
+NOT_MEASURED = "blockstats_not_measured"
+#: its reason for ``nn.MultiheadAttention`` (field ``modules``: their names)
+MHA_REASON = (
+    "nn.MultiheadAttention runs its projections inside F.multi_head_attention_forward "
+    "(no module call to hook): not measured"
+)
+#: its reason for a compiled layer called with X by keyword (field ``modules``: the layer)
+KEYWORD_REASON = (
+    "X passed by keyword to a layer in a compiled region: the in-graph hook receives "
+    "positional inputs only, so X is not measured (W and dY are)"
+)
 
 
 def module_kind(module: torch.nn.Module) -> str:
@@ -89,7 +114,7 @@ def module_kind(module: torch.nn.Module) -> str:
 
 
 class _Layer:
-    __slots__ = ("module", "name", "layer_type", "kind", "x_slot", "w_slot", "note")
+    __slots__ = ("module", "name", "layer_type", "kind", "x_slot", "w_slot", "note", "spatial")
 
     def __init__(
         self, module: torch.nn.Module, name: str, layer_type: str, x_slot: int, w_slot: int
@@ -100,6 +125,10 @@ class _Layer:
         self.kind = module_kind(module)
         self.x_slot = x_slot
         self.w_slot = w_slot
+        #: a convolution's spatial dimensions (its X and dY have one more without a batch)
+        self.spatial = 0
+        if isinstance(module, torch.nn.modules.conv._ConvNd):
+            self.spatial = len(module.kernel_size)
         #: operand -> why its canonical view does not follow the layer's GEMMs
         self.note: dict[str, str] = {}
         if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
@@ -107,6 +136,13 @@ class _Layer:
         elif isinstance(module, torch.nn.modules.conv._ConvNd) and module.groups > 1:
             grouped = GROUPED_CONV.format(groups=module.groups)
             self.note = {"x": grouped, "dy": grouped}
+
+    def batched(self, operand: str, t: torch.Tensor) -> torch.Tensor:
+        """A convolution's unbatched X or dY (``[C, *S]``) as a batch of one (``[1, C, *S]``),
+        the layout :func:`~amprobe.capture.collectors.blockstats.canonical` reads."""
+        if self.spatial and operand != "w" and t.dim() == self.spatial + 1:
+            return t.unsqueeze(0)
+        return t
 
 
 class _Sum:
@@ -138,10 +174,43 @@ class GemmOperands:
         self._step = -1
         self._sums: dict[tuple[int, str], _Sum] = {}
         self._done: list[tuple[int, dict[tuple[int, str], _Sum]]] = []
+        self._inside: set[int] = set()  # ids of matmul layers whose calls no hook sees
+        self._noted: set[tuple[str, str]] = set()  # (reason, layer) already in an event
+        self._keyword: list[str] = []  # compiled layers met this step with X by keyword
+        self._kernel_ok = False  # the CPU block kernel was found ready (it stays so)
+        self._cpu_skip = -1  # the last step whose CPU operands were skipped (no kernel)
+
+    def discover(self, model: torch.nn.Module, inner: torch.nn.Module, selected: Any) -> None:
+        """A root model's layers, before :meth:`add`: ``nn.MultiheadAttention`` modules whose
+        name (or whose ``out_proj``'s) ``selected`` accepts run their projections inside
+        ``F.multi_head_attention_forward`` with their raw weights (the in-projection is no
+        module, ``out_proj``'s forward never runs): one event names them, and ``out_proj``
+        gets no operand slots (they would stay empty)."""
+        if not self.formats:
+            return
+        names: list[str] = []
+        for name, mod in inner.named_modules():
+            if not isinstance(mod, torch.nn.MultiheadAttention):
+                continue
+            label = user_module_name(name) or "<root>"
+            proj = getattr(mod, "out_proj", None)
+            proj_label = f"{label}.out_proj" if name else "out_proj"
+            if not (selected(label) or (proj is not None and selected(proj_label))):
+                continue
+            if isinstance(proj, torch.nn.Module):
+                self._inside.add(id(proj))
+            root = self.owner.probe.root_name(model)  # several root models: as _layer_name
+            if root is not None:
+                label = f"{root}.{label}" if name else root
+            names.append(label)
+        new = [n for n in names if (MHA_REASON, n) not in self._noted]
+        if new:
+            self._noted.update((MHA_REASON, n) for n in new)
+            self.owner.probe.event(NOT_MEASURED, reason=MHA_REASON, modules=new)
 
     def add(self, module: torch.nn.Module, label: str, mtype: str, root: int, slots: Any) -> None:
         """Give a selected matmul layer its ``gemm_input``/``gemm_weight`` slots (at discovery)."""
-        if not self.formats or not materialized_output(module):
+        if not self.formats or not materialized_output(module) or id(module) in self._inside:
             return
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor):
@@ -162,7 +231,9 @@ class GemmOperands:
         self._step = step
 
     def end(self) -> None:
-        """The step's sums join those read at the next flush."""
+        """The step's sums join those read at the next flush; the compiled layers it met with
+        X by keyword go into one event."""
+        self._note_keywords()
         if self._sums:
             self._done.append((self._step, self._sums))
             self._sums = {}
@@ -172,28 +243,33 @@ class GemmOperands:
         """Eager sampled steps: a forward hook per matmul layer that runs before the module's
         other forward hooks (``prepend``), so that it reads the weight the forward used: FSDP2
         reshards a ``fully_shard``-ed layer's weight in a forward hook of its own. It returns
-        at once unless the step is a budgeted sample. The handles join the owner's."""
+        at once unless the step is a budgeted sample. The handles join the owner's. Keyword
+        inputs are handed over too (``fc(input=x)``)."""
         for out_slot, layer in self._layers.items():
             module = layer.module()
             if module is not None:
                 hook = _bind(guard(self.forward), out_slot)
-                handles.append(module.register_forward_hook(hook, prepend=True))
+                handles.append(module.register_forward_hook(hook, prepend=True, with_kwargs=True))
 
     # -- hot path of budgeted sampled steps --------------------------------------------------
-    def forward(self, out_slot: int, args: Any) -> None:
-        """A matmul layer's call: X and W into numerics and into the block statistics."""
+    def forward(
+        self, out_slot: int, args: Any, kwargs: dict[str, Any] | None = None, unread: int = 0
+    ) -> None:
+        """A matmul layer's call: X and W into numerics and into the block statistics.
+
+        X is the first floating positional input, else the keyword ``input``, else the first
+        floating keyword value. ``kwargs`` None: a compiled region's call, whose in-graph hook
+        hands over positional inputs only (``unread`` of them were not plain tensors): a
+        layer with none there took X by keyword, recorded once as an event."""
         layer = self._layers.get(out_slot)
         if not self.on or layer is None:
             return
         module = layer.module()
-        x = next(
-            (
-                a
-                for a in (args if isinstance(args, tuple) else (args,))
-                if isinstance(a, torch.Tensor) and a.is_floating_point()
-            ),
-            None,
-        )
+        x = _first_float(args if isinstance(args, tuple) else (args,))
+        if x is None and kwargs:
+            x = _first_float((kwargs.get("input"), *kwargs.values()))
+        if x is None and kwargs is None and not unread:
+            self._note_keyword(layer)
         if x is not None:
             self.owner._measure(layer.x_slot, x)
             self._blocks(out_slot, "x", x, layer.kind)
@@ -210,10 +286,57 @@ class GemmOperands:
         kind = self._layers[out_slot].kind
         self._blocks(out_slot, "dy", grad, kind, grad=True)
 
+    def _note_keywords(self) -> None:
+        if self._keyword:
+            names, self._keyword = self._keyword, []
+            self.owner.probe.event(
+                NOT_MEASURED, reason=KEYWORD_REASON, modules=names, step=self._step
+            )
+
+    def _note_keyword(self, layer: _Layer) -> None:
+        """A compiled layer without X: named in the step's event (once per run)."""
+        name = self.owner._layer_name(self.owner._slots[layer.x_slot])
+        if (KEYWORD_REASON, name) not in self._noted:
+            self._noted.add((KEYWORD_REASON, name))
+            self._keyword.append(name)
+
+    def _cpu_ready(self) -> bool:
+        """Whether this step's CPU operands get their block statistics: only with the
+        compiled CPU kernel (the eager reduction costs a sampled step ~18x; an accelerator
+        runs it fast enough). Without it (no compiler, a failed build, or the first seconds
+        while it builds) the whole step is skipped, one event per distinct reason; the
+        operands' numerics rows stay."""
+        if self._kernel_ok:
+            return True
+        if self._cpu_skip == self._step:
+            return False
+        numkernel.start_build()  # (a model on an accelerator with a CPU operand: not started)
+        k = numkernel.kernel()
+        if k is not None and k.has_blocks:
+            self._kernel_ok = True
+            return True
+        self._cpu_skip = self._step
+        state = numkernel.status()
+        if k is not None:
+            reason = (
+                "the CPU block kernel is unavailable: the compiled kernel has no block "
+                "functions (the C compiler lacks vector extensions)"
+            )
+        elif state.startswith("unavailable"):
+            why = state.split(":", 1)[1].strip() if ":" in state else state
+            reason = f"the CPU block kernel is unavailable: {why}"
+        else:
+            reason = f"the CPU block kernel is not built yet ({state})"
+        if (reason, "") not in self._noted:
+            self._noted.add((reason, ""))
+            self.owner.probe.event(NOT_MEASURED, reason=reason, step=self._step)
+        return False
+
     def _blocks(
         self, out_slot: int, operand: str, t: torch.Tensor, kind: str, grad: bool = False
     ) -> None:
         approx = ""
+        layer = self._layers[out_slot]
         if type(t) not in PLAIN_TENSORS:
             # a sharded DTensor's local shard is part of the operand (a replicated one's is all)
             if hasattr(t, "placements") and not _replicated(t):
@@ -226,12 +349,16 @@ class GemmOperands:
             own = self.owner._own_values(t, out_slot)
             if own is None:
                 return
-            t = own
-        elif operand != "w" and _tp_split(self._layers[out_slot], operand, t):
-            # a plain local tensor (use_local_output) of a layer whose weight is split along
-            # the dimension this operand shares with it: this rank's part of it
-            approx = LOCAL_SHARD.format(what=_WHAT[operand])
+            t = layer.batched(operand, own)
+        else:
+            t = layer.batched(operand, t)
+            if operand != "w" and _tp_split(layer, operand, t):
+                # a plain local tensor (use_local_output) of a layer whose weight is split
+                # along the dimension this operand shares with it: this rank's part of it
+                approx = LOCAL_SHARD.format(what=_WHAT[operand])
         if not t.is_floating_point() or t.numel() == 0 or t.layout is not torch.strided:
+            return
+        if t.device.type == "cpu" and not self._cpu_ready():
             return
         owner = self.owner
         cap = owner._capture(t.device)
@@ -250,12 +377,13 @@ class GemmOperands:
         entry.calls += 1
         entry.rows, entry.cols = int(x2d.shape[0]), int(x2d.shape[1])
         entry.dtype = str(t.dtype).replace("torch.", "")
-        note = self._layers[out_slot].note.get(operand, "")
+        note = layer.note.get(operand, "")
         entry.approx = "; ".join(a for a in (approx, why or "", note) if a)
 
     # -- flush -----------------------------------------------------------------------------------
     def flush(self, writer: Any) -> None:
         """Write the finished sampled steps' rows (one device-to-host transfer per device)."""
+        self._note_keywords()  # (a run closed inside a step)
         done, self._done = self._done, []
         entries = [(step, key, e) for step, sums in done for key, e in sums.items()]
         if not entries:
@@ -301,13 +429,17 @@ class GemmOperands:
 
 
 def _bind(fn: Any, out_slot: int) -> Any:
-    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+    def hook(module: torch.nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         # not traced by dynamo, not run for an activation checkpoint's recompute (the forward
         # pass measured those values)
         if not is_compiling() and torch._C._current_graph_task_id() == -1:
-            fn(out_slot, args)
+            fn(out_slot, args, kwargs)
 
     return hook
+
+
+def _first_float(values: tuple[Any, ...]) -> torch.Tensor | None:
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
 
 
 def _fsdp_module(module: torch.nn.Module | None) -> bool:
