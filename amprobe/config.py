@@ -62,8 +62,8 @@ class ConfigError(ValueError):
 
 #: the names ``block_formats`` accepts: the keys of
 #: :data:`amprobe.store.blockformats.FORMATS`, which holds each format's data (the store sits
-#: above the configuration, so the names live here and ``blockformats`` checks, at import, that
-#: it defines exactly these)
+#: above the configuration and imports none of it, so the names are kept here too;
+#: tests/test_blockstats.py checks that the two agree)
 BLOCK_FORMAT_NAMES: tuple[str, ...] = (
     "fp8_tensor",
     "fp8_block",

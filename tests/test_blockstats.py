@@ -320,3 +320,14 @@ def test_float64_on_cpu_is_read_by_the_kernel_in_fp32(monkeypatch: pytest.Monkey
     got = blockstats.measure(x, "dy", list(DEFAULT_FORMATS), 4.0)
     assert torch.equal(got[:, :8], want[:, :8])
     torch.testing.assert_close(got[:, 8:], want[:, 8:], rtol=1e-9, atol=0)
+
+
+def test_the_configuration_names_the_formats_the_store_defines() -> None:
+    """``amprobe.config`` validates ``block_formats`` with its own copy of the names (it sits
+    below the store, which imports no configuration): the two must agree."""
+    from amprobe import config
+    from amprobe.store import blockformats
+
+    assert tuple(blockformats.FORMATS) == config.BLOCK_FORMAT_NAMES
+    assert blockformats.DEFAULT_FORMATS == config.DEFAULT_BLOCK_FORMATS
+    assert config.Config().block_formats == blockformats.DEFAULT_FORMATS

@@ -350,6 +350,11 @@ def test_an_input_passed_by_keyword_is_measured(tmp_path: Path) -> None:
 def test_a_compiled_layer_called_with_x_by_keyword_is_named(tmp_path: Path) -> None:
     """In a compiled region the in-graph hook receives positional inputs only: a layer that
     took X by keyword has no X rows, and one event names it (W and dY are measured)."""
+    # as in a fresh process: amprobe takes any frame dynamo compiled before attach (its
+    # process-wide counter) as "compiled before attach" and then reads no layer in the graph,
+    # so under the full suite (earlier tests compiled models) this job measured nothing
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = _Keywords()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
