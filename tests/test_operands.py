@@ -37,34 +37,27 @@ def _batches(n: int) -> list[torch.Tensor]:
     return [torch.randn(6, 2, 4, 4, generator=g) for _ in range(n)]
 
 
-def _train(
+def _loop(
+    model: nn.Module,
+    batches: Any,
     run_dir: Path | None,
-    steps: int = 4,
     config: dict[str, Any] | None = None,
-    grads: Any = None,
-    nan_at: int = -1,
-    big_at: int = -1,
-) -> tuple[list[float], Any]:
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    lr: float = 0.05,
+    before_step: Any = None,
+) -> list[float]:
+    """fp16-autocast steps of ``model`` with a GradScaler, under a probe (numerics every 2
+    steps) unless ``run_dir`` is None; ``before_step(i, x)`` may change the batch. The losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     handle = None
     if run_dir is not None:
         cfg = {"collectors": ["scaler", "numerics"], "numerics_every": 2, **(config or {})}
         handle = amprobe.attach(model, opt, scaler, run_dir=run_dir, config=cfg)
-    if grads is not None:  # the scaled output gradient of fc1 at every step
-
-        def keep(module: nn.Module, args: Any, out: torch.Tensor) -> None:
-            out.register_hook(lambda g: grads.append(g.detach().clone()))
-
-        model.fc1.register_forward_hook(keep)
     losses = []
     try:
-        for i, x in enumerate(_batches(steps)):
-            if i == nan_at:
-                x[0, 0, 0, 0] = float("nan")  # arms the next steps' full capture
-            if i == big_at:
-                x = x * 3e4  # the conv's fp16 output overflows
+        for i, x in enumerate(batches):
+            if before_step is not None:
+                x = before_step(i, x)
             with torch.autocast("cpu", dtype=FP16):
                 loss = model(x).float().pow(2).mean()
             scaler.scale(loss).backward()
@@ -75,7 +68,33 @@ def _train(
     finally:
         if handle is not None:
             handle.close()
-    return losses, model
+    return losses
+
+
+def _train(
+    run_dir: Path | None,
+    steps: int = 4,
+    config: dict[str, Any] | None = None,
+    grads: Any = None,
+    nan_at: int = -1,
+    big_at: int = -1,
+) -> tuple[list[float], Any]:
+    model = _Net()
+    if grads is not None:  # the scaled output gradient of fc1 at every step
+
+        def keep(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+        model.fc1.register_forward_hook(keep)
+
+    def plant(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == nan_at:
+            x[0, 0, 0, 0] = float("nan")  # arms the next steps' full capture
+        if i == big_at:
+            x = x * 3e4  # the conv's fp16 output overflows
+        return x
+
+    return _loop(model, _batches(steps), run_dir, config, before_step=plant), model
 
 
 def test_operands_rows_on_sampled_steps(tmp_path: Path) -> None:
@@ -202,22 +221,13 @@ def _fit(
     before_step: Any = None,
 ) -> amprobe.Run:
     """A few fp16-autocast steps of ``model`` under a probe (numerics every 2 steps)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    cfg = {"collectors": ["scaler", "numerics"], "numerics_every": 2, **(config or {})}
-    handle = amprobe.attach(model, opt, scaler, run_dir=run_dir, config=cfg)
-    try:
-        for i, x in enumerate(batches):
-            if before_step is not None:
-                before_step(i)
-            with torch.autocast("cpu", dtype=FP16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    finally:
-        handle.close()
+
+    def call(i: int, x: torch.Tensor) -> torch.Tensor:
+        if before_step is not None:
+            before_step(i)
+        return x
+
+    _loop(model, batches, run_dir, config, lr=0.01, before_step=call)
     return amprobe.load_run(run_dir)
 
 
