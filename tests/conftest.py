@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import contextlib
+import io
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +55,20 @@ def device(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """`amprobe demo` as README runs it (default steps), on the CPU as CI runs it: its output
+    folder and what it printed. One run per session, read only (test_demo, test_figures_truth)."""
+    from amprobe.cli import main
+
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        import amprobe.demo
+
+        mp.setattr(amprobe.demo, "default_device", lambda: torch.device("cpu"))
+        with contextlib.redirect_stdout(printed):
+            assert main(["demo", "--out", str(out)]) == 0
+    return out, printed.getvalue()

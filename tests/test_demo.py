@@ -3,12 +3,8 @@ README shows what `amprobe demo` prints."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from pathlib import Path
-
-import pytest
 
 import amprobe
 from amprobe.cli import main
@@ -19,21 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 _FINDING_LINE = re.compile(r"^\[[EWI]\] AMP-[A-Z]\d\d ", flags=re.MULTILINE)
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """`amprobe demo` as README runs it (default steps), on the CPU as CI runs it: its output
-    folder and what it printed."""
-    out = tmp_path_factory.mktemp("demo") / "demo"
-    printed = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp:
-        import torch
-
-        import amprobe.demo
-
-        mp.setattr(amprobe.demo, "default_device", lambda: torch.device("cpu"))
-        with contextlib.redirect_stdout(printed):
-            assert main(["demo", "--out", str(out)]) == 0
-    return out, printed.getvalue()
+# demo_run: tests/conftest.py (one demo run for the session: test_figures_truth reads it too)
 
 
 def test_demo_command_finds_planted_faults(demo_run: tuple[Path, str]) -> None:

@@ -537,14 +537,15 @@ def test_a_pooled_column_with_unmeasured_samples_says_so(tmp_path: Path) -> None
     assert "none of its 2 samples" in grey[(f"{layer[0]} · {layer[1]}", "20–21")]
 
 
-def test_unsampled_stretch_labels_are_not_drawn_over_each_other(tmp_path: Path) -> None:
+def test_unsampled_stretch_labels_are_not_drawn_over_each_other(
+    demo_run: tuple[Path, str],
+) -> None:
     """Two close unsampled stretches ("1-99" and "101-120" on `amprobe demo`'s run, which
     samples steps 0, 100 and 121-182) had their labels drawn on one row, one over the other:
     close labels take alternate rows."""
-    from amprobe.demo import run_demo
     from amprobe.report.numerics import make_numerics_heatmap_figure
 
-    demo = amprobe.load_run(run_demo(tmp_path, progress=False))
+    demo = amprobe.load_run(demo_run[0] / "run")  # the session's `amprobe demo` run
     fig = make_numerics_heatmap_figure(demo.table("numerics"), "nonfinite", steps=demo.steps)
     columns = len(fig.data[0].x)
     labels = [a for a in fig.layout.annotations if a.hovertext and "not sampled" in a.hovertext]
