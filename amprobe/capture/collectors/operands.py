@@ -67,7 +67,7 @@ import torch
 
 from amprobe.capture.collectors import blockstats, numkernel
 from amprobe.capture.collectors.compiled import is_compiling
-from amprobe.capture.collectors.graphstats import materialized_output
+from amprobe.capture.collectors.graphstats import first_float, materialized_output
 from amprobe.capture.collectors.sharded import PLAIN_TENSORS, user_module_name
 from amprobe.store.blockformats import STAT_FIELDS, rows_for
 from amprobe.store.schema import NUMERICS_OPERAND_KINDS
@@ -265,9 +265,9 @@ class GemmOperands:
         if not self.on or layer is None:
             return
         module = layer.module()
-        x = _first_float(args if isinstance(args, tuple) else (args,))
+        x = first_float(args)
         if x is None and kwargs:
-            x = _first_float((kwargs.get("input"), *kwargs.values()))
+            x = first_float((kwargs.get("input"), *kwargs.values()))
         if x is None and kwargs is None and not unread:
             self._note_keyword(layer)
         if x is not None:
@@ -436,10 +436,6 @@ def _bind(fn: Any, out_slot: int) -> Any:
             fn(out_slot, args, kwargs)
 
     return hook
-
-
-def _first_float(values: tuple[Any, ...]) -> torch.Tensor | None:
-    return next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
 
 
 def _fsdp_module(module: torch.nn.Module | None) -> bool:
