@@ -180,7 +180,6 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
     labels = [f"{FORMATS[f].label} ({FORMATS[f].bits:g})" if f in FORMATS else f for f in formats]
     lo, hi = SCORE_RANGE_LOG10
     z = np.full((len(layers), len(formats)), np.nan)
-    zero = np.full((len(layers), len(formats)), np.nan)
     text = [["" for _ in formats] for _ in layers]
     grey = [["" for _ in formats] for _ in layers]  # an unjudged cell's status, as its text
     # hover lines as data (the renderers escape run text in customdata; the template's <br>
@@ -195,8 +194,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
         i, j = li[str(r.layer)], fj[str(r.format)]
         head = f"{layers[i]} · {labels[j]}" + (f" (rank {r.rank})" if several else "")
         if r.status in UNJUDGED:
-            zero[i, j] = 1.0  # drawn, with its text, by the grey trace
-            grey[i][j] = str(r.status)
+            grey[i][j] = str(r.status)  # drawn, with its text, by the grey trace
             hover[i][j] = [
                 head,
                 "no finite value (every value inf/NaN): not judged"
@@ -252,6 +250,7 @@ def make_block_fit_figure(fit: pd.DataFrame, message: str | None = None) -> go.F
             name="limiting operand against its thresholds",
         )
     )
+    zero = np.where(np.array(grey, dtype=object) != "", 1.0, np.nan).reshape(z.shape)
     if not np.isnan(zero).all():
         fig.add_trace(
             go.Heatmap(
